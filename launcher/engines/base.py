@@ -1,0 +1,73 @@
+"""The engine-backend contract.
+
+An engine backend turns one branch (a self-contained ONNX model) into an engine
+and loads it again for the launcher:
+
+* ``available()`` says why the backend cannot run here (``None`` when it can).
+* ``Builder(options).build(branch_model, name) -> bytes`` serialises one engine;
+  a builder lives for one ``parastream build`` so it can share state between
+  branches (TensorRT's timing cache); ``report()`` returns per-branch figures for
+  report.json and ``close()`` persists caches.
+* ``load(data, specs, device) -> BranchEngine``.
+
+A ``BranchEngine`` names its inputs and outputs and has ``run(feeds)`` on the CPU
+and, on a GPU, ``enqueue(stream_handle, addresses)`` with the shape of TensorRT's
+``execute_async_v3``: every input and output is a device pointer owned by the
+launcher, and the work is queued on the given CUDA stream.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol, runtime_checkable
+
+import numpy as np
+import onnx
+
+from ..plan import TensorSpec
+
+PRECISIONS = ("fp32", "tf32", "fp16", "bf16")
+
+
+@dataclass
+class BuildOptions:
+    precision: str = "fp32"
+    device: str = "cpu"  # "cpu" or "cuda"
+    workspace_mb: int = 4096
+    optimization_level: int = 3  # TensorRT builder_optimization_level (0..5)
+    strongly_typed: bool = False
+    # dynamic inputs: name -> (min, opt, max) shapes, for TensorRT optimization profiles
+    profiles: dict[str, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
+    cache_dir: str | None = None  # where timing caches / compiled artefacts persist across builds
+    compile: bool = True  # torch backend: TorchInductor; False = eager
+    threads: int = 0  # onnxruntime intra-op threads per engine (0 = chosen from streams)
+
+
+@runtime_checkable
+class BranchEngine(Protocol):
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
+
+
+class Builder(Protocol):
+    def build(self, branch: onnx.ModelProto, name: str) -> bytes: ...
+
+    def report(self) -> dict: ...
+
+    def close(self) -> None: ...
+
+
+class Backend(Protocol):
+    """What ``launcher.engines.get_backend(name)`` returns (a module or an object)."""
+
+    name: str
+    suffix: str  # engine file suffix: ".onnx", ".plan", ...
+    gpu: bool
+
+    def available(self) -> str | None: ...
+
+    def Builder(self, options: BuildOptions) -> Builder: ...
+
+    def load(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu", options: BuildOptions | None = None) -> BranchEngine: ...

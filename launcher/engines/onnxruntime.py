@@ -1,0 +1,87 @@
+"""ONNX Runtime engines: the CPU path and the numerical reference.
+
+An engine is the branch's ONNX model itself (serialised ModelProto); loading it
+creates one InferenceSession.  Sessions release the GIL while they run, so the
+CPU launcher's one-thread-per-stream schedule really runs branches side by side.
+"""
+
+from __future__ import annotations
+
+import os
+
+import numpy as np
+import onnx
+
+from ..plan import TensorSpec
+from .base import BuildOptions
+
+name = "onnxruntime"
+suffix = ".onnx"
+gpu = False
+
+
+def available() -> str | None:
+    try:
+        import onnxruntime  # noqa: F401
+    except ImportError:
+        return "onnxruntime is not installed: pip install onnxruntime"
+    return None
+
+
+def session_options(threads: int = 0):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.graph_optimization_level = ort.GraphOptimizationLevel.ORT_ENABLE_ALL
+    if threads:
+        so.intra_op_num_threads = threads
+        so.inter_op_num_threads = 1
+    so.log_severity_level = 3
+    return so
+
+
+class Builder:
+    """Checks that ONNX Runtime can run the branch, then keeps its ONNX as the engine."""
+
+    def __init__(self, options: BuildOptions):
+        if options.precision not in ("fp32", "tf32"):
+            # ORT's CPU provider runs fp32 kernels; an fp16 model would need converting first.
+            from ..errors import ParastreamError
+
+            raise ParastreamError(f"--precision {options.precision}: the onnxruntime backend builds fp32 engines only")
+        self.options = options
+        self._report: dict[str, dict] = {}
+
+    def build(self, branch: onnx.ModelProto, name: str) -> bytes:
+        import onnxruntime as ort
+
+        data = branch.SerializeToString()
+        # Creating the session is the build: it fails here, naming the node, for ops ORT lacks.
+        sess = ort.InferenceSession(data, session_options(1), providers=["CPUExecutionProvider"])
+        self._report[name] = {"providers": sess.get_providers(), "nodes": len(branch.graph.node)}
+        return data
+
+    def report(self) -> dict:
+        return self._report
+
+    def close(self) -> None:
+        pass
+
+
+class OrtEngine:
+    def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], threads: int = 0):
+        import onnxruntime as ort
+
+        self.inputs = inputs
+        self.outputs = outputs
+        self._sess = ort.InferenceSession(data, session_options(threads), providers=["CPUExecutionProvider"])
+        self._out_names = [t.name for t in outputs]
+
+    def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+        vals = self._sess.run(self._out_names, {t.name: feeds[t.name] for t in self.inputs})
+        return dict(zip(self._out_names, vals))
+
+
+def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu", options: BuildOptions | None = None) -> OrtEngine:
+    threads = options.threads if options and options.threads else max(1, (os.cpu_count() or 1) // 2)
+    return OrtEngine(data, inputs, outputs, threads)
