@@ -1,0 +1,51 @@
+"""parastream.launcher: load a bundle and run it.
+
+``load(path)`` returns a callable ``runner(feeds) -> outputs``: on a GPU, the
+multi-stream plan replayed as one CUDA Graph; on the CPU, the same plan on a
+thread pool with one worker per stream.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from .bundle import Bundle
+from .errors import BackendUnavailable, ParastreamError, VerificationError  # noqa: F401
+from .plan import Branch, Plan, TensorSpec  # noqa: F401
+
+
+def cuda_device_count() -> int:
+    """Number of CUDA devices cuda-python sees (0 where cuda-python or a driver is missing)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python < 12.6
+        except ImportError:
+            return 0
+    try:
+        err, n = cudart.cudaGetDeviceCount()
+    except Exception:  # noqa: BLE001 - no driver
+        return 0
+    return int(n) if int(err) == 0 else 0
+
+
+def load(path: str | Path, *, device: str = "auto", graph: bool = True, check_hashes: bool = True):
+    """Load a bundle written by ``parastream build``; return a callable runner.
+
+    ``device``: "auto" (the GPU launcher when the bundle's engines are GPU engines and
+    a GPU is present), "cuda" or "cpu".
+    """
+    bundle = Bundle.open(path, check_hashes=check_hashes)
+    backend = bundle.backend()
+    if device == "auto":
+        device = "cuda" if backend.gpu and cuda_device_count() > 0 else "cpu"
+    if device == "cuda":
+        from .gpu import GpuLauncher
+
+        return GpuLauncher(bundle, graph=graph)
+    if device != "cpu":
+        raise ParastreamError(f"--device {device!r} is not one of: auto, cuda, cpu")
+    from .cpu import CpuLauncher
+
+    return CpuLauncher(bundle)

@@ -1,0 +1,93 @@
+"""The CPU launcher: the same plan on a thread pool, one worker per stream.
+
+Each worker runs its stream's branches in launch order; before a branch starts it
+waits on the events of the other-stream branches it consumes (``Branch.waits``),
+and after it finishes it sets its own event.  That is the GPU launcher's
+fork/join with ``threading.Event`` in place of CUDA events.
+"""
+
+from __future__ import annotations
+
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+import numpy as np
+
+from .bundle import Bundle
+from .engines.base import BuildOptions
+from .errors import ParastreamError
+from .plan import Plan
+
+
+def coerce_feeds(plan: Plan, feeds: dict) -> dict[str, np.ndarray]:
+    """Check the caller's inputs against the plan: every input present, shape and dtype right."""
+    out = {}
+    for spec in plan.inputs:
+        if spec.name not in feeds:
+            raise ParastreamError(f"missing input {spec.name!r}; the model takes {[t.name for t in plan.inputs]}")
+        arr = np.asarray(feeds[spec.name])
+        if list(arr.shape) != list(spec.shape):
+            raise ParastreamError(f"input {spec.name!r} has shape {list(arr.shape)}, the bundle was built for {spec.shape}")
+        out[spec.name] = np.ascontiguousarray(arr, dtype=np.dtype(spec.dtype))
+    unknown = set(feeds) - {t.name for t in plan.inputs}
+    if unknown:
+        raise ParastreamError(f"unknown input(s) {sorted(unknown)}; the model takes {[t.name for t in plan.inputs]}")
+    return out
+
+
+class CpuLauncher:
+    """Runs a bundle's plan on the CPU, one thread per stream."""
+
+    def __init__(self, bundle: Bundle, *, threads_per_engine: int = 0):
+        self.bundle = bundle
+        self.plan = plan = bundle.plan
+        backend = bundle.backend()
+        opts = BuildOptions(precision=plan.precision, threads=threads_per_engine)
+        self.engines = []
+        for b in plan.branches:
+            specs_in = [plan.tensors[t] for t in b.inputs]
+            specs_out = [plan.tensors[t] for t in b.outputs]
+            self.engines.append(backend.load(bundle.engine_bytes(b), specs_in, specs_out, device="cpu", options=opts))
+        self._sequences = plan.stream_sequences()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, plan.num_streams), thread_name_prefix="parastream-stream")
+
+    @property
+    def input_specs(self):
+        return self.plan.inputs
+
+    @property
+    def output_specs(self):
+        return self.plan.outputs
+
+    def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
+        plan = self.plan
+        values: dict[str, np.ndarray] = dict(coerce_feeds(plan, feeds))
+        done = [threading.Event() for _ in plan.branches]
+        failed: list[BaseException] = []
+
+        def worker(seq: list[int]) -> None:
+            for bid in seq:
+                b = plan.branches[bid]
+                for w in b.waits:
+                    done[w].wait()
+                if failed:
+                    # another stream failed: unblock everyone waiting on us and stop
+                    done[bid].set()
+                    continue
+                try:
+                    res = self.engines[bid].run({t: values[t] for t in b.inputs})
+                    values.update(res)
+                except BaseException as e:  # noqa: BLE001 - re-raised in the caller's thread
+                    failed.append(e)
+                finally:
+                    done[bid].set()
+
+        futures = [self._pool.submit(worker, seq) for seq in self._sequences if seq]
+        for f in futures:
+            f.result()
+        if failed:
+            raise failed[0]
+        return {t.name: values[t.name] for t in plan.outputs}
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=False)

@@ -1,0 +1,231 @@
+"""Load and check an ONNX model: everything that can be wrong with the input stops here.
+
+Each failure is a ParastreamError (exit 2) whose one-line message names the file,
+the node or the option: a file that is not ONNX or is truncated, a model that
+fails onnx.checker, missing external-data files, an input with unknown dimensions
+and no ``--shapes``, a ``--shapes`` entry that names no input or has the wrong rank.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper, shape_inference
+
+from parastream.launcher.errors import ParastreamError
+from parastream.launcher.plan import TensorSpec
+
+
+def parse_shapes(text: str | None) -> dict[str, list[int]]:
+    """Parse ``--shapes name:1x3x224x224,other:1x128`` into ``{name: [dims]}``."""
+    shapes: dict[str, list[int]] = {}
+    if not text:
+        return shapes
+    for entry in text.split(","):
+        entry = entry.strip()
+        if not entry:
+            continue
+        name, sep, dims = entry.rpartition(":")
+        if not sep or not name or not dims:
+            raise ParastreamError(f"--shapes entry {entry!r} is not NAME:D1xD2x...; e.g. --shapes input:1x3x224x224")
+        try:
+            values = [int(d) for d in dims.lower().split("x")]
+        except ValueError:
+            raise ParastreamError(f"--shapes entry {entry!r}: dimensions must be integers separated by 'x'") from None
+        if any(v <= 0 for v in values):
+            raise ParastreamError(f"--shapes entry {entry!r}: dimensions must be positive")
+        shapes[name] = values
+    return shapes
+
+
+def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        return None  # type: ignore[return-value]
+    out: list[int | str | None] = []
+    for d in t.shape.dim:
+        if d.HasField("dim_value"):
+            out.append(int(d.dim_value))
+        elif d.HasField("dim_param"):
+            out.append(d.dim_param)
+        else:
+            out.append(None)
+    return out
+
+
+def spec_of(vi: onnx.ValueInfoProto) -> TensorSpec:
+    dims = _dims(vi)
+    dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+    return TensorSpec(name=vi.name, dtype=np.dtype(dtype).name, shape=[int(d) for d in dims])  # type: ignore[arg-type]
+
+
+@dataclass
+class LoadedModel:
+    path: Path
+    model: onnx.ModelProto  # checked, static shapes, shape-inferred, every node named
+    original: onnx.ModelProto  # as loaded (external data inlined), for the reference run
+    inputs: list[TensorSpec]
+    outputs: list[TensorSpec]
+
+
+def read_model(path: str | Path) -> onnx.ModelProto:
+    path = Path(path)
+    if not path.exists():
+        raise ParastreamError(f"{path}: no such file")
+    if not path.is_file():
+        raise ParastreamError(f"{path}: not a file")
+    data = path.read_bytes()
+    if not data:
+        raise ParastreamError(f"{path}: empty file, not an ONNX model")
+    model = onnx.ModelProto()
+    try:
+        model.ParseFromString(data)
+    except Exception as e:  # google.protobuf.message.DecodeError and friends
+        raise ParastreamError(f"{path}: not an ONNX model (the protobuf does not parse: {e}); the file may be truncated") from None
+    if not model.HasField("graph") or not model.opset_import:
+        raise ParastreamError(f"{path}: not an ONNX model (no graph or no opset_import)")
+    # External data: tensors whose bytes live in files beside the model.
+    try:
+        onnx.load_external_data_for_model(model, str(path.parent))
+    except (FileNotFoundError, OSError) as e:
+        missing = getattr(e, "filename", None) or str(e)
+        raise ParastreamError(f"{path}: external data file {missing} is missing; keep the .data files beside the model") from None
+    except Exception as e:  # noqa: BLE001 - onnx raises ValueError for paths outside the folder
+        raise ParastreamError(f"{path}: cannot load external data: {e}") from None
+    return model
+
+
+def _check(model: onnx.ModelProto, path: Path) -> None:
+    try:
+        onnx.checker.check_model(model, full_check=False)
+    except onnx.checker.ValidationError as e:
+        first = str(e).strip().splitlines()[0] if str(e).strip() else "invalid model"
+        raise ParastreamError(f"{path}: fails onnx.checker: {first}") from None
+    except Exception as e:  # noqa: BLE001 - e.g. opset newer than this onnx knows
+        raise ParastreamError(f"{path}: fails onnx.checker: {e}") from None
+
+
+def _name_nodes(model: onnx.ModelProto) -> None:
+    """Give every node a unique name (plans and error messages refer to nodes by name)."""
+    seen: set[str] = set()
+    for i, node in enumerate(model.graph.node):
+        name = node.name
+        if not name or name in seen:
+            base = name or f"{node.op_type}_{i}"
+            name, k = base, 1
+            while name in seen:
+                name, k = f"{base}_{k}", k + 1
+            node.name = name
+        seen.add(name)
+
+
+def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path) -> None:
+    graph_inputs = {vi.name: vi for vi in model.graph.input}
+    init_names = {t.name for t in model.graph.initializer}
+    real_inputs = [n for n in graph_inputs if n not in init_names]
+    for name, dims in shapes.items():
+        if name not in graph_inputs or name in init_names:
+            raise ParastreamError(f"--shapes names {name!r}, which is not an input of {path.name}; its inputs are {real_inputs}")
+        vi = graph_inputs[name]
+        cur = _dims(vi)
+        if cur is not None and len(cur) != len(dims):
+            raise ParastreamError(f"--shapes {name}:{'x'.join(map(str, dims))} has rank {len(dims)}, but input {name!r} of {path.name} has rank {len(cur)}")
+        if cur is not None:
+            for i, (c, d) in enumerate(zip(cur, dims)):
+                if isinstance(c, int) and c != d:
+                    raise ParastreamError(f"--shapes {name}: dimension {i} is fixed to {c} in {path.name}, not {d}")
+        shape = vi.type.tensor_type.shape
+        shape.ClearField("dim")
+        for d in dims:
+            shape.dim.add().dim_value = d
+    for name in real_inputs:
+        dims = _dims(graph_inputs[name])
+        if dims is None or any(not isinstance(d, int) for d in dims):
+            shown = "?" if dims is None else "x".join(str(d) if isinstance(d, int) else str(d or "?") for d in dims)
+            raise ParastreamError(
+                f"{path}: input {name!r} has unknown dimensions ({shown}); give them with --shapes {name}:{'x'.join(str(d) if isinstance(d, int) else '1' for d in (dims or [1]))}"
+            )
+
+
+def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+    """Fold shape arithmetic and Constant nodes now that input shapes are static (graphsurgeon)."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    try:
+        graph.fold_constants(error_ok=True).cleanup()
+    except Exception:  # noqa: BLE001 - folding is an optimisation; an unfoldable graph still builds
+        return model
+    # Constant nodes that survived become initializers so that no branch is a lone Constant.
+    for node in list(graph.nodes):
+        if node.op == "Constant" and len(node.outputs) == 1:
+            out = node.outputs[0]
+            attr = node.attrs.get("value")
+            if isinstance(attr, gs.Constant):
+                const = gs.Constant(out.name, attr.values)
+                for consumer in list(out.outputs):
+                    consumer.inputs[:] = [const if t is out else t for t in consumer.inputs]
+                if out in graph.outputs:
+                    continue
+                node.outputs.clear()
+    graph.cleanup().toposort()
+    folded = gs.export_onnx(graph, do_type_check=False)
+    folded.ir_version = model.ir_version
+    del folded.opset_import[:]
+    folded.opset_import.extend(model.opset_import)
+    return folded
+
+
+def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> LoadedModel:
+    """Read, check, fix input shapes, fold constants, infer shapes; raise ParastreamError on bad input."""
+    path = Path(path)
+    model = read_model(path)
+    _check(model, path)
+    original = onnx.ModelProto()
+    original.CopyFrom(model)
+    _name_nodes(model)
+    _fix_input_shapes(model, shapes or {}, path)
+    if shapes:
+        _fix_input_shapes(original, shapes, path)
+    model = _fold_constants(model)
+    try:
+        model = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    except Exception as e:  # noqa: BLE001 - InferenceError names the node
+        raise ParastreamError(f"{path}: shape inference failed: {str(e).strip().splitlines()[0]}") from None
+    _name_nodes(model)
+    init_names = {t.name for t in model.graph.initializer}
+    inputs = [spec_of(vi) for vi in model.graph.input if vi.name not in init_names]
+    outputs = []
+    for vi in model.graph.output:
+        dims = _dims(vi)
+        if dims is None or any(not isinstance(d, int) for d in dims):
+            raise ParastreamError(f"{path}: output {vi.name!r} has a shape that cannot be inferred from the input shapes; parastream needs static shapes")
+        outputs.append(spec_of(vi))
+    return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs)
+
+
+def random_feeds(specs: list[TensorSpec], seed: int = 0) -> dict[str, np.ndarray]:
+    """Seeded random inputs (never zeros): floats N(0,1), integers in [0, 2)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for s in specs:
+        dt = np.dtype(s.dtype)
+        if dt.kind == "f":
+            feeds[s.name] = rng.standard_normal(s.shape).astype(dt)
+        elif dt.kind in "iu":
+            feeds[s.name] = rng.integers(0, 2, size=s.shape).astype(dt)
+        elif dt.kind == "b":
+            feeds[s.name] = rng.integers(0, 2, size=s.shape).astype(bool)
+        else:
+            raise ParastreamError(f"input {s.name!r} has dtype {s.dtype}, which parastream cannot generate test data for")
+    return feeds
+
+
+def numpy_initializer(model: onnx.ModelProto, name: str) -> np.ndarray | None:
+    for t in model.graph.initializer:
+        if t.name == name:
+            return numpy_helper.to_array(t)
+    return None

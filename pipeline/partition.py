@@ -1,0 +1,97 @@
+"""Turn a Schedule into a Plan and cut the model into one self-contained ONNX model per branch.
+
+A branch is exported the graphsurgeon way: a copy of the graph gets the branch's
+boundary tensors as its inputs and outputs, and ``cleanup()`` drops every node
+outside it (STYLE.md).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from parastream.launcher.errors import ParastreamError
+from parastream.launcher.plan import Branch, Plan, TensorSpec
+
+from .schedule import Schedule
+
+
+def _spec(t: gs.Variable) -> TensorSpec:
+    if t.dtype is None or t.shape is None or any(not isinstance(d, int) for d in t.shape):
+        raise ParastreamError(f"tensor {t.name!r} has no static shape or dtype after shape inference; give input shapes with --shapes")
+    dt = t.dtype
+    if isinstance(dt, int):  # graphsurgeon keeps ONNX enum values for types numpy lacks
+        dt = onnx.helper.tensor_dtype_to_np_dtype(dt)
+    dtype = np.dtype(dt)
+    return TensorSpec(name=t.name, dtype=dtype.name, shape=[int(d) for d in t.shape])
+
+
+def make_plan(graph: gs.Graph, sched: Schedule, *, backend: str, precision: str, suffix: str,
+              inputs: list[TensorSpec], outputs: list[TensorSpec], flops_bytes=None) -> Plan:
+    by_name = {n.name: n for n in graph.nodes}
+    node_branch = {name: b for b, members in enumerate(sched.branches) for name in members}
+    graph_outputs = {t.name for t in graph.outputs}
+    model_inputs = {t.name for t in inputs}
+    tensors: dict[str, TensorSpec] = {t.name: t for t in inputs}
+    tensors.update({t.name: t for t in outputs})
+    branches: list[Branch] = []
+    producer_branch: dict[str, int] = {}
+    for b, members in enumerate(sched.branches):
+        for name in members:
+            for t in by_name[name].outputs:
+                producer_branch[t.name] = b
+    for b, members in enumerate(sched.branches):
+        member_set = set(members)
+        b_inputs: list[str] = []
+        b_outputs: list[str] = []
+        for name in members:
+            node = by_name[name]
+            for t in node.inputs:
+                if not isinstance(t, gs.Variable) or not t.name:
+                    continue
+                inside = any(p.name in member_set for p in t.inputs)
+                if not inside and t.name not in b_inputs:
+                    b_inputs.append(t.name)
+                    tensors.setdefault(t.name, _spec(t))
+            for t in node.outputs:
+                consumed_outside = any(c.name not in member_set for c in t.outputs)
+                if (consumed_outside or t.name in graph_outputs) and t.name not in b_outputs:
+                    b_outputs.append(t.name)
+                    tensors.setdefault(t.name, _spec(t))
+        stream = sched.branch_stream[b]
+        waits = sorted({producer_branch[t] for t in b_inputs
+                        if t not in model_inputs and sched.branch_stream[producer_branch[t]] != stream})
+        flops = byts = 0.0
+        if flops_bytes is not None:
+            for name in members:
+                f, by = flops_bytes(by_name[name])
+                flops, byts = flops + f, byts + by
+        branches.append(Branch(
+            id=b, name=f"branch_{b:03d}", stream=stream, nodes=list(members), inputs=b_inputs,
+            outputs=b_outputs, waits=waits, engine=f"engines/branch_{b:03d}{suffix}",
+            bound=sched.branch_bound[b], est_time=sched.branch_time[b], flops=flops, bytes=byts,
+        ))
+    plan = Plan(backend=backend, precision=precision, num_streams=sched.num_streams, inputs=inputs,
+                outputs=outputs, tensors=tensors, branches=branches, launch_order=list(sched.launch_order))
+    plan.validate()
+    return plan
+
+
+def extract_branch(model: onnx.ModelProto, graph: gs.Graph, branch: Branch) -> onnx.ModelProto:
+    """The branch as a self-contained ONNX model: its boundary tensors become graph inputs/outputs."""
+    sub = graph.copy()
+    tmap = sub.tensors()
+    sub.inputs = [tmap[t] for t in branch.inputs]
+    sub.outputs = [tmap[t] for t in branch.outputs]
+    sub.cleanup(remove_unused_graph_inputs=False)
+    names = {n.name for n in sub.nodes}
+    if names != set(branch.nodes):
+        extra, missing = sorted(names - set(branch.nodes)), sorted(set(branch.nodes) - names)
+        raise RuntimeError(f"{branch.name}: extracted nodes differ from the plan (extra {extra[:3]}, missing {missing[:3]})")
+    sub.name = f"{graph.name or 'model'}_{branch.name}"
+    out = gs.export_onnx(sub)
+    out.ir_version = model.ir_version
+    del out.opset_import[:]
+    out.opset_import.extend(model.opset_import)
+    return out
