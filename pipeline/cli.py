@@ -1,0 +1,293 @@
+"""The ``parastream`` command line.
+
+Options that several commands share (model shapes, backend and precision,
+tolerances) are defined once as argument groups, the way polygraphy does it, so
+``build``, ``inspect`` and ``verify`` spell them the same way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+
+from parastream.launcher.errors import ParastreamError
+
+from .model_io import parse_shapes
+
+
+# -- shared argument groups ---------------------------------------------------------------------------
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("model")
+    g.add_argument("--shapes", default=None, metavar="NAME:1x3x224x224,...",
+                   help="static shapes for inputs with unknown dimensions")
+
+
+def add_schedule_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("schedule")
+    g.add_argument("--streams", type=int, default=None, metavar="K",
+                   help="number of streams (default: from the graph's width, at most 4)")
+    g.add_argument("--device-profile", default="H100-SXM", metavar="NAME",
+                   help="device the cost model plans for (see `parastream devices`)")
+
+
+def add_backend_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("engines")
+    g.add_argument("--backend", default="auto", choices=["auto", "tensorrt", "torch", "onnxruntime"],
+                   help="engine backend; auto picks tensorrt, then torch on a GPU, then onnxruntime")
+    g.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"])
+    g.add_argument("--workspace-mb", type=int, default=4096, help="TensorRT workspace pool limit")
+    g.add_argument("--opt-level", type=int, default=3, help="TensorRT builder_optimization_level (0..5)")
+    g.add_argument("--strongly-typed", action="store_true", help="TensorRT strongly typed network")
+    g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
+    g.add_argument("--cache-dir", default=None, help="where timing caches persist across builds")
+
+
+def add_tolerance_args(p: argparse.ArgumentParser) -> None:
+    g = p.add_argument_group("verification")
+    g.add_argument("--rtol", type=float, default=None, help="relative tolerance (default by precision)")
+    g.add_argument("--atol", type=float, default=None, help="absolute tolerance (default by precision)")
+    g.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+
+
+def _console(stderr: bool = False):
+    from rich.console import Console
+
+    return Console(stderr=stderr, soft_wrap=False)
+
+
+# -- commands ------------------------------------------------------------------------------------------
+def cmd_build(args) -> int:
+    from .build import BuildConfig, build
+    from .report import print_build_summary
+
+    cfg = BuildConfig(backend=args.backend, streams=args.streams, shapes=parse_shapes(args.shapes), precision=args.precision,
+                      search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol, seed=args.seed,
+                      device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
+                      strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force)
+    bundle = build(args.model, args.output, config=cfg, progress=not args.quiet)
+    if not args.quiet:
+        print_build_summary(bundle, _console())
+    if args.triton_repo:
+        from .triton import export_triton
+
+        path = export_triton(bundle.path, args.triton_repo, name=args.triton_name or Path(args.model).stem,
+                             mode=args.triton_mode, force=args.force)
+        if not args.quiet:
+            _console().print(f"Triton model repository: {path}")
+    return 0
+
+
+def cmd_inspect(args) -> int:
+    from .report import inspect_model
+
+    inspect_model(args.model, shapes=parse_shapes(args.shapes), streams=args.streams, device=args.device_profile,
+                  picture=args.picture, search=args.search, console=_console())
+    return 0
+
+
+def _parse_input_files(items: list[str]) -> dict[str, np.ndarray]:
+    feeds = {}
+    for item in items or []:
+        name, sep, file = item.partition("=")
+        if not sep or not name or not file:
+            raise ParastreamError(f"--input {item!r} is not NAME=file.npy")
+        path = Path(file)
+        if not path.is_file():
+            raise ParastreamError(f"--input {name}: {path}: no such file")
+        try:
+            feeds[name] = np.load(path, allow_pickle=False)
+        except Exception as e:  # noqa: BLE001 - numpy raises several kinds
+            raise ParastreamError(f"--input {name}: {path} is not a .npy file ({e})") from None
+    return feeds
+
+
+def cmd_run(args) -> int:
+    from parastream.launcher import load
+
+    from .report import atomic_folder
+
+    runner = load(args.bundle, device=args.device)
+    feeds = _parse_input_files(args.input)
+    outputs = runner(feeds)
+    out_dir = Path(args.output_dir)
+    if out_dir.exists() and not args.force:
+        raise ParastreamError(f"{out_dir} already exists; pass --force to replace it")
+    with atomic_folder(out_dir) as tmp:
+        for name, value in outputs.items():
+            np.save(tmp / f"{_safe(name)}.npy", np.asarray(value))
+    con = _console()
+    from rich.table import Table
+
+    t = Table(title=f"outputs written to {out_dir}")
+    for col in ("output", "file", "shape", "dtype"):
+        t.add_column(col)
+    for name, value in outputs.items():
+        t.add_row(name, f"{_safe(name)}.npy", "x".join(map(str, np.shape(value))), str(np.asarray(value).dtype))
+    con.print(t)
+    return 0
+
+
+def _safe(name: str) -> str:
+    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
+
+
+def cmd_verify(args) -> int:
+    from parastream.launcher import load
+    from parastream.launcher.bundle import Bundle
+
+    from .model_io import load_model
+    from .report import print_verification
+    from .verify import DEFAULT_TOLERANCES, verify
+
+    bundle = Bundle.open(args.bundle)
+    original = args.model or bundle.report.get("model", {}).get("path")
+    if not original or not Path(original).is_file():
+        raise ParastreamError(f"{args.bundle}: the original model {original!r} is not there; name it with --model ORIGINAL.onnx")
+    shapes = {t.name: t.shape for t in bundle.plan.inputs}
+    loaded = load_model(original, shapes)
+    rtol, atol = DEFAULT_TOLERANCES.get(bundle.plan.precision, DEFAULT_TOLERANCES["fp32"])
+    runner = load(bundle.path, device=args.device)
+    result = verify(loaded.original, runner, bundle.plan.inputs, rtol=args.rtol if args.rtol is not None else rtol,
+                    atol=args.atol if args.atol is not None else atol, seed=args.seed, iterations=args.iterations)
+    report = dict(bundle.report)
+    report["verification"] = result.to_dict()
+    # report.json is part of the bundle's hashed files: rewrite it and the manifest together
+    from parastream.launcher.bundle import write_manifest
+
+    (bundle.path / "report.json").write_text(json.dumps(report, indent=2, default=str))
+    manifest = {k: v for k, v in bundle.manifest.items() if k not in ("files", "version")}
+    write_manifest(bundle.path, manifest)
+    print_verification(result, _console(), title=f"verify {bundle.path} against onnxruntime on {original}")
+    return 0 if result.passed else 1
+
+
+def cmd_bench(args) -> int:
+    from parastream.launcher.bench import bench_bundle
+
+    bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline, console=_console())
+    return 0
+
+
+def cmd_export_triton(args) -> int:
+    from .triton import export_triton
+
+    path = export_triton(args.bundle, args.repo, name=args.name, mode=args.mode, max_batch=args.max_batch,
+                         instances=args.instances, force=args.force)
+    _console().print(f"Triton model repository written: {path}")
+    return 0
+
+
+def cmd_demo(args) -> int:
+    from .demo import run_demo
+
+    return run_demo(out=args.output, backend=args.backend, model_name=args.model, console=_console())
+
+
+def cmd_devices(args) -> int:
+    from rich.table import Table
+
+    from parastream.rewrite.cost import DEVICES
+
+    t = Table(title="device profiles of the roofline cost model")
+    for col in ("name", "fp16 TFLOP/s", "fp32 TFLOP/s", "GB/s", "SMs"):
+        t.add_column(col)
+    for name, d in DEVICES.items():
+        t.add_row(name, f"{d.fp16_flops / 1e12:.0f}", f"{d.fp32_flops / 1e12:.1f}", f"{d.bandwidth / 1e9:.0f}", str(d.sms))
+    _console().print(t)
+    return 0
+
+
+def make_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="parastream", description=__doc__.splitlines()[0] if __doc__ else None)
+    p.add_argument("--debug", action="store_true", help="show tracebacks")
+    sub = p.add_subparsers(dest="command", required=True)
+
+    d = sub.add_parser("demo", help="build, verify and run a bundled example model end to end")
+    d.add_argument("--model", default=None, help="example model name (default: the demo model)")
+    d.add_argument("-o", "--output", default=None, help="bundle folder (default: a temporary folder)")
+    d.add_argument("--backend", default="auto", choices=["auto", "tensorrt", "torch", "onnxruntime"])
+    d.set_defaults(func=cmd_demo)
+
+    i = sub.add_parser("inspect", help="op histogram, width, branches and critical path of a model")
+    i.add_argument("model")
+    add_model_args(i)
+    add_schedule_args(i)
+    i.add_argument("--picture", default=None, metavar="FILE.svg|png", help="draw the graph, each branch coloured by its stream")
+    i.add_argument("--search", action="store_true", help="run the rewrite search and print its trace, without building")
+    i.set_defaults(func=cmd_inspect)
+
+    b = sub.add_parser("build", help="rewrite, schedule, build engines, verify and write a bundle")
+    b.add_argument("model")
+    b.add_argument("-o", "--output", required=True, metavar="OUT")
+    add_model_args(b)
+    add_schedule_args(b)
+    add_backend_args(b)
+    add_tolerance_args(b)
+    b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
+    b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
+    b.add_argument("--force", action="store_true", help="replace an existing OUT")
+    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--triton-repo", default=None, metavar="REPO", help="also export a Triton model repository")
+    b.add_argument("--triton-name", default=None, help="Triton model name (default: the model file's stem)")
+    b.add_argument("--triton-mode", default="graph", choices=["graph", "ensemble"])
+    b.set_defaults(func=cmd_build)
+
+    r = sub.add_parser("run", help="run a bundle on inputs from .npy files")
+    r.add_argument("bundle")
+    r.add_argument("--input", action="append", metavar="NAME=file.npy")
+    r.add_argument("--output-dir", required=True)
+    r.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    r.add_argument("--force", action="store_true")
+    r.set_defaults(func=cmd_run)
+
+    v = sub.add_parser("verify", help="compare a bundle with onnxruntime on the original model (exit 1 on mismatch)")
+    v.add_argument("bundle")
+    v.add_argument("--model", default=None, help="the original model (default: the path recorded at build)")
+    v.add_argument("--iterations", type=int, default=3)
+    v.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    add_tolerance_args(v)
+    v.set_defaults(func=cmd_verify)
+
+    be = sub.add_parser("bench", help="latency of a bundle against the same engines on one stream (GPU)")
+    be.add_argument("bundle")
+    be.add_argument("--runs", type=int, default=200)
+    be.add_argument("--warmup", type=int, default=20)
+    be.add_argument("--timeline", default=None, metavar="FILE.png")
+    be.set_defaults(func=cmd_bench)
+
+    t = sub.add_parser("export-triton", help="export a bundle as a Triton model repository")
+    t.add_argument("bundle")
+    t.add_argument("repo")
+    t.add_argument("--name", required=True)
+    t.add_argument("--mode", default="graph", choices=["graph", "ensemble"])
+    t.add_argument("--max-batch", type=int, default=0)
+    t.add_argument("--instances", type=int, default=1)
+    t.add_argument("--force", action="store_true")
+    t.set_defaults(func=cmd_export_triton)
+
+    dv = sub.add_parser("devices", help="list the device profiles of the cost model")
+    dv.set_defaults(func=cmd_devices)
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = make_parser()
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args) or 0)
+    except ParastreamError as e:
+        if args.debug:
+            raise
+        print(f"parastream {args.command}: error: {e}", file=sys.stderr)
+        return e.exit_code
+    except KeyboardInterrupt:
+        print("parastream: interrupted", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,159 @@
+"""What parastream prints: tables for builds, inspections and verifications, and atomic output folders."""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from contextlib import contextmanager
+from pathlib import Path
+
+from rich.table import Table
+
+from parastream.launcher.errors import ParastreamError
+
+
+@contextmanager
+def atomic_folder(target: Path):
+    """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds."""
+    target = Path(target)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    try:
+        yield tmp
+        if target.exists():
+            old = target.with_name(f".{target.name}.old-{tmp.name}")
+            target.rename(old)
+            tmp.rename(target)
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            tmp.rename(target)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+
+
+def _us(seconds: float) -> str:
+    return f"{seconds * 1e6:,.1f} µs"
+
+
+def schedule_table(plan, title: str = "branches") -> Table:
+    t = Table(title=title)
+    for col in ("branch", "stream", "nodes", "first … last", "waits on", "bound", "est."):
+        t.add_column(col, overflow="fold")
+    for bid in plan.launch_order:
+        b = plan.branches[bid]
+        span = b.nodes[0] if len(b.nodes) == 1 else f"{b.nodes[0]} … {b.nodes[-1]}"
+        waits = ", ".join(plan.branches[w].name for w in b.waits) or "-"
+        t.add_row(b.name, str(b.stream), str(len(b.nodes)), span, waits, b.bound, _us(b.est_time))
+    return t
+
+
+def print_verification(result, console, title: str = "verification against onnxruntime") -> None:
+    t = Table(title=title)
+    for col in ("output", "max abs error", "max rel error", "within tolerance"):
+        t.add_column(col)
+    for name, d in result.outputs.items():
+        t.add_row(name, f"{d['max_abs']:.3g}", f"{d['max_rel']:.3g}", "yes" if d["passed"] else "[red]NO[/red]")
+    console.print(t)
+    verdict = "[green]PASSED[/green]" if result.passed else "[red]FAILED[/red]"
+    console.print(f"{verdict} (rtol {result.rtol}, atol {result.atol}, {result.iterations} seeded random inputs)")
+
+
+def print_build_summary(bundle, console) -> None:
+    plan, rep = bundle.plan, bundle.report
+    sched = rep.get("schedule", {})
+    console.print(schedule_table(plan, title=f"{bundle.path}: {len(plan.branches)} {plan.backend} engines on {plan.num_streams} streams"))
+    s = Table(title="summary")
+    s.add_column("")
+    s.add_column("value")
+    m = rep.get("model", {})
+    s.add_row("nodes (input → rewritten)", f"{m.get('nodes_in')} → {m.get('nodes_out')}")
+    search = rep.get("search", {})
+    if search.get("enabled"):
+        s.add_row("rewrite search", f"{search.get('summary', 'done')}")
+    else:
+        s.add_row("rewrite search", "skipped (--no-search)")
+    s.add_row("graph width", str(sched.get("graph_width")))
+    s.add_row("estimated critical path", _us(sched.get("critical_path_s", 0.0)))
+    s.add_row("estimated total work", _us(sched.get("total_work_s", 0.0)))
+    s.add_row("build time", f"{rep.get('timings', {}).get('total', 0.0):.2f} s")
+    console.print(s)
+    ver = rep.get("verification")
+    if ver:
+        t = Table(title="verification against onnxruntime on the original model")
+        for col in ("output", "max abs error", "max rel error", "within tolerance"):
+            t.add_column(col)
+        for name, d in ver["outputs"].items():
+            t.add_row(name, f"{d['max_abs']:.3g}", f"{d['max_rel']:.3g}", "yes" if d["passed"] else "NO")
+        console.print(t)
+
+
+def inspect_model(path, *, shapes=None, streams=None, device="H100-SXM", picture=None, search=False, console=None) -> dict:
+    """Print op histogram, node count, width, branches and estimated critical path; optionally draw or search."""
+    import onnx_graphsurgeon as gs
+
+    from parastream.rewrite.cost import RooflineCostModel
+
+    from .analysis import graph_width, op_histogram
+    from .build import DEFAULT_MAX_STREAMS
+    from .model_io import load_model
+    from .schedule import schedule_graph
+
+    if picture is not None and Path(picture).suffix.lower() not in (".svg", ".png"):
+        raise ParastreamError(f"--picture {picture}: the file name must end in .svg or .png")
+    loaded = load_model(path, shapes)
+    model = loaded.model
+    hist = op_histogram(model)
+    width, _ = graph_width(model)
+    k = streams or max(1, min(width, DEFAULT_MAX_STREAMS))
+    cm = RooflineCostModel(device)
+    graph = gs.import_onnx(model)
+    graph.toposort()
+    sched = schedule_graph(graph, k, cm.node_cost, cm.is_memory_bound)
+    one = schedule_graph(graph, 1, cm.node_cost, cm.is_memory_bound)
+
+    t = Table(title=f"{path}: {len(model.graph.node)} nodes")
+    t.add_column("op")
+    t.add_column("count", justify="right")
+    for op, n in hist.most_common():
+        t.add_row(op, str(n))
+    console.print(t)
+    s = Table(title="parallelism")
+    s.add_column("")
+    s.add_column("value")
+    s.add_row("nodes", str(len(model.graph.node)))
+    s.add_row("graph width (largest set of mutually independent nodes)", str(width))
+    s.add_row("streams", str(sched.num_streams))
+    s.add_row("branches (engines)", str(len(sched.branches)))
+    s.add_row(f"estimated critical path on {sched.num_streams} streams", _us(sched.makespan))
+    s.add_row("estimated total work (= 1 stream)", _us(one.makespan))
+    s.add_row("estimated speed-up from streams", f"{one.makespan / sched.makespan:.2f}x" if sched.makespan else "-")
+    console.print(s)
+    bt = Table(title="branches")
+    for col in ("branch", "stream", "nodes", "first … last", "bound", "est."):
+        bt.add_column(col, overflow="fold")
+    for bid in sched.launch_order:
+        nodes = sched.branches[bid]
+        span = nodes[0] if len(nodes) == 1 else f"{nodes[0]} … {nodes[-1]}"
+        bt.add_row(f"branch_{bid:03d}", str(sched.branch_stream[bid]), str(len(nodes)), span, sched.branch_bound[bid], _us(sched.branch_time[bid]))
+    console.print(bt)
+    if picture:
+        from .picture import draw_graph
+
+        branches = {name: b for b, nodes in enumerate(sched.branches) for name in nodes}
+        draw_graph(model, picture, streams=sched.node_stream, branches=branches, title=f"{Path(path).name}: {sched.num_streams} streams, {len(sched.branches)} branches")
+        console.print(f"picture written: {picture}")
+    result = {"nodes": len(model.graph.node), "width": width, "streams": sched.num_streams, "branches": len(sched.branches),
+              "critical_path_s": sched.makespan, "total_work_s": one.makespan, "ops": dict(hist)}
+    if search:
+        from parastream.rewrite import optimize
+
+        _, rep = optimize(model, cost_model=cm, streams=k)
+        try:
+            from parastream.rewrite.search import format_report
+
+            console.print(format_report(rep))
+        except ImportError:
+            console.print_json(data=rep)
+        result["search"] = rep
+    return result
