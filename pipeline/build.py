@@ -9,7 +9,6 @@ from __future__ import annotations
 import json
 import platform
 import shutil
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -24,6 +23,7 @@ from parastream.launcher.errors import ParastreamError, VerificationError
 
 from .model_io import LoadedModel, load_model
 from .partition import extract_branch, make_plan
+from .report import make_temp_folder
 from .schedule import schedule_graph
 from .verify import DEFAULT_TOLERANCES, verify
 
@@ -184,7 +184,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         timings["schedule"] = time.perf_counter() - t0
 
         out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.", suffix=".partial", dir=out.parent))
+        tmp = make_temp_folder(out)
         try:
             (tmp / "engines").mkdir()
             onnx.save(model, tmp / "model.onnx")

@@ -12,12 +12,23 @@ from rich.table import Table
 from parastream.launcher.errors import ParastreamError
 
 
+def make_temp_folder(target: Path) -> Path:
+    """A fresh folder beside ``target`` (same file system, so the final rename is atomic), mode 0755 less umask."""
+    import os
+
+    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    umask = os.umask(0)
+    os.umask(umask)
+    tmp.chmod(0o777 & ~umask)
+    return tmp
+
+
 @contextmanager
 def atomic_folder(target: Path):
     """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds."""
     target = Path(target)
     target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+    tmp = make_temp_folder(target)
     try:
         yield tmp
         if target.exists():

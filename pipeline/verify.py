@@ -7,6 +7,7 @@ apply unchanged.
 
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
@@ -43,7 +44,9 @@ class LauncherRunner(BaseRunner):
         return meta
 
     def infer_impl(self, feed_dict):
+        t0 = time.perf_counter()
         outs = self._launcher({k: np.asarray(v) for k, v in feed_dict.items()})
+        self.inference_time = time.perf_counter() - t0  # polygraphy reads it back
         return OrderedDict((k, np.asarray(v)) for k, v in outs.items())
 
     def deactivate_impl(self):
@@ -80,7 +83,9 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
     reference = OnnxrtRunner(SessionFromOnnx(original.SerializeToString(), providers=["cpu"]), name="onnxruntime")
     ours = LauncherRunner(launcher, inputs)
     results = Comparator.run([reference, ours], data_loader=loader)
-    accuracy = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(rtol=rtol, atol=atol, check_shapes=True))
+    accuracies = Comparator.compare_accuracy(results, compare_func=CompareFunc.simple(rtol=rtol, atol=atol, check_shapes=True))
+    # polygraphy >= 0.50 returns AccuracyResults (one AccuracyResult per compare_func); older ones the result itself
+    accuracy = accuracies if hasattr(accuracies, "items") else accuracies[0]
     per_output: dict[str, dict] = {}
     for _pair, iterations_results in accuracy.items():
         for it in iterations_results:
