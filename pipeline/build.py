@@ -150,6 +150,12 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
     with _Progress(progress) as bar:
         t0 = time.perf_counter()
         loaded: LoadedModel = load_model(model_path, cfg.shapes)
+        check = getattr(backend, "check_model", None)
+        if check is not None:
+            try:
+                check(loaded.model)
+            except ParastreamError as e:
+                raise ParastreamError(f"{loaded.path}: {e}") from None
         bar.step("load and check").advance()
         timings["load"] = time.perf_counter() - t0
 

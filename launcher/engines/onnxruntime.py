@@ -85,3 +85,21 @@ class OrtEngine:
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu", options: BuildOptions | None = None) -> OrtEngine:
     threads = options.threads if options and options.threads else max(1, (os.cpu_count() or 1) // 2)
     return OrtEngine(data, inputs, outputs, threads)
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """Fail early, naming the node, when ONNX Runtime cannot run an op or opset of the model."""
+    import re
+
+    import onnxruntime as ort
+
+    from ..errors import ParastreamError
+
+    try:
+        ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
+    except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
+        msg = str(e)
+        node = re.search(r"node with name '([^']*)'", msg) or re.search(r"Node \(([^)]*)\)", msg)
+        where = f"node {node.group(1)!r}: " if node else ""
+        first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+        raise ParastreamError(f"{where}onnxruntime cannot run this model: {first}") from None

@@ -1,0 +1,36 @@
+"""Shared test set-up: GPU and TensorRT tests skip cleanly where there is no GPU or no TensorRT."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import pytest
+
+
+def _has_gpu() -> bool:
+    from parastream.launcher import cuda_device_count
+
+    if cuda_device_count() > 0:
+        return True
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except ImportError:
+        return False
+
+
+def _has_tensorrt() -> bool:
+    return importlib.util.find_spec("tensorrt") is not None
+
+
+def pytest_collection_modifyitems(config, items):
+    gpu = _has_gpu()
+    trt = _has_tensorrt()
+    skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
+    skip_trt = pytest.mark.skip(reason="needs TensorRT (not installable here; see README)")
+    for item in items:
+        if "gpu" in item.keywords and not gpu:
+            item.add_marker(skip_gpu)
+        if "trt" in item.keywords and not trt:
+            item.add_marker(skip_trt)

@@ -1,0 +1,58 @@
+"""Tiny hand-built ONNX models for the pipeline tests (the example zoo has the realistic ones)."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+from onnx import TensorProto, helper, numpy_helper
+
+
+def three_branch_model(seed: int = 0, channels: int = 4, size: int = 8, batch: int | str = 1) -> onnx.ModelProto:
+    """input -> {Conv1x1, Conv3x3, Conv5x5} -> Relu each -> Concat: three independent branches."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    for i, k in enumerate([1, 3, 5]):
+        w = numpy_helper.from_array((rng.standard_normal((channels, channels, k, k)) * 0.3).astype(np.float32), f"w{i}")
+        b = numpy_helper.from_array(rng.standard_normal(channels).astype(np.float32), f"b{i}")
+        inits += [w, b]
+        nodes.append(helper.make_node("Conv", ["input", f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}", pads=[k // 2] * 4))
+        nodes.append(helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}"))
+    nodes.append(helper.make_node("Concat", ["r0", "r1", "r2"], ["cat"], axis=1, name="concat"))
+    nodes.append(helper.make_node("Sigmoid", ["cat"], ["output"], name="sigmoid"))
+    graph = helper.make_graph(
+        nodes, "three_branch",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [batch, channels, size, size])],
+        [helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, 3 * channels, size, size])],
+        inits,
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def two_output_model(seed: int = 0) -> onnx.ModelProto:
+    """Two outputs, one of them also consumed downstream, and a chain feeding two consumers."""
+    rng = np.random.default_rng(seed)
+    w1 = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32) * 0.2, "w1")
+    w2 = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32) * 0.2, "w2")
+    w3 = numpy_helper.from_array(rng.standard_normal((16, 16)).astype(np.float32) * 0.2, "w3")
+    nodes = [
+        helper.make_node("MatMul", ["x", "w1"], ["h"], name="mm1"),
+        helper.make_node("Tanh", ["h"], ["aux"], name="tanh"),
+        helper.make_node("MatMul", ["aux", "w2"], ["a"], name="mm2"),
+        helper.make_node("MatMul", ["aux", "w3"], ["b"], name="mm3"),
+        helper.make_node("Add", ["a", "b"], ["y"], name="add"),
+    ]
+    graph = helper.make_graph(
+        nodes, "two_output",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 16])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16]), helper.make_tensor_value_info("aux", TensorProto.FLOAT, [2, 16])],
+        [w1, w2, w3],
+    )
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def ort_reference(model: onnx.ModelProto, feeds: dict) -> dict:
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
