@@ -101,5 +101,12 @@ def check_model(model: onnx.ModelProto) -> None:
         msg = str(e)
         node = re.search(r"node with name '([^']*)'", msg) or re.search(r"Node \(([^)]*)\)", msg)
         where = f"node {node.group(1)!r}: " if node else ""
+        if not node:
+            # ORT names only the op ("com.example:FancyOp(-1) is not a registered function/op"): find the node
+            for n in model.graph.node:
+                op = f"{n.domain}:{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+                if re.search(rf"(^|[\s:']){re.escape(op)}\(", msg) or f"{op} " in msg:
+                    where = f"node {n.name!r} ({op}): "
+                    break
         first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
         raise ParastreamError(f"{where}onnxruntime cannot run this model: {first}") from None
