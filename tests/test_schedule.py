@@ -1,0 +1,126 @@
+"""Stream assignment, branches and launch order (pipeline/schedule.py), with cost functions given by the test."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+import pytest
+from graphs import ort_reference, three_branch_model
+from onnx import TensorProto, helper, numpy_helper, shape_inference
+
+from parastream.launcher.plan import TensorSpec
+from parastream.pipeline.partition import extract_branch, make_plan
+from parastream.pipeline.schedule import schedule_graph
+
+
+def gs_graph(model):
+    g = gs.import_onnx(shape_inference.infer_shapes(model))
+    g.toposort()
+    return g
+
+
+def unit_cost(node):
+    return 10e-6 if node.op == "Conv" else 1e-6
+
+
+def conv_compute(node):
+    return node.op != "Conv"
+
+
+def chain_model(n=5):
+    nodes = [helper.make_node("Relu" if i % 2 else "Sigmoid", [f"t{i}"], [f"t{i + 1}"], name=f"n{i}") for i in range(n)]
+    g = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("t0", TensorProto.FLOAT, [4])],
+                          [helper.make_tensor_value_info(f"t{n}", TensorProto.FLOAT, [4])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def random_dag_model(seed: int, n: int = 14):
+    """A random DAG of MatMul/Add/Tanh nodes over [1, 8] tensors; every tensor eventually reaches the output."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, avail = [], [], ["x"]
+    for i in range(n):
+        kind = rng.choice(["mm", "add", "tanh"])
+        a = str(rng.choice(avail))
+        if kind == "mm":
+            w = numpy_helper.from_array((rng.standard_normal((8, 8)) * 0.3).astype(np.float32), f"w{i}")
+            inits.append(w)
+            nodes.append(helper.make_node("MatMul", [a, f"w{i}"], [f"v{i}"], name=f"mm{i}"))
+        elif kind == "add":
+            b = str(rng.choice(avail))
+            nodes.append(helper.make_node("Add", [a, b], [f"v{i}"], name=f"add{i}"))
+        else:
+            nodes.append(helper.make_node("Tanh", [a], [f"v{i}"], name=f"tanh{i}"))
+        avail.append(f"v{i}")
+    used = {t for nd in nodes for t in nd.input}
+    leaves = [t for t in avail[1:] if t not in used]
+    acc = leaves[0]
+    for j, t in enumerate(leaves[1:]):
+        nodes.append(helper.make_node("Add", [acc, t], [f"s{j}"], name=f"sum{j}"))
+        acc = f"s{j}"
+    nodes.append(helper.make_node("Identity", [acc], ["y"], name="out"))
+    g = helper.make_graph(nodes, f"dag{seed}", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_chain_is_one_branch_on_one_stream():
+    g = gs_graph(chain_model())
+    s = schedule_graph(g, 4, unit_cost, conv_compute)
+    assert s.num_streams == 1
+    assert len(s.branches) == 1 and len(s.branches[0]) == 5
+    assert s.makespan == pytest.approx(s.total_work)
+
+
+def test_independent_branches_spread_over_streams():
+    g = gs_graph(three_branch_model())
+    s3 = schedule_graph(g, 3, unit_cost, conv_compute)
+    s1 = schedule_graph(g, 1, unit_cost, conv_compute)
+    assert s3.num_streams == 3
+    assert {s3.node_stream[f"conv{i}"] for i in range(3)} == {0, 1, 2}
+    assert s1.num_streams == 1 and len(s1.branches) == 1
+    assert s1.makespan == pytest.approx(s1.total_work)
+    # three 11 µs branches side by side, then concat+sigmoid: about a third of the conv work on the critical path
+    assert s3.makespan < 0.5 * s1.makespan
+
+
+def test_two_streams_for_three_branches_keep_every_node():
+    g = gs_graph(three_branch_model())
+    s = schedule_graph(g, 2, unit_cost, conv_compute)
+    assert s.num_streams == 2
+    assert sorted(n for b in s.branches for n in b) == sorted(n.name for n in g.nodes)
+
+
+def test_launch_order_alternates_compute_and_memory_bound():
+    """Two ready branches at the same time: after a compute-bound one, the memory-bound one goes next."""
+    g = gs_graph(three_branch_model())
+    # conv1 (3x3) memory-bound, the others compute-bound: order must not put two compute-bound first
+    s = schedule_graph(g, 3, unit_cost, lambda n: n.name in ("conv1", "relu1"))
+    first_two = [s.branch_bound[b] for b in s.launch_order[:2]]
+    assert sorted(first_two) == ["compute", "memory"]
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("streams", [2, 3])
+def test_random_dags_give_valid_plans_that_compute_the_model(seed, streams, tmp_path):
+    from parastream.pipeline import build
+    from parastream.launcher import load
+
+    model = random_dag_model(seed)
+    g = gs_graph(model)
+    s = schedule_graph(g, streams, unit_cost, conv_compute)
+    plan = make_plan(g, s, backend="onnxruntime", precision="fp32", suffix=".onnx",
+                     inputs=[TensorSpec("x", "float32", [1, 8])], outputs=[TensorSpec("y", "float32", [1, 8])])
+    plan.validate()
+    # every branch extracts into a valid standalone model with exactly its nodes
+    for b in plan.branches:
+        sub = extract_branch(model, g, b)
+        onnx.checker.check_model(sub)
+        assert [n.name for n in sub.graph.node] == b.nodes
+    p = tmp_path / "m.onnx"
+    onnx.save(model, p)
+    bundle = build(p, tmp_path / "out", backend="onnxruntime", search=False, streams=streams, verify=False)
+    x = np.random.default_rng(seed).standard_normal((1, 8)).astype(np.float32)
+    got = load(bundle.path)({"x": x})["y"]
+    ref = ort_reference(model, {"x": x})["y"]
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
