@@ -1,0 +1,291 @@
+"""Thin helpers over cuda-python's runtime bindings (``cuda.bindings.runtime``).
+
+Every call goes through ``check``, which turns a non-success ``cudaError_t`` into
+a ``CudaError`` naming the call, so a failure reads "cudaStreamBeginCapture failed:
+cudaErrorStreamCaptureInvalidated (...)" instead of a silent wrong result.  cuda-python
+is imported lazily: this module imports on a machine without it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+from typing import Any
+
+import numpy as np
+
+from .errors import BackendUnavailable, ParastreamError
+
+
+class CudaError(ParastreamError):
+    """A CUDA runtime call failed; the message names the call and the error."""
+
+
+_rt = None
+
+
+def runtime():
+    """The ``cudart`` module of cuda-python (``cuda.bindings.runtime``, or ``cuda.cudart`` before 12.6)."""
+    global _rt
+    if _rt is None:
+        try:
+            from cuda.bindings import runtime as rt
+        except ImportError:
+            try:
+                from cuda import cudart as rt  # cuda-python < 12.6
+            except ImportError:
+                raise BackendUnavailable("the GPU launcher needs cuda-python: pip install 'parastream[cuda]'") from None
+        _rt = rt
+    return _rt
+
+
+def check(result: Any, call: str):
+    """Unpack a cuda-python result tuple ``(err, *values)``; raise ``CudaError`` naming ``call`` unless success.
+
+    Returns ``None`` for no values, the value for one, a tuple for several.
+    """
+    rt = runtime()
+    if isinstance(result, tuple):
+        err, values = result[0], result[1:]
+    else:
+        err, values = result, ()
+    if err != rt.cudaError_t.cudaSuccess:
+        name = getattr(err, "name", str(err))
+        try:
+            _, desc = rt.cudaGetErrorString(err)
+            desc = desc.decode() if isinstance(desc, bytes) else str(desc)
+        except Exception:  # noqa: BLE001 - the description is a nicety
+            desc = ""
+        raise CudaError(f"{call} failed: {name}" + (f" ({desc})" if desc else ""))
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
+
+
+def handle(obj) -> int:
+    """The integer value of a cuda-python handle (stream, event, pointer) or a plain int."""
+    if obj is None:
+        return 0
+    if isinstance(obj, int):
+        return obj
+    return int(obj)
+
+
+# -- device ------------------------------------------------------------------
+
+def device_count() -> int:
+    try:
+        rt = runtime()
+        err, n = rt.cudaGetDeviceCount()
+    except Exception:  # noqa: BLE001 - no cuda-python or no driver
+        return 0
+    return int(n) if err == rt.cudaError_t.cudaSuccess else 0
+
+
+def set_device(device: int) -> None:
+    check(runtime().cudaSetDevice(device), f"cudaSetDevice({device})")
+
+
+def synchronize() -> None:
+    check(runtime().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
+
+
+def device_name(device: int = 0) -> str:
+    props = check(runtime().cudaGetDeviceProperties(device), "cudaGetDeviceProperties")
+    name = props.name
+    if isinstance(name, bytes):
+        name = name.split(b"\0", 1)[0].decode()
+    return str(name)
+
+
+# -- streams and events ------------------------------------------------------
+
+def stream_create():
+    """A non-blocking stream (no implicit synchronisation with the legacy default stream)."""
+    rt = runtime()
+    return check(rt.cudaStreamCreateWithFlags(rt.cudaStreamNonBlocking), "cudaStreamCreateWithFlags(cudaStreamNonBlocking)")
+
+
+def stream_destroy(stream) -> None:
+    check(runtime().cudaStreamDestroy(stream), "cudaStreamDestroy")
+
+
+def stream_synchronize(stream) -> None:
+    check(runtime().cudaStreamSynchronize(stream), "cudaStreamSynchronize")
+
+
+def event_create(timing: bool = False):
+    """An event; fork/join events disable timing (cheaper), timeline events keep it."""
+    rt = runtime()
+    flags = rt.cudaEventDefault if timing else rt.cudaEventDisableTiming
+    return check(rt.cudaEventCreateWithFlags(flags), "cudaEventCreateWithFlags")
+
+
+def event_destroy(event) -> None:
+    check(runtime().cudaEventDestroy(event), "cudaEventDestroy")
+
+
+def event_record(event, stream) -> None:
+    check(runtime().cudaEventRecord(event, stream), "cudaEventRecord")
+
+
+def event_record_external(event, stream) -> None:
+    """Record ``event`` as a real event node when ``stream`` is capturing (timeline inside a graph)."""
+    rt = runtime()
+    check(rt.cudaEventRecordWithFlags(event, stream, rt.cudaEventRecordExternal), "cudaEventRecordWithFlags(cudaEventRecordExternal)")
+
+
+def stream_wait_event(stream, event) -> None:
+    check(runtime().cudaStreamWaitEvent(stream, event, 0), "cudaStreamWaitEvent")
+
+
+def event_synchronize(event) -> None:
+    check(runtime().cudaEventSynchronize(event), "cudaEventSynchronize")
+
+
+def event_elapsed_ms(start, end) -> float:
+    return float(check(runtime().cudaEventElapsedTime(start, end), "cudaEventElapsedTime"))
+
+
+# -- memory ------------------------------------------------------------------
+
+def malloc(nbytes: int) -> int:
+    return handle(check(runtime().cudaMalloc(max(1, int(nbytes))), f"cudaMalloc({nbytes})"))
+
+
+def free(ptr: int) -> None:
+    check(runtime().cudaFree(ptr), "cudaFree")
+
+
+def malloc_host(nbytes: int) -> int:
+    """Pinned host memory (asynchronous copies from pageable memory are staged and synchronous)."""
+    return handle(check(runtime().cudaMallocHost(max(1, int(nbytes))), f"cudaMallocHost({nbytes})"))
+
+
+def free_host(ptr: int) -> None:
+    check(runtime().cudaFreeHost(ptr), "cudaFreeHost")
+
+
+def memcpy_htod_async(dst: int, src: int, nbytes: int, stream) -> None:
+    rt = runtime()
+    check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyHostToDevice, stream), "cudaMemcpyAsync(HostToDevice)")
+
+
+def memcpy_dtoh_async(dst: int, src: int, nbytes: int, stream) -> None:
+    rt = runtime()
+    check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToHost, stream), "cudaMemcpyAsync(DeviceToHost)")
+
+
+def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream) -> None:
+    rt = runtime()
+    check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync(DeviceToDevice)")
+
+
+def memset_async(ptr: int, value: int, nbytes: int, stream) -> None:
+    check(runtime().cudaMemsetAsync(ptr, value, nbytes, stream), "cudaMemsetAsync")
+
+
+def host_array(ptr: int, shape, dtype) -> np.ndarray:
+    """A numpy view of pinned host memory at ``ptr``."""
+    dtype = np.dtype(dtype)
+    n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    buf = (ctypes.c_byte * (n * dtype.itemsize)).from_address(ptr)
+    return np.frombuffer(buf, dtype=dtype, count=n).reshape(shape)
+
+
+# -- graphs ------------------------------------------------------------------
+
+def begin_capture(stream, mode: str = "relaxed") -> None:
+    """Start capturing ``stream``.  Relaxed mode: other threads' (and the caching allocators')
+    unsafe calls such as cudaMalloc stay legal while we capture; memory they take is not captured."""
+    rt = runtime()
+    modes = {"global": rt.cudaStreamCaptureMode.cudaStreamCaptureModeGlobal,
+             "thread_local": rt.cudaStreamCaptureMode.cudaStreamCaptureModeThreadLocal,
+             "relaxed": rt.cudaStreamCaptureMode.cudaStreamCaptureModeRelaxed}
+    check(rt.cudaStreamBeginCapture(stream, modes[mode]), "cudaStreamBeginCapture")
+
+
+def end_capture(stream):
+    return check(runtime().cudaStreamEndCapture(stream), "cudaStreamEndCapture")
+
+
+def is_capturing(stream) -> bool:
+    rt = runtime()
+    status = check(rt.cudaStreamIsCapturing(stream), "cudaStreamIsCapturing")
+    return status != rt.cudaStreamCaptureStatus.cudaStreamCaptureStatusNone
+
+
+def graph_instantiate(graph):
+    return check(runtime().cudaGraphInstantiate(graph, 0), "cudaGraphInstantiate")
+
+
+def graph_launch(graph_exec, stream) -> None:
+    check(runtime().cudaGraphLaunch(graph_exec, stream), "cudaGraphLaunch")
+
+
+def graph_destroy(graph) -> None:
+    check(runtime().cudaGraphDestroy(graph), "cudaGraphDestroy")
+
+
+def graph_exec_destroy(graph_exec) -> None:
+    check(runtime().cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
+
+
+def graph_num_nodes(graph) -> int:
+    _, n = check(runtime().cudaGraphGetNodes(graph, 0), "cudaGraphGetNodes") or (None, 0)
+    return int(n)
+
+
+# -- device arrays -----------------------------------------------------------
+
+_TYPESTR = {
+    "float32": "<f4", "float16": "<f2", "float64": "<f8", "int64": "<i8", "int32": "<i4", "int16": "<i2",
+    "int8": "|i1", "uint8": "|u1", "bool": "|b1", "bfloat16": "<V2",
+}
+
+
+def nbytes_of(shape, dtype: str) -> int:
+    n = int(np.prod(shape, dtype=np.int64)) if len(shape) else 1
+    return n * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
+
+
+class DeviceArray:
+    """A view of launcher-owned device memory: ``__cuda_array_interface__`` (v3) and DLPack via torch/cupy.
+
+    ``torch.as_tensor(arr, device="cuda")`` and ``cupy.asarray(arr)`` wrap it without a copy.
+    The memory belongs to the launcher: it stays valid until the launcher is closed, and a
+    graph replay overwrites it.
+    """
+
+    def __init__(self, ptr: int, shape, dtype: str, name: str = "", owner: Any = None):
+        self.ptr = int(ptr)
+        self.shape = tuple(int(s) for s in shape)
+        self.dtype = dtype
+        self.name = name
+        self._owner = owner
+
+    @property
+    def nbytes(self) -> int:
+        return nbytes_of(self.shape, self.dtype)
+
+    @property
+    def __cuda_array_interface__(self) -> dict:
+        return {"shape": self.shape, "typestr": _TYPESTR[self.dtype], "data": (self.ptr, False),
+                "version": 3, "strides": None, "stream": None}
+
+    def torch(self):
+        """A torch tensor on the same memory (no copy)."""
+        import torch
+
+        if self.dtype == "bfloat16":
+            t = torch.as_tensor(DeviceArray(self.ptr, self.shape, "int16"), device="cuda")
+            return t.view(torch.bfloat16)
+        return torch.as_tensor(self, device="cuda")
+
+    def __dlpack__(self, stream=None):
+        return self.torch().__dlpack__(stream=stream) if stream is not None else self.torch().__dlpack__()
+
+    def __dlpack_device__(self):
+        return (2, 0)  # kDLCUDA, device 0 (the launcher's device is set before use)
+
+    def __repr__(self) -> str:
+        return f"DeviceArray({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, ptr=0x{self.ptr:x})"

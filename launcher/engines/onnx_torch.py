@@ -1,0 +1,1005 @@
+"""Our own ONNX -> PyTorch mapping: a branch's ONNX graph becomes a ``torch.nn.Module``.
+
+Why our own and not onnx2torch: onnx2torch's last release (1.5.15) is from 2024-08; it
+rebuilds every node as a custom module that recomputes shapes at run time (Shape ->
+Gather -> Concat -> Reshape chains stay in the graph), and it has no notion of
+fp16 compute.  Branches reach us with static shapes (``parastream build`` runs
+shape inference), so everything that depends only on initializers and shapes is
+folded *here*, at conversion, and the module holds nothing but tensor work — the
+form TorchInductor fuses best, with no guards on shape arithmetic.
+
+How it works
+------------
+Nodes are visited in topological order.  Each value is a ``Value``: a constant (a
+CPU tensor, folded) or a run-time tensor of known shape and dtype.  A converter
+``CONVERTERS[op_type](node) -> fn`` reads attributes and the constant inputs it
+needs as Python values (Reshape's shape, Slice's starts, ...) and returns ``fn``,
+plain torch code over the node's inputs.  If every input is a constant, ``fn`` runs
+now on CPU tensors and its result is a new constant; otherwise ``fn`` becomes one
+step of the module, and its output shapes come from running it on meta tensors.
+Constants that steps read become buffers, cast to the compute dtype when floating.
+
+``OnnxModule.forward`` interprets the step list; with no data-dependent control
+flow it is FX-traceable (``torch.fx.symbolic_trace``), and dynamo unrolls it.
+
+Unsupported ops fail at conversion with ``UnsupportedOp`` naming the node.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from ..errors import ParastreamError
+
+
+class UnsupportedOp(ParastreamError):
+    """An ONNX node the torch backend cannot convert; the message names the node."""
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+ONNX_TO_TORCH_DTYPE = {
+    1: "float32", 2: "uint8", 3: "int8", 5: "int16", 6: "int32", 7: "int64", 9: "bool", 10: "float16",
+    11: "float64", 16: "bfloat16",
+}
+
+
+def torch_dtype(name_or_onnx):
+    torch = _torch()
+    name = ONNX_TO_TORCH_DTYPE[name_or_onnx] if isinstance(name_or_onnx, int) else str(name_or_onnx)
+    return getattr(torch, name)
+
+
+@dataclass
+class Value:
+    name: str
+    shape: tuple | None
+    dtype: object  # torch.dtype
+    const: object = None  # torch.Tensor on the CPU when known at conversion
+
+    @property
+    def is_const(self) -> bool:
+        return self.const is not None
+
+
+class NodeView:
+    """What a converter sees of one node: attributes, input Values, the compute dtype."""
+
+    def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype):
+        self.node = node
+        self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
+        self.op = node.op_type
+        self.inputs = inputs
+        self.opset = opset
+        self.float_dtype = float_dtype
+        self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    def attr(self, key, default=None):
+        v = self.attrs.get(key, default)
+        if isinstance(v, bytes):
+            v = v.decode()
+        return v
+
+    def has_input(self, i: int) -> bool:
+        return i < len(self.inputs) and self.inputs[i] is not None
+
+    def const(self, i: int):
+        v = self.inputs[i] if i < len(self.inputs) else None
+        if v is None or not v.is_const:
+            raise UnsupportedOp(f"node {self.name!r} ({self.op}): input {i} must be a constant (initializer or computable from shapes) for the torch backend")
+        return v.const
+
+    def ints(self, i: int) -> list[int]:
+        return [int(x) for x in self.const(i).reshape(-1).tolist()]
+
+    def shape(self, i: int) -> tuple:
+        v = self.inputs[i]
+        if v.shape is None:
+            raise UnsupportedOp(f"node {self.name!r} ({self.op}): input {i} has no static shape")
+        return v.shape
+
+    def rank(self, i: int) -> int:
+        return len(self.shape(i))
+
+    def fail(self, why: str):
+        raise UnsupportedOp(f"node {self.name!r} ({self.op}): {why}")
+
+
+CONVERTERS: dict[str, Callable[[NodeView], Callable]] = {}
+
+
+def converter(*ops):
+    def deco(fn):
+        for op in ops:
+            CONVERTERS[op] = fn
+        return fn
+    return deco
+
+
+# -- elementwise ---------------------------------------------------------------
+
+def _unary(name):
+    def conv(n: NodeView):
+        torch = _torch()
+        f = getattr(torch, name)
+        return lambda x: f(x)
+    return conv
+
+
+for _op, _fn in {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "erf", "Exp": "exp", "Log": "log",
+                 "Sqrt": "sqrt", "Neg": "neg", "Abs": "abs", "Reciprocal": "reciprocal", "Floor": "floor",
+                 "Ceil": "ceil", "Not": "logical_not", "Sign": "sign", "Sin": "sin", "Cos": "cos",
+                 "Round": "round", "IsNaN": "isnan"}.items():
+    CONVERTERS[_op] = _unary(_fn)
+
+
+@converter("Identity", "Dropout")
+def _identity(n):
+    return lambda x, *rest: x
+
+
+@converter("Add", "Sub", "Mul", "Pow", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod")
+def _binary(n: NodeView):
+    torch = _torch()
+    if n.op == "Mod" and n.attr("fmod", 0):
+        return lambda a, b: torch.fmod(a, b)
+    f = {"Add": torch.add, "Sub": torch.sub, "Mul": torch.mul, "Pow": torch.pow, "Equal": torch.eq, "Less": torch.lt,
+         "Greater": torch.gt, "LessOrEqual": torch.le, "GreaterOrEqual": torch.ge, "And": torch.logical_and,
+         "Or": torch.logical_or, "Xor": torch.logical_xor, "Mod": torch.remainder}[n.op]
+    if n.op == "Pow":
+        b = n.inputs[1]
+        if b.is_const and b.const.numel() == 1:
+            e = float(b.const.reshape(-1)[0])
+            if e == 2.0:
+                return lambda a, _b: a * a
+            if e == 0.5:
+                return lambda a, _b: torch.sqrt(a)
+            if e == 1.0:
+                return lambda a, _b: a
+            return lambda a, _b: torch.pow(a, e)
+        return lambda a, b: torch.pow(a, b).to(a.dtype)
+    return lambda a, b: f(a, b)
+
+
+@converter("Div")
+def _div(n: NodeView):
+    torch = _torch()
+    if not n.inputs[0].dtype.is_floating_point:
+        return lambda a, b: torch.div(a, b, rounding_mode="trunc")
+    return lambda a, b: torch.div(a, b)
+
+
+@converter("Sum", "Max", "Min", "Mean")
+def _variadic(n: NodeView):
+    torch = _torch()
+    f = {"Sum": torch.add, "Max": torch.maximum, "Min": torch.minimum, "Mean": torch.add}[n.op]
+    k = len(n.inputs)
+
+    def fn(*xs):
+        y = xs[0]
+        for x in xs[1:]:
+            y = f(y, x)
+        return y / k if n.op == "Mean" else y
+    return fn
+
+
+@converter("Gelu")
+def _gelu(n: NodeView):
+    F = _torch().nn.functional
+    approx = n.attr("approximate", "none")
+    return lambda x: F.gelu(x, approximate=approx)
+
+
+@converter("LeakyRelu")
+def _leaky(n):
+    F = _torch().nn.functional
+    a = float(n.attr("alpha", 0.01))
+    return lambda x: F.leaky_relu(x, a)
+
+
+@converter("Elu")
+def _elu(n):
+    F = _torch().nn.functional
+    a = float(n.attr("alpha", 1.0))
+    return lambda x: F.elu(x, a)
+
+
+@converter("HardSigmoid")
+def _hsig(n):
+    torch = _torch()
+    a, b = float(n.attr("alpha", 0.2)), float(n.attr("beta", 0.5))
+    return lambda x: torch.clamp(x * a + b, 0.0, 1.0)
+
+
+@converter("HardSwish")
+def _hswish(n):
+    F = _torch().nn.functional
+    return lambda x: F.hardswish(x)
+
+
+@converter("Softplus")
+def _softplus(n):
+    F = _torch().nn.functional
+    return lambda x: F.softplus(x)
+
+
+@converter("Clip")
+def _clip(n: NodeView):
+    torch = _torch()
+    if n.opset < 11:
+        lo, hi = n.attr("min", None), n.attr("max", None)
+    else:
+        lo = float(n.const(1).reshape(-1)[0]) if n.has_input(1) else None
+        hi = float(n.const(2).reshape(-1)[0]) if n.has_input(2) else None
+    return lambda x, *rest: torch.clamp(x, lo, hi)
+
+
+@converter("Where")
+def _where(n):
+    torch = _torch()
+    return lambda c, a, b: torch.where(c, a, b)
+
+
+@converter("Cast")
+def _cast(n: NodeView):
+    to = int(n.attr("to"))
+    dt = torch_dtype(to)
+    if dt.is_floating_point:
+        dt = n.float_dtype
+    return lambda x: x.to(dt)
+
+
+@converter("CastLike")
+def _castlike(n: NodeView):
+    dt = n.inputs[1].dtype
+    return lambda x, like: x.to(dt)
+
+
+# -- linear algebra --------------------------------------------------------------
+
+@converter("MatMul")
+def _matmul(n):
+    torch = _torch()
+    return lambda a, b: torch.matmul(a, b)
+
+
+@converter("Gemm")
+def _gemm(n: NodeView):
+    torch = _torch()
+    F = torch.nn.functional
+    alpha, beta = float(n.attr("alpha", 1.0)), float(n.attr("beta", 1.0))
+    ta, tb = int(n.attr("transA", 0)), int(n.attr("transB", 0))
+    has_c = n.has_input(2)
+    if alpha == 1.0 and beta == 1.0 and not ta and tb:
+        return lambda a, b, c=None: F.linear(a, b, c)
+
+    def fn(a, b, c=None):
+        a = a.t() if ta else a
+        b = b.t() if tb else b
+        y = torch.matmul(a, b)
+        if alpha != 1.0:
+            y = y * alpha
+        if has_c and c is not None:
+            y = y + (c * beta if beta != 1.0 else c)
+        return y
+    return fn
+
+
+def _pads_split(pads: list[int], nd: int):
+    return pads[:nd], pads[nd:]
+
+
+def _same_pads(in_spatial, kernel, strides, dilations, mode):
+    begin, end = [], []
+    for i, k, s, d in zip(in_spatial, kernel, strides, dilations):
+        out = -(-i // s)
+        total = max(0, (out - 1) * s + (k - 1) * d + 1 - i)
+        small, big = total // 2, total - total // 2
+        if mode == "SAME_UPPER":
+            begin.append(small)
+            end.append(big)
+        else:
+            begin.append(big)
+            end.append(small)
+    return begin + end
+
+
+def _torch_pad_arg(begin, end):
+    """F.pad takes the last dimension first."""
+    out = []
+    for b, e in zip(reversed(begin), reversed(end)):
+        out += [b, e]
+    return out
+
+
+@converter("Conv")
+def _conv(n: NodeView):
+    torch = _torch()
+    F = torch.nn.functional
+    w_shape = n.shape(1)
+    nd = len(w_shape) - 2
+    kernel = list(n.attr("kernel_shape", w_shape[2:]))
+    strides = list(n.attr("strides", [1] * nd))
+    dil = list(n.attr("dilations", [1] * nd))
+    group = int(n.attr("group", 1))
+    auto_pad = n.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = _same_pads(n.shape(0)[2:], kernel, strides, dil, auto_pad)
+    elif auto_pad == "VALID":
+        pads = [0] * (2 * nd)
+    else:
+        pads = list(n.attr("pads", [0] * (2 * nd)))
+    begin, end = _pads_split(pads, nd)
+    fconv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(nd)
+    if fconv is None:
+        n.fail(f"{nd}-d convolution")
+    if begin == end:
+        return lambda x, w, b=None: fconv(x, w, b, strides, begin, dil, group)
+    pad = _torch_pad_arg(begin, end)
+    return lambda x, w, b=None: fconv(F.pad(x, pad), w, b, strides, 0, dil, group)
+
+
+@converter("ConvTranspose")
+def _convt(n: NodeView):
+    F = _torch().nn.functional
+    w_shape = n.shape(1)
+    nd = len(w_shape) - 2
+    strides = list(n.attr("strides", [1] * nd))
+    dil = list(n.attr("dilations", [1] * nd))
+    group = int(n.attr("group", 1))
+    out_pad = list(n.attr("output_padding", [0] * nd))
+    pads = list(n.attr("pads", [0] * (2 * nd)))
+    if n.attr("auto_pad", "NOTSET") not in ("NOTSET", "VALID") or n.attrs.get("output_shape") is not None:
+        n.fail("auto_pad SAME / output_shape")
+    begin, end = _pads_split(pads, nd)
+    if begin != end or nd != 2:
+        n.fail("asymmetric pads or non-2-d transposed convolution")
+    return lambda x, w, b=None: F.conv_transpose2d(x, w, b, strides, begin, out_pad, group, dil)
+
+
+@converter("BatchNormalization")
+def _bn(n: NodeView):
+    F = _torch().nn.functional
+    eps = float(n.attr("epsilon", 1e-5))
+    if n.attr("training_mode", 0):
+        n.fail("training_mode=1")
+    return lambda x, s, b, m, v: F.batch_norm(x, m, v, s, b, False, 0.0, eps)
+
+
+@converter("InstanceNormalization")
+def _in(n: NodeView):
+    F = _torch().nn.functional
+    eps = float(n.attr("epsilon", 1e-5))
+    return lambda x, s, b: F.instance_norm(x, weight=s, bias=b, eps=eps)
+
+
+@converter("LayerNormalization")
+def _ln(n: NodeView):
+    F = _torch().nn.functional
+    r = n.rank(0)
+    axis = int(n.attr("axis", -1)) % r
+    eps = float(n.attr("epsilon", 1e-5))
+    norm_shape = list(n.shape(0)[axis:])
+    return lambda x, s, b=None: F.layer_norm(x, norm_shape, s, b, eps)
+
+
+# -- pooling -------------------------------------------------------------------
+
+def _pool_params(n: NodeView):
+    nd = n.rank(0) - 2
+    kernel = list(n.attr("kernel_shape"))
+    strides = list(n.attr("strides", [1] * nd))
+    dil = list(n.attr("dilations", [1] * nd))
+    auto_pad = n.attr("auto_pad", "NOTSET")
+    if auto_pad in ("SAME_UPPER", "SAME_LOWER"):
+        pads = _same_pads(n.shape(0)[2:], kernel, strides, dil, auto_pad)
+    elif auto_pad == "VALID":
+        pads = [0] * (2 * nd)
+    else:
+        pads = list(n.attr("pads", [0] * (2 * nd)))
+    begin, end = _pads_split(pads, nd)
+    return nd, kernel, strides, dil, begin, end, bool(n.attr("ceil_mode", 0))
+
+
+@converter("MaxPool")
+def _maxpool(n: NodeView):
+    F = _torch().nn.functional
+    if len(n.node.output) > 1 and n.node.output[1]:
+        n.fail("the Indices output")
+    nd, kernel, strides, dil, begin, end, ceil = _pool_params(n)
+    fpool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
+    if begin == end and all(2 * p <= k for p, k in zip(begin, kernel)):
+        return lambda x: fpool(x, kernel, strides, begin, dil, ceil)
+    pad = _torch_pad_arg(begin, end)
+    return lambda x: fpool(F.pad(x, pad, value=float("-inf")), kernel, strides, 0, dil, ceil)
+
+
+@converter("AveragePool")
+def _avgpool(n: NodeView):
+    F = _torch().nn.functional
+    nd, kernel, strides, dil, begin, end, ceil = _pool_params(n)
+    if any(d != 1 for d in dil):
+        n.fail("dilations")
+    cip = bool(n.attr("count_include_pad", 0))
+    fpool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
+    if begin == end and all(2 * p <= k for p, k in zip(begin, kernel)):
+        if nd == 1:
+            return lambda x: fpool(x, kernel, strides, begin, ceil, cip)
+        return lambda x: fpool(x, kernel, strides, begin, ceil, cip, None)
+    if not cip:
+        n.fail("asymmetric pads with count_include_pad=0")
+    pad = _torch_pad_arg(begin, end)
+    return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)
+
+
+@converter("GlobalAveragePool", "GlobalMaxPool")
+def _gpool(n: NodeView):
+    torch = _torch()
+    dims = tuple(range(2, n.rank(0)))
+    if n.op == "GlobalAveragePool":
+        return lambda x: torch.mean(x, dim=dims, keepdim=True)
+    return lambda x: torch.amax(x, dim=dims, keepdim=True)
+
+
+# -- shape and data movement -----------------------------------------------------
+
+@converter("Concat")
+def _concat(n: NodeView):
+    torch = _torch()
+    axis = int(n.attr("axis"))
+    return lambda *xs: torch.cat([x for x in xs], dim=axis)
+
+
+@converter("Split")
+def _split(n: NodeView):
+    torch = _torch()
+    axis = int(n.attr("axis", 0)) % n.rank(0)
+    dim = n.shape(0)[axis]
+    if n.has_input(1):
+        sizes = n.ints(1)
+    elif n.attr("split") is not None:
+        sizes = list(n.attr("split"))
+    else:
+        k = int(n.attr("num_outputs", len(n.node.output)))
+        chunk = -(-dim // k)
+        sizes = [chunk] * (k - 1) + [dim - chunk * (k - 1)]
+    offsets = [sum(sizes[:i]) for i in range(len(sizes))]
+    return lambda x, *rest: tuple(x.narrow(axis, o, k) for o, k in zip(offsets, sizes))
+
+
+@converter("Reshape")
+def _reshape(n: NodeView):
+    shape = n.ints(1)
+    allowzero = int(n.attr("allowzero", 0))
+    in_shape = n.shape(0)
+    if not allowzero:
+        shape = [in_shape[i] if s == 0 else s for i, s in enumerate(shape)]
+    return lambda x, _s: x.reshape(shape)
+
+
+@converter("Flatten")
+def _flatten(n: NodeView):
+    shp = n.shape(0)
+    axis = int(n.attr("axis", 1)) % (len(shp) + 1) if len(shp) else 0
+    outer = int(np.prod(shp[:axis], dtype=np.int64))
+    return lambda x: x.reshape(outer, -1)
+
+
+@converter("Transpose")
+def _transpose(n: NodeView):
+    perm = n.attr("perm")
+    perm = list(perm) if perm is not None else list(reversed(range(n.rank(0))))
+    return lambda x: x.permute(perm)
+
+
+@converter("Squeeze")
+def _squeeze(n: NodeView):
+    shp = n.shape(0)
+    if n.opset >= 13:
+        axes = n.ints(1) if n.has_input(1) else [i for i, s in enumerate(shp) if s == 1]
+    else:
+        axes = list(n.attr("axes", [i for i, s in enumerate(shp) if s == 1]))
+    axes = {a % len(shp) for a in axes}
+    out = [s for i, s in enumerate(shp) if i not in axes]
+    return lambda x, *rest: x.reshape(out)
+
+
+@converter("Unsqueeze")
+def _unsqueeze(n: NodeView):
+    shp = list(n.shape(0))
+    axes = n.ints(1) if n.opset >= 13 else list(n.attr("axes"))
+    r = len(shp) + len(axes)
+    axes = sorted(a % r for a in axes)
+    out = list(shp)
+    for a in axes:
+        out.insert(a, 1)
+    return lambda x, *rest: x.reshape(out)
+
+
+@converter("Softmax", "LogSoftmax")
+def _softmax(n: NodeView):
+    torch = _torch()
+    r = n.rank(0)
+    axis = int(n.attr("axis", -1 if n.opset >= 13 else 1)) % r
+    f = torch.softmax if n.op == "Softmax" else torch.log_softmax
+    if n.opset >= 13 or axis == r - 1:
+        return lambda x: f(x, dim=axis)
+    shp = n.shape(0)
+    flat = [int(np.prod(shp[:axis], dtype=np.int64)), -1]
+    return lambda x: f(x.reshape(flat), dim=1).reshape(shp)
+
+
+@converter("Shape")
+def _shape(n: NodeView):
+    torch = _torch()
+    shp = list(n.shape(0))
+    start = n.attr("start", 0)
+    end = n.attr("end", None)
+    vals = shp[start:end] if end is not None else shp[start:]
+    t = torch.tensor(vals, dtype=torch.int64)
+    return _ConstFn(t)
+
+
+@converter("Size")
+def _size(n: NodeView):
+    torch = _torch()
+    return _ConstFn(torch.tensor(int(np.prod(n.shape(0), dtype=np.int64)), dtype=torch.int64))
+
+
+class _ConstFn:
+    """A converter result that does not depend on run-time values (folded even with run-time inputs)."""
+
+    def __init__(self, value):
+        self.value = value
+
+    def __call__(self, *args):
+        return self.value
+
+
+@converter("Constant")
+def _constant(n: NodeView):
+    torch = _torch()
+    a = n.attrs
+    if "value" in a:
+        arr = numpy_helper.to_array(a["value"])
+    elif "value_float" in a:
+        arr = np.array(a["value_float"], dtype=np.float32)
+    elif "value_floats" in a:
+        arr = np.array(a["value_floats"], dtype=np.float32)
+    elif "value_int" in a:
+        arr = np.array(a["value_int"], dtype=np.int64)
+    elif "value_ints" in a:
+        arr = np.array(a["value_ints"], dtype=np.int64)
+    else:
+        n.fail("sparse or string constants")
+    return _ConstFn(torch.from_numpy(np.array(arr)))
+
+
+@converter("ConstantOfShape")
+def _const_of_shape(n: NodeView):
+    torch = _torch()
+    shape = n.ints(0)
+    v = n.attrs.get("value")
+    arr = numpy_helper.to_array(v).reshape(-1) if v is not None else np.zeros(1, np.float32)
+    return _ConstFn(torch.full(shape, arr[0].item(), dtype=torch.from_numpy(arr).dtype))
+
+
+@converter("Range")
+def _range(n: NodeView):
+    torch = _torch()
+    s, l, d = (n.const(i).reshape(-1)[0].item() for i in range(3))
+    return _ConstFn(torch.arange(s, l, d, dtype=n.inputs[0].dtype))
+
+
+@converter("Gather")
+def _gather(n: NodeView):
+    torch = _torch()
+    shp = n.shape(0)
+    r = len(shp)
+    axis = int(n.attr("axis", 0)) % r
+    dim = shp[axis]
+    idx = n.inputs[1]
+    ishape = tuple(idx.shape) if idx.shape is not None else tuple(idx.const.shape)
+    out_shape = tuple(shp[:axis]) + ishape + tuple(shp[axis + 1:])
+    if idx.is_const and idx.const.dim() == 0:
+        i = int(idx.const)
+        i = i + dim if i < 0 else i
+        return lambda x, _i: x.select(axis, i)
+    if idx.is_const:
+        flat = [int(v) + dim if int(v) < 0 else int(v) for v in idx.const.reshape(-1).tolist()]
+        if flat == list(range(flat[0], flat[0] + len(flat))):
+            # a contiguous run of indices: a slice, no gather kernel
+            sl = [slice(None)] * r
+            sl[axis] = slice(flat[0], flat[0] + len(flat))
+            sl = tuple(sl)
+            return lambda x, _i: x[sl].reshape(out_shape)
+
+    def fn(x, i):
+        i = torch.where(i < 0, i + dim, i)
+        if axis == 0 and r == 2:
+            return torch.nn.functional.embedding(i, x)
+        return torch.index_select(x, axis, i.reshape(-1)).reshape(out_shape)
+    return fn
+
+
+@converter("GatherElements")
+def _gather_el(n: NodeView):
+    torch = _torch()
+    axis = int(n.attr("axis", 0))
+    return lambda x, i: torch.gather(x, axis, i)
+
+
+@converter("Slice")
+def _slice(n: NodeView):
+    shp = n.shape(0)
+    r = len(shp)
+    if n.opset < 10:
+        starts, ends = list(n.attr("starts")), list(n.attr("ends"))
+        axes = list(n.attr("axes", range(len(starts))))
+        steps = [1] * len(starts)
+    else:
+        starts, ends = n.ints(1), n.ints(2)
+        axes = n.ints(3) if n.has_input(3) else list(range(len(starts)))
+        steps = n.ints(4) if n.has_input(4) else [1] * len(starts)
+    index: list = [slice(None)] * r
+    flips = []
+    for s, e, a, st in zip(starts, ends, axes, steps):
+        a %= r
+        d = shp[a]
+        if st > 0:
+            s = min(max(s + d if s < 0 else s, 0), d)
+            e = min(max(e + d if e < 0 else e, 0), d)
+            index[a] = slice(s, e, st)
+        else:
+            # negative steps: torch slicing has none; flip, then slice forward
+            s = min(max(s + d if s < 0 else s, -1), d - 1)
+            e = min(max(e + d if e < 0 else e, -1), d - 1)
+            fs, fe = d - 1 - s, d - 1 - e
+            flips.append(a)
+            index[a] = slice(fs, fe, -st)
+    idx = tuple(index)
+    torch = _torch()
+    if flips:
+        return lambda x, *rest: torch.flip(x, flips)[idx]
+    return lambda x, *rest: x[idx]
+
+
+@converter("Expand")
+def _expand(n: NodeView):
+    shape = n.ints(1)
+    in_shape = list(n.shape(0))
+    out = list(np.broadcast_shapes(tuple(in_shape), tuple(shape)))
+    return lambda x, _s: x.expand(out)
+
+
+@converter("Tile")
+def _tile(n: NodeView):
+    reps = n.ints(1)
+    return lambda x, _r: x.repeat(reps)
+
+
+@converter("Pad")
+def _pad(n: NodeView):
+    torch = _torch()
+    F = torch.nn.functional
+    r = n.rank(0)
+    mode = n.attr("mode", "constant")
+    if n.opset < 11:
+        pads = list(n.attr("pads"))
+        value = float(n.attr("value", 0.0))
+        axes = list(range(r))
+    else:
+        pads = n.ints(1)
+        value = n.const(2).reshape(-1)[0].item() if n.has_input(2) else 0.0
+        axes = [a % r for a in n.ints(3)] if n.has_input(3) else list(range(r))
+    k = len(axes)
+    begin = [0] * r
+    end = [0] * r
+    for j, a in enumerate(axes):
+        begin[a], end[a] = pads[j], pads[k + j]
+    # trim leading all-zero dims (reflect/replicate in torch accept only trailing dims)
+    first = next((i for i in range(r) if begin[i] or end[i]), r)
+    arg = _torch_pad_arg(begin[first:], end[first:])
+    tmode = {"constant": "constant", "reflect": "reflect", "edge": "replicate", "wrap": "circular"}.get(mode)
+    if tmode is None:
+        n.fail(f"mode {mode!r}")
+    if tmode == "constant":
+        return lambda x, *rest: F.pad(x, arg, value=value)
+    return lambda x, *rest: F.pad(x, arg, mode=tmode)
+
+
+def _reduce_axes(n: NodeView):
+    r = n.rank(0)
+    uses_input = n.opset >= 18 or (n.op == "ReduceSum" and n.opset >= 13)
+    if uses_input:
+        axes = n.ints(1) if n.has_input(1) else []
+    else:
+        axes = list(n.attr("axes", []))
+    if not axes:
+        if n.attr("noop_with_empty_axes", 0):
+            return None
+        axes = list(range(r))
+    return tuple(sorted(a % r for a in axes))
+
+
+@converter("ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceSumSquare")
+def _reduce(n: NodeView):
+    torch = _torch()
+    axes = _reduce_axes(n)
+    keep = bool(n.attr("keepdims", 1))
+    if axes is None:
+        return lambda x, *rest: x
+    f = {"ReduceMean": lambda x: torch.mean(x, dim=axes, keepdim=keep),
+         "ReduceSum": lambda x: torch.sum(x, dim=axes, keepdim=keep),
+         "ReduceMax": lambda x: torch.amax(x, dim=axes, keepdim=keep),
+         "ReduceMin": lambda x: torch.amin(x, dim=axes, keepdim=keep),
+         "ReduceSumSquare": lambda x: torch.sum(x * x, dim=axes, keepdim=keep),
+         "ReduceL2": lambda x: torch.sqrt(torch.sum(x * x, dim=axes, keepdim=keep))}.get(n.op)
+    if n.op == "ReduceProd":
+        def f(x):
+            for a in reversed(axes):
+                x = torch.prod(x, dim=a, keepdim=keep)
+            return x
+    return lambda x, *rest: f(x)
+
+
+@converter("ArgMax", "ArgMin")
+def _argmax(n: NodeView):
+    torch = _torch()
+    axis = int(n.attr("axis", 0))
+    keep = bool(n.attr("keepdims", 1))
+    f = torch.argmax if n.op == "ArgMax" else torch.argmin
+    return lambda x: f(x, dim=axis, keepdim=keep)
+
+
+@converter("Einsum")
+def _einsum(n: NodeView):
+    torch = _torch()
+    eq = n.attr("equation").replace(" ", "")
+    return lambda *xs: torch.einsum(eq, *xs)
+
+
+@converter("Resize")
+def _resize(n: NodeView):
+    F = _torch().nn.functional
+    mode = n.attr("mode", "nearest")
+    out_size = None
+    in_shape = n.shape(0)
+    if n.has_input(3) and n.const(3).numel():
+        out_size = n.ints(3)[2:]
+    elif n.has_input(2) and n.const(2).numel():
+        scales = [float(s) for s in n.const(2).reshape(-1).tolist()]
+        out_size = [int(math.floor(d * s)) for d, s in zip(in_shape[2:], scales[2:])]
+    else:
+        n.fail("no sizes or scales")
+    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
+    if mode == "nearest" and ctm == "asymmetric" and n.attr("nearest_mode", "round_prefer_floor") == "floor":
+        return lambda x, *rest: F.interpolate(x, size=out_size, mode="nearest")
+    if mode == "linear" and ctm in ("half_pixel", "pytorch_half_pixel", "align_corners"):
+        tmode = {3: "linear", 4: "bilinear", 5: "trilinear"}[len(in_shape)]
+        ac = ctm == "align_corners"
+        return lambda x, *rest: F.interpolate(x, size=out_size, mode=tmode, align_corners=ac)
+    n.fail(f"mode {mode!r} with coordinate_transformation_mode {ctm!r}")
+
+
+# -- the module ------------------------------------------------------------------
+
+@dataclass
+class Step:
+    fn: Callable
+    args: list  # per input: ("v", name) run-time value, ("c", buffer) constant, None
+    outputs: list[str]
+    node: str
+
+
+def _np_to_torch(arr: np.ndarray):
+    torch = _torch()
+    if arr.dtype == np.dtype("O"):
+        raise UnsupportedOp("string tensors are not supported")
+    return torch.from_numpy(np.ascontiguousarray(arr).copy())
+
+
+def _cast_const(t, float_dtype):
+    return t.to(float_dtype) if t.is_floating_point() else t
+
+
+def _module_class():
+    torch = _torch()
+
+    class OnnxModule(torch.nn.Module):
+        """The branch as torch ops; ``forward(*inputs)`` takes and returns tensors in ONNX input/output order."""
+
+        def __init__(self, steps, input_names, output_refs, consts, float_dtype):
+            super().__init__()
+            self.input_names = list(input_names)
+            self._steps = steps
+            self._output_refs = output_refs
+            self.float_dtype = float_dtype
+            for key, t in consts.items():
+                self.register_buffer(key, t, persistent=False)
+
+        def forward(self, *inputs):
+            env = {}
+            for name, x in zip(self.input_names, inputs):
+                env[name] = x
+            for step in self._steps:
+                args = []
+                for a in step.args:
+                    if a is None:
+                        args.append(None)
+                    elif a[0] == "v":
+                        args.append(env[a[1]])
+                    else:
+                        args.append(getattr(self, a[1]))
+                out = step.fn(*args)
+                if len(step.outputs) == 1:
+                    env[step.outputs[0]] = out
+                else:
+                    for name, o in zip(step.outputs, out):
+                        env[name] = o
+            results = []
+            for kind, ref in self._output_refs:
+                results.append(env[ref] if kind == "v" else getattr(self, ref))
+            return tuple(results)
+
+    return OnnxModule
+
+
+def convert(model: onnx.ModelProto, dtype: str = "float32"):
+    """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
+
+    Graph inputs are taken in any float dtype and cast to the compute dtype inside
+    ``forward``'s first consumers (callers do that; see ``TorchEngine``).  Raises
+    ``UnsupportedOp`` naming the first node it cannot convert.
+    """
+    torch = _torch()
+    float_dtype = getattr(torch, dtype)
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 17)
+    g = model.graph
+    init_names = {t.name for t in g.initializer}
+    values: dict[str, Value] = {}
+    for t in g.initializer:
+        values[t.name] = Value(t.name, tuple(t.dims), None, _np_to_torch(numpy_helper.to_array(t)))
+        values[t.name].dtype = values[t.name].const.dtype
+    input_names = []
+    for vi in g.input:
+        if vi.name in init_names:
+            continue
+        tt = vi.type.tensor_type
+        shape = tuple(int(d.dim_value) if d.HasField("dim_value") else -1 for d in tt.shape.dim)
+        if any(s < 0 for s in shape):
+            raise UnsupportedOp(f"input {vi.name!r}: the torch backend needs static shapes (build with --shapes)")
+        dt = torch_dtype(tt.elem_type)
+        values[vi.name] = Value(vi.name, shape, float_dtype if dt.is_floating_point else dt)
+        input_names.append(vi.name)
+
+    steps: list[Step] = []
+    consts: dict[str, object] = {}
+    const_key: dict[int, str] = {}
+
+    def buffer_for(v: Value) -> str:
+        key = const_key.get(id(v.const))
+        if key is None:
+            key = f"c{len(consts)}"
+            consts[key] = _cast_const(v.const, float_dtype)
+            const_key[id(v.const)] = key
+        return key
+
+    for node in g.node:
+        if node.domain not in ("", "ai.onnx"):
+            raise UnsupportedOp(f"node {node.name!r} ({node.domain}:{node.op_type}): custom domain ops are not supported by the torch backend")
+        ins = [values.get(i) if i else None for i in node.input]
+        for i, name in enumerate(node.input):
+            if name and ins[i] is None:
+                raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
+        conv = CONVERTERS.get(node.op_type)
+        nv = NodeView(node, ins, opset, float_dtype)
+        if conv is None:
+            nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
+        fn = conv(nv)
+        outs = [o for o in node.output]
+        all_const = isinstance(fn, _ConstFn) or all(v is None or v.is_const for v in ins)
+        if all_const:
+            with torch.no_grad():
+                res = fn(*[v.const if v is not None else None for v in ins])
+            res = res if isinstance(res, (tuple, list)) else (res,)
+            for name, r in zip(outs, res):
+                if name:
+                    r = r.contiguous() if isinstance(r, torch.Tensor) else torch.tensor(r)
+                    values[name] = Value(name, tuple(r.shape), r.dtype, r)
+            continue
+        # run on meta tensors for output shapes and dtypes
+        meta_in = []
+        for v in ins:
+            if v is None:
+                meta_in.append(None)
+            elif v.is_const:
+                meta_in.append(_cast_const(v.const, float_dtype).to("meta"))
+            else:
+                meta_in.append(torch.empty(v.shape, dtype=v.dtype, device="meta"))
+        try:
+            with torch.no_grad():
+                res = fn(*meta_in)
+        except UnsupportedOp:
+            raise
+        except Exception as e:  # noqa: BLE001 - report the node
+            first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+            raise UnsupportedOp(f"node {nv.name!r} ({node.op_type}): torch cannot run it as converted: {first}") from None
+        res = res if isinstance(res, (tuple, list)) else (res,)
+        args = []
+        for v in ins:
+            if v is None:
+                args.append(None)
+            elif v.is_const:
+                args.append(("c", buffer_for(v)))
+            else:
+                args.append(("v", v.name))
+        steps.append(Step(fn, args, outs, nv.name))
+        for name, r in zip(outs, res):
+            if name:
+                values[name] = Value(name, tuple(r.shape), r.dtype)
+
+    output_refs = []
+    for vi in g.output:
+        v = values.get(vi.name)
+        if v is None:
+            raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
+        output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
+    module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
+    module.eval()
+    module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]
+    return module
+
+
+def supported_ops() -> list[str]:
+    return sorted(CONVERTERS)
+
+
+def to_fx(module):
+    """The module as a ``torch.fx.GraphModule``: its forward run once on FX proxies (no Python loop left)."""
+    import re
+
+    torch = _torch()
+    fx = torch.fx
+    graph = fx.Graph()
+    tracer = fx.proxy.GraphAppendingTracer(graph)
+    args = []
+    for i, name in enumerate(module.input_names):
+        ident = re.sub(r"\W", "_", name)
+        ident = ident if ident and not ident[0].isdigit() else f"in_{i}_{ident}"
+        args.append(fx.Proxy(graph.placeholder(ident), tracer))
+
+    class _Attrs:
+        def __getattr__(self, key):
+            return fx.Proxy(graph.get_attr(key), tracer)
+
+    outs = type(module).forward(_ProxyModule(module, _Attrs()), *args)
+    graph.output(tuple(o.node for o in outs))
+    gm = fx.GraphModule(module, graph)
+    gm.input_names = list(module.input_names)
+    gm.output_specs = module.output_specs
+    return gm
+
+
+class _ProxyModule:
+    """Stands in for ``self`` in ``OnnxModule.forward`` while tracing: buffers become get_attr nodes."""
+
+    def __init__(self, module, attrs):
+        self._module = module
+        self._attrs = attrs
+        self.input_names = module.input_names
+        self._steps = module._steps
+        self._output_refs = module._output_refs
+
+    def __getattr__(self, key):
+        return getattr(self._attrs, key)
