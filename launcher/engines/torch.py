@@ -121,6 +121,9 @@ def _wrap(ptr: int, spec: TensorSpec, nhwc: bool):
     return DeviceArray(ptr, spec.shape, spec.dtype).torch()
 
 
+_ENGINE_SERIAL = 0
+
+
 class TorchEngine:
     def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
                  options: BuildOptions, internal_nhwc: set[str] | None = None):
@@ -156,7 +159,15 @@ class TorchEngine:
     def _make_fn(self):
         import torch
 
-        module, order, out_pos, cdt = self.module, self._order, self._out_pos, self._tdtype
+        from .onnx_torch import to_fx
+
+        module = self.module
+        if self.device == "cuda" and self.options.compile:
+            try:
+                module = to_fx(self.module)  # dynamo then traces straight-line code, not the interpreter loop
+            except Exception:  # noqa: BLE001 - the interpreter module compiles too, only slower
+                module = self.module
+        order, out_pos, cdt = self._order, self._out_pos, self._tdtype
         n_in = len(self._in_names)
 
         def run_into(*args):
@@ -168,8 +179,13 @@ class TorchEngine:
 
         if self.device != "cuda" or not self.options.compile:
             return run_into
+        # dynamo keys its cache and its recompile limit on the code object: give every engine its own
+        global _ENGINE_SERIAL
+        _ENGINE_SERIAL += 1
+        ns = {"_body": run_into}
+        exec(f"def engine_{_ENGINE_SERIAL}(*args):\n    return _body(*args)\n", ns)  # noqa: S102
         mode = "max-autotune-no-cudagraphs" if self.options.optimization_level >= 5 else None
-        return torch.compile(run_into, fullgraph=True, dynamic=False, mode=mode)
+        return torch.compile(ns[f"engine_{_ENGINE_SERIAL}"], fullgraph=True, dynamic=False, mode=mode)
 
     def _scratch(self, spec: TensorSpec):
         import torch

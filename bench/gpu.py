@@ -1,0 +1,293 @@
+#!/usr/bin/env python3
+"""The H100 benchmark (issue 4): run on the device machine, from the repository root,
+after ``source bench/device_env.sh``.
+
+For each model (torchvision Inception-v3, GoogLeNet, ResNet-50; transformers BERT-base,
+sequence 128; random weights, batch 1, fp16), exported to ONNX here:
+  (a) PyTorch eager, fp16
+  (b) the engines of (d) on one stream, in one CUDA Graph
+  (c) parastream without the rewrite (search=False)
+  (d) parastream with the rewrite search (``parastream.rewrite.optimize``), or (c) again where it does not exist yet
+  (e) the whole model under torch.compile(mode="reduce-overhead")
+Milliseconds are medians of >= 200 CUDA-event timings after warm-up; errors are
+||out - ref|| / ||ref|| against ONNX Runtime (CPU, fp32) on the original ONNX model.
+
+Usage: python3 bench/gpu.py [--models inception_v3,googlenet,resnet50,bert] [--runs 200] [--streams N] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "tests"))
+
+MODELS = ("inception_v3", "googlenet", "resnet50", "bert")
+
+
+def make_model(name: str):
+    """(torch model in fp32 eval mode on the CPU, dict of example inputs, onnx input names)."""
+    import torch
+
+    torch.manual_seed(0)
+    if name == "bert":
+        from transformers import BertConfig, BertModel
+
+        cfg = BertConfig(attn_implementation="eager")
+        model = BertModel(cfg).eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, 128))
+        mask = torch.ones(1, 128, dtype=torch.int64)
+        mask[:, -16:] = 0
+        return model, {"input_ids": ids, "attention_mask": mask}
+    import torchvision
+
+    if name == "inception_v3":
+        model = torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=True)
+        x = torch.randn(1, 3, 299, 299)
+    elif name == "googlenet":
+        model = torchvision.models.googlenet(weights=None, aux_logits=False, init_weights=True)
+        x = torch.randn(1, 3, 224, 224)
+    elif name == "resnet50":
+        model = torchvision.models.resnet50(weights=None)
+        x = torch.randn(1, 3, 224, 224)
+    else:
+        raise SystemExit(f"unknown model {name}")
+    model.eval()
+    # random BN statistics so that folding them into the convolutions is not the identity
+    with torch.no_grad():
+        for m in model.modules():
+            if isinstance(m, torch.nn.BatchNorm2d):
+                m.running_mean.uniform_(-0.1, 0.1)
+                m.running_var.uniform_(0.5, 1.5)
+    return model, {"x": x}
+
+
+def export(model, inputs: dict, path: Path) -> None:
+    import torch
+
+    names = list(inputs)
+    args = tuple(inputs[n] for n in names)
+
+    class Wrap(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *a):
+            out = self.m(*a)
+            if hasattr(out, "last_hidden_state"):
+                return out.last_hidden_state, out.pooler_output
+            return out
+
+    outs = ["last_hidden_state", "pooler_output"] if "input_ids" in inputs else ["logits"]
+    with torch.no_grad():
+        torch.onnx.export(Wrap(model), args, str(path), input_names=names, output_names=outs, opset_version=17,
+                          dynamo=False, do_constant_folding=True)
+
+
+def cuda_median_ms(fn, runs: int, warmup: int, before=None) -> float:
+    """Median of per-call CUDA-event timings (``before(i)`` runs outside the timed region)."""
+    import torch
+
+    for i in range(warmup):
+        if before:
+            before(i)
+        fn()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(runs)]
+    for i in range(runs):
+        if before:
+            before(i)
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return float(np.median([s.elapsed_time(e) for s, e in zip(starts, ends)]))
+
+
+def rel_err(out, ref) -> float:
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
+
+
+def ort_reference(path: Path, feeds: dict) -> dict:
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | None, log: dict):
+    """The lead's pipeline build when it runs; else a bundle made from the pipeline's pieces (tests/handmade_bundles.py)."""
+    t0 = time.perf_counter()
+    try:
+        from parastream.pipeline import build
+
+        kw = {"streams": streams} if streams else {}
+        bundle = build(onnx_path, out, backend="torch", precision="fp16", search=search, force=True, **kw)
+        log["builder"] = "pipeline.build"
+    except (ImportError, ModuleNotFoundError) as e:
+        if search:
+            raise
+        from handmade_bundles import make_bundle
+
+        log["builder"] = f"handmade (pipeline.build unavailable: {e})"
+        bundle = make_bundle(onnx_path, out, backend="torch", streams=streams or 4, precision="fp16")
+    log["build_s"] = time.perf_counter() - t0
+    return bundle
+
+
+def run_model(name: str, args, outdir: Path) -> dict:
+    import torch
+
+    from parastream.launcher.bench import bench_bundle
+    from parastream.launcher.gpu import GpuLauncher
+
+    res: dict = {"model": name}
+    model, inputs = make_model(name)
+    onnx_path = outdir / f"{name}.onnx"
+    t0 = time.perf_counter()
+    export(model, inputs, onnx_path)
+    res["export_s"] = time.perf_counter() - t0
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    ref = ort_reference(onnx_path, feeds)
+    ref_list = list(ref.values())
+
+    # (a) eager fp16 and (e) torch.compile reduce-overhead, on rotating input sets
+    model_h = model.half().cuda() if name != "bert" else model.cuda().half()
+    sets = []
+    rng = np.random.default_rng(1)
+    for i in range(4):
+        if name == "bert":
+            ids = torch.from_numpy(rng.integers(0, 30522, (1, 128))).cuda()
+            sets.append((ids, inputs["attention_mask"].cuda()))
+        else:
+            sets.append((torch.from_numpy(rng.standard_normal(tuple(inputs["x"].shape)).astype(np.float16)).cuda(),))
+    cur = {"i": 0}
+
+    def pick(i):
+        cur["i"] = i % len(sets)
+
+    def first(out):
+        return out.last_hidden_state if hasattr(out, "last_hidden_state") else out
+
+    with torch.no_grad():
+        dev_in = tuple(v.cuda() if v.dtype != torch.float32 else v.cuda().half() for v in inputs.values())
+        eager_out = first(model_h(*dev_in)).float().cpu().numpy()
+        res["err_eager"] = rel_err(eager_out, ref_list[0])
+        res["a_eager_ms"] = cuda_median_ms(lambda: model_h(*sets[cur["i"]]), args.runs, 20, pick)
+        if not args.skip_compile:
+            t0 = time.perf_counter()
+            compiled = torch.compile(model_h, mode="reduce-overhead")
+            for _ in range(3):
+                compiled(*sets[0])
+            torch.cuda.synchronize()
+            res["e_compile_s"] = time.perf_counter() - t0
+            res["e_compile_ms"] = cuda_median_ms(lambda: compiled(*sets[cur["i"]]), args.runs, 20, pick)
+            del compiled
+            torch._dynamo.reset()
+    del model_h
+    torch.cuda.empty_cache()
+
+    # (c) and (d)
+    variants = [("c", False)]
+    try:
+        from parastream.rewrite import optimize  # noqa: F401
+
+        variants.append(("d", True))
+    except ImportError:
+        res["d_note"] = "parastream.rewrite.optimize does not exist yet: (d) = (c)"
+    for tag, search in variants:
+        log: dict = {}
+        try:
+            bundle = build_bundle(onnx_path, outdir / f"{name}_{tag}", search=search, streams=args.streams, log=log)
+        except Exception as e:  # noqa: BLE001 - report and go on with the next variant
+            res[f"{tag}_error"] = f"{type(e).__name__}: {e}"
+            traceback.print_exc()
+            continue
+        res[f"{tag}_builder"] = log.get("builder")
+        res[f"{tag}_build_s"] = log["build_s"]
+        t0 = time.perf_counter()
+        la = GpuLauncher(bundle)
+        res[f"{tag}_load_s"] = time.perf_counter() - t0
+        got = la(feeds)
+        res[f"{tag}_err"] = {k: rel_err(got[k], ref[k]) for k in ref}
+        png = outdir / f"timeline_{name}_{tag}.png" if tag == variants[-1][0] else None
+        b = bench_bundle(bundle, runs=args.runs, warmup=20, timeline=png, launcher=la)
+        res[f"{tag}_ms"] = b["parastream_ms"]
+        res[f"b_{tag}_ms"] = b["single_stream_ms"]
+        res[f"{tag}_streams"] = b["streams"]
+        res[f"{tag}_branches"] = b["branches"]
+        if "busy_fraction" in b:
+            res[f"{tag}_busy"] = b["busy_fraction"]
+            spans = la.run_timed()
+            res[f"{tag}_spans"] = spans
+        la.close()
+    if "d_ms" not in res and "c_ms" in res:
+        res["d_ms"], res["b_d_ms"] = res["c_ms"], res["b_c_ms"]
+    return res
+
+
+def table(results: list[dict]) -> str:
+    hdr = ("model", "(a) eager", "(b) 1-stream", "(c) no rewrite", "(d) rewrite", "(e) compile", "b/d", "e/d", "streams/eng", "err(c)", "build s")
+    rows = [hdr]
+    for r in results:
+        d = r.get("d_ms")
+        f = (lambda k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else "-")
+        err = max(r["c_err"].values()) if isinstance(r.get("c_err"), dict) else float("nan")
+        rows.append((r["model"], f("a_eager_ms"), f("b_d_ms"), f("c_ms"), f("d_ms"), f("e_compile_ms"),
+                     f"{r['b_d_ms'] / d:.2f}" if d and r.get("b_d_ms") else "-",
+                     f"{r['e_compile_ms'] / d:.2f}" if d and r.get("e_compile_ms") else "-",
+                     f"{r.get('c_streams', '-')}/{r.get('c_branches', '-')}", f"{err:.1e}",
+                     f"{r.get('c_build_s', 0) + r.get('c_load_s', 0):.0f}"))
+    widths = [max(len(str(row[i])) for row in rows) for i in range(len(hdr))]
+    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--models", default=",".join(MODELS))
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--streams", type=int, default=None)
+    ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+    args = ap.parse_args(argv)
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/bench_work")
+    work.mkdir(exist_ok=True)
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    results = []
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        try:
+            r = run_model(name, args, work)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r = {"model": name, "error": f"{type(e).__name__}: {e}"}
+        r["total_s"] = time.perf_counter() - t0
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if not k.endswith("_spans")}, default=str), flush=True)
+        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
+    for p in work.glob("timeline_*.png"):
+        (out / p.name).write_bytes(p.read_bytes())
+    print(table([r for r in results if "error" not in r]))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,410 @@
+"""The GPU launcher: branches side by side on CUDA streams, the whole plan replayed as one CUDA Graph.
+
+Set-up (``GpuLauncher(bundle)``):
+  * every branch engine is loaded for the GPU (a torch engine compiles here);
+  * one device arena holds every tensor that crosses a branch boundary and the
+    model's inputs and outputs (``plan.tensors``), each at a 256-byte aligned offset;
+  * one non-blocking stream per plan stream plus an *origin* stream, a fork event,
+    one join event per stream, one event per branch that another stream waits on
+    (``plan.recorders()``);
+  * one warm-up run, then capture: the origin records *fork*, every stream waits on
+    it, branches are enqueued in ``plan.launch_order`` on their streams (each first
+    waits on the events of its ``Branch.waits``), every stream records its *join*
+    and the origin waits on all of them; ``cudaStreamEndCapture`` closes the graph
+    and ``cudaGraphInstantiate`` makes it launchable.
+Each call then is one ``cudaGraphLaunch`` on the origin stream.
+
+Memory a captured graph touches is never freed or handed to anyone else while
+the launcher lives: the arena is ours (cudaMalloc, freed in ``close``), and what
+the engines allocate during warm-up and capture (intermediates, library
+workspaces) comes from a pool private to this launcher (``backend.memory_scope``).
+
+Inputs and outputs: numpy arrays are copied in and out on the origin stream via
+pinned staging buffers; objects with ``__cuda_array_interface__`` or DLPack (torch
+tensors, cupy arrays) are copied device-to-device, after the origin stream waits
+for the producer's stream.  Without any copy, write into ``inputs()`` and read
+``outputs()``: views of the captured graph's own buffers (``DeviceArray``, usable
+through ``torch.as_tensor``/``cupy.asarray``/DLPack), then call ``launch()``.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import inspect
+import time
+
+import numpy as np
+
+from . import cuda
+from .bundle import Bundle
+from .cuda import DeviceArray, nbytes_of
+from .engines.base import BuildOptions
+from .errors import ParastreamError
+from .plan import TensorSpec
+
+ALIGN = 256
+
+
+def _compute_dtype(precision: str) -> str | None:
+    return {"fp16": "float16", "bf16": "bfloat16"}.get(precision)
+
+
+class GpuLauncher:
+    """Runs a bundle's plan on one GPU: multi-stream, captured as one CUDA Graph (``graph=False``: direct launches).
+
+    ``single_stream=True`` puts every branch on the origin stream in launch order
+    (no events): the same engines without inter-branch parallelism, which is what
+    ``bench`` compares against.  ``engines=`` shares loaded engines with another
+    launcher of the same bundle (no second load or compile).
+    """
+
+    def __init__(self, bundle: Bundle | str, *, graph: bool = True, device: int = 0, single_stream: bool = False,
+                 engines: list | None = None, internal_nhwc: bool = True, _share=None):
+        if not isinstance(bundle, Bundle):
+            bundle = Bundle.open(bundle)
+        self.bundle = bundle
+        self.plan = plan = bundle.plan
+        self.device = device
+        self.single_stream = single_stream
+        self.use_graph = graph
+        self._closed = True
+        cuda.set_device(device)
+        backend = bundle.backend()
+        self.backend = backend
+
+        # Device dtypes and layouts of the boundary tensors.  Model inputs/outputs keep the
+        # caller's dtype and NCHW layout; internal boundaries of a reduced-precision torch
+        # bundle stay in the compute dtype (no cast kernels at branch edges) and, for 4-d
+        # tensors, channels-last (no transposes around cuDNN convolutions).
+        model_io = {t.name for t in plan.inputs} | {t.name for t in plan.outputs}
+        native = bool(getattr(backend, "supports_internal_nhwc", False))
+        low = _compute_dtype(plan.precision) if native else None
+        self.specs: dict[str, TensorSpec] = {}
+        for name, spec in plan.tensors.items():
+            dt = spec.dtype
+            if low and name not in model_io and dt == "float32":
+                dt = low
+            self.specs[name] = TensorSpec(name, dt, list(spec.shape))
+        self.nhwc = {n for n, s in self.specs.items()
+                     if native and internal_nhwc and n not in model_io and len(s.shape) == 4 and s.dtype.startswith(("float", "bfloat"))}
+
+        # engines and a private memory pool for what they allocate
+        self._scope_factory = getattr(backend, "memory_scope", None)
+        if _share is not None:
+            self._scope = _share._scope
+        else:
+            self._scope = self._scope_factory() if self._scope_factory else contextlib.nullcontext
+        opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(bundle.manifest.get("options", {}).get("compile", True)))
+        t0 = time.perf_counter()
+        if engines is None:
+            engines = []
+            takes_layout = "internal_nhwc" in inspect.signature(backend.load).parameters
+            with self._memory():
+                for b in plan.branches:
+                    ins = [self.specs[t] for t in b.inputs]
+                    outs = [self.specs[t] for t in b.outputs]
+                    kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
+                    engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
+        self.engines = engines
+        self.load_s = time.perf_counter() - t0
+
+        # one arena for all boundary tensors
+        self.offsets: dict[str, int] = {}
+        total = 0
+        for name, spec in self.specs.items():
+            self.offsets[name] = total
+            total += -(-nbytes_of(spec.shape, spec.dtype) // ALIGN) * ALIGN
+        self._arena = cuda.malloc(total)
+        self.arena_bytes = total
+        self.addr = {n: self._arena + off for n, off in self.offsets.items()}
+        self._branch_addrs = [{t: self.addr[t] for t in b.inputs + b.outputs} for b in plan.branches]
+
+        # streams and events
+        self.origin = cuda.stream_create()
+        n_streams = 0 if single_stream else plan.num_streams
+        self.streams = [cuda.stream_create() for _ in range(n_streams)]
+        self._fork = cuda.event_create()
+        self._joins = [cuda.event_create() for _ in self.streams]
+        self._recorders = sorted(plan.recorders()) if not single_stream else []
+        self._events = {b: cuda.event_create() for b in self._recorders}
+        self._producer_event = cuda.event_create()
+        self._closed = False
+
+        # pinned staging for numpy inputs and outputs
+        self._host: dict[str, tuple[int, np.ndarray]] = {}
+        for spec in list(plan.inputs) + list(plan.outputs):
+            if spec.name in self._host:
+                continue
+            nb = nbytes_of(spec.shape, spec.dtype)
+            ptr = cuda.malloc_host(nb)
+            self._host[spec.name] = (ptr, cuda.host_array(ptr, spec.shape, spec.dtype))
+
+        self._graph = self._exec = None
+        self._timed_exec = self._timed_graph = None
+        # warm-up on defined inputs (never captured), then capture
+        self._fill_random_inputs(seed=0)
+        with self._memory():
+            self._launch_all(self.origin)
+            cuda.stream_synchronize(self.origin)
+            if graph:
+                self._graph, self._exec = self._capture(self._launch_all)
+        cuda.stream_synchronize(self.origin)
+
+    # -- internals ----------------------------------------------------------------
+    def _memory(self):
+        return self._scope()
+
+    def _h(self, s) -> int:
+        return cuda.handle(s)
+
+    def _launch_all(self, origin, timing: dict | None = None) -> None:
+        """Queue the whole plan, forked from and joined back into ``origin``."""
+        plan = self.plan
+        record = cuda.event_record_external if timing is not None and timing.get("external") else cuda.event_record
+        if self.single_stream:
+            for bid in plan.launch_order:
+                if timing is not None:
+                    record(timing["start"][bid], origin)
+                self.engines[bid].enqueue(self._h(origin), self._branch_addrs[bid])
+                if timing is not None:
+                    record(timing["end"][bid], origin)
+            return
+        cuda.event_record(self._fork, origin)
+        for s in self.streams:
+            cuda.stream_wait_event(s, self._fork)
+        for bid in plan.launch_order:
+            b = plan.branches[bid]
+            s = self.streams[b.stream]
+            for w in b.waits:
+                cuda.stream_wait_event(s, self._events[w])
+            if timing is not None:
+                record(timing["start"][bid], s)
+            self.engines[bid].enqueue(self._h(s), self._branch_addrs[bid])
+            if timing is not None:
+                record(timing["end"][bid], s)
+            if bid in self._events:
+                cuda.event_record(self._events[bid], s)
+        for s, j in zip(self.streams, self._joins):
+            cuda.event_record(j, s)
+            cuda.stream_wait_event(origin, j)
+
+    def _capture(self, body, *args):
+        cuda.begin_capture(self.origin, "relaxed")
+        try:
+            body(self.origin, *args)
+        except BaseException:
+            # end the capture so the stream is usable again, then re-raise the engine's error
+            try:
+                g = cuda.end_capture(self.origin)
+                cuda.graph_destroy(g)
+            except Exception:  # noqa: BLE001
+                pass
+            raise
+        graph = cuda.end_capture(self.origin)
+        return graph, cuda.graph_instantiate(graph)
+
+    def _fill_random_inputs(self, seed: int) -> None:
+        rng = np.random.default_rng(seed)
+        for spec in self.plan.inputs:
+            self._copy_in(spec, random_array(spec, rng))
+        cuda.stream_synchronize(self.origin)
+
+    def _copy_in(self, spec: TensorSpec, arr: np.ndarray) -> None:
+        ptr, host = self._host[spec.name]
+        np.copyto(host, arr, casting="same_kind")
+        cuda.memcpy_htod_async(self.addr[spec.name], ptr, host.nbytes, self.origin)
+
+    def _device_pointer(self, spec: TensorSpec, x) -> int:
+        """The device pointer of a CUDA array-like input, after making the origin stream wait for its producer."""
+        cai = getattr(x, "__cuda_array_interface__", None)
+        torch_stream = None
+        if cai is None and hasattr(x, "__dlpack__"):
+            import torch
+
+            x = torch.from_dlpack(x)
+            cai = x.__cuda_array_interface__
+        if type(x).__module__.startswith("torch"):
+            import torch
+
+            torch_stream = torch.cuda.current_stream().cuda_stream
+        shape = tuple(int(s) for s in cai["shape"])
+        if list(shape) != list(spec.shape):
+            raise ParastreamError(f"input {spec.name!r} has shape {list(shape)}, the bundle was built for {spec.shape}")
+        want = np.dtype(spec.dtype).str if spec.dtype != "bfloat16" else "<V2"
+        if np.dtype(cai["typestr"]).str != want:
+            raise ParastreamError(f"input {spec.name!r} has dtype {cai['typestr']}, the bundle takes {spec.dtype}")
+        strides = cai.get("strides")
+        if strides is not None:
+            itemsize = np.dtype(cai["typestr"]).itemsize
+            expect = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize for i in range(len(shape)))
+            if tuple(strides) != expect:
+                raise ParastreamError(f"input {spec.name!r} is not contiguous; pass a contiguous array")
+        producer = torch_stream if torch_stream is not None else cai.get("stream")
+        if producer:
+            cuda.event_record(self._producer_event, int(producer))
+            cuda.stream_wait_event(self.origin, self._producer_event)
+        return int(cai["data"][0])
+
+    # -- public API -------------------------------------------------------------------
+    @property
+    def input_specs(self):
+        return self.plan.inputs
+
+    @property
+    def output_specs(self):
+        return self.plan.outputs
+
+    def inputs(self) -> dict[str, DeviceArray]:
+        """Zero-copy views of the graph's input buffers: write into them, then ``launch()``."""
+        return {t.name: DeviceArray(self.addr[t.name], t.shape, t.dtype, t.name, self) for t in self.plan.inputs}
+
+    def outputs(self) -> dict[str, DeviceArray]:
+        """Zero-copy views of the graph's output buffers, valid until the next launch overwrites them."""
+        return {t.name: DeviceArray(self.addr[t.name], t.shape, t.dtype, t.name, self) for t in self.plan.outputs}
+
+    @property
+    def origin_stream(self) -> int:
+        """The stream every launch is queued on (``launch()`` work is ordered after work queued here)."""
+        return self._h(self.origin)
+
+    def launch(self, stream=None) -> None:
+        """Replay the plan once on the origin stream, asynchronously (no copies, no synchronisation).
+
+        With ``stream`` (a handle), the origin first waits for the work queued so far on it,
+        and it waits for the launch in turn.
+        """
+        self._check_open()
+        if stream is not None:
+            cuda.event_record(self._producer_event, stream)
+            cuda.stream_wait_event(self.origin, self._producer_event)
+        if self._exec is not None:
+            cuda.graph_launch(self._exec, self.origin)
+        else:
+            with self._memory():
+                self._launch_all(self.origin)
+        if stream is not None:
+            cuda.event_record(self._producer_event, self.origin)
+            cuda.stream_wait_event(stream, self._producer_event)
+
+    def synchronize(self) -> None:
+        cuda.stream_synchronize(self.origin)
+
+    def __call__(self, feeds: dict) -> dict:
+        """Run once.  numpy feeds give numpy outputs; device feeds give ``DeviceArray`` views of the outputs."""
+        self._check_open()
+        plan = self.plan
+        unknown = set(feeds) - {t.name for t in plan.inputs}
+        if unknown:
+            raise ParastreamError(f"unknown input(s) {sorted(unknown)}; the model takes {[t.name for t in plan.inputs]}")
+        on_device = False
+        for spec in plan.inputs:
+            if spec.name not in feeds:
+                raise ParastreamError(f"missing input {spec.name!r}; the model takes {[t.name for t in plan.inputs]}")
+            x = feeds[spec.name]
+            if hasattr(x, "__cuda_array_interface__") or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)):
+                on_device = True
+                ptr = self._device_pointer(spec, x)
+                cuda.memcpy_dtod_async(self.addr[spec.name], ptr, nbytes_of(spec.shape, spec.dtype), self.origin)
+            else:
+                arr = np.asarray(x)
+                if list(arr.shape) != list(spec.shape):
+                    raise ParastreamError(f"input {spec.name!r} has shape {list(arr.shape)}, the bundle was built for {spec.shape}")
+                self._copy_in(spec, arr.astype(np.dtype(spec.dtype), copy=False))
+        self.launch()
+        if on_device:
+            self.synchronize()
+            return self.outputs()
+        for spec in plan.outputs:
+            ptr, host = self._host[spec.name]
+            cuda.memcpy_dtoh_async(ptr, self.addr[spec.name], host.nbytes, self.origin)
+        self.synchronize()
+        return {spec.name: self._host[spec.name][1].copy() for spec in plan.outputs}
+
+    def run_timed(self, *, replays: int = 5) -> list[dict]:
+        """When each branch ran on each stream: timing events around every engine, in a separately captured graph.
+
+        Returns one dict per branch (``branch``, ``name``, ``stream``, ``start_ms``, ``end_ms``, relative to the
+        start of the replay), the median over ``replays`` replays.  Falls back to direct launches where
+        the driver refuses event-record nodes.
+        """
+        self._check_open()
+        nb = len(self.plan.branches)
+        timing = {"start": [cuda.event_create(timing=True) for _ in range(nb)],
+                  "end": [cuda.event_create(timing=True) for _ in range(nb)], "external": True}
+        t0 = cuda.event_create(timing=True)
+        mode = "graph"
+        try:
+            if self._timed_exec is None:
+                with self._memory():
+                    self._timed_graph, self._timed_exec = self._capture(self._launch_all, timing)
+                self._timing_events = timing
+            else:
+                timing = self._timing_events
+        except cuda.CudaError:
+            mode = "direct"
+            timing["external"] = False
+        runs = []
+        for _ in range(max(1, replays)):
+            cuda.event_record(t0, self.origin)
+            if mode == "graph":
+                cuda.graph_launch(self._timed_exec, self.origin)
+            else:
+                with self._memory():
+                    self._launch_all(self.origin, timing)
+            cuda.stream_synchronize(self.origin)
+            runs.append([(cuda.event_elapsed_ms(t0, timing["start"][b]), cuda.event_elapsed_ms(t0, timing["end"][b])) for b in range(nb)])
+        cuda.event_destroy(t0)
+        med = np.median(np.array(runs), axis=0)
+        out = []
+        for b in self.plan.branches:
+            s = 0 if self.single_stream else b.stream
+            out.append({"branch": b.id, "name": b.name, "stream": s, "start_ms": float(med[b.id][0]),
+                        "end_ms": float(med[b.id][1]), "mode": mode, "nodes": len(b.nodes)})
+        return out
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise ParastreamError("this launcher is closed")
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        cuda.stream_synchronize(self.origin)
+        for ex in (self._exec, self._timed_exec):
+            if ex is not None:
+                cuda.graph_exec_destroy(ex)
+        for g in (self._graph, self._timed_graph):
+            if g is not None:
+                cuda.graph_destroy(g)
+        for e in [self._fork, self._producer_event, *self._joins, *self._events.values()]:
+            cuda.event_destroy(e)
+        for s in self.streams:
+            cuda.stream_destroy(s)
+        cuda.stream_destroy(self.origin)
+        for ptr, _ in self._host.values():
+            cuda.free_host(ptr)
+        self._host.clear()
+        cuda.free(self._arena)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    def __del__(self):
+        try:
+            self.close()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+
+def random_array(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
+    """Random inputs that are never all zeros: floats ~ N(0, 1); integers in {0, 1} (valid ids and masks)."""
+    dt = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype("float32")
+    if dt.kind == "f":
+        return rng.standard_normal(spec.shape).astype(dt)
+    if dt.kind == "b":
+        return rng.integers(0, 2, spec.shape).astype(bool)
+    return np.ones(spec.shape, dtype=dt) if spec.shape == [] else rng.integers(0, 2, spec.shape).astype(dt)

@@ -1,0 +1,211 @@
+"""The GPU launcher: multi-stream plan captured as one CUDA Graph (marked gpu), plus CPU-side checks of the helpers."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx
+import pytest
+
+from parastream.launcher import cuda
+from parastream.launcher.cuda import DeviceArray
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "tests"))
+
+
+def test_cuda_module_imports_and_device_array_interface():
+    a = DeviceArray(0x1000, (2, 3), "float16", "x")
+    cai = a.__cuda_array_interface__
+    assert cai["shape"] == (2, 3) and cai["typestr"] == "<f2" and cai["data"] == (0x1000, False) and cai["version"] == 3
+    assert a.nbytes == 12
+    assert cuda.nbytes_of([4, 4], "int64") == 128
+
+
+def _models(tmp_path):
+    from graphs import three_branch_model
+
+    from onnx_cases import inception_block
+
+    paths = {}
+    for name, m in {"three_branch": three_branch_model(seed=2, channels=8, size=12), "inception_block": inception_block(seed=4, c=16, size=17)}.items():
+        p = tmp_path / f"{name}.onnx"
+        onnx.save(m, p)
+        paths[name] = p
+    return paths
+
+
+def _ref(path, feeds):
+    import onnxruntime as ort
+
+    so = ort.SessionOptions()
+    so.log_severity_level = 3
+    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def _rel(a, b):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
+
+
+@pytest.fixture(scope="module")
+def bundles(tmp_path_factory):
+    pytest.importorskip("torch")
+    from handmade_bundles import make_bundle
+
+    tmp = tmp_path_factory.mktemp("gpu_bundles")
+    paths = _models(tmp)
+    out = {}
+    for name, p in paths.items():
+        for precision in ("fp32", "fp16"):
+            out[(name, precision)] = (p, make_bundle(p, tmp / f"{name}_{precision}", backend="torch", streams=3, precision=precision))
+    out[("inception_block", "eager")] = (paths["inception_block"], make_bundle(paths["inception_block"], tmp / "eager", backend="torch",
+                                                                                 streams=3, precision="fp32", compile=False))
+    return out
+
+
+def _feeds(bundle, seed):
+    rng = np.random.default_rng(seed)
+    return {s.name: rng.standard_normal(s.shape).astype(s.dtype) for s in bundle.plan.inputs}
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key,tol", [(("three_branch", "fp32"), 1e-3), (("inception_block", "fp32"), 1e-3),
+                                     (("three_branch", "fp16"), 1e-2), (("inception_block", "fp16"), 1e-2),
+                                     (("inception_block", "eager"), 1e-3)])
+@pytest.mark.parametrize("graph", [True, False])
+def test_gpu_launcher_matches_onnxruntime(bundles, key, tol, graph):
+    from parastream.launcher.gpu import GpuLauncher
+
+    path, bundle = bundles[key]
+    assert bundle.plan.num_streams > 1
+    with GpuLauncher(bundle, graph=graph) as la:
+        for seed in (1, 2):
+            feeds = _feeds(bundle, seed)
+            ref = _ref(path, feeds)
+            got = la(feeds)
+            for name in ref:
+                assert got[name].dtype == ref[name].dtype
+                assert _rel(got[name], ref[name]) <= tol, (name, _rel(got[name], ref[name]))
+
+
+@pytest.mark.gpu
+def test_load_picks_the_gpu_launcher(bundles):
+    from parastream.launcher import load
+    from parastream.launcher.gpu import GpuLauncher
+
+    _, bundle = bundles[("three_branch", "fp32")]
+    runner = load(bundle.path)
+    assert isinstance(runner, GpuLauncher) and runner._exec is not None
+    runner.close()
+
+
+@pytest.mark.gpu
+def test_captured_graph_survives_other_allocations(bundles):
+    """Between replays, torch and raw cudaMalloc allocate, scribble on and free memory; outputs stay right."""
+    import torch
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    path, bundle = bundles[("inception_block", "fp16")]
+    la = GpuLauncher(bundle)
+    feeds = _feeds(bundle, 5)
+    ref = _ref(path, feeds)
+    first = la(feeds)
+    for i in range(4):
+        junk = [torch.full((1 << 20,), float("nan"), device="cuda") for _ in range(8)]  # 32 MiB of NaN from torch's pool
+        raw = [cuda.malloc(1 << 22) for _ in range(4)]
+        for p in raw:
+            cuda.memset_async(p, 0xFF, 1 << 22, la.origin)  # 0xFF.. bytes are NaN in fp16 and fp32
+        cuda.synchronize()
+        for p in raw:
+            cuda.free(p)
+        del junk
+        torch.cuda.empty_cache()
+        got = la(feeds)
+        for name in ref:
+            assert np.array_equal(got[name], first[name])
+            assert _rel(got[name], ref[name]) <= 1e-2
+    la.close()
+
+
+@pytest.mark.gpu
+def test_device_feeds_torch_and_cupy_and_zero_copy_views(bundles):
+    import torch
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    path, bundle = bundles[("three_branch", "fp32")]
+    la = GpuLauncher(bundle)
+    feeds = _feeds(bundle, 9)
+    ref = _ref(path, feeds)
+    tfeeds = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()}
+    outs = la(tfeeds)  # torch tensors: device-to-device, returns views of the graph's output buffers
+    for name in ref:
+        t = torch.as_tensor(outs[name], device="cuda")
+        assert _rel(t.cpu().numpy(), ref[name]) <= 1e-3
+        assert outs[name].ptr == la.addr[name]
+    # zero-copy: write into the captured graph's input buffers, launch, read its output buffers
+    views = la.inputs()
+    for name, x in feeds.items():
+        views[name].torch().copy_(torch.from_numpy(x))
+    stream = torch.cuda.current_stream()
+    la.launch(stream=stream.cuda_stream)
+    stream.synchronize()
+    for name, arr in la.outputs().items():
+        assert _rel(arr.torch().cpu().numpy(), ref[name]) <= 1e-3
+    cupy = pytest.importorskip("cupy")
+    cfeeds = {k: cupy.asarray(v) for k, v in feeds.items()}
+    outs = la(cfeeds)
+    for name in ref:
+        assert _rel(cupy.asnumpy(cupy.asarray(outs[name])), ref[name]) <= 1e-3
+    with pytest.raises(Exception, match="shape"):
+        la({k: torch.zeros(1, 2, device="cuda") for k in feeds})
+    la.close()
+
+
+@pytest.mark.gpu
+def test_single_stream_and_timeline(bundles, tmp_path):
+    from parastream.launcher.bench import bench_bundle
+    from parastream.launcher.gpu import GpuLauncher
+
+    path, bundle = bundles[("inception_block", "fp16")]
+    multi = GpuLauncher(bundle)
+    single = GpuLauncher(bundle, single_stream=True, engines=multi.engines)
+    feeds = _feeds(bundle, 3)
+    a, b = multi(feeds), single(feeds)
+    for k in a:
+        np.testing.assert_allclose(a[k], b[k], rtol=1e-3, atol=1e-3)
+    spans = multi.run_timed(replays=3)
+    assert len(spans) == len(bundle.plan.branches)
+    assert {s["stream"] for s in spans} == {b.stream for b in bundle.plan.branches}
+    for s in spans:
+        assert 0 <= s["start_ms"] <= s["end_ms"]
+    # a branch never starts before the branches it waits on have ended
+    by_id = {s["branch"]: s for s in spans}
+    for br in bundle.plan.branches:
+        for w in br.waits:
+            assert by_id[w]["end_ms"] <= by_id[br.id]["start_ms"] + 1e-3
+    single.close()
+    png = tmp_path / "timeline.png"
+    res = bench_bundle(bundle, runs=30, warmup=5, timeline=png, launcher=multi)
+    assert png.stat().st_size > 1000
+    assert res["parastream_ms"] > 0 and res["single_stream_ms"] > 0 and res["speedup"] > 0
+    assert all(v < 1e-2 for v in res["max_abs_diff_single_vs_multi"].values())
+    multi.close()
+
+
+@pytest.mark.gpu
+def test_cuda_errors_name_the_call():
+    ev = cuda.event_create(timing=False)
+    cuda.event_record(ev, 0)
+    cuda.event_synchronize(ev)
+    with pytest.raises(cuda.CudaError, match="cudaEventElapsedTime"):
+        cuda.event_elapsed_ms(ev, ev)  # events without timing cannot be timed
+    cuda.event_destroy(ev)
+    with pytest.raises(cuda.CudaError, match="cudaMalloc"):
+        cuda.malloc(1 << 50)
