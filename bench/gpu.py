@@ -89,8 +89,9 @@ def export(model, inputs: dict, path: Path) -> None:
 
     outs = ["last_hidden_state", "pooler_output"] if "input_ids" in inputs else ["logits"]
     with torch.no_grad():
-        torch.onnx.export(Wrap(model), args, str(path), input_names=names, output_names=outs, opset_version=17,
+        torch.onnx.export(Wrap(model).eval(), args, str(path), input_names=names, output_names=outs, opset_version=17,
                           dynamo=False, do_constant_folding=True)
+    model.eval()  # export restores the wrapper's mode; make sure nothing is left in training mode
 
 
 def cuda_median_ms(fn, runs: int, warmup: int, before=None) -> float:

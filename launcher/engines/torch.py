@@ -59,6 +59,9 @@ def compute_dtype(precision: str, device: str) -> str:
     return {"fp16": "float16", "bf16": "bfloat16"}.get(precision, "float32")
 
 
+_POOLS: list = []
+
+
 def memory_scope():
     """A context that sends torch's allocations (engine intermediates, workspaces) to a private pool.
 
@@ -69,6 +72,9 @@ def memory_scope():
     import torch
 
     pool = torch.cuda.MemPool()
+    # Never let a pool die: library workspaces (cuBLAS keeps one per stream for the process's life)
+    # may have been carved from it, and freeing a pool with live blocks aborts the process.
+    _POOLS.append(pool)
 
     @contextlib.contextmanager
     def scope():
@@ -119,9 +125,6 @@ def _wrap(ptr: int, spec: TensorSpec, nhwc: bool):
         t = torch.as_tensor(DeviceArray(ptr, (n, h, w, c), spec.dtype), device="cuda")
         return t.permute(0, 3, 1, 2)
     return DeviceArray(ptr, spec.shape, spec.dtype).torch()
-
-
-_ENGINE_SERIAL = 0
 
 
 class TorchEngine:
@@ -179,13 +182,14 @@ class TorchEngine:
 
         if self.device != "cuda" or not self.options.compile:
             return run_into
-        # dynamo keys its cache and its recompile limit on the code object: give every engine its own
-        global _ENGINE_SERIAL
-        _ENGINE_SERIAL += 1
-        ns = {"_body": run_into}
-        exec(f"def engine_{_ENGINE_SERIAL}(*args):\n    return _body(*args)\n", ns)  # noqa: S102
+        # every torch.compile'd function shares dynamo's wrapper code object, and dynamo's recompile
+        # limit counts per code object: one model has tens of engines, so lift the limit
+        cfg = torch._dynamo.config
+        for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
+            if hasattr(cfg, key):
+                setattr(cfg, key, max(getattr(cfg, key), 1 << 16))
         mode = "max-autotune-no-cudagraphs" if self.options.optimization_level >= 5 else None
-        return torch.compile(ns[f"engine_{_ENGINE_SERIAL}"], fullgraph=True, dynamic=False, mode=mode)
+        return torch.compile(run_into, fullgraph=True, dynamic=False, mode=mode)
 
     def _scratch(self, spec: TensorSpec):
         import torch
