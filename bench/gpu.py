@@ -60,13 +60,17 @@ def make_model(name: str):
         x = torch.randn(1, 3, 224, 224)
     else:
         raise SystemExit(f"unknown model {name}")
-    model.eval()
-    # random BN statistics so that folding them into the convolutions is not the identity
+    # Calibrate the BatchNorm statistics on random images, as training would: with random weights and
+    # default statistics activations grow layer by layer and overflow fp16 (Inception-v3 gave NaN).
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.BatchNorm2d)]
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the calibration batches
+    model.train()
     with torch.no_grad():
-        for m in model.modules():
-            if isinstance(m, torch.nn.BatchNorm2d):
-                m.running_mean.uniform_(-0.1, 0.1)
-                m.running_var.uniform_(0.5, 1.5)
+        for _ in range(2):
+            model(torch.randn(8, *x.shape[1:]))
+    model.eval()
     return model, {"x": x}
 
 

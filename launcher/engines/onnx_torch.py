@@ -75,8 +75,9 @@ class Value:
 class NodeView:
     """What a converter sees of one node: attributes, input Values, the compute dtype."""
 
-    def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype):
+    def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype, inferred=None):
         self.node = node
+        self.inferred = inferred or {}
         self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
         self.op = node.op_type
         self.inputs = inputs
@@ -98,6 +99,10 @@ class NodeView:
         if v is None or not v.is_const:
             raise UnsupportedOp(f"node {self.name!r} ({self.op}): input {i} must be a constant (initializer or computable from shapes) for the torch backend")
         return v.const
+
+    def out_shape(self, i: int = 0):
+        """The output's static shape from ONNX shape inference (value_info), or None."""
+        return self.inferred.get(self.node.output[i]) if i < len(self.node.output) else None
 
     def ints(self, i: int) -> list[int]:
         return [int(x) for x in self.const(i).reshape(-1).tolist()]
@@ -479,6 +484,10 @@ def _split(n: NodeView):
 
 @converter("Reshape")
 def _reshape(n: NodeView):
+    if not n.inputs[1].is_const and n.out_shape(0) is not None:
+        # the target shape is computed at run time in the graph, but shape inference knows it
+        out = list(n.out_shape(0))
+        return lambda x, _s: x.reshape(out)
     shape = n.ints(1)
     allowzero = int(n.attr("allowzero", 0))
     in_shape = n.shape(0)
@@ -588,7 +597,7 @@ def _constant(n: NodeView):
 @converter("ConstantOfShape")
 def _const_of_shape(n: NodeView):
     torch = _torch()
-    shape = n.ints(0)
+    shape = n.ints(0) if n.inputs[0].is_const or n.out_shape(0) is None else list(n.out_shape(0))
     v = n.attrs.get("value")
     arr = numpy_helper.to_array(v).reshape(-1) if v is not None else np.zeros(1, np.float32)
     return _ConstFn(torch.full(shape, arr[0].item(), dtype=torch.from_numpy(arr).dtype))
@@ -676,6 +685,9 @@ def _slice(n: NodeView):
 
 @converter("Expand")
 def _expand(n: NodeView):
+    if not n.inputs[1].is_const and n.out_shape(0) is not None:
+        out = list(n.out_shape(0))
+        return lambda x, _s: x.expand(out)
     shape = n.ints(1)
     in_shape = list(n.shape(0))
     out = list(np.broadcast_shapes(tuple(in_shape), tuple(shape)))
@@ -883,6 +895,11 @@ def convert(model: onnx.ModelProto, dtype: str = "float32"):
         values[vi.name] = Value(vi.name, shape, float_dtype if dt.is_floating_point else dt)
         input_names.append(vi.name)
 
+    inferred: dict[str, tuple] = {}
+    for vi in list(g.value_info) + list(g.output):
+        dims = vi.type.tensor_type.shape.dim
+        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
+            inferred[vi.name] = tuple(int(d.dim_value) for d in dims)
     steps: list[Step] = []
     consts: dict[str, object] = {}
     const_key: dict[int, str] = {}
@@ -903,7 +920,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32"):
             if name and ins[i] is None:
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(node.op_type)
-        nv = NodeView(node, ins, opset, float_dtype)
+        nv = NodeView(node, ins, opset, float_dtype, inferred)
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)

@@ -31,6 +31,7 @@ def _models(tmp_path):
 
     paths = {}
     for name, m in {"three_branch": three_branch_model(seed=2, channels=8, size=12), "inception_block": inception_block(seed=4, c=16, size=17)}.items():
+        m.ir_version = 8  # what every onnxruntime reads
         p = tmp_path / f"{name}.onnx"
         onnx.save(m, p)
         paths[name] = p
