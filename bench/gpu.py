@@ -124,6 +124,12 @@ def rel_err(out, ref) -> float:
     return float(np.linalg.norm(out - ref) / max(np.linalg.norm(ref), 1e-30))
 
 
+def max_err(out, ref) -> float:
+    """max |out - ref| / max |ref|: the error on the scale of the output."""
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
+
+
 def ort_reference(path: Path, feeds: dict) -> dict:
     import onnxruntime as ort
 
@@ -138,6 +144,8 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
     """The lead's pipeline build when it runs; else a bundle made from the pipeline's pieces (tests/handmade_bundles.py)."""
     t0 = time.perf_counter()
     try:
+        if log.get("handmade"):
+            raise ImportError("--handmade")
         from parastream.pipeline import build
 
         kw = {"streams": streams} if streams else {}
@@ -149,7 +157,8 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
         from handmade_bundles import make_bundle
 
         log["builder"] = f"handmade (pipeline.build unavailable: {e})"
-        bundle = make_bundle(onnx_path, out, backend="torch", streams=streams or 4, precision="fp16")
+        bundle = make_bundle(onnx_path, out, backend="torch", streams=streams or 4, precision="fp16",
+                             sync_cost=log.get("sync_cost", 2e-6))
     log["build_s"] = time.perf_counter() - t0
     return bundle
 
@@ -192,17 +201,22 @@ def run_model(name: str, args, outdir: Path) -> dict:
         dev_in = tuple(v.cuda() if v.dtype != torch.float32 else v.cuda().half() for v in inputs.values())
         eager_out = first(model_h(*dev_in)).float().cpu().numpy()
         res["err_eager"] = rel_err(eager_out, ref_list[0])
-        res["a_eager_ms"] = cuda_median_ms(lambda: model_h(*sets[cur["i"]]), args.runs, 20, pick)
-        if not args.skip_compile:
-            t0 = time.perf_counter()
-            compiled = torch.compile(model_h, mode="reduce-overhead")
-            for _ in range(3):
-                compiled(*sets[0])
-            torch.cuda.synchronize()
-            res["e_compile_s"] = time.perf_counter() - t0
-            res["e_compile_ms"] = cuda_median_ms(lambda: compiled(*sets[cur["i"]]), args.runs, 20, pick)
-            del compiled
-            torch._dynamo.reset()
+        res["maxerr_eager"] = max_err(eager_out, ref_list[0])
+        if args.only_parastream:
+            res["a_eager_ms"] = float("nan")
+    if not args.only_parastream:
+        with torch.no_grad():
+            res["a_eager_ms"] = cuda_median_ms(lambda: model_h(*sets[cur["i"]]), args.runs, 20, pick)
+            if not args.skip_compile:
+                t0 = time.perf_counter()
+                compiled = torch.compile(model_h, mode="reduce-overhead")
+                for _ in range(3):
+                    compiled(*sets[0])
+                torch.cuda.synchronize()
+                res["e_compile_s"] = time.perf_counter() - t0
+                res["e_compile_ms"] = cuda_median_ms(lambda: compiled(*sets[cur["i"]]), args.runs, 20, pick)
+                del compiled
+                torch._dynamo.reset()
     del model_h
     torch.cuda.empty_cache()
 
@@ -215,7 +229,7 @@ def run_model(name: str, args, outdir: Path) -> dict:
     except ImportError:
         res["d_note"] = "parastream.rewrite.optimize does not exist yet: (d) = (c)"
     for tag, search in variants:
-        log: dict = {}
+        log: dict = {"sync_cost": args.sync_cost, "handmade": args.handmade}
         try:
             bundle = build_bundle(onnx_path, outdir / f"{name}_{tag}", search=search, streams=args.streams, log=log)
         except Exception as e:  # noqa: BLE001 - report and go on with the next variant
@@ -229,6 +243,7 @@ def run_model(name: str, args, outdir: Path) -> dict:
         res[f"{tag}_load_s"] = time.perf_counter() - t0
         got = la(feeds)
         res[f"{tag}_err"] = {k: rel_err(got[k], ref[k]) for k in ref}
+        res[f"{tag}_maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
         png = outdir / f"timeline_{name}_{tag}.png" if tag == variants[-1][0] else None
         b = bench_bundle(bundle, runs=args.runs, warmup=20, timeline=png, launcher=la)
         res[f"{tag}_ms"] = b["parastream_ms"]
@@ -246,12 +261,12 @@ def run_model(name: str, args, outdir: Path) -> dict:
 
 
 def table(results: list[dict]) -> str:
-    hdr = ("model", "(a) eager", "(b) 1-stream", "(c) no rewrite", "(d) rewrite", "(e) compile", "b/d", "e/d", "streams/eng", "err(c)", "build s")
+    hdr = ("model", "(a) eager", "(b) 1-stream", "(c) no rewrite", "(d) rewrite", "(e) compile", "b/d", "e/d", "streams/eng", "maxerr(c)", "build s")
     rows = [hdr]
     for r in results:
         d = r.get("d_ms")
         f = (lambda k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else "-")
-        err = max(r["c_err"].values()) if isinstance(r.get("c_err"), dict) else float("nan")
+        err = max(r["c_maxerr"].values()) if isinstance(r.get("c_maxerr"), dict) else float("nan")
         rows.append((r["model"], f("a_eager_ms"), f("b_d_ms"), f("c_ms"), f("d_ms"), f("e_compile_ms"),
                      f"{r['b_d_ms'] / d:.2f}" if d and r.get("b_d_ms") else "-",
                      f"{r['e_compile_ms'] / d:.2f}" if d and r.get("e_compile_ms") else "-",
@@ -267,6 +282,10 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--streams", type=int, default=None)
     ap.add_argument("--skip-compile", action="store_true")
+    ap.add_argument("--only-parastream", action="store_true", help="skip (a) and (e)")
+    ap.add_argument("--handmade", action="store_true", help="partition with tests/handmade_bundles.py even where pipeline.build runs")
+    ap.add_argument("--sync-cost", type=float, default=2e-6, help="handmade partition: cost of one cross-stream event (s)")
+    ap.add_argument("--tag", default="", help="suffix of result files")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)
     import torch
@@ -287,9 +306,10 @@ def main(argv=None) -> int:
         r["total_s"] = time.perf_counter() - t0
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if not k.endswith("_spans")}, default=str), flush=True)
-        (out / "results.json").write_text(json.dumps(results, indent=1, default=str))
-    for p in work.glob("timeline_*.png"):
-        (out / p.name).write_bytes(p.read_bytes())
+        (out / f"results{args.tag}.json").write_text(json.dumps(results, indent=1, default=str))
+    if not args.only_parastream:
+        for p in work.glob("timeline_*.png"):
+            (out / p.name).write_bytes(p.read_bytes())
     print(table([r for r in results if "error" not in r]))
     return 0
 
