@@ -140,7 +140,7 @@ def ort_reference(path: Path, feeds: dict) -> dict:
     return dict(zip(names, sess.run(names, feeds)))
 
 
-def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | None, log: dict):
+def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | None, log: dict, precision: str = "fp16"):
     """The lead's pipeline build when it runs; else a bundle made from the pipeline's pieces (tests/handmade_bundles.py)."""
     t0 = time.perf_counter()
     try:
@@ -149,7 +149,7 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
         from parastream.pipeline import build
 
         kw = {"streams": streams} if streams else {}
-        bundle = build(onnx_path, out, backend="torch", precision="fp16", search=search, force=True, **kw)
+        bundle = build(onnx_path, out, backend="torch", precision=precision, search=search, force=True, **kw)
         log["builder"] = "pipeline.build"
     except (ImportError, ModuleNotFoundError) as e:
         if search:
@@ -157,7 +157,7 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
         from handmade_bundles import make_bundle
 
         log["builder"] = f"handmade (pipeline.build unavailable: {e})"
-        bundle = make_bundle(onnx_path, out, backend="torch", streams=streams or 4, precision="fp16",
+        bundle = make_bundle(onnx_path, out, backend="torch", streams=streams or 4, precision=precision,
                              sync_cost=log.get("sync_cost", 2e-6))
     log["build_s"] = time.perf_counter() - t0
     return bundle
@@ -231,7 +231,7 @@ def run_model(name: str, args, outdir: Path) -> dict:
     for tag, search in variants:
         log: dict = {"sync_cost": args.sync_cost, "handmade": args.handmade}
         try:
-            bundle = build_bundle(onnx_path, outdir / f"{name}_{tag}", search=search, streams=args.streams, log=log)
+            bundle = build_bundle(onnx_path, outdir / f"{name}_{tag}", search=search, streams=streams_for(name, args), log=log)
         except Exception as e:  # noqa: BLE001 - report and go on with the next variant
             res[f"{tag}_error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
@@ -255,9 +255,25 @@ def run_model(name: str, args, outdir: Path) -> dict:
             spans = la.run_timed()
             res[f"{tag}_spans"] = spans
         la.close()
+    if name in args.fp32_check.split(","):
+        # the converter itself, without fp16 rounding: fp32 engines against ONNX Runtime fp32
+        log = {"sync_cost": args.sync_cost, "handmade": args.handmade}
+        bundle = build_bundle(onnx_path, outdir / f"{name}_fp32", search=False, streams=streams_for(name, args), log=log, precision="fp32")
+        with GpuLauncher(bundle) as la:
+            got = la(feeds)
+        res["fp32_err"] = {k: rel_err(got[k], ref[k]) for k in ref}
+        res["fp32_maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
     if "d_ms" not in res and "c_ms" in res:
         res["d_ms"], res["b_d_ms"] = res["c_ms"], res["b_c_ms"]
     return res
+
+
+def streams_for(name: str, args) -> int | None:
+    for item in filter(None, args.streams_per_model.split(",")):
+        model, _, k = item.partition("=")
+        if model == name:
+            return int(k)
+    return args.streams
 
 
 def table(results: list[dict]) -> str:
@@ -285,6 +301,8 @@ def main(argv=None) -> int:
     ap.add_argument("--only-parastream", action="store_true", help="skip (a) and (e)")
     ap.add_argument("--handmade", action="store_true", help="partition with tests/handmade_bundles.py even where pipeline.build runs")
     ap.add_argument("--sync-cost", type=float, default=2e-6, help="handmade partition: cost of one cross-stream event (s)")
+    ap.add_argument("--streams-per-model", default="", help="e.g. bert=1,resnet50=2 (overrides --streams)")
+    ap.add_argument("--fp32-check", default="", help="models also built in fp32 and compared with onnxruntime")
     ap.add_argument("--tag", default="", help="suffix of result files")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)
