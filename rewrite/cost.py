@@ -1,0 +1,537 @@
+"""Cost models for the rewrite search and the scheduler.
+
+A :class:`CostModel` gives the seconds one node takes (``node_cost``) and, for a
+whole graph on K streams, ``graph_cost -> (critical_path, total_work)``:
+
+* ``total_work``    = Σ node_cost(n)                 (what one stream would take)
+* ``critical_path`` = makespan of a list schedule of the node DAG on K streams
+  (nodes by decreasing upward rank, each on the stream where it finishes first).
+
+The search minimises ``mixed_cost = α·critical_path + (1−α)·total_work`` (α = 0.25).
+
+Two sources of node costs:
+
+* :class:`RooflineCostModel` — analytic, no GPU needed:
+  ``t = max(flops / (peak·occupancy), bytes / bandwidth) + kernel_floor``,
+  with FLOPs and bytes from the inferred shapes (:func:`node_flops_bytes`) and the
+  device figures of :data:`DEVICES`.  ``occupancy`` = min(1, output tiles / SMs)
+  for the GEMM-like ops, because at batch 1 a small Conv fills a fraction of the
+  multiprocessors and does not reach the peak rate.
+* :class:`ProfiledCostModel` — measured: every distinct op signature (op type,
+  attributes, input shapes and dtypes) is run once as a one-node model through a
+  ``measure(model) -> seconds`` callback that the engine side supplies; figures
+  are kept in a JSON cache keyed by device, backend, precision and signature.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import heapq
+import json
+import math
+import os
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable, Protocol, runtime_checkable
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+DEFAULT_ALPHA = 0.25
+
+
+# ---------------------------------------------------------------------------------------------
+# Devices
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class DeviceSpec:
+    """Peak rates of one GPU (dense, no structured sparsity), in FLOP/s and bytes/s."""
+
+    name: str
+    fp16_flops: float  # tensor-core FP16 (FP32 accumulate where the datasheet distinguishes)
+    fp32_flops: float  # non-tensor FP32 (CUDA cores)
+    bandwidth: float  # device memory bandwidth, bytes/s
+    sms: int
+    tf32_flops: float | None = None  # tensor-core TF32; None where the part has none (T4)
+
+    @property
+    def ridge_point(self) -> float:
+        """FLOP/byte at which the fp32 roofline turns from memory- to compute-bound."""
+        return self.fp32_flops / self.bandwidth
+
+    def peak_flops(self, precision: str) -> float:
+        if precision in ("fp16", "bf16", "half"):
+            return self.fp16_flops
+        if precision == "tf32":
+            return self.tf32_flops or self.fp32_flops
+        if precision in ("fp32", "float", "float32"):
+            return self.fp32_flops
+        raise ValueError(f"precision {precision!r}: choose fp32, tf32 or fp16")
+
+
+T = 1e12
+# Figures from the vendors' datasheets (NVIDIA H100, H200, A100, L40S, L4, T4 datasheets; the RTX 4090 from
+# the Ada Lovelace architecture whitepaper, appendix A).  Tensor rates are the dense ones (the datasheets print
+# "with sparsity" figures twice as large).  Memory bandwidth in bytes/s (1 GB/s = 1e9 B/s).
+DEVICES: dict[str, DeviceSpec] = {
+    d.name: d
+    for d in (
+        DeviceSpec("H100-SXM", fp16_flops=989.4 * T, fp32_flops=66.9 * T, bandwidth=3.35e12, sms=132, tf32_flops=494.7 * T),
+        DeviceSpec("H100-PCIe", fp16_flops=756.0 * T, fp32_flops=51.2 * T, bandwidth=2.0e12, sms=114, tf32_flops=378.0 * T),
+        DeviceSpec("H200", fp16_flops=989.4 * T, fp32_flops=66.9 * T, bandwidth=4.8e12, sms=132, tf32_flops=494.7 * T),
+        DeviceSpec("A100-SXM", fp16_flops=312.0 * T, fp32_flops=19.5 * T, bandwidth=2.039e12, sms=108, tf32_flops=156.0 * T),
+        DeviceSpec("L40S", fp16_flops=362.05 * T, fp32_flops=91.6 * T, bandwidth=0.864e12, sms=142, tf32_flops=183.0 * T),
+        DeviceSpec("L4", fp16_flops=121.0 * T, fp32_flops=30.3 * T, bandwidth=0.300e12, sms=58, tf32_flops=60.0 * T),
+        DeviceSpec("T4", fp16_flops=65.0 * T, fp32_flops=8.1 * T, bandwidth=0.320e12, sms=40, tf32_flops=None),
+        # 4090: FP16 tensor with FP32 accumulate (165.2); with FP16 accumulate the whitepaper gives 330.3
+        DeviceSpec("RTX-4090", fp16_flops=165.2 * T, fp32_flops=82.6 * T, bandwidth=1.008e12, sms=128, tf32_flops=82.6 * T),
+    )
+}
+
+_ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h100pcie": "H100-PCIe", "h200": "H200", "h200sxm": "H200",
+            "a100": "A100-SXM", "a100sxm": "A100-SXM", "l40s": "L40S", "l4": "L4", "t4": "T4",
+            "rtx4090": "RTX-4090", "4090": "RTX-4090"}
+
+
+def get_device(name: str | DeviceSpec) -> DeviceSpec:
+    """The table entry for ``name`` (case, dashes and spaces ignored: "h100 sxm", "H100-SXM")."""
+    if isinstance(name, DeviceSpec):
+        return name
+    if name in DEVICES:
+        return DEVICES[name]
+    key = "".join(ch for ch in name.lower() if ch.isalnum())
+    for full in DEVICES:
+        if "".join(ch for ch in full.lower() if ch.isalnum()) == key:
+            return DEVICES[full]
+    if key in _ALIASES:
+        return DEVICES[_ALIASES[key]]
+    from parastream.launcher.errors import ParastreamError
+
+    raise ParastreamError(f"--device {name!r} is not in the device table; choose one of {', '.join(DEVICES)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# FLOPs and bytes of one node
+# ---------------------------------------------------------------------------------------------
+
+# No kernel of their own: metadata ops and views (a contiguous reshape never copies).
+VIEW_OPS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze", "Identity", "Shape", "Size", "Constant",
+                      "Dropout", "ConstantOfShape"})
+# FLOPs per output element of pointwise ops (transcendentals count a few).
+_POINTWISE = {
+    "Add": 1, "Sub": 1, "Mul": 1, "Div": 1, "Relu": 1, "LeakyRelu": 2, "PRelu": 2, "Max": 1, "Min": 1, "Abs": 1,
+    "Neg": 1, "Clip": 2, "Sqrt": 4, "Reciprocal": 4, "Pow": 8, "Exp": 8, "Log": 8, "Sigmoid": 8, "Tanh": 8,
+    "Erf": 8, "Gelu": 12, "HardSigmoid": 3, "HardSwish": 4, "Softplus": 10, "Elu": 8, "Selu": 8, "Mish": 20,
+    "Where": 1, "Equal": 1, "Greater": 1, "Less": 1, "Not": 1, "And": 1, "Or": 1, "Sign": 1, "Floor": 1,
+    "Ceil": 1, "Round": 1, "Cast": 0, "Sin": 8, "Cos": 8, "Silu": 9, "Swish": 9, "BiasGelu": 13,
+}
+_REDUCE = {"ReduceMean", "ReduceSum", "ReduceMax", "ReduceMin", "ReduceProd", "ReduceL2", "ReduceL1",
+           "ReduceSumSquare", "ReduceLogSumExp", "ArgMax", "ArgMin", "GlobalAveragePool", "GlobalMaxPool"}
+_NORM = {"LayerNormalization": 8, "InstanceNormalization": 8, "GroupNormalization": 8, "BatchNormalization": 2,
+         "LpNormalization": 4, "SimplifiedLayerNormalization": 6, "SkipLayerNormalization": 9}
+
+
+def _static_shape(t: gs.Tensor) -> tuple[int, ...] | None:
+    if isinstance(t, gs.Constant):
+        return tuple(int(d) for d in t.values.shape)
+    shape = t.shape
+    if shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+        return None
+    return tuple(int(d) for d in shape)
+
+
+def _numel(t: gs.Tensor) -> int:
+    shape = _static_shape(t)
+    return int(np.prod(shape, dtype=np.int64)) if shape is not None else 0
+
+
+def _itemsize(t: gs.Tensor, float_bytes: int | None) -> int:
+    dtype = t.values.dtype if isinstance(t, gs.Constant) else t.dtype
+    try:
+        dt = np.dtype(dtype)
+    except TypeError:
+        return 2  # onnx-only types (bfloat16, fp8) that numpy cannot name: count 2 bytes
+    if float_bytes is not None and dt.kind == "f":
+        return float_bytes
+    return dt.itemsize
+
+
+def _tensor_bytes(tensors, float_bytes: int | None) -> float:
+    seen, total = set(), 0.0
+    for t in tensors:
+        if t is None or isinstance(t, str) or id(t) in seen or not getattr(t, "name", ""):
+            continue
+        seen.add(id(t))
+        total += _numel(t) * _itemsize(t, float_bytes)
+    return total
+
+
+def _gemm_tiles(rows: int, cols: int, batch: int = 1, tile: int = 128) -> int:
+    return batch * math.ceil(max(rows, 1) / tile) * math.ceil(max(cols, 1) / tile)
+
+
+def node_flops_bytes(node: gs.Node, float_bytes: int | None = None) -> tuple[float, float]:
+    """FLOPs and bytes moved by ``node``, from its inferred shapes and dtypes.
+
+    ``float_bytes`` counts floating-point tensors at that width (2 for an fp16 engine)
+    instead of their declared dtype.  Views (Reshape, Squeeze, …) cost (0, 0); a tensor
+    of unknown shape counts 0 bytes.  Unknown ops: bytes of inputs and outputs, 0 FLOPs.
+    """
+    return _flops_bytes_tiles(node, float_bytes)[:2]
+
+
+def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[float, float, int | None]:
+    op = node.op
+    if op in VIEW_OPS:
+        return 0.0, 0.0, None
+    ins = [t for t in node.inputs if t is not None and getattr(t, "name", "")]
+    outs = [t for t in node.outputs if t is not None and getattr(t, "name", "")]
+    out = outs[0] if outs else None
+    out_n = _numel(out) if out is not None else 0
+    if op == "Split" and ins:
+        shape = _static_shape(ins[0])
+        axis = int(node.attrs.get("axis", 0))
+        if shape is not None and all(d == 1 for d in shape[: axis % max(len(shape), 1)]):
+            return 0.0, 0.0, None  # contiguous slices: consumers read views
+    byts = _tensor_bytes(ins, float_bytes) + _tensor_bytes(outs, float_bytes)
+    flops, tiles = 0.0, None
+
+    if op in ("Conv", "ConvTranspose") and len(ins) >= 2:
+        w = _static_shape(ins[1])
+        if w is not None and len(w) >= 3:
+            per = int(np.prod(w[1:], dtype=np.int64))
+            if op == "Conv":
+                flops = 2.0 * out_n * per
+                oshape = _static_shape(out)
+                if oshape is not None and len(oshape) >= 3:
+                    rows = oshape[0] * int(np.prod(oshape[2:], dtype=np.int64))
+                    group = int(node.attrs.get("group", 1))
+                    tiles = _gemm_tiles(rows, max(oshape[1] // max(group, 1), 1), batch=group)
+            else:
+                flops = 2.0 * _numel(ins[0]) * per
+                oshape = _static_shape(out)
+                if oshape is not None and len(oshape) >= 3:
+                    tiles = _gemm_tiles(oshape[0] * int(np.prod(oshape[2:], dtype=np.int64)), oshape[1])
+            if len(ins) >= 3:
+                flops += out_n
+    elif op in ("MatMul", "Gemm", "MatMulInteger", "FusedMatMul") and len(ins) >= 2:
+        a = _static_shape(ins[0])
+        if a is not None and out is not None and out_n:
+            if op == "Gemm":
+                k = a[0] if node.attrs.get("transA", 0) else a[-1]
+            else:
+                k = a[-1]
+            flops = 2.0 * out_n * k
+            if op == "Gemm" and len(ins) >= 3:
+                flops += out_n
+            oshape = _static_shape(out)
+            if oshape:
+                rows = oshape[-2] if len(oshape) >= 2 else 1
+                batch = int(np.prod(oshape[:-2], dtype=np.int64)) if len(oshape) > 2 else 1
+                tiles = _gemm_tiles(rows, oshape[-1], batch)
+    elif op in _POINTWISE:
+        flops = float(_POINTWISE[op] * out_n)
+    elif op in ("MaxPool", "AveragePool", "LpPool"):
+        k = node.attrs.get("kernel_shape", [1])
+        flops = float(out_n * int(np.prod(k)))
+    elif op in _REDUCE:
+        flops = float(_numel(ins[0])) if ins else 0.0
+    elif op == "Softmax" or op == "LogSoftmax":
+        flops = 5.0 * out_n
+    elif op in _NORM:
+        flops = float(_NORM[op] * out_n)
+    elif op == "Einsum":
+        flops = 2.0 * max((_numel(t) for t in ins), default=0) * 8  # rough: no contraction analysis
+    return flops, byts, tiles
+
+
+# ---------------------------------------------------------------------------------------------
+# Cost models
+# ---------------------------------------------------------------------------------------------
+
+
+def mixed_cost(critical_path: float, total_work: float, alpha: float = DEFAULT_ALPHA) -> float:
+    """The search's objective: α·critical_path + (1−α)·total_work."""
+    return alpha * critical_path + (1.0 - alpha) * total_work
+
+
+@runtime_checkable
+class CostModel(Protocol):
+    def node_cost(self, node: gs.Node) -> float: ...
+
+    def is_memory_bound(self, node: gs.Node) -> bool: ...
+
+    def graph_cost(self, graph: gs.Graph, streams: int) -> tuple[float, float]: ...
+
+
+def _list_schedule(graph: gs.Graph, streams: int, cost: Callable[[gs.Node], float]) -> tuple[float, float]:
+    """(makespan on ``streams`` streams, Σ cost) of the node DAG of ``graph`` (HEFT-style list schedule)."""
+    nodes = list(graph.nodes)
+    index = {id(n): i for i, n in enumerate(nodes)}
+    costs = [cost(n) for n in nodes]
+    preds: list[list[int]] = [[] for _ in nodes]
+    succs: list[list[int]] = [[] for _ in nodes]
+    for i, n in enumerate(nodes):
+        seen = set()
+        for t in n.inputs:
+            if isinstance(t, gs.Variable):
+                for p in t.inputs:
+                    j = index.get(id(p))
+                    if j is not None and j not in seen:
+                        seen.add(j)
+                        preds[i].append(j)
+                        succs[j].append(i)
+    total = float(sum(costs))
+    if not nodes:
+        return 0.0, 0.0
+    # upward rank: own cost + longest path to a sink (reverse topological order by Kahn)
+    indeg = [len(p) for p in preds]
+    order, ready = [], [i for i in range(len(nodes)) if indeg[i] == 0]
+    while ready:
+        i = ready.pop()
+        order.append(i)
+        for s in succs[i]:
+            indeg[s] -= 1
+            if indeg[s] == 0:
+                ready.append(s)
+    if len(order) != len(nodes):
+        raise ValueError("graph_cost: the graph has a cycle")
+    rank = [0.0] * len(nodes)
+    for i in reversed(order):
+        rank[i] = costs[i] + max((rank[s] for s in succs[i]), default=0.0)
+    streams = max(1, int(streams))
+    free = [0.0] * streams
+    finish = [0.0] * len(nodes)
+    indeg = [len(p) for p in preds]
+    heap = [(-rank[i], i) for i in range(len(nodes)) if indeg[i] == 0]
+    heapq.heapify(heap)
+    while heap:
+        _, i = heapq.heappop(heap)
+        ready_at = max((finish[p] for p in preds[i]), default=0.0)
+        if costs[i] == 0.0:
+            finish[i] = ready_at  # views take no stream time
+        else:
+            s = min(range(streams), key=lambda k: (max(free[k], ready_at), k))
+            finish[i] = max(free[s], ready_at) + costs[i]
+            free[s] = finish[i]
+        for s_ in succs[i]:
+            indeg[s_] -= 1
+            if indeg[s_] == 0:
+                heapq.heappush(heap, (-rank[s_], s_))
+    return max(finish), total
+
+
+class _GraphCostMixin:
+    def graph_cost(self, graph: gs.Graph, streams: int) -> tuple[float, float]:
+        """(critical_path, total_work) in seconds of ``graph`` (shape-inferred) on ``streams`` streams."""
+        return _list_schedule(graph, streams, self.node_cost)
+
+    def mixed(self, graph: gs.Graph, streams: int, alpha: float = DEFAULT_ALPHA) -> float:
+        return mixed_cost(*self.graph_cost(graph, streams), alpha=alpha)
+
+
+class RooflineCostModel(_GraphCostMixin):
+    """Analytic cost: ``max(flops / (peak·occupancy), bytes / bandwidth) + kernel_floor``; needs no GPU."""
+
+    def __init__(self, device: str | DeviceSpec = "H100-SXM", precision: str = "fp32", kernel_floor: float = 3e-6,
+                 occupancy: bool = True):
+        self.device = get_device(device)
+        self.precision = precision
+        self.peak = self.device.peak_flops(precision)
+        self.float_bytes = 2 if precision in ("fp16", "bf16", "half") else None
+        self.kernel_floor = kernel_floor
+        self.occupancy = occupancy
+
+    def describe(self) -> str:
+        return f"roofline {self.device.name} {self.precision}"
+
+    def node_cost(self, node: gs.Node) -> float:
+        flops, byts, tiles = _flops_bytes_tiles(node, self.float_bytes)
+        if flops == 0.0 and byts == 0.0:
+            return 0.0
+        peak = self.peak
+        if self.occupancy and tiles is not None:
+            peak *= min(1.0, tiles / self.device.sms)
+        return max(flops / peak, byts / self.device.bandwidth) + self.kernel_floor
+
+    def is_memory_bound(self, node: gs.Node) -> bool:
+        """Arithmetic intensity (FLOP/byte) below the device's ridge point at this precision."""
+        flops, byts, _ = _flops_bytes_tiles(node, self.float_bytes)
+        if byts == 0.0:
+            return False
+        return flops / byts < self.peak / self.device.bandwidth
+
+
+# ---------------------------------------------------------------------------------------------
+# Measured costs
+# ---------------------------------------------------------------------------------------------
+
+CACHE_VERSION = 1
+_SMALL_CONSTANT = 64  # constant inputs up to this many elements are part of the signature (shapes, axes, pads)
+
+
+def _attr_jsonable(v):
+    if isinstance(v, np.ndarray):
+        return v.tolist()
+    if isinstance(v, (list, tuple)):
+        return [_attr_jsonable(x) for x in v]
+    if isinstance(v, (np.integer, np.floating)):
+        return v.item()
+    if isinstance(v, bytes):
+        return v.decode("utf-8", "replace")
+    if isinstance(v, (str, int, float, bool)) or v is None:
+        return v
+    if isinstance(v, gs.Tensor):
+        return {"tensor": list(_static_shape(v) or [])}
+    return repr(type(v).__name__)  # subgraphs: not profiled in detail
+
+
+def node_signature(node: gs.Node) -> str | None:
+    """A canonical text of what a kernel's time depends on; None when a shape is unknown."""
+    ins = []
+    for t in node.inputs:
+        if t is None or not getattr(t, "name", ""):
+            ins.append(None)
+            continue
+        shape = _static_shape(t)
+        if shape is None:
+            return None
+        dtype = t.values.dtype if isinstance(t, gs.Constant) else t.dtype
+        entry = {"shape": list(shape), "dtype": str(np.dtype(dtype)) if dtype is not None else "?",
+                 "const": isinstance(t, gs.Constant)}
+        if isinstance(t, gs.Constant) and t.values.size <= _SMALL_CONSTANT:
+            entry["value"] = np.asarray(t.values).tolist()
+        ins.append(entry)
+    for t in node.outputs:
+        if _static_shape(t) is None:
+            return None
+    sig = {"op": node.op, "domain": node.domain or "", "attrs": {k: _attr_jsonable(v) for k, v in sorted(node.attrs.items())},
+           "inputs": ins}
+    return json.dumps(sig, sort_keys=True, separators=(",", ":"))
+
+
+def single_node_model(node: gs.Node, opset: int = 17) -> onnx.ModelProto:
+    """A model of ``node`` alone: variable inputs become graph inputs, constants stay initializers."""
+    inputs, new_inputs = [], []
+    for i, t in enumerate(node.inputs):
+        if t is None or not getattr(t, "name", ""):
+            new_inputs.append(gs.Variable.empty())
+            continue
+        if isinstance(t, gs.Constant):
+            new_inputs.append(gs.Constant(f"c{i}", np.asarray(t.values)))
+        else:
+            v = gs.Variable(f"in{i}", dtype=t.dtype, shape=list(_static_shape(t)))
+            new_inputs.append(v)
+            inputs.append(v)
+    outputs = [gs.Variable(f"out{i}", dtype=t.dtype, shape=list(_static_shape(t) or [])) for i, t in enumerate(node.outputs)]
+    clone = gs.Node(node.op, name="probe", attrs=dict(node.attrs), inputs=new_inputs, outputs=outputs, domain=node.domain)
+    graph = gs.Graph(nodes=[clone], inputs=inputs, outputs=outputs, opset=opset)
+    return gs.export_onnx(graph)
+
+
+class ProfiledCostModel(_GraphCostMixin):
+    """Node costs measured once per op signature, through ``measure(model) -> seconds``, cached in a JSON file.
+
+    The cache key is ``device|backend|precision|sha256(signature)``, so one file can hold
+    the figures of several devices; a second build on the same device measures nothing.
+    Nodes that cannot be measured (unknown shapes, the measurement raised) take the
+    ``fallback`` model's estimate and are listed in ``failures``.
+    """
+
+    def __init__(self, measure: Callable[[onnx.ModelProto], float], cache_file: str | os.PathLike | None = None, *,
+                 device: str = "H100-SXM", backend: str = "torch", precision: str = "fp32",
+                 fallback: CostModel | None = None, opset: int = 17):
+        self.measure = measure
+        self.cache_file = Path(cache_file) if cache_file is not None else None
+        self.device = device
+        self.backend = backend
+        self.precision = precision
+        self.fallback = fallback or RooflineCostModel(device if device in DEVICES else "H100-SXM", precision=precision)
+        self.opset = opset
+        self.measured = 0  # measurements taken by this instance
+        self.failures: dict[str, str] = {}
+        self._cache: dict[str, dict] = {}
+        if self.cache_file is not None and self.cache_file.exists():
+            try:
+                data = json.loads(self.cache_file.read_text())
+                if data.get("version") == CACHE_VERSION:
+                    self._cache = dict(data.get("entries", {}))
+            except (OSError, ValueError):
+                self._cache = {}  # an unreadable cache is rebuilt, never trusted
+
+    def describe(self) -> str:
+        return f"profiled {self.device} {self.backend} {self.precision}"
+
+    def key(self, signature: str) -> str:
+        digest = hashlib.sha256(signature.encode()).hexdigest()[:24]
+        return f"{self.device}|{self.backend}|{self.precision}|{digest}"
+
+    def node_cost(self, node: gs.Node) -> float:
+        if node.op in VIEW_OPS:
+            return 0.0
+        sig = node_signature(node)
+        if sig is None:
+            return self.fallback.node_cost(node)
+        key = self.key(sig)
+        hit = self._cache.get(key)
+        if hit is not None:
+            return float(hit["seconds"])
+        try:
+            seconds = float(self.measure(single_node_model(node, self.opset)))
+            if not math.isfinite(seconds) or seconds < 0:
+                raise ValueError(f"measure returned {seconds}")
+        except Exception as e:  # noqa: BLE001 - a kernel the backend cannot build still needs a cost
+            self.failures[node.name] = f"{type(e).__name__}: {e}"
+            return self.fallback.node_cost(node)
+        self.measured += 1
+        self._cache[key] = {"seconds": seconds, "op": node.op}
+        self._save()
+        return seconds
+
+    def is_memory_bound(self, node: gs.Node) -> bool:
+        return self.fallback.is_memory_bound(node)
+
+    def _save(self) -> None:
+        if self.cache_file is None:
+            return
+        self.cache_file.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(dir=self.cache_file.parent, prefix=".cost-cache-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump({"version": CACHE_VERSION, "entries": self._cache}, f, indent=0, sort_keys=True)
+        os.replace(tmp, self.cache_file)
+
+
+def ort_measure(repeats: int = 20) -> Callable[[onnx.ModelProto], float]:
+    """A ``measure`` callback that times a one-node model with ONNX Runtime on the CPU (median of ``repeats``).
+
+    For tests and CPU builds; GPU figures come from the engine backend's own callback.
+    """
+
+    def measure(model: onnx.ModelProto) -> float:
+        import time
+
+        import onnxruntime as ort
+
+        opts = ort.SessionOptions()
+        opts.intra_op_num_threads = 1
+        sess = ort.InferenceSession(model.SerializeToString(), opts, providers=["CPUExecutionProvider"])
+        rng = np.random.default_rng(0)
+        feeds = {}
+        for i in sess.get_inputs():
+            shape = [d if isinstance(d, int) else 1 for d in i.shape]
+            dt = {"tensor(float)": np.float32, "tensor(float16)": np.float16, "tensor(double)": np.float64,
+                  "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(bool)": np.bool_}.get(i.type, np.float32)
+            feeds[i.name] = rng.standard_normal(shape).astype(dt) if dt != np.bool_ else rng.random(shape) > 0.5
+        sess.run(None, feeds)
+        times = []
+        for _ in range(repeats):
+            t0 = time.perf_counter()
+            sess.run(None, feeds)
+            times.append(time.perf_counter() - t0)
+        return float(np.median(times))
+
+    return measure
