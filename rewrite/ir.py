@@ -1,0 +1,146 @@
+"""ONNX ⇄ graphsurgeon for the rules and the search: the invariants rules rely on, and back to a checked model.
+
+``import_graph`` gives a graph whose tensors carry inferred shapes and dtypes, whose Constant nodes are
+initializers, whose weights are plain numpy arrays (loaded once), and whose nodes have unique names
+(the search identifies sites by node names).  ``export_model`` returns a model that passes
+``onnx.checker`` and strict shape inference, with the original's opsets, IR version and metadata.
+"""
+
+from __future__ import annotations
+
+import hashlib
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+from onnx import numpy_helper, shape_inference
+
+
+def infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
+    return shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
+
+
+def import_graph(model: onnx.ModelProto) -> gs.Graph:
+    graph = gs.import_onnx(infer(model))
+    _lift_constant_nodes(graph)
+    for t in graph.tensors().values():
+        if isinstance(t, gs.Constant):
+            t.values = np.asarray(t.values)  # load lazily-held weights once, not on every access
+    _name_nodes(graph)
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    return graph
+
+
+def _lift_constant_nodes(graph: gs.Graph) -> None:
+    """Constant nodes with a tensor value become initializers, so that rules see their values."""
+    for node in list(graph.nodes):
+        if node.op != "Constant" or len(node.outputs) != 1 or "value" not in node.attrs:
+            continue
+        out = node.outputs[0]
+        if any(o is out for o in graph.outputs):
+            continue
+        value = node.attrs["value"]
+        array = np.asarray(value.values) if isinstance(value, gs.Constant) else None
+        if array is None:
+            continue
+        const = gs.Constant(out.name, array)
+        for consumer in list(out.outputs):
+            for i, t in enumerate(consumer.inputs):
+                if t is out:
+                    consumer.inputs[i] = const
+        node.inputs.clear()
+        node.outputs.clear()
+
+
+def _name_nodes(graph: gs.Graph) -> None:
+    taken: set[str] = set()
+    for i, node in enumerate(graph.nodes):
+        base = node.name or f"{node.op}_{i}"
+        name, k = base, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        node.name = name
+        taken.add(name)
+
+
+def export_model(graph: gs.Graph, like: onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
+    """``graph`` as a model with ``like``'s opsets, IR version and metadata, shapes inferred and checked."""
+    graph = graph.copy()
+    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    model = gs.export_onnx(graph, do_type_check=False)
+    model.ClearField("opset_import")
+    model.opset_import.extend(like.opset_import)
+    model.ir_version = like.ir_version
+    for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
+        setattr(model, field, getattr(like, field))
+    del model.metadata_props[:]
+    model.metadata_props.extend(like.metadata_props)
+    model.graph.name = like.graph.name
+    del model.graph.value_info[:]
+    model = infer(model, strict=check)
+    if check:
+        onnx.checker.check_model(model)
+    return model
+
+
+# ---------------------------------------------------------------------------------------------
+# Canonical hash: the same computation gives the same hash whatever its node and tensor names
+# ---------------------------------------------------------------------------------------------
+
+
+class GraphHasher:
+    """Name-independent structural hashes of graphs; constant contents are hashed once per array."""
+
+    def __init__(self):
+        self._const: dict[int, tuple[object, str]] = {}
+
+    def _constant(self, t: gs.Constant) -> str:
+        values = t.values
+        hit = self._const.get(id(values))
+        if hit is not None and hit[0] is values:
+            return hit[1]
+        arr = np.ascontiguousarray(values)
+        h = hashlib.blake2b(arr.tobytes(), digest_size=12)
+        h.update(f"{arr.dtype}{arr.shape}".encode())
+        digest = "c" + h.hexdigest()
+        self._const[id(values)] = (values, digest)  # keep the array alive so its id stays unique
+        return digest
+
+    def __call__(self, graph: gs.Graph) -> str:
+        tensor_hash: dict[int, str] = {}
+        for t in graph.inputs:
+            tensor_hash[id(t)] = "in:" + t.name
+        node_hashes = []
+        for node in graph.nodes:  # topologically sorted: rules toposort after every rewrite
+            parts = [node.op, node.domain or ""]
+            for k in sorted(node.attrs):
+                parts.append(f"{k}={_attr_text(node.attrs[k])}")
+            for t in node.inputs:
+                if t is None or not t.name:
+                    parts.append("-")
+                elif isinstance(t, gs.Constant):
+                    parts.append(self._constant(t))
+                else:
+                    parts.append(tensor_hash.get(id(t), "ext:" + t.name))
+            digest = hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
+            node_hashes.append(digest)
+            for i, t in enumerate(node.outputs):
+                tensor_hash[id(t)] = f"{digest}#{i}"
+        outs = [tensor_hash.get(id(t), "ext:" + t.name) for t in graph.outputs]
+        body = "|".join(sorted(node_hashes)) + "||" + "|".join(outs)
+        return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+
+
+def _attr_text(v) -> str:
+    if isinstance(v, gs.Constant):
+        return hashlib.blake2b(np.ascontiguousarray(v.values).tobytes(), digest_size=8).hexdigest()
+    if isinstance(v, np.ndarray):
+        return repr(v.tolist())
+    if isinstance(v, gs.Graph):
+        return "graph:" + v.name
+    return repr(v)
+
+
+def constant_to_proto(t: gs.Constant) -> onnx.TensorProto:
+    return numpy_helper.from_array(np.asarray(t.values), t.name)

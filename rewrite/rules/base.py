@@ -1,0 +1,255 @@
+"""The rule interface and the small graphsurgeon helpers that every rule family shares.
+
+A rule has three parts (onnxscript's rewriter is the model):
+
+* ``match(graph) -> list[Site]``  the *pattern*: every place it could apply, cheap and syntactic;
+* ``check(graph, site) -> str | None``  ``None`` when the site is provably safe, else the *reason*
+  (it goes into the search report, so a user sees why a rule did not fire);
+* ``apply(graph, site) -> gs.Graph``  the *rewrite*, on a copy: the argument is never changed.
+
+A :class:`Site` names its nodes, so the same site found again in another candidate has the same key.
+Rules only ever see shape-inferred graphs whose nodes have unique names; they keep the names of
+every tensor that leaves the nodes they replace, so downstream consumers and graph outputs are untouched.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+
+@dataclass(frozen=True)
+class Site:
+    """One place a rule could apply: the rule's name, the names of the nodes it rewrites, and rule-specific detail."""
+
+    rule: str
+    nodes: tuple[str, ...]
+    detail: tuple = ()
+
+    @property
+    def key(self) -> str:
+        extra = f"[{','.join(map(str, self.detail))}]" if self.detail else ""
+        return f"{self.rule}:{'+'.join(self.nodes)}{extra}"
+
+
+class Rule:
+    """Base class: subclasses set ``name`` and implement ``match``, ``check`` and ``rewrite``.
+
+    ``enabling`` marks rules that make a graph no faster by themselves but unlock another rule
+    (kernel enlargement before a merge); the search looks one step past β for them.
+    """
+
+    name: str = "rule"
+    enabling: bool = False
+
+    def match(self, graph: gs.Graph) -> list[Site]:
+        raise NotImplementedError
+
+    def check(self, graph: gs.Graph, site: Site) -> str | None:
+        raise NotImplementedError
+
+    def rewrite(self, graph: gs.Graph, site: Site) -> None:
+        """Edit ``graph`` (already a private copy) in place."""
+        raise NotImplementedError
+
+    def apply(self, graph: gs.Graph, site: Site) -> gs.Graph:
+        """A rewritten copy of ``graph``; raises ``ValueError`` with the reason when the site is not safe."""
+        reason = self.check(graph, site)
+        if reason is not None:
+            raise ValueError(f"{site.key}: {reason}")
+        out = graph.copy()
+        self.rewrite(out, site)
+        out.cleanup(remove_unused_graph_inputs=False).toposort()
+        return out
+
+    def sites(self, graph: gs.Graph) -> list[tuple[Site, str | None]]:
+        """Every matched site with its check result (``None`` = safe)."""
+        return [(s, self.check(graph, s)) for s in self.match(graph)]
+
+    def __repr__(self) -> str:
+        return f"<rule {self.name}>"
+
+
+# ---------------------------------------------------------------------------------------------
+# Helpers
+# ---------------------------------------------------------------------------------------------
+
+
+def nodes_by_name(graph: gs.Graph) -> dict[str, gs.Node]:
+    return {n.name: n for n in graph.nodes}
+
+
+def site_nodes(graph: gs.Graph, site: Site) -> list[gs.Node] | None:
+    by = nodes_by_name(graph)
+    try:
+        return [by[n] for n in site.nodes]
+    except KeyError:
+        return None
+
+
+def static_shape(t: gs.Tensor | None) -> tuple[int, ...] | None:
+    if t is None:
+        return None
+    if isinstance(t, gs.Constant):
+        return tuple(int(d) for d in t.values.shape)
+    if t.shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in t.shape):
+        return None
+    return tuple(int(d) for d in t.shape)
+
+
+def const_value(t: gs.Tensor | None) -> np.ndarray | None:
+    """The value of a constant input (an initializer), else None."""
+    if isinstance(t, gs.Constant):
+        return np.asarray(t.values)
+    return None
+
+
+def is_graph_output(graph: gs.Graph, t: gs.Tensor) -> bool:
+    return any(o is t for o in graph.outputs)
+
+
+def is_graph_input(graph: gs.Graph, t: gs.Tensor) -> bool:
+    return any(i is t for i in graph.inputs)
+
+
+def private_output(graph: gs.Graph, node: gs.Node, consumer: gs.Node | None = None) -> str | None:
+    """None when ``node`` has one output, read only by ``consumer`` (or by nothing else when None) and not a graph output."""
+    if len(node.outputs) != 1:
+        return f"{node.name} has {len(node.outputs)} outputs"
+    out = node.outputs[0]
+    if is_graph_output(graph, out):
+        return f"{out.name} is a graph output"
+    users = list(out.outputs)
+    if consumer is not None and (len(users) != 1 or users[0] is not consumer):
+        return f"{out.name} is also read by {', '.join(sorted(u.name for u in users if u is not consumer)) or 'nothing'}"
+    return None
+
+
+def same_dtype(*tensors: gs.Tensor) -> bool:
+    dts = set()
+    for t in tensors:
+        dt = t.values.dtype if isinstance(t, gs.Constant) else t.dtype
+        try:
+            dts.add(np.dtype(dt))
+        except TypeError:
+            return False
+    return len(dts) == 1
+
+
+def fresh_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> str:
+    """``base``, or ``base_1``, ``base_2`` … whichever no node or tensor of ``graph`` uses yet."""
+    if taken is None:
+        taken = {n.name for n in graph.nodes} | set(graph.tensors().keys())
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
+
+
+class Namer:
+    """Fresh node and tensor names for one rewrite (one scan of the graph, then a set)."""
+
+    def __init__(self, graph: gs.Graph):
+        self.taken = {n.name for n in graph.nodes} | set(graph.tensors().keys())
+        self.graph = graph
+
+    def __call__(self, base: str) -> str:
+        return fresh_name(self.graph, base, self.taken)
+
+
+def variable_like(name: str, like: gs.Tensor, shape) -> gs.Variable:
+    dt = like.values.dtype if isinstance(like, gs.Constant) else like.dtype
+    return gs.Variable(name, dtype=dt, shape=list(shape) if shape is not None else None)
+
+
+def conv_attrs(node: gs.Node, rank: int) -> dict:
+    """Conv attributes with ONNX defaults filled in (spatial rank ``rank``)."""
+    w = node.inputs[1]
+    ks = node.attrs.get("kernel_shape")
+    if ks is None and static_shape(w) is not None:
+        ks = list(static_shape(w)[2:])
+    auto_pad = node.attrs.get("auto_pad", "NOTSET")
+    if isinstance(auto_pad, bytes):
+        auto_pad = auto_pad.decode()
+    return {
+        # VALID is NOTSET with zero pads; SAME_* stays as it is (callers refuse it)
+        "auto_pad": "NOTSET" if auto_pad == "VALID" else auto_pad,
+        "dilations": list(node.attrs.get("dilations", [1] * rank)),
+        "group": int(node.attrs.get("group", 1)),
+        "kernel_shape": list(ks) if ks is not None else None,
+        "pads": [0] * (2 * rank) if auto_pad == "VALID" else list(node.attrs.get("pads", [0] * (2 * rank))),
+        "strides": list(node.attrs.get("strides", [1] * rank)),
+    }
+
+
+def attr_difference(a: dict, b: dict, names_a: str, names_b: str) -> str | None:
+    for k in sorted(set(a) | set(b)):
+        if a.get(k) != b.get(k):
+            return f"{names_a} and {names_b} differ in {k} ({a.get(k)} vs {b.get(k)})"
+    return None
+
+
+def make_split(graph: gs.Graph, name: str, x: gs.Tensor, axis: int, sizes: list[int], outputs: list[gs.Tensor],
+               namer: Namer) -> gs.Node:
+    """A Split node of ``x`` into ``sizes`` along ``axis``, in the form the graph's opset expects."""
+    if (graph.opset or 13) >= 13:
+        sizes_t = gs.Constant(namer(f"{name}_sizes"), np.asarray(sizes, dtype=np.int64))
+        node = gs.Node("Split", name=name, attrs={"axis": axis}, inputs=[x, sizes_t], outputs=outputs)
+    else:
+        node = gs.Node("Split", name=name, attrs={"axis": axis, "split": list(sizes)}, inputs=[x], outputs=outputs)
+    graph.nodes.append(node)
+    return node
+
+
+def split_sizes(node: gs.Node) -> list[int] | None:
+    """The sizes a Split node cuts, whichever opset form it uses; None when not static."""
+    shape = static_shape(node.inputs[0])
+    axis = int(node.attrs.get("axis", 0))
+    if len(node.inputs) > 1 and node.inputs[1] is not None and node.inputs[1].name:
+        v = const_value(node.inputs[1])
+        return [int(s) for s in v.reshape(-1)] if v is not None else None
+    if "split" in node.attrs:
+        return [int(s) for s in node.attrs["split"]]
+    if shape is None:
+        return None
+    dim = shape[axis % len(shape)]
+    n = len(node.outputs)
+    if "num_outputs" in node.attrs:
+        chunk = -(-dim // n)
+        return [min(chunk, dim - i * chunk) for i in range(n)]
+    if dim % n:
+        return None
+    return [dim // n] * n
+
+
+def replace_tensor(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
+    """Every consumer of ``old`` reads ``new`` instead (graph outputs excluded: callers check that first)."""
+    for consumer in list(old.outputs):
+        for i, t in enumerate(consumer.inputs):
+            if t is old:
+                consumer.inputs[i] = new
+
+
+def detach(node: gs.Node) -> None:
+    """Disconnect ``node`` so that cleanup() removes it."""
+    node.inputs.clear()
+    node.outputs.clear()
+
+
+def channel_vector(value: np.ndarray, out_rank: int, channels: int, axis: int = 1) -> np.ndarray | None:
+    """``value`` as a per-channel vector of length ``channels`` when it broadcasts against an output of rank
+    ``out_rank`` without growing it and varies at most along ``axis``; else None."""
+    if value.ndim > out_rank:
+        return None
+    shape = (1,) * (out_rank - value.ndim) + tuple(value.shape)
+    axis %= out_rank
+    for i, d in enumerate(shape):
+        if i != axis and d != 1:
+            return None
+    if shape[axis] not in (1, channels):
+        return None
+    return np.broadcast_to(value.reshape(-1), (channels,)).copy() if value.size in (1, channels) else None
