@@ -21,6 +21,9 @@ Two sources of node costs:
   attributes, input shapes and dtypes) is run once as a one-node model through a
   ``measure(model) -> seconds`` callback that the engine side supplies; figures
   are kept in a JSON cache keyed by device, backend, precision and signature.
+
+Both count an elementwise op that an engine fuses into the preceding Conv/Gemm/MatMul
+(:func:`is_fused_epilogue`) as free.
 """
 
 from __future__ import annotations
@@ -249,6 +252,26 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
     return flops, byts, tiles
 
 
+# Ops whose epilogue can absorb a following elementwise op (TensorRT, cuDNN and Inductor all fuse these).
+EPILOGUE_PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
+_EPILOGUE_OPS = frozenset(_POINTWISE) | {"BatchNormalization"}
+
+
+def is_fused_epilogue(node: gs.Node, _depth: int = 0) -> bool:
+    """True when ``node`` is an elementwise op (activation, or arithmetic with constants) applied to the only
+    use of a Conv/Gemm/MatMul output, directly or through other such ops: an engine runs it inside that kernel."""
+    if node.op not in _EPILOGUE_OPS or _depth > 8 or not node.outputs:
+        return False
+    variables = [t for t in node.inputs if isinstance(t, gs.Variable)]
+    if len(variables) != 1:
+        return False
+    data = variables[0]
+    if len(data.inputs) != 1 or len(data.outputs) != 1:
+        return False
+    producer = data.inputs[0]
+    return producer.op in EPILOGUE_PRODUCERS or is_fused_epilogue(producer, _depth + 1)
+
+
 # ---------------------------------------------------------------------------------------------
 # Cost models
 # ---------------------------------------------------------------------------------------------
@@ -338,7 +361,8 @@ class RooflineCostModel(_GraphCostMixin):
     """Analytic cost: ``max(flops / (peak·occupancy), bytes / bandwidth) + kernel_floor``; needs no GPU."""
 
     def __init__(self, device: str | DeviceSpec = "H100-SXM", precision: str = "fp32", kernel_floor: float = 3e-6,
-                 occupancy: bool = True):
+                 occupancy: bool = True, fuse_epilogues: bool = True):
+        self.fuse_epilogues = fuse_epilogues
         self.device = get_device(device)
         self.precision = precision
         self.peak = self.device.peak_flops(precision)
@@ -350,6 +374,8 @@ class RooflineCostModel(_GraphCostMixin):
         return f"roofline {self.device.name} {self.precision}"
 
     def node_cost(self, node: gs.Node) -> float:
+        if self.fuse_epilogues and is_fused_epilogue(node):
+            return 0.0
         flops, byts, tiles = _flops_bytes_tiles(node, self.float_bytes)
         if flops == 0.0 and byts == 0.0:
             return 0.0
@@ -444,8 +470,9 @@ class ProfiledCostModel(_GraphCostMixin):
 
     def __init__(self, measure: Callable[[onnx.ModelProto], float], cache_file: str | os.PathLike | None = None, *,
                  device: str = "H100-SXM", backend: str = "torch", precision: str = "fp32",
-                 fallback: CostModel | None = None, opset: int = 17):
+                 fallback: CostModel | None = None, opset: int = 17, fuse_epilogues: bool = True):
         self.measure = measure
+        self.fuse_epilogues = fuse_epilogues
         self.cache_file = Path(cache_file) if cache_file is not None else None
         self.device = device
         self.backend = backend
@@ -471,7 +498,7 @@ class ProfiledCostModel(_GraphCostMixin):
         return f"{self.device}|{self.backend}|{self.precision}|{digest}"
 
     def node_cost(self, node: gs.Node) -> float:
-        if node.op in VIEW_OPS:
+        if node.op in VIEW_OPS or (self.fuse_epilogues and is_fused_epilogue(node)):
             return 0.0
         sig = node_signature(node)
         if sig is None:

@@ -143,3 +143,23 @@ def test_profiled_falls_back_when_measurement_fails(tmp_path):
     conv = next(n for n in g.nodes if n.op == "Conv")
     assert cm.node_cost(conv) == RooflineCostModel("H100-SXM").node_cost(conv)
     assert "conv0" in cm.failures or "conv1" in cm.failures
+
+
+def test_elementwise_epilogues_of_a_conv_are_free():
+    g = _graph(
+        [helper.make_node("Conv", ["x", "w"], ["c"], name="conv"),
+         helper.make_node("Mul", ["c", "s"], ["m"], name="scale"),
+         helper.make_node("Relu", ["m"], ["r"], name="relu"),
+         helper.make_node("Sigmoid", ["x"], ["y"], name="sig"),
+         helper.make_node("Relu", ["c2"], ["z"], name="relu_shared"),
+         helper.make_node("Conv", ["x", "w"], ["c2"], name="conv2"),
+         helper.make_node("Tanh", ["c2"], ["t"], name="tanh_shared")],
+        [_vi("x", [1, 4, 8, 8])], [_vi("r", None), _vi("y", None), _vi("z", None), _vi("t", None)],
+        [_w("w", (4, 4, 1, 1)), _w("s", (4, 1, 1))],
+    )
+    by = {n.name: n for n in g.nodes}
+    cm = RooflineCostModel()
+    assert cm.node_cost(by["scale"]) == 0.0 and cm.node_cost(by["relu"]) == 0.0
+    assert cm.node_cost(by["sig"]) > 0.0  # reads a graph input: a kernel of its own
+    assert cm.node_cost(by["relu_shared"]) > 0.0  # the Conv output has two readers: it is written out
+    assert RooflineCostModel(fuse_epilogues=False).node_cost(by["relu"]) > 0.0
