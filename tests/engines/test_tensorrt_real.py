@@ -11,7 +11,9 @@ import json
 import numpy as np
 import onnx
 import pytest
-from graphs import ort_reference, three_branch_model, two_output_model
+from graphs import ort_reference
+from graphs import three_branch_model as _three_branch_model
+from graphs import two_output_model as _two_output_model
 from onnx import TensorProto, helper
 
 from parastream.launcher.engines import BuildOptions
@@ -19,6 +21,18 @@ from parastream.launcher.engines import tensorrt as backend
 from parastream.launcher.errors import ParastreamError
 
 pytestmark = [pytest.mark.trt, pytest.mark.gpu]
+
+
+def three_branch_model(**kw) -> onnx.ModelProto:
+    model = _three_branch_model(**kw)
+    model.ir_version = 8  # an IR version every onnxruntime reads
+    return model
+
+
+def two_output_model(**kw) -> onnx.ModelProto:
+    model = _two_output_model(**kw)
+    model.ir_version = 8
+    return model
 
 
 @pytest.fixture(autouse=True)

@@ -5,7 +5,8 @@ stream_create, stream_destroy, copy_in, copy_out, synchronize) over 256-byte ali
 buffers addressed by plain integers, the way cudaMalloc'd pointers are.  The double's
 ``execute_async_v3`` reads and writes tensors at those integers through ``read``/``write``,
 which refuse any address range that no live allocation holds: a wrong pointer fails the
-test instead of corrupting the interpreter.
+test instead of corrupting the interpreter.  On a GPU test, ``DEVICE`` sends every other address to
+device memory (synchronous copies), so the engines' real cuda-python path runs against the double.
 """
 
 from __future__ import annotations
@@ -19,28 +20,46 @@ ALIGN = 256
 
 #: live allocations: aligned address -> (owning buffer, size in bytes)
 ALLOCATIONS: dict[int, tuple[object, int]] = {}
+#: on a GPU test: an object with read(ptr, n), write(ptr, data) and synchronize(stream) over device
+#: memory, used for every address that no host allocation holds; None everywhere else
+DEVICE = None
 _streams = itertools.count(0x5000)
 
 
 def reset() -> None:
+    global DEVICE
     ALLOCATIONS.clear()
+    DEVICE = None
+
+
+def _owned(ptr: int, nbytes: int) -> bool:
+    return any(base <= ptr and ptr + nbytes <= base + size for base, (_, size) in ALLOCATIONS.items())
 
 
 def _check(ptr: int, nbytes: int) -> None:
-    for base, (_, size) in ALLOCATIONS.items():
-        if base <= ptr and ptr + nbytes <= base + size:
-            return
-    raise ValueError(f"address range 0x{ptr:x}+{nbytes} lies in no live allocation (a wrong or freed pointer)")
+    if not _owned(ptr, nbytes):
+        raise ValueError(f"address range 0x{ptr:x}+{nbytes} lies in no live allocation (a wrong or freed pointer)")
 
 
 def read(ptr: int, nbytes: int) -> bytes:
+    if DEVICE is not None and not _owned(ptr, nbytes):
+        return DEVICE.read(ptr, nbytes)
     _check(ptr, nbytes)
     return ctypes.string_at(ptr, nbytes)
 
 
 def write(ptr: int, data: bytes) -> None:
+    if DEVICE is not None and not _owned(ptr, len(data)):
+        DEVICE.write(ptr, data)
+        return
     _check(ptr, len(data))
     ctypes.memmove(ptr, data, len(data))
+
+
+def stream_synchronize(stream: int) -> None:
+    """Before the double reads its inputs: on a GPU, let the work queued on ``stream`` finish."""
+    if DEVICE is not None:
+        DEVICE.synchronize(stream)
 
 
 class HostMemory:

@@ -694,6 +694,7 @@ class IExecutionContext:
                 return False
         import onnxruntime as ort
 
+        host_memory.stream_synchronize(stream_handle)  # on a GPU test: the inputs are written by then
         if self.engine.session is None:
             so = ort.SessionOptions()
             so.log_severity_level = 3
