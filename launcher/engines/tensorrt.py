@@ -282,7 +282,10 @@ class Builder:
                     blob = self.cache_path.read_bytes()
                 except OSError:
                     blob = b""
-            cache = config.create_timing_cache(blob) if blob else None
+            try:
+                cache = config.create_timing_cache(blob) if blob else None
+            except Exception:  # noqa: BLE001 - a corrupt file: TensorRT may raise rather than return None
+                cache = None
             # ignore_mismatch=False: a cache from another device or TensorRT version is refused, not half-used
             if cache is not None and config.set_timing_cache(cache, False):
                 self._cache, self._cache_state = cache, "loaded"
@@ -527,7 +530,16 @@ class TrtEngine:
             if not ctx.set_tensor_address(tname, int(addresses[tname])):
                 raise ParastreamError(f"TensorRT refused the address of tensor {tname!r}: {self._first_error()}")
         if not ctx.execute_async_v3(_handle(stream_handle)):
-            raise ParastreamError(f"TensorRT's execute_async_v3 failed: {self._first_error()}")
+            hint = ""
+            try:
+                from .. import cuda
+
+                if cuda.is_capturing(_handle(stream_handle)):
+                    # "the enqueue call may return false if the current CUDA graph capture fails" [Samples: sampleInference.cpp]
+                    hint = " while the stream was capturing a CUDA Graph: this engine has layers that cannot be captured; load the bundle with graph=False"
+            except Exception:  # noqa: BLE001 - the hint is a nicety
+                pass
+            raise ParastreamError(f"TensorRT's execute_async_v3 failed{hint}: {self._first_error()}")
 
     # -- host path ------------------------------------------------------------------------------------
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
