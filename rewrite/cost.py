@@ -22,8 +22,8 @@ Two sources of node costs:
   ``measure(model) -> seconds`` callback that the engine side supplies; figures
   are kept in a JSON cache keyed by device, backend, precision and signature.
 
-Both count an elementwise op that an engine fuses into the preceding Conv/Gemm/MatMul
-(:func:`is_fused_epilogue`) as free.
+The roofline counts an elementwise op that an engine fuses into the preceding Conv/Gemm/MatMul
+(:func:`is_fused_epilogue`) as the reading of its constants only; the profiled model as free.
 """
 
 from __future__ import annotations
@@ -181,7 +181,8 @@ def node_flops_bytes(node: gs.Node, float_bytes: int | None = None) -> tuple[flo
     """FLOPs and bytes moved by ``node``, from its inferred shapes and dtypes.
 
     ``float_bytes`` counts floating-point tensors at that width (2 for an fp16 engine)
-    instead of their declared dtype.  Views (Reshape, Squeeze, …) cost (0, 0); a tensor
+    instead of their declared dtype.  A bias is part of the GEMM epilogue and adds bytes, not FLOPs.
+    Views (Reshape, Squeeze, …) cost (0, 0); a tensor
     of unknown shape counts 0 bytes.  Unknown ops: bytes of inputs and outputs, 0 FLOPs.
     """
     return _flops_bytes_tiles(node, float_bytes)[:2]
@@ -219,8 +220,6 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
                 oshape = _static_shape(out)
                 if oshape is not None and len(oshape) >= 3:
                     tiles = _gemm_tiles(oshape[0] * int(np.prod(oshape[2:], dtype=np.int64)), oshape[1])
-            if len(ins) >= 3:
-                flops += out_n
     elif op in ("MatMul", "Gemm", "MatMulInteger", "FusedMatMul") and len(ins) >= 2:
         a = _static_shape(ins[0])
         if a is not None and out is not None and out_n:
@@ -229,8 +228,6 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
             else:
                 k = a[-1]
             flops = 2.0 * out_n * k
-            if op == "Gemm" and len(ins) >= 3:
-                flops += out_n
             oshape = _static_shape(out)
             if oshape:
                 rows = oshape[-2] if len(oshape) >= 2 else 1
@@ -259,7 +256,8 @@ _EPILOGUE_OPS = frozenset(_POINTWISE) | {"BatchNormalization"}
 
 def is_fused_epilogue(node: gs.Node, _depth: int = 0) -> bool:
     """True when ``node`` is an elementwise op (activation, or arithmetic with constants) applied to the only
-    use of a Conv/Gemm/MatMul output, directly or through other such ops: an engine runs it inside that kernel."""
+    use of a Conv/Gemm/MatMul output, directly or through other such ops: an engine runs it inside that kernel,
+    and it costs only the reading of its constants."""
     if node.op not in _EPILOGUE_OPS or _depth > 8 or not node.outputs:
         return False
     variables = [t for t in node.inputs if isinstance(t, gs.Variable)]
@@ -375,7 +373,8 @@ class RooflineCostModel(_GraphCostMixin):
 
     def node_cost(self, node: gs.Node) -> float:
         if self.fuse_epilogues and is_fused_epilogue(node):
-            return 0.0
+            # no kernel and no round trip of the activation: only its own constants are read
+            return _tensor_bytes([t for t in node.inputs if isinstance(t, gs.Constant)], self.float_bytes) / self.device.bandwidth
         flops, byts, tiles = _flops_bytes_tiles(node, self.float_bytes)
         if flops == 0.0 and byts == 0.0:
             return 0.0

@@ -114,11 +114,12 @@ class GraphHasher:
         node_hashes = []
         for node in graph.nodes:  # topologically sorted: rules toposort after every rewrite
             parts = [node.op, node.domain or ""]
-            for k in sorted(node.attrs):
-                parts.append(f"{k}={_attr_text(node.attrs[k])}")
-            for t in node.inputs:
-                if t is None or not t.name:
-                    parts.append("-")
+            attrs = _canonical_attrs(node)
+            for k in sorted(attrs):
+                parts.append(f"{k}={_attr_text(attrs[k])}")
+            for t in _canonical_inputs(node):
+                if t is None or not getattr(t, "name", ""):
+                    parts.append("-" if not isinstance(t, str) else t)
                 elif isinstance(t, gs.Constant):
                     parts.append(self._constant(t))
                 else:
@@ -130,6 +131,34 @@ class GraphHasher:
         outs = [tensor_hash.get(id(t), "ext:" + t.name) for t in graph.outputs]
         body = "|".join(sorted(node_hashes)) + "||" + "|".join(outs)
         return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+
+
+_DEFAULTS = {"Gemm": {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}}
+
+
+def _canonical_attrs(node: gs.Node) -> dict:
+    """Attributes with defaults filled in, so that a rewrite that spells a default out changes nothing."""
+    if node.op == "Conv" and len(node.inputs) > 1:
+        from .rules.base import conv_attrs, static_shape
+
+        w = static_shape(node.inputs[1])
+        if w is not None:
+            return conv_attrs(node, len(w) - 2)
+    defaults = _DEFAULTS.get(node.op)
+    if defaults:
+        return {**defaults, **node.attrs}
+    return dict(node.attrs)
+
+
+def _canonical_inputs(node: gs.Node) -> list:
+    """Inputs, with a Conv's missing or all-zero bias spelled the same way."""
+    inputs = list(node.inputs)
+    if node.op == "Conv" and len(inputs) > 1 and isinstance(inputs[1], gs.Constant):
+        channels = inputs[1].values.shape[0]
+        bias = inputs[2] if len(inputs) > 2 else None
+        if bias is None or not getattr(bias, "name", "") or (isinstance(bias, gs.Constant) and not np.any(bias.values)):
+            inputs = inputs[:2] + [f"zeros({channels})"]
+    return inputs
 
 
 def _attr_text(v) -> str:

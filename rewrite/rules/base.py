@@ -38,11 +38,14 @@ class Rule:
     """Base class: subclasses set ``name`` and implement ``match``, ``check`` and ``rewrite``.
 
     ``enabling`` marks rules that make a graph no faster by themselves but unlock another rule
-    (kernel enlargement before a merge); the search looks one step past β for them.
+    (kernel enlargement before a merge); the search looks past β for them.
+    ``simplifying`` marks rules that only ever remove work (folding, cancelling): the search applies
+    them greedily, wherever the cost model does not object, before it starts branching.
     """
 
     name: str = "rule"
     enabling: bool = False
+    simplifying: bool = False
 
     def match(self, graph: gs.Graph) -> list[Site]:
         raise NotImplementedError

@@ -66,6 +66,7 @@ def _pairs(graph: gs.Graph, name: str, ops: frozenset) -> list[Site]:
 
 class CancelTransposePair(Rule):
     name = "cancel_transpose"
+    simplifying = True
 
     def match(self, graph: gs.Graph) -> list[Site]:
         return _pairs(graph, self.name, frozenset({"Transpose"}))
@@ -96,6 +97,7 @@ class CancelTransposePair(Rule):
 
 class CancelReshapePair(Rule):
     name = "cancel_reshape"
+    simplifying = True
 
     def match(self, graph: gs.Graph) -> list[Site]:
         return _pairs(graph, self.name, VIEWS)
@@ -125,6 +127,7 @@ class DropNoOpView(Rule):
     """A Reshape/Flatten/Squeeze/Unsqueeze whose output has its input's shape, or a Transpose by the identity."""
 
     name = "drop_noop_view"
+    simplifying = True
 
     def match(self, graph: gs.Graph) -> list[Site]:
         sites = []

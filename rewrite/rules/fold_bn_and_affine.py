@@ -82,6 +82,7 @@ def _scale_shift(producer: gs.Node, follower: gs.Node) -> tuple[np.ndarray, np.n
 
 class FoldBatchNormAndAffine(Rule):
     name = "fold_bn_and_affine"
+    simplifying = True
 
     def match(self, graph: gs.Graph) -> list[Site]:
         sites = []

@@ -44,6 +44,7 @@ def conv_signature(node: gs.Node) -> dict:
 
 class MergeParallelConv(Rule):
     name = "merge_parallel_conv"
+    enabling = True  # the Split it leaves pays once the activations move before it
 
     def match(self, graph: gs.Graph) -> list[Site]:
         sites = []

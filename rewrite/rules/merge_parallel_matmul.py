@@ -71,6 +71,7 @@ def _kind(node: gs.Node) -> str:
 
 class MergeParallelMatMul(Rule):
     name = "merge_parallel_matmul"
+    enabling = True  # the Split it leaves pays once the activations move before it
 
     def match(self, graph: gs.Graph) -> list[Site]:
         sites = []

@@ -21,6 +21,7 @@ from .merge_parallel_matmul import _gemm_weight_bias, _operand_reason
 
 class MergeSummed(Rule):
     name = "merge_summed"
+    simplifying = True
 
     def match(self, graph: gs.Graph) -> list[Site]:
         sites = []

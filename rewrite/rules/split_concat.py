@@ -65,6 +65,7 @@ class SplitConcat(Rule):
     """Concat(Split(x)) = x: a Split whose every piece goes, in order and only, into one Concat on the same axis."""
 
     name = "split_concat"
+    simplifying = True
 
     def match(self, graph: gs.Graph) -> list[Site]:
         sites = []
@@ -125,6 +126,7 @@ class ConcatSplit(Rule):
     """Split(Concat(x₁ … xₙ)) = (x₁ … xₙ) when the Split cuts exactly where the Concat joined."""
 
     name = "concat_split"
+    simplifying = True
 
     def match(self, graph: gs.Graph) -> list[Site]:
         sites = []

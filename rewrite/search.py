@@ -1,0 +1,539 @@
+"""The rewrite search (AutoGraph, AAAI 2023): rules chosen by a piecewise dynamic program over a cost model.
+
+1. Cut the graph, in topological order, at *narrow points* (positions where few tensors are live) into
+   pieces of ``min_piece`` … ``max_piece`` nodes.  Pieces run one after another, so their costs add and
+   the best whole is assembled from the best of each piece.
+2. Inside a piece, the *simplifying* rules (folds, cancellations) are first applied greedily wherever the
+   cost model does not object; then a backtracking (depth-first, cheapest child first) search over rule applications keeps
+   every candidate whose cost is within ``beta`` of the best found so far, skips candidates already seen
+   (a canonical, name-independent graph hash) and stops at ``max_candidates`` per piece or ``max_seconds``
+   in all.  Rules marked ``enabling`` (merges, kernel enlargement: a step that pays only with the next
+   one) may go past β, up to two such steps in a row.
+3. The ``top_k`` cheapest combinations of piece candidates are assembled into whole models and costed as
+   wholes; with a ``measure(model) -> seconds`` callback they are measured on the device (onboard
+   verification) and the fastest wins, otherwise the cost model decides.  The input is always a candidate,
+   so the result is never rated worse than it.
+
+The cost of a graph is ``alpha·critical_path + (1 − alpha)·total_work`` under the cost model on ``streams``
+streams.  The same seed gives the same result, as long as the candidate budget (not the time budget) is
+what stops each piece.
+"""
+
+from __future__ import annotations
+
+import heapq
+import random
+import time
+from dataclasses import dataclass, field
+from typing import Callable
+
+import onnx
+import onnx_graphsurgeon as gs
+
+from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
+from .ir import GraphHasher, export_model, import_graph
+from .rules import ALL_RULES, Rule
+
+REPORT_VERSION = 1
+_MAX_REFUSALS = 200
+
+
+# ---------------------------------------------------------------------------------------------
+# Pieces
+# ---------------------------------------------------------------------------------------------
+
+
+def live_counts(graph: gs.Graph) -> list[int]:
+    """live[i] = tensors produced before node i (in the graph's order) that node i or a later one reads
+    (or that are graph outputs): the number of tensors a cut before node i has to carry."""
+    nodes = list(graph.nodes)
+    n = len(nodes)
+    position = {id(node): i for i, node in enumerate(nodes)}
+    outputs = {id(t) for t in graph.outputs}
+    diff = [0] * (n + 2)
+    for i, node in enumerate(nodes):
+        for t in node.outputs:
+            last = max((position.get(id(c), i) for c in t.outputs), default=i)
+            if id(t) in outputs:
+                last = n
+            if last > i:
+                diff[i + 1] += 1
+                diff[last + 1] -= 1
+    live, running = [], 0
+    for i in range(n + 1):
+        running += diff[i]
+        live.append(running)
+    return live
+
+
+def cut_pieces(graph: gs.Graph, min_piece: int, max_piece: int) -> list[list[str]]:
+    """Node names of each piece, in order: each cut at the narrowest position in its window of sizes."""
+    nodes = [n.name for n in graph.nodes]
+    n = len(nodes)
+    min_piece = max(1, min(min_piece, max_piece))
+    live = live_counts(graph)
+    cuts, start = [], 0
+    while n - start > max_piece:
+        lo = start + min_piece
+        hi = min(start + max_piece, n - min_piece)
+        if hi < lo:
+            hi = lo
+        best = min(range(lo, hi + 1), key=lambda i: (live[i], -i))
+        cuts.append((start, best))
+        start = best
+    cuts.append((start, n))
+    return [nodes[a:b] for a, b in cuts if b > a]
+
+
+def extract_piece(graph: gs.Graph, names: list[str]) -> gs.Graph:
+    """A detached copy of the nodes ``names``: inputs are the tensors they read from outside, outputs the tensors
+    that are read outside or are graph outputs."""
+    chosen = set(names)
+    by_name = {n.name: n for n in graph.nodes}
+    nodes = [by_name[name] for name in names]
+    produced = {id(t) for node in nodes for t in node.outputs}
+    graph_outputs = {id(t) for t in graph.outputs}
+    inputs, seen = [], set()
+    for node in nodes:
+        for t in node.inputs:
+            if isinstance(t, gs.Variable) and t.name and id(t) not in produced and id(t) not in seen:
+                seen.add(id(t))
+                inputs.append(t)
+    outputs = []
+    for node in nodes:
+        for t in node.outputs:
+            if id(t) in graph_outputs or any(c.name not in chosen for c in t.outputs):
+                outputs.append(t)
+    return gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs, opset=graph.opset).copy()
+
+
+def assemble(pieces: list[gs.Graph], original: gs.Graph) -> gs.Graph:
+    """One graph from pieces that share their boundary tensors by name; names new in a piece that clash with
+    another piece's are renamed, identical constants are shared."""
+    shared: dict[str, gs.Tensor] = {}
+    for t in original.inputs:
+        shared[t.name] = gs.Variable(t.name, dtype=t.dtype, shape=t.shape)
+    boundary = {t.name for p in pieces for t in (*p.inputs, *p.outputs)}
+    taken = set(boundary) | set(shared)
+    node_names: set[str] = set()
+    nodes = []
+    for piece in pieces:
+        piece = piece.copy()
+        local_boundary = {t.name for t in (*piece.inputs, *piece.outputs)}
+        for t in piece.tensors().values():
+            if t.name in local_boundary:
+                continue
+            if isinstance(t, gs.Constant) and t.name in shared and isinstance(shared[t.name], gs.Constant) \
+                    and shared[t.name].values is t.values:
+                continue
+            if t.name in taken:
+                base, k = t.name, 1
+                while f"{base}_{k}" in taken:
+                    k += 1
+                t.name = f"{base}_{k}"
+            taken.add(t.name)
+            if isinstance(t, gs.Constant):
+                shared[t.name] = t
+        for node in piece.nodes:
+            for i, t in enumerate(node.inputs):
+                if t is not None and t.name:
+                    keep = shared.setdefault(t.name, t)
+                    if keep is not t:
+                        node.inputs[i] = keep
+            for i, t in enumerate(node.outputs):
+                keep = shared.setdefault(t.name, t)
+                if keep is not t:
+                    node.outputs[i] = keep
+            if node.name in node_names:
+                base, k = node.name, 1
+                while f"{base}_{k}" in node_names:
+                    k += 1
+                node.name = f"{base}_{k}"
+            node_names.add(node.name)
+            nodes.append(node)
+    inputs = [shared[t.name] for t in original.inputs]
+    outputs = []
+    for t in original.outputs:
+        out = shared.get(t.name)
+        if out is None:
+            out = gs.Variable(t.name, dtype=t.dtype, shape=t.shape)
+        outputs.append(out)
+    whole = gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs, opset=original.opset, name=original.name,
+                     import_domains=original.import_domains)
+    for o, t in zip(whole.outputs, original.outputs):
+        if o.dtype is None:
+            o.dtype = t.dtype
+        if t.shape is not None:
+            o.shape = t.shape  # keep the declared (possibly symbolic) output shape
+    whole.cleanup(remove_unused_graph_inputs=False).toposort()
+    return whole
+
+
+# ---------------------------------------------------------------------------------------------
+# The search inside one piece
+# ---------------------------------------------------------------------------------------------
+
+
+@dataclass
+class Candidate:
+    cost: float
+    graph: gs.Graph
+    trace: tuple[str, ...]  # keys of the sites applied, in order
+    nodes: int = 0
+
+
+@dataclass
+class PieceResult:
+    base_cost: float
+    candidates: list[Candidate]  # cheapest first; [0] is the best, the original is among them
+    tried: int
+    stopped: str
+    seconds: float
+    refusals: dict[tuple[str, str], str] = field(default_factory=dict)
+
+
+class _Scorer:
+    def __init__(self, cost_model: CostModel, streams: int, alpha: float):
+        self.cost_model, self.streams, self.alpha = cost_model, streams, alpha
+
+    def __call__(self, graph: gs.Graph) -> float:
+        return mixed_cost(*self.cost_model.graph_cost(graph, self.streams), alpha=self.alpha)
+
+
+def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], float], deadline: float,
+             refusals: dict[tuple[str, str], str]) -> Candidate:
+    """Apply the simplifying rules greedily, site after site, keeping each step the cost model does not rate worse."""
+    changed = True
+    while changed and time.perf_counter() < deadline:
+        changed = False
+        for rule in rules:
+            for site in sorted(rule.match(cand.graph), key=lambda s: s.key):
+                try:
+                    reason = rule.check(cand.graph, site)
+                    if reason is not None:
+                        refusals.setdefault((rule.name, site.key), reason)
+                        continue
+                    graph = rule.apply(cand.graph, site)
+                except Exception as e:  # noqa: BLE001
+                    refusals.setdefault((rule.name, site.key), f"the rewrite failed: {type(e).__name__}: {e}")
+                    continue
+                cost = score(graph)
+                if cost <= cand.cost * (1 + 1e-12):
+                    cand = Candidate(cost, graph, cand.trace + (site.key,), len(graph.nodes))
+                    changed = True
+                    break  # sites of the old graph may be gone: match again
+                refusals.setdefault((rule.name, site.key), "the cost model rates the result slower")
+    return cand
+
+
+def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph], float], *, beta: float,
+                 max_candidates: int, deadline: float, rng: random.Random, hasher: GraphHasher,
+                 keep: int, lookahead: int = 2) -> PieceResult:
+    t0 = time.perf_counter()
+    original = Candidate(score(piece), piece, (), len(piece.nodes))
+    refusals: dict[tuple[str, str], str] = {}
+    base = simplify(original, [r for r in rules if r.simplifying], score, deadline, refusals)
+    seen = {hasher(piece), hasher(base.graph)}
+    found = [original] + ([base] if base is not original else [])
+    best = base.cost
+    # stack entries: (candidate, steps of lookahead past beta that led to it)
+    stack: list[tuple[Candidate, int]] = [(base, 0)]
+    tried, stopped = 0, "exhausted"
+    while stack:
+        if tried >= max_candidates:
+            stopped = "candidates"
+            break
+        if time.perf_counter() > deadline:
+            stopped = "time"
+            break
+        cand, ahead = stack.pop()
+        if cand.cost > beta * best and not ahead:
+            continue  # a better graph was found since it was pushed
+        options = []
+        for rule in rules:
+            for site in sorted(rule.match(cand.graph), key=lambda s: s.key):
+                options.append((rule, site))
+        rng.shuffle(options)  # the seed picks the order among equals
+        children = []
+        for rule, site in options:
+            if tried >= max_candidates or time.perf_counter() > deadline:
+                break
+            try:
+                reason = rule.check(cand.graph, site)
+                if reason is not None:
+                    refusals.setdefault((rule.name, site.key), reason)
+                    continue
+                graph = rule.apply(cand.graph, site)
+            except Exception as e:  # noqa: BLE001 - a rule that fails on a site must not end the build
+                refusals.setdefault((rule.name, site.key), f"the rewrite failed: {type(e).__name__}: {e}")
+                continue
+            h = hasher(graph)
+            if h in seen:
+                continue
+            seen.add(h)
+            tried += 1
+            child = Candidate(score(graph), graph, cand.trace + (site.key,), len(graph.nodes))
+            found.append(child)
+            children.append((child, rule))
+        if children:
+            best = min(best, min(c.cost for c, _ in children))
+        push = []
+        for child, rule in children:
+            if child.cost <= beta * best:
+                push.append((child, 0))
+            elif rule.enabling and ahead < lookahead:
+                push.append((child, ahead + 1))
+        push.sort(key=lambda e: (-e[1], -e[0].cost, -e[0].nodes))  # the cheapest within beta is popped first
+        stack.extend(push)
+    found.sort(key=lambda c: (c.cost, c.nodes, len(c.trace), c.trace))
+    return PieceResult(original.cost, found[:keep], tried, stopped, time.perf_counter() - t0, refusals)
+
+
+# ---------------------------------------------------------------------------------------------
+# The whole
+# ---------------------------------------------------------------------------------------------
+
+
+def k_best_combinations(costs: list[list[float]], k: int) -> list[tuple[int, ...]]:
+    """The ``k`` index vectors with the smallest sums Σ costs[i][idx[i]] (each list sorted ascending)."""
+    if not costs:
+        return [()]
+    start = tuple(0 for _ in costs)
+    heap = [(sum(c[0] for c in costs), start)]
+    seen = {start}
+    out = []
+    while heap and len(out) < k:
+        total, idx = heapq.heappop(heap)
+        out.append(idx)
+        for i in range(len(idx)):
+            if idx[i] + 1 < len(costs[i]):
+                nxt = idx[:i] + (idx[i] + 1,) + idx[i + 1:]
+                if nxt not in seen:
+                    seen.add(nxt)
+                    heapq.heappush(heap, (total - costs[i][idx[i]] + costs[i][idx[i] + 1], nxt))
+    return out
+
+
+def _has_subgraphs(graph: gs.Graph) -> bool:
+    return any(isinstance(v, gs.Graph) for n in graph.nodes for v in n.attrs.values())
+
+
+def _cost_dict(cost_model: CostModel, graph: gs.Graph, streams: int, alpha: float) -> dict:
+    cp, work = cost_model.graph_cost(graph, streams)
+    return {"critical_path_s": cp, "total_work_s": work, "mixed_s": mixed_cost(cp, work, alpha)}
+
+
+def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, streams: int = 4,
+             alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40, max_piece: int = 120,
+             top_k: int = 20, max_candidates: int = 200, max_seconds: float = 30.0, seed: int = 0,
+             measure: Callable[[onnx.ModelProto], float] | None = None,
+             rules: list[Rule] | None = None) -> tuple[onnx.ModelProto, dict]:
+    """Rewrite ``model`` with the rules the search finds cheapest; return (model, JSON-able report).
+
+    ``max_candidates`` is per piece, ``max_seconds`` for the whole search (measurements excluded).
+    The returned model passes onnx.checker and strict shape inference and keeps the input's graph
+    inputs and outputs; where nothing pays, it is the input itself.
+    """
+    t_start = time.perf_counter()
+    cost_model = cost_model or RooflineCostModel()
+    rules = list(ALL_RULES if rules is None else rules)
+    streams = max(1, int(streams))
+    timings: dict[str, float] = {}
+    report: dict = {
+        "version": REPORT_VERSION,
+        "cost_model": getattr(cost_model, "describe", lambda: type(cost_model).__name__)(),
+        "streams": streams, "alpha": alpha, "beta": beta, "seed": seed, "top_k": top_k,
+        "budget": {"max_candidates_per_piece": max_candidates, "max_seconds": max_seconds,
+                   "min_piece": min_piece, "max_piece": max_piece},
+        "rules": [r.name for r in rules],
+    }
+
+    original = import_graph(model)
+    score = _Scorer(cost_model, streams, alpha)
+    report["nodes_before"] = len(original.nodes)
+    report["cost_before"] = _cost_dict(cost_model, original, streams, alpha)
+
+    def unchanged(reason: str) -> tuple[onnx.ModelProto, dict]:
+        report.update(nodes_after=len(original.nodes), cost_after=report["cost_before"], pieces=report.get("pieces", []),
+                      candidates=report.get("candidates", []), rules_chosen=[], rules_chosen_count={},
+                      decided_by="unchanged", decision=reason)
+        timings["total_s"] = time.perf_counter() - t_start
+        report["timings"] = timings
+        report["summary"] = f"unchanged ({reason})"
+        return model, report
+
+    if _has_subgraphs(original):
+        return unchanged("the model has control flow (If/Loop/Scan): not searched")
+
+    # 1. pieces
+    t0 = time.perf_counter()
+    names = cut_pieces(original, min_piece, max_piece)
+    pieces = [extract_piece(original, piece) for piece in names]
+    timings["cut_s"] = time.perf_counter() - t0
+
+    # 2. search inside each piece
+    t0 = time.perf_counter()
+    rng = random.Random(seed)
+    hasher = GraphHasher()
+    results: list[PieceResult] = []
+    total_nodes = max(1, sum(len(p) for p in names))
+    remaining_nodes = total_nodes
+    for piece_names, piece in zip(names, pieces):
+        left = max(0.0, max_seconds - (time.perf_counter() - t0))
+        deadline = time.perf_counter() + left * len(piece_names) / max(1, remaining_nodes)
+        remaining_nodes -= len(piece_names)
+        results.append(search_piece(piece, rules, score, beta=beta, max_candidates=max_candidates, deadline=deadline,
+                                    rng=random.Random(rng.random()), hasher=hasher, keep=max(1, top_k)))
+    timings["search_s"] = time.perf_counter() - t0
+
+    refusals: dict[tuple[str, str], str] = {}
+    for r in results:
+        for key, reason in r.refusals.items():
+            refusals.setdefault(key, reason)
+    report["pieces"] = [
+        {"index": i, "nodes": len(piece_names), "first": piece_names[0], "last": piece_names[-1],
+         "inputs": len(p.inputs), "outputs": len(p.outputs), "cost_before_s": r.base_cost, "cost_after_s": r.candidates[0].cost,
+         "candidates_tried": r.tried, "kept": len(r.candidates), "stopped_by": r.stopped, "seconds": r.seconds,
+         "rules": list(r.candidates[0].trace)}
+        for i, (piece_names, p, r) in enumerate(zip(names, pieces, results))
+    ]
+
+    # 3. the k best wholes
+    t0 = time.perf_counter()
+    combos = k_best_combinations([[c.cost for c in r.candidates] for r in results], max(1, top_k))
+    wholes = []
+    for combo in combos:
+        trace = [key for r, i in zip(results, combo) for key in r.candidates[i].trace]
+        if not trace:
+            continue  # the input itself, added below
+        try:
+            whole = assemble([r.candidates[i].graph for r, i in zip(results, combo)], original)
+        except Exception as e:  # noqa: BLE001
+            refusals.setdefault(("assemble", ",".join(map(str, combo))), f"{type(e).__name__}: {e}")
+            continue
+        wholes.append({"combo": combo, "graph": whole, "trace": trace, "cost": _cost_dict(cost_model, whole, streams, alpha)})
+    original_entry = {"combo": None, "graph": original, "trace": [], "cost": report["cost_before"]}
+    wholes.append(original_entry)
+    wholes.sort(key=lambda w: (w["cost"]["mixed_s"], len(w["graph"].nodes), len(w["trace"])))
+    timings["assemble_s"] = time.perf_counter() - t0
+
+    # 4. decide: measured on the device, or by the cost model; never worse than the input by the cost model
+    t0 = time.perf_counter()
+    admissible = [w for w in wholes if w["cost"]["mixed_s"] <= report["cost_before"]["mixed_s"]]
+    chosen, exported = None, {}
+    if measure is not None:
+        for w in admissible:
+            try:
+                m = model if w is original_entry else export_model(w["graph"], model)
+                exported[id(w)] = m
+                w["measured_s"] = float(measure(m))
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
+                w["error"] = f"{type(e).__name__}: {e}"
+        measured = [w for w in admissible if "measured_s" in w]
+        if measured:
+            chosen = min(measured, key=lambda w: (w["measured_s"], w["cost"]["mixed_s"]))
+            report["decided_by"] = "measured"
+            report["decision"] = f"fastest of {len(measured)} candidates measured on the device"
+    if chosen is None:
+        chosen = admissible[0]
+        report["decided_by"] = "cost_model"
+        report["decision"] = ("the cost model decided: no measure callback (no GPU backend)" if measure is None
+                              else "the cost model decided: no candidate could be measured")
+    timings["measure_s"] = time.perf_counter() - t0
+
+    result = model
+    if chosen is not original_entry:
+        try:
+            result = exported.get(id(chosen)) or export_model(chosen["graph"], model)
+            _check_interface(model, result)
+        except Exception as e:  # noqa: BLE001 - an export failure is a bug in a rule; the input is still valid
+            report["export_error"] = f"{type(e).__name__}: {e}"
+            chosen, result = original_entry, model
+    report["candidates"] = [
+        {"rank": i, "estimated_s": w["cost"]["mixed_s"], "critical_path_s": w["cost"]["critical_path_s"],
+         "total_work_s": w["cost"]["total_work_s"], "measured_s": w.get("measured_s"), "error": w.get("error"),
+         "rewrites": len(w["trace"]), "input": w is original_entry, "chosen": w is chosen}
+        for i, w in enumerate(wholes)
+    ]
+    chosen_graph = chosen["graph"]
+    report["nodes_after"] = len(chosen_graph.nodes)
+    report["cost_after"] = chosen["cost"]
+    report["rules_chosen"] = list(chosen["trace"])
+    counts: dict[str, int] = {}
+    for key in chosen["trace"]:
+        rule = key.split(":", 1)[0]
+        counts[rule] = counts.get(rule, 0) + 1
+    report["rules_chosen_count"] = counts
+    not_fired: dict[str, list[str]] = {}
+    for rule in rules:
+        if rule.name in counts:
+            continue
+        reasons = sorted({f"{site}: {reason}" for (name, site), reason in refusals.items() if name == rule.name})
+        not_fired[rule.name] = reasons[:5] if reasons else ["no site matched, or no site paid"]
+    report["rules_not_fired"] = not_fired
+    report["refusals"] = [{"rule": name, "site": site, "reason": reason}
+                          for (name, site), reason in sorted(refusals.items())[:_MAX_REFUSALS]]
+    report["refusals_total"] = len(refusals)
+    timings["total_s"] = time.perf_counter() - t_start
+    report["timings"] = timings
+    before, after = report["cost_before"]["mixed_s"], report["cost_after"]["mixed_s"]
+    gain = (1 - after / before) * 100 if before else 0.0
+    report["summary"] = (f"{report['nodes_before']} → {report['nodes_after']} nodes, estimated "
+                         f"{before * 1e6:.1f} → {after * 1e6:.1f} µs ({gain:.0f}% less), "
+                         f"{len(chosen['trace'])} rewrites in {len(pieces)} pieces, "
+                         f"{'measured on the device' if report['decided_by'] == 'measured' else 'decided by the cost model'}")
+    return result, report
+
+
+def _check_interface(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
+    """Same graph inputs and outputs: names, element types and shapes."""
+    inits = {t.name for t in before.graph.initializer}
+
+    def sig(values, skip=()):
+        return [(v.name, v.type.tensor_type.elem_type,
+                 [d.dim_value if d.HasField("dim_value") else d.dim_param for d in v.type.tensor_type.shape.dim])
+                for v in values if v.name not in skip]
+
+    after_inits = {t.name for t in after.graph.initializer}
+    if sig(before.graph.input, inits) != sig(after.graph.input, after_inits):
+        raise ValueError("the rewritten model's inputs differ from the input model's")
+    if sig(before.graph.output) != sig(after.graph.output):
+        raise ValueError("the rewritten model's outputs differ from the input model's")
+
+
+# ---------------------------------------------------------------------------------------------
+# Report as a table
+# ---------------------------------------------------------------------------------------------
+
+
+def format_report(report: dict):
+    """The search report as a rich Table (pieces, then the whole, then rules that did not fire)."""
+    from rich.table import Table
+
+    def us(s):
+        return "-" if s is None else f"{s * 1e6:.1f} µs"
+
+    t = Table(title=f"rewrite search: {report.get('summary', '')}", show_lines=False)
+    for col in ("piece", "nodes", "first … last", "est. before", "est. after", "tried", "stopped by", "rewrites chosen"):
+        t.add_column(col, overflow="fold")
+    for p in report.get("pieces", []):
+        t.add_row(str(p["index"]), str(p["nodes"]), f"{p['first']} … {p['last']}", us(p["cost_before_s"]),
+                  us(p["cost_after_s"]), str(p["candidates_tried"]), p["stopped_by"], ", ".join(p["rules"]) or "-")
+    cb, ca = report.get("cost_before", {}), report.get("cost_after", {})
+    t.add_section()
+    t.add_row("whole", f"{report.get('nodes_before')} → {report.get('nodes_after')}", "",
+              us(cb.get("mixed_s")), us(ca.get("mixed_s")), str(len(report.get("candidates", []))),
+              report.get("decided_by", ""), ", ".join(f"{k}×{v}" for k, v in report.get("rules_chosen_count", {}).items()) or "-")
+    measured = [c for c in report.get("candidates", []) if c.get("measured_s") is not None]
+    if measured:
+        t.add_section()
+        for c in measured:
+            t.add_row(f"cand {c['rank']}", "", "input" if c["input"] else f"{c['rewrites']} rewrites", us(c["estimated_s"]),
+                      f"measured {us(c['measured_s'])}", "", "chosen" if c["chosen"] else "", "")
+    nf = report.get("rules_not_fired", {})
+    if nf:
+        t.add_section()
+        for rule, reasons in nf.items():
+            t.add_row("not fired", "", rule, "", "", "", "", "; ".join(reasons[:2]))
+    t.caption = report.get("decision", "")
+    return t
