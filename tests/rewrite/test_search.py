@@ -1,0 +1,161 @@
+"""The AutoGraph search: pieces, equivalence on the example network, determinism, never worse, measurement."""
+
+from __future__ import annotations
+
+import json
+import sys
+import time
+from pathlib import Path
+
+import onnx
+import pytest
+from rich.console import Console
+
+from parastream.rewrite import ALL_RULES, RooflineCostModel, format_report, optimize
+from parastream.rewrite.cost import mixed_cost
+from parastream.rewrite.ir import import_graph
+from parastream.rewrite.search import cut_pieces, k_best_combinations, live_counts
+
+from rule_testing import assert_equivalent
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from graphs import three_branch_model  # noqa: E402
+
+
+def _estimate(model: onnx.ModelProto, cost_model, streams=4) -> float:
+    return mixed_cost(*cost_model.graph_cost(import_graph(model), streams))
+
+
+def _interface(model: onnx.ModelProto):
+    def sig(vs):
+        return [(v.name, v.type.tensor_type.elem_type, [d.dim_value or d.dim_param for d in v.type.tensor_type.shape.dim])
+                for v in vs]
+    inits = {i.name for i in model.graph.initializer}
+    return sig([i for i in model.graph.input if i.name not in inits]), sig(model.graph.output)
+
+
+def test_small_net_under_a_minute_equivalent_and_valid(zoo_model):
+    m = zoo_model("small_net")
+    t0 = time.perf_counter()
+    out, report = optimize(m)
+    elapsed = time.perf_counter() - t0
+    assert elapsed < 60, f"search took {elapsed:.1f} s"
+    onnx.checker.check_model(out, full_check=True)
+    onnx.shape_inference.infer_shapes(out, strict_mode=True)
+    assert _interface(out) == _interface(m)
+    assert_equivalent(m, out)
+    assert report["nodes_after"] < report["nodes_before"] == len(m.graph.node)
+    assert report["cost_after"]["mixed_s"] < report["cost_before"]["mixed_s"]
+    assert report["decided_by"] == "cost_model" and "no measure callback" in report["decision"]
+    assert report["rules_chosen"] and report["pieces"] and report["candidates"]
+    json.dumps(report)  # report.json material
+
+
+def test_many_small_pieces_assemble_into_an_equivalent_whole(zoo_model):
+    m = zoo_model("small_net")
+    out, report = optimize(m, min_piece=10, max_piece=30, max_candidates=40)
+    assert len(report["pieces"]) >= 4
+    assert all(10 <= p["nodes"] <= 30 for p in report["pieces"][:-1])
+    assert_equivalent(m, out)
+
+
+def test_cuts_fall_at_narrow_points(zoo_model):
+    g = import_graph(zoo_model("small_net"))
+    pieces = cut_pieces(g, 20, 60)
+    assert sum(len(p) for p in pieces) == len(g.nodes)
+    live = live_counts(g)
+    position = {n.name: i for i, n in enumerate(g.nodes)}
+    for p in pieces[1:]:
+        cut = position[p[0]]
+        assert live[cut] <= 2, f"cut before {p[0]} carries {live[cut]} tensors"
+
+
+def test_same_seed_same_result(zoo_model):
+    m = zoo_model("nasnet_cell")
+    a, ra = optimize(m, seed=7, max_seconds=600)
+    b, rb = optimize(m, seed=7, max_seconds=600)
+    assert a.SerializeToString() == b.SerializeToString()
+    assert ra["rules_chosen"] == rb["rules_chosen"]
+
+
+class NewNodesAreSlow:
+    """A cost model under which every node a rule creates is slow: the search must keep the input's nodes."""
+
+    def __init__(self, original: onnx.ModelProto):
+        self.names = {n.name for n in original.graph.node}
+        self.roofline = RooflineCostModel()
+
+    def node_cost(self, node):
+        return 1e-6 if node.name in self.names else 1e-3
+
+    def is_memory_bound(self, node):
+        return False
+
+    def graph_cost(self, graph, streams):
+        from parastream.rewrite.cost import _list_schedule
+
+        return _list_schedule(graph, streams, self.node_cost)
+
+
+@pytest.mark.parametrize("name", ["inception_block", "nasnet_cell", "transformer_layer", "resnet_bottleneck"])
+def test_never_rated_worse_than_the_input(zoo_model, name):
+    m = zoo_model(name)
+    cm = RooflineCostModel("A100-SXM", precision="fp16")
+    out, report = optimize(m, cost_model=cm, streams=2)
+    assert _estimate(out, cm, 2) <= _estimate(m, cm, 2) * (1 + 1e-9)
+    adversary = NewNodesAreSlow(m)
+    out2, report2 = optimize(m, cost_model=adversary)
+    assert _estimate(out2, adversary) <= _estimate(m, adversary)
+    assert {n.name for n in out2.graph.node} <= adversary.names
+    assert_equivalent(m, out2)
+
+
+def test_measured_candidates_decide(zoo_model):
+    m = zoo_model("inception_block")
+    calls = []
+
+    def measure(model):  # a stand-in device: fewer nodes run faster
+        calls.append(len(model.graph.node))
+        return 1e-4 * len(model.graph.node)
+
+    out, report = optimize(m, measure=measure, top_k=5)
+    assert report["decided_by"] == "measured"
+    measured = [c for c in report["candidates"] if c["measured_s"] is not None]
+    assert len(calls) == len(measured) >= 2 and any(c["input"] for c in measured)
+    chosen = next(c for c in report["candidates"] if c["chosen"])
+    assert chosen["measured_s"] == min(c["measured_s"] for c in measured)
+    assert len(out.graph.node) == min(calls)
+    assert_equivalent(m, out)
+    Console(file=open("/dev/null", "w")).print(format_report(report))
+
+
+def test_failing_measurement_falls_back_to_the_cost_model(zoo_model):
+    def measure(model):
+        raise RuntimeError("no device")
+
+    out, report = optimize(zoo_model("resnet_bottleneck"), measure=measure, top_k=3)
+    assert report["decided_by"] == "cost_model" and "could be measured" in report["decision"]
+    assert any(c["error"] for c in report["candidates"])
+
+
+def test_no_rules_and_dynamic_shapes_leave_the_model_alone():
+    m = three_branch_model(batch="N")
+    out, report = optimize(m, rules=[])
+    assert out is m and report["rules_chosen"] == []
+    out, report = optimize(m)  # unknown batch: no rule can prove a site safe, or the result is still equivalent
+    assert_equivalent(m, out)
+    assert [r.name for r in ALL_RULES] == report["rules"]
+
+
+def test_k_best_combinations():
+    combos = k_best_combinations([[1.0, 2.0, 5.0], [0.0, 0.5]], 4)
+    assert combos == [(0, 0), (0, 1), (1, 0), (1, 1)]
+    assert k_best_combinations([], 3) == [()]
+
+
+def test_format_report_renders(zoo_model):
+    _, report = optimize(zoo_model("transformer_layer"))
+    console = Console(record=True, width=160, file=open("/dev/null", "w"))
+    console.print(format_report(report))
+    text = console.export_text()
+    assert "merge_parallel_matmul" in text and "whole" in text
