@@ -51,6 +51,8 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from .. import cuda
+from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import PRECISIONS, BuildOptions
@@ -76,8 +78,6 @@ def _trt():
 
 def _gpu_check() -> str | None:
     """Why engines cannot run on a GPU here (no cuda-python, no device), or None."""
-    from .. import cuda
-
     try:
         cuda.runtime()
     except BackendUnavailable:
@@ -100,8 +100,6 @@ def available() -> str | None:
 
 def _device_name() -> str:
     try:
-        from .. import cuda
-
         return cuda.device_name(0)
     except Exception:  # noqa: BLE001 - informational, and part of the timing cache's file name only
         return "gpu"
@@ -370,47 +368,29 @@ class CudaMemory:
     """Device memory, a stream and copies through cuda-python (``launcher.cuda``): the real path."""
 
     def alloc(self, nbytes: int) -> int:
-        from .. import cuda
-
         return cuda.malloc(nbytes)  # cudaMalloc: 256-byte aligned, as set_device_memory requires
 
     def free(self, ptr: int) -> None:
-        from .. import cuda
-
         cuda.free(ptr)
 
     def stream_create(self):
-        from .. import cuda
-
         return cuda.stream_create()
 
     def stream_destroy(self, stream) -> None:
-        from .. import cuda
-
         cuda.stream_destroy(stream)
 
     def copy_in(self, dst: int, array: np.ndarray, stream) -> None:
-        from .. import cuda
-
         cuda.memcpy_htod_async(dst, array.ctypes.data, array.nbytes, stream)
 
     def copy_out(self, array: np.ndarray, src: int, stream) -> None:
-        from .. import cuda
-
         cuda.memcpy_dtoh_async(array.ctypes.data, src, array.nbytes, stream)
 
     def synchronize(self, stream) -> None:
-        from .. import cuda
-
         cuda.stream_synchronize(stream)
 
 
 #: what engines allocate their own memory with; the tests put host memory here
 Memory = CudaMemory
-
-
-def _handle(stream) -> int:
-    return stream if isinstance(stream, int) else int(stream)
 
 
 def _dtype_names(trt) -> dict:
@@ -424,11 +404,6 @@ def _device_memory_size(engine) -> int:
     # device_memory_size_v2 supersedes device_memory_size from TensorRT 10.1 on [Engine]
     size = getattr(engine, "device_memory_size_v2", None)
     return int(size if size is not None else engine.device_memory_size)
-
-
-def _nbytes(spec: TensorSpec) -> int:
-    n = int(np.prod(spec.shape, dtype=np.int64)) if spec.shape else 1
-    return n * (2 if spec.dtype == "bfloat16" else np.dtype(spec.dtype).itemsize)
 
 
 def _host_dtype(spec: TensorSpec) -> np.dtype:
@@ -529,12 +504,10 @@ class TrtEngine:
         for tname in self._io:
             if not ctx.set_tensor_address(tname, int(addresses[tname])):
                 raise ParastreamError(f"TensorRT refused the address of tensor {tname!r}: {self._first_error()}")
-        if not ctx.execute_async_v3(_handle(stream_handle)):
+        if not ctx.execute_async_v3(handle(stream_handle)):
             hint = ""
             try:
-                from .. import cuda
-
-                if cuda.is_capturing(_handle(stream_handle)):
+                if cuda.is_capturing(handle(stream_handle)):
                     # "the enqueue call may return false if the current CUDA graph capture fails" [Samples: sampleInference.cpp]
                     hint = " while the stream was capturing a CUDA Graph: this engine has layers that cannot be captured; load the bundle with graph=False"
             except Exception:  # noqa: BLE001 - the hint is a nicety
@@ -547,7 +520,7 @@ class TrtEngine:
         mem = self._memory
         if self._stream is None:
             self._stream = mem.stream_create()
-            self._buffers = {t.name: mem.alloc(_nbytes(t)) for t in self.inputs + self.outputs}
+            self._buffers = {t.name: mem.alloc(nbytes_of(t.shape, t.dtype)) for t in self.inputs + self.outputs}
         for spec in self.inputs:
             arr = np.ascontiguousarray(feeds[spec.name], dtype=_host_dtype(spec))
             if list(arr.shape) != list(spec.shape):

@@ -18,6 +18,7 @@ from graphs import three_branch_model as _three_branch_model
 from graphs import two_output_model as _two_output_model
 from onnx import TensorProto, helper
 
+from parastream.launcher.cuda import nbytes_of
 from parastream.launcher.engines import BuildOptions, require_backend, resolve_backend
 from parastream.launcher.engines import tensorrt as backend
 from parastream.launcher.errors import BackendUnavailable, ParastreamError
@@ -355,7 +356,7 @@ def test_enqueue_binds_the_launchers_addresses_and_stream(trt, tmp_path):
     ins, outs = specs_of(model)
     engine = backend.load(data, ins, outs)
     mem = HostMemory()  # the launcher's buffers
-    addresses = {t.name: mem.alloc(backend._nbytes(t)) for t in ins + outs}
+    addresses = {t.name: mem.alloc(nbytes_of(t.shape, t.dtype)) for t in ins + outs}
     feeds = random_feeds(ins)
     mem.copy_in(addresses["x"], feeds["x"], 0)
     trt.CALLS.clear()
@@ -392,7 +393,12 @@ def test_execute_failure_is_an_error(trt, tmp_path, monkeypatch):
     ins, outs = specs_of(three_branch_model())
     engine = backend.load(data, ins, outs)
     monkeypatch.setattr(trt.IExecutionContext, "execute_async_v3", lambda self, stream: False)
-    with pytest.raises(ParastreamError, match="execute_async_v3 failed"):
+    with pytest.raises(ParastreamError, match="execute_async_v3 failed: see TensorRT's log"):
+        engine.run(random_feeds(ins))
+    from parastream.launcher import cuda
+
+    monkeypatch.setattr(cuda, "is_capturing", lambda stream: True)
+    with pytest.raises(ParastreamError, match="while the stream was capturing a CUDA Graph.*graph=False"):
         engine.run(random_feeds(ins))
 
 
