@@ -1,0 +1,196 @@
+"""parastream on Triton's Python backend: serves the parastream bundle that lies beside this file.
+
+``parastream export-triton`` (mode graph) copies this file to REPO/NAME/1/model.py and the bundle to
+REPO/NAME/1/bundle/.  The server's Python environment needs parastream with the extra of the bundle's
+engine backend (``pip install "parastream[trt]"`` for TensorRT bundles, ``[torch]`` for torch bundles;
+onnxruntime bundles need nothing more).  Reading inputs that arrive in GPU memory takes torch.
+
+initialize  loads the bundle once per model instance.  A GPU instance (KIND_GPU) gets parastream's GPU
+            launcher on the instance's device: every branch on its own CUDA stream, the whole plan
+            captured once as one CUDA Graph and replayed for each batch.  A CPU instance runs the same
+            plan on a thread pool, one worker per stream.
+execute     reads the inputs of every request -- host tensors as numpy views (``as_numpy``), GPU tensors
+            as torch views through DLPack, without a host copy -- and, when the model batches
+            (max_batch_size > 0), concatenates the requests Triton's dynamic batcher handed over and pads
+            them to the batch the bundle was built for.  One launcher run per batch; each request gets
+            its slice of the outputs: device outputs leave through DLPack after one device-to-device copy
+            (the next replay overwrites the launcher's buffers), host outputs as numpy.  A request that
+            fails gets an error response; the others still get their outputs.
+finalize    releases the launcher (graph, streams, device memory).
+"""
+
+import json
+from pathlib import Path
+
+import numpy as np
+import triton_python_backend_utils as pb_utils
+
+
+def _torch():
+    try:
+        import torch
+    except ImportError:
+        return None
+    return torch
+
+
+class TritonPythonModel:
+    def initialize(self, args):
+        from parastream.launcher import load
+        from parastream.launcher.engines import get_backend
+        from parastream.launcher.plan import Plan
+
+        config = json.loads(args["model_config"])
+        params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
+        bundle_dir = Path(__file__).resolve().parent / params.get("parastream_bundle", "bundle")
+        plan = Plan.load(bundle_dir / "plan.json")
+        self.max_batch = int(config.get("max_batch_size", 0))
+        # dims as Triton declares them (no batch dim when batching; [1] for a 0-d tensor)
+        self.wire = {io["name"]: [int(d) for d in io["dims"]] for io in config.get("input", []) + config.get("output", [])}
+        self.on_gpu = args.get("model_instance_kind", "CPU") == "GPU" and bool(get_backend(plan.backend).gpu)
+        if self.on_gpu:
+            device = int(args.get("model_instance_device_id", 0) or 0)
+            torch = _torch()
+            if torch is not None:
+                torch.cuda.set_device(device)
+            # launcher.load() takes no device index; the GPU launcher is what it returns for "cuda"
+            from parastream.launcher.gpu import GpuLauncher
+
+            self.runner = GpuLauncher(str(bundle_dir), device=device)
+        else:
+            self.runner = load(bundle_dir, device="cpu")
+        self.plan = self.runner.plan
+        self.batch = self.plan.inputs[0].shape[0] if self.max_batch > 0 else 0
+
+    # -- requests ---------------------------------------------------------------------------------
+    def _read_input(self, tensor):
+        if tensor.is_cpu():
+            return tensor.as_numpy()
+        torch = _torch()
+        if torch is None:
+            raise RuntimeError(f"input {tensor.name()!r} arrived in GPU memory; reading it without a host copy "
+                               "needs torch in the server's Python environment (pip install torch)")
+        x = torch.from_dlpack(tensor)
+        return x if self.on_gpu else x.cpu().numpy()
+
+    def _read(self, request):
+        """The request's inputs in the bundle's shapes, and its batch size (0 when not batching)."""
+        feeds, n = {}, None
+        for spec in self.plan.inputs:
+            tensor = pb_utils.get_input_tensor_by_name(request, spec.name)
+            if tensor is None:
+                raise ValueError(f"missing input {spec.name!r}; the model takes {[t.name for t in self.plan.inputs]}")
+            x = self._read_input(tensor)
+            shape = [int(d) for d in x.shape]
+            wire = self.wire[spec.name]
+            if self.max_batch:
+                if len(shape) != len(wire) + 1 or shape[1:] != wire or not 1 <= shape[0] <= self.batch:
+                    raise ValueError(f"input {spec.name!r} has shape {shape}; the model takes [1..{self.max_batch}] + {wire}")
+                if n is not None and shape[0] != n:
+                    raise ValueError(f"input {spec.name!r} has batch {shape[0]} but another input has batch {n}")
+                n = shape[0]
+                x = x.reshape([n] + list(spec.shape[1:]))
+            else:
+                if shape != wire:
+                    raise ValueError(f"input {spec.name!r} has shape {shape}; the model takes {wire}")
+                x = x.reshape(list(spec.shape))
+            feeds[spec.name] = x
+        return feeds, n or 0
+
+    def _groups(self, ready):
+        """Requests run together: one at a time without batching, else as many as fit the bundle's batch."""
+        if not self.max_batch:
+            return [[r] for r in ready]
+        groups, current, total = [], [], 0
+        for r in ready:
+            if current and total + r[2] > self.batch:
+                groups.append(current)
+                current, total = [], 0
+            current.append(r)
+            total += r[2]
+        if current:
+            groups.append(current)
+        return groups
+
+    def _stack(self, parts, spec):
+        """The group's inputs as one batch of the bundle's size; the rows past the requests stay zero."""
+        if len(parts) == 1 and parts[0].shape[0] == self.batch:
+            return parts[0]
+        shape = [self.batch] + list(spec.shape[1:])
+        device = next((p.device for p in parts if not isinstance(p, np.ndarray)), None)
+        if device is None:
+            out = np.zeros(shape, dtype=parts[0].dtype)
+        else:
+            torch = _torch()
+            parts = [torch.from_numpy(p).to(device) if isinstance(p, np.ndarray) else p for p in parts]
+            out = torch.zeros(shape, dtype=parts[0].dtype, device=device)
+        lo = 0
+        for p in parts:
+            out[lo:lo + p.shape[0]] = p
+            lo += p.shape[0]
+        return out
+
+    def _output(self, spec, value, lo, hi):
+        wire = ([hi - lo] if self.max_batch else []) + self.wire[spec.name]
+        if hasattr(value, "__cuda_array_interface__"):
+            torch = _torch()
+            t = value.torch() if hasattr(value, "torch") else torch.as_tensor(value, device="cuda")
+            if self.max_batch:
+                t = t[lo:hi]
+            return pb_utils.Tensor.from_dlpack(spec.name, t.reshape(wire).clone()), True
+        arr = np.asarray(value)
+        if self.max_batch:
+            arr = arr[lo:hi]
+        return pb_utils.Tensor(spec.name, np.ascontiguousarray(arr.reshape(wire))), False
+
+    def _run(self, group):
+        """Run one group of requests; the output tensors of each request, in the group's order."""
+        if self.max_batch:
+            feeds = {spec.name: self._stack([f[spec.name] for _, f, _ in group], spec) for spec in self.plan.inputs}
+        else:
+            feeds = group[0][1]
+        outs = self.runner(feeds)
+        results, lo, on_device = [], 0, False
+        for _, _, n in group:
+            tensors = []
+            for spec in self.plan.outputs:
+                tensor, device = self._output(spec, outs[spec.name], lo, lo + n)
+                tensors.append(tensor)
+                on_device = on_device or device
+            results.append(tensors)
+            lo += n
+        if on_device:
+            # the copies above are queued on torch's stream; Triton reads the outputs once execute returns
+            _torch().cuda.current_stream().synchronize()
+        return results
+
+    @staticmethod
+    def _error(e):
+        return pb_utils.InferenceResponse(output_tensors=[], error=pb_utils.TritonError(f"parastream: {e}"))
+
+    def execute(self, requests):
+        responses = [None] * len(requests)
+        ready = []
+        for i, request in enumerate(requests):
+            try:
+                feeds, n = self._read(request)
+            except Exception as e:  # noqa: BLE001 - the client gets the reason
+                responses[i] = self._error(e)
+            else:
+                ready.append((i, feeds, n))
+        for group in self._groups(ready):
+            try:
+                results = self._run(group)
+            except Exception as e:  # noqa: BLE001
+                for i, _, _ in group:
+                    responses[i] = self._error(e)
+                continue
+            for (i, _, _), tensors in zip(group, results):
+                responses[i] = pb_utils.InferenceResponse(output_tensors=tensors)
+        return responses
+
+    def finalize(self):
+        close = getattr(getattr(self, "runner", None), "close", None)
+        if close is not None:
+            close()
+        self.runner = None

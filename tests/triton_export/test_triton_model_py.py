@@ -1,0 +1,137 @@
+"""The exported model.py driven as Triton's Python backend drives it (through the pb_utils double), on the
+CPU with onnxruntime bundles, against ONNX Runtime on the original model (max relative error <= 1e-5)."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from conftest import initialize_args, load_model_py
+from graphs import ort_reference
+
+from parastream.pipeline.triton import export_triton
+
+pytest.importorskip("tritonclient.grpc.model_config_pb2")
+
+
+def _max_rel(a, b):
+    return float(np.max(np.abs(a - b) / np.maximum(np.abs(b), 1e-6)))
+
+
+def _served(bundles, tmp_path, key, **kwargs):
+    bundle, original = bundles[key]
+    repo = tmp_path / "repo"
+    model_dir = export_triton(bundle, repo, name="m", **kwargs)
+    module = load_model_py(model_dir)
+    model = module.TritonPythonModel()
+    model.initialize(initialize_args(model_dir))
+    return model, original
+
+
+def _request(pb_utils, **arrays):
+    return pb_utils.InferenceRequest([pb_utils.Tensor(k, v) for k, v in arrays.items()])
+
+
+def _outputs(response):
+    assert not response.has_error(), response.error().message()
+    return {t.name(): t.as_numpy() for t in response.output_tensors()}
+
+
+def test_execute_matches_onnxruntime_on_the_original(bundles, tmp_path, pb_utils):
+    model, original = _served(bundles, tmp_path, "three")
+    rng = np.random.default_rng(7)
+    xs = [rng.standard_normal((1, 4, 8, 8)).astype(np.float32) for _ in range(3)]
+    # several requests in one execute (instance count 1, no batching: each runs alone)
+    responses = model.execute([_request(pb_utils, input=x) for x in xs])
+    assert len(responses) == 3
+    for x, response in zip(xs, responses):
+        got = _outputs(response)
+        want = ort_reference(original, {"input": x})
+        assert set(got) == {"output"}
+        assert got["output"].shape == (1, 12, 8, 8) and got["output"].dtype == np.float32
+        assert _max_rel(got["output"], want["output"]) <= 1e-5
+    model.finalize()
+
+
+def test_two_outputs(bundles, tmp_path, pb_utils):
+    model, original = _served(bundles, tmp_path, "two_output")
+    x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)
+    got = _outputs(model.execute([_request(pb_utils, x=x)])[0])
+    want = ort_reference(original, {"x": x})
+    assert set(got) == {"y", "aux"}
+    for k in want:
+        assert _max_rel(got[k], want[k]) <= 1e-5
+    model.finalize()
+
+
+def test_dynamic_batches_are_concatenated_padded_and_split(bundles, tmp_path, pb_utils):
+    # bundle built at batch 4; Triton may hand execute() several requests of batch <= max_batch_size
+    model, original = _served(bundles, tmp_path, "three_b4", max_batch=4)
+    rng = np.random.default_rng(11)
+    sizes = [1, 2, 3, 4, 1]
+    xs = [rng.standard_normal((n, 4, 8, 8)).astype(np.float32) for n in sizes]
+    calls = []
+    runner = model.runner
+    model.runner = lambda feeds: calls.append(feeds["input"].shape) or runner(feeds)
+    responses = model.execute([_request(pb_utils, input=x) for x in xs])
+    # greedy groups that fit the bundle's batch: [1, 2], [3], [4], [1] -> 4 launcher runs, each at batch 4
+    assert calls == [(4, 4, 8, 8)] * 4
+    for x, response in zip(xs, responses):
+        n = len(x)
+        got = _outputs(response)["output"]
+        assert got.shape == (n, 12, 8, 8)
+        # the original model (batch 4) on this request's rows, zero-padded: the rows are independent
+        ref = ort_reference(original, {"input": np.concatenate([x, np.zeros((4 - n, 4, 8, 8), np.float32)])})["output"][:n]
+        assert _max_rel(got, ref) <= 1e-5
+    model.runner = runner
+    model.finalize()
+
+
+def test_bad_requests_get_errors_and_the_others_still_run(bundles, tmp_path, pb_utils):
+    model, original = _served(bundles, tmp_path, "three")
+    x = np.random.default_rng(5).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    responses = model.execute([
+        _request(pb_utils, wrong=x),
+        _request(pb_utils, input=x[:, :2]),
+        _request(pb_utils, input=x),
+    ])
+    assert responses[0].has_error() and "missing input 'input'" in responses[0].error().message()
+    assert responses[1].has_error() and "shape [1, 2, 8, 8]" in responses[1].error().message()
+    assert responses[0].output_tensors() == []
+    assert _max_rel(_outputs(responses[2])["output"], ort_reference(original, {"input": x})["output"]) <= 1e-5
+    model.finalize()
+
+
+def test_a_failing_run_answers_every_request_of_its_group(bundles, tmp_path, pb_utils):
+    model, _ = _served(bundles, tmp_path, "three_b4", max_batch=4)
+
+    def broken(feeds):
+        raise RuntimeError("engine exploded")
+
+    model.runner = broken
+    xs = [np.zeros((2, 4, 8, 8), np.float32)] * 2
+    responses = model.execute([_request(pb_utils, input=x) for x in xs])
+    assert [r.has_error() for r in responses] == [True, True]
+    assert "engine exploded" in responses[1].error().message()
+
+
+def test_batched_request_shapes_are_checked(bundles, tmp_path, pb_utils):
+    model, _ = _served(bundles, tmp_path, "three_b4", max_batch=4)
+    too_big = np.zeros((5, 4, 8, 8), np.float32)
+    no_batch = np.zeros((4, 8, 8), np.float32)
+    responses = model.execute([_request(pb_utils, input=too_big), _request(pb_utils, input=no_batch)])
+    assert all(r.has_error() for r in responses)
+    assert "[1..4] + [4, 8, 8]" in responses[0].error().message()
+    model.finalize()
+
+
+def test_gpu_instance_of_a_cpu_bundle_runs_on_the_cpu(bundles, tmp_path, pb_utils):
+    # a user who edits the config to KIND_GPU still gets the CPU launcher for onnxruntime engines
+    bundle, original = bundles["three"]
+    model_dir = export_triton(bundle, tmp_path / "repo", name="m")
+    model = load_model_py(model_dir).TritonPythonModel()
+    model.initialize(initialize_args(model_dir, kind="GPU"))
+    assert model.on_gpu is False
+    x = np.ones((1, 4, 8, 8), np.float32)
+    got = _outputs(model.execute([_request(pb_utils, input=x)])[0])
+    assert _max_rel(got["output"], ort_reference(original, {"input": x})["output"]) <= 1e-5
+    model.finalize()
