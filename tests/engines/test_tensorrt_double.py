@@ -392,11 +392,13 @@ def test_execute_failure_is_an_error(trt, tmp_path, monkeypatch):
     _, data = build_one(tmp_path)
     ins, outs = specs_of(three_branch_model())
     engine = backend.load(data, ins, outs)
-    monkeypatch.setattr(trt.IExecutionContext, "execute_async_v3", lambda self, stream: False)
-    with pytest.raises(ParastreamError, match="execute_async_v3 failed: see TensorRT's log"):
-        engine.run(random_feeds(ins))
     from parastream.launcher import cuda
 
+    monkeypatch.setattr(trt.IExecutionContext, "execute_async_v3", lambda self, stream: False)
+    # the double's streams are made-up integers: never hand them to the CUDA runtime, where one is present
+    monkeypatch.setattr(cuda, "is_capturing", lambda stream: False)
+    with pytest.raises(ParastreamError, match="execute_async_v3 failed: see TensorRT's log"):
+        engine.run(random_feeds(ins))
     monkeypatch.setattr(cuda, "is_capturing", lambda stream: True)
     with pytest.raises(ParastreamError, match="while the stream was capturing a CUDA Graph.*graph=False"):
         engine.run(random_feeds(ins))
