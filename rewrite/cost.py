@@ -467,9 +467,9 @@ class ProfiledCostModel(_GraphCostMixin):
     ``fallback`` model's estimate and are listed in ``failures``.
     """
 
-    def __init__(self, measure: Callable[[onnx.ModelProto], float], cache_file: str | os.PathLike | None = None, *,
+    def __init__(self, measure: Callable[[onnx.ModelProto], float], cache_file: str | os.PathLike | None = None,
                  device: str = "H100-SXM", backend: str = "torch", precision: str = "fp32",
-                 fallback: CostModel | None = None, opset: int = 17, fuse_epilogues: bool = True):
+                 fallback: CostModel | None = None, *, opset: int = 17, fuse_epilogues: bool = True):
         self.measure = measure
         self.fuse_epilogues = fuse_epilogues
         self.cache_file = Path(cache_file) if cache_file is not None else None

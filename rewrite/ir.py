@@ -9,11 +9,12 @@ initializers, whose weights are plain numpy arrays (loaded once), and whose node
 from __future__ import annotations
 
 import hashlib
+import weakref
 
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import numpy_helper, shape_inference
+from onnx import shape_inference
 
 
 def infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
@@ -93,18 +94,22 @@ class GraphHasher:
     """Name-independent structural hashes of graphs; constant contents are hashed once per array."""
 
     def __init__(self):
-        self._const: dict[int, tuple[object, str]] = {}
+        self._const: dict[int, tuple[weakref.ref, str]] = {}
 
     def _constant(self, t: gs.Constant) -> str:
         values = t.values
         hit = self._const.get(id(values))
-        if hit is not None and hit[0] is values:
+        if hit is not None and hit[0]() is values:
             return hit[1]
         arr = np.ascontiguousarray(values)
         h = hashlib.blake2b(arr.tobytes(), digest_size=12)
         h.update(f"{arr.dtype}{arr.shape}".encode())
         digest = "c" + h.hexdigest()
-        self._const[id(values)] = (values, digest)  # keep the array alive so its id stays unique
+        try:
+            # a weak reference: the cache must not keep every weight the search ever made alive
+            self._const[id(values)] = (weakref.ref(values), digest)
+        except TypeError:
+            pass
         return digest
 
     def __call__(self, graph: gs.Graph) -> str:
@@ -170,6 +175,3 @@ def _attr_text(v) -> str:
         return "graph:" + v.name
     return repr(v)
 
-
-def constant_to_proto(t: gs.Constant) -> onnx.TensorProto:
-    return numpy_helper.from_array(np.asarray(t.values), t.name)

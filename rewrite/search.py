@@ -461,8 +461,7 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
     report["rules_chosen"] = list(chosen["trace"])
     counts: dict[str, int] = {}
     for key in chosen["trace"]:
-        rule = key.split(":", 1)[0]
-        counts[rule] = counts.get(rule, 0) + 1
+        counts[key.split(":", 1)[0]] = counts.get(key.split(":", 1)[0], 0) + 1
     report["rules_chosen_count"] = counts
     not_fired: dict[str, list[str]] = {}
     for rule in rules:
@@ -506,34 +505,46 @@ def _check_interface(before: onnx.ModelProto, after: onnx.ModelProto) -> None:
 # ---------------------------------------------------------------------------------------------
 
 
+def _rule_counts(keys) -> str:
+    counts: dict[str, int] = {}
+    for key in keys:
+        rule = key.split(":", 1)[0]
+        counts[rule] = counts.get(rule, 0) + 1
+    return ", ".join(f"{rule}×{n}" for rule, n in counts.items()) or "-"
+
+
 def format_report(report: dict):
-    """The search report as a rich Table (pieces, then the whole, then rules that did not fire)."""
+    """The search report as a rich Table: one row per piece, the whole, measured candidates, rules that did not fire.
+
+    Site-by-site detail (``rules_chosen``, ``refusals``) stays in the report itself.
+    """
+    from rich.markup import escape
     from rich.table import Table
 
     def us(s):
         return "-" if s is None else f"{s * 1e6:.1f} µs"
 
-    t = Table(title=f"rewrite search: {report.get('summary', '')}", show_lines=False)
+    t = Table(title=f"rewrite search: {escape(report.get('summary', ''))}")
     for col in ("piece", "nodes", "first … last", "est. before", "est. after", "tried", "stopped by", "rewrites chosen"):
         t.add_column(col, overflow="fold")
     for p in report.get("pieces", []):
-        t.add_row(str(p["index"]), str(p["nodes"]), f"{p['first']} … {p['last']}", us(p["cost_before_s"]),
-                  us(p["cost_after_s"]), str(p["candidates_tried"]), p["stopped_by"], ", ".join(p["rules"]) or "-")
+        t.add_row(str(p["index"]), str(p["nodes"]), escape(f"{p['first']} … {p['last']}"), us(p["cost_before_s"]),
+                  us(p["cost_after_s"]), str(p["candidates_tried"]), p["stopped_by"], escape(_rule_counts(p["rules"])))
     cb, ca = report.get("cost_before", {}), report.get("cost_after", {})
     t.add_section()
     t.add_row("whole", f"{report.get('nodes_before')} → {report.get('nodes_after')}", "",
               us(cb.get("mixed_s")), us(ca.get("mixed_s")), str(len(report.get("candidates", []))),
-              report.get("decided_by", ""), ", ".join(f"{k}×{v}" for k, v in report.get("rules_chosen_count", {}).items()) or "-")
+              report.get("decided_by", ""), escape(_rule_counts(report.get("rules_chosen", []))))
     measured = [c for c in report.get("candidates", []) if c.get("measured_s") is not None]
     if measured:
         t.add_section()
         for c in measured:
             t.add_row(f"cand {c['rank']}", "", "input" if c["input"] else f"{c['rewrites']} rewrites", us(c["estimated_s"]),
                       f"measured {us(c['measured_s'])}", "", "chosen" if c["chosen"] else "", "")
-    nf = report.get("rules_not_fired", {})
-    if nf:
+    not_fired = report.get("rules_not_fired", {})
+    if not_fired:
         t.add_section()
-        for rule, reasons in nf.items():
-            t.add_row("not fired", "", rule, "", "", "", "", "; ".join(reasons[:2]))
-    t.caption = report.get("decision", "")
+        for rule, reasons in not_fired.items():
+            t.add_row("not fired", "", rule, "", "", "", "", escape("; ".join(reasons[:2])))
+    t.caption = escape(report.get("decision", ""))
     return t
