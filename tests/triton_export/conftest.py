@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 
 def build_ort(tmp_root: Path, model: onnx.ModelProto, name: str, streams: int) -> Bundle:
     path = tmp_root / f"{name}.onnx"
+    model.ir_version = 8  # what every onnxruntime reads (the device's older one too)
     onnx.save(model, path)
     return build(path, tmp_root / f"{name}.bundle", backend="onnxruntime", search=False, streams=streams)
 
