@@ -61,11 +61,6 @@ class DeviceSpec:
     sms: int
     tf32_flops: float | None = None  # tensor-core TF32; None where the part has none (T4)
 
-    @property
-    def ridge_point(self) -> float:
-        """FLOP/byte at which the fp32 roofline turns from memory- to compute-bound."""
-        return self.fp32_flops / self.bandwidth
-
     def peak_flops(self, precision: str) -> float:
         if precision in ("fp16", "bf16", "half"):
             return self.fp16_flops
@@ -350,9 +345,6 @@ class _GraphCostMixin:
     def graph_cost(self, graph: gs.Graph, streams: int) -> tuple[float, float]:
         """(critical_path, total_work) in seconds of ``graph`` (shape-inferred) on ``streams`` streams."""
         return _list_schedule(graph, streams, self.node_cost)
-
-    def mixed(self, graph: gs.Graph, streams: int, alpha: float = DEFAULT_ALPHA) -> float:
-        return mixed_cost(*self.graph_cost(graph, streams), alpha=alpha)
 
 
 class RooflineCostModel(_GraphCostMixin):

@@ -113,8 +113,6 @@ def is_graph_output(graph: gs.Graph, t: gs.Tensor) -> bool:
     return any(o is t for o in graph.outputs)
 
 
-def is_graph_input(graph: gs.Graph, t: gs.Tensor) -> bool:
-    return any(i is t for i in graph.inputs)
 
 
 def private_output(graph: gs.Graph, node: gs.Node, consumer: gs.Node | None = None) -> str | None:
@@ -164,9 +162,6 @@ class Namer:
         return fresh_name(self.graph, base, self.taken)
 
 
-def variable_like(name: str, like: gs.Tensor, shape) -> gs.Variable:
-    dt = like.values.dtype if isinstance(like, gs.Constant) else like.dtype
-    return gs.Variable(name, dtype=dt, shape=list(shape) if shape is not None else None)
 
 
 def conv_attrs(node: gs.Node, rank: int) -> dict:
@@ -237,10 +232,13 @@ def replace_tensor(graph: gs.Graph, old: gs.Tensor, new: gs.Tensor) -> None:
                 consumer.inputs[i] = new
 
 
-def detach(node: gs.Node) -> None:
-    """Disconnect ``node`` so that cleanup() removes it."""
-    node.inputs.clear()
-    node.outputs.clear()
+
+
+def detach(*nodes: gs.Node) -> None:
+    """Disconnect ``nodes`` from their tensors, so that cleanup() removes them."""
+    for node in nodes:
+        node.inputs.clear()
+        node.outputs.clear()
 
 
 def channel_vector(value: np.ndarray, out_rank: int, channels: int, axis: int = 1) -> np.ndarray | None:

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import Namer, Rule, Site, is_graph_output, private_output, replace_tensor, site_nodes, static_shape
+from .base import Namer, Rule, Site, detach, is_graph_output, private_output, replace_tensor, site_nodes, static_shape
 
 VIEWS = frozenset({"Reshape", "Flatten", "Squeeze", "Unsqueeze"})
 
@@ -29,9 +29,7 @@ def _collapse(graph: gs.Graph, first: gs.Node, second: gs.Node, replacement) -> 
     """``first``→``second`` becomes ``replacement(x, out)`` (a node), or nothing when it returns None: x then
     stands for the result."""
     x, out = first.inputs[0], second.outputs[0]
-    for n in (first, second):
-        n.inputs.clear()
-        n.outputs.clear()
+    detach(first, second)
     node = replacement(x, out)
     if node is None:
         replace_tensor(graph, out, x)
@@ -154,6 +152,5 @@ class DropNoOpView(Rule):
     def rewrite(self, graph: gs.Graph, site: Site) -> None:
         (n,) = site_nodes(graph, site)
         x, out = n.inputs[0], n.outputs[0]
-        n.inputs.clear()
-        n.outputs.clear()
+        detach(n)
         replace_tensor(graph, out, x)

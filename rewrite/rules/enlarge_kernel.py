@@ -14,7 +14,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 
 from .base import Namer, Rule, Site, const_value, site_nodes, static_shape
-from .merge_parallel_conv import _conv_reason, conv_signature
+from .merge_parallel_conv import conv_reason, conv_signature
 
 
 def _enlarged_pads(small: gs.Node, big: gs.Node) -> tuple[list[int], list[int]] | str:
@@ -70,7 +70,7 @@ class EnlargeKernel(Rule):
         if small.inputs[0] is not big.inputs[0]:
             return f"{small.name} and {big.name} do not read the same tensor"
         for n in (small, big):
-            reason = _conv_reason(n)
+            reason = conv_reason(n)
             if reason:
                 return reason
         if static_shape(small.inputs[1])[1] != static_shape(big.inputs[1])[1]:
@@ -120,7 +120,7 @@ class ShrinkKernel(Rule):
         if nodes is None:
             return "the nodes are gone"
         (node,) = nodes
-        reason = _conv_reason(node)
+        reason = conv_reason(node)
         if reason:
             return reason
         margins = self._margins(node)

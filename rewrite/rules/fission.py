@@ -15,8 +15,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import Namer, Rule, Site, const_value, is_graph_output, site_nodes, split_sizes, static_shape
-from .merge_parallel_conv import _conv_reason, conv_bias, conv_signature
+from .base import Namer, Rule, Site, const_value, detach, is_graph_output, site_nodes, split_sizes, static_shape
+from .merge_parallel_conv import conv_reason, conv_bias, conv_signature
 
 
 def _out_axis(node: gs.Node) -> int:
@@ -66,7 +66,7 @@ class Fission(Rule):
 
     def _reason(self, node: gs.Node) -> str | None:
         if node.op == "Conv":
-            return _conv_reason(node)
+            return conv_reason(node)
         if len(node.inputs) < 2 or const_value(node.inputs[1]) is None or const_value(node.inputs[1]).ndim != 2:
             return f"the weights of {node.name} are not a constant matrix"
         if node.op == "Gemm" and len(node.inputs) > 2 and node.inputs[2] is not None and node.inputs[2].name \
@@ -117,8 +117,7 @@ class Fission(Rule):
         if site.detail == ("split",):
             split = _reader(graph, node, "Split")
             sizes, outputs = split_sizes(split), list(split.outputs)
-            split.inputs.clear()
-            split.outputs.clear()
+            detach(split)
         else:
             half = shape[axis] // 2
             sizes = [half, shape[axis] - half]
@@ -148,5 +147,4 @@ class Fission(Rule):
                 node.outputs.clear()
                 graph.nodes.append(gs.Node("Concat", name=namer(f"{node.name}_join"), attrs={"axis": axis},
                                            inputs=outputs, outputs=[out]))
-        node.inputs.clear()
-        node.outputs.clear()
+        detach(node)

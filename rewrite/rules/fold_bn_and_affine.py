@@ -15,9 +15,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import Namer, Rule, Site, channel_vector, const_value, private_output, site_nodes, static_shape
+from .base import Namer, Rule, Site, channel_vector, const_value, detach, private_output, site_nodes, static_shape
 from .merge_parallel_conv import conv_bias
-from .merge_parallel_matmul import _gemm_weight_bias
+from .merge_parallel_matmul import gemm_weight_bias
 
 FOLLOWERS = ("BatchNormalization", "Mul", "Div", "Add", "Sub")
 PRODUCERS = ("Conv", "Gemm", "MatMul")
@@ -128,7 +128,7 @@ class FoldBatchNormAndAffine(Rule):
                       gs.Constant(namer(f"{producer.name}_B_folded"), b2.astype(w.dtype))]
             attrs = dict(producer.attrs)
         elif producer.op == "Gemm":
-            w, c = _gemm_weight_bias(producer)
+            w, c = gemm_weight_bias(producer)
             inputs = [producer.inputs[0], gs.Constant(namer(f"{producer.name}_W_folded"), (w * s).astype(w.dtype)),
                       gs.Constant(namer(f"{producer.name}_C_folded"), (c * s + t).astype(w.dtype).reshape(-1)
                                   if c.shape[0] == 1 else (c * s + t).astype(w.dtype))]
@@ -138,8 +138,7 @@ class FoldBatchNormAndAffine(Rule):
             inputs = [producer.inputs[0], gs.Constant(namer(f"{producer.name}_W_folded"), (w * s).astype(w.dtype))]
             attrs = {}
         out = follower.outputs[0]
-        follower.inputs.clear()
-        follower.outputs.clear()
+        detach(follower)
         producer.inputs.clear()
         producer.inputs.extend(inputs)
         producer.outputs.clear()

@@ -12,10 +12,11 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import Namer, Rule, Site, attr_difference, const_value, conv_attrs, make_split, same_dtype, site_nodes, static_shape
+from .base import (Namer, Rule, Site, attr_difference, const_value, conv_attrs, detach, make_split, same_dtype,
+                   site_nodes, static_shape)
 
 
-def _conv_reason(node: gs.Node) -> str | None:
+def conv_reason(node: gs.Node) -> str | None:
     """None when ``node`` is a Conv this family can merge: constant weights (and bias), static shapes, group 1."""
     if len(node.inputs) < 2 or const_value(node.inputs[1]) is None:
         return f"the weights of {node.name} are not a constant initializer"
@@ -76,7 +77,7 @@ class MergeParallelConv(Rule):
         for n in nodes:
             if n.op != "Conv" or n.inputs[0] is not x:
                 return f"{n.name} does not read {x.name}"
-            reason = _conv_reason(n)
+            reason = conv_reason(n)
             if reason:
                 return reason
         first = nodes[0]
@@ -108,6 +109,5 @@ class MergeParallelConv(Rule):
         graph.nodes.append(gs.Node("Conv", name=namer(base), attrs=attrs, inputs=[x, w, b], outputs=[y]))
         outputs = [n.outputs[0] for n in nodes]
         for n in nodes:
-            n.inputs.clear()
-            n.outputs.clear()
+            detach(n)
         make_split(graph, namer(f"{base}_split"), y, 1, [wi.shape[0] for wi in weights], outputs, namer)

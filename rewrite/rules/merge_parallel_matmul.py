@@ -12,7 +12,8 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import Namer, Rule, Site, const_value, is_graph_output, make_split, same_dtype, site_nodes, static_shape
+from .base import (Namer, Rule, Site, const_value, detach, is_graph_output, make_split, same_dtype, site_nodes,
+                   static_shape)
 
 
 def matmul_bias(graph: gs.Graph, node: gs.Node) -> tuple[gs.Node, np.ndarray] | None:
@@ -33,7 +34,7 @@ def matmul_bias(graph: gs.Graph, node: gs.Node) -> tuple[gs.Node, np.ndarray] | 
     return add, np.broadcast_to(value.reshape(-1), (shape[-1],)).astype(value.dtype)
 
 
-def _operand_reason(node: gs.Node) -> str | None:
+def matmul_operand_reason(node: gs.Node) -> str | None:
     if len(node.inputs) < 2 or const_value(node.inputs[1]) is None:
         return f"the weights of {node.name} are not a constant initializer"
     if const_value(node.inputs[1]).ndim != 2:
@@ -49,7 +50,7 @@ def _operand_reason(node: gs.Node) -> str | None:
     return None
 
 
-def _gemm_weight_bias(node: gs.Node) -> tuple[np.ndarray, np.ndarray]:
+def gemm_weight_bias(node: gs.Node) -> tuple[np.ndarray, np.ndarray]:
     """(α·op(B) as [K, N], β·C broadcast to [rows, N]) of a Gemm."""
     b = const_value(node.inputs[1])
     if int(node.attrs.get("transB", 0)):
@@ -94,13 +95,13 @@ class MergeParallelMatMul(Rule):
         for n in nodes:
             if n.inputs[0] is not x or _kind(n) != kind:
                 return f"{n.name} is not a {kind} of {x.name}"
-            reason = _operand_reason(n)
+            reason = matmul_operand_reason(n)
             if reason:
                 return reason
         if kind == "MatMul":
             ks = {const_value(n.inputs[1]).shape[0] for n in nodes}
         else:
-            ks = {_gemm_weight_bias(n)[0].shape[0] for n in nodes}
+            ks = {gemm_weight_bias(n)[0].shape[0] for n in nodes}
         if len(ks) != 1:
             return f"the weights of {', '.join(site.nodes)} have different inner sizes {sorted(ks)}"
         if len({static_shape(n.outputs[0])[:-1] for n in nodes}) != 1:
@@ -127,8 +128,7 @@ class MergeParallelMatMul(Rule):
             for n, bias in zip(nodes, biases):
                 if bias is not None:
                     outputs.append(bias[0].outputs[0])
-                    bias[0].inputs.clear()
-                    bias[0].outputs.clear()
+                    detach(bias[0])
                 else:
                     outputs.append(n.outputs[0])
             if any(b is not None for b in biases):
@@ -139,7 +139,7 @@ class MergeParallelMatMul(Rule):
                                            inputs=[y, gs.Constant(namer(f"{base}_B"), vec)], outputs=[biased]))
                 y = biased
         else:
-            parts = [_gemm_weight_bias(n) for n in nodes]
+            parts = [gemm_weight_bias(n) for n in nodes]
             rows = max(c.shape[0] for _, c in parts)
             w = np.concatenate([p[0] for p in parts], axis=1)
             c = np.concatenate([np.broadcast_to(p[1], (rows, p[1].shape[1])) for p in parts], axis=1)
@@ -152,6 +152,5 @@ class MergeParallelMatMul(Rule):
                                        outputs=[y]))
             outputs = [n.outputs[0] for n in nodes]
         for n in nodes:
-            n.inputs.clear()
-            n.outputs.clear()
+            detach(n)
         make_split(graph, namer(f"{base}_split"), y, len(oshape) - 1, widths, outputs, namer)

@@ -14,9 +14,9 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import Namer, Rule, Site, attr_difference, const_value, private_output, site_nodes, static_shape
-from .merge_parallel_conv import _conv_reason, conv_bias, conv_signature
-from .merge_parallel_matmul import _gemm_weight_bias, _operand_reason
+from .base import Namer, Rule, Site, attr_difference, const_value, detach, private_output, site_nodes, static_shape
+from .merge_parallel_conv import conv_reason, conv_bias, conv_signature
+from .merge_parallel_matmul import gemm_weight_bias, matmul_operand_reason
 
 
 class MergeSummed(Rule):
@@ -45,7 +45,7 @@ class MergeSummed(Rule):
             reason = private_output(graph, p, add)
             if reason:
                 return reason
-            reason = _conv_reason(p) if p.op == "Conv" else _operand_reason(p)
+            reason = conv_reason(p) if p.op == "Conv" else matmul_operand_reason(p)
             if reason:
                 return reason
         if p1.op == "Conv":
@@ -66,7 +66,7 @@ class MergeSummed(Rule):
         if p.op == "Conv":
             return const_value(p.inputs[1]), conv_bias(p)
         if p.op == "Gemm":
-            return _gemm_weight_bias(p)
+            return gemm_weight_bias(p)
         return const_value(p.inputs[1]), None
 
     def rewrite(self, graph: gs.Graph, site: Site) -> None:
@@ -86,9 +86,7 @@ class MergeSummed(Rule):
             c = np.broadcast_to(b1, (rows, n)) + np.broadcast_to(b2, (rows, n))
             inputs.append(gs.Constant(namer(f"{p1.name}_C_summed"), (c.reshape(-1) if rows == 1 else c).astype(w1.dtype)))
         out = add.outputs[0]
-        for n in (add, p2):
-            n.inputs.clear()
-            n.outputs.clear()
+        detach(add, p2)
         p1.inputs.clear()
         p1.inputs.extend(inputs)
         p1.outputs.clear()

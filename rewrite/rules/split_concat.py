@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import onnx_graphsurgeon as gs
 
-from .base import (Namer, Rule, Site, const_value, is_graph_output, make_split, private_output, replace_tensor,
+from .base import (Namer, Rule, Site, const_value, detach, is_graph_output, make_split, private_output, replace_tensor,
                    site_nodes, split_sizes, static_shape)
 
 UNARY = frozenset({"Relu", "Sigmoid", "Tanh", "LeakyRelu", "Elu", "Selu", "Celu", "HardSigmoid", "HardSwish", "Softplus",
@@ -110,12 +110,10 @@ class SplitConcat(Rule):
         k = self._run_start(split, concat)
         ins = list(concat.inputs)
         ins[k:k + len(split.outputs)] = [x]
-        split.inputs.clear()
-        split.outputs.clear()
+        detach(split)
         if len(ins) == 1 and not is_graph_output(graph, concat.outputs[0]):
             out = concat.outputs[0]
-            concat.inputs.clear()
-            concat.outputs.clear()
+            detach(concat)
             replace_tensor(graph, out, x)
         else:
             concat.inputs.clear()
@@ -164,9 +162,7 @@ class ConcatSplit(Rule):
     def rewrite(self, graph: gs.Graph, site: Site) -> None:
         concat, split = site_nodes(graph, site)
         pairs = list(zip(split.outputs, concat.inputs))
-        for n in (concat, split):
-            n.inputs.clear()
-            n.outputs.clear()
+        detach(concat, split)
         for piece, source in pairs:
             replace_tensor(graph, piece, source)
 
@@ -266,8 +262,7 @@ class SinkPointwiseConcat(Rule):
             piece = gs.Variable(namer(f"{f.name}_{i}_out"), dtype=out.dtype, shape=list(static_shape(t)))
             _clone_pointwise(graph, f, t, piece, namer(f"{f.name}_{i}"), k)
             pieces.append(piece)
-        f.inputs.clear()
-        f.outputs.clear()
+        detach(f)
         concat.inputs.clear()
         concat.inputs.extend(pieces)
         concat.outputs.clear()
@@ -323,8 +318,6 @@ class HoistPointwiseSplit(Rule):
         _clone_pointwise(graph, like, x, fx, namer(f"{like.name}_hoisted"), pointwise_signature(like)[2])
         sizes = split_sizes(split)
         axis = int(split.attrs.get("axis", 0))
-        for n in (split, *readers):
-            n.inputs.clear()
-            n.outputs.clear()
+        detach(split, *readers)
         make_split(graph, namer(f"{split.name}_after"), fx, axis, sizes, outs, namer)
 
