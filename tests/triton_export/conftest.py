@@ -1,4 +1,4 @@
-"""Bundles for the Triton export tests, the pb_utils double, and a loader for the exported model.py.
+"""Bundles for the Triton export tests and the pb_utils double (triton_helpers.py loads the exported model.py).
 
 The folder is not called tests/triton: with tests/ on sys.path a folder named ``triton`` would be
 found by ``import triton`` (as a namespace package), and torch._dynamo then fails to import on
@@ -10,7 +10,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import sys
-import uuid
 from pathlib import Path
 
 import onnx
@@ -70,29 +69,3 @@ def pb_utils(monkeypatch):
     spec.loader.exec_module(module)
     monkeypatch.setitem(sys.modules, "triton_python_backend_utils", module)
     return module
-
-
-def load_model_py(model_dir: Path):
-    """Import REPO/NAME/1/model.py the way Triton's Python backend does: from its file."""
-    path = Path(model_dir) / "1" / "model.py"
-    spec = importlib.util.spec_from_file_location(f"triton_model_{uuid.uuid4().hex}", path)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-def initialize_args(model_dir: Path, kind: str = "CPU", device_id: int = 0) -> dict:
-    """What the Python backend passes to initialize(): the config as JSON (protobuf's JSON form), instance kind and device."""
-    from google.protobuf import json_format
-
-    from parastream.pipeline.triton import read_config
-
-    config = read_config(Path(model_dir) / "config.pbtxt")
-    return {
-        "model_config": json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)),
-        "model_instance_kind": kind,
-        "model_instance_device_id": str(device_id),
-        "model_repository": str(model_dir),
-        "model_version": "1",
-        "model_name": config.name,
-    }

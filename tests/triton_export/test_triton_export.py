@@ -323,3 +323,17 @@ def test_cli_export_triton(bundles, tmp_path, capsys):
     assert main(["export-triton", str(bundle.path), str(repo), "--name", "cli", "--force"]) == 0
     assert main(["export-triton", str(bundle.path), str(repo), "--name", "e", "--mode", "ensemble"]) == 2
     assert "--backend tensorrt" in capsys.readouterr().err
+
+
+def test_cli_build_with_triton_repo(tmp_path):
+    import onnx
+    from graphs import three_branch_model
+
+    model = three_branch_model()
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "blocks.onnx")
+    repo = tmp_path / "repo"
+    assert main(["build", str(tmp_path / "blocks.onnx"), "-o", str(tmp_path / "out"), "--backend", "onnxruntime", "--no-search",
+                 "--streams", "2", "--quiet", "--triton-repo", str(repo)]) == 0
+    assert sorted(p.name for p in repo.iterdir()) == ["blocks"]  # named after the model file
+    assert validate_repository(repo) == []

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from conftest import initialize_args, load_model_py
+from triton_helpers import initialize_args, load_model_py
 from graphs import ort_reference
 
 from parastream.pipeline.triton import export_triton

@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from conftest import initialize_args, load_model_py
+from triton_helpers import initialize_args, load_model_py
 from graphs import ort_reference, three_branch_model
 
 from parastream.pipeline.triton import export_triton, read_config

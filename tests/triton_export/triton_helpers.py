@@ -1,0 +1,35 @@
+"""Helpers of the Triton export tests: import an exported model.py as Triton's Python backend does, and the
+arguments its initialize() gets."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import uuid
+from pathlib import Path
+
+
+def load_model_py(model_dir: Path):
+    """Import REPO/NAME/1/model.py the way Triton's Python backend does: from its file."""
+    path = Path(model_dir) / "1" / "model.py"
+    spec = importlib.util.spec_from_file_location(f"triton_model_{uuid.uuid4().hex}", path)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+def initialize_args(model_dir: Path, kind: str = "CPU", device_id: int = 0) -> dict:
+    """What the Python backend passes to initialize(): the config as JSON (protobuf's JSON form), instance kind and device."""
+    from google.protobuf import json_format
+
+    from parastream.pipeline.triton import read_config
+
+    config = read_config(Path(model_dir) / "config.pbtxt")
+    return {
+        "model_config": json.dumps(json_format.MessageToDict(config, preserving_proto_field_name=True)),
+        "model_instance_kind": kind,
+        "model_instance_device_id": str(device_id),
+        "model_repository": str(model_dir),
+        "model_version": "1",
+        "model_name": config.name,
+    }
