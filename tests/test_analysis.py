@@ -1,0 +1,128 @@
+"""Op histogram and graph width (maximum antichain of the node DAG) on graphs whose answer is known."""
+
+from __future__ import annotations
+
+import itertools
+
+import networkx as nx
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+from parastream.pipeline import zoo
+from parastream.pipeline.analysis import graph_width, node_graph, op_histogram
+
+
+def dag_model(edges: list[tuple[str, str]], nodes: list[str] | None = None, op: str = "Sum") -> onnx.ModelProto:
+    """One node per vertex (output tensor = its name); sources read "input", sinks are graph outputs."""
+    order = list(nx.topological_sort(nx.DiGraph(edges))) if edges else []
+    for v in nodes or []:
+        if v not in order:
+            order.append(v)
+    preds = {v: [u for u, w in edges if w == v] for v in order}
+    succs = {u for u, _ in edges}
+    onnx_nodes = [helper.make_node(op, preds[v] or ["input"], [v], name=v) for v in order]
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [4])  # noqa: E731
+    graph = helper.make_graph(onnx_nodes, "dag", [vi("input")], [vi(v) for v in order if v not in succs])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(model, full_check=True)
+    return model
+
+
+def is_antichain(model: onnx.ModelProto, names: list[str]) -> bool:
+    closure = nx.transitive_closure_dag(node_graph(model))
+    return not any(closure.has_edge(a, b) or closure.has_edge(b, a) for a, b in itertools.combinations(names, 2))
+
+
+def brute_force_width(model: onnx.ModelProto) -> int:
+    dag = node_graph(model)
+    closure = nx.transitive_closure_dag(dag)
+    comparable = nx.Graph(closure.edges)
+    comparable.add_nodes_from(dag)
+    # The largest antichain is the largest independent set of the comparability graph.
+    return max(len(c) for c in nx.find_cliques(nx.complement(comparable)))
+
+
+def test_chain_has_width_one():
+    m = dag_model([("a", "b"), ("b", "c"), ("c", "d")])
+    width, names = graph_width(m)
+    assert width == 1 and len(names) == 1 and names[0] in "abcd"
+
+
+def test_single_node_and_empty_graph():
+    assert graph_width(dag_model([], nodes=["only"])) == (1, ["only"])
+    empty = helper.make_model(helper.make_graph([], "empty", [], []), opset_imports=[helper.make_opsetid("", 17)])
+    assert graph_width(empty) == (0, [])
+
+
+def test_diamond_has_width_two():
+    m = dag_model([("s", "l"), ("s", "r"), ("l", "t"), ("r", "t")])
+    assert graph_width(m) == (2, ["l", "r"])
+
+
+def test_independent_nodes_all_count():
+    m = dag_model([], nodes=["a", "b", "c", "d", "e"])
+    assert graph_width(m) == (5, ["a", "b", "c", "d", "e"])
+
+
+def test_width_is_not_the_largest_topological_layer():
+    # Layers {s} {p1,q1} {p2,r1} {t} hold at most 2 nodes, but q1, p2 and r1 are mutually independent.
+    m = dag_model([("s", "p1"), ("p1", "p2"), ("p2", "t"), ("s", "q1"), ("q1", "t"), ("p1", "r1"), ("r1", "t")])
+    assert max(len(g) for g in nx.topological_generations(node_graph(m))) == 2
+    width, names = graph_width(m)
+    assert width == 3 and sorted(names) == ["p2", "q1", "r1"]
+
+
+def test_two_consumers_and_multi_output_nodes():
+    nodes = [
+        helper.make_node("Split", ["input", "sizes"], ["a", "b"], name="split", axis=0),
+        helper.make_node("Relu", ["a"], ["ra"], name="relu_a"),
+        helper.make_node("Sigmoid", ["a"], ["sa"], name="sigmoid_a"),
+        helper.make_node("Tanh", ["b"], ["tb"], name="tanh_b"),
+        helper.make_node("Concat", ["ra", "sa", "tb"], ["output"], name="concat", axis=0),
+    ]
+    vi = lambda n, s: helper.make_tensor_value_info(n, TensorProto.FLOAT, s)  # noqa: E731
+    g = helper.make_graph(nodes, "g", [vi("input", [4])], [vi("output", [4])],
+                          [onnx.numpy_helper.from_array(np.array([2, 2], np.int64), "sizes")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    assert graph_width(m) == (3, ["relu_a", "sigmoid_a", "tanh_b"])
+
+
+def test_unnamed_nodes_get_the_loaders_names():
+    m = dag_model([("s", "l"), ("s", "r"), ("l", "t"), ("r", "t")])
+    for n in m.graph.node:
+        n.name = ""
+    width, names = graph_width(m)
+    assert width == 2 and names == ["Sum_1", "Sum_2"]
+
+
+@pytest.mark.parametrize("seed", range(25))
+def test_random_dags_match_brute_force(seed):
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(2, 12))
+    p = float(rng.uniform(0.1, 0.6))
+    edges = [(f"v{i}", f"v{j}") for i in range(n) for j in range(i + 1, n) if rng.random() < p]
+    m = dag_model(edges, nodes=[f"v{i}" for i in range(n)])
+    width, names = graph_width(m)
+    assert width == len(names) == brute_force_width(m)
+    assert is_antichain(m, names)
+
+
+@pytest.mark.parametrize("name, width", [("inception_block", 4), ("resnet_bottleneck", 2), ("transformer_layer", 3)])
+def test_zoo_widths(name, width):
+    m = zoo.MODELS[name]()
+    w, names = graph_width(m)
+    assert w == width and is_antichain(m, names)
+
+
+def test_inception_block_antichain_is_one_node_per_branch():
+    _, names = graph_width(zoo.inception_block())
+    assert sorted(n.split("/")[1] for n in names) == ["branch1x1", "branch3x3_2", "branch3x3dbl_3", "branch_pool"]
+
+
+def test_op_histogram_counts_ops_and_marks_other_domains():
+    m = zoo.resnet_bottleneck()
+    assert op_histogram(m) == {"Conv": 4, "BatchNormalization": 4, "Relu": 3, "Add": 1}
+    m.graph.node[0].domain = "com.microsoft"
+    assert op_histogram(m)["com.microsoft::Conv"] == 1
