@@ -118,7 +118,7 @@ def _params(config, **values: str) -> None:
 
 
 def _header(bundle: Bundle, mode: str) -> str:
-    return (f"# Written by parastream export-triton (mode {mode}) from the bundle {bundle.path.resolve()}\n"
+    return (f"# Written by parastream export-triton (mode {mode}) from the bundle {bundle.path.resolve().name!r}\n"
             f"# backend {bundle.plan.backend}, precision {bundle.plan.precision}, {len(bundle.plan.branches)} branches "
             f"on {bundle.plan.num_streams} streams. Triton's ModelConfig protobuf, text format.\n")
 
