@@ -21,7 +21,7 @@ from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
 
-from .model_io import LoadedModel, load_model
+from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
 from .report import make_temp_folder
 from .schedule import schedule_graph
@@ -37,6 +37,7 @@ class BuildConfig:
     streams: int | None = None  # None: chosen from the graph's width and the device
     max_streams: int = DEFAULT_MAX_STREAMS
     shapes: dict[str, list[int]] = field(default_factory=dict)
+    batch: tuple[int, int, int] | None = None  # --batch min:opt:max for inputs with a dynamic first dimension
     precision: str = "fp32"
     search: bool = True
     search_options: dict = field(default_factory=dict)
@@ -149,7 +150,10 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
 
     with _Progress(progress) as bar:
         t0 = time.perf_counter()
-        loaded: LoadedModel = load_model(model_path, cfg.shapes)
+        shapes, profiles = dict(cfg.shapes), {}
+        if cfg.batch:
+            shapes, profiles = batch_profiles(model_path, shapes, tuple(cfg.batch))
+        loaded: LoadedModel = load_model(model_path, shapes)
         check = getattr(backend, "check_model", None)
         if check is not None:
             try:
@@ -199,7 +203,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             t0 = time.perf_counter()
             options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
                                    workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
-                                   strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile)
+                                   strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
+                                   profiles=profiles)
             builder = backend.Builder(options)
             task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
             try:

@@ -16,7 +16,7 @@ import numpy as np
 
 from parastream.launcher.errors import ParastreamError
 
-from .model_io import parse_shapes
+from .model_io import parse_batch, parse_shapes
 
 
 # -- shared argument groups ---------------------------------------------------------------------------
@@ -24,6 +24,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--shapes", default=None, metavar="NAME:1x3x224x224,...",
                    help="static shapes for inputs with unknown dimensions")
+
+
+def add_batch_arg(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--batch", default=None, metavar="MIN:OPT:MAX",
+                   help="dynamic batch: the plan runs at OPT; TensorRT engines get a MIN..MAX optimization profile")
 
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -64,7 +69,8 @@ def cmd_build(args) -> int:
     from .build import BuildConfig, build
     from .report import print_build_summary
 
-    cfg = BuildConfig(backend=args.backend, streams=args.streams, shapes=parse_shapes(args.shapes), precision=args.precision,
+    cfg = BuildConfig(backend=args.backend, streams=args.streams, shapes=parse_shapes(args.shapes), batch=parse_batch(args.batch),
+                      precision=args.precision,
                       search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol, seed=args.seed,
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force)
@@ -227,6 +233,7 @@ def make_parser() -> argparse.ArgumentParser:
     add_schedule_args(b)
     add_backend_args(b)
     add_tolerance_args(b)
+    add_batch_arg(b)
     b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import numpy as np
 import onnx
-from onnx import helper, numpy_helper, shape_inference
+from onnx import helper, shape_inference
 
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
@@ -224,8 +224,52 @@ def random_feeds(specs: list[TensorSpec], seed: int = 0) -> dict[str, np.ndarray
     return feeds
 
 
-def numpy_initializer(model: onnx.ModelProto, name: str) -> np.ndarray | None:
-    for t in model.graph.initializer:
-        if t.name == name:
-            return numpy_helper.to_array(t)
-    return None
+def parse_batch(text: str | None) -> tuple[int, int, int] | None:
+    """Parse ``--batch min:opt:max`` (or a single ``N``, meaning N:N:N)."""
+    if not text:
+        return None
+    parts = text.split(":")
+    try:
+        values = tuple(int(v) for v in parts)
+    except ValueError:
+        raise ParastreamError(f"--batch {text!r} is not MIN:OPT:MAX with integers, e.g. --batch 1:8:32") from None
+    if len(values) == 1:
+        values = values * 3
+    if len(values) != 3 or not (1 <= values[0] <= values[1] <= values[2]):
+        raise ParastreamError(f"--batch {text!r}: need 1 <= MIN <= OPT <= MAX, e.g. --batch 1:8:32")
+    return values  # type: ignore[return-value]
+
+
+def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[int, int, int]
+                   ) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[int], list[int]]]]:
+    """Shapes at the OPT batch and (min, opt, max) profiles for every input whose first dimension is dynamic.
+
+    The plan (and the launcher's buffers and CUDA Graph) use the OPT batch; engines that take optimization
+    profiles (TensorRT) accept any batch from MIN to MAX.  Other unknown dimensions still need ``--shapes``.
+    """
+    path = Path(path)
+    try:
+        model = onnx.load(str(path), load_external_data=False)
+    except Exception:  # noqa: BLE001 - load_model reports a bad file with its own message
+        return dict(shapes), {}
+    init_names = {t.name for t in model.graph.initializer}
+    lo, opt, hi = batch
+    shapes = dict(shapes)
+    profiles = {}
+    for vi in model.graph.input:
+        if vi.name in init_names:
+            continue
+        dims = _dims(vi)
+        if not dims or isinstance(dims[0], int):
+            continue  # a fixed batch dimension: nothing to choose
+        rest = list(shapes[vi.name][1:]) if vi.name in shapes else list(dims[1:])
+        if vi.name in shapes and shapes[vi.name][0] != opt:
+            raise ParastreamError(f"--shapes {vi.name} gives batch {shapes[vi.name][0]}, but --batch says OPT = {opt}")
+        if any(not isinstance(d, int) for d in rest):
+            shown = "x".join(str(d) if isinstance(d, int) else "?" for d in dims)
+            raise ParastreamError(f"{path}: input {vi.name!r} ({shown}) has unknown dimensions besides the batch; give them with --shapes")
+        shapes[vi.name] = [opt, *rest]
+        profiles[vi.name] = ([lo, *rest], [opt, *rest], [hi, *rest])
+    if not profiles:
+        raise ParastreamError(f"{path}: --batch given, but no input of the model has a dynamic first dimension")
+    return shapes, profiles

@@ -1,0 +1,68 @@
+"""--batch MIN:OPT:MAX: the plan runs at OPT, engines get MIN..MAX profiles, bad values are refused."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+from parastream.launcher.errors import ParastreamError
+from parastream.pipeline.model_io import batch_profiles, parse_batch
+
+
+def _dynamic_model(path, batch_dim="N"):
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((16, 8)).astype(np.float32), "w")
+    g = helper.make_graph(
+        [helper.make_node("MatMul", ["x", "w"], ["y"], name="mm"), helper.make_node("Relu", ["y"], ["z"], name="relu")],
+        "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch_dim, 16])],
+        [helper.make_tensor_value_info("z", TensorProto.FLOAT, [batch_dim, 8])], [w])
+    onnx.save(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)]), path)
+    return path
+
+
+def test_parse_batch():
+    assert parse_batch("1:8:32") == (1, 8, 32)
+    assert parse_batch("4") == (4, 4, 4)
+    assert parse_batch(None) is None
+    for bad in ("8:1:32", "a:b:c", "1:2", "0:1:2"):
+        with pytest.raises(ParastreamError, match="--batch"):
+            parse_batch(bad)
+
+
+def test_profiles_for_dynamic_batch(tmp_path):
+    path = _dynamic_model(tmp_path / "m.onnx")
+    shapes, profiles = batch_profiles(path, {}, (1, 8, 32))
+    assert shapes == {"x": [8, 16]}
+    assert profiles == {"x": ([1, 16], [8, 16], [32, 16])}
+
+
+def test_fixed_batch_is_refused(tmp_path):
+    path = _dynamic_model(tmp_path / "m.onnx", batch_dim=2)
+    with pytest.raises(ParastreamError, match="no input of the model has a dynamic first dimension"):
+        batch_profiles(path, {}, (1, 2, 4))
+
+
+def test_shapes_must_agree_with_opt(tmp_path):
+    path = _dynamic_model(tmp_path / "m.onnx")
+    with pytest.raises(ParastreamError, match="OPT = 8"):
+        batch_profiles(path, {"x": [4, 16]}, (1, 8, 32))
+
+
+def test_build_with_batch_runs_at_opt(tmp_path):
+    from parastream.launcher import load
+    from parastream.pipeline import build
+
+    path = _dynamic_model(tmp_path / "m.onnx")
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", batch=(1, 4, 16), search=False)
+    plan = json.loads((bundle.path / "plan.json").read_text())
+    assert [t["shape"] for t in plan["inputs"]] == [[4, 16]]
+    manifest = json.loads((bundle.path / "manifest.json").read_text())
+    assert manifest["options"]["batch"] == [1, 4, 16]
+    x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
+    out = load(bundle.path, device="cpu")({"x": x})
+    w = numpy_helper.to_array(onnx.load(str(path)).graph.initializer[0])
+    np.testing.assert_allclose(out["z"], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)
