@@ -13,6 +13,7 @@ import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 from onnx import shape_inference
@@ -24,7 +25,7 @@ from parastream.launcher.errors import ParastreamError, VerificationError
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
 from .report import make_temp_folder
-from .schedule import schedule_graph
+from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import DEFAULT_TOLERANCES, verify
 
 REPORT_VERSION = 1
@@ -41,9 +42,13 @@ class BuildConfig:
     precision: str = "fp32"
     search: bool = True
     search_options: dict = field(default_factory=dict)
+    measure: bool = True  # measure the search's top candidates on the GPU when the backend has GPU engines
+    measure_seconds: float = 300.0  # budget for those measurements (each one builds and loads engines)
+    measure_runs: int = 100
     verify: bool = True
     rtol: float | None = None
     atol: float | None = None
+    scale_tol: float | None = None  # fp16/bf16: max|out-ref| / max|ref| (default by precision)
     seed: int = 0
     device: str = "H100-SXM"  # device table entry the cost model plans for
     workspace_mb: int = 4096
@@ -80,12 +85,94 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     return shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
 
 
-def choose_streams(model: onnx.ModelProto, max_streams: int) -> tuple[int, int]:
-    """Streams from the graph's width (the most nodes that can ever run at once), capped for the device."""
-    from .analysis import graph_width
+def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
+    """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates best."""
+    if streams:
+        sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound)
+        est = estimate_latency(sched)
+        return sched, [{"streams": sched.num_streams, "engines": len(sched.branches), "critical_path_s": sched.makespan,
+                        "estimated_s": est, "chosen": True, "requested": streams}]
+    return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
 
-    width, _ = graph_width(model)
-    return max(1, min(width, max_streams)), width
+
+def _graph_of(model: onnx.ModelProto) -> gs.Graph:
+    graph = gs.import_onnx(model)
+    graph.toposort()
+    return graph
+
+
+def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
+                   label: str, on_branch=None) -> dict:
+    """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report."""
+    (dest / "engines").mkdir(exist_ok=True)
+    onnx.save(model, dest / "model.onnx")
+    plan.save(dest / "plan.json")
+    builder = backend.Builder(options)
+    try:
+        for b in plan.branches:
+            branch_model = extract_branch(model, graph, b)
+            try:
+                data = builder.build(branch_model, b.name)
+            except ParastreamError as e:
+                msg = str(e)
+                raise ParastreamError(f"{label}: {msg}" if msg.startswith(b.name) else f"{label}: {b.name} failed to build: {msg}") from None
+            except Exception as e:  # noqa: BLE001 - backend errors name the node
+                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+                raise ParastreamError(f"{label}: {b.name} (nodes {b.nodes[0]}..{b.nodes[-1]}) failed to build with {backend.name}: {first}") from None
+            (dest / b.engine).write_bytes(data)
+            if on_branch:
+                on_branch()
+        return builder.report()
+    finally:
+        builder.close()
+
+
+class MeasureBudgetSpent(RuntimeError):
+    pass
+
+
+def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel, *, streams: int | None, max_streams: int,
+                precision: str, budget_s: float, runs: int = 100, warmup: int = 10):
+    """``measure(model) -> seconds`` for the rewrite search: schedule, build and load the candidate like a
+    real bundle (in a scratch folder), replay its CUDA Graph and return the median latency.
+
+    None when the backend has no GPU engines or no GPU is present.  Once ``budget_s`` is spent, further
+    candidates raise MeasureBudgetSpent (the search records it and decides among those measured).
+    """
+    if not getattr(backend, "gpu", False):
+        return None
+    from parastream.launcher import cuda_device_count
+
+    if cuda_device_count() < 1:
+        return None
+    import tempfile
+
+    deadline = time.perf_counter() + budget_s
+
+    def measure(model: onnx.ModelProto) -> float:
+        from parastream.launcher.bench import measure as time_replays
+        from parastream.launcher.gpu import GpuLauncher
+
+        if time.perf_counter() > deadline:
+            raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
+        model = _infer(model)
+        graph = _graph_of(model)
+        sched, _ = plan_streams(graph, cost_model, streams, max_streams)
+        plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
+                         inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=None)
+        with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
+            dest = Path(tmp)
+            _write_engines(dest, model, graph, plan, backend, options, "candidate")
+            (dest / "report.json").write_text("{}")
+            write_manifest(dest, {"backend": backend.name, "precision": precision, "options": {"compile": options.compile}})
+            la = GpuLauncher(Bundle.open(dest, check_hashes=False))
+            try:
+                times = time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]
+            finally:
+                la.close()
+        return float(np.median(times)) / 1e3
+
+    return measure
 
 
 class _Progress:
@@ -166,11 +253,13 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         from parastream.rewrite.cost import RooflineCostModel, node_flops_bytes
 
         cost_model = RooflineCostModel(cfg.device, precision=cfg.precision)
-        streams, width = (cfg.streams, None) if cfg.streams else choose_streams(loaded.model, cfg.max_streams)
-        if width is None:
-            from .analysis import graph_width
+        from .analysis import graph_width
 
-            width = graph_width(loaded.model)[0]
+        width = graph_width(loaded.model)[0]
+        options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
+                               workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
+                               strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
+                               profiles=profiles)
 
         model = loaded.model
         search_report: dict = {"enabled": False}
@@ -178,17 +267,23 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             t0 = time.perf_counter()
             from parastream.rewrite import optimize
 
-            task = bar.step("rewrite search")
-            model, search_report = optimize(model, cost_model=cost_model, streams=streams, seed=cfg.seed, **cfg.search_options)
+            # the search costs candidates on the number of streams the input would get
+            search_streams = plan_streams(_graph_of(model), cost_model, cfg.streams, cfg.max_streams)[0].num_streams
+            measure = None
+            if cfg.measure:
+                measure = gpu_measure(backend, options, cost_model, loaded, streams=cfg.streams, max_streams=cfg.max_streams,
+                                      precision=cfg.precision, budget_s=cfg.measure_seconds, runs=cfg.measure_runs)
+            task = bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measure else ""))
+            model, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
+                                            measure=measure, **cfg.search_options)
             search_report = dict(search_report, enabled=True)
             model = _infer(model)
             task.advance()
             timings["search"] = time.perf_counter() - t0
 
         t0 = time.perf_counter()
-        graph = gs.import_onnx(model)
-        graph.toposort()
-        sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound)
+        graph = _graph_of(model)
+        sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
         timings["schedule"] = time.perf_counter() - t0
@@ -196,32 +291,9 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         out.parent.mkdir(parents=True, exist_ok=True)
         tmp = make_temp_folder(out)
         try:
-            (tmp / "engines").mkdir()
-            onnx.save(model, tmp / "model.onnx")
-            plan.save(tmp / "plan.json")
-
             t0 = time.perf_counter()
-            options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
-                                   workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
-                                   strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
-                                   profiles=profiles)
-            builder = backend.Builder(options)
             task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
-            try:
-                for b in plan.branches:
-                    branch_model = extract_branch(model, graph, b)
-                    try:
-                        data = builder.build(branch_model, b.name)
-                    except ParastreamError as e:
-                        raise ParastreamError(f"{loaded.path}: {b.name} failed to build: {e}") from None
-                    except Exception as e:  # noqa: BLE001 - backend errors name the node
-                        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                        raise ParastreamError(f"{loaded.path}: {b.name} (nodes {b.nodes[0]}..{b.nodes[-1]}) failed to build with {backend.name}: {first}") from None
-                    (tmp / b.engine).write_bytes(data)
-                    task.advance()
-                engines_report = builder.report()
-            finally:
-                builder.close()
+            engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance)
             timings["engines"] = time.perf_counter() - t0
 
             report = {
@@ -231,6 +303,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 "search": search_report,
                 "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": width,
                              "branches": len(plan.branches), "critical_path_s": sched.makespan, "total_work_s": sched.total_work,
+                             "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
                              "cost_model": f"roofline {cfg.device} {cfg.precision}"},
                 "engines": engines_report,
                 "verification": None,

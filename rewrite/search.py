@@ -422,7 +422,8 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
     admissible = [w for w in wholes if w["cost"]["mixed_s"] <= report["cost_before"]["mixed_s"]]
     chosen, exported = None, {}
     if measure is not None:
-        for w in admissible:
+        # the input first: a budget that runs out must never leave only rewrites measured
+        for w in [original_entry] + [w for w in admissible if w is not original_entry]:
             try:
                 m = model if w is original_entry else export_model(w["graph"], model)
                 exported[id(w)] = m

@@ -11,7 +11,7 @@ from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from parastream.launcher.plan import TensorSpec
 from parastream.pipeline.partition import extract_branch, make_plan
-from parastream.pipeline.schedule import schedule_graph
+from parastream.pipeline.schedule import choose_streams, estimate_latency, schedule_graph
 
 
 def gs_graph(model):
@@ -124,3 +124,51 @@ def test_random_dags_give_valid_plans_that_compute_the_model(seed, streams, tmp_
     got = load(bundle.path)({"x": x})["y"]
     ref = ort_reference(model, {"x": x})["y"]
     np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6)
+
+
+# -- chains, engine-level estimate, number of streams ------------------------------------------------
+def test_chains_stay_whole():
+    """Conv -> Relu is one chain: each branch of the three-branch model runs whole on one stream, however cheap Relu is."""
+    g = gs_graph(three_branch_model())
+    s = schedule_graph(g, 3, lambda n: 10e-6 if n.op == "Conv" else 0.0, conv_compute)
+    for i in range(3):
+        assert s.node_stream[f"conv{i}"] == s.node_stream[f"relu{i}"]
+    assert not any(b == ["relu0"] or b == ["relu1"] or b == ["relu2"] for b in s.branches)
+
+
+def test_estimate_latency_by_hand():
+    """Three 10 µs convs on three streams, then concat+sigmoid (2 µs) on one: engines 3 µs, events 2 µs."""
+    g = gs_graph(three_branch_model())
+    s = schedule_graph(g, 3, unit_cost, conv_compute, sync_cost=0.0)
+    assert s.num_streams == 3 and len(s.branches) == 4
+    # each conv+relu engine: 11 µs + 3 µs; the tail waits for the two other streams (+2 µs) and costs 2 + 3 µs
+    assert estimate_latency(s, engine_cost=3e-6, event_cost=2e-6) == pytest.approx(14e-6 + 2e-6 + 5e-6)
+    one = schedule_graph(g, 1, unit_cost, conv_compute)
+    assert estimate_latency(one, engine_cost=3e-6) == pytest.approx(3 * 11e-6 + 2e-6 + 3e-6)
+
+
+def test_choose_streams_takes_parallel_branches_that_pay():
+    g = gs_graph(three_branch_model())
+    sched, tried = choose_streams(g, 4, unit_cost, conv_compute)
+    assert sched.num_streams == 3
+    assert [t["streams"] for t in tried] == [1, 2, 3]
+    assert [t["chosen"] for t in tried] == [False, False, True]
+    assert tried[2]["estimated_s"] < 0.9 * tried[0]["estimated_s"]
+
+
+def test_choose_streams_keeps_one_stream_when_branches_are_too_small():
+    """Branches of 1 µs each cannot pay 3 µs per engine and 2 µs per event: one engine for the whole model."""
+    g = gs_graph(three_branch_model())
+    sched, tried = choose_streams(g, 4, lambda n: 1e-6, conv_compute)
+    assert sched.num_streams == 1 and len(sched.branches) == 1
+    assert tried[0]["chosen"] and all(not t["chosen"] for t in tried[1:])
+
+
+def test_choose_streams_needs_the_minimum_gain():
+    g = gs_graph(three_branch_model())
+    _, tried = choose_streams(g, 4, unit_cost, conv_compute)
+    gain = 1 - tried[2]["estimated_s"] / tried[0]["estimated_s"]
+    sched, _ = choose_streams(g, 4, unit_cost, conv_compute, min_gain=gain + 0.01)
+    assert sched.num_streams == 1
+    sched, _ = choose_streams(g, 4, unit_cost, conv_compute, min_gain=gain - 0.01)
+    assert sched.num_streams == 3
