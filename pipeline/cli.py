@@ -55,6 +55,9 @@ def add_tolerance_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("verification")
     g.add_argument("--rtol", type=float, default=None, help="relative tolerance (default by precision)")
     g.add_argument("--atol", type=float, default=None, help="absolute tolerance (default by precision)")
+    g.add_argument("--scale-tol", type=float, default=None, metavar="TOL",
+                   help="pass an output when max|out-ref|/max|ref| <= TOL (default: 0.1 for fp16, 0.15 for bf16; "
+                        "fp32/tf32 and an explicit --rtol/--atol judge each element instead)")
     g.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
 
 
@@ -71,7 +74,8 @@ def cmd_build(args) -> int:
 
     cfg = BuildConfig(backend=args.backend, streams=args.streams, shapes=parse_shapes(args.shapes), batch=parse_batch(args.batch),
                       precision=args.precision,
-                      search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol, seed=args.seed,
+                      search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol,
+                      scale_tol=args.scale_tol, seed=args.seed,
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force)
     bundle = build(args.model, args.output, config=cfg, progress=not args.quiet)
@@ -147,7 +151,7 @@ def cmd_verify(args) -> int:
 
     from .model_io import load_model
     from .report import print_verification
-    from .verify import DEFAULT_TOLERANCES, verify
+    from .verify import resolve_tolerances, verify
 
     bundle = Bundle.open(args.bundle)
     original = args.model or bundle.report.get("model", {}).get("path")
@@ -155,10 +159,10 @@ def cmd_verify(args) -> int:
         raise ParastreamError(f"{args.bundle}: the original model {original!r} is not there; name it with --model ORIGINAL.onnx")
     shapes = {t.name: t.shape for t in bundle.plan.inputs}
     loaded = load_model(original, shapes)
-    rtol, atol = DEFAULT_TOLERANCES.get(bundle.plan.precision, DEFAULT_TOLERANCES["fp32"])
+    rtol, atol, scale_tol = resolve_tolerances(bundle.plan.precision, args.rtol, args.atol, args.scale_tol)
     runner = load(bundle.path, device=args.device)
-    result = verify(loaded.original, runner, bundle.plan.inputs, rtol=args.rtol if args.rtol is not None else rtol,
-                    atol=args.atol if args.atol is not None else atol, seed=args.seed, iterations=args.iterations)
+    result = verify(loaded.original, runner, bundle.plan.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                    seed=args.seed, iterations=args.iterations)
     report = dict(bundle.report)
     report["verification"] = result.to_dict()
     # report.json is part of the bundle's hashed files: rewrite it and the manifest together

@@ -71,6 +71,52 @@ def test_verify_exits_1_on_mismatch(bundle, model_path, tmp_path, capsys):
     assert "FAILED" in out
 
 
+def _mark_precision(bundle, precision):
+    """Record another precision in plan.json (and re-hash), as a bundle built in that precision would."""
+    from parastream.launcher.bundle import Bundle, write_manifest
+
+    plan = json.loads((bundle / "plan.json").read_text())
+    plan["precision"] = precision
+    (bundle / "plan.json").write_text(json.dumps(plan))
+    manifest = {k: v for k, v in Bundle.open(bundle, check_hashes=False).manifest.items() if k not in ("files", "version")}
+    write_manifest(bundle, manifest)
+
+
+def test_verify_judges_fp16_by_scaled_error(bundle, capsys):
+    _mark_precision(bundle, "fp16")
+    assert main(["verify", str(bundle)]) == 0
+    out = capsys.readouterr().out
+    assert "PASSED (scaled error max|out-ref|/max|ref| <= 0.1" in out
+    ver = json.loads((bundle / "report.json").read_text())["verification"]
+    assert ver["criterion"] == "scaled" and ver["scale_tol"] == 0.1
+    assert 0.0 <= ver["outputs"]["output"]["max_scaled"] < 1e-5
+
+
+def test_verify_explicit_rtol_judges_fp16_elementwise(bundle, capsys):
+    _mark_precision(bundle, "fp16")
+    assert main(["verify", str(bundle), "--rtol", "1e-3"]) == 0
+    ver = json.loads((bundle / "report.json").read_text())["verification"]
+    assert ver["criterion"] == "elementwise" and ver["scale_tol"] is None and ver["rtol"] == 1e-3
+
+
+def test_verify_scale_tol_option(bundle, model_path, tmp_path, capsys):
+    """--scale-tol picks the scaled criterion on an fp32 bundle; other weights fail it (exit 1)."""
+    assert main(["verify", str(bundle), "--scale-tol", "0.05"]) == 0
+    ver = json.loads((bundle / "report.json").read_text())["verification"]
+    assert ver["criterion"] == "scaled" and ver["scale_tol"] == 0.05
+    other = tmp_path / "other.onnx"
+    onnx.save(three_branch_model(seed=99), other)
+    assert main(["verify", str(bundle), "--model", str(other), "--scale-tol", "0.05"]) == 1
+    ver = json.loads((bundle / "report.json").read_text())["verification"]
+    assert ver["outputs"]["output"]["max_scaled"] > 0.05
+
+
+def test_verify_scale_tol_with_rtol_is_refused(bundle, capsys):
+    code = main(["verify", str(bundle), "--scale-tol", "0.1", "--atol", "1e-3"])
+    err = capsys.readouterr().err
+    assert code == 2 and "--scale-tol" in err and err.strip().count("\n") == 0
+
+
 def test_console_script_exit_code(tmp_path):
     """The installed `parastream` entry point exits 2 on bad input, with one line on stderr."""
     bad = tmp_path / "bad.onnx"
