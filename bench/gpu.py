@@ -7,7 +7,7 @@ sequence 128; random weights, batch 1, fp16), exported to ONNX here:
   (a) PyTorch eager, fp16
   (b) the engines of (d) on one stream, in one CUDA Graph
   (c) parastream without the rewrite (search=False)
-  (d) parastream with the rewrite search (``parastream.rewrite.optimize``), or (c) again where it does not exist yet
+  (d) parastream with the rewrite search, its top candidates measured on the GPU within --measure-seconds
   (e) the whole model under torch.compile(mode="reduce-overhead")
 Milliseconds are medians of >= 200 CUDA-event timings after warm-up; errors are
 ||out - ref|| / ||ref|| against ONNX Runtime (CPU, fp32) on the original ONNX model.
@@ -140,25 +140,35 @@ def ort_reference(path: Path, feeds: dict) -> dict:
     return dict(zip(names, sess.run(names, feeds)))
 
 
-def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | None, log: dict, precision: str = "fp16"):
-    """The lead's pipeline build when it runs; else a bundle made from the pipeline's pieces (tests/handmade_bundles.py)."""
+def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | None, log: dict, precision: str = "fp16",
+                 measure_seconds: float = 120.0):
+    """A bundle from ``parastream.pipeline.build`` (search, stream choice, engines, verification against
+    onnxruntime); with ``--handmade``, from tests/handmade_bundles.py (the launcher-only path of earlier runs)."""
     t0 = time.perf_counter()
-    try:
-        if log.get("handmade"):
-            raise ImportError("--handmade")
-        from parastream.pipeline import build
-
-        kw = {"streams": streams} if streams else {}
-        bundle = build(onnx_path, out, backend="torch", precision=precision, search=search, force=True, **kw)
-        log["builder"] = "pipeline.build"
-    except (ImportError, ModuleNotFoundError) as e:
-        if search:
-            raise
+    if log.get("handmade"):
         from handmade_bundles import make_bundle
 
-        log["builder"] = f"handmade (pipeline.build unavailable: {e})"
+        log["builder"] = "handmade"
         bundle = make_bundle(onnx_path, out, backend="torch", streams=streams or 4, precision=precision,
                              sync_cost=log.get("sync_cost", 2e-6))
+    else:
+        from parastream.pipeline import build
+
+        bundle = build(onnx_path, out, backend="torch", precision=precision, search=search, force=True, streams=streams,
+                       measure_seconds=measure_seconds, search_options={"top_k": log.get("top_k", 20)})
+        log["builder"] = "pipeline.build"
+        rep = bundle.report
+        log["schedule"] = {k: rep["schedule"].get(k) for k in ("streams", "branches", "estimated_s", "streams_tried")}
+        s = rep.get("search", {})
+        if s.get("enabled"):
+            log["search"] = {k: s.get(k) for k in ("summary", "decided_by", "decision", "nodes_before", "nodes_after",
+                                                   "rules_chosen_count", "timings")}
+            log["search"]["measured"] = [{k: c.get(k) for k in ("rank", "input", "chosen", "estimated_s", "measured_s", "error")}
+                                         for c in s.get("candidates", []) if c.get("measured_s") is not None or c.get("error")]
+        v = rep.get("verification") or {}
+        log["verification"] = {"passed": v.get("passed"), "criterion": v.get("criterion"),
+                               "max_scaled": {k: o.get("max_scaled") for k, o in v.get("outputs", {}).items()}}
+        log["timings"] = rep.get("timings")
     log["build_s"] = time.perf_counter() - t0
     return bundle
 
@@ -221,23 +231,19 @@ def run_model(name: str, args, outdir: Path) -> dict:
     torch.cuda.empty_cache()
 
     # (c) and (d)
-    variants = [("c", False)]
-    try:
-        from parastream.rewrite import optimize  # noqa: F401
-
-        variants.append(("d", True))
-    except ImportError:
-        res["d_note"] = "parastream.rewrite.optimize does not exist yet: (d) = (c)"
+    variants = [("c", False), ("d", True)]
     for tag, search in variants:
-        log: dict = {"sync_cost": args.sync_cost, "handmade": args.handmade}
+        log: dict = {"sync_cost": args.sync_cost, "handmade": args.handmade, "top_k": args.top_k}
         try:
-            bundle = build_bundle(onnx_path, outdir / f"{name}_{tag}", search=search, streams=streams_for(name, args), log=log)
+            bundle = build_bundle(onnx_path, outdir / f"{name}_{tag}", search=search, streams=streams_for(name, args), log=log,
+                                  measure_seconds=args.measure_seconds)
         except Exception as e:  # noqa: BLE001 - report and go on with the next variant
             res[f"{tag}_error"] = f"{type(e).__name__}: {e}"
             traceback.print_exc()
             continue
-        res[f"{tag}_builder"] = log.get("builder")
-        res[f"{tag}_build_s"] = log["build_s"]
+        for key in ("builder", "build_s", "schedule", "search", "verification", "timings"):
+            if key in log:
+                res[f"{tag}_{key}"] = log[key]
         t0 = time.perf_counter()
         la = GpuLauncher(bundle)
         res[f"{tag}_load_s"] = time.perf_counter() - t0
@@ -258,13 +264,12 @@ def run_model(name: str, args, outdir: Path) -> dict:
     if name in args.fp32_check.split(","):
         # the converter itself, without fp16 rounding: fp32 engines against ONNX Runtime fp32
         log = {"sync_cost": args.sync_cost, "handmade": args.handmade}
-        bundle = build_bundle(onnx_path, outdir / f"{name}_fp32", search=False, streams=streams_for(name, args), log=log, precision="fp32")
+        bundle = build_bundle(onnx_path, outdir / f"{name}_fp32", search=False, streams=streams_for(name, args), log=log, precision="fp32",
+                              measure_seconds=0)
         with GpuLauncher(bundle) as la:
             got = la(feeds)
         res["fp32_err"] = {k: rel_err(got[k], ref[k]) for k in ref}
         res["fp32_maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
-    if "d_ms" not in res and "c_ms" in res:
-        res["d_ms"], res["b_d_ms"] = res["c_ms"], res["b_c_ms"]
     return res
 
 
@@ -277,17 +282,19 @@ def streams_for(name: str, args) -> int | None:
 
 
 def table(results: list[dict]) -> str:
-    hdr = ("model", "(a) eager", "(b) 1-stream", "(c) no rewrite", "(d) rewrite", "(e) compile", "b/d", "e/d", "streams/eng", "maxerr(c)", "build s")
+    hdr = ("model", "(a) eager", "(b) 1-stream", "(c) no rewrite", "(d) rewrite", "(e) compile", "b/d", "e/d", "c/d",
+           "streams/eng (d)", "maxerr(d)", "build s (d)")
     rows = [hdr]
     for r in results:
         d = r.get("d_ms")
         f = (lambda k: f"{r[k]:.3f}" if isinstance(r.get(k), float) else "-")
-        err = max(r["c_maxerr"].values()) if isinstance(r.get("c_maxerr"), dict) else float("nan")
+        err = max(r["d_maxerr"].values()) if isinstance(r.get("d_maxerr"), dict) else float("nan")
         rows.append((r["model"], f("a_eager_ms"), f("b_d_ms"), f("c_ms"), f("d_ms"), f("e_compile_ms"),
                      f"{r['b_d_ms'] / d:.2f}" if d and r.get("b_d_ms") else "-",
                      f"{r['e_compile_ms'] / d:.2f}" if d and r.get("e_compile_ms") else "-",
-                     f"{r.get('c_streams', '-')}/{r.get('c_branches', '-')}", f"{err:.1e}",
-                     f"{r.get('c_build_s', 0) + r.get('c_load_s', 0):.0f}"))
+                     f"{r['c_ms'] / d:.2f}" if d and r.get("c_ms") else "-",
+                     f"{r.get('d_streams', '-')}/{r.get('d_branches', '-')}", f"{err:.1e}",
+                     f"{r.get('d_build_s', 0) + r.get('d_load_s', 0):.0f}"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(hdr))]
     return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
 
@@ -302,6 +309,8 @@ def main(argv=None) -> int:
     ap.add_argument("--handmade", action="store_true", help="partition with tests/handmade_bundles.py even where pipeline.build runs")
     ap.add_argument("--sync-cost", type=float, default=2e-6, help="handmade partition: cost of one cross-stream event (s)")
     ap.add_argument("--streams-per-model", default="", help="e.g. bert=1,resnet50=2 (overrides --streams)")
+    ap.add_argument("--measure-seconds", type=float, default=120.0, help="(d): GPU time budget for measuring search candidates")
+    ap.add_argument("--top-k", type=int, default=20, help="(d): candidates the search assembles (measured within the budget)")
     ap.add_argument("--fp32-check", default="", help="models also built in fp32 and compared with onnxruntime")
     ap.add_argument("--tag", default="", help="suffix of result files")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))

@@ -26,7 +26,7 @@ from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
 from .report import make_temp_folder
 from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
-from .verify import DEFAULT_TOLERANCES, verify
+from .verify import resolve_tolerances, verify
 
 REPORT_VERSION = 1
 DEFAULT_MAX_STREAMS = 4
@@ -321,9 +321,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 from parastream.launcher import load
 
                 runner = load(tmp, check_hashes=False)
-                rtol, atol = DEFAULT_TOLERANCES.get(cfg.precision, DEFAULT_TOLERANCES["fp32"])
-                result = verify(loaded.original, runner, loaded.inputs, rtol=cfg.rtol if cfg.rtol is not None else rtol,
-                                atol=cfg.atol if cfg.atol is not None else atol, seed=cfg.seed + 1)
+                rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
+                result = verify(loaded.original, runner, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol, seed=cfg.seed + 1)
                 close = getattr(runner, "close", None)
                 if close:
                     close()
@@ -331,11 +330,16 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 timings["verify"] = time.perf_counter() - t0
                 report["verification"] = result.to_dict()
                 if not result.passed:
-                    worst = max(result.outputs.items(), key=lambda kv: kv[1]["max_abs"])
+                    failed = [kv for kv in result.outputs.items() if not kv[1].get("passed", False)] or list(result.outputs.items())
+                    name, o = max(failed, key=lambda kv: kv[1].get("max_abs", 0.0))
+                    if result.scale_tol is not None:
+                        detail = f"max|out-ref|/max|ref| = {o.get('max_scaled', float('nan')):.3g} > scale_tol {result.scale_tol}"
+                    else:
+                        detail = (f"max abs error {o.get('max_abs', float('nan')):.3g}, max rel error {o.get('max_rel', float('nan')):.3g}, "
+                                  f"rtol {result.rtol}, atol {result.atol}")
                     raise VerificationError(
                         f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
-                        f"(output {worst[0]!r}: max abs error {worst[1]['max_abs']:.3g}, max rel error {worst[1]['max_rel']:.3g}, "
-                        f"rtol {result.rtol}, atol {result.atol}); no bundle was written")
+                        f"(output {name!r}: {detail}); no bundle was written")
             timings["total"] = time.perf_counter() - t_all
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             write_manifest(tmp, manifest)
