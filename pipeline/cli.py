@@ -191,6 +191,35 @@ def cmd_export_triton(args) -> int:
     return 0
 
 
+def cmd_validate_triton(args) -> int:
+    from rich.markup import escape
+    from rich.table import Table
+
+    from .triton import validate_repository
+
+    repo = Path(args.repo)
+    if not repo.is_dir():
+        raise ParastreamError(f"{repo}: {'not a folder' if repo.exists() else 'no such folder'}; "
+                              "name a Triton model repository (as `parastream export-triton` writes)")
+    problems = validate_repository(repo)
+    con = _console()
+    if not problems:
+        models = sorted(d.name for d in repo.iterdir() if d.is_dir() and not d.name.startswith("."))
+        con.print(f"ok: {escape(str(repo))} is a valid Triton model repository ({len(models)} models: {escape(', '.join(models))})")
+        return 0
+    t = Table(title=f"{escape(str(repo))}: {len(problems)} problem{'s' if len(problems) != 1 else ''}")
+    t.add_column("where", overflow="fold")
+    t.add_column("problem", overflow="fold")
+    prefix = str(repo).rstrip("/") + "/"
+    for problem in problems:
+        where, sep, what = problem.partition(": ")
+        if not sep:
+            where, what = "", problem
+        t.add_row(escape(where[len(prefix):] if where.startswith(prefix) else where), escape(what))
+    con.print(t)
+    return 1
+
+
 def cmd_demo(args) -> int:
     from .demo import run_demo
 
@@ -279,6 +308,10 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--instances", type=int, default=1)
     t.add_argument("--force", action="store_true")
     t.set_defaults(func=cmd_export_triton)
+
+    vt = sub.add_parser("validate-triton", help="check a Triton model repository (exit 1 when it has problems)")
+    vt.add_argument("repo")
+    vt.set_defaults(func=cmd_validate_triton)
 
     dv = sub.add_parser("devices", help="list the device profiles of the cost model")
     dv.set_defaults(func=cmd_devices)

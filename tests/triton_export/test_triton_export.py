@@ -337,3 +337,46 @@ def test_cli_build_with_triton_repo(tmp_path):
                  "--streams", "2", "--quiet", "--triton-repo", str(repo)]) == 0
     assert sorted(p.name for p in repo.iterdir()) == ["blocks"]  # named after the model file
     assert validate_repository(repo) == []
+
+
+def test_cli_validate_triton_valid_repository(bundles, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")  # rich folds long lines at the terminal width
+    repo = tmp_path / "repo"
+    export_triton(bundles["three"][0], repo, name="m")
+    export_triton(bundles["three_trt"][0], repo, name="e", mode="ensemble")
+    assert main(["validate-triton", str(repo)]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("ok: ") and out.strip().count("\n") == 0
+    models = sorted(d.name for d in repo.iterdir())
+    assert len(models) > 2 and "m" in models and "e" in models  # the ensemble brings its branch models
+    assert f"{repo} is a valid Triton model repository ({len(models)} models: {', '.join(models)})" in out
+
+
+def test_cli_validate_triton_lists_problems_and_exits_1(bundles, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "300")
+    repo = tmp_path / "repo"
+    export_triton(bundles["three"][0], repo, name="m")
+    (repo / "m" / "1" / "model.py").unlink()
+    config = read_config(repo / "m" / "config.pbtxt")
+    config.input[0].dims[1] = 5
+    _rewrite(repo, config)
+    expected = validate_repository(repo)
+    assert len(expected) >= 2
+    assert main(["validate-triton", str(repo)]) == 1
+    out = capsys.readouterr().out
+    assert f"{len(expected)} problems" in out and "ok:" not in out
+    assert "m/1/model.py" in out and "missing" in out  # paths shown relative to the repository
+    assert "'input' has dims [1, 5, 8, 8]" in out
+    assert str(repo / "m") not in out
+
+
+@pytest.mark.parametrize("kind", ["missing", "file"])
+def test_cli_validate_triton_without_a_folder_exits_2(tmp_path, capsys, kind):
+    target = tmp_path / "repo"
+    if kind == "file":
+        target.write_text("not a repository")
+    assert main(["validate-triton", str(target)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    assert captured.err.strip().count("\n") == 0 and str(target) in captured.err
+    assert ("no such folder" if kind == "missing" else "not a folder") in captured.err
