@@ -14,25 +14,12 @@ from collections import Counter
 import networkx as nx
 import onnx
 
+from .model_io import name_nodes
+
 
 def op_histogram(model: onnx.ModelProto) -> Counter:
     """How many nodes of each op type the main graph has (``domain::Op`` for ops outside the default domain)."""
     return Counter(n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}" for n in model.graph.node)
-
-
-def node_names(model: onnx.ModelProto) -> list[str]:
-    """The nodes' names in graph order, with the name ``<Op>_<index>`` for an unnamed node (as the loader gives)."""
-    names, seen = [], set()
-    for i, node in enumerate(model.graph.node):
-        name = node.name
-        if not name or name in seen:
-            base = name or f"{node.op_type}_{i}"
-            name, k = base, 1
-            while name in seen:
-                name, k = f"{base}_{k}", k + 1
-        seen.add(name)
-        names.append(name)
-    return names
 
 
 def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
@@ -54,7 +41,7 @@ def node_graph(model: onnx.ModelProto) -> nx.DiGraph:
     for every tensor that passes between them."""
     g = nx.DiGraph()
     producer: dict[str, str] = {}
-    names = node_names(model)
+    names = name_nodes(model, assign=False)
     for i, (name, node) in enumerate(zip(names, model.graph.node)):
         g.add_node(name, op=node.op_type, index=i)
         for out in node.output:

@@ -108,8 +108,14 @@ def _check(model: onnx.ModelProto, path: Path) -> None:
         raise ParastreamError(f"{path}: fails onnx.checker: {e}") from None
 
 
-def _name_nodes(model: onnx.ModelProto) -> None:
-    """Give every node a unique name (plans and error messages refer to nodes by name)."""
+def name_nodes(model: onnx.ModelProto, *, assign: bool = True) -> list[str]:
+    """Unique node names in graph order: a node keeps its name unless it has none (``<Op>_<index>``) or an
+    earlier node already took it (``<name>_<k>``, the first free k).
+
+    Plans, analyses and error messages refer to nodes by these names.  With ``assign`` (the loader's way)
+    they are written into the model; ``assign=False`` only reports them and leaves the model as it is.
+    """
+    names: list[str] = []
     seen: set[str] = set()
     for i, node in enumerate(model.graph.node):
         name = node.name
@@ -118,8 +124,11 @@ def _name_nodes(model: onnx.ModelProto) -> None:
             name, k = base, 1
             while name in seen:
                 name, k = f"{base}_{k}", k + 1
-            node.name = name
+            if assign:
+                node.name = name
         seen.add(name)
+        names.append(name)
+    return names
 
 
 def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path) -> None:
@@ -186,7 +195,7 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
     _check(model, path)
     original = onnx.ModelProto()
     original.CopyFrom(model)
-    _name_nodes(model)
+    name_nodes(model)
     _fix_input_shapes(model, shapes or {}, path)
     if shapes:
         _fix_input_shapes(original, shapes, path)
@@ -195,7 +204,7 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
         model = shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
     except Exception as e:  # noqa: BLE001 - InferenceError names the node
         raise ParastreamError(f"{path}: shape inference failed: {str(e).strip().splitlines()[0]}") from None
-    _name_nodes(model)
+    name_nodes(model)
     init_names = {t.name for t in model.graph.initializer}
     inputs = [spec_of(vi) for vi in model.graph.input if vi.name not in init_names]
     outputs = []

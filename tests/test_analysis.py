@@ -126,3 +126,38 @@ def test_op_histogram_counts_ops_and_marks_other_domains():
     assert op_histogram(m) == {"Conv": 4, "BatchNormalization": 4, "Relu": 3, "Add": 1}
     m.graph.node[0].domain = "com.microsoft"
     assert op_histogram(m)["com.microsoft::Conv"] == 1
+
+
+def _badly_named_model() -> onnx.ModelProto:
+    """A chain whose node names are missing, repeated, or collide with the names the loader makes up."""
+    names = ["", "x", "x", "Relu_0", "x_1", ""]
+    nodes = [helper.make_node("Relu", ["input" if i == 0 else f"t{i - 1}"], [f"t{i}" if i < len(names) - 1 else "output"], name=n)
+             for i, n in enumerate(names)]
+    vi = lambda n: helper.make_tensor_value_info(n, TensorProto.FLOAT, [4])  # noqa: E731
+    g = helper.make_graph(nodes, "g", [vi("input")], [vi("output")])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_name_nodes_makes_names_unique_and_only_writes_when_asked():
+    from parastream.pipeline.model_io import name_nodes
+
+    m = _badly_named_model()
+    expected = ["Relu_0", "x", "x_1", "Relu_0_1", "x_1_1", "Relu_5"]
+    assert name_nodes(m, assign=False) == expected
+    assert [n.name for n in m.graph.node] == ["", "x", "x", "Relu_0", "x_1", ""]  # untouched
+    assert name_nodes(m) == expected
+    assert [n.name for n in m.graph.node] == expected
+    assert name_nodes(m) == expected  # named models keep their names
+
+
+def test_node_graph_uses_the_loaders_names(tmp_path):
+    """The analysis and the loader share one naming: node_graph's vertices are the names load_model assigns."""
+    from parastream.pipeline.model_io import load_model
+
+    m = _badly_named_model()
+    onnx.save(m, tmp_path / "m.onnx")
+    loaded = load_model(tmp_path / "m.onnx")
+    g = node_graph(m)
+    assert [n.name for n in loaded.model.graph.node] == list(g.nodes)
+    assert list(g.edges) == list(zip(list(g.nodes)[:-1], list(g.nodes)[1:]))
+    assert [n.name for n in m.graph.node] == ["", "x", "x", "Relu_0", "x_1", ""]  # the analysis renames nothing
