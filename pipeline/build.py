@@ -136,8 +136,11 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     """``measure(model) -> seconds`` for the rewrite search: schedule, build and load the candidate like a
     real bundle (in a scratch folder), replay its CUDA Graph and return the median latency.
 
-    None when the backend has no GPU engines or no GPU is present.  Once ``budget_s`` is spent, further
-    candidates raise MeasureBudgetSpent (the search records it and decides among those measured).
+    The first model measured (the search measures its input first) stays loaded as the reference; every
+    later candidate is timed in alternating blocks with it, and its time is scaled by the reference's
+    first median, so that clock changes between measurements do not decide.  ``measure.close()`` frees
+    the reference.  None when the backend has no GPU engines or no GPU is present.  Once ``budget_s`` is
+    spent, further candidates raise MeasureBudgetSpent (the search decides among those measured).
     """
     if not getattr(backend, "gpu", False):
         return None
@@ -148,30 +151,44 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     import tempfile
 
     deadline = time.perf_counter() + budget_s
+    ref: dict = {}
 
-    def measure(model: onnx.ModelProto) -> float:
-        from parastream.launcher.bench import measure as time_replays
+    def load(model: onnx.ModelProto):
         from parastream.launcher.gpu import GpuLauncher
 
-        if time.perf_counter() > deadline:
-            raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
         model = _infer(model)
         graph = _graph_of(model)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
-                         inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=None)
+                         inputs=loaded.inputs, outputs=loaded.outputs)
         with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
             dest = Path(tmp)
             _write_engines(dest, model, graph, plan, backend, options, "candidate")
             (dest / "report.json").write_text("{}")
             write_manifest(dest, {"backend": backend.name, "precision": precision, "options": {"compile": options.compile}})
-            la = GpuLauncher(Bundle.open(dest, check_hashes=False))
-            try:
-                times = time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]
-            finally:
-                la.close()
-        return float(np.median(times)) / 1e3
+            return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
 
+    def measure(model: onnx.ModelProto) -> float:
+        from parastream.launcher.bench import measure as time_replays
+
+        if time.perf_counter() > deadline:
+            raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
+        la = load(model)
+        if not ref:
+            ms = float(np.median(time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]))
+            ref.update(launcher=la, ms=ms)
+            return ms / 1e3
+        try:
+            times = time_replays({"reference": ref["launcher"], "candidate": la}, runs=runs, warmup=warmup)
+        finally:
+            la.close()
+        return float(np.median(times["candidate"]) / np.median(times["reference"]) * ref["ms"]) / 1e3
+
+    def close() -> None:
+        if ref:
+            ref.pop("launcher").close()
+
+    measure.close = close
     return measure
 
 
@@ -274,8 +291,12 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 measure = gpu_measure(backend, options, cost_model, loaded, streams=cfg.streams, max_streams=cfg.max_streams,
                                       precision=cfg.precision, budget_s=cfg.measure_seconds, runs=cfg.measure_runs)
             task = bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measure else ""))
-            model, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
-                                            measure=measure, **cfg.search_options)
+            try:
+                model, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
+                                                measure=measure, **cfg.search_options)
+            finally:
+                if measure is not None:
+                    measure.close()
             search_report = dict(search_report, enabled=True)
             model = _infer(model)
             task.advance()

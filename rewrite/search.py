@@ -11,7 +11,8 @@
    one) may go past β, up to two such steps in a row.
 3. The ``top_k`` cheapest combinations of piece candidates are assembled into whole models and costed as
    wholes; with a ``measure(model) -> seconds`` callback they are measured on the device (onboard
-   verification) and the fastest wins, otherwise the cost model decides.  The input is always a candidate,
+   verification) and the fastest wins if it beats the input by ``measure_margin``; otherwise the cost
+   model decides.  The input is always a candidate,
    so the result is never rated worse than it.
 
 The cost of a graph is ``alpha·critical_path + (1 − alpha)·total_work`` under the cost model on ``streams``
@@ -326,11 +327,13 @@ def _cost_dict(cost_model: CostModel, graph: gs.Graph, streams: int, alpha: floa
 def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, streams: int = 4,
              alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40, max_piece: int = 120,
              top_k: int = 20, max_candidates: int = 200, max_seconds: float = 30.0, seed: int = 0,
-             measure: Callable[[onnx.ModelProto], float] | None = None,
+             measure: Callable[[onnx.ModelProto], float] | None = None, measure_margin: float = 0.02,
              rules: list[Rule] | None = None) -> tuple[onnx.ModelProto, dict]:
     """Rewrite ``model`` with the rules the search finds cheapest; return (model, JSON-able report).
 
     ``max_candidates`` is per piece, ``max_seconds`` for the whole search (measurements excluded).
+    A measured rewrite replaces the input only when it is at least ``measure_margin`` faster than the
+    input measured the same way (the rest is noise).
     The returned model passes onnx.checker and strict shape inference and keeps the input's graph
     inputs and outputs; where nothing pays, it is the input itself.
     """
@@ -435,6 +438,11 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
             chosen = min(measured, key=lambda w: (w["measured_s"], w["cost"]["mixed_s"]))
             report["decided_by"] = "measured"
             report["decision"] = f"fastest of {len(measured)} candidates measured on the device"
+            base = original_entry.get("measured_s")
+            if chosen is not original_entry and base is not None and chosen["measured_s"] > base * (1.0 - measure_margin):
+                report["decision"] = (f"the input: no rewrite of the {len(measured) - 1} measured was at least "
+                                      f"{measure_margin:.0%} faster on the device")
+                chosen = original_entry
     if chosen is None:
         chosen = admissible[0]
         report["decided_by"] = "cost_model"

@@ -129,6 +129,26 @@ def test_measured_candidates_decide(zoo_model):
     Console(file=open("/dev/null", "w")).print(format_report(report))
 
 
+def test_a_rewrite_must_beat_the_input_by_the_margin(zoo_model):
+    """Rewrites measured within 2% of the input are noise: the input stays; 5% faster is taken."""
+    m = zoo_model("inception_block")
+    n_in = len(m.graph.node)
+
+    def device(gain):
+        return lambda model: 1e-4 * (1.0 if len(model.graph.node) == n_in else 1.0 - gain)
+
+    out, report = optimize(m, measure=device(0.01), top_k=5)
+    assert report["decided_by"] == "measured" and "at least 2% faster" in report["decision"]
+    assert next(c for c in report["candidates"] if c["chosen"])["input"]
+    assert out is m
+    out, report = optimize(m, measure=device(0.05), top_k=5)
+    assert not next(c for c in report["candidates"] if c["chosen"])["input"]
+    assert len(out.graph.node) < n_in
+    assert_equivalent(m, out)
+    out, report = optimize(m, measure=device(0.05), top_k=5, measure_margin=0.10)
+    assert out is m
+
+
 def test_failing_measurement_falls_back_to_the_cost_model(zoo_model):
     def measure(model):
         raise RuntimeError("no device")
