@@ -144,7 +144,7 @@ def timing_cache_path(options: BuildOptions) -> Path:
 
 
 def _parser_error_message(errors: list, branch: onnx.ModelProto, name: str) -> str:
-    """TensorRT's first parser error as one sentence naming the node [Parser: ParserError]."""
+    """TensorRT's first parser error as one sentence naming the branch, then the node [Parser: ParserError]."""
     first = errors[0]
     nodes = branch.graph.node
     index = first.node()
@@ -155,7 +155,7 @@ def _parser_error_message(errors: list, branch: onnx.ModelProto, name: str) -> s
         op = op or nodes[index].op_type
     where = f"node {node_name!r} ({op})" if node_name or op else "the graph"
     more = f" (and {len(errors) - 1} more parser errors)" if len(errors) > 1 else ""
-    return f"TensorRT's ONNX parser cannot import {where} of {name}: {first.desc()}{more}"
+    return f"{name}: TensorRT's ONNX parser cannot import {where}: {first.desc()}{more}"
 
 
 def _profile_shapes(options: BuildOptions, input_name: str, shape: list[int], name: str):
@@ -226,7 +226,7 @@ class Builder:
         if not parser.parse(branch.SerializeToString()):
             errors = [parser.get_error(i) for i in range(parser.num_errors)]
             if not errors:
-                raise ParastreamError(f"TensorRT's ONNX parser cannot import {name}: {self._first_error('no parser error was recorded')}")
+                raise ParastreamError(f"{name}: TensorRT's ONNX parser cannot import the graph: {self._first_error('no parser error was recorded')}")
             raise ParastreamError(_parser_error_message(errors, branch, name))
         return network, parser
 
@@ -315,7 +315,7 @@ class Builder:
         self._timing_cache(config)
         serialized = self.builder.build_serialized_network(network, config)  # IHostMemory, or None on failure [Builder]
         if serialized is None:
-            raise ParastreamError(f"TensorRT could not build {name}: {self._first_error('build_serialized_network returned no engine')}")
+            raise ParastreamError(f"{name}: TensorRT could not build the engine: {self._first_error('build_serialized_network returned no engine')}")
         data = memoryview(serialized).tobytes()  # IHostMemory exposes the buffer protocol
         build_s = time.perf_counter() - t0
         if self._runtime is None:

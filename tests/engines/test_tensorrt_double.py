@@ -269,9 +269,9 @@ def test_parser_error_names_the_branch_the_node_and_the_reason(trt, tmp_path):
 def test_parser_error_without_node_name_is_found_by_index(trt, tmp_path):
     errors = [trt.ParserError(trt.ErrorCode.UNSUPPORTED_NODE, "no importer", node=2), trt.ParserError(trt.ErrorCode.UNSUPPORTED_NODE, "x")]
     msg = backend._parser_error_message(errors, three_branch_model(), "branch_001")
-    assert msg == "TensorRT's ONNX parser cannot import node 'conv1' (Conv) of branch_001: no importer (and 1 more parser errors)"
+    assert msg == "branch_001: TensorRT's ONNX parser cannot import node 'conv1' (Conv): no importer (and 1 more parser errors)"
     graph_level = backend._parser_error_message([trt.ParserError(trt.ErrorCode.INVALID_GRAPH, "bad graph")], three_branch_model(), "b")
-    assert graph_level == "TensorRT's ONNX parser cannot import the graph of b: bad graph"
+    assert graph_level == "b: TensorRT's ONNX parser cannot import the graph: bad graph"
 
 
 def test_failed_engine_build_quotes_tensorrt(trt, tmp_path, monkeypatch):
@@ -280,7 +280,7 @@ def test_failed_engine_build_quotes_tensorrt(trt, tmp_path, monkeypatch):
         return None
 
     monkeypatch.setattr(trt.Builder, "build_serialized_network", refuse)
-    with pytest.raises(ParastreamError, match=r"TensorRT could not build branch_000: \[graphOptimizer.cpp\].*conv1"):
+    with pytest.raises(ParastreamError, match=r"^branch_000: TensorRT could not build the engine: \[graphOptimizer.cpp\].*conv1"):
         build_one(tmp_path)
 
 
