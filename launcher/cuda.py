@@ -85,6 +85,25 @@ def set_device(device: int) -> None:
     check(runtime().cudaSetDevice(device), f"cudaSetDevice({device})")
 
 
+def get_device() -> int:
+    """The calling thread's current device (where cudaMalloc allocates)."""
+    return int(check(runtime().cudaGetDevice(), "cudaGetDevice"))
+
+
+def pointer_device(ptr: int) -> int:
+    """The ordinal of the device whose memory ``ptr`` points into (cudaPointerGetAttributes).
+
+    Raises ``CudaError`` for host or unregistered memory, which has no device.
+    """
+    rt = runtime()
+    attrs = check(rt.cudaPointerGetAttributes(ptr), f"cudaPointerGetAttributes(0x{int(ptr):x})")
+    on_device = (rt.cudaMemoryType.cudaMemoryTypeDevice, rt.cudaMemoryType.cudaMemoryTypeManaged)
+    if attrs.type not in on_device:
+        kind = getattr(attrs.type, "name", str(attrs.type))
+        raise CudaError(f"0x{int(ptr):x} is not CUDA device memory ({kind})")
+    return int(attrs.device)
+
+
 def synchronize() -> None:
     check(runtime().cudaDeviceSynchronize(), "cudaDeviceSynchronize")
 
@@ -251,17 +270,25 @@ def nbytes_of(shape, dtype: str) -> int:
 class DeviceArray:
     """A view of launcher-owned device memory: ``__cuda_array_interface__`` (v3) and DLPack via torch/cupy.
 
-    ``torch.as_tensor(arr, device="cuda")`` and ``cupy.asarray(arr)`` wrap it without a copy.
+    ``torch.as_tensor(arr, device=f"cuda:{arr.device}")`` and ``cupy.asarray(arr)`` wrap it without a copy.
     The memory belongs to the launcher: it stays valid until the launcher is closed, and a
-    graph replay overwrites it.
+    graph replay overwrites it.  ``device`` is the ordinal of the GPU that holds the memory:
+    given by whoever allocated it, else read once from the pointer's attributes.
     """
 
-    def __init__(self, ptr: int, shape, dtype: str, name: str = "", owner: Any = None):
+    def __init__(self, ptr: int, shape, dtype: str, name: str = "", owner: Any = None, device: int | None = None):
         self.ptr = int(ptr)
         self.shape = tuple(int(s) for s in shape)
         self.dtype = dtype
         self.name = name
         self._owner = owner
+        self._device = None if device is None else int(device)
+
+    @property
+    def device(self) -> int:
+        if self._device is None:
+            self._device = pointer_device(self.ptr)
+        return self._device
 
     @property
     def nbytes(self) -> int:
@@ -276,16 +303,18 @@ class DeviceArray:
         """A torch tensor on the same memory (no copy)."""
         import torch
 
+        # the memory's own device: a bare "cuda" means the current device, and torch would copy there
+        device = f"cuda:{self.device}"
         if self.dtype == "bfloat16":
-            t = torch.as_tensor(DeviceArray(self.ptr, self.shape, "int16"), device="cuda")
+            t = torch.as_tensor(DeviceArray(self.ptr, self.shape, "int16", device=self.device), device=device)
             return t.view(torch.bfloat16)
-        return torch.as_tensor(self, device="cuda")
+        return torch.as_tensor(self, device=device)
 
     def __dlpack__(self, stream=None):
         return self.torch().__dlpack__(stream=stream) if stream is not None else self.torch().__dlpack__()
 
     def __dlpack_device__(self):
-        return (2, 0)  # kDLCUDA, device 0 (the launcher's device is set before use)
+        return (2, self.device)  # kDLCUDA (managed memory too: consumers take it as device memory)
 
     def __repr__(self) -> str:
         return f"DeviceArray({self.name!r}, shape={list(self.shape)}, dtype={self.dtype}, ptr=0x{self.ptr:x})"

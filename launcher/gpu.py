@@ -115,6 +115,7 @@ class GpuLauncher:
             self.offsets[name] = total
             total += -(-nbytes_of(spec.shape, spec.dtype) // ALIGN) * ALIGN
         self._arena = cuda.malloc(total)
+        self.arena_device = cuda.get_device()  # where cudaMalloc put it: the current device, not necessarily 0
         self.arena_bytes = total
         self.addr = {n: self._arena + off for n, off in self.offsets.items()}
         self._branch_addrs = [{t: self.addr[t] for t in b.inputs + b.outputs} for b in plan.branches]
@@ -256,11 +257,13 @@ class GpuLauncher:
 
     def inputs(self) -> dict[str, DeviceArray]:
         """Zero-copy views of the graph's input buffers: write into them, then ``launch()``."""
-        return {t.name: DeviceArray(self.addr[t.name], t.shape, t.dtype, t.name, self) for t in self.plan.inputs}
+        return {t.name: DeviceArray(self.addr[t.name], t.shape, t.dtype, t.name, self, device=self.arena_device)
+                for t in self.plan.inputs}
 
     def outputs(self) -> dict[str, DeviceArray]:
         """Zero-copy views of the graph's output buffers, valid until the next launch overwrites them."""
-        return {t.name: DeviceArray(self.addr[t.name], t.shape, t.dtype, t.name, self) for t in self.plan.outputs}
+        return {t.name: DeviceArray(self.addr[t.name], t.shape, t.dtype, t.name, self, device=self.arena_device)
+                for t in self.plan.outputs}
 
     @property
     def origin_stream(self) -> int:

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import enum
 import sys
+import types
 from pathlib import Path
 
 import numpy as np
@@ -22,6 +24,55 @@ def test_cuda_module_imports_and_device_array_interface():
     assert cai["shape"] == (2, 3) and cai["typestr"] == "<f2" and cai["data"] == (0x1000, False) and cai["version"] == 3
     assert a.nbytes == 12
     assert cuda.nbytes_of([4, 4], "int64") == 128
+
+
+class _FakeRuntime:
+    """Just enough of cuda-python's runtime for the device queries, with memory on made-up devices."""
+
+    class cudaError_t(enum.Enum):
+        cudaSuccess = 0
+        cudaErrorInvalidValue = 1
+
+    class cudaMemoryType(enum.Enum):
+        cudaMemoryTypeUnregistered = 0
+        cudaMemoryTypeHost = 1
+        cudaMemoryTypeDevice = 2
+        cudaMemoryTypeManaged = 3
+
+    def __init__(self, pointers: dict, current: int = 0):
+        self.pointers, self.current, self.queries = pointers, current, 0
+
+    def cudaPointerGetAttributes(self, ptr):
+        self.queries += 1
+        kind, device = self.pointers[int(ptr)]
+        return self.cudaError_t.cudaSuccess, types.SimpleNamespace(type=getattr(self.cudaMemoryType, kind), device=device)
+
+    def cudaGetDevice(self):
+        return self.cudaError_t.cudaSuccess, self.current
+
+    def cudaGetErrorString(self, err):
+        return self.cudaError_t.cudaSuccess, b"fake"
+
+
+def test_dlpack_device_is_the_memorys_device(monkeypatch):
+    """Without a given device the ordinal comes from the pointer's attributes, once; host memory has none."""
+    fake = _FakeRuntime({0x1000: ("cudaMemoryTypeDevice", 3), 0x2000: ("cudaMemoryTypeManaged", 1),
+                         0x3000: ("cudaMemoryTypeHost", -1)}, current=0)
+    monkeypatch.setattr(cuda, "_rt", fake)
+    a = DeviceArray(0x1000, (2, 3), "float32", "x")
+    assert a.__dlpack_device__() == (2, 3) and a.device == 3
+    assert fake.queries == 1  # read once, then kept
+    assert DeviceArray(0x2000, (4,), "float16").__dlpack_device__() == (2, 1)
+    with pytest.raises(cuda.CudaError, match="0x3000 is not CUDA device memory"):
+        DeviceArray(0x3000, (4,), "float32").__dlpack_device__()
+    assert cuda.get_device() == 0 and cuda.pointer_device(0x1000) == 3
+
+
+def test_dlpack_device_given_at_allocation_needs_no_query(monkeypatch):
+    fake = _FakeRuntime({}, current=0)
+    monkeypatch.setattr(cuda, "_rt", fake)
+    assert DeviceArray(0x1000, (2,), "float32", device=5).__dlpack_device__() == (2, 5)
+    assert fake.queries == 0
 
 
 def _models(tmp_path):
@@ -210,3 +261,57 @@ def test_cuda_errors_name_the_call():
     cuda.event_destroy(ev)
     with pytest.raises(cuda.CudaError, match="cudaMalloc"):
         cuda.malloc(1 << 50)
+
+
+@pytest.mark.gpu
+def test_device_array_reports_the_device_of_its_memory():
+    """Memory from cudaMalloc on the current device: DLPack, torch and the pointer agree on the ordinal."""
+    import torch
+
+    ptr = cuda.malloc(64)
+    try:
+        arr = DeviceArray(ptr, (16,), "float32")
+        assert arr.__dlpack_device__() == (2, cuda.get_device())
+        t = torch.from_dlpack(arr)
+        assert t.device == torch.device("cuda", cuda.get_device()) and t.data_ptr() == ptr
+    finally:
+        cuda.free(ptr)
+
+
+@pytest.mark.gpu
+def test_launcher_views_on_the_second_gpu_say_so(bundles):
+    """A launcher on device 1 hands out views whose DLPack device is 1; torch wraps them there without a copy."""
+    import torch
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    if cuda.device_count() < 2:
+        pytest.skip("needs two CUDA GPUs")
+    path, bundle = bundles[("three_branch", "fp32")]
+    raw = None
+    try:
+        cuda.set_device(1)
+        raw = cuda.malloc(64)
+        cuda.set_device(0)  # the current device differs from the memory's
+        assert DeviceArray(raw, (16,), "float32").__dlpack_device__() == (2, 1)
+        assert DeviceArray(raw, (16,), "float32").torch().device == torch.device("cuda", 1)
+    finally:
+        if raw is not None:
+            cuda.set_device(1)
+            cuda.free(raw)
+        cuda.set_device(0)
+    with GpuLauncher(bundle, device=1) as la:
+        assert la.arena_device == 1
+        feeds = _feeds(bundle, 4)
+        ref = _ref(path, feeds)
+        la(feeds)
+        cuda.set_device(0)
+        for name, arr in la.outputs().items():
+            assert arr.__dlpack_device__() == (2, 1)
+            t = torch.from_dlpack(arr)
+            assert t.device == torch.device("cuda", 1) and t.data_ptr() == la.addr[name]
+            assert _rel(t.cpu().numpy(), ref[name]) <= 1e-3
+        for name, arr in la.inputs().items():
+            assert arr.__dlpack_device__() == (2, 1)
+        cuda.set_device(1)  # the launcher's own device again for close()
+    cuda.set_device(0)
