@@ -231,7 +231,7 @@ def run_model(name: str, args, outdir: Path) -> dict:
     torch.cuda.empty_cache()
 
     # (c) and (d)
-    variants = [("c", False), ("d", True)]
+    variants = [(t, t == "d") for t in args.variants.split(",")]
     for tag, search in variants:
         log: dict = {"sync_cost": args.sync_cost, "handmade": args.handmade, "top_k": args.top_k}
         try:
@@ -309,6 +309,7 @@ def main(argv=None) -> int:
     ap.add_argument("--handmade", action="store_true", help="partition with tests/handmade_bundles.py even where pipeline.build runs")
     ap.add_argument("--sync-cost", type=float, default=2e-6, help="handmade partition: cost of one cross-stream event (s)")
     ap.add_argument("--streams-per-model", default="", help="e.g. bert=1,resnet50=2 (overrides --streams)")
+    ap.add_argument("--variants", default="c,d", help="which of the parastream variants to build: c, d or c,d")
     ap.add_argument("--measure-seconds", type=float, default=120.0, help="(d): GPU time budget for measuring search candidates")
     ap.add_argument("--top-k", type=int, default=20, help="(d): candidates the search assembles (measured within the budget)")
     ap.add_argument("--fp32-check", default="", help="models also built in fp32 and compared with onnxruntime")
