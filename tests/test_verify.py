@@ -52,6 +52,17 @@ def test_three_percent_noise_passes_fp16_by_scaled_error():
     assert out["elementwise_passed"] is False and out["max_abs"] > DEFAULT_TOLERANCES["fp16"][1]
 
 
+def test_scaled_pass_prints_no_elementwise_failure(capfd):
+    """polygraphy must not print "FAILED" for a build that the scaled criterion passes; fp32 still reports failures."""
+    model = three_branch_model()
+    assert _verify(model, NoisyLauncher(model, 0.03), "fp16").passed
+    fd = capfd.readouterr()
+    assert "FAILED" not in fd.out + fd.err
+    assert not _verify(model, NoisyLauncher(model, 0.03), "fp32").passed
+    fd = capfd.readouterr()
+    assert "FAILED" in fd.out + fd.err
+
+
 def test_three_percent_noise_fails_fp32():
     model = three_branch_model()
     result = _verify(model, NoisyLauncher(model, 0.03), "fp32")
