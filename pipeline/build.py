@@ -35,7 +35,7 @@ DEFAULT_MAX_STREAMS = 4
 @dataclass
 class BuildConfig:
     backend: str = "auto"
-    streams: int | None = None  # None: chosen from the graph's width and the device
+    streams: int | None = None  # None: the count choose_streams estimates fastest (1 .. max_streams)
     max_streams: int = DEFAULT_MAX_STREAMS
     shapes: dict[str, list[int]] = field(default_factory=dict)
     batch: tuple[int, int, int] | None = None  # --batch min:opt:max for inputs with a dynamic first dimension

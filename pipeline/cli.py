@@ -34,7 +34,7 @@ def add_batch_arg(p: argparse.ArgumentParser) -> None:
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("schedule")
     g.add_argument("--streams", type=int, default=None, metavar="K",
-                   help="number of streams (default: from the graph's width, at most 4)")
+                   help="number of streams (default: the count estimated fastest, at most 4; one unless more pay >= 10%%)")
     g.add_argument("--device-profile", default="H100-SXM", metavar="NAME",
                    help="device the cost model plans for (see `parastream devices`)")
 
