@@ -4,8 +4,14 @@ Both variants are one CUDA Graph each, built from the *same* loaded engines: the
 bundle's multi-stream plan, and every branch on a single stream in launch order.
 Each is timed with CUDA events around every graph replay, after a warm-up, over
 ``runs`` replays (median), rotating several random input sets (never zeros) that
-are copied in outside the timed region.  The two are timed in alternating blocks
-so that clock drift hits both alike.
+are copied in outside the timed region.  The variants are timed in alternating blocks
+so that clock drift hits them alike.
+
+A TensorRT bundle gets a third variant (``whole_model=True``, the default): the bundle's
+model.onnx built as ONE TensorRT engine with the bundle's precision and builder options and
+``max_aux_streams`` = the plan's streams - 1, i.e. TensorRT's own inter-layer parallelism in place
+of parastream's branches (``WholeModelLauncher``: its enqueue captured into one CUDA Graph).  Its
+outputs are checked against the multi-stream launcher's before it is timed.
 
 ``timeline=FILE.png`` adds a separate instrumented replay (timing events around
 every engine) and draws when each branch ran on each stream.
@@ -13,16 +19,22 @@ every engine) and draws when each branch ran on each stream.
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import numpy as np
 
 from . import cuda
 from .bundle import Bundle
+from .cuda import nbytes_of
+from .engines.base import BuildOptions
 from .errors import ParastreamError
 
 INPUT_SETS = 4
 BLOCK = 25
+#: the whole-model engine agrees with the multi-stream launcher when max|whole - multi| <= TOL * max|multi|
+#: on every output (different engines pick different tactics and fusions; fp16/bf16 as in verification)
+WHOLE_MODEL_SCALE_TOL = {"fp32": 1e-3, "tf32": 1e-2, "fp16": 0.1, "bf16": 0.15}
 
 
 def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) -> None:
@@ -89,10 +101,195 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
             cuda.free(ptr)
 
 
+def whole_model_options(bundle: Bundle) -> BuildOptions:
+    """The builder options of the bundle's own build (precision, workspace, level, typing, timing cache)."""
+    opts = bundle.manifest.get("options", {}) or {}
+    kw = {k: opts[k] for k in ("workspace_mb", "optimization_level", "strongly_typed", "cache_dir") if opts.get(k) is not None}
+    return BuildOptions(precision=bundle.plan.precision, device="cuda", **kw)
+
+
+def _static_profiles(model, plan) -> dict:
+    """min = opt = max = the plan's shape for every model input with a dynamic dimension.
+
+    The plan, and so every branch engine, is static (at OPT of ``--batch``); the baseline is built at the same shapes.
+    """
+    shapes = {t.name: list(t.shape) for t in plan.inputs}
+    out = {}
+    for vi in model.graph.input:
+        dims = vi.type.tensor_type.shape.dim
+        if vi.name in shapes and any(not d.HasField("dim_value") for d in dims):
+            s = shapes[vi.name]
+            out[vi.name] = (s, s, s)
+    return out
+
+
+def build_whole_model(bundle: Bundle, *, memory=None):
+    """The bundle's model.onnx as one TensorRT engine with ``max_aux_streams`` = streams - 1, loaded.
+
+    Returns ``(runner, info)``: a ``TrtWholeModelRunner`` over the plan's inputs and outputs, and the
+    figures for the bench result (build seconds, aux streams asked for and used, builder options).
+    """
+    import onnx
+
+    from .engines import tensorrt as trt_backend
+
+    model = onnx.load(str(bundle.model_path))
+    options = whole_model_options(bundle)
+    options.profiles = _static_profiles(model, bundle.plan)
+    aux = max(0, bundle.plan.num_streams - 1)
+    t0 = time.perf_counter()
+    data = trt_backend.build_whole_model_engine(model, options, aux)
+    build_s = time.perf_counter() - t0
+    runner = trt_backend.TrtWholeModelRunner(data, list(bundle.plan.inputs), list(bundle.plan.outputs), options, memory)
+    info = {"build_s": build_s, "max_aux_streams": aux, "aux_streams": runner.aux_streams, "engine_bytes": len(data),
+            "precision": options.precision, "workspace_mb": options.workspace_mb,
+            "optimization_level": options.optimization_level, "strongly_typed": options.strongly_typed}
+    return runner, info
+
+
+class WholeModelLauncher:
+    """One engine (``enqueue(stream, addresses)``) as something ``measure`` can time next to a ``GpuLauncher``.
+
+    Device buffers for the plan's inputs and outputs, an origin stream of its own, one enqueue
+    before capture (initialisation stays out of the graph, as in the GPU launcher), then the
+    enqueue captured into one CUDA Graph: ``launch()`` is one graph launch.  ``graph=False``:
+    ``launch()`` enqueues directly.  TensorRT forks its auxiliary streams from the origin stream
+    and joins them back, so the capture holds them too.
+    """
+
+    def __init__(self, engine, plan, *, graph: bool = True, device: int = 0):
+        self.engine = engine
+        self.plan = plan
+        self.device = device
+        self.use_graph = graph
+        self._graph = self._exec = None
+        self._closed = True
+        cuda.set_device(device)
+        specs = {}
+        for spec in list(plan.inputs) + list(plan.outputs):
+            specs.setdefault(spec.name, spec)
+        self.specs = specs
+        self.addr = {name: cuda.malloc(nbytes_of(spec.shape, spec.dtype)) for name, spec in specs.items()}
+        self._host = {}
+        for name, spec in specs.items():
+            ptr = cuda.malloc_host(nbytes_of(spec.shape, spec.dtype))
+            self._host[name] = (ptr, cuda.host_array(ptr, spec.shape, spec.dtype))
+        self.origin = cuda.stream_create()
+        self._closed = False
+        try:
+            self._start(graph)
+        except BaseException:
+            self.close()  # frees what was allocated above (and the engine), then re-raise
+            raise
+
+    def _start(self, graph: bool) -> None:
+        from .gpu import random_array
+
+        rng = np.random.default_rng(0)
+        for spec in self.plan.inputs:
+            self._copy_in(spec, random_array(spec, rng))
+        self.engine.enqueue(cuda.handle(self.origin), self.addr)  # warm-up, never captured
+        cuda.stream_synchronize(self.origin)
+        if graph:
+            cuda.begin_capture(self.origin, "relaxed")
+            try:
+                self.engine.enqueue(cuda.handle(self.origin), self.addr)
+            except BaseException:
+                try:
+                    cuda.graph_destroy(cuda.end_capture(self.origin))
+                except Exception:  # noqa: BLE001 - end the capture, then re-raise the engine's error
+                    pass
+                raise
+            self._graph = cuda.end_capture(self.origin)
+            self._exec = cuda.graph_instantiate(self._graph)
+
+    def _copy_in(self, spec, arr) -> None:
+        ptr, host = self._host[spec.name]
+        np.copyto(host, np.asarray(arr), casting="same_kind")
+        cuda.memcpy_htod_async(self.addr[spec.name], ptr, host.nbytes, self.origin)
+
+    def launch(self) -> None:
+        if self._exec is not None:
+            cuda.graph_launch(self._exec, self.origin)
+        else:
+            self.engine.enqueue(cuda.handle(self.origin), self.addr)
+
+    def synchronize(self) -> None:
+        cuda.stream_synchronize(self.origin)
+
+    def __call__(self, feeds: dict) -> dict:
+        """numpy in, numpy out, through the same ``launch()`` that is timed."""
+        for spec in self.plan.inputs:
+            self._copy_in(spec, np.asarray(feeds[spec.name]).astype(np.dtype(spec.dtype), copy=False))
+        self.launch()
+        for spec in self.plan.outputs:
+            ptr, host = self._host[spec.name]
+            cuda.memcpy_dtoh_async(ptr, self.addr[spec.name], host.nbytes, self.origin)
+        self.synchronize()
+        return {spec.name: self._host[spec.name][1].copy() for spec in self.plan.outputs}
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        cuda.stream_synchronize(self.origin)
+        if self._exec is not None:
+            cuda.graph_exec_destroy(self._exec)
+        if self._graph is not None:
+            cuda.graph_destroy(self._graph)
+        cuda.stream_destroy(self.origin)
+        for ptr, _ in self._host.values():
+            cuda.free_host(ptr)
+        for ptr in self.addr.values():
+            cuda.free(ptr)
+        self._host, self.addr = {}, {}
+        close = getattr(self.engine, "close", None)
+        if close is not None:
+            close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+
+def _differences(a: dict, b: dict) -> tuple[dict, float]:
+    """max|a-b| per output, and the largest of max|a-b| / max|b| over the outputs (inf where not finite)."""
+    absdiff, scaled = {}, 0.0
+    for k in b:
+        x, y = a[k].astype(np.float64), b[k].astype(np.float64)
+        d = float(np.max(np.abs(x - y))) if x.size else 0.0
+        absdiff[k] = d
+        if not (np.all(np.isfinite(x)) and np.isfinite(d)):
+            scaled = float("inf")
+            continue
+        ref = float(np.max(np.abs(y))) if y.size else 0.0
+        scaled = max(scaled, d / ref if ref > 0 else (0.0 if d == 0 else float("inf")))
+    return absdiff, scaled
+
+
+def _whole_model_reason(bundle: Bundle) -> str | None:
+    """Why no whole-model baseline is attempted for this bundle, or None."""
+    if bundle.plan.backend != "tensorrt":
+        return f"a TensorRT-only baseline; this bundle's backend is {bundle.plan.backend}"
+    try:
+        import tensorrt  # noqa: F401
+    except Exception as e:  # noqa: BLE001 - ImportError, or a wheel without its libraries
+        return f"TensorRT does not import ({type(e).__name__}: {e})"
+    return None
+
+
 def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Path | None = None, console=None,
-                 launcher=None) -> dict:
-    """Median latency (ms) of the bundle's multi-stream graph and of the same engines on one stream, and their ratio."""
-    from .gpu import GpuLauncher
+                 launcher=None, whole_model: bool = True, graph: bool | None = None) -> dict:
+    """Median latency (ms) of the bundle's multi-stream graph and of the same engines on one stream, and their ratio.
+
+    ``whole_model``: on a TensorRT bundle, also time the whole model as one TensorRT engine with
+    ``max_aux_streams`` = streams - 1 (``tensorrt_whole_model_ms``, ``speedup_vs_whole_model``).
+    ``graph``: CUDA Graphs for the variants bench makes (default: the given launcher's mode, else True);
+    False enqueues directly (engines that cannot be captured; the TensorRT test double).
+    """
+    from .gpu import GpuLauncher, random_array
 
     if runs < 1:
         raise ParastreamError(f"--runs {runs}: must be at least 1")
@@ -102,17 +299,29 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
                               "rebuild with --backend torch or tensorrt to benchmark on the GPU")
     if cuda.device_count() < 1:
         raise ParastreamError("parastream bench needs a CUDA GPU, and cuda-python sees none")
-    multi = launcher or GpuLauncher(bundle)
-    single = GpuLauncher(bundle, single_stream=True, engines=multi.engines)
+    if graph is None:
+        graph = bool(getattr(launcher, "use_graph", True)) if launcher is not None else True
+    multi = launcher or GpuLauncher(bundle, graph=graph)
+    single = GpuLauncher(bundle, single_stream=True, engines=multi.engines, graph=graph)
+    whole = None
     try:
         # same engines, same inputs: the two graphs must agree before their times mean anything
         rng = np.random.default_rng(123)
-        from .gpu import random_array
 
         feeds = {s.name: random_array(s, rng) for s in bundle.plan.inputs}
         a, b = multi(feeds), single(feeds)
         mismatch = {k: float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))) for k in a}
-        times = measure({"parastream": multi, "single_stream": single}, runs=runs, warmup=warmup)
+        variants = {"parastream": multi, "single_stream": single}
+        baseline: dict = {}
+        if whole_model and bundle.plan.backend == "tensorrt":
+            skip = _whole_model_reason(bundle)
+            if skip is None:
+                baseline, whole = _whole_model_baseline(bundle, multi, feeds, a, graph)
+                if whole is not None:
+                    variants["tensorrt_whole_model"] = whole
+            else:
+                baseline = {"tensorrt_whole_model_error": skip}
+        times = measure(variants, runs=runs, warmup=warmup)
         result = {
             "bundle": str(bundle.path),
             "device": cuda.device_name(multi.device),
@@ -120,6 +329,7 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
             "branches": len(bundle.plan.branches),
             "precision": bundle.plan.precision,
             "runs": runs,
+            "graph": graph,
             "parastream_ms": float(np.median(times["parastream"])),
             "single_stream_ms": float(np.median(times["single_stream"])),
             "parastream_p10_p90_ms": [float(np.percentile(times["parastream"], 10)), float(np.percentile(times["parastream"], 90))],
@@ -127,6 +337,12 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
             "max_abs_diff_single_vs_multi": mismatch,
         }
         result["speedup"] = result["single_stream_ms"] / result["parastream_ms"]
+        result.update(baseline)
+        if "tensorrt_whole_model" in times:
+            t = times["tensorrt_whole_model"]
+            result["tensorrt_whole_model_ms"] = float(np.median(t))
+            result["tensorrt_whole_model_p10_p90_ms"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
+            result["speedup_vs_whole_model"] = result["tensorrt_whole_model_ms"] / result["parastream_ms"]
         if timeline is not None:
             spans = multi.run_timed()
             result["timeline"] = str(timeline)
@@ -137,9 +353,42 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
             print_bench(result, console)
         return result
     finally:
+        if whole is not None:
+            whole.close()
         single.close()
         if launcher is None:
             multi.close()
+
+
+def _whole_model_baseline(bundle: Bundle, multi, feeds: dict, reference: dict, graph: bool):
+    """Build, load and check the whole-model engine: ``(result entries, WholeModelLauncher or None)``.
+
+    A build or load that TensorRT refuses, or outputs that disagree with the multi-stream launcher's,
+    leave the baseline out of the timing and say why under ``tensorrt_whole_model_error``.
+    """
+    entries: dict = {}
+    runner = whole = None
+    try:
+        runner, info = build_whole_model(bundle)
+        entries.update({f"tensorrt_whole_model_{k}": v for k, v in info.items()})
+        whole = WholeModelLauncher(runner, bundle.plan, graph=graph, device=multi.device)
+        absdiff, scaled = _differences(whole(feeds), reference)
+    except ParastreamError as e:
+        if whole is not None:
+            whole.close()
+        elif runner is not None:
+            runner.close()
+        entries["tensorrt_whole_model_error"] = str(e)
+        return entries, None
+    tol = WHOLE_MODEL_SCALE_TOL.get(bundle.plan.precision, 1e-3)
+    entries["max_abs_diff_whole_model_vs_multi"] = absdiff
+    entries["whole_model_scaled_error"] = scaled
+    if not scaled <= tol:
+        whole.close()
+        entries["tensorrt_whole_model_error"] = (f"its outputs differ from parastream's: max|whole - multi| / max|multi| = {scaled:.3g} "
+                                                 f"> {tol:g} ({bundle.plan.precision}); not timed")
+        return entries, None
+    return entries, whole
 
 
 def print_bench(result: dict, console) -> None:
@@ -149,12 +398,26 @@ def print_bench(result: dict, console) -> None:
     t.add_column("variant")
     t.add_column("median ms", justify="right")
     t.add_column("p10–p90 ms", justify="right")
-    t.add_row(f"parastream ({result['streams']} streams, {result['branches']} engines, one CUDA Graph)",
+    how = "one CUDA Graph" if result.get("graph", True) else "direct launches"
+    t.add_row(f"parastream ({result['streams']} streams, {result['branches']} engines, {how})",
               f"{result['parastream_ms']:.3f}", "–".join(f"{x:.3f}" for x in result["parastream_p10_p90_ms"]))
-    t.add_row("same engines, one stream, one CUDA Graph", f"{result['single_stream_ms']:.3f}",
+    t.add_row(f"same engines, one stream, {how}", f"{result['single_stream_ms']:.3f}",
               "–".join(f"{x:.3f}" for x in result["single_stream_p10_p90_ms"]))
+    if "tensorrt_whole_model_ms" in result:
+        t.add_row(f"TensorRT, whole model as one engine, max_aux_streams={result['tensorrt_whole_model_max_aux_streams']} "
+                  f"(uses {result['tensorrt_whole_model_aux_streams']}), {how}",
+                  f"{result['tensorrt_whole_model_ms']:.3f}", "–".join(f"{x:.3f}" for x in result["tensorrt_whole_model_p10_p90_ms"]))
     console.print(t)
+    if not result.get("graph", True):
+        console.print("graph=False: every time includes the host-side enqueue of its engines")
     console.print(f"speedup from streams: {result['speedup']:.2f}x over {result['runs']} replays each")
+    if "speedup_vs_whole_model" in result:
+        console.print(f"against TensorRT's own multi-stream (whole-model engine, built in {result['tensorrt_whole_model_build_s']:.1f} s): "
+                      f"{result['speedup_vs_whole_model']:.2f}x")
+    elif "tensorrt_whole_model_error" in result:
+        from rich.markup import escape
+
+        console.print(f"TensorRT whole-model baseline: none ({escape(result['tensorrt_whole_model_error'])})")
     if "timeline" in result:
         console.print(f"timeline: {result['timeline']} (GPU busy on some stream {100 * result['busy_fraction']:.0f}% of the replay)")
 
