@@ -251,8 +251,12 @@ def run_model(name: str, args, outdir: Path) -> dict:
         res[f"{tag}_err"] = {k: rel_err(got[k], ref[k]) for k in ref}
         res[f"{tag}_maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
         png = outdir / f"timeline_{name}_{tag}.png" if tag == variants[-1][0] else None
-        b = bench_bundle(bundle, runs=args.runs, warmup=20, timeline=png, launcher=la)
+        b = bench_bundle(bundle, runs=args.runs, warmup=20, timeline=png, launcher=la, whole_model=False,
+                         concat_ablation=args.concat_ablation)
         res[f"{tag}_ms"] = b["parastream_ms"]
+        res[f"{tag}_concats_in_place"] = b["concats_in_place"]
+        if "concat_copies_ms" in b:
+            res[f"{tag}_concat_copies_ms"] = b["concat_copies_ms"]
         res[f"b_{tag}_ms"] = b["single_stream_ms"]
         res[f"{tag}_streams"] = b["streams"]
         res[f"{tag}_branches"] = b["branches"]
@@ -296,7 +300,13 @@ def table(results: list[dict]) -> str:
                      f"{r.get('d_streams', '-')}/{r.get('d_branches', '-')}", f"{err:.1e}",
                      f"{r.get('d_build_s', 0) + r.get('d_load_s', 0):.0f}"))
     widths = [max(len(str(row[i])) for row in rows) for i in range(len(hdr))]
-    return "\n".join("  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows)
+    lines = ["  ".join(str(c).rjust(w) for c, w in zip(row, widths)) for row in rows]
+    for r in results:
+        for tag in ("c", "d"):
+            if r.get(f"{tag}_concat_copies_ms") and r.get(f"{tag}_ms"):
+                lines.append(f"{r['model']} ({tag}): {r[f'{tag}_concats_in_place']} Concats in place {r[f'{tag}_ms']:.3f} ms, "
+                             f"as engines {r[f'{tag}_concat_copies_ms']:.3f} ms: {r[f'{tag}_concat_copies_ms'] / r[f'{tag}_ms']:.3f}x")
+    return "\n".join(lines)
 
 
 def main(argv=None) -> int:
@@ -313,6 +323,8 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-seconds", type=float, default=120.0, help="(d): GPU time budget for measuring search candidates")
     ap.add_argument("--top-k", type=int, default=20, help="(d): candidates the search assembles (measured within the budget)")
     ap.add_argument("--fp32-check", default="", help="models also built in fp32 and compared with onnxruntime")
+    ap.add_argument("--concat-ablation", action="store_true",
+                    help="also time each bundle with every Concat as its own engine (the launcher's concat_in_place=False)")
     ap.add_argument("--tag", default="", help="suffix of result files")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)

@@ -281,13 +281,15 @@ def _whole_model_reason(bundle: Bundle) -> str | None:
 
 
 def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Path | None = None, console=None,
-                 launcher=None, whole_model: bool = True, graph: bool | None = None) -> dict:
+                 launcher=None, whole_model: bool = True, graph: bool | None = None, concat_ablation: bool = False) -> dict:
     """Median latency (ms) of the bundle's multi-stream graph and of the same engines on one stream, and their ratio.
 
     ``whole_model``: on a TensorRT bundle, also time the whole model as one TensorRT engine with
     ``max_aux_streams`` = streams - 1 (``tensorrt_whole_model_ms``, ``speedup_vs_whole_model``).
     ``graph``: CUDA Graphs for the variants bench makes (default: the given launcher's mode, else True);
     False enqueues directly (engines that cannot be captured; the TensorRT test double).
+    ``concat_ablation``: where the launcher does Concats in place, also time the same bundle with
+    every Concat as its own engine (loaded a second time), ``concat_copies_ms``.
     """
     from .gpu import GpuLauncher, random_array
 
@@ -303,7 +305,7 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
         graph = bool(getattr(launcher, "use_graph", True)) if launcher is not None else True
     multi = launcher or GpuLauncher(bundle, graph=graph)
     single = GpuLauncher(bundle, single_stream=True, engines=multi.engines, graph=graph)
-    whole = None
+    whole = copies = None
     try:
         # same engines, same inputs: the two graphs must agree before their times mean anything
         rng = np.random.default_rng(123)
@@ -321,12 +323,16 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
                     variants["tensorrt_whole_model"] = whole
             else:
                 baseline = {"tensorrt_whole_model_error": skip}
+        if concat_ablation and multi.elided:
+            copies = GpuLauncher(bundle, graph=graph, concat_in_place=False)
+            variants["concat_copies"] = copies
         times = measure(variants, runs=runs, warmup=warmup)
         result = {
             "bundle": str(bundle.path),
             "device": cuda.device_name(multi.device),
             "streams": bundle.plan.num_streams,
             "branches": len(bundle.plan.branches),
+            "concats_in_place": len(getattr(multi, "elided", ())),
             "precision": bundle.plan.precision,
             "runs": runs,
             "graph": graph,
@@ -338,6 +344,8 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
         }
         result["speedup"] = result["single_stream_ms"] / result["parastream_ms"]
         result.update(baseline)
+        if "concat_copies" in times:
+            result["concat_copies_ms"] = float(np.median(times["concat_copies"]))
         if "tensorrt_whole_model" in times:
             t = times["tensorrt_whole_model"]
             result["tensorrt_whole_model_ms"] = float(np.median(t))
@@ -355,6 +363,8 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
     finally:
         if whole is not None:
             whole.close()
+        if copies is not None:
+            copies.close()
         single.close()
         if launcher is None:
             multi.close()
@@ -399,10 +409,13 @@ def print_bench(result: dict, console) -> None:
     t.add_column("median ms", justify="right")
     t.add_column("p10–p90 ms", justify="right")
     how = "one CUDA Graph" if result.get("graph", True) else "direct launches"
-    t.add_row(f"parastream ({result['streams']} streams, {result['branches']} engines, {how})",
+    in_place = f", {result['concats_in_place']} Concats in place" if result.get("concats_in_place") else ""
+    t.add_row(f"parastream ({result['streams']} streams, {result['branches'] - result.get('concats_in_place', 0)} engines{in_place}, {how})",
               f"{result['parastream_ms']:.3f}", "–".join(f"{x:.3f}" for x in result["parastream_p10_p90_ms"]))
     t.add_row(f"same engines, one stream, {how}", f"{result['single_stream_ms']:.3f}",
               "–".join(f"{x:.3f}" for x in result["single_stream_p10_p90_ms"]))
+    if "concat_copies_ms" in result:
+        t.add_row(f"parastream, every Concat its own engine, {how}", f"{result['concat_copies_ms']:.3f}", "")
     if "tensorrt_whole_model_ms" in result:
         t.add_row(f"TensorRT, whole model as one engine, max_aux_streams={result['tensorrt_whole_model_max_aux_streams']} "
                   f"(uses {result['tensorrt_whole_model_aux_streams']}), {how}",

@@ -14,6 +14,11 @@ Set-up (``GpuLauncher(bundle)``):
     and ``cudaGraphInstantiate`` makes it launchable.
 Each call then is one ``cudaGraphLaunch`` on the origin stream.
 
+A Concat branch along channels whose inputs are channels-last boundary tensors is
+done in place where the backend's engines can write channel slices (torch): its
+producers write straight into their slices of its output and the branch keeps its
+waits and its event but runs no kernel (``concat_in_place=False`` turns that off).
+
 Memory a captured graph touches is never freed or handed to anyone else while
 the launcher lives: the arena is ours (cudaMalloc, freed in ``close``), and what
 the engines allocate during warm-up and capture (intermediates, library
@@ -59,7 +64,7 @@ class GpuLauncher:
     """
 
     def __init__(self, bundle: Bundle | str, *, graph: bool = True, device: int = 0, single_stream: bool = False,
-                 engines: list | None = None, internal_nhwc: bool = True, _share=None):
+                 engines: list | None = None, internal_nhwc: bool = True, concat_in_place: bool = True, _share=None):
         if not isinstance(bundle, Bundle):
             bundle = Bundle.open(bundle)
         self.bundle = bundle
@@ -88,6 +93,14 @@ class GpuLauncher:
         self.nhwc = {n for n, s in self.specs.items()
                      if native and internal_nhwc and n not in model_io and len(s.shape) == 4 and s.dtype.startswith(("float", "bfloat"))}
 
+        # Concat branches done in place (backends whose engines write channel slices): each producer
+        # writes its slice of the Concat's output, the branch keeps its events but runs no kernel.
+        self.views: dict[str, tuple[str, int]] = {}
+        self.elided: set[int] = set()
+        if concat_in_place and getattr(backend, "supports_channel_views", False):
+            self.views, self.elided = plan.in_place_concats(self.specs, self.nhwc)
+        channel_views = {t: (self.specs[root].shape[1], c0) for t, (root, c0) in self.views.items()}
+
         # engines and a private memory pool for what they allocate
         self._scope_factory = getattr(backend, "memory_scope", None)
         if _share is not None:
@@ -101,10 +114,21 @@ class GpuLauncher:
             takes_layout = "internal_nhwc" in inspect.signature(backend.load).parameters
             with self._memory():
                 for b in plan.branches:
+                    if b.id in self.elided:
+                        engines.append(None)
+                        continue
                     ins = [self.specs[t] for t in b.inputs]
                     outs = [self.specs[t] for t in b.outputs]
                     kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
+                    if channel_views:
+                        kw["channel_views"] = {t: v for t, v in channel_views.items() if t in b.inputs or t in b.outputs}
                     engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
+        else:
+            for b, e in zip(plan.branches, engines):
+                mine = {t: v for t, v in channel_views.items() if t in b.inputs or t in b.outputs}
+                if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != mine):
+                    raise ParastreamError(f"{b.name}: the shared engines were loaded for another memory layout "
+                                          "(share engines only between launchers with the same concat_in_place)")
         self.engines = engines
         self.load_s = time.perf_counter() - t0
 
@@ -112,8 +136,12 @@ class GpuLauncher:
         self.offsets: dict[str, int] = {}
         total = 0
         for name, spec in self.specs.items():
+            if name in self.views:
+                continue  # lives inside its Concat's buffer
             self.offsets[name] = total
             total += -(-nbytes_of(spec.shape, spec.dtype) // ALIGN) * ALIGN
+        for name, (root, _) in self.views.items():
+            self.offsets[name] = self.offsets[root]  # the engine takes its channel slice from there
         self._arena = cuda.malloc(total)
         self.arena_device = cuda.get_device()  # where cudaMalloc put it: the current device, not necessarily 0
         self.arena_bytes = total
@@ -166,7 +194,8 @@ class GpuLauncher:
             for bid in plan.launch_order:
                 if timing is not None:
                     record(timing["start"][bid], origin)
-                self.engines[bid].enqueue(self._h(origin), self._branch_addrs[bid])
+                if bid not in self.elided:
+                    self.engines[bid].enqueue(self._h(origin), self._branch_addrs[bid])
                 if timing is not None:
                     record(timing["end"][bid], origin)
             return
@@ -180,7 +209,8 @@ class GpuLauncher:
                 cuda.stream_wait_event(s, self._events[w])
             if timing is not None:
                 record(timing["start"][bid], s)
-            self.engines[bid].enqueue(self._h(s), self._branch_addrs[bid])
+            if bid not in self.elided:  # an in-place Concat keeps its waits and its event: a join without a kernel
+                self.engines[bid].enqueue(self._h(s), self._branch_addrs[bid])
             if timing is not None:
                 record(timing["end"][bid], s)
             if bid in self._events:

@@ -48,6 +48,9 @@ class Branch:
     est_time: float = 0.0  # seconds, cost model estimate
     flops: float = 0.0
     bytes: float = 0.0
+    #: the branch is one Concat node joining 4-d tensors along this (non-negative) axis; None otherwise.
+    #: The GPU launcher may then elide it: producers write straight into slices of its output.
+    concat_axis: int | None = None
 
     @classmethod
     def from_dict(cls, d: dict) -> "Branch":
@@ -110,6 +113,52 @@ class Plan:
         for t in self.outputs:
             if t.name not in producer and t.name not in model_inputs:
                 raise ValueError(f"plan: model output {t.name!r} is produced by no branch")
+
+    def in_place_concats(self, layout: dict[str, "TensorSpec"], channels_last: set[str]) -> tuple[dict[str, tuple[str, int]], set[int]]:
+        """Concat branches a launcher can do in place, and where each of their inputs then lives.
+
+        A branch qualifies when it is one Concat along channels (axis 1) of distinct tensors
+        that are all stored channels-last (``channels_last``; a channel slice of such a buffer
+        is a strided view an engine can write), whose channels add up to the output's, and
+        that nothing else reads and that are no model input or output.  Its producers then
+        write straight into their slice of the Concat's output and the branch runs no kernel;
+        nested Concats resolve to the outermost buffer.
+
+        Returns ``{input tensor: (buffer tensor, first channel)}`` and the ids of the elided branches.
+        """
+        readers: dict[str, list[int]] = {}
+        for b in self.branches:
+            for t in b.inputs:
+                readers.setdefault(t, []).append(b.id)
+        produced = {t for b in self.branches for t in b.outputs}
+        model_io = {t.name for t in self.inputs} | {t.name for t in self.outputs}
+        alias: dict[str, tuple[str, int]] = {}
+        elided: set[int] = set()
+        for b in self.branches:
+            if b.concat_axis != 1 or len(b.outputs) != 1 or len(b.inputs) < 2 or len(set(b.inputs)) != len(b.inputs):
+                continue
+            out = b.outputs[0]
+            if out in model_io or out not in channels_last:
+                continue
+            shapes = [layout[t].shape for t in b.inputs]
+            oshape = layout[out].shape
+            if not all(t in channels_last and t in produced and t not in model_io and readers.get(t) == [b.id]
+                       and layout[t].dtype == layout[out].dtype for t in b.inputs):
+                continue
+            if any(s[0] != oshape[0] or s[2:] != oshape[2:] for s in shapes) or sum(s[1] for s in shapes) != oshape[1]:
+                continue
+            c0 = 0
+            for t, s in zip(b.inputs, shapes):
+                alias[t] = (out, c0)
+                c0 += s[1]
+            elided.add(b.id)
+        for t in list(alias):  # a Concat's output that is itself an elided Concat's input: follow to the outermost
+            root, off = alias[t]
+            while root in alias:
+                root, extra = alias[root]
+                off += extra
+            alias[t] = (root, off)
+        return alias, elided
 
     # -- JSON ----------------------------------------------------------------
     def to_json(self) -> str:

@@ -27,6 +27,17 @@ def _spec(t: gs.Variable) -> TensorSpec:
     return TensorSpec(name=t.name, dtype=dtype.name, shape=[int(d) for d in t.shape])
 
 
+def _concat_axis(nodes: list[gs.Node]) -> int | None:
+    """The axis of a branch that is exactly one Concat of 4-d tensors (a join the GPU launcher can do in place)."""
+    if len(nodes) != 1 or nodes[0].op != "Concat":
+        return None
+    out = nodes[0].outputs[0]
+    if out.shape is None or len(out.shape) != 4:
+        return None
+    axis = int(nodes[0].attrs.get("axis", 0))
+    return axis + 4 if axis < 0 else axis
+
+
 def make_plan(graph: gs.Graph, sched: Schedule, *, backend: str, precision: str, suffix: str,
               inputs: list[TensorSpec], outputs: list[TensorSpec], flops_bytes=None) -> Plan:
     by_name = {n.name: n for n in graph.nodes}
@@ -71,6 +82,7 @@ def make_plan(graph: gs.Graph, sched: Schedule, *, backend: str, precision: str,
             id=b, name=f"branch_{b:03d}", stream=stream, nodes=list(members), inputs=b_inputs,
             outputs=b_outputs, waits=waits, engine=f"engines/branch_{b:03d}{suffix}",
             bound=sched.branch_bound[b], est_time=sched.branch_time[b], flops=flops, bytes=byts,
+            concat_axis=_concat_axis([by_name[n] for n in members]),
         ))
     plan = Plan(backend=backend, precision=precision, num_streams=sched.num_streams, inputs=inputs,
                 outputs=outputs, tensors=tensors, branches=branches, launch_order=list(sched.launch_order))

@@ -50,6 +50,27 @@ def two_output_model(seed: int = 0) -> onnx.ModelProto:
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
 
 
+def nested_concat_model(seed: int = 0, c: int = 8, size: int = 12) -> onnx.ModelProto:
+    """x -> three Conv+Relu; Concat(r1, r2) nested in Concat(r0, inner) (axis -3); the outer read by two Convs."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    for i, (k, co) in enumerate([(1, 4), (3, 6), (5, 2)]):
+        inits += [numpy_helper.from_array((rng.standard_normal((co, c, k, k)) * 0.3).astype(np.float32), f"w{i}"),
+                  numpy_helper.from_array(rng.standard_normal(co).astype(np.float32), f"b{i}")]
+        nodes += [helper.make_node("Conv", ["x", f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}", pads=[k // 2] * 4),
+                  helper.make_node("Relu", [f"c{i}"], [f"r{i}"], name=f"relu{i}")]
+    nodes.append(helper.make_node("Concat", ["r1", "r2"], ["inner"], axis=1, name="inner_concat"))
+    nodes.append(helper.make_node("Concat", ["r0", "inner"], ["outer"], axis=-3, name="outer_concat"))
+    inits += [numpy_helper.from_array((rng.standard_normal((c, 12, 1, 1)) * 0.3).astype(np.float32), "wo"),
+              numpy_helper.from_array((rng.standard_normal((c, 12, 3, 3)) * 0.3).astype(np.float32), "wp")]
+    nodes += [helper.make_node("Conv", ["outer", "wo"], ["o1"], name="conv_out1"),
+              helper.make_node("Conv", ["outer", "wp"], ["o2"], name="conv_out3", pads=[1] * 4),
+              helper.make_node("Add", ["o1", "o2"], ["y"], name="add_out")]
+    graph = helper.make_graph(nodes, "nested_concat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, size, size])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
 def ort_reference(model: onnx.ModelProto, feeds: dict) -> dict:
     import onnxruntime as ort
 

@@ -14,6 +14,10 @@
 * Internal boundary tensors of 4 dimensions may be stored channels-last (NHWC) in
   the launcher's buffers (``internal_nhwc``): convolutions then read and write the
   layout cuDNN prefers, and no branch pays a transpose at its edges.
+* A boundary tensor may also be a *channel view*: channels ``[c0, c0 + C)`` of a
+  larger channels-last buffer (``channel_views``, name -> (total channels, c0)).
+  The launcher uses that to elide a Concat branch: its producers write straight into
+  their slices of its output, so the join costs no kernel.
 * ``run(feeds)`` works on the CPU too (fp32 compute there), which is how CI tests the
   converter.
 """
@@ -35,6 +39,8 @@ suffix = ".onnx"
 gpu = True
 #: the GPU launcher may keep 4-d internal boundary tensors channels-last for this backend
 supports_internal_nhwc = True
+#: engines read and write channel slices of channels-last buffers (the launcher's in-place Concat)
+supports_channel_views = True
 
 
 def available() -> str | None:
@@ -114,22 +120,28 @@ class Builder:
         pass
 
 
-def _wrap(ptr: int, spec: TensorSpec, nhwc: bool):
-    """A torch tensor over launcher memory at ``ptr`` (no copy), NCHW-shaped, channels-last strided if ``nhwc``."""
+def _wrap(ptr: int, spec: TensorSpec, nhwc: bool, view: tuple[int, int] | None = None):
+    """A torch tensor over launcher memory at ``ptr`` (no copy), NCHW-shaped, channels-last strided if ``nhwc``.
+
+    With ``view = (total, c0)``, ``ptr`` is a channels-last buffer of ``total`` channels and the
+    tensor is its channels ``[c0, c0 + C)``.
+    """
     import torch
 
     from ..cuda import DeviceArray
 
     if nhwc:
         n, c, h, w = spec.shape
-        t = torch.as_tensor(DeviceArray(ptr, (n, h, w, c), spec.dtype), device="cuda")
-        return t.permute(0, 3, 1, 2)
+        total, c0 = view if view is not None else (c, 0)
+        t = torch.as_tensor(DeviceArray(ptr, (n, h, w, total), spec.dtype), device="cuda")
+        return t[..., c0:c0 + c].permute(0, 3, 1, 2)
     return DeviceArray(ptr, spec.shape, spec.dtype).torch()
 
 
 class TorchEngine:
     def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
-                 options: BuildOptions, internal_nhwc: set[str] | None = None):
+                 options: BuildOptions, internal_nhwc: set[str] | None = None,
+                 channel_views: dict[str, tuple[int, int]] | None = None):
         import torch
 
         from .onnx_torch import convert
@@ -139,6 +151,7 @@ class TorchEngine:
         self.device = device
         self.options = options
         self.nhwc = {t.name for t in inputs + outputs if len(t.shape) == 4} & set(internal_nhwc or ())
+        self.channel_views = {n: tuple(v) for n, v in (channel_views or {}).items() if n in self.nhwc}
         self.dtype = compute_dtype(options.precision, device)
         model = onnx.load_from_string(data)
         t0 = time.perf_counter()
@@ -195,6 +208,11 @@ class TorchEngine:
         import torch
 
         dt = getattr(torch, spec.dtype)
+        if spec.name in self.channel_views:  # the same strides as the launcher's slice of a wider buffer
+            total, c0 = self.channel_views[spec.name]
+            n, c, h, w = spec.shape
+            full = torch.randn((n, h, w, total), device="cuda").to(dt)
+            return full[..., c0:c0 + c].permute(0, 3, 1, 2)
         if dt.is_floating_point:
             t = torch.randn(spec.shape, device="cuda").to(dt)
         elif dt == torch.bool:
@@ -224,7 +242,8 @@ class TorchEngine:
         key = tuple(addresses[t.name] for t in self.inputs) + tuple(addresses[t.name] for t in self.outputs)
         views = self._views.get(key)
         if views is None:
-            views = [_wrap(addresses[t.name], t, t.name in self.nhwc) for t in self.inputs + self.outputs]
+            views = [_wrap(addresses[t.name], t, t.name in self.nhwc, self.channel_views.get(t.name))
+                     for t in self.inputs + self.outputs]
             self._views[key] = views
         stream = self._streams.get(stream_handle)
         if stream is None:
@@ -252,7 +271,8 @@ class TorchEngine:
 
 
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu",
-         options: BuildOptions | None = None, internal_nhwc: set[str] | None = None) -> TorchEngine:
+         options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
+         channel_views: dict[str, tuple[int, int]] | None = None) -> TorchEngine:
     try:
         import torch
     except ImportError:
@@ -261,4 +281,4 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = options.precision == "tf32"
         torch.backends.cudnn.allow_tf32 = options.precision == "tf32"
-    return TorchEngine(data, inputs, outputs, device, options, internal_nhwc)
+    return TorchEngine(data, inputs, outputs, device, options, internal_nhwc, channel_views)
