@@ -87,8 +87,9 @@ def model_config_pb2():
     """Triton's ModelConfig protobuf module (shipped by tritonclient)."""
     try:
         from tritonclient.grpc import model_config_pb2
-    except ImportError as e:
-        raise ParastreamError(f"export-triton needs Triton's ModelConfig protobuf from tritonclient ({e}): "
+    except (ImportError, RuntimeError) as e:  # tritonclient raises RuntimeError when its grpc extra's modules are missing
+        cause = f"; {e.__cause__}" if e.__cause__ is not None else ""
+        raise ParastreamError(f"export-triton needs Triton's ModelConfig protobuf from tritonclient ({e}{cause}): "
                               "pip install 'parastream[triton]'") from None
     return model_config_pb2
 

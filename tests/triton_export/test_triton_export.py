@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 from google.protobuf import text_format
+from triton_helpers import model_config_or_skip
 
 from parastream.launcher.bundle import Bundle
 from parastream.launcher.errors import ParastreamError
@@ -20,7 +21,7 @@ from parastream.pipeline.triton import (
     validate_repository,
 )
 
-mc = pytest.importorskip("tritonclient.grpc.model_config_pb2")
+mc = model_config_or_skip()
 
 
 def _type(name: str) -> str:

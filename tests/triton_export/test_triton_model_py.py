@@ -5,12 +5,12 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from triton_helpers import initialize_args, load_model_py
+from triton_helpers import initialize_args, load_model_py, model_config_or_skip
 from graphs import ort_reference
 
 from parastream.pipeline.triton import export_triton
 
-pytest.importorskip("tritonclient.grpc.model_config_pb2")
+model_config_or_skip()
 
 
 def _max_rel(a, b):

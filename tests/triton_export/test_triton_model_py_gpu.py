@@ -7,12 +7,12 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from triton_helpers import initialize_args, load_model_py
+from triton_helpers import initialize_args, load_model_py, model_config_or_skip
 from graphs import ort_reference, three_branch_model
 
 from parastream.pipeline.triton import export_triton, read_config
 
-pytest.importorskip("tritonclient.grpc.model_config_pb2")
+model_config_or_skip()
 pytestmark = pytest.mark.gpu
 
 TOL = 1e-3  # cuDNN may use TF32 for fp32 convolutions (the GPU launcher's own tests use the same bound)

@@ -9,6 +9,19 @@ import uuid
 from pathlib import Path
 
 
+def model_config_or_skip():
+    """Triton's ModelConfig protobuf module, or skip the test module where tritonclient (or its grpc extra) is missing."""
+    import pytest
+
+    from parastream.launcher.errors import ParastreamError
+    from parastream.pipeline.triton import model_config_pb2
+
+    try:
+        return model_config_pb2()
+    except ParastreamError as e:
+        pytest.skip(str(e), allow_module_level=True)
+
+
 def load_model_py(model_dir: Path):
     """Import REPO/NAME/1/model.py the way Triton's Python backend does: from its file."""
     path = Path(model_dir) / "1" / "model.py"
