@@ -447,6 +447,8 @@ def draw_timeline(spans: list[dict], path, *, title: str = "") -> float:
     fig, ax = plt.subplots(figsize=(12, 1.2 + 0.6 * len(streams)))
     colors = plt.get_cmap("tab20")
     for s in spans:
+        if s.get("in_place"):
+            continue  # a Concat done in place runs no kernel: nothing to draw
         y = streams.index(s["stream"])
         width = max(s["end_ms"] - s["start_ms"], end * 1e-4)
         ax.broken_barh([(s["start_ms"], width)], (y - 0.4, 0.8), facecolors=colors(s["branch"] % 20), edgecolor="black", linewidth=0.3)

@@ -392,7 +392,7 @@ class GpuLauncher:
         for b in self.plan.branches:
             s = 0 if self.single_stream else b.stream
             out.append({"branch": b.id, "name": b.name, "stream": s, "start_ms": float(med[b.id][0]),
-                        "end_ms": float(med[b.id][1]), "mode": mode, "nodes": len(b.nodes)})
+                        "end_ms": float(med[b.id][1]), "mode": mode, "nodes": len(b.nodes), "in_place": b.id in self.elided})
         return out
 
     def _check_open(self) -> None:

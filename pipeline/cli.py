@@ -178,7 +178,8 @@ def cmd_verify(args) -> int:
 def cmd_bench(args) -> int:
     from parastream.launcher.bench import bench_bundle
 
-    bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline, console=_console())
+    bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline, console=_console(),
+                 whole_model=args.whole_model, concat_ablation=args.concat_ablation)
     return 0
 
 
@@ -297,6 +298,10 @@ def make_parser() -> argparse.ArgumentParser:
     be.add_argument("--runs", type=int, default=200)
     be.add_argument("--warmup", type=int, default=20)
     be.add_argument("--timeline", default=None, metavar="FILE.png")
+    be.add_argument("--no-whole-model", dest="whole_model", action="store_false",
+                    help="TensorRT bundles: skip the whole-model engine baseline (max_aux_streams)")
+    be.add_argument("--concat-ablation", action="store_true",
+                    help="also time the bundle with every Concat as its own engine (the launcher does them in place)")
     be.set_defaults(func=cmd_bench)
 
     t = sub.add_parser("export-triton", help="export a bundle as a Triton model repository")

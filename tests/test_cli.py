@@ -126,3 +126,14 @@ def test_console_script_exit_code(tmp_path):
     assert proc.returncode == 2
     assert proc.stderr.strip().count("\n") == 0 and "bad.onnx" in proc.stderr
     assert not (tmp_path / "o").exists()
+
+
+@pytest.mark.parametrize("argv,whole,ablation", [([], True, False), (["--no-whole-model", "--concat-ablation"], False, True)])
+def test_bench_options_reach_bench_bundle(monkeypatch, tmp_path, argv, whole, ablation):
+    import parastream.launcher.bench as bench
+
+    seen = {}
+    monkeypatch.setattr(bench, "bench_bundle", lambda path, **kw: seen.update(kw, path=path) or {})
+    assert main(["bench", str(tmp_path / "b"), "--runs", "7", *argv]) == 0
+    assert seen["path"] == str(tmp_path / "b") and seen["runs"] == 7
+    assert seen["whole_model"] is whole and seen["concat_ablation"] is ablation
