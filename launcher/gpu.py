@@ -107,7 +107,9 @@ class GpuLauncher:
             self._scope = _share._scope
         else:
             self._scope = self._scope_factory() if self._scope_factory else contextlib.nullcontext
-        opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(bundle.manifest.get("options", {}).get("compile", True)))
+        built = bundle.manifest.get("options", {}) or {}
+        opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(built.get("compile", True)),
+                            optimization_level=int(built.get("optimization_level", 3)))  # 5: torch max-autotune
         t0 = time.perf_counter()
         if engines is None:
             engines = []

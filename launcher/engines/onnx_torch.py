@@ -349,9 +349,24 @@ def _conv(n: NodeView):
     if fconv is None:
         n.fail(f"{nd}-d convolution")
     if begin == end:
-        return lambda x, w, b=None: fconv(x, w, b, strides, begin, dil, group)
+        return _ConvFn(fconv, strides, begin, dil, group, nd)
     pad = _torch_pad_arg(begin, end)
     return lambda x, w, b=None: fconv(F.pad(x, pad), w, b, strides, 0, dil, group)
+
+
+class _ConvFn:
+    """A convolution with symmetric padding; ``relu_fused()`` gives cuDNN's conv + bias + ReLU in one kernel."""
+
+    def __init__(self, fconv, strides, padding, dilations, group, nd):
+        self.fconv, self.strides, self.padding, self.dilations, self.group, self.nd = fconv, strides, padding, dilations, group, nd
+
+    def __call__(self, x, w, b=None):
+        return self.fconv(x, w, b, self.strides, self.padding, self.dilations, self.group)
+
+    def relu_fused(self):
+        torch = _torch()
+        strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
+        return lambda x, w, b=None: torch.cudnn_convolution_relu(x, w, b, strides, padding, dilations, group)
 
 
 @converter("ConvTranspose")
@@ -867,12 +882,47 @@ def _module_class():
     return OnnxModule
 
 
-def convert(model: onnx.ModelProto, dtype: str = "float32"):
+def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str]) -> tuple[list, int]:
+    """Conv (2-d, symmetric pads) whose output only a Relu reads -> one cuDNN conv + bias + ReLU step.
+
+    ``keep``: names that must stay visible (graph outputs).  The weights of fused steps are stored
+    channels-last, the layout cuDNN's fused kernels read without a transform.  Returns the new steps
+    and how many pairs were fused.
+    """
+    torch = _torch()
+    readers: dict[str, list[int]] = {}
+    for i, st in enumerate(steps):
+        for a in st.args:
+            if a is not None and a[0] == "v":
+                readers.setdefault(a[1], []).append(i)
+    out: list = []
+    fused = 0
+    skip: set[int] = set()
+    for i, st in enumerate(steps):
+        if i in skip:
+            continue
+        fn = st.fn
+        if isinstance(fn, _ConvFn) and fn.nd == 2 and len(st.outputs) == 1 and st.outputs[0] not in keep:
+            r = readers.get(st.outputs[0], [])
+            w = st.args[1] if len(st.args) > 1 else None
+            if len(r) == 1 and op_of.get(r[0]) == "Relu" and w is not None and w[0] == "c":
+                relu = steps[r[0]]
+                consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+                out.append(Step(fn.relu_fused(), st.args, relu.outputs, f"{st.node}+{relu.node}"))
+                skip.add(r[0])
+                fused += 1
+                continue
+        out.append(st)
+    return out, fused
+
+
+def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
     ``forward``'s first consumers (callers do that; see ``TorchEngine``).  Raises
-    ``UnsupportedOp`` naming the first node it cannot convert.
+    ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
+    only: cuDNN's fused kernel) turns each 2-d Conv whose only reader is a Relu into one step.
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -901,6 +951,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32"):
         if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
             inferred[vi.name] = tuple(int(d.dim_value) for d in dims)
     steps: list[Step] = []
+    op_of: dict[int, str] = {}
     consts: dict[str, object] = {}
     const_key: dict[int, str] = {}
 
@@ -961,6 +1012,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32"):
                 args.append(("c", buffer_for(v)))
             else:
                 args.append(("v", v.name))
+        op_of[len(steps)] = node.op_type
         steps.append(Step(fn, args, outs, nv.name))
         for name, r in zip(outs, res):
             if name:
@@ -972,7 +1024,11 @@ def convert(model: onnx.ModelProto, dtype: str = "float32"):
         if v is None:
             raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
+    fused = 0
+    if fuse_conv_relu:
+        steps, fused = _fuse_conv_relu(steps, {ref for kind, ref in output_refs if kind == "v"}, consts, op_of)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
+    module.fused_conv_relu = fused
     module.eval()
     module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]
     return module

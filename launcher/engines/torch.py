@@ -18,6 +18,9 @@
   larger channels-last buffer (``channel_views``, name -> (total channels, c0)).
   The launcher uses that to elide a Concat branch: its producers write straight into
   their slices of its output, so the join costs no kernel.
+* On the GPU a 2-d Conv whose only reader is a Relu becomes ``torch.cudnn_convolution_relu``
+  (cuDNN's fused conv + bias + ReLU, weights channels-last): Inductor would otherwise run the
+  convolution and then a separate Triton kernel for bias and ReLU (``FUSE_CONV_RELU``).
 * ``run(feeds)`` works on the CPU too (fp32 compute there), which is how CI tests the
   converter.
 """
@@ -41,6 +44,9 @@ gpu = True
 supports_internal_nhwc = True
 #: engines read and write channel slices of channels-last buffers (the launcher's in-place Concat)
 supports_channel_views = True
+#: on the GPU, a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU (one kernel instead of
+#: a convolution and a Triton bias+ReLU kernel); set False before loading to get the unfused engines
+FUSE_CONV_RELU = True
 
 
 def available() -> str | None:
@@ -155,7 +161,7 @@ class TorchEngine:
         self.dtype = compute_dtype(options.precision, device)
         model = onnx.load_from_string(data)
         t0 = time.perf_counter()
-        self.module = convert(model, self.dtype).to(device)
+        self.module = convert(model, self.dtype, fuse_conv_relu=device == "cuda" and FUSE_CONV_RELU).to(device)
         self._tdtype = getattr(torch, self.dtype)
         self._in_names = [t.name for t in inputs]
         module_inputs = list(self.module.input_names)

@@ -1,0 +1,179 @@
+"""Where a bundle's replay spends its time, kernel by kernel (run on the device after `source bench/device_env.sh`).
+
+Exports a model as bench/gpu.py does, builds it with ``parastream.pipeline.build`` (torch backend, fp16, no
+search), then runs the engines in launch order on one stream with direct launches under ``torch.profiler``
+(one ``record_function`` per engine) and prints, for the engines on the critical stream (stream 0) and for
+the slowest engines, every CUDA kernel with its median duration.  Also prints the per-engine medians of
+the instrumented graph replay (``GpuLauncher.run_timed``) for comparison.
+
+    python3 bench/kernels.py --model inception_v3 [--top 4] [--variants unfused,fused] [--out $OUT]
+
+With several ``--variants`` it also times every build's multi-stream graph and its one-stream graph in the
+same alternating blocks (``launcher.bench.measure``) and prints b/d for each; ``unfused`` turns off the torch
+backend's cuDNN conv + bias + ReLU fusion (``FUSE_CONV_RELU``) for that build and load.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from collections import defaultdict
+from pathlib import Path
+
+import numpy as np
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from gpu import export, make_model  # noqa: E402
+
+
+def profile(bundle, replays: int = 20) -> tuple[dict, object]:
+    import torch
+    from torch.profiler import ProfilerActivity, profile as tprofile, record_function
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    multi = GpuLauncher(bundle)
+    la = GpuLauncher(bundle, graph=False, single_stream=True, engines=multi.engines)
+    stream = la._h(la.origin)
+    plan = bundle.plan
+    for _ in range(3):
+        la.launch()
+    la.synchronize()
+    with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+        for _ in range(replays):
+            for bid in plan.launch_order:
+                if bid in la.elided:
+                    continue
+                with record_function(f"engine:{plan.branches[bid].name}"):
+                    la.engines[bid].enqueue(stream, la._branch_addrs[bid])
+            la.synchronize()
+    # kernels by the GPU-side range of the engine's record_function (a gpu_user_annotation) that contains them
+    from torch.autograd import DeviceType
+
+    dev = [e for e in prof.events() if e.device_type == DeviceType.CUDA]
+    ranges = sorted((e.time_range.start, e.time_range.end, e.name[len("engine:"):]) for e in dev if e.name.startswith("engine:"))
+    if not ranges:
+        print("warning: no GPU-side engine ranges in the profile; kernels cannot be attributed to engines")
+    starts = np.array([r[0] for r in ranges])
+    per_engine: dict[str, dict[str, list[float]]] = defaultdict(lambda: defaultdict(list))
+    for e in dev:
+        if e.name.startswith("engine:") or getattr(e, "is_user_annotation", False) or not len(starts):
+            continue
+        i = int(np.searchsorted(starts, e.time_range.start, side="right")) - 1
+        if i >= 0 and e.time_range.start <= ranges[i][1]:
+            per_engine[ranges[i][2]][e.name].append(float(e.time_range.elapsed_us()))
+    spans = multi.run_timed(replays=20)
+    la.close()
+    out = {}
+    for b in plan.branches:
+        ks = per_engine.get(b.name, {})
+        out[b.name] = {"stream": b.stream, "nodes": b.nodes, "in_place": b.id in la.elided,
+                       "kernels": {n: {"count_per_replay": len(v) / replays, "median_us": float(np.median(v))}
+                                   for n, v in ks.items()},
+                       "graph_span_us": next(((s["end_ms"] - s["start_ms"]) * 1e3 for s in spans if s["branch"] == b.id), None)}
+    return out, multi
+
+
+def report(res: dict, top: int) -> None:
+    """The ``top`` slowest engines, each with its kernels (median us per replay)."""
+    def total(e):
+        return sum(k["median_us"] * k["count_per_replay"] for k in e["kernels"].values())
+
+    print(f"{'engine':>11} {'s':>2} {'graph us':>8} {'kern us':>8} {'#k':>3}  first node")
+    chosen = sorted(res, key=lambda n: -total(res[n]))[:top]
+    seen = set()
+    for name in chosen:
+        if name in seen:
+            continue
+        seen.add(name)
+        e = res[name]
+        nk = sum(k["count_per_replay"] for k in e["kernels"].values())
+        g = e["graph_span_us"]
+        print(f"{name:>11} {e['stream']:>2} {g if g is not None else float('nan'):8.1f} {total(e):8.1f} {nk:3.0f}  "
+              f"{e['nodes'][0]}{' (in place)' if e['in_place'] else ''}")
+        for kname, k in sorted(e["kernels"].items(), key=lambda kv: -kv[1]["median_us"]):
+            print(f"{'':>16} {k['median_us']:7.1f} us x{k['count_per_replay']:.0f}  {kname[:110]}")
+
+
+def _summary(res: dict) -> dict:
+    sums: dict[str, float] = defaultdict(float)
+    count: dict[str, float] = defaultdict(float)
+    for e in res.values():
+        for kname, k in e["kernels"].items():
+            key = "triton" if kname.startswith("triton") else \
+                "gemm (cuBLAS)" if kname.startswith(("nvjet", "sm90_xmma_gemm", "cutlass_80_tensorop", "ampere")) and "fprop" not in kname else \
+                "conv (cuDNN)" if any(t in kname for t in ("fprop", "cudnn", "conv")) else kname[:40]
+            sums[key] += k["median_us"] * k["count_per_replay"]
+            count[key] += k["count_per_replay"]
+    return {k: {"us": round(v, 1), "kernels": round(count[k])} for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--model", default="inception_v3")
+    ap.add_argument("--top", type=int, default=4, help="engines listed kernel by kernel (the slowest; all go to the JSON)")
+    ap.add_argument("--streams", type=int, default=None)
+    ap.add_argument("--variants", default="fused", help="comma list of fused (cuDNN conv+bias+ReLU, the default engines) "
+                    "and unfused (convolution, then Inductor's Triton bias+ReLU kernel)")
+    ap.add_argument("--opt-level", type=int, default=3, help="5 compiles engines with torch max-autotune")
+    ap.add_argument("--runs", type=int, default=300)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kernels_out"))
+    args = ap.parse_args(argv)
+    from parastream.pipeline import build
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    work = Path("/tmp/kernels_work")
+    work.mkdir(exist_ok=True)
+    model, inputs = make_model(args.model)
+    onnx_path = work / f"{args.model}.onnx"
+    export(model, inputs, onnx_path)
+    from parastream.launcher.bench import measure
+    from parastream.launcher.gpu import GpuLauncher
+
+    from parastream.launcher.engines import torch as torch_backend
+
+    launchers, summary, outputs = {}, {}, {}
+    rng = np.random.default_rng(0)
+    for variant in args.variants.split(","):
+        torch_backend.FUSE_CONV_RELU = variant == "fused"
+        t0 = time.perf_counter()
+        bundle = build(onnx_path, work / f"{args.model}_{variant}", backend="torch", precision="fp16", search=False,
+                       measure=False, force=True, streams=args.streams, optimization_level=args.opt_level)
+        build_s = time.perf_counter() - t0
+        res, multi = profile(bundle)
+        (out / f"kernels_{args.model}_{variant}.json").write_text(json.dumps(res, indent=1))
+        report(res, args.top)
+        v = bundle.report.get("verification") or {}
+        summary[variant] = {"build_s": round(build_s, 1), "kernels": _summary(res), "verified": v.get("passed"),
+                            "max_scaled": {k: o.get("max_scaled") for k, o in v.get("outputs", {}).items()}}
+        print(f"{variant}: build {build_s:.0f} s, verification passed {v.get('passed')}, "
+              f"kernel time by kind (us per replay, one stream): {summary[variant]['kernels']}", flush=True)
+        launchers[f"{variant} streams"] = multi
+        launchers[f"{variant} one stream"] = GpuLauncher(bundle, single_stream=True, engines=multi.engines)
+        if not outputs:
+            outputs["feeds"] = {s.name: rng.standard_normal(s.shape).astype(s.dtype) for s in bundle.plan.inputs}
+        outputs[variant] = multi(outputs["feeds"])
+    torch_backend.FUSE_CONV_RELU = True
+    names = [k for k in outputs if k != "feeds"]
+    for other in names[1:]:
+        for k, ref in outputs[names[0]].items():
+            a, b = outputs[other][k].astype(np.float64), ref.astype(np.float64)
+            print(f"max |{other} - {names[0]}| / max |{names[0]}| on {k}: {np.max(np.abs(a - b)) / max(np.max(np.abs(b)), 1e-30):.2e}")
+    times = measure(launchers, runs=args.runs, warmup=20)
+    med = {k: float(np.median(v)) for k, v in times.items()}
+    for k, v in med.items():
+        print(f"{k:>20}: {v:.4f} ms")
+    for variant in summary:
+        b, d = med[f"{variant} one stream"], med[f"{variant} streams"]
+        summary[variant].update(d_ms=d, b_ms=b, b_over_d=b / d)
+        print(f"{variant}: b/d = {b / d:.3f}")
+    (out / f"kernels_{args.model}_summary.json").write_text(json.dumps(summary, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
