@@ -139,8 +139,10 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     The first model measured (the search measures its input first) stays loaded as the reference; every
     later candidate is timed in alternating blocks with it, and its time is scaled by the reference's
     first median, so that clock changes between measurements do not decide.  ``measure.close()`` frees
-    the reference.  None when the backend has no GPU engines or no GPU is present.  Once ``budget_s`` is
-    spent, further candidates raise MeasureBudgetSpent (the search decides among those measured).
+    the reference.  None when the backend has no GPU engines or no GPU is present.  The first two models
+    (the input and the cost model's best candidate) are always measured, so that a slow load can never
+    leave the decision without a rival; after those, once ``budget_s`` is spent, further candidates raise
+    MeasureBudgetSpent (the search decides among those measured).
     """
     if not getattr(backend, "gpu", False):
         return None
@@ -171,10 +173,11 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
 
-        if time.perf_counter() > deadline:
+        if ref.get("count", 0) >= 2 and time.perf_counter() > deadline:
             raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
+        ref["count"] = ref.get("count", 0) + 1
         la = load(model)
-        if not ref:
+        if "launcher" not in ref:
             ms = float(np.median(time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]))
             ref.update(launcher=la, ms=ms)
             return ms / 1e3
@@ -185,7 +188,7 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
         return float(np.median(times["candidate"]) / np.median(times["reference"]) * ref["ms"]) / 1e3
 
     def close() -> None:
-        if ref:
+        if "launcher" in ref:
             ref.pop("launcher").close()
 
     measure.close = close

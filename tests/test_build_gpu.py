@@ -40,6 +40,41 @@ def test_cpu_build_records_the_stream_choice(models, tmp_path):
     assert bundle.report["search"]["decided_by"] in ("cost_model", "unchanged")
 
 
+def test_measurement_budget_always_leaves_the_input_and_one_rival(models, monkeypatch):
+    """A budget spent while loading the input still measures the cost model's best candidate; then it stops."""
+    import importlib
+    import types
+
+    import parastream.launcher as launcher_pkg
+    import parastream.launcher.bench as bench_mod
+    import parastream.launcher.gpu as gpu_mod
+    from parastream.pipeline.build import MeasureBudgetSpent
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite.cost import RooflineCostModel
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+    loaded = load_model(models / "inception_block.onnx")
+    closed = []
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
+    monkeypatch.setattr(build_mod.Bundle, "open", classmethod(lambda cls, path, check_hashes=True: path))
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle: types.SimpleNamespace(close=lambda: closed.append(1)))
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup: {k: np.array([2.0 if k == "candidate" else 1.0])
+                                                                               for k in launchers})
+    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".onnx")
+    from parastream.launcher.engines import BuildOptions
+
+    m = gpu_measure(backend, BuildOptions(precision="fp16"), RooflineCostModel(), loaded, streams=1, max_streams=1,
+                    precision="fp16", budget_s=0)
+    assert m(loaded.model) == pytest.approx(2e-3)  # the input: its own median
+    assert m(loaded.model) == pytest.approx(4e-3)  # the first rival, measured although the budget is spent
+    with pytest.raises(MeasureBudgetSpent):
+        m(loaded.model)
+    assert closed == [1]  # the rival's launcher is closed; the reference stays until close()
+    m.close()
+    assert closed == [1, 1]
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_build_measures_candidates(models, tmp_path):
