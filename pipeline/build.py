@@ -167,7 +167,8 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
             dest = Path(tmp)
             _write_engines(dest, model, graph, plan, backend, options, "candidate")
             (dest / "report.json").write_text("{}")
-            write_manifest(dest, {"backend": backend.name, "precision": precision, "options": {"compile": options.compile}})
+            write_manifest(dest, {"backend": backend.name, "precision": precision,
+                                  "options": {"compile": options.compile, "optimization_level": options.optimization_level}})
             return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
 
     def measure(model: onnx.ModelProto) -> float:
