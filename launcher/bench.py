@@ -323,7 +323,7 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
                     variants["tensorrt_whole_model"] = whole
             else:
                 baseline = {"tensorrt_whole_model_error": skip}
-        if concat_ablation and multi.elided:
+        if concat_ablation and getattr(multi, "elided", ()):
             copies = GpuLauncher(bundle, graph=graph, concat_in_place=False)
             variants["concat_copies"] = copies
         times = measure(variants, runs=runs, warmup=warmup)

@@ -100,6 +100,7 @@ class GpuLauncher:
         if concat_in_place and getattr(backend, "supports_channel_views", False):
             self.views, self.elided = plan.in_place_concats(self.specs, self.nhwc)
         channel_views = {t: (self.specs[root].shape[1], c0) for t, (root, c0) in self.views.items()}
+        branch_views = [{t: v for t, v in channel_views.items() if t in b.inputs or t in b.outputs} for b in plan.branches]
 
         # engines and a private memory pool for what they allocate
         self._scope_factory = getattr(backend, "memory_scope", None)
@@ -123,12 +124,11 @@ class GpuLauncher:
                     outs = [self.specs[t] for t in b.outputs]
                     kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
                     if channel_views:
-                        kw["channel_views"] = {t: v for t, v in channel_views.items() if t in b.inputs or t in b.outputs}
+                        kw["channel_views"] = branch_views[b.id]
                     engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
         else:
             for b, e in zip(plan.branches, engines):
-                mine = {t: v for t, v in channel_views.items() if t in b.inputs or t in b.outputs}
-                if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != mine):
+                if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):
                     raise ParastreamError(f"{b.name}: the shared engines were loaded for another memory layout "
                                           "(share engines only between launchers with the same concat_in_place)")
         self.engines = engines

@@ -154,6 +154,7 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
     deadline = time.perf_counter() + budget_s
     ref: dict = {}
+    calls = [0]  # models asked for so far (the first two are measured whatever the budget)
 
     def load(model: onnx.ModelProto):
         from parastream.launcher.gpu import GpuLauncher
@@ -174,11 +175,11 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
 
-        if ref.get("count", 0) >= 2 and time.perf_counter() > deadline:
+        if calls[0] >= 2 and time.perf_counter() > deadline:
             raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
-        ref["count"] = ref.get("count", 0) + 1
+        calls[0] += 1
         la = load(model)
-        if "launcher" not in ref:
+        if not ref:
             ms = float(np.median(time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]))
             ref.update(launcher=la, ms=ms)
             return ms / 1e3
