@@ -289,13 +289,15 @@ def torch_converter_check(loaded_model, feeds: dict) -> dict:
     return res
 
 
-def run_one(name: str, exporter: str, workdir: Path) -> dict:
+def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None) -> dict:
+    """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there."""
     spec = MODELS[name]
     row: dict = {"model": name, "exporter": exporter, "family": spec.family, "source": spec.source}
-    onnx_path = workdir / f"{name}__{exporter}.onnx"
+    onnx_path = (keep or workdir) / f"{name}__{exporter}.onnx"
     t0 = time.perf_counter()
     try:
         ex = export(name, exporter, onnx_path)
+        np.savez(onnx_path.with_suffix(".npz"), **ex["feeds"])
         row["export_ok"] = True
     except Exception as e:  # noqa: BLE001
         row.update(export_ok=False, export_error=_first_line(e))
@@ -418,6 +420,8 @@ def main(argv=None) -> int:
     ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per model and exporter")
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--table-only", action="store_true", help="only remake the table from OUT/rows")
+    ap.add_argument("--keep", help="keep the exports (.onnx + .npz inputs) in this folder")
+    ap.add_argument("--recheck-torch", action="store_true", help="redo only the torch-converter column from --keep")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "EXPORTER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -425,10 +429,31 @@ def main(argv=None) -> int:
         for s in MODELS.values():
             print(f"{s.name:32s} {s.family:13s} {s.source:13s} {'ci' if s.ci else ''}")
         return 0
+    keep = Path(args.keep) if args.keep else None
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+    if args.recheck_torch:
+        # the torch-converter column again, from the kept exports (after a converter change)
+        from parastream.pipeline.model_io import load_model
+
+        for row_file in sorted((out / "rows").glob("*.json")):
+            row = json.loads(row_file.read_text())
+            onnx_path = keep / f"{row['model']}__{row['exporter']}.onnx" if keep else None
+            if not row.get("export_ok") or onnx_path is None or not onnx_path.exists():
+                continue
+            feeds = dict(np.load(onnx_path.with_suffix(".npz")))
+            try:
+                row["torch"] = torch_converter_check(load_model(onnx_path).model, feeds)
+            except Exception as e:  # noqa: BLE001
+                row["torch"] = {"converts": False, "convert_error": f"load: {_first_line(e)}", "missing_ops": []}
+            row_file.write_text(json.dumps(row, indent=1, default=str))
+            print(row["model"], row["exporter"], row["torch"].get("converts"), row["torch"].get("convert_error", ""), flush=True)
+        print(json.dumps(write_table(out)))
+        return 0
     if args.one:
         name, exporter = args.one
         with tempfile.TemporaryDirectory(prefix="parastream-corpus-") as tmp:
-            row = run_one(name, exporter, Path(tmp))
+            row = run_one(name, exporter, Path(tmp), keep)
         row["env"] = _env()
         (out / "rows").mkdir(parents=True, exist_ok=True)
         (out / "rows" / f"{name}__{exporter}.json").write_text(json.dumps(row, indent=1, default=str))
@@ -443,7 +468,7 @@ def main(argv=None) -> int:
         for name in names:
             for exporter in exporters:
                 t0 = time.perf_counter()
-                cmd = [sys.executable, __file__, "--one", name, exporter, "--out", str(out)]
+                cmd = [sys.executable, __file__, "--one", name, exporter, "--out", str(out)] + (["--keep", str(keep)] if keep else [])
                 try:
                     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                     status = "ok" if p.returncode == 0 else f"process exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] }"
