@@ -126,7 +126,9 @@ def _hf_small(name: str):
         return tf.DistilBertModel(cfg), {"input_ids": ids, "attention_mask": mask}
     if name == "gpt2":
         cfg = tf.GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=2, n_positions=128, use_cache=False, **eager)
-        return tf.GPT2Model(cfg), {"input_ids": ids}
+        # with an attention mask: without one, transformers looks for packed sequences with torch.diff,
+        # which the TorchScript exporter cannot export
+        return tf.GPT2Model(cfg), {"input_ids": ids, "attention_mask": mask}
     if name == "t5_encoder":
         cfg = tf.T5Config(vocab_size=1000, d_model=128, d_kv=64, d_ff=256, num_layers=2, num_heads=2, use_cache=False, **eager)
         return tf.T5EncoderModel(cfg), {"input_ids": ids, "attention_mask": mask}
@@ -215,7 +217,8 @@ class _Outputs:
         return tuple(res)
 
 
-def wrap(model, spec: Spec):
+def wrap(model, spec: Spec, names: list[str]):
+    """The model as a module of positional tensors returning a tuple of tensors (inputs passed by name)."""
     import torch
 
     class Wrapped(torch.nn.Module):
@@ -226,6 +229,8 @@ def wrap(model, spec: Spec):
         def forward(self, *args):
             if spec.family == "detection":
                 return _Outputs.flatten(self.m(list(args[0])))
+            if spec.source == "transformers":
+                return _Outputs.flatten(self.m(**dict(zip(names, args))))
             return _Outputs.flatten(self.m(*args))
 
     return Wrapped(model).eval()
@@ -236,7 +241,7 @@ def export(name: str, exporter: str, path: Path) -> dict:
     import torch
 
     model, inputs = make_model(name)
-    w = wrap(model, MODELS[name])
+    w = wrap(model, MODELS[name], list(inputs))
     args = tuple(inputs.values())
     with torch.no_grad():
         n_out = len(w(*args))
