@@ -142,7 +142,8 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     the reference.  None when the backend has no GPU engines or no GPU is present.  The first two models
     (the input and the cost model's best candidate) are always measured, so that a slow load can never
     leave the decision without a rival; after those, once ``budget_s`` is spent, further candidates raise
-    MeasureBudgetSpent (the search decides among those measured).
+    MeasureBudgetSpent (the search decides among those measured).  ``measure(model, streams_override=K)``
+    schedules that model on K streams instead.
     """
     if not getattr(backend, "gpu", False):
         return None
@@ -156,12 +157,12 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     ref: dict = {}
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
 
-    def load(model: onnx.ModelProto):
+    def load(model: onnx.ModelProto, n_streams: int | None):
         from parastream.launcher.gpu import GpuLauncher
 
         model = _infer(model)
         graph = _graph_of(model)
-        sched, _ = plan_streams(graph, cost_model, streams, max_streams)
+        sched, _ = plan_streams(graph, cost_model, n_streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs)
         with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
@@ -172,13 +173,13 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
                                   "options": {"compile": options.compile, "optimization_level": options.optimization_level}})
             return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
 
-    def measure(model: onnx.ModelProto) -> float:
+    def measure(model: onnx.ModelProto, streams_override: int | None = None) -> float:
         from parastream.launcher.bench import measure as time_replays
 
         if calls[0] >= 2 and time.perf_counter() > deadline:
             raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
         calls[0] += 1
-        la = load(model)
+        la = load(model, streams_override or streams)
         if not ref:
             ms = float(np.median(time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]))
             ref.update(launcher=la, ms=ms)
@@ -195,6 +196,28 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
     measure.close = close
     return measure
+
+
+def measured_stream_choice(measure, model: onnx.ModelProto, sched: Schedule, *, margin: float = 0.02) -> dict | None:
+    """GPU builds: the chosen stream plan against one whole-model engine, both timed on the device.
+
+    ``measure`` is ``gpu_measure``'s (None without a GPU: nothing is timed and None returned).  The chosen
+    plan is timed first (the reference), then the same model on one stream; one engine wins when it is at
+    least ``margin`` faster.  The returned dict goes to report.json's ``schedule.measured``.  (The CPU
+    counterpart, one full-threaded ONNX Runtime session against the plan, is issue 16's.)
+    """
+    if measure is None or sched.num_streams <= 1:
+        return None
+    try:
+        plan_s = measure(model)
+        single_s = measure(model, streams_override=1)
+    except Exception as e:  # noqa: BLE001 - a failed measurement keeps the cost model's choice, and says why
+        return {"timed": [f"{sched.num_streams}-stream plan", "one whole-model engine"], "error": str(e).splitlines()[0][:300],
+                "chosen_streams": sched.num_streams}
+    single = single_s < plan_s * (1.0 - margin)
+    return {"timed": [f"{sched.num_streams}-stream plan", "one whole-model engine"], "plan_s": plan_s, "single_engine_s": single_s,
+            "margin": margin, "chosen": "single_engine" if single else "plan", "chosen_streams": 1 if single else sched.num_streams,
+            "how": "CUDA Graph replays, medians, alternating with the plan (gpu_measure)"}
 
 
 class _Progress:
@@ -310,6 +333,17 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         t0 = time.perf_counter()
         graph = _graph_of(model)
         sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
+        measured_streams = None
+        if cfg.measure and cfg.streams is None and sched.num_streams > 1:
+            measure = gpu_measure(backend, options, cost_model, loaded, streams=sched.num_streams, max_streams=cfg.max_streams,
+                                  precision=cfg.precision, budget_s=cfg.measure_seconds, runs=cfg.measure_runs)
+            try:
+                measured_streams = measured_stream_choice(measure, model, sched)
+            finally:
+                if measure is not None:
+                    measure.close()
+            if measured_streams and measured_streams.get("chosen") == "single_engine":
+                sched, _ = plan_streams(graph, cost_model, 1, cfg.max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
         timings["schedule"] = time.perf_counter() - t0
@@ -329,7 +363,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 "search": search_report,
                 "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": width,
                              "branches": len(plan.branches), "critical_path_s": sched.makespan, "total_work_s": sched.total_work,
-                             "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
+                             "estimated_s": estimate_latency(sched), "streams_tried": streams_tried, "measured": measured_streams,
                              "cost_model": f"roofline {cfg.device} {cfg.precision}"},
                 "engines": engines_report,
                 "verification": None,

@@ -97,3 +97,22 @@ def test_gpu_build_measures_candidates(models, tmp_path):
         got = run({bundle.plan.inputs[0].name: x})[bundle.plan.outputs[0].name]
     assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 2e-2
     json.dumps(bundle.report)  # the report stays JSON
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_build_times_the_plan_against_one_engine(models, tmp_path):
+    """Never slower by measurement: a multi-stream plan is kept only if it beats one whole-model engine on the device."""
+    cfg = BuildConfig(backend="torch", precision="fp16", search=False, measure_runs=50)
+    bundle = build(models / "inception_block.onnx", tmp_path / "out", config=cfg)
+    sched = bundle.report["schedule"]
+    chosen_by_cost = next(t["streams"] for t in sched["streams_tried"] if t.get("chosen"))
+    if chosen_by_cost == 1:
+        assert sched["measured"] is None  # nothing to compare
+        return
+    m = sched["measured"]
+    assert m["plan_s"] > 0 and m["single_engine_s"] > 0, m
+    faster_single = m["single_engine_s"] < m["plan_s"] * (1 - m["margin"])
+    assert m["chosen"] == ("single_engine" if faster_single else "plan")
+    assert sched["streams"] == (1 if faster_single else chosen_by_cost)
+    assert bundle.report["verification"]["passed"]
