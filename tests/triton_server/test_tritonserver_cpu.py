@@ -25,6 +25,8 @@ import onnx
 import onnxruntime as ort
 import pytest
 from onnx.tools import update_model_dims
+from triton_clients import PROTOCOLS, client_of, expected, make_inputs, random_feeds
+from triton_clients import infer as _infer
 from tritonserver_process import TritonServer
 
 from parastream.pipeline.cli import main as cli
@@ -92,53 +94,8 @@ def references(repo):
     return out
 
 
-ORT_DTYPES = {"tensor(float)": np.float32, "tensor(int64)": np.int64, "tensor(int32)": np.int32, "tensor(float16)": np.float16}
-
-
-def random_feeds(sess: ort.InferenceSession, rng: np.random.Generator, batch: int | None = None) -> dict:
-    feeds = {}
-    for i in sess.get_inputs():
-        shape = [batch if not isinstance(d, int) else d for d in i.shape]
-        dtype = ORT_DTYPES[i.type]
-        feeds[i.name] = (rng.standard_normal(shape) if dtype in (np.float32, np.float16) else rng.integers(0, 8, shape)).astype(dtype)
-    return feeds
-
-
-def expected(sess: ort.InferenceSession, feeds: dict) -> dict:
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
-
-
-# -- clients ---------------------------------------------------------------------------------------
-PROTOCOLS = ("http", "grpc")
-
-
-def client_of(server: TritonServer, protocol: str):
-    if protocol == "http":
-        import tritonclient.http as httpclient
-
-        return httpclient.InferenceServerClient(server.http_url, connection_timeout=30.0, network_timeout=60.0)
-    import tritonclient.grpc as grpcclient
-
-    return grpcclient.InferenceServerClient(server.grpc_url)
-
-
 def infer(client, protocol: str, model: str, feeds: dict, outputs: list[str], datatype: dict | None = None) -> dict:
-    """One request; ``datatype`` overrides the Triton data type a tensor is declared with."""
-    if protocol == "http":
-        import tritonclient.http as mod
-    else:
-        import tritonclient.grpc as mod
-    from tritonclient.utils import np_to_triton_dtype
-
-    inputs = []
-    for name, x in feeds.items():
-        i = mod.InferInput(name, list(x.shape), (datatype or {}).get(name, np_to_triton_dtype(x.dtype)))
-        i.set_data_from_numpy(x)
-        inputs.append(i)
-    kwargs = {"client_timeout": 60.0} if protocol == "grpc" else {}
-    result = client.infer(model, inputs, outputs=[mod.InferRequestedOutput(o) for o in outputs], **kwargs)
-    return {o: result.as_numpy(o) for o in outputs}
+    return _infer(client, protocol, model, make_inputs(protocol, feeds, datatype=datatype), outputs)
 
 
 # -- the tests ---------------------------------------------------------------------------------------

@@ -156,12 +156,14 @@ class TritonServer:
         self.repo = Path(repo).resolve()
         self.workdir = Path(workdir)
         self.workdir.mkdir(parents=True, exist_ok=True)
-        self.backends = backend_folder(self.dist, self.workdir / "backends")
-        self.log_path = self.workdir / "tritonserver.log"
+        token = f"{os.getpid()}_{secrets.token_hex(4)}"
+        # a folder of its own: a stub that another server runs cannot be overwritten ("text file busy")
+        self.backends = backend_folder(self.dist, self.workdir / f"backends_{token}")
+        self.log_path = self.workdir / f"tritonserver_{token}.log"
         self.extra_args = tuple(extra_args)
         # the Python backend names its shared-memory regions by this prefix: unique, so that servers
         # of other test runs on the same machine do not collide, and so that stop() can remove leftovers
-        self.shm_prefix = f"parastream_{os.getpid()}_{secrets.token_hex(4)}_"
+        self.shm_prefix = f"parastream_{token}_"
         self.proc: subprocess.Popen | None = None
         self.http_port = self.grpc_port = self.metrics_port = 0
 
