@@ -23,7 +23,7 @@ step it leaves to luck:
   venv's ``pyvenv.cfg`` with its site-packages, from ``python3`` on PATH (pytriton's method).
   PYTHONPATH passes through unchanged.
 
-An interpreter built without a shared libpython (``Py_ENABLE_SHARED`` 0) cannot be embedded by the
+An interpreter without a shared libpython (``INSTSONAME`` in its LIBDIR) cannot be embedded by the
 stub: ``unavailable()`` says so, and the tier skips (CI sets PARASTREAM_REQUIRE_TRITON_SERVER=1 to
 fail instead).
 """
@@ -74,13 +74,20 @@ def distribution() -> Distribution | None:
 
 
 def python_library() -> Path | None:
-    """This interpreter's shared libpython (what the stub must load), or None when it has none."""
-    if not sysconfig.get_config_var("Py_ENABLE_SHARED"):
+    """This interpreter's shared libpython (what the stub must load), or None when it has none.
+
+    Looked up by the interpreter's own build settings (INSTSONAME in LIBDIR), not by the linker's search
+    path, which may hold another build of the same version.  Distributions that link their python3
+    statically but ship the same build as libpython3.X.so (Debian's and Ubuntu's libpython3.X packages)
+    are found there too.
+    """
+    name = sysconfig.get_config_var("INSTSONAME")
+    libdir = sysconfig.get_config_var("LIBDIR")
+    if not name or not libdir or ".so" not in name:
         return None
-    name = sysconfig.get_config_var("INSTSONAME") or sysconfig.get_config_var("LDLIBRARY")
-    for folder in (sysconfig.get_config_var("LIBDIR"), sysconfig.get_config_var("LIBPL")):
-        if folder and name and (Path(folder) / name).is_file():
-            return Path(folder) / name
+    for folder in (Path(libdir), Path(libdir) / (sysconfig.get_config_var("MULTIARCH") or "")):
+        if (folder / name).is_file():
+            return folder / name
     return None
 
 
@@ -95,8 +102,8 @@ def unavailable() -> str | None:
         if not path.is_file():
             return f"{path}: missing from the nvidia-pytriton wheel (no stub for Python {sys.version_info[0]}.{sys.version_info[1]}?)"
     if python_library() is None:
-        return (f"{sys.executable} has no shared libpython (Py_ENABLE_SHARED={sysconfig.get_config_var('Py_ENABLE_SHARED')}), "
-                "which Triton's Python backend stub must load")
+        return (f"{sys.executable} has no shared libpython ({sysconfig.get_config_var('INSTSONAME')} in "
+                f"{sysconfig.get_config_var('LIBDIR')}), which Triton's Python backend stub must load")
     return None
 
 
