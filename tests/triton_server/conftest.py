@@ -36,7 +36,7 @@ def tritonserver_or_skip():
             try:
                 __import__(module)
             except Exception as e:  # noqa: BLE001 - tritonclient raises RuntimeError for a missing extra
-                reason = f"{module} does not import ({e}): pip install 'parastream[triton]'"
+                reason = f"{module} does not import ({e}): pip install 'tritonclient[grpc,http]'"
                 break
     if reason is not None:
         if os.environ.get(REQUIRE) == "1":

@@ -97,7 +97,7 @@ def unavailable() -> str | None:
         return f"tritonserver from nvidia-pytriton runs on Linux only, not {sys.platform}"
     dist = distribution()
     if dist is None:
-        return "tritonserver needs the nvidia-pytriton wheel: pip install 'parastream[triton-server]'"
+        return "tritonserver needs the nvidia-pytriton wheel: pip install nvidia-pytriton (the [triton-server] extra)"
     for path in (dist.binary, dist.python_backend / "libtriton_python.so", dist.stub()):
         if not path.is_file():
             return f"{path}: missing from the nvidia-pytriton wheel (no stub for Python {sys.version_info[0]}.{sys.version_info[1]}?)"
