@@ -252,7 +252,7 @@ def table(results: list[dict]) -> str:
         for protocol in ("http", "grpc"):
             for c in CLIENTS:
                 x = t[f"{protocol}_{c}_clients"]
-                lines.append(f"| {r['model']} | Triton {protocol.upper()}, concurrent clients | "
+                lines.append(f"| {r['model']} | Triton {'HTTP' if protocol == 'http' else 'gRPC'}, concurrent clients | "
                              f"{c} | {x['p50_ms']:.3f} | {x['p99_ms']:.3f} | {x['per_s']:.0f} |")
     return "\n".join(lines)
 
