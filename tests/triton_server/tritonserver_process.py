@@ -143,6 +143,15 @@ def server_environment(dist: Distribution, base: dict | None = None) -> dict:
     return env
 
 
+def _die_with_parent() -> None:
+    """In the child before exec: SIGTERM when the process that started the server dies, even by SIGKILL
+    (a killed test run leaves no server behind; stop() is the normal way)."""
+    import ctypes
+
+    PR_SET_PDEATHSIG = 1
+    ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+
+
 class ServerError(RuntimeError):
     """The server exited or did not come up in time; the message ends with its log."""
 
@@ -200,18 +209,21 @@ class TritonServer:
     def start(self, timeout: float = 120.0, attempts: int = 3) -> "TritonServer":
         for attempt in range(attempts):
             self.http_port, self.grpc_port, self.metrics_port = free_ports(3)
+            offset = self.log_path.stat().st_size if self.log_path.exists() else 0
             with open(self.log_path, "ab") as log:
                 log.write(f"--- parastream: start {attempt + 1}: {' '.join(self.command())}\n".encode())
                 log.flush()
                 self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=server_environment(self.dist), start_new_session=True)
+                                             env=server_environment(self.dist), start_new_session=True,
+                                             preexec_fn=_die_with_parent)
             try:
                 self._wait_live(timeout)
                 return self
             except ServerError:
                 self.stop()
-                # a port taken between free_ports() and the server's bind: try other ports
-                if "ddress already in use" in self.log() and attempt + 1 < attempts:
+                # a port taken between free_ports() and the server's bind ("Socket '127.0.0.1:N' already in use"):
+                # try other ports
+                if "already in use" in self.log()[offset:] and attempt + 1 < attempts:
                     continue
                 raise
         raise AssertionError("unreachable")
