@@ -127,6 +127,105 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
         builder.close()
 
 
+def _launcher_options(options: BuildOptions) -> dict:
+    """The builder options a launcher reads back from manifest.json."""
+    return {"compile": options.compile, "optimization_level": options.optimization_level,
+            "fuse_conv_relu": options.fuse_conv_relu}
+
+
+def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions):
+    """A GpuLauncher of ``plan`` built like a real bundle in a scratch folder (gone once the engines are loaded)."""
+    import tempfile
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
+        dest = Path(tmp)
+        _write_engines(dest, model, graph, plan, backend, options, "candidate")
+        (dest / "report.json").write_text("{}")
+        write_manifest(dest, {"backend": backend.name, "precision": options.precision, "options": _launcher_options(options)})
+        return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+
+
+def _has_conv_relu(model: onnx.ModelProto) -> bool:
+    readers: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
+
+
+def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
+                      cost_model, *, runs: int) -> dict | None:
+    """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
+
+    The bundle written in ``tmp`` is timed on the GPU against what the build could have shipped instead,
+    one choice at a time, each round in alternating blocks of CUDA-event timed replays (launcher.bench.measure):
+    (1) torch engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last against contiguous
+    internal boundaries, (3) the plan against one engine for the whole model (when the plan has several
+    streams).  Returns {"rounds": [...], "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of
+    each round, or None when there is no GPU or nothing to choose.
+    """
+    if not getattr(backend, "gpu", False):
+        return None
+    from parastream.launcher import cuda_device_count
+
+    if cuda_device_count() < 1:
+        return None
+    from parastream.launcher.bench import measure as time_replays
+    from parastream.launcher.gpu import GpuLauncher
+
+    bundle = Bundle.open(tmp, check_hashes=False)
+    torch_engines = backend.name == "torch"
+    chosen = {"fuse_conv_relu": bool(options.fuse_conv_relu and torch_engines), "internal_nhwc": True, "one_engine": False}
+    rounds: list[dict] = []
+
+    def race(what: str, current, other, keys: tuple[str, str]) -> bool:
+        times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10)
+        ms = {k: float(np.median(v)) for k, v in times.items()}
+        won = ms[keys[1]] < ms[keys[0]]
+        rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0]})
+        return won
+
+    current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
+    try:
+        if torch_engines and chosen["fuse_conv_relu"] and _has_conv_relu(model):
+            other = GpuLauncher(bundle, fuse_conv_relu=False)
+            if race("conv+ReLU", current, other, ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue")):
+                current, other, chosen["fuse_conv_relu"] = other, current, False
+            other.close()
+        if current.nhwc:
+            other = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"], internal_nhwc=False)
+            if race("boundary layout", current, other, ("channels-last boundaries", "contiguous boundaries")):
+                current, other, chosen["internal_nhwc"] = other, current, False
+            other.close()
+        if plan.num_streams > 1:
+            sched1, _ = plan_streams(graph, cost_model, 1, 1)
+            plan1 = make_plan(graph, sched1, backend=plan.backend, precision=plan.precision, suffix=backend.suffix,
+                              inputs=plan.inputs, outputs=plan.outputs)
+            opts1 = BuildOptions(**{**asdict(options), "fuse_conv_relu": chosen["fuse_conv_relu"]})
+            other = _scratch_launcher(model, graph, plan1, backend, opts1)
+            if race("streams", current, other, (f"{plan.num_streams}-stream plan", "one engine for the whole model")):
+                chosen["one_engine"] = True
+            other.close()
+    finally:
+        current.close()
+    if not rounds:
+        return None
+    return dict(chosen, rounds=rounds, runs=runs)
+
+
+def _measure_alternatives(tmp: Path, model, graph, plan, backend, options: BuildOptions, cost_model, cfg: BuildConfig,
+                          loaded: LoadedModel) -> dict | None:
+    """``time_alternatives`` on the engines just written to ``tmp``; the options it chose go into ``options``."""
+    (tmp / "report.json").write_text("{}")
+    write_manifest(tmp, {"backend": backend.name, "precision": cfg.precision, "options": _launcher_options(options)})
+    measured = time_alternatives(tmp, model, graph, plan, backend, options, cost_model, runs=cfg.measure_runs)
+    if measured:
+        options.fuse_conv_relu = measured["fuse_conv_relu"]
+    return measured
+
+
 class MeasureBudgetSpent(RuntimeError):
     pass
 
@@ -150,27 +249,18 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
     if cuda_device_count() < 1:
         return None
-    import tempfile
 
     deadline = time.perf_counter() + budget_s
     ref: dict = {}
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
 
     def load(model: onnx.ModelProto):
-        from parastream.launcher.gpu import GpuLauncher
-
         model = _infer(model)
         graph = _graph_of(model)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs)
-        with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
-            dest = Path(tmp)
-            _write_engines(dest, model, graph, plan, backend, options, "candidate")
-            (dest / "report.json").write_text("{}")
-            write_manifest(dest, {"backend": backend.name, "precision": precision,
-                                  "options": {"compile": options.compile, "optimization_level": options.optimization_level}})
-            return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+        return _scratch_launcher(model, graph, plan, backend, options)
 
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
@@ -322,6 +412,21 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance)
             timings["engines"] = time.perf_counter() - t0
 
+            measured = None
+            if cfg.measure:
+                t0 = time.perf_counter()
+                task = bar.step("time the plan against its alternatives on the GPU")
+                measured = _measure_alternatives(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded)
+                if measured and measured["one_engine"]:
+                    sched, _ = plan_streams(graph, cost_model, 1, 1)
+                    streams_tried.append({"streams": 1, "engines": 1, "chosen": True, "measured": True})
+                    plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
+                                     inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
+                    shutil.rmtree(tmp / "engines")
+                    engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path))
+                task.advance()
+                timings["measure_alternatives"] = time.perf_counter() - t0
+
             report = {
                 "version": REPORT_VERSION,
                 "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(model.graph.node),
@@ -332,12 +437,15 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                              "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
                              "cost_model": f"roofline {cfg.device} {cfg.precision}"},
                 "engines": engines_report,
+                "measured_choices": measured,
                 "verification": None,
                 "timings": timings,
             }
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             manifest = {"parastream": _versions(backend), "backend": backend.name, "device": _device_description(backend),
-                        "precision": cfg.precision, "options": {k: v for k, v in asdict(cfg).items() if k != "force"},
+                        "precision": cfg.precision,
+                        "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(options),
+                                    "internal_nhwc": measured["internal_nhwc"] if measured else True},
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             write_manifest(tmp, manifest)
 
