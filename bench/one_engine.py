@@ -7,10 +7,11 @@ fp16, batch 1) it builds the one-engine bundle (``streams=1``, no search) and ti
 with CUDA events (medians of ``--runs`` timings after warm-up, rotating fresh random inputs):
 
   compile   torch.compile(mode="reduce-overhead") on the PyTorch module
-  fused     the bundle as it ships (cuDNN conv + bias + ReLU where a Conv feeds only a Relu)
-  unfused   the same bundle loaded with FUSE_CONV_RELU off (Inductor's convolution + Triton epilogue)
+  fused     the bundle with cuDNN conv + bias + ReLU where a Conv feeds only a Relu
+  unfused   the same bundle loaded with fuse_conv_relu=False (Inductor's convolution + Triton epilogue)
   bench     fused, with torch.backends.cudnn.benchmark on while the engine is compiled and captured
 
+(the build itself times fused against unfused and records the faster: ``measured_choices``, printed too)
 and, for the first ``--profile`` models, the CUDA kernels of one replay of ``compile`` and ``fused`` (name,
 count, total microseconds), so that the cause of a gap can be read off.
 
@@ -85,7 +86,6 @@ def kernels(fn, replays: int = 10) -> list[tuple[str, int, float]]:
 def run_model(spec: str, args, work: Path) -> dict:
     import torch
 
-    from parastream.launcher.engines import torch as torch_backend
     from parastream.launcher.gpu import GpuLauncher
     from parastream.pipeline import build
 
@@ -112,7 +112,7 @@ def run_model(spec: str, args, work: Path) -> dict:
             compiled(dev_sets[0])
         torch.cuda.synchronize()
         res["compile_s"] = time.perf_counter() - t0
-        res["compile_ms"] = cuda_median_ms(lambda: compiled(dev_sets[cur["i"]]), args.runs, 20, pick)
+        res["compile_ms"] = cuda_median_ms(lambda: compiled(dev_sets[cur["i"]]), args.runs, 100, pick)
         prof_compile = kernels(lambda: compiled(dev_sets[0])) if args.profile_left > 0 else None
 
     t0 = time.perf_counter()
@@ -121,16 +121,15 @@ def run_model(spec: str, args, work: Path) -> dict:
     res["build_s"] = time.perf_counter() - t0
     res["branches"] = len(bundle.plan.branches)
 
+    res["measured_choices"] = {k: v for k, v in (bundle.report.get("measured_choices") or {}).items() if k != "runs"}
     launchers = {}
     for variant in ("fused", "unfused", "bench"):
-        torch_backend.FUSE_CONV_RELU = variant != "unfused"
         torch.backends.cudnn.benchmark = variant == "bench"
         t0 = time.perf_counter()
-        la = GpuLauncher(bundle)
+        la = GpuLauncher(bundle, fuse_conv_relu=variant != "unfused")
         res[f"{variant}_load_s"] = time.perf_counter() - t0
         res[f"{variant}_maxerr"] = max_err(la(feeds)[bundle.plan.outputs[0].name], ref)
         launchers[variant] = la
-    torch_backend.FUSE_CONV_RELU = True
     torch.backends.cudnn.benchmark = False
     from parastream.launcher.bench import measure
 

@@ -191,8 +191,12 @@ def test_alternatives_not_timed_without_a_rival(models, monkeypatch, tmp_path):
 @pytest.mark.slow
 def test_gpu_build_times_its_alternatives(models, tmp_path):
     """On the GPU the fusion, layout and stream choices are timed, recorded, and the bundle ships the winners."""
+    import onnx
+
+    model, _, _, _ = _plan_of(models / "small_net.onnx", 2)  # BatchNorms folded: Conv -> Relu pairs to fuse
+    onnx.save(model, tmp_path / "folded.onnx")
     cfg = BuildConfig(backend="torch", precision="fp16", search=False, measure_runs=30, streams=2)
-    bundle = build(models / "small_net.onnx", tmp_path / "out", config=cfg)
+    bundle = build(tmp_path / "folded.onnx", tmp_path / "out", config=cfg)
     m = bundle.report["measured_choices"]
     assert [r["choice"] for r in m["rounds"]][0] == "conv+ReLU"
     assert all(r["won"] in r["timed_ms"] and min(r["timed_ms"].values()) == r["timed_ms"][r["won"]] for r in m["rounds"])
