@@ -366,13 +366,7 @@ class _ConvFn:
     def relu_fused(self):
         torch = _torch()
         strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
-        # cuDNN's fused kernels read channels-last activations: an NCHW input (a model input, or whatever
-        # Inductor laid out before) would cost a transpose before and after every fused convolution and
-        # a slow implicit-GEMM algorithm (seen on the H100: 18 nchwToNhwc + 9 nhwcToNchw kernels per
-        # SqueezeNet replay).  A channels-last input makes this a no-op and the output channels-last too.
-        cl = torch.channels_last
-        return lambda x, w, b=None: torch.cudnn_convolution_relu(x.contiguous(memory_format=cl), w, b, strides, padding,
-                                                                 dilations, group)
+        return lambda x, w, b=None: torch.cudnn_convolution_relu(x, w, b, strides, padding, dilations, group)
 
 
 @converter("ConvTranspose")
