@@ -24,7 +24,7 @@ from parastream.launcher.errors import ParastreamError, VerificationError
 
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
-from .report import make_temp_folder
+from .outdir import check_target, make_parent, make_temp_folder, move_into_place
 from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import resolve_tolerances, verify
 
@@ -248,9 +248,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if not hasattr(cfg, k):
             raise TypeError(f"build() got an unexpected option {k!r}")
         setattr(cfg, k, v)
-    out = Path(out_dir)
-    if out.exists() and not cfg.force:
-        raise ParastreamError(f"{out} already exists; pass --force to replace it")
+    out = check_target(out_dir, kind="bundle", force=cfg.force, protect=(model_path,), option="-o")
     if cfg.streams is not None and cfg.streams < 1:
         raise ParastreamError(f"--streams {cfg.streams}: must be at least 1")
     backend = resolve_backend(cfg.backend)
@@ -314,7 +312,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                          inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
         timings["schedule"] = time.perf_counter() - t0
 
-        out.parent.mkdir(parents=True, exist_ok=True)
+        make_parent(out)
         tmp = make_temp_folder(out)
         try:
             t0 = time.perf_counter()
@@ -369,19 +367,9 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             timings["total"] = time.perf_counter() - t_all
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             write_manifest(tmp, manifest)
-            _move_into_place(tmp, out)
+            move_into_place(tmp, out, "bundle")
         except BaseException:
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return Bundle.open(out)
 
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished bundle to OUT; an old OUT (with --force) goes only once the new one is complete."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{int(time.time() * 1000)}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-    else:
-        tmp.rename(out)

@@ -78,14 +78,24 @@ def cmd_build(args) -> int:
                       scale_tol=args.scale_tol, seed=args.seed,
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force)
+    triton_name = args.triton_name or Path(args.model).stem
+    if args.triton_repo:  # refuse a bad export before the build, not after it
+        from .outdir import check_target
+        from .triton import check_options
+
+        check_options(triton_name, args.triton_mode, 0, 1)
+        check_target(Path(args.triton_repo) / triton_name, kind="triton", force=args.force,
+                     protect=(args.model, args.output), option=f"--triton-repo model {triton_name!r}")
     bundle = build(args.model, args.output, config=cfg, progress=not args.quiet)
     if not args.quiet:
         print_build_summary(bundle, _console())
     if args.triton_repo:
         from .triton import export_triton
 
-        path = export_triton(bundle.path, args.triton_repo, name=args.triton_name or Path(args.model).stem,
-                             mode=args.triton_mode, force=args.force)
+        try:
+            path = export_triton(bundle.path, args.triton_repo, name=triton_name, mode=args.triton_mode, force=args.force)
+        except ParastreamError as e:
+            raise ParastreamError(f"the bundle {bundle.path} was written, but the Triton export failed: {e}") from None
         if not args.quiet:
             _console().print(f"Triton model repository: {path}")
     return 0
@@ -118,31 +128,45 @@ def _parse_input_files(items: list[str]) -> dict[str, np.ndarray]:
 def cmd_run(args) -> int:
     from parastream.launcher import load
 
-    from .report import atomic_folder
+    from .outdir import atomic_folder, check_target, write_marker
 
+    out_dir = check_target(args.output_dir, kind="run", force=args.force, option="--output-dir",
+                           protect=[args.bundle] + [item.partition("=")[2] for item in args.input or [] if "=" in item])
     runner = load(args.bundle, device=args.device)
     feeds = _parse_input_files(args.input)
     outputs = runner(feeds)
-    out_dir = Path(args.output_dir)
-    if out_dir.exists() and not args.force:
-        raise ParastreamError(f"{out_dir} already exists; pass --force to replace it")
-    with atomic_folder(out_dir) as tmp:
+    files = output_file_names(list(outputs))
+    with atomic_folder(out_dir, "run") as tmp:
         for name, value in outputs.items():
-            np.save(tmp / f"{_safe(name)}.npy", np.asarray(value))
+            np.save(tmp / files[name], np.asarray(value))
+        write_marker(tmp, "parastream run")
     con = _console()
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=f"outputs written to {out_dir}")
+    t = Table(title=escape(f"outputs written to {out_dir}"))
     for col in ("output", "file", "shape", "dtype"):
         t.add_column(col)
     for name, value in outputs.items():
-        t.add_row(name, f"{_safe(name)}.npy", "x".join(map(str, np.shape(value))), str(np.asarray(value).dtype))
+        t.add_row(escape(name), files[name], "x".join(map(str, np.shape(value))), str(np.asarray(value).dtype))
     con.print(t)
     return 0
 
 
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
+def output_file_names(names: list[str]) -> dict[str, str]:
+    """A distinct ``.npy`` file name per output: the name with characters other than letters, digits and
+    ``._-`` replaced by ``_``, then ``~2``, ``~3``, ... where two names would give the same file (compared
+    without case, for case-insensitive file systems)."""
+    files, taken = {}, set()
+    for name in names:
+        base = "".join(ch if (ch.isascii() and ch.isalnum()) or ch in "._-" else "_" for ch in name)[:200].lstrip(".") or "_"
+        candidate, n = base, 1
+        while candidate.lower() in taken:
+            n += 1
+            candidate = f"{base}~{n}"
+        taken.add(candidate.lower())
+        files[name] = f"{candidate}.npy"
+    return files
 
 
 def cmd_verify(args) -> int:

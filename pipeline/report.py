@@ -1,46 +1,12 @@
-"""What parastream prints: tables for builds, inspections and verifications, and atomic output folders."""
+"""What parastream prints: tables for builds, inspections and verifications."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from rich.table import Table
 
 from parastream.launcher.errors import ParastreamError
-
-
-def make_temp_folder(target: Path) -> Path:
-    """A fresh folder beside ``target`` (same file system, so the final rename is atomic), mode 0755 less umask."""
-    import os
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
-
-
-@contextmanager
-def atomic_folder(target: Path):
-    """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_folder(target)
-    try:
-        yield tmp
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{tmp.name}")
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _us(seconds: float) -> str:
