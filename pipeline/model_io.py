@@ -88,6 +88,7 @@ def read_model(path: str | Path) -> onnx.ModelProto:
     if not model.HasField("graph") or not model.opset_import:
         raise ParastreamError(f"{path}: not an ONNX model (no graph or no opset_import)")
     # External data: tensors whose bytes live in files beside the model.
+    _check_external_data(model, path)
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except (FileNotFoundError, OSError) as e:
@@ -96,6 +97,28 @@ def read_model(path: str | Path) -> onnx.ModelProto:
     except Exception as e:  # noqa: BLE001 - onnx raises ValueError for paths outside the folder
         raise ParastreamError(f"{path}: cannot load external data: {e}") from None
     return model
+
+
+def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Every external-data file is a plain file inside the model's folder.
+
+    onnx checks this itself from 1.16 on (and pyproject asks for it), but older onnx followed a
+    symbolic link out of the folder, and none checks for a FIFO or a device, which would hang the read.
+    """
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    folder = path.parent.resolve()
+    for t in _get_all_tensors(model):
+        if not uses_external_data(t):
+            continue
+        location = ExternalDataInfo(t).location
+        where = folder / location
+        real = where.resolve()
+        if not location or Path(location).is_absolute() or ".." in Path(location).parts or folder not in real.parents:
+            raise ParastreamError(f"{path}: tensor {t.name!r} keeps its data in {location!r}, outside the model's folder; "
+                                  "keep the .data files beside the model")
+        if where.exists() and not real.is_file():
+            raise ParastreamError(f"{path}: tensor {t.name!r} keeps its data in {location!r}, which is not a plain file")
 
 
 def _check(model: onnx.ModelProto, path: Path) -> None:

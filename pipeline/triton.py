@@ -46,7 +46,7 @@ import shutil
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parastream.launcher.bundle import Bundle
+from parastream.launcher.bundle import Bundle, inside
 from parastream.launcher.engines import get_backend
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
@@ -384,9 +384,8 @@ def _bundle_problems(where: str, config, folder: Path) -> list[str]:
     mc = model_config_pb2()
     problems = []
     params = {k: v.string_value for k, v in config.parameters.items()}
-    bundle_dir = folder / params[P_BUNDLE]
     try:
-        bundle = Bundle.open(bundle_dir)
+        bundle = Bundle.open(inside(folder, params[P_BUNDLE], f"config.pbtxt's {P_BUNDLE}"))
     except ParastreamError as e:
         return [f"{where}: {e}"]
     plan = bundle.plan
