@@ -15,6 +15,8 @@ before anything is written, and nothing is touched.
 
 from __future__ import annotations
 
+import fcntl
+import glob
 import json
 import os
 import shutil
@@ -109,29 +111,66 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
     return target
 
 
-def make_temp_folder(target: Path) -> Path:
-    """A fresh folder beside ``target`` (same file system, so the final rename is atomic), mode 0755 less umask."""
-    try:
-        tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    except OSError as e:
-        raise ParastreamError(f"{target}: cannot write beside it ({e.strerror or e})") from None
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
-
-
 def make_parent(target: Path) -> None:
     """Create ``target``'s parent folder, or say in one line why it cannot be."""
     try:
         target.parent.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ParastreamError(f"{target}: cannot create its folder {target.parent} ({e.strerror or e})") from None
+    if not target.parent.is_dir():
+        raise ParastreamError(f"{target}: its parent {target.parent} is not a folder")
+
+
+def _flock(path: Path, *, blocking: bool = True) -> int | None:
+    """An exclusive flock on the folder ``path`` itself (no lock file is left anywhere); its fd, or None when
+    ``blocking`` is False and someone else holds it.  The lock goes with the process, however it ends."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+    except BlockingIOError:
+        os.close(fd)
+        return None
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+@contextmanager
+def _parent_locked(target: Path):
+    """Hold the lock of ``target``'s parent folder: creating, cleaning and swapping folders beside ``target``
+    happen one process at a time (each takes milliseconds; engines are built outside it)."""
+    try:
+        fd = _flock(target.parent)
+    except OSError as e:
+        raise ParastreamError(f"{target}: cannot lock its folder {target.parent} ({e.strerror or e})") from None
+    try:
+        yield
+    finally:
+        os.close(fd)
+
+
+def _clean_stale(target: Path) -> None:
+    """Remove what a killed run left beside ``target`` (call under the parent's lock): ``.NAME.*.partial``
+    folders that no live process holds locked, and ``.NAME.old-*`` folders (a swap is done under the lock)."""
+    for p in target.parent.glob(f".{glob.escape(target.name)}.*"):
+        if p.is_symlink() or not p.is_dir():
+            continue
+        if p.name.endswith(".partial"):
+            fd = _flock(p, blocking=False)
+            if fd is None:
+                continue  # a running build's folder
+            try:
+                shutil.rmtree(p, ignore_errors=True)
+            finally:
+                os.close(fd)
+        elif p.name.startswith(f".{target.name}.old-"):
+            shutil.rmtree(p, ignore_errors=True)
 
 
 def move_into_place(tmp: Path, target: Path, kind: str) -> None:
-    """Rename the finished ``tmp`` to ``target``; an old target goes only once the new one is in place,
-    and only when parastream wrote it (checked again here: it may have changed since the build began)."""
+    """Rename the finished ``tmp`` to ``target`` (call under the parent's lock); an old target goes only once
+    the new one is in place, and only when parastream wrote it (checked again: it may have changed since)."""
     if target.exists() or target.is_symlink():
         reason = why_not_ours(target, kind)
         if reason:
@@ -146,15 +185,30 @@ def move_into_place(tmp: Path, target: Path, kind: str) -> None:
 
 
 @contextmanager
-def atomic_folder(target: Path, kind: str):
-    """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds
-    (call ``check_target`` first)."""
+def staging(target: Path, kind: str, install=None):
+    """Yield a fresh folder beside ``target`` (same file system, so the final rename is atomic); when the block
+    succeeds, ``install(tmp)`` (default: rename it to ``target``) runs under the parent folder's lock.
+
+    The folder is ``.NAME.<random>.partial`` and stays flock-ed while this process lives, so that a later run
+    removes it only once its owner is gone (kill -9, a power cut); any error, Ctrl-C, SIGTERM or SIGHUP
+    removes it at once.  Folders a killed run left beside ``target`` are cleaned here first.
+    """
     target = Path(target)
     make_parent(target)
-    tmp = make_temp_folder(target)
+    with _parent_locked(target):
+        _clean_stale(target)
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
+        except OSError as e:
+            raise ParastreamError(f"{target}: cannot write beside it ({e.strerror or e})") from None
+        fd = _flock(tmp)
     try:
+        umask = os.umask(0)
+        os.umask(umask)
+        tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; a bundle is as readable as any folder the user makes
         yield tmp
-        move_into_place(tmp, target, kind)
-    except BaseException:
+        with _parent_locked(target):
+            (install or (lambda t: move_into_place(t, target, kind)))(tmp)
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        raise
+        os.close(fd)

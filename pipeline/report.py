@@ -61,6 +61,9 @@ def print_build_summary(bundle, console) -> None:
     else:
         s.add_row("rewrite search", "skipped (--no-search)")
     s.add_row("graph width", str(sched.get("graph_width")))
+    requested = sched.get("requested_streams")
+    if requested and requested != plan.num_streams:
+        s.add_row("streams", f"{plan.num_streams} (of {requested} requested: the schedule found no work for more)")
     s.add_row("estimated critical path", _us(sched.get("critical_path_s", 0.0)))
     s.add_row("estimated total work", _us(sched.get("total_work_s", 0.0)))
     s.add_row("build time", f"{rep.get('timings', {}).get('total', 0.0):.2f} s")

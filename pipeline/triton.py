@@ -51,7 +51,7 @@ from parastream.launcher.engines import get_backend
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
 
-from .outdir import check_target, make_temp_folder, move_into_place, why_not_ours, write_marker
+from .outdir import check_target, move_into_place, staging, why_not_ours, write_marker
 
 MODES = ("graph", "ensemble")
 VERSION = "1"
@@ -325,23 +325,19 @@ def export_triton(bundle: Bundle | str | Path, repo: str | Path, *, name: str, m
         repo.mkdir(parents=True, exist_ok=True)
     except OSError as e:
         raise ParastreamError(f"{repo}: cannot create the model repository ({e.strerror or e})") from None
-    staging = make_temp_folder(repo / name)
-    try:
+    with staging(repo / name, "triton", install=lambda tmp: _move_into_place(tmp, repo, [m.name for m in models], stale)) as tmp:
         for m in models:
-            m.write(staging)
-        problems = validate_repository(staging)
+            m.write(tmp)
+        problems = validate_repository(tmp)
         if problems:
             raise ParastreamError(f"export-triton wrote an invalid repository (a parastream bug): {problems[0]}")
-        _move_into_place(staging, repo, [m.name for m in models], stale)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return repo / name
 
 
-def _move_into_place(staging: Path, repo: Path, names: list[str], stale: list[Path]) -> None:
+def _move_into_place(staged: Path, repo: Path, names: list[str], stale: list[Path]) -> None:
     """Rename each staged model folder into REPO (replacing an earlier export of it); stale branch models go last."""
     for n in names:
-        move_into_place(staging / n, repo / n, "triton")
+        move_into_place(staged / n, repo / n, "triton")
     for d in stale:
         shutil.rmtree(d, ignore_errors=True)
 
