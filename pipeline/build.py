@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import platform
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,10 @@ from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
 
+from .isolate import in_child
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
-from .report import make_temp_folder
+from .outdir import check_target, staging
 from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import resolve_tolerances, verify
 
@@ -99,6 +99,41 @@ def _graph_of(model: onnx.ModelProto) -> gs.Graph:
     graph = gs.import_onnx(model)
     graph.toposort()
     return graph
+
+
+def check_runnable(loaded: LoadedModel, backend, reference: bool) -> None:
+    """The backend's own check of the model and, when the build verifies, that ONNX Runtime can load the
+    original (the reference); in a child process, since ONNX Runtime may crash on a malformed model."""
+    from parastream.launcher.engines import onnxruntime as ort_engines
+
+    checks = [(getattr(backend, "check_model", None), loaded.model)]
+    if reference and backend is not ort_engines:
+        checks.append((ort_engines.check_model, loaded.original))
+
+    def run_checks():
+        for check, model in checks:
+            if check is not None:
+                check(model)
+
+    try:
+        in_child(run_checks, what="loading the model into onnxruntime")
+    except ParastreamError as e:
+        raise ParastreamError(f"{loaded.path}: {e}") from None
+
+
+def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
+    """``verify``, with an error of ONNX Runtime (or of a bundle's engine) on the random inputs as one line naming
+    the node: a model that loads can still fail to run (a Conv group that does not divide its channels, a
+    Transpose perm of the wrong rank, shapes that contradict the weights)."""
+    from parastream.launcher.engines.onnxruntime import describe_error
+
+    try:
+        return verify(original, runner, inputs, **kwargs)
+    except ParastreamError:
+        raise
+    except Exception as e:  # noqa: BLE001 - onnxruntime and polygraphy raise their own types
+        raise ParastreamError(f"{path}: running the model on random inputs for verification failed: "
+                              f"{describe_error(e, original)}") from None
 
 
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
@@ -338,9 +373,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if not hasattr(cfg, k):
             raise TypeError(f"build() got an unexpected option {k!r}")
         setattr(cfg, k, v)
-    out = Path(out_dir)
-    if out.exists() and not cfg.force:
-        raise ParastreamError(f"{out} already exists; pass --force to replace it")
+    out = check_target(out_dir, kind="bundle", force=cfg.force, protect=(model_path,), option="-o")
     if cfg.streams is not None and cfg.streams < 1:
         raise ParastreamError(f"--streams {cfg.streams}: must be at least 1")
     backend = resolve_backend(cfg.backend)
@@ -353,12 +386,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if cfg.batch:
             shapes, profiles = batch_profiles(model_path, shapes, tuple(cfg.batch))
         loaded: LoadedModel = load_model(model_path, shapes)
-        check = getattr(backend, "check_model", None)
-        if check is not None:
-            try:
-                check(loaded.model)
-            except ParastreamError as e:
-                raise ParastreamError(f"{loaded.path}: {e}") from None
+        check_runnable(loaded, backend, cfg.verify)
         bar.step("load and check").advance()
         timings["load"] = time.perf_counter() - t0
 
@@ -404,9 +432,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                          inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
         timings["schedule"] = time.perf_counter() - t0
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_folder(out)
-        try:
+        with staging(out, "bundle") as tmp:  # renamed to OUT at the end of the block, removed on any error
             t0 = time.perf_counter()
             task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
             engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance)
@@ -456,7 +482,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
 
                 runner = load(tmp, check_hashes=False)
                 rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
-                result = verify(loaded.original, runner, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol, seed=cfg.seed + 1)
+                result = run_verification(loaded.path, loaded.original, runner, loaded.inputs, rtol=rtol, atol=atol,
+                                          scale_tol=scale_tol, seed=cfg.seed + 1)
                 close = getattr(runner, "close", None)
                 if close:
                     close()
@@ -477,19 +504,6 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             timings["total"] = time.perf_counter() - t_all
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             write_manifest(tmp, manifest)
-            _move_into_place(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return Bundle.open(out)
+            bundle = Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
+    return replace(bundle, path=out)
 
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished bundle to OUT; an old OUT (with --force) goes only once the new one is complete."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{int(time.time() * 1000)}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-    else:
-        tmp.rename(out)
