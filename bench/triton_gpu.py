@@ -19,7 +19,7 @@ For each model (bench/gpu.py's Inception-v3 and BERT-base seq 128; random weight
      - Triton end to end, one client: HTTP, gRPC, gRPC with CUDA-shared-memory inputs; p50 and p99;
      - throughput with 1, 4 and 16 concurrent clients (one process each, so that clients do not share
        a GIL), HTTP and gRPC, for ``--seconds`` each: requests/s, p50 and p99.
-Writes triton_gpu.json and triton_gpu.md to --out ($OUT).
+Writes triton_gpu_<models>.json and .md to --out ($OUT).
 
 Usage: python3 bench/triton_gpu.py [--models inception_v3,bert] [--requests 300] [--seconds 5] [--out DIR]
 """
@@ -269,11 +269,12 @@ def main(argv: list[str] | None = None) -> int:
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
+    stem = "triton_gpu_" + args.models.replace(",", "_")  # one call per model keeps each call short
     reason = unavailable()
     print(f"python {sys.version.split()[0]} at {sys.executable}; libpython for the stub: {python_library()}", flush=True)
     if reason:
         print(f"tritonserver cannot start here: {reason}", flush=True)
-        (out / "triton_gpu.json").write_text(json.dumps({"error": reason}))
+        (out / f"{stem}.json").write_text(json.dumps({"error": reason}))
         return 2
     import torch
 
@@ -291,9 +292,9 @@ def main(argv: list[str] | None = None) -> int:
         r["total_s"] = time.perf_counter() - t0
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("config", "server_log_tail")}, default=str), flush=True)
-        (out / "triton_gpu.json").write_text(json.dumps(results, indent=1, default=str))
+        (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
     md = table(results)
-    (out / "triton_gpu.md").write_text(md + "\n")
+    (out / f"{stem}.md").write_text(md + "\n")
     print(md)
     return 0 if all(r.get("ok") for r in results) else 1
 
