@@ -27,7 +27,7 @@ import pytest
 from onnx.tools import update_model_dims
 from triton_clients import PROTOCOLS, client_of, expected, make_inputs, random_feeds
 from triton_clients import infer as _infer
-from tritonserver_process import TritonServer
+from tritonserver_process import ServerError, TritonServer
 
 from parastream.pipeline.cli import main as cli
 from parastream.pipeline.triton import validate_repository
@@ -226,6 +226,29 @@ def test_hidden_folder_is_a_model_to_triton(server):
     assert f"failed to load model '{LEFTOVER}'" in server.log()
     problems = validate_repository(server.repo)
     assert any(LEFTOVER in p and "hidden" in p for p in problems), problems
+
+
+def test_with_tritons_default_exit_on_error_a_leftover_folder_stops_the_server(server, tmp_path):
+    """The same leftover under Triton's default --exit-on-error=true: the server does not start at all."""
+    repo = tmp_path / "repo"
+    shutil.copytree(server.repo / "small_net", repo / "small_net")
+    shutil.copytree(server.repo / LEFTOVER, repo / LEFTOVER)
+    strict = TritonServer(repo, tmp_path / "server", exit_on_error=True)
+    with pytest.raises(ServerError, match="exited"):
+        try:
+            strict.start(timeout=120, attempts=1)
+        finally:
+            strict.stop()
+    log = strict.log()
+    assert f"failed to load model '{LEFTOVER}'" in log and "failed to load all models" in log
+    shutil.rmtree(repo / LEFTOVER)  # and without it the same repository serves
+    assert validate_repository(repo) == []
+    with TritonServer(repo, tmp_path / "server2", exit_on_error=True) as ok:
+        client = client_of(ok, "http")
+        try:
+            assert client.is_model_ready("small_net")
+        finally:
+            client.close()
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -161,10 +161,10 @@ class TritonServer:
 
     ``workdir`` holds the backend folder and the log (``log_path``).  ``start()`` waits, bounded by
     ``timeout``, until the server is live, which Triton reports only after the initial loads (a model
-    that fails to load does not stop the server: ``--exit-on-error=false``).
+    that fails to load does not stop the server, unless ``exit_on_error``: Triton's own default).
     """
 
-    def __init__(self, repo: str | Path, workdir: str | Path, *, extra_args: tuple[str, ...] = ()):
+    def __init__(self, repo: str | Path, workdir: str | Path, *, exit_on_error: bool = False, extra_args: tuple[str, ...] = ()):
         reason = unavailable()
         if reason:
             raise ServerError(reason)
@@ -176,6 +176,7 @@ class TritonServer:
         # a folder of its own: a stub that another server runs cannot be overwritten ("text file busy")
         self.backends = backend_folder(self.dist, self.workdir / f"backends_{token}")
         self.log_path = self.workdir / f"tritonserver_{token}.log"
+        self.exit_on_error = exit_on_error
         self.extra_args = tuple(extra_args)
         # the Python backend names its shared-memory regions by this prefix: unique, so that servers
         # of other test runs on the same machine do not collide, and so that stop() can remove leftovers
@@ -200,7 +201,7 @@ class TritonServer:
             "--http-address=127.0.0.1", f"--http-port={self.http_port}",
             "--grpc-address=127.0.0.1", f"--grpc-port={self.grpc_port}",
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
-            "--exit-on-error=false",
+            f"--exit-on-error={'true' if self.exit_on_error else 'false'}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
             *self.extra_args,
         ]
