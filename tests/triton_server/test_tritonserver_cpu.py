@@ -85,7 +85,7 @@ def server(repo, tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def references(repo):
-    """model -> (onnxruntime session on the original model, its input specs)."""
+    """model -> onnxruntime session on the original model (small_net_b4: small_net with its batch dimension)."""
     out = {}
     for model in EXAMPLES:
         sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
@@ -94,8 +94,9 @@ def references(repo):
     return out
 
 
-def infer(client, protocol: str, model: str, feeds: dict, outputs: list[str], datatype: dict | None = None) -> dict:
-    return _infer(client, protocol, model, make_inputs(protocol, feeds, datatype=datatype), outputs)
+def infer(client, protocol: str, model: str, feeds: dict, outputs: list[str]) -> dict:
+    """One request of numpy ``feeds``, each declared with its own data type."""
+    return _infer(client, protocol, model, make_inputs(protocol, feeds), outputs)
 
 
 # -- the tests ---------------------------------------------------------------------------------------

@@ -26,15 +26,15 @@ def client_of(server, protocol: str):
     return mod.InferenceServerClient(server.grpc_url)
 
 
-def make_inputs(protocol: str, feeds: dict, *, datatype: dict | None = None, shm: dict | None = None) -> list:
-    """InferInputs of numpy ``feeds``; ``datatype`` overrides the declared Triton type of a tensor, ``shm`` names
-    the shared-memory region that holds it (its bytes are then not sent)."""
+def make_inputs(protocol: str, feeds: dict, *, shm: dict | None = None) -> list:
+    """InferInputs of numpy ``feeds``, declared with their own data types; ``shm`` names the shared-memory region
+    that holds a tensor (its bytes are then not sent)."""
     from tritonclient.utils import np_to_triton_dtype
 
     mod = _module(protocol)
     inputs = []
     for name, x in feeds.items():
-        i = mod.InferInput(name, list(x.shape), (datatype or {}).get(name, np_to_triton_dtype(x.dtype)))
+        i = mod.InferInput(name, list(x.shape), np_to_triton_dtype(x.dtype))
         if shm and name in shm:
             i.set_shared_memory(shm[name], x.nbytes)
         else:

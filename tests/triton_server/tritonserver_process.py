@@ -152,6 +152,20 @@ def _die_with_parent() -> None:
     ctypes.CDLL(None, use_errno=True).prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
 
 
+def _stubs_of(parent: int | None, among: list[int] | None = None) -> list[int]:
+    """Live Python backend stubs: children of ``parent``, or (``parent`` None) those of ``among`` still running."""
+    pids = []
+    for pid in among if among is not None else [int(p.name) for p in Path("/proc").iterdir() if p.name.isdigit()]:
+        try:
+            text = Path(f"/proc/{pid}/stat").read_text()
+        except OSError:
+            continue
+        comm, fields = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
+        if comm.startswith("triton_python") and fields[0] != "Z" and (parent is None or int(fields[1]) == parent):
+            pids.append(pid)
+    return pids
+
+
 class ServerError(RuntimeError):
     """The server exited or did not come up in time; the message ends with its log."""
 
@@ -164,7 +178,7 @@ class TritonServer:
     that fails to load does not stop the server, unless ``exit_on_error``: Triton's own default).
     """
 
-    def __init__(self, repo: str | Path, workdir: str | Path, *, exit_on_error: bool = False, extra_args: tuple[str, ...] = ()):
+    def __init__(self, repo: str | Path, workdir: str | Path, *, exit_on_error: bool = False):
         reason = unavailable()
         if reason:
             raise ServerError(reason)
@@ -177,7 +191,6 @@ class TritonServer:
         self.backends = backend_folder(self.dist, self.workdir / f"backends_{token}")
         self.log_path = self.workdir / f"tritonserver_{token}.log"
         self.exit_on_error = exit_on_error
-        self.extra_args = tuple(extra_args)
         # the Python backend names its shared-memory regions by this prefix: unique, so that servers
         # of other test runs on the same machine do not collide, and so that stop() can remove leftovers
         self.shm_prefix = f"parastream_{token}_"
@@ -203,7 +216,6 @@ class TritonServer:
             "--metrics-address=127.0.0.1", f"--metrics-port={self.metrics_port}",
             f"--exit-on-error={'true' if self.exit_on_error else 'false'}",
             f"--backend-config=python,shm-region-prefix-name={self.shm_prefix}",
-            *self.extra_args,
         ]
 
     # -- life --------------------------------------------------------------------------------------
@@ -249,20 +261,23 @@ class TritonServer:
         raise ServerError(f"tritonserver was not live after {timeout:.0f} s\n{self.log_tail()}")
 
     def stop(self, timeout: float = 30.0) -> None:
-        """SIGTERM (Triton unloads its models and ends their stubs), SIGKILL to the whole process group after ``timeout``."""
+        """SIGTERM (Triton unloads its models and ends their stubs); SIGKILL after ``timeout``, then to any of
+        its stubs still alive.  Shared-memory regions left by failed loads (Triton leaves those) are removed."""
         proc, self.proc = self.proc, None
-        if proc is not None and proc.poll() is None:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout)
-            except subprocess.TimeoutExpired:
-                os.killpg(proc.pid, signal.SIGKILL)
-                proc.wait(10)
         if proc is not None:
-            try:  # stubs left behind by a killed server
-                os.killpg(proc.pid, signal.SIGKILL)
-            except (ProcessLookupError, PermissionError):
-                pass
+            stubs = _stubs_of(proc.pid)  # while the server lives: they are its children
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+                try:
+                    proc.wait(timeout)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                    proc.wait(10)
+            for pid in _stubs_of(None, among=stubs):  # the same processes, still alive
+                try:
+                    os.kill(pid, signal.SIGKILL)
+                except ProcessLookupError:
+                    pass
         for leftover in Path("/dev/shm").glob(f"{self.shm_prefix}*"):
             leftover.unlink(missing_ok=True)
 
@@ -281,18 +296,7 @@ class TritonServer:
 
     def stub_pids(self) -> list[int]:
         """The Python backend stubs the server started (one per model instance)."""
-        if self.proc is None:
-            return []
-        pids = []
-        for stat in Path("/proc").glob("[0-9]*/stat"):
-            try:
-                text = stat.read_text()
-            except OSError:
-                continue
-            comm, rest = text[text.index("(") + 1:text.rindex(")")], text[text.rindex(")") + 2:].split()
-            if int(rest[1]) == self.proc.pid and comm.startswith("triton_python"):
-                pids.append(int(stat.parent.name))
-        return pids
+        return _stubs_of(self.proc.pid) if self.proc is not None else []
 
     @staticmethod
     def libpythons(pid: int) -> set[str]:
