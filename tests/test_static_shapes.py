@@ -182,3 +182,18 @@ def test_a_run_that_fails_is_one_line_naming_the_file(tmp_path, monkeypatch):
     with pytest.raises(ParastreamError) as e:
         load_model(path)
     assert str(path) in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_symbolic_inference_leaves_nothing_in_the_working_folder(tmp_path, monkeypatch):
+    """ONNX Runtime's symbolic inference saves its partial model into the current folder when it gives up."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    m = _custom_op_model()
+    m.graph.node[1].domain = "com.example"
+    del m.opset_import[1:]
+    m.opset_import.append(helper.make_opsetid("com.example", 1))
+    m.graph.node[1].op_type = "Unknowable"  # symbolic inference cannot finish
+    model_io._symbolic_infer(onnx.shape_inference.infer_shapes(m))
+    assert list(work.iterdir()) == []
+    assert __import__("os").getcwd() == str(work)
