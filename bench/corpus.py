@@ -294,15 +294,20 @@ def torch_converter_check(loaded_model, feeds: dict) -> dict:
     return res
 
 
-def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None) -> dict:
-    """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there."""
+def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, reuse: bool = False) -> dict:
+    """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there (and with
+    ``reuse``, an export kept there by an earlier run is taken instead of exporting again)."""
     spec = MODELS[name]
     row: dict = {"model": name, "exporter": exporter, "family": spec.family, "source": spec.source}
     onnx_path = (keep or workdir) / f"{name}__{exporter}.onnx"
     t0 = time.perf_counter()
     try:
-        ex = export(name, exporter, onnx_path)
-        np.savez(onnx_path.with_suffix(".npz"), **ex["feeds"])
+        if reuse and onnx_path.exists() and onnx_path.with_suffix(".npz").exists():
+            ex = {"feeds": dict(np.load(onnx_path.with_suffix(".npz")))}
+            row["export_reused"] = True
+        else:
+            ex = export(name, exporter, onnx_path)
+            np.savez(onnx_path.with_suffix(".npz"), **ex["feeds"])
         row["export_ok"] = True
     except Exception as e:  # noqa: BLE001
         row.update(export_ok=False, export_error=_first_line(e))
@@ -426,6 +431,7 @@ def main(argv=None) -> int:
     ap.add_argument("--list", action="store_true")
     ap.add_argument("--table-only", action="store_true", help="only remake the table from OUT/rows")
     ap.add_argument("--keep", help="keep the exports (.onnx + .npz inputs) in this folder")
+    ap.add_argument("--reuse-exports", action="store_true", help="take the exports kept in --keep instead of exporting again")
     ap.add_argument("--recheck-torch", action="store_true", help="redo only the torch-converter column from --keep")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "EXPORTER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -458,7 +464,7 @@ def main(argv=None) -> int:
     if args.one:
         name, exporter = args.one
         with tempfile.TemporaryDirectory(prefix="parastream-corpus-") as tmp:
-            row = run_one(name, exporter, Path(tmp), keep)
+            row = run_one(name, exporter, Path(tmp), keep, reuse=args.reuse_exports)
         row["env"] = _env()
         (out / "rows").mkdir(parents=True, exist_ok=True)
         (out / "rows" / f"{name}__{exporter}.json").write_text(json.dumps(row, indent=1, default=str))
@@ -474,6 +480,7 @@ def main(argv=None) -> int:
             for exporter in exporters:
                 t0 = time.perf_counter()
                 cmd = [sys.executable, __file__, "--one", name, exporter, "--out", str(out)] + (["--keep", str(keep)] if keep else [])
+                cmd += ["--reuse-exports"] if args.reuse_exports else []
                 try:
                     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                     status = "ok" if p.returncode == 0 else f"process exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] }"
