@@ -248,6 +248,10 @@ def export(name: str, exporter: str, path: Path) -> dict:
     out_names = [f"output_{i}" for i in range(n_out)] if n_out > 1 else ["output"]
     with torch.no_grad():
         if exporter == "torchscript":
+            # nn.MultiheadAttention's inference fast path (torchvision ViT) is one aten op the TorchScript
+            # exporter has no symbolic for; the plain path exports
+            if hasattr(torch.backends, "mha"):
+                torch.backends.mha.set_fastpath_enabled(False)
             torch.onnx.export(w, args, str(path), input_names=list(inputs), output_names=out_names, opset_version=17,
                               dynamo=False)
         else:
