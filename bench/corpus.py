@@ -298,6 +298,28 @@ def torch_converter_check(loaded_model, feeds: dict) -> dict:
     return res
 
 
+def ort_self_difference(onnx_path: Path, feeds: dict) -> dict:
+    """ONNX Runtime against itself on the original model: graph optimizations on vs off (max abs, and max abs
+    over max |ref|): the fp32 noise that any rewrite or partition of the graph is judged against."""
+    import onnxruntime as ort
+
+    outs = []
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = level
+        sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        outs.append(sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()}))
+    res = {"max_abs": 0.0, "max_scaled": 0.0}
+    for a, b in zip(*outs):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.size and a.dtype.kind == "f":
+            d = float(np.max(np.abs(a - b)))
+            res["max_abs"] = max(res["max_abs"], d)
+            res["max_scaled"] = max(res["max_scaled"], d / max(float(np.max(np.abs(a))), 1e-30))
+    return res
+
+
 def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, reuse: bool = False) -> dict:
     """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there (and with
     ``reuse``, an export kept there by an earlier run is taken instead of exporting again)."""
@@ -336,6 +358,8 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
                    rules=(rep.get("search") or {}).get("rules_chosen_count"))
     except ParastreamError as e:
         row.update(build_ok=False, exit=e.exit_code, build_error=_first_line(e))
+        if e.exit_code == 1:  # verification: how far ONNX Runtime is from itself on this model
+            row["ort_self_difference"] = ort_self_difference(onnx_path, ex["feeds"])
     except Exception as e:  # noqa: BLE001 - a crash is a bug of ours: the table says so
         row.update(build_ok=False, exit="crash", build_error=f"{type(e).__name__}: {_first_line(e)}",
                    traceback=traceback.format_exc()[-2000:])
@@ -397,6 +421,9 @@ def write_table(out: Path) -> dict:
             streams = str(r.get("streams"))
         else:
             build = f"({r.get('exit')}) {r.get('build_error', '')[:200]}".replace("|", "/")
+            if r.get("ort_self_difference"):
+                d = r["ort_self_difference"]
+                build += f" [ONNX Runtime vs itself, optimizations on/off: max abs {d['max_abs']:.2g}, {d['max_scaled']:.2g} of scale]"
             ver = nodes = streams = ""
         t = r.get("torch") or {}
         if t.get("converts"):
@@ -448,7 +475,8 @@ def main(argv=None) -> int:
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
     if args.recheck_torch:
-        # the torch-converter column again, from the kept exports (after a converter change)
+        # after a converter change: the torch-converter column again, for the rows that did not convert, from
+        # the kept exports; and ONNX Runtime's own difference for rows whose verification failed
         from parastream.pipeline.model_io import load_model
 
         for row_file in sorted((out / "rows").glob("*.json")):
@@ -457,12 +485,15 @@ def main(argv=None) -> int:
             if not row.get("export_ok") or onnx_path is None or not onnx_path.exists():
                 continue
             feeds = dict(np.load(onnx_path.with_suffix(".npz")))
-            try:
-                row["torch"] = torch_converter_check(load_model(onnx_path).model, feeds)
-            except Exception as e:  # noqa: BLE001
-                row["torch"] = {"converts": False, "convert_error": f"load: {_first_line(e)}", "missing_ops": []}
+            if row.get("exit") == 1:
+                row["ort_self_difference"] = ort_self_difference(onnx_path, feeds)
+            if not (row.get("torch") or {}).get("converts") and row.get("exit") != "crash":
+                try:
+                    row["torch"] = torch_converter_check(load_model(onnx_path).model, feeds)
+                except Exception as e:  # noqa: BLE001
+                    row["torch"] = {"converts": False, "convert_error": f"load: {_first_line(e)}", "missing_ops": []}
             row_file.write_text(json.dumps(row, indent=1, default=str))
-            print(row["model"], row["exporter"], row["torch"].get("converts"), row["torch"].get("convert_error", ""), flush=True)
+            print(row["model"], row["exporter"], (row.get("torch") or {}).get("converts"), row.get("ort_self_difference", ""), flush=True)
         print(json.dumps(write_table(out)))
         return 0
     if args.one:
