@@ -263,7 +263,9 @@ def export(name: str, exporter: str, path: Path) -> dict:
 # -- one row --------------------------------------------------------------------------------------------------
 
 def _first_line(e: BaseException) -> str:
-    s = str(e).strip()
+    import re
+
+    s = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # exporters colour their messages
     return (s.splitlines()[0] if s else type(e).__name__)[:400]
 
 
@@ -411,7 +413,8 @@ def write_table(out: Path) -> dict:
              "|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("export_ok"):
-            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {r.get('export_error', '')[:160]} | | | | | | |")
+            err = _first_line(Exception(r.get("export_error", ""))).replace("|", "/")
+            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | |")
             continue
         if r.get("build_ok"):
             v = r.get("verification") or {}
