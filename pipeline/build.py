@@ -6,6 +6,7 @@ temporary folder beside OUT and renamed into place at the end.
 
 from __future__ import annotations
 
+import inspect
 import json
 import platform
 import shutil
@@ -101,6 +102,18 @@ def _graph_of(model: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
+def _engine_layouts(plan, backend, builder, options: BuildOptions):
+    """``branch -> keyword arguments for builder.build``: the GPU launcher's tensor layout for builders that
+    compile for it (torch: AOTInductor packages), so the engine compiled is the engine loaded; else nothing."""
+    if options.device != "cuda" or "layout" not in inspect.signature(builder.build).parameters:
+        return lambda b: {}
+    from parastream.launcher.gpu import engine_layouts
+
+    lay = engine_layouts(plan, backend)
+    # an in-place Concat runs no engine in the launcher; it keeps its ONNX for launchers that do not elide it
+    return lambda b: {} if b.id in lay.elided else {"layout": lay.branch(b)}
+
+
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
                    label: str, on_branch=None) -> dict:
     """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report."""
@@ -108,11 +121,12 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
     onnx.save(model, dest / "model.onnx")
     plan.save(dest / "plan.json")
     builder = backend.Builder(options)
+    layouts = _engine_layouts(plan, backend, builder, options)
     try:
         for b in plan.branches:
             branch_model = extract_branch(model, graph, b)
             try:
-                data = builder.build(branch_model, b.name)
+                data = builder.build(branch_model, b.name, **layouts(b))
             except ParastreamError as e:
                 msg = str(e)
                 raise ParastreamError(f"{label}: {msg}" if msg.startswith(b.name) else f"{label}: {b.name} failed to build: {msg}") from None
