@@ -6,6 +6,7 @@ temporary folder beside OUT and renamed into place at the end.
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import json
 import platform
@@ -123,22 +124,36 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
     builder = backend.Builder(options)
     layouts = _engine_layouts(plan, backend, builder, options)
     try:
-        for b in plan.branches:
-            branch_model = extract_branch(model, graph, b)
-            try:
-                data = builder.build(branch_model, b.name, **layouts(b))
-            except ParastreamError as e:
-                msg = str(e)
-                raise ParastreamError(f"{label}: {msg}" if msg.startswith(b.name) else f"{label}: {b.name} failed to build: {msg}") from None
-            except Exception as e:  # noqa: BLE001 - backend errors name the node
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ParastreamError(f"{label}: {b.name} (nodes {b.nodes[0]}..{b.nodes[-1]}) failed to build with {backend.name}: {first}") from None
+        build_all = getattr(builder, "build_all", None)  # torch: compiles its branches side by side
+        if build_all is not None:
+            with _naming_failures(label, backend, None):
+                datas = build_all([(extract_branch(model, graph, b), b.name, layouts(b).get("layout")) for b in plan.branches])
+        for i, b in enumerate(plan.branches):
+            if build_all is not None:
+                data = datas[i]
+            else:
+                with _naming_failures(label, backend, b):
+                    data = builder.build(extract_branch(model, graph, b), b.name, **layouts(b))
             (dest / b.engine).write_bytes(data)
             if on_branch:
                 on_branch()
         return builder.report()
     finally:
         builder.close()
+
+
+@contextlib.contextmanager
+def _naming_failures(label: str, backend, b):
+    """A backend's failure to build ``b`` (or, with ``b=None``, a batch whose messages name their branch) as one line."""
+    try:
+        yield
+    except ParastreamError as e:
+        msg = str(e)
+        raise ParastreamError(f"{label}: {msg}" if b is None or msg.startswith(b.name) else f"{label}: {b.name} failed to build: {msg}") from None
+    except Exception as e:  # noqa: BLE001 - backend errors name the node
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = f"{b.name} (nodes {b.nodes[0]}..{b.nodes[-1]})" if b is not None else "an engine"
+        raise ParastreamError(f"{label}: {where} failed to build with {backend.name}: {first}") from None
 
 
 class MeasureBudgetSpent(RuntimeError):

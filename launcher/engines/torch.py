@@ -42,6 +42,7 @@ import contextlib
 import hashlib
 import io
 import json
+import os
 import platform
 import threading
 import time
@@ -339,12 +340,50 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
     return buf.getvalue()
 
 
+def compile_workers() -> int:
+    """Processes that compile packages side by side (``PARASTREAM_COMPILE_WORKERS``; default: half the cores, at most 8)."""
+    env = os.environ.get("PARASTREAM_COMPILE_WORKERS")
+    if env:
+        return max(1, int(env))
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
+_POOL: dict = {}
+
+
+def _worker_init() -> None:
+    import torch._inductor.config as cfg
+
+    cfg.compile_threads = 1  # the workers are the parallelism; no Triton compile pool per worker
+
+
+def _compile_job(job: tuple) -> bytes:
+    branch_bytes, inputs, outputs, device, dtype, nhwc, views, options = job
+    return compile_package(onnx.load_from_string(branch_bytes), inputs, outputs, device, dtype, nhwc, views, options)
+
+
+def _pool(workers: int):
+    """A process pool that lives as long as this process (the search's candidates reuse it)."""
+    import atexit
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = _POOL.get(workers)
+    if pool is None:
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
+        _POOL[workers] = pool
+        atexit.register(pool.shutdown, wait=False, cancel_futures=True)
+    return pool
+
+
 class Builder:
     """Converts each branch (failing on the first unsupported node) and compiles it for the launcher's layout.
 
     ``build(branch, name, layout=None)``: ``layout`` is what the launcher will give the engine
     (``EngineLayouts.branch``: input and output specs, channels-last set, channel views); without
     it, or with ``compile=False`` or ``AOT_COMPILE = False``, the engine holds the branch's ONNX alone.
+    ``build_all(items)`` does the same for many branches and compiles the packages that no cache
+    holds in ``compile_workers()`` processes side by side.
     """
 
     def __init__(self, options: BuildOptions):
@@ -354,39 +393,74 @@ class Builder:
         self._report: dict[str, dict] = {}
 
     def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None) -> bytes:
+        return self.build_all([(branch, name, layout)])[0]
+
+    def build_all(self, items: list[tuple[onnx.ModelProto, str, dict | None]]) -> list[bytes]:
         from .onnx_torch import convert
 
-        t0 = time.perf_counter()
-        module = convert(branch, "float32")
-        ops: dict[str, int] = {}
-        for n in branch.graph.node:
-            ops[n.op_type] = ops.get(n.op_type, 0) + 1
         device = self.options.device
         dtype = compute_dtype(self.options.precision, device)
-        rep = {"nodes": len(branch.graph.node), "torch_steps": len(module._steps), "ops": ops,
-               "compile": bool(self.options.compile), "precision": self.options.precision,
-               "convert_s": round(time.perf_counter() - t0, 4), "compiled": None}
-        self._report[name] = rep
-        onnx_bytes = branch.SerializeToString()
-        if layout is None or not self.options.compile or not AOT_COMPILE:
-            return pack({"format": ENGINE_FORMAT, "compiled": None}, onnx_bytes, None)
-
-        inputs, outputs = list(layout["inputs"]), list(layout["outputs"])
-        nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
-        built = built_for(device)
         fuse = _fuse(device, dtype)
-        key = cache_key(branch, sig, dtype, self.options, fuse, built)
+        built = built_for(device)
+        out: list = []
+        todo: dict[str, tuple] = {}  # key -> compile job (one per distinct branch)
+        for branch, name, layout in items:
+            t0 = time.perf_counter()
+            try:
+                module = convert(branch, "float32")
+            except ParastreamError as e:
+                raise type(e)(f"{name}: {e}") from None  # the batch names the branch that failed
+            ops: dict[str, int] = {}
+            for n in branch.graph.node:
+                ops[n.op_type] = ops.get(n.op_type, 0) + 1
+            rep = {"nodes": len(branch.graph.node), "torch_steps": len(module._steps), "ops": ops,
+                   "compile": bool(self.options.compile), "precision": self.options.precision,
+                   "convert_s": round(time.perf_counter() - t0, 4), "compiled": None}
+            self._report[name] = rep
+            onnx_bytes = branch.SerializeToString()
+            if layout is None or not self.options.compile or not AOT_COMPILE:
+                out.append(pack({"format": ENGINE_FORMAT, "compiled": None}, onnx_bytes, None))
+                continue
+            inputs, outputs = list(layout["inputs"]), list(layout["outputs"])
+            nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
+            key = cache_key(branch, sig, dtype, self.options, fuse, built)
+            package, where = cache_get(key, self.options.cache_dir)
+            if package is None and key not in todo:
+                todo[key] = (onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
+            rep.update(compiled="aotinductor", cache=where, key=key[:16])  # miss: compiled by this build
+            meta = {"format": ENGINE_FORMAT, "compiled": "aotinductor", "built_for": built, "dtype": dtype,
+                    "fuse_conv_relu": fuse, "optimization_level": int(self.options.optimization_level), "signature": sig,
+                    "key": key}
+            out.append((key, name, meta, onnx_bytes))
+
         t0 = time.perf_counter()
-        package, where = cache_get(key, self.options.cache_dir)
-        if package is None:
-            package = compile_package(branch, inputs, outputs, device, dtype, nhwc, views, self.options)
-            _cache_put(key, package, self.options.cache_dir)
-        rep.update(compiled="aotinductor", cache=where, compile_s=round(time.perf_counter() - t0, 3),
-                   package_bytes=len(package), key=key[:16])
-        meta = {"format": ENGINE_FORMAT, "compiled": "aotinductor", "built_for": built, "dtype": dtype,
-                "fuse_conv_relu": fuse, "optimization_level": int(self.options.optimization_level), "signature": sig,
-                "key": key}
-        return pack(meta, onnx_bytes, package)
+        compiled = self._compile(todo)
+        for i, item in enumerate(out):
+            if isinstance(item, bytes):
+                continue
+            key, name, meta, onnx_bytes = item
+            package = compiled.get(key) or cache_get(key, self.options.cache_dir)[0]
+            self._report[name]["package_bytes"] = len(package)
+            out[i] = pack(meta, onnx_bytes, package)
+        for item in items:  # the compile time is the batch's (its packages compile side by side)
+            if self._report[item[1]].get("cache") == "miss":
+                self._report[item[1]]["compile_batch_s"] = round(time.perf_counter() - t0, 3)
+        return out
+
+    def _compile(self, todo: dict[str, tuple]) -> dict[str, bytes]:
+        """Compile the jobs (in worker processes when there are several and workers to spare); cache each package."""
+        if not todo:
+            return {}
+        workers = min(compile_workers(), len(todo))
+        keys = list(todo)
+        if workers > 1:
+            packages = list(_pool(compile_workers()).map(_compile_job, [todo[k] for k in keys]))
+        else:
+            packages = [_compile_job(todo[k]) for k in keys]
+        done = dict(zip(keys, packages))
+        for k, data in done.items():
+            _cache_put(k, data, self.options.cache_dir)
+        return done
 
     def report(self) -> dict:
         return self._report
