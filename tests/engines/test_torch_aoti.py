@@ -1,0 +1,203 @@
+"""Compiled torch engines (AOTInductor packages): built once, loaded without compiling, refused where they were
+not compiled for, cached by branch.  AOTInductor compiles for the CPU too, which is how these run in CI (tiny
+branches; each compile takes seconds, so the module compiles three and shares them); the GPU path is in
+test_torch_aoti_gpu below and tests/test_build_gpu.py."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import textwrap
+import types
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines import BuildOptions  # noqa: E402
+from parastream.launcher.engines import torch as tb  # noqa: E402
+from parastream.launcher.errors import ParastreamError  # noqa: E402
+from parastream.launcher.plan import TensorSpec  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+IN = TensorSpec("x", "float32", [1, 3, 8, 8])
+OUT = TensorSpec("y", "float32", [1, 4, 8, 8])
+
+
+def branch(seed: int) -> onnx.ModelProto:
+    """Conv 3x3 -> Relu -> Mul by a constant: one tiny branch; ``seed`` picks its weights."""
+    rng = np.random.default_rng(seed)
+    inits = [numpy_helper.from_array(rng.standard_normal((4, 3, 3, 3)).astype(np.float32), "w"),
+             numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b"),
+             numpy_helper.from_array(np.array(0.5, np.float32), "half")]
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], pads=[1, 1, 1, 1], name="conv"),
+             helper.make_node("Relu", ["c"], ["r"], name="relu"),
+             helper.make_node("Mul", ["r", "half"], ["y"], name="scale")]
+    g = helper.make_graph(nodes, f"net_branch_{seed:03d}", [helper.make_tensor_value_info("x", TensorProto.FLOAT, IN.shape)],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, OUT.shape)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def ort(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
+    import onnxruntime as rt
+
+    return rt.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+
+
+LAYOUT = {"inputs": [IN], "outputs": [OUT]}
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Branches 1 and 2 compiled once into a disk cache, with a count of the compiles."""
+    cache = tmp_path_factory.mktemp("engine-cache")
+    calls = []
+    real = tb.compile_package
+
+    def counting(br, *a, **k):
+        calls.append(br.graph.node[0].name + ":" + str(numpy_helper.to_array(br.graph.initializer[0]).ravel()[0]))
+        return real(br, *a, **k)
+
+    tb.compile_package = counting
+    old_env = os.environ.get("PARASTREAM_COMPILE_WORKERS")
+    os.environ["PARASTREAM_COMPILE_WORKERS"] = "1"  # in this process, so that the count sees every compile
+    tb.clear_memory_cache()
+    try:
+        builder = tb.Builder(BuildOptions(device="cpu", cache_dir=str(cache)))
+        a, b = builder.build_all([(branch(1), "branch_000", LAYOUT), (branch(2), "branch_001", LAYOUT)])
+        report = builder.report()
+        yield types.SimpleNamespace(a=a, b=b, report=report, cache=cache, calls=calls)
+    finally:
+        tb.compile_package = real
+        if old_env is None:
+            os.environ.pop("PARASTREAM_COMPILE_WORKERS", None)
+        else:
+            os.environ["PARASTREAM_COMPILE_WORKERS"] = old_env
+
+
+def test_engine_is_a_compiled_package_stating_what_it_was_compiled_for(built):
+    meta, onnx_bytes, package = tb.unpack(built.a)
+    assert package is not None and meta["compiled"] == "aotinductor"
+    assert meta["built_for"] == tb.built_for("cpu") and meta["built_for"]["torch"] == torch.__version__
+    assert onnx.load_from_string(onnx_bytes).graph.node[0].name == "conv"  # the ONNX rides along for other layouts
+    assert built.report["branch_000"]["cache"] == "miss" and len(built.calls) == 2
+
+
+def test_loads_in_a_fresh_process_without_compiling_and_matches_onnxruntime(built, tmp_path):
+    engine = tmp_path / "branch_000.zip"
+    engine.write_bytes(built.a)
+    x = np.random.default_rng(7).standard_normal(IN.shape).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent(f"""
+        import json, time, numpy as np
+        t0 = time.perf_counter()
+        import torch, torch._dynamo.utils
+        from parastream.launcher.engines import BuildOptions, torch as tb
+        from parastream.launcher.plan import TensorSpec
+        e = tb.load(open({str(engine)!r}, "rb").read(), [TensorSpec("x", "float32", {IN.shape})],
+                    [TensorSpec("y", "float32", {OUT.shape})], device="cpu", options=BuildOptions())
+        y = e.run({{"x": np.load({str(tmp_path / 'x.npy')!r})}})["y"]
+        np.save({str(tmp_path / 'y.npy')!r}, y)
+        print(json.dumps({{"compiled_at_load": e.compiled_at_load, "load_s": e.load_s,
+                          "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}}))
+    """)
+    empty = tmp_path / "empty-inductor-cache"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(empty))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info["compiled_at_load"] is False and info["dynamo_graphs"] == 0
+    # nothing of the engine was compiled into the (empty) Inductor cache: no kernel, no wrapper; on the CPU
+    # Inductor probes the vector ISA once per cache with a one-line kernel (``__avx_chk_kernel``), and that is all
+    sources = [f for f in empty.rglob("*.cpp")] + [f for f in empty.rglob("*.py")] if empty.exists() else []
+    assert all("_chk_kernel" in f.read_text() for f in sources), [f.read_text()[:200] for f in sources]
+    assert {f.stem for f in empty.rglob("*.so")} <= {f.stem for f in sources}
+    y = np.load(tmp_path / "y.npy")
+    np.testing.assert_allclose(y, ort(branch(1), x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_other_branch_computes_its_own_weights(built):
+    x = np.random.default_rng(8).standard_normal(IN.shape).astype(np.float32)
+    e = tb.load(built.b, [IN], [OUT], device="cpu")
+    assert not e.compiled_at_load
+    np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(2), x), rtol=1e-5, atol=1e-5)
+    assert np.abs(ort(branch(1), x) - ort(branch(2), x)).max() > 0.1  # the two branches really differ
+
+
+def _retag(data: bytes, **built_for) -> bytes:
+    meta, onnx_bytes, package = tb.unpack(data)
+    meta["built_for"] = dict(meta["built_for"], **built_for)
+    return tb.pack(meta, onnx_bytes, package)
+
+
+@pytest.mark.parametrize("other, says", [
+    ({"torch": "2.0.0+cu118"}, r"compiled for the CPU \(.*\), torch 2\.0\.0\+cu118; this machine has the CPU \(.*\), torch " + torch.__version__.replace("+", r"\+")),
+    ({"device": "cuda", "arch": "sm_90", "gpu": "NVIDIA H100 80GB HBM3", "cuda": "12.8", "machine": None},
+     r"compiled for NVIDIA H100 80GB HBM3 \(sm_90\), torch .*, CUDA 12\.8; this machine has the CPU"),
+    ({"machine": "aarch64" if os.uname().machine != "aarch64" else "x86_64"}, r"compiled for the CPU \((aarch64|x86_64)\)"),
+])
+def test_an_engine_compiled_elsewhere_is_refused_saying_for_what_and_what_was_found(built, other, says):
+    with pytest.raises(ParastreamError, match=says):
+        tb.load(_retag(built.a, **other), [IN], [OUT], device="cpu")
+
+
+def test_the_same_machine_is_not_refused(built):
+    tb.load(_retag(built.a, gpu="another name"), [IN], [OUT], device="cpu")  # only device, arch and versions decide
+
+
+def test_cache_hit_on_an_identical_branch_and_one_changed_branch_recompiles_alone(built, monkeypatch):
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
+    n = len(built.calls)
+    # the same branch under another name (another candidate's index): a hit, same bytes, nothing compiled
+    renamed = branch(1)
+    renamed.graph.name = "net_branch_042"
+    builder = tb.Builder(BuildOptions(device="cpu", cache_dir=str(built.cache)))
+    a2, b3 = builder.build_all([(renamed, "branch_042", LAYOUT), (branch(3), "branch_043", LAYOUT)])
+    assert builder.report()["branch_042"]["cache"] == "memory" and tb.unpack(a2)[2] == tb.unpack(built.a)[2]
+    assert builder.report()["branch_043"]["cache"] == "miss" and len(built.calls) == n + 1  # only the changed one
+    # a later build (memory cache gone): both from --cache-dir, nothing compiled
+    tb.clear_memory_cache()
+    again = tb.Builder(BuildOptions(device="cpu", cache_dir=str(built.cache)))
+    assert again.build_all([(branch(1), "b0", LAYOUT), (branch(3), "b1", LAYOUT)]) == [built.a, b3]
+    assert {r["cache"] for r in again.report().values()} == {"disk"} and len(built.calls) == n + 1
+    x = np.random.default_rng(9).standard_normal(IN.shape).astype(np.float32)
+    np.testing.assert_allclose(tb.load(b3, [IN], [OUT]).run({"x": x})["y"], ort(branch(3), x), rtol=1e-5, atol=1e-5)
+
+
+def test_another_precision_or_layout_is_another_cache_entry(built):
+    sig = tb._layout([IN], [OUT], "cpu", (), {})[2]
+    base = tb.cache_key(branch(1), sig, "float32", BuildOptions(device="cpu"), False, tb.built_for("cpu"))
+    assert base == tb.cache_key(branch(1), sig, "float32", BuildOptions(device="cpu", cache_dir="/x"), False, tb.built_for("cpu"))
+    others = [tb.cache_key(branch(1), sig, "float16", BuildOptions(device="cpu"), False, tb.built_for("cpu")),
+              tb.cache_key(branch(1), sig, "float32", BuildOptions(device="cpu", optimization_level=5), False, tb.built_for("cpu")),
+              tb.cache_key(branch(1), sig, "float32", BuildOptions(device="cpu"), True, tb.built_for("cpu")),
+              tb.cache_key(branch(1), [[*s[:3], True, [8, 0]] for s in sig], "float32", BuildOptions(device="cpu"), False,
+                           tb.built_for("cpu")),
+              tb.cache_key(branch(1), sig, "float32", BuildOptions(device="cpu"), False, dict(tb.built_for("cpu"), torch="0")),
+              tb.cache_key(branch(2), sig, "float32", BuildOptions(device="cpu"), False, tb.built_for("cpu"))]
+    assert len({base, *others}) == 7
+
+
+def test_uncompiled_and_legacy_engines_compile_at_load(built):
+    x = np.random.default_rng(10).standard_normal(IN.shape).astype(np.float32)
+    plain = tb.Builder(BuildOptions(device="cpu", compile=False)).build(branch(1), "b")  # no package without compile
+    assert tb.unpack(plain)[2] is None
+    no_layout = tb.Builder(BuildOptions(device="cpu")).build(branch(1), "b")  # nor without the launcher's layout
+    assert tb.unpack(no_layout)[2] is None
+    for data in (plain, no_layout, branch(1).SerializeToString()):  # the last: a bundle written before packages
+        e = tb.load(data, [IN], [OUT], device="cpu")
+        assert e.compiled_at_load
+        np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(1), x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_corrupt_engine_is_one_clear_error(built):
+    with pytest.raises(ParastreamError, match="not a readable torch engine"):
+        tb.load(built.a[:200], [IN], [OUT], device="cpu")
