@@ -156,6 +156,15 @@ def _naming_failures(label: str, backend, b):
         raise ParastreamError(f"{label}: {where} failed to build with {backend.name}: {first}") from None
 
 
+def _engines_loaded(runner) -> dict:
+    """How verification loaded the engines (``parastream run``'s way): how many ran as the written compiled
+    artifacts and how many had to be compiled at load (none, for a bundle whose engines were compiled at build)."""
+    engines = [e for e in getattr(runner, "engines", []) if e is not None and hasattr(e, "compiled_at_load")]
+    if not engines:
+        return {}
+    return {"engines_loaded": len(engines), "engines_compiled_at_load": sum(bool(e.compiled_at_load) for e in engines)}
+
+
 class MeasureBudgetSpent(RuntimeError):
     pass
 
@@ -383,7 +392,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                     close()
                 task.advance()
                 timings["verify"] = time.perf_counter() - t0
-                report["verification"] = result.to_dict()
+                report["verification"] = dict(result.to_dict(), **_engines_loaded(runner))
                 if not result.passed:
                     failed = [kv for kv in result.outputs.items() if not kv[1].get("passed", False)] or list(result.outputs.items())
                     name, o = max(failed, key=lambda kv: kv[1].get("max_abs", 0.0))

@@ -201,3 +201,137 @@ def test_uncompiled_and_legacy_engines_compile_at_load(built):
 def test_a_corrupt_engine_is_one_clear_error(built):
     with pytest.raises(ParastreamError, match="not a readable torch engine"):
         tb.load(built.a[:200], [IN], [OUT], device="cpu")
+
+
+# -- the build hands the builder the launcher's layouts (CPU: a recording builder) ----------------------------
+def test_build_compiles_each_branch_for_the_layout_the_gpu_launcher_gives_it(tmp_path):
+    import onnx_graphsurgeon as gs
+
+    from parastream.launcher.gpu import engine_layouts
+    from parastream.pipeline import build
+    from parastream.pipeline.build import _write_engines
+    from parastream.pipeline.zoo import small_net
+
+    onnx.save(small_net(), tmp_path / "small_net.onnx")
+    plan = build(tmp_path / "small_net.onnx", tmp_path / "ort", backend="onnxruntime", streams=4, search=False,
+                 verify=False).plan
+    plan.precision, plan.backend = "fp16", "torch"
+    seen: dict = {}
+
+    class Recording:
+        def __init__(self, options):
+            pass
+
+        def build(self, branch, name, layout=None):
+            seen[name] = layout
+            return b"engine"
+
+        def report(self):
+            return {}
+
+        def close(self):
+            pass
+
+    backend = types.SimpleNamespace(name="torch", suffix=".zip", gpu=True, supports_internal_nhwc=True,
+                                    supports_channel_views=True, Builder=Recording)
+    model = onnx.load(tmp_path / "ort" / "model.onnx")
+    graph = gs.import_onnx(model)
+    graph.toposort()
+    (tmp_path / "b").mkdir()
+    _write_engines(tmp_path / "b", model, graph, plan, backend, BuildOptions(precision="fp16", device="cuda"), "label")
+    lay = engine_layouts(plan, backend)
+    assert lay.elided and lay.nhwc and lay.views  # small_net has in-place Concats and channels-last boundaries
+    for b in plan.branches:
+        if b.id in lay.elided:
+            assert seen[b.name] is None  # runs no engine in the launcher
+        else:
+            assert seen[b.name] == lay.branch(b)
+    internal = [t for b in plan.branches if b.id not in lay.elided for t in seen[b.name]["inputs"] if t.name in lay.nhwc]
+    assert internal and all(t.dtype == "float16" for t in internal)
+    # a CPU build (onnxruntime, or torch on the CPU) passes no layout: nothing to compile for a GPU launcher
+    seen.clear()
+    _write_engines(tmp_path / "b", model, graph, plan, backend, BuildOptions(precision="fp16", device="cpu"), "label")
+    assert set(seen.values()) == {None}
+
+
+# -- GPU: the whole bundle ---------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu_bundle(tmp_path_factory):
+    from parastream.pipeline import build
+    from parastream.pipeline.zoo import small_net
+
+    folder = tmp_path_factory.mktemp("gpu-aoti")
+    onnx.save(small_net(), folder / "small_net.onnx")
+    bundle = build(folder / "small_net.onnx", folder / "out", backend="torch", precision="fp16", streams=4, search=False)
+    return folder, bundle
+
+
+@pytest.mark.gpu
+def test_gpu_bundle_ships_compiled_engines_verified_as_loaded(gpu_bundle):
+    _, bundle = gpu_bundle
+    engines = bundle.report["engines"]
+    compiled = [e for e in engines.values() if e["compiled"] == "aotinductor"]
+    assert compiled and len(compiled) >= len(engines) - sum(b.concat_axis is not None for b in bundle.plan.branches)
+    v = bundle.report["verification"]
+    assert v["passed"] and v["engines_loaded"] >= len(compiled) and v["engines_compiled_at_load"] == 0
+
+
+@pytest.mark.gpu
+def test_gpu_bundle_loads_in_a_fresh_process_without_compiling(gpu_bundle, tmp_path):
+    folder, bundle = gpu_bundle
+    x = np.random.default_rng(5).standard_normal(bundle.plan.inputs[0].shape).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent(f"""
+        import json, time, numpy as np
+        t0 = time.perf_counter()
+        import torch, torch._dynamo.utils
+        from parastream.launcher import load
+        run = load({str(bundle.path)!r}, device="cuda")
+        ready = time.perf_counter() - t0
+        y = run({{{bundle.plan.inputs[0].name!r}: np.load({str(tmp_path / 'x.npy')!r})}})[{bundle.plan.outputs[0].name!r}]
+        np.save({str(tmp_path / 'y.npy')!r}, y)
+        print(json.dumps({{"ready_s": ready, "compiled_at_load": sum(e.compiled_at_load for e in run.engines if e is not None),
+                          "dynamo_graphs": torch._dynamo.utils.counters["stats"]["unique_graphs"]}}))
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty"), TRITON_CACHE_DIR=str(tmp_path / "empty-triton"))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info["compiled_at_load"] == 0 and info["dynamo_graphs"] == 0, info
+    import onnxruntime as rt
+
+    ref = rt.InferenceSession(str(folder / "small_net.onnx"), providers=["CPUExecutionProvider"]).run(None, {bundle.plan.inputs[0].name: x})[0]
+    y = np.load(tmp_path / "y.npy")
+    assert np.abs(y - ref).max() / np.abs(ref).max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_ablation_layouts_compile_at_load_and_stay_right(gpu_bundle):
+    from parastream.launcher.gpu import GpuLauncher
+
+    folder, bundle = gpu_bundle
+    x = np.random.default_rng(6).standard_normal(bundle.plan.inputs[0].shape).astype(np.float32)
+    name = bundle.plan.inputs[0].name
+    with GpuLauncher(bundle) as la:
+        ref = la({name: x})[bundle.plan.outputs[0].name]
+    with GpuLauncher(bundle, concat_in_place=False) as la:  # the elided Concats now need engines: from their ONNX
+        assert any(e.compiled_at_load for e in la.engines)
+        got = la({name: x})[bundle.plan.outputs[0].name]
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bundle, tmp_path):
+    import shutil
+
+    from parastream.launcher.bundle import Bundle
+    from parastream.launcher.gpu import GpuLauncher
+
+    _, bundle = gpu_bundle
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle.path, copy)
+    b = next(b for b in bundle.plan.branches if tb.unpack((copy / b.engine).read_bytes())[2] is not None)
+    (copy / b.engine).write_bytes(_retag((copy / b.engine).read_bytes(), arch="sm_80", gpu="NVIDIA A100-SXM4-80GB"))
+    with pytest.raises(ParastreamError, match=rf"{b.engine}: this torch engine was compiled for NVIDIA A100-SXM4-80GB \(sm_80\).*"
+                                              rf"this machine has .*\(sm_\d+\)"):
+        GpuLauncher(Bundle.open(copy, check_hashes=False))
