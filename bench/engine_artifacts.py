@@ -15,6 +15,13 @@ the error against onnxruntime.  Then, while time is left, whole builds with the 
 budget ``--measure-seconds`` and verification, with ``AOT_COMPILE`` on (after) and off (before).
 
     python bench/engine_artifacts.py --out $OUT      # results: $OUT/engine_artifacts.json
+
+Without a GPU, ``--cpu`` compares the same three per branch on the CPU (Inductor and AOTInductor compile for the
+CPU too): the first ``--branches`` branches of a zoo model's plan, compiled (jit: torch.compile of the module the
+engine runs; aoti: the package the build writes) and loaded in fresh processes with empty caches.  A proxy for
+the GPU's figures (no Triton, no CUDA Graph), not a replacement:
+
+    python bench/engine_artifacts.py --cpu --model small_net --branches 4 --out /tmp/ea
 """
 
 from __future__ import annotations
@@ -53,6 +60,10 @@ def child(args) -> dict:
     res: dict = {"mode": args.child, "import_s": time.perf_counter() - t_import}
     if args.child == "build":
         return child_build(args, res)
+    if args.child == "cpu-build":
+        return cpu_build_child(args, res)
+    if args.child.startswith("cpu-"):
+        return cpu_child(args, res)
     bundle = Bundle.open(args.bundle)
     if args.child == "mega-load":
         t0 = time.perf_counter()
@@ -83,6 +94,105 @@ def child(args) -> dict:
     b = bench_bundle(bundle, runs=args.runs, warmup=20, launcher=la, whole_model=False)
     res.update(d_ms=b["parastream_ms"], b_ms=b["single_stream_ms"], branches=b["branches"], streams=b["streams"])
     la.close()
+    return res
+
+
+def cpu_branches(args) -> list:
+    """(branch ONNX, input specs, output specs) of the first ``--branches`` branches (fp32) of a zoo model's plan."""
+    import onnx
+
+    from parastream.launcher.bundle import Bundle
+
+    bundle = Bundle.open(args.bundle)
+    plan = bundle.plan
+    out = []
+    for b in plan.branches[: args.branches]:
+        out.append((onnx.load_from_string(bundle.engine_bytes(b)), [plan.tensors[t] for t in b.inputs],
+                    [plan.tensors[t] for t in b.outputs]))
+    return out
+
+
+def cpu_child(args, res: dict) -> dict:
+    """CPU: load (aoti) or compile (jit, mega) every branch and run it once, in this fresh process."""
+    import numpy as np
+    import torch
+
+    from parastream.launcher.engines import torch as tb
+    from parastream.launcher.engines.onnx_torch import convert, to_fx
+
+    branches = cpu_branches(args)
+    if args.child == "cpu-mega-load":
+        t0 = time.perf_counter()
+        torch.compiler.load_cache_artifacts(Path(args.artifacts).read_bytes())
+        res["load_cache_artifacts_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    per = []
+    for i, (model, ins, outs) in enumerate(branches):
+        t1 = time.perf_counter()
+        if args.child == "cpu-aoti":
+            e = tb.load(Path(args.artifacts, f"{i}.zip").read_bytes(), ins, outs, device="cpu")
+            assert not e.compiled_at_load
+            e.run({t.name: np.zeros(t.shape, t.dtype) for t in ins})
+        else:  # what a GPU engine does at load, on the CPU: convert, trace to FX, torch.compile, run once
+            wrapper = tb._into_outputs(to_fx(convert(model, "float32")), [t.name for t in ins], [t.name for t in outs], torch.float32)
+            fn = torch.compile(wrapper, fullgraph=True, dynamic=False)
+            with torch.no_grad():
+                fn(*[tb._tensor(t, False, None, "cpu") for t in ins + outs])
+        per.append(time.perf_counter() - t1)
+    res.update(load_s=time.perf_counter() - t0, per_branch_s=per, process_to_ready_s=time.perf_counter() - T_START)
+    if args.child == "cpu-jit":
+        art = torch.compiler.save_cache_artifacts()
+        if art is not None:
+            Path(args.artifacts).write_bytes(art[0])
+            res["cache_artifacts_bytes"] = len(art[0])
+    return res
+
+
+def cpu_main(args, res: dict, work: Path, save) -> None:
+    """The CPU proxy: jit vs Inductor cache artifacts vs AOTInductor packages, per branch."""
+    from parastream.pipeline import build
+    from parastream.pipeline.zoo import MODELS
+
+    onnx_path = work / f"{args.model}.onnx"
+    import onnx
+
+    onnx.save(MODELS[args.model](), onnx_path)
+    bundle = build(onnx_path, work / "plan", backend="onnxruntime", streams=4, search=False, verify=False)
+    args.bundle = str(bundle.path)
+    branches = cpu_branches(args)
+    res["branches"] = [{"nodes": len(m.graph.node), "ops": sorted({n.op_type for n in m.graph.node})} for m, _, _ in branches]
+    pk = work / "packages"
+    pk.mkdir()
+    env = _fresh_env({"PARASTREAM_COMPILE_WORKERS": "1"})
+    # each step in a fresh process with empty Inductor caches: the build too
+    run_child(res, "cpu_build_aoti", ["--child", "cpu-build", "--bundle", args.bundle, "--branches", str(args.branches),
+                                      "--artifacts", str(pk)], env, 3600)
+    save()
+    common = ["--bundle", args.bundle, "--branches", str(args.branches)]
+    run_child(res, "cpu_load_aoti", ["--child", "cpu-aoti", "--artifacts", str(pk), *common], _fresh_env(), 3600)
+    save()
+    art = work / "cache_artifacts.bin"
+    run_child(res, "cpu_jit", ["--child", "cpu-jit", "--artifacts", str(art), *common], _fresh_env(), 3600)
+    save()
+    if art.is_file():
+        run_child(res, "cpu_mega", ["--child", "cpu-mega-load", "--artifacts", str(art), *common], _fresh_env(), 3600)
+        save()
+
+
+def cpu_build_child(args, res: dict) -> dict:
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as tb
+
+    branches = cpu_branches(args)
+    builder = tb.Builder(BuildOptions(device="cpu"))
+    t0 = time.perf_counter()
+    per = []
+    for i, (model, ins, outs) in enumerate(branches):
+        t1 = time.perf_counter()
+        Path(args.artifacts, f"{i}.zip").write_bytes(builder.build(model, f"b{i}", layout={"inputs": ins, "outputs": outs}))
+        per.append(time.perf_counter() - t1)
+    res.update(build_s=time.perf_counter() - t0, per_branch_s=per,
+               engine_bytes=[Path(args.artifacts, f"{i}.zip").stat().st_size for i in range(len(branches))])
     return res
 
 
@@ -135,7 +245,10 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-seconds", type=float, default=30.0)
     ap.add_argument("--steps", default="build,aoti,jit,mega,search-after,search-before")
     # child mode
-    ap.add_argument("--child", choices=["aoti", "jit", "mega-save", "mega-load", "build"])
+    ap.add_argument("--cpu", action="store_true", help="the CPU proxy (no GPU): per branch of --model (a zoo model)")
+    ap.add_argument("--branches", type=int, default=4)
+    ap.add_argument("--child", choices=["aoti", "jit", "mega-save", "mega-load", "build", "cpu-build", "cpu-aoti", "cpu-jit",
+                                        "cpu-mega-load"])
     ap.add_argument("--result")
     ap.add_argument("--bundle")
     ap.add_argument("--onnx")
@@ -163,6 +276,13 @@ def main(argv=None) -> int:
 
     res["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
     res["torch"] = torch.__version__
+    if args.cpu:
+        res["device"] = f"cpu ({os.cpu_count()} cores)"
+        cpu_main(args, res, work, save)
+        res["total_s"] = time.perf_counter() - T_START
+        save()
+        print(json.dumps(res, indent=1, default=str))
+        return 0
     sys.path.insert(0, str(ROOT / "bench"))
     from gpu import export, make_model  # bench/gpu.py: the models of the H100 table
 

@@ -376,6 +376,30 @@ def _pool(workers: int):
     return pool
 
 
+def _load_package(package: bytes, device_index: int):
+    """The package's runner (``AOTIModelPackageLoader``), loaded without compiling anything.
+
+    Not ``torch._inductor.aoti_load_package``: before loading, that compares the package's device
+    information with this machine's, whose CPU part (``pick_vec_isa``) compiles and runs a probe
+    kernel with the C++ compiler in every process with an empty Inductor cache (9.5 s on our CI
+    machine, the first load of a fresh Triton instance), and on a mismatch it only warns.
+    ``check_built_for`` has refused a mismatch already.
+    """
+    import tempfile
+
+    import torch
+
+    loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
+    with tempfile.NamedTemporaryFile(suffix=".pt2") as f:  # the loader reads a file and extracts it
+        f.write(package)
+        f.flush()
+        if loader is None:  # another torch: the public loader
+            from torch._inductor import aoti_load_package
+
+            return aoti_load_package(f.name, device_index=device_index).loader
+        return loader(f.name, "model", False, 1, device_index)
+
+
 class Builder:
     """Converts each branch (failing on the first unsupported node) and compiles it for the launcher's layout.
 
@@ -513,10 +537,7 @@ class TorchEngine:
         self._runner = None
         self.module = None
         if not self.compiled_at_load:
-            from torch._inductor import aoti_load_package
-
-            index = torch.cuda.current_device() if device == "cuda" else -1
-            self._runner = aoti_load_package(io.BytesIO(package), device_index=index).loader
+            self._runner = _load_package(package, torch.cuda.current_device() if device == "cuda" else -1)
             self._fn = self._run_package
         else:
             from .onnx_torch import convert
