@@ -172,6 +172,21 @@ def test_cache_hit_on_an_identical_branch_and_one_changed_branch_recompiles_alon
     np.testing.assert_allclose(tb.load(b3, [IN], [OUT]).run({"x": x})["y"], ort(branch(3), x), rtol=1e-5, atol=1e-5)
 
 
+def test_worker_processes_compile_the_same_engines(monkeypatch):
+    """Branches no cache holds compile side by side in spawned workers (the GPU build's path); a branch that
+    appears twice in one batch compiles once."""
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
+    builder = tb.Builder(BuildOptions(device="cpu"))
+    engines = builder.build_all([(branch(4), "b0", LAYOUT), (branch(5), "b1", LAYOUT), (branch(4), "b2", LAYOUT)])
+    assert [r["cache"] for r in builder.report().values()] == ["miss", "miss", "miss"]
+    assert tb.unpack(engines[0])[2] == tb.unpack(engines[2])[2]
+    x = np.random.default_rng(11).standard_normal(IN.shape).astype(np.float32)
+    for data, seed in zip(engines, (4, 5, 4)):
+        e = tb.load(data, [IN], [OUT], device="cpu")
+        assert not e.compiled_at_load
+        np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(seed), x), rtol=1e-5, atol=1e-5)
+
+
 def test_another_precision_or_layout_is_another_cache_entry(built):
     sig = tb._layout([IN], [OUT], "cpu", (), {})[2]
     base = tb.cache_key(branch(1), sig, "float32", BuildOptions(device="cpu"), False, tb.built_for("cpu"))
