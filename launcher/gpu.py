@@ -116,7 +116,8 @@ class GpuLauncher:
     """
 
     def __init__(self, bundle: Bundle | str, *, graph: bool = True, device: int = 0, single_stream: bool = False,
-                 engines: list | None = None, internal_nhwc: bool = True, concat_in_place: bool = True, _share=None):
+                 engines: list | None = None, internal_nhwc: bool | None = None, concat_in_place: bool = True,
+                 fuse_conv_relu: bool | None = None, _share=None):
         if not isinstance(bundle, Bundle):
             bundle = Bundle.open(bundle)
         self.bundle = bundle
@@ -129,6 +130,12 @@ class GpuLauncher:
         backend = bundle.backend()
         self.backend = backend
 
+        # the layout and fusion choices the build measured (manifest options); arguments override them
+        built = bundle.manifest.get("options", {}) or {}
+        if internal_nhwc is None:
+            internal_nhwc = bool(built.get("internal_nhwc", True))
+        if fuse_conv_relu is None:
+            fuse_conv_relu = bool(built.get("fuse_conv_relu", True))
         lay = engine_layouts(plan, backend, internal_nhwc=internal_nhwc, concat_in_place=concat_in_place)
         self.specs, self.nhwc, self.views, self.elided = lay.specs, lay.nhwc, lay.views, lay.elided
         channel_views = lay.channel_views
@@ -140,9 +147,9 @@ class GpuLauncher:
             self._scope = _share._scope
         else:
             self._scope = self._scope_factory() if self._scope_factory else contextlib.nullcontext
-        built = bundle.manifest.get("options", {}) or {}
         opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(built.get("compile", True)),
-                            optimization_level=int(built.get("optimization_level", 3)))  # 5: torch max-autotune
+                            optimization_level=int(built.get("optimization_level", 3)),  # 5: torch max-autotune
+                            fuse_conv_relu=fuse_conv_relu)
         t0 = time.perf_counter()
         if engines is None:
             engines = []

@@ -310,9 +310,10 @@ def _into_outputs(module, in_names: list[str], out_names: list[str], cdt):
     return IntoOutputs(module)
 
 
-def _fuse(device: str, dtype: str) -> bool:
-    # the fused cuDNN kernel is measured and tested in fp16 and fp32; bf16 engines keep Inductor's two kernels
-    return device == "cuda" and FUSE_CONV_RELU and dtype in ("float16", "float32")
+def _fuse(device: str, dtype: str, options: BuildOptions) -> bool:
+    # the fused cuDNN kernel is measured and tested in fp16 and fp32; bf16 engines keep Inductor's two kernels;
+    # a GPU build times the bundle with and without it and records its choice in options.fuse_conv_relu
+    return device == "cuda" and FUSE_CONV_RELU and options.fuse_conv_relu and dtype in ("float16", "float32")
 
 
 def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
@@ -323,7 +324,7 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
 
     from .onnx_torch import convert, to_fx
 
-    module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype)).to(device)
+    module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype, options)).to(device)
     try:
         inner = to_fx(module)  # straight-line code rather than the interpreter loop
     except Exception:  # noqa: BLE001 - the interpreter module exports too
@@ -424,7 +425,7 @@ class Builder:
 
         device = self.options.device
         dtype = compute_dtype(self.options.precision, device)
-        fuse = _fuse(device, dtype)
+        fuse = _fuse(device, dtype, self.options)
         built = built_for(device)
         out: list = []
         todo: dict[str, tuple] = {}  # key -> compile job (one per distinct branch)
@@ -531,7 +532,7 @@ class TorchEngine:
         self.meta = meta
         if package is not None:
             check_built_for(meta.get("built_for", {}), device)
-        fuse = _fuse(device, self.dtype)
+        fuse = _fuse(device, self.dtype, options)
         self.compiled_at_load = not (package is not None and meta.get("signature") == sig and meta.get("dtype") == self.dtype
                                      and meta.get("fuse_conv_relu") == fuse)
         self._runner = None
