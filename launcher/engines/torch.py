@@ -459,11 +459,15 @@ class Builder:
             out.append((key, name, meta, onnx_bytes))
 
         t0 = time.perf_counter()
-        compiled = self._compile(todo)
+        compiled, failed = self._compile(todo)
         for i, item in enumerate(out):
             if isinstance(item, bytes):
                 continue
             key, name, meta, onnx_bytes = item
+            if key in failed:  # AOTInductor could not compile it: the ONNX ships, compiled at every load (reported)
+                self._report[name].update(compiled=None, aot_error=failed[key])
+                out[i] = pack({"format": ENGINE_FORMAT, "compiled": None, "aot_error": failed[key]}, onnx_bytes, None)
+                continue
             package = compiled.get(key) or cache_get(key, self.options.cache_dir)[0]
             self._report[name]["package_bytes"] = len(package)
             out[i] = pack(meta, onnx_bytes, package)
@@ -472,20 +476,40 @@ class Builder:
                 self._report[item[1]]["compile_batch_s"] = round(time.perf_counter() - t0, 3)
         return out
 
-    def _compile(self, todo: dict[str, tuple]) -> dict[str, bytes]:
-        """Compile the jobs (in worker processes when there are several and workers to spare); cache each package."""
+    def _compile(self, todo: dict[str, tuple]) -> tuple[dict[str, bytes], dict[str, str]]:
+        """Compile the jobs (in worker processes when there are several and workers to spare); cache each package.
+
+        Returns (key -> package, key -> why it failed): a branch AOTInductor cannot compile does not fail
+        the build, its engine stays ONNX compiled at load, and the report and verification say so."""
         if not todo:
-            return {}
-        workers = min(compile_workers(), len(todo))
+            return {}, {}
         keys = list(todo)
+        workers = min(compile_workers(), len(todo))
         if workers > 1:
-            packages = list(_pool(compile_workers()).map(_compile_job, [todo[k] for k in keys]))
+            pool = _pool(compile_workers())
+            futures = {k: pool.submit(_compile_job, todo[k]) for k in keys}
+            results = {}
+            for k, f in futures.items():
+                try:
+                    results[k] = f.result()
+                except Exception as e:  # noqa: BLE001 - reported per branch
+                    results[k] = e
         else:
-            packages = [_compile_job(todo[k]) for k in keys]
-        done = dict(zip(keys, packages))
-        for k, data in done.items():
-            _cache_put(k, data, self.options.cache_dir)
-        return done
+            results = {}
+            for k in keys:
+                try:
+                    results[k] = _compile_job(todo[k])
+                except Exception as e:  # noqa: BLE001 - reported per branch
+                    results[k] = e
+        done, failed = {}, {}
+        for k, r in results.items():
+            if isinstance(r, BaseException):
+                text = str(r).strip()
+                failed[k] = f"{type(r).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+            else:
+                done[k] = r
+                _cache_put(k, r, self.options.cache_dir)
+        return done, failed
 
     def report(self) -> dict:
         return self._report

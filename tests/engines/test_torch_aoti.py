@@ -362,3 +362,22 @@ def test_engines_are_compiled_again_only_when_the_timed_choice_differs_from_what
     assert _compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": False})
     for other in ("onnxruntime", "tensorrt"):  # their engines do not depend on the launcher's layout
         assert not _compiled_for_other_choices(get_backend(other), True, {"fuse_conv_relu": False, "internal_nhwc": False})
+
+
+def test_a_branch_aotinductor_cannot_compile_ships_its_onnx_and_says_why(monkeypatch):
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
+
+    def fails(*a, **k):
+        raise RuntimeError("no C shim for aten::something\nmore detail")
+
+    monkeypatch.setattr(tb, "compile_package", fails)
+    builder = tb.Builder(BuildOptions(device="cpu"))
+    data = builder.build(branch(6), "branch_000", LAYOUT)
+    rep = builder.report()["branch_000"]
+    assert rep["compiled"] is None and rep["aot_error"] == "RuntimeError: no C shim for aten::something"
+    meta, _, package = tb.unpack(data)
+    assert package is None and meta["aot_error"] == rep["aot_error"]
+    e = tb.load(data, [IN], [OUT], device="cpu")
+    x = np.random.default_rng(12).standard_normal(IN.shape).astype(np.float32)
+    assert e.compiled_at_load
+    np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(6), x), rtol=1e-5, atol=1e-5)
