@@ -210,7 +210,8 @@ def _launcher_options(options: BuildOptions) -> dict:
             "fuse_conv_relu": options.fuse_conv_relu}
 
 
-def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions):
+def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
+                      internal_nhwc: bool = True):
     """A GpuLauncher of ``plan`` built like a real bundle in a scratch folder (gone once the engines are loaded)."""
     import tempfile
 
@@ -218,10 +219,30 @@ def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, op
 
     with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
         dest = Path(tmp)
-        _write_engines(dest, model, graph, plan, backend, options, "candidate")
+        _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc)
         (dest / "report.json").write_text("{}")
-        write_manifest(dest, {"backend": backend.name, "precision": options.precision, "options": _launcher_options(options)})
+        write_manifest(dest, {"backend": backend.name, "precision": options.precision,
+                              "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)})
         return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+
+
+def _compiles_for_layout(backend) -> bool:
+    """Whether the backend's engines are compiled for the launcher's tensor layout and fusion (torch packages)."""
+    build_fn = getattr(getattr(backend, "Builder", None), "build", None)
+    return build_fn is not None and "layout" in inspect.signature(build_fn).parameters
+
+
+def _alternative_launcher(bundle: Bundle, model, graph, plan, backend, options: BuildOptions, *, fuse_conv_relu: bool,
+                          internal_nhwc: bool | None = None):
+    """The bundle loaded with another fusion or boundary layout: engines compiled for a layout (torch packages)
+    are compiled for it in a scratch bundle (side by side, cached: if it wins, the bundle's rewrite hits the
+    cache); other engines load as they are."""
+    from parastream.launcher.gpu import GpuLauncher
+
+    if _compiles_for_layout(backend):
+        return _scratch_launcher(model, graph, plan, backend, replace(options, fuse_conv_relu=fuse_conv_relu),
+                                 internal_nhwc is not False)
+    return GpuLauncher(bundle, fuse_conv_relu=fuse_conv_relu, internal_nhwc=internal_nhwc)
 
 
 def _has_conv_relu(model: onnx.ModelProto) -> bool:
@@ -267,12 +288,13 @@ def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, 
     current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
     try:
         if torch_engines and chosen["fuse_conv_relu"] and _has_conv_relu(model):
-            other = GpuLauncher(bundle, fuse_conv_relu=False)
+            other = _alternative_launcher(bundle, model, graph, plan, backend, options, fuse_conv_relu=False)
             if race("conv+ReLU", current, other, ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue")):
                 current, other, chosen["fuse_conv_relu"] = other, current, False
             other.close()
         if current.nhwc:
-            other = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"], internal_nhwc=False)
+            other = _alternative_launcher(bundle, model, graph, plan, backend, options,
+                                          fuse_conv_relu=chosen["fuse_conv_relu"], internal_nhwc=False)
             if race("boundary layout", current, other, ("channels-last boundaries", "contiguous boundaries")):
                 current, other, chosen["internal_nhwc"] = other, current, False
             other.close()
@@ -306,10 +328,7 @@ def _measure_alternatives(tmp: Path, model, graph, plan, backend, options: Build
 def _compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
     """Whether the engines just written were compiled (torch packages) for a fusion or boundary layout that the
     measurement did not choose: they are compiled again for the choice, so that what ships is what loads."""
-    build_fn = getattr(getattr(backend, "Builder", None), "build", None)
-    if build_fn is None or "layout" not in inspect.signature(build_fn).parameters:
-        return False
-    return measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"]
+    return _compiles_for_layout(backend) and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"])
 
 
 class MeasureBudgetSpent(RuntimeError):

@@ -381,3 +381,31 @@ def test_a_branch_aotinductor_cannot_compile_ships_its_onnx_and_says_why(monkeyp
     x = np.random.default_rng(12).standard_normal(IN.shape).astype(np.float32)
     assert e.compiled_at_load
     np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(6), x), rtol=1e-5, atol=1e-5)
+
+
+def test_alternatives_of_compiled_engines_are_compiled_for_the_layout_they_are_timed_in(monkeypatch, tmp_path):
+    """time_alternatives (GPU builds) with packages: each alternative is compiled for its own fusion and boundary
+    layout (a scratch bundle; on the cache's path, so that the bundle's rewrite for a winner is all hits)."""
+    from test_build_gpu import _fake_gpu, _plan_of
+
+    from parastream.pipeline.zoo import small_net
+
+    onnx.save(small_net(), tmp_path / "small_net.onnx")
+    times = {("bundle", True, None): 1.0, ("scratch", None, None): 0.8}  # every scratch alternative at 0.8
+    build_mod, made = _fake_gpu(monkeypatch, times)
+    writes = []
+    monkeypatch.setattr(build_mod, "_write_engines",
+                        lambda dest, model, graph, plan, backend, options, label, on_branch=None, internal_nhwc=True:
+                        writes.append((plan.num_streams, options.fuse_conv_relu, internal_nhwc)))
+
+    class Builder:
+        def build(self, branch, name, layout=None):
+            raise AssertionError("faked")
+
+    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".zip", Builder=Builder)
+    model, graph, plan, cm = _plan_of(tmp_path / "small_net.onnx", 2)
+    got = build_mod.time_alternatives(tmp_path, model, graph, plan, backend, BuildOptions(precision="fp16"), cm, runs=5)
+    # round 1: the unfused packages win (0.8 < 1.0); round 2: contiguous packages, unfused, tie (kept); round 3: one engine
+    assert writes == [(2, False, True), (2, False, False), (1, False, True)]
+    assert (got["fuse_conv_relu"], got["internal_nhwc"]) == (False, True)
+    assert all(la.closed for la in made)
