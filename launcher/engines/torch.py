@@ -456,19 +456,19 @@ class Builder:
             meta = {"format": ENGINE_FORMAT, "compiled": "aotinductor", "built_for": built, "dtype": dtype,
                     "fuse_conv_relu": fuse, "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}
-            out.append((key, name, meta, onnx_bytes))
+            out.append((key, name, meta, onnx_bytes, package))
 
         t0 = time.perf_counter()
         compiled, failed = self._compile(todo)
         for i, item in enumerate(out):
             if isinstance(item, bytes):
                 continue
-            key, name, meta, onnx_bytes = item
+            key, name, meta, onnx_bytes, package = item
             if key in failed:  # AOTInductor could not compile it: the ONNX ships, compiled at every load (reported)
                 self._report[name].update(compiled=None, aot_error=failed[key])
                 out[i] = pack({"format": ENGINE_FORMAT, "compiled": None, "aot_error": failed[key]}, onnx_bytes, None)
                 continue
-            package = compiled.get(key) or cache_get(key, self.options.cache_dir)[0]
+            package = package or compiled[key]  # a hit, or compiled by this batch (once per distinct branch)
             self._report[name]["package_bytes"] = len(package)
             out[i] = pack(meta, onnx_bytes, package)
         for item in items:  # the compile time is the batch's (its packages compile side by side)
