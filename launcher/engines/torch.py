@@ -191,6 +191,17 @@ def unpack(data: bytes) -> tuple[dict, bytes, bytes | None]:
     return meta, onnx_bytes, package
 
 
+def _branch_model(onnx_bytes: bytes) -> onnx.ModelProto:
+    """An engine's branch.onnx; refused if a tensor names an external data file (a bundle's paths stay in it)."""
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    model = onnx.load_from_string(onnx_bytes)
+    if any(uses_external_data(t) for t in _get_all_tensors(model)):
+        raise ParastreamError("the engine's branch keeps tensor data in an external file, which a parastream bundle "
+                              "never does; the engine is refused")
+    return model
+
+
 def _layout(inputs: list[TensorSpec], outputs: list[TensorSpec], device: str, internal_nhwc, channel_views):
     """(channels-last names, channel views, signature): the memory an engine's tensors live in.
 
@@ -567,7 +578,7 @@ class TorchEngine:
         else:
             from .onnx_torch import convert
 
-            self.module = convert(onnx.load_from_string(onnx_bytes), self.dtype, fuse_conv_relu=fuse).to(device)
+            self.module = convert(_branch_model(onnx_bytes), self.dtype, fuse_conv_relu=fuse).to(device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}

@@ -409,3 +409,14 @@ def test_alternatives_of_compiled_engines_are_compiled_for_the_layout_they_are_t
     assert writes == [(2, False, True), (2, False, False), (1, False, True)]
     assert (got["fuse_conv_relu"], got["internal_nhwc"]) == (False, True)
     assert all(la.closed for la in made)
+
+
+def test_an_engine_whose_branch_names_an_external_file_is_refused(tmp_path):
+    from onnx.external_data_helper import set_external_data
+
+    m = branch(1)
+    set_external_data(m.graph.initializer[0], location="../../etc/passwd")
+    m.graph.initializer[0].data_location = TensorProto.EXTERNAL
+    data = tb.pack({"format": tb.ENGINE_FORMAT, "compiled": None}, m.SerializeToString(), None)
+    with pytest.raises(ParastreamError, match="external file"):
+        tb.load(data, [IN], [OUT], device="cpu")
