@@ -60,9 +60,15 @@ def schedule_table(plan, title: str = "branches") -> Table:
 
 
 def print_verification(result, console, title: str = "verification against onnxruntime") -> None:
+    from rich.markup import escape
+
     console.print(verification_table(result.to_dict(), title=title))
-    verdict = "[green]PASSED[/green]" if result.passed else "[red]FAILED[/red]"
+    verdict = {"passed": "[green]PASSED[/green]", "failed": "[red]FAILED[/red]",
+               "inconclusive": "[yellow]INCONCLUSIVE[/yellow]"}[result.status]
     console.print(f"{verdict} ({result.describe_criterion()}, {result.iterations} seeded random inputs)")
+    for name, d in result.outputs.items():
+        if d.get("not_meaningful"):
+            console.print(f"[yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(d['not_meaningful'])}")
 
 
 def verification_table(ver: dict, title: str) -> Table:
@@ -76,7 +82,10 @@ def verification_table(ver: dict, title: str) -> Table:
         row = [name, f"{d['max_abs']:.3g}", f"{d['max_rel']:.3g}"]
         if scaled:
             row += [f"{d['max_scaled']:.3g}", "yes" if d["elementwise_passed"] else "no"]
-        t.add_row(*row, "yes" if d["passed"] else "[red]NO[/red]")
+        ok = "yes" if d["passed"] else "[red]NO[/red]"
+        if d.get("not_meaningful"):
+            ok += " [yellow](not meaningful)[/yellow]"
+        t.add_row(*row, ok)
     return t
 
 
