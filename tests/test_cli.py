@@ -165,3 +165,11 @@ def test_bench_options_reach_bench_bundle(monkeypatch, tmp_path, argv, whole, ab
     assert main(["bench", str(tmp_path / "b"), "--runs", "7", *argv]) == 0
     assert seen["path"] == str(tmp_path / "b") and seen["runs"] == 7
     assert seen["whole_model"] is whole and seen["concat_ablation"] is ablation
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"parastream {version('parastream')}"
