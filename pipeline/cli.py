@@ -35,8 +35,9 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("schedule")
     g.add_argument("--streams", type=int, default=None, metavar="K",
                    help="number of streams (default: the count estimated fastest, at most 4; one unless more pay >= 10%%)")
-    g.add_argument("--device-profile", default="H100-SXM", metavar="NAME",
-                   help="device the cost model plans for (see `parastream devices`)")
+    g.add_argument("--device-profile", default=None, metavar="NAME",
+                   help="device the cost model plans for (see `parastream devices`; default: CPU for CPU engines, "
+                        "else H100-SXM)")
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -179,8 +180,11 @@ def cmd_verify(args) -> int:
 def cmd_bench(args) -> int:
     from parastream.launcher.bench import bench_bundle
 
-    bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline, console=_console(),
-                 whole_model=args.whole_model, concat_ablation=args.concat_ablation)
+    result = bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
+                          console=None if args.json else _console(), whole_model=args.whole_model,
+                          concat_ablation=args.concat_ablation)
+    if args.json:
+        print(json.dumps(result, default=str))
     return 0
 
 
@@ -231,13 +235,13 @@ def cmd_demo(args) -> int:
 def cmd_devices(args) -> int:
     from rich.table import Table
 
-    from parastream.rewrite.cost import DEVICES
+    from parastream.rewrite.cost import DEVICES, cpu_device
 
-    t = Table(title="device profiles of the roofline cost model")
+    t = Table(title="device profiles of the roofline cost model (GPUs from datasheets; CPU measured here, SMs = cores)")
     for col in ("name", "fp16 TFLOP/s", "fp32 TFLOP/s", "GB/s", "SMs"):
         t.add_column(col)
-    for name, d in DEVICES.items():
-        t.add_row(name, f"{d.fp16_flops / 1e12:.0f}", f"{d.fp32_flops / 1e12:.1f}", f"{d.bandwidth / 1e9:.0f}", str(d.sms))
+    for name, d in {**DEVICES, "CPU": cpu_device()}.items():
+        t.add_row(name, f"{d.fp16_flops / 1e12:.3g}", f"{d.fp32_flops / 1e12:.3g}", f"{d.bandwidth / 1e9:.0f}", str(d.sms))
     _console().print(t)
     return 0
 
@@ -305,10 +309,12 @@ def make_parser() -> argparse.ArgumentParser:
     add_tolerance_args(v)
     v.set_defaults(func=cmd_verify)
 
-    be = sub.add_parser("bench", help="latency of a bundle against the same engines on one stream (GPU)")
+    be = sub.add_parser("bench", help="latency of a bundle: GPU, against the same engines on one stream; "
+                                      "CPU, against plain onnxruntime on the same model")
     be.add_argument("bundle")
-    be.add_argument("--runs", type=int, default=200)
-    be.add_argument("--warmup", type=int, default=20)
+    be.add_argument("--runs", type=int, default=None, help="timed runs of each variant (default: 200 GPU, 50 CPU)")
+    be.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 20 GPU, 5 CPU)")
+    be.add_argument("--json", action="store_true", help="print the result as one JSON object")
     be.add_argument("--timeline", default=None, metavar="FILE.png")
     be.add_argument("--no-whole-model", dest="whole_model", action="store_false",
                     help="TensorRT bundles: skip the whole-model engine baseline (max_aux_streams)")

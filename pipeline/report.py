@@ -116,14 +116,16 @@ def print_build_summary(bundle, console) -> None:
         console.print(verification_table(ver, title=title))
 
 
-def inspect_model(path, *, shapes=None, streams=None, device="H100-SXM", picture=None, search=False, console=None) -> dict:
+def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None, search=False, console=None) -> dict:
     """Print op histogram, node count, width, branches and estimated critical path; optionally draw or search."""
     import onnx_graphsurgeon as gs
 
     from parastream.rewrite.cost import RooflineCostModel
 
     from .analysis import graph_width, op_histogram
-    from .build import DEFAULT_MAX_STREAMS, plan_streams
+    from parastream.launcher.engines import resolve_backend
+
+    from .build import DEFAULT_MAX_STREAMS, default_device_profile, plan_streams
     from .model_io import load_model
     from .schedule import schedule_graph
 
@@ -133,7 +135,8 @@ def inspect_model(path, *, shapes=None, streams=None, device="H100-SXM", picture
     model = loaded.model
     hist = op_histogram(model)
     width, _ = graph_width(model)
-    cm = RooflineCostModel(device)
+    # the device profile a default build would plan for, so that inspect reports the streams the build makes
+    cm = RooflineCostModel(device or default_device_profile(resolve_backend("auto")))
     graph = gs.import_onnx(model)
     graph.toposort()
     sched, tried = plan_streams(graph, cm, streams, DEFAULT_MAX_STREAMS)
