@@ -264,14 +264,18 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
 
 class _Progress:
-    """A rich progress display on stderr, or nothing."""
+    """Progress on stderr: a rich display on a terminal, one line per stage elsewhere (build logs), or nothing."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, live: bool | None = None):
+        import sys
+
         self.enabled = enabled
+        self.live = sys.stderr.isatty() if live is None else live
         self._progress = None
+        self._t0 = time.perf_counter()
 
     def __enter__(self):
-        if self.enabled:
+        if self.enabled and self.live:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -285,6 +289,10 @@ class _Progress:
             self._progress.__exit__(*exc)
 
     def step(self, description: str, total: int = 1):
+        if self.enabled and not self.live:
+            import sys
+
+            print(f"parastream build: [{time.perf_counter() - self._t0:6.1f} s] {description}", file=sys.stderr, flush=True)
         if self._progress is None:
             return _NullTask()
         return _Task(self._progress, self._progress.add_task(description, total=total))
@@ -438,6 +446,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                         f"({result.failure()}); no bundle was written"
                         + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
             timings["total"] = time.perf_counter() - t_all
+            report["peak_rss_mb"] = _peak_rss_mb()
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             write_manifest(tmp, manifest)
             _move_into_place(tmp, out)
@@ -445,6 +454,18 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             shutil.rmtree(tmp, ignore_errors=True)
             raise
     return Bundle.open(out)
+
+
+def _peak_rss_mb() -> float | None:
+    """The process's peak resident memory so far, in MiB (None where the platform does not say)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError):
+        return None
 
 
 def _move_into_place(tmp: Path, out: Path) -> None:

@@ -65,7 +65,9 @@ def add_tolerance_args(p: argparse.ArgumentParser) -> None:
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # piped into a log: wide enough that tables are not cut at 80 columns
+    return Console(stderr=stderr, soft_wrap=False, width=None if stream.isatty() else 160)
 
 
 # -- commands ------------------------------------------------------------------------------------------
@@ -80,14 +82,18 @@ def cmd_build(args) -> int:
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force)
     bundle = build(args.model, args.output, config=cfg, progress=not args.quiet)
-    if not args.quiet:
-        print_build_summary(bundle, _console())
+    if args.json:
+        from .report import build_summary
+
+        print(json.dumps(build_summary(bundle), default=str))
+    elif not args.quiet:
+        print_build_summary(bundle, _console(), verbose=args.verbose)
     if args.triton_repo:
         from .triton import export_triton
 
         path = export_triton(bundle.path, args.triton_repo, name=args.triton_name or Path(args.model).stem,
                              mode=args.triton_mode, force=args.force)
-        if not args.quiet:
+        if not args.quiet and not args.json:
             _console().print(f"Triton model repository: {path}")
     return 0
 
@@ -286,7 +292,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")
-    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    b.add_argument("--verbose", action="store_true", help="print the per-branch table, estimates, timings and "
+                                                          "per-output verification figures")
+    b.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress stays on stderr)")
     b.add_argument("--triton-repo", default=None, metavar="REPO", help="also export a Triton model repository")
     b.add_argument("--triton-name", default=None, help="Triton model name (default: the model file's stem)")
     b.add_argument("--triton-mode", default="graph", choices=["graph", "ensemble"])

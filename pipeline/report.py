@@ -89,7 +89,57 @@ def verification_table(ver: dict, title: str) -> Table:
     return t
 
 
-def print_build_summary(bundle, console) -> None:
+def build_summary(bundle) -> dict:
+    """What a build step needs to know about a bundle, as one JSON-able dict (``parastream build --json``)."""
+    plan, rep = bundle.plan, bundle.report
+    m, search, ver = rep.get("model", {}), rep.get("search", {}), rep.get("verification") or {}
+    outputs = ver.get("outputs", {})
+    return {
+        "bundle": str(bundle.path), "backend": plan.backend, "precision": plan.precision,
+        "streams": plan.num_streams, "engines": len(plan.branches), "cpu_threads": plan.cpu_threads,
+        "nodes_in": m.get("nodes_in"), "nodes_out": m.get("nodes_out"),
+        "rewrites": len(search.get("rules_chosen", [])) if search.get("enabled") else None,
+        "search": search.get("summary") if search.get("enabled") else "skipped",
+        "cpu_choice": (rep.get("cpu_choice") or {}).get("chosen"),
+        "verification": ({"status": ver.get("status", "passed" if ver.get("passed") else "failed"), "criterion": ver.get("criterion"),
+                          "scale_tol": ver.get("scale_tol"),
+                          "max_scaled_error": max((o.get("max_scaled", 0.0) for o in outputs.values()), default=None),
+                          "not_meaningful": {k: o["not_meaningful"] for k, o in outputs.items() if o.get("not_meaningful")}}
+                         if ver else None),
+        "build_s": rep.get("timings", {}).get("total"), "peak_rss_mb": rep.get("peak_rss_mb"),
+    }
+
+
+def print_build_summary(bundle, console, verbose: bool = False) -> None:
+    """A few lines by default; ``verbose``: the per-branch table, the schedule's estimates, what the CPU build
+    timed and the per-output verification figures."""
+    from rich.markup import escape
+
+    plan, rep = bundle.plan, bundle.report
+    s = build_summary(bundle)
+    if verbose:
+        _print_build_details(bundle, console)
+    console.print(escape(f"{s['bundle']}: {s['engines']} {s['backend']} engine{'s' if s['engines'] != 1 else ''} on "
+                         f"{s['streams']} stream{'s' if s['streams'] != 1 else ''} ({s['precision']})"))
+    console.print(escape(f"  rewrite search: {s['search']}"))
+    choice = rep.get("cpu_choice")
+    if choice and choice.get("timed"):
+        timed = ", ".join(f"{t['alternative']} {t['median_ms']:.2f} ms" for t in choice["timed"])
+        console.print(escape(f"  CPU: kept {choice['chosen']} (timed here, medians of {choice['runs']}: {timed})"))
+    ver = s["verification"]
+    if ver:
+        bound = f"<= {ver['scale_tol']}" if ver["criterion"] == "scaled" else "elementwise rtol/atol"
+        console.print(escape(f"  verification: {ver['status']} against onnxruntime on the original model "
+                             f"(max scaled error {ver['max_scaled_error']:.3g}, {bound})"))
+        for name, why in ver["not_meaningful"].items():
+            console.print(f"  [yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(why)}")
+    else:
+        console.print("  verification: skipped (--no-verify)")
+    peak = f", peak memory {s['peak_rss_mb']:.0f} MiB" if s.get("peak_rss_mb") else ""
+    console.print(f"  built in {s['build_s'] or 0.0:.1f} s{peak}" + ("" if verbose else "; --verbose for the details"))
+
+
+def _print_build_details(bundle, console) -> None:
     plan, rep = bundle.plan, bundle.report
     sched = rep.get("schedule", {})
     console.print(schedule_table(plan, title=f"{bundle.path}: {len(plan.branches)} {plan.backend} engines on {plan.num_streams} streams"))
@@ -104,10 +154,19 @@ def print_build_summary(bundle, console) -> None:
     else:
         s.add_row("rewrite search", "skipped (--no-search)")
     s.add_row("graph width", str(sched.get("graph_width")))
-    s.add_row("estimated critical path", _us(sched.get("critical_path_s", 0.0)))
+    s.add_row(f"estimated critical path ({sched.get('cost_model', '')})", _us(sched.get("critical_path_s", 0.0)))
     s.add_row("estimated total work", _us(sched.get("total_work_s", 0.0)))
     s.add_row("build time", f"{rep.get('timings', {}).get('total', 0.0):.2f} s")
     console.print(s)
+    choice = rep.get("cpu_choice")
+    if choice and choice.get("timed"):
+        c = Table(title=f"CPU alternatives timed on this machine ({choice['cores']} cores, medians of {choice['runs']} calls)")
+        for col in ("alternative", "streams", "sessions", "threads", "median ms", ""):
+            c.add_column(col)
+        for t in choice["timed"]:
+            c.add_row(t["alternative"], str(t["streams"]), str(t["sessions"]), str(t["threads"]), f"{t['median_ms']:.3f}",
+                      "kept" if t["chosen"] else "")
+        console.print(c)
     ver = rep.get("verification")
     if ver:
         title = "verification against onnxruntime on the original model"

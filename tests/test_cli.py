@@ -26,7 +26,8 @@ def bundle(model_path, tmp_path, capsys):
     out = tmp_path / "bundle"
     assert main(["build", str(model_path), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--streams", "3"]) == 0
     printed = capsys.readouterr().out
-    assert "branch_000" in printed and "verification" in printed
+    assert "on 3 streams" in printed and "verification: passed" in printed
+    assert "branch_000" not in printed and len(printed.strip().splitlines()) <= 8  # short by default
     return out
 
 
@@ -173,3 +174,46 @@ def test_version(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--version"])
     assert e.value.code == 0 and capsys.readouterr().out.strip() == f"parastream {version('parastream')}"
+
+
+def test_build_verbose_json_and_progress_lines(model_path, tmp_path, capsys):
+    """--verbose adds the per-branch table; --json prints one JSON line; on a non-terminal, progress comes as lines
+    on stderr, one per stage."""
+    out = tmp_path / "v"
+    assert main(["build", str(model_path), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--streams", "3",
+                 "--verbose"]) == 0
+    cap = capsys.readouterr()
+    assert "branch_000" in cap.out and "CPU alternatives timed" in cap.out and "max scaled error" in cap.out
+    stages = [line for line in cap.err.splitlines() if line.startswith("parastream build: [")]
+    assert any("load and check" in line for line in stages) and any("verify" in line for line in stages)
+    assert main(["build", str(model_path), "-o", str(tmp_path / "j"), "--backend", "onnxruntime", "--no-search",
+                 "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert summary["bundle"] == str(tmp_path / "j") and summary["verification"]["status"] == "passed"
+    assert summary["engines"] >= 1 and summary["peak_rss_mb"] > 0 and summary["search"] == "skipped"
+
+
+def test_piped_tables_are_not_cut_at_80_columns(bundle, capsys):
+    """Output that goes to a log (not a terminal) is 160 columns wide: a long title survives whole."""
+    from parastream.pipeline.cli import _console
+
+    con = _console()
+    assert con.width == 160
+
+
+def test_demo_leaves_no_temporary_folder_behind(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    import parastream.pipeline.build as build_module
+
+    real_build = build_module.build
+    monkeypatch.setattr(build_module, "build", lambda *a, **kw: real_build(*a, search=False, cpu_runs=3, **kw))  # fast
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # mkdtemp's default folder
+    assert main(["demo", "--backend", "onnxruntime"]) == 0
+    assert "now removed" in capsys.readouterr().out
+    assert not list(tmp_path.glob("parastream-demo-*"))
+    kept = tmp_path / "kept"
+    assert main(["demo", "--backend", "onnxruntime", "-o", str(kept)]) == 0
+    assert (kept / "plan.json").is_file() and not list(tmp_path.glob("parastream-demo-*"))
