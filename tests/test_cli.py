@@ -206,7 +206,9 @@ def test_piped_tables_are_not_cut_at_80_columns(bundle, capsys):
 def test_demo_leaves_no_temporary_folder_behind(tmp_path, monkeypatch, capsys):
     import tempfile
 
-    import parastream.pipeline.build as build_module
+    import importlib
+
+    build_module = importlib.import_module("parastream.pipeline.build")
 
     real_build = build_module.build
     monkeypatch.setattr(build_module, "build", lambda *a, **kw: real_build(*a, search=False, cpu_runs=3, **kw))  # fast
