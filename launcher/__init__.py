@@ -30,13 +30,13 @@ def cuda_device_count() -> int:
     return int(n) if int(err) == 0 else 0
 
 
-def load(path: str | Path, *, device: str = "auto", graph: bool = True, check_hashes: bool = True):
-    """Load a bundle written by ``parastream build``; return a callable runner.
+def load(path: str | Path | Bundle, *, device: str = "auto", graph: bool = True, check_hashes: bool = True):
+    """Load a bundle written by ``parastream build`` (a path, or a Bundle already opened); return a callable runner.
 
     ``device``: "auto" (the GPU launcher when the bundle's engines are GPU engines and
     a GPU is present), "cuda" or "cpu".
     """
-    bundle = Bundle.open(path, check_hashes=check_hashes)
+    bundle = path if isinstance(path, Bundle) else Bundle.open(path, check_hashes=check_hashes)
     backend = bundle.backend()
     if device == "auto":
         device = "cuda" if backend.gpu and cuda_device_count() > 0 else "cpu"

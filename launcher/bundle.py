@@ -12,8 +12,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 from dataclasses import dataclass
-from pathlib import Path
+from pathlib import Path, PurePosixPath
 from types import ModuleType
 
 from .errors import ParastreamError
@@ -40,39 +41,65 @@ class Bundle:
 
     @classmethod
     def open(cls, path: str | Path, *, check_hashes: bool = True) -> "Bundle":
+        """Open the bundle at ``path``, refusing one whose files are not all inside it and listed by its manifest.
+
+        Every path the bundle names (the manifest's files, the plan's engines) is relative, has no ``..``
+        and resolves inside the bundle (no symbolic link leaving it); its manifest lists its files, and every
+        file in the folder is listed; its ONNX files carry no external data.  ``check_hashes`` also compares
+        each file with its sha256.
+        """
         path = Path(path)
         if not path.is_dir():
             raise ParastreamError(f"{path}: not a parastream bundle (no such folder); create one with `parastream build`")
+        root = path.resolve()
         for name in BUNDLE_FILES:
-            if not (path / name).is_file():
-                raise ParastreamError(f"{path}: not a complete parastream bundle ({name} is missing)")
+            f = path / name
+            if f.is_symlink() or not f.is_file():
+                raise ParastreamError(f"{path}: not a complete parastream bundle ({name} is missing or not a plain file)")
         try:
             manifest = json.loads((path / "manifest.json").read_text())
             report = json.loads((path / "report.json").read_text())
             plan = Plan.from_json((path / "plan.json").read_text())
-        except (ValueError, KeyError, TypeError) as e:
+        except (ValueError, KeyError, TypeError, AttributeError, OSError) as e:
             raise ParastreamError(f"{path}: unreadable bundle metadata: {e}") from None
-        if manifest.get("version") != MANIFEST_VERSION:
-            raise ParastreamError(f"{path / 'manifest.json'}: version {manifest.get('version')!r}, expected {MANIFEST_VERSION}")
+        if not isinstance(manifest, dict) or manifest.get("version") != MANIFEST_VERSION:
+            version = manifest.get("version") if isinstance(manifest, dict) else None
+            raise ParastreamError(f"{path / 'manifest.json'}: version {version!r}, expected {MANIFEST_VERSION}")
+        files = manifest.get("files")
+        if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
+            raise ParastreamError(f"{path / 'manifest.json'}: lists no files, so this is not a parastream bundle; rebuild it")
+        for rel in files:
+            inside(path, rel, "manifest.json")
+        present = _files_under(path)
+        unlisted = sorted(present - set(files) - {"manifest.json"})
+        if unlisted:
+            raise ParastreamError(f"{path / unlisted[0]}: not listed in manifest.json; the bundle was modified, rebuild it")
+        for b in plan.branches:
+            if not isinstance(b.engine, str) or not b.engine:
+                raise ParastreamError(f"{path / 'plan.json'}: {b.name} names no engine file")
+            rel = inside(path, b.engine, f"plan.json ({b.name})").relative_to(root).as_posix()
+            if rel not in files:
+                raise ParastreamError(f"{path / 'plan.json'}: {b.name}'s engine {b.engine!r} is not listed in manifest.json")
         bundle = cls(path=path, manifest=manifest, plan=plan, report=report)
         if check_hashes:
             bundle.check_hashes()
+            _check_no_external_data(path, files)
         return bundle
 
     def check_hashes(self) -> None:
         for rel, digest in self.manifest.get("files", {}).items():
-            f = self.path / rel
+            f = inside(self.path, rel, "manifest.json")
             if not f.is_file():
-                raise ParastreamError(f"{f}: listed in manifest.json but missing; rebuild the bundle")
+                raise ParastreamError(f"{self.path / rel}: listed in manifest.json but missing; rebuild the bundle")
             if sha256_file(f) != digest:
-                raise ParastreamError(f"{f}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
+                raise ParastreamError(f"{self.path / rel}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
 
     @property
     def model_path(self) -> Path:
         return self.path / "model.onnx"
 
     def engine_path(self, branch: Branch) -> Path:
-        return self.path / branch.engine
+        return inside(self.path, branch.engine, f"plan.json ({branch.name})")
 
     def engine_bytes(self, branch: Branch) -> bytes:
         return self.engine_path(branch).read_bytes()
@@ -81,6 +108,49 @@ class Bundle:
         from .engines import require_backend
 
         return require_backend(self.plan.backend)
+
+
+def inside(root: Path, rel: str, named_in: str) -> Path:
+    """``root / rel`` resolved, refused unless it stays inside ``root`` (relative, no ``..``, no link leaving it)."""
+    if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
+        raise ParastreamError(f"{root}: {named_in} names the path {rel!r}, which is not a file of the bundle")
+    p = PurePosixPath(rel)
+    if p.is_absolute() or ".." in p.parts:
+        raise ParastreamError(f"{root}: {named_in} names {rel!r}, a path outside the bundle; the bundle is refused")
+    real_root = Path(root).resolve()
+    real = (real_root / p).resolve()
+    if real_root not in real.parents:
+        raise ParastreamError(f"{root}: {named_in} names {rel!r}, which resolves outside the bundle (a symbolic link); "
+                              "the bundle is refused")
+    return real
+
+
+def _files_under(root: Path) -> set[str]:
+    """Every file and symbolic link under ``root`` (links to folders are not followed), as relative POSIX paths."""
+    out = set()
+    for folder, dirs, names in os.walk(root):
+        rel = Path(folder).relative_to(root)
+        out |= {(rel / n).as_posix() for n in names}
+        out |= {(rel / d).as_posix() for d in dirs if (Path(folder) / d).is_symlink()}
+    return out
+
+
+def _check_no_external_data(root: Path, files: dict) -> None:
+    """parastream writes every tensor inside its ONNX files; external data in a bundle could name any file."""
+    import onnx
+    from onnx.external_data_helper import _get_all_tensors, uses_external_data
+
+    for rel in files:
+        if not rel.endswith(".onnx"):
+            continue
+        try:
+            model = onnx.load(str(root / rel), load_external_data=False)
+        except Exception as e:  # noqa: BLE001 - protobuf raises several kinds
+            raise ParastreamError(f"{root / rel}: not a readable ONNX file ({type(e).__name__}); rebuild the bundle") from None
+        for t in _get_all_tensors(model):
+            if uses_external_data(t):
+                raise ParastreamError(f"{root / rel}: tensor {t.name!r} keeps its data in an external file, which a "
+                                      "parastream bundle never does; the bundle is refused")
 
 
 def write_manifest(out: Path, manifest: dict) -> None:

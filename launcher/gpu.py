@@ -64,7 +64,8 @@ class GpuLauncher:
     """
 
     def __init__(self, bundle: Bundle | str, *, graph: bool = True, device: int = 0, single_stream: bool = False,
-                 engines: list | None = None, internal_nhwc: bool = True, concat_in_place: bool = True, _share=None):
+                 engines: list | None = None, internal_nhwc: bool | None = None, concat_in_place: bool = True,
+                 fuse_conv_relu: bool | None = None, _share=None):
         if not isinstance(bundle, Bundle):
             bundle = Bundle.open(bundle)
         self.bundle = bundle
@@ -81,6 +82,12 @@ class GpuLauncher:
         # caller's dtype and NCHW layout; internal boundaries of a reduced-precision torch
         # bundle stay in the compute dtype (no cast kernels at branch edges) and, for 4-d
         # tensors, channels-last (no transposes around cuDNN convolutions).
+        # the layout and fusion choices the build measured (manifest options); arguments override them
+        built = bundle.manifest.get("options", {}) or {}
+        if internal_nhwc is None:
+            internal_nhwc = bool(built.get("internal_nhwc", True))
+        if fuse_conv_relu is None:
+            fuse_conv_relu = bool(built.get("fuse_conv_relu", True))
         model_io = {t.name for t in plan.inputs} | {t.name for t in plan.outputs}
         native = bool(getattr(backend, "supports_internal_nhwc", False))
         low = _compute_dtype(plan.precision) if native else None
@@ -108,9 +115,9 @@ class GpuLauncher:
             self._scope = _share._scope
         else:
             self._scope = self._scope_factory() if self._scope_factory else contextlib.nullcontext
-        built = bundle.manifest.get("options", {}) or {}
         opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(built.get("compile", True)),
-                            optimization_level=int(built.get("optimization_level", 3)))  # 5: torch max-autotune
+                            optimization_level=int(built.get("optimization_level", 3)),  # 5: torch max-autotune
+                            fuse_conv_relu=fuse_conv_relu)
         t0 = time.perf_counter()
         if engines is None:
             engines = []

@@ -8,9 +8,8 @@ from __future__ import annotations
 
 import json
 import platform
-import shutil
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import numpy as np
@@ -22,9 +21,10 @@ from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
 
+from .isolate import in_child
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
-from .report import make_temp_folder
+from .outdir import check_target, staging
 from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import resolve_tolerances, verify
 
@@ -107,6 +107,41 @@ def _graph_of(model: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
+def check_runnable(loaded: LoadedModel, backend, reference: bool) -> None:
+    """The backend's own check of the model and, when the build verifies, that ONNX Runtime can load the
+    original (the reference); in a child process, since ONNX Runtime may crash on a malformed model."""
+    from parastream.launcher.engines import onnxruntime as ort_engines
+
+    checks = [(getattr(backend, "check_model", None), loaded.model)]
+    if reference and backend is not ort_engines:
+        checks.append((ort_engines.check_model, loaded.original))
+
+    def run_checks():
+        for check, model in checks:
+            if check is not None:
+                check(model)
+
+    try:
+        in_child(run_checks, what="loading the model into onnxruntime")
+    except ParastreamError as e:
+        raise ParastreamError(f"{loaded.path}: {e}") from None
+
+
+def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
+    """``verify``, with an error of ONNX Runtime (or of a bundle's engine) on the random inputs as one line naming
+    the node: a model that loads can still fail to run (a Conv group that does not divide its channels, a
+    Transpose perm of the wrong rank, shapes that contradict the weights)."""
+    from parastream.launcher.engines.onnxruntime import describe_error
+
+    try:
+        return verify(original, runner, inputs, **kwargs)
+    except ParastreamError:
+        raise
+    except Exception as e:  # noqa: BLE001 - onnxruntime and polygraphy raise their own types
+        raise ParastreamError(f"{path}: running the model on random inputs for verification failed: "
+                              f"{describe_error(e, original)}") from None
+
+
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
                    label: str, on_branch=None) -> dict:
     """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report."""
@@ -133,12 +168,107 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
         builder.close()
 
 
+def _launcher_options(options: BuildOptions) -> dict:
+    """The builder options a launcher reads back from manifest.json."""
+    return {"compile": options.compile, "optimization_level": options.optimization_level,
+            "fuse_conv_relu": options.fuse_conv_relu}
+
+
+def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions):
+    """A GpuLauncher of ``plan`` built like a real bundle in a scratch folder (gone once the engines are loaded)."""
+    import tempfile
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
+        dest = _scratch_bundle(Path(tmp), model, graph, plan, backend, options)
+        return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+
+
+def _has_conv_relu(model: onnx.ModelProto) -> bool:
+    readers: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
+
+
+def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
+                      cost_model, *, runs: int) -> dict | None:
+    """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
+
+    The bundle written in ``tmp`` is timed on the GPU against what the build could have shipped instead,
+    one choice at a time, each round in alternating blocks of CUDA-event timed replays (launcher.bench.measure):
+    (1) torch engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last against contiguous
+    internal boundaries, (3) the plan against one engine for the whole model (when the plan has several
+    streams).  Returns {"rounds": [...], "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of
+    each round, or None when there is no GPU or nothing to choose.
+    """
+    if not getattr(backend, "gpu", False):
+        return None
+    from parastream.launcher import cuda_device_count
+
+    if cuda_device_count() < 1:
+        return None
+    from parastream.launcher.bench import measure as time_replays
+    from parastream.launcher.gpu import GpuLauncher
+
+    bundle = Bundle.open(tmp, check_hashes=False)
+    torch_engines = backend.name == "torch"
+    chosen = {"fuse_conv_relu": bool(options.fuse_conv_relu and torch_engines), "internal_nhwc": True, "one_engine": False}
+    rounds: list[dict] = []
+
+    def race(what: str, current, other, keys: tuple[str, str]) -> bool:
+        times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10)
+        ms = {k: float(np.median(v)) for k, v in times.items()}
+        won = ms[keys[1]] < ms[keys[0]]
+        rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0]})
+        return won
+
+    current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
+    try:
+        if torch_engines and chosen["fuse_conv_relu"] and _has_conv_relu(model):
+            other = GpuLauncher(bundle, fuse_conv_relu=False)
+            if race("conv+ReLU", current, other, ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue")):
+                current, other, chosen["fuse_conv_relu"] = other, current, False
+            other.close()
+        if current.nhwc:
+            other = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"], internal_nhwc=False)
+            if race("boundary layout", current, other, ("channels-last boundaries", "contiguous boundaries")):
+                current, other, chosen["internal_nhwc"] = other, current, False
+            other.close()
+        if plan.num_streams > 1:
+            sched1, _ = plan_streams(graph, cost_model, 1, 1)
+            plan1 = make_plan(graph, sched1, backend=plan.backend, precision=plan.precision, suffix=backend.suffix,
+                              inputs=plan.inputs, outputs=plan.outputs)
+            opts1 = BuildOptions(**{**asdict(options), "fuse_conv_relu": chosen["fuse_conv_relu"]})
+            other = _scratch_launcher(model, graph, plan1, backend, opts1)
+            if race("streams", current, other, (f"{plan.num_streams}-stream plan", "one engine for the whole model")):
+                chosen["one_engine"] = True
+            other.close()
+    finally:
+        current.close()
+    if not rounds:
+        return None
+    return dict(chosen, rounds=rounds, runs=runs)
+
+
+def _measure_alternatives(tmp: Path, model, graph, plan, backend, options: BuildOptions, cost_model, cfg: BuildConfig,
+                          loaded: LoadedModel) -> dict | None:
+    """``time_alternatives`` on the engines just written to ``tmp``; the options it chose go into ``options``."""
+    (tmp / "report.json").write_text("{}")
+    write_manifest(tmp, {"backend": backend.name, "precision": cfg.precision, "options": _launcher_options(options)})
+    measured = time_alternatives(tmp, model, graph, plan, backend, options, cost_model, runs=cfg.measure_runs)
+    if measured:
+        options.fuse_conv_relu = measured["fuse_conv_relu"]
+    return measured
+
+
 def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions) -> Path:
     """A bundle of ``plan`` in ``dest`` to load and time (no report, no verification)."""
     _write_engines(dest, model, graph, plan, backend, options, "candidate")
     (dest / "report.json").write_text("{}")
-    write_manifest(dest, {"backend": backend.name, "precision": plan.precision,
-                          "options": {"compile": options.compile, "optimization_level": options.optimization_level}})
+    write_manifest(dest, {"backend": backend.name, "precision": plan.precision, "options": _launcher_options(options)})
     return dest
 
 
@@ -220,23 +350,18 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
     if cuda_device_count() < 1:
         return None
-    import tempfile
 
     deadline = time.perf_counter() + budget_s
     ref: dict = {}
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
 
     def load(model: onnx.ModelProto):
-        from parastream.launcher.gpu import GpuLauncher
-
         model = _infer(model)
         graph = _graph_of(model)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs)
-        with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
-            dest = _scratch_bundle(Path(tmp), model, graph, plan, backend, options)
-            return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+        return _scratch_launcher(model, graph, plan, backend, options)
 
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
@@ -322,9 +447,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if not hasattr(cfg, k):
             raise TypeError(f"build() got an unexpected option {k!r}")
         setattr(cfg, k, v)
-    out = Path(out_dir)
-    if out.exists() and not cfg.force:
-        raise ParastreamError(f"{out} already exists; pass --force to replace it")
+    out = check_target(out_dir, kind="bundle", force=cfg.force, protect=(model_path,), option="-o")
     if cfg.streams is not None and cfg.streams < 1:
         raise ParastreamError(f"--streams {cfg.streams}: must be at least 1")
     backend = resolve_backend(cfg.backend)
@@ -337,12 +460,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if cfg.batch:
             shapes, profiles = batch_profiles(model_path, shapes, tuple(cfg.batch))
         loaded: LoadedModel = load_model(model_path, shapes)
-        check = getattr(backend, "check_model", None)
-        if check is not None:
-            try:
-                check(loaded.model)
-            except ParastreamError as e:
-                raise ParastreamError(f"{loaded.path}: {e}") from None
+        check_runnable(loaded, backend, cfg.verify)
         bar.step("load and check").advance()
         timings["load"] = time.perf_counter() - t0
 
@@ -398,13 +516,26 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                          inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
         plan.cpu_threads = cpu_threads
 
-        out.parent.mkdir(parents=True, exist_ok=True)
-        tmp = make_temp_folder(out)
-        try:
+        with staging(out, "bundle") as tmp:  # renamed to OUT at the end of the block, removed on any error
             t0 = time.perf_counter()
             task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
             engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance)
             timings["engines"] = time.perf_counter() - t0
+
+            measured = None
+            if cfg.measure:
+                t0 = time.perf_counter()
+                task = bar.step("time the plan against its alternatives on the GPU")
+                measured = _measure_alternatives(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded)
+                if measured and measured["one_engine"]:
+                    sched, _ = plan_streams(graph, cost_model, 1, 1)
+                    streams_tried.append({"streams": 1, "engines": 1, "chosen": True, "measured": True})
+                    plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
+                                     inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
+                    shutil.rmtree(tmp / "engines")
+                    engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path))
+                task.advance()
+                timings["measure_alternatives"] = time.perf_counter() - t0
 
             report = {
                 "version": REPORT_VERSION,
@@ -417,12 +548,15 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                              "cost_model": f"roofline {device_profile} {cfg.precision}"},
                 "cpu_choice": cpu_choice,
                 "engines": engines_report,
+                "measured_choices": measured,
                 "verification": None,
                 "timings": timings,
             }
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             manifest = {"parastream": _versions(backend), "backend": backend.name, "device": _device_description(backend),
-                        "precision": cfg.precision, "options": {k: v for k, v in asdict(cfg).items() if k != "force"},
+                        "precision": cfg.precision,
+                        "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(options),
+                                    "internal_nhwc": measured["internal_nhwc"] if measured else True},
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             write_manifest(tmp, manifest)
 
@@ -433,7 +567,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
 
                 runner = load(tmp, check_hashes=False)
                 rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
-                result = verify(loaded.original, runner, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol, seed=cfg.seed + 1)
+                result = run_verification(loaded.path, loaded.original, runner, loaded.inputs, rtol=rtol, atol=atol,
+                                          scale_tol=scale_tol, seed=cfg.seed + 1)
                 close = getattr(runner, "close", None)
                 if close:
                     close()
@@ -449,11 +584,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             report["peak_rss_mb"] = _peak_rss_mb()
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             write_manifest(tmp, manifest)
-            _move_into_place(tmp, out)
-        except BaseException:
-            shutil.rmtree(tmp, ignore_errors=True)
-            raise
-    return Bundle.open(out)
+            bundle = Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
+    return replace(bundle, path=out)
 
 
 def _peak_rss_mb() -> float | None:
@@ -466,14 +598,3 @@ def _peak_rss_mb() -> float | None:
         return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
     except (ImportError, OSError):
         return None
-
-
-def _move_into_place(tmp: Path, out: Path) -> None:
-    """Rename the finished bundle to OUT; an old OUT (with --force) goes only once the new one is complete."""
-    if out.exists():
-        old = out.with_name(f".{out.name}.old-{int(time.time() * 1000)}")
-        out.rename(old)
-        tmp.rename(out)
-        shutil.rmtree(old, ignore_errors=True) if old.is_dir() else old.unlink()
-    else:
-        tmp.rename(out)

@@ -9,7 +9,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
+import re
+import signal
 import sys
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import numpy as np
@@ -17,6 +22,42 @@ import numpy as np
 from parastream.launcher.errors import ParastreamError
 
 from .model_io import parse_batch, parse_shapes
+
+
+# -- option types: a bad value is refused by argparse, naming the option --------------------------------
+def int_in(lo: int, hi: int):
+    """An argparse type: a decimal integer (ASCII digits) from ``lo`` to ``hi``."""
+    def parse(text: str) -> int:
+        t = text.strip()
+        if not re.fullmatch(r"[+-]?[0-9]+", t) or len(t) > 40:
+            raise argparse.ArgumentTypeError(f"{text!r} is not an integer")
+        v = int(t)
+        if not lo <= v <= hi:
+            raise argparse.ArgumentTypeError(f"{v} is out of range: give {lo} to {hi}")
+        return v
+    parse.__name__ = "integer"
+    return parse
+
+
+def tolerance(text: str) -> float:
+    """An argparse type: a finite, non-negative float."""
+    try:
+        v = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a number") from None
+    if not math.isfinite(v) or v < 0:
+        raise argparse.ArgumentTypeError(f"{text!r}: a tolerance is a finite number >= 0")
+    return v
+
+
+MAX_STREAMS = 64  # CUDA's concurrent kernel limit is 128; a plan this wide is already far past any measured gain
+
+
+class _Parser(argparse.ArgumentParser):
+    """argparse, with its errors on one line (no usage block): ``parastream build: error: argument --seed: ...``."""
+
+    def error(self, message: str):
+        self.exit(2, f"{self.prog}: error: {message}\n")
 
 
 # -- shared argument groups ---------------------------------------------------------------------------
@@ -33,8 +74,9 @@ def add_batch_arg(p: argparse.ArgumentParser) -> None:
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("schedule")
-    g.add_argument("--streams", type=int, default=None, metavar="K",
-                   help="number of streams (default: the count estimated fastest, at most 4; one unless more pay >= 10%%)")
+    g.add_argument("--streams", type=int_in(1, MAX_STREAMS), default=None, metavar="K",
+                   help=f"number of streams, 1 to {MAX_STREAMS} (default: the count estimated fastest, at most 4; one unless more "
+                        "pay >= 10%%)")
     g.add_argument("--device-profile", default=None, metavar="NAME",
                    help="device the cost model plans for (see `parastream devices`; default: CPU for CPU engines, "
                         "else H100-SXM)")
@@ -45,8 +87,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--backend", default="auto", choices=["auto", "tensorrt", "torch", "onnxruntime"],
                    help="engine backend; auto picks tensorrt, then torch on a GPU, then onnxruntime")
     g.add_argument("--precision", default="fp32", choices=["fp32", "tf32", "fp16", "bf16"])
-    g.add_argument("--workspace-mb", type=int, default=4096, help="TensorRT workspace pool limit")
-    g.add_argument("--opt-level", type=int, default=3, help="TensorRT builder_optimization_level (0..5)")
+    g.add_argument("--workspace-mb", type=int_in(1, 1 << 24), default=4096, help="TensorRT workspace pool limit")
+    g.add_argument("--opt-level", type=int_in(0, 5), default=3, help="TensorRT builder_optimization_level (0..5)")
     g.add_argument("--strongly-typed", action="store_true", help="TensorRT strongly typed network")
     g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
     g.add_argument("--cache-dir", default=None, help="where timing caches persist across builds")
@@ -54,12 +96,12 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 def add_tolerance_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("verification")
-    g.add_argument("--rtol", type=float, default=None, help="elementwise criterion: relative tolerance")
-    g.add_argument("--atol", type=float, default=None, help="elementwise criterion: absolute tolerance")
-    g.add_argument("--scale-tol", type=float, default=None, metavar="TOL",
+    g.add_argument("--rtol", type=tolerance, default=None, help="elementwise criterion: relative tolerance")
+    g.add_argument("--atol", type=tolerance, default=None, help="elementwise criterion: absolute tolerance")
+    g.add_argument("--scale-tol", type=tolerance, default=None, metavar="TOL",
                    help="pass an output when max|out-ref|/max|ref| <= TOL (default by precision: fp32 1e-3, tf32 1e-2, "
                         "fp16 0.1, bf16 0.15; `verify` uses the bundle's); --rtol/--atol judge each element instead")
-    g.add_argument("--seed", type=int, default=0, help="seed of the random inputs")
+    g.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of the random inputs")
 
 
 def _console(stderr: bool = False):
@@ -81,6 +123,15 @@ def cmd_build(args) -> int:
                       scale_tol=args.scale_tol, seed=args.seed,
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force)
+    triton_name = args.triton_name or Path(args.model).stem
+    if args.triton_repo:  # refuse a bad export before the build, not after it
+        from .outdir import check_target
+        from .triton import check_options
+
+        check_options(triton_name, args.triton_mode, 0, 1)
+        check_target(Path(args.triton_repo) / triton_name, kind="triton", force=args.force,
+                     protect=(args.model, args.output), option=f"--triton-repo model {triton_name!r}")
+    # progress: a live display on a terminal, one line per stage in a build log (no blank lines around an error)
     bundle = build(args.model, args.output, config=cfg, progress=not args.quiet)
     if args.json:
         from .report import build_summary
@@ -91,8 +142,10 @@ def cmd_build(args) -> int:
     if args.triton_repo:
         from .triton import export_triton
 
-        path = export_triton(bundle.path, args.triton_repo, name=args.triton_name or Path(args.model).stem,
-                             mode=args.triton_mode, force=args.force)
+        try:
+            path = export_triton(bundle.path, args.triton_repo, name=triton_name, mode=args.triton_mode, force=args.force)
+        except ParastreamError as e:
+            raise ParastreamError(f"the bundle {bundle.path} was written, but the Triton export failed: {e}") from None
         if not args.quiet and not args.json:
             _console().print(f"Triton model repository: {path}")
     return 0
@@ -125,31 +178,45 @@ def _parse_input_files(items: list[str]) -> dict[str, np.ndarray]:
 def cmd_run(args) -> int:
     from parastream.launcher import load
 
-    from .report import atomic_folder
+    from .outdir import check_target, staging, write_marker
 
+    out_dir = check_target(args.output_dir, kind="run", force=args.force, option="--output-dir",
+                           protect=[args.bundle] + [item.partition("=")[2] for item in args.input or [] if "=" in item])
     runner = load(args.bundle, device=args.device)
     feeds = _parse_input_files(args.input)
     outputs = runner(feeds)
-    out_dir = Path(args.output_dir)
-    if out_dir.exists() and not args.force:
-        raise ParastreamError(f"{out_dir} already exists; pass --force to replace it")
-    with atomic_folder(out_dir) as tmp:
+    files = output_file_names(list(outputs))
+    with staging(out_dir, "run") as tmp:
         for name, value in outputs.items():
-            np.save(tmp / f"{_safe(name)}.npy", np.asarray(value))
+            np.save(tmp / files[name], np.asarray(value))
+        write_marker(tmp, "parastream run")
     con = _console()
+    from rich.markup import escape
     from rich.table import Table
 
-    t = Table(title=f"outputs written to {out_dir}")
+    t = Table(title=escape(f"outputs written to {out_dir}"))
     for col in ("output", "file", "shape", "dtype"):
         t.add_column(col)
     for name, value in outputs.items():
-        t.add_row(name, f"{_safe(name)}.npy", "x".join(map(str, np.shape(value))), str(np.asarray(value).dtype))
+        t.add_row(escape(name), files[name], "x".join(map(str, np.shape(value))), str(np.asarray(value).dtype))
     con.print(t)
     return 0
 
 
-def _safe(name: str) -> str:
-    return "".join(ch if ch.isalnum() or ch in "._-" else "_" for ch in name)
+def output_file_names(names: list[str]) -> dict[str, str]:
+    """A distinct ``.npy`` file name per output: the name with characters other than letters, digits and
+    ``._-`` replaced by ``_``, then ``~2``, ``~3``, ... where two names would give the same file (compared
+    without case, for case-insensitive file systems)."""
+    files, taken = {}, set()
+    for name in names:
+        base = "".join(ch if (ch.isascii() and ch.isalnum()) or ch in "._-" else "_" for ch in name)[:200].lstrip(".") or "_"
+        candidate, n = base, 1
+        while candidate.lower() in taken:
+            n += 1
+            candidate = f"{base}~{n}"
+        taken.add(candidate.lower())
+        files[name] = f"{candidate}.npy"
+    return files
 
 
 def cmd_verify(args) -> int:
@@ -159,7 +226,8 @@ def cmd_verify(args) -> int:
 
     from .model_io import load_model
     from .report import print_verification
-    from .verify import bundle_tolerances, verify
+    from .build import run_verification
+    from .verify import bundle_tolerances
 
     bundle = Bundle.open(args.bundle)
     original = args.model or bundle.report.get("model", {}).get("path")
@@ -170,8 +238,8 @@ def cmd_verify(args) -> int:
     rtol, atol, scale_tol = bundle_tolerances(bundle, args.rtol, args.atol, args.scale_tol)
     runner = load(bundle.path, device=args.device)
     try:
-        result = verify(loaded.original, runner, bundle.plan.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
-                        seed=args.seed, iterations=args.iterations)
+        result = run_verification(original, loaded.original, runner, bundle.plan.inputs, rtol=rtol, atol=atol,
+                                  scale_tol=scale_tol, seed=args.seed, iterations=args.iterations)
     finally:
         close = getattr(runner, "close", None)
         if close:
@@ -262,7 +330,7 @@ def _version() -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="parastream", description=__doc__.splitlines()[0] if __doc__ else None)
+    p = _Parser(prog="parastream", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"parastream {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
@@ -312,7 +380,7 @@ def make_parser() -> argparse.ArgumentParser:
     v = sub.add_parser("verify", help="compare a bundle with onnxruntime on the original model (exit 1 on mismatch)")
     v.add_argument("bundle")
     v.add_argument("--model", default=None, help="the original model (default: the path recorded at build)")
-    v.add_argument("--iterations", type=int, default=3)
+    v.add_argument("--iterations", type=int_in(1, 10_000), default=3)
     v.add_argument("--json", action="store_true", help="print the result as one JSON object")
     v.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     add_tolerance_args(v)
@@ -321,8 +389,8 @@ def make_parser() -> argparse.ArgumentParser:
     be = sub.add_parser("bench", help="latency of a bundle: GPU, against the same engines on one stream; "
                                       "CPU, against plain onnxruntime on the same model")
     be.add_argument("bundle")
-    be.add_argument("--runs", type=int, default=None, help="timed runs of each variant (default: 200 GPU, 50 CPU)")
-    be.add_argument("--warmup", type=int, default=None, help="untimed runs first (default: 20 GPU, 5 CPU)")
+    be.add_argument("--runs", type=int_in(1, 10_000_000), default=None, help="timed runs of each variant (default: 200 GPU, 50 CPU)")
+    be.add_argument("--warmup", type=int_in(0, 10_000_000), default=None, help="untimed runs first (default: 20 GPU, 5 CPU)")
     be.add_argument("--json", action="store_true", help="print the result as one JSON object")
     be.add_argument("--timeline", default=None, metavar="FILE.png")
     be.add_argument("--no-whole-model", dest="whole_model", action="store_false",
@@ -336,8 +404,8 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("repo")
     t.add_argument("--name", required=True)
     t.add_argument("--mode", default="graph", choices=["graph", "ensemble"])
-    t.add_argument("--max-batch", type=int, default=0)
-    t.add_argument("--instances", type=int, default=1)
+    t.add_argument("--max-batch", type=int_in(0, 1 << 31), default=0)
+    t.add_argument("--instances", type=int_in(1, 4096), default=1)
     t.add_argument("--force", action="store_true")
     t.set_defaults(func=cmd_export_triton)
 
@@ -350,19 +418,60 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+class Terminated(KeyboardInterrupt):
+    """SIGTERM or SIGHUP: unwound like Ctrl-C, so that temporary folders are removed on the way out."""
+
+    def __init__(self, signum: int):
+        super().__init__(signum)
+        self.signum = signum
+
+
+def _terminate(signum, frame):
+    raise Terminated(signum)
+
+
+@contextmanager
+def _signals_unwind():
+    """SIGTERM and SIGHUP raise Terminated while a command runs (in the main thread only, as Python requires)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    try:
+        yield
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
-        return int(args.func(args) or 0)
+        with _signals_unwind():
+            return int(args.func(args) or 0)
     except ParastreamError as e:
         if args.debug:
             raise
         print(f"parastream {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt:
+    except KeyboardInterrupt as e:
+        if isinstance(e, Terminated):
+            print(f"parastream: terminated by {signal.Signals(e.signum).name}; nothing was written", file=sys.stderr)
+            return 128 + e.signum
         print("parastream: interrupted", file=sys.stderr)
         return 130
+    except MemoryError:
+        if args.debug:
+            raise
+        print(f"parastream {args.command}: error: out of memory; give smaller --shapes or use a larger machine", file=sys.stderr)
+        return 2
+    except OSError as e:  # the environment: a full disk, a read-only folder, a name too long for the file system
+        if args.debug:
+            raise
+        where = f"{e.filename}: " if e.filename else ""
+        print(f"parastream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":

@@ -8,6 +8,8 @@ and no ``--shapes``, a ``--shapes`` entry that names no input or has the wrong r
 
 from __future__ import annotations
 
+import math
+import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,12 +33,14 @@ def parse_shapes(text: str | None) -> dict[str, list[int]]:
         name, sep, dims = entry.rpartition(":")
         if not sep or not name or not dims:
             raise ParastreamError(f"--shapes entry {entry!r} is not NAME:D1xD2x...; e.g. --shapes input:1x3x224x224")
-        try:
-            values = [int(d) for d in dims.lower().split("x")]
-        except ValueError:
-            raise ParastreamError(f"--shapes entry {entry!r}: dimensions must be integers separated by 'x'") from None
+        parts = dims.lower().split("x")
+        if not all(re.fullmatch(r"[0-9]{1,12}", d.strip()) for d in parts):
+            raise ParastreamError(f"--shapes entry {entry!r}: dimensions must be integers (digits 0-9) separated by 'x'")
+        values = [int(d) for d in parts]
         if any(v <= 0 for v in values):
             raise ParastreamError(f"--shapes entry {entry!r}: dimensions must be positive")
+        if name in shapes:
+            raise ParastreamError(f"--shapes names {name!r} twice; give each input once")
         shapes[name] = values
     return shapes
 
@@ -71,13 +75,35 @@ class LoadedModel:
     outputs: list[TensorSpec]
 
 
+def _non_text_string(message, where: str = "model") -> str | None:
+    """Where a string field of ``message`` holds bytes that are not UTF-8 (protobuf hands such proto2 strings
+    back as ``bytes``, which onnx and every tool after it would trip over)."""
+    from google.protobuf.descriptor import FieldDescriptor
+
+    for field, value in message.ListFields():
+        if field.type == FieldDescriptor.TYPE_STRING:
+            values = value if field.label == FieldDescriptor.LABEL_REPEATED else [value]
+            if any(isinstance(v, bytes) for v in values):
+                return f"{where}.{field.name}"
+        elif field.type == FieldDescriptor.TYPE_MESSAGE:
+            values = value if field.label == FieldDescriptor.LABEL_REPEATED else [value]
+            for i, v in enumerate(values):
+                found = _non_text_string(v, f"{where}.{field.name}" + (f"[{i}]" if field.label == FieldDescriptor.LABEL_REPEATED else ""))
+                if found:
+                    return found
+    return None
+
+
 def read_model(path: str | Path) -> onnx.ModelProto:
     path = Path(path)
-    if not path.exists():
-        raise ParastreamError(f"{path}: no such file")
-    if not path.is_file():
-        raise ParastreamError(f"{path}: not a file")
-    data = path.read_bytes()
+    try:
+        if not path.exists():
+            raise ParastreamError(f"{path}: no such file")
+        if not path.is_file():
+            raise ParastreamError(f"{path}: not a file")
+        data = path.read_bytes()
+    except OSError as e:
+        raise ParastreamError(f"{path}: cannot read the model ({e.strerror or type(e).__name__})") from None
     if not data:
         raise ParastreamError(f"{path}: empty file, not an ONNX model")
     model = onnx.ModelProto()
@@ -87,7 +113,11 @@ def read_model(path: str | Path) -> onnx.ModelProto:
         raise ParastreamError(f"{path}: not an ONNX model (the protobuf does not parse: {e}); the file may be truncated") from None
     if not model.HasField("graph") or not model.opset_import:
         raise ParastreamError(f"{path}: not an ONNX model (no graph or no opset_import)")
+    bad = _non_text_string(model)
+    if bad:
+        raise ParastreamError(f"{path}: {bad} is not UTF-8 text; names in an ONNX model must be")
     # External data: tensors whose bytes live in files beside the model.
+    _check_external_data(model, path)
     try:
         onnx.load_external_data_for_model(model, str(path.parent))
     except (FileNotFoundError, OSError) as e:
@@ -96,6 +126,28 @@ def read_model(path: str | Path) -> onnx.ModelProto:
     except Exception as e:  # noqa: BLE001 - onnx raises ValueError for paths outside the folder
         raise ParastreamError(f"{path}: cannot load external data: {e}") from None
     return model
+
+
+def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
+    """Every external-data file is a plain file inside the model's folder.
+
+    onnx checks this itself from 1.16 on (and pyproject asks for it), but older onnx followed a
+    symbolic link out of the folder, and none checks for a FIFO or a device, which would hang the read.
+    """
+    from onnx.external_data_helper import ExternalDataInfo, _get_all_tensors, uses_external_data
+
+    folder = path.parent.resolve()
+    for t in _get_all_tensors(model):
+        if not uses_external_data(t):
+            continue
+        location = ExternalDataInfo(t).location
+        where = folder / location
+        real = where.resolve()
+        if not location or Path(location).is_absolute() or ".." in Path(location).parts or folder not in real.parents:
+            raise ParastreamError(f"{path}: tensor {t.name!r} keeps its data in {location!r}, outside the model's folder; "
+                                  "keep the .data files beside the model")
+        if where.exists() and not real.is_file():
+            raise ParastreamError(f"{path}: tensor {t.name!r} keeps its data in {location!r}, which is not a plain file")
 
 
 def _check(model: onnx.ModelProto, path: Path) -> None:
@@ -195,6 +247,7 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
     _check(model, path)
     original = onnx.ModelProto()
     original.CopyFrom(model)
+    name_nodes(original)  # onnxruntime refuses duplicate node names: the reference gets the same unique names
     name_nodes(model)
     _fix_input_shapes(model, shapes or {}, path)
     if shapes:
@@ -206,14 +259,40 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
         raise ParastreamError(f"{path}: shape inference failed: {str(e).strip().splitlines()[0]}") from None
     name_nodes(model)
     init_names = {t.name for t in model.graph.initializer}
-    inputs = [spec_of(vi) for vi in model.graph.input if vi.name not in init_names]
+    inputs = [_spec(vi, path, "input") for vi in model.graph.input if vi.name not in init_names]
     outputs = []
     for vi in model.graph.output:
+        if vi.name in init_names:
+            raise ParastreamError(f"{path}: output {vi.name!r} is a constant (it depends on no input), which parastream "
+                                  "does not serve; compute it outside the model")
         dims = _dims(vi)
         if dims is None or any(not isinstance(d, int) for d in dims):
             raise ParastreamError(f"{path}: output {vi.name!r} has a shape that cannot be inferred from the input shapes; parastream needs static shapes")
-        outputs.append(spec_of(vi))
+        outputs.append(_spec(vi, path, "output"))
+    _check_sizes(model, path)
     return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs)
+
+
+MAX_ELEMENTS = 2**31 - 1  # TensorRT's limit on a tensor's volume; the launchers' buffers are sized from it too
+
+
+def _spec(vi: onnx.ValueInfoProto, path: Path, kind: str) -> TensorSpec:
+    try:
+        return spec_of(vi)
+    except (KeyError, TypeError, ValueError):
+        raise ParastreamError(f"{path}: {kind} {vi.name!r} has element type {vi.type.tensor_type.elem_type}, "
+                              "which is not an ONNX tensor type parastream can run") from None
+
+
+def _check_sizes(model: onnx.ModelProto, path: Path) -> None:
+    """Refuse a tensor of more than MAX_ELEMENTS elements before anything tries to allocate it."""
+    for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
+        dims = _dims(vi) or []
+        if any(isinstance(d, int) and d < 0 for d in dims):
+            raise ParastreamError(f"{path}: tensor {vi.name!r} has a negative dimension {dims}")
+        if all(isinstance(d, int) for d in dims) and math.prod(dims) > MAX_ELEMENTS:
+            raise ParastreamError(f"{path}: tensor {vi.name!r} has shape {dims}, {math.prod(dims):,} elements, more than "
+                                  f"the {MAX_ELEMENTS:,} parastream supports in one tensor; give smaller --shapes")
 
 
 def random_feeds(specs: list[TensorSpec], seed: int = 0) -> dict[str, np.ndarray]:
@@ -238,10 +317,9 @@ def parse_batch(text: str | None) -> tuple[int, int, int] | None:
     if not text:
         return None
     parts = text.split(":")
-    try:
-        values = tuple(int(v) for v in parts)
-    except ValueError:
-        raise ParastreamError(f"--batch {text!r} is not MIN:OPT:MAX with integers, e.g. --batch 1:8:32") from None
+    if not all(re.fullmatch(r"[0-9]{1,12}", v.strip()) for v in parts):
+        raise ParastreamError(f"--batch {text!r} is not MIN:OPT:MAX with integers, e.g. --batch 1:8:32")
+    values = tuple(int(v) for v in parts)
     if len(values) == 1:
         values = values * 3
     if len(values) != 3 or not (1 <= values[0] <= values[1] <= values[2]):

@@ -1,46 +1,12 @@
-"""What parastream prints: tables for builds, inspections and verifications, and atomic output folders."""
+"""What parastream prints: tables for builds, inspections and verifications."""
 
 from __future__ import annotations
 
-import shutil
-import tempfile
-from contextlib import contextmanager
 from pathlib import Path
 
 from rich.table import Table
 
 from parastream.launcher.errors import ParastreamError
-
-
-def make_temp_folder(target: Path) -> Path:
-    """A fresh folder beside ``target`` (same file system, so the final rename is atomic), mode 0755 less umask."""
-    import os
-
-    tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    tmp.chmod(0o777 & ~umask)
-    return tmp
-
-
-@contextmanager
-def atomic_folder(target: Path):
-    """Yield a temporary folder beside ``target``; rename it to ``target`` only if the block succeeds."""
-    target = Path(target)
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = make_temp_folder(target)
-    try:
-        yield tmp
-        if target.exists():
-            old = target.with_name(f".{target.name}.old-{tmp.name}")
-            target.rename(old)
-            tmp.rename(target)
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            tmp.rename(target)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
 
 
 def _us(seconds: float) -> str:
@@ -154,6 +120,9 @@ def _print_build_details(bundle, console) -> None:
     else:
         s.add_row("rewrite search", "skipped (--no-search)")
     s.add_row("graph width", str(sched.get("graph_width")))
+    requested = sched.get("requested_streams")
+    if requested and requested != plan.num_streams:
+        s.add_row("streams", f"{plan.num_streams} (of {requested} requested: the schedule found no work for more)")
     s.add_row(f"estimated critical path ({sched.get('cost_model', '')})", _us(sched.get("critical_path_s", 0.0)))
     s.add_row("estimated total work", _us(sched.get("total_work_s", 0.0)))
     s.add_row("build time", f"{rep.get('timings', {}).get('total', 0.0):.2f} s")

@@ -43,16 +43,15 @@ from __future__ import annotations
 
 import re
 import shutil
-import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from parastream.launcher.bundle import Bundle
+from parastream.launcher.bundle import Bundle, inside
 from parastream.launcher.engines import get_backend
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
 
-from .report import make_temp_folder
+from .outdir import check_target, move_into_place, staging, why_not_ours, write_marker
 
 MODES = ("graph", "ensemble")
 VERSION = "1"
@@ -154,6 +153,7 @@ class ModelFolder:
                 shutil.copyfile(src, dst)
         for rel, src in self.trees.items():
             shutil.copytree(src, version / rel)
+        write_marker(root, "parastream export-triton")
         return root
 
 
@@ -261,7 +261,7 @@ def ensemble_models(bundle: Bundle, name: str, *, max_batch: int = 0, instances:
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
-def _check_options(name: str, mode: str, max_batch: int, instances: int) -> None:
+def check_options(name: str, mode: str, max_batch: int, instances: int) -> None:
     if not name or not _NAME_RE.match(name) or name in (".", ".."):
         raise ParastreamError(f"--name {name!r}: a Triton model name here is a folder name of letters, digits, "
                               "'_', '-' and '.', not starting with '.' or '-'")
@@ -299,7 +299,7 @@ def export_triton(bundle: Bundle | str | Path, repo: str | Path, *, name: str, m
     is replaced only with ``force`` (and then also the branch models an earlier ensemble export of
     ``name`` left behind).
     """
-    _check_options(name, mode, max_batch, instances)
+    check_options(name, mode, max_batch, instances)
     if not isinstance(bundle, Bundle):
         bundle = Bundle.open(bundle)
     if mode == "graph":
@@ -310,41 +310,36 @@ def export_triton(bundle: Bundle | str | Path, repo: str | Path, *, name: str, m
     repo = Path(repo)
     if repo.exists() and not repo.is_dir():
         raise ParastreamError(f"{repo}: not a folder; give a model repository folder")
-    targets = [repo / m.name for m in models]
-    existing = [t for t in targets if t.exists()]
+    for m in models:
+        check_target(repo / m.name, kind="triton", force=force, protect=(bundle.path,), option=f"model {m.name!r} of REPO")
     stale = _stale_branch_models(repo, name, {m.name for m in models}) if repo.is_dir() else []
-    if existing and not force:
-        raise ParastreamError(f"{existing[0]} already exists; pass --force to replace it")
     if stale and not force:
         raise ParastreamError(f"{stale[0]} belongs to an earlier ensemble export of {name!r}; pass --force to replace it")
+    for d in stale:
+        reason = why_not_ours(d, "triton")
+        if reason:
+            raise ParastreamError(f"{d} looks like a branch model of an earlier export of {name!r}, but {reason}; "
+                                  "remove it yourself, or export under another --name")
 
-    repo.mkdir(parents=True, exist_ok=True)
-    staging = make_temp_folder(repo / name)
     try:
+        repo.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ParastreamError(f"{repo}: cannot create the model repository ({e.strerror or e})") from None
+    with staging(repo / name, "triton", install=lambda tmp: _move_into_place(tmp, repo, [m.name for m in models], stale)) as tmp:
         for m in models:
-            m.write(staging)
-        problems = validate_repository(staging)
+            m.write(tmp)
+        problems = validate_repository(tmp)
         if problems:
             raise ParastreamError(f"export-triton wrote an invalid repository (a parastream bug): {problems[0]}")
-        _move_into_place(staging, repo, [m.name for m in models], stale)
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
     return repo / name
 
 
-def _move_into_place(staging: Path, repo: Path, names: list[str], stale: list[Path]) -> None:
-    """Rename each staged model folder into REPO; replaced and stale folders go only once every new one is there."""
-    stamp = int(time.time() * 1000)
-    old = []
+def _move_into_place(staged: Path, repo: Path, names: list[str], stale: list[Path]) -> None:
+    """Rename each staged model folder into REPO (replacing an earlier export of it); stale branch models go last."""
     for n in names:
-        target = repo / n
-        if target.exists():
-            moved = repo / f".{n}.old-{stamp}"
-            target.rename(moved)
-            old.append(moved)
-        (staging / n).rename(target)
-    for d in old + stale:
-        shutil.rmtree(d, ignore_errors=True) if d.is_dir() else d.unlink()
+        move_into_place(staged / n, repo / n, "triton")
+    for d in stale:
+        shutil.rmtree(d, ignore_errors=True)
 
 
 # -- validation ------------------------------------------------------------------------------------
@@ -385,9 +380,8 @@ def _bundle_problems(where: str, config, folder: Path) -> list[str]:
     mc = model_config_pb2()
     problems = []
     params = {k: v.string_value for k, v in config.parameters.items()}
-    bundle_dir = folder / params[P_BUNDLE]
     try:
-        bundle = Bundle.open(bundle_dir)
+        bundle = Bundle.open(inside(folder, params[P_BUNDLE], f"config.pbtxt's {P_BUNDLE}"))
     except ParastreamError as e:
         return [f"{where}: {e}"]
     plan = bundle.plan

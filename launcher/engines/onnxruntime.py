@@ -87,10 +87,27 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
     return OrtEngine(data, inputs, outputs, options.threads if options else 0, options.spin if options else True)
 
 
-def check_model(model: onnx.ModelProto) -> None:
-    """Fail early, naming the node, when ONNX Runtime cannot run an op or opset of the model."""
+def describe_error(e: BaseException, model: onnx.ModelProto) -> str:
+    """ONNX Runtime's error in one line, prefixed by the node it concerns (found in the message, or by its op)."""
     import re
 
+    msg = str(e)
+    node = re.search(r"node with name '([^']*)'", msg) or re.search(r"Node \(([^)]*)\)", msg) \
+        or re.search(r"node name: ([^\s,]+)", msg, re.IGNORECASE)
+    where = f"node {node.group(1)!r}: " if node else ""
+    if not node:
+        # ORT names only the op ("com.example:FancyOp(-1) is not a registered function/op"): find the node
+        for n in model.graph.node:
+            op = f"{n.domain}:{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
+            if re.search(rf"(^|[\s:']){re.escape(op)}\(", msg) or f"{op} " in msg:
+                where = f"node {n.name!r} ({op}): "
+                break
+    first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
+    return f"{where}{first}"
+
+
+def check_model(model: onnx.ModelProto) -> None:
+    """Fail early, naming the node, when ONNX Runtime cannot run an op or opset of the model."""
     import onnxruntime as ort
 
     from ..errors import ParastreamError
@@ -98,15 +115,6 @@ def check_model(model: onnx.ModelProto) -> None:
     try:
         ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
-        msg = str(e)
-        node = re.search(r"node with name '([^']*)'", msg) or re.search(r"Node \(([^)]*)\)", msg)
-        where = f"node {node.group(1)!r}: " if node else ""
-        if not node:
-            # ORT names only the op ("com.example:FancyOp(-1) is not a registered function/op"): find the node
-            for n in model.graph.node:
-                op = f"{n.domain}:{n.op_type}" if n.domain not in ("", "ai.onnx") else n.op_type
-                if re.search(rf"(^|[\s:']){re.escape(op)}\(", msg) or f"{op} " in msg:
-                    where = f"node {n.name!r} ({op}): "
-                    break
-        first = msg.strip().splitlines()[0] if msg.strip() else type(e).__name__
-        raise ParastreamError(f"{where}onnxruntime cannot run this model: {first}") from None
+        d = describe_error(e, model)
+        where, sep, first = d.partition(": ") if d.startswith("node ") else ("", "", d)
+        raise ParastreamError(f"{where}{sep}onnxruntime cannot run this model: {first}") from None

@@ -162,7 +162,8 @@ class TorchEngine:
         model = onnx.load_from_string(data)
         t0 = time.perf_counter()
         # the fused cuDNN kernel is measured and tested in fp16 and fp32; bf16 engines keep Inductor's two kernels
-        fuse = device == "cuda" and FUSE_CONV_RELU and self.dtype in ("float16", "float32")
+        fuse = (device == "cuda" and FUSE_CONV_RELU and options.fuse_conv_relu
+                and self.dtype in ("float16", "float32"))
         self.module = convert(model, self.dtype, fuse_conv_relu=fuse).to(device)
         self._tdtype = getattr(torch, self.dtype)
         self._in_names = [t.name for t in inputs]

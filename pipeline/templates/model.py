@@ -39,13 +39,15 @@ def _torch():
 class TritonPythonModel:
     def initialize(self, args):
         from parastream.launcher import load
+        from parastream.launcher.bundle import Bundle, inside
         from parastream.launcher.engines import get_backend
-        from parastream.launcher.plan import Plan
 
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        bundle_dir = Path(__file__).resolve().parent / params.get("parastream_bundle", "bundle")
-        plan = Plan.load(bundle_dir / "plan.json")
+        # the bundle lies inside the version folder, and each of its files inside it (hashes checked)
+        bundle = Bundle.open(inside(Path(__file__).resolve().parent, params.get("parastream_bundle", "bundle"),
+                                    "config.pbtxt's parastream_bundle"))
+        plan = bundle.plan
         self.max_batch = int(config.get("max_batch_size", 0))
         # dims as Triton declares them (no batch dim when batching; [1] for a 0-d tensor)
         self.wire = {io["name"]: [int(d) for d in io["dims"]] for io in config.get("input", []) + config.get("output", [])}
@@ -58,9 +60,9 @@ class TritonPythonModel:
             # launcher.load() takes no device index; the GPU launcher is what it returns for "cuda"
             from parastream.launcher.gpu import GpuLauncher
 
-            self.runner = GpuLauncher(str(bundle_dir), device=device)
+            self.runner = GpuLauncher(bundle, device=device)
         else:
-            self.runner = load(bundle_dir, device="cpu")
+            self.runner = load(bundle, device="cpu")
         self.plan = self.runner.plan
         self.batch = self.plan.inputs[0].shape[0] if self.max_batch > 0 else 0
 

@@ -135,3 +135,19 @@ def test_gpu_instance_of_a_cpu_bundle_runs_on_the_cpu(bundles, tmp_path, pb_util
     got = _outputs(model.execute([_request(pb_utils, input=x)])[0])
     assert _max_rel(got["output"], ort_reference(original, {"input": x})["output"]) <= 1e-5
     model.finalize()
+
+
+def test_initialize_refuses_a_bundle_parameter_leaving_the_version_folder(bundles, tmp_path, pb_utils):
+    import json
+
+    from parastream.launcher.errors import ParastreamError
+
+    model_dir = export_triton(bundles["three"][0], tmp_path / "repo", name="m")
+    args = initialize_args(model_dir)
+    config = json.loads(args["model_config"])
+    config["parameters"]["parastream_bundle"]["string_value"] = "../../../b"
+    args["model_config"] = json.dumps(config)
+    with pytest.raises(ParastreamError, match="outside the bundle"):
+        load_model_py(model_dir).TritonPythonModel().initialize(args)
+    # the untouched parameter loads (the refusal above is specific)
+    load_model_py(model_dir).TritonPythonModel().initialize(initialize_args(model_dir))

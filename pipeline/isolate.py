@@ -1,0 +1,64 @@
+"""Run a native library's risky step in a forked child, so that its crash becomes a one-line error.
+
+ONNX Runtime can die of a signal on some malformed models (a LayerNormalization whose optional bias
+is the empty name segfaults while the session is created): in our own process that ends the tool with
+no message and possibly a half-written folder.  ``in_child`` runs such a step in a ``fork`` of this
+process (the libraries are already imported, so it costs milliseconds), passes a ParastreamError back
+through a pipe, and turns a death by signal into a ParastreamError naming the step.  Where ``fork``
+does not exist (Windows) the step runs in-process.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import sys
+
+from parastream.launcher.errors import ParastreamError
+
+
+def in_child(step, *args, what: str) -> None:
+    """``step(*args)`` in a forked child; its ParastreamError is raised here, as is its death by a signal."""
+    if not hasattr(os, "fork"):
+        step(*args)
+        return
+    sys.stdout.flush()
+    sys.stderr.flush()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # the child: report and leave without running the parent's cleanups (atexit, finally)
+        code = 0
+        try:
+            os.close(r)
+            try:
+                step(*args)
+            except ParastreamError as e:
+                os.write(w, str(e).encode("utf-8", "replace")[:65536])
+                code = 3
+            except BaseException as e:  # noqa: BLE001 - reported by the parent in one line
+                first = str(e).strip().splitlines()[0] if str(e).strip() else ""
+                os.write(w, f"{what} failed: {type(e).__name__}: {first}".encode("utf-8", "replace")[:65536])
+                code = 3
+        finally:
+            os._exit(code)
+    os.close(w)
+    chunks = []
+    try:
+        with os.fdopen(r, "rb") as f:
+            while chunk := f.read(65536):
+                chunks.append(chunk)
+        _, status = os.waitpid(pid, 0)
+    except BaseException:  # interrupted (Ctrl-C, SIGTERM): the child goes too
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except OSError:
+            pass
+        raise
+    message = b"".join(chunks).decode("utf-8", "replace")
+    if os.WIFSIGNALED(status):
+        sig = os.WTERMSIG(status)
+        name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
+        raise ParastreamError(f"{what}: the library crashed ({name}); the model is malformed in a way it does not check")
+    if message or os.WEXITSTATUS(status) != 0:
+        raise ParastreamError(message or f"{what} failed (exit status {os.WEXITSTATUS(status)})")

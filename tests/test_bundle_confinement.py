@@ -1,0 +1,191 @@
+"""A bundle is confined to its folder: every path it names resolves inside it, its manifest lists every file,
+and no entry point (run, verify, export-triton, validate-triton, launcher.load, Triton's model.py) reads a
+file outside it -- even when the attacker re-hashed manifest.json."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+
+import numpy as np
+import onnx
+import pytest
+from graphs import three_branch_model
+from onnx import TensorProto, helper, numpy_helper
+
+from parastream.launcher import load
+from parastream.launcher.bundle import Bundle, write_manifest
+from parastream.launcher.errors import ParastreamError
+from parastream.pipeline import build
+from parastream.pipeline.cli import main
+
+
+@pytest.fixture
+def bundle(tmp_path):
+    model = tmp_path / "m.onnx"
+    onnx.save(three_branch_model(), model)
+    return build(model, tmp_path / "b", backend="onnxruntime", search=False, streams=3).path
+
+
+def rehash(path):
+    """What an attacker does after editing a bundle: recompute every sha256 in manifest.json."""
+    manifest = json.loads((path / "manifest.json").read_text())
+    write_manifest(path, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+
+
+def set_engine(path, engine):
+    plan = json.loads((path / "plan.json").read_text())
+    plan["branches"][0]["engine"] = engine
+    (path / "plan.json").write_text(json.dumps(plan))
+
+
+def tree(folder):
+    return {p.relative_to(folder).as_posix(): p.read_bytes() for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def entry_points(capsys, path, tmp_path, x):
+    """(name, exit code, stderr) of every CLI command that reads the bundle."""
+    res = []
+    for name, argv in (("run", ["run", path, "--input", f"input={x}", "--output-dir", tmp_path / "res"]),
+                       ("verify", ["verify", path, "--model", tmp_path / "m.onnx"]),
+                       ("export-triton", ["export-triton", path, tmp_path / "repo", "--name", "m"]),
+                       ("bench", ["bench", path, "--runs", "1", "--warmup", "0"])):
+        code = main([str(a) for a in argv])
+        res.append((name, code, capsys.readouterr().err.strip()))
+    return res
+
+
+def assert_all_refused(capsys, path, tmp_path, *needles):
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((1, 4, 8, 8), np.float32))
+    before = tree(path)
+    for name, code, err in entry_points(capsys, path, tmp_path, x):
+        assert code == 2 and len(err.splitlines()) == 1, (name, err)
+        assert all(n in err for n in needles), (name, err)
+    assert tree(path) == before  # verify rewrote nothing
+    assert not (tmp_path / "res").exists() and not (tmp_path / "repo" / "m").exists()
+    with pytest.raises(ParastreamError):
+        load(path)
+
+
+def test_an_untouched_bundle_opens(bundle):
+    assert len(Bundle.open(bundle).plan.branches) >= 2
+
+
+@pytest.mark.parametrize("where", ["parent", "absolute"])
+def test_engine_path_outside_the_bundle(bundle, tmp_path, capsys, where):
+    outside = tmp_path / "outside.onnx"
+    plan = Bundle.open(bundle).plan
+    shutil.copyfile(bundle / plan.branches[0].engine, outside)  # a valid engine, so only the path is wrong
+    set_engine(bundle, "../outside.onnx" if where == "parent" else str(outside))
+    rehash(bundle)
+    assert_all_refused(capsys, bundle, tmp_path, "outside the bundle")
+
+
+def test_engine_symlink_leaving_the_bundle(bundle, tmp_path, capsys):
+    engine = bundle / Bundle.open(bundle).plan.branches[0].engine
+    outside = tmp_path / "outside.onnx"
+    shutil.copyfile(engine, outside)
+    engine.unlink()
+    engine.symlink_to(outside)
+    rehash(bundle)
+    assert_all_refused(capsys, bundle, tmp_path, "resolves outside the bundle")
+
+
+def test_manifest_without_files_is_not_a_bundle(bundle, tmp_path, capsys):
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    del manifest["files"]
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    assert_all_refused(capsys, bundle, tmp_path, "lists no files")
+    (bundle / "manifest.json").write_text(json.dumps(dict(manifest, files={})))
+    assert_all_refused(capsys, bundle, tmp_path, "lists no files")
+
+
+def test_unlisted_file_is_noticed(bundle, tmp_path, capsys):
+    (bundle / "engines" / "extra.onnx").write_bytes(b"not listed")
+    assert_all_refused(capsys, bundle, tmp_path, "extra.onnx", "not listed")
+
+
+def test_manifest_naming_a_file_outside(bundle, tmp_path, capsys):
+    (tmp_path / "secret.txt").write_text("secret")
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["files"]["../secret.txt"] = "0" * 64
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    assert_all_refused(capsys, bundle, tmp_path, "outside the bundle")
+
+
+def test_engine_with_external_data(bundle, tmp_path, capsys):
+    """An engine whose weights live 'in an external file' could read any file: refused."""
+    plan = Bundle.open(bundle).plan
+    engine = bundle / plan.branches[0].engine
+    m = onnx.load(str(engine))
+    (tmp_path / "w.bin").write_bytes(os.urandom(4096))
+    for t in m.graph.initializer:
+        onnx.external_data_helper.set_external_data(t, location="../../w.bin")
+        t.ClearField("raw_data")
+        t.ClearField("float_data")
+        t.data_location = TensorProto.EXTERNAL
+        break
+    engine.write_bytes(m.SerializeToString())
+    rehash(bundle)
+    assert_all_refused(capsys, bundle, tmp_path, "external file")
+
+
+def test_validate_triton_and_model_py_refuse_an_escaping_bundle(bundle, tmp_path, capsys):
+    pytest.importorskip("tritonclient.grpc")
+    from parastream.pipeline.triton import export_triton, validate_repository
+
+    repo = tmp_path / "repo"
+    model_dir = export_triton(bundle, repo, name="m")
+    assert validate_repository(repo) == []
+    copied = model_dir / "1" / "bundle"
+    engine = copied / Bundle.open(copied).plan.branches[0].engine
+    outside = tmp_path / "outside.onnx"
+    shutil.copyfile(engine, outside)
+    engine.unlink()
+    engine.symlink_to(outside)
+    rehash(copied)
+    problems = validate_repository(repo)
+    assert len(problems) == 1 and "resolves outside the bundle" in problems[0]
+    assert main(["validate-triton", str(repo)]) == 1
+    # a config whose bundle parameter leaves the version folder
+    config = (model_dir / "config.pbtxt").read_text()
+    (model_dir / "config.pbtxt").write_text(config.replace('string_value: "bundle"', 'string_value: "../../../b"'))
+    problems = validate_repository(repo)
+    assert any("outside the bundle" in p or "outside" in p for p in problems), problems
+
+
+# -- the input model's external data -----------------------------------------------------------------
+def _external_model(folder, location_target=None):
+    rng = np.random.default_rng(0)
+    w = numpy_helper.from_array(rng.standard_normal((64, 64)).astype(np.float32), "w")
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])
+    m = helper.make_model(helper.make_graph([helper.make_node("MatMul", ["x", "w"], ["y"], name="mm")], "g", [x], [y], [w]),
+                          opset_imports=[helper.make_opsetid("", 17)])
+    p = folder / "ext.onnx"
+    onnx.save(m, p, save_as_external_data=True, all_tensors_to_one_file=True, location="weights.data", size_threshold=0)
+    return p
+
+
+@pytest.mark.parametrize("kind", ["symlink", "fifo"])
+def test_input_external_data_must_be_a_plain_file_inside(tmp_path, capsys, kind):
+    folder = tmp_path / "models"
+    folder.mkdir()
+    p = _external_model(folder)
+    data = folder / "weights.data"
+    if kind == "symlink":
+        (tmp_path / "other.bin").write_bytes(data.read_bytes())  # right size, someone else's bytes
+        data.unlink()
+        data.symlink_to(tmp_path / "other.bin")
+        needle = "outside the model's folder"
+    else:
+        data.unlink()
+        os.mkfifo(data)
+        needle = "not a plain file"
+    out = tmp_path / "out"
+    code = main(["build", str(p), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
+    assert not out.exists()
