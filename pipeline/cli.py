@@ -108,8 +108,9 @@ def _console(stderr: bool = False):
     from rich.console import Console
 
     stream = sys.stderr if stderr else sys.stdout
-    # piped into a log: wide enough that tables are not cut at 80 columns
-    return Console(stderr=stderr, soft_wrap=False, width=None if stream.isatty() else 160)
+    # piped into a log: lines of text are not wrapped, and tables are 160 columns wide instead of 80
+    tty = stream.isatty()
+    return Console(stderr=stderr, soft_wrap=not tty, width=None if tty else 160)
 
 
 # -- commands ------------------------------------------------------------------------------------------
