@@ -273,12 +273,13 @@ def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, b
 
 
 def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
-                           options: BuildOptions, cost_model, cfg: "BuildConfig"):
+                           options: BuildOptions, cost_model, cfg: "BuildConfig", rewritten: bool = True):
     """CPU builds: time the alternatives on this machine and keep the fastest, as the GPU build measures its
     candidates.  The alternatives: the loaded model and the rewritten one each as ONE onnxruntime session with
     every core (plain onnxruntime, which a bundle must never be slower than), and the multi-stream plan with
     the cores shared out among its streams and with every core per session.  ``--streams`` given: only the
-    plan's thread counts are compared.
+    plan's thread counts are compared.  ``rewritten`` False: the search changed nothing, the rewritten model
+    is not timed apart from the loaded one.
 
     Returns (model, graph, schedule, threads per engine, report); the report lists what was timed (median ms
     of ``cfg.cpu_runs`` interleaved calls on the same random input) and what won.
@@ -292,7 +293,7 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
     alternatives = []  # (name, model, graph, schedule, threads)
     if not cfg.streams:
         for name, m in (("original model, one session", loaded.model), ("rewritten model, one session", model)):
-            if name.startswith("rewritten") and m is loaded.model:
+            if name.startswith("rewritten") and (m is loaded.model or not rewritten):
                 continue
             g = graph if m is model else _graph_of(m)
             alternatives.append((name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
@@ -508,8 +509,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if not backend.gpu and cfg.measure:
             t0 = time.perf_counter()
             task = bar.step("time the CPU alternatives")
-            model, graph, sched, cpu_threads, cpu_choice = choose_cpu_alternative(loaded, model, graph, sched, backend, options,
-                                                                                 cost_model, cfg)
+            model, graph, sched, cpu_threads, cpu_choice = choose_cpu_alternative(
+                loaded, model, graph, sched, backend, options, cost_model, cfg, rewritten=bool(search_report.get("rules_chosen")))
             task.advance()
             timings["cpu_choice"] = time.perf_counter() - t0
         plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,

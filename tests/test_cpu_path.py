@@ -154,3 +154,14 @@ def test_inspect_reports_the_streams_a_default_build_plans(model_path, tmp_path)
     seen = inspect_model(model_path, console=Console(file=open(os.devnull, "w")))
     bundle = build(model_path, tmp_path / "b", backend="onnxruntime", measure=False, search=False)
     assert seen["streams"] == bundle.plan.num_streams == bundle.report["schedule"]["streams"]
+
+
+def test_an_unchanged_model_is_timed_once(model_path, tmp_path, monkeypatch):
+    """The search found nothing: the 'rewritten' model is the loaded one and is not timed a second time."""
+    from parastream.rewrite import search
+
+    monkeypatch.setattr(search, "precheck", lambda *a, **kw: ("forced for the test", {}))
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3)
+    assert bundle.report["search"]["rules_chosen"] == []
+    names = [t["alternative"] for t in bundle.report["cpu_choice"]["timed"]]
+    assert "original model, one session" in names and "rewritten model, one session" not in names
