@@ -45,7 +45,7 @@ class BuildConfig:
     measure: bool = True  # measure the search's top candidates on the GPU when the backend has GPU engines
     measure_seconds: float = 300.0  # budget for those measurements (each one builds and loads engines)
     measure_runs: int = 100
-    cpu_runs: int = 20  # CPU builds: timed calls of each alternative (one full-threaded session, the plan)
+    cpu_runs: int = 10  # CPU builds: timed calls of each alternative (one full-threaded session, the plan)
     verify: bool = True
     rtol: float | None = None
     atol: float | None = None
