@@ -395,6 +395,31 @@ def summarize(rows: list[dict]) -> dict:
             "built_and_verified_fraction_of_exported": round(len(ok) / max(len(exported), 1), 3)}
 
 
+def _status(r: dict | None) -> str:
+    if r is None:
+        return "not run"
+    if not r.get("export_ok"):
+        return "exporter failed"
+    if r.get("build_ok") and (r.get("verification") or {}).get("passed"):
+        t = r.get("torch") or {}
+        return f"ok ({r.get('streams')} str.)" + ("" if t.get("converts") else "; torch converter: no")
+    if r.get("exit") == 2:
+        node = r.get("build_error", "").split("node '", 1)[-1].split("'", 1)[0] if "node '" in r.get("build_error", "") else ""
+        return f"exit 2{' at ' + node if node else ''}"
+    return f"exit {r.get('exit')}"
+
+
+def _grid(rows: list[dict]) -> list[str]:
+    """One line per model: the outcome of each exporter."""
+    by = {(r["model"], r["exporter"]): r for r in rows}
+    lines = ["| model | family | source | " + " | ".join(EXPORTERS) + " |", "|---|---|---|" + "---|" * len(EXPORTERS)]
+    for name, spec in MODELS.items():
+        if not any((name, e) in by for e in EXPORTERS):
+            continue
+        lines.append(f"| {name} | {spec.family} | {spec.source} | " + " | ".join(_status(by.get((name, e))) for e in EXPORTERS) + " |")
+    return lines
+
+
 def write_table(out: Path) -> dict:
     rows = [json.loads(p.read_text()) for p in sorted((out / "rows").glob("*.json"))]
     order = {n: i for i, n in enumerate(MODELS)}
@@ -408,6 +433,7 @@ def write_table(out: Path) -> dict:
              f"{summary['failed_with_one_line_error']} stopped with a one-line error (exit 2); "
              f"{summary['other_failures']} other; {summary['rows'] - summary['exported']} did not export. "
              f"The torch converter converts {summary['torch_converts']} of {summary['exported']}.", "",
+             *_grid(rows), "",
              "| model | family | exporter | export | build (exit) | nodes in→out | streams | verification (max abs / max scaled) "
              "| torch converter (ops missing; max scaled err) | build s |",
              "|---|---|---|---|---|---|---|---|---|---|"]
