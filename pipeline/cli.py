@@ -391,6 +391,26 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
+@contextmanager
+def _quiet_libraries(quiet: bool):
+    """Without --debug the error line is all a failed command prints: no onnxruntime log lines, no Python
+    warnings from numpy or polygraphy (each would land in a build log above the error)."""
+    import warnings
+
+    if not quiet:
+        yield
+        return
+    try:
+        from parastream.launcher.engines.onnxruntime import quiet_logs
+
+        quiet_logs()
+    except ImportError:
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
+
+
 class Terminated(KeyboardInterrupt):
     """SIGTERM or SIGHUP: unwound like Ctrl-C, so that temporary folders are removed on the way out."""
 
@@ -421,7 +441,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
-        with _signals_unwind():
+        with _signals_unwind(), _quiet_libraries(not args.debug):
             return int(args.func(args) or 0)
     except ParastreamError as e:
         if args.debug:

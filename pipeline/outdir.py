@@ -94,7 +94,10 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
         raise ParastreamError(f"{option} {target}: cannot resolve the path ({e})") from None
     guarded = [(Path.cwd().resolve(), "the current directory")]
     for p in protect:
-        p = Path(p).resolve()
+        try:
+            p = Path(p).resolve()
+        except (OSError, RuntimeError):  # a link loop: the input's own check reports it
+            p = Path(os.path.abspath(p))
         folder = p if p.is_dir() else p.parent
         guarded.append((folder, f"{folder}, an input of this command" if folder == p else f"{folder}, which holds the input {p.name}"))
     for folder, what in guarded:

@@ -28,6 +28,19 @@ def available() -> str | None:
     return None
 
 
+#: ONNX Runtime's log level for our sessions (3: errors); quiet_logs() raises it to 4 (fatal only)
+LOG_SEVERITY = 3
+
+
+def quiet_logs() -> None:
+    """No ONNX Runtime log lines: errors reach the user as exceptions (the CLI does this unless --debug)."""
+    global LOG_SEVERITY
+    import onnxruntime as ort
+
+    LOG_SEVERITY = 4
+    ort.set_default_logger_severity(4)  # sessions others create (polygraphy's reference) log through the default
+
+
 def session_options(threads: int = 0):
     import onnxruntime as ort
 
@@ -36,7 +49,7 @@ def session_options(threads: int = 0):
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
-    so.log_severity_level = 3
+    so.log_severity_level = LOG_SEVERITY
     return so
 
 
