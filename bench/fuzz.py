@@ -227,7 +227,7 @@ def m_attribute(rng, case):
             elif choice == "drop":
                 n.attribute.remove(a)
             elif choice == "retype":
-                a.type = rng.choice([onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING, onnx.AttributeProto.INTS, 99])
+                a.type = rng.choice([onnx.AttributeProto.FLOAT, onnx.AttributeProto.STRING, onnx.AttributeProto.INTS, onnx.AttributeProto.UNDEFINED])
             else:
                 n.attribute.append(helper.make_attribute(rng.choice(["bogus", a.name]), rng.choice([1, 2.5, "s", [1, 2]])))
         case.what.append(f"attribute {choice} on {n.op_type}")
@@ -544,8 +544,12 @@ def classify(case: Case, case_dir: Path, out_name: str, rc: int | None, sig: int
         return "signal", f"signal {sig}"
     if rc == 99 or "Traceback (most recent call last)" in err:
         return "traceback", first
-    partial = [p.name for p in out.parent.glob(f".{glob_escape(out.name)}*")] if out.parent.is_dir() else []
-    if extra or partial or (rc != 0 and out.exists() and out_name not in ("model.onnx", ".")):
+    try:
+        partial = [p.name for p in out.parent.glob(f".{glob_escape(out.name)}*")] if out.parent.is_dir() else []
+        out_exists = os.path.lexists(out)
+    except OSError:  # a name too long for the file system: nothing of that name can exist
+        partial, out_exists = [], False
+    if extra or partial or (rc != 0 and out_exists and out_name not in ("model.onnx", ".")):
         return "leftover", f"{extra or partial or [out_name]}"
     if rc == 0:
         check = json.loads((case_dir / "check.json").read_text()) if (case_dir / "check.json").exists() else {}
