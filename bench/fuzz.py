@@ -653,7 +653,7 @@ def kill_trials(n: int, seed: int, work: Path, timeout: float = 120.0) -> list[d
         if existing:
             subprocess.run(cmd, cwd=folder, capture_output=True, timeout=timeout)
             cmd.append("--force")
-        delay = rng.uniform(0.3, 5.0)
+        delay = rng.uniform(1.0, 6.0)  # after the imports (a Ctrl-C during them is Python's own traceback)
         p = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
         time.sleep(delay)
         p.send_signal(sig)

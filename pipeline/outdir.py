@@ -114,6 +114,15 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
     return target
 
 
+_STAGING: set[Path] = set()  # staging folders of this process, for remove_staging()
+
+
+def remove_staging() -> None:
+    """Remove this process's staging folders now (the CLI's SIGTERM handler, before it exits)."""
+    for tmp in list(_STAGING):
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
 def make_parent(target: Path) -> None:
     """Create ``target``'s parent folder, or say in one line why it cannot be."""
     try:
@@ -194,7 +203,7 @@ def staging(target: Path, kind: str, install=None):
 
     The folder is ``.NAME.<random>.partial`` and stays flock-ed while this process lives, so that a later run
     removes it only once its owner is gone (kill -9, a power cut); any error, Ctrl-C, SIGTERM or SIGHUP
-    removes it at once.  Folders a killed run left beside ``target`` are cleaned here first.
+    removes it at once (the CLI's handlers: ``remove_staging``).  Folders a killed run left beside ``target`` are cleaned here first.
     """
     target = Path(target)
     make_parent(target)
@@ -205,6 +214,7 @@ def staging(target: Path, kind: str, install=None):
         except OSError as e:
             raise ParastreamError(f"{target}: cannot write beside it ({e.strerror or e})") from None
         fd = _flock(tmp)
+        _STAGING.add(tmp)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -214,4 +224,5 @@ def staging(target: Path, kind: str, install=None):
             (install or (lambda t: move_into_place(t, target, kind)))(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _STAGING.discard(tmp)
         os.close(fd)
