@@ -318,10 +318,14 @@ def _spec(vi: onnx.ValueInfoProto, path: Path, kind: str) -> TensorSpec:
 
 def _check_sizes(model: onnx.ModelProto, path: Path) -> None:
     """Refuse a tensor of more than MAX_ELEMENTS elements before anything tries to allocate it."""
+    ends = {vi.name for vi in list(model.graph.input) + list(model.graph.output)}
     for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
         dims = _dims(vi) or []
         if any(isinstance(d, int) and d < 0 for d in dims):
             raise ParastreamError(f"{path}: tensor {vi.name!r} has a negative dimension {dims}")
+        if vi.name in ends and any(d == 0 for d in dims):
+            raise ParastreamError(f"{path}: {'input' if vi in model.graph.input else 'output'} {vi.name!r} has shape {dims}, "
+                                  "an empty tensor; parastream deploys models whose inputs and outputs hold data")
         if all(isinstance(d, int) for d in dims) and math.prod(dims) > MAX_ELEMENTS:
             raise ParastreamError(f"{path}: tensor {vi.name!r} has shape {dims}, {math.prod(dims):,} elements, more than "
                                   f"the {MAX_ELEMENTS:,} parastream supports in one tensor; give smaller --shapes")
