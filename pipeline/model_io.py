@@ -221,18 +221,30 @@ def _check_declarations(model: onnx.ModelProto, path: Path) -> None:
     """Every declared tensor type is an ONNX type, and no tensor is declared twice with different types or shapes
     (graphsurgeon would keep one declaration, onnxruntime another, and the reference would not be the model)."""
     known = set(onnx.TensorProto.DataType.values())
-    seen: dict[str, onnx.TypeProto] = {}
+    seen: dict[str, onnx.ValueInfoProto] = {}
     for vi in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type not in known:
             raise ParastreamError(f"{path}: tensor {vi.name!r} is declared with element type {vi.type.tensor_type.elem_type}, "
                                   "which is not an ONNX tensor type")
-        if vi.name in seen and seen[vi.name] != vi.type:
+        if vi.name in seen and not _compatible(seen[vi.name], vi):
             raise ParastreamError(f"{path}: tensor {vi.name!r} is declared twice (graph inputs, outputs, value_info) "
                                   "with different types or shapes")
-        seen[vi.name] = vi.type
+        seen[vi.name] = vi
     for t in model.graph.initializer:
         if t.data_type not in known or t.data_type == onnx.TensorProto.UNDEFINED:
             raise ParastreamError(f"{path}: initializer {t.name!r} has data type {t.data_type}, which is not an ONNX tensor type")
+
+
+def _compatible(a: onnx.ValueInfoProto, b: onnx.ValueInfoProto) -> bool:
+    """Two declarations of one tensor agree: same element type, and where both give a shape, the same rank and
+    no two different fixed dimensions (symbolic names may differ: exporters name them as they like)."""
+    ta, tb = a.type.tensor_type, b.type.tensor_type
+    if a.type.WhichOneof("value") != b.type.WhichOneof("value") or ta.elem_type != tb.elem_type:
+        return False
+    da, db = _dims(a), _dims(b)
+    if da is None or db is None:
+        return True
+    return len(da) == len(db) and all(not (isinstance(x, int) and isinstance(y, int)) or x == y for x, y in zip(da, db))
 
 
 def _fold_constants(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:

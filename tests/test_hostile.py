@@ -292,3 +292,19 @@ def test_triton_export_failing_after_the_build_says_the_bundle_is_there(tmp_path
     code, err = build_cli(capsys, save(tmp_path, three_branch_model()), out, "--no-search", "--triton-repo", tmp_path / "repo")
     assert code == 2 and len(err.splitlines()) == 1 and f"the bundle {out} was written" in err and "disk is full" in err
     Bundle.open(out)
+
+
+def test_a_tensor_declared_twice(tmp_path, capsys):
+    """Two declarations that disagree on a fixed dimension are refused (graphsurgeon kept one, onnxruntime the
+    other); symbolic names that differ are not a disagreement, and that model builds and matches."""
+    m = onnx.shape_inference.infer_shapes(three_branch_model(batch="N"))
+    m.graph.value_info.append(helper.make_tensor_value_info("output", TensorProto.FLOAT, ["unk", 12, 8, 8]))
+    code, err = build_cli(capsys, save(tmp_path, m, "ok.onnx"), tmp_path / "ok", "--no-search", "--shapes", "input:1x4x8x8")
+    assert code == 0, err
+    x = np.random.default_rng(2).standard_normal((1, 4, 8, 8)).astype(np.float32)
+    np.testing.assert_allclose(load(tmp_path / "ok")({"input": x})["output"],
+                               ort_reference(three_branch_model(), {"input": x})["output"], rtol=1e-4, atol=1e-5)
+    m.graph.value_info[-1].type.tensor_type.shape.dim[1].dim_value = 13
+    out = tmp_path / "out"
+    code, err = build_cli(capsys, save(tmp_path, m), out, "--no-search", "--shapes", "input:1x4x8x8")
+    assert_refused(code, err, out, "'output' is declared twice")
