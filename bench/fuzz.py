@@ -680,14 +680,15 @@ def kill_trials(n: int, seed: int, work: Path, timeout: float = 120.0) -> list[d
         cleaned = None
         if beside and sig == signal.SIGKILL:
             # the next build to the same OUT removes what the killed one left, and succeeds
-            r = subprocess.run(cmd[:-1] if existing else cmd + (["--force"] if out.exists() else []), cwd=folder,
-                               capture_output=True, timeout=timeout)
+            base = cmd[:-1] if existing else cmd
+            r = subprocess.run(base + (["--force"] if out.exists() else []), cwd=folder, capture_output=True, timeout=timeout)
             after = sorted(x for x in os.listdir(folder) if x != "out")
             cleaned = not after and r.returncode == 0
             if not cleaned:
                 problems.append(f"next build left {after} (exit {r.returncode})")
         rec = {"trial": i, "model": model.stem, "signal": sig.name, "delay_s": round(delay, 2), "replacing": existing,
                "rc": p.returncode, "out_complete": out.exists(), "left_by_kill": beside, "cleaned_by_next_build": cleaned,
+               "stderr": err.strip().splitlines()[-1][:200] if err.strip() else "",
                "outcome": "ok" if not problems else "; ".join(problems)}
         records.append(rec)
         print(json.dumps(rec), file=sys.stderr, flush=True)
