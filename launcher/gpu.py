@@ -37,6 +37,7 @@ from __future__ import annotations
 import contextlib
 import inspect
 import time
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -54,6 +55,57 @@ def _compute_dtype(precision: str) -> str | None:
     return {"fp16": "float16", "bf16": "bfloat16"}.get(precision)
 
 
+@dataclass
+class EngineLayouts:
+    """How a launcher lays out a plan's boundary tensors for its engines (``engine_layouts``)."""
+
+    specs: dict[str, TensorSpec]  # device dtype and shape of every boundary tensor
+    nhwc: set[str]  # 4-d tensors stored channels-last
+    views: dict[str, tuple[str, int]]  # tensor -> (the Concat output buffer it lives in, its first channel)
+    elided: set[int]  # Concat branches done in place (no engine runs)
+
+    @property
+    def channel_views(self) -> dict[str, tuple[int, int]]:
+        """tensor -> (channels of its buffer, first channel): what an engine needs to address the slice."""
+        return {t: (self.specs[root].shape[1], c0) for t, (root, c0) in self.views.items()}
+
+    def branch_views(self, branch) -> dict[str, tuple[int, int]]:
+        return {t: v for t, v in self.channel_views.items() if t in branch.inputs or t in branch.outputs}
+
+    def branch(self, branch) -> dict:
+        """What ``backend.load`` is given for ``branch``: input and output specs, channels-last set, channel views."""
+        return {"inputs": [self.specs[t] for t in branch.inputs], "outputs": [self.specs[t] for t in branch.outputs],
+                "internal_nhwc": self.nhwc, "channel_views": self.branch_views(branch)}
+
+
+def engine_layouts(plan, backend, *, internal_nhwc: bool = True, concat_in_place: bool = True) -> EngineLayouts:
+    """The boundary tensors' device dtypes and layouts that a ``GpuLauncher`` gives ``backend``'s engines.
+
+    Model inputs/outputs keep the caller's dtype and NCHW layout; internal boundaries of a
+    reduced-precision torch bundle stay in the compute dtype (no cast kernels at branch edges)
+    and, for 4-d tensors, channels-last (no transposes around cuDNN convolutions).  Concat
+    branches are done in place where the backend's engines write channel slices: each producer
+    writes its slice of the Concat's output, the branch keeps its events but runs no kernel.
+    The build calls this too, so that compiled engines are compiled for exactly these layouts.
+    """
+    model_io = {t.name for t in plan.inputs} | {t.name for t in plan.outputs}
+    native = bool(getattr(backend, "supports_internal_nhwc", False))
+    low = _compute_dtype(plan.precision) if native else None
+    specs: dict[str, TensorSpec] = {}
+    for name, spec in plan.tensors.items():
+        dt = spec.dtype
+        if low and name not in model_io and dt == "float32":
+            dt = low
+        specs[name] = TensorSpec(name, dt, list(spec.shape))
+    nhwc = {n for n, s in specs.items()
+            if native and internal_nhwc and n not in model_io and len(s.shape) == 4 and s.dtype.startswith(("float", "bfloat"))}
+    views: dict[str, tuple[str, int]] = {}
+    elided: set[int] = set()
+    if concat_in_place and getattr(backend, "supports_channel_views", False):
+        views, elided = plan.in_place_concats(specs, nhwc)
+    return EngineLayouts(specs, nhwc, views, elided)
+
+
 class GpuLauncher:
     """Runs a bundle's plan on one GPU: multi-stream, captured as one CUDA Graph (``graph=False``: direct launches).
 
@@ -64,7 +116,8 @@ class GpuLauncher:
     """
 
     def __init__(self, bundle: Bundle | str, *, graph: bool = True, device: int = 0, single_stream: bool = False,
-                 engines: list | None = None, internal_nhwc: bool = True, concat_in_place: bool = True, _share=None):
+                 engines: list | None = None, internal_nhwc: bool | None = None, concat_in_place: bool = True,
+                 fuse_conv_relu: bool | None = None, _share=None):
         if not isinstance(bundle, Bundle):
             bundle = Bundle.open(bundle)
         self.bundle = bundle
@@ -77,30 +130,16 @@ class GpuLauncher:
         backend = bundle.backend()
         self.backend = backend
 
-        # Device dtypes and layouts of the boundary tensors.  Model inputs/outputs keep the
-        # caller's dtype and NCHW layout; internal boundaries of a reduced-precision torch
-        # bundle stay in the compute dtype (no cast kernels at branch edges) and, for 4-d
-        # tensors, channels-last (no transposes around cuDNN convolutions).
-        model_io = {t.name for t in plan.inputs} | {t.name for t in plan.outputs}
-        native = bool(getattr(backend, "supports_internal_nhwc", False))
-        low = _compute_dtype(plan.precision) if native else None
-        self.specs: dict[str, TensorSpec] = {}
-        for name, spec in plan.tensors.items():
-            dt = spec.dtype
-            if low and name not in model_io and dt == "float32":
-                dt = low
-            self.specs[name] = TensorSpec(name, dt, list(spec.shape))
-        self.nhwc = {n for n, s in self.specs.items()
-                     if native and internal_nhwc and n not in model_io and len(s.shape) == 4 and s.dtype.startswith(("float", "bfloat"))}
-
-        # Concat branches done in place (backends whose engines write channel slices): each producer
-        # writes its slice of the Concat's output, the branch keeps its events but runs no kernel.
-        self.views: dict[str, tuple[str, int]] = {}
-        self.elided: set[int] = set()
-        if concat_in_place and getattr(backend, "supports_channel_views", False):
-            self.views, self.elided = plan.in_place_concats(self.specs, self.nhwc)
-        channel_views = {t: (self.specs[root].shape[1], c0) for t, (root, c0) in self.views.items()}
-        branch_views = [{t: v for t, v in channel_views.items() if t in b.inputs or t in b.outputs} for b in plan.branches]
+        # the layout and fusion choices the build measured (manifest options); arguments override them
+        built = bundle.manifest.get("options", {}) or {}
+        if internal_nhwc is None:
+            internal_nhwc = bool(built.get("internal_nhwc", True))
+        if fuse_conv_relu is None:
+            fuse_conv_relu = bool(built.get("fuse_conv_relu", True))
+        lay = engine_layouts(plan, backend, internal_nhwc=internal_nhwc, concat_in_place=concat_in_place)
+        self.specs, self.nhwc, self.views, self.elided = lay.specs, lay.nhwc, lay.views, lay.elided
+        channel_views = lay.channel_views
+        branch_views = [lay.branch_views(b) for b in plan.branches]
 
         # engines and a private memory pool for what they allocate
         self._scope_factory = getattr(backend, "memory_scope", None)
@@ -108,9 +147,9 @@ class GpuLauncher:
             self._scope = _share._scope
         else:
             self._scope = self._scope_factory() if self._scope_factory else contextlib.nullcontext
-        built = bundle.manifest.get("options", {}) or {}
         opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(built.get("compile", True)),
-                            optimization_level=int(built.get("optimization_level", 3)))  # 5: torch max-autotune
+                            optimization_level=int(built.get("optimization_level", 3)),  # 5: torch max-autotune
+                            fuse_conv_relu=fuse_conv_relu)
         t0 = time.perf_counter()
         if engines is None:
             engines = []
@@ -125,7 +164,10 @@ class GpuLauncher:
                     kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
                     if channel_views:
                         kw["channel_views"] = branch_views[b.id]
-                    engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
+                    try:
+                        engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
+                    except ParastreamError as e:  # e.g. an engine compiled for another GPU: name the file
+                        raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None
         else:
             for b, e in zip(plan.branches, engines):
                 if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):

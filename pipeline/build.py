@@ -6,8 +6,11 @@ temporary folder beside OUT and renamed into place at the end.
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import platform
+import shutil
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -101,6 +104,18 @@ def _graph_of(model: onnx.ModelProto) -> gs.Graph:
     return graph
 
 
+def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):
+    """``branch -> keyword arguments for builder.build``: the GPU launcher's tensor layout for builders that
+    compile for it (torch: AOTInductor packages), so the engine compiled is the engine loaded; else nothing."""
+    if options.device != "cuda" or "layout" not in inspect.signature(builder.build).parameters:
+        return lambda b: {}
+    from parastream.launcher.gpu import engine_layouts
+
+    lay = engine_layouts(plan, backend, internal_nhwc=internal_nhwc)
+    # an in-place Concat runs no engine in the launcher; it keeps its ONNX for launchers that do not elide it
+    return lambda b: {} if b.id in lay.elided else {"layout": lay.branch(b)}
+
+
 def check_runnable(loaded: LoadedModel, backend, reference: bool) -> None:
     """The backend's own check of the model and, when the build verifies, that ONNX Runtime can load the
     original (the reference); in a child process, since ONNX Runtime may crash on a malformed model."""
@@ -137,29 +152,183 @@ def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
 
 
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
-                   label: str, on_branch=None) -> dict:
-    """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report."""
+                   label: str, on_branch=None, internal_nhwc: bool = True) -> dict:
+    """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report.
+
+    Engines that are compiled for the launcher's tensor layout (torch) are compiled for the layout a
+    launcher of this plan uses with ``internal_nhwc`` (what manifest.json will say)."""
     (dest / "engines").mkdir(exist_ok=True)
     onnx.save(model, dest / "model.onnx")
     plan.save(dest / "plan.json")
     builder = backend.Builder(options)
+    layouts = _engine_layouts(plan, backend, builder, options, internal_nhwc)
     try:
-        for b in plan.branches:
-            branch_model = extract_branch(model, graph, b)
-            try:
-                data = builder.build(branch_model, b.name)
-            except ParastreamError as e:
-                msg = str(e)
-                raise ParastreamError(f"{label}: {msg}" if msg.startswith(b.name) else f"{label}: {b.name} failed to build: {msg}") from None
-            except Exception as e:  # noqa: BLE001 - backend errors name the node
-                first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-                raise ParastreamError(f"{label}: {b.name} (nodes {b.nodes[0]}..{b.nodes[-1]}) failed to build with {backend.name}: {first}") from None
+        build_all = getattr(builder, "build_all", None)  # torch: compiles its branches side by side
+        if build_all is not None:
+            with _naming_failures(label, backend, None):
+                datas = build_all([(extract_branch(model, graph, b), b.name, layouts(b).get("layout")) for b in plan.branches])
+        for i, b in enumerate(plan.branches):
+            if build_all is not None:
+                data = datas[i]
+            else:
+                with _naming_failures(label, backend, b):
+                    data = builder.build(extract_branch(model, graph, b), b.name, **layouts(b))
             (dest / b.engine).write_bytes(data)
             if on_branch:
                 on_branch()
         return builder.report()
     finally:
         builder.close()
+
+
+@contextlib.contextmanager
+def _naming_failures(label: str, backend, b):
+    """A backend's failure to build ``b`` (or, with ``b=None``, a batch whose messages name their branch) as one line."""
+    try:
+        yield
+    except ParastreamError as e:
+        msg = str(e)
+        raise ParastreamError(f"{label}: {msg}" if b is None or msg.startswith(b.name) else f"{label}: {b.name} failed to build: {msg}") from None
+    except Exception as e:  # noqa: BLE001 - backend errors name the node
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        where = f"{b.name} (nodes {b.nodes[0]}..{b.nodes[-1]})" if b is not None else "an engine"
+        raise ParastreamError(f"{label}: {where} failed to build with {backend.name}: {first}") from None
+
+
+def _engines_loaded(runner) -> dict:
+    """How verification loaded the engines (``parastream run``'s way): how many ran as the written compiled
+    artifacts and how many had to be compiled at load (none, for a bundle whose engines were compiled at build)."""
+    engines = [e for e in getattr(runner, "engines", []) if e is not None and hasattr(e, "compiled_at_load")]
+    if not engines:
+        return {}
+    return {"engines_loaded": len(engines), "engines_compiled_at_load": sum(bool(e.compiled_at_load) for e in engines)}
+
+
+def _launcher_options(options: BuildOptions) -> dict:
+    """The builder options a launcher reads back from manifest.json."""
+    return {"compile": options.compile, "optimization_level": options.optimization_level,
+            "fuse_conv_relu": options.fuse_conv_relu}
+
+
+def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
+                      internal_nhwc: bool = True):
+    """A GpuLauncher of ``plan`` built like a real bundle in a scratch folder (gone once the engines are loaded)."""
+    import tempfile
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
+        dest = Path(tmp)
+        _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc)
+        (dest / "report.json").write_text("{}")
+        write_manifest(dest, {"backend": backend.name, "precision": options.precision,
+                              "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)})
+        return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+
+
+def _compiles_for_layout(backend) -> bool:
+    """Whether the backend's engines are compiled for the launcher's tensor layout and fusion (torch packages)."""
+    build_fn = getattr(getattr(backend, "Builder", None), "build", None)
+    return build_fn is not None and "layout" in inspect.signature(build_fn).parameters
+
+
+def _alternative_launcher(bundle: Bundle, model, graph, plan, backend, options: BuildOptions, *, fuse_conv_relu: bool,
+                          internal_nhwc: bool | None = None):
+    """The bundle loaded with another fusion or boundary layout: engines compiled for a layout (torch packages)
+    are compiled for it in a scratch bundle (side by side, cached: if it wins, the bundle's rewrite hits the
+    cache); other engines load as they are."""
+    from parastream.launcher.gpu import GpuLauncher
+
+    if _compiles_for_layout(backend):
+        return _scratch_launcher(model, graph, plan, backend, replace(options, fuse_conv_relu=fuse_conv_relu),
+                                 internal_nhwc is not False)
+    return GpuLauncher(bundle, fuse_conv_relu=fuse_conv_relu, internal_nhwc=internal_nhwc)
+
+
+def _has_conv_relu(model: onnx.ModelProto) -> bool:
+    readers: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
+
+
+def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
+                      cost_model, *, runs: int) -> dict | None:
+    """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
+
+    The bundle written in ``tmp`` is timed on the GPU against what the build could have shipped instead,
+    one choice at a time, each round in alternating blocks of CUDA-event timed replays (launcher.bench.measure):
+    (1) torch engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last against contiguous
+    internal boundaries, (3) the plan against one engine for the whole model (when the plan has several
+    streams).  Returns {"rounds": [...], "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of
+    each round, or None when there is no GPU or nothing to choose.
+    """
+    if not getattr(backend, "gpu", False):
+        return None
+    from parastream.launcher import cuda_device_count
+
+    if cuda_device_count() < 1:
+        return None
+    from parastream.launcher.bench import measure as time_replays
+    from parastream.launcher.gpu import GpuLauncher
+
+    bundle = Bundle.open(tmp, check_hashes=False)
+    torch_engines = backend.name == "torch"
+    chosen = {"fuse_conv_relu": bool(options.fuse_conv_relu and torch_engines), "internal_nhwc": True, "one_engine": False}
+    rounds: list[dict] = []
+
+    def race(what: str, current, other, keys: tuple[str, str]) -> bool:
+        times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10)
+        ms = {k: float(np.median(v)) for k, v in times.items()}
+        won = ms[keys[1]] < ms[keys[0]]
+        rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0]})
+        return won
+
+    current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
+    try:
+        if torch_engines and chosen["fuse_conv_relu"] and _has_conv_relu(model):
+            other = _alternative_launcher(bundle, model, graph, plan, backend, options, fuse_conv_relu=False)
+            if race("conv+ReLU", current, other, ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue")):
+                current, other, chosen["fuse_conv_relu"] = other, current, False
+            other.close()
+        if current.nhwc:
+            other = _alternative_launcher(bundle, model, graph, plan, backend, options,
+                                          fuse_conv_relu=chosen["fuse_conv_relu"], internal_nhwc=False)
+            if race("boundary layout", current, other, ("channels-last boundaries", "contiguous boundaries")):
+                current, other, chosen["internal_nhwc"] = other, current, False
+            other.close()
+        if plan.num_streams > 1:
+            sched1, _ = plan_streams(graph, cost_model, 1, 1)
+            plan1 = make_plan(graph, sched1, backend=plan.backend, precision=plan.precision, suffix=backend.suffix,
+                              inputs=plan.inputs, outputs=plan.outputs)
+            opts1 = BuildOptions(**{**asdict(options), "fuse_conv_relu": chosen["fuse_conv_relu"]})
+            other = _scratch_launcher(model, graph, plan1, backend, opts1)
+            if race("streams", current, other, (f"{plan.num_streams}-stream plan", "one engine for the whole model")):
+                chosen["one_engine"] = True
+            other.close()
+    finally:
+        current.close()
+    if not rounds:
+        return None
+    return dict(chosen, rounds=rounds, runs=runs)
+
+
+def _measure_alternatives(tmp: Path, model, graph, plan, backend, options: BuildOptions, cost_model, cfg: BuildConfig,
+                          loaded: LoadedModel) -> dict | None:
+    """``time_alternatives`` on the engines just written to ``tmp``; the options it chose go into ``options``."""
+    (tmp / "report.json").write_text("{}")
+    write_manifest(tmp, {"backend": backend.name, "precision": cfg.precision, "options": _launcher_options(options)})
+    measured = time_alternatives(tmp, model, graph, plan, backend, options, cost_model, runs=cfg.measure_runs)
+    if measured:
+        options.fuse_conv_relu = measured["fuse_conv_relu"]
+    return measured
+
+
+def _compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
+    """Whether the engines just written were compiled (torch packages) for a fusion or boundary layout that the
+    measurement did not choose: they are compiled again for the choice, so that what ships is what loads."""
+    return _compiles_for_layout(backend) and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"])
 
 
 class MeasureBudgetSpent(RuntimeError):
@@ -185,27 +354,18 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
     if cuda_device_count() < 1:
         return None
-    import tempfile
 
     deadline = time.perf_counter() + budget_s
     ref: dict = {}
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
 
     def load(model: onnx.ModelProto):
-        from parastream.launcher.gpu import GpuLauncher
-
         model = _infer(model)
         graph = _graph_of(model)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs)
-        with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
-            dest = Path(tmp)
-            _write_engines(dest, model, graph, plan, backend, options, "candidate")
-            (dest / "report.json").write_text("{}")
-            write_manifest(dest, {"backend": backend.name, "precision": precision,
-                                  "options": {"compile": options.compile, "optimization_level": options.optimization_level}})
-            return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+        return _scratch_launcher(model, graph, plan, backend, options)
 
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
@@ -348,6 +508,24 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance)
             timings["engines"] = time.perf_counter() - t0
 
+            measured = None
+            if cfg.measure:
+                t0 = time.perf_counter()
+                task = bar.step("time the plan against its alternatives on the GPU")
+                fused = options.fuse_conv_relu
+                measured = _measure_alternatives(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded)
+                if measured and (measured["one_engine"] or _compiled_for_other_choices(backend, fused, measured)):
+                    if measured["one_engine"]:
+                        sched, _ = plan_streams(graph, cost_model, 1, 1)
+                        streams_tried.append({"streams": 1, "engines": 1, "chosen": True, "measured": True})
+                        plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
+                                         inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
+                    shutil.rmtree(tmp / "engines")
+                    engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path),
+                                                    internal_nhwc=measured["internal_nhwc"])
+                task.advance()
+                timings["measure_alternatives"] = time.perf_counter() - t0
+
             report = {
                 "version": REPORT_VERSION,
                 "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(model.graph.node),
@@ -358,12 +536,15 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                              "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
                              "cost_model": f"roofline {cfg.device} {cfg.precision}"},
                 "engines": engines_report,
+                "measured_choices": measured,
                 "verification": None,
                 "timings": timings,
             }
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             manifest = {"parastream": _versions(backend), "backend": backend.name, "device": _device_description(backend),
-                        "precision": cfg.precision, "options": {k: v for k, v in asdict(cfg).items() if k != "force"},
+                        "precision": cfg.precision,
+                        "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(options),
+                                    "internal_nhwc": measured["internal_nhwc"] if measured else True},
                         "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
             write_manifest(tmp, manifest)
 
@@ -381,7 +562,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                     close()
                 task.advance()
                 timings["verify"] = time.perf_counter() - t0
-                report["verification"] = result.to_dict()
+                report["verification"] = dict(result.to_dict(), **_engines_loaded(runner))
                 if not result.passed:
                     failed = [kv for kv in result.outputs.items() if not kv[1].get("passed", False)] or list(result.outputs.items())
                     name, o = max(failed, key=lambda kv: kv[1].get("max_abs", 0.0))

@@ -87,7 +87,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--opt-level", type=int_in(0, 5), default=3, help="TensorRT builder_optimization_level (0..5)")
     g.add_argument("--strongly-typed", action="store_true", help="TensorRT strongly typed network")
     g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
-    g.add_argument("--cache-dir", default=None, help="where timing caches persist across builds")
+    g.add_argument("--cache-dir", default=None, help="where TensorRT timing caches and compiled torch engines (the compiled-branch cache) persist across builds")
 
 
 def add_tolerance_args(p: argparse.ArgumentParser) -> None:

@@ -509,8 +509,8 @@ def _ensemble_problems(where: str, config, configs: dict) -> list[str]:
 def validate_repository(repo: str | Path) -> list[str]:
     """Check a Triton model repository the way parastream writes them; return the problems found (empty: valid).
 
-    Every model folder (hidden folders are skipped) must have a config.pbtxt that parses strictly with
-    Triton's ModelConfig protobuf and names the folder, well-formed inputs and outputs, and a version
+    A hidden folder is a problem (Triton takes it for a model too).  Every model folder must have a
+    config.pbtxt that parses strictly with Triton's ModelConfig protobuf and names the folder, well-formed inputs and outputs, and a version
     folder with what its platform loads: ``model.py`` for the Python backend (and, for a parastream
     graph model, a bundle whose hashes hold and whose plan agrees with the config), ``model.plan`` for
     tensorrt_plan.  Ensembles are checked as Triton checks them: every step names a model of the
@@ -524,9 +524,16 @@ def validate_repository(repo: str | Path) -> list[str]:
         return [f"{repo}: no such folder"]
     problems: list[str] = []
     configs: dict[str, object] = {}
+    # Triton takes every folder of a repository for a model, hidden ones too: tritonserver 2.51 on the
+    # staging folder an interrupted export leaves (.NAME.XXXX.partial/NAME/...) logs "failed to load
+    # model '.NAME.XXXX.partial'" and, with its default --exit-on-error, does not start at all.
+    hidden = sorted(d for d in repo.iterdir() if d.is_dir() and d.name.startswith("."))
+    for d in hidden:
+        problems.append(f"{d}: a hidden folder, which Triton still loads as a model (and fails on); "
+                        "remove it (an interrupted export-triton leaves one behind)")
     folders = sorted(d for d in repo.iterdir() if d.is_dir() and not d.name.startswith("."))
     if not folders:
-        return [f"{repo}: no model folders"]
+        return problems + [f"{repo}: no model folders"]
     for d in folders:
         cfg_path = d / "config.pbtxt"
         if not cfg_path.is_file():

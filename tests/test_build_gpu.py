@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 
 import numpy as np
+import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
 
@@ -97,3 +98,109 @@ def test_gpu_build_measures_candidates(models, tmp_path):
         got = run({bundle.plan.inputs[0].name: x})[bundle.plan.outputs[0].name]
     assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 2e-2
     json.dumps(bundle.report)  # the report stays JSON
+
+
+def _fake_gpu(monkeypatch, times: dict):
+    """GpuLauncher and launcher.bench.measure stand-ins: each launcher is timed at ``times[its options]``."""
+    import importlib
+    import types
+
+    import parastream.launcher as launcher_pkg
+    import parastream.launcher.bench as bench_mod
+    import parastream.launcher.gpu as gpu_mod
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+    made = []
+
+    def launcher(bundle, fuse_conv_relu=None, internal_nhwc=None):
+        la = types.SimpleNamespace(kind=("scratch" if bundle == "scratch" else "bundle", fuse_conv_relu, internal_nhwc),
+                                   nhwc={"t"}, closed=False)
+        la.close = lambda: setattr(la, "closed", True)
+        made.append(la)
+        return la
+
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
+    monkeypatch.setattr(build_mod.Bundle, "open", classmethod(lambda cls, path, check_hashes=True: "scratch" if "measure" in str(path) else "bundle"))
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", launcher)
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup: {k: np.array([times[la.kind]]) for k, la in launchers.items()})
+    return build_mod, made
+
+
+def _plan_of(model_path, streams):
+    from parastream.pipeline.build import _graph_of, plan_streams
+    from parastream.pipeline.model_io import load_model
+    from parastream.pipeline.partition import make_plan
+    from parastream.rewrite.cost import RooflineCostModel
+
+    from parastream.rewrite.rules.fold_bn_and_affine import FoldBatchNormAndAffine
+
+    loaded = load_model(model_path)
+    graph = _graph_of(loaded.model)
+    rule = FoldBatchNormAndAffine()
+    while sites := [st for st in rule.match(graph) if rule.check(graph, st) is None]:
+        graph = rule.apply(graph, sites[0])  # BatchNorms folded into their Convs, as the search does
+    model = gs.export_onnx(graph)
+    graph = _graph_of(model)
+    cm = RooflineCostModel()
+    sched, _ = plan_streams(graph, cm, streams, streams)
+    plan = make_plan(graph, sched, backend="torch", precision="fp16", suffix=".onnx", inputs=loaded.inputs, outputs=loaded.outputs)
+    return model, graph, plan, cm
+
+
+def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_path):
+    """Each round keeps the faster; a later round starts from the earlier winners (small_net: Conv->Relu, 2 streams)."""
+    import types
+
+    from parastream.launcher.engines import BuildOptions
+
+    times = {("bundle", True, None): 1.0, ("bundle", False, None): 0.8,  # unfused wins round 1
+             ("bundle", False, False): 0.9,                             # contiguous loses round 2
+             ("scratch", None, None): 0.7}                              # one engine wins round 3
+    build_mod, made = _fake_gpu(monkeypatch, times)
+    model, graph, plan, cm = _plan_of(models / "small_net.onnx", 2)
+    assert plan.num_streams == 2 and build_mod._has_conv_relu(model)
+    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".onnx")
+    got = build_mod.time_alternatives(tmp_path, model, graph, plan, backend, BuildOptions(precision="fp16"), cm, runs=5)
+    assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
+    assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
+    assert got["rounds"][0]["timed_ms"] == {"cuDNN fused conv+bias+ReLU": 1.0, "Inductor's conv and epilogue": 0.8}
+    assert all(la.closed for la in made)
+
+
+def test_alternatives_not_timed_without_a_rival(models, monkeypatch, tmp_path):
+    """No GPU: nothing timed.  No Conv->Relu, one stream, no 4-d boundary: no round at all."""
+    import types
+
+    from parastream.launcher.engines import BuildOptions
+
+    build_mod, made = _fake_gpu(monkeypatch, {})
+    model, graph, plan, cm = _plan_of(models / "transformer_layer.onnx", 1)
+    assert not build_mod._has_conv_relu(model) and plan.num_streams == 1
+    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".onnx")
+    made_nhwc = []
+    monkeypatch.setattr("parastream.launcher.gpu.GpuLauncher",
+                        lambda bundle, **kw: made_nhwc.append(kw) or types.SimpleNamespace(nhwc=set(), close=lambda: None))
+    assert build_mod.time_alternatives(tmp_path, model, graph, plan, backend, BuildOptions(), cm, runs=5) is None
+    assert len(made_nhwc) == 1  # only the bundle as built was loaded
+    cpu = types.SimpleNamespace(gpu=False, name="onnxruntime", suffix=".onnx")
+    assert build_mod.time_alternatives(tmp_path, model, graph, plan, cpu, BuildOptions(), cm, runs=5) is None
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_build_times_its_alternatives(models, tmp_path):
+    """On the GPU the fusion, layout and stream choices are timed, recorded, and the bundle ships the winners."""
+    import onnx
+
+    model, _, _, _ = _plan_of(models / "small_net.onnx", 2)  # BatchNorms folded: Conv -> Relu pairs to fuse
+    onnx.save(model, tmp_path / "folded.onnx")
+    cfg = BuildConfig(backend="torch", precision="fp16", search=False, measure_runs=30, streams=2)
+    bundle = build(tmp_path / "folded.onnx", tmp_path / "out", config=cfg)
+    m = bundle.report["measured_choices"]
+    assert [r["choice"] for r in m["rounds"]][0] == "conv+ReLU"
+    assert all(r["won"] in r["timed_ms"] and min(r["timed_ms"].values()) == r["timed_ms"][r["won"]] for r in m["rounds"])
+    opts = bundle.manifest["options"]
+    assert opts["fuse_conv_relu"] == m["fuse_conv_relu"] and opts["internal_nhwc"] == m["internal_nhwc"]
+    assert (bundle.plan.num_streams == 1) == m["one_engine"]
+    assert bundle.report["verification"]["passed"]

@@ -41,6 +41,9 @@ class BuildOptions:
     cache_dir: str | None = None  # where timing caches / compiled artefacts persist across builds
     compile: bool = True  # torch backend: TorchInductor; False = eager
     threads: int = 0  # onnxruntime intra-op threads per engine (0 = chosen from streams)
+    # torch backend on a GPU: a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU.
+    # A GPU build times the bundle with and without it and records the faster in manifest.json.
+    fuse_conv_relu: bool = True
 
 
 @runtime_checkable

@@ -264,6 +264,24 @@ def test_validator_checks_graph_models_against_their_bundle(bundles, tmp_path):
     assert any("model.py: missing" in p for p in validate_repository(repo))
 
 
+def test_validator_reports_hidden_folders(bundles, tmp_path):
+    """tritonserver takes a hidden folder for a model too, and does not start when it fails to load
+    (tests/triton_server shows it on the real server); a valid export leaves none behind."""
+    repo = tmp_path / "repo"
+    export_triton(bundles["three"][0], repo, name="m")
+    (repo / ".notes.txt").write_text("a hidden file is no folder: Triton ignores it")
+    assert validate_repository(repo) == []
+    # what an export that died before its rename leaves: the staging folder, holding the model
+    leftover = repo / ".m.k2j4.partial"
+    shutil.copytree(repo / "m", leftover / "m")
+    problems = validate_repository(repo)
+    assert problems == [f"{leftover}: a hidden folder, which Triton still loads as a model (and fails on); "
+                        "remove it (an interrupted export-triton leaves one behind)"]
+    shutil.rmtree(repo / "m")
+    problems = validate_repository(repo)
+    assert problems[0].startswith(f"{leftover}: a hidden folder") and problems[1] == f"{repo}: no model folders"
+
+
 def test_validator_on_no_repository(tmp_path):
     assert validate_repository(tmp_path / "none") == [f"{tmp_path / 'none'}: no such folder"]
     (tmp_path / "empty").mkdir()

@@ -1,0 +1,332 @@
+"""What a torch bundle's engines/ should hold: measured on the GPU, each load in a fresh process with an empty
+Inductor cache (what a Triton instance start on a fresh machine is).
+
+Three ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
+
+* ``jit``   engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
+* ``mega``  the same, after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
+            collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
+            traces every branch at load);
+* ``aoti``  engines/ hold AOTInductor packages compiled at build for the launcher's layouts (issue 12).
+
+For each: the build's engine time, the load (``GpuLauncher``: engines, warm-up, capture of the whole plan into one
+CUDA Graph on its external streams), the replay latency (d: multi-stream, b: the same engines on one stream) and
+the error against onnxruntime.  Then, while time is left, whole builds with the default search, the measurement
+budget ``--measure-seconds`` and verification, with ``AOT_COMPILE`` on (after) and off (before).
+
+    python bench/engine_artifacts.py --out $OUT      # results: $OUT/engine_artifacts.json
+
+Without a GPU, ``--cpu`` compares the same three per branch on the CPU (Inductor and AOTInductor compile for the
+CPU too): the first ``--branches`` branches of a zoo model's plan, compiled (jit: torch.compile of the module the
+engine runs; aoti: the package the build writes) and loaded in fresh processes with empty caches.  A proxy for
+the GPU's figures (no Triton, no CUDA Graph), not a replacement:
+
+    python bench/engine_artifacts.py --cpu --model small_net --branches 4 --out /tmp/ea
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+T_START = time.perf_counter()
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _fresh_env(extra: dict | None = None) -> dict:
+    """An environment whose Inductor and Triton caches are new, empty folders."""
+    env = dict(os.environ)
+    d = tempfile.mkdtemp(prefix="inductor-empty-")
+    env.update(TORCHINDUCTOR_CACHE_DIR=f"{d}/inductor", TRITON_CACHE_DIR=f"{d}/triton", **(extra or {}))
+    return env
+
+
+def child(args) -> dict:
+    """One fresh process: load a bundle (timed), check it against onnxruntime, time its replays."""
+    t_import = time.perf_counter()
+    import numpy as np
+    import torch
+
+    from parastream.launcher.bench import bench_bundle
+    from parastream.launcher.bundle import Bundle
+    from parastream.launcher.gpu import GpuLauncher
+
+    res: dict = {"mode": args.child, "import_s": time.perf_counter() - t_import}
+    if args.child == "build":
+        return child_build(args, res)
+    if args.child == "cpu-build":
+        return cpu_build_child(args, res)
+    if args.child.startswith("cpu-"):
+        return cpu_child(args, res)
+    bundle = Bundle.open(args.bundle)
+    if args.child == "mega-load":
+        t0 = time.perf_counter()
+        torch.compiler.load_cache_artifacts(Path(args.artifacts).read_bytes())
+        res["load_cache_artifacts_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    la = GpuLauncher(bundle)
+    res["launcher_s"] = time.perf_counter() - t0
+    res["engines_load_s"] = la.load_s
+    res["process_to_ready_s"] = time.perf_counter() - T_START
+    engines = [e for e in la.engines if e is not None]
+    res["engines"] = len(engines)
+    res["compiled_at_load"] = sum(bool(getattr(e, "compiled_at_load", True)) for e in engines)
+    if args.child == "mega-save":
+        t0 = time.perf_counter()
+        art = torch.compiler.save_cache_artifacts()
+        if art is not None:
+            Path(args.artifacts).write_bytes(art[0])
+            res["cache_artifacts_bytes"] = len(art[0])
+        res["save_cache_artifacts_s"] = time.perf_counter() - t0
+    feeds = {t.name: np.random.default_rng(3).standard_normal(t.shape).astype(t.dtype) for t in la.plan.inputs}
+    got = la(feeds)
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(args.onnx, providers=["CPUExecutionProvider"])
+    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    res["max_scaled"] = {k: float(np.abs(got[k].astype(np.float64) - ref[k]).max() / np.abs(ref[k]).max()) for k in ref}
+    b = bench_bundle(bundle, runs=args.runs, warmup=20, launcher=la, whole_model=False)
+    res.update(d_ms=b["parastream_ms"], b_ms=b["single_stream_ms"], branches=b["branches"], streams=b["streams"])
+    la.close()
+    return res
+
+
+def cpu_branches(args) -> list:
+    """(branch ONNX, input specs, output specs) of the first ``--branches`` branches (fp32) of a zoo model's plan."""
+    import onnx
+
+    from parastream.launcher.bundle import Bundle
+
+    bundle = Bundle.open(args.bundle)
+    plan = bundle.plan
+    out = []
+    for b in plan.branches[: args.branches]:
+        out.append((onnx.load_from_string(bundle.engine_bytes(b)), [plan.tensors[t] for t in b.inputs],
+                    [plan.tensors[t] for t in b.outputs]))
+    return out
+
+
+def cpu_child(args, res: dict) -> dict:
+    """CPU: load (aoti) or compile (jit, mega) every branch and run it once, in this fresh process."""
+    import numpy as np
+    import torch
+
+    from parastream.launcher.engines import torch as tb
+    from parastream.launcher.engines.onnx_torch import convert, to_fx
+
+    branches = cpu_branches(args)
+    if args.child == "cpu-mega-load":
+        t0 = time.perf_counter()
+        torch.compiler.load_cache_artifacts(Path(args.artifacts).read_bytes())
+        res["load_cache_artifacts_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    per = []
+    for i, (model, ins, outs) in enumerate(branches):
+        t1 = time.perf_counter()
+        if args.child == "cpu-aoti":
+            e = tb.load(Path(args.artifacts, f"{i}.zip").read_bytes(), ins, outs, device="cpu")
+            assert not e.compiled_at_load
+            e.run({t.name: np.zeros(t.shape, t.dtype) for t in ins})
+        else:  # what a GPU engine does at load, on the CPU: convert, trace to FX, torch.compile, run once
+            wrapper = tb._into_outputs(to_fx(convert(model, "float32")), [t.name for t in ins], [t.name for t in outs], torch.float32)
+            fn = torch.compile(wrapper, fullgraph=True, dynamic=False)
+            with torch.no_grad():
+                fn(*[tb._tensor(t, False, None, "cpu") for t in ins + outs])
+        per.append(time.perf_counter() - t1)
+    res.update(load_s=time.perf_counter() - t0, per_branch_s=per, process_to_ready_s=time.perf_counter() - T_START)
+    if args.child == "cpu-jit":
+        art = torch.compiler.save_cache_artifacts()
+        if art is not None:
+            Path(args.artifacts).write_bytes(art[0])
+            res["cache_artifacts_bytes"] = len(art[0])
+    return res
+
+
+def cpu_main(args, res: dict, work: Path, save) -> None:
+    """The CPU proxy: jit vs Inductor cache artifacts vs AOTInductor packages, per branch."""
+    from parastream.pipeline import build
+    from parastream.pipeline.zoo import MODELS
+
+    onnx_path = work / f"{args.model}.onnx"
+    import onnx
+
+    onnx.save(MODELS[args.model](), onnx_path)
+    bundle = build(onnx_path, work / "plan", backend="onnxruntime", streams=4, search=False, verify=False)
+    args.bundle = str(bundle.path)
+    branches = cpu_branches(args)
+    res["branches"] = [{"nodes": len(m.graph.node), "ops": sorted({n.op_type for n in m.graph.node})} for m, _, _ in branches]
+    pk = work / "packages"
+    pk.mkdir()
+    env = _fresh_env({"PARASTREAM_COMPILE_WORKERS": "1"})
+    # each step in a fresh process with empty Inductor caches: the build too
+    run_child(res, "cpu_build_aoti", ["--child", "cpu-build", "--bundle", args.bundle, "--branches", str(args.branches),
+                                      "--artifacts", str(pk)], env, 3600)
+    save()
+    common = ["--bundle", args.bundle, "--branches", str(args.branches)]
+    run_child(res, "cpu_load_aoti", ["--child", "cpu-aoti", "--artifacts", str(pk), *common], _fresh_env(), 3600)
+    save()
+    art = work / "cache_artifacts.bin"
+    run_child(res, "cpu_jit", ["--child", "cpu-jit", "--artifacts", str(art), *common], _fresh_env(), 3600)
+    save()
+    if art.is_file():
+        run_child(res, "cpu_mega", ["--child", "cpu-mega-load", "--artifacts", str(art), *common], _fresh_env(), 3600)
+        save()
+
+
+def cpu_build_child(args, res: dict) -> dict:
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as tb
+
+    branches = cpu_branches(args)
+    builder = tb.Builder(BuildOptions(device="cpu"))
+    t0 = time.perf_counter()
+    per = []
+    for i, (model, ins, outs) in enumerate(branches):
+        t1 = time.perf_counter()
+        Path(args.artifacts, f"{i}.zip").write_bytes(builder.build(model, f"b{i}", layout={"inputs": ins, "outputs": outs}))
+        per.append(time.perf_counter() - t1)
+    res.update(build_s=time.perf_counter() - t0, per_branch_s=per,
+               engine_bytes=[Path(args.artifacts, f"{i}.zip").stat().st_size for i in range(len(branches))])
+    return res
+
+
+def child_build(args, res: dict) -> dict:
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline import build
+
+    torch_backend.AOT_COMPILE = args.aot == "on"
+    t0 = time.perf_counter()
+    bundle = build(args.onnx, args.bundle, backend="torch", precision="fp16", force=True, search=args.search == "on",
+                   measure=args.search == "on", verify=args.verify == "on", measure_seconds=args.measure_seconds,
+                   search_options={"top_k": 20} if args.search == "on" else {})
+    res["build_s"] = time.perf_counter() - t0
+    rep = bundle.report
+    res["timings"] = rep.get("timings")
+    s = rep.get("search") or {}
+    cands = s.get("candidates", [])
+    res["search"] = {"candidates": len(cands), "measured": sum(c.get("measured_s") is not None for c in cands),
+                     "measured_top20": sum(c.get("measured_s") is not None for c in cands if (c.get("rank") or 99) <= 20),
+                     "decided_by": s.get("decided_by"), "nodes_before": s.get("nodes_before"), "nodes_after": s.get("nodes_after")}
+    eng = rep.get("engines", {})
+    res["engines"] = {"branches": len(eng), "compiled": sum(e.get("compiled") == "aotinductor" for e in eng.values()),
+                      "cache_miss": sum(e.get("cache") == "miss" for e in eng.values()),
+                      "package_mb": sum(e.get("package_bytes", 0) for e in eng.values()) / 2**20}
+    v = rep.get("verification") or {}
+    res["verification"] = {"passed": v.get("passed"), "max_scaled": {k: o.get("max_scaled") for k, o in v.get("outputs", {}).items()}}
+    res["bundle_mb"] = sum(f.stat().st_size for f in Path(args.bundle).rglob("*") if f.is_file()) / 2**20
+    return res
+
+
+def run_child(out: dict, key: str, argv: list[str], env: dict, timeout: float) -> None:
+    t0 = time.perf_counter()
+    with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+        result = f.name
+    try:
+        p = subprocess.run([sys.executable, __file__, "--result", result, *argv], env=env, capture_output=True, text=True,
+                           timeout=max(10.0, timeout))
+        out[key] = json.loads(Path(result).read_text()) if p.returncode == 0 else {"error": p.stderr[-3000:]}
+    except subprocess.TimeoutExpired:
+        out[key] = {"error": f"timed out after {timeout:.0f} s"}
+    out[key]["wall_s"] = time.perf_counter() - t0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/engine_artifacts"))
+    ap.add_argument("--model", default="inception_v3")
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--seconds", type=float, default=400, help="stop starting steps after this long")
+    ap.add_argument("--measure-seconds", type=float, default=30.0)
+    ap.add_argument("--steps", default="build,aoti,jit,mega,search-after,search-before")
+    # child mode
+    ap.add_argument("--cpu", action="store_true", help="the CPU proxy (no GPU): per branch of --model (a zoo model)")
+    ap.add_argument("--branches", type=int, default=4)
+    ap.add_argument("--child", choices=["aoti", "jit", "mega-save", "mega-load", "build", "cpu-build", "cpu-aoti", "cpu-jit",
+                                        "cpu-mega-load"])
+    ap.add_argument("--result")
+    ap.add_argument("--bundle")
+    ap.add_argument("--onnx")
+    ap.add_argument("--artifacts")
+    ap.add_argument("--aot", default="on")
+    ap.add_argument("--search", default="off")
+    ap.add_argument("--verify", default="off")
+    args = ap.parse_args(argv)
+    if args.child:
+        res = child(args)
+        Path(args.result).write_text(json.dumps(res, indent=1, default=str))
+        return 0
+
+    out_dir = Path(args.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    work = Path(tempfile.mkdtemp(prefix="engine-artifacts-"))
+    deadline = T_START + args.seconds
+    res: dict = {"model": args.model}
+    steps = args.steps.split(",")
+
+    def save():
+        (out_dir / "engine_artifacts.json").write_text(json.dumps(res, indent=1, default=str))
+
+    import torch
+
+    res["device"] = torch.cuda.get_device_name() if torch.cuda.is_available() else "cpu"
+    res["torch"] = torch.__version__
+    if args.cpu:
+        res["device"] = f"cpu ({os.cpu_count()} cores)"
+        cpu_main(args, res, work, save)
+        res["total_s"] = time.perf_counter() - T_START
+        save()
+        print(json.dumps(res, indent=1, default=str))
+        return 0
+    sys.path.insert(0, str(ROOT / "bench"))
+    from gpu import export, make_model  # bench/gpu.py: the models of the H100 table
+
+    t0 = time.perf_counter()
+    onnx_path = work / f"{args.model}.onnx"
+    model, inputs = make_model(args.model)
+    export(model, inputs, onnx_path)
+    res["export_s"] = time.perf_counter() - t0
+    save()
+    b_jit, b_aoti = work / "jit", work / "aoti"
+    common = ["--onnx", str(onnx_path), "--runs", str(args.runs)]
+    left = lambda: deadline - time.perf_counter()  # noqa: E731
+    if "build" in steps:  # the engines of one plan, built the old way and as packages (each in a fresh process)
+        run_child(res, "build_jit", ["--child", "build", "--aot", "off", "--bundle", str(b_jit), *common], _fresh_env(), left())
+        save()
+        run_child(res, "build_aoti", ["--child", "build", "--aot", "on", "--bundle", str(b_aoti), *common], _fresh_env(), left())
+        save()
+    if "aoti" in steps and left() > 20:
+        run_child(res, "load_aoti", ["--child", "aoti", "--bundle", str(b_aoti), *common], _fresh_env(), left())
+        save()
+    art = work / "cache_artifacts.bin"
+    if "jit" in steps and left() > 30:
+        run_child(res, "load_jit", ["--child", "mega-save", "--bundle", str(b_jit), "--artifacts", str(art), *common],
+                  _fresh_env(), left())
+        save()
+    if "mega" in steps and art.is_file() and left() > 20:
+        run_child(res, "load_mega", ["--child", "mega-load", "--bundle", str(b_jit), "--artifacts", str(art), *common],
+                  _fresh_env(), left())
+        save()
+    for tag, aot in (("after", "on"), ("before", "off")):
+        if f"search-{tag}" in steps and left() > 60:
+            run_child(res, f"search_build_{tag}", ["--child", "build", "--aot", aot, "--search", "on", "--verify", "on",
+                                                   "--measure-seconds", str(args.measure_seconds),
+                                                   "--bundle", str(work / f"search_{tag}"), *common], _fresh_env(), left())
+            save()
+            if aot == "on" and "error" not in res[f"search_build_{tag}"] and left() > 20:
+                run_child(res, f"search_load_{tag}", ["--child", "aoti", "--bundle", str(work / f"search_{tag}"), *common],
+                          _fresh_env(), left())
+                save()
+    res["total_s"] = time.perf_counter() - T_START
+    save()
+    print(json.dumps(res, indent=1, default=str)[-6000:])
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

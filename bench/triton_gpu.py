@@ -1,0 +1,303 @@
+#!/usr/bin/env python3
+"""Triton on the GPU (issue 13): a torch bundle served by NVIDIA's tritonserver (nvidia-pytriton's), KIND_GPU.
+
+Run on the device machine from the repository root after ``source bench/device_env.sh`` (with .whl/
+carrying nvidia-pytriton and the HTTP client's wheels; bench/NOTES.md says which).
+
+For each model (bench/gpu.py's Inception-v3 and BERT-base seq 128; random weights, batch 1, fp16):
+  1. ``parastream.pipeline.build`` (torch backend, fp16, verification on; ``--search`` to run the rewrite
+     search, off by default: it does not change what is measured here, the server's overhead), then
+     ``export_triton`` (graph mode: Python backend, KIND_GPU, ``FORCE_CPU_ONLY_INPUT_TENSORS: "no"``);
+  2. tritonserver on that repository (tests/triton_server/tritonserver_process.py); checks: the model is
+     ready; the outputs over HTTP, over gRPC, and over gRPC with the inputs in CUDA shared memory (Triton
+     then hands model.py GPU tensors, which it reads through DLPack) against onnxruntime fp32 on the
+     original model (max|out-ref|/max|ref| <= 0.1, the fp16 criterion of ``parastream verify``) and
+     against the in-process launcher on the same input;
+  3. timings, wall clock per request (time.perf_counter), after warm-up:
+     - in-process GpuLauncher: numpy in and out (host copies included, as a client's tensors travel) and
+       torch CUDA tensors in and out (the replay alone);
+     - Triton end to end, one client: HTTP, gRPC, gRPC with CUDA-shared-memory inputs; p50 and p99;
+     - throughput with 1, 4 and 16 concurrent clients (one process each, so that clients do not share
+       a GIL), HTTP and gRPC, for ``--seconds`` each: requests/s, p50 and p99.
+Writes triton_gpu_<models>.json and .md to --out ($OUT).
+
+Usage: python3 bench/triton_gpu.py [--models inception_v3,bert] [--requests 300] [--seconds 5] [--out DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import multiprocessing
+import os
+import sys
+import time
+import traceback
+from concurrent.futures import ProcessPoolExecutor
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(ROOT / "tests" / "triton_server"))
+from gpu import export, make_model, max_err, ort_reference  # noqa: E402
+from triton_clients import client_of, infer, make_inputs  # noqa: E402
+from tritonserver_process import TritonServer, python_library, unavailable  # noqa: E402
+
+SCALE_TOL = 0.1  # parastream verify's fp16 criterion (pipeline/verify.py DEFAULT_SCALE_TOLERANCES)
+CLIENTS = (1, 4, 16)
+
+
+def percentiles(ms: list[float]) -> dict:
+    a = np.asarray(ms, np.float64)
+    return {"n": int(a.size), "p50_ms": float(np.percentile(a, 50)), "p99_ms": float(np.percentile(a, 99)),
+            "mean_ms": float(a.mean())}
+
+
+# -- clients (also run in worker processes) ----------------------------------------------------------
+class _Address:
+    """What client_of() needs of a server, picklable into worker processes."""
+
+    def __init__(self, http_url: str, grpc_url: str):
+        self.http_url, self.grpc_url = http_url, grpc_url
+
+
+def client_loop(protocol: str, address: _Address, model: str, feeds: dict, outputs: list[str], start_at: float, seconds: float,
+                warmup: int = 5, max_requests: int = 100_000) -> list[float]:
+    """One client process: warm up, wait for the common start, send requests back to back for ``seconds``."""
+    client = client_of(address, protocol)
+    try:
+        inputs = make_inputs(protocol, feeds)
+        for _ in range(warmup):
+            infer(client, protocol, model, inputs, outputs)
+        while time.time() < start_at:
+            time.sleep(0.001)
+        began = time.time()
+        stop = time.perf_counter() + seconds
+        lat = []
+        while time.perf_counter() < stop and len(lat) < max_requests:
+            t0 = time.perf_counter()
+            infer(client, protocol, model, inputs, outputs)
+            lat.append((time.perf_counter() - t0) * 1e3)
+        return {"lat": lat, "began": began, "ended": time.time()}
+    finally:
+        client.close()
+
+
+def sequential(client, protocol: str, model: str, inputs: list, outputs: list[str], n: int, warmup: int = 20) -> dict:
+    for _ in range(warmup):
+        infer(client, protocol, model, inputs, outputs)
+    lat = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        infer(client, protocol, model, inputs, outputs)
+        lat.append((time.perf_counter() - t0) * 1e3)
+    return percentiles(lat)
+
+
+def throughput(protocol: str, server: TritonServer, model: str, feeds: dict, outputs: list[str], clients: int, seconds: float) -> dict:
+    ctx = multiprocessing.get_context("spawn")
+    with ProcessPoolExecutor(clients, mp_context=ctx) as pool:
+        start_at = time.time() + 5.0 + 0.5 * clients  # after every worker has started and warmed up
+        address = _Address(server.http_url, server.grpc_url)
+        futures = [pool.submit(client_loop, protocol, address, model, feeds, outputs, start_at, seconds)
+                   for _ in range(clients)]
+        runs = [f.result(timeout=seconds + 300) for f in futures]
+    total = sum(len(r["lat"]) for r in runs)
+    window = max(r["ended"] for r in runs) - min(r["began"] for r in runs)  # > seconds when a client started late
+    res = percentiles([v for r in runs for v in r["lat"]])
+    res.update(clients=clients, requests=total, per_s=total / window, seconds=window)
+    return res
+
+
+# -- one model ---------------------------------------------------------------------------------------
+def in_process(bundle_path: Path, feeds: dict, n: int) -> tuple[dict, dict]:
+    """In-process GpuLauncher latencies (numpy and device tensors) and its outputs on ``feeds``."""
+    import torch
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    la = GpuLauncher(str(bundle_path))
+    try:
+        out = la(feeds)
+        res = {}
+        lat = []
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            la(feeds)
+            if i >= 20:
+                lat.append((time.perf_counter() - t0) * 1e3)
+        res["numpy"] = percentiles(lat)
+        dev = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()}
+        torch.cuda.synchronize()
+        lat = []
+        for i in range(n + 20):
+            t0 = time.perf_counter()
+            la(dev)  # synchronizes its stream before returning device outputs
+            if i >= 20:
+                lat.append((time.perf_counter() - t0) * 1e3)
+        res["device"] = percentiles(lat)
+        return res, out
+    finally:
+        la.close()
+
+
+def cuda_shm_request(server: TritonServer, model: str, feeds: dict, outputs: list[str], n: int) -> tuple[dict, dict]:
+    """gRPC with every input in a CUDA shared-memory region: outputs of one request and the latencies of ``n``."""
+    import tritonclient.utils.cuda_shared_memory as cudashm
+
+    client = client_of(server, "grpc")
+    handles, names = [], {}
+    try:
+        for name, x in feeds.items():
+            region = f"in_{name}_{os.getpid()}"
+            h = cudashm.create_shared_memory_region(region, x.nbytes, 0)
+            handles.append(h)
+            cudashm.set_shared_memory_region(h, [np.ascontiguousarray(x)])
+            client.register_cuda_shared_memory(region, cudashm.get_raw_handle(h), 0, x.nbytes)
+            names[name] = region
+        inputs = make_inputs("grpc", feeds, shm=names)
+        out = infer(client, "grpc", model, inputs, outputs)
+        return out, sequential(client, "grpc", model, inputs, outputs, n)
+    finally:
+        try:
+            client.unregister_cuda_shared_memory()
+        except Exception:  # noqa: BLE001
+            pass
+        for h in handles:
+            cudashm.destroy_shared_memory_region(h)
+        client.close()
+
+
+def run_model(name: str, args, work: Path) -> dict:
+    from parastream.pipeline import build
+    from parastream.pipeline.triton import export_triton
+
+    res: dict = {"model": name}
+    model, inputs = make_model(name)
+    onnx_path = work / f"{name}.onnx"
+    export(model, inputs, onnx_path)
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    ref = ort_reference(onnx_path, feeds)
+    outputs = list(ref)
+
+    t0 = time.perf_counter()
+    bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
+    res["build_s"] = time.perf_counter() - t0
+    res["plan"] = {"streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches)}
+
+    res["in_process"], la_out = in_process(bundle.path, feeds, args.requests)
+    res["launcher_vs_ort"] = {o: max_err(la_out[o], ref[o]) for o in outputs}
+
+    repo = work / f"{name}.repo"
+    export_triton(bundle, repo, name=name, instances=args.instances, force=True)
+    res["config"] = (repo / name / "config.pbtxt").read_text()
+    checks, timing = {}, {}
+    t0 = time.perf_counter()
+    server = TritonServer(repo, work / f"{name}.server")
+    try:
+        server.start(timeout=args.start_timeout)
+        res["server_start_s"] = time.perf_counter() - t0
+        res["stub_libpython"] = sorted({p for pid in server.stub_pids() for p in server.libpythons(pid)})
+        for protocol in ("http", "grpc"):
+            client = client_of(server, protocol)
+            try:
+                checks[f"{protocol}_ready"] = bool(client.is_model_ready(name))
+                ins = make_inputs(protocol, feeds)
+                got = infer(client, protocol, name, ins, outputs)
+                checks[f"{protocol}_vs_ort"] = {o: max_err(got[o], ref[o]) for o in outputs}
+                checks[f"{protocol}_vs_launcher"] = {o: max_err(got[o], la_out[o]) for o in outputs}
+                timing[f"{protocol}_1_client"] = sequential(client, protocol, name, ins, outputs, args.requests)
+            finally:
+                client.close()
+        try:
+            got, lat = cuda_shm_request(server, name, feeds, outputs, args.requests)
+            checks["grpc_cuda_shm_vs_ort"] = {o: max_err(got[o], ref[o]) for o in outputs}
+            checks["grpc_cuda_shm_vs_launcher"] = {o: max_err(got[o], la_out[o]) for o in outputs}
+            timing["grpc_cuda_shm_1_client"] = lat
+        except Exception as e:  # noqa: BLE001 - reported, the rest still runs
+            checks["grpc_cuda_shm_error"] = f"{type(e).__name__}: {e}"[:500]
+        for protocol in ("http", "grpc"):
+            for c in CLIENTS:
+                timing[f"{protocol}_{c}_clients"] = throughput(protocol, server, name, feeds, outputs, c, args.seconds)
+    finally:
+        res["server_log_tail"] = server.log_tail(40)
+        server.stop()
+    res["checks"] = checks
+    res["timing"] = timing
+    errs = [v for k, d in checks.items() if k.endswith("_vs_ort") for v in d.values()]
+    res["ok"] = all(checks.get(f"{p}_ready") for p in ("http", "grpc")) and bool(errs) and max(errs) <= SCALE_TOL
+    return res
+
+
+def table(results: list[dict]) -> str:
+    lines = ["| model | path | clients | p50 ms | p99 ms | req/s |", "|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | error: {r['error']} | | | | |")
+            continue
+        ip = r["in_process"]
+        lines.append(f"| {r['model']} | in-process launcher, numpy in/out | 1 | {ip['numpy']['p50_ms']:.3f} | "
+                     f"{ip['numpy']['p99_ms']:.3f} | {1e3 / ip['numpy']['mean_ms']:.0f} |")
+        lines.append(f"| {r['model']} | in-process launcher, CUDA tensors | 1 | {ip['device']['p50_ms']:.3f} | "
+                     f"{ip['device']['p99_ms']:.3f} | {1e3 / ip['device']['mean_ms']:.0f} |")
+        t = r["timing"]
+        for key, label in (("http_1_client", "Triton HTTP, sequential"), ("grpc_1_client", "Triton gRPC, sequential"),
+                           ("grpc_cuda_shm_1_client", "Triton gRPC, inputs in CUDA shm")):
+            if key in t:
+                lines.append(f"| {r['model']} | {label} | 1 | {t[key]['p50_ms']:.3f} | {t[key]['p99_ms']:.3f} | "
+                             f"{1e3 / t[key]['mean_ms']:.0f} |")
+        for protocol in ("http", "grpc"):
+            for c in CLIENTS:
+                x = t[f"{protocol}_{c}_clients"]
+                lines.append(f"| {r['model']} | Triton {'HTTP' if protocol == 'http' else 'gRPC'}, concurrent clients | "
+                             f"{c} | {x['p50_ms']:.3f} | {x['p99_ms']:.3f} | {x['per_s']:.0f} |")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--models", default="inception_v3,bert")
+    ap.add_argument("--requests", type=int, default=300, help="sequential requests per latency figure")
+    ap.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
+    ap.add_argument("--instances", type=int, default=1, help="Triton model instances (KIND_GPU count)")
+    ap.add_argument("--search", action="store_true", help="run the rewrite search in the build")
+    ap.add_argument("--start-timeout", type=float, default=420.0, help="seconds for the server to load the model")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    stem = "triton_gpu_" + args.models.replace(",", "_")  # one call per model keeps each call short
+    reason = unavailable()
+    print(f"python {sys.version.split()[0]} at {sys.executable}; libpython for the stub: {python_library()}", flush=True)
+    if reason:
+        print(f"tritonserver cannot start here: {reason}", flush=True)
+        (out / f"{stem}.json").write_text(json.dumps({"error": reason}))
+        return 2
+    import torch
+
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}", flush=True)
+    work = Path("/tmp/triton_gpu_work")
+    work.mkdir(exist_ok=True)
+    results = []
+    for name in args.models.split(","):
+        t0 = time.perf_counter()
+        try:
+            r = run_model(name, args, work)
+        except Exception as e:  # noqa: BLE001
+            traceback.print_exc()
+            r = {"model": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+        r["total_s"] = time.perf_counter() - t0
+        results.append(r)
+        print(json.dumps({k: v for k, v in r.items() if k not in ("config", "server_log_tail")}, default=str), flush=True)
+        (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+    md = table(results)
+    (out / f"{stem}.md").write_text(md + "\n")
+    print(md)
+    return 0 if all(r.get("ok") for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,27 @@
+#!/usr/bin/env bash
+# The wheels that tests/triton_server and bench/triton_gpu.py need on the device machine (Python 3.12, x86-64),
+# downloaded here into .whl/ (ignored by git; carried with `carry: [".whl"]`, installed by bench/device_env.sh).
+# nvidia-pytriton's wheel (55 MB) is cut down to what serves on Python 3.12: its bundled libpython3.13 and the
+# stubs for the other Python versions are deleted from the zip (40 MB left), so that the tree carried stays
+# under the device's 64 MiB. tritonclient's generated code needs protobuf >= 6.33 and grpcio >= 1.81.1 at
+# run time, so those travel too (the device's own versions are not known here).
+set -euo pipefail
+cd "$(dirname "$0")/.."
+mkdir -p .whl
+git check-ignore -q .whl/x.whl || { echo ".whl/ is not ignored: echo /.whl/ >> .git/info/exclude first" >&2; exit 1; }
+platforms=()
+for p in manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manylinux_2_28_x86_64 manylinux_2_27_x86_64 \
+         manylinux_2_24_x86_64 manylinux_2_17_x86_64 manylinux2014_x86_64 manylinux_2_5_x86_64 manylinux1_x86_64; do
+    platforms+=(--platform "$p")
+done
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl \
+    nvidia-pytriton==0.7.0 tritonclient==2.73.0 geventhttpclient==2.6.1 gevent==26.9.0 greenlet==3.3.2 \
+    zope.event==6.2 zope.interface==8.7 python-rapidjson==1.25 brotli==1.2.1 grpcio==1.85.1 protobuf==6.33.6
+wheel=$(ls .whl/nvidia_pytriton-0.7.0-*.whl)
+if unzip -l "$wheel" | grep -q 'libpython3-'; then
+    zip -q -d "$wheel" 'nvidia_pytriton.libs/libpython3-*' \
+        'pytriton/tritonserver/python_backend_stubs/3.8/*' 'pytriton/tritonserver/python_backend_stubs/3.9/*' \
+        'pytriton/tritonserver/python_backend_stubs/3.10/*' 'pytriton/tritonserver/python_backend_stubs/3.11/*' \
+        'pytriton/tritonserver/python_backend_stubs/3.13/*'
+fi
+du -ch .whl/*.whl | tail -1
