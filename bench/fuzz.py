@@ -460,7 +460,7 @@ def write_case(case: Case, folder: Path) -> Path:
 
 # -- running one case in a fork -----------------------------------------------------------------------
 def _check_bundle(folder: Path, model_path: Path, out_name: str) -> dict:
-    """A built bundle against onnxruntime on the mutated model, on fresh seeded inputs."""
+    """A built bundle against onnxruntime on the mutated model, on fresh seeded inputs (scaled error <= 1e-4)."""
     import onnxruntime as ort
 
     from parastream.launcher import load
@@ -490,11 +490,15 @@ def _check_bundle(folder: Path, model_path: Path, out_name: str) -> dict:
             fin = np.isfinite(r)
             if not np.array_equal(g[~fin & ~np.isnan(r)], r[~fin & ~np.isnan(r)]):
                 return {"equal": False, "why": f"{k}: infinities differ"}
-            d = np.abs(g[fin].astype(np.float64) - r[fin]) / (np.abs(r[fin]) + 1e-3)
-            worst = max(worst, float(d.max()) if d.size else 0.0)
+            # scaled error: max|out-ref| / max|ref|.  Elementwise relative error misjudges fp32 cancellation
+            # (mutated weights give outputs of 1e35 whose near-zero elements differ by 1e28 between two
+            # correct evaluation orders)
+            d = np.abs(g[fin].astype(np.float64) - r[fin])
+            scale = float(np.abs(r[fin]).max()) if d.size else 0.0
+            worst = max(worst, float(d.max()) / max(scale, 1e-6) if d.size else 0.0)
         elif not np.array_equal(g, r):
             return {"equal": False, "why": f"{k}: values differ"}
-    return {"equal": worst <= 1e-3, "max_rel": worst}
+    return {"equal": worst <= 1e-4, "max_scaled": worst}
 
 
 def _child(case_dir: Path, argv: list[str]) -> None:
