@@ -280,7 +280,7 @@ def _whole_model_reason(bundle: Bundle) -> str | None:
     return None
 
 
-def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Path | None = None, console=None,
+def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, timeline: str | Path | None = None, console=None,
                  launcher=None, whole_model: bool = True, graph: bool | None = None, concat_ablation: bool = False) -> dict:
     """Median latency (ms) of the bundle's multi-stream graph and of the same engines on one stream, and their ratio.
 
@@ -291,14 +291,19 @@ def bench_bundle(path, *, runs: int = 200, warmup: int = 20, timeline: str | Pat
     ``concat_ablation``: where the launcher does Concats in place, also time the same bundle with
     every Concat as its own engine (loaded a second time), ``concat_copies_ms``.
     """
-    from .gpu import GpuLauncher, random_array
-
+    bundle = path if isinstance(path, Bundle) else Bundle.open(path)
+    cpu = not bundle.backend().gpu
+    runs = (50 if cpu else 200) if runs is None else runs
+    warmup = (5 if cpu else 20) if warmup is None else warmup
     if runs < 1:
         raise ParastreamError(f"--runs {runs}: must be at least 1")
-    bundle = path if isinstance(path, Bundle) else Bundle.open(path)
-    if not bundle.backend().gpu:
-        raise ParastreamError(f"{bundle.path}: built with --backend {bundle.plan.backend}, which has no GPU engines; "
-                              "rebuild with --backend torch or tensorrt to benchmark on the GPU")
+    if cpu:
+        result = bench_cpu(bundle, runs=runs, warmup=warmup)
+        if console is not None:
+            print_bench_cpu(result, console)
+        return result
+    from .gpu import GpuLauncher, random_array
+
     if cuda.device_count() < 1:
         raise ParastreamError("parastream bench needs a CUDA GPU, and cuda-python sees none")
     if graph is None:
@@ -399,6 +404,65 @@ def _whole_model_baseline(bundle: Bundle, multi, feeds: dict, reference: dict, g
                                                  f"> {tol:g} ({bundle.plan.precision}); not timed")
         return entries, None
     return entries, whole
+
+
+def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str | Path | None = None) -> dict:
+    """A CPU bundle against plain onnxruntime (default session options) on the same model: the original the
+    bundle was built from where it is still there (report.json names it), else the bundle's model.onnx.
+    Medians of ``runs`` calls each on the same random input, in alternating blocks (:func:`time_calls`); the
+    outputs must agree first (scaled error <= 1e-3, as verification's fp32 bound)."""
+    import os
+
+    import onnxruntime as ort
+
+    from .cpu import CpuLauncher, random_feeds, time_calls
+
+    recorded = bundle.report.get("model", {}).get("path")
+    model = Path(original) if original else (Path(recorded) if recorded and Path(recorded).is_file() else bundle.path / "model.onnx")
+    ours = CpuLauncher(bundle)
+    try:
+        plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
+        names = [o.name for o in plain.get_outputs()]
+
+        def run_plain(feeds):
+            return dict(zip(names, plain.run(names, feeds)))
+
+        feeds = random_feeds(bundle.plan.inputs)
+        _, worst = _differences(ours(feeds), run_plain(feeds))
+        if not worst <= 1e-3:
+            raise ParastreamError(f"{bundle.path}: the bundle's outputs differ from onnxruntime on {model} "
+                                  f"(scaled error {worst:.3g}); run `parastream verify` first")
+        times = time_calls({"parastream": ours, "onnxruntime": run_plain}, feeds, runs=runs, warmup=warmup)
+    finally:
+        ours.close()
+    ms = {k: v * 1e3 for k, v in times.items()}
+    result = {"bundle": str(bundle.path), "device": f"cpu ({os.cpu_count()} cores)", "runs": runs, "model": str(model),
+              "model_is_original": model != bundle.path / "model.onnx",
+              "streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches), "threads": ours.threads or os.cpu_count(),
+              "parastream_ms": float(np.median(ms["parastream"])), "onnxruntime_ms": float(np.median(ms["onnxruntime"])),
+              "parastream_p10_p90_ms": [float(x) for x in np.percentile(ms["parastream"], [10, 90])],
+              "onnxruntime_p10_p90_ms": [float(x) for x in np.percentile(ms["onnxruntime"], [10, 90])],
+              "max_scaled_error": worst}
+    result["speedup_vs_onnxruntime"] = result["onnxruntime_ms"] / result["parastream_ms"]
+    return result
+
+
+def print_bench_cpu(result: dict, console) -> None:
+    from rich.markup import escape
+    from rich.table import Table
+
+    t = Table(title=escape(f"parastream bench — {result['bundle']} on {result['device']}"))
+    t.add_column("variant")
+    t.add_column("median ms", justify="right")
+    t.add_column("p10–p90 ms", justify="right")
+    t.add_row(f"parastream ({result['streams']} streams, {result['branches']} sessions, {result['threads']} threads each)",
+              f"{result['parastream_ms']:.3f}", "–".join(f"{x:.3f}" for x in result["parastream_p10_p90_ms"]))
+    t.add_row(escape(f"plain onnxruntime, default session options, on {result['model']}"
+                     + ("" if result["model_is_original"] else " (the original is not there)")),
+              f"{result['onnxruntime_ms']:.3f}", "–".join(f"{x:.3f}" for x in result["onnxruntime_p10_p90_ms"]))
+    console.print(t)
+    console.print(f"parastream vs plain onnxruntime: {result['speedup_vs_onnxruntime']:.2f}x "
+                  f"(medians of {result['runs']} runs each)")
 
 
 def print_bench(result: dict, console) -> None:

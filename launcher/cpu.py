@@ -8,7 +8,9 @@ fork/join with ``threading.Event`` in place of CUDA events.
 
 from __future__ import annotations
 
+import os
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -35,14 +37,50 @@ def coerce_feeds(plan: Plan, feeds: dict) -> dict[str, np.ndarray]:
     return out
 
 
+def default_threads(plan: Plan) -> int:
+    """Intra-op threads per engine: what the build measured best (plan.cpu_threads), else every core for one
+    stream and the cores shared out among several (0 = onnxruntime's default, every core)."""
+    if plan.cpu_threads is not None:
+        return plan.cpu_threads
+    return 0 if plan.num_streams <= 1 else max(1, (os.cpu_count() or 1) // plan.num_streams)
+
+
+def time_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 3, block: int = 10) -> dict[str, np.ndarray]:
+    """Seconds per call of each runner on ``feeds``: ``runs`` calls each after ``warmup``, in alternating blocks
+    of ``block`` calls, so that a change in the machine's load falls on all of them alike while one runner's
+    spinning threads seldom run into another's calls."""
+    for _ in range(warmup):
+        for run in runners.values():
+            run(feeds)
+    times = {name: [] for name in runners}
+    while any(len(t) < runs for t in times.values()):
+        for name, run in runners.items():
+            for _ in range(min(block, runs - len(times[name]))):
+                t0 = time.perf_counter()
+                run(feeds)
+                times[name].append(time.perf_counter() - t0)
+    return {name: np.asarray(t) for name, t in times.items()}
+
+
+def random_feeds(specs, seed: int = 0) -> dict[str, np.ndarray]:
+    """Inputs for timing: floats uniform in [0, 1), integers and bools zero (a valid index into any table)."""
+    rng = np.random.default_rng(seed)
+    feeds = {}
+    for s in specs:
+        dt = np.dtype(s.dtype)
+        feeds[s.name] = rng.random(s.shape).astype(dt) if dt.kind == "f" else np.zeros(s.shape, dt)
+    return feeds
+
+
 class CpuLauncher:
     """Runs a bundle's plan on the CPU, one thread per stream."""
 
-    def __init__(self, bundle: Bundle, *, threads_per_engine: int = 0):
+    def __init__(self, bundle: Bundle, *, threads_per_engine: int | None = None):
         self.bundle = bundle
         self.plan = plan = bundle.plan
         backend = bundle.backend()
-        opts = BuildOptions(precision=plan.precision, threads=threads_per_engine)
+        self.threads = default_threads(plan) if threads_per_engine is None else threads_per_engine
+        opts = BuildOptions(precision=plan.precision, threads=self.threads, spin=len(plan.branches) == 1)
         self.engines = []
         for b in plan.branches:
             specs_in = [plan.tensors[t] for t in b.inputs]
@@ -62,6 +100,10 @@ class CpuLauncher:
     def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
         plan = self.plan
         values: dict[str, np.ndarray] = dict(coerce_feeds(plan, feeds))
+        if plan.num_streams == 1:  # one stream: in the caller's thread, in launch order (no pool, no events)
+            for bid in plan.launch_order:
+                values.update(self.engines[bid].run({t: values[t] for t in plan.branches[bid].inputs}))
+            return {t.name: values[t.name] for t in plan.outputs}
         done = [threading.Event() for _ in plan.branches]
         failed: list[BaseException] = []
 

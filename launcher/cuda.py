@@ -33,7 +33,7 @@ def runtime():
             try:
                 from cuda import cudart as rt  # cuda-python < 12.6
             except ImportError:
-                raise BackendUnavailable("the GPU launcher needs cuda-python: pip install 'parastream[cuda]'") from None
+                raise BackendUnavailable("the GPU launcher needs cuda-python: pip install cuda-python") from None
         _rt = rt
     return _rt
 

@@ -68,6 +68,9 @@ class Plan:
     branches: list[Branch]
     launch_order: list[int]
     version: int = PLAN_VERSION
+    #: CPU launcher: onnxruntime intra-op threads per engine, as the build measured best (0: onnxruntime's
+    #: default, every core); None (bundles built before it was measured): cores / streams
+    cpu_threads: int | None = None
 
     # -- derived views -------------------------------------------------------
     def branch(self, branch_id: int) -> Branch:
@@ -179,6 +182,7 @@ class Plan:
             branches=[Branch.from_dict(b) for b in d["branches"]],
             launch_order=[int(i) for i in d["launch_order"]],
             version=d["version"],
+            cpu_threads=None if d.get("cpu_threads") is None else int(d["cpu_threads"]),
         )
 
     def save(self, path: Path) -> None:

@@ -48,12 +48,13 @@ class BuildConfig:
     measure: bool = True  # measure the search's top candidates on the GPU when the backend has GPU engines
     measure_seconds: float = 300.0  # budget for those measurements (each one builds and loads engines)
     measure_runs: int = 100
+    cpu_runs: int = 10  # CPU builds: timed calls of each alternative (one full-threaded session, the plan)
     verify: bool = True
     rtol: float | None = None
     atol: float | None = None
-    scale_tol: float | None = None  # fp16/bf16: max|out-ref| / max|ref| (default by precision)
+    scale_tol: float | None = None  # max|out-ref| / max|ref| (default by precision; rtol/atol ask for elementwise)
     seed: int = 0
-    device: str = "H100-SXM"  # device table entry the cost model plans for
+    device: str | None = None  # device profile the cost model plans for (None: "CPU" for CPU engines, else H100-SXM)
     workspace_mb: int = 4096
     optimization_level: int = 3
     strongly_typed: bool = False
@@ -82,6 +83,11 @@ def _device_description(backend) -> str:
         except Exception:  # noqa: BLE001 - informational only
             pass
     return f"cpu: {platform.processor() or platform.machine()} ({platform.system()})"
+
+
+def default_device_profile(backend) -> str:
+    """The cost model's device when --device-profile is not given: this CPU for CPU engines, else an H100."""
+    return "H100-SXM" if backend.gpu else "CPU"
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -218,11 +224,7 @@ def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, op
     from parastream.launcher.gpu import GpuLauncher
 
     with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
-        dest = Path(tmp)
-        _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc)
-        (dest / "report.json").write_text("{}")
-        write_manifest(dest, {"backend": backend.name, "precision": options.precision,
-                              "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)})
+        dest = _scratch_bundle(Path(tmp), model, graph, plan, backend, options, internal_nhwc)
         return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
 
 
@@ -331,6 +333,72 @@ def _compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
     return _compiles_for_layout(backend) and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"])
 
 
+def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
+                    internal_nhwc: bool = True) -> Path:
+    """A bundle of ``plan`` in ``dest`` to load and time (no report, no verification)."""
+    _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc)
+    (dest / "report.json").write_text("{}")
+    write_manifest(dest, {"backend": backend.name, "precision": plan.precision,
+                          "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)})
+    return dest
+
+
+def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
+                           options: BuildOptions, cost_model, cfg: "BuildConfig", rewritten: bool = True):
+    """CPU builds: time the alternatives on this machine and keep the fastest, as the GPU build measures its
+    candidates.  The alternatives: the loaded model and the rewritten one each as ONE onnxruntime session with
+    every core (plain onnxruntime, which a bundle must never be slower than), and the multi-stream plan with
+    the cores shared out among its streams and with every core per session.  ``--streams`` given: only the
+    plan's thread counts are compared.  ``rewritten`` False: the search changed nothing, the rewritten model
+    is not timed apart from the loaded one.
+
+    Returns (model, graph, schedule, threads per engine, report); the report lists what was timed (median ms
+    of ``cfg.cpu_runs`` interleaved calls on the same random input) and what won.
+    """
+    import os
+    import tempfile
+
+    from parastream.launcher.cpu import CpuLauncher, random_feeds, time_calls
+
+    cores = os.cpu_count() or 1
+    alternatives = []  # (name, model, graph, schedule, threads)
+    if not cfg.streams:
+        for name, m in (("original model, one session", loaded.model), ("rewritten model, one session", model)):
+            if name.startswith("rewritten") and (m is loaded.model or not rewritten):
+                continue
+            g = graph if m is model else _graph_of(m)
+            alternatives.append((name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
+    if sched.num_streams > 1 or not alternatives:
+        shared = max(1, cores // sched.num_streams)
+        for threads in dict.fromkeys([shared, 0]):
+            alternatives.append((f"plan: {sched.num_streams} streams, {len(sched.branches)} sessions, "
+                                 f"{threads or cores} threads each", model, graph, sched, threads))
+    report = {"runs": cfg.cpu_runs, "cores": cores, "timed": []}
+    if len(alternatives) == 1:
+        name, m, g, sc, threads = alternatives[0]
+        report.update(chosen=name, decision="one alternative: nothing to time")
+        return m, g, sc, threads, report
+    feeds = random_feeds(loaded.inputs, seed=cfg.seed)
+    medians = {}
+    # one alternative loaded at a time: idle sessions of the others would compete for the cores (and memory)
+    for i, (name, m, g, sc, threads) in enumerate(alternatives):
+        plan = make_plan(g, sc, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
+                         inputs=loaded.inputs, outputs=loaded.outputs)
+        with tempfile.TemporaryDirectory(prefix="parastream-cpu-") as tmp:
+            runner = CpuLauncher(Bundle.open(_scratch_bundle(Path(tmp), m, g, plan, backend, options), check_hashes=False),
+                                 threads_per_engine=threads)
+            try:
+                medians[name] = float(np.median(time_calls({name: runner}, feeds, runs=cfg.cpu_runs)[name]))
+            finally:
+                runner.close()
+    best = min(alternatives, key=lambda a: (medians[a[0]], alternatives.index(a)))
+    for name, m, g, sc, threads in alternatives:
+        report["timed"].append({"alternative": name, "streams": sc.num_streams, "sessions": len(sc.branches),
+                                "threads": threads or cores, "median_ms": medians[name] * 1e3, "chosen": name == best[0]})
+    report.update(chosen=best[0], decision=f"fastest of {len(alternatives)} timed on this CPU")
+    return best[1], best[2], best[3], best[4], report
+
+
 class MeasureBudgetSpent(RuntimeError):
     pass
 
@@ -393,14 +461,18 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
 
 class _Progress:
-    """A rich progress display on stderr, or nothing."""
+    """Progress on stderr: a rich display on a terminal, one line per stage elsewhere (build logs), or nothing."""
 
-    def __init__(self, enabled: bool):
+    def __init__(self, enabled: bool, live: bool | None = None):
+        import sys
+
         self.enabled = enabled
+        self.live = sys.stderr.isatty() if live is None else live
         self._progress = None
+        self._t0 = time.perf_counter()
 
     def __enter__(self):
-        if self.enabled:
+        if self.enabled and self.live:
             from rich.console import Console
             from rich.progress import BarColumn, MofNCompleteColumn, Progress, SpinnerColumn, TextColumn, TimeElapsedColumn
 
@@ -414,6 +486,10 @@ class _Progress:
             self._progress.__exit__(*exc)
 
     def step(self, description: str, total: int = 1):
+        if self.enabled and not self.live:
+            import sys
+
+            print(f"parastream build: [{time.perf_counter() - self._t0:6.1f} s] {description}", file=sys.stderr, flush=True)
         if self._progress is None:
             return _NullTask()
         return _Task(self._progress, self._progress.add_task(description, total=total))
@@ -462,7 +538,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
 
         from parastream.rewrite.cost import RooflineCostModel, node_flops_bytes
 
-        cost_model = RooflineCostModel(cfg.device, precision=cfg.precision)
+        device_profile = cfg.device or default_device_profile(backend)
+        cost_model = RooflineCostModel(device_profile, precision=cfg.precision)
         from .analysis import graph_width
 
         width = graph_width(loaded.model)[0]
@@ -498,9 +575,18 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         t0 = time.perf_counter()
         graph = _graph_of(model)
         sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
+        timings["schedule"] = time.perf_counter() - t0
+        cpu_threads, cpu_choice = None, None
+        if not backend.gpu and cfg.measure:
+            t0 = time.perf_counter()
+            task = bar.step("time the CPU alternatives")
+            model, graph, sched, cpu_threads, cpu_choice = choose_cpu_alternative(
+                loaded, model, graph, sched, backend, options, cost_model, cfg, rewritten=bool(search_report.get("rules_chosen")))
+            task.advance()
+            timings["cpu_choice"] = time.perf_counter() - t0
         plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
-        timings["schedule"] = time.perf_counter() - t0
+        plan.cpu_threads = cpu_threads
 
         with staging(out, "bundle") as tmp:  # renamed to OUT at the end of the block, removed on any error
             t0 = time.perf_counter()
@@ -509,7 +595,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             timings["engines"] = time.perf_counter() - t0
 
             measured = None
-            if cfg.measure:
+            if cfg.measure and backend.gpu:
                 t0 = time.perf_counter()
                 task = bar.step("time the plan against its alternatives on the GPU")
                 fused = options.fuse_conv_relu
@@ -534,7 +620,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": width,
                              "branches": len(plan.branches), "critical_path_s": sched.makespan, "total_work_s": sched.total_work,
                              "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
-                             "cost_model": f"roofline {cfg.device} {cfg.precision}"},
+                             "cost_model": f"roofline {device_profile} {cfg.precision}"},
+                "cpu_choice": cpu_choice,
                 "engines": engines_report,
                 "measured_choices": measured,
                 "verification": None,
@@ -564,19 +651,25 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 timings["verify"] = time.perf_counter() - t0
                 report["verification"] = dict(result.to_dict(), **_engines_loaded(runner))
                 if not result.passed:
-                    failed = [kv for kv in result.outputs.items() if not kv[1].get("passed", False)] or list(result.outputs.items())
-                    name, o = max(failed, key=lambda kv: kv[1].get("max_abs", 0.0))
-                    if result.scale_tol is not None:
-                        detail = f"max|out-ref|/max|ref| = {o.get('max_scaled', float('nan')):.3g} > scale_tol {result.scale_tol}"
-                    else:
-                        detail = (f"max abs error {o.get('max_abs', float('nan')):.3g}, max rel error {o.get('max_rel', float('nan')):.3g}, "
-                                  f"rtol {result.rtol}, atol {result.atol}")
                     raise VerificationError(
                         f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
-                        f"(output {name!r}: {detail}); no bundle was written")
+                        f"({result.failure()}); no bundle was written"
+                        + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
             timings["total"] = time.perf_counter() - t_all
+            report["peak_rss_mb"] = _peak_rss_mb()
             (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
             write_manifest(tmp, manifest)
             bundle = Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
     return replace(bundle, path=out)
 
+
+def _peak_rss_mb() -> float | None:
+    """The process's peak resident memory so far, in MiB (None where the platform does not say)."""
+    try:
+        import resource
+        import sys
+
+        peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+        return peak / (1 << 20) if sys.platform == "darwin" else peak / 1024  # bytes on macOS, KiB on Linux
+    except (ImportError, OSError):
+        return None

@@ -74,8 +74,9 @@ def add_schedule_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--streams", type=int_in(1, MAX_STREAMS), default=None, metavar="K",
                    help=f"number of streams, 1 to {MAX_STREAMS} (default: the count estimated fastest, at most 4; one unless more "
                         "pay >= 10%%)")
-    g.add_argument("--device-profile", default="H100-SXM", metavar="NAME",
-                   help="device the cost model plans for (see `parastream devices`)")
+    g.add_argument("--device-profile", default=None, metavar="NAME",
+                   help="device the cost model plans for (see `parastream devices`; default: CPU for CPU engines, "
+                        "else H100-SXM)")
 
 
 def add_backend_args(p: argparse.ArgumentParser) -> None:
@@ -92,18 +93,21 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
 
 def add_tolerance_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("verification")
-    g.add_argument("--rtol", type=tolerance, default=None, help="relative tolerance (default by precision)")
-    g.add_argument("--atol", type=tolerance, default=None, help="absolute tolerance (default by precision)")
+    g.add_argument("--rtol", type=tolerance, default=None, help="elementwise criterion: relative tolerance")
+    g.add_argument("--atol", type=tolerance, default=None, help="elementwise criterion: absolute tolerance")
     g.add_argument("--scale-tol", type=tolerance, default=None, metavar="TOL",
-                   help="pass an output when max|out-ref|/max|ref| <= TOL (default: 0.1 for fp16, 0.15 for bf16; "
-                        "fp32/tf32 and an explicit --rtol/--atol judge each element instead)")
+                   help="pass an output when max|out-ref|/max|ref| <= TOL (default by precision: fp32 1e-3, tf32 1e-2, "
+                        "fp16 0.1, bf16 0.15; `verify` uses the bundle's); --rtol/--atol judge each element instead")
     g.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of the random inputs")
 
 
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    return Console(stderr=stderr, soft_wrap=False)
+    stream = sys.stderr if stderr else sys.stdout
+    # piped into a log: lines of text are not wrapped, and tables are 160 columns wide instead of 80
+    tty = stream.isatty()
+    return Console(stderr=stderr, soft_wrap=not tty, width=None if tty else 160)
 
 
 # -- commands ------------------------------------------------------------------------------------------
@@ -126,10 +130,14 @@ def cmd_build(args) -> int:
         check_options(triton_name, args.triton_mode, 0, 1)
         check_target(Path(args.triton_repo) / triton_name, kind="triton", force=args.force,
                      protect=(args.model, args.output), option=f"--triton-repo model {triton_name!r}")
-    # the progress display only on a terminal: in a build log it would leave blank lines around the error
-    bundle = build(args.model, args.output, config=cfg, progress=not args.quiet and sys.stderr.isatty())
-    if not args.quiet:
-        print_build_summary(bundle, _console())
+    # progress: a live display on a terminal, one line per stage in a build log (no blank lines around an error)
+    bundle = build(args.model, args.output, config=cfg, progress=not args.quiet)
+    if args.json:
+        from .report import build_summary
+
+        print(json.dumps(build_summary(bundle), default=str))
+    elif not args.quiet:
+        print_build_summary(bundle, _console(), verbose=args.verbose)
     if args.triton_repo:
         from .triton import export_triton
 
@@ -137,7 +145,7 @@ def cmd_build(args) -> int:
             path = export_triton(bundle.path, args.triton_repo, name=triton_name, mode=args.triton_mode, force=args.force)
         except ParastreamError as e:
             raise ParastreamError(f"the bundle {bundle.path} was written, but the Triton export failed: {e}") from None
-        if not args.quiet:
+        if not args.quiet and not args.json:
             _console().print(f"Triton model repository: {path}")
     return 0
 
@@ -216,13 +224,14 @@ def output_file_names(names: list[str]) -> dict[str, str]:
 
 
 def cmd_verify(args) -> int:
+    """Compare a bundle with onnxruntime on the original model; print the result, never write into the bundle."""
     from parastream.launcher import load
     from parastream.launcher.bundle import Bundle
 
     from .model_io import load_model
     from .report import print_verification
     from .build import run_verification
-    from .verify import resolve_tolerances
+    from .verify import bundle_tolerances
 
     bundle = Bundle.open(args.bundle)
     original = args.model or bundle.report.get("model", {}).get("path")
@@ -230,27 +239,30 @@ def cmd_verify(args) -> int:
         raise ParastreamError(f"{args.bundle}: the original model {original!r} is not there; name it with --model ORIGINAL.onnx")
     shapes = {t.name: t.shape for t in bundle.plan.inputs}
     loaded = load_model(original, shapes)
-    rtol, atol, scale_tol = resolve_tolerances(bundle.plan.precision, args.rtol, args.atol, args.scale_tol)
+    rtol, atol, scale_tol = bundle_tolerances(bundle, args.rtol, args.atol, args.scale_tol)
     runner = load(bundle.path, device=args.device)
-    result = run_verification(original, loaded.original, runner, bundle.plan.inputs, rtol=rtol, atol=atol,
-                              scale_tol=scale_tol, seed=args.seed, iterations=args.iterations)
-    report = dict(bundle.report)
-    report["verification"] = result.to_dict()
-    # report.json is part of the bundle's hashed files: rewrite it and the manifest together
-    from parastream.launcher.bundle import write_manifest
-
-    (bundle.path / "report.json").write_text(json.dumps(report, indent=2, default=str))
-    manifest = {k: v for k, v in bundle.manifest.items() if k not in ("files", "version")}
-    write_manifest(bundle.path, manifest)
-    print_verification(result, _console(), title=f"verify {bundle.path} against onnxruntime on {original}")
+    try:
+        result = run_verification(original, loaded.original, runner, bundle.plan.inputs, rtol=rtol, atol=atol,
+                                  scale_tol=scale_tol, seed=args.seed, iterations=args.iterations)
+    finally:
+        close = getattr(runner, "close", None)
+        if close:
+            close()
+    if args.json:
+        print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original)), default=str))
+    else:
+        print_verification(result, _console(), title=f"verify {bundle.path} against onnxruntime on {original}")
     return 0 if result.passed else 1
 
 
 def cmd_bench(args) -> int:
     from parastream.launcher.bench import bench_bundle
 
-    bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline, console=_console(),
-                 whole_model=args.whole_model, concat_ablation=args.concat_ablation)
+    result = bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
+                          console=None if args.json else _console(), whole_model=args.whole_model,
+                          concat_ablation=args.concat_ablation)
+    if args.json:
+        print(json.dumps(result, default=str))
     return 0
 
 
@@ -301,20 +313,30 @@ def cmd_demo(args) -> int:
 def cmd_devices(args) -> int:
     from rich.table import Table
 
-    from parastream.rewrite.cost import DEVICES
+    from parastream.rewrite.cost import DEVICES, cpu_device
 
-    t = Table(title="device profiles of the roofline cost model")
+    t = Table(title="device profiles of the roofline cost model (GPUs from datasheets; CPU measured here, SMs = cores)")
     for col in ("name", "fp16 TFLOP/s", "fp32 TFLOP/s", "GB/s", "SMs"):
         t.add_column(col)
-    for name, d in DEVICES.items():
-        t.add_row(name, f"{d.fp16_flops / 1e12:.0f}", f"{d.fp32_flops / 1e12:.1f}", f"{d.bandwidth / 1e9:.0f}", str(d.sms))
+    for name, d in {**DEVICES, "CPU": cpu_device()}.items():
+        t.add_row(name, f"{d.fp16_flops / 1e12:.3g}", f"{d.fp32_flops / 1e12:.3g}", f"{d.bandwidth / 1e9:.0f}", str(d.sms))
     _console().print(t)
     return 0
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("parastream")
+    except PackageNotFoundError:  # run from a checkout that was never installed
+        return "unknown (not installed)"
 
 
 def make_parser() -> argparse.ArgumentParser:
     p = _Parser(prog="parastream", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
+    p.add_argument("--version", action="version", version=f"parastream {_version()}")
     sub = p.add_subparsers(dest="command", required=True)
 
     d = sub.add_parser("demo", help="build, verify and run a bundled example model end to end")
@@ -342,7 +364,10 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")
-    b.add_argument("--quiet", action="store_true")
+    b.add_argument("--quiet", action="store_true", help="print nothing but errors")
+    b.add_argument("--verbose", action="store_true", help="print the per-branch table, estimates, timings and "
+                                                          "per-output verification figures")
+    b.add_argument("--json", action="store_true", help="print one JSON summary line on stdout (progress stays on stderr)")
     b.add_argument("--triton-repo", default=None, metavar="REPO", help="also export a Triton model repository")
     b.add_argument("--triton-name", default=None, help="Triton model name (default: the model file's stem)")
     b.add_argument("--triton-mode", default="graph", choices=["graph", "ensemble"])
@@ -360,14 +385,17 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("bundle")
     v.add_argument("--model", default=None, help="the original model (default: the path recorded at build)")
     v.add_argument("--iterations", type=int_in(1, 10_000), default=3)
+    v.add_argument("--json", action="store_true", help="print the result as one JSON object")
     v.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
     add_tolerance_args(v)
     v.set_defaults(func=cmd_verify)
 
-    be = sub.add_parser("bench", help="latency of a bundle against the same engines on one stream (GPU)")
+    be = sub.add_parser("bench", help="latency of a bundle: GPU, against the same engines on one stream; "
+                                      "CPU, against plain onnxruntime on the same model")
     be.add_argument("bundle")
-    be.add_argument("--runs", type=int_in(1, 10_000_000), default=200)
-    be.add_argument("--warmup", type=int_in(0, 10_000_000), default=20)
+    be.add_argument("--runs", type=int_in(1, 10_000_000), default=None, help="timed runs of each variant (default: 200 GPU, 50 CPU)")
+    be.add_argument("--warmup", type=int_in(0, 10_000_000), default=None, help="untimed runs first (default: 20 GPU, 5 CPU)")
+    be.add_argument("--json", action="store_true", help="print the result as one JSON object")
     be.add_argument("--timeline", default=None, metavar="FILE.png")
     be.add_argument("--no-whole-model", dest="whole_model", action="store_false",
                     help="TensorRT bundles: skip the whole-model engine baseline (max_aux_streams)")

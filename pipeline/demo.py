@@ -7,6 +7,7 @@ compares with ONNX Runtime on the original model.
 
 from __future__ import annotations
 
+import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -16,6 +17,21 @@ import onnx
 
 
 def run_demo(out: str | None = None, backend: str = "auto", model_name: str | None = None, console=None) -> int:
+    from . import zoo
+
+    name = model_name or zoo.DEMO_MODEL
+    if name not in zoo.MODELS:
+        from parastream.launcher.errors import ParastreamError
+
+        raise ParastreamError(f"--model {name!r} is not an example model; choose one of {sorted(zoo.MODELS)}")
+    work = Path(tempfile.mkdtemp(prefix="parastream-demo-"))
+    try:
+        return _demo(work, name, out, backend, console)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)  # the example model, and the bundle unless -o named a folder
+
+
+def _demo(work: Path, name: str, out: str | None, backend: str, console) -> int:
     import onnxruntime as ort
     from rich.table import Table
 
@@ -25,12 +41,6 @@ def run_demo(out: str | None = None, backend: str = "auto", model_name: str | No
     from .build import build
     from .report import inspect_model, print_build_summary
 
-    name = model_name or zoo.DEMO_MODEL
-    if name not in zoo.MODELS:
-        from parastream.launcher.errors import ParastreamError
-
-        raise ParastreamError(f"--model {name!r} is not an example model; choose one of {sorted(zoo.MODELS)}")
-    work = Path(tempfile.mkdtemp(prefix="parastream-demo-"))
     model_path = work / f"{name}.onnx"
     onnx.save(zoo.MODELS[name](), model_path)
     out_dir = Path(out) if out else work / "bundle"
@@ -60,5 +70,11 @@ def run_demo(out: str | None = None, backend: str = "auto", model_name: str | No
         rel = float((diff / np.maximum(np.abs(ref), 1e-6)).max())
         t.add_row(k, "x".join(map(str, ref.shape)), f"{float(diff.max()):.3g}", f"{rel:.3g}")
     console.print(t)
-    console.print(f"bundle: {bundle.path}  (run it: parastream run {bundle.path} --input NAME=x.npy --output-dir out/)")
+    if out:
+        console.print(f"bundle: {bundle.path}  (run it: parastream run {bundle.path} --input NAME=x.npy --output-dir out/)")
+    else:
+        console.print("the bundle was written to a temporary folder, now removed; `parastream demo -o DIR` keeps it")
+    runner_close = getattr(runner, "close", None)
+    if runner_close:
+        runner_close()
     return 0

@@ -80,15 +80,21 @@ def _non_text_string(message, where: str = "model") -> str | None:
     back as ``bytes``, which onnx and every tool after it would trip over)."""
     from google.protobuf.descriptor import FieldDescriptor
 
+    def repeated(field) -> bool:
+        # protobuf 7 dropped FieldDescriptor.label (AttributeError on every model); newer ones have is_repeated
+        if hasattr(field, "is_repeated"):
+            return bool(field.is_repeated)
+        return field.label == FieldDescriptor.LABEL_REPEATED
+
     for field, value in message.ListFields():
         if field.type == FieldDescriptor.TYPE_STRING:
-            values = value if field.label == FieldDescriptor.LABEL_REPEATED else [value]
+            values = value if repeated(field) else [value]
             if any(isinstance(v, bytes) for v in values):
                 return f"{where}.{field.name}"
         elif field.type == FieldDescriptor.TYPE_MESSAGE:
-            values = value if field.label == FieldDescriptor.LABEL_REPEATED else [value]
+            values = value if repeated(field) else [value]
             for i, v in enumerate(values):
-                found = _non_text_string(v, f"{where}.{field.name}" + (f"[{i}]" if field.label == FieldDescriptor.LABEL_REPEATED else ""))
+                found = _non_text_string(v, f"{where}.{field.name}" + (f"[{i}]" if repeated(field) else ""))
                 if found:
                     return found
     return None

@@ -26,9 +26,15 @@ def schedule_table(plan, title: str = "branches") -> Table:
 
 
 def print_verification(result, console, title: str = "verification against onnxruntime") -> None:
+    from rich.markup import escape
+
     console.print(verification_table(result.to_dict(), title=title))
-    verdict = "[green]PASSED[/green]" if result.passed else "[red]FAILED[/red]"
+    verdict = {"passed": "[green]PASSED[/green]", "failed": "[red]FAILED[/red]",
+               "inconclusive": "[yellow]INCONCLUSIVE[/yellow]"}[result.status]
     console.print(f"{verdict} ({result.describe_criterion()}, {result.iterations} seeded random inputs)")
+    for name, d in result.outputs.items():
+        if d.get("not_meaningful"):
+            console.print(f"[yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(d['not_meaningful'])}")
 
 
 def verification_table(ver: dict, title: str) -> Table:
@@ -42,11 +48,64 @@ def verification_table(ver: dict, title: str) -> Table:
         row = [name, f"{d['max_abs']:.3g}", f"{d['max_rel']:.3g}"]
         if scaled:
             row += [f"{d['max_scaled']:.3g}", "yes" if d["elementwise_passed"] else "no"]
-        t.add_row(*row, "yes" if d["passed"] else "[red]NO[/red]")
+        ok = "yes" if d["passed"] else "[red]NO[/red]"
+        if d.get("not_meaningful"):
+            ok += " [yellow](not meaningful)[/yellow]"
+        t.add_row(*row, ok)
     return t
 
 
-def print_build_summary(bundle, console) -> None:
+def build_summary(bundle) -> dict:
+    """What a build step needs to know about a bundle, as one JSON-able dict (``parastream build --json``)."""
+    plan, rep = bundle.plan, bundle.report
+    m, search, ver = rep.get("model", {}), rep.get("search", {}), rep.get("verification") or {}
+    outputs = ver.get("outputs", {})
+    return {
+        "bundle": str(bundle.path), "backend": plan.backend, "precision": plan.precision,
+        "streams": plan.num_streams, "engines": len(plan.branches), "cpu_threads": plan.cpu_threads,
+        "nodes_in": m.get("nodes_in"), "nodes_out": m.get("nodes_out"),
+        "rewrites": len(search.get("rules_chosen", [])) if search.get("enabled") else None,
+        "search": search.get("summary") if search.get("enabled") else "skipped",
+        "cpu_choice": (rep.get("cpu_choice") or {}).get("chosen"),
+        "verification": ({"status": ver.get("status", "passed" if ver.get("passed") else "failed"), "criterion": ver.get("criterion"),
+                          "scale_tol": ver.get("scale_tol"),
+                          "max_scaled_error": max((o.get("max_scaled", 0.0) for o in outputs.values()), default=None),
+                          "not_meaningful": {k: o["not_meaningful"] for k, o in outputs.items() if o.get("not_meaningful")}}
+                         if ver else None),
+        "build_s": rep.get("timings", {}).get("total"), "peak_rss_mb": rep.get("peak_rss_mb"),
+    }
+
+
+def print_build_summary(bundle, console, verbose: bool = False) -> None:
+    """A few lines by default; ``verbose``: the per-branch table, the schedule's estimates, what the CPU build
+    timed and the per-output verification figures."""
+    from rich.markup import escape
+
+    plan, rep = bundle.plan, bundle.report
+    s = build_summary(bundle)
+    if verbose:
+        _print_build_details(bundle, console)
+    console.print(escape(f"{s['bundle']}: {s['engines']} {s['backend']} engine{'s' if s['engines'] != 1 else ''} on "
+                         f"{s['streams']} stream{'s' if s['streams'] != 1 else ''} ({s['precision']})"))
+    console.print(escape(f"  rewrite search: {s['search']}"))
+    choice = rep.get("cpu_choice")
+    if choice and choice.get("timed"):
+        timed = ", ".join(f"{t['alternative']} {t['median_ms']:.2f} ms" for t in choice["timed"])
+        console.print(escape(f"  CPU: kept {choice['chosen']} (timed here, medians of {choice['runs']}: {timed})"))
+    ver = s["verification"]
+    if ver:
+        bound = f"<= {ver['scale_tol']}" if ver["criterion"] == "scaled" else "elementwise rtol/atol"
+        console.print(escape(f"  verification: {ver['status']} against onnxruntime on the original model "
+                             f"(max scaled error {ver['max_scaled_error']:.3g}, {bound})"))
+        for name, why in ver["not_meaningful"].items():
+            console.print(f"  [yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(why)}")
+    else:
+        console.print("  verification: skipped (--no-verify)")
+    peak = f", peak memory {s['peak_rss_mb']:.0f} MiB" if s.get("peak_rss_mb") else ""
+    console.print(f"  built in {s['build_s'] or 0.0:.1f} s{peak}" + ("" if verbose else "; --verbose for the details"))
+
+
+def _print_build_details(bundle, console) -> None:
     plan, rep = bundle.plan, bundle.report
     sched = rep.get("schedule", {})
     console.print(schedule_table(plan, title=f"{bundle.path}: {len(plan.branches)} {plan.backend} engines on {plan.num_streams} streams"))
@@ -64,10 +123,19 @@ def print_build_summary(bundle, console) -> None:
     requested = sched.get("requested_streams")
     if requested and requested != plan.num_streams:
         s.add_row("streams", f"{plan.num_streams} (of {requested} requested: the schedule found no work for more)")
-    s.add_row("estimated critical path", _us(sched.get("critical_path_s", 0.0)))
+    s.add_row(f"estimated critical path ({sched.get('cost_model', '')})", _us(sched.get("critical_path_s", 0.0)))
     s.add_row("estimated total work", _us(sched.get("total_work_s", 0.0)))
     s.add_row("build time", f"{rep.get('timings', {}).get('total', 0.0):.2f} s")
     console.print(s)
+    choice = rep.get("cpu_choice")
+    if choice and choice.get("timed"):
+        c = Table(title=f"CPU alternatives timed on this machine ({choice['cores']} cores, medians of {choice['runs']} calls)")
+        for col in ("alternative", "streams", "sessions", "threads", "median ms", ""):
+            c.add_column(col)
+        for t in choice["timed"]:
+            c.add_row(t["alternative"], str(t["streams"]), str(t["sessions"]), str(t["threads"]), f"{t['median_ms']:.3f}",
+                      "kept" if t["chosen"] else "")
+        console.print(c)
     ver = rep.get("verification")
     if ver:
         title = "verification against onnxruntime on the original model"
@@ -76,14 +144,16 @@ def print_build_summary(bundle, console) -> None:
         console.print(verification_table(ver, title=title))
 
 
-def inspect_model(path, *, shapes=None, streams=None, device="H100-SXM", picture=None, search=False, console=None) -> dict:
+def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None, search=False, console=None) -> dict:
     """Print op histogram, node count, width, branches and estimated critical path; optionally draw or search."""
     import onnx_graphsurgeon as gs
 
     from parastream.rewrite.cost import RooflineCostModel
 
     from .analysis import graph_width, op_histogram
-    from .build import DEFAULT_MAX_STREAMS, plan_streams
+    from parastream.launcher.engines import resolve_backend
+
+    from .build import DEFAULT_MAX_STREAMS, default_device_profile, plan_streams
     from .model_io import load_model
     from .schedule import schedule_graph
 
@@ -93,7 +163,8 @@ def inspect_model(path, *, shapes=None, streams=None, device="H100-SXM", picture
     model = loaded.model
     hist = op_histogram(model)
     width, _ = graph_width(model)
-    cm = RooflineCostModel(device)
+    # the device profile a default build would plan for, so that inspect reports the streams the build makes
+    cm = RooflineCostModel(device or default_device_profile(resolve_backend("auto")))
     graph = gs.import_onnx(model)
     graph.toposort()
     sched, tried = plan_streams(graph, cm, streams, DEFAULT_MAX_STREAMS)

@@ -89,7 +89,7 @@ def model_config_pb2():
     except (ImportError, RuntimeError) as e:  # tritonclient raises RuntimeError when its grpc extra's modules are missing
         cause = f"; {e.__cause__}" if e.__cause__ is not None else ""
         raise ParastreamError(f"export-triton needs Triton's ModelConfig protobuf from tritonclient ({e}{cause}): "
-                              "pip install 'parastream[triton]'") from None
+                              "pip install 'tritonclient[grpc,http]'") from None
     return model_config_pb2
 
 

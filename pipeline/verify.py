@@ -1,21 +1,30 @@
 """Verification: polygraphy's Comparator, ONNX Runtime on the ORIGINAL model against the launcher.
 
 The launcher is wrapped in a polygraphy runner of our own, so polygraphy's data
-loader (seeded random inputs), comparison (rtol/atol per element) and statistics
-apply unchanged.
+loader (seeded random inputs), comparison and statistics apply unchanged.
 
-Two criteria decide whether an output matches:
+One criterion for every precision, the same at build and at ``parastream verify``
+(which reads the tolerances the bundle was built with):
 
-* elementwise (fp32, tf32, or any precision given --rtol/--atol): every element
-  satisfies |out − ref| ≤ atol + rtol·|ref| (polygraphy's SimpleCompareFunc);
-* scaled (fp16, bf16 by default): scaled error = max|out − ref| / max|ref| ≤ scale_tol,
-  the largest error measured against the output's own scale. Reduced-precision
-  networks with random weights miss an elementwise 2e-2 on small elements even when
-  built correctly (eager PyTorch in fp16 shows 2–5e-2 on vision nets), while a
-  wrong build moves the error to the order of the output itself. An output that is
-  zero everywhere has no scale; atol judges it.
+* scaled (the default): scaled error = max|out − ref| / max|ref| ≤ scale_tol on every
+  input, i.e. every element is within scale_tol of the output's own scale. An
+  elementwise rtol/atol is unsound both ways: one near-zero element of a correct fp32
+  build misses rtol 1e-4 (onnxruntime against itself misses it on Inception-v3), while
+  an atol that ignores the output's scale lets a differently-weighted model through.
+  Defaults: fp32 1e-3, tf32 1e-2, fp16 0.1, bf16 0.15 (random-weight nets in fp16 differ
+  by 2–5% of the output scale even in eager PyTorch; a wrong build is off by the order
+  of the output itself);
+* elementwise (only when --rtol/--atol are given): |out − ref| ≤ atol + rtol·|ref|
+  (polygraphy's SimpleCompareFunc). Its figures are recorded under either criterion.
 
-The elementwise figures are recorded under either criterion.
+A comparison is *meaningful* only if the reference output carries information: an
+output whose reference is NaN/inf everywhere, near zero (max|ref| ≤ 1e-6) or the same
+on every input drawn is compared but flagged, and a verification in which no output
+is meaningful is ``inconclusive`` (build and verify refuse to call it passed).
+
+Inputs are drawn the way the model reads them: floats uniform in [0, 1), integer
+indices into an embedding table (a Gather on an initializer) over the table's rows
+(token ids over the vocabulary), other integers in {0, 1} (masks).
 """
 
 from __future__ import annotations
@@ -32,32 +41,94 @@ from polygraphy.common import TensorMetadata
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
 
-DEFAULT_TOLERANCES = {  # (rtol, atol) per precision
+DEFAULT_TOLERANCES = {  # (rtol, atol) per precision: the elementwise criterion (--rtol/--atol) and its recorded figures
     "fp32": (1e-4, 1e-5),
     "tf32": (5e-3, 5e-3),
     "fp16": (2e-2, 2e-2),
     "bf16": (5e-2, 5e-2),
 }
 
-# scaled-error bound per precision; precisions not listed (fp32, tf32) are judged elementwise
-DEFAULT_SCALE_TOLERANCES = {"fp16": 0.1, "bf16": 0.15}
+# scaled-error bound per precision: max|out-ref| / max|ref|
+DEFAULT_SCALE_TOLERANCES = {"fp32": 1e-3, "tf32": 1e-2, "fp16": 0.1, "bf16": 0.15}
+
+NEAR_ZERO = 1e-6  # a reference output with max|ref| at or below this on every input has no scale to compare against
 
 
 def resolve_tolerances(precision: str, rtol: float | None = None, atol: float | None = None,
                        scale_tol: float | None = None) -> tuple[float, float, float | None]:
     """(rtol, atol, scale_tol) for ``verify`` from the user's options (None = not given).
 
-    An explicit rtol or atol asks for the elementwise criterion; an explicit scale_tol for the
-    scaled one; with neither, the precision's defaults decide (scaled for fp16/bf16).
+    An explicit rtol or atol asks for the elementwise criterion (scale_tol None); otherwise the
+    scaled criterion decides, with ``scale_tol`` or the precision's default.
     """
     if scale_tol is not None and (rtol is not None or atol is not None):
         raise ParastreamError("--scale-tol and --rtol/--atol choose different criteria (scaled vs elementwise); give one or the other")
     if scale_tol is not None and not scale_tol > 0:
         raise ParastreamError(f"--scale-tol {scale_tol} must be a positive number")
+    for flag, value in (("--rtol", rtol), ("--atol", atol)):
+        if value is not None and not value >= 0:
+            raise ParastreamError(f"{flag} {value} must be a number >= 0")
     d_rtol, d_atol = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp32"])
     if scale_tol is None and rtol is None and atol is None:
-        scale_tol = DEFAULT_SCALE_TOLERANCES.get(precision)
+        scale_tol = DEFAULT_SCALE_TOLERANCES.get(precision, DEFAULT_SCALE_TOLERANCES["fp32"])
     return (d_rtol if rtol is None else rtol, d_atol if atol is None else atol, scale_tol)
+
+
+def bundle_tolerances(bundle, rtol: float | None = None, atol: float | None = None,
+                      scale_tol: float | None = None) -> tuple[float, float, float | None]:
+    """The tolerances ``parastream verify`` applies to ``bundle``: the ones given, else those it was built with."""
+    if rtol is None and atol is None and scale_tol is None:
+        opts = (bundle.manifest.get("options") or {})
+        rtol, atol, scale_tol = opts.get("rtol"), opts.get("atol"), opts.get("scale_tol")
+    return resolve_tolerances(bundle.plan.precision, rtol, atol, scale_tol)
+
+
+# ops an integer index passes through unchanged on its way to a Gather
+_INDEX_PASSTHROUGH = {"Cast", "Unsqueeze", "Squeeze", "Reshape", "Flatten", "Identity", "Expand"}
+
+
+def input_value_ranges(model: onnx.ModelProto, inputs: list[TensorSpec]) -> dict[str, tuple]:
+    """The range polygraphy draws each input from: integers that index an embedding table (Gather on an
+    initializer or Constant, directly or through casts and reshapes) over [0, rows - 1] of the smallest such
+    table (token ids over the vocabulary, token types over their 2 rows); other integers and bools {0, 1};
+    floats [0, 1)."""
+    rows: dict[str, int] = {}
+    for t in model.graph.initializer:
+        if t.dims:
+            rows[t.name] = int(t.dims[0])
+    consumers: dict[str, list] = {}
+    for node in model.graph.node:
+        if node.op_type == "Constant":
+            for a in node.attribute:
+                if a.name == "value" and a.t.dims:
+                    rows[node.output[0]] = int(a.t.dims[0])
+        for i, name in enumerate(node.input):
+            consumers.setdefault(name, []).append((node, i))
+
+    def table_rows(tensor: str, depth: int = 0) -> int | None:
+        found = None
+        for node, i in consumers.get(tensor, []):
+            n = None
+            if node.op_type == "Gather" and i == 1 and node.input[0] in rows:
+                axis = next((a.i for a in node.attribute if a.name == "axis"), 0)
+                n = rows[node.input[0]] if axis == 0 else None
+            elif node.op_type in _INDEX_PASSTHROUGH and i == 0 and depth < 8:
+                n = table_rows(node.output[0], depth + 1)
+            if n is not None:
+                found = n if found is None else min(found, n)
+        return found
+
+    ranges: dict[str, tuple] = {}
+    for spec in inputs:
+        kind = np.dtype(spec.dtype).kind
+        if kind in "iu":
+            n = table_rows(spec.name)
+            ranges[spec.name] = (0, max(0, n - 1)) if n else (0, 1)
+        elif kind == "b":
+            ranges[spec.name] = (False, True)
+        else:
+            ranges[spec.name] = (0.0, 1.0)
+    return ranges
 
 
 class LauncherRunner(BaseRunner):
@@ -94,23 +165,67 @@ class Verification:
     atol: float
     iterations: int
     seed: int
-    # name -> {max_abs, max_rel, max_scaled, max_ref, elementwise_passed, passed}; ``passed`` is by the criterion
+    # name -> {max_abs, max_rel, max_scaled, max_ref, elementwise_passed, passed, meaningful, not_meaningful}
+    # ``passed`` is by the criterion; ``not_meaningful`` says why the reference cannot judge this output (or None)
     outputs: dict = field(default_factory=dict)
     scale_tol: float | None = None  # None: the elementwise criterion decides
+    input_ranges: dict = field(default_factory=dict)
 
     @property
     def criterion(self) -> str:
         return "elementwise" if self.scale_tol is None else "scaled"
+
+    @property
+    def status(self) -> str:
+        """passed, failed, or inconclusive (every output matched, but no output's reference carries information)."""
+        if self.passed:
+            return "passed"
+        if self.outputs and all(d["passed"] for d in self.outputs.values()):
+            return "inconclusive"
+        return "failed"
 
     def describe_criterion(self) -> str:
         if self.scale_tol is None:
             return f"elementwise: rtol {self.rtol}, atol {self.atol}"
         return f"scaled error max|out-ref|/max|ref| <= {self.scale_tol}"
 
+    def failure(self) -> str:
+        """One phrase naming the worst output and why it fails (or why the comparison is inconclusive)."""
+        if self.status == "inconclusive":
+            reasons = "; ".join(f"{name!r}: {d['not_meaningful']}" for name, d in self.outputs.items())
+            return f"inconclusive: no output's reference carries information ({reasons})"
+        failed = [kv for kv in self.outputs.items() if not kv[1].get("passed", False)]
+        if not failed:
+            return "no outputs compared" if not self.outputs else ""
+        name, o = max(failed, key=lambda kv: kv[1].get("max_scaled", 0.0))
+        if self.scale_tol is not None:
+            return f"output {name!r}: max|out-ref|/max|ref| = {o.get('max_scaled', float('nan')):.3g} > {self.scale_tol}"
+        return (f"output {name!r}: max abs error {o.get('max_abs', float('nan')):.3g}, max rel error "
+                f"{o.get('max_rel', float('nan')):.3g} (rtol {self.rtol}, atol {self.atol})")
+
     def to_dict(self) -> dict:
-        return {"passed": self.passed, "criterion": self.criterion, "scale_tol": self.scale_tol,
-                "rtol": self.rtol, "atol": self.atol, "iterations": self.iterations,
-                "seed": self.seed, "outputs": self.outputs, "reference": "onnxruntime (CPU) on the original model"}
+        return {"passed": self.passed, "status": self.status, "criterion": self.criterion, "scale_tol": self.scale_tol,
+                "rtol": self.rtol, "atol": self.atol, "iterations": self.iterations, "seed": self.seed,
+                "input_ranges": {k: [v[0], v[1]] for k, v in self.input_ranges.items()},
+                "outputs": self.outputs, "reference": "onnxruntime (CPU) on the original model"}
+
+
+def not_meaningful(refs: list) -> str | None:
+    """Why the reference values of one output (one array per input drawn) cannot judge a build, or None."""
+    arrays = [np.asarray(r) for r in refs]
+    if not arrays:
+        return "no reference"
+    if all(a.size == 0 for a in arrays):
+        return "empty on every input"
+    finite = [np.isfinite(a.astype(np.float64)) for a in arrays]
+    if not any(f.any() for f in finite):
+        return "NaN or infinite everywhere on every input"
+    if all(_reference_scale(a) <= NEAR_ZERO for a in arrays):
+        return f"near zero on every input (max|ref| <= {NEAR_ZERO:g})"
+    if len(arrays) > 1 and all(a.shape == arrays[0].shape and np.array_equal(a, arrays[0], equal_nan=True)
+                               for a in arrays[1:]):
+        return f"the same on all {len(arrays)} inputs drawn (constant)"
+    return None
 
 
 def _reference_scale(ref) -> float:
@@ -153,11 +268,13 @@ def _simple_compare_func(rtol: float, atol: float):
 
 
 def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rtol: float, atol: float,
-           scale_tol: float | None = None, seed: int = 1, iterations: int = 2) -> Verification:
+           scale_tol: float | None = None, seed: int = 1, iterations: int = 2,
+           input_ranges: dict[str, tuple] | None = None) -> Verification:
     """Compare ``launcher`` with ONNX Runtime on ``original`` over ``iterations`` seeded random inputs.
 
     ``scale_tol`` None judges each output elementwise by rtol/atol; a number judges it by its
     scaled error (see the module docstring), rtol/atol then only feed the recorded statistics.
+    ``input_ranges`` (name -> (min, max)) defaults to :func:`input_value_ranges` of ``original``.
     """
     from polygraphy import config as pg_config
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -169,7 +286,8 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
     meta = TensorMetadata()
     for s in inputs:
         meta.add(s.name, np.dtype(s.dtype), tuple(s.shape))
-    loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta)
+    ranges = dict(input_value_ranges(original, inputs) if input_ranges is None else input_ranges)
+    loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges)
     reference = OnnxrtRunner(SessionFromOnnx(original.SerializeToString(), providers=["cpu"]), name="onnxruntime")
     ours = LauncherRunner(launcher, inputs)
     results = Comparator.run([reference, ours], data_loader=loader)
@@ -185,10 +303,12 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
 
     (_, ref_iters), (_, our_iters) = list(results.items())
     per_output: dict[str, dict] = {}
+    refs: dict[str, list] = {}
     for ref_it, our_it in zip(ref_iters, our_iters):
         for out_name, ref in ref_it.items():
             d = per_output.setdefault(out_name, {"max_abs": 0.0, "max_rel": 0.0, "max_scaled": 0.0, "max_ref": 0.0,
                                                  "elementwise_passed": True, "passed": True})
+            refs.setdefault(out_name, []).append(ref)
             d["max_ref"] = max(d["max_ref"], _reference_scale(ref))
             if out_name not in our_it:  # polygraphy skips a missing output with a warning; we do not
                 d.update(max_abs=float("inf"), max_rel=float("inf"), max_scaled=float("inf"), elementwise_passed=False)
@@ -204,12 +324,16 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
                     d["max_abs"] = max(d["max_abs"], float(res.max_absdiff))
                     d["max_rel"] = max(d["max_rel"], float(res.max_reldiff))
                 d["elementwise_passed"] = d["elementwise_passed"] and bool(res)
-    for d in per_output.values():
+    for out_name, d in per_output.items():
+        reason = not_meaningful(refs.get(out_name, []))
+        d["meaningful"], d["not_meaningful"] = reason is None, reason
         if scale_tol is None:
             d["passed"] = d["elementwise_passed"]
         else:
             # an output that is zero everywhere has no scale to measure against: atol decides there
+            # (and the output is flagged not meaningful)
             d["passed"] = d["max_scaled"] <= scale_tol or (d["max_ref"] == 0.0 and d["elementwise_passed"])
-    passed = len(per_output) > 0 and all(d["passed"] for d in per_output.values())
+    passed = (len(per_output) > 0 and all(d["passed"] for d in per_output.values())
+              and any(d["meaningful"] for d in per_output.values()))
     return Verification(passed=passed, rtol=rtol, atol=atol, iterations=iterations, seed=seed, outputs=per_output,
-                        scale_tol=scale_tol)
+                        scale_tol=scale_tol, input_ranges=ranges)

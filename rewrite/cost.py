@@ -95,10 +95,42 @@ _ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h100pcie": "H100-PCIe", 
             "rtx4090": "RTX-4090", "4090": "RTX-4090"}
 
 
+_CPU_SPEC: list[DeviceSpec] = []
+
+
+def cpu_device() -> DeviceSpec:
+    """The "CPU" profile, for engines that run on this machine's CPU (the onnxruntime backend): its fp32
+    matrix-multiply rate and its copy bandwidth, measured once per process with numpy (about 0.1 s), and its
+    cores as the parallel units.  Measured rather than taken from a table: CPUs differ too much for one."""
+    if not _CPU_SPEC:
+        import time
+
+        a = np.random.default_rng(0).random((384, 384), dtype=np.float32)
+        a @ a  # noqa: B018 - warm-up (BLAS threads start)
+        best = min(_timed(lambda: a @ a, time) for _ in range(5))
+        flops = 2 * 384 ** 3 / best
+        big = np.ones(8 << 20, np.float32)  # 32 MiB, past the caches
+        dst = np.empty_like(big)
+        copy = min(_timed(lambda: np.copyto(dst, big), time) for _ in range(3))
+        bandwidth = 2 * big.nbytes / copy  # read + write
+        _CPU_SPEC.append(DeviceSpec("CPU", fp16_flops=flops, fp32_flops=flops, bandwidth=bandwidth,
+                                    sms=os.cpu_count() or 1, tf32_flops=flops))
+    return _CPU_SPEC[0]
+
+
+def _timed(fn, time) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return max(time.perf_counter() - t0, 1e-9)
+
+
 def get_device(name: str | DeviceSpec) -> DeviceSpec:
-    """The table entry for ``name`` (case, dashes and spaces ignored: "h100 sxm", "H100-SXM")."""
+    """The table entry for ``name`` (case, dashes and spaces ignored: "h100 sxm", "H100-SXM"); "CPU" is this
+    machine's CPU (:func:`cpu_device`)."""
     if isinstance(name, DeviceSpec):
         return name
+    if "".join(ch for ch in name.lower() if ch.isalnum()) == "cpu":
+        return cpu_device()
     if name in DEVICES:
         return DEVICES[name]
     key = "".join(ch for ch in name.lower() if ch.isalnum())
@@ -109,7 +141,7 @@ def get_device(name: str | DeviceSpec) -> DeviceSpec:
         return DEVICES[_ALIASES[key]]
     from parastream.launcher.errors import ParastreamError
 
-    raise ParastreamError(f"--device {name!r} is not in the device table; choose one of {', '.join(DEVICES)}")
+    raise ParastreamError(f"--device-profile {name!r} is not in the device table; choose one of {', '.join(DEVICES)}, CPU")
 
 
 # ---------------------------------------------------------------------------------------------

@@ -6,8 +6,9 @@
 2. Inside a piece, the *simplifying* rules (folds, cancellations) are first applied greedily wherever the
    cost model does not object; then a backtracking (depth-first, cheapest child first) search over rule applications keeps
    every candidate whose cost is within ``beta`` of the best found so far, skips candidates already seen
-   (a canonical, name-independent graph hash) and stops at ``max_candidates`` per piece or ``max_seconds``
-   in all.  Rules marked ``enabling`` (merges, kernel enlargement: a step that pays only with the next
+   (a canonical, name-independent graph hash) and stops at its share of ``max_candidates_total`` (split
+   over the pieces by their node counts, at most ``max_candidates`` each): the search is bounded by work,
+   never by the clock, so the same command gives the same result on a loaded and on an idle machine.  Rules marked ``enabling`` (merges, kernel enlargement: a step that pays only with the next
    one) may go past β, up to two such steps in a row.
 3. The ``top_k`` cheapest combinations of piece candidates are assembled into whole models and costed as
    wholes; with a ``measure(model) -> seconds`` callback they are measured on the device (onboard
@@ -16,8 +17,12 @@
    so the result is never rated worse than it.
 
 The cost of a graph is ``alpha·critical_path + (1 − alpha)·total_work`` under the cost model on ``streams``
-streams.  The same seed gives the same result, as long as the candidate budget (not the time budget) is
-what stops each piece.
+streams.  The same seed gives the same result.
+
+Before any of that, a pre-check (:func:`precheck`) skips the search when no rule has a site it can apply,
+or when the nodes of every matched site together cost less than ``min_gain`` of the graph (a rewrite can at
+best remove the work of the nodes it rewrites).  Without a measurement, a rewrite estimated less than
+``min_gain`` cheaper than the input is not taken: the cost model is not that precise.
 """
 
 from __future__ import annotations
@@ -201,12 +206,13 @@ class _Scorer:
         return mixed_cost(*self.cost_model.graph_cost(graph, self.streams), alpha=self.alpha)
 
 
-def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], float], deadline: float,
+def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], float],
              refusals: dict[tuple[str, str], str]) -> Candidate:
-    """Apply the simplifying rules greedily, site after site, keeping each step the cost model does not rate worse."""
-    changed = True
-    while changed and time.perf_counter() < deadline:
-        changed = False
+    """Apply the simplifying rules greedily, site after site, keeping each step the cost model does not rate worse
+    (at most as many steps as the piece has nodes, plus a few: each step removes work)."""
+    changed, steps = True, 0
+    while changed and steps <= len(cand.graph.nodes) + 8:
+        changed, steps = False, steps + 1
         for rule in rules:
             for site in sorted(rule.match(cand.graph), key=lambda s: s.key):
                 try:
@@ -228,12 +234,12 @@ def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], flo
 
 
 def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph], float], *, beta: float,
-                 max_candidates: int, deadline: float, rng: random.Random, hasher: GraphHasher,
+                 max_candidates: int, rng: random.Random, hasher: GraphHasher,
                  keep: int, lookahead: int = 2) -> PieceResult:
     t0 = time.perf_counter()
     original = Candidate(score(piece), piece, (), len(piece.nodes))
     refusals: dict[tuple[str, str], str] = {}
-    base = simplify(original, [r for r in rules if r.simplifying], score, deadline, refusals)
+    base = simplify(original, [r for r in rules if r.simplifying], score, refusals)
     seen = {hasher(piece), hasher(base.graph)}
     found = [original] + ([base] if base is not original else [])
     best = base.cost
@@ -243,9 +249,6 @@ def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph],
     while stack:
         if tried >= max_candidates:
             stopped = "candidates"
-            break
-        if time.perf_counter() > deadline:
-            stopped = "time"
             break
         cand, ahead = stack.pop()
         if cand.cost > beta * best and not ahead:
@@ -257,7 +260,7 @@ def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph],
         rng.shuffle(options)  # the seed picks the order among equals
         children = []
         for rule, site in options:
-            if tried >= max_candidates or time.perf_counter() > deadline:
+            if tried >= max_candidates:
                 break
             try:
                 reason = rule.check(cand.graph, site)
@@ -324,16 +327,38 @@ def _cost_dict(cost_model: CostModel, graph: gs.Graph, streams: int, alpha: floa
     return {"critical_path_s": cp, "total_work_s": work, "mixed_s": mixed_cost(cp, work, alpha)}
 
 
+def precheck(graph: gs.Graph, rules: list[Rule], cost_model: CostModel, min_gain: float) -> tuple[str | None, dict]:
+    """(why the search cannot gain, figures) -- None when it may: no rule has a site that its check accepts,
+    or the nodes of all matched sites cost less than ``min_gain`` of the graph's total work (a rewrite can at
+    best remove the work of the nodes it rewrites).  Matching and checking only: nothing is applied."""
+    safe, touched = 0, set()
+    for rule in rules:
+        for site, reason in rule.sites(graph):
+            touched.update(site.nodes)
+            safe += reason is None
+    by_name = {n.name: n for n in graph.nodes}
+    total = sum(cost_model.node_cost(n) for n in graph.nodes)
+    bound = sum(cost_model.node_cost(by_name[name]) for name in touched if name in by_name)
+    figures = {"safe_sites": safe, "matched_nodes": len(touched), "gain_bound": bound / total if total else 0.0}
+    if not safe:
+        return "no rule has a site it can apply", figures
+    if total and bound < min_gain * total:
+        return (f"the matched sites' nodes are {figures['gain_bound']:.2%} of the estimated work, "
+                f"less than the {min_gain:.0%} a rewrite must gain"), figures
+    return None, figures
+
+
 def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, streams: int = 4,
              alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40, max_piece: int = 120,
-             top_k: int = 20, max_candidates: int = 200, max_seconds: float = 30.0, seed: int = 0,
+             top_k: int = 20, max_candidates: int = 200, max_candidates_total: int = 300, seed: int = 0,
              measure: Callable[[onnx.ModelProto], float] | None = None, measure_margin: float = 0.02,
-             rules: list[Rule] | None = None) -> tuple[onnx.ModelProto, dict]:
+             min_gain: float = 0.01, rules: list[Rule] | None = None) -> tuple[onnx.ModelProto, dict]:
     """Rewrite ``model`` with the rules the search finds cheapest; return (model, JSON-able report).
 
-    ``max_candidates`` is per piece, ``max_seconds`` for the whole search (measurements excluded).
+    The search is bounded by work: ``max_candidates_total`` candidates in all, split over the pieces by their
+    node counts, at most ``max_candidates`` per piece; no clock decides anything (measurements aside).
     A measured rewrite replaces the input only when it is at least ``measure_margin`` faster than the
-    input measured the same way (the rest is noise).
+    input measured the same way (the rest is noise); an estimated one when it is ``min_gain`` cheaper.
     The returned model passes onnx.checker and strict shape inference and keeps the input's graph
     inputs and outputs; where nothing pays, it is the input itself.
     """
@@ -346,8 +371,8 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
         "version": REPORT_VERSION,
         "cost_model": getattr(cost_model, "describe", lambda: type(cost_model).__name__)(),
         "streams": streams, "alpha": alpha, "beta": beta, "seed": seed, "top_k": top_k,
-        "budget": {"max_candidates_per_piece": max_candidates, "max_seconds": max_seconds,
-                   "min_piece": min_piece, "max_piece": max_piece},
+        "budget": {"max_candidates_per_piece": max_candidates, "max_candidates_total": max_candidates_total,
+                   "min_piece": min_piece, "max_piece": max_piece, "min_gain": min_gain},
         "rules": [r.name for r in rules],
     }
 
@@ -367,6 +392,11 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
 
     if _has_subgraphs(original):
         return unchanged("the model has control flow (If/Loop/Scan): not searched")
+    t0 = time.perf_counter()
+    why_not, report["precheck"] = precheck(original, rules, cost_model, min_gain)
+    timings["precheck_s"] = time.perf_counter() - t0
+    if why_not is not None:
+        return unchanged(f"search skipped: {why_not}")
 
     # 1. pieces
     t0 = time.perf_counter()
@@ -380,12 +410,9 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
     hasher = GraphHasher()
     results: list[PieceResult] = []
     total_nodes = max(1, sum(len(p) for p in names))
-    remaining_nodes = total_nodes
     for piece_names, piece in zip(names, pieces):
-        left = max(0.0, max_seconds - (time.perf_counter() - t0))
-        deadline = time.perf_counter() + left * len(piece_names) / max(1, remaining_nodes)
-        remaining_nodes -= len(piece_names)
-        results.append(search_piece(piece, rules, score, beta=beta, max_candidates=max_candidates, deadline=deadline,
+        share = max(1, min(max_candidates, round(max_candidates_total * len(piece_names) / total_nodes)))
+        results.append(search_piece(piece, rules, score, beta=beta, max_candidates=share,
                                     rng=random.Random(rng.random()), hasher=hasher, keep=max(1, top_k)))
     timings["search_s"] = time.perf_counter() - t0
 
@@ -448,6 +475,11 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
         report["decided_by"] = "cost_model"
         report["decision"] = ("the cost model decided: no measure callback (no GPU backend)" if measure is None
                               else "the cost model decided: no candidate could be measured")
+        before_s = report["cost_before"]["mixed_s"]
+        if chosen is not original_entry and chosen["cost"]["mixed_s"] > before_s * (1.0 - min_gain):
+            report["decision"] = (f"the input: no rewrite is estimated at least {min_gain:.0%} cheaper "
+                                  "(within the cost model's precision)")
+            chosen = original_entry
     timings["measure_s"] = time.perf_counter() - t0
 
     result = model

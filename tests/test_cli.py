@@ -26,7 +26,8 @@ def bundle(model_path, tmp_path, capsys):
     out = tmp_path / "bundle"
     assert main(["build", str(model_path), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--streams", "3"]) == 0
     printed = capsys.readouterr().out
-    assert "branch_000" in printed and "verification" in printed
+    assert "on 3 streams" in printed and "verification: passed" in printed
+    assert "branch_000" not in printed and len(printed.strip().splitlines()) <= 8  # short by default
     return out
 
 
@@ -48,14 +49,24 @@ def test_run_rejects_wrong_shape(bundle, tmp_path, capsys):
     assert not (tmp_path / "r").exists()
 
 
-def test_verify_passes_and_records_figures(bundle, capsys):
+def _tree(folder):
+    """Every file of a folder with its bytes and modification time."""
+    return {p.relative_to(folder): (p.read_bytes(), p.stat().st_mtime_ns) for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+def _verify_json(argv, capsys):
+    code = main(["verify", *argv, "--json"])
+    return code, json.loads(capsys.readouterr().out)
+
+
+def test_verify_passes_prints_and_never_writes_the_bundle(bundle, capsys):
+    before = _tree(bundle)
     assert main(["verify", str(bundle)]) == 0
-    out = capsys.readouterr().out
-    assert "PASSED" in out
-    report = json.loads((bundle / "report.json").read_text())
-    assert report["verification"]["iterations"] == 3
-    assert report["verification"]["outputs"]["output"]["passed"]
-    # the bundle stays consistent: report.json is re-hashed into the manifest
+    assert "PASSED" in capsys.readouterr().out
+    code, ver = _verify_json([str(bundle)], capsys)
+    assert code == 0 and ver["passed"] and ver["status"] == "passed" and ver["iterations"] == 3
+    assert ver["outputs"]["output"]["passed"] and ver["outputs"]["output"]["meaningful"]
+    assert _tree(bundle) == before  # no report or manifest rewritten
     from parastream.launcher.bundle import Bundle
 
     Bundle.open(bundle)
@@ -65,20 +76,23 @@ def test_verify_exits_1_on_mismatch(bundle, model_path, tmp_path, capsys):
     """Verify against a different model (other weights): the comparison must fail with exit 1."""
     other = tmp_path / "other.onnx"
     onnx.save(three_branch_model(seed=99), other)
+    before = _tree(bundle)
     code = main(["verify", str(bundle), "--model", str(other)])
     out = capsys.readouterr().out
     assert code == 1
     assert "FAILED" in out
+    assert _tree(bundle) == before
 
 
-def _mark_precision(bundle, precision):
-    """Record another precision in plan.json (and re-hash), as a bundle built in that precision would."""
+def _mark_precision(bundle, precision, **options):
+    """Record another precision in plan.json (and build options in the manifest; re-hash), as a bundle built so would."""
     from parastream.launcher.bundle import Bundle, write_manifest
 
     plan = json.loads((bundle / "plan.json").read_text())
     plan["precision"] = precision
     (bundle / "plan.json").write_text(json.dumps(plan))
     manifest = {k: v for k, v in Bundle.open(bundle, check_hashes=False).manifest.items() if k not in ("files", "version")}
+    manifest["options"] = dict(manifest.get("options", {}), **options)
     write_manifest(bundle, manifest)
 
 
@@ -87,27 +101,42 @@ def test_verify_judges_fp16_by_scaled_error(bundle, capsys):
     assert main(["verify", str(bundle)]) == 0
     out = capsys.readouterr().out
     assert "PASSED (scaled error max|out-ref|/max|ref| <= 0.1" in out
-    ver = json.loads((bundle / "report.json").read_text())["verification"]
+    code, ver = _verify_json([str(bundle)], capsys)
     assert ver["criterion"] == "scaled" and ver["scale_tol"] == 0.1
     assert 0.0 <= ver["outputs"]["output"]["max_scaled"] < 1e-5
 
 
+def test_verify_fp32_default_is_scaled(bundle, capsys):
+    code, ver = _verify_json([str(bundle)], capsys)
+    assert code == 0 and ver["criterion"] == "scaled" and ver["scale_tol"] == 1e-3
+
+
 def test_verify_explicit_rtol_judges_fp16_elementwise(bundle, capsys):
     _mark_precision(bundle, "fp16")
-    assert main(["verify", str(bundle), "--rtol", "1e-3"]) == 0
-    ver = json.loads((bundle / "report.json").read_text())["verification"]
-    assert ver["criterion"] == "elementwise" and ver["scale_tol"] is None and ver["rtol"] == 1e-3
+    code, ver = _verify_json([str(bundle), "--rtol", "1e-3"], capsys)
+    assert code == 0 and ver["criterion"] == "elementwise" and ver["scale_tol"] is None and ver["rtol"] == 1e-3
+
+
+def test_verify_uses_the_tolerances_the_bundle_was_built_with(bundle, model_path, tmp_path, capsys):
+    """A bundle built with --scale-tol 0.5 is verified at 0.5 (not the precision's default) unless told otherwise."""
+    _mark_precision(bundle, "fp32", scale_tol=0.5)
+    code, ver = _verify_json([str(bundle)], capsys)
+    assert code == 0 and ver["criterion"] == "scaled" and ver["scale_tol"] == 0.5
+    code, ver = _verify_json([str(bundle), "--scale-tol", "0.01"], capsys)
+    assert ver["scale_tol"] == 0.01
+    _mark_precision(bundle, "fp32", scale_tol=None, rtol=1e-3, atol=1e-4)
+    code, ver = _verify_json([str(bundle)], capsys)
+    assert ver["criterion"] == "elementwise" and ver["rtol"] == 1e-3 and ver["atol"] == 1e-4
 
 
 def test_verify_scale_tol_option(bundle, model_path, tmp_path, capsys):
-    """--scale-tol picks the scaled criterion on an fp32 bundle; other weights fail it (exit 1)."""
-    assert main(["verify", str(bundle), "--scale-tol", "0.05"]) == 0
-    ver = json.loads((bundle / "report.json").read_text())["verification"]
-    assert ver["criterion"] == "scaled" and ver["scale_tol"] == 0.05
+    """--scale-tol picks the scaled criterion with its bound; other weights fail it (exit 1)."""
+    code, ver = _verify_json([str(bundle), "--scale-tol", "0.05"], capsys)
+    assert code == 0 and ver["criterion"] == "scaled" and ver["scale_tol"] == 0.05
     other = tmp_path / "other.onnx"
     onnx.save(three_branch_model(seed=99), other)
-    assert main(["verify", str(bundle), "--model", str(other), "--scale-tol", "0.05"]) == 1
-    ver = json.loads((bundle / "report.json").read_text())["verification"]
+    code, ver = _verify_json([str(bundle), "--model", str(other), "--scale-tol", "0.05"], capsys)
+    assert code == 1 and ver["status"] == "failed"
     assert ver["outputs"]["output"]["max_scaled"] > 0.05
 
 
@@ -137,3 +166,56 @@ def test_bench_options_reach_bench_bundle(monkeypatch, tmp_path, argv, whole, ab
     assert main(["bench", str(tmp_path / "b"), "--runs", "7", *argv]) == 0
     assert seen["path"] == str(tmp_path / "b") and seen["runs"] == 7
     assert seen["whole_model"] is whole and seen["concat_ablation"] is ablation
+
+
+def test_version(capsys):
+    from importlib.metadata import version
+
+    with pytest.raises(SystemExit) as e:
+        main(["--version"])
+    assert e.value.code == 0 and capsys.readouterr().out.strip() == f"parastream {version('parastream')}"
+
+
+def test_build_verbose_json_and_progress_lines(model_path, tmp_path, capsys):
+    """--verbose adds the per-branch table; --json prints one JSON line; on a non-terminal, progress comes as lines
+    on stderr, one per stage."""
+    out = tmp_path / "v"
+    assert main(["build", str(model_path), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--streams", "3",
+                 "--verbose"]) == 0
+    cap = capsys.readouterr()
+    assert "branch_000" in cap.out and "CPU alternatives timed" in cap.out and "max scaled error" in cap.out
+    stages = [line for line in cap.err.splitlines() if line.startswith("parastream build: [")]
+    assert any("load and check" in line for line in stages) and any("verify" in line for line in stages)
+    assert main(["build", str(model_path), "-o", str(tmp_path / "j"), "--backend", "onnxruntime", "--no-search",
+                 "--json"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1
+    summary = json.loads(lines[0])
+    assert summary["bundle"] == str(tmp_path / "j") and summary["verification"]["status"] == "passed"
+    assert summary["engines"] >= 1 and summary["peak_rss_mb"] > 0 and summary["search"] == "skipped"
+
+
+def test_piped_tables_are_not_cut_at_80_columns(bundle, capsys):
+    """Output that goes to a log (not a terminal) is 160 columns wide: a long title survives whole."""
+    from parastream.pipeline.cli import _console
+
+    con = _console()
+    assert con.width == 160
+
+
+def test_demo_leaves_no_temporary_folder_behind(tmp_path, monkeypatch, capsys):
+    import tempfile
+
+    import importlib
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+
+    real_build = build_module.build
+    monkeypatch.setattr(build_module, "build", lambda *a, **kw: real_build(*a, search=False, cpu_runs=3, **kw))  # fast
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))  # mkdtemp's default folder
+    assert main(["demo", "--backend", "onnxruntime"]) == 0
+    assert "now removed" in capsys.readouterr().out
+    assert not list(tmp_path.glob("parastream-demo-*"))
+    kept = tmp_path / "kept"
+    assert main(["demo", "--backend", "onnxruntime", "-o", str(kept)]) == 0
+    assert (kept / "plan.json").is_file() and not list(tmp_path.glob("parastream-demo-*"))

@@ -1,4 +1,5 @@
-"""Verification criteria: elementwise rtol/atol for fp32, scaled error max|out-ref|/max|ref| for fp16/bf16."""
+"""Verification criteria: scaled error max|out-ref|/max|ref| for every precision, elementwise rtol/atol when asked;
+meaningless references flagged; integer inputs drawn over their real range."""
 
 from __future__ import annotations
 
@@ -53,12 +54,12 @@ def test_three_percent_noise_passes_fp16_by_scaled_error():
 
 
 def test_scaled_pass_prints_no_elementwise_failure(capfd):
-    """polygraphy must not print "FAILED" for a build that the scaled criterion passes; fp32 still reports failures."""
+    """polygraphy must not print "FAILED" for a build that the scaled criterion passes; the elementwise one still reports failures."""
     model = three_branch_model()
     assert _verify(model, NoisyLauncher(model, 0.03), "fp16").passed
     fd = capfd.readouterr()
     assert "FAILED" not in fd.out + fd.err
-    assert not _verify(model, NoisyLauncher(model, 0.03), "fp32").passed
+    assert not _verify(model, NoisyLauncher(model, 0.03), "fp32", rtol=1e-4, atol=1e-5).passed
     fd = capfd.readouterr()
     assert "FAILED" in fd.out + fd.err
 
@@ -66,9 +67,19 @@ def test_scaled_pass_prints_no_elementwise_failure(capfd):
 def test_three_percent_noise_fails_fp32():
     model = three_branch_model()
     result = _verify(model, NoisyLauncher(model, 0.03), "fp32")
-    assert result.criterion == "elementwise" and result.scale_tol is None
-    assert not result.passed and not result.outputs["output"]["passed"]
-    assert result.outputs["output"]["max_scaled"] == pytest.approx(0.03, rel=1e-3)  # recorded under either criterion
+    assert result.criterion == "scaled" and result.scale_tol == DEFAULT_SCALE_TOLERANCES["fp32"]
+    assert not result.passed and result.status == "failed" and not result.outputs["output"]["passed"]
+    assert result.outputs["output"]["max_scaled"] == pytest.approx(0.03, rel=1e-3)
+
+
+def test_fp32_error_far_below_the_output_scale_passes_though_elementwise_fails():
+    """Inception-v3's case: an error far below the output's scale (5e-5 of it here; 2.7e-7 there) on small elements is a correct fp32
+    build; rtol 1e-4 / atol 1e-5 per element rejected it, the scaled criterion passes it."""
+    model, inputs = two_output_model(), [TensorSpec("x", "float32", [2, 16])]  # matmul outputs: some elements near 0
+    result = _verify(model, NoisyLauncher(model, 5e-5), "fp32", inputs=inputs)
+    assert result.passed and result.status == "passed"
+    elementwise = _verify(model, NoisyLauncher(model, 5e-5), "fp32", inputs=inputs, rtol=1e-4, atol=1e-5)
+    assert not elementwise.passed  # the old default criterion: a false failure
 
 
 @pytest.mark.parametrize("precision", ["fp16", "bf16"])
@@ -140,35 +151,119 @@ def test_scaled_error_definition():
     assert scaled_error(np.zeros((2, 3)), np.zeros(6)) == float("inf")
 
 
-def test_all_zero_output_is_judged_by_atol():
-    """A Relu output that is zero everywhere has no scale: fp16 noise within atol passes, beyond it fails."""
+def _zero_model():
     from onnx import TensorProto, helper
 
-    # polygraphy's DataLoader draws inputs in [0, 1): Neg then Relu gives zeros everywhere
+    # polygraphy's DataLoader draws float inputs in [0, 1): Neg then Relu gives zeros everywhere
     graph = helper.make_graph([helper.make_node("Neg", ["x"], ["n"], name="neg"), helper.make_node("Relu", ["n"], ["y"], name="relu")],
                               "zero", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])])
-    zero_model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_all_zero_output_is_inconclusive_not_passed():
+    """A reference that is zero everywhere cannot judge a build: a match is 'inconclusive', a mismatch still fails."""
     inputs = [TensorSpec("x", "float32", [8])]
 
     def offset(by):
         return lambda feeds: {"y": np.full(8, by, np.float32)}
 
-    assert _verify(zero_model, offset(1e-3), "fp16", inputs=inputs).passed
-    assert not _verify(zero_model, offset(0.5), "fp16", inputs=inputs).passed
+    close = _verify(_zero_model(), offset(1e-3), "fp16", inputs=inputs)
+    assert not close.passed and close.status == "inconclusive"
+    assert close.outputs["y"]["passed"] and not close.outputs["y"]["meaningful"]
+    assert "near zero" in close.outputs["y"]["not_meaningful"] and "inconclusive" in close.failure()
+    assert _verify(_zero_model(), offset(0.5), "fp16", inputs=inputs).status == "failed"
+
+
+def test_not_meaningful_reasons():
+    from parastream.pipeline.verify import not_meaningful
+
+    rng = np.random.default_rng(0)
+    a, b = rng.standard_normal(5), rng.standard_normal(5)
+    assert not_meaningful([a, b]) is None
+    assert "NaN" in not_meaningful([np.full(5, np.nan), np.full(5, np.inf)])
+    assert "near zero" in not_meaningful([a * 1e-9, b * 1e-9])
+    assert "constant" in not_meaningful([a, a.copy(), a.copy()])
+    assert not_meaningful([a]) is None  # one input: nothing to say about constancy
+    assert not_meaningful([np.full(5, np.nan), a]) is None  # NaN on one input only: still informative
+
+
+def test_output_constant_over_inputs_is_flagged_but_others_decide():
+    """A model with one input-independent output (a constant) and one real one: passes, the constant flagged."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    c = numpy_helper.from_array(np.arange(4, dtype=np.float32), "c")
+    graph = helper.make_graph(
+        [helper.make_node("Sigmoid", ["x"], ["y"], name="sig"), helper.make_node("Identity", ["c"], ["k"], name="const")],
+        "mixed", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4]), helper.make_tensor_value_info("k", TensorProto.FLOAT, [4])], [c])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    result = _verify(model, lambda feeds: ort_reference(model, feeds), "fp32", inputs=[TensorSpec("x", "float32", [4])])
+    assert result.passed
+    assert result.outputs["y"]["meaningful"] and "constant" in result.outputs["k"]["not_meaningful"]
+
+
+def _embedding_model(vocab: int = 1000, types: int = 2):
+    """ids -> Gather(table[vocab, 8]) + Gather(type_table[types, 8]) via a Cast; mask -> Cast -> Mul."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    inits = [numpy_helper.from_array(rng.standard_normal((vocab, 8)).astype(np.float32), "table"),
+             numpy_helper.from_array(rng.standard_normal((types, 8)).astype(np.float32), "type_table")]
+    nodes = [helper.make_node("Gather", ["table", "ids"], ["e"], name="embed"),
+             helper.make_node("Cast", ["type_ids"], ["t32"], to=TensorProto.INT32, name="cast_types"),
+             helper.make_node("Gather", ["type_table", "t32"], ["te"], name="type_embed"),
+             helper.make_node("Add", ["e", "te"], ["s"], name="add"),
+             helper.make_node("Cast", ["mask"], ["mf"], to=TensorProto.FLOAT, name="cast_mask"),
+             helper.make_node("Unsqueeze", ["mf", "axes"], ["mu"], name="unsq"),
+             helper.make_node("Mul", ["s", "mu"], ["y"], name="mul")]
+    inits.append(numpy_helper.from_array(np.array([-1], np.int64), "axes"))
+    graph = helper.make_graph(nodes, "embed", [helper.make_tensor_value_info(n, TensorProto.INT64, [1, 64]) for n in ("ids", "type_ids", "mask")],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64, 8])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_token_ids_are_drawn_over_the_vocabulary():
+    from parastream.pipeline.verify import input_value_ranges
+
+    model = _embedding_model(vocab=1000)
+    inputs = [TensorSpec(n, "int64", [1, 64]) for n in ("ids", "type_ids", "mask")]
+    ranges = input_value_ranges(model, inputs)
+    assert ranges == {"ids": (0, 999), "type_ids": (0, 1), "mask": (0, 1)}
+    seen = []
+
+    def spy(feeds):
+        seen.append({k: v.copy() for k, v in feeds.items()})
+        return ort_reference(model, feeds)
+
+    result = _verify(model, spy, "fp32", inputs=inputs)
+    assert result.passed and result.to_dict()["input_ranges"]["ids"] == [0, 999]
+    ids = np.concatenate([f["ids"].ravel() for f in seen])
+    assert ids.min() >= 0 and ids.max() <= 999 and ids.max() > 100  # not just 0 and 1
+    assert set(np.concatenate([f["mask"].ravel() for f in seen])) <= {0, 1}
+
+
+def test_float_and_unknown_integer_inputs_keep_the_defaults():
+    from parastream.pipeline.verify import input_value_ranges
+
+    model = three_branch_model()
+    assert input_value_ranges(model, [TensorSpec("input", "float32", [1, 4, 8, 8])]) == {"input": (0.0, 1.0)}
+    assert input_value_ranges(model, [TensorSpec("n", "int32", [1])]) == {"n": (0, 1)}
 
 
 def test_resolve_tolerances():
-    assert resolve_tolerances("fp32") == (*DEFAULT_TOLERANCES["fp32"], None)
-    assert resolve_tolerances("tf32") == (*DEFAULT_TOLERANCES["tf32"], None)
-    assert resolve_tolerances("fp16") == (*DEFAULT_TOLERANCES["fp16"], 0.1)
-    assert resolve_tolerances("bf16") == (*DEFAULT_TOLERANCES["bf16"], 0.15)
+    for precision in ("fp32", "tf32", "fp16", "bf16"):
+        assert resolve_tolerances(precision) == (*DEFAULT_TOLERANCES[precision], DEFAULT_SCALE_TOLERANCES[precision])
+    assert DEFAULT_SCALE_TOLERANCES == {"fp32": 1e-3, "tf32": 1e-2, "fp16": 0.1, "bf16": 0.15}
     assert resolve_tolerances("fp16", rtol=1e-3) == (1e-3, DEFAULT_TOLERANCES["fp16"][1], None)
+    assert resolve_tolerances("fp32", atol=1e-3) == (DEFAULT_TOLERANCES["fp32"][0], 1e-3, None)
     assert resolve_tolerances("fp32", scale_tol=0.2) == (*DEFAULT_TOLERANCES["fp32"], 0.2)
     with pytest.raises(ParastreamError, match="--scale-tol"):
         resolve_tolerances("fp16", atol=1e-2, scale_tol=0.2)
     with pytest.raises(ParastreamError, match="positive"):
         resolve_tolerances("fp16", scale_tol=0.0)
+    with pytest.raises(ParastreamError, match="--atol"):
+        resolve_tolerances("fp32", atol=-1.0)
 
 
 def test_uses_simple_compare_func_not_the_deprecated_factory():

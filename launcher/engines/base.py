@@ -40,7 +40,8 @@ class BuildOptions:
     profiles: dict[str, tuple[list[int], list[int], list[int]]] = field(default_factory=dict)
     cache_dir: str | None = None  # where timing caches / compiled artefacts persist across builds
     compile: bool = True  # torch backend: TorchInductor; False = eager
-    threads: int = 0  # onnxruntime intra-op threads per engine (0 = chosen from streams)
+    threads: int = 0  # onnxruntime intra-op threads per engine (0 = onnxruntime's default: every core)
+    spin: bool = True  # onnxruntime: intra-op threads spin between runs (off where many sessions share the cores)
     # torch backend on a GPU: a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU.
     # A GPU build times the bundle with and without it and records the faster in manifest.json.
     fuse_conv_relu: bool = True

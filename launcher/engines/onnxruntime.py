@@ -7,8 +7,6 @@ CPU launcher's one-thread-per-stream schedule really runs branches side by side.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 import onnx
 
@@ -41,7 +39,7 @@ def quiet_logs() -> None:
     ort.set_default_logger_severity(4)  # sessions others create (polygraphy's reference) log through the default
 
 
-def session_options(threads: int = 0):
+def session_options(threads: int = 0, spin: bool = True):
     import onnxruntime as ort
 
     so = ort.SessionOptions()
@@ -49,6 +47,9 @@ def session_options(threads: int = 0):
     if threads:
         so.intra_op_num_threads = threads
         so.inter_op_num_threads = 1
+    if not spin:
+        # dozens of sessions each with spinning pool threads starve one another on a few cores
+        so.add_session_config_entry("session.intra_op.allow_spinning", "0")
     so.log_severity_level = LOG_SEVERITY
     return so
 
@@ -82,12 +83,12 @@ class Builder:
 
 
 class OrtEngine:
-    def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], threads: int = 0):
+    def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], threads: int = 0, spin: bool = True):
         import onnxruntime as ort
 
         self.inputs = inputs
         self.outputs = outputs
-        self._sess = ort.InferenceSession(data, session_options(threads), providers=["CPUExecutionProvider"])
+        self._sess = ort.InferenceSession(data, session_options(threads, spin), providers=["CPUExecutionProvider"])
         self._out_names = [t.name for t in outputs]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -96,8 +97,7 @@ class OrtEngine:
 
 
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu", options: BuildOptions | None = None) -> OrtEngine:
-    threads = options.threads if options and options.threads else max(1, (os.cpu_count() or 1) // 2)
-    return OrtEngine(data, inputs, outputs, threads)
+    return OrtEngine(data, inputs, outputs, options.threads if options else 0, options.spin if options else True)
 
 
 def describe_error(e: BaseException, model: onnx.ModelProto) -> str:

@@ -62,7 +62,7 @@ suffix = ".plan"
 gpu = True
 
 INSTALL_HINT = ("pip install tensorrt from NVIDIA's index (pip install --extra-index-url https://pypi.nvidia.com "
-                "'parastream[trt]'), or use an NGC TensorRT/PyTorch container (see the Dockerfile)")
+                "tensorrt cuda-python), or use an NGC TensorRT/PyTorch container (see the Dockerfile)")
 #: the launcher hands TensorRT 256-byte aligned buffers; set_device_memory requires that alignment [Context]
 SCRATCH_ALIGN = 256
 #: branch engines run on the launcher's streams; TensorRT's own auxiliary streams would compete with them
@@ -81,7 +81,7 @@ def _gpu_check() -> str | None:
     try:
         cuda.runtime()
     except BackendUnavailable:
-        return "TensorRT engines run through cuda-python, which is not installed: pip install 'parastream[trt]'"
+        return "TensorRT engines run through cuda-python, which is not installed: pip install cuda-python"
     if cuda.device_count() < 1:
         return "TensorRT builds and runs engines on a CUDA GPU and cuda-python sees none (use --backend onnxruntime on the CPU)"
     return None

@@ -79,7 +79,7 @@ def available() -> str | None:
     try:
         import torch
     except ImportError:
-        return "PyTorch is not installed: pip install 'parastream[torch]'"
+        return "PyTorch is not installed: pip install torch cuda-python"
     if not torch.cuda.is_available():
         return "the torch backend runs engines on a CUDA GPU and torch sees none (use --backend onnxruntime on the CPU)"
     return None
@@ -680,7 +680,7 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
     try:
         import torch
     except ImportError:
-        raise BackendUnavailable("PyTorch is not installed: pip install 'parastream[torch]'") from None
+        raise BackendUnavailable("PyTorch is not installed: pip install torch cuda-python") from None
     options = options or BuildOptions()
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = options.precision == "tf32"

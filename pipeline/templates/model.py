@@ -2,8 +2,10 @@
 
 ``parastream export-triton`` (mode graph) copies this file to REPO/NAME/1/model.py and the bundle to
 REPO/NAME/1/bundle/.  The server's Python environment needs parastream with the extra of the bundle's
-engine backend (``pip install "parastream[trt]"`` for TensorRT bundles, ``[torch]`` for torch bundles;
-onnxruntime bundles need nothing more).  Reading inputs that arrive in GPU memory takes torch.
+engine backend, installed from a wheel built in the parastream repository (``python3 -m build --wheel``;
+parastream is not on a package index): ``pip install "parastream-0.1.0-py3-none-any.whl[trt]"`` for TensorRT
+bundles, ``[torch]`` for torch bundles;
+onnxruntime bundles need nothing more.  Reading inputs that arrive in GPU memory takes torch.
 
 initialize  loads the bundle once per model instance.  A GPU instance (KIND_GPU) gets parastream's GPU
             launcher on the instance's device: every branch on its own CUDA stream, the whole plan

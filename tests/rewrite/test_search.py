@@ -72,8 +72,8 @@ def test_cuts_fall_at_narrow_points(zoo_model):
 
 def test_same_seed_same_result(zoo_model):
     m = zoo_model("nasnet_cell")
-    a, ra = optimize(m, seed=7, max_seconds=600)
-    b, rb = optimize(m, seed=7, max_seconds=600)
+    a, ra = optimize(m, seed=7)
+    b, rb = optimize(m, seed=7)
     assert a.SerializeToString() == b.SerializeToString()
     assert ra["rules_chosen"] == rb["rules_chosen"]
 
@@ -179,3 +179,75 @@ def test_format_report_renders(zoo_model):
     console.print(format_report(report))
     text = console.export_text()
     assert "merge_parallel_matmul" in text and "whole" in text
+
+
+class SlowRoofline(RooflineCostModel):
+    """The roofline, as slow as on a loaded machine: every graph costing sleeps."""
+
+    def graph_cost(self, graph, streams):
+        time.sleep(0.002)
+        return super().graph_cost(graph, streams)
+
+
+def test_budget_is_work_not_time_same_result_loaded_or_idle(zoo_model):
+    """The search stops by candidates, never by the clock: a cost model slowed down as by a loaded machine gives
+    the same rewritten model, the same trace and the same candidate counts."""
+    m = zoo_model("inception_block")
+    fast, rf = optimize(m, cost_model=RooflineCostModel(), max_candidates_total=60)
+    slow, rs = optimize(m, cost_model=SlowRoofline(), max_candidates_total=60)
+    assert fast.SerializeToString() == slow.SerializeToString()
+    assert rf["rules_chosen"] == rs["rules_chosen"]
+    assert [p["candidates_tried"] for p in rf["pieces"]] == [p["candidates_tried"] for p in rs["pieces"]]
+    assert all(p["stopped_by"] in ("candidates", "exhausted") for p in rf["pieces"])
+    assert sum(p["candidates_tried"] for p in rf["pieces"]) <= 60 + len(rf["pieces"])
+    assert "max_seconds" not in rf["budget"] and rf["budget"]["max_candidates_total"] == 60
+
+
+def _chain_model():
+    """x -> Relu -> Sigmoid -> Tanh: no rule has a site."""
+    from onnx import TensorProto, helper
+
+    nodes = [helper.make_node(op, [i], [o], name=op.lower()) for op, i, o in
+             (("Relu", "x", "a"), ("Sigmoid", "a", "b"), ("Tanh", "b", "y"))]
+    graph = helper.make_graph(nodes, "chain", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])])
+    return onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+
+
+def test_precheck_skips_the_search_when_no_rule_has_a_site():
+    m = _chain_model()
+    out, report = optimize(m)
+    assert out is m and report["decided_by"] == "unchanged"
+    assert "search skipped: no rule has a site" in report["decision"]
+    assert report["precheck"]["safe_sites"] == 0 and not report["pieces"]
+
+
+def test_precheck_lets_the_search_run_where_a_rule_has_a_site(zoo_model):
+    """Must not fire: small_net has sites that pay; the pre-check lets the search run and it rewrites."""
+    m = zoo_model("small_net")
+    out, report = optimize(m, max_candidates_total=40)
+    assert report["precheck"]["safe_sites"] > 0 and report["precheck"]["gain_bound"] >= 0.01
+    assert report["pieces"] and report["rules_chosen"]
+
+
+def test_precheck_skips_when_the_sites_cannot_gain_enough(zoo_model):
+    """With min_gain above what the matched sites' nodes cost, nothing is searched; below it, the search runs."""
+    m = zoo_model("small_net")
+    _, probe = optimize(m, max_candidates_total=10)
+    bound = probe["precheck"]["gain_bound"]
+    assert 0 < bound < 1
+    out, report = optimize(m, min_gain=min(0.99, bound * 1.5))
+    assert out is m and "less than the" in report["decision"] and not report["pieces"]
+
+
+def test_an_estimated_gain_below_min_gain_keeps_the_input(zoo_model):
+    m = zoo_model("small_net")
+    _, rewritten = optimize(m, max_candidates_total=40)
+    gain = 1 - rewritten["cost_after"]["mixed_s"] / rewritten["cost_before"]["mixed_s"]
+    assert gain > 0
+    # a pre-check bound is >= any gain found, so min_gain between the two reaches the decision
+    min_gain = min(gain * 1.01 + 1e-9, (gain + rewritten["precheck"]["gain_bound"]) / 2)
+    if min_gain >= rewritten["precheck"]["gain_bound"]:
+        pytest.skip("the pre-check bound equals the gain: the decision is not reached")
+    out, report = optimize(m, max_candidates_total=40, min_gain=min_gain)
+    assert out is m and report["rules_chosen"] == [] and "estimated at least" in report["decision"]

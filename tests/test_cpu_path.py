@@ -1,0 +1,167 @@
+"""The CPU path: a CPU device profile, the CPU build times its alternatives (one full-threaded onnxruntime session
+of the original or rewritten model, the multi-stream plan at two thread counts) and keeps the fastest, and
+`parastream bench` compares a CPU bundle with plain onnxruntime on the same model."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+import onnx
+import pytest
+from graphs import ort_reference, three_branch_model
+
+from parastream.launcher import load
+from parastream.launcher.bundle import Bundle
+from parastream.pipeline import build
+from parastream.pipeline.cli import main
+
+
+@pytest.fixture
+def model_path(tmp_path):
+    p = tmp_path / "m.onnx"
+    onnx.save(three_branch_model(channels=8, size=16), p)
+    return p
+
+
+def _check_outputs(bundle_path, model_path):
+    x = np.random.default_rng(1).random((1, 8, 16, 16), dtype=np.float32)
+    got = load(bundle_path)({"input": x})["output"]
+    np.testing.assert_allclose(got, ort_reference(onnx.load(model_path), {"input": x})["output"], rtol=1e-5, atol=1e-6)
+
+
+def test_cpu_build_times_the_alternatives_and_keeps_the_fastest(model_path, tmp_path):
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", streams=None, cpu_runs=5)
+    choice = bundle.report["cpu_choice"]
+    names = [t["alternative"] for t in choice["timed"]]
+    assert names[0] == "original model, one session" and any(n.startswith("plan: ") for n in names)
+    chosen = [t for t in choice["timed"] if t["chosen"]]
+    assert len(chosen) == 1 and chosen[0]["alternative"] == choice["chosen"]
+    assert chosen[0]["median_ms"] == min(t["median_ms"] for t in choice["timed"])
+    # the bundle is the alternative that won
+    assert bundle.plan.num_streams == chosen[0]["streams"] and len(bundle.plan.branches) == chosen[0]["sessions"]
+    assert bundle.plan.cpu_threads is not None
+    assert (bundle.plan.cpu_threads or os.cpu_count()) == chosen[0]["threads"]
+    assert bundle.report["schedule"]["cost_model"].startswith("roofline CPU")
+    _check_outputs(bundle.path, model_path)
+
+
+@pytest.mark.parametrize("winner", ["original model, one session", "plan"])
+def test_the_timed_winner_decides_the_bundle(model_path, tmp_path, monkeypatch, winner):
+    """With the timings fixed (the whole model fast, or the plan fast), the bundle follows them."""
+    import parastream.launcher.cpu as cpu
+
+    def fake_time_calls(runners, feeds, *, runs, warmup=3, block=10):
+        (name,) = runners
+        runners[name](feeds)  # the alternative runs
+        fast = name == winner or (winner == "plan" and name.startswith("plan: ") and name.endswith(f" {os.cpu_count()} threads each"))
+        return {name: np.full(runs, 0.001 if fast else 0.005)}
+
+    monkeypatch.setattr(cpu, "time_calls", fake_time_calls)
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3, search=False)
+    choice = bundle.report["cpu_choice"]
+    if winner == "plan":
+        assert choice["chosen"].startswith("plan: ") and bundle.plan.num_streams > 1
+        assert bundle.plan.cpu_threads == 0  # every core per session won
+    else:
+        assert choice["chosen"] == winner
+        assert bundle.plan.num_streams == 1 and len(bundle.plan.branches) == 1 and bundle.plan.cpu_threads == 0
+    _check_outputs(bundle.path, model_path)
+
+
+def test_explicit_streams_only_compare_thread_counts(model_path, tmp_path):
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", streams=3, cpu_runs=3, search=False)
+    names = [t["alternative"] for t in bundle.report["cpu_choice"]["timed"]]
+    assert names and all(n.startswith("plan: 3 streams") for n in names)
+    assert bundle.plan.num_streams == 3
+
+
+def test_no_measure_keeps_the_cost_models_plan(model_path, tmp_path):
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", measure=False, search=False)
+    assert bundle.report["cpu_choice"] is None and bundle.plan.cpu_threads is None
+
+
+def test_cpu_launcher_threads():
+    """Threads per session: the plan's measured choice, else every core for one stream, cores shared for several."""
+    from parastream.launcher.cpu import default_threads
+    from parastream.launcher.plan import Plan
+
+    def plan(streams, threads):
+        return Plan(backend="onnxruntime", precision="fp32", num_streams=streams, inputs=[], outputs=[], tensors={},
+                    branches=[], launch_order=[], cpu_threads=threads)
+
+    cores = os.cpu_count() or 1
+    assert default_threads(plan(1, None)) == 0
+    assert default_threads(plan(2, None)) == max(1, cores // 2)
+    assert default_threads(plan(4, 3)) == 3 and default_threads(plan(4, 0)) == 0
+    assert Plan.from_json(plan(2, 5).to_json()).cpu_threads == 5
+    legacy = json.loads(plan(2, None).to_json())
+    legacy.pop("cpu_threads")
+    assert Plan.from_json(json.dumps(legacy)).cpu_threads is None  # bundles written before the field
+
+
+def test_cpu_device_profile():
+    from parastream.rewrite.cost import RooflineCostModel, get_device
+
+    d = get_device("cpu")
+    assert d.name == "CPU" and d.sms == (os.cpu_count() or 1) and d.fp32_flops > 1e8 and d.bandwidth > 1e8
+    assert get_device("CPU") is d  # measured once per process
+    assert RooflineCostModel("CPU").describe() == "roofline CPU fp32"
+    from parastream.launcher.engines import require_backend
+    from parastream.pipeline.build import default_device_profile
+
+    assert default_device_profile(require_backend("onnxruntime")) == "CPU"
+
+
+def test_devices_lists_the_cpu_profile(capsys):
+    assert main(["devices"]) == 0
+    assert "CPU" in capsys.readouterr().out
+
+
+def test_bench_cpu_bundle_against_plain_onnxruntime(model_path, tmp_path, capsys):
+    out = tmp_path / "b"
+    build(model_path, out, backend="onnxruntime", cpu_runs=3, search=False)
+    assert main(["bench", str(out), "--runs", "6", "--warmup", "1", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    assert res["runs"] == 6 and res["model"] == str(model_path) and res["model_is_original"]
+    assert res["parastream_ms"] > 0 and res["onnxruntime_ms"] > 0
+    assert res["speedup_vs_onnxruntime"] == pytest.approx(res["onnxruntime_ms"] / res["parastream_ms"])
+    assert res["max_scaled_error"] < 1e-5
+    assert main(["bench", str(out), "--runs", "4", "--warmup", "1"]) == 0
+    printed = capsys.readouterr().out
+    assert "plain onnxruntime" in printed and "parastream vs plain onnxruntime" in printed
+
+
+def test_bench_cpu_refuses_a_bundle_that_computes_something_else(model_path, tmp_path):
+    from parastream.launcher.bench import bench_cpu
+    from parastream.launcher.errors import ParastreamError
+
+    out = tmp_path / "b"
+    build(model_path, out, backend="onnxruntime", cpu_runs=3, search=False)
+    other = tmp_path / "other.onnx"
+    onnx.save(three_branch_model(seed=5, channels=8, size=16), other)
+    with pytest.raises(ParastreamError, match="differ from onnxruntime"):
+        bench_cpu(Bundle.open(out), runs=2, warmup=0, original=other)
+
+
+def test_inspect_reports_the_streams_a_default_build_plans(model_path, tmp_path):
+    """inspect and build plan with the same device profile (CPU here): the same stream count as the schedule."""
+    from rich.console import Console
+
+    from parastream.pipeline.report import inspect_model
+
+    seen = inspect_model(model_path, console=Console(file=open(os.devnull, "w")))
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", measure=False, search=False)
+    assert seen["streams"] == bundle.plan.num_streams == bundle.report["schedule"]["streams"]
+
+
+def test_an_unchanged_model_is_timed_once(model_path, tmp_path, monkeypatch):
+    """The search found nothing: the 'rewritten' model is the loaded one and is not timed a second time."""
+    from parastream.rewrite import search
+
+    monkeypatch.setattr(search, "precheck", lambda *a, **kw: ("forced for the test", {}))
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3)
+    assert bundle.report["search"]["rules_chosen"] == []
+    names = [t["alternative"] for t in bundle.report["cpu_choice"]["timed"]]
+    assert "original model, one session" in names and "rewritten model, one session" not in names
