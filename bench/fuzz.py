@@ -33,6 +33,7 @@ import json
 from glob import escape as glob_escape
 import os
 import random
+import re
 import signal
 import shutil
 import stat
@@ -51,6 +52,7 @@ from onnx import TensorProto, helper, numpy_helper
 ROOT = Path(__file__).resolve().parents[1]
 MODELS = sorted((ROOT / "examples" / "models").glob("*.onnx"))
 FAILURES = ("traceback", "signal", "hang", "leftover", "built-wrong", "noisy-error")
+PROGRESS = re.compile(r"^parastream [\w-]+: \[\s*[\d.]+ s\] ")
 EXPECTED = {"model.onnx", "stdout", "stderr", "check.json", "out"}
 
 
@@ -537,7 +539,9 @@ def _child(case_dir: Path, argv: list[str]) -> None:
 
 def classify(case: Case, case_dir: Path, out_name: str, rc: int | None, sig: int | None, hung: bool) -> tuple[str, str]:
     err = (case_dir / "stderr").read_text(errors="replace") if (case_dir / "stderr").exists() else ""
-    lines = [ln for ln in err.splitlines() if ln.strip()]
+    # the build's own stage lines ("parastream build: [   0.1 s] rewrite search", printed without --quiet when
+    # stderr is no terminal) are its log, not noise; anything else before the error line is
+    lines = [ln for ln in err.splitlines() if ln.strip() and not PROGRESS.match(ln)]
     first = lines[-1][:300] if lines else ""
     out = case_dir / out_name
     expected = EXPECTED | set(case.files) | {os.path.normpath(out_name).split("/")[0]}

@@ -308,3 +308,12 @@ def test_a_tensor_declared_twice(tmp_path, capsys):
     out = tmp_path / "out"
     code, err = build_cli(capsys, save(tmp_path, m), out, "--no-search", "--shapes", "input:1x4x8x8")
     assert_refused(code, err, out, "'output' is declared twice")
+
+
+def test_conv_group_zero_in_a_multi_stream_model(tmp_path, capsys):
+    """Where several alternatives are timed on the CPU before verification, the run's error is one line too."""
+    m = three_branch_model()
+    m.graph.node[0].attribute.append(helper.make_attribute("group", 0))
+    out = tmp_path / "out"
+    code, err = build_cli(capsys, save(tmp_path, m), out, "--no-search")
+    assert_refused(code, err, out, "m.onnx", "conv0")

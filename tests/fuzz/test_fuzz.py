@@ -46,6 +46,7 @@ def _case_dir(tmp_path, stderr: str, *extra: str) -> Path:
 @pytest.mark.parametrize("stderr,extra,rc,want", [
     ("parastream build: error: model.onnx: no\n", (), 2, "clean-error"),
     ("[W:onnxruntime] log line\nparastream build: error: model.onnx: no\n", (), 2, "noisy-error"),
+    ("parastream build: [   0.1 s] load and check\nparastream build: error: model.onnx: no\n", (), 2, "clean-error"),
     ("Traceback (most recent call last):\n  File x\nValueError: y\n", (), 1, "traceback"),
     ("parastream build: error: model.onnx: no\n", (".out.abc.partial",), 2, "leftover"),
     ("parastream build: error: model.onnx: no\n", ("out",), 2, "leftover"),
