@@ -142,19 +142,25 @@ def check_runnable(loaded: LoadedModel, backend, reference: bool) -> None:
         raise ParastreamError(f"{loaded.path}: {e}") from None
 
 
-def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
-    """``verify``, with an error of ONNX Runtime (or of a bundle's engine) on the random inputs as one line naming
-    the node: a model that loads can still fail to run (a Conv group that does not divide its channels, a
-    Transpose perm of the wrong rank, shapes that contradict the weights)."""
+@contextlib.contextmanager
+def running_errors(path, model: onnx.ModelProto, what: str):
+    """An error of ONNX Runtime (or of a bundle's engine) while the model runs on random inputs, as one line
+    naming the node: a model that loads can still fail to run (a Conv group that does not divide its channels
+    or is 0, a Transpose perm of the wrong rank, shapes that contradict the weights)."""
     from parastream.launcher.engines.onnxruntime import describe_error
 
     try:
-        return verify(original, runner, inputs, **kwargs)
+        yield
     except ParastreamError:
         raise
     except Exception as e:  # noqa: BLE001 - onnxruntime and polygraphy raise their own types
-        raise ParastreamError(f"{path}: running the model on random inputs for verification failed: "
-                              f"{describe_error(e, original)}") from None
+        raise ParastreamError(f"{path}: running the model on random inputs {what} failed: {describe_error(e, model)}") from None
+
+
+def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
+    """``verify``, with errors of the model's run as one line (``running_errors``)."""
+    with running_errors(path, original, "for verification"):
+        return verify(original, runner, inputs, **kwargs)
 
 
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
@@ -580,8 +586,9 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if not backend.gpu and cfg.measure:
             t0 = time.perf_counter()
             task = bar.step("time the CPU alternatives")
-            model, graph, sched, cpu_threads, cpu_choice = choose_cpu_alternative(
-                loaded, model, graph, sched, backend, options, cost_model, cfg, rewritten=bool(search_report.get("rules_chosen")))
+            with running_errors(loaded.path, loaded.model, "to time the CPU alternatives"):
+                model, graph, sched, cpu_threads, cpu_choice = choose_cpu_alternative(
+                    loaded, model, graph, sched, backend, options, cost_model, cfg, rewritten=bool(search_report.get("rules_chosen")))
             task.advance()
             timings["cpu_choice"] = time.perf_counter() - t0
         plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,

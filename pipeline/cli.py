@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import json
 import math
+import os
 import re
 import signal
 import sys
@@ -17,11 +18,7 @@ import threading
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
-
 from parastream.launcher.errors import ParastreamError
-
-from .model_io import parse_batch, parse_shapes
 
 
 # -- option types: a bad value is refused by argparse, naming the option --------------------------------
@@ -116,6 +113,7 @@ def _console(stderr: bool = False):
 # -- commands ------------------------------------------------------------------------------------------
 def cmd_build(args) -> int:
     from .build import BuildConfig, build
+    from .model_io import parse_batch, parse_shapes
     from .report import print_build_summary
 
     cfg = BuildConfig(backend=args.backend, streams=args.streams, shapes=parse_shapes(args.shapes), batch=parse_batch(args.batch),
@@ -153,6 +151,7 @@ def cmd_build(args) -> int:
 
 
 def cmd_inspect(args) -> int:
+    from .model_io import parse_shapes
     from .report import inspect_model
 
     inspect_model(args.model, shapes=parse_shapes(args.shapes), streams=args.streams, device=args.device_profile,
@@ -160,7 +159,9 @@ def cmd_inspect(args) -> int:
     return 0
 
 
-def _parse_input_files(items: list[str]) -> dict[str, np.ndarray]:
+def _parse_input_files(items: list[str]) -> dict:
+    import numpy as np
+
     feeds = {}
     for item in items or []:
         name, sep, file = item.partition("=")
@@ -177,6 +178,8 @@ def _parse_input_files(items: list[str]) -> dict[str, np.ndarray]:
 
 
 def cmd_run(args) -> int:
+    import numpy as np
+
     from parastream.launcher import load
 
     from .outdir import check_target, staging, write_marker
@@ -419,25 +422,47 @@ def make_parser() -> argparse.ArgumentParser:
     return p
 
 
-class Terminated(KeyboardInterrupt):
-    """SIGTERM or SIGHUP: unwound like Ctrl-C, so that temporary folders are removed on the way out."""
+@contextmanager
+def _quiet_libraries(quiet: bool):
+    """Without --debug the error line is all a failed command prints: no onnxruntime log lines, no Python
+    warnings from numpy or polygraphy (each would land in a build log above the error)."""
+    import warnings
 
-    def __init__(self, signum: int):
-        super().__init__(signum)
-        self.signum = signum
+    if not quiet:
+        yield
+        return
+    try:
+        from parastream.launcher.engines.onnxruntime import quiet_logs
+
+        quiet_logs()
+    except ImportError:
+        pass
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        yield
 
 
 def _terminate(signum, frame):
-    raise Terminated(signum)
+    """SIGINT, SIGTERM, SIGHUP while a command runs: remove its temporary folders, stop the children it forked,
+    and exit at once.  Not by raising an exception: one raised inside a native import or call (torch, which
+    polygraphy imports during verification) aborts the interpreter (SIGABRT) instead of unwinding."""
+    from .isolate import stop_children
+    from .outdir import remove_staging
+
+    stop_children()
+    remove_staging()
+    what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
+    os.write(2, f"parastream: {what}; nothing was written\n".encode())
+    os._exit(128 + signum)
 
 
 @contextmanager
-def _signals_unwind():
-    """SIGTERM and SIGHUP raise Terminated while a command runs (in the main thread only, as Python requires)."""
+def _signals_exit_cleanly():
+    """While a command runs (in the main thread only, as Python requires), the signals above exit cleanly."""
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGTERM, signal.SIGHUP)}
+    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
     try:
         yield
     finally:
@@ -449,17 +474,14 @@ def main(argv: list[str] | None = None) -> int:
     parser = make_parser()
     args = parser.parse_args(argv)
     try:
-        with _signals_unwind():
+        with _signals_exit_cleanly(), _quiet_libraries(not args.debug):
             return int(args.func(args) or 0)
     except ParastreamError as e:
         if args.debug:
             raise
         print(f"parastream {args.command}: error: {e}", file=sys.stderr)
         return e.exit_code
-    except KeyboardInterrupt as e:
-        if isinstance(e, Terminated):
-            print(f"parastream: terminated by {signal.Signals(e.signum).name}; nothing was written", file=sys.stderr)
-            return 128 + e.signum
+    except KeyboardInterrupt:  # a Ctrl-C outside the main thread's handler (an API caller's own)
         print("parastream: interrupted", file=sys.stderr)
         return 130
     except MemoryError:

@@ -17,6 +17,18 @@ import sys
 from parastream.launcher.errors import ParastreamError
 
 
+_CHILDREN: set[int] = set()
+
+
+def stop_children() -> None:
+    """Kill the children ``in_child`` is waiting for (the CLI's signal handler, before it exits)."""
+    for pid in list(_CHILDREN):
+        try:
+            os.kill(pid, signal.SIGKILL)
+        except OSError:
+            pass
+
+
 def in_child(step, *args, what: str) -> None:
     """``step(*args)`` in a forked child; its ParastreamError is raised here, as is its death by a signal."""
     if not hasattr(os, "fork"):
@@ -29,6 +41,8 @@ def in_child(step, *args, what: str) -> None:
     if pid == 0:  # the child: report and leave without running the parent's cleanups (atexit, finally)
         code = 0
         try:
+            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # not the parent's handlers: just die
+                signal.signal(sig, signal.SIG_DFL)
             os.close(r)
             try:
                 step(*args)
@@ -42,6 +56,7 @@ def in_child(step, *args, what: str) -> None:
         finally:
             os._exit(code)
     os.close(w)
+    _CHILDREN.add(pid)
     chunks = []
     try:
         with os.fdopen(r, "rb") as f:
@@ -55,6 +70,8 @@ def in_child(step, *args, what: str) -> None:
         except OSError:
             pass
         raise
+    finally:
+        _CHILDREN.discard(pid)
     message = b"".join(chunks).decode("utf-8", "replace")
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)

@@ -146,9 +146,15 @@ def _check_external_data(model: onnx.ModelProto, path: Path) -> None:
     for t in _get_all_tensors(model):
         if not uses_external_data(t):
             continue
-        location = ExternalDataInfo(t).location
+        try:
+            location = ExternalDataInfo(t).location
+        except (ValueError, TypeError) as e:  # onnx checks offset and length here
+            raise ParastreamError(f"{path}: tensor {t.name!r}: bad external data reference ({e})") from None
         where = folder / location
-        real = where.resolve()
+        try:
+            real = where.resolve()
+        except (OSError, RuntimeError):  # a link loop
+            raise ParastreamError(f"{path}: tensor {t.name!r} keeps its data in {location!r}, a symbolic link loop") from None
         if not location or Path(location).is_absolute() or ".." in Path(location).parts or folder not in real.parents:
             raise ParastreamError(f"{path}: tensor {t.name!r} keeps its data in {location!r}, outside the model's folder; "
                                   "keep the .data files beside the model")
@@ -217,6 +223,36 @@ def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path
             )
 
 
+def _check_declarations(model: onnx.ModelProto, path: Path) -> None:
+    """Every declared tensor type is an ONNX type, and no tensor is declared twice with different types or shapes
+    (graphsurgeon would keep one declaration, onnxruntime another, and the reference would not be the model)."""
+    known = set(onnx.TensorProto.DataType.values())
+    seen: dict[str, onnx.ValueInfoProto] = {}
+    for vi in list(model.graph.input) + list(model.graph.output) + list(model.graph.value_info):
+        if vi.type.HasField("tensor_type") and vi.type.tensor_type.elem_type not in known:
+            raise ParastreamError(f"{path}: tensor {vi.name!r} is declared with element type {vi.type.tensor_type.elem_type}, "
+                                  "which is not an ONNX tensor type")
+        if vi.name in seen and not _compatible(seen[vi.name], vi):
+            raise ParastreamError(f"{path}: tensor {vi.name!r} is declared twice (graph inputs, outputs, value_info) "
+                                  "with different types or shapes")
+        seen[vi.name] = vi
+    for t in model.graph.initializer:
+        if t.data_type not in known or t.data_type == onnx.TensorProto.UNDEFINED:
+            raise ParastreamError(f"{path}: initializer {t.name!r} has data type {t.data_type}, which is not an ONNX tensor type")
+
+
+def _compatible(a: onnx.ValueInfoProto, b: onnx.ValueInfoProto) -> bool:
+    """Two declarations of one tensor agree: same element type, and where both give a shape, the same rank and
+    no two different fixed dimensions (symbolic names may differ: exporters name them as they like)."""
+    ta, tb = a.type.tensor_type, b.type.tensor_type
+    if a.type.WhichOneof("value") != b.type.WhichOneof("value") or ta.elem_type != tb.elem_type:
+        return False
+    da, db = _dims(a), _dims(b)
+    if da is None or db is None:
+        return True
+    return len(da) == len(db) and all(not (isinstance(x, int) and isinstance(y, int)) or x == y for x, y in zip(da, db))
+
+
 def _fold_once(model: onnx.ModelProto, *, fold_shapes: bool = True) -> tuple[onnx.ModelProto, int]:
     """One pass of graphsurgeon's constant folding (Shape ops folded where shapes are known); returns the
     model and how many nodes the pass removed."""
@@ -259,8 +295,16 @@ def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     return out_model
 
 
-def _fold_constants(model: onnx.ModelProto) -> onnx.ModelProto:
+def _fold_constants(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     """Fold shape arithmetic and Constant nodes now that input shapes are static (one graphsurgeon pass)."""
+    import onnx_graphsurgeon as gs
+
+    try:
+        # every later stage works on graphsurgeon's graph: a model it cannot represent stops here
+        gs.export_onnx(gs.import_onnx(model), do_type_check=False)
+    except Exception as e:  # noqa: BLE001 - graphsurgeon raises ValueError, KeyError, TypeError ...
+        first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
+        raise ParastreamError(f"{path}: onnx-graphsurgeon cannot represent this model: {first}") from None
     return _constants_to_initializers(_fold_once(model)[0])
 
 
@@ -451,10 +495,12 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
     original.CopyFrom(model)
     name_nodes(original)  # onnxruntime refuses duplicate node names: the reference gets the same unique names
     name_nodes(model)
+    _check_declarations(model, path)
     _fix_input_shapes(model, shapes or {}, path)
     if shapes:
         _fix_input_shapes(original, shapes, path)
-    model = _static_shapes(_fold_constants(model), path)
+    _check_sizes(model, path)  # before anything allocates, and as declared (folding merges declarations)
+    model = _static_shapes(_fold_constants(model, path), path)
     name_nodes(model)
     init_names = {t.name for t in model.graph.initializer}
     inputs = [_spec(vi, path, "input") for vi in model.graph.input if vi.name not in init_names]
@@ -484,10 +530,14 @@ def _spec(vi: onnx.ValueInfoProto, path: Path, kind: str) -> TensorSpec:
 
 def _check_sizes(model: onnx.ModelProto, path: Path) -> None:
     """Refuse a tensor of more than MAX_ELEMENTS elements before anything tries to allocate it."""
+    ends = {vi.name for vi in list(model.graph.input) + list(model.graph.output)}
     for vi in list(model.graph.input) + list(model.graph.value_info) + list(model.graph.output):
         dims = _dims(vi) or []
         if any(isinstance(d, int) and d < 0 for d in dims):
             raise ParastreamError(f"{path}: tensor {vi.name!r} has a negative dimension {dims}")
+        if vi.name in ends and any(d == 0 for d in dims):
+            raise ParastreamError(f"{path}: {'input' if vi in model.graph.input else 'output'} {vi.name!r} has shape {dims}, "
+                                  "an empty tensor; parastream deploys models whose inputs and outputs hold data")
         if all(isinstance(d, int) for d in dims) and math.prod(dims) > MAX_ELEMENTS:
             raise ParastreamError(f"{path}: tensor {vi.name!r} has shape {dims}, {math.prod(dims):,} elements, more than "
                                   f"the {MAX_ELEMENTS:,} parastream supports in one tensor; give smaller --shapes")

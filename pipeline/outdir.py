@@ -94,7 +94,10 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
         raise ParastreamError(f"{option} {target}: cannot resolve the path ({e})") from None
     guarded = [(Path.cwd().resolve(), "the current directory")]
     for p in protect:
-        p = Path(p).resolve()
+        try:
+            p = Path(p).resolve()
+        except (OSError, RuntimeError):  # a link loop: the input's own check reports it
+            p = Path(os.path.abspath(p))
         folder = p if p.is_dir() else p.parent
         guarded.append((folder, f"{folder}, an input of this command" if folder == p else f"{folder}, which holds the input {p.name}"))
     for folder, what in guarded:
@@ -109,6 +112,15 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
         raise ParastreamError(f"{target} exists and --force replaces only {KINDS[kind]}, but {reason}; "
                               "remove it yourself or choose another folder")
     return target
+
+
+_STAGING: set[Path] = set()  # staging folders of this process, for remove_staging()
+
+
+def remove_staging() -> None:
+    """Remove this process's staging folders now (the CLI's SIGTERM handler, before it exits)."""
+    for tmp in list(_STAGING):
+        shutil.rmtree(tmp, ignore_errors=True)
 
 
 def make_parent(target: Path) -> None:
@@ -191,7 +203,7 @@ def staging(target: Path, kind: str, install=None):
 
     The folder is ``.NAME.<random>.partial`` and stays flock-ed while this process lives, so that a later run
     removes it only once its owner is gone (kill -9, a power cut); any error, Ctrl-C, SIGTERM or SIGHUP
-    removes it at once.  Folders a killed run left beside ``target`` are cleaned here first.
+    removes it at once (the CLI's handlers: ``remove_staging``).  Folders a killed run left beside ``target`` are cleaned here first.
     """
     target = Path(target)
     make_parent(target)
@@ -202,6 +214,7 @@ def staging(target: Path, kind: str, install=None):
         except OSError as e:
             raise ParastreamError(f"{target}: cannot write beside it ({e.strerror or e})") from None
         fd = _flock(tmp)
+        _STAGING.add(tmp)
     try:
         umask = os.umask(0)
         os.umask(umask)
@@ -211,4 +224,5 @@ def staging(target: Path, kind: str, install=None):
             (install or (lambda t: move_into_place(t, target, kind)))(tmp)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
+        _STAGING.discard(tmp)
         os.close(fd)

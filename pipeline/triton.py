@@ -283,7 +283,7 @@ def _stale_branch_models(repo: Path, name: str, keep: set[str]) -> list[Path]:
             continue
         try:
             params = read_config(d / "config.pbtxt").parameters
-        except text_format.ParseError:
+        except (text_format.ParseError, UnicodeDecodeError, OSError):
             continue
         if P_ENSEMBLE in params and params[P_ENSEMBLE].string_value == name:
             stale.append(d)
@@ -543,6 +543,12 @@ def validate_repository(repo: str | Path) -> list[str]:
             config = read_config(cfg_path)
         except text_format.ParseError as e:
             problems.append(f"{cfg_path}: does not parse as Triton's ModelConfig: {e}")
+            continue
+        except UnicodeDecodeError:
+            problems.append(f"{cfg_path}: not text (config.pbtxt is Triton's ModelConfig in protobuf text format)")
+            continue
+        except OSError as e:
+            problems.append(f"{cfg_path}: cannot be read ({e.strerror or e})")
             continue
         if config.name and config.name != d.name:
             problems.append(f"{cfg_path}: name {config.name!r} differs from its folder {d.name!r}")

@@ -241,7 +241,7 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
                 if oshape is not None and len(oshape) >= 3:
                     rows = oshape[0] * int(np.prod(oshape[2:], dtype=np.int64))
                     group = int(node.attrs.get("group", 1))
-                    tiles = _gemm_tiles(rows, max(oshape[1] // max(group, 1), 1), batch=group)
+                    tiles = _gemm_tiles(rows, max(oshape[1] // max(group, 1), 1), batch=max(group, 1))  # group <= 0: an invalid model, still costed
             else:
                 flops = 2.0 * _numel(ins[0]) * per
                 oshape = _static_shape(out)
@@ -403,7 +403,7 @@ class RooflineCostModel(_GraphCostMixin):
         if flops == 0.0 and byts == 0.0:
             return 0.0
         peak = self.peak
-        if self.occupancy and tiles is not None:
+        if self.occupancy and tiles:  # no tiles (an empty tensor): nothing to scale the peak by
             peak *= min(1.0, tiles / self.device.sms)
         return max(flops / peak, byts / self.device.bandwidth) + self.kernel_floor
 

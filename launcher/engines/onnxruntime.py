@@ -26,6 +26,19 @@ def available() -> str | None:
     return None
 
 
+#: ONNX Runtime's log level for our sessions (3: errors); quiet_logs() raises it to 4 (fatal only)
+LOG_SEVERITY = 3
+
+
+def quiet_logs() -> None:
+    """No ONNX Runtime log lines: errors reach the user as exceptions (the CLI does this unless --debug)."""
+    global LOG_SEVERITY
+    import onnxruntime as ort
+
+    LOG_SEVERITY = 4
+    ort.set_default_logger_severity(4)  # sessions others create (polygraphy's reference) log through the default
+
+
 def session_options(threads: int = 0, spin: bool = True):
     import onnxruntime as ort
 
@@ -37,7 +50,7 @@ def session_options(threads: int = 0, spin: bool = True):
     if not spin:
         # dozens of sessions each with spinning pool threads starve one another on a few cores
         so.add_session_config_entry("session.intra_op.allow_spinning", "0")
-    so.log_severity_level = 3
+    so.log_severity_level = LOG_SEVERITY
     return so
 
 
