@@ -13,6 +13,7 @@ Milliseconds are medians of >= 200 CUDA-event timings after warm-up; errors are
 ||out - ref|| / ||ref|| against ONNX Runtime (CPU, fp32) on the original ONNX model.
 
 Usage: python3 bench/gpu.py [--models inception_v3,googlenet,resnet50,bert] [--runs 200] [--streams N] [--out DIR]
+(--models also takes the torchvision/timm classifiers of bench/corpus.py, e.g. squeezenet1_1,mixnet_s,dpn68)
 """
 
 from __future__ import annotations
@@ -49,6 +50,16 @@ def make_model(name: str):
         return model, {"input_ids": ids, "attention_mask": mask}
     import torchvision
 
+    if name not in MODELS:
+        # any vision classifier of the public-model corpus (bench/corpus.py: torchvision/timm, BatchNorm calibrated)
+        sys.path.insert(0, str(ROOT / "bench"))
+        import corpus
+
+        spec = corpus.MODELS.get(name)
+        if spec is None or spec.source == "transformers" or spec.family in ("detection", "segmentation"):
+            raise SystemExit(f"unknown model {name}: {', '.join(MODELS)} or a torchvision/timm classifier of bench/corpus.py")
+        model, inputs = corpus.make_model(name)
+        return model, {"x": inputs["x"]}
     if name == "inception_v3":
         model = torchvision.models.inception_v3(weights=None, aux_logits=False, init_weights=True)
         x = torch.randn(1, 3, 299, 299)

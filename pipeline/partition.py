@@ -19,7 +19,7 @@ from .schedule import Schedule
 
 def _spec(t: gs.Variable) -> TensorSpec:
     if t.dtype is None or t.shape is None or any(not isinstance(d, int) for d in t.shape):
-        raise ParastreamError(f"tensor {t.name!r} has no static shape or dtype after shape inference; give input shapes with --shapes")
+        raise ParastreamError(f"tensor {t.name!r} has no static shape or dtype after shape inference (the loader gives every tensor one; a rewrite lost it)")
     dt = t.dtype
     if isinstance(dt, int):  # graphsurgeon keeps ONNX enum values for types numpy lacks
         dt = onnx.helper.tensor_dtype_to_np_dtype(dt)

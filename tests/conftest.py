@@ -25,11 +25,17 @@ def _has_tensorrt() -> bool:
 
 
 def pytest_collection_modifyitems(config, items):
+    import os
+
+    corpus = os.environ.get("PARASTREAM_CORPUS") == "1"
+    skip_corpus = pytest.mark.skip(reason="the full corpus tier runs on demand: PARASTREAM_CORPUS=1")
     gpu = _has_gpu()
     trt = _has_tensorrt()
     skip_gpu = pytest.mark.skip(reason="needs a CUDA GPU")
     skip_trt = pytest.mark.skip(reason="needs TensorRT (not installable here; see README)")
     for item in items:
+        if item.get_closest_marker("corpus") is not None and not corpus:
+            item.add_marker(skip_corpus)
         if "gpu" in item.keywords and not gpu:
             item.add_marker(skip_gpu)
         if "trt" in item.keywords and not trt:

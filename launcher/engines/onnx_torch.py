@@ -663,6 +663,112 @@ def _gather_el(n: NodeView):
     return lambda x, i: torch.gather(x, axis, i)
 
 
+@converter("GatherND")
+def _gather_nd(n: NodeView):
+    """ONNX GatherND: the last axis of ``indices`` (length k) indexes the first k axes of ``data`` after
+    ``batch_dims`` leading batch axes; written as advanced indexing (one gather kernel)."""
+    torch = _torch()
+    b = int(n.attr("batch_dims", 0))
+    dshape = list(n.shape(0))
+    ishape = list(n.inputs[1].shape if n.inputs[1].shape is not None else n.inputs[1].const.shape)
+    k = ishape[-1]
+    if b + k > len(dshape):
+        n.fail(f"indices address {b + k} axes of a rank-{len(dshape)} tensor")
+    batch = int(np.prod(dshape[:b], dtype=np.int64))
+    out_shape = ishape[:-1] + dshape[b + k:]
+    dims = dshape[b:b + k]
+
+    def fn(x, i):
+        i = i.to(torch.int64)
+        xb = x.reshape([batch] + dshape[b:])
+        ib = i.reshape([batch, -1, k])
+        idx = [torch.arange(batch, device=x.device).reshape(batch, 1).expand(batch, ib.shape[1])]
+        for a in range(k):
+            ia = ib[..., a]
+            idx.append(torch.where(ia < 0, ia + dims[a], ia))
+        return xb[tuple(idx)].reshape(out_shape)
+    return fn
+
+
+@converter("ScatterND")
+def _scatter_nd(n: NodeView):
+    """ONNX ScatterND (reduction none/add/mul): ``data`` with the slices that ``indices`` name replaced by
+    ``updates``, out of place (index_put)."""
+    torch = _torch()
+    red = n.attr("reduction", "none")
+    if red not in ("none", "add", "mul"):
+        n.fail(f"reduction {red!r}")
+    dshape = list(n.shape(0))
+    k = list(n.inputs[1].shape if n.inputs[1].shape is not None else n.inputs[1].const.shape)[-1]
+    dims = dshape[:k]
+
+    strides = [int(np.prod(dims[a + 1:], dtype=np.int64)) for a in range(k)]
+    flat = [int(np.prod(dims, dtype=np.int64))] + dshape[k:]
+
+    def fn(x, i, u):
+        # the k index axes as one linear index, so that repeated indices reduce in order (index_add/index_reduce)
+        i = i.to(torch.int64).reshape(-1, k)
+        lin = sum(torch.where(i[:, a] < 0, i[:, a] + dims[a], i[:, a]) * strides[a] for a in range(k))
+        xf = x.reshape(flat)
+        u = u.reshape([i.shape[0]] + dshape[k:]).to(x.dtype)
+        if red == "add":
+            return xf.index_add(0, lin, u).reshape(dshape)
+        if red == "mul":
+            return xf.index_reduce(0, lin, u, "prod").reshape(dshape)
+        return xf.index_copy(0, lin, u).reshape(dshape)
+    return fn
+
+
+@converter("TopK")
+def _topk(n: NodeView):
+    torch = _torch()
+    k = n.ints(1)[0]
+    axis = int(n.attr("axis", -1))
+    largest, sorted_ = bool(n.attr("largest", 1)), bool(n.attr("sorted", 1))
+    return lambda x, _k: tuple(torch.topk(x, k, dim=axis, largest=largest, sorted=sorted_))
+
+
+@converter("Trilu")
+def _trilu(n: NodeView):
+    torch = _torch()
+    k = n.ints(1)[0] if n.has_input(1) else 0
+    f = torch.triu if int(n.attr("upper", 1)) else torch.tril
+    return lambda x, *rest: f(x, k)
+
+
+@converter("CumSum")
+def _cumsum(n: NodeView):
+    torch = _torch()
+    axis = n.ints(1)[0]
+    if n.attr("exclusive", 0) or n.attr("reverse", 0):
+        n.fail("exclusive or reverse CumSum")
+    return lambda x, _a: torch.cumsum(x, dim=axis).to(x.dtype)
+
+
+@converter("IsInf")
+def _isinf(n: NodeView):
+    torch = _torch()
+    pos, neg = bool(n.attr("detect_positive", 1)), bool(n.attr("detect_negative", 1))
+    if pos and neg:
+        return lambda x: torch.isinf(x)
+    if pos:
+        return lambda x: torch.isposinf(x)
+    if neg:
+        return lambda x: torch.isneginf(x)
+    return lambda x: torch.zeros_like(x, dtype=torch.bool)
+
+
+@converter("ScatterElements")
+def _scatter_elements(n: NodeView):
+    torch = _torch()
+    axis = int(n.attr("axis", 0)) % n.rank(0)
+    red = n.attr("reduction", "none")
+    if red != "none":
+        n.fail(f"reduction {red!r}")
+    dim = n.shape(0)[axis]
+    return lambda x, i, u: torch.scatter(x, axis, torch.where(i < 0, i + dim, i).to(torch.int64), u.to(x.dtype))
+
+
 @converter("Slice")
 def _slice(n: NodeView):
     shp = n.shape(0)

@@ -68,8 +68,11 @@ supports_channel_views = True
 #: a convolution and a Triton bias+ReLU kernel); set False before loading to get the unfused engines
 FUSE_CONV_RELU = True
 #: engines are AOTInductor packages compiled at build time; False writes the branch's ONNX alone, which every
-#: load converts and compiles again (the engines before issue 12; bench/engine_artifacts.py compares the two)
-AOT_COMPILE = True
+#: load converts and compiles again (the engines before issue 12; bench/engine_artifacts.py compares the two).
+#: Opt-in (PARASTREAM_AOT_COMPILE=1) until it is measured on a GPU: on the H100 with torch 2.11 the first try
+#: failed on an Inductor option that torch lacks (fixed since: _known_inductor_configs), the second did not
+#: finish 5 branches within 100 s; tested on the CPU only (docs/torch-engines.md).
+AOT_COMPILE = os.environ.get("PARASTREAM_AOT_COMPILE", "0") == "1"
 ENGINE_FORMAT = 1
 #: compiled packages kept in memory by one process (the search's candidates share them), least recently used first out
 CACHE_BYTES = 4 << 30
@@ -327,6 +330,22 @@ def _fuse(device: str, dtype: str, options: BuildOptions) -> bool:
     return device == "cuda" and FUSE_CONV_RELU and options.fuse_conv_relu and dtype in ("float16", "float32")
 
 
+def _known_inductor_configs(configs: dict) -> dict:
+    """The entries of ``configs`` that this torch's Inductor knows (torch 2.11 has no
+    ``aot_inductor.enable_line_tables``, and an unknown key fails the whole compile)."""
+    from torch._inductor import config as inductor_config
+
+    known = {}
+    for key, value in configs.items():
+        *path, leaf = key.split(".")
+        obj = inductor_config
+        for part in path:
+            obj = getattr(obj, part, None)
+        if obj is not None and hasattr(obj, leaf):
+            known[key] = value
+    return known
+
+
 def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
                     dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> bytes:
     """The branch exported for these tensors (dtypes, shapes, strides) and compiled by AOTInductor: a .pt2 package."""
@@ -342,9 +361,10 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
         inner = module
     wrapper = _into_outputs(inner, [t.name for t in inputs], [t.name for t in outputs], getattr(torch, dtype)).eval()
     args = tuple(_tensor(t, t.name in nhwc, views.get(t.name), device) for t in inputs + outputs)
-    configs = {"max_autotune": options.optimization_level >= 5,
-               # the wrapper's C++ runs once per capture, never in a replay: compile it quickly
-               "aot_inductor.compile_wrapper_opt_level": "O0", "aot_inductor.enable_line_tables": False}
+    configs = _known_inductor_configs({"max_autotune": options.optimization_level >= 5,
+                                       # the wrapper's C++ runs once per capture, never in a replay: compile it quickly
+                                       "aot_inductor.compile_wrapper_opt_level": "O0",
+                                       "aot_inductor.enable_line_tables": False})
     with torch.no_grad():
         program = torch.export.export(wrapper, args)
         buf = io.BytesIO()

@@ -30,6 +30,20 @@ IN = TensorSpec("x", "float32", [1, 3, 8, 8])
 OUT = TensorSpec("y", "float32", [1, 4, 8, 8])
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _aot_on():
+    """Compiled engines are opt-in (PARASTREAM_AOT_COMPILE=1): these tests turn them on, here and in subprocesses."""
+    old, old_env = tb.AOT_COMPILE, os.environ.get("PARASTREAM_AOT_COMPILE")
+    tb.AOT_COMPILE = True
+    os.environ["PARASTREAM_AOT_COMPILE"] = "1"
+    yield
+    tb.AOT_COMPILE = old
+    if old_env is None:
+        os.environ.pop("PARASTREAM_AOT_COMPILE", None)
+    else:
+        os.environ["PARASTREAM_AOT_COMPILE"] = old_env
+
+
 def branch(seed: int) -> onnx.ModelProto:
     """Conv 3x3 -> Relu -> Mul by a constant: one tiny branch; ``seed`` picks its weights."""
     rng = np.random.default_rng(seed)

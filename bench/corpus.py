@@ -1,0 +1,569 @@
+#!/usr/bin/env python3
+"""The public-model corpus (issue 11): models nobody here wrote, exported the two ways a user would.
+
+Every model is built with random weights (no downloads) from torchvision, timm or transformers
+(small configs), its BatchNorm statistics calibrated on random images (so that fp16 does not
+overflow), and exported with BOTH the TorchScript exporter (``dynamo=False, opset_version=17``) and
+the default dynamo exporter.  Each export is then given to ``parastream build`` (CPU path:
+``--backend onnxruntime``, rewrite search on, verification against ONNX Runtime on the original
+model) and to the torch backend's converter (launcher/engines/onnx_torch.py, run eagerly on the CPU
+and compared with ONNX Runtime).  One row per model and exporter:
+
+  export ok | build ok or its one-line error (exit status) | nodes before/after the rewrite | streams |
+  verification figures | ops the torch converter does not cover | torch-converter error | build seconds
+
+Usage (full corpus: torchvision + timm + transformers must import; a CUDA build of torch runs on a CPU):
+
+    python3 bench/corpus.py --out bench/corpus                  # every model, both exporters
+    python3 bench/corpus.py --models resnet50,bert --exporters torchscript
+    python3 bench/corpus.py --ci --out /tmp/corpus               # the subset that CI runs (transformers only)
+    python3 bench/corpus.py --list
+
+Each (model, exporter) runs in its own process (--timeout seconds) and leaves ``OUT/rows/<model>__<exporter>.json``;
+the table (``OUT/corpus.md`` and ``OUT/corpus.json``) is made from every row file in OUT/rows, so runs can be split.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+import traceback
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+EXPORTERS = ("torchscript", "dynamo")
+
+
+@dataclass(frozen=True)
+class Spec:
+    name: str
+    family: str  # branchy | chain | transformer | segmentation | detection
+    source: str  # torchvision | timm | transformers
+    ci: bool = False  # in the CPU subset that CI runs (needs no torchvision)
+
+
+def _tv(name, family, **kw):
+    return Spec(name, family, "torchvision", **kw)
+
+
+def _timm(name, family, **kw):
+    return Spec(name, family, "timm", **kw)
+
+
+def _hf(name, family="transformer", **kw):
+    return Spec(name, family, "transformers", **kw)
+
+
+MODELS: dict[str, Spec] = {s.name: s for s in [
+    # branchy CNNs: the AutoGraph / Opara workloads
+    _tv("inception_v3", "branchy"), _tv("googlenet", "branchy"), _tv("squeezenet1_1", "branchy"),
+    _timm("inception_v4", "branchy"), _timm("inception_resnet_v2", "branchy"), _timm("nasnetalarge", "branchy"),
+    _timm("dpn68", "branchy"), _timm("res2net50_26w_4s", "branchy"), _timm("skresnet18", "branchy"),
+    _timm("mixnet_s", "branchy"),
+    # chains
+    _tv("resnet50", "chain"), _tv("resnext50_32x4d", "chain"), _tv("regnet_y_400mf", "chain"),
+    _tv("mobilenet_v2", "chain"), _tv("mobilenet_v3_small", "chain"), _tv("efficientnet_b0", "chain"),
+    _tv("densenet121", "chain"), _tv("convnext_tiny", "chain"), _tv("shufflenet_v2_x1_0", "chain"),
+    _hf("hf_resnet", "chain", ci=True), _hf("hf_mobilenet_v2", "chain"), _hf("hf_convnext", "chain"),
+    # transformers
+    _tv("swin_t", "transformer"), _tv("vit_b_16", "transformer"),
+    _hf("bert", ci=True), _hf("distilbert"), _hf("gpt2", ci=True), _hf("t5_encoder"), _hf("vit", ci=True),
+    _hf("deit"), _hf("swin"),
+    # dense prediction
+    _tv("deeplabv3_mobilenet_v3_large", "segmentation"),
+    _tv("fcos_resnet50_fpn", "detection"), _tv("retinanet_resnet50_fpn", "detection"),
+]}
+
+
+# -- models -------------------------------------------------------------------------------------------------
+
+def calibrate_batchnorm(model, example, batches: int = 2, batch_size: int = 4) -> None:
+    """BatchNorm running statistics from random images, as training would set them.
+
+    With random weights and the default statistics (mean 0, var 1) activations grow layer by layer and
+    overflow fp16 (Inception-v3 gave NaN); a few training-mode passes over random images fix that.
+    """
+    import torch
+
+    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
+    if not bns:
+        return
+    for m in bns:
+        m.reset_running_stats()
+        m.momentum = None  # cumulative average over the calibration batches
+    model.train()
+    with torch.no_grad():
+        for _ in range(batches):
+            model(torch.randn(batch_size, *example.shape[1:]))
+    model.eval()
+
+
+def _hf_small(name: str):
+    """A transformers model at a small config (random weights) and its example inputs."""
+    import torch
+    import transformers as tf
+
+    seq = 32
+    text = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+                max_position_embeddings=128)
+    ids = torch.randint(0, 1000, (1, seq))
+    mask = torch.ones(1, seq, dtype=torch.int64)
+    mask[:, -4:] = 0
+    img = torch.randn(1, 3, 64, 64)
+    eager = {"attn_implementation": "eager"}
+    if name == "bert":
+        return tf.BertModel(tf.BertConfig(**text, **eager)), {"input_ids": ids, "attention_mask": mask}
+    if name == "distilbert":
+        cfg = tf.DistilBertConfig(vocab_size=1000, dim=128, n_layers=2, n_heads=2, hidden_dim=256, max_position_embeddings=128, **eager)
+        return tf.DistilBertModel(cfg), {"input_ids": ids, "attention_mask": mask}
+    if name == "gpt2":
+        cfg = tf.GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=2, n_positions=128, use_cache=False, **eager)
+        # with an attention mask: without one, transformers looks for packed sequences with torch.diff,
+        # which the TorchScript exporter cannot export
+        return tf.GPT2Model(cfg), {"input_ids": ids, "attention_mask": mask}
+    if name == "t5_encoder":
+        cfg = tf.T5Config(vocab_size=1000, d_model=128, d_kv=64, d_ff=256, num_layers=2, num_heads=2, use_cache=False, **eager)
+        return tf.T5EncoderModel(cfg), {"input_ids": ids, "attention_mask": mask}
+    vision = dict(image_size=64, patch_size=8, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=256)
+    if name == "vit":
+        return tf.ViTModel(tf.ViTConfig(**vision, **eager), add_pooling_layer=True), {"pixel_values": img}
+    if name == "deit":
+        return tf.DeiTModel(tf.DeiTConfig(**vision, **eager)), {"pixel_values": img}
+    if name == "swin":
+        cfg = tf.SwinConfig(image_size=64, patch_size=4, embed_dim=32, depths=[2, 2], num_heads=[2, 4], window_size=4, **eager)
+        return tf.SwinModel(cfg), {"pixel_values": img}
+    if name == "hf_resnet":
+        cfg = tf.ResNetConfig(embedding_size=32, hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 1, 1], layer_type="bottleneck")
+        return tf.ResNetModel(cfg), {"pixel_values": torch.randn(1, 3, 96, 96)}
+    if name == "hf_mobilenet_v2":
+        return tf.MobileNetV2Model(tf.MobileNetV2Config(image_size=96, depth_multiplier=0.5)), {"pixel_values": torch.randn(1, 3, 96, 96)}
+    if name == "hf_convnext":
+        cfg = tf.ConvNextConfig(hidden_sizes=[32, 64, 128, 256], depths=[1, 1, 2, 1])
+        return tf.ConvNextModel(cfg), {"pixel_values": torch.randn(1, 3, 96, 96)}
+    raise KeyError(name)
+
+
+def make_model(name: str):
+    """(torch module in eval mode, fp32, on the CPU; ordered dict of example inputs)."""
+    import torch
+
+    torch.manual_seed(0)
+    spec = MODELS[name]
+    if spec.source == "transformers":
+        model, inputs = _hf_small(name)
+    elif spec.source == "timm":
+        import timm
+
+        model = timm.create_model(name, pretrained=False)
+        size = model.default_cfg.get("input_size", (3, 224, 224))
+        inputs = {"x": torch.randn(1, *size)}
+    else:
+        import torchvision.models as tvm
+
+        kw: dict = {"weights": None}
+        size = 224
+        if name == "inception_v3":
+            kw.update(aux_logits=False, init_weights=True)
+            size = 299
+        elif name == "googlenet":
+            kw.update(aux_logits=False, init_weights=True)
+        elif name.startswith("deeplabv3"):
+            kw.update(weights_backbone=None, aux_loss=False)
+            size = 256
+        elif spec.family == "detection":
+            kw.update(weights_backbone=None, min_size=320, max_size=320)
+            size = 320
+        if spec.family == "detection":
+            model = getattr(tvm.detection, name)(**kw)
+        elif spec.family == "segmentation":
+            model = getattr(tvm.segmentation, name)(**kw)
+        else:
+            model = getattr(tvm, name)(**kw)
+        inputs = {"x": torch.randn(1, 3, size, size)}
+    if spec.source != "transformers":
+        if spec.family == "detection":
+            model.backbone.eval()
+            calibrate_batchnorm(model.backbone, inputs["x"])
+        else:
+            calibrate_batchnorm(model, inputs["x"])
+    return model.eval(), inputs
+
+
+class _Outputs:
+    """Flattens a model's output (tensor, tuple, dict, ModelOutput, list of dicts) to a tuple of tensors."""
+
+    @staticmethod
+    def flatten(out):
+        import torch
+
+        if isinstance(out, torch.Tensor):
+            return (out,)
+        if hasattr(out, "to_tuple"):
+            out = out.to_tuple()
+        if isinstance(out, dict):
+            out = tuple(out.values())
+        res = []
+        for o in out:
+            res.extend(_Outputs.flatten(o))
+        return tuple(res)
+
+
+def wrap(model, spec: Spec, names: list[str]):
+    """The model as a module of positional tensors returning a tuple of tensors (inputs passed by name)."""
+    import torch
+
+    class Wrapped(torch.nn.Module):
+        def __init__(self, m):
+            super().__init__()
+            self.m = m
+
+        def forward(self, *args):
+            if spec.family == "detection":
+                return _Outputs.flatten(self.m(list(args[0])))
+            if spec.source == "transformers":
+                return _Outputs.flatten(self.m(**dict(zip(names, args))))
+            return _Outputs.flatten(self.m(*args))
+
+    return Wrapped(model).eval()
+
+
+def export(name: str, exporter: str, path: Path) -> dict:
+    """Export ``name`` with ``exporter`` to ``path``; return the example feeds (numpy) and the output names."""
+    import torch
+
+    model, inputs = make_model(name)
+    w = wrap(model, MODELS[name], list(inputs))
+    args = tuple(inputs.values())
+    with torch.no_grad():
+        n_out = len(w(*args))
+    out_names = [f"output_{i}" for i in range(n_out)] if n_out > 1 else ["output"]
+    with torch.no_grad():
+        if exporter == "torchscript":
+            # nn.MultiheadAttention's inference fast path (torchvision ViT) is one aten op the TorchScript
+            # exporter has no symbolic for; the plain path exports
+            if hasattr(torch.backends, "mha"):
+                torch.backends.mha.set_fastpath_enabled(False)
+            torch.onnx.export(w, args, str(path), input_names=list(inputs), output_names=out_names, opset_version=17,
+                              dynamo=False)
+        else:
+            torch.onnx.export(w, args, str(path), input_names=list(inputs), output_names=out_names, dynamo=True,
+                              external_data=False)
+    return {"feeds": {k: v.numpy() for k, v in inputs.items()}, "outputs": out_names}
+
+
+# -- one row --------------------------------------------------------------------------------------------------
+
+def _first_line(e: BaseException) -> str:
+    import re
+
+    s = re.sub(r"\x1b\[[0-9;]*m", "", str(e)).strip()  # exporters colour their messages
+    return (s.splitlines()[0] if s else type(e).__name__)[:400]
+
+
+def torch_converter_check(loaded_model, feeds: dict) -> dict:
+    """The torch backend's converter on the loaded (folded, shape-inferred) model: the op types it has no
+    converter for, and, when it converts, the eager CPU result against ONNX Runtime (max|out-ref|/max|ref|)."""
+    from parastream.launcher.engines import onnx_torch
+
+    ops = sorted({n.op_type for n in loaded_model.graph.node})
+    missing = [op for op in ops if op not in onnx_torch.CONVERTERS]
+    res: dict = {"ops": ops, "missing_ops": missing}
+    try:
+        import torch
+
+        module = onnx_torch.convert(loaded_model, "float32")
+        with torch.no_grad():
+            outs = module(*[torch.from_numpy(np.asarray(feeds[n])) for n in module.input_names])
+        import onnxruntime as ort
+
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        sess = ort.InferenceSession(loaded_model.SerializeToString(), so, providers=["CPUExecutionProvider"])
+        ref = sess.run(None, {k: v for k, v in feeds.items() if k in module.input_names})
+        from parastream.pipeline.verify import scaled_error
+
+        res["torch_scaled_err"] = max(scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r)
+                                      for o, r in zip(outs, ref))
+        res["converts"] = True
+    except Exception as e:  # noqa: BLE001 - recorded in the table
+        res["converts"] = False
+        res["convert_error"] = _first_line(e)
+    return res
+
+
+def ort_self_difference(onnx_path: Path, feeds: dict) -> dict:
+    """ONNX Runtime against itself on the original model: graph optimizations on vs off (max abs, and max abs
+    over max |ref|): the fp32 noise that any rewrite or partition of the graph is judged against."""
+    import onnxruntime as ort
+
+    outs = []
+    for level in (ort.GraphOptimizationLevel.ORT_ENABLE_ALL, ort.GraphOptimizationLevel.ORT_DISABLE_ALL):
+        so = ort.SessionOptions()
+        so.log_severity_level = 3
+        so.graph_optimization_level = level
+        sess = ort.InferenceSession(str(onnx_path), so, providers=["CPUExecutionProvider"])
+        outs.append(sess.run(None, {i.name: feeds[i.name] for i in sess.get_inputs()}))
+    res = {"max_abs": 0.0, "max_scaled": 0.0}
+    for a, b in zip(*outs):
+        a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+        if a.size and a.dtype.kind == "f":
+            d = float(np.max(np.abs(a - b)))
+            res["max_abs"] = max(res["max_abs"], d)
+            res["max_scaled"] = max(res["max_scaled"], d / max(float(np.max(np.abs(a))), 1e-30))
+    return res
+
+
+def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, reuse: bool = False) -> dict:
+    """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there (and with
+    ``reuse``, an export kept there by an earlier run is taken instead of exporting again)."""
+    spec = MODELS[name]
+    row: dict = {"model": name, "exporter": exporter, "family": spec.family, "source": spec.source}
+    onnx_path = (keep or workdir) / f"{name}__{exporter}.onnx"
+    t0 = time.perf_counter()
+    try:
+        if reuse and onnx_path.exists() and onnx_path.with_suffix(".npz").exists():
+            ex = {"feeds": dict(np.load(onnx_path.with_suffix(".npz")))}
+            row["export_reused"] = True
+        else:
+            ex = export(name, exporter, onnx_path)
+            np.savez(onnx_path.with_suffix(".npz"), **ex["feeds"])
+        row["export_ok"] = True
+    except Exception as e:  # noqa: BLE001
+        row.update(export_ok=False, export_error=_first_line(e))
+        return row
+    finally:
+        row["export_s"] = round(time.perf_counter() - t0, 2)
+
+    from parastream.launcher.errors import ParastreamError
+    from parastream.pipeline import build
+    from parastream.pipeline.model_io import load_model
+
+    t0 = time.perf_counter()
+    try:
+        bundle = build(onnx_path, workdir / f"{name}__{exporter}.bundle", backend="onnxruntime", force=True)
+        rep = bundle.report
+        v = rep.get("verification") or {}
+        row.update(build_ok=True, exit=0, nodes_in=rep["model"]["nodes_in"], nodes_out=rep["model"]["nodes_out"],
+                   streams=rep["schedule"]["streams"], branches=rep["schedule"]["branches"],
+                   verification={"passed": v.get("passed"), "criterion": v.get("criterion"),
+                                 "max_abs": max((o.get("max_abs", 0.0) for o in v.get("outputs", {}).values()), default=None),
+                                 "max_scaled": max((o.get("max_scaled", 0.0) or 0.0 for o in v.get("outputs", {}).values()), default=None)},
+                   rules=(rep.get("search") or {}).get("rules_chosen_count"))
+    except ParastreamError as e:
+        row.update(build_ok=False, exit=e.exit_code, build_error=_first_line(e))
+        if e.exit_code == 1:  # verification: how far ONNX Runtime is from itself on this model
+            row["ort_self_difference"] = ort_self_difference(onnx_path, ex["feeds"])
+    except Exception as e:  # noqa: BLE001 - a crash is a bug of ours: the table says so
+        row.update(build_ok=False, exit="crash", build_error=f"{type(e).__name__}: {_first_line(e)}",
+                   traceback=traceback.format_exc()[-2000:])
+    row["build_s"] = round(time.perf_counter() - t0, 2)
+
+    try:
+        loaded = load_model(onnx_path)
+        row["torch"] = torch_converter_check(loaded.model, ex["feeds"])
+    except ParastreamError as e:
+        row["torch"] = {"converts": False, "convert_error": f"load: {_first_line(e)}", "missing_ops": []}
+    except Exception as e:  # noqa: BLE001
+        row["torch"] = {"converts": False, "convert_error": f"{type(e).__name__}: {_first_line(e)}", "missing_ops": []}
+    return row
+
+
+# -- the table ------------------------------------------------------------------------------------------------
+
+def _fmt(x, spec=".2g"):
+    return "" if x is None else format(x, spec)
+
+
+def summarize(rows: list[dict]) -> dict:
+    total = len(rows)
+    exported = [r for r in rows if r.get("export_ok")]
+    ok = [r for r in exported if r.get("build_ok") and (r.get("verification") or {}).get("passed")]
+    clean = [r for r in exported if not r.get("build_ok") and r.get("exit") == 2]
+    return {"rows": total, "exported": len(exported), "built_and_verified": len(ok),
+            "failed_with_one_line_error": len(clean),
+            "other_failures": len(exported) - len(ok) - len(clean),
+            "torch_converts": sum(1 for r in exported if (r.get("torch") or {}).get("converts")),
+            "built_and_verified_fraction_of_exported": round(len(ok) / max(len(exported), 1), 3)}
+
+
+def _status(r: dict | None) -> str:
+    if r is None:
+        return "not run"
+    if not r.get("export_ok"):
+        return "exporter failed"
+    if r.get("build_ok") and (r.get("verification") or {}).get("passed"):
+        t = r.get("torch") or {}
+        return f"ok ({r.get('streams')} str.)" + ("" if t.get("converts") else "; torch converter: no")
+    if r.get("exit") == 2:
+        node = r.get("build_error", "").split("node '", 1)[-1].split("'", 1)[0] if "node '" in r.get("build_error", "") else ""
+        return f"exit 2{' at ' + node if node else ''}"
+    return f"exit {r.get('exit')}"
+
+
+def _grid(rows: list[dict]) -> list[str]:
+    """One line per model: the outcome of each exporter."""
+    by = {(r["model"], r["exporter"]): r for r in rows}
+    lines = ["| model | family | source | " + " | ".join(EXPORTERS) + " |", "|---|---|---|" + "---|" * len(EXPORTERS)]
+    for name, spec in MODELS.items():
+        if not any((name, e) in by for e in EXPORTERS):
+            continue
+        lines.append(f"| {name} | {spec.family} | {spec.source} | " + " | ".join(_status(by.get((name, e))) for e in EXPORTERS) + " |")
+    return lines
+
+
+def write_table(out: Path) -> dict:
+    rows = [json.loads(p.read_text()) for p in sorted((out / "rows").glob("*.json"))]
+    order = {n: i for i, n in enumerate(MODELS)}
+    rows.sort(key=lambda r: (order.get(r["model"], 999), EXPORTERS.index(r["exporter"]) if r["exporter"] in EXPORTERS else 9))
+    summary = summarize(rows)
+    env = rows[0].get("env", {}) if rows else {}
+    (out / "corpus.json").write_text(json.dumps({"summary": summary, "env": env, "rows": rows}, indent=1, default=str))
+    lines = ["# parastream public-model corpus (CPU: --backend onnxruntime, rewrite search on)", "",
+             f"Versions: {env}", "",
+             f"{summary['built_and_verified']} of {summary['exported']} exports built and verified; "
+             f"{summary['failed_with_one_line_error']} stopped with a one-line error (exit 2); "
+             f"{summary['other_failures']} other; {summary['rows'] - summary['exported']} did not export. "
+             f"The torch converter converts {summary['torch_converts']} of {summary['exported']}.", "",
+             *_grid(rows), "",
+             "| model | family | exporter | export | build (exit) | nodes in→out | streams | verification (max abs / max scaled) "
+             "| torch converter (ops missing; max scaled err) | build s |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        if not r.get("export_ok"):
+            err = _first_line(Exception(r.get("export_error", ""))).replace("|", "/")
+            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | |")
+            continue
+        if r.get("build_ok"):
+            v = r.get("verification") or {}
+            build = "ok" if v.get("passed") else "verification failed"
+            ver = f"{'pass' if v.get('passed') else 'FAIL'} {_fmt(v.get('max_abs'))} / {_fmt(v.get('max_scaled'))}"
+            nodes = f"{r['nodes_in']}→{r['nodes_out']}"
+            streams = str(r.get("streams"))
+        else:
+            build = f"({r.get('exit')}) {r.get('build_error', '')[:200]}".replace("|", "/")
+            if r.get("ort_self_difference"):
+                d = r["ort_self_difference"]
+                build += f" [ONNX Runtime vs itself, optimizations on/off: max abs {d['max_abs']:.2g}, {d['max_scaled']:.2g} of scale]"
+            ver = nodes = streams = ""
+        t = r.get("torch") or {}
+        if t.get("converts"):
+            tcell = f"all ops; {_fmt(t.get('torch_scaled_err'))}"
+        else:
+            missing = ", ".join(t.get("missing_ops") or [])
+            tcell = f"missing: {missing}; " if missing else ""
+            tcell += (t.get("convert_error") or "")[:160].replace("|", "/")
+        lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | ok | {build} | {nodes} | {streams} | {ver} | {tcell} "
+                     f"| {_fmt(r.get('build_s'), '.1f')} |")
+    (out / "corpus.md").write_text("\n".join(lines) + "\n")
+    return summary
+
+
+def _env() -> dict:
+    import onnx
+    import onnxruntime
+    import torch
+
+    env = {"torch": torch.__version__, "onnx": onnx.__version__, "onnxruntime": onnxruntime.__version__}
+    for mod in ("torchvision", "timm", "transformers", "onnxscript"):
+        try:
+            env[mod] = __import__(mod).__version__
+        except Exception:  # noqa: BLE001
+            pass
+    return env
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", help="comma-separated names (default: all; see --list)")
+    ap.add_argument("--exporters", default=",".join(EXPORTERS))
+    ap.add_argument("--ci", action="store_true", help="only the CI subset (transformers, small configs)")
+    ap.add_argument("--out", default=str(ROOT / "bench" / "corpus"))
+    ap.add_argument("--timeout", type=float, default=1200.0, help="seconds per model and exporter")
+    ap.add_argument("--list", action="store_true")
+    ap.add_argument("--table-only", action="store_true", help="only remake the table from OUT/rows")
+    ap.add_argument("--keep", help="keep the exports (.onnx + .npz inputs) in this folder")
+    ap.add_argument("--reuse-exports", action="store_true", help="take the exports kept in --keep instead of exporting again")
+    ap.add_argument("--recheck-torch", action="store_true", help="redo only the torch-converter column from --keep")
+    ap.add_argument("--one", nargs=2, metavar=("MODEL", "EXPORTER"), help=argparse.SUPPRESS)
+    args = ap.parse_args(argv)
+    out = Path(args.out)
+    if args.list:
+        for s in MODELS.values():
+            print(f"{s.name:32s} {s.family:13s} {s.source:13s} {'ci' if s.ci else ''}")
+        return 0
+    keep = Path(args.keep) if args.keep else None
+    if keep:
+        keep.mkdir(parents=True, exist_ok=True)
+    if args.recheck_torch:
+        # after a converter change: the torch-converter column again, for the rows that did not convert, from
+        # the kept exports; and ONNX Runtime's own difference for rows whose verification failed
+        from parastream.pipeline.model_io import load_model
+
+        for row_file in sorted((out / "rows").glob("*.json")):
+            row = json.loads(row_file.read_text())
+            onnx_path = keep / f"{row['model']}__{row['exporter']}.onnx" if keep else None
+            if not row.get("export_ok") or onnx_path is None or not onnx_path.exists():
+                continue
+            feeds = dict(np.load(onnx_path.with_suffix(".npz")))
+            if row.get("exit") == 1:
+                row["ort_self_difference"] = ort_self_difference(onnx_path, feeds)
+            if not (row.get("torch") or {}).get("converts") and row.get("exit") != "crash":
+                try:
+                    row["torch"] = torch_converter_check(load_model(onnx_path).model, feeds)
+                except Exception as e:  # noqa: BLE001
+                    row["torch"] = {"converts": False, "convert_error": f"load: {_first_line(e)}", "missing_ops": []}
+            row_file.write_text(json.dumps(row, indent=1, default=str))
+            print(row["model"], row["exporter"], (row.get("torch") or {}).get("converts"), row.get("ort_self_difference", ""), flush=True)
+        print(json.dumps(write_table(out)))
+        return 0
+    if args.one:
+        name, exporter = args.one
+        with tempfile.TemporaryDirectory(prefix="parastream-corpus-") as tmp:
+            row = run_one(name, exporter, Path(tmp), keep, reuse=args.reuse_exports)
+        row["env"] = _env()
+        (out / "rows").mkdir(parents=True, exist_ok=True)
+        (out / "rows" / f"{name}__{exporter}.json").write_text(json.dumps(row, indent=1, default=str))
+        return 0
+    if not args.table_only:
+        names = args.models.split(",") if args.models else [n for n, s in MODELS.items() if s.ci or not args.ci]
+        unknown = [n for n in names if n not in MODELS]
+        if unknown:
+            ap.error(f"unknown models {unknown}; see --list")
+        exporters = args.exporters.split(",")
+        (out / "rows").mkdir(parents=True, exist_ok=True)
+        for name in names:
+            for exporter in exporters:
+                t0 = time.perf_counter()
+                cmd = [sys.executable, __file__, "--one", name, exporter, "--out", str(out)] + (["--keep", str(keep)] if keep else [])
+                cmd += ["--reuse-exports"] if args.reuse_exports else []
+                try:
+                    p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
+                    status = "ok" if p.returncode == 0 else f"process exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] }"
+                except subprocess.TimeoutExpired:
+                    status = f"timed out after {args.timeout:.0f} s"
+                row_file = out / "rows" / f"{name}__{exporter}.json"
+                if status != "ok" or not row_file.exists():
+                    spec = MODELS[name]
+                    row_file.write_text(json.dumps({"model": name, "exporter": exporter, "family": spec.family,
+                                                    "source": spec.source, "export_ok": False,
+                                                    "export_error": f"corpus runner: {status}"}))
+                r = json.loads(row_file.read_text())
+                print(f"{name:30s} {exporter:11s} {time.perf_counter() - t0:6.1f}s export={r.get('export_ok')} "
+                      f"build={r.get('build_ok')} {r.get('build_error') or r.get('export_error') or ''}"[:300], flush=True)
+    summary = write_table(out)
+    print(json.dumps(summary))
+    return 0
+
+
+if __name__ == "__main__":
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+    sys.exit(main())

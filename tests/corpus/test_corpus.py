@@ -1,0 +1,77 @@
+"""The public-model corpus (bench/corpus.py) as tests.
+
+CI runs the subset that needs no torchvision (transformers models at small configs, random weights, both
+exporters): each export must build on the CPU path and verify against ONNX Runtime, and the torch
+backend's converter must convert it and match ONNX Runtime.  The rest of the corpus (torchvision, timm)
+is the ``corpus`` tier, run on demand with ``PARASTREAM_CORPUS=1`` where those packages import; there an
+export must build and verify, or stop with a one-line error (exit 2) that names a node.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+sys.path.insert(0, str(ROOT / "bench"))
+
+import corpus  # noqa: E402
+
+CI = [(m, e) for m, s in corpus.MODELS.items() if s.ci for e in corpus.EXPORTERS]
+REST = [(m, e) for m, s in corpus.MODELS.items() if not s.ci for e in corpus.EXPORTERS]
+
+
+def _needs(source: str) -> None:
+    pytest.importorskip("torch")
+    pytest.importorskip("onnxscript")
+    if source == "timm":
+        pytest.importorskip("timm")
+    elif source == "torchvision":
+        try:
+            import torchvision  # noqa: F401
+        except Exception as e:  # noqa: BLE001 - a torchvision wheel that does not match torch fails at import
+            pytest.skip(f"torchvision does not import: {e}")
+    else:
+        pytest.importorskip("transformers")
+
+
+def test_corpus_has_the_issue_s_coverage():
+    fams = {}
+    for s in corpus.MODELS.values():
+        fams.setdefault(s.family, []).append(s.name)
+    assert len(corpus.MODELS) >= 30
+    assert len(fams["branchy"]) >= 5 and len(fams["transformer"]) >= 5
+    assert {"detection", "segmentation", "chain"} <= set(fams)
+    assert {"torchvision", "timm", "transformers"} == {s.source for s in corpus.MODELS.values()}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name,exporter", CI, ids=[f"{m}-{e}" for m, e in CI])
+def test_ci_subset_builds_verifies_and_converts(name, exporter, tmp_path):
+    _needs("transformers")
+    row = corpus.run_one(name, exporter, tmp_path)
+    assert row["export_ok"], row.get("export_error")
+    assert row["build_ok"], row.get("build_error")
+    assert row["verification"]["passed"], row["verification"]
+    assert row["nodes_out"] >= 1 and row["streams"] >= 1
+    t = row["torch"]
+    assert t["missing_ops"] == [], t
+    assert t["converts"], t.get("convert_error")
+    assert t["torch_scaled_err"] <= 1e-4, t
+
+
+@pytest.mark.corpus
+@pytest.mark.parametrize("name,exporter", REST, ids=[f"{m}-{e}" for m, e in REST])
+def test_full_corpus(name, exporter, tmp_path):
+    _needs(corpus.MODELS[name].source)
+    row = corpus.run_one(name, exporter, tmp_path)
+    if not row["export_ok"]:
+        pytest.skip(f"the exporter failed (not parastream): {row['export_error']}")
+    if not row["build_ok"]:
+        assert row["exit"] == 2, row.get("traceback") or row["build_error"]
+        assert "node '" in row["build_error"], row["build_error"]
+        return
+    assert row["verification"]["passed"], row["verification"]
+    assert row["torch"]["converts"], row["torch"].get("convert_error")

@@ -1,0 +1,158 @@
+"""Ops the public-model corpus needed in the torch converter (issue 11): each against ONNX Runtime on the
+CPU, and each with a case it must refuse (naming the node) rather than convert wrongly."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines.onnx_torch import UnsupportedOp, convert  # noqa: E402
+
+F, I64 = TensorProto.FLOAT, TensorProto.INT64
+
+
+def one_node(op, inputs, outputs, consts=None, opset=17, **attrs):
+    """A model of one node; ``inputs``/``outputs``: [(name, elem_type, shape)], ``consts``: {name: array}."""
+    consts = consts or {}
+    node = helper.make_node(op, [n for n, *_ in inputs] + list(consts), [n for n, *_ in outputs], name=f"the_{op}", **attrs)
+    g = helper.make_graph([node], op, [helper.make_tensor_value_info(*i) for i in inputs],
+                          [helper.make_tensor_value_info(*o) for o in outputs],
+                          [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True, data_prop=True)
+
+
+def reorder(model, order):
+    """Put the node's inputs in ``order`` (names), for ops whose constant input is not the last."""
+    node = model.graph.node[0]
+    del node.input[:]
+    node.input.extend(order)
+    return model
+
+
+def check(model, feeds, rtol=1e-6, atol=1e-6):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = sess.run(None, feeds)
+    module = convert(model)
+    with torch.no_grad():
+        outs = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+    assert len(outs) == len(ref)
+    for o, r in zip(outs, ref):
+        assert tuple(o.shape) == r.shape
+        np.testing.assert_allclose(o.numpy(), r, rtol=rtol, atol=atol)
+
+
+rng = np.random.default_rng(0)
+
+
+@pytest.mark.parametrize("batch_dims", [0, 1])
+@pytest.mark.parametrize("k", [1, 2])
+def test_gathernd(batch_dims, k):
+    data = rng.standard_normal((3, 4, 5, 2)).astype(np.float32)
+    lead = [3] if batch_dims else []
+    dims = data.shape[batch_dims:batch_dims + k]
+    idx = np.stack([rng.integers(-d, d, size=(*lead, 6)) for d in dims], axis=-1).astype(np.int64)
+    out_shape = [*lead, 6, *data.shape[batch_dims + k:]]
+    m = one_node("GatherND", [("x", F, list(data.shape)), ("i", I64, list(idx.shape))], [("y", F, out_shape)],
+                 batch_dims=batch_dims)
+    check(m, {"x": data, "i": idx})
+
+
+def test_gathernd_bert_dynamo_pattern():
+    """What torch's dynamo exporter writes for ``hidden[arange(B), positions]`` (BERT-like pooling)."""
+    data = rng.standard_normal((2, 7, 8)).astype(np.float32)
+    idx = np.array([[0, 3], [1, -1]], dtype=np.int64)
+    check(one_node("GatherND", [("x", F, [2, 7, 8]), ("i", I64, [2, 2])], [("y", F, [2, 8])]), {"x": data, "i": idx})
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul"])
+def test_scatternd(reduction):
+    data = rng.standard_normal((5, 4, 3)).astype(np.float32)
+    idx = np.array([[0], [2], [4]], dtype=np.int64) if reduction == "none" else np.array([[0], [2], [0]], dtype=np.int64)
+    upd = rng.standard_normal((3, 4, 3)).astype(np.float32)
+    m = one_node("ScatterND", [("x", F, [5, 4, 3]), ("i", I64, [3, 1]), ("u", F, [3, 4, 3])], [("y", F, [5, 4, 3])],
+                 opset=18, reduction=reduction)
+    check(m, {"x": data, "i": idx, "u": upd}, rtol=1e-5)
+
+
+def test_scatternd_two_index_axes_negative():
+    data = rng.standard_normal((4, 6)).astype(np.float32)
+    idx = np.array([[0, -1], [3, 2]], dtype=np.int64)
+    upd = np.array([10.0, 20.0], dtype=np.float32)
+    check(one_node("ScatterND", [("x", F, [4, 6]), ("i", I64, [2, 2]), ("u", F, [2])], [("y", F, [4, 6])]),
+          {"x": data, "i": idx, "u": upd})
+
+
+def test_scatternd_max_reduction_is_refused():
+    m = one_node("ScatterND", [("x", F, [5, 3]), ("i", I64, [2, 1]), ("u", F, [2, 3])], [("y", F, [5, 3])],
+                 opset=18, reduction="max")
+    with pytest.raises(UnsupportedOp, match="the_ScatterND.*reduction 'max'"):
+        convert(m)
+
+
+@pytest.mark.parametrize("largest,axis", [(1, -1), (0, 0)])
+def test_topk(largest, axis):
+    x = rng.permutation(24).reshape(4, 6).astype(np.float32)  # distinct values: one right order
+    shape = [4, 3] if axis == -1 else [3, 6]
+    m = reorder(one_node("TopK", [("x", F, [4, 6])], [("v", F, shape), ("i", I64, shape)], consts={"k": np.array([3], np.int64)},
+                         axis=axis, largest=largest), ["x", "k"])
+    check(m, {"x": x})
+
+
+def test_topk_with_a_runtime_k_is_refused():
+    m = one_node("TopK", [("x", F, [4, 6]), ("k", I64, [1])], [("v", F, [4, "k"]), ("i", I64, [4, "k"])])
+    with pytest.raises(UnsupportedOp, match="the_TopK.*input 1 must be a constant"):
+        convert(m)
+
+
+@pytest.mark.parametrize("upper,k", [(1, 0), (0, 0), (1, 1), (0, -1)])
+def test_trilu(upper, k):
+    x = rng.standard_normal((2, 5, 5)).astype(np.float32)
+    m = one_node("Trilu", [("x", F, [2, 5, 5])], [("y", F, [2, 5, 5])], consts={"k": np.array(k, np.int64)}, upper=upper)
+    check(m, {"x": x})
+
+
+def test_cumsum():
+    x = rng.standard_normal((3, 5)).astype(np.float32)
+    check(one_node("CumSum", [("x", F, [3, 5])], [("y", F, [3, 5])], consts={"a": np.array(1, np.int64)}), {"x": x}, rtol=1e-5)
+
+
+def test_cumsum_int64_keeps_its_dtype():
+    x = rng.integers(0, 3, (2, 6)).astype(np.int64)
+    check(one_node("CumSum", [("x", I64, [2, 6])], [("y", I64, [2, 6])], consts={"a": np.array(1, np.int64)}), {"x": x})
+
+
+@pytest.mark.parametrize("attr", ["exclusive", "reverse"])
+def test_cumsum_exclusive_or_reverse_is_refused(attr):
+    m = one_node("CumSum", [("x", F, [3, 5])], [("y", F, [3, 5])], consts={"a": np.array(1, np.int64)}, **{attr: 1})
+    with pytest.raises(UnsupportedOp, match="the_CumSum"):
+        convert(m)
+
+
+@pytest.mark.parametrize("pos,neg", [(1, 1), (1, 0), (0, 1)])
+def test_isinf(pos, neg):
+    x = np.array([[1.0, np.inf, -np.inf, np.nan, 0.0]], dtype=np.float32)
+    m = one_node("IsInf", [("x", F, [1, 5])], [("y", TensorProto.BOOL, [1, 5])], detect_positive=pos, detect_negative=neg)
+    check(m, {"x": x})
+
+
+def test_scatter_elements():
+    x = rng.standard_normal((3, 4)).astype(np.float32)
+    i = np.array([[0, -1], [2, 1], [3, 0]], dtype=np.int64)
+    u = rng.standard_normal((3, 2)).astype(np.float32)
+    check(one_node("ScatterElements", [("x", F, [3, 4]), ("i", I64, [3, 2]), ("u", F, [3, 2])], [("y", F, [3, 4])], axis=1),
+          {"x": x, "i": i, "u": u})
+
+
+def test_scatter_elements_with_a_reduction_is_refused():
+    m = one_node("ScatterElements", [("x", F, [3, 4]), ("i", I64, [3, 2]), ("u", F, [3, 2])], [("y", F, [3, 4])],
+                 opset=18, axis=1, reduction="add")
+    with pytest.raises(UnsupportedOp, match="the_ScatterElements.*reduction 'add'"):
+        convert(m)

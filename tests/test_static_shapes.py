@@ -1,0 +1,199 @@
+"""The loader gives every tensor a static shape where the input shapes are static (issue 11).
+
+Real exports compute sizes at run time (timm's "same" padding: Shape -> Gather -> arithmetic -> Cast ->
+Concat -> Pad) and leave tensors that one folding pass and ONNX shape inference cannot resolve.  The
+loader folds to a fixed point, then asks ONNX Runtime's symbolic shape inference, then runs the model
+once; a shape that depends on input *values* is an error naming the node; ``--shapes`` is suggested only
+for an input with a dynamic dimension.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from graphs import ort_reference
+from onnx import TensorProto, helper, numpy_helper
+
+from parastream.launcher.errors import ParastreamError
+from parastream.pipeline import model_io
+from parastream.pipeline.cli import main
+from parastream.pipeline.model_io import load_model, unknown_tensors
+
+N = helper.make_node
+
+
+def _i64(name, vals):
+    return numpy_helper.from_array(np.array(vals, dtype=np.int64), name)
+
+
+def _save(model: onnx.ModelProto, path) -> str:
+    onnx.save(model, str(path))
+    return str(path)
+
+
+def same_pad_model(size: int = 9, c: int = 4) -> onnx.ModelProto:
+    """A conv net whose padding is computed from the activation's shape at run time, as timm's pad_same
+    exports with the TorchScript exporter (no value_info: the exporter's own shapes dropped)."""
+    rng = np.random.default_rng(0)
+    w1 = numpy_helper.from_array((rng.standard_normal((c, 3, 3, 3)) * 0.3).astype(np.float32), "w1")
+    w2 = numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) * 0.3).astype(np.float32), "w2")
+    nodes = [
+        N("Conv", ["x", "w1"], ["a"], name="conv1", strides=[2, 2]),
+        N("Relu", ["a"], ["r"], name="relu1"),
+        N("Shape", ["r"], ["shp"], name="shape"),
+        N("Gather", ["shp", "idx_h"], ["h"], name="gather_h", axis=0),
+        # pad = max((ceil(h / s) - 1) * s + k - h, 0) with s = 2, k = 3; the total split half/half
+        N("Sub", ["h", "one"], ["h1"], name="sub1"),
+        N("Div", ["h1", "two"], ["q"], name="div"),
+        N("Mul", ["q", "two"], ["q2"], name="mul"),
+        N("Add", ["q2", "three"], ["q3"], name="add"),
+        N("Sub", ["q3", "h"], ["tot"], name="sub2"),
+        N("Max", ["tot", "zero"], ["tot0"], name="max"),
+        N("Div", ["tot0", "two"], ["half"], name="div_half"),
+        N("Sub", ["tot0", "half"], ["rest"], name="sub_rest"),
+        N("Cast", ["half"], ["half_i"], name="cast_half", to=TensorProto.INT64),
+        N("Cast", ["rest"], ["rest_i"], name="cast_rest", to=TensorProto.INT64),
+        N("Concat", ["zeros2", "half_i", "half_i", "zeros2", "rest_i", "rest_i"], ["pads"], name="pads", axis=0),
+        N("Pad", ["r", "pads"], ["p"], name="pad", mode="constant"),
+        N("Conv", ["p", "w2"], ["b"], name="conv2", strides=[2, 2]),
+        N("Relu", ["b"], ["y"], name="relu2"),
+    ]
+    inits = [w1, w2, _i64("idx_h", [2]), _i64("one", [1]), _i64("two", [2]), _i64("three", [3]),
+             _i64("zero", [0]), _i64("zeros2", [0, 0])]
+    g = helper.make_graph(nodes, "same_pad", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 3, size, size])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["n", "c", "h", "w"])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_one_folding_pass_leaves_the_same_padding_unknown():
+    """The case the fixed point is for: ONNX shape inference after one graphsurgeon pass stops at the Pad."""
+    one_pass = onnx.shape_inference.infer_shapes(model_io._fold_constants(same_pad_model()), strict_mode=True, data_prop=True)
+    assert any(n.op_type == "Pad" for n, _ in unknown_tensors(one_pass))
+
+
+def test_runtime_padding_gets_static_shapes_and_builds(tmp_path):
+    path = _save(same_pad_model(), tmp_path / "same_pad.onnx")
+    loaded = load_model(path)
+    assert unknown_tensors(loaded.model) == []
+    assert [(o.name, o.shape) for o in loaded.outputs] == [("y", [1, 4, 2, 2])]
+    assert not any(n.op_type in ("Shape", "Gather", "Cast") for n in loaded.model.graph.node)  # folded away
+    # the folded model computes what the exported one does
+    x = np.random.default_rng(1).standard_normal((1, 3, 9, 9)).astype(np.float32)
+    np.testing.assert_allclose(ort_reference(loaded.model, {"x": x})["y"], ort_reference(same_pad_model(), {"x": x})["y"],
+                               rtol=1e-5, atol=1e-6)
+    out = tmp_path / "out"
+    assert main(["build", path, "-o", str(out), "--backend", "onnxruntime", "--quiet"]) == 0
+    assert out.is_dir()
+
+
+def test_static_model_does_not_take_the_fallbacks(tmp_path, monkeypatch):
+    """Must not fire: a model whose shapes ONNX inference already knows never reaches the fallbacks."""
+    from graphs import three_branch_model
+
+    def boom(*a, **k):
+        raise AssertionError("fallback ran on a model that needs none")
+
+    for name in ("_fold_to_fixed_point", "_symbolic_infer", "_record_shapes_by_running"):
+        monkeypatch.setattr(model_io, name, boom)
+    loaded = load_model(_save(three_branch_model(), tmp_path / "m.onnx"))
+    assert unknown_tensors(loaded.model) == []
+
+
+def _nonzero_model():
+    nodes = [N("Relu", ["x"], ["r"], name="relu"), N("NonZero", ["r"], ["nz"], name="find_positive"),
+             N("Transpose", ["nz"], ["y"], name="transpose")]
+    g = helper.make_graph(nodes, "nz", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.INT64, ["k", 2])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _reshape_by_data_model():
+    """A Reshape whose target shape is computed from an input's values (not its shape)."""
+    nodes = [N("Abs", ["s"], ["sa"], name="abs"), N("Reshape", ["x", "sa"], ["y"], name="reshape_by_values")]
+    g = helper.make_graph(nodes, "rd", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 6]),
+                                        helper.make_tensor_value_info("s", TensorProto.INT64, [2])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.parametrize("make, node, op", [(_nonzero_model, "find_positive", "NonZero"),
+                                            (_reshape_by_data_model, "reshape_by_values", "Reshape")])
+def test_data_dependent_shape_names_the_node(tmp_path, capsys, make, node, op):
+    path = _save(make(), tmp_path / "dd.onnx")
+    out = tmp_path / "out"
+    code = main(["build", path, "-o", str(out), "--backend", "onnxruntime", "--quiet"])
+    err = capsys.readouterr().err.strip()
+    assert code == 2, err
+    assert len(err.splitlines()) == 1
+    assert f"node {node!r} ({op})" in err and "depends on the input values" in err, err
+    assert "--shapes" not in err
+    assert not out.exists()
+
+
+def test_shapes_hint_only_for_a_dynamic_input(tmp_path, capsys):
+    from graphs import three_branch_model
+
+    path = _save(three_branch_model(batch="N"), tmp_path / "dyn.onnx")
+    out = tmp_path / "out"
+    assert main(["build", path, "-o", str(out), "--backend", "onnxruntime", "--quiet"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "--shapes" in err and "unknown dimensions" in err
+
+
+def _custom_op_model():
+    """com.microsoft's Gelu: ONNX shape inference knows nothing of the domain; ONNX Runtime runs it."""
+    nodes = [N("Relu", ["x"], ["r"], name="relu"), N("Gelu", ["r"], ["g"], name="ms_gelu", domain="com.microsoft"),
+             N("Add", ["g", "x"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "ms", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 5])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+
+
+def test_last_resort_records_shapes_from_one_onnxruntime_run(tmp_path, monkeypatch):
+    path = _save(_custom_op_model(), tmp_path / "ms.onnx")
+    monkeypatch.setattr(model_io, "_symbolic_infer", lambda m: m)  # as if ORT's symbolic inference knew no more
+    calls = []
+    real = model_io._record_shapes_by_running
+    monkeypatch.setattr(model_io, "_record_shapes_by_running", lambda m, names, p: calls.append(list(names)) or real(m, names, p))
+    loaded = load_model(path)
+    assert calls and "g" in calls[0]
+    assert unknown_tensors(loaded.model) == []
+    assert [(o.name, o.shape, o.dtype) for o in loaded.outputs] == [("y", [2, 5], "float32")]
+
+
+def test_symbolic_inference_comes_before_the_run(tmp_path, monkeypatch):
+    """ONNX Runtime's symbolic inference knows com.microsoft ops: no run needed."""
+    path = _save(_custom_op_model(), tmp_path / "ms.onnx")
+    monkeypatch.setattr(model_io, "_record_shapes_by_running", lambda *a: pytest.fail("ran the model"))
+    loaded = load_model(path)
+    assert unknown_tensors(loaded.model) == []
+
+
+def test_a_run_that_fails_is_one_line_naming_the_file(tmp_path, monkeypatch):
+    m = _custom_op_model()
+    m.graph.node[1].domain = "com.example"  # no runtime knows it
+    del m.opset_import[1:]
+    m.opset_import.append(helper.make_opsetid("com.example", 1))
+    path = _save(m, tmp_path / "unknown.onnx")
+    monkeypatch.setattr(model_io, "_symbolic_infer", lambda m: m)
+    with pytest.raises(ParastreamError) as e:
+        load_model(path)
+    assert str(path) in str(e.value) and len(str(e.value).splitlines()) == 1
+
+
+def test_symbolic_inference_leaves_nothing_in_the_working_folder(tmp_path, monkeypatch):
+    """ONNX Runtime's symbolic inference saves its partial model into the current folder when it gives up."""
+    work = tmp_path / "work"
+    work.mkdir()
+    monkeypatch.chdir(work)
+    m = _custom_op_model()
+    m.graph.node[1].domain = "com.example"
+    del m.opset_import[1:]
+    m.opset_import.append(helper.make_opsetid("com.example", 1))
+    m.graph.node[1].op_type = "Unknowable"  # symbolic inference cannot finish
+    model_io._symbolic_infer(onnx.shape_inference.infer_shapes(m))
+    assert list(work.iterdir()) == []
+    assert __import__("os").getcwd() == str(work)
