@@ -295,7 +295,7 @@ def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
     return out_model
 
 
-def _fold_constants(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model") -> onnx.ModelProto:
     """Fold shape arithmetic and Constant nodes now that input shapes are static (one graphsurgeon pass)."""
     import onnx_graphsurgeon as gs
 
