@@ -253,6 +253,16 @@ def _alternative_launcher(bundle: Bundle, model, graph, plan, backend, options: 
     return GpuLauncher(bundle, fuse_conv_relu=fuse_conv_relu, internal_nhwc=internal_nhwc)
 
 
+def _record_measured_streams(streams_tried: list[dict], sched: Schedule) -> None:
+    """Timing chose ``sched``: the table of stream counts says so (the row chosen, marked measured)."""
+    chosen = [t for t in streams_tried if t.get("chosen")]
+    if len(chosen) == 1 and chosen[0]["streams"] == sched.num_streams and chosen[0].get("engines") == len(sched.branches):
+        return
+    for t in streams_tried:
+        t["chosen"] = False
+    streams_tried.append({"streams": sched.num_streams, "engines": len(sched.branches), "chosen": True, "measured": True})
+
+
 def _has_conv_relu(model: onnx.ModelProto) -> bool:
     readers: dict[str, list[str]] = {}
     for n in model.graph.node:
@@ -589,6 +599,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             with running_errors(loaded.path, loaded.model, "to time the CPU alternatives"):
                 model, graph, sched, cpu_threads, cpu_choice = choose_cpu_alternative(
                     loaded, model, graph, sched, backend, options, cost_model, cfg, rewritten=bool(search_report.get("rules_chosen")))
+            _record_measured_streams(streams_tried, sched)
             task.advance()
             timings["cpu_choice"] = time.perf_counter() - t0
         plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
@@ -610,7 +621,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 if measured and (measured["one_engine"] or _compiled_for_other_choices(backend, fused, measured)):
                     if measured["one_engine"]:
                         sched, _ = plan_streams(graph, cost_model, 1, 1)
-                        streams_tried.append({"streams": 1, "engines": 1, "chosen": True, "measured": True})
+                        _record_measured_streams(streams_tried, sched)
                         plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
                                          inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
                     shutil.rmtree(tmp / "engines")

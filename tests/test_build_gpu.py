@@ -204,3 +204,16 @@ def test_gpu_build_times_its_alternatives(models, tmp_path):
     assert opts["fuse_conv_relu"] == m["fuse_conv_relu"] and opts["internal_nhwc"] == m["internal_nhwc"]
     assert (bundle.plan.num_streams == 1) == m["one_engine"]
     assert bundle.report["verification"]["passed"]
+
+
+def test_a_timed_choice_is_the_one_row_chosen():
+    """The stream table keeps one chosen row: the schedule timing picked (added, marked measured) or the planned one."""
+    import types
+
+    from parastream.pipeline.build import _record_measured_streams
+
+    tried = [{"streams": 1, "engines": 1, "chosen": False}, {"streams": 2, "engines": 8, "chosen": True}]
+    _record_measured_streams(tried, types.SimpleNamespace(num_streams=2, branches=[0] * 8))
+    assert [t["chosen"] for t in tried] == [False, True] and len(tried) == 2  # must not fire: the plan was kept
+    _record_measured_streams(tried, types.SimpleNamespace(num_streams=1, branches=[0]))
+    assert [t for t in tried if t["chosen"]] == [{"streams": 1, "engines": 1, "chosen": True, "measured": True}]
