@@ -32,6 +32,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from corpus import calibrate_batchnorm  # noqa: E402
 from gpu import cuda_median_ms, export, max_err, ort_reference  # noqa: E402
 
 
@@ -49,15 +50,7 @@ def make_vision_model(spec: str, size: int):
         kw = {"aux_logits": False, "init_weights": True} if spec in ("inception_v3", "googlenet") else {}
         model = getattr(torchvision.models, spec)(weights=None, **kw)
     x = torch.randn(1, 3, size, size)
-    bns = [m for m in model.modules() if isinstance(m, torch.nn.modules.batchnorm._BatchNorm)]
-    for m in bns:
-        m.reset_running_stats()
-        m.momentum = None
-    model.train()
-    with torch.no_grad():
-        for _ in range(2):
-            model(torch.randn(8, *x.shape[1:]))
-    model.eval()
+    calibrate_batchnorm(model, x, batches=2, batch_size=8)
     return model, {"x": x}
 
 
