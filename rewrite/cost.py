@@ -96,32 +96,38 @@ _ALIASES = {"h100": "H100-SXM", "h100sxm": "H100-SXM", "h100pcie": "H100-PCIe", 
 
 
 _CPU_SPEC: list[DeviceSpec] = []
+# Nominal rates per core (fp32 FLOP/s with AVX2 FMA; with AVX-512, twice), copy bandwidth per core and its cap:
+# about what numpy measures on our 2-core AVX2 development machine when it is quiet (30 GFLOP/s, 10 GB/s).
+CPU_FLOPS_PER_CORE = 15e9
+CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX = 5e9, 100e9
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
 
 
 def cpu_device() -> DeviceSpec:
-    """The "CPU" profile, for engines that run on this machine's CPU (the onnxruntime backend): its fp32
-    matrix-multiply rate and its copy bandwidth, measured once per process with numpy (about 0.1 s), and its
-    cores as the parallel units.  Measured rather than taken from a table: CPUs differ too much for one."""
+    """The "CPU" profile, for engines that run on this machine's CPU (the onnxruntime backend): nominal fp32 and
+    copy rates from its core count and vector width, its cores as the parallel units.
+
+    Nominal, not measured: a measured rate (it was, with numpy, once per process) moves with the machine's load
+    by 10-50%, and with it the search's costs, so that the same command found other rewrites on a loaded and an
+    idle machine.  The search compares candidates with each other, so only the ratios matter; the CPU build
+    times its alternatives on the machine anyway (``choose_cpu_alternative``)."""
     if not _CPU_SPEC:
-        import time
-
-        a = np.random.default_rng(0).random((384, 384), dtype=np.float32)
-        a @ a  # noqa: B018 - warm-up (BLAS threads start)
-        best = min(_timed(lambda: a @ a, time) for _ in range(5))
-        flops = 2 * 384 ** 3 / best
-        big = np.ones(8 << 20, np.float32)  # 32 MiB, past the caches
-        dst = np.empty_like(big)
-        copy = min(_timed(lambda: np.copyto(dst, big), time) for _ in range(3))
-        bandwidth = 2 * big.nbytes / copy  # read + write
-        _CPU_SPEC.append(DeviceSpec("CPU", fp16_flops=flops, fp32_flops=flops, bandwidth=bandwidth,
-                                    sms=os.cpu_count() or 1, tf32_flops=flops))
+        cores = os.cpu_count() or 1
+        flops = cores * CPU_FLOPS_PER_CORE * (2 if "avx512f" in _cpu_flags() else 1)
+        bandwidth = min(cores * CPU_BANDWIDTH_PER_CORE, CPU_BANDWIDTH_MAX)
+        _CPU_SPEC.append(DeviceSpec("CPU", fp16_flops=flops, fp32_flops=flops, bandwidth=bandwidth, sms=cores,
+                                    tf32_flops=flops))
     return _CPU_SPEC[0]
-
-
-def _timed(fn, time) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return max(time.perf_counter() - t0, 1e-9)
 
 
 def get_device(name: str | DeviceSpec) -> DeviceSpec:

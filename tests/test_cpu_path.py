@@ -106,7 +106,16 @@ def test_cpu_device_profile():
 
     d = get_device("cpu")
     assert d.name == "CPU" and d.sms == (os.cpu_count() or 1) and d.fp32_flops > 1e8 and d.bandwidth > 1e8
-    assert get_device("CPU") is d  # measured once per process
+    assert get_device("CPU") is d  # made once per process
+    # nominal, not measured: the search's costs (and so the rewrites it finds) must not move with the machine's load
+    import parastream.rewrite.cost as cost
+
+    saved = list(cost._CPU_SPEC)
+    try:
+        cost._CPU_SPEC.clear()
+        assert cost.cpu_device() == d and cost.cpu_device() is not d
+    finally:
+        cost._CPU_SPEC[:] = saved
     assert RooflineCostModel("CPU").describe() == "roofline CPU fp32"
     from parastream.launcher.engines import require_backend
     from parastream.pipeline.build import default_device_profile
