@@ -164,11 +164,21 @@ def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
 
 
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
-                   label: str, on_branch=None, internal_nhwc: bool = True) -> dict:
+                   label: str, on_branch=None, internal_nhwc: bool = True, prebuilt: dict | None = None) -> dict:
     """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report.
 
     Engines that are compiled for the launcher's tensor layout (torch) are compiled for the layout a
-    launcher of this plan uses with ``internal_nhwc`` (what manifest.json will say)."""
+    launcher of this plan uses with ``internal_nhwc`` (what manifest.json will say).  ``prebuilt``:
+    {branch name: (engine bytes, builder report)} of this same plan, built already (the CPU alternative kept)."""
+    if prebuilt is not None and set(prebuilt) == {b.name for b in plan.branches}:
+        (dest / "engines").mkdir(exist_ok=True)
+        onnx.save(model, dest / "model.onnx")
+        plan.save(dest / "plan.json")
+        for b in plan.branches:
+            (dest / b.engine).write_bytes(prebuilt[b.name][0])
+            if on_branch:
+                on_branch()
+        return {name: rep for name, (_, rep) in prebuilt.items() if rep is not None}
     (dest / "engines").mkdir(exist_ok=True)
     onnx.save(model, dest / "model.onnx")
     plan.save(dest / "plan.json")
@@ -359,60 +369,133 @@ def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, b
     return dest
 
 
+CPU_MARGIN = 0.05  # a timed CPU alternative replaces the default only when at least this much faster (and beyond the spread)
+
+
+@dataclass
+class CpuAlternative:
+    name: str
+    model: onnx.ModelProto
+    graph: gs.Graph
+    sched: Schedule
+    threads: int  # intra-op threads per session (0: onnxruntime's default, every core)
+
+
+def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, cost_model,
+                     cfg: "BuildConfig", rewritten: bool) -> list[CpuAlternative]:
+    """What a CPU build can ship, the cost model's choice FIRST (the default): the plan it scheduled (the rewritten
+    model as one session when that is one stream), then the loaded model as one onnxruntime session with every
+    core (plain onnxruntime, which a bundle must never be slower than), the rewritten model as one session, and
+    the multi-stream plan with every core per session.  ``--streams`` given: only the plan's thread counts.
+    ``rewritten`` False (the search changed nothing): the rewritten model is the loaded one, not timed twice."""
+    import os
+
+    cores = os.cpu_count() or 1
+    plans: list[CpuAlternative] = []
+    if sched.num_streams > 1 or cfg.streams:
+        shared = max(1, cores // sched.num_streams) if sched.num_streams > 1 else 0
+        for threads in dict.fromkeys([shared, 0]):
+            plans.append(CpuAlternative(f"plan: {sched.num_streams} streams, {len(sched.branches)} sessions, "
+                                        f"{threads or cores} threads each", model, graph, sched, threads))
+    whole: list[CpuAlternative] = []
+    if not cfg.streams:
+        for name, m in (("rewritten model, one session", model), ("original model, one session", loaded.model)):
+            if name.startswith("rewritten") and (m is loaded.model or not rewritten):
+                continue
+            g = graph if m is model else _graph_of(m)
+            whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
+    # several streams: the plan as the launcher runs it by default, then one session, then every core per session
+    return plans[:1] + whole + plans[1:] if plans else whole
+
+
+def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: float = CPU_MARGIN) -> tuple[str, list[dict]]:
+    """The alternative to keep from timed calls: ``order[0]`` (the default) unless another is faster by a clear
+    margin.  The alternatives are taken in order; one replaces the current choice when its median is below the
+    current's by more than the margin: the larger of ``floor`` and the spread of either (interquartile range /
+    median of its calls), so that a difference within the noise of a loaded machine never flips the bundle.
+    Returns (chosen, one row per alternative: median, quartiles, spread, calls, margin it needed, won)."""
+    stats = {}
+    for name in order:
+        t = np.asarray(times[name], dtype=float)
+        q25, med, q75 = (float(x) for x in np.percentile(t, [25, 50, 75]))
+        stats[name] = {"median_ms": med * 1e3, "p25_ms": q25 * 1e3, "p75_ms": q75 * 1e3,
+                       "spread": (q75 - q25) / med if med > 0 else 0.0, "calls": int(t.size)}
+    current = order[0]
+    for name in order[1:]:
+        margin = max(floor, stats[current]["spread"], stats[name]["spread"])
+        stats[name]["margin_needed"] = margin
+        stats[name]["against"] = current
+        if stats[name]["median_ms"] < stats[current]["median_ms"] * (1.0 - margin):
+            current = name
+    return current, [dict(alternative=n, **stats[n], chosen=n == current) for n in order]
+
+
 def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
                            options: BuildOptions, cost_model, cfg: "BuildConfig", rewritten: bool = True):
-    """CPU builds: time the alternatives on this machine and keep the fastest, as the GPU build measures its
-    candidates.  The alternatives: the loaded model and the rewritten one each as ONE onnxruntime session with
-    every core (plain onnxruntime, which a bundle must never be slower than), and the multi-stream plan with
-    the cores shared out among its streams and with every core per session.  ``--streams`` given: only the
-    plan's thread counts are compared.  ``rewritten`` False: the search changed nothing, the rewritten model
-    is not timed apart from the loaded one.
+    """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
+    candidates, and keep the cost model's default unless another is faster beyond the noise (``decide_by_timing``).
 
-    Returns (model, graph, schedule, threads per engine, report); the report lists what was timed (median ms
-    of ``cfg.cpu_runs`` interleaved calls on the same random input) and what won.
+    All are loaded together and timed in alternating blocks on the same random input (``race_calls``: at most
+    ``cfg.cpu_runs`` calls each; one clearly behind stops early), so that a change in the machine's load falls on
+    all of them alike.  Each distinct model and schedule is built once (the plan's two thread counts share their
+    engines), and the engines of the one kept are handed back, so that the bundle does not build them again.
+
+    Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (bytes, builder report)}).
     """
     import os
     import tempfile
 
-    from parastream.launcher.cpu import CpuLauncher, random_feeds, time_calls
+    from parastream.launcher import cpu as cpu_launcher
 
     cores = os.cpu_count() or 1
-    alternatives = []  # (name, model, graph, schedule, threads)
-    if not cfg.streams:
-        for name, m in (("original model, one session", loaded.model), ("rewritten model, one session", model)):
-            if name.startswith("rewritten") and (m is loaded.model or not rewritten):
-                continue
-            g = graph if m is model else _graph_of(m)
-            alternatives.append((name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
-    if sched.num_streams > 1 or not alternatives:
-        shared = max(1, cores // sched.num_streams)
-        for threads in dict.fromkeys([shared, 0]):
-            alternatives.append((f"plan: {sched.num_streams} streams, {len(sched.branches)} sessions, "
-                                 f"{threads or cores} threads each", model, graph, sched, threads))
-    report = {"runs": cfg.cpu_runs, "cores": cores, "timed": []}
-    if len(alternatives) == 1:
-        name, m, g, sc, threads = alternatives[0]
-        report.update(chosen=name, decision="one alternative: nothing to time")
-        return m, g, sc, threads, report
-    feeds = random_feeds(loaded.inputs, seed=cfg.seed)
-    medians = {}
-    # one alternative loaded at a time: idle sessions of the others would compete for the cores (and memory)
-    for i, (name, m, g, sc, threads) in enumerate(alternatives):
-        plan = make_plan(g, sc, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
-                         inputs=loaded.inputs, outputs=loaded.outputs)
-        with tempfile.TemporaryDirectory(prefix="parastream-cpu-") as tmp:
-            runner = CpuLauncher(Bundle.open(_scratch_bundle(Path(tmp), m, g, plan, backend, options), check_hashes=False),
-                                 threads_per_engine=threads)
-            try:
-                medians[name] = float(np.median(time_calls({name: runner}, feeds, runs=cfg.cpu_runs)[name]))
-            finally:
-                runner.close()
-    best = min(alternatives, key=lambda a: (medians[a[0]], alternatives.index(a)))
-    for name, m, g, sc, threads in alternatives:
-        report["timed"].append({"alternative": name, "streams": sc.num_streams, "sessions": len(sc.branches),
-                                "threads": threads or cores, "median_ms": medians[name] * 1e3, "chosen": name == best[0]})
-    report.update(chosen=best[0], decision=f"fastest of {len(alternatives)} timed on this CPU")
-    return best[1], best[2], best[3], best[4], report
+    alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, cfg, rewritten)
+    report = {"runs": cfg.cpu_runs, "cores": cores, "default": alternatives[0].name, "timed": []}
+    built: dict[tuple, tuple[Path, dict]] = {}
+    runners: dict[str, object] = {}
+    with tempfile.TemporaryDirectory(prefix="parastream-cpu-") as tmp:
+        try:
+            for alt in alternatives:
+                key = (id(alt.model), alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
+                if key not in built:
+                    built[key] = _cpu_scratch_bundle(Path(tmp) / str(len(built)), alt, backend, options, loaded, cfg)
+                alt_dir = built[key][0]
+                if len(alternatives) > 1:
+                    runners[alt.name] = cpu_launcher.CpuLauncher(Bundle.open(alt_dir, check_hashes=False),
+                                                                 threads_per_engine=alt.threads)
+            if len(alternatives) == 1:
+                chosen = alternatives[0].name
+                report.update(chosen=chosen, decision="one alternative: nothing to time")
+            else:
+                feeds = cpu_launcher.random_feeds(loaded.inputs, seed=cfg.seed)
+                times = cpu_launcher.race_calls(runners, feeds, runs=cfg.cpu_runs, behind=2 * CPU_MARGIN)
+                chosen, rows = decide_by_timing(times, [a.name for a in alternatives])
+                for alt, row in zip(alternatives, rows):
+                    row.update(streams=alt.sched.num_streams, sessions=len(alt.sched.branches), threads=alt.threads or cores)
+                report.update(timed=rows, chosen=chosen, margin=f"max({CPU_MARGIN:.0%}, interquartile spread of either)",
+                              decision=("the cost model's default: no alternative was faster beyond the noise"
+                                        if chosen == alternatives[0].name else
+                                        f"timed faster than the default ({alternatives[0].name}) beyond the noise"))
+        finally:
+            for r in runners.values():
+                r.close()
+            runners.clear()
+        best = next(a for a in alternatives if a.name == chosen)
+        best_dir, best_report = built[(id(best.model), best.sched.num_streams, tuple(map(tuple, best.sched.branches)))]
+        plan = Bundle.open(best_dir, check_hashes=False).plan
+        engines = {b.name: ((best_dir / b.engine).read_bytes(), best_report.get(b.name)) for b in plan.branches}
+    return best.model, best.graph, best.sched, best.threads, report, engines
+
+
+def _cpu_scratch_bundle(dest: Path, alt: CpuAlternative, backend, options: BuildOptions, loaded: LoadedModel,
+                        cfg: "BuildConfig") -> tuple[Path, dict]:
+    """A bundle of ``alt`` in ``dest`` to load and time; with its builder's report (per branch)."""
+    dest.mkdir()
+    plan = make_plan(alt.graph, alt.sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
+                     inputs=loaded.inputs, outputs=loaded.outputs)
+    rep = _write_engines(dest, alt.model, alt.graph, plan, backend, options, "candidate")
+    (dest / "report.json").write_text("{}")
+    write_manifest(dest, {"backend": backend.name, "precision": plan.precision, "options": _launcher_options(options)})
+    return dest, rep
 
 
 class MeasureBudgetSpent(RuntimeError):
@@ -592,12 +675,12 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         graph = _graph_of(model)
         sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
         timings["schedule"] = time.perf_counter() - t0
-        cpu_threads, cpu_choice = None, None
+        cpu_threads, cpu_choice, prebuilt = None, None, None
         if not backend.gpu and cfg.measure:
             t0 = time.perf_counter()
             task = bar.step("time the CPU alternatives")
             with running_errors(loaded.path, loaded.model, "to time the CPU alternatives"):
-                model, graph, sched, cpu_threads, cpu_choice = choose_cpu_alternative(
+                model, graph, sched, cpu_threads, cpu_choice, prebuilt = choose_cpu_alternative(
                     loaded, model, graph, sched, backend, options, cost_model, cfg, rewritten=bool(search_report.get("rules_chosen")))
             _record_measured_streams(streams_tried, sched)
             task.advance()
@@ -609,7 +692,9 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         with staging(out, "bundle") as tmp:  # renamed to OUT at the end of the block, removed on any error
             t0 = time.perf_counter()
             task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
-            engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance)
+            engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance,
+                                            prebuilt=prebuilt)
+            prebuilt = None
             timings["engines"] = time.perf_counter() - t0
 
             measured = None

@@ -267,6 +267,31 @@ def _simple_compare_func(rtol: float, atol: float):
     return comparator.CompareFunc.simple(rtol=rtol, atol=atol, check_shapes=True)
 
 
+class _TorchIfImported:
+    """polygraphy's lazy ``torch`` module for ``polygraphy.util.array``, answering "not installed" while torch is
+    not imported.  polygraphy asks ``is_torch(x)`` of every array it handles and imports torch to answer (2-3 s
+    and some 300 MB of a CPU build, where nothing else imports it); no array can be a torch tensor before torch
+    is imported, so the answer is the same."""
+
+    def __init__(self, lazy):
+        self._lazy = lazy
+
+    def is_installed(self):
+        import sys
+
+        return "torch" in sys.modules and self._lazy.is_installed()
+
+    def __getattr__(self, name):
+        return getattr(self._lazy, name)
+
+
+def _polygraphy_without_torch_import() -> None:
+    from polygraphy.util import array as pg_array
+
+    if not isinstance(pg_array.torch, _TorchIfImported):
+        pg_array.torch = _TorchIfImported(pg_array.torch)
+
+
 def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rtol: float, atol: float,
            scale_tol: float | None = None, seed: int = 1, iterations: int = 2,
            input_ranges: dict[str, tuple] | None = None) -> Verification:
@@ -283,6 +308,7 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
     pg_config.INTERNAL_CORRECTNESS_CHECKS = False
+    _polygraphy_without_torch_import()
     meta = TensorMetadata()
     for s in inputs:
         meta.add(s.name, np.dtype(s.dtype), tuple(s.shape))

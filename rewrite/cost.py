@@ -182,7 +182,7 @@ def _static_shape(t: gs.Tensor) -> tuple[int, ...] | None:
 
 def _numel(t: gs.Tensor) -> int:
     shape = _static_shape(t)
-    return int(np.prod(shape, dtype=np.int64)) if shape is not None else 0
+    return math.prod(shape) if shape is not None else 0
 
 
 def _itemsize(t: gs.Tensor, float_bytes: int | None) -> int:
@@ -285,6 +285,34 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
 # Ops whose epilogue can absorb a following elementwise op (TensorRT, cuDNN and Inductor all fuse these).
 EPILOGUE_PRODUCERS = frozenset({"Conv", "ConvTranspose", "Gemm", "MatMul"})
 _EPILOGUE_OPS = frozenset(_POINTWISE) | {"BatchNormalization"}
+
+
+_COST_ATTRS = ("group", "axis", "kernel_shape", "transA")  # the attributes _flops_bytes_tiles reads
+
+
+def _tensor_key(t) -> tuple | None:
+    if t is None or isinstance(t, str) or not getattr(t, "name", ""):
+        return None
+    if isinstance(t, gs.Constant):
+        v = t.values
+        return (v.shape, v.dtype, True)
+    shape = t.shape
+    return (tuple(shape) if shape is not None else None, t.dtype, False)
+
+
+def node_key(node: gs.Node, fused_epilogues: bool = True) -> tuple:
+    """What the roofline cost of ``node`` depends on: its op, the attributes the cost reads, the shapes and types
+    of its inputs and outputs, which of them are the same tensor (counted once), and, with ``fused_epilogues``,
+    whether it runs inside its producer's kernel.  Two nodes with the same key cost the same."""
+    first: dict[int, int] = {}  # id(tensor) -> index of its first use
+    ios: list = []
+    for group in (node.inputs, node.outputs):
+        for t in group:
+            named = not isinstance(t, str) and bool(getattr(t, "name", ""))
+            ios.append((_tensor_key(t), first.setdefault(id(t), len(first)) if named else -1))
+        ios.append(None)  # inputs | outputs
+    attrs = tuple((a, repr(node.attrs[a])) for a in _COST_ATTRS if a in node.attrs)
+    return (node.op, attrs, tuple(ios), fused_epilogues and is_fused_epilogue(node))
 
 
 def is_fused_epilogue(node: gs.Node, _depth: int = 0) -> bool:
@@ -397,11 +425,21 @@ class RooflineCostModel(_GraphCostMixin):
         self.float_bytes = 2 if precision in ("fp16", "bf16", "half") else None
         self.kernel_floor = kernel_floor
         self.occupancy = occupancy
+        # node costs by node_key: the search costs thousands of candidates that share most of their nodes
+        self._costs: dict[tuple, float] = {}
+        self._bound: dict[tuple, bool] = {}
 
     def describe(self) -> str:
         return f"roofline {self.device.name} {self.precision}"
 
     def node_cost(self, node: gs.Node) -> float:
+        key = node_key(node, self.fuse_epilogues)
+        cost = self._costs.get(key)
+        if cost is None:
+            cost = self._costs[key] = self._node_cost(node)
+        return cost
+
+    def _node_cost(self, node: gs.Node) -> float:
         if self.fuse_epilogues and is_fused_epilogue(node):
             # no kernel and no round trip of the activation: only its own constants are read
             return _tensor_bytes([t for t in node.inputs if isinstance(t, gs.Constant)], self.float_bytes) / self.device.bandwidth
@@ -415,6 +453,13 @@ class RooflineCostModel(_GraphCostMixin):
 
     def is_memory_bound(self, node: gs.Node) -> bool:
         """Arithmetic intensity (FLOP/byte) below the device's ridge point at this precision."""
+        key = node_key(node, False)
+        bound = self._bound.get(key)
+        if bound is None:
+            bound = self._bound[key] = self._is_memory_bound(node)
+        return bound
+
+    def _is_memory_bound(self, node: gs.Node) -> bool:
         flops, byts, _ = _flops_bytes_tiles(node, self.float_bytes)
         if byts == 0.0:
             return False

@@ -37,7 +37,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
-from .ir import GraphHasher, export_model, import_graph
+from .ir import GraphHasher, copy_graph, export_model, import_graph
 from .rules import ALL_RULES, Rule
 
 REPORT_VERSION = 1
@@ -110,7 +110,7 @@ def extract_piece(graph: gs.Graph, names: list[str]) -> gs.Graph:
         for t in node.outputs:
             if id(t) in graph_outputs or any(c.name not in chosen for c in t.outputs):
                 outputs.append(t)
-    return gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs, opset=graph.opset).copy()
+    return copy_graph(gs.Graph(nodes=nodes, inputs=inputs, outputs=outputs, opset=graph.opset))
 
 
 def assemble(pieces: list[gs.Graph], original: gs.Graph) -> gs.Graph:
@@ -124,7 +124,7 @@ def assemble(pieces: list[gs.Graph], original: gs.Graph) -> gs.Graph:
     node_names: set[str] = set()
     nodes = []
     for piece in pieces:
-        piece = piece.copy()
+        piece = copy_graph(piece)
         local_boundary = {t.name for t in (*piece.inputs, *piece.outputs)}
         for t in piece.tensors().values():
             if t.name in local_boundary:

@@ -31,15 +31,21 @@ def _check_outputs(bundle_path, model_path):
     np.testing.assert_allclose(got, ort_reference(onnx.load(model_path), {"input": x})["output"], rtol=1e-5, atol=1e-6)
 
 
-def test_cpu_build_times_the_alternatives_and_keeps_the_fastest(model_path, tmp_path):
+def test_cpu_build_times_the_alternatives_and_keeps_the_default_unless_beaten(model_path, tmp_path):
     bundle = build(model_path, tmp_path / "b", backend="onnxruntime", streams=None, cpu_runs=5)
     choice = bundle.report["cpu_choice"]
     names = [t["alternative"] for t in choice["timed"]]
-    assert names[0] == "original model, one session" and any(n.startswith("plan: ") for n in names)
+    # the cost model's plan is the default, timed against plain onnxruntime (the original, one session)
+    assert names[0] == choice["default"] and names[0].startswith("plan: ") and "original model, one session" in names
+    rows = {t["alternative"]: t for t in choice["timed"]}
     chosen = [t for t in choice["timed"] if t["chosen"]]
     assert len(chosen) == 1 and chosen[0]["alternative"] == choice["chosen"]
-    assert chosen[0]["median_ms"] == min(t["median_ms"] for t in choice["timed"])
-    # the bundle is the alternative that won
+    for t in choice["timed"]:
+        assert t["p25_ms"] <= t["median_ms"] <= t["p75_ms"] and 1 <= t["calls"] <= 5
+    if choice["chosen"] != choice["default"]:  # it won by the margin against the one it replaced
+        c = chosen[0]
+        assert c["median_ms"] < rows[c["against"]]["median_ms"] * (1 - c["margin_needed"]) and c["margin_needed"] >= 0.05
+    # the bundle is the alternative kept
     assert bundle.plan.num_streams == chosen[0]["streams"] and len(bundle.plan.branches) == chosen[0]["sessions"]
     assert bundle.plan.cpu_threads is not None
     assert (bundle.plan.cpu_threads or os.cpu_count()) == chosen[0]["threads"]
@@ -47,18 +53,35 @@ def test_cpu_build_times_the_alternatives_and_keeps_the_fastest(model_path, tmp_
     _check_outputs(bundle.path, model_path)
 
 
+def _injected(medians: dict, spread: float = 0.01, runs: int = 10):
+    """race_calls's result with these medians (ms) for the alternatives whose names start with a key; calls spread
+    evenly over median * (1 ± spread)."""
+    def fake(runners, feeds, *, runs=runs, **kw):
+        out = {}
+        for name, run in runners.items():
+            run(feeds)  # each alternative runs
+            ms = next(v for k, v in medians.items() if name.startswith(k))
+            out[name] = np.linspace(1 - spread, 1 + spread, runs) * ms / 1e3
+        return out
+    return fake
+
+
 @pytest.mark.parametrize("winner", ["original model, one session", "plan"])
 def test_the_timed_winner_decides_the_bundle(model_path, tmp_path, monkeypatch, winner):
-    """With the timings fixed (the whole model fast, or the plan fast), the bundle follows them."""
+    """Timings injected: an alternative 5x faster than the others replaces the default, and the bundle follows."""
     import parastream.launcher.cpu as cpu
 
-    def fake_time_calls(runners, feeds, *, runs, warmup=3, block=10):
-        (name,) = runners
-        runners[name](feeds)  # the alternative runs
-        fast = name == winner or (winner == "plan" and name.startswith("plan: ") and name.endswith(f" {os.cpu_count()} threads each"))
-        return {name: np.full(runs, 0.001 if fast else 0.005)}
+    every_core = f" {os.cpu_count()} threads each"
 
-    monkeypatch.setattr(cpu, "time_calls", fake_time_calls)
+    def fake(runners, feeds, *, runs, **kw):
+        out = {}
+        for name, run in runners.items():
+            run(feeds)
+            fast = name == winner or (winner == "plan" and name.startswith("plan: ") and name.endswith(every_core))
+            out[name] = np.full(runs, 0.001 if fast else 0.005)
+        return out
+
+    monkeypatch.setattr(cpu, "race_calls", fake)
     bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3, search=False)
     choice = bundle.report["cpu_choice"]
     if winner == "plan":
@@ -68,6 +91,58 @@ def test_the_timed_winner_decides_the_bundle(model_path, tmp_path, monkeypatch, 
         assert choice["chosen"] == winner
         assert bundle.plan.num_streams == 1 and len(bundle.plan.branches) == 1 and bundle.plan.cpu_threads == 0
     _check_outputs(bundle.path, model_path)
+
+
+def test_a_loaded_machines_noise_does_not_flip_the_choice(model_path, tmp_path, monkeypatch):
+    """A loaded run: the alternatives' medians 4% apart with calls spread +-15% (the noise on a busy machine).
+    The default is kept, whichever alternative the noise favours; the report says what was timed and why."""
+    import parastream.launcher.cpu as cpu
+
+    for faster in ("original", "plan"):
+        medians = {"plan": 10.0, "original": 10.0}
+        medians[faster] = 9.6
+        monkeypatch.setattr(cpu, "race_calls", _injected(medians, spread=0.15))
+        bundle = build(model_path, tmp_path / faster, backend="onnxruntime", cpu_runs=10, search=False)
+        choice = bundle.report["cpu_choice"]
+        assert choice["chosen"] == choice["default"] and choice["default"].startswith("plan: ")
+        assert "no alternative was faster beyond the noise" in choice["decision"]
+        other = next(t for t in choice["timed"] if t["alternative"].startswith("original"))
+        assert other["margin_needed"] >= other["spread"] > 0.1 and not other["chosen"]
+    # the same medians, quiet calls (spread 1%): 4% is still within the 5% floor, the default stays
+    monkeypatch.setattr(cpu, "race_calls", _injected({"plan": 10.0, "original": 9.6}, spread=0.01))
+    assert build(model_path, tmp_path / "quiet", backend="onnxruntime", cpu_runs=10, search=False).report["cpu_choice"]["chosen"].startswith("plan: ")
+    # a clear win (20% with 1% spread) replaces it
+    monkeypatch.setattr(cpu, "race_calls", _injected({"plan": 10.0, "original": 8.0}, spread=0.01))
+    assert build(model_path, tmp_path / "clear", backend="onnxruntime", cpu_runs=10, search=False).report["cpu_choice"]["chosen"] == "original model, one session"
+
+
+def test_decide_by_timing_takes_alternatives_in_order():
+    from parastream.pipeline.build import decide_by_timing
+
+    t = {"a": np.full(9, 1.0), "b": np.full(9, 0.9), "c": np.full(9, 0.88)}
+    chosen, rows = decide_by_timing(t, ["a", "b", "c"])
+    assert chosen == "b"  # b beats a by 10%; c is within 5% of b
+    assert [r["chosen"] for r in rows] == [False, True, False] and rows[2]["against"] == "b"
+    assert decide_by_timing(t, ["a", "c", "b"])[0] == "c"
+    assert decide_by_timing({"a": np.full(3, 1.0), "b": np.array([0.5, 0.9, 1.5])}, ["a", "b"])[0] == "a"  # spread 50%
+
+
+def test_race_calls_stops_a_clearly_slower_runner_early():
+    import time
+
+    from parastream.launcher.cpu import race_calls
+
+    calls = {"fast": 0, "slow": 0}
+
+    def runner(name, s):
+        def run(feeds):
+            calls[name] += 1
+            time.sleep(s)
+        return run
+
+    times = race_calls({"fast": runner("fast", 0.0005), "slow": runner("slow", 0.01)}, {}, runs=20, warmup=1, block=5)
+    assert len(times["fast"]) == 20 and len(times["slow"]) == 5  # one block, then clearly behind
+    assert calls == {"fast": 21, "slow": 6}
 
 
 def test_explicit_streams_only_compare_thread_counts(model_path, tmp_path):

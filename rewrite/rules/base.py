@@ -19,6 +19,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from ..ir import copy_graph, toposort
+
 
 @dataclass(frozen=True)
 class Site:
@@ -62,10 +64,9 @@ class Rule:
         reason = self.check(graph, site)
         if reason is not None:
             raise ValueError(f"{site.key}: {reason}")
-        out = graph.copy()
+        out = copy_graph(graph)
         self.rewrite(out, site)
-        out.cleanup(remove_unused_graph_inputs=False).toposort()
-        return out
+        return toposort(out.cleanup(remove_unused_graph_inputs=False))
 
     def sites(self, graph: gs.Graph) -> list[tuple[Site, str | None]]:
         """Every matched site with its check result (``None`` = safe)."""

@@ -1,0 +1,89 @@
+"""The search's own graph primitives (copy, toposort, node costs, constant hashes) give exactly what
+onnx-graphsurgeon's and the uncached ones give: they exist only to make the search cheaper."""
+
+from __future__ import annotations
+
+import random
+import sys
+from pathlib import Path
+
+import numpy as np
+import onnx_graphsurgeon as gs
+
+from parastream.rewrite import RooflineCostModel
+from parastream.rewrite.cost import _flops_bytes_tiles, is_fused_epilogue
+from parastream.rewrite.ir import GraphHasher, copy_graph, import_graph, toposort
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+from graphs import nested_concat_model, three_branch_model  # noqa: E402
+from onnx_cases import attention_layer, inception_block, misc_ops  # noqa: E402
+
+MODELS = [three_branch_model(), nested_concat_model(), inception_block(), attention_layer(), misc_ops()]
+
+
+def _describe(graph: gs.Graph):
+    return ([(n.name, n.op, [t.name for t in n.inputs], [t.name for t in n.outputs], dict(n.attrs)) for n in graph.nodes],
+            [(t.name, type(t).__name__, t.dtype if isinstance(t, gs.Variable) else None,
+              t.shape if isinstance(t, gs.Variable) else t.values.shape) for t in graph.tensors().values()],
+            [t.name for t in graph.inputs], [t.name for t in graph.outputs])
+
+
+def test_copy_graph_is_graphsurgeons_copy():
+    for model in MODELS:
+        g = import_graph(model)
+        ours, theirs = copy_graph(g), g.copy()
+        assert _describe(ours) == _describe(theirs) == _describe(g)
+        # a detached copy: nodes and tensors are new objects, the weights are shared (as Graph.copy shares them)
+        assert not {id(n) for n in ours.nodes} & {id(n) for n in g.nodes}
+        assert all(a is not b for a, b in zip(ours.tensors().values(), g.tensors().values()))
+        ours.nodes[0].name = "renamed"
+        assert g.nodes[0].name != "renamed"
+
+
+def test_toposort_is_graphsurgeons_order():
+    rng = random.Random(0)
+    for model in MODELS:
+        g = import_graph(model)
+        for _ in range(5):
+            a = copy_graph(g)
+            rng.shuffle(a.nodes)
+            b = copy_graph(a)
+            assert [n.name for n in toposort(a).nodes] == [n.name for n in b.toposort().nodes]
+
+
+def test_toposort_refuses_a_cycle():
+    x = gs.Variable("x", np.float32, [1])
+    y = gs.Variable("y", np.float32, [1])
+    g = gs.Graph(nodes=[gs.Node("Relu", "a", inputs=[y], outputs=[x]), gs.Node("Relu", "b", inputs=[x], outputs=[y])])
+    try:
+        toposort(g)
+    except ValueError as e:
+        assert "cycle" in str(e)
+    else:
+        raise AssertionError("a cycle was sorted")
+
+
+def test_cached_node_costs_are_the_uncached_ones():
+    cm = RooflineCostModel("CPU")
+    for model in MODELS:
+        g = import_graph(model)
+        for n in g.nodes:
+            fresh = RooflineCostModel("CPU")
+            assert cm.node_cost(n) == fresh._node_cost(n) == cm.node_cost(n)
+            assert cm.is_memory_bound(n) == fresh._is_memory_bound(n)
+    # two nodes alike but for one input's shape do not share a cost
+    a = gs.Variable("a", np.float32, [1, 64])
+    b = gs.Variable("b", np.float32, [1, 128])
+    na = gs.Node("Relu", "ra", inputs=[a], outputs=[gs.Variable("oa", np.float32, [1, 64])])
+    nb = gs.Node("Relu", "rb", inputs=[b], outputs=[gs.Variable("ob", np.float32, [1, 128])])
+    assert cm.node_cost(na) < cm.node_cost(nb)
+    assert _flops_bytes_tiles(na)[1] < _flops_bytes_tiles(nb)[1] and not is_fused_epilogue(na)
+
+
+def test_hashes_of_weight_slices_follow_their_bytes():
+    w = np.arange(24, dtype=np.float32).reshape(6, 4)
+    h = GraphHasher()
+    first, second = gs.Constant("p0", np.ascontiguousarray(w[:3])), gs.Constant("p1", np.ascontiguousarray(w[3:]))
+    again = gs.Constant("q0", np.ascontiguousarray(w[:3]))  # a new view object of the same bytes
+    assert h._constant(first) == h._constant(again) == GraphHasher()._constant(gs.Constant("c", w[:3].copy()))
+    assert h._constant(first) != h._constant(second)
