@@ -37,22 +37,30 @@ def _load() -> str:
         return "?"
 
 
+def _children_cpu() -> float:
+    """CPU seconds (user + system) of the finished child processes: a build's work, less sensitive to load than its wall time."""
+    import resource
+
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def build_row(model: Path, bench: bool, runs: int, extra: list[str]) -> dict:
     name = model.stem
     with tempfile.TemporaryDirectory(prefix="parastream-cpu-path-") as tmp:
         bundle = Path(tmp) / "b"
         load_before = _load()
-        t0 = time.perf_counter()
+        t0, cpu0 = time.perf_counter(), _children_cpu()
         proc = subprocess.run([sys.executable, "-m", "parastream.pipeline.cli", "build", str(model), "-o", str(bundle),
                                "--backend", "onnxruntime", "--json", *extra], capture_output=True, text=True)
-        wall = time.perf_counter() - t0
+        wall, cpu = time.perf_counter() - t0, _children_cpu() - cpu0
         if proc.returncode != 0:
             return {"model": name, "error": (proc.stderr.strip().splitlines() or ["?"])[-1], "exit": proc.returncode}
         summary = json.loads(proc.stdout)
         report = json.loads((bundle / "report.json").read_text())
         manifest = json.loads((bundle / "manifest.json").read_text())
         search = report.get("search") or {}
-        row = {"model": name, "load_before": load_before, "build_wall_s": wall, "timings": report["timings"],
+        row = {"model": name, "load_before": load_before, "build_wall_s": wall, "build_cpu_s": cpu, "timings": report["timings"],
                "peak_rss_mb": summary["peak_rss_mb"], "nodes": [summary["nodes_in"], summary["nodes_out"]],
                "rewrites": summary["rewrites"], "rules_chosen": search.get("rules_chosen", []),
                "kept": summary["cpu_choice"], "cpu_choice": report.get("cpu_choice"),

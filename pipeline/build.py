@@ -164,7 +164,8 @@ def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
 
 
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
-                   label: str, on_branch=None, internal_nhwc: bool = True, prebuilt: dict | None = None) -> dict:
+                   label: str, on_branch=None, internal_nhwc: bool = True, prebuilt: dict | None = None,
+                   model_file: bool = True) -> dict:
     """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report.
 
     Engines that are compiled for the launcher's tensor layout (torch) are compiled for the layout a
@@ -180,7 +181,8 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
                 on_branch()
         return {name: rep for name, (_, rep) in prebuilt.items() if rep is not None}
     (dest / "engines").mkdir(exist_ok=True)
-    onnx.save(model, dest / "model.onnx")
+    if model_file:
+        onnx.save(model, dest / "model.onnx")
     plan.save(dest / "plan.json")
     builder = backend.Builder(options)
     layouts = _engine_layouts(plan, backend, builder, options, internal_nhwc)
@@ -458,10 +460,8 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
                 key = (id(alt.model), alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
                 if key not in built:
                     built[key] = _cpu_scratch_bundle(Path(tmp) / str(len(built)), alt, backend, options, loaded, cfg)
-                alt_dir = built[key][0]
                 if len(alternatives) > 1:
-                    runners[alt.name] = cpu_launcher.CpuLauncher(Bundle.open(alt_dir, check_hashes=False),
-                                                                 threads_per_engine=alt.threads)
+                    runners[alt.name] = cpu_launcher.CpuLauncher(built[key][0], threads_per_engine=alt.threads)
             if len(alternatives) == 1:
                 chosen = alternatives[0].name
                 report.update(chosen=chosen, decision="one alternative: nothing to time")
@@ -480,22 +480,21 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
                 r.close()
             runners.clear()
         best = next(a for a in alternatives if a.name == chosen)
-        best_dir, best_report = built[(id(best.model), best.sched.num_streams, tuple(map(tuple, best.sched.branches)))]
-        plan = Bundle.open(best_dir, check_hashes=False).plan
-        engines = {b.name: ((best_dir / b.engine).read_bytes(), best_report.get(b.name)) for b in plan.branches}
+        scratch, best_report = built[(id(best.model), best.sched.num_streams, tuple(map(tuple, best.sched.branches)))]
+        engines = {b.name: (scratch.engine_bytes(b), best_report.get(b.name)) for b in scratch.plan.branches}
     return best.model, best.graph, best.sched, best.threads, report, engines
 
 
 def _cpu_scratch_bundle(dest: Path, alt: CpuAlternative, backend, options: BuildOptions, loaded: LoadedModel,
-                        cfg: "BuildConfig") -> tuple[Path, dict]:
-    """A bundle of ``alt`` in ``dest`` to load and time; with its builder's report (per branch)."""
+                        cfg: "BuildConfig") -> tuple[Bundle, dict]:
+    """The engines of ``alt`` in ``dest``, opened as a bundle to time, with its builder's report (per branch).
+    No model.onnx, report or hashed manifest: only the launcher reads it, and only its plan and engines."""
     dest.mkdir()
     plan = make_plan(alt.graph, alt.sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
                      inputs=loaded.inputs, outputs=loaded.outputs)
-    rep = _write_engines(dest, alt.model, alt.graph, plan, backend, options, "candidate")
-    (dest / "report.json").write_text("{}")
-    write_manifest(dest, {"backend": backend.name, "precision": plan.precision, "options": _launcher_options(options)})
-    return dest, rep
+    rep = _write_engines(dest, alt.model, alt.graph, plan, backend, options, "candidate", model_file=False)
+    return Bundle(path=dest, manifest={"backend": backend.name, "precision": plan.precision,
+                                       "options": _launcher_options(options)}, plan=plan, report={}), rep
 
 
 class MeasureBudgetSpent(RuntimeError):
