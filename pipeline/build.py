@@ -11,6 +11,7 @@ import inspect
 import json
 import platform
 import shutil
+import tempfile
 import time
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -18,7 +19,6 @@ from pathlib import Path
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
-from onnx import shape_inference
 
 from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
@@ -91,7 +91,9 @@ def default_device_profile(backend) -> str:
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    return shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+    from parastream.rewrite.ir import infer
+
+    return infer(model, strict=True)
 
 
 def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
@@ -170,13 +172,13 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
 
     Engines that are compiled for the launcher's tensor layout (torch) are compiled for the layout a
     launcher of this plan uses with ``internal_nhwc`` (what manifest.json will say).  ``prebuilt``:
-    {branch name: (engine bytes, builder report)} of this same plan, built already (the CPU alternative kept)."""
+    {branch name: (engine file, builder report)} of this same plan, built already (the CPU alternative kept)."""
     if prebuilt is not None and set(prebuilt) == {b.name for b in plan.branches}:
         (dest / "engines").mkdir(exist_ok=True)
         onnx.save(model, dest / "model.onnx")
         plan.save(dest / "plan.json")
         for b in plan.branches:
-            (dest / b.engine).write_bytes(prebuilt[b.name][0])
+            shutil.copyfile(prebuilt[b.name][0], dest / b.engine)
             if on_branch:
                 on_branch()
         return {name: rep for name, (_, rep) in prebuilt.items() if rep is not None}
@@ -432,67 +434,83 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
     return current, [dict(alternative=n, **stats[n], chosen=n == current) for n in order]
 
 
+CPU_INTERLEAVE_BYTES = 512 << 20  # alternatives whose engines together are larger are loaded and timed one at a time
+
+
 def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
-                           options: BuildOptions, cost_model, cfg: "BuildConfig", rewritten: bool = True):
+                           options: BuildOptions, cost_model, cfg: "BuildConfig", scratch: Path, rewritten: bool = True):
     """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
     candidates, and keep the cost model's default unless another is faster beyond the noise (``decide_by_timing``).
 
-    All are loaded together and timed in alternating blocks on the same random input (``race_calls``: at most
+    They are loaded together and timed in alternating blocks on the same random input (``race_calls``: at most
     ``cfg.cpu_runs`` calls each; one clearly behind stops early), so that a change in the machine's load falls on
-    all of them alike.  Each distinct model and schedule is built once (the plan's two thread counts share their
-    engines), and the engines of the one kept are handed back, so that the bundle does not build them again.
+    all of them alike; when their engines together pass ``CPU_INTERLEAVE_BYTES`` (a large model: every session
+    holds its own weights), one at a time instead, to bound the build's memory.  Each distinct model and schedule
+    is built once, in ``scratch`` (the caller's folder; the plan's two thread counts share their engines), and the
+    engines of the one kept are handed back as files there, so that the bundle copies rather than builds them.
 
-    Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (bytes, builder report)}).
+    Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (file, builder report)}).
     """
     import os
-    import tempfile
 
     from parastream.launcher import cpu as cpu_launcher
 
     cores = os.cpu_count() or 1
     alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, cfg, rewritten)
     report = {"runs": cfg.cpu_runs, "cores": cores, "default": alternatives[0].name, "timed": []}
-    built: dict[tuple, tuple[Path, dict]] = {}
-    runners: dict[str, object] = {}
-    with tempfile.TemporaryDirectory(prefix="parastream-cpu-") as tmp:
-        try:
-            for alt in alternatives:
-                key = (id(alt.model), alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
-                if key not in built:
-                    built[key] = _cpu_scratch_bundle(Path(tmp) / str(len(built)), alt, backend, options, loaded, cfg)
-                if len(alternatives) > 1:
-                    runners[alt.name] = cpu_launcher.CpuLauncher(built[key][0], threads_per_engine=alt.threads)
-            if len(alternatives) == 1:
-                chosen = alternatives[0].name
-                report.update(chosen=chosen, decision="one alternative: nothing to time")
-            else:
-                feeds = cpu_launcher.random_feeds(loaded.inputs, seed=cfg.seed)
-                times = cpu_launcher.race_calls(runners, feeds, runs=cfg.cpu_runs, behind=2 * CPU_MARGIN)
-                chosen, rows = decide_by_timing(times, [a.name for a in alternatives])
-                for alt, row in zip(alternatives, rows):
-                    row.update(streams=alt.sched.num_streams, sessions=len(alt.sched.branches), threads=alt.threads or cores)
-                report.update(timed=rows, chosen=chosen, margin=f"max({CPU_MARGIN:.0%}, interquartile spread of either)",
-                              decision=("the cost model's default: no alternative was faster beyond the noise"
-                                        if chosen == alternatives[0].name else
-                                        f"timed faster than the default ({alternatives[0].name}) beyond the noise"))
-        finally:
-            for r in runners.values():
-                r.close()
-            runners.clear()
-        best = next(a for a in alternatives if a.name == chosen)
-        scratch, best_report = built[(id(best.model), best.sched.num_streams, tuple(map(tuple, best.sched.branches)))]
-        engines = {b.name: (scratch.engine_bytes(b), best_report.get(b.name)) for b in scratch.plan.branches}
+    built: dict[tuple, tuple[Bundle, dict]] = {}
+
+    def key(alt: CpuAlternative) -> tuple:
+        return (id(alt.model), alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
+
+    for alt in alternatives:
+        if key(alt) not in built:  # checked by the builder only when no launcher loads it to time it
+            built[key(alt)] = _cpu_scratch_bundle(scratch / str(len(built)), alt, backend, options, loaded, cfg,
+                                                  check=len(alternatives) == 1)
+    if len(alternatives) == 1:
+        chosen = alternatives[0].name
+        report.update(chosen=chosen, decision="one alternative: nothing to time")
+    else:
+        size = sum(f.stat().st_size for b, _ in built.values() for f in (b.path / "engines").iterdir())
+        together = size <= CPU_INTERLEAVE_BYTES
+        feeds = cpu_launcher.random_feeds(loaded.inputs, seed=cfg.seed)
+        groups = [alternatives] if together else [[a] for a in alternatives]
+        times: dict = {}
+        for group in groups:
+            runners = {}
+            try:
+                for alt in group:
+                    runners[alt.name] = cpu_launcher.CpuLauncher(built[key(alt)][0], threads_per_engine=alt.threads)
+                times.update(cpu_launcher.race_calls(runners, feeds, runs=cfg.cpu_runs, behind=2 * CPU_MARGIN))
+            finally:
+                for r in runners.values():
+                    r.close()
+                runners.clear()  # their sessions (and weights) go now, not with the next group's
+        chosen, rows = decide_by_timing(times, [a.name for a in alternatives])
+        for alt, row in zip(alternatives, rows):
+            row.update(streams=alt.sched.num_streams, sessions=len(alt.sched.branches), threads=alt.threads or cores)
+        report.update(timed=rows, chosen=chosen, margin=f"max({CPU_MARGIN:.0%}, interquartile spread of either)",
+                      loaded=("together, alternating blocks" if together else
+                              f"one at a time (engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"),
+                      decision=("the cost model's default: no alternative was faster beyond the noise"
+                                if chosen == alternatives[0].name else
+                                f"timed faster than the default ({alternatives[0].name}) beyond the noise"))
+    best = next(a for a in alternatives if a.name == chosen)
+    kept, best_report = built[key(best)]
+    engines = {b.name: (kept.engine_path(b), best_report.get(b.name)) for b in kept.plan.branches}
     return best.model, best.graph, best.sched, best.threads, report, engines
 
 
 def _cpu_scratch_bundle(dest: Path, alt: CpuAlternative, backend, options: BuildOptions, loaded: LoadedModel,
-                        cfg: "BuildConfig") -> tuple[Bundle, dict]:
+                        cfg: "BuildConfig", check: bool) -> tuple[Bundle, dict]:
     """The engines of ``alt`` in ``dest``, opened as a bundle to time, with its builder's report (per branch).
     No model.onnx, report or hashed manifest: only the launcher reads it, and only its plan and engines."""
     dest.mkdir()
     plan = make_plan(alt.graph, alt.sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
                      inputs=loaded.inputs, outputs=loaded.outputs)
-    rep = _write_engines(dest, alt.model, alt.graph, plan, backend, options, "candidate", model_file=False)
+    # check False: the launcher that times it loads every engine next (its errors name the node there)
+    rep = _write_engines(dest, alt.model, alt.graph, plan, backend, replace(options, check=check), "candidate",
+                         model_file=False)
     return Bundle(path=dest, manifest={"backend": backend.name, "precision": plan.precision,
                                        "options": _launcher_options(options)}, plan=plan, report={}), rep
 
@@ -624,7 +642,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
 
-    with _Progress(progress) as bar:
+    with _Progress(progress) as bar, contextlib.ExitStack() as stack:
         t0 = time.perf_counter()
         shapes, profiles = dict(cfg.shapes), {}
         if cfg.batch:
@@ -665,8 +683,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             finally:
                 if measure is not None:
                     measure.close()
-            search_report = dict(search_report, enabled=True)
-            model = _infer(model)
+            search_report = dict(search_report, enabled=True)  # its model is inferred and checked (export_model)
             task.advance()
             timings["search"] = time.perf_counter() - t0
 
@@ -678,9 +695,11 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         if not backend.gpu and cfg.measure:
             t0 = time.perf_counter()
             task = bar.step("time the CPU alternatives")
+            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parastream-cpu-")))
             with running_errors(loaded.path, loaded.model, "to time the CPU alternatives"):
                 model, graph, sched, cpu_threads, cpu_choice, prebuilt = choose_cpu_alternative(
-                    loaded, model, graph, sched, backend, options, cost_model, cfg, rewritten=bool(search_report.get("rules_chosen")))
+                    loaded, model, graph, sched, backend, options, cost_model, cfg, scratch,
+                    rewritten=bool(search_report.get("rules_chosen")))
             _record_measured_streams(streams_tried, sched)
             task.advance()
             timings["cpu_choice"] = time.perf_counter() - t0
@@ -742,16 +761,20 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
                 task = bar.step("verify against onnxruntime")
                 from parastream.launcher import load
 
-                runner = load(tmp, check_hashes=False)
+                loaded_as: dict = {}
+
+                def load_bundle():
+                    runner = load(tmp, check_hashes=False)
+                    loaded_as.update(_engines_loaded(runner))
+                    return runner
+
+                model = graph = None  # written; only the bundle runs from here
                 rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
-                result = run_verification(loaded.path, loaded.original, runner, loaded.inputs, rtol=rtol, atol=atol,
-                                          scale_tol=scale_tol, seed=cfg.seed + 1)
-                close = getattr(runner, "close", None)
-                if close:
-                    close()
+                result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
+                                          scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle)
                 task.advance()
                 timings["verify"] = time.perf_counter() - t0
-                report["verification"] = dict(result.to_dict(), **_engines_loaded(runner))
+                report["verification"] = dict(result.to_dict(), **loaded_as)
                 if not result.passed:
                     raise VerificationError(
                         f"{loaded.path}: the built deployment does not match onnxruntime on the original model "

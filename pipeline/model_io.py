@@ -310,7 +310,9 @@ def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model") -> o
 
 def _infer(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
     try:
-        return shape_inference.infer_shapes(model, strict_mode=True, data_prop=True)
+        from parastream.rewrite.ir import infer
+
+        return infer(model, strict=True)  # large weights set aside: inference reads only their shapes
     except Exception as e:  # noqa: BLE001 - InferenceError names the node
         raise ParastreamError(f"{path}: shape inference failed: {str(e).strip().splitlines()[0]}") from None
 

@@ -93,7 +93,12 @@ def make_plan(graph: gs.Graph, sched: Schedule, *, backend: str, precision: str,
 
 
 def extract_branch(model: onnx.ModelProto, graph: gs.Graph, branch: Branch) -> onnx.ModelProto:
-    """The branch as a self-contained ONNX model: its boundary tensors become graph inputs/outputs."""
+    """The branch as a self-contained ONNX model: its boundary tensors become graph inputs/outputs.  A branch that
+    is the whole model (a one-session plan) is ``model`` itself: no copy of its weights through graphsurgeon."""
+    if (len(branch.nodes) == len(model.graph.node) and set(branch.nodes) == {n.name for n in model.graph.node}
+            and list(branch.outputs) == [o.name for o in model.graph.output]
+            and list(branch.inputs) == [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]):
+        return model
     # a copy of the branch's own nodes (copying the whole graph for each of dozens of branches was most of
     # the time a CPU build spent building the plans it times)
     members = set(branch.nodes)

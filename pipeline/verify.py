@@ -134,13 +134,17 @@ def input_value_ranges(model: onnx.ModelProto, inputs: list[TensorSpec]) -> dict
 class LauncherRunner(BaseRunner):
     """A polygraphy runner around a parastream launcher (anything callable feeds -> outputs)."""
 
-    def __init__(self, launcher, inputs: list[TensorSpec], name: str = "parastream"):
+    def __init__(self, launcher, inputs: list[TensorSpec], name: str = "parastream", *, load=None):
         super().__init__(name=name)
         self._launcher = launcher
         self._inputs = inputs
+        self._load = load  # load() -> launcher: loaded when the comparison runs it, closed after
 
     def activate_impl(self):
-        pass
+        if self._load is not None:
+            # polygraphy runs the runners one after the other: the reference's session is gone by now, so the
+            # build never holds both (with a large model, the peak of its memory)
+            self._launcher = self._load()
 
     def get_input_metadata_impl(self):
         meta = TensorMetadata()
@@ -155,7 +159,11 @@ class LauncherRunner(BaseRunner):
         return OrderedDict((k, np.asarray(v)) for k, v in outs.items())
 
     def deactivate_impl(self):
-        pass
+        if self._load is not None:
+            close = getattr(self._launcher, "close", None)
+            if close:
+                close()
+            self._launcher = None
 
 
 @dataclass
@@ -294,12 +302,13 @@ def _polygraphy_without_torch_import() -> None:
 
 def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rtol: float, atol: float,
            scale_tol: float | None = None, seed: int = 1, iterations: int = 2,
-           input_ranges: dict[str, tuple] | None = None) -> Verification:
+           input_ranges: dict[str, tuple] | None = None, load=None) -> Verification:
     """Compare ``launcher`` with ONNX Runtime on ``original`` over ``iterations`` seeded random inputs.
 
     ``scale_tol`` None judges each output elementwise by rtol/atol; a number judges it by its
     scaled error (see the module docstring), rtol/atol then only feed the recorded statistics.
     ``input_ranges`` (name -> (min, max)) defaults to :func:`input_value_ranges` of ``original``.
+    ``load`` (launcher None): a function that loads the launcher, called once the reference has run.
     """
     from polygraphy import config as pg_config
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -315,7 +324,7 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
     ranges = dict(input_value_ranges(original, inputs) if input_ranges is None else input_ranges)
     loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges)
     reference = OnnxrtRunner(SessionFromOnnx(original.SerializeToString(), providers=["cpu"]), name="onnxruntime")
-    ours = LauncherRunner(launcher, inputs)
+    ours = LauncherRunner(launcher, inputs, load=load)
     results = Comparator.run([reference, ours], data_loader=loader)
     if scale_tol is None:
         accuracies = Comparator.compare_accuracy(results, compare_func=_simple_compare_func(rtol, atol))

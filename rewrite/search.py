@@ -233,6 +233,10 @@ def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], flo
     return cand
 
 
+def _rank(c: Candidate) -> tuple:
+    return (c.cost, c.nodes, len(c.trace), c.trace)
+
+
 def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph], float], *, beta: float,
                  max_candidates: int, rng: random.Random, hasher: GraphHasher,
                  keep: int, lookahead: int = 2) -> PieceResult:
@@ -279,6 +283,11 @@ def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph],
             child = Candidate(score(graph), graph, cand.trace + (site.key,), len(graph.nodes))
             found.append(child)
             children.append((child, rule))
+            if len(found) >= 2 * keep + 2:
+                # only the ``keep`` cheapest are returned: the others need not stay alive (their graphs and the
+                # weights their rewrites made); the order is total, so the result is the same
+                found.sort(key=_rank)
+                del found[keep + 1:]
         if children:
             best = min(best, min(c.cost for c, _ in children))
         push = []
@@ -289,7 +298,7 @@ def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph],
                 push.append((child, ahead + 1))
         push.sort(key=lambda e: (-e[1], -e[0].cost, -e[0].nodes))  # the cheapest within beta is popped first
         stack.extend(push)
-    found.sort(key=lambda c: (c.cost, c.nodes, len(c.trace), c.trace))
+    found.sort(key=_rank)
     return PieceResult(original.cost, found[:keep], tried, stopped, time.perf_counter() - t0, refusals)
 
 

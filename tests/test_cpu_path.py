@@ -249,3 +249,48 @@ def test_an_unchanged_model_is_timed_once(model_path, tmp_path, monkeypatch):
     assert bundle.report["search"]["rules_chosen"] == []
     names = [t["alternative"] for t in bundle.report["cpu_choice"]["timed"]]
     assert "original model, one session" in names and "rewritten model, one session" not in names
+
+
+def test_large_alternatives_are_timed_one_at_a_time(model_path, tmp_path, monkeypatch):
+    """Above CPU_INTERLEAVE_BYTES the alternatives are loaded one at a time (each session holds its weights):
+    the same choice is made from timings taken apart, and the report says how they were loaded."""
+    import sys
+
+    import parastream.launcher.cpu as cpu
+
+    build_module = sys.modules["parastream.pipeline.build"]  # the package exports build() under the same name
+    seen = []
+    real = cpu.race_calls
+
+    def spy(runners, feeds, **kw):
+        seen.append(sorted(runners))
+        return real(runners, feeds, **kw)
+
+    monkeypatch.setattr(cpu, "race_calls", spy)
+    monkeypatch.setattr(build_module, "CPU_INTERLEAVE_BYTES", 0)
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3, search=False)
+    choice = bundle.report["cpu_choice"]
+    assert choice["loaded"].startswith("one at a time") and len(seen) == len(choice["timed"]) > 1
+    assert all(len(names) == 1 for names in seen)
+    _check_outputs(bundle.path, model_path)
+
+
+def test_shape_inference_sets_large_weights_aside():
+    """The same inferred model as onnx's, with the weights back in place (in the result and in the input)."""
+    from onnx import helper, numpy_helper, shape_inference
+
+    from parastream.rewrite import ir
+
+    w = np.random.default_rng(0).random((64, 512), dtype=np.float32)  # 128 KiB: set aside
+    shape = numpy_helper.from_array(np.array([1, 512], np.int64), "shape")  # small: stays (data propagation)
+    g = helper.make_graph([helper.make_node("Reshape", ["x", "shape"], ["r"]), helper.make_node("MatMul", ["r", "w"], ["y"]),
+                           helper.make_node("Relu", ["y"], ["z"])], "g",
+                          [helper.make_tensor_value_info("x", onnx.TensorProto.FLOAT, [2, 256])],
+                          [helper.make_tensor_value_info("z", onnx.TensorProto.FLOAT, None)],
+                          [numpy_helper.from_array(w.T.copy(), "w"), shape])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    before = m.SerializeToString(deterministic=True)
+    ours = ir.infer(m, strict=True)
+    assert ours.SerializeToString(deterministic=True) == shape_inference.infer_shapes(m, strict_mode=True, data_prop=True).SerializeToString(deterministic=True)
+    assert m.SerializeToString(deterministic=True) == before
+    assert [d.dim_value for d in ours.graph.output[0].type.tensor_type.shape.dim] == [1, 64]
