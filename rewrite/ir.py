@@ -33,7 +33,7 @@ def infer(model: onnx.ModelProto, strict: bool = False) -> onnx.ModelProto:
     """
     aside: dict[str, bytes] = {}
     for t in model.graph.initializer:
-        if t.data_location == onnx.TensorProto.DEFAULT and len(t.raw_data) > WEIGHTS_ASIDE_BYTES and t.name not in aside:
+        if not t.HasField("data_location") and len(t.raw_data) > WEIGHTS_ASIDE_BYTES and t.name not in aside:
             aside[t.name] = t.raw_data
             t.ClearField("raw_data")
             t.data_location = onnx.TensorProto.EXTERNAL
@@ -53,7 +53,7 @@ def _put_back(model: onnx.ModelProto, aside: dict[str, bytes]) -> None:
         data = aside.get(t.name)
         if data is not None and t.data_location == onnx.TensorProto.EXTERNAL:
             del t.external_data[:]
-            t.data_location = onnx.TensorProto.DEFAULT
+            t.ClearField("data_location")
             t.raw_data = data
 
 
