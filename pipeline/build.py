@@ -464,9 +464,9 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
         return (id(alt.model), alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
 
     for alt in alternatives:
-        if key(alt) not in built:  # checked by the builder only when no launcher loads it to time it
+        if key(alt) not in built:  # checked by the builder only when no launcher loads it (to time or verify it)
             built[key(alt)] = _cpu_scratch_bundle(scratch / str(len(built)), alt, backend, options, loaded, cfg,
-                                                  check=len(alternatives) == 1)
+                                                  check=len(alternatives) == 1 and not cfg.verify)
     if len(alternatives) == 1:
         chosen = alternatives[0].name
         report.update(chosen=chosen, decision="one alternative: nothing to time")
