@@ -357,7 +357,9 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
                    verification={"passed": v.get("passed"), "criterion": v.get("criterion"),
                                  "max_abs": max((o.get("max_abs", 0.0) for o in v.get("outputs", {}).values()), default=None),
                                  "max_scaled": max((o.get("max_scaled", 0.0) or 0.0 for o in v.get("outputs", {}).values()), default=None)},
-                   rules=(rep.get("search") or {}).get("rules_chosen_count"))
+                   rules=(rep.get("search") or {}).get("rules_chosen_count"),
+                   # the build's peak resident memory (this process's: with a reused export nothing else ran in it yet)
+                   peak_rss_mb=rep.get("peak_rss_mb"), cpu_choice=(rep.get("cpu_choice") or {}).get("chosen"))
     except ParastreamError as e:
         row.update(build_ok=False, exit=e.exit_code, build_error=_first_line(e))
         if e.exit_code == 1:  # verification: how far ONNX Runtime is from itself on this model
@@ -381,6 +383,14 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
 
 def _fmt(x, spec=".2g"):
     return "" if x is None else format(x, spec)
+
+
+def _peak(r: dict) -> str:
+    """The build's peak memory; '' for rows built before the corpus recorded it, '*' where the export ran in the
+    same process first (its peak may be the exporter's)."""
+    if r.get("peak_rss_mb") is None:
+        return ""
+    return f"{r['peak_rss_mb']:.0f}" + ("" if r.get("export_reused") else "*")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -435,12 +445,12 @@ def write_table(out: Path) -> dict:
              f"The torch converter converts {summary['torch_converts']} of {summary['exported']}.", "",
              *_grid(rows), "",
              "| model | family | exporter | export | build (exit) | nodes in→out | streams | verification (max abs / max scaled) "
-             "| torch converter (ops missing; max scaled err) | build s |",
-             "|---|---|---|---|---|---|---|---|---|---|"]
+             "| torch converter (ops missing; max scaled err) | build s | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("export_ok"):
             err = _first_line(Exception(r.get("export_error", ""))).replace("|", "/")
-            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | |")
+            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | | |")
             continue
         if r.get("build_ok"):
             v = r.get("verification") or {}
@@ -462,7 +472,7 @@ def write_table(out: Path) -> dict:
             tcell = f"missing: {missing}; " if missing else ""
             tcell += (t.get("convert_error") or "")[:160].replace("|", "/")
         lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | ok | {build} | {nodes} | {streams} | {ver} | {tcell} "
-                     f"| {_fmt(r.get('build_s'), '.1f')} |")
+                     f"| {_fmt(r.get('build_s'), '.1f')} | {_peak(r)} |")
     (out / "corpus.md").write_text("\n".join(lines) + "\n")
     return summary
 

@@ -85,6 +85,39 @@ def race_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 1, block:
     return {name: np.asarray(t) for name, t in times.items()}
 
 
+class OthersLoad:
+    """The share of this machine's CPU time that OTHER processes used while the block ran (0..1), from the
+    kernel's counters (/proc/stat: every core's busy time, less this process's own); ``share`` is None where
+    they cannot be read (not Linux).  A timing taken while others use the cores says how the machine is
+    loaded, not how the alternatives compare: the CPU build does not let it replace its default."""
+
+    def __init__(self):
+        self.share: float | None = None
+
+    @staticmethod
+    def _machine_busy_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()[1:]
+            ticks = [int(x) for x in fields]
+        except (OSError, ValueError, IndexError):
+            return None
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self):
+        self._busy0, self._own0, self._t0 = self._machine_busy_s(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        busy1 = self._machine_busy_s()
+        wall = time.perf_counter() - self._t0
+        if self._busy0 is not None and busy1 is not None and wall > 0:
+            others = (busy1 - self._busy0) - (time.process_time() - self._own0)
+            self.share = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
+        return False
+
+
 def random_feeds(specs, seed: int = 0) -> dict[str, np.ndarray]:
     """Inputs for timing: floats uniform in [0, 1), integers and bools zero (a valid index into any table)."""
     rng = np.random.default_rng(seed)

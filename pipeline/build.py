@@ -374,6 +374,7 @@ def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, b
 
 
 CPU_MARGIN = 0.05  # a timed CPU alternative replaces the default only when at least this much faster (and beyond the spread)
+CPU_BUSY_SHARE = 0.25  # ... and only when other processes used at most this share of the cores while it was timed
 
 
 @dataclass
@@ -387,11 +388,12 @@ class CpuAlternative:
 
 def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, cost_model,
                      cfg: "BuildConfig", rewritten: bool) -> list[CpuAlternative]:
-    """What a CPU build can ship, the cost model's choice FIRST (the default): the plan it scheduled (the rewritten
-    model as one session when that is one stream), then the loaded model as one onnxruntime session with every
-    core (plain onnxruntime, which a bundle must never be slower than), the rewritten model as one session, and
-    the multi-stream plan with every core per session.  ``--streams`` given: only the plan's thread counts.
-    ``rewritten`` False (the search changed nothing): the rewritten model is the loaded one, not timed twice."""
+    """What a CPU build can ship, the DEFAULT first: the loaded model as one onnxruntime session with every core
+    (plain onnxruntime, which a bundle must never be slower than), then the rewritten model as one session, the
+    multi-stream plan the cost model scheduled with the cores shared out among its streams, and with every core
+    per session.  ``--streams`` given: only the plan's thread counts (the shared one the default).  ``rewritten``
+    False (the search changed nothing): the rewritten model is the loaded one, not timed twice.  A rewrite or a
+    plan replaces plain onnxruntime only by being timed faster (``decide_by_timing``)."""
     import os
 
     cores = os.cpu_count() or 1
@@ -408,8 +410,8 @@ def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Grap
                 continue
             g = graph if m is model else _graph_of(m)
             whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
-    # several streams: the plan as the launcher runs it by default, then one session, then every core per session
-    return plans[:1] + whole + plans[1:] if plans else whole
+    # plain onnxruntime (the original, one session) first when it is an alternative: it is the default
+    return whole[::-1] + plans
 
 
 def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: float = CPU_MARGIN) -> tuple[str, list[dict]]:
@@ -440,7 +442,10 @@ CPU_INTERLEAVE_BYTES = 512 << 20  # alternatives whose engines together are larg
 def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
                            options: BuildOptions, cost_model, cfg: "BuildConfig", scratch: Path, rewritten: bool = True):
     """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
-    candidates, and keep the cost model's default unless another is faster beyond the noise (``decide_by_timing``).
+    candidates, and keep the default (plain onnxruntime) unless another is faster beyond the noise
+    (``decide_by_timing``) on a machine that other processes left to the build (``OthersLoad``: at most
+    ``CPU_BUSY_SHARE`` of the cores used by others while it was timed): the same command gives the same
+    bundle on a loaded and on an idle machine unless an alternative wins clearly where it can be timed.
 
     They are loaded together and timed in alternating blocks on the same random input (``race_calls``: at most
     ``cfg.cpu_runs`` calls each; one clearly behind stops early), so that a change in the machine's load falls on
@@ -476,12 +481,15 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
         feeds = cpu_launcher.random_feeds(loaded.inputs, seed=cfg.seed)
         groups = [alternatives] if together else [[a] for a in alternatives]
         times: dict = {}
+        shares = []
         for group in groups:
             runners = {}
             try:
                 for alt in group:
                     runners[alt.name] = cpu_launcher.CpuLauncher(built[key(alt)][0], threads_per_engine=alt.threads)
-                times.update(cpu_launcher.race_calls(runners, feeds, runs=cfg.cpu_runs, behind=2 * CPU_MARGIN))
+                with cpu_launcher.OthersLoad() as others:
+                    times.update(cpu_launcher.race_calls(runners, feeds, runs=cfg.cpu_runs, behind=2 * CPU_MARGIN))
+                shares.append(others.share)
             finally:
                 for r in runners.values():
                     r.close()
@@ -489,12 +497,22 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
         chosen, rows = decide_by_timing(times, [a.name for a in alternatives])
         for alt, row in zip(alternatives, rows):
             row.update(streams=alt.sched.num_streams, sessions=len(alt.sched.branches), threads=alt.threads or cores)
+        share = max((x for x in shares if x is not None), default=None)
+        busy = share is not None and share > CPU_BUSY_SHARE
+        if chosen == alternatives[0].name:
+            decision = "the default: no alternative was timed faster beyond the noise"
+        elif busy:
+            decision = (f"the default: {chosen} was timed faster, but other processes used {share:.0%} of the cores "
+                        f"meanwhile (more than {CPU_BUSY_SHARE:.0%}): a loaded machine's timings do not replace it")
+            chosen = alternatives[0].name
+            for row in rows:
+                row["chosen"] = row["alternative"] == chosen
+        else:
+            decision = f"timed faster than the default ({alternatives[0].name}) beyond the noise"
         report.update(timed=rows, chosen=chosen, margin=f"max({CPU_MARGIN:.0%}, interquartile spread of either)",
+                      others_cpu_share=share, decision=decision,
                       loaded=("together, alternating blocks" if together else
-                              f"one at a time (engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"),
-                      decision=("the cost model's default: no alternative was faster beyond the noise"
-                                if chosen == alternatives[0].name else
-                                f"timed faster than the default ({alternatives[0].name}) beyond the noise"))
+                              f"one at a time (engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"))
     best = next(a for a in alternatives if a.name == chosen)
     kept, best_report = built[key(best)]
     engines = {b.name: (kept.engine_path(b), best_report.get(b.name)) for b in kept.plan.branches}
