@@ -107,9 +107,9 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
 
 
 def _graph_of(model: onnx.ModelProto) -> gs.Graph:
-    graph = gs.import_onnx(model)
-    graph.toposort()
-    return graph
+    from parastream.rewrite.ir import toposort
+
+    return toposort(gs.import_onnx(model))
 
 
 def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):

@@ -64,7 +64,7 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
         if isinstance(t, gs.Constant):
             t.values = np.asarray(t.values)  # load lazily-held weights once, not on every access
     _name_nodes(graph)
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    toposort(graph.cleanup(remove_unused_graph_inputs=False))
     return graph
 
 
@@ -179,7 +179,7 @@ def toposort(graph: gs.Graph) -> gs.Graph:
 def export_model(graph: gs.Graph, like: onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
     """``graph`` as a model with ``like``'s opsets, IR version and metadata, shapes inferred and checked."""
     graph = copy_graph(graph)
-    graph.cleanup(remove_unused_graph_inputs=False).toposort()
+    toposort(graph.cleanup(remove_unused_graph_inputs=False))
     model = gs.export_onnx(graph, do_type_check=False)
     model.ClearField("opset_import")
     model.opset_import.extend(like.opset_import)

@@ -37,7 +37,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
-from .ir import GraphHasher, copy_graph, export_model, import_graph
+from .ir import GraphHasher, copy_graph, export_model, import_graph, toposort
 from .rules import ALL_RULES, Rule
 
 REPORT_VERSION = 1
@@ -171,7 +171,7 @@ def assemble(pieces: list[gs.Graph], original: gs.Graph) -> gs.Graph:
             o.dtype = t.dtype
         if t.shape is not None:
             o.shape = t.shape  # keep the declared (possibly symbolic) output shape
-    whole.cleanup(remove_unused_graph_inputs=False).toposort()
+    toposort(whole.cleanup(remove_unused_graph_inputs=False))
     return whole
 
 
