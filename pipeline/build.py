@@ -375,6 +375,7 @@ def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, b
 
 CPU_MARGIN = 0.05  # a timed CPU alternative replaces the default only when at least this much faster (and beyond the spread)
 CPU_BUSY_SHARE = 0.25  # ... and only when other processes used at most this share of the cores while it was timed
+CPU_LOAD_PROBE_S = 0.3  # how long the CPU build looks at the machine's load before it builds alternatives to time
 
 
 @dataclass
@@ -436,7 +437,7 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
     return current, [dict(alternative=n, **stats[n], chosen=n == current) for n in order]
 
 
-CPU_INTERLEAVE_BYTES = 512 << 20  # alternatives whose engines together are larger are loaded and timed one at a time
+CPU_INTERLEAVE_BYTES = 256 << 20  # alternatives whose sessions' engines together are larger are timed one at a time
 
 
 def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
@@ -464,6 +465,14 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
     alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, cfg, rewritten)
     report = {"runs": cfg.cpu_runs, "cores": cores, "default": alternatives[0].name, "timed": []}
     built: dict[tuple, tuple[Bundle, dict]] = {}
+    busy_before = None
+    if len(alternatives) > 1:
+        # a machine that others keep busy now cannot replace the default by timing (below): not built, not timed
+        with cpu_launcher.OthersLoad() as probe:
+            time.sleep(CPU_LOAD_PROBE_S)
+        if probe.share is not None and probe.share > CPU_BUSY_SHARE:
+            busy_before = probe.share
+            alternatives = alternatives[:1]
 
     def key(alt: CpuAlternative) -> tuple:
         return (id(alt.model), alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
@@ -472,11 +481,17 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
         if key(alt) not in built:  # checked by the builder only when no launcher loads it (to time or verify it)
             built[key(alt)] = _cpu_scratch_bundle(scratch / str(len(built)), alt, backend, options, loaded, cfg,
                                                   check=len(alternatives) == 1 and not cfg.verify)
-    if len(alternatives) == 1:
+    if busy_before is not None:
+        chosen = alternatives[0].name
+        report.update(chosen=chosen, others_cpu_share=busy_before,
+                      decision=(f"the default, not timed: other processes used {busy_before:.0%} of the cores (more than "
+                                f"{CPU_BUSY_SHARE:.0%}); a loaded machine's timings do not replace it"))
+    elif len(alternatives) == 1:
         chosen = alternatives[0].name
         report.update(chosen=chosen, decision="one alternative: nothing to time")
     else:
-        size = sum(f.stat().st_size for b, _ in built.values() for f in (b.path / "engines").iterdir())
+        engine_bytes = {k: sum(f.stat().st_size for f in (b.path / "engines").iterdir()) for k, (b, _) in built.items()}
+        size = sum(engine_bytes[key(a)] for a in alternatives)  # each alternative's launcher loads its own sessions
         together = size <= CPU_INTERLEAVE_BYTES
         feeds = cpu_launcher.random_feeds(loaded.inputs, seed=cfg.seed)
         groups = [alternatives] if together else [[a] for a in alternatives]
@@ -512,7 +527,7 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
         report.update(timed=rows, chosen=chosen, margin=f"max({CPU_MARGIN:.0%}, interquartile spread of either)",
                       others_cpu_share=share, decision=decision,
                       loaded=("together, alternating blocks" if together else
-                              f"one at a time (engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"))
+                              f"one at a time (their engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"))
     best = next(a for a in alternatives if a.name == chosen)
     kept, best_report = built[key(best)]
     engines = {b.name: (kept.engine_path(b), best_report.get(b.name)) for b in kept.plan.branches}

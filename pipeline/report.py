@@ -91,7 +91,8 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
     choice = rep.get("cpu_choice")
     if choice and choice.get("timed"):
         timed = ", ".join(f"{t['alternative']} {t['median_ms']:.2f} ms" for t in choice["timed"])
-        console.print(escape(f"  CPU: kept {choice['chosen']} (timed here, medians of {choice['runs']}: {timed})"))
+        console.print(escape(f"  CPU: kept {choice['chosen']} (timed here, medians of up to {choice['runs']}: {timed}; "
+                             f"{choice.get('decision', '')})"))
     ver = s["verification"]
     if ver:
         bound = f"<= {ver['scale_tol']}" if ver["criterion"] == "scaled" else "elementwise rtol/atol"
@@ -129,12 +130,15 @@ def _print_build_details(bundle, console) -> None:
     console.print(s)
     choice = rep.get("cpu_choice")
     if choice and choice.get("timed"):
-        c = Table(title=f"CPU alternatives timed on this machine ({choice['cores']} cores, medians of {choice['runs']} calls)")
-        for col in ("alternative", "streams", "sessions", "threads", "median ms", ""):
+        c = Table(title=f"CPU alternatives timed on this machine ({choice['cores']} cores, up to {choice['runs']} calls each)",
+                  caption=choice.get("decision"))
+        for col in ("alternative", "streams", "sessions", "threads", "calls", "median ms", "spread", "margin needed", ""):
             c.add_column(col)
         for t in choice["timed"]:
-            c.add_row(t["alternative"], str(t["streams"]), str(t["sessions"]), str(t["threads"]), f"{t['median_ms']:.3f}",
-                      "kept" if t["chosen"] else "")
+            margin = t.get("margin_needed")
+            c.add_row(t["alternative"], str(t["streams"]), str(t["sessions"]), str(t["threads"]), str(t.get("calls", "")),
+                      f"{t['median_ms']:.3f}", f"{t['spread']:.0%}" if "spread" in t else "",
+                      f"{margin:.0%}" if margin is not None else "default", "kept" if t["chosen"] else "")
         console.print(c)
     ver = rep.get("verification")
     if ver:
