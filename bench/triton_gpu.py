@@ -171,11 +171,28 @@ def cuda_shm_request(server: TritonServer, model: str, feeds: dict, outputs: lis
         client.close()
 
 
-def run_model(name: str, args, work: Path) -> dict:
+def wait_ready(server, name: str, timeout: float) -> None:
+    """Until the model is ready (its model.py initialized); the server's log in the error otherwise."""
+    client = client_of(server, "http")
+    deadline = time.perf_counter() + timeout
+    try:
+        while time.perf_counter() < deadline:
+            try:
+                if client.is_model_ready(name):
+                    return
+            except Exception:  # noqa: BLE001 - still loading
+                pass
+            time.sleep(0.5)
+    finally:
+        client.close()
+    raise RuntimeError(f"model {name} not ready after {timeout:.0f} s; server log:\n{server.log_tail(60)}")
+
+
+def run_model(name: str, args, work: Path, res: dict) -> dict:
+    """Fill ``res`` (the caller keeps what was filled when this raises: the server's log above all)."""
     from parastream.pipeline import build
     from parastream.pipeline.triton import export_triton
 
-    res: dict = {"model": name}
     model, inputs = make_model(name)
     onnx_path = work / f"{name}.onnx"
     export(model, inputs, onnx_path)
@@ -199,6 +216,7 @@ def run_model(name: str, args, work: Path) -> dict:
     server = TritonServer(repo, work / f"{name}.server")
     try:
         server.start(timeout=args.start_timeout)
+        wait_ready(server, name, args.start_timeout)
         res["server_start_s"] = time.perf_counter() - t0
         res["stub_libpython"] = sorted({p for pid in server.stub_pids() for p in server.libpythons(pid)})
         for protocol in ("http", "grpc"):
@@ -284,11 +302,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models.split(","):
         t0 = time.perf_counter()
+        r: dict = {"model": name}
         try:
-            r = run_model(name, args, work)
+            run_model(name, args, work, r)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            r = {"model": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+            r["error"] = f"{type(e).__name__}: {e}"[:6000]
+            print(r.get("server_log_tail", ""), flush=True)
         r["total_s"] = time.perf_counter() - t0
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("config", "server_log_tail")}, default=str), flush=True)
