@@ -195,20 +195,27 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
 
     model, inputs = make_model(name)
     onnx_path = work / f"{name}.onnx"
-    export(model, inputs, onnx_path)
+    if not (args.reuse and onnx_path.exists()):
+        export(model, inputs, onnx_path)
     feeds = {k: v.numpy() for k, v in inputs.items()}
     ref = ort_reference(onnx_path, feeds)
     outputs = list(ref)
 
     t0 = time.perf_counter()
-    bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
+    if args.reuse and (work / f"{name}.bundle" / "manifest.json").exists():  # a bundle this script built before
+        from parastream.launcher.bundle import Bundle
+
+        bundle = Bundle.open(work / f"{name}.bundle")
+        res["reused_bundle"] = True
+    else:
+        bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
     res["build_s"] = time.perf_counter() - t0
     res["plan"] = {"streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches)}
 
     res["in_process"], la_out = in_process(bundle.path, feeds, args.requests)
     res["launcher_vs_ort"] = {o: max_err(la_out[o], ref[o]) for o in outputs}
 
-    repo = work / f"{name}.repo"
+    repo = work / f"{name}.repo.{os.getpid()}"  # Triton's stub leaves __pycache__ in a repository it served
     export_triton(bundle, repo, name=name, instances=args.instances, force=True)
     res["config"] = (repo / name / "config.pbtxt").read_text()
     checks, timing = {}, {}
@@ -282,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
     ap.add_argument("--instances", type=int, default=1, help="Triton model instances (KIND_GPU count)")
     ap.add_argument("--search", action="store_true", help="run the rewrite search in the build")
+    ap.add_argument("--reuse", action="store_true", help="serve the bundle an earlier run left in the work folder")
     ap.add_argument("--start-timeout", type=float, default=420.0, help="seconds for the server to load the model")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)
