@@ -5,3 +5,7 @@ mkdir -p /tmp/ns/parastream
 for d in launcher pipeline rewrite; do ln -sfn "$PWD/$d" /tmp/ns/parastream/$d; done
 export PYTHONPATH=/tmp/ns:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
+# Interpreters that ignore PYTHONPATH (Triton's Python backend stub embeds this Python in isolated mode: model.py
+# found no parastream) see the same folders through a .pth file in this interpreter's site-packages.
+site_dir=$(python3 -c 'import site; print(site.getsitepackages()[0])' 2>/dev/null) && [ -w "$site_dir" ] && \
+    printf '/tmp/ns\n/tmp/site\n' > "$site_dir/zz_parastream_device.pth"

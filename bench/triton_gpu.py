@@ -171,27 +171,51 @@ def cuda_shm_request(server: TritonServer, model: str, feeds: dict, outputs: lis
         client.close()
 
 
-def run_model(name: str, args, work: Path) -> dict:
+def wait_ready(server, name: str, timeout: float) -> None:
+    """Until the model is ready (its model.py initialized); the server's log in the error otherwise."""
+    client = client_of(server, "http")
+    deadline = time.perf_counter() + timeout
+    try:
+        while time.perf_counter() < deadline:
+            try:
+                if client.is_model_ready(name):
+                    return
+            except Exception:  # noqa: BLE001 - still loading
+                pass
+            time.sleep(0.5)
+    finally:
+        client.close()
+    raise RuntimeError(f"model {name} not ready after {timeout:.0f} s; server log:\n{server.log_tail(60)}")
+
+
+def run_model(name: str, args, work: Path, res: dict) -> dict:
+    """Fill ``res`` (the caller keeps what was filled when this raises: the server's log above all)."""
     from parastream.pipeline import build
     from parastream.pipeline.triton import export_triton
 
-    res: dict = {"model": name}
     model, inputs = make_model(name)
     onnx_path = work / f"{name}.onnx"
-    export(model, inputs, onnx_path)
+    if not (args.reuse and onnx_path.exists()):
+        export(model, inputs, onnx_path)
     feeds = {k: v.numpy() for k, v in inputs.items()}
     ref = ort_reference(onnx_path, feeds)
     outputs = list(ref)
 
     t0 = time.perf_counter()
-    bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
+    if args.reuse and (work / f"{name}.bundle" / "manifest.json").exists():  # a bundle this script built before
+        from parastream.launcher.bundle import Bundle
+
+        bundle = Bundle.open(work / f"{name}.bundle")
+        res["reused_bundle"] = True
+    else:
+        bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
     res["build_s"] = time.perf_counter() - t0
     res["plan"] = {"streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches)}
 
     res["in_process"], la_out = in_process(bundle.path, feeds, args.requests)
     res["launcher_vs_ort"] = {o: max_err(la_out[o], ref[o]) for o in outputs}
 
-    repo = work / f"{name}.repo"
+    repo = work / f"{name}.repo.{os.getpid()}"  # Triton's stub leaves __pycache__ in a repository it served
     export_triton(bundle, repo, name=name, instances=args.instances, force=True)
     res["config"] = (repo / name / "config.pbtxt").read_text()
     checks, timing = {}, {}
@@ -199,6 +223,7 @@ def run_model(name: str, args, work: Path) -> dict:
     server = TritonServer(repo, work / f"{name}.server")
     try:
         server.start(timeout=args.start_timeout)
+        wait_ready(server, name, args.start_timeout)
         res["server_start_s"] = time.perf_counter() - t0
         res["stub_libpython"] = sorted({p for pid in server.stub_pids() for p in server.libpythons(pid)})
         for protocol in ("http", "grpc"):
@@ -264,6 +289,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--seconds", type=float, default=5.0, help="duration of each throughput run")
     ap.add_argument("--instances", type=int, default=1, help="Triton model instances (KIND_GPU count)")
     ap.add_argument("--search", action="store_true", help="run the rewrite search in the build")
+    ap.add_argument("--reuse", action="store_true", help="serve the bundle an earlier run left in the work folder")
     ap.add_argument("--start-timeout", type=float, default=420.0, help="seconds for the server to load the model")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)
@@ -284,11 +310,13 @@ def main(argv: list[str] | None = None) -> int:
     results = []
     for name in args.models.split(","):
         t0 = time.perf_counter()
+        r: dict = {"model": name}
         try:
-            r = run_model(name, args, work)
+            run_model(name, args, work, r)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
-            r = {"model": name, "error": f"{type(e).__name__}: {e}"[:2000]}
+            r["error"] = f"{type(e).__name__}: {e}"[:6000]
+            print(r.get("server_log_tail", ""), flush=True)
         r["total_s"] = time.perf_counter() - t0
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("config", "server_log_tail")}, default=str), flush=True)

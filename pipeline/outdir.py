@@ -59,6 +59,17 @@ def _recorded_files(folder: Path, kind: str) -> set[str] | None:
     return {str(f) for f in data["files"]} | {record.name}
 
 
+def _bytecode_of_recorded(rel: str, recorded: set[str]) -> bool:
+    """Whether ``rel`` is Python's bytecode cache of a recorded source (``d/__pycache__/m.cpython-312.pyc`` of
+    ``d/m.py``): serving a Triton model folder imports its model.py, and the server's Python writes that cache
+    beside it (found on a real tritonserver), so it belongs to the folder parastream wrote."""
+    parts = rel.split("/")
+    if len(parts) < 2 or parts[-2] != "__pycache__" or not parts[-1].endswith(".pyc"):
+        return False
+    source = "/".join(parts[:-2] + [parts[-1].split(".", 1)[0] + ".py"])
+    return source in recorded
+
+
 def why_not_ours(folder: Path, kind: str) -> str | None:
     """Why ``folder`` is not something parastream wrote as ``kind`` (None: it is, and --force may replace it)."""
     if folder.is_symlink():
@@ -72,7 +83,7 @@ def why_not_ours(folder: Path, kind: str) -> str | None:
         if p.is_dir() and not p.is_symlink():
             continue
         rel = p.relative_to(folder).as_posix()
-        if rel not in recorded:
+        if rel not in recorded and not _bytecode_of_recorded(rel, recorded):
             return f"it holds {rel}, which parastream did not write"
     return None
 

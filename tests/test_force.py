@@ -141,6 +141,18 @@ def test_export_triton_force(model, tmp_path, capsys):
     repo = tmp_path / "repo"
     assert cli(capsys, "export-triton", bundle, repo, "--name", "m")[0] == 0
     assert cli(capsys, "export-triton", bundle, repo, "--name", "m", "--force")[0] == 0
+    # a served folder: the server's Python left the bytecode of model.py beside it; --force still replaces it
+    import py_compile
+    import sys
+
+    pyc = repo / "m" / "1" / "__pycache__" / f"model.{sys.implementation.cache_tag}.pyc"
+    py_compile.compile(str(repo / "m" / "1" / "model.py"), cfile=str(pyc), doraise=True)
+    assert cli(capsys, "export-triton", bundle, repo, "--name", "m", "--force")[0] == 0
+    # bytecode of a file parastream did not write is the user's
+    (repo / "m" / "1" / "__pycache__").mkdir()
+    (repo / "m" / "1" / "__pycache__" / "helper.cpython-312.pyc").write_bytes(b"users")
+    code, err = cli(capsys, "export-triton", bundle, repo, "--name", "m", "--force")
+    assert_refused(code, err, "helper.cpython-312.pyc")
     (repo / "users").mkdir()
     (repo / "users" / "precious.txt").write_text("keep me")
     code, err = cli(capsys, "export-triton", bundle, repo, "--name", "users", "--force")

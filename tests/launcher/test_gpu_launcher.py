@@ -315,3 +315,23 @@ def test_launcher_views_on_the_second_gpu_say_so(bundles):
             assert arr.__dlpack_device__() == (2, 1)
         cuda.set_device(1)  # the launcher's own device again for close()
     cuda.set_device(0)
+
+
+@pytest.mark.gpu
+def test_one_stream_plan_runs_on_the_origin_stream(tmp_path):
+    """A plan of one stream forks nothing: its branches run on the origin stream (measured faster than a side
+    stream on the H100), with the outputs of onnxruntime."""
+    pytest.importorskip("torch")
+    from handmade_bundles import make_bundle
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    path = _models(tmp_path)["inception_block"]
+    bundle = make_bundle(path, tmp_path / "one", backend="torch", streams=1, precision="fp32")
+    assert bundle.plan.num_streams == 1
+    with GpuLauncher(bundle) as la:
+        assert la.single_stream and la.streams == []
+        feeds = _feeds(bundle, 5)
+        ref, got = _ref(path, feeds), la(feeds)
+        for name in ref:
+            assert _rel(got[name], ref[name]) <= 1e-3
