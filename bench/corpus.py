@@ -361,7 +361,7 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
                    # the build's peak resident memory (this process's: with a reused export nothing else ran in it yet)
                    peak_rss_mb=rep.get("peak_rss_mb"), cpu_choice=(rep.get("cpu_choice") or {}).get("chosen"))
     except ParastreamError as e:
-        row.update(build_ok=False, exit=e.exit_code, build_error=_first_line(e))
+        row.update(build_ok=False, exit=e.exit_code, build_error=_first_line(e), peak_rss_mb=_peak_rss_mb())
         if e.exit_code == 1:  # verification: how far ONNX Runtime is from itself on this model
             row["ort_self_difference"] = ort_self_difference(onnx_path, ex["feeds"])
     except Exception as e:  # noqa: BLE001 - a crash is a bug of ours: the table says so
@@ -383,6 +383,13 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
 
 def _fmt(x, spec=".2g"):
     return "" if x is None else format(x, spec)
+
+
+def _peak_rss_mb() -> float | None:
+    """This process's peak resident memory so far (a failed build has no report to say it)."""
+    from parastream.pipeline.build import _peak_rss_mb as peak
+
+    return peak()
 
 
 def _peak(r: dict) -> str:
