@@ -93,6 +93,8 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
         timed = ", ".join(f"{t['alternative']} {t['median_ms']:.2f} ms" for t in choice["timed"])
         console.print(escape(f"  CPU: kept {choice['chosen']} (timed here, medians of up to {choice['runs']}: {timed}; "
                              f"{choice.get('decision', '')})"))
+    elif choice:
+        console.print(escape(f"  CPU: kept {choice['chosen']} ({choice.get('decision', '')})"))
     ver = s["verification"]
     if ver:
         bound = f"<= {ver['scale_tol']}" if ver["criterion"] == "scaled" else "elementwise rtol/atol"

@@ -183,7 +183,9 @@ def test_build_verbose_json_and_progress_lines(model_path, tmp_path, capsys):
     assert main(["build", str(model_path), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--streams", "3",
                  "--verbose"]) == 0
     cap = capsys.readouterr()
-    assert "branch_000" in cap.out and "CPU alternatives timed" in cap.out and "max scaled error" in cap.out
+    # the CPU choice is timed on a quiet machine (a table), or not on a busy one (the decision says why)
+    assert "branch_000" in cap.out and "CPU: kept plan: 3 streams" in cap.out and "max scaled error" in cap.out
+    assert ("CPU alternatives timed" in cap.out) == ("not timed" not in cap.out)
     stages = [line for line in cap.err.splitlines() if line.startswith("parastream build: [")]
     assert any("load and check" in line for line in stages) and any("verify" in line for line in stages)
     assert main(["build", str(model_path), "-o", str(tmp_path / "j"), "--backend", "onnxruntime", "--no-search",
