@@ -36,6 +36,31 @@ def _torch():
     return torch
 
 
+# numpy 2 in the server's environment (see _host_tensor); with numpy 1 the backend's own conversions are right,
+# and its DLPack import of a numpy 1 array crashes the stub (its capsule deleter), so they stay in use
+_NUMPY2 = int(np.__version__.split(".")[0]) >= 2
+
+
+def _host_array(tensor):
+    """A host input as numpy, through DLPack under numpy 2 (see ``_host_tensor``)."""
+    if _NUMPY2 and hasattr(tensor, "__dlpack__"):
+        try:
+            return np.from_dlpack(tensor)
+        except (TypeError, BufferError, RuntimeError):  # a dtype DLPack cannot carry (TYPE_BYTES)
+            pass
+    return tensor.as_numpy()
+
+
+def _host_tensor(name, arr):
+    """A host output through DLPack rather than ``pb_utils.Tensor(name, arr)``: the Python backend of Triton
+    2.51 and older was built with pybind11 2.10, which reads numpy 2 arrays as empty (the client gets "cannot
+    reshape array of size 0"; triton-inference-server/python_backend#384), and numpy 2 is what a torch
+    environment has.  DLPack does not go through pybind11's numpy support; numpy 1.22+ arrays speak it."""
+    if _NUMPY2 and arr.size and arr.dtype != object:
+        return pb_utils.Tensor.from_dlpack(name, arr)
+    return pb_utils.Tensor(name, arr)
+
+
 class TritonPythonModel:
     def initialize(self, args):
         from parastream.launcher import load
@@ -69,7 +94,7 @@ class TritonPythonModel:
     # -- requests ---------------------------------------------------------------------------------
     def _read_input(self, tensor):
         if tensor.is_cpu():
-            return tensor.as_numpy()
+            return _host_array(tensor)
         torch = _torch()
         if torch is None:
             raise RuntimeError(f"input {tensor.name()!r} arrived in GPU memory; reading it without a host copy "
@@ -145,7 +170,7 @@ class TritonPythonModel:
         arr = np.asarray(value)
         if self.max_batch:
             arr = arr[lo:hi]
-        return pb_utils.Tensor(spec.name, np.ascontiguousarray(arr.reshape(wire))), False
+        return _host_tensor(spec.name, np.ascontiguousarray(arr.reshape(wire))), False
 
     def _run(self, group):
         """Run one group of requests; the output tensors of each request, in the group's order."""
