@@ -137,22 +137,16 @@ def verify_between(model_path, tmp: Path, cfg, sizes: list[int], batched_inputs:
     ONNX Runtime on the original model at that batch.  None when every batch in range is a bucket."""
     from parastream.launcher import load
 
-    from .build import run_verification
     from .verify import resolve_tolerances
 
     n = between_buckets(sizes)
     if n is None:
         return None
     bar.step(f"verify at batch {n}, between buckets").advance()
-    shapes = shapes_at_batch(model_path, cfg.shapes, n)
-    original = original_at_batch(model_path, shapes)
+    rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
     runner = load(tmp, check_hashes=False)
     try:
-        specs = [TensorSpec(t.name, t.dtype, [n, *t.shape[1:]] if t.name in batched_inputs else t.shape)
-                 for t in runner.input_specs]
-        rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
-        result = run_verification(model_path, original, runner, specs, rtol=rtol, atol=atol, scale_tol=scale_tol,
-                                  seed=cfg.seed + 1)
+        result = verify_at_batches(model_path, runner, [n], rtol=rtol, atol=atol, scale_tol=scale_tol, seed=cfg.seed + 1)[n]
     finally:
         runner.close()
     if not result.passed:
@@ -160,3 +154,24 @@ def verify_between(model_path, tmp: Path, cfg, sizes: list[int], batched_inputs:
                                 f"match onnxruntime on the original model ({result.failure()}); no bundle was written")
     return dict(result.to_dict(), batch=n)
 
+
+def verify_at_batches(model_path, runner, batches: list[int], *, rtol: float, atol: float, scale_tol: float | None,
+                      seed: int, iterations: int = 2) -> dict:
+    """``runner`` (a BucketedLauncher) at each batch n of ``batches`` against ONNX Runtime on the original model
+    with its batched inputs fixed at n: batch -> Verification."""
+    from .build import run_verification
+
+    out = {}
+    for n in batches:
+        specs = [TensorSpec(t.name, t.dtype, [n, *t.shape[1:]] if t.name in runner.batched_inputs else list(t.shape))
+                 for t in runner.input_specs]
+        original = original_at_batch(model_path, {t.name: t.shape for t in specs})
+        out[n] = run_verification(model_path, original, runner, specs, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                                  seed=seed, iterations=iterations)
+    return out
+
+
+def verification_batches(sizes: list[int]) -> list[int]:
+    """What ``parastream verify`` checks on a dynamic-batch bundle: every bucket, and a batch between buckets."""
+    n = between_buckets(sizes)
+    return sorted(set(sizes) | ({n} if n else set()))
