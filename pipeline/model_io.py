@@ -260,6 +260,7 @@ def _fold_once(model: onnx.ModelProto, *, fold_shapes: bool = True) -> tuple[onn
 
     graph = gs.import_onnx(model)
     before = len(graph.nodes)
+    _fold_sliced_shapes(graph)
     try:
         graph.fold_constants(fold_shapes=fold_shapes, error_ok=True).cleanup()
     except Exception:  # noqa: BLE001 - folding is an optimisation; an unfoldable graph still builds
@@ -269,6 +270,26 @@ def _fold_once(model: onnx.ModelProto, *, fold_shapes: bool = True) -> tuple[onn
     del folded.opset_import[:]
     folded.opset_import.extend(model.opset_import)
     return folded, before - len(folded.graph.node)
+
+
+def _fold_sliced_shapes(graph) -> None:
+    """Shape nodes with ``start``/``end`` (opset 15) of a static input become Constants of that slice.
+
+    graphsurgeon's shape folding (0.6.1 ``fold_shape``) returns the input's whole shape and ignores the two
+    attributes, so ``Shape(x, end=1)`` of an N x 16 input folded to [N, 16], not [N]: a wrong Reshape target
+    (the batch read from an input, as exports of dynamic-batch models do).  Done here before it folds."""
+    import onnx_graphsurgeon as gs
+
+    for node in graph.nodes:
+        if node.op != "Shape" or not ({"start", "end"} & set(node.attrs)) or not node.inputs:
+            continue
+        shape = node.inputs[0].shape
+        if shape is None or any(not isinstance(d, int) or d < 0 for d in shape):
+            continue
+        start, end = int(node.attrs.get("start", 0)), node.attrs.get("end")
+        values = np.array(list(shape)[start:None if end is None else int(end)], dtype=np.int64)  # ONNX clamps as Python slices
+        node.inputs.clear()  # (graphsurgeon's list: clearing it also drops the node from the input's consumers)
+        node.op, node.attrs = "Constant", {"value": gs.Constant(node.outputs[0].name + "_value", values)}
 
 
 def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
