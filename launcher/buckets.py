@@ -41,11 +41,12 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
 class BucketedLauncher:
     """Runs a dynamic-batch bundle: any batch n in [MIN, MAX] on the smallest bucket >= n, n rows out.
 
-    ``device``: "cuda" (GpuLauncher per bucket over one shared arena) or "cpu" (CpuLauncher per bucket).
+    ``device``: "cuda" (GpuLauncher per bucket over one shared arena, on GPU ``gpu``) or "cpu" (CpuLauncher per
+    bucket).
     ``launchers`` maps each bucket to its launcher; ``bucket_for(n)`` says which one runs n rows.
     """
 
-    def __init__(self, bundle: Bundle, *, device: str = "cpu", graph: bool = True):
+    def __init__(self, bundle: Bundle, *, device: str = "cpu", graph: bool = True, gpu: int = 0):
         rec = bucket_record(bundle)
         if rec is None:
             raise ParastreamError(f"{bundle.path}: not a dynamic-batch bundle (manifest.json lists no buckets)")
@@ -60,11 +61,13 @@ class BucketedLauncher:
         self.launchers: dict[int, object] = {}
         try:
             if device == "cuda":
+                from . import cuda
                 from .gpu import GpuLauncher, SharedArena, arena_bytes
 
+                cuda.set_device(gpu)  # the shared arena and origin on the launchers' GPU
                 self.shared = SharedArena(max(arena_bytes(sub) for sub in subs.values()))
                 for b in self.sizes:
-                    self.launchers[b] = GpuLauncher(subs[b], graph=graph, shared=self.shared)
+                    self.launchers[b] = GpuLauncher(subs[b], graph=graph, device=gpu, shared=self.shared)
             else:
                 from .cpu import CpuLauncher
 
