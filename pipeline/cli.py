@@ -288,15 +288,22 @@ def verify_buckets(bundle, original: str, args) -> int:
     return 0 if passed else 1
 
 
+def _is_bucketed(path) -> bool:
+    """Whether ``path`` looks like a dynamic-batch bundle (its manifest lists buckets; Bundle.open checks the rest)."""
+    try:
+        return bool(json.loads((Path(path) / "manifest.json").read_text()).get("buckets"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def cmd_bench(args) -> int:
     from parastream.launcher.bench import bench_bundle
     from parastream.launcher.bundle import Bundle
 
-    bundle = Bundle.open(args.bundle)
-    if bundle.manifest.get("buckets"):  # a dynamic-batch bundle: each bucket, and a batch between buckets
+    if _is_bucketed(args.bundle):  # a dynamic-batch bundle: each bucket, and a batch between buckets
         from parastream.launcher.buckets import bench_buckets
 
-        result = bench_buckets(bundle, runs=args.runs, warmup=args.warmup, console=None if args.json else _console())
+        result = bench_buckets(Bundle.open(args.bundle), runs=args.runs, warmup=args.warmup, console=None if args.json else _console())
         if args.json:
             print(json.dumps(result, default=str))
         return 0
