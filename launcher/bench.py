@@ -19,6 +19,8 @@ every engine) and draws when each branch ran on each stream.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import time
 from pathlib import Path
 
@@ -49,8 +51,37 @@ def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) ->
         cuda.event_record(ends[offset + i], launcher.origin)
 
 
+@contextlib.contextmanager
+def gpu_timing_lock(device: int = 0):
+    """Hold the machine-wide lock for timing on GPU ``device`` (a flock on a file in the temporary folder).
+
+    Builds that run side by side on one GPU (a CI machine building several models at once) compile in
+    parallel but take turns while they time: a measurement that shares the GPU with another process's
+    replays would decide a build's choices on noise.  ``PARASTREAM_GPU_TIMING_LOCK=0`` turns it off."""
+    if os.environ.get("PARASTREAM_GPU_TIMING_LOCK", "1") == "0":
+        yield
+        return
+    import fcntl
+    import tempfile
+
+    path = Path(tempfile.gettempdir()) / f"parastream-gpu{device}-timing.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
 def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0) -> dict[str, np.ndarray]:
-    """Per-replay milliseconds of each launcher (all of one bundle), timed in alternating blocks."""
+    """Per-replay milliseconds of each launcher (all of one bundle), timed in alternating blocks while this
+    process holds the GPU's timing lock (``gpu_timing_lock``)."""
+    first = next(iter(launchers.values()))
+    with gpu_timing_lock(getattr(first, "device", 0) or 0):
+        return _measure(launchers, runs=runs, warmup=warmup, seed=seed)
+
+
+def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str, np.ndarray]:
     from .gpu import random_array
 
     first = next(iter(launchers.values()))
