@@ -158,6 +158,13 @@ def cmd_inspect(args) -> int:
     from .model_io import parse_shapes
     from .report import inspect_model
 
+    if Path(args.model).is_dir():  # a bundle: what its build chose (a dynamic-batch bundle: per bucket too)
+        from parastream.launcher.bundle import Bundle
+
+        from .report import print_build_summary
+
+        print_build_summary(Bundle.open(args.model), _console(), verbose=True)
+        return 0
     inspect_model(args.model, shapes=parse_shapes(args.shapes), streams=args.streams, device=args.device_profile,
                   picture=args.picture, search=args.search, console=_console())
     return 0
@@ -394,7 +401,7 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default="auto", choices=["auto", "tensorrt", "torch", "onnxruntime"])
     d.set_defaults(func=cmd_demo)
 
-    i = sub.add_parser("inspect", help="op histogram, width, branches and critical path of a model")
+    i = sub.add_parser("inspect", help="op histogram, width, branches and critical path of a model (of a bundle: what its build chose)")
     i.add_argument("model")
     add_model_args(i)
     add_schedule_args(i)

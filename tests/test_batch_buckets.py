@@ -191,6 +191,8 @@ def test_cli_build_run_verify_bench_a_bucketed_bundle(tmp_path, capsys):
     rows = json.loads(capsys.readouterr().out)["batches"]
     assert [(r["batch"], r["bucket"]) for r in rows] == [(1, 1), (2, 4), (4, 4), (8, 8)]
     assert all(r["buckets_ms"] > 0 and r["padded_to_max_ms"] > 0 for r in rows)
+    assert main(["inspect", str(out)]) == 0
+    assert "batch 1..8 in buckets [1, 4, 8]" in capsys.readouterr().out.replace("\n", " ")
 
 
 @pytest.mark.parametrize("argv, message", [
