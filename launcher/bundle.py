@@ -115,9 +115,14 @@ class Bundle:
                 raise ParastreamError(f"{sub.path}: a bucket is itself a bucketed bundle; rebuild the bundle")
             out[int(size)] = sub
         sizes = sorted(out)
-        if sorted(int(s) for s in rec.get("sizes", [])) != sizes or out[sizes[-1]] is not self:
-            raise ParastreamError(f"{where}: the buckets {sizes} disagree with 'sizes' or the largest is not this "
-                                  "bundle's own plan; rebuild the bundle")
+        listed = rec.get("sizes")
+        ints = isinstance(listed, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in listed)
+        names = all(isinstance(rec.get(k), list) and all(isinstance(v, str) for v in rec[k]) for k in ("inputs", "outputs"))
+        if (not ints or sorted(listed) != sizes or out[sizes[-1]] is not self or not names
+                or rec.get("max") != sizes[-1] or not isinstance(rec.get("min"), int) or not 1 <= rec["min"] <= sizes[0]):
+            raise ParastreamError(f"{where}: 'buckets' is inconsistent (sizes {listed!r}, folders for {sizes}, min "
+                                  f"{rec.get('min')!r}, max {rec.get('max')!r}, the largest must be this bundle's own plan); "
+                                  "rebuild the bundle")
         return out
 
     @property

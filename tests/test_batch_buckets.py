@@ -155,6 +155,25 @@ def test_a_bucket_folder_outside_the_bundle_is_refused(bucketed, tmp_path):
         Bundle.open(copy)
 
 
+@pytest.mark.parametrize("change", [
+    {"sizes": "abc"}, {"sizes": [1, 2, 4]}, {"max": 4}, {"min": 0}, {"inputs": "x"}, {"folders": {"8": "buckets/b4", "1": "."}},
+    {"folders": []},
+])
+def test_an_inconsistent_bucket_record_is_refused_in_one_line(bucketed, tmp_path, change):
+    import shutil
+
+    from parastream.launcher.bundle import write_manifest
+
+    _path, bundle = bucketed
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle.path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["buckets"].update(change)
+    write_manifest(copy, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+    with pytest.raises(ParastreamError, match="manifest.json: .*bucket|buckets"):
+        load(copy)
+
+
 def test_verification_between_buckets_catches_wrong_rows(bucketed, monkeypatch, tmp_path):
     """The between-buckets check is real: a launcher that hands back the padded bucket's rows in another order
     (here: reversed) fails it, and the build writes nothing."""
