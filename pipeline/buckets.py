@@ -5,8 +5,9 @@ replays fixed shapes and fixed addresses, so a graph per bucket is what serving 
 graphs do (vLLM, TensorRT-LLM); the front end folds shapes per batch (a Reshape constant with the batch
 baked in is right for its bucket only); the stream choice may differ per bucket (a batch-32 graph fills
 the GPU with fewer streams); and every backend builds a static engine exactly (TensorRT: an engine per
-bucket needs no optimization profile at all, which TensorRT 10 documents as the fastest case; torch: one
-static Inductor compile per bucket; ONNX Runtime: a session per bucket).  The cost is weights held once
+branch per bucket has no dynamic input, and for such a network TensorRT generates the default optimization
+profile itself (IOptimizationProfile's documentation: "possible but not required"); torch: one static
+Inductor compile per bucket; ONNX Runtime: a session per bucket).  The cost is weights held once
 per bucket (engines are per bucket); boundary tensors share one arena (launcher/buckets.py).
 
 Each bucket runs its own rewrite search within the search's work bound (rewrites are matched on shapes,
