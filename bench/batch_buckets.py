@@ -35,8 +35,8 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "bench"))
 sys.path.insert(0, str(ROOT / "tests"))
+sys.path.insert(0, str(ROOT / "bench"))  # first: bench/gpu.py is the module ``gpu`` below
 
 from gpu import make_model, max_err  # noqa: E402 - bench/gpu.py's models (BatchNorm calibrated)
 
