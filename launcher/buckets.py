@@ -57,8 +57,8 @@ class BucketedLauncher:
         self.batched_outputs = set(rec["outputs"])
         self.device = device
         self.shared = None
-        subs = bundle.bucket_bundles()
         self.launchers: dict[int, object] = {}
+        subs = bundle.bucket_bundles()
         try:
             if device == "cuda":
                 from . import cuda
@@ -158,6 +158,12 @@ class BucketedLauncher:
 
     def __exit__(self, *exc):
         self.close()
+
+    def __del__(self):
+        try:
+            self.close()  # the buckets' launchers first, then the arena and origin they share
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
 
 
 def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None = None, console=None) -> dict:
