@@ -22,7 +22,9 @@ output whose reference is NaN/inf everywhere, near zero (max|ref| ≤ 1e-6) or t
 on every input drawn is compared but flagged, and a verification in which no output
 is meaningful is ``inconclusive`` (build and verify refuse to call it passed).
 
-Inputs are drawn the way the model reads them: floats uniform in [0, 1), integer
+Inputs are drawn the way the model reads them: floats uniform in [-1, 1) (zero-mean, like the normalized
+inputs networks are trained on: polygraphy's default [0, 1) left timm's DPN-68 with random weights giving
+the same logits on every input, so its verification could judge nothing), integer
 indices into an embedding table (a Gather on an initializer) over the table's rows
 (token ids over the vocabulary), other integers in {0, 1} (masks).
 """
@@ -91,7 +93,7 @@ def input_value_ranges(model: onnx.ModelProto, inputs: list[TensorSpec]) -> dict
     """The range polygraphy draws each input from: integers that index an embedding table (Gather on an
     initializer or Constant, directly or through casts and reshapes) over [0, rows - 1] of the smallest such
     table (token ids over the vocabulary, token types over their 2 rows); other integers and bools {0, 1};
-    floats [0, 1)."""
+    floats [-1, 1)."""
     rows: dict[str, int] = {}
     for t in model.graph.initializer:
         if t.dims:
@@ -127,7 +129,7 @@ def input_value_ranges(model: onnx.ModelProto, inputs: list[TensorSpec]) -> dict
         elif kind == "b":
             ranges[spec.name] = (False, True)
         else:
-            ranges[spec.name] = (0.0, 1.0)
+            ranges[spec.name] = (-1.0, 1.0)
     return ranges
 
 

@@ -154,8 +154,9 @@ def test_scaled_error_definition():
 def _zero_model():
     from onnx import TensorProto, helper
 
-    # polygraphy's DataLoader draws float inputs in [0, 1): Neg then Relu gives zeros everywhere
-    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["n"], name="neg"), helper.make_node("Relu", ["n"], ["y"], name="relu")],
+    # Relu(-|x|) is zero everywhere, whatever the inputs drawn
+    graph = helper.make_graph([helper.make_node("Abs", ["x"], ["a"], name="abs"), helper.make_node("Neg", ["a"], ["n"], name="neg"),
+                               helper.make_node("Relu", ["n"], ["y"], name="relu")],
                               "zero", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])])
     return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -173,6 +174,22 @@ def test_all_zero_output_is_inconclusive_not_passed():
     assert close.outputs["y"]["passed"] and not close.outputs["y"]["meaningful"]
     assert "near zero" in close.outputs["y"]["not_meaningful"] and "inconclusive" in close.failure()
     assert _verify(_zero_model(), offset(0.5), "fp16", inputs=inputs).status == "failed"
+
+
+def test_inputs_drawn_zero_mean_so_negative_halves_count():
+    """Float inputs are drawn from [-1, 1): a model that reads only the negative part of its input (Relu(-x), as
+    random-weight DPN-68 in effect did) is judged, where inputs from [0, 1) would make it constant (inconclusive)."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("Neg", ["x"], ["n"], name="neg"), helper.make_node("Relu", ["n"], ["y"], name="relu")],
+                              "negative_part", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [8])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [8])])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    inputs = [TensorSpec("x", "float32", [8])]
+    right = _verify(model, lambda feeds: {"y": np.maximum(-feeds["x"], 0)}, "fp32", inputs=inputs)
+    assert right.passed and right.status == "passed" and right.outputs["y"]["meaningful"]
+    wrong = _verify(model, lambda feeds: {"y": np.maximum(feeds["x"], 0)}, "fp32", inputs=inputs)
+    assert wrong.status == "failed"
 
 
 def test_not_meaningful_reasons():
@@ -247,7 +264,7 @@ def test_float_and_unknown_integer_inputs_keep_the_defaults():
     from parastream.pipeline.verify import input_value_ranges
 
     model = three_branch_model()
-    assert input_value_ranges(model, [TensorSpec("input", "float32", [1, 4, 8, 8])]) == {"input": (0.0, 1.0)}
+    assert input_value_ranges(model, [TensorSpec("input", "float32", [1, 4, 8, 8])]) == {"input": (-1.0, 1.0)}
     assert input_value_ranges(model, [TensorSpec("n", "int32", [1])]) == {"n": (0, 1)}
 
 
