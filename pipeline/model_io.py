@@ -260,6 +260,7 @@ def _fold_once(model: onnx.ModelProto, *, fold_shapes: bool = True) -> tuple[onn
 
     graph = gs.import_onnx(model)
     before = len(graph.nodes)
+    _fold_sliced_shapes(graph)
     try:
         graph.fold_constants(fold_shapes=fold_shapes, error_ok=True).cleanup()
     except Exception:  # noqa: BLE001 - folding is an optimisation; an unfoldable graph still builds
@@ -269,6 +270,26 @@ def _fold_once(model: onnx.ModelProto, *, fold_shapes: bool = True) -> tuple[onn
     del folded.opset_import[:]
     folded.opset_import.extend(model.opset_import)
     return folded, before - len(folded.graph.node)
+
+
+def _fold_sliced_shapes(graph) -> None:
+    """Shape nodes with ``start``/``end`` (opset 15) of a static input become Constants of that slice.
+
+    graphsurgeon's shape folding (0.6.1 ``fold_shape``) returns the input's whole shape and ignores the two
+    attributes, so ``Shape(x, end=1)`` of an N x 16 input folded to [N, 16], not [N]: a wrong Reshape target
+    (the batch read from an input, as exports of dynamic-batch models do).  Done here before it folds."""
+    import onnx_graphsurgeon as gs
+
+    for node in graph.nodes:
+        if node.op != "Shape" or not ({"start", "end"} & set(node.attrs)) or not node.inputs:
+            continue
+        shape = node.inputs[0].shape
+        if shape is None or any(not isinstance(d, int) or d < 0 for d in shape):
+            continue
+        start, end = int(node.attrs.get("start", 0)), node.attrs.get("end")
+        values = np.array(list(shape)[start:None if end is None else int(end)], dtype=np.int64)  # ONNX clamps as Python slices
+        node.inputs.clear()  # (graphsurgeon's list: clearing it also drops the node from the input's consumers)
+        node.op, node.attrs = "Constant", {"value": gs.Constant(node.outputs[0].name + "_value", values)}
 
 
 def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -575,7 +596,7 @@ def parse_batch(text: str | None) -> tuple[int, int, int] | None:
     return values  # type: ignore[return-value]
 
 
-def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[int, int, int]
+def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[int, int, int], *, check_opt: bool = True
                    ) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[int], list[int]]]]:
     """Shapes at the OPT batch and (min, opt, max) profiles for every input whose first dimension is dynamic.
 
@@ -598,7 +619,7 @@ def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[
         if not dims or isinstance(dims[0], int):
             continue  # a fixed batch dimension: nothing to choose
         rest = list(shapes[vi.name][1:]) if vi.name in shapes else list(dims[1:])
-        if vi.name in shapes and shapes[vi.name][0] != opt:
+        if check_opt and vi.name in shapes and shapes[vi.name][0] != opt:
             raise ParastreamError(f"--shapes {vi.name} gives batch {shapes[vi.name][0]}, but --batch says OPT = {opt}")
         if any(not isinstance(d, int) for d in rest):
             shown = "x".join(str(d) if isinstance(d, int) else "?" for d in dims)
@@ -608,3 +629,47 @@ def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[
     if not profiles:
         raise ParastreamError(f"{path}: --batch given, but no input of the model has a dynamic first dimension")
     return shapes, profiles
+
+
+def parse_buckets(text: str | None) -> list[int] | None:
+    """Parse ``--batch-buckets 1,2,4,8`` (batch sizes, each a CUDA Graph of its own)."""
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(re.fullmatch(r"[0-9]{1,12}", p) and int(p) >= 1 for p in parts):
+        raise ParastreamError(f"--batch-buckets {text!r} is not a list of batch sizes >= 1, e.g. --batch-buckets 1,2,4,8")
+    return sorted(set(int(p) for p in parts))
+
+
+def batch_buckets(batch: tuple[int, int, int], buckets: list[int] | None = None) -> list[int]:
+    """The batch sizes a ``--batch MIN:OPT:MAX`` bundle is built for, ascending, ending at MAX.
+
+    Default: MIN, the powers of two between MIN and MAX, and MAX (1:16:32 gives 1, 2, 4, 8, 16, 32).
+    Given ``buckets`` (``--batch-buckets``), they must lie in [MIN, MAX] and include MAX, so every n in
+    the range has a bucket >= n.  OPT is where the build measures (the rewrite search) and need not be a bucket.
+    """
+    lo, _opt, hi = batch
+    if buckets is None:
+        sizes = {lo, hi} | {1 << k for k in range(hi.bit_length()) if lo <= 1 << k <= hi}
+        return sorted(sizes)
+    outside = [b for b in buckets if not lo <= b <= hi]
+    if outside:
+        raise ParastreamError(f"--batch-buckets {outside[0]} is outside --batch {lo}:{_opt}:{hi} (MIN..MAX)")
+    if hi not in buckets:
+        raise ParastreamError(f"--batch-buckets must include MAX = {hi}, so that every batch up to MAX has a bucket")
+    return sorted(buckets)
+
+
+def shapes_at_batch(path: str | Path, shapes: dict[str, list[int]], batch: int) -> dict[str, list[int]]:
+    """``shapes`` (checked against ``--batch`` by ``batch_profiles`` first) with every input whose first dimension
+    is dynamic fixed at ``batch``: one bucket's static model."""
+    return batch_profiles(path, shapes, (batch, batch, batch), check_opt=False)[0]
+
+
+def original_at_batch(path: str | Path, shapes: dict[str, list[int]]) -> onnx.ModelProto:
+    """The original model as read (the verification reference) with its inputs fixed at ``shapes``."""
+    path = Path(path)
+    model = read_model(path)
+    name_nodes(model)
+    _fix_input_shapes(model, shapes, path)
+    return model

@@ -14,7 +14,8 @@ initialize  loads the bundle once per model instance.  A GPU instance (KIND_GPU)
 execute     reads the inputs of every request -- host tensors as numpy views (``as_numpy``), GPU tensors
             as torch views through DLPack, without a host copy -- and, when the model batches
             (max_batch_size > 0), concatenates the requests Triton's dynamic batcher handed over and pads
-            them to the batch the bundle was built for.  One launcher run per batch; each request gets
+            them to the batch the bundle was built for -- or, for a dynamic-batch bundle (buckets), hands
+            the launcher those rows as they are: it runs the smallest bucket that holds them.  One launcher run per batch; each request gets
             its slice of the outputs: device outputs leave through DLPack after one device-to-device copy
             (the next replay overwrites the launcher's buffers), host outputs as numpy.  A request that
             fails gets an error response; the others still get their outputs.
@@ -85,11 +86,17 @@ class TritonPythonModel:
             # launcher.load() takes no device index; the GPU launcher is what it returns for "cuda"
             from parastream.launcher.gpu import GpuLauncher
 
-            self.runner = GpuLauncher(bundle, device=device)
+            if bundle.manifest.get("buckets"):
+                from parastream.launcher.buckets import BucketedLauncher
+
+                self.runner = BucketedLauncher(bundle, device="cuda", gpu=device)
+            else:
+                self.runner = GpuLauncher(bundle, device=device)
         else:
             self.runner = load(bundle, device="cpu")
         self.plan = self.runner.plan
         self.batch = self.plan.inputs[0].shape[0] if self.max_batch > 0 else 0
+        self.bucketed = bool(bundle.manifest.get("buckets"))  # then a group is run with its own rows, unpadded
 
     # -- requests ---------------------------------------------------------------------------------
     def _read_input(self, tensor):
@@ -142,10 +149,12 @@ class TritonPythonModel:
         return groups
 
     def _stack(self, parts, spec):
-        """The group's inputs as one batch of the bundle's size; the rows past the requests stay zero."""
-        if len(parts) == 1 and parts[0].shape[0] == self.batch:
+        """The group's inputs as one batch of the bundle's size, the rows past the requests zero (a bucketed
+        bundle: of the requests' rows only)."""
+        rows = sum(int(p.shape[0]) for p in parts) if self.bucketed else self.batch
+        if len(parts) == 1 and parts[0].shape[0] == rows:
             return parts[0]
-        shape = [self.batch] + list(spec.shape[1:])
+        shape = [rows] + list(spec.shape[1:])
         device = next((p.device for p in parts if not isinstance(p, np.ndarray)), None)
         if device is None:
             out = np.zeros(shape, dtype=parts[0].dtype)
