@@ -25,7 +25,7 @@ from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
 
 from .isolate import in_child
-from .model_io import LoadedModel, batch_profiles, load_model
+from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
 from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
@@ -105,10 +105,13 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
     return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
 
 
-def _graph_of(model: onnx.ModelProto) -> gs.Graph:
-    graph = gs.import_onnx(model)
-    graph.toposort()
-    return graph
+def _after_search(model: onnx.ModelProto, graph: gs.Graph, searched: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
+    """The model and graph that the rewrite search leaves: ``model`` and its ``graph`` when it changed nothing (it
+    returns its input then), else the rewritten model, shape-inferred, imported into graphsurgeon once."""
+    if searched is model:
+        return model, graph
+    searched = _infer(searched)
+    return searched, graph_of(searched)
 
 
 def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):
@@ -383,7 +386,7 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
         for name, m in (("original model, one session", loaded.model), ("rewritten model, one session", model)):
             if name.startswith("rewritten") and (m is loaded.model or not rewritten):
                 continue
-            g = graph if m is model else _graph_of(m)
+            g = graph if m is model else loaded.graph  # the graphs given: m is the loaded model here
             alternatives.append((name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
     if sched.num_streams > 1 or not alternatives:
         shared = max(1, cores // sched.num_streams)
@@ -445,8 +448,11 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
 
     def load(model: onnx.ModelProto):
-        model = _infer(model)
-        graph = _graph_of(model)
+        if model is loaded.model:  # the search measures its input first: the loader's graph
+            graph = loaded.graph
+        else:
+            model = _infer(model)
+            graph = graph_of(model)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs)
@@ -574,38 +580,37 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
     cost_model = RooflineCostModel(device_profile, precision=cfg.precision)
     from .analysis import graph_width
 
-    width = graph_width(loaded.model)[0]
+    width = graph_width(loaded.graph)[0]
     options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
                            workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
                            strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
                            profiles={})
 
-    model = loaded.model
+    model, graph = loaded.model, loaded.graph  # carried from load to plan (read only: stages that change one copy it)
     search_report: dict = {"enabled": False}
     if cfg.search:
         t0 = time.perf_counter()
         from parastream.rewrite import optimize
 
         # the search costs candidates on the number of streams the input would get
-        search_streams = plan_streams(_graph_of(model), cost_model, cfg.streams, cfg.max_streams)[0].num_streams
+        search_streams = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)[0].num_streams
         measure = None
         if cfg.measure and measure_search:
             measure = gpu_measure(backend, options, cost_model, loaded, streams=cfg.streams, max_streams=cfg.max_streams,
                                   precision=cfg.precision, budget_s=cfg.measure_seconds, runs=cfg.measure_runs)
         task = bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measure else ""))
         try:
-            model, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
-                                            measure=measure, **cfg.search_options)
+            searched, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
+                                               measure=measure, **cfg.search_options)
         finally:
             if measure is not None:
                 measure.close()
         search_report = dict(search_report, enabled=True)
-        model = _infer(model)
+        model, graph = _after_search(model, graph, searched)
         task.advance()
         timings["search"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    graph = _graph_of(model)
     sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
     timings["schedule"] = time.perf_counter() - t0
     cpu_threads, cpu_choice = None, None

@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -19,6 +20,9 @@ from onnx import helper, shape_inference
 
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
+
+if TYPE_CHECKING:
+    import onnx_graphsurgeon as gs
 
 
 def parse_shapes(text: str | None) -> dict[str, list[int]]:
@@ -66,6 +70,15 @@ def spec_of(vi: onnx.ValueInfoProto) -> TensorSpec:
     return TensorSpec(name=vi.name, dtype=np.dtype(dtype).name, shape=[int(d) for d in dims])  # type: ignore[arg-type]
 
 
+def graph_of(model: onnx.ModelProto):
+    """``model`` (shape-inferred) in onnx-graphsurgeon, toposorted: the graph the stages of a build plan on."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model)
+    graph.toposort()
+    return graph
+
+
 @dataclass
 class LoadedModel:
     path: Path
@@ -73,6 +86,10 @@ class LoadedModel:
     original: onnx.ModelProto  # as loaded (external data inlined), for the reference run
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    # ``model`` in graphsurgeon (graph_of: toposorted, the inferred shapes on its tensors), imported once here and
+    # carried to the plan.  The stages only read it; one that changes a graph works on a copy (extract_branch
+    # copies, the rewrite search imports its own), so it stays the graph of ``model``.  None: not imported.
+    graph: gs.Graph | None = None
 
 
 def _non_text_string(message, where: str = "model") -> str | None:
@@ -260,16 +277,31 @@ def _fold_once(model: onnx.ModelProto, *, fold_shapes: bool = True) -> tuple[onn
 
     graph = gs.import_onnx(model)
     before = len(graph.nodes)
+    if _fold_graph(graph, fold_shapes=fold_shapes) is None:
+        return model, 0
+    folded = _export_like(graph, model)
+    return folded, before - len(folded.graph.node)
+
+
+def _fold_graph(graph, *, fold_shapes: bool = True):
+    """``graph`` folded in place (see ``_fold_once``), or None when folding failed (the graph is then half-folded:
+    the caller starts again from its model)."""
     _fold_sliced_shapes(graph)
     try:
-        graph.fold_constants(fold_shapes=fold_shapes, error_ok=True).cleanup()
+        return graph.fold_constants(fold_shapes=fold_shapes, error_ok=True).cleanup()
     except Exception:  # noqa: BLE001 - folding is an optimisation; an unfoldable graph still builds
-        return model, 0
-    folded = gs.export_onnx(graph, do_type_check=False)
-    folded.ir_version = model.ir_version
-    del folded.opset_import[:]
-    folded.opset_import.extend(model.opset_import)
-    return folded, before - len(folded.graph.node)
+        return None
+
+
+def _export_like(graph, model: onnx.ModelProto) -> onnx.ModelProto:
+    """``graph`` exported with ``model``'s IR version and opsets."""
+    import onnx_graphsurgeon as gs
+
+    out = gs.export_onnx(graph, do_type_check=False)
+    out.ir_version = model.ir_version
+    del out.opset_import[:]
+    out.opset_import.extend(model.opset_import)
+    return out
 
 
 def _fold_sliced_shapes(graph) -> None:
@@ -292,11 +324,12 @@ def _fold_sliced_shapes(graph) -> None:
         node.op, node.attrs = "Constant", {"value": gs.Constant(node.outputs[0].name + "_value", values)}
 
 
-def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Constant nodes that survived folding become initializers, so that no branch is a lone Constant."""
+def _constants_to_initializers(model: onnx.ModelProto, graph=None) -> onnx.ModelProto:
+    """Constant nodes that survived folding become initializers, so that no branch is a lone Constant.
+    ``graph``: ``model`` already in graphsurgeon (changed in place), else it is imported."""
     import onnx_graphsurgeon as gs
 
-    graph = gs.import_onnx(model)
+    graph = gs.import_onnx(model) if graph is None else graph
     for node in list(graph.nodes):
         if node.op == "Constant" and len(node.outputs) == 1:
             out = node.outputs[0]
@@ -309,24 +342,24 @@ def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
                     continue
                 node.outputs.clear()
     graph.cleanup().toposort()
-    out_model = gs.export_onnx(graph, do_type_check=False)
-    out_model.ir_version = model.ir_version
-    del out_model.opset_import[:]
-    out_model.opset_import.extend(model.opset_import)
-    return out_model
+    return _export_like(graph, model)
 
 
 def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model") -> onnx.ModelProto:
-    """Fold shape arithmetic and Constant nodes now that input shapes are static (one graphsurgeon pass)."""
+    """Fold shape arithmetic and Constant nodes now that input shapes are static (one graphsurgeon import: the
+    graph that proves graphsurgeon can represent the model is the one folded and exported)."""
     import onnx_graphsurgeon as gs
 
     try:
         # every later stage works on graphsurgeon's graph: a model it cannot represent stops here
-        gs.export_onnx(gs.import_onnx(model), do_type_check=False)
+        graph = gs.import_onnx(model)
+        gs.export_onnx(graph, do_type_check=False)
     except Exception as e:  # noqa: BLE001 - graphsurgeon raises ValueError, KeyError, TypeError ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ParastreamError(f"{path}: onnx-graphsurgeon cannot represent this model: {first}") from None
-    return _constants_to_initializers(_fold_once(model)[0])
+    if _fold_graph(graph) is None:
+        graph = gs.import_onnx(model)  # folding failed half-way through: the unfolded model, as _fold_once does
+    return _constants_to_initializers(model, graph)
 
 
 def _infer(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
@@ -535,7 +568,7 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
             raise ParastreamError(f"{path}: output {vi.name!r} has a shape that cannot be inferred from the input shapes; parastream needs static shapes")
         outputs.append(_spec(vi, path, "output"))
     _check_sizes(model, path)
-    return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs)
+    return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs, graph=graph_of(model))
 
 
 MAX_ELEMENTS = 2**31 - 1  # TensorRT's limit on a tensor's volume; the launchers' buffers are sized from it too

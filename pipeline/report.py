@@ -165,7 +165,6 @@ def _print_build_details(bundle, console) -> None:
 
 def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None, search=False, console=None) -> dict:
     """Print op histogram, node count, width, branches and estimated critical path; optionally draw or search."""
-    import onnx_graphsurgeon as gs
 
     from parastream.rewrite.cost import RooflineCostModel
 
@@ -181,11 +180,10 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
     loaded = load_model(path, shapes)
     model = loaded.model
     hist = op_histogram(model)
-    width, _ = graph_width(model)
+    width, _ = graph_width(loaded.graph)
     # the device profile a default build would plan for, so that inspect reports the streams the build makes
     cm = RooflineCostModel(device or default_device_profile(resolve_backend("auto")))
-    graph = gs.import_onnx(model)
-    graph.toposort()
+    graph = loaded.graph
     sched, tried = plan_streams(graph, cm, streams, DEFAULT_MAX_STREAMS)
     one = schedule_graph(graph, 1, cm.node_cost, cm.is_memory_bound)
     k = sched.num_streams
