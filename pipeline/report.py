@@ -165,7 +165,6 @@ def _print_build_details(bundle, console) -> None:
 
 def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None, search=False, console=None) -> dict:
     """Print op histogram, node count, width, branches and estimated critical path; optionally draw or search."""
-
     from parastream.rewrite.cost import RooflineCostModel
 
     from .analysis import graph_width, op_histogram
