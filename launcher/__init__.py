@@ -40,6 +40,12 @@ def load(path: str | Path | Bundle, *, device: str = "auto", graph: bool = True,
     backend = bundle.backend()
     if device == "auto":
         device = "cuda" if backend.gpu and cuda_device_count() > 0 else "cpu"
+    if bundle.manifest.get("buckets"):  # a dynamic-batch bundle: one launcher per batch bucket
+        if device not in ("cuda", "cpu"):
+            raise ParastreamError(f"--device {device!r} is not one of: auto, cuda, cpu")
+        from .buckets import BucketedLauncher
+
+        return BucketedLauncher(bundle, device=device, graph=graph)
     if device == "cuda":
         from .gpu import GpuLauncher
 

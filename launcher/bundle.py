@@ -81,6 +81,8 @@ class Bundle:
             if rel not in files:
                 raise ParastreamError(f"{path / 'plan.json'}: {b.name}'s engine {b.engine!r} is not listed in manifest.json")
         bundle = cls(path=path, manifest=manifest, plan=plan, report=report)
+        if manifest.get("buckets"):
+            bundle.bucket_bundles()  # a dynamic-batch bundle: every bucket's folder is a bundle inside this one
         if check_hashes:
             bundle.check_hashes()
             _check_no_external_data(path, files)
@@ -93,6 +95,35 @@ class Bundle:
                 raise ParastreamError(f"{self.path / rel}: listed in manifest.json but missing; rebuild the bundle")
             if sha256_file(f) != digest:
                 raise ParastreamError(f"{self.path / rel}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
+
+    def bucket_bundles(self) -> dict[int, "Bundle"]:
+        """A dynamic-batch bundle's buckets, batch size -> Bundle (the largest is this bundle itself; the others
+        live in ``buckets/b<N>/``, their files listed and hashed by this bundle's manifest too)."""
+        rec = self.manifest.get("buckets")
+        where = self.path / "manifest.json"
+        if not isinstance(rec, dict) or not isinstance(rec.get("folders"), dict) or not rec["folders"]:
+            raise ParastreamError(f"{where}: 'buckets' does not list the buckets' folders; rebuild the bundle")
+        out: dict[int, Bundle] = {}
+        for size, folder in rec["folders"].items():
+            if not str(size).isdigit() or not isinstance(folder, str):
+                raise ParastreamError(f"{where}: bucket {size!r} -> {folder!r} is not a batch size and a folder")
+            if folder == ".":
+                out[int(size)] = self
+                continue
+            sub = Bundle.open(inside(self.path, folder, "manifest.json (buckets)"), check_hashes=False)
+            if sub.manifest.get("buckets"):  # (this bundle's manifest hashes the bucket's files)
+                raise ParastreamError(f"{sub.path}: a bucket is itself a bucketed bundle; rebuild the bundle")
+            out[int(size)] = sub
+        sizes = sorted(out)
+        listed = rec.get("sizes")
+        ints = isinstance(listed, list) and all(isinstance(v, int) and not isinstance(v, bool) for v in listed)
+        names = all(isinstance(rec.get(k), list) and all(isinstance(v, str) for v in rec[k]) for k in ("inputs", "outputs"))
+        if (not ints or sorted(listed) != sizes or out[sizes[-1]] is not self or not names
+                or rec.get("max") != sizes[-1] or not isinstance(rec.get("min"), int) or not 1 <= rec["min"] <= sizes[0]):
+            raise ParastreamError(f"{where}: 'buckets' is inconsistent (sizes {listed!r}, folders for {sizes}, min "
+                                  f"{rec.get('min')!r}, max {rec.get('max')!r}, the largest must be this bundle's own plan); "
+                                  "rebuild the bundle")
+        return out
 
     @property
     def model_path(self) -> Path:
@@ -156,7 +187,7 @@ def _check_no_external_data(root: Path, files: dict) -> None:
 def write_manifest(out: Path, manifest: dict) -> None:
     """Hash every file under ``out`` (except the manifest) into ``manifest['files']`` and write it."""
     files = {}
-    for f in sorted(p for p in out.rglob("*") if p.is_file() and p.name != "manifest.json"):
+    for f in sorted(p for p in out.rglob("*") if p.is_file() and p != out / "manifest.json"):  # buckets' own too
         files[f.relative_to(out).as_posix()] = sha256_file(f)
     manifest = dict(manifest, version=MANIFEST_VERSION, files=files)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))

@@ -106,6 +106,49 @@ def engine_layouts(plan, backend, *, internal_nhwc: bool = True, concat_in_place
     return EngineLayouts(specs, nhwc, views, elided)
 
 
+def arena_offsets(specs: dict[str, TensorSpec], views: dict) -> tuple[dict[str, int], int]:
+    """Each boundary tensor's 256-byte aligned offset in the launcher's arena (a channel view at its Concat's), and
+    the arena's size."""
+    offsets: dict[str, int] = {}
+    total = 0
+    for name, spec in specs.items():
+        if name in views:
+            continue  # lives inside its Concat's buffer
+        offsets[name] = total
+        total += -(-nbytes_of(spec.shape, spec.dtype) // ALIGN) * ALIGN
+    for name, (root, _) in views.items():
+        offsets[name] = offsets[root]  # the engine takes its channel slice from there
+    return offsets, total
+
+
+def arena_bytes(bundle: Bundle, *, internal_nhwc: bool | None = None, concat_in_place: bool = True) -> int:
+    """The arena a GpuLauncher of ``bundle`` allocates (its boundary tensors in the layout the build chose)."""
+    built = bundle.manifest.get("options", {}) or {}
+    nhwc = bool(built.get("internal_nhwc", True)) if internal_nhwc is None else internal_nhwc
+    lay = engine_layouts(bundle.plan, bundle.backend(), internal_nhwc=nhwc, concat_in_place=concat_in_place)
+    return arena_offsets(lay.specs, lay.views)[1]
+
+
+class SharedArena:
+    """One device arena and one origin stream for several launchers of which only one runs at a time (the
+    buckets of a dynamic-batch bundle): every launcher's boundary tensors start at the arena's base, and all
+    replays queue on the one origin stream, so one bucket's graph never runs while another's writes the arena."""
+
+    def __init__(self, nbytes: int):
+        self.nbytes = int(nbytes)
+        self.arena = cuda.malloc(self.nbytes)
+        self.origin = cuda.stream_create()
+        self._closed = False
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        cuda.stream_synchronize(self.origin)
+        cuda.stream_destroy(self.origin)
+        cuda.free(self.arena)
+
+
 class GpuLauncher:
     """Runs a bundle's plan on one GPU: multi-stream, captured as one CUDA Graph (``graph=False``: direct launches).
 
@@ -119,7 +162,7 @@ class GpuLauncher:
 
     def __init__(self, bundle: Bundle | str, *, graph: bool = True, device: int = 0, single_stream: bool = False,
                  engines: list | None = None, internal_nhwc: bool | None = None, concat_in_place: bool = True,
-                 fuse_conv_relu: bool | None = None, _share=None):
+                 fuse_conv_relu: bool | None = None, _share=None, shared: "SharedArena | None" = None):
         if not isinstance(bundle, Bundle):
             bundle = Bundle.open(bundle)
         self.bundle = bundle
@@ -128,6 +171,7 @@ class GpuLauncher:
         self.single_stream = single_stream or plan.num_streams == 1
         self.use_graph = graph
         self._closed = True
+        self._shared = None
         cuda.set_device(device)
         backend = bundle.backend()
         self.backend = backend
@@ -178,24 +222,19 @@ class GpuLauncher:
         self.engines = engines
         self.load_s = time.perf_counter() - t0
 
-        # one arena for all boundary tensors
-        self.offsets: dict[str, int] = {}
-        total = 0
-        for name, spec in self.specs.items():
-            if name in self.views:
-                continue  # lives inside its Concat's buffer
-            self.offsets[name] = total
-            total += -(-nbytes_of(spec.shape, spec.dtype) // ALIGN) * ALIGN
-        for name, (root, _) in self.views.items():
-            self.offsets[name] = self.offsets[root]  # the engine takes its channel slice from there
-        self._arena = cuda.malloc(total)
+        # one arena for all boundary tensors (or, for a bucket of a dynamic-batch bundle, the buckets' shared one)
+        self.offsets, total = arena_offsets(self.specs, self.views)
+        self._shared = shared
+        if shared is not None and total > shared.nbytes:
+            raise ParastreamError(f"{bundle.path}: needs an arena of {total} bytes, the shared one has {shared.nbytes}")
+        self._arena = shared.arena if shared is not None else cuda.malloc(total)
         self.arena_device = cuda.get_device()  # where cudaMalloc put it: the current device, not necessarily 0
         self.arena_bytes = total
         self.addr = {n: self._arena + off for n, off in self.offsets.items()}
         self._branch_addrs = [{t: self.addr[t] for t in b.inputs + b.outputs} for b in plan.branches]
 
-        # streams and events
-        self.origin = cuda.stream_create()
+        # streams and events (buckets sharing an arena share the origin: their replays never overlap)
+        self.origin = shared.origin if shared is not None else cuda.stream_create()
         n_streams = 0 if single_stream else plan.num_streams
         self.streams = [cuda.stream_create() for _ in range(n_streams)]
         self._fork = cuda.event_create()
@@ -460,11 +499,12 @@ class GpuLauncher:
             cuda.event_destroy(e)
         for s in self.streams:
             cuda.stream_destroy(s)
-        cuda.stream_destroy(self.origin)
         for ptr, _ in self._host.values():
             cuda.free_host(ptr)
         self._host.clear()
-        cuda.free(self._arena)
+        if self._shared is None:  # a shared arena and origin belong to their SharedArena
+            cuda.stream_destroy(self.origin)
+            cuda.free(self._arena)
 
     def __enter__(self):
         return self

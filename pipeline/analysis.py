@@ -13,6 +13,7 @@ from collections import Counter
 
 import networkx as nx
 import onnx
+import onnx_graphsurgeon as gs
 
 from .model_io import name_nodes
 
@@ -22,40 +23,58 @@ def op_histogram(model: onnx.ModelProto) -> Counter:
     return Counter(n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}" for n in model.graph.node)
 
 
-def _subgraph_reads(node: onnx.NodeProto) -> set[str]:
-    """Tensors that an If/Loop/Scan body reads from the enclosing scope (they are inputs of the node too)."""
+def _subgraph_reads(node: gs.Node) -> set[str]:
+    """Names of the tensors that an If/Loop/Scan body of ``node`` reads from the enclosing scope (at any depth of
+    nesting): they are inputs of the node too, though ONNX does not list them.  (graphsurgeon's own
+    ``Graph._foreign_tensors`` does this but is private.)"""
     reads: set[str] = set()
-    for attr in node.attribute:
-        for g in [attr.g] if attr.HasField("g") else list(attr.graphs):
-            local = {i.name for i in g.input} | {t.name for t in g.initializer}
-            for inner in g.node:
-                local.update(inner.output)
-            for inner in g.node:
-                reads.update(i for i in inner.input if i and i not in local)
-                reads.update(_subgraph_reads(inner) - local)
+    for body in node.subgraphs():
+        local = {t.name for t in body.inputs} | {t.name for inner in body.nodes for t in inner.outputs}
+        for inner in body.nodes:
+            reads.update(t.name for t in inner.inputs if isinstance(t, gs.Variable) and t.name and t.name not in local)
+            reads.update(_subgraph_reads(inner) - local)
     return reads
 
 
-def node_graph(model: onnx.ModelProto) -> nx.DiGraph:
-    """The node DAG: one vertex per node (by name, with ``op`` and ``index`` attributes), an edge producer → consumer
-    for every tensor that passes between them."""
+def node_dag(graph: gs.Graph) -> nx.DiGraph:
+    """The node DAG of ``graph``, the one builder that the schedule, the width and ``inspect`` share: vertex ``i`` is
+    ``graph.nodes[i]`` (attributes ``name``, ``op``), an edge producer → consumer for every tensor that passes
+    between two nodes, including the tensors an If/Loop/Scan body reads from the enclosing scope.  Vertices are
+    indices, not names, so that a graph whose names are not unique (yet) still gets one vertex per node."""
+    dag = nx.DiGraph()
+    producer: dict[str, int] = {}
+    for i, node in enumerate(graph.nodes):
+        dag.add_node(i, name=node.name, op=node.op)
+        for t in node.outputs:
+            if t.name:
+                producer[t.name] = i
+    for i, node in enumerate(graph.nodes):
+        reads = [t.name for t in node.inputs if isinstance(t, gs.Variable) and t.name] + sorted(_subgraph_reads(node))
+        for name in reads:
+            src = producer.get(name)
+            if src is not None and src != i:
+                dag.add_edge(src, i)
+    return dag
+
+
+def node_graph(model: onnx.ModelProto | gs.Graph) -> nx.DiGraph:
+    """``node_dag`` with vertices named: one vertex per node (by name, with ``op`` and ``index`` attributes), in graph
+    order.  A ModelProto is imported into graphsurgeon for this and named as the loader names it (``name_nodes``
+    with ``assign=False``: the model is left as it is); a graph is taken as it is (the loader's names are unique)."""
+    if isinstance(model, gs.Graph):
+        graph, names = model, [n.name for n in model.nodes]
+    else:
+        graph, names = gs.import_onnx(model), name_nodes(model, assign=False)  # import keeps the node order
+    if len(set(names)) != len(names):
+        raise ValueError("node names are not unique; name the nodes first (model_io.name_nodes)")
+    dag = node_dag(graph)
     g = nx.DiGraph()
-    producer: dict[str, str] = {}
-    names = name_nodes(model, assign=False)
-    for i, (name, node) in enumerate(zip(names, model.graph.node)):
-        g.add_node(name, op=node.op_type, index=i)
-        for out in node.output:
-            if out:
-                producer[out] = name
-    for name, node in zip(names, model.graph.node):
-        for t in set(node.input) | _subgraph_reads(node):
-            src = producer.get(t)
-            if src is not None and src != name:
-                g.add_edge(src, name)
+    g.add_nodes_from((names[i], {"op": dag.nodes[i]["op"], "index": i}) for i in dag)
+    g.add_edges_from((names[u], names[v]) for u, v in dag.edges)
     return g
 
 
-def graph_width(model: onnx.ModelProto) -> tuple[int, list[str]]:
+def graph_width(model: onnx.ModelProto | gs.Graph) -> tuple[int, list[str]]:
     """(size of a maximum antichain of the node DAG, the names of its nodes in graph order)."""
     dag = node_graph(model)
     n = dag.number_of_nodes()

@@ -25,7 +25,7 @@ from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
 
 from .isolate import in_child
-from .model_io import LoadedModel, batch_profiles, load_model
+from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
 from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
@@ -42,6 +42,7 @@ class BuildConfig:
     max_streams: int = DEFAULT_MAX_STREAMS
     shapes: dict[str, list[int]] = field(default_factory=dict)
     batch: tuple[int, int, int] | None = None  # --batch min:opt:max for inputs with a dynamic first dimension
+    batch_buckets: list[int] | None = None  # --batch-buckets: the batch sizes built (None: powers of two, MIN and MAX)
     precision: str = "fp32"
     search: bool = True
     search_options: dict = field(default_factory=dict)
@@ -106,10 +107,12 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
     return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
 
 
-def _graph_of(model: onnx.ModelProto) -> gs.Graph:
-    from parastream.rewrite.ir import toposort
-
-    return toposort(gs.import_onnx(model))
+def _after_search(model: onnx.ModelProto, graph: gs.Graph, searched: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
+    """The model and graph that the rewrite search leaves: ``model`` and its ``graph`` when it changed nothing (it
+    returns its input then), else the rewritten model (shape-inferred), imported into graphsurgeon once."""
+    if searched is model:
+        return model, graph
+    return searched, graph_of(searched)  # inferred and checked by the search's export (no second inference)
 
 
 def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):
@@ -409,7 +412,7 @@ def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Grap
         for name, m in (("rewritten model, one session", model), ("original model, one session", loaded.model)):
             if name.startswith("rewritten") and (m is loaded.model or not rewritten):
                 continue
-            g = graph if m is model else _graph_of(m)
+            g = graph if m is model else loaded.graph  # the loader's graph of the loaded model
             whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
     # plain onnxruntime (the original, one session) first when it is an alternative: it is the default
     return whole[::-1] + plans
@@ -577,8 +580,11 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
 
     def load(model: onnx.ModelProto):
-        model = _infer(model)
-        graph = _graph_of(model)
+        if model is loaded.model:  # the search measures its input first: the loader's graph
+            graph = loaded.graph
+        else:
+            model = _infer(model)
+            graph = graph_of(model)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs)
@@ -671,154 +677,171 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
     out = check_target(out_dir, kind="bundle", force=cfg.force, protect=(model_path,), option="-o")
     if cfg.streams is not None and cfg.streams < 1:
         raise ParastreamError(f"--streams {cfg.streams}: must be at least 1")
+    if cfg.batch_buckets and not (cfg.batch and cfg.batch[0] < cfg.batch[2]):
+        raise ParastreamError("--batch-buckets needs --batch MIN:OPT:MAX with MIN < MAX")
     backend = resolve_backend(cfg.backend)
+    with _Progress(progress) as bar:
+        if cfg.batch and cfg.batch[0] < cfg.batch[2]:  # a dynamic batch: one static bundle per batch bucket
+            from .buckets import build_buckets
+
+            with staging(out, "bundle") as tmp:  # renamed to OUT at the end of the block, removed on any error
+                bundle = build_buckets(model_path, tmp, cfg, backend, bar)
+            return replace(bundle, path=out)
+        shapes = batch_profiles(model_path, dict(cfg.shapes), tuple(cfg.batch))[0] if cfg.batch else dict(cfg.shapes)
+        bundle = build_static(model_path, cfg, backend, bar, shapes, lambda: staging(out, "bundle"))
+    return replace(bundle, path=out)
+
+
+def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, list[int]], stage, *,
+                 measure_search: bool = True) -> Bundle:
+    """The build's stages for static ``shapes``, written into the folder ``stage()`` yields; return it opened.
+
+    ``measure_search`` False: the rewrite search decides by the cost model even on a GPU (the buckets of a
+    dynamic-batch build other than the one at OPT)."""
     timings: dict[str, float] = {}
     t_all = time.perf_counter()
+    t0 = time.perf_counter()
+    loaded: LoadedModel = load_model(model_path, shapes)
+    check_runnable(loaded, backend, cfg.verify)
+    bar.step("load and check").advance()
+    timings["load"] = time.perf_counter() - t0
 
-    with _Progress(progress) as bar, contextlib.ExitStack() as stack:
+    from parastream.rewrite.cost import RooflineCostModel, node_flops_bytes
+
+    device_profile = cfg.device or default_device_profile(backend)
+    cost_model = RooflineCostModel(device_profile, precision=cfg.precision)
+    from .analysis import graph_width
+
+    width = graph_width(loaded.graph)[0]
+    options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
+                           workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
+                           strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
+                           profiles={})
+
+    model, graph = loaded.model, loaded.graph  # carried from load to plan (read only: stages that change one copy it)
+    search_report: dict = {"enabled": False}
+    if cfg.search:
         t0 = time.perf_counter()
-        shapes, profiles = dict(cfg.shapes), {}
-        if cfg.batch:
-            shapes, profiles = batch_profiles(model_path, shapes, tuple(cfg.batch))
-        loaded: LoadedModel = load_model(model_path, shapes)
-        check_runnable(loaded, backend, cfg.verify)
-        bar.step("load and check").advance()
-        timings["load"] = time.perf_counter() - t0
+        from parastream.rewrite import optimize
 
-        from parastream.rewrite.cost import RooflineCostModel, node_flops_bytes
+        # the search costs candidates on the number of streams the input would get
+        search_streams = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)[0].num_streams
+        measure = None
+        if cfg.measure and measure_search:
+            measure = gpu_measure(backend, options, cost_model, loaded, streams=cfg.streams, max_streams=cfg.max_streams,
+                                  precision=cfg.precision, budget_s=cfg.measure_seconds, runs=cfg.measure_runs)
+        task = bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measure else ""))
+        try:
+            searched, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
+                                               measure=measure, **cfg.search_options)
+        finally:
+            if measure is not None:
+                measure.close()
+        search_report = dict(search_report, enabled=True)
+        model, graph = _after_search(model, graph, searched)
+        task.advance()
+        timings["search"] = time.perf_counter() - t0
 
-        device_profile = cfg.device or default_device_profile(backend)
-        cost_model = RooflineCostModel(device_profile, precision=cfg.precision)
-        from .analysis import graph_width
-
-        width = graph_width(loaded.model)[0]
-        options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
-                               workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
-                               strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
-                               profiles=profiles)
-
-        model = loaded.model
-        search_report: dict = {"enabled": False}
-        if cfg.search:
-            t0 = time.perf_counter()
-            from parastream.rewrite import optimize
-
-            # the search costs candidates on the number of streams the input would get
-            search_streams = plan_streams(_graph_of(model), cost_model, cfg.streams, cfg.max_streams)[0].num_streams
-            measure = None
-            if cfg.measure:
-                measure = gpu_measure(backend, options, cost_model, loaded, streams=cfg.streams, max_streams=cfg.max_streams,
-                                      precision=cfg.precision, budget_s=cfg.measure_seconds, runs=cfg.measure_runs)
-            task = bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measure else ""))
-            try:
-                model, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
-                                                measure=measure, **cfg.search_options)
-            finally:
-                if measure is not None:
-                    measure.close()
-            search_report = dict(search_report, enabled=True)  # its model is inferred and checked (export_model)
-            task.advance()
-            timings["search"] = time.perf_counter() - t0
-
+    t0 = time.perf_counter()
+    sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
+    timings["schedule"] = time.perf_counter() - t0
+    cpu_threads, cpu_choice, prebuilt = None, None, None
+    scratch = contextlib.ExitStack()  # the CPU alternatives' engines, until the bundle has copied the kept one's
+    if not backend.gpu and cfg.measure:
         t0 = time.perf_counter()
-        graph = _graph_of(model)
-        sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
-        timings["schedule"] = time.perf_counter() - t0
-        cpu_threads, cpu_choice, prebuilt = None, None, None
-        if not backend.gpu and cfg.measure:
+        task = bar.step("time the CPU alternatives")
+        folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="parastream-cpu-")))
+        with running_errors(loaded.path, loaded.model, "to time the CPU alternatives"):
+            model, graph, sched, cpu_threads, cpu_choice, prebuilt = choose_cpu_alternative(
+                loaded, model, graph, sched, backend, options, cost_model, cfg, folder,
+                rewritten=bool(search_report.get("rules_chosen")))
+        _record_measured_streams(streams_tried, sched)
+        task.advance()
+        timings["cpu_choice"] = time.perf_counter() - t0
+    plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
+                     inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
+    plan.cpu_threads = cpu_threads
+
+    with scratch, stage() as tmp:  # build(): staging, renamed to OUT at the end of the block, removed on any error
+        t0 = time.perf_counter()
+        task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
+        engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance,
+                                        prebuilt=prebuilt)
+        prebuilt = None
+        scratch.close()
+        timings["engines"] = time.perf_counter() - t0
+
+        measured = None
+        if cfg.measure and backend.gpu:
             t0 = time.perf_counter()
-            task = bar.step("time the CPU alternatives")
-            scratch = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="parastream-cpu-")))
-            with running_errors(loaded.path, loaded.model, "to time the CPU alternatives"):
-                model, graph, sched, cpu_threads, cpu_choice, prebuilt = choose_cpu_alternative(
-                    loaded, model, graph, sched, backend, options, cost_model, cfg, scratch,
-                    rewritten=bool(search_report.get("rules_chosen")))
-            _record_measured_streams(streams_tried, sched)
+            task = bar.step("time the plan against its alternatives on the GPU")
+            fused = options.fuse_conv_relu
+            measured = _measure_alternatives(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded)
+            if measured and (measured["one_engine"] or _compiled_for_other_choices(backend, fused, measured)):
+                if measured["one_engine"]:
+                    sched, _ = plan_streams(graph, cost_model, 1, 1)
+                    _record_measured_streams(streams_tried, sched)
+                    plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
+                                     inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
+                shutil.rmtree(tmp / "engines")
+                engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path),
+                                                internal_nhwc=measured["internal_nhwc"])
             task.advance()
-            timings["cpu_choice"] = time.perf_counter() - t0
-        plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
-                         inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
-        plan.cpu_threads = cpu_threads
+            timings["measure_alternatives"] = time.perf_counter() - t0
 
-        with staging(out, "bundle") as tmp:  # renamed to OUT at the end of the block, removed on any error
+        report = {
+            "version": REPORT_VERSION,
+            "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(model.graph.node),
+                      "inputs": [asdict(t) for t in loaded.inputs], "outputs": [asdict(t) for t in loaded.outputs]},
+            "search": search_report,
+            "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": width,
+                         "branches": len(plan.branches), "critical_path_s": sched.makespan, "total_work_s": sched.total_work,
+                         "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
+                         "cost_model": f"roofline {device_profile} {cfg.precision}"},
+            "cpu_choice": cpu_choice,
+            "engines": engines_report,
+            "measured_choices": measured,
+            "verification": None,
+            "timings": timings,
+        }
+        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
+        manifest = {"parastream": _versions(backend), "backend": backend.name, "device": _device_description(backend),
+                    "precision": cfg.precision,
+                    "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(options),
+                                "internal_nhwc": measured["internal_nhwc"] if measured else True},
+                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+        write_manifest(tmp, manifest)
+
+        if cfg.verify:
             t0 = time.perf_counter()
-            task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
-            engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance,
-                                            prebuilt=prebuilt)
-            prebuilt = None
-            timings["engines"] = time.perf_counter() - t0
+            task = bar.step("verify against onnxruntime")
+            from parastream.launcher import load
 
-            measured = None
-            if cfg.measure and backend.gpu:
-                t0 = time.perf_counter()
-                task = bar.step("time the plan against its alternatives on the GPU")
-                fused = options.fuse_conv_relu
-                measured = _measure_alternatives(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded)
-                if measured and (measured["one_engine"] or _compiled_for_other_choices(backend, fused, measured)):
-                    if measured["one_engine"]:
-                        sched, _ = plan_streams(graph, cost_model, 1, 1)
-                        _record_measured_streams(streams_tried, sched)
-                        plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
-                                         inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
-                    shutil.rmtree(tmp / "engines")
-                    engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path),
-                                                    internal_nhwc=measured["internal_nhwc"])
-                task.advance()
-                timings["measure_alternatives"] = time.perf_counter() - t0
+            loaded_as: dict = {}
 
-            report = {
-                "version": REPORT_VERSION,
-                "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(model.graph.node),
-                          "inputs": [asdict(t) for t in loaded.inputs], "outputs": [asdict(t) for t in loaded.outputs]},
-                "search": search_report,
-                "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": width,
-                             "branches": len(plan.branches), "critical_path_s": sched.makespan, "total_work_s": sched.total_work,
-                             "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
-                             "cost_model": f"roofline {device_profile} {cfg.precision}"},
-                "cpu_choice": cpu_choice,
-                "engines": engines_report,
-                "measured_choices": measured,
-                "verification": None,
-                "timings": timings,
-            }
-            (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
-            manifest = {"parastream": _versions(backend), "backend": backend.name, "device": _device_description(backend),
-                        "precision": cfg.precision,
-                        "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(options),
-                                    "internal_nhwc": measured["internal_nhwc"] if measured else True},
-                        "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-            write_manifest(tmp, manifest)
+            def load_bundle():
+                runner = load(tmp, check_hashes=False)
+                loaded_as.update(_engines_loaded(runner))
+                return runner
 
-            if cfg.verify:
-                t0 = time.perf_counter()
-                task = bar.step("verify against onnxruntime")
-                from parastream.launcher import load
-
-                loaded_as: dict = {}
-
-                def load_bundle():
-                    runner = load(tmp, check_hashes=False)
-                    loaded_as.update(_engines_loaded(runner))
-                    return runner
-
-                model = graph = None  # written; only the bundle runs from here
-                rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
-                result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
-                                          scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle)
-                task.advance()
-                timings["verify"] = time.perf_counter() - t0
-                report["verification"] = dict(result.to_dict(), **loaded_as)
-                if not result.passed:
-                    raise VerificationError(
-                        f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
-                        f"({result.failure()}); no bundle was written"
-                        + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
-            timings["total"] = time.perf_counter() - t_all
-            report["peak_rss_mb"] = _peak_rss_mb()
-            (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
-            write_manifest(tmp, manifest)
-            bundle = Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
-    return replace(bundle, path=out)
+            model = graph = None  # written; only the bundle runs from here
+            rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
+            result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
+                                      scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle)
+            task.advance()
+            timings["verify"] = time.perf_counter() - t0
+            report["verification"] = dict(result.to_dict(), **loaded_as)
+            if not result.passed:
+                raise VerificationError(
+                    f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
+                    f"({result.failure()}); no bundle was written"
+                    + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
+        timings["total"] = time.perf_counter() - t_all
+        report["peak_rss_mb"] = _peak_rss_mb()
+        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
+        write_manifest(tmp, manifest)
+        bundle = Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
+    return bundle
 
 
 def _peak_rss_mb() -> float | None:

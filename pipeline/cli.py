@@ -66,7 +66,10 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
 
 def add_batch_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default=None, metavar="MIN:OPT:MAX",
-                   help="dynamic batch: the plan runs at OPT; TensorRT engines get a MIN..MAX optimization profile")
+                   help="dynamic batch: one static plan, engines and CUDA Graph per batch bucket; any batch MIN..MAX "
+                        "runs on the smallest bucket that holds it (OPT: where the search measures)")
+    p.add_argument("--batch-buckets", default=None, metavar="1,2,4,...",
+                   help="the buckets of --batch (default: MIN, the powers of two between, MAX)")
 
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -113,10 +116,11 @@ def _console(stderr: bool = False):
 # -- commands ------------------------------------------------------------------------------------------
 def cmd_build(args) -> int:
     from .build import BuildConfig, build
-    from .model_io import parse_batch, parse_shapes
+    from .model_io import parse_batch, parse_buckets, parse_shapes
     from .report import print_build_summary
 
     cfg = BuildConfig(backend=args.backend, streams=args.streams, shapes=parse_shapes(args.shapes), batch=parse_batch(args.batch),
+                      batch_buckets=parse_buckets(args.batch_buckets),
                       precision=args.precision,
                       search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol,
                       scale_tol=args.scale_tol, seed=args.seed,
@@ -154,6 +158,13 @@ def cmd_inspect(args) -> int:
     from .model_io import parse_shapes
     from .report import inspect_model
 
+    if Path(args.model).is_dir():  # a bundle: what its build chose (a dynamic-batch bundle: per bucket too)
+        from parastream.launcher.bundle import Bundle
+
+        from .report import print_build_summary
+
+        print_build_summary(Bundle.open(args.model), _console(), verbose=True)
+        return 0
     inspect_model(args.model, shapes=parse_shapes(args.shapes), streams=args.streams, device=args.device_profile,
                   picture=args.picture, search=args.search, console=_console())
     return 0
@@ -237,6 +248,8 @@ def cmd_verify(args) -> int:
     original = args.model or bundle.report.get("model", {}).get("path")
     if not original or not Path(original).is_file():
         raise ParastreamError(f"{args.bundle}: the original model {original!r} is not there; name it with --model ORIGINAL.onnx")
+    if bundle.manifest.get("buckets"):
+        return verify_buckets(bundle, original, args)
     shapes = {t.name: t.shape for t in bundle.plan.inputs}
     loaded = load_model(original, shapes)
     rtol, atol, scale_tol = bundle_tolerances(bundle, args.rtol, args.atol, args.scale_tol)
@@ -255,9 +268,52 @@ def cmd_verify(args) -> int:
     return 0 if result.passed else 1
 
 
+def verify_buckets(bundle, original: str, args) -> int:
+    """``parastream verify`` on a dynamic-batch bundle: every bucket and a batch between buckets, each against
+    onnxruntime on the original model at that batch."""
+    from parastream.launcher import load
+
+    from .buckets import verification_batches, verify_at_batches
+    from .report import print_verification
+    from .verify import bundle_tolerances
+
+    rtol, atol, scale_tol = bundle_tolerances(bundle, args.rtol, args.atol, args.scale_tol)
+    runner = load(bundle.path, device=args.device)
+    try:
+        results = verify_at_batches(original, runner, verification_batches(runner.sizes), rtol=rtol, atol=atol,
+                                    scale_tol=scale_tol, seed=args.seed, iterations=args.iterations)
+    finally:
+        runner.close()
+    passed = all(r.passed for r in results.values())
+    if args.json:
+        print(json.dumps({"passed": passed, "bundle": str(bundle.path), "model": str(original),
+                          "batches": {str(n): r.to_dict() for n, r in results.items()}}, default=str))
+    else:
+        for n, r in results.items():
+            where = "bucket" if n in runner.sizes else f"between buckets, run on bucket {runner.bucket_for(n)}"
+            print_verification(r, _console(), title=f"verify {bundle.path} at batch {n} ({where}) against onnxruntime on {original}")
+    return 0 if passed else 1
+
+
+def _is_bucketed(path) -> bool:
+    """Whether ``path`` looks like a dynamic-batch bundle (its manifest lists buckets; Bundle.open checks the rest)."""
+    try:
+        return bool(json.loads((Path(path) / "manifest.json").read_text()).get("buckets"))
+    except (OSError, ValueError, AttributeError):
+        return False
+
+
 def cmd_bench(args) -> int:
     from parastream.launcher.bench import bench_bundle
+    from parastream.launcher.bundle import Bundle
 
+    if _is_bucketed(args.bundle):  # a dynamic-batch bundle: each bucket, and a batch between buckets
+        from parastream.launcher.buckets import bench_buckets
+
+        result = bench_buckets(Bundle.open(args.bundle), runs=args.runs, warmup=args.warmup, console=None if args.json else _console())
+        if args.json:
+            print(json.dumps(result, default=str))
+        return 0
     result = bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
                           console=None if args.json else _console(), whole_model=args.whole_model,
                           concat_ablation=args.concat_ablation)
@@ -345,7 +401,7 @@ def make_parser() -> argparse.ArgumentParser:
     d.add_argument("--backend", default="auto", choices=["auto", "tensorrt", "torch", "onnxruntime"])
     d.set_defaults(func=cmd_demo)
 
-    i = sub.add_parser("inspect", help="op histogram, width, branches and critical path of a model")
+    i = sub.add_parser("inspect", help="op histogram, width, branches and critical path of a model (of a bundle: what its build chose)")
     i.add_argument("model")
     add_model_args(i)
     add_schedule_args(i)

@@ -12,6 +12,7 @@ import math
 import re
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 import onnx
@@ -19,6 +20,9 @@ from onnx import helper, shape_inference
 
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
+
+if TYPE_CHECKING:
+    import onnx_graphsurgeon as gs
 
 
 def parse_shapes(text: str | None) -> dict[str, list[int]]:
@@ -66,6 +70,15 @@ def spec_of(vi: onnx.ValueInfoProto) -> TensorSpec:
     return TensorSpec(name=vi.name, dtype=np.dtype(dtype).name, shape=[int(d) for d in dims])  # type: ignore[arg-type]
 
 
+def graph_of(model: onnx.ModelProto):
+    """``model`` (shape-inferred) in onnx-graphsurgeon, toposorted: the graph the stages of a build plan on."""
+    import onnx_graphsurgeon as gs
+
+    from parastream.rewrite.ir import toposort
+
+    return toposort(gs.import_onnx(model))  # graphsurgeon's order, without its recursive walk
+
+
 @dataclass
 class LoadedModel:
     path: Path
@@ -73,6 +86,10 @@ class LoadedModel:
     original: onnx.ModelProto  # as loaded (external data inlined), for the reference run
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
+    # ``model`` in graphsurgeon (graph_of: toposorted, the inferred shapes on its tensors), imported once here and
+    # carried to the plan.  The stages only read it; one that changes a graph works on a copy (extract_branch
+    # copies, the rewrite search imports its own), so it stays the graph of ``model``.  None: not imported.
+    graph: gs.Graph | None = None
 
 
 def _non_text_string(message, where: str = "model") -> str | None:
@@ -260,22 +277,59 @@ def _fold_once(model: onnx.ModelProto, *, fold_shapes: bool = True) -> tuple[onn
 
     graph = gs.import_onnx(model)
     before = len(graph.nodes)
-    try:
-        graph.fold_constants(fold_shapes=fold_shapes, error_ok=True).cleanup()
-    except Exception:  # noqa: BLE001 - folding is an optimisation; an unfoldable graph still builds
+    if _fold_graph(graph, fold_shapes=fold_shapes) is None:
         return model, 0
-    folded = gs.export_onnx(graph, do_type_check=False)
-    folded.ir_version = model.ir_version
-    del folded.opset_import[:]
-    folded.opset_import.extend(model.opset_import)
+    folded = _export_like(graph, model)
     return folded, before - len(folded.graph.node)
 
 
-def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
-    """Constant nodes that survived folding become initializers, so that no branch is a lone Constant."""
+def _fold_graph(graph, *, fold_shapes: bool = True):
+    """``graph`` folded in place (see ``_fold_once``), or None when folding failed (the graph is then half-folded:
+    the caller starts again from its model)."""
+    _fold_sliced_shapes(graph)
+    try:
+        return graph.fold_constants(fold_shapes=fold_shapes, error_ok=True).cleanup()
+    except Exception:  # noqa: BLE001 - folding is an optimisation; an unfoldable graph still builds
+        return None
+
+
+def _export_like(graph, model: onnx.ModelProto) -> onnx.ModelProto:
+    """``graph`` exported with ``model``'s IR version and opsets."""
     import onnx_graphsurgeon as gs
 
-    graph = gs.import_onnx(model)
+    out = gs.export_onnx(graph, do_type_check=False)
+    out.ir_version = model.ir_version
+    del out.opset_import[:]
+    out.opset_import.extend(model.opset_import)
+    return out
+
+
+def _fold_sliced_shapes(graph) -> None:
+    """Shape nodes with ``start``/``end`` (opset 15) of a static input become Constants of that slice.
+
+    graphsurgeon's shape folding (0.6.1 ``fold_shape``) returns the input's whole shape and ignores the two
+    attributes, so ``Shape(x, end=1)`` of an N x 16 input folded to [N, 16], not [N]: a wrong Reshape target
+    (the batch read from an input, as exports of dynamic-batch models do).  Done here before it folds."""
+    import onnx_graphsurgeon as gs
+
+    for node in graph.nodes:
+        if node.op != "Shape" or not ({"start", "end"} & set(node.attrs)) or not node.inputs:
+            continue
+        shape = node.inputs[0].shape
+        if shape is None or any(not isinstance(d, int) or d < 0 for d in shape):
+            continue
+        start, end = int(node.attrs.get("start", 0)), node.attrs.get("end")
+        values = np.array(list(shape)[start:None if end is None else int(end)], dtype=np.int64)  # ONNX clamps as Python slices
+        node.inputs.clear()  # (graphsurgeon's list: clearing it also drops the node from the input's consumers)
+        node.op, node.attrs = "Constant", {"value": gs.Constant(node.outputs[0].name + "_value", values)}
+
+
+def _constants_to_initializers(model: onnx.ModelProto, graph=None) -> onnx.ModelProto:
+    """Constant nodes that survived folding become initializers, so that no branch is a lone Constant.
+    ``graph``: ``model`` already in graphsurgeon (changed in place), else it is imported."""
+    import onnx_graphsurgeon as gs
+
+    graph = gs.import_onnx(model) if graph is None else graph
     for node in list(graph.nodes):
         if node.op == "Constant" and len(node.outputs) == 1:
             out = node.outputs[0]
@@ -288,24 +342,24 @@ def _constants_to_initializers(model: onnx.ModelProto) -> onnx.ModelProto:
                     continue
                 node.outputs.clear()
     graph.cleanup().toposort()
-    out_model = gs.export_onnx(graph, do_type_check=False)
-    out_model.ir_version = model.ir_version
-    del out_model.opset_import[:]
-    out_model.opset_import.extend(model.opset_import)
-    return out_model
+    return _export_like(graph, model)
 
 
 def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model") -> onnx.ModelProto:
-    """Fold shape arithmetic and Constant nodes now that input shapes are static (one graphsurgeon pass)."""
+    """Fold shape arithmetic and Constant nodes now that input shapes are static (one graphsurgeon import: the
+    graph that proves graphsurgeon can represent the model is the one folded and exported)."""
     import onnx_graphsurgeon as gs
 
     try:
         # every later stage works on graphsurgeon's graph: a model it cannot represent stops here
-        gs.export_onnx(gs.import_onnx(model), do_type_check=False)
+        graph = gs.import_onnx(model)
+        gs.export_onnx(graph, do_type_check=False)
     except Exception as e:  # noqa: BLE001 - graphsurgeon raises ValueError, KeyError, TypeError ...
         first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise ParastreamError(f"{path}: onnx-graphsurgeon cannot represent this model: {first}") from None
-    return _constants_to_initializers(_fold_once(model)[0])
+    if _fold_graph(graph) is None:
+        graph = gs.import_onnx(model)  # folding failed half-way through: the unfolded model, as _fold_once does
+    return _constants_to_initializers(model, graph)
 
 
 def _infer(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
@@ -516,7 +570,7 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
             raise ParastreamError(f"{path}: output {vi.name!r} has a shape that cannot be inferred from the input shapes; parastream needs static shapes")
         outputs.append(_spec(vi, path, "output"))
     _check_sizes(model, path)
-    return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs)
+    return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs, graph=graph_of(model))
 
 
 MAX_ELEMENTS = 2**31 - 1  # TensorRT's limit on a tensor's volume; the launchers' buffers are sized from it too
@@ -577,7 +631,7 @@ def parse_batch(text: str | None) -> tuple[int, int, int] | None:
     return values  # type: ignore[return-value]
 
 
-def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[int, int, int]
+def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[int, int, int], *, check_opt: bool = True
                    ) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[int], list[int]]]]:
     """Shapes at the OPT batch and (min, opt, max) profiles for every input whose first dimension is dynamic.
 
@@ -600,7 +654,7 @@ def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[
         if not dims or isinstance(dims[0], int):
             continue  # a fixed batch dimension: nothing to choose
         rest = list(shapes[vi.name][1:]) if vi.name in shapes else list(dims[1:])
-        if vi.name in shapes and shapes[vi.name][0] != opt:
+        if check_opt and vi.name in shapes and shapes[vi.name][0] != opt:
             raise ParastreamError(f"--shapes {vi.name} gives batch {shapes[vi.name][0]}, but --batch says OPT = {opt}")
         if any(not isinstance(d, int) for d in rest):
             shown = "x".join(str(d) if isinstance(d, int) else "?" for d in dims)
@@ -610,3 +664,47 @@ def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[
     if not profiles:
         raise ParastreamError(f"{path}: --batch given, but no input of the model has a dynamic first dimension")
     return shapes, profiles
+
+
+def parse_buckets(text: str | None) -> list[int] | None:
+    """Parse ``--batch-buckets 1,2,4,8`` (batch sizes, each a CUDA Graph of its own)."""
+    if not text:
+        return None
+    parts = [p.strip() for p in text.split(",")]
+    if not all(re.fullmatch(r"[0-9]{1,12}", p) and int(p) >= 1 for p in parts):
+        raise ParastreamError(f"--batch-buckets {text!r} is not a list of batch sizes >= 1, e.g. --batch-buckets 1,2,4,8")
+    return sorted(set(int(p) for p in parts))
+
+
+def batch_buckets(batch: tuple[int, int, int], buckets: list[int] | None = None) -> list[int]:
+    """The batch sizes a ``--batch MIN:OPT:MAX`` bundle is built for, ascending, ending at MAX.
+
+    Default: MIN, the powers of two between MIN and MAX, and MAX (1:16:32 gives 1, 2, 4, 8, 16, 32).
+    Given ``buckets`` (``--batch-buckets``), they must lie in [MIN, MAX] and include MAX, so every n in
+    the range has a bucket >= n.  OPT is where the build measures (the rewrite search) and need not be a bucket.
+    """
+    lo, _opt, hi = batch
+    if buckets is None:
+        sizes = {lo, hi} | {1 << k for k in range(hi.bit_length()) if lo <= 1 << k <= hi}
+        return sorted(sizes)
+    outside = [b for b in buckets if not lo <= b <= hi]
+    if outside:
+        raise ParastreamError(f"--batch-buckets {outside[0]} is outside --batch {lo}:{_opt}:{hi} (MIN..MAX)")
+    if hi not in buckets:
+        raise ParastreamError(f"--batch-buckets must include MAX = {hi}, so that every batch up to MAX has a bucket")
+    return sorted(buckets)
+
+
+def shapes_at_batch(path: str | Path, shapes: dict[str, list[int]], batch: int) -> dict[str, list[int]]:
+    """``shapes`` (checked against ``--batch`` by ``batch_profiles`` first) with every input whose first dimension
+    is dynamic fixed at ``batch``: one bucket's static model."""
+    return batch_profiles(path, shapes, (batch, batch, batch), check_opt=False)[0]
+
+
+def original_at_batch(path: str | Path, shapes: dict[str, list[int]]) -> onnx.ModelProto:
+    """The original model as read (the verification reference) with its inputs fixed at ``shapes``."""
+    path = Path(path)
+    model = read_model(path)
+    name_nodes(model)
+    _fix_input_shapes(model, shapes, path)
+    return model

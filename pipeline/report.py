@@ -72,8 +72,21 @@ def build_summary(bundle) -> dict:
                           "max_scaled_error": max((o.get("max_scaled", 0.0) for o in outputs.values()), default=None),
                           "not_meaningful": {k: o["not_meaningful"] for k, o in outputs.items() if o.get("not_meaningful")}}
                          if ver else None),
-        "build_s": rep.get("timings", {}).get("total"), "peak_rss_mb": rep.get("peak_rss_mb"),
+        "build_s": (rep.get("buckets") or {}).get("build_s") or rep.get("timings", {}).get("total"),
+        "peak_rss_mb": rep.get("peak_rss_mb"),
+        "buckets": _buckets_summary(rep.get("buckets")),
     }
+
+
+def _buckets_summary(rb: dict | None) -> dict | None:
+    """A dynamic-batch bundle's buckets: per bucket its streams and engines, the batch verified between buckets."""
+    if not rb:
+        return None
+    return {"sizes": rb.get("sizes"), "range": [rb.get("min"), rb.get("max")],
+            "per_bucket": {s: {"streams": r.get("streams"), "engines": r.get("branches"), "verified": r.get("verified")}
+                           for s, r in (rb.get("per_bucket") or {}).items()},
+            "verified_between": (rb.get("between") or {}).get("batch"), "build_s": rb.get("build_s"),
+            "memory": rb.get("memory")}
 
 
 def print_build_summary(bundle, console, verbose: bool = False) -> None:
@@ -88,6 +101,12 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
     console.print(escape(f"{s['bundle']}: {s['engines']} {s['backend']} engine{'s' if s['engines'] != 1 else ''} on "
                          f"{s['streams']} stream{'s' if s['streams'] != 1 else ''} ({s['precision']})"))
     console.print(escape(f"  rewrite search: {s['search']}"))
+    if s["buckets"]:
+        b = s["buckets"]
+        rows = ", ".join(f"{n}: {r['engines']} engines on {r['streams']} streams" for n, r in b["per_bucket"].items())
+        between = f"; verified at batch {b['verified_between']} between buckets too" if b["verified_between"] else ""
+        console.print(escape(f"  batch {b['range'][0]}..{b['range'][1]} in buckets {b['sizes']} ({rows}){between}; "
+                             "the lines above are the largest bucket's"))
     choice = rep.get("cpu_choice")
     if choice and choice.get("timed"):
         timed = ", ".join(f"{t['alternative']} {t['median_ms']:.2f} ms" for t in choice["timed"])
@@ -152,8 +171,6 @@ def _print_build_details(bundle, console) -> None:
 
 def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None, search=False, console=None) -> dict:
     """Print op histogram, node count, width, branches and estimated critical path; optionally draw or search."""
-    import onnx_graphsurgeon as gs
-
     from parastream.rewrite.cost import RooflineCostModel
 
     from .analysis import graph_width, op_histogram
@@ -168,11 +185,10 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
     loaded = load_model(path, shapes)
     model = loaded.model
     hist = op_histogram(model)
-    width, _ = graph_width(model)
+    width, _ = graph_width(loaded.graph)
     # the device profile a default build would plan for, so that inspect reports the streams the build makes
     cm = RooflineCostModel(device or default_device_profile(resolve_backend("auto")))
-    graph = gs.import_onnx(model)
-    graph.toposort()
+    graph = loaded.graph
     sched, tried = plan_streams(graph, cm, streams, DEFAULT_MAX_STREAMS)
     one = schedule_graph(graph, 1, cm.node_cost, cm.is_memory_bound)
     k = sched.num_streams

@@ -37,7 +37,10 @@ import heapq
 from dataclasses import dataclass, field
 from typing import Callable
 
+import networkx as nx
 import onnx_graphsurgeon as gs
+
+from .analysis import node_dag
 
 
 @dataclass
@@ -55,19 +58,13 @@ class Schedule:
     branch_preds: list[list[int]] = field(default_factory=list)  # branches each branch reads from
 
 
-def _node_graph(graph: gs.Graph):
-    """Producers and consumers of every node, by node index, over tensors (not constants)."""
+def _preds_succs(graph: gs.Graph, dag: nx.DiGraph | None = None):
+    """Producers and consumers of every node, by node index, from the node DAG (analysis.node_dag: the graph
+    ``inspect`` and the width see, If/Loop bodies' reads of the outer scope included)."""
     nodes = list(graph.nodes)
-    index = {id(n): i for i, n in enumerate(nodes)}
-    preds: list[set[int]] = [set() for _ in nodes]
-    succs: list[set[int]] = [set() for _ in nodes]
-    for i, n in enumerate(nodes):
-        for t in n.inputs:
-            if isinstance(t, gs.Variable):
-                for p in t.inputs:
-                    j = index[id(p)]
-                    preds[i].add(j)
-                    succs[j].add(i)
+    dag = node_dag(graph) if dag is None else dag
+    preds = [set(dag.predecessors(i)) for i in range(len(nodes))]
+    succs = [set(dag.successors(i)) for i in range(len(nodes))]
     return nodes, preds, succs
 
 
@@ -77,9 +74,11 @@ def schedule_graph(
     cost: Callable[[gs.Node], float],
     memory_bound: Callable[[gs.Node], bool],
     sync_cost: float = 2e-6,
+    dag: nx.DiGraph | None = None,
 ) -> Schedule:
-    """List-schedule ``graph`` (toposorted, shapes inferred) onto ``num_streams`` streams."""
-    nodes, preds, succs = _node_graph(graph)
+    """List-schedule ``graph`` (toposorted, shapes inferred) onto ``num_streams`` streams; ``dag``: its
+    ``node_dag``, when the caller schedules the same graph several times (built here when not given)."""
+    nodes, preds, succs = _preds_succs(graph, dag)
     n = len(nodes)
     c = [max(float(cost(nd)), 1e-9) for nd in nodes]
 
@@ -269,8 +268,9 @@ def choose_streams(graph: gs.Graph, max_streams: int, cost: Callable[[gs.Node], 
     """
     tried: list[dict] = []
     schedules: list[Schedule] = []
+    dag = node_dag(graph)  # one DAG for every K
     for k in range(1, max(1, int(max_streams)) + 1):
-        sched = schedule_graph(graph, k, cost, memory_bound, sync_cost=sync_cost)
+        sched = schedule_graph(graph, k, cost, memory_bound, sync_cost=sync_cost, dag=dag)
         if any(s.num_streams == sched.num_streams for s in schedules):
             continue  # fewer streams were used than offered: a schedule already tried
         events = sum(1 for b, ps in enumerate(sched.branch_preds) for p in ps

@@ -27,7 +27,10 @@ Batching (``max_batch``).  Triton's ``dims`` leave out the batch dimension when
 at a batch ``B`` (``--shapes input:Bx...``): every model input and output must have the leading
 dimension ``B`` and ``max_batch <= B``.  ``model.py`` then concatenates the requests that Triton's
 dynamic batcher hands it, pads the batch up to ``B`` and slices the outputs back per request -- which
-assumes, as Triton's batching always does, that the items of a batch are independent.  Ensembles of
+assumes, as Triton's batching always does, that the items of a batch are independent.  A dynamic-batch
+bundle (``--batch MIN:OPT:MAX``, launcher/buckets.py) is exported with ``max_batch_size`` MAX (by default) and
+the buckets as the dynamic batcher's ``preferred_batch_size``; model.py then hands the launcher the rows of
+the requests as they are, and the launcher runs the smallest bucket that holds them.  Ensembles of
 static TensorRT engines cannot batch (Triton would need a dynamic batch dimension in every engine),
 so ``mode="ensemble"`` takes ``max_batch=0`` only.  With ``max_batch=0`` dims are the full shapes;
 a 0-d tensor is declared as ``dims: [1]`` (Triton needs at least one dim) and reshaped by model.py.
@@ -183,6 +186,9 @@ def graph_model(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int
     mc = model_config_pb2()
     plan = bundle.plan
     gpu = bool(get_backend(plan.backend).gpu)
+    buckets = (bundle.manifest.get("buckets") or {}).get("sizes")
+    if buckets:  # a dynamic-batch bundle batches up to MAX, each batch on its smallest bucket (no padding to B)
+        max_batch = max_batch or max(buckets)
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
     config.input.extend(_io(mc.ModelInput, t, max_batch) for t in plan.inputs)
     config.output.extend(_io(mc.ModelOutput, t, max_batch) for t in plan.outputs)
@@ -195,6 +201,8 @@ def graph_model(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int
     if max_batch > 0:
         _params(config, **{P_BATCH: str(_batch_of(bundle, max_batch))})
         config.dynamic_batching.SetInParent()
+        if buckets:  # the batcher forms batches of a bucket's size where it can: those pad nothing
+            config.dynamic_batching.preferred_batch_size.extend(b for b in buckets if b <= max_batch)
     return ModelFolder(name=name, config=config, header=_header(bundle, "graph"),
                        files={"model.py": TEMPLATE}, trees={BUNDLE_DIR: bundle.path})
 

@@ -161,3 +161,52 @@ def test_node_graph_uses_the_loaders_names(tmp_path):
     assert [n.name for n in loaded.model.graph.node] == list(g.nodes)
     assert list(g.edges) == list(zip(list(g.nodes)[:-1], list(g.nodes)[1:]))
     assert [n.name for n in m.graph.node] == ["", "x", "x", "Relu_0", "x_1", ""]  # the analysis renames nothing
+
+
+def _if_reading_outer_scope():
+    """relu: x -> a; an If on the graph input ``cond`` whose two bodies read ``a`` from the enclosing scope (the
+    If lists only ``cond`` as its input)."""
+    def body(op, out):
+        return helper.make_graph([helper.make_node(op, ["a"], [out], name=f"{op.lower()}_in_body")], f"{op}_body", [],
+                                 [helper.make_tensor_value_info(out, TensorProto.FLOAT, [4])])
+
+    nodes = [
+        helper.make_node("Relu", ["x"], ["a"], name="relu"),
+        helper.make_node("If", ["cond"], ["y"], name="if", then_branch=body("Identity", "t"), else_branch=body("Neg", "e")),
+    ]
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4]),
+                                       helper.make_tensor_value_info("cond", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [4])])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    onnx.checker.check_model(m)
+    return m
+
+
+def test_if_bodies_reading_the_outer_scope_are_edges_for_inspect_and_the_schedule():
+    """One DAG builder: the If depends on relu only through its bodies' reads; the width (inspect) and the
+    schedule both see that edge, so the schedule never starts the If before relu has finished."""
+    import onnx_graphsurgeon as gs
+
+    from parastream.pipeline.analysis import node_dag
+    from parastream.pipeline.schedule import schedule_graph
+
+    m = _if_reading_outer_scope()
+    assert list(node_graph(m).edges) == [("relu", "if")]
+    assert graph_width(m)[0] == 1
+    graph = gs.import_onnx(m)
+    graph.toposort()
+    assert list(node_dag(graph).edges) == [(0, 1)]
+    sched = schedule_graph(graph, 2, lambda n: 1e-6, lambda n: False)
+    assert sched.node_start["if"] >= sched.node_start["relu"] + 1e-6
+
+
+def test_schedule_and_inspect_see_the_same_edges():
+    """The schedule's producers and consumers are node_graph's edges (one builder for both)."""
+    import onnx_graphsurgeon as gs
+
+    from parastream.pipeline.schedule import _preds_succs
+
+    m = dag_model([("s", "p1"), ("p1", "p2"), ("p2", "t"), ("s", "q1"), ("q1", "t"), ("p1", "r1"), ("r1", "t")])
+    graph = gs.import_onnx(m)
+    nodes, preds, _succs = _preds_succs(graph)
+    assert {(nodes[p].name, nodes[i].name) for i in range(len(nodes)) for p in preds[i]} == set(node_graph(m).edges)

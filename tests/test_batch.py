@@ -1,4 +1,5 @@
-"""--batch MIN:OPT:MAX: the plan runs at OPT, engines get MIN..MAX profiles, bad values are refused."""
+"""--batch MIN:OPT:MAX: parsed, checked against the model and --shapes; a build makes one bucket per batch size
+(tests/test_batch_buckets.py has the buckets end to end); bad values are refused."""
 
 from __future__ import annotations
 
@@ -52,17 +53,26 @@ def test_shapes_must_agree_with_opt(tmp_path):
         batch_profiles(path, {"x": [4, 16]}, (1, 8, 32))
 
 
-def test_build_with_batch_runs_at_opt(tmp_path):
+def test_build_with_batch_serves_min_to_max(tmp_path):
     from parastream.launcher import load
     from parastream.pipeline import build
 
     path = _dynamic_model(tmp_path / "m.onnx")
     bundle = build(path, tmp_path / "out", backend="onnxruntime", batch=(1, 4, 16), search=False)
     plan = json.loads((bundle.path / "plan.json").read_text())
-    assert [t["shape"] for t in plan["inputs"]] == [[4, 16]]
+    assert [t["shape"] for t in plan["inputs"]] == [[16, 16]]  # the top level is the MAX bucket
     manifest = json.loads((bundle.path / "manifest.json").read_text())
-    assert manifest["options"]["batch"] == [1, 4, 16]
-    x = np.random.default_rng(1).standard_normal((4, 16)).astype(np.float32)
-    out = load(bundle.path, device="cpu")({"x": x})
+    assert manifest["buckets"]["sizes"] == [1, 2, 4, 8, 16] and manifest["buckets"]["opt"] == 4
+    run = load(bundle.path, device="cpu")
     w = numpy_helper.to_array(onnx.load(str(path)).graph.initializer[0])
-    np.testing.assert_allclose(out["z"], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)
+    for n in (1, 4, 11, 16):
+        x = np.random.default_rng(n).standard_normal((n, 16)).astype(np.float32)
+        np.testing.assert_allclose(run({"x": x})["z"], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)
+
+
+def test_batch_with_min_equal_max_is_one_static_bundle(tmp_path):
+    from parastream.pipeline import build
+
+    path = _dynamic_model(tmp_path / "m.onnx")
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", batch=(4, 4, 4), search=False)
+    assert [t.shape for t in bundle.plan.inputs] == [[4, 16]] and "buckets" not in bundle.manifest

@@ -128,7 +128,8 @@ def _fake_gpu(monkeypatch, times: dict):
 
 
 def _plan_of(model_path, streams):
-    from parastream.pipeline.build import _graph_of, plan_streams
+    from parastream.pipeline.build import plan_streams
+    from parastream.pipeline.model_io import graph_of as _graph_of
     from parastream.pipeline.model_io import load_model
     from parastream.pipeline.partition import make_plan
     from parastream.rewrite.cost import RooflineCostModel

@@ -326,6 +326,7 @@ class Builder:
             "strongly_typed": bool(options.strongly_typed), "workspace_mb": int(options.workspace_mb),
             "optimization_level": int(options.optimization_level), "max_aux_streams": int(max_aux_streams),
             "profiles": profiles, "timing_cache": {"path": str(self.cache_path), "state": self._cache_state},
+            "inputs": {network.get_input(i).name: [int(d) for d in network.get_input(i).shape] for i in range(network.num_inputs)},
         }
         entry.update(_layer_information(trt, self._runtime, data))
         self._report[name] = entry

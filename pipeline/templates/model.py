@@ -14,7 +14,8 @@ initialize  loads the bundle once per model instance.  A GPU instance (KIND_GPU)
 execute     reads the inputs of every request -- host tensors as numpy views (``as_numpy``), GPU tensors
             as torch views through DLPack, without a host copy -- and, when the model batches
             (max_batch_size > 0), concatenates the requests Triton's dynamic batcher handed over and pads
-            them to the batch the bundle was built for.  One launcher run per batch; each request gets
+            them to the batch the bundle was built for -- or, for a dynamic-batch bundle (buckets), hands
+            the launcher those rows as they are: it runs the smallest bucket that holds them.  One launcher run per batch; each request gets
             its slice of the outputs: device outputs leave through DLPack after one device-to-device copy
             (the next replay overwrites the launcher's buffers), host outputs as numpy.  A request that
             fails gets an error response; the others still get their outputs.
@@ -34,6 +35,31 @@ def _torch():
     except ImportError:
         return None
     return torch
+
+
+# numpy 2 in the server's environment (see _host_tensor); with numpy 1 the backend's own conversions are right,
+# and its DLPack import of a numpy 1 array crashes the stub (its capsule deleter), so they stay in use
+_NUMPY2 = int(np.__version__.split(".")[0]) >= 2
+
+
+def _host_array(tensor):
+    """A host input as numpy, through DLPack under numpy 2 (see ``_host_tensor``)."""
+    if _NUMPY2 and hasattr(tensor, "__dlpack__"):
+        try:
+            return np.from_dlpack(tensor)
+        except (TypeError, BufferError, RuntimeError):  # a dtype DLPack cannot carry (TYPE_BYTES)
+            pass
+    return tensor.as_numpy()
+
+
+def _host_tensor(name, arr):
+    """A host output through DLPack rather than ``pb_utils.Tensor(name, arr)``: the Python backend of Triton
+    2.51 and older was built with pybind11 2.10, which reads numpy 2 arrays as empty (the client gets "cannot
+    reshape array of size 0"; triton-inference-server/python_backend#384), and numpy 2 is what a torch
+    environment has.  DLPack does not go through pybind11's numpy support; numpy 1.22+ arrays speak it."""
+    if _NUMPY2 and arr.size and arr.dtype != object:
+        return pb_utils.Tensor.from_dlpack(name, arr)
+    return pb_utils.Tensor(name, arr)
 
 
 class TritonPythonModel:
@@ -60,16 +86,22 @@ class TritonPythonModel:
             # launcher.load() takes no device index; the GPU launcher is what it returns for "cuda"
             from parastream.launcher.gpu import GpuLauncher
 
-            self.runner = GpuLauncher(bundle, device=device)
+            if bundle.manifest.get("buckets"):
+                from parastream.launcher.buckets import BucketedLauncher
+
+                self.runner = BucketedLauncher(bundle, device="cuda", gpu=device)
+            else:
+                self.runner = GpuLauncher(bundle, device=device)
         else:
             self.runner = load(bundle, device="cpu")
         self.plan = self.runner.plan
         self.batch = self.plan.inputs[0].shape[0] if self.max_batch > 0 else 0
+        self.bucketed = bool(bundle.manifest.get("buckets"))  # then a group is run with its own rows, unpadded
 
     # -- requests ---------------------------------------------------------------------------------
     def _read_input(self, tensor):
         if tensor.is_cpu():
-            return tensor.as_numpy()
+            return _host_array(tensor)
         torch = _torch()
         if torch is None:
             raise RuntimeError(f"input {tensor.name()!r} arrived in GPU memory; reading it without a host copy "
@@ -117,10 +149,12 @@ class TritonPythonModel:
         return groups
 
     def _stack(self, parts, spec):
-        """The group's inputs as one batch of the bundle's size; the rows past the requests stay zero."""
-        if len(parts) == 1 and parts[0].shape[0] == self.batch:
+        """The group's inputs as one batch of the bundle's size, the rows past the requests zero (a bucketed
+        bundle: of the requests' rows only)."""
+        rows = sum(int(p.shape[0]) for p in parts) if self.bucketed else self.batch
+        if len(parts) == 1 and parts[0].shape[0] == rows:
             return parts[0]
-        shape = [self.batch] + list(spec.shape[1:])
+        shape = [rows] + list(spec.shape[1:])
         device = next((p.device for p in parts if not isinstance(p, np.ndarray)), None)
         if device is None:
             out = np.zeros(shape, dtype=parts[0].dtype)
@@ -145,7 +179,7 @@ class TritonPythonModel:
         arr = np.asarray(value)
         if self.max_batch:
             arr = arr[lo:hi]
-        return pb_utils.Tensor(spec.name, np.ascontiguousarray(arr.reshape(wire))), False
+        return _host_tensor(spec.name, np.ascontiguousarray(arr.reshape(wire))), False
 
     def _run(self, group):
         """Run one group of requests; the output tensors of each request, in the group's order."""

@@ -12,6 +12,7 @@ import sys
 
 import numpy as np
 import onnx
+from onnx import numpy_helper
 import pytest
 import trt_double
 from graphs import ort_reference
@@ -120,40 +121,48 @@ def _dynamic_batch_model(path):
     return path
 
 
-# build.py extracts the branches from the model whose inputs load_model fixed at the OPT batch, so every branch
-# ONNX is static and the builder never sees a dynamic input to put BuildOptions.profiles on (report: profiles {}).
-# The fix belongs in pipeline/build.py (branches keep the symbolic batch dimension, every branch input carrying it
-# gets a min/opt/max profile); remove these markers with it.
-BATCH_PROFILES_NOT_WIRED = "build.py hands TensorRT branches fixed at the OPT batch: no optimization profile reaches the builder"
+# --batch MIN:OPT:MAX builds one engine per branch per batch bucket (pipeline/buckets.py): each engine is static at
+# its bucket's batch, which TensorRT 10 builds without an optimization profile (profiles are for dynamic dimensions);
+# the launcher runs any n in [MIN, MAX] on the smallest bucket >= n.
 
-
-@pytest.mark.xfail(strict=True, reason=BATCH_PROFILES_NOT_WIRED)
-def test_batch_gives_the_builder_a_min_opt_max_profile(trt, pipeline_build, tmp_path):
+def test_batch_builds_every_bucket_s_engines_at_its_batch(trt, pipeline_build, tmp_path):
     path = _dynamic_batch_model(tmp_path / "dyn.onnx")
     bundle = pipeline_build(path, tmp_path / "out", backend="tensorrt", batch=(1, 4, 16), search=False,
                             cache_dir=str(tmp_path / "cache"))
-    assert [t.shape for t in bundle.plan.inputs] == [[4, 16]]  # the plan runs at OPT
-    shapes = [(c[2]["min"], c[2]["opt"], c[2]["max"]) for c in trt.calls("IOptimizationProfile", "set_shape") if c[2]["input"] == "x"]
-    assert shapes == [([1, 16], [4, 16], [16, 16])]
-    assert trt.calls("IBuilderConfig", "add_optimization_profile")
-    report = json.loads((bundle.path / "report.json").read_text())
-    first = bundle.plan.branches[0].name
-    assert report["engines"][first]["profiles"]["x"] == {"min": [1, 16], "opt": [4, 16], "max": [16, 16]}
+    subs = bundle.bucket_bundles()
+    assert sorted(subs) == [1, 2, 4, 8, 16]
+    built = 0
+    for size, sub in subs.items():
+        assert [t.shape for t in sub.plan.inputs] == [[size, 16]]
+        for b in sub.plan.branches:
+            entry = sub.report["engines"][b.name]
+            assert entry["profiles"] == {} and entry["inputs"]["x"] == [size, 16]  # static: no profile needed
+            built += 1
+    assert len(trt.calls("Builder", "build_serialized_network")) == built
+    assert not trt.calls("IBuilderConfig", "add_optimization_profile")
+    run = load(bundle.path)
+    w = numpy_helper.to_array(onnx.load(str(path)).graph.initializer[0])
+    for n in (1, 3, 16):
+        x = np.random.default_rng(n).standard_normal((n, 16)).astype(np.float32)
+        np.testing.assert_allclose(run({"x": x})["z"], np.maximum(x @ w, 0), rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.xfail(strict=True, reason=BATCH_PROFILES_NOT_WIRED)
-def test_batch_profiles_reach_every_branch_input(trt, pipeline_build, tmp_path):
-    """Branches that read other branches' outputs take the batch too: each of their inputs gets a profile."""
+def test_batch_reaches_every_branch_input_of_every_bucket(trt, pipeline_build, tmp_path):
+    """Branches that read other branches' outputs take the bucket's batch too (every network input of every engine)."""
     path = tmp_path / "three_dyn.onnx"
     onnx.save(three_branch_model(batch="N"), path)
-    bundle = pipeline_build(path, tmp_path / "out", backend="tensorrt", batch=(1, 4, 16), search=False, streams=3,
+    bundle = pipeline_build(path, tmp_path / "out", backend="tensorrt", batch=(1, 4, 8), search=False, streams=3,
                             cache_dir=str(tmp_path / "cache"))
-    report = json.loads((bundle.path / "report.json").read_text())
-    assert len(bundle.plan.branches) >= 2
-    for b in bundle.plan.branches:
-        for name in b.inputs:
-            rest = bundle.plan.tensors[name].shape[1:]
-            assert report["engines"][b.name]["profiles"][name] == {"min": [1, *rest], "opt": [4, *rest], "max": [16, *rest]}, (b.name, name)
+    for size, sub in bundle.bucket_bundles().items():
+        assert len(sub.plan.branches) >= 2
+        for b in sub.plan.branches:
+            inputs = sub.report["engines"][b.name]["inputs"]
+            assert set(inputs) == set(b.inputs)
+            for name in b.inputs:
+                assert inputs[name] == sub.plan.tensors[name].shape and inputs[name][0] == size, (size, b.name, name)
+    x = np.random.default_rng(2).standard_normal((3, 4, 8, 8)).astype(np.float32)
+    got = load(bundle.path)({"input": x})["output"]
+    np.testing.assert_allclose(got, ort_reference(three_branch_model(batch="N"), {"input": x})["output"], rtol=1e-5, atol=1e-6)
 
 
 def test_cli_backend_tensorrt_without_tensorrt_fails_at_once_with_the_install_hint(monkeypatch, model_path, tmp_path, capsys):

@@ -111,6 +111,30 @@ def test_graph_max_batch_drops_the_batch_dim(bundles, tmp_path):
     assert validate_repository(repo) == []
 
 
+def test_a_bucketed_bundle_batches_to_max_with_its_buckets_preferred(tmp_path):
+    """A --batch 1:2:4 bundle: max_batch_size MAX (by default), preferred batch sizes the buckets, dims without
+    the batch; model.py hands the launcher the requests' rows unpadded (bucketed)."""
+    import onnx
+    from graphs import three_branch_model
+
+    from parastream.pipeline import build
+
+    onnx.save(three_branch_model(batch="N"), tmp_path / "dyn.onnx")
+    bundle = build(tmp_path / "dyn.onnx", tmp_path / "bundle", backend="onnxruntime", batch=(1, 2, 4), search=False,
+                   measure=False)
+    repo = tmp_path / "repo"
+    export_triton(bundle, repo, name="b")
+    config = read_config(repo / "b" / "config.pbtxt")
+    assert config.max_batch_size == 4
+    assert list(config.dynamic_batching.preferred_batch_size) == [1, 2, 4]
+    assert _io_table(config.input) == {"input": ("TYPE_FP32", [4, 8, 8])}
+    assert (repo / "b" / "1" / "bundle" / "buckets" / "b2" / "plan.json").is_file()
+    assert Bundle.open(repo / "b" / "1" / "bundle").manifest["buckets"]["sizes"] == [1, 2, 4]
+    assert validate_repository(repo) == []
+    export_triton(bundle, repo, name="b2", max_batch=2)  # a smaller max batch prefers the buckets it can reach
+    assert list(read_config(repo / "b2" / "config.pbtxt").dynamic_batching.preferred_batch_size) == [1, 2]
+
+
 def test_graph_max_batch_beyond_the_bundle_batch_is_refused(bundles, tmp_path):
     bundle, _ = bundles["three_b4"]
     with pytest.raises(ParastreamError, match=r"--max-batch 8 exceeds the batch 4.*--shapes input:8x4x8x8"):

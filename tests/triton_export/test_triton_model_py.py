@@ -151,3 +151,38 @@ def test_initialize_refuses_a_bundle_parameter_leaving_the_version_folder(bundle
         load_model_py(model_dir).TritonPythonModel().initialize(args)
     # the untouched parameter loads (the refusal above is specific)
     load_model_py(model_dir).TritonPythonModel().initialize(initialize_args(model_dir))
+
+
+def test_a_bucketed_bundle_gets_each_group_s_own_rows_unpadded(tmp_path, pb_utils):
+    """--batch 1:2:4: model.py hands the launcher the group's rows as they are (no padding to 4); the launcher
+    runs each on the smallest bucket that holds it; each request gets its rows."""
+    import onnx
+    from graphs import three_branch_model
+
+    from parastream.launcher.buckets import BucketedLauncher
+    from parastream.pipeline import build
+
+    original = three_branch_model(batch="N")
+    original.ir_version = 8
+    onnx.save(original, tmp_path / "dyn.onnx")
+    bundle = build(tmp_path / "dyn.onnx", tmp_path / "bundle", backend="onnxruntime", batch=(1, 2, 4), search=False,
+                   measure=False)
+    model_dir = export_triton(bundle, tmp_path / "repo", name="m")
+    model = load_model_py(model_dir).TritonPythonModel()
+    model.initialize(initialize_args(model_dir))
+    assert isinstance(model.runner, BucketedLauncher)
+    rng = np.random.default_rng(12)
+    sizes = [1, 2, 3, 2]
+    xs = [rng.standard_normal((n, 4, 8, 8)).astype(np.float32) for n in sizes]
+    calls = []
+    runner = model.runner
+    model.runner = lambda feeds: calls.append(feeds["input"].shape[0]) or runner(feeds)
+    responses = model.execute([_request(pb_utils, input=x) for x in xs])
+    assert calls == [3, 3, 2]  # greedy groups up to 4 rows: [1, 2], [3], [2]; unpadded
+    assert [runner.bucket_for(n) for n in calls] == [4, 4, 2]
+    for x, response in zip(xs, responses):
+        got = _outputs(response)["output"]
+        assert got.shape == (len(x), 12, 8, 8)
+        assert _max_rel(got, ort_reference(original, {"input": x})["output"]) <= 1e-5
+    model.runner = runner
+    model.finalize()

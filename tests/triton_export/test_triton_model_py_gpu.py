@@ -108,3 +108,30 @@ def test_dynamic_batch_on_the_device(gpu_models, tmp_path, pb_utils):
         assert _rel(t.data().cpu().numpy(), ref[lo:lo + len(x)]) <= TOL
         lo += len(x)
     model.finalize()
+
+
+def test_a_bucketed_bundle_on_the_device(tmp_path, pb_utils):
+    """--batch 1:2:4 torch bundle behind a GPU instance: each group of requests runs on the smallest bucket
+    that holds its rows (unpadded), device outputs of each request's own rows."""
+    import torch
+
+    from parastream.launcher.buckets import BucketedLauncher
+    from parastream.pipeline import build
+
+    original = three_branch_model(seed=2, channels=8, size=12, batch="N")
+    original.ir_version = 8
+    onnx.save(original, tmp_path / "dyn.onnx")
+    bundle = build(tmp_path / "dyn.onnx", tmp_path / "bundle", backend="torch", batch=(1, 2, 4), streams=3,
+                   search=False, measure=False, compile=False)
+    model = _serve(bundle, tmp_path)
+    assert isinstance(model.runner, BucketedLauncher) and model.runner.shared is not None
+    rng = np.random.default_rng(4)
+    xs = [rng.standard_normal((n, 8, 12, 12)).astype(np.float32) for n in (1, 2, 3)]
+    requests = [pb_utils.InferenceRequest([pb_utils.Tensor.on_device("input", torch.from_numpy(x).cuda())]) for x in xs]
+    responses = model.execute(requests)
+    for x, r in zip(xs, responses):
+        assert not r.has_error(), r.error().message()
+        (t,) = r.output_tensors()
+        assert not t.is_cpu() and tuple(t.data().shape) == (len(x), 24, 12, 12)
+        assert _rel(t.data().cpu().numpy(), ort_reference(original, {"input": x})["output"]) <= TOL
+    model.finalize()

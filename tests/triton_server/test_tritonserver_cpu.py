@@ -6,6 +6,7 @@ One repository, one server for the module (always stopped, also when a test fail
   * the five examples (``parastream build --backend onnxruntime``, with the rewrite search);
   * ``small_net_b4``: small_net with a batch dimension, built at batch 4, exported with ``--max-batch 4``
     (Triton's dynamic batcher);
+  * ``small_net_buckets``: the same built with ``--batch 1:2:4`` (one bucket per batch size 1, 2, 4);
   * ``tampered``: small_net's export with one engine byte changed after the export (hash mismatch);
   * a hidden folder as an interrupted export leaves it behind (``.NAME.XXXX.partial/NAME``).
 Every request loop is bounded in count and in time.
@@ -62,6 +63,10 @@ def repo(tmp_path_factory, tritonserver_or_skip) -> Path:
     _cli("build", str(work / "small_net_dyn.onnx"), "-o", str(work / "b4.bundle"), "--backend", "onnxruntime",
          "--shapes", f"input:{BATCH}x3x64x64", "--no-search", "--quiet")
     _cli("export-triton", str(work / "b4.bundle"), str(repo), "--name", "small_net_b4", "--max-batch", str(BATCH))
+    # the same model with a dynamic batch: buckets 1, 2, 4 (max_batch_size 4, preferred batch sizes the buckets)
+    _cli("build", str(work / "small_net_dyn.onnx"), "-o", str(work / "buckets.bundle"), "--backend", "onnxruntime",
+         "--batch", f"1:2:{BATCH}", "--no-search", "--quiet")
+    _cli("export-triton", str(work / "buckets.bundle"), str(repo), "--name", "small_net_buckets")
 
     _cli("export-triton", str(work / "small_net.bundle"), str(repo), "--name", "tampered")
     assert validate_repository(repo) == []
@@ -91,6 +96,7 @@ def references(repo):
         sess = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
         out[model.stem] = sess
     out["small_net_b4"] = ort.InferenceSession(str(repo.parent / "small_net_dyn.onnx"), providers=["CPUExecutionProvider"])
+    out["small_net_buckets"] = out["small_net_b4"]
     return out
 
 
@@ -105,7 +111,7 @@ def test_models_ready(server, protocol):
     client = client_of(server, protocol)
     try:
         assert client.is_server_live()
-        for model in [m.stem for m in EXAMPLES] + ["small_net_b4"]:
+        for model in [m.stem for m in EXAMPLES] + ["small_net_b4", "small_net_buckets"]:
             assert client.is_model_ready(model), f"{model} is not ready\n{server.log_tail()}"
         assert not client.is_model_ready("tampered")
     finally:
@@ -214,7 +220,7 @@ def test_tampered_bundle_fails_to_load_others_load(server):
         index = {m["name"]: m for m in client.get_model_repository_index()}
         assert index["tampered"]["state"] == "UNAVAILABLE"
         assert "sha256 differs from manifest.json" in index["tampered"].get("reason", "")
-        for model in [m.stem for m in EXAMPLES] + ["small_net_b4"]:
+        for model in [m.stem for m in EXAMPLES] + ["small_net_b4", "small_net_buckets"]:
             assert index[model]["state"] == "READY", index[model]
     finally:
         client.close()
@@ -253,10 +259,12 @@ def test_with_tritons_default_exit_on_error_a_leftover_folder_stops_the_server(s
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)
-def test_dynamic_batcher_returns_each_request_its_rows(server, references, protocol):
-    """Concurrent requests of 1-3 rows to the --max-batch 4 model: Triton's dynamic batcher groups them
+@pytest.mark.parametrize("model", ["small_net_b4", "small_net_buckets"])
+def test_dynamic_batcher_returns_each_request_its_rows(server, references, protocol, model):
+    """Concurrent requests of 1-3 rows to the --max-batch 4 model (padded to 4) and to the dynamic-batch bundle
+    (buckets 1, 2, 4: each batch on the smallest bucket that holds it): Triton's dynamic batcher groups them
     (the statistics show fewer executions than requests) and each gets its own rows back."""
-    model, clients, rounds = "small_net_b4", 6, 12
+    clients, rounds = 6, 12
     sess = references[model]
     sizes = (1, 2, 3, 1)
     stats_client = client_of(server, protocol)

@@ -131,7 +131,9 @@ def backend_folder(dist: Distribution, where: Path) -> Path:
     return where
 
 
-def server_environment(dist: Distribution, base: dict | None = None) -> dict:
+def server_environment(dist: Distribution, base: dict | None = None, python_bin: Path | None = None) -> dict:
+    """The server's environment; ``python_bin``: the bin folder of a venv of this interpreter whose
+    site-packages the stubs use (default: this interpreter's)."""
     env = dict(os.environ if base is None else base)
     libpython = python_library()
     lib_path = [str(libpython.parent)] if libpython else []
@@ -139,7 +141,7 @@ def server_environment(dist: Distribution, base: dict | None = None) -> dict:
     if env.get("LD_LIBRARY_PATH"):
         lib_path.append(env["LD_LIBRARY_PATH"])
     env["LD_LIBRARY_PATH"] = os.pathsep.join(lib_path)
-    env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
+    env["PATH"] = os.pathsep.join([str(python_bin or Path(sys.executable).parent), env.get("PATH", "")])
     return env
 
 
@@ -178,7 +180,7 @@ class TritonServer:
     that fails to load does not stop the server, unless ``exit_on_error``: Triton's own default).
     """
 
-    def __init__(self, repo: str | Path, workdir: str | Path, *, exit_on_error: bool = False):
+    def __init__(self, repo: str | Path, workdir: str | Path, *, exit_on_error: bool = False, python_bin: Path | None = None):
         reason = unavailable()
         if reason:
             raise ServerError(reason)
@@ -191,6 +193,7 @@ class TritonServer:
         self.backends = backend_folder(self.dist, self.workdir / f"backends_{token}")
         self.log_path = self.workdir / f"tritonserver_{token}.log"
         self.exit_on_error = exit_on_error
+        self.python_bin = python_bin
         # the Python backend names its shared-memory regions by this prefix: unique, so that servers
         # of other test runs on the same machine do not collide, and so that stop() can remove leftovers
         self.shm_prefix = f"parastream_{token}_"
@@ -227,7 +230,7 @@ class TritonServer:
                 log.write(f"--- parastream: start {attempt + 1}: {' '.join(self.command())}\n".encode())
                 log.flush()
                 self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=server_environment(self.dist), start_new_session=True,
+                                             env=server_environment(self.dist, python_bin=self.python_bin), start_new_session=True,
                                              preexec_fn=_die_with_parent)
             try:
                 self._wait_live(timeout)
