@@ -12,7 +12,9 @@ import onnx_graphsurgeon as gs
 
 from parastream.rewrite import RooflineCostModel
 from parastream.rewrite.cost import _flops_bytes_tiles, is_fused_epilogue
-from parastream.rewrite.ir import GraphHasher, copy_graph, import_graph, toposort
+from onnx_graphsurgeon.util.misc import SynchronizedList
+
+from parastream.rewrite.ir import GraphHasher, _copy_slow, copy_graph, import_graph, toposort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from graphs import nested_concat_model, three_branch_model  # noqa: E402
@@ -38,6 +40,56 @@ def test_copy_graph_is_graphsurgeons_copy():
         assert all(a is not b for a, b in zip(ours.tensors().values(), g.tensors().values()))
         ours.nodes[0].name = "renamed"
         assert g.nodes[0].name != "renamed"
+
+
+def _objects(graph: gs.Graph) -> list:
+    """Every attribute of the graph, its nodes and tensors (tensors and nodes by their position), with the
+    consumer and producer lists and their kinds, and which objects are shared with another graph."""
+    order: dict[int, str] = {}
+    for i, n in enumerate(graph.nodes):
+        order[id(n)] = f"node{i}"
+    tensors = []
+    for n in graph.nodes:
+        for t in (*n.inputs, *n.outputs):
+            if id(t) not in order:
+                order[id(t)] = f"tensor{len(tensors)}"
+                tensors.append(t)
+    for t in (*graph.inputs, *graph.outputs):
+        if id(t) not in order:
+            order[id(t)] = f"tensor{len(tensors)}"
+            tensors.append(t)
+
+    def value(v):
+        if id(v) in order:
+            return order[id(v)]
+        if isinstance(v, list):
+            kind = (type(v).__name__, order.get(id(getattr(v, "parent_obj", None))), getattr(v, "field_name", None))
+            return (kind, [value(x) for x in v])
+        if isinstance(v, np.ndarray):
+            return ("array", id(v))  # weights are shared, never copied
+        return (type(v).__name__, repr(v))
+
+    out = []
+    for obj in (graph, *graph.nodes, *tensors):
+        out.append((type(obj).__name__, [(k, value(v)) for k, v in vars(obj).items()]))
+    return out
+
+
+def test_copy_graph_builds_what_graphsurgeons_constructors_build():
+    """The fast copy sets, attribute by attribute and in the same order, what the constructors set: the same
+    synchronised lists (their owner and field), consumers and producers in the same order, shared weights."""
+    for model in MODELS:
+        g = import_graph(model)
+        g.nodes[0].inputs.append(gs.Variable.empty())  # an omitted optional input: a fresh unnamed Variable
+        fast, slow = copy_graph(g), _copy_slow(g)
+        assert _objects(fast) == _objects(slow)
+        assert all(isinstance(n.inputs, SynchronizedList) and n.inputs.parent_obj is n for n in fast.nodes)
+        # the lists stay synchronised: editing the copy edits its tensors' lists, never the original's
+        node = fast.nodes[0]
+        t = node.inputs[0]
+        node.inputs.remove(t)
+        assert node not in t.outputs and g.nodes[0] in g.nodes[0].inputs[0].outputs
+        assert _describe(copy_graph(g)) == _describe(g.copy())
 
 
 def test_toposort_is_graphsurgeons_order():
