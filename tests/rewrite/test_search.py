@@ -70,6 +70,40 @@ def test_cuts_fall_at_narrow_points(zoo_model):
         assert live[cut] <= 2, f"cut before {p[0]} carries {live[cut]} tensors"
 
 
+def test_the_collector_paused_per_piece_changes_nothing(zoo_model):
+    """The search pauses Python's cyclic garbage collector while it searches a piece: the same result as with
+    the collector running throughout (forced to run every few allocations) and off throughout; the caller's
+    setting is back afterwards."""
+    import gc
+
+    m = zoo_model("nasnet_cell")
+    paused, rp = optimize(m, seed=7, min_piece=10, max_piece=30)
+    assert gc.isenabled()
+    old = gc.get_threshold()
+    gc.set_threshold(10, 1, 1)  # the collector runs all the time (the pause is what is left out)
+    try:
+        import parastream.rewrite.search as search
+
+        plain = search._collector_paused
+        search._collector_paused = __import__("contextlib").nullcontext
+        try:
+            running, rr = optimize(m, seed=7, min_piece=10, max_piece=30)
+        finally:
+            search._collector_paused = plain
+    finally:
+        gc.set_threshold(*old)
+    gc.disable()
+    try:
+        off, ro = optimize(m, seed=7, min_piece=10, max_piece=30)
+        assert not gc.isenabled()  # a caller that turned it off keeps it off
+    finally:
+        gc.enable()
+    assert len(rp["pieces"]) > 1
+    assert paused.SerializeToString() == running.SerializeToString() == off.SerializeToString()
+    assert rp["rules_chosen"] == rr["rules_chosen"] == ro["rules_chosen"]
+    assert rp["cost_after"] == rr["cost_after"] == ro["cost_after"]
+
+
 def test_same_seed_same_result(zoo_model):
     m = zoo_model("nasnet_cell")
     a, ra = optimize(m, seed=7)
