@@ -336,8 +336,9 @@ def _collector_paused():
     Every candidate is a graph of a few thousand objects in reference cycles (nodes and tensors list each
     other); while the collector runs on its own, the search's allocations set off a full collection every
     50-60 candidates, each walking every object of the process (the loaded model's graph included): a third
-    of the search's time on ResNet-50.  The candidates a piece drops are freed by the one collection at its
-    end instead, so memory still goes back after every piece.  Nothing the search computes depends on when
+    of the search's time on ResNet-50.  The candidates a piece drops are freed by one collection of the young
+    generations at its end instead (everything the piece made is there: nothing was collected, so nothing
+    was moved to the oldest), so memory still goes back after every piece.  Nothing the search computes depends on when
     objects are freed (the hasher's caches check their weak references)."""
     if not gc.isenabled():
         yield
@@ -347,7 +348,7 @@ def _collector_paused():
         yield
     finally:
         gc.enable()
-        gc.collect()
+        gc.collect(1)  # the piece's objects are all still in the youngest generation: no walk of the old ones
 
 
 def _has_subgraphs(graph: gs.Graph) -> bool:
