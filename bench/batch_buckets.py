@@ -38,7 +38,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))  # first: bench/gpu.py is the module ``gpu`` below
 
-from gpu import make_model, max_err  # noqa: E402 - bench/gpu.py's models (BatchNorm calibrated)
+from gpu import make_model, max_err, ort_reference  # noqa: E402 - bench/gpu.py's models (BatchNorm calibrated)
 
 BATCHES = (1, 3, 8, 32)
 
@@ -85,16 +85,6 @@ def random_feeds(specs, n: int, rng) -> dict:
         else:
             feeds[s.name] = rng.standard_normal(shape).astype(s.dtype)
     return feeds
-
-
-def ort_reference(path: Path, feeds: dict) -> dict:
-    import onnxruntime as ort
-
-    so = ort.SessionOptions()
-    so.log_severity_level = 3
-    sess = ort.InferenceSession(str(path), so, providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
 
 
 def device_used() -> int:
