@@ -29,13 +29,11 @@ from __future__ import annotations
 
 import argparse
 import contextlib
-import fcntl
 import json
 import os
 import signal
 import subprocess
 import sys
-import tempfile
 import time
 import traceback
 from pathlib import Path
@@ -138,24 +136,24 @@ def prepare(name: str, work: Path, args) -> dict:
 
 @contextlib.contextmanager
 def quiet_gpu(children: list[subprocess.Popen]):
-    """Hold parastream's GPU timing lock and stop every running build while the block runs."""
-    path = Path(tempfile.gettempdir()) / "parastream-gpu0-timing.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    fcntl.flock(fd, fcntl.LOCK_EX)  # no build is in the middle of its own measurement
+    """Hold parastream's GPU timing lock (no build is in the middle of its own measurement) and stop every
+    running build while the block runs."""
+    from parastream.launcher.bench import gpu_timing_lock
+
     stopped = []
-    try:
-        for p in children:
-            if p.poll() is None:
+    with gpu_timing_lock(0):
+        try:
+            for p in children:
+                if p.poll() is None:
+                    with contextlib.suppress(ProcessLookupError):
+                        os.killpg(p.pid, signal.SIGSTOP)
+                        stopped.append(p)
+            time.sleep(0.2)
+            yield
+        finally:
+            for p in stopped:
                 with contextlib.suppress(ProcessLookupError):
-                    os.killpg(p.pid, signal.SIGSTOP)
-                    stopped.append(p)
-        time.sleep(0.2)
-        yield
-    finally:
-        for p in stopped:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGCONT)
-        os.close(fd)
+                    os.killpg(p.pid, signal.SIGCONT)
 
 
 def time_model(name: str, work: Path, row: dict, args, children) -> dict:
