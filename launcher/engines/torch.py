@@ -58,7 +58,7 @@ from ..plan import TensorSpec
 from .base import BuildOptions
 
 name = "torch"
-suffix = ".zip"  # engine.json + branch.onnx (+ aoti.pt2): see the module docstring
+suffix = ".zip"  # engine.json + branch.onnx (+ inductor.bin or aoti.pt2): see the module docstring
 gpu = True
 #: the GPU launcher may keep 4-d internal boundary tensors channels-last for this backend
 supports_internal_nhwc = True
@@ -67,12 +67,21 @@ supports_channel_views = True
 #: on the GPU, a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU (one kernel instead of
 #: a convolution and a Triton bias+ReLU kernel); set False before loading to get the unfused engines
 FUSE_CONV_RELU = True
-#: engines are AOTInductor packages compiled at build time; False writes the branch's ONNX alone, which every
-#: load converts and compiles again (the engines before issue 12; bench/engine_artifacts.py compares the two).
-#: Opt-in (PARASTREAM_AOT_COMPILE=1) until it is measured on a GPU: on the H100 with torch 2.11 the first try
-#: failed on an Inductor option that torch lacks (fixed since: _known_inductor_configs), the second did not
-#: finish 5 branches within 100 s; tested on the CPU only (docs/torch-engines.md).
-AOT_COMPILE = os.environ.get("PARASTREAM_AOT_COMPILE", "0") == "1"
+#: what a torch engine ships (PARASTREAM_TORCH_ARTIFACT; docs/torch-engines.md compares them):
+#: "inductor"  Inductor's precompiled artifact (``torch._inductor.standalone_compile``), compiled at build like a
+#:             load-time torch.compile (Python wrapper, no C++ wrapper), loaded with ``CompiledArtifact.load``;
+#: "aoti"      an AOTInductor package (C++ wrapper compiled with g++ at build; on the H100 a 5-branch build did
+#:             not finish its compiles within 100 s);
+#: "jit"       the branch's ONNX alone, converted and compiled by torch.compile at every load (before issue 12).
+#: The default stays "jit" until the GPU comparison (bench/engine_artifacts.py) is in: one line to switch.
+DEFAULT_ARTIFACT = "jit"
+ARTIFACTS = ("inductor", "aoti", "jit")
+#: PARASTREAM_AOT_COMPILE=1 (the opt-in before PARASTREAM_TORCH_ARTIFACT) still means "aoti"
+ARTIFACT = os.environ.get("PARASTREAM_TORCH_ARTIFACT") or (
+    "aoti" if os.environ.get("PARASTREAM_AOT_COMPILE") == "1" else DEFAULT_ARTIFACT)
+#: engine.json's ``compiled`` and the zip member holding the compiled code, per artifact
+_COMPILED = {"aoti": "aotinductor", "inductor": "inductor"}
+_MEMBER = {"aotinductor": "aoti.pt2", "inductor": "inductor.bin"}
 ENGINE_FORMAT = 1
 #: compiled packages kept in memory by one process (the search's candidates share them), least recently used first out
 CACHE_BYTES = 4 << 30
@@ -163,14 +172,18 @@ def check_built_for(built: dict, device: str) -> None:
 
 # -- the engine file ------------------------------------------------------------------------------
 def pack(meta: dict, branch_onnx: bytes, package: bytes | None) -> bytes:
-    """The engine file: a zip of engine.json, branch.onnx and (when compiled) aoti.pt2.
+    """The engine file: a zip of engine.json, branch.onnx and (when compiled) the compiled code, named after
+    ``meta["compiled"]`` (inductor.bin or aoti.pt2).
 
     Deflated at level 1: a package's shared library shrinks about 4x for ~10 ms per MB to inflate at load.
     """
     buf = io.BytesIO()
+    member = _MEMBER.get(meta.get("compiled")) if package is not None else None
+    if package is not None and member is None:
+        raise ValueError(f"a compiled torch engine needs compiled in {sorted(_MEMBER)}, not {meta.get('compiled')!r}")
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
         for name, data in (("engine.json", json.dumps(meta, indent=1).encode()), ("branch.onnx", branch_onnx),
-                           ("aoti.pt2", package)):
+                           (member, package)):
             if data is not None:
                 info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # the same engine gives the same bytes
                 z.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
@@ -178,7 +191,8 @@ def pack(meta: dict, branch_onnx: bytes, package: bytes | None) -> bytes:
 
 
 def unpack(data: bytes) -> tuple[dict, bytes, bytes | None]:
-    """(engine.json, branch.onnx, aoti.pt2 or None).  Bare ONNX (bundles written before issue 12) reads as uncompiled."""
+    """(engine.json, branch.onnx, the compiled code or None: ``meta["compiled"]`` says which).  Bare ONNX (bundles
+    written before issue 12) reads as uncompiled."""
     if not data.startswith(b"PK"):
         return {"format": 0, "compiled": None}, data, None
     try:
@@ -186,7 +200,8 @@ def unpack(data: bytes) -> tuple[dict, bytes, bytes | None]:
             names = set(z.namelist())
             meta = json.loads(z.read("engine.json"))
             onnx_bytes = z.read("branch.onnx")
-            package = z.read("aoti.pt2") if "aoti.pt2" in names else None
+            member = _MEMBER.get(meta.get("compiled"))
+            package = z.read(member) if member in names else None
     except (zipfile.BadZipFile, KeyError, ValueError) as e:
         raise ParastreamError(f"not a readable torch engine ({e}); rebuild the bundle") from None
     if meta.get("format") != ENGINE_FORMAT:
@@ -244,22 +259,23 @@ _CACHE: OrderedDict[str, bytes] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 
 
-def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: BuildOptions, fuse: bool, built: dict) -> str:
+def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: BuildOptions, fuse: bool, built: dict,
+              artifact: str = "aoti") -> str:
     """sha256 of the branch's graph (its name, which carries the branch's index, left out), the tensor layout,
-    the compute dtype, the options that change the code, and what it is compiled for."""
+    the compute dtype, the options that change the code, what it is compiled for, and into which artifact."""
     canon = onnx.ModelProto()
     canon.CopyFrom(branch)
     canon.graph.name = ""
     canon.graph.doc_string = ""
     h = hashlib.sha256(canon.SerializeToString(deterministic=True))
-    h.update(json.dumps({"format": ENGINE_FORMAT, "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
+    h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact, "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
     return h.hexdigest()
 
 
 def _cache_file(cache_dir: str | None, key: str) -> Path | None:
-    return Path(cache_dir) / "torch-engines" / f"{key}.pt2" if cache_dir else None
+    return Path(cache_dir) / "torch-engines" / f"{key}.bin" if cache_dir else None
 
 
 def cache_get(key: str, cache_dir: str | None) -> tuple[bytes | None, str]:
@@ -346,21 +362,31 @@ def _known_inductor_configs(configs: dict) -> dict:
     return known
 
 
-def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
-                    dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> bytes:
-    """The branch exported for these tensors (dtypes, shapes, strides) and compiled by AOTInductor: a .pt2 package."""
+def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
+                   dtype: str, nhwc: set[str], views: dict, options: BuildOptions):
+    """(``f(*inputs, *outputs)`` writing the branch's results into its outputs, example tensors with exactly the
+    launcher's dtypes, shapes and strides): what either compiled artifact is compiled from."""
     import torch
-    from torch._inductor import aoti_compile_and_package
 
     from .onnx_torch import convert, to_fx
 
     module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype, options)).to(device)
     try:
         inner = to_fx(module)  # straight-line code rather than the interpreter loop
-    except Exception:  # noqa: BLE001 - the interpreter module exports too
+    except Exception:  # noqa: BLE001 - the interpreter module compiles too
         inner = module
     wrapper = _into_outputs(inner, [t.name for t in inputs], [t.name for t in outputs], getattr(torch, dtype)).eval()
     args = tuple(_tensor(t, t.name in nhwc, views.get(t.name), device) for t in inputs + outputs)
+    return wrapper, args
+
+
+def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
+                    dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> tuple[bytes, dict]:
+    """The branch exported for these tensors (dtypes, shapes, strides) and compiled by AOTInductor: a .pt2 package."""
+    import torch
+    from torch._inductor import aoti_compile_and_package
+
+    wrapper, args = _engine_module(branch, inputs, outputs, device, dtype, nhwc, views, options)
     configs = _known_inductor_configs({"max_autotune": options.optimization_level >= 5,
                                        # the wrapper's C++ runs once per capture, never in a replay: compile it quickly
                                        "aot_inductor.compile_wrapper_opt_level": "O0",
@@ -369,7 +395,57 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
         program = torch.export.export(wrapper, args)
         buf = io.BytesIO()
         aoti_compile_and_package(program, package_path=buf, inductor_configs=configs)
-    return buf.getvalue()
+    return buf.getvalue(), {}
+
+
+def _inductor_options(options: BuildOptions) -> dict:
+    """The Inductor configuration torch.compile uses at load for a JIT engine (``TorchEngine._make_fn``'s mode)."""
+    import torch._inductor
+
+    mode = "max-autotune-no-cudagraphs" if options.optimization_level >= 5 else "default"
+    return dict(torch._inductor.list_mode_options(mode))
+
+
+def _param_specs(params: list) -> list:
+    return [[list(p.shape), list(p.stride()), str(p.dtype).removeprefix("torch.")] for p in params]
+
+
+def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
+                     dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> tuple[bytes, dict]:
+    """The branch compiled by Inductor for these tensors into a precompiled artifact (``standalone_compile``,
+    saved in its "binary" format): (artifact bytes, engine.json fields for its weights).
+
+    The graph is ``make_fx`` of the engine's module with its weights as graph inputs, called as
+    ``art(*weights, *inputs, *outputs)``: an artifact whose graph holds its weights as constants fails to run
+    after ``CompiledArtifact.load`` (IndexError in the runtime wrapper, torch 2.13), and the engine file holds
+    the weights already, in branch.onnx.  ``params`` names them (buffers of the converted module) with the
+    shapes, strides and dtypes the artifact was compiled for; the load checks them.
+    """
+    import tempfile
+
+    import torch
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    wrapper, args = _engine_module(branch, inputs, outputs, device, dtype, nhwc, views, options)
+    names = [n for n, _ in wrapper.named_buffers()] + [n for n, _ in wrapper.named_parameters()]
+    tensors = dict(wrapper.named_buffers(), **dict(wrapper.named_parameters()))
+    params = [tensors[n].detach() for n in names]
+
+    def f(*a):
+        return torch.func.functional_call(wrapper, dict(zip(names, a[:len(names)])), tuple(a[len(names):]))
+
+    with torch.no_grad():
+        gm = make_fx(f)(*params, *args)
+        consts = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
+        if consts:  # see the docstring: the loaded artifact could not run these
+            raise ParastreamError(f"the traced branch holds tensor constants {consts[:3]}: no Inductor artifact")
+        art = torch._inductor.standalone_compile(gm, [*params, *args], dynamic_shapes="from_example_inputs",
+                                                 options={"config_patches": _inductor_options(options)})
+    with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API saves to a path
+        path = os.path.join(d, "inductor.bin")
+        art.save(path=path, format="binary")
+        data = Path(path).read_bytes()
+    return data, {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params)}
 
 
 def compile_workers() -> int:
@@ -389,9 +465,27 @@ def _worker_init() -> None:
     cfg.compile_threads = 1  # the workers are the parallelism; no Triton compile pool per worker
 
 
+#: artifact -> the function that compiles it (looked up by name when called, so that tests can count the calls)
+_COMPILERS = {"aoti": "compile_package", "inductor": "compile_inductor"}
+
+
 def _compile_job(job: tuple) -> bytes:
-    branch_bytes, inputs, outputs, device, dtype, nhwc, views, options = job
-    return compile_package(onnx.load_from_string(branch_bytes), inputs, outputs, device, dtype, nhwc, views, options)
+    """A cache entry (``_entry``) of the job's branch compiled into its artifact."""
+    artifact, branch_bytes, inputs, outputs, device, dtype, nhwc, views, options = job
+    compile_fn = globals()[_COMPILERS[artifact]]
+    return _entry(*compile_fn(onnx.load_from_string(branch_bytes), inputs, outputs, device, dtype, nhwc, views, options))
+
+
+def _entry(package: bytes, extra: dict) -> bytes:
+    """What the compiled-branch cache holds: the artifact and the engine.json fields that go with it
+    (an inductor artifact's weight names), as 4 bytes of length, that JSON, the artifact."""
+    head = json.dumps(extra, sort_keys=True).encode()
+    return len(head).to_bytes(4, "big") + head + package
+
+
+def _split_entry(entry: bytes) -> tuple[bytes, dict]:
+    n = int.from_bytes(entry[:4], "big")
+    return entry[4 + n:], json.loads(entry[4:4 + n])
 
 
 def _pool(workers: int):
@@ -432,20 +526,57 @@ def _load_package(package: bytes, device_index: int):
         return loader(f.name, "model", False, 1, device_index)
 
 
+def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, fuse: bool):
+    """``run(*inputs, *outputs)``: the engine's Inductor artifact loaded (``CompiledArtifact.load``: no dynamo,
+    no AOTAutograd trace, no Inductor codegen; on the GPU its Triton kernels come from the artifact) and called
+    with the branch's weights, converted once from branch.onnx as the build converted them."""
+    import tempfile
+
+    import torch
+
+    from .onnx_torch import convert
+
+    module = convert(_branch_model(onnx_bytes), meta["dtype"], fuse_conv_relu=fuse).to(device)
+    tensors = dict(module.named_buffers(), **dict(module.named_parameters()))
+    names = meta.get("params") or []
+    missing = [n for n in names if n not in tensors]
+    params = [tensors[n].detach() for n in names if n in tensors]
+    if missing or _param_specs(params) != meta.get("param_specs"):
+        raise ParastreamError("the engine's Inductor artifact was compiled for other weights than its branch.onnx "
+                              f"converts to ({missing[:3] or 'shapes, strides or dtypes differ'}); rebuild the bundle")
+    del module, tensors
+    with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API loads from a path
+        path = os.path.join(d, "inductor.bin")
+        Path(path).write_bytes(artifact)
+        try:
+            art = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+        except AssertionError:  # its only check: the artifact's torch_key (a hash of torch's sources) is this torch's
+            raise ParastreamError("the engine's Inductor artifact was compiled by another build of torch "
+                                  f"({meta.get('built_for', {}).get('torch')}); rebuild the bundle here") from None
+
+    def run(*args):
+        art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
+
+    return run
+
+
 class Builder:
     """Converts each branch (failing on the first unsupported node) and compiles it for the launcher's layout.
 
     ``build(branch, name, layout=None)``: ``layout`` is what the launcher will give the engine
     (``EngineLayouts.branch``: input and output specs, channels-last set, channel views); without
-    it, or with ``compile=False`` or ``AOT_COMPILE = False``, the engine holds the branch's ONNX alone.
-    ``build_all(items)`` does the same for many branches and compiles the packages that no cache
+    it, or with ``compile=False`` or ``ARTIFACT == "jit"``, the engine holds the branch's ONNX alone.
+    ``build_all(items)`` does the same for many branches and compiles the artifacts that no cache
     holds in ``compile_workers()`` processes side by side.
     """
 
     def __init__(self, options: BuildOptions):
         if options.precision not in ("fp32", "tf32", "fp16", "bf16"):
             raise ParastreamError(f"--precision {options.precision}: the torch backend builds fp32, tf32, fp16 or bf16 engines")
+        if ARTIFACT not in ARTIFACTS:
+            raise ParastreamError(f"PARASTREAM_TORCH_ARTIFACT={ARTIFACT!r}: the torch backend ships {', '.join(ARTIFACTS)}")
         self.options = options
+        self.artifact = ARTIFACT
         self._report: dict[str, dict] = {}
 
     def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None) -> bytes:
@@ -474,17 +605,18 @@ class Builder:
                    "convert_s": round(time.perf_counter() - t0, 4), "compiled": None}
             self._report[name] = rep
             onnx_bytes = branch.SerializeToString()
-            if layout is None or not self.options.compile or not AOT_COMPILE:
+            if layout is None or not self.options.compile or self.artifact == "jit":
                 out.append(pack({"format": ENGINE_FORMAT, "compiled": None}, onnx_bytes, None))
                 continue
             inputs, outputs = list(layout["inputs"]), list(layout["outputs"])
             nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
-            key = cache_key(branch, sig, dtype, self.options, fuse, built)
+            key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact)
             package, where = cache_get(key, self.options.cache_dir)
             if package is None and key not in todo:
-                todo[key] = (onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
-            rep.update(compiled="aotinductor", cache=where, key=key[:16])  # miss: compiled by this build
-            meta = {"format": ENGINE_FORMAT, "compiled": "aotinductor", "built_for": built, "dtype": dtype,
+                todo[key] = (self.artifact, onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
+            compiled_as = _COMPILED[self.artifact]
+            rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
+            meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
                     "fuse_conv_relu": fuse, "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}
             out.append((key, name, meta, onnx_bytes, package))
@@ -495,13 +627,14 @@ class Builder:
             if isinstance(item, bytes):
                 continue
             key, name, meta, onnx_bytes, package = item
-            if key in failed:  # AOTInductor could not compile it: the ONNX ships, compiled at every load (reported)
+            if key in failed:  # Inductor could not compile it: the ONNX ships, compiled at every load (reported)
                 self._report[name].update(compiled=None, aot_error=failed[key])
                 out[i] = pack({"format": ENGINE_FORMAT, "compiled": None, "aot_error": failed[key]}, onnx_bytes, None)
                 continue
-            package = package or compiled[key]  # a hit, or compiled by this batch (once per distinct branch)
+            # a hit, or compiled by this batch (once per distinct branch)
+            package, extra = _split_entry(package or compiled[key])
             self._report[name]["package_bytes"] = len(package)
-            out[i] = pack(meta, onnx_bytes, package)
+            out[i] = pack(dict(meta, **extra), onnx_bytes, package)
         for item in items:  # the compile time is the batch's (its packages compile side by side)
             if self._report[item[1]].get("cache") == "miss":
                 self._report[item[1]]["compile_batch_s"] = round(time.perf_counter() - t0, 3)
@@ -510,7 +643,7 @@ class Builder:
     def _compile(self, todo: dict[str, tuple]) -> tuple[dict[str, bytes], dict[str, str]]:
         """Compile the jobs (in worker processes when there are several and workers to spare); cache each package.
 
-        Returns (key -> package, key -> why it failed): a branch AOTInductor cannot compile does not fail
+        Returns (key -> cache entry, key -> why it failed): a branch Inductor cannot compile does not fail
         the build, its engine stays ONNX compiled at load, and the report and verification say so."""
         if not todo:
             return {}, {}
@@ -592,7 +725,10 @@ class TorchEngine:
                                      and meta.get("fuse_conv_relu") == fuse)
         self._runner = None
         self.module = None
-        if not self.compiled_at_load:
+        if not self.compiled_at_load and meta.get("compiled") == "inductor":
+            self._runner = _load_inductor(package, onnx_bytes, meta, device, fuse)
+            self._fn = self._runner
+        elif not self.compiled_at_load:
             self._runner = _load_package(package, torch.cuda.current_device() if device == "cuda" else -1)
             self._fn = self._run_package
         else:
