@@ -54,8 +54,11 @@ def memory_bound(node) -> bool:
 
 
 def make_bundle(model_path, out, *, backend: str = "torch", streams: int = 2, precision: str = "fp32",
-                compile: bool = True, sync_cost: float = 2e-6) -> Bundle:
-    """Partition ``model_path`` onto ``streams`` streams, build one engine per branch and write a bundle."""
+                compile: bool = True, sync_cost: float = 2e-6, layouts: bool = False) -> Bundle:
+    """Partition ``model_path`` onto ``streams`` streams, build one engine per branch and write a bundle.
+
+    ``layouts``: hand the builder each branch's tensors as the CPU launcher gives them (contiguous), so that a
+    torch builder compiles its engines for them (the artifact ``torch_backend.ARTIFACT`` names)."""
     import onnx_graphsurgeon as gs
 
     from parastream.pipeline.model_io import load_model
@@ -76,7 +79,8 @@ def make_bundle(model_path, out, *, backend: str = "torch", streams: int = 2, pr
                      inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
     builder = mod.Builder(BuildOptions(precision=precision, compile=compile))
     for b in plan.branches:
-        (out / b.engine).write_bytes(builder.build(extract_branch(model, graph, b), b.name))
+        layout = {"inputs": [plan.tensors[t] for t in b.inputs], "outputs": [plan.tensors[t] for t in b.outputs]}
+        (out / b.engine).write_bytes(builder.build(extract_branch(model, graph, b), b.name, *([layout] if layouts else [])))
     onnx.save(model, out / "model.onnx")
     plan.save(out / "plan.json")
     (out / "report.json").write_text(json.dumps({"version": 1, "engines": builder.report(),

@@ -32,16 +32,16 @@ OUT = TensorSpec("y", "float32", [1, 4, 8, 8])
 
 @pytest.fixture(autouse=True, scope="module")
 def _aot_on():
-    """Compiled engines are opt-in (PARASTREAM_AOT_COMPILE=1): these tests turn them on, here and in subprocesses."""
-    old, old_env = tb.AOT_COMPILE, os.environ.get("PARASTREAM_AOT_COMPILE")
-    tb.AOT_COMPILE = True
-    os.environ["PARASTREAM_AOT_COMPILE"] = "1"
+    """These tests build AOTInductor packages (PARASTREAM_TORCH_ARTIFACT=aoti), here and in subprocesses."""
+    old, old_env = tb.ARTIFACT, os.environ.get("PARASTREAM_TORCH_ARTIFACT")
+    tb.ARTIFACT = "aoti"
+    os.environ["PARASTREAM_TORCH_ARTIFACT"] = "aoti"
     yield
-    tb.AOT_COMPILE = old
+    tb.ARTIFACT = old
     if old_env is None:
-        os.environ.pop("PARASTREAM_AOT_COMPILE", None)
+        os.environ.pop("PARASTREAM_TORCH_ARTIFACT", None)
     else:
-        os.environ["PARASTREAM_AOT_COMPILE"] = old_env
+        os.environ["PARASTREAM_TORCH_ARTIFACT"] = old_env
 
 
 def branch(seed: int) -> onnx.ModelProto:

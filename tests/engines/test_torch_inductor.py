@@ -1,0 +1,327 @@
+"""Torch engines as Inductor precompiled artifacts (``PARASTREAM_TORCH_ARTIFACT=inductor``: ``standalone_compile`` at
+build, ``CompiledArtifact.load`` at load): built once, loaded in a fresh process with empty caches without
+dynamo, AOTAutograd or Inductor codegen, writing into the tensors it is given, refused where it was not compiled
+for, cached by branch.  Inductor compiles for the CPU too, which is how these run in CI (tiny branches, one
+compile of a few seconds each); the GPU path is test_inductor_gpu_* below."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+import textwrap
+import types
+import zipfile
+
+import numpy as np
+import onnx
+import pytest
+from onnx import numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines import BuildOptions  # noqa: E402
+from parastream.launcher.engines import torch as tb  # noqa: E402
+from parastream.launcher.errors import ParastreamError  # noqa: E402
+from parastream.launcher.plan import TensorSpec  # noqa: E402
+from test_torch_aoti import IN, LAYOUT, OUT, _retag, branch, ort  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _inductor_on():
+    """These tests build Inductor artifacts, here and in subprocesses (PARASTREAM_TORCH_ARTIFACT=inductor)."""
+    old, old_env = tb.ARTIFACT, os.environ.get("PARASTREAM_TORCH_ARTIFACT")
+    tb.ARTIFACT = "inductor"
+    os.environ["PARASTREAM_TORCH_ARTIFACT"] = "inductor"
+    yield
+    tb.ARTIFACT = old
+    if old_env is None:
+        os.environ.pop("PARASTREAM_TORCH_ARTIFACT", None)
+    else:
+        os.environ["PARASTREAM_TORCH_ARTIFACT"] = old_env
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory):
+    """Branches 1 and 2 compiled once into a disk cache (in this process), with a count of the compiles."""
+    cache = tmp_path_factory.mktemp("engine-cache")
+    calls = []
+    real = tb.compile_inductor
+
+    def counting(br, *a, **k):
+        calls.append(float(numpy_helper.to_array(br.graph.initializer[0]).ravel()[0]))
+        return real(br, *a, **k)
+
+    tb.compile_inductor = counting
+    old_env = os.environ.get("PARASTREAM_COMPILE_WORKERS")
+    os.environ["PARASTREAM_COMPILE_WORKERS"] = "1"  # in this process, so that the count sees every compile
+    tb.clear_memory_cache()
+    try:
+        builder = tb.Builder(BuildOptions(device="cpu", cache_dir=str(cache)))
+        a, b = builder.build_all([(branch(1), "branch_000", LAYOUT), (branch(2), "branch_001", LAYOUT)])
+        yield types.SimpleNamespace(a=a, b=b, report=builder.report(), cache=cache, calls=calls)
+    finally:
+        tb.compile_inductor = real
+        if old_env is None:
+            os.environ.pop("PARASTREAM_COMPILE_WORKERS", None)
+        else:
+            os.environ["PARASTREAM_COMPILE_WORKERS"] = old_env
+
+
+def test_engine_holds_an_inductor_artifact_and_its_weights_names(built):
+    meta, onnx_bytes, artifact = tb.unpack(built.a)
+    assert meta["compiled"] == "inductor" and artifact is not None
+    with zipfile.ZipFile(__import__("io").BytesIO(built.a)) as z:
+        assert sorted(z.namelist()) == ["branch.onnx", "engine.json", "inductor.bin"]
+    assert meta["built_for"] == tb.built_for("cpu")
+    # the weights are graph inputs, named by the converted module's buffers, with what they were compiled for
+    assert len(meta["params"]) == len(meta["param_specs"]) == 3 and meta["param_specs"][0] == [[4, 3, 3, 3], [27, 9, 3, 1], "float32"]
+    rep = built.report["branch_000"]
+    assert rep["compiled"] == "inductor" and rep["cache"] == "miss" and rep["package_bytes"] == len(artifact)
+    assert len(built.calls) == 2
+
+
+def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matches_onnxruntime(built, tmp_path):
+    """The artifact is self-contained: a process whose Inductor and Triton caches are empty loads it with no
+    dynamo graph, no AOTAutograd or FX-graph cache miss and no Inductor codegen (which would raise here)."""
+    engine = tmp_path / "branch_000.zip"
+    engine.write_bytes(built.a)
+    x = np.random.default_rng(7).standard_normal(IN.shape).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent(f"""
+        import json, numpy as np
+        import torch, torch._dynamo.utils
+        from torch._inductor.graph import GraphLowering
+
+        def codegen(*a, **k):
+            raise AssertionError("Inductor generated code at load")
+
+        GraphLowering.codegen = GraphLowering.codegen_with_cpp_wrapper = codegen  # a load must never get here
+        from parastream.launcher.engines import BuildOptions, torch as tb
+        from parastream.launcher.plan import TensorSpec
+        e = tb.load(open({str(engine)!r}, "rb").read(), [TensorSpec("x", "float32", {IN.shape})],
+                    [TensorSpec("y", "float32", {OUT.shape})], device="cpu", options=BuildOptions())
+        y = e.run({{"x": np.load({str(tmp_path / 'x.npy')!r})}})["y"]
+        np.save({str(tmp_path / 'y.npy')!r}, y)
+        c = torch._dynamo.utils.counters
+        print(json.dumps({{"compiled_at_load": e.compiled_at_load, "dynamo_graphs": c["stats"]["unique_graphs"],
+                          "inductor": dict(c["inductor"]), "aot_autograd": dict(c["aot_autograd"])}}))
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty-inductor"), TRITON_CACHE_DIR=str(tmp_path / "empty-triton"))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info["compiled_at_load"] is False and info["dynamo_graphs"] == 0
+    assert info["inductor"].get("fxgraph_cache_hit") == 1 and not info["inductor"].get("fxgraph_cache_miss"), info
+    assert not info["aot_autograd"].get("autograd_cache_miss"), info
+    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), ort(branch(1), x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_other_branch_computes_with_its_own_weights(built):
+    x = np.random.default_rng(8).standard_normal(IN.shape).astype(np.float32)
+    e = tb.load(built.b, [IN], [OUT], device="cpu")
+    assert not e.compiled_at_load
+    np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(2), x), rtol=1e-5, atol=1e-5)
+    assert np.abs(ort(branch(1), x) - ort(branch(2), x)).max() > 0.1  # the two branches really differ
+
+
+def test_outputs_are_written_into_a_channel_view_and_nothing_else(tmp_path):
+    """The launcher's tensors: a channels-last input and an output that is channels [3, 7) of a 10-channel
+    channels-last buffer (an in-place Concat's slice).  The artifact writes exactly that slice."""
+    nhwc, views = {"x", "y"}, {"y": (10, 3)}
+    data, extra = tb.compile_inductor(branch(3), [IN], [OUT], "cpu", "float32", nhwc, views, BuildOptions(device="cpu"))
+    meta = dict(extra, dtype="float32", built_for=tb.built_for("cpu"))
+    run = tb._load_inductor(data, branch(3).SerializeToString(), meta, "cpu", False)
+    x = tb._tensor(IN, True, None, "cpu")
+    full = torch.full((1, 8, 8, 10), 7.0)
+    y = full[..., 3:7].permute(0, 3, 1, 2)
+    assert x.is_contiguous(memory_format=torch.channels_last) and not y.is_contiguous()
+    with torch.no_grad():
+        run(x, y)
+    np.testing.assert_allclose(y.numpy(), ort(branch(3), x.contiguous().numpy()), rtol=1e-5, atol=1e-5)
+    assert (full[..., :3] == 7).all() and (full[..., 7:] == 7).all()  # the other channels untouched
+    with torch.no_grad():  # and it was compiled for these strides: contiguous ones are another engine
+        sig = tb._layout([IN], [OUT], "cuda", nhwc, views)[2]
+    assert sig != tb._layout([IN], [OUT], "cuda", (), {})[2]
+
+
+@pytest.mark.parametrize("other, says", [
+    ({"torch": "2.0.0+cu118"}, r"compiled for the CPU \(.*\), torch 2\.0\.0\+cu118; this machine has the CPU"),
+    ({"device": "cuda", "arch": "sm_90", "gpu": "NVIDIA H100 80GB HBM3", "cuda": "12.8", "machine": None},
+     r"compiled for NVIDIA H100 80GB HBM3 \(sm_90\), torch .*, CUDA 12\.8; this machine has the CPU"),
+])
+def test_an_artifact_compiled_elsewhere_is_refused_saying_for_what(built, other, says):
+    with pytest.raises(ParastreamError, match=says):
+        tb.load(_retag(built.a, **other), [IN], [OUT], device="cpu")
+
+
+def test_weights_that_differ_from_what_it_was_compiled_for_are_refused(built):
+    meta, onnx_bytes, artifact = tb.unpack(built.a)
+    meta["param_specs"][0][1] = [1, 4, 12, 36]  # compiled for other strides than branch.onnx converts to
+    with pytest.raises(ParastreamError, match="compiled for other weights"):
+        tb.load(tb.pack(meta, onnx_bytes, artifact), [IN], [OUT], device="cpu")
+
+
+def test_cache_hit_across_builds_with_a_cache_dir_and_one_changed_branch_compiles_alone(built, monkeypatch):
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
+    n = len(built.calls)  # the fixture counts every compile_inductor while this module runs
+    renamed = branch(1)
+    renamed.graph.name = "net_branch_042"  # the same branch under another candidate's index
+    builder = tb.Builder(BuildOptions(device="cpu", cache_dir=str(built.cache)))
+    a2, b3 = builder.build_all([(renamed, "branch_042", LAYOUT), (branch(3), "branch_043", LAYOUT)])
+    assert builder.report()["branch_042"]["cache"] == "memory" and tb.unpack(a2)[2] == tb.unpack(built.a)[2]
+    assert builder.report()["branch_043"]["cache"] == "miss" and len(built.calls) == n + 1
+    tb.clear_memory_cache()  # a later build: every artifact from --cache-dir, nothing compiled
+    again = tb.Builder(BuildOptions(device="cpu", cache_dir=str(built.cache)))
+    assert again.build_all([(branch(1), "b0", LAYOUT), (branch(3), "b1", LAYOUT)]) == [built.a, b3]
+    assert {r["cache"] for r in again.report().values()} == {"disk"} and len(built.calls) == n + 1
+    x = np.random.default_rng(9).standard_normal(IN.shape).astype(np.float32)
+    np.testing.assert_allclose(tb.load(b3, [IN], [OUT]).run({"x": x})["y"], ort(branch(3), x), rtol=1e-5, atol=1e-5)
+
+
+def test_the_artifact_kind_is_part_of_the_cache_key():
+    sig = tb._layout([IN], [OUT], "cpu", (), {})[2]
+    keys = {tb.cache_key(branch(1), sig, "float32", BuildOptions(device="cpu"), False, tb.built_for("cpu"), a)
+            for a in ("aoti", "inductor")}
+    assert len(keys) == 2
+
+
+def test_an_unknown_artifact_is_one_clear_error(monkeypatch):
+    monkeypatch.setattr(tb, "ARTIFACT", "tensorrt")
+    with pytest.raises(ParastreamError, match="PARASTREAM_TORCH_ARTIFACT='tensorrt': the torch backend ships inductor, aoti, jit"):
+        tb.Builder(BuildOptions(device="cpu"))
+
+
+def test_a_spawned_worker_compiles_a_self_contained_artifact(monkeypatch, tmp_path):
+    """Branches no cache holds compile in spawned workers (each with its own Inductor cache), as a GPU build does;
+    a branch that appears twice in one batch compiles once."""
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
+    builder = tb.Builder(BuildOptions(device="cpu"))
+    engines = builder.build_all([(branch(4), "b0", LAYOUT), (branch(5), "b1", LAYOUT), (branch(4), "b2", LAYOUT)])
+    assert [r["cache"] for r in builder.report().values()] == ["miss", "miss", "miss"]
+    assert engines[0] == engines[2]
+    x = np.random.default_rng(11).standard_normal(IN.shape).astype(np.float32)
+    for data, seed in zip(engines[:2], (4, 5)):
+        e = tb.load(data, [IN], [OUT], device="cpu")
+        assert not e.compiled_at_load and e.meta["compiled"] == "inductor"
+        np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(seed), x), rtol=1e-5, atol=1e-5)
+
+
+# -- a bundle of inductor engines, run by the CPU launcher -----------------------------------------------------
+@pytest.fixture(scope="module")
+def cpu_bundle(tmp_path_factory):
+    from handmade_bundles import make_bundle
+
+    folder = tmp_path_factory.mktemp("inductor-bundle")
+    onnx.save(branch(1), folder / "net.onnx")
+    bundle = make_bundle(folder / "net.onnx", folder / "out", backend="torch", streams=1, layouts=True)
+    return folder, bundle
+
+
+def test_bundle_engines_load_for_the_plans_tensors_and_match_onnxruntime(cpu_bundle):
+    """(The torch backend's launcher is the GPU one; on the CPU each engine is loaded for the plan's tensors.)"""
+    _, bundle = cpu_bundle
+    plan = bundle.plan
+    assert len(plan.branches) == 1 and tb.unpack(bundle.engine_bytes(plan.branches[0]))[0]["compiled"] == "inductor"
+    b = plan.branches[0]
+    e = tb.load(bundle.engine_bytes(b), [plan.tensors[t] for t in b.inputs], [plan.tensors[t] for t in b.outputs])
+    x = np.random.default_rng(13).standard_normal(IN.shape).astype(np.float32)
+    assert not e.compiled_at_load
+    np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(1), x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_tampered_inductor_bin_is_refused_by_the_manifest_hash(cpu_bundle, tmp_path):
+    from parastream.launcher.bundle import Bundle
+
+    _, bundle = cpu_bundle
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle.path, copy)
+    b = bundle.plan.branches[0]
+    meta, onnx_bytes, artifact = tb.unpack((copy / b.engine).read_bytes())
+    flipped = artifact[:-1] + bytes([artifact[-1] ^ 1])
+    (copy / b.engine).write_bytes(tb.pack(meta, onnx_bytes, flipped))
+    with pytest.raises(ParastreamError, match=rf"{b.engine}: sha256 differs from manifest.json"):
+        Bundle.open(copy)
+
+
+# -- GPU: the whole bundle -------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def gpu_bundle(tmp_path_factory):
+    from parastream.pipeline import build
+    from parastream.pipeline.zoo import small_net
+
+    folder = tmp_path_factory.mktemp("gpu-inductor")
+    onnx.save(small_net(), folder / "small_net.onnx")
+    bundle = build(folder / "small_net.onnx", folder / "out", backend="torch", precision="fp16", streams=4, search=False)
+    return folder, bundle
+
+
+@pytest.mark.gpu
+def test_inductor_gpu_bundle_ships_artifacts_verified_as_loaded(gpu_bundle):
+    _, bundle = gpu_bundle
+    engines = bundle.report["engines"]
+    compiled = [e for e in engines.values() if e["compiled"] == "inductor"]
+    assert compiled and len(compiled) >= len(engines) - sum(b.concat_axis is not None for b in bundle.plan.branches)
+    v = bundle.report["verification"]
+    assert v["passed"] and v["engines_loaded"] >= len(compiled) and v["engines_compiled_at_load"] == 0
+
+
+@pytest.mark.gpu
+def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compiling(gpu_bundle, tmp_path):
+    """A fresh process with empty Inductor and Triton caches: the launcher loads every engine from its artifact
+    (no dynamo graph, no FX-graph cache miss, no codegen), captures the plan into its CUDA Graph on its external
+    streams, and the replay matches onnxruntime."""
+    folder, bundle = gpu_bundle
+    x = np.random.default_rng(5).standard_normal(bundle.plan.inputs[0].shape).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent(f"""
+        import json, time, numpy as np
+        t0 = time.perf_counter()
+        import torch, torch._dynamo.utils
+        from torch._inductor.graph import GraphLowering
+
+        def codegen(*a, **k):
+            raise AssertionError("Inductor generated code at load")
+
+        GraphLowering.codegen = GraphLowering.codegen_with_cpp_wrapper = codegen
+        from parastream.launcher.bundle import Bundle
+        from parastream.launcher.gpu import GpuLauncher
+        la = GpuLauncher(Bundle.open({str(bundle.path)!r}))
+        ready = time.perf_counter() - t0
+        y = la({{{bundle.plan.inputs[0].name!r}: np.load({str(tmp_path / 'x.npy')!r})}})[{bundle.plan.outputs[0].name!r}]
+        np.save({str(tmp_path / 'y.npy')!r}, y)
+        c = torch._dynamo.utils.counters
+        print(json.dumps({{"ready_s": ready, "graph": la._exec is not None,
+                          "compiled_at_load": sum(e.compiled_at_load for e in la.engines if e is not None),
+                          "dynamo_graphs": c["stats"]["unique_graphs"], "inductor": dict(c["inductor"])}}))
+    """)
+    empty = tmp_path / "empty"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(empty), TRITON_CACHE_DIR=str(tmp_path / "empty-triton"))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info["compiled_at_load"] == 0 and info["dynamo_graphs"] == 0 and info["graph"], info
+    assert not info["inductor"].get("fxgraph_cache_miss"), info
+    import onnxruntime as rt
+
+    ref = rt.InferenceSession(str(folder / "small_net.onnx"), providers=["CPUExecutionProvider"]).run(None, {bundle.plan.inputs[0].name: x})[0]
+    assert np.abs(np.load(tmp_path / "y.npy") - ref).max() / np.abs(ref).max() < 2e-2
+
+
+@pytest.mark.gpu
+def test_inductor_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bundle, tmp_path):
+    from parastream.launcher.bundle import Bundle
+    from parastream.launcher.gpu import GpuLauncher
+
+    _, bundle = gpu_bundle
+    copy = tmp_path / "copy"
+    shutil.copytree(bundle.path, copy)
+    b = next(b for b in bundle.plan.branches if tb.unpack((copy / b.engine).read_bytes())[2] is not None)
+    (copy / b.engine).write_bytes(_retag((copy / b.engine).read_bytes(), arch="sm_80", gpu="NVIDIA A100-SXM4-80GB"))
+    with pytest.raises(ParastreamError, match=rf"{b.engine}: this torch engine was compiled for NVIDIA A100-SXM4-80GB \(sm_80\).*"
+                                              rf"this machine has .*\(sm_\d+\)"):
+        GpuLauncher(Bundle.open(copy, check_hashes=False))
