@@ -1,20 +1,25 @@
 """What a torch bundle's engines/ should hold: measured on the GPU, each load in a fresh process with an empty
 Inductor cache (what a Triton instance start on a fresh machine is).
 
-Three ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
+Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
 
-* ``jit``   engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
-* ``mega``  the same, after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
-            collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
-            traces every branch at load);
-* ``aoti``  engines/ hold AOTInductor packages compiled at build for the launcher's layouts (issue 12).
+* ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
+* ``inductor``  engines/ hold Inductor precompiled artifacts (``standalone_compile`` at build,
+                ``CompiledArtifact.load`` at load; PARASTREAM_TORCH_ARTIFACT=inductor);
+* ``aoti``      engines/ hold AOTInductor packages compiled at build for the launcher's layouts;
+* ``mega``      the jit engines after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
+                collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
+                traces every branch at load).
 
 For each: the build's engine time, the load (``GpuLauncher``: engines, warm-up, capture of the whole plan into one
-CUDA Graph on its external streams), the replay latency (d: multi-stream, b: the same engines on one stream) and
-the error against onnxruntime.  Then, while time is left, whole builds with the default search, the measurement
-budget ``--measure-seconds`` and verification, with ``AOT_COMPILE`` on (after) and off (before).
+CUDA Graph on its external streams) in a fresh process with empty Inductor and Triton caches, what that load
+wrote into the empty Inductor cache (C++ sources: the CPU vector-ISA probe, ``cpu_isa_probe``), the replay latency
+(d: multi-stream, b: the same engines on one stream) and the error against onnxruntime.  Then, while time is
+left, whole builds with the default search, the measurement budget ``--measure-seconds`` (top 20 candidates) and
+verification, per artifact (``search-inductor``, ``search-jit``, ``search-aoti``).  Every step runs in its own
+process, stops after ``--step-seconds``, and the results file is rewritten after it:
 
-    python bench/engine_artifacts.py --out $OUT      # results: $OUT/engine_artifacts.json
+    python bench/engine_artifacts.py --out $OUT --seconds 520     # results: $OUT/engine_artifacts.json
 
 Without a GPU, ``--cpu`` compares the same three per branch on the CPU (Inductor and AOTInductor compile for the
 CPU too): the first ``--branches`` branches of a zoo model's plan, compiled (jit: torch.compile of the module the
@@ -37,6 +42,9 @@ from pathlib import Path
 
 T_START = time.perf_counter()
 ROOT = Path(__file__).resolve().parents[1]
+#: the GPU steps, most wanted first (a step starts only while time is left)
+GPU_STEPS = ("build:jit", "build:inductor", "load:inductor", "load:jit", "search:inductor", "search:jit", "build:aoti",
+             "load:aoti", "load:mega", "search:aoti")
 
 
 def _fresh_env(extra: dict | None = None) -> dict:
@@ -91,10 +99,20 @@ def child(args) -> dict:
     sess = ort.InferenceSession(args.onnx, providers=["CPUExecutionProvider"])
     ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     res["max_scaled"] = {k: float(np.abs(got[k].astype(np.float64) - ref[k]).max() / np.abs(ref[k]).max()) for k in ref}
+    res["inductor_cache_after_load"] = _cache_contents()
     b = bench_bundle(bundle, runs=args.runs, warmup=20, launcher=la, whole_model=False)
     res.update(d_ms=b["parastream_ms"], b_ms=b["single_stream_ms"], branches=b["branches"], streams=b["streams"])
     la.close()
     return res
+
+
+def _cache_contents() -> dict:
+    """What this process wrote into its (at start empty) Inductor cache: C++ sources compiled, and whether one of
+    them is the CPU vector-ISA probe (``_chk_kernel``)."""
+    root = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/nonexistent"))
+    cpp = list(root.rglob("*.cpp")) if root.is_dir() else []
+    return {"files": sum(1 for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0, "cpp": len(cpp),
+            "cpu_isa_probe": any("_chk_kernel" in f.read_text(errors="replace") for f in cpp)}
 
 
 def cpu_branches(args) -> list:
@@ -113,7 +131,7 @@ def cpu_branches(args) -> list:
 
 
 def cpu_child(args, res: dict) -> dict:
-    """CPU: load (aoti) or compile (jit, mega) every branch and run it once, in this fresh process."""
+    """CPU: load (aoti, inductor) or compile (jit, mega) every branch and run it once, in this fresh process."""
     import numpy as np
     import torch
 
@@ -129,9 +147,9 @@ def cpu_child(args, res: dict) -> dict:
     per = []
     for i, (model, ins, outs) in enumerate(branches):
         t1 = time.perf_counter()
-        if args.child == "cpu-aoti":
+        if args.child in ("cpu-aoti", "cpu-inductor"):
             e = tb.load(Path(args.artifacts, f"{i}.zip").read_bytes(), ins, outs, device="cpu")
-            assert not e.compiled_at_load
+            assert not e.compiled_at_load and e.meta["compiled"] == {"cpu-aoti": "aotinductor", "cpu-inductor": "inductor"}[args.child]
             e.run({t.name: np.zeros(t.shape, t.dtype) for t in ins})
         else:  # what a GPU engine does at load, on the CPU: convert, trace to FX, torch.compile, run once
             wrapper = tb._into_outputs(to_fx(convert(model, "float32")), [t.name for t in ins], [t.name for t in outs], torch.float32)
@@ -139,7 +157,8 @@ def cpu_child(args, res: dict) -> dict:
             with torch.no_grad():
                 fn(*[tb._tensor(t, False, None, "cpu") for t in ins + outs])
         per.append(time.perf_counter() - t1)
-    res.update(load_s=time.perf_counter() - t0, per_branch_s=per, process_to_ready_s=time.perf_counter() - T_START)
+    res.update(load_s=time.perf_counter() - t0, per_branch_s=per, process_to_ready_s=time.perf_counter() - T_START,
+               inductor_cache_after_load=_cache_contents())
     if args.child == "cpu-jit":
         art = torch.compiler.save_cache_artifacts()
         if art is not None:
@@ -149,7 +168,7 @@ def cpu_child(args, res: dict) -> dict:
 
 
 def cpu_main(args, res: dict, work: Path, save) -> None:
-    """The CPU proxy: jit vs Inductor cache artifacts vs AOTInductor packages, per branch."""
+    """The CPU proxy: jit vs Inductor cache artifacts vs Inductor precompiled artifacts vs AOTInductor packages."""
     from parastream.pipeline import build
     from parastream.pipeline.zoo import MODELS
 
@@ -161,20 +180,23 @@ def cpu_main(args, res: dict, work: Path, save) -> None:
     args.bundle = str(bundle.path)
     branches = cpu_branches(args)
     res["branches"] = [{"nodes": len(m.graph.node), "ops": sorted({n.op_type for n in m.graph.node})} for m, _, _ in branches]
-    pk = work / "packages"
-    pk.mkdir()
-    env = _fresh_env({"PARASTREAM_COMPILE_WORKERS": "1"})
-    # each step in a fresh process with empty Inductor caches: the build too
-    run_child(res, "cpu_build_aoti", ["--child", "cpu-build", "--bundle", args.bundle, "--branches", str(args.branches),
-                                      "--artifacts", str(pk)], env, 3600)
-    save()
     common = ["--bundle", args.bundle, "--branches", str(args.branches)]
-    run_child(res, "cpu_load_aoti", ["--child", "cpu-aoti", "--artifacts", str(pk), *common], _fresh_env(), 3600)
-    save()
+    steps = args.steps.split(",") if args.steps else ["inductor", "aoti", "jit", "mega"]
+    for kind in ("inductor", "aoti"):  # each step in a fresh process with empty Inductor caches: the build too
+        if kind not in steps:
+            continue
+        pk = work / kind
+        pk.mkdir()
+        run_child(res, f"cpu_build_{kind}", ["--child", "cpu-build", "--artifact", kind, "--artifacts", str(pk), *common],
+                  _fresh_env({"PARASTREAM_COMPILE_WORKERS": "1"}), 3600)
+        save()
+        run_child(res, f"cpu_load_{kind}", ["--child", f"cpu-{kind}", "--artifacts", str(pk), *common], _fresh_env(), 3600)
+        save()
     art = work / "cache_artifacts.bin"
-    run_child(res, "cpu_jit", ["--child", "cpu-jit", "--artifacts", str(art), *common], _fresh_env(), 3600)
-    save()
-    if art.is_file():
+    if "jit" in steps:
+        run_child(res, "cpu_jit", ["--child", "cpu-jit", "--artifacts", str(art), *common], _fresh_env(), 3600)
+        save()
+    if "mega" in steps and art.is_file():
         run_child(res, "cpu_mega", ["--child", "cpu-mega-load", "--artifacts", str(art), *common], _fresh_env(), 3600)
         save()
 
@@ -184,6 +206,7 @@ def cpu_build_child(args, res: dict) -> dict:
     from parastream.launcher.engines import torch as tb
 
     branches = cpu_branches(args)
+    tb.ARTIFACT = args.artifact
     builder = tb.Builder(BuildOptions(device="cpu"))
     t0 = time.perf_counter()
     per = []
@@ -200,7 +223,7 @@ def child_build(args, res: dict) -> dict:
     from parastream.launcher.engines import torch as torch_backend
     from parastream.pipeline import build
 
-    torch_backend.AOT_COMPILE = args.aot == "on"
+    torch_backend.ARTIFACT = args.artifact
     t0 = time.perf_counter()
     bundle = build(args.onnx, args.bundle, backend="torch", precision="fp16", force=True, search=args.search == "on",
                    measure=args.search == "on", verify=args.verify == "on", measure_seconds=args.measure_seconds,
@@ -214,11 +237,13 @@ def child_build(args, res: dict) -> dict:
                      "measured_top20": sum(c.get("measured_s") is not None for c in cands if (c.get("rank") or 99) <= 20),
                      "decided_by": s.get("decided_by"), "nodes_before": s.get("nodes_before"), "nodes_after": s.get("nodes_after")}
     eng = rep.get("engines", {})
-    res["engines"] = {"branches": len(eng), "compiled": sum(e.get("compiled") == "aotinductor" for e in eng.values()),
+    res["engines"] = {"branches": len(eng), "compiled": sum(e.get("compiled") in ("aotinductor", "inductor") for e in eng.values()),
+                      "compile_failed": sum(bool(e.get("aot_error")) for e in eng.values()),
                       "cache_miss": sum(e.get("cache") == "miss" for e in eng.values()),
                       "package_mb": sum(e.get("package_bytes", 0) for e in eng.values()) / 2**20}
     v = rep.get("verification") or {}
-    res["verification"] = {"passed": v.get("passed"), "max_scaled": {k: o.get("max_scaled") for k, o in v.get("outputs", {}).items()}}
+    res["verification"] = {"passed": v.get("passed"), "max_scaled": {k: o.get("max_scaled") for k, o in v.get("outputs", {}).items()},
+                           "engines_compiled_at_load": v.get("engines_compiled_at_load")}
     res["bundle_mb"] = sum(f.stat().st_size for f in Path(args.bundle).rglob("*") if f.is_file()) / 2**20
     return res
 
@@ -241,19 +266,20 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/engine_artifacts"))
     ap.add_argument("--model", default="inception_v3")
     ap.add_argument("--runs", type=int, default=200)
-    ap.add_argument("--seconds", type=float, default=400, help="stop starting steps after this long")
+    ap.add_argument("--seconds", type=float, default=520, help="stop starting steps after this long; no step outlives it")
+    ap.add_argument("--step-seconds", type=float, default=200, help="the most one step may take")
     ap.add_argument("--measure-seconds", type=float, default=30.0)
-    ap.add_argument("--steps", default="build,aoti,jit,mega,search-after,search-before")
+    ap.add_argument("--steps", default=None, help="GPU default: " + ",".join(GPU_STEPS) + "; --cpu: inductor,aoti,jit,mega")
     # child mode
     ap.add_argument("--cpu", action="store_true", help="the CPU proxy (no GPU): per branch of --model (a zoo model)")
     ap.add_argument("--branches", type=int, default=4)
-    ap.add_argument("--child", choices=["aoti", "jit", "mega-save", "mega-load", "build", "cpu-build", "cpu-aoti", "cpu-jit",
-                                        "cpu-mega-load"])
+    ap.add_argument("--child", choices=["load", "mega-save", "mega-load", "build", "cpu-build", "cpu-aoti", "cpu-inductor",
+                                        "cpu-jit", "cpu-mega-load"])
     ap.add_argument("--result")
     ap.add_argument("--bundle")
     ap.add_argument("--onnx")
     ap.add_argument("--artifacts")
-    ap.add_argument("--aot", default="on")
+    ap.add_argument("--artifact", default="inductor", choices=["inductor", "aoti", "jit"])
     ap.add_argument("--search", default="off")
     ap.add_argument("--verify", default="off")
     args = ap.parse_args(argv)
@@ -267,7 +293,7 @@ def main(argv=None) -> int:
     work = Path(tempfile.mkdtemp(prefix="engine-artifacts-"))
     deadline = T_START + args.seconds
     res: dict = {"model": args.model}
-    steps = args.steps.split(",")
+    steps = (args.steps or ",".join(GPU_STEPS)).split(",")
 
     def save():
         (out_dir / "engine_artifacts.json").write_text(json.dumps(res, indent=1, default=str))
@@ -292,36 +318,40 @@ def main(argv=None) -> int:
     export(model, inputs, onnx_path)
     res["export_s"] = time.perf_counter() - t0
     save()
-    b_jit, b_aoti = work / "jit", work / "aoti"
     common = ["--onnx", str(onnx_path), "--runs", str(args.runs)]
-    left = lambda: deadline - time.perf_counter()  # noqa: E731
-    if "build" in steps:  # the engines of one plan, built the old way and as packages (each in a fresh process)
-        run_child(res, "build_jit", ["--child", "build", "--aot", "off", "--bundle", str(b_jit), *common], _fresh_env(), left())
-        save()
-        run_child(res, "build_aoti", ["--child", "build", "--aot", "on", "--bundle", str(b_aoti), *common], _fresh_env(), left())
-        save()
-    if "aoti" in steps and left() > 20:
-        run_child(res, "load_aoti", ["--child", "aoti", "--bundle", str(b_aoti), *common], _fresh_env(), left())
-        save()
-    art = work / "cache_artifacts.bin"
-    if "jit" in steps and left() > 30:
-        run_child(res, "load_jit", ["--child", "mega-save", "--bundle", str(b_jit), "--artifacts", str(art), *common],
-                  _fresh_env(), left())
-        save()
-    if "mega" in steps and art.is_file() and left() > 20:
-        run_child(res, "load_mega", ["--child", "mega-load", "--bundle", str(b_jit), "--artifacts", str(art), *common],
-                  _fresh_env(), left())
-        save()
-    for tag, aot in (("after", "on"), ("before", "off")):
-        if f"search-{tag}" in steps and left() > 60:
-            run_child(res, f"search_build_{tag}", ["--child", "build", "--aot", aot, "--search", "on", "--verify", "on",
-                                                   "--measure-seconds", str(args.measure_seconds),
-                                                   "--bundle", str(work / f"search_{tag}"), *common], _fresh_env(), left())
+
+    def step(key: str, argv: list[str], need: float) -> bool:
+        """Run one step in a fresh process with empty caches unless fewer than ``need`` seconds are left."""
+        left = deadline - time.perf_counter()
+        if left < need:
+            res[key] = {"skipped": f"{left:.0f} s left"}
             save()
-            if aot == "on" and "error" not in res[f"search_build_{tag}"] and left() > 20:
-                run_child(res, f"search_load_{tag}", ["--child", "aoti", "--bundle", str(work / f"search_{tag}"), *common],
-                          _fresh_env(), left())
-                save()
+            return False
+        run_child(res, key, argv, _fresh_env(), min(left, args.step_seconds))
+        save()
+        return "error" not in res[key]
+
+    # the engines of one plan (no search), built per artifact, then loaded, each in a fresh process
+    art = work / "cache_artifacts.bin"
+    for s in steps:
+        kind, _, what = s.partition(":")
+        if kind == "search":  # search:<artifact>: the whole build with the default search, then its load
+            out = work / f"search_{what}"
+            if step(f"search_build_{what}", ["--child", "build", "--artifact", what, "--search", "on", "--verify", "on",
+                                             "--measure-seconds", str(args.measure_seconds), "--bundle", str(out), *common], 60):
+                step(f"search_load_{what}", ["--child", "load", "--bundle", str(out), *common], 20)
+        elif kind == "build":
+            step(f"build_{what}", ["--child", "build", "--artifact", what, "--bundle", str(work / what), *common], 20)
+        elif kind == "load" and what == "jit":  # also collects Inductor's cache artifacts for "mega"
+            step("load_jit", ["--child", "mega-save", "--bundle", str(work / "jit"), "--artifacts", str(art), *common], 30)
+        elif kind == "load" and what == "mega":
+            if art.is_file():
+                step("load_mega", ["--child", "mega-load", "--bundle", str(work / "jit"), "--artifacts", str(art), *common], 20)
+        elif kind == "load":
+            if (work / what).is_dir():
+                step(f"load_{what}", ["--child", "load", "--bundle", str(work / what), *common], 20)
+        else:
+            raise SystemExit(f"--steps: unknown step {s!r}")
     res["total_s"] = time.perf_counter() - T_START
     save()
     print(json.dumps(res, indent=1, default=str)[-6000:])
