@@ -117,7 +117,7 @@ def _after_search(model: onnx.ModelProto, graph: gs.Graph, searched: onnx.ModelP
 
 def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):
     """``branch -> keyword arguments for builder.build``: the GPU launcher's tensor layout for builders that
-    compile for it (torch: AOTInductor packages), so the engine compiled is the engine loaded; else nothing."""
+    compile for it (torch: Inductor artifacts or AOTInductor packages), so the engine compiled is the engine loaded; else nothing."""
     if options.device != "cuda" or "layout" not in inspect.signature(builder.build).parameters:
         return lambda b: {}
     from parastream.launcher.gpu import engine_layouts

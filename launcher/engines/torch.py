@@ -1,22 +1,28 @@
 """PyTorch engines: a branch's ONNX becomes a torch module (``onnx_torch.convert``), compiled ahead of time.
 
-* An engine file is a zip (``engine.json``, ``branch.onnx`` and, when compiled, ``aoti.pt2``).
-  At build time each branch is exported (``torch.export``) for exactly the tensors the GPU
-  launcher will hand it (``launcher.gpu.engine_layouts``: dtypes, channels-last strides, channel
-  views of in-place Concats) and compiled by AOTInductor into a package (``aoti.pt2``: a shared
-  library with its Triton kernels and weights).  Loading opens that package (no dynamo, no
-  Inductor, no Triton compile), so the build verifies, hashes and ships the code that runs.
-  Why AOTInductor and not Inductor's cache artifacts (``torch.compiler.save_cache_artifacts``):
-  those still re-trace every branch with dynamo at each load; bench/engine_artifacts.py measures
-  both (bench/NOTES.md).
+* An engine file is a zip: ``engine.json``, ``branch.onnx`` and, when compiled, the compiled code, one of
+  (``ARTIFACT``, ``PARASTREAM_TORCH_ARTIFACT``; docs/torch-engines.md compares them):
+  - ``inductor.bin``: Inductor's precompiled artifact.  At build the engine's module is traced with ``make_fx``
+    (its weights as graph inputs) for exactly the tensors the GPU launcher will hand it
+    (``launcher.gpu.engine_layouts``: dtypes, channels-last strides, channel views of in-place Concats) and
+    compiled by ``torch._inductor.standalone_compile`` with the options a load-time torch.compile uses (a Python
+    wrapper; no C++ wrapper to compile).  Loading (``CompiledArtifact.load``) runs no dynamo, no AOTAutograd
+    trace and no Inductor codegen; on the GPU the Triton kernels come from the artifact (on the CPU its C++
+    kernels are compiled from the sources it holds).  The weights come from ``branch.onnx``.
+  - ``aoti.pt2``: an AOTInductor package (``torch.export`` + ``aoti_compile_and_package``: a shared library
+    with its kernels and weights, its C++ wrapper compiled with g++ at build), opened without compiling.
+  - neither (``jit``): the branch's ONNX alone, converted and compiled by torch.compile at every load.
+  Either compiled artifact is what the build verifies, hashes and ships.  Why not Inductor's cache artifacts
+  (``torch.compiler.save_cache_artifacts``): those still re-trace every branch with dynamo at each load;
+  bench/engine_artifacts.py measures all of them (bench/NOTES.md).
 * An engine states what it was compiled for (GPU architecture, torch and CUDA versions, or the
   CPU) in ``engine.json`` and refuses, with both named, to load anywhere else.
 * A load that asks for another layout than the one compiled (the launcher's ablations:
   ``internal_nhwc=False``, ``concat_in_place=False``; ``FUSE_CONV_RELU`` changed) and engines
-  built with ``compile=False`` or ``AOT_COMPILE = False`` convert ``branch.onnx`` again and, on
+  built with ``compile=False`` or ``ARTIFACT = "jit"`` convert ``branch.onnx`` again and, on
   a GPU, compile it with TorchInductor at load, as every load did before (``compiled_at_load``).
-* Compiled packages are cached by (branch graph, tensor layout, precision, options, what they
-  were compiled for) in this process and, with ``cache_dir``, on disk: the search's candidates
+* Compiled artifacts are cached by (branch graph, tensor layout, precision, options, what they
+  were compiled for, which artifact) in this process and, with ``cache_dir``, on disk: the search's candidates
   share every branch they have in common, and so do later builds.
 * ``enqueue(stream, addresses)`` runs the engine under ``torch.cuda.ExternalStream(stream)`` on
   tensors that wrap the launcher's device pointers; outputs are written into the launcher's
@@ -32,7 +38,7 @@
 * On the GPU a 2-d Conv whose only reader is a Relu becomes ``torch.cudnn_convolution_relu``
   (cuDNN's fused conv + bias + ReLU, weights channels-last): Inductor would otherwise run the
   convolution and then a separate Triton kernel for bias and ReLU (``FUSE_CONV_RELU``).
-* ``run(feeds)`` works on the CPU too (fp32 compute there; AOTInductor compiles for the CPU as
+* ``run(feeds)`` works on the CPU too (fp32 compute there; Inductor and AOTInductor compile for the CPU as
   well), which is how CI tests the converter and the compiled engines.
 """
 
