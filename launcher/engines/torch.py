@@ -430,6 +430,7 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
     import tempfile
 
     import torch
+    import torch._inductor
     from torch.fx.experimental.proxy_tensor import make_fx
 
     wrapper, args = _engine_module(branch, inputs, outputs, device, dtype, nhwc, views, options)
@@ -539,6 +540,7 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
     import tempfile
 
     import torch
+    import torch._inductor
 
     from .onnx_torch import convert
 
