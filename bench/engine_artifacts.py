@@ -100,6 +100,9 @@ def child(args) -> dict:
     ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     res["max_scaled"] = {k: float(np.abs(got[k].astype(np.float64) - ref[k]).max() / np.abs(ref[k]).max()) for k in ref}
     res["inductor_cache_after_load"] = _cache_contents()
+    from torch._dynamo.utils import counters
+
+    res["counters"] = {k: dict(counters[k]) for k in ("inductor", "aot_autograd", "stats")}  # fxgraph_cache_hit/miss, ...
     b = bench_bundle(bundle, runs=args.runs, warmup=20, launcher=la, whole_model=False)
     res.update(d_ms=b["parastream_ms"], b_ms=b["single_stream_ms"], branches=b["branches"], streams=b["streams"])
     la.close()
