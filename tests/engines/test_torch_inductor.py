@@ -87,9 +87,12 @@ def test_engine_holds_an_inductor_artifact_and_its_weights_names(built):
 
 def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matches_onnxruntime(built, tmp_path):
     """The artifact is self-contained: a process whose Inductor and Triton caches are empty loads it with no
-    dynamo graph, no AOTAutograd or FX-graph cache miss and no Inductor codegen (which would raise here)."""
+    dynamo graph, no AOTAutograd or FX-graph cache miss and no Inductor codegen (which would raise here).
+    Branch 1 is loaded after branch 2, whose compile was a hit in the Inductor caches branch 1 had filled (the
+    same graph: the weights are inputs), so its artifact must hold everything too."""
     engine = tmp_path / "branch_000.zip"
     engine.write_bytes(built.a)
+    (tmp_path / "branch_001.zip").write_bytes(built.b)
     x = np.random.default_rng(7).standard_normal(IN.shape).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     script = textwrap.dedent(f"""
@@ -103,10 +106,12 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
         GraphLowering.codegen = GraphLowering.codegen_with_cpp_wrapper = codegen  # a load must never get here
         from parastream.launcher.engines import BuildOptions, torch as tb
         from parastream.launcher.plan import TensorSpec
-        e = tb.load(open({str(engine)!r}, "rb").read(), [TensorSpec("x", "float32", {IN.shape})],
-                    [TensorSpec("y", "float32", {OUT.shape})], device="cpu", options=BuildOptions())
-        y = e.run({{"x": np.load({str(tmp_path / 'x.npy')!r})}})["y"]
-        np.save({str(tmp_path / 'y.npy')!r}, y)
+        ins, outs = [TensorSpec("x", "float32", {IN.shape})], [TensorSpec("y", "float32", {OUT.shape})]
+        x = np.load({str(tmp_path / 'x.npy')!r})
+        for name in ("branch_001", "branch_000"):
+            e = tb.load(open({str(tmp_path)!r} + f"/{{name}}.zip", "rb").read(), ins, outs, device="cpu", options=BuildOptions())
+            assert not e.compiled_at_load
+            np.save({str(tmp_path)!r} + f"/{{name}}.npy", e.run({{"x": x}})["y"])
         c = torch._dynamo.utils.counters
         print(json.dumps({{"compiled_at_load": e.compiled_at_load, "dynamo_graphs": c["stats"]["unique_graphs"],
                           "inductor": dict(c["inductor"]), "aot_autograd": dict(c["aot_autograd"])}}))
@@ -116,9 +121,10 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
     assert p.returncode == 0, p.stderr[-2000:]
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["compiled_at_load"] is False and info["dynamo_graphs"] == 0
-    assert info["inductor"].get("fxgraph_cache_hit") == 1 and not info["inductor"].get("fxgraph_cache_miss"), info
+    assert info["inductor"].get("fxgraph_cache_hit") == 2 and not info["inductor"].get("fxgraph_cache_miss"), info
     assert not info["aot_autograd"].get("autograd_cache_miss"), info
-    np.testing.assert_allclose(np.load(tmp_path / "y.npy"), ort(branch(1), x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "branch_000.npy"), ort(branch(1), x), rtol=1e-5, atol=1e-5)
+    np.testing.assert_allclose(np.load(tmp_path / "branch_001.npy"), ort(branch(2), x), rtol=1e-5, atol=1e-5)
 
 
 def test_the_other_branch_computes_with_its_own_weights(built):
