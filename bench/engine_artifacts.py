@@ -242,6 +242,8 @@ def child_build(args, res: dict) -> dict:
     eng = rep.get("engines", {})
     res["engines"] = {"branches": len(eng), "compiled": sum(e.get("compiled") in ("aotinductor", "inductor") for e in eng.values()),
                       "compile_failed": sum(bool(e.get("aot_error")) for e in eng.values()),
+                      "aot_errors": sorted({e["aot_error"] for e in eng.values() if e.get("aot_error")})[:3],
+                      "compile_batch_s": max([e.get("compile_batch_s", 0) for e in eng.values()], default=0),
                       "cache_miss": sum(e.get("cache") == "miss" for e in eng.values()),
                       "package_mb": sum(e.get("package_bytes", 0) for e in eng.values()) / 2**20}
     v = rep.get("verification") or {}
