@@ -483,6 +483,40 @@ def _compile_job(job: tuple) -> bytes:
     return _entry(*compile_fn(onnx.load_from_string(branch_bytes), inputs, outputs, device, dtype, nhwc, views, options))
 
 
+def _failure(e: BaseException) -> str:
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+
+
+def _compile_group(jobs: list[tuple]) -> list[bytes | str]:
+    """The jobs compiled in this process one after another: each one's cache entry, or why it failed."""
+    out: list[bytes | str] = []
+    for job in jobs:
+        try:
+            out.append(_compile_job(job))
+        except Exception as e:  # noqa: BLE001 - reported per branch
+            out.append(_failure(e))
+    return out
+
+
+def structure_key(branch: onnx.ModelProto, signature: list) -> str:
+    """sha256 of the branch with the values of its floating-point initializers left out (their names, shapes
+    and types kept) and of its tensor signature: branches that differ only in their weights.  It only groups
+    compile jobs (which process compiles what, in which order), never decides what a job compiles."""
+    canon = onnx.ModelProto()
+    canon.CopyFrom(branch)
+    canon.graph.name = ""
+    canon.graph.doc_string = ""
+    for t in canon.graph.initializer:
+        if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                           onnx.TensorProto.DOUBLE):
+            for field in ("raw_data", "float_data", "int32_data", "double_data"):
+                t.ClearField(field)
+    h = hashlib.sha256(canon.SerializeToString(deterministic=True))
+    h.update(json.dumps(signature).encode())
+    return h.hexdigest()
+
+
 def _entry(package: bytes, extra: dict) -> bytes:
     """What the compiled-branch cache holds: the artifact and the engine.json fields that go with it
     (an inductor artifact's weight names), as 4 bytes of length, that JSON, the artifact."""
@@ -599,6 +633,7 @@ class Builder:
         built = built_for(device)
         out: list = []
         todo: dict[str, tuple] = {}  # key -> compile job (one per distinct branch)
+        groups: dict[str, list[str]] = {}  # the jobs one process compiles in turn (``_compile``)
         for branch, name, layout in items:
             t0 = time.perf_counter()
             try:
@@ -622,6 +657,9 @@ class Builder:
             package, where = cache_get(key, self.options.cache_dir)
             if package is None and key not in todo:
                 todo[key] = (self.artifact, onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
+                # an AOTInductor package embeds its weights: nothing to share, every job its own group
+                group = structure_key(branch, sig) if self.artifact == "inductor" else key
+                groups.setdefault(group, []).append(key)
             compiled_as = _COMPILED[self.artifact]
             rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
             meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
@@ -630,7 +668,7 @@ class Builder:
             out.append((key, name, meta, onnx_bytes, package))
 
         t0 = time.perf_counter()
-        compiled, failed = self._compile(todo)
+        compiled, failed = self._compile(todo, groups)
         for i, item in enumerate(out):
             if isinstance(item, bytes):
                 continue
@@ -648,36 +686,33 @@ class Builder:
                 self._report[item[1]]["compile_batch_s"] = round(time.perf_counter() - t0, 3)
         return out
 
-    def _compile(self, todo: dict[str, tuple]) -> tuple[dict[str, bytes], dict[str, str]]:
+    def _compile(self, todo: dict[str, tuple], groups: dict[str, list[str]]) -> tuple[dict[str, bytes], dict[str, str]]:
         """Compile the jobs (in worker processes when there are several and workers to spare); cache each package.
 
-        Returns (key -> cache entry, key -> why it failed): a branch Inductor cannot compile does not fail
-        the build, its engine stays ONNX compiled at load, and the report and verification say so."""
+        ``groups`` (group -> keys) are compiled one after another in one process: branches with the same
+        structure, whose Inductor graphs are the same (the weights are graph inputs), so that all but the
+        first are hits in that process's Inductor caches.  Returns (key -> cache entry, key -> why it failed):
+        a branch Inductor cannot compile does not fail the build, its engine stays ONNX compiled at load, and
+        the report and verification say so."""
         if not todo:
             return {}, {}
-        keys = list(todo)
-        workers = min(compile_workers(), len(todo))
+        workers = min(compile_workers(), len(groups))
+        results: dict[str, bytes | str] = {}
         if workers > 1:
             pool = _pool(compile_workers())
-            futures = {k: pool.submit(_compile_job, todo[k]) for k in keys}
-            results = {}
-            for k, f in futures.items():
+            futures = {g: pool.submit(_compile_group, [todo[k] for k in ks]) for g, ks in groups.items()}
+            for g, f in futures.items():
                 try:
-                    results[k] = f.result()
-                except Exception as e:  # noqa: BLE001 - reported per branch
-                    results[k] = e
+                    results.update(zip(groups[g], f.result()))
+                except Exception as e:  # noqa: BLE001 - a worker that died: reported per branch
+                    results.update((k, _failure(e)) for k in groups[g])
         else:
-            results = {}
-            for k in keys:
-                try:
-                    results[k] = _compile_job(todo[k])
-                except Exception as e:  # noqa: BLE001 - reported per branch
-                    results[k] = e
+            for ks in groups.values():
+                results.update(zip(ks, _compile_group([todo[k] for k in ks])))
         done, failed = {}, {}
         for k, r in results.items():
-            if isinstance(r, BaseException):
-                text = str(r).strip()
-                failed[k] = f"{type(r).__name__}: {text.splitlines()[0] if text else ''}"[:500]
+            if isinstance(r, str):
+                failed[k] = r
             else:
                 done[k] = r
                 _cache_put(k, r, self.options.cache_dir)

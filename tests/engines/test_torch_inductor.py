@@ -202,19 +202,42 @@ def test_an_unknown_artifact_is_one_clear_error(monkeypatch):
         tb.Builder(BuildOptions(device="cpu"))
 
 
-def test_a_spawned_worker_compiles_a_self_contained_artifact(monkeypatch, tmp_path):
-    """Branches no cache holds compile in spawned workers (each with its own Inductor cache), as a GPU build does;
-    a branch that appears twice in one batch compiles once."""
+def other(seed: int) -> onnx.ModelProto:
+    """A branch of another structure than ``branch``: its last node adds the constant instead of multiplying."""
+    m = branch(seed)
+    m.graph.node[2].op_type = "Add"
+    return m
+
+
+def test_structure_key_groups_branches_that_differ_only_in_their_weights():
+    sig = tb._layout([IN], [OUT], "cpu", (), {})[2]
+    assert tb.structure_key(branch(4), sig) == tb.structure_key(branch(5), sig)  # other weights, one graph
+    assert tb.cache_key(branch(4), sig, "float32", BuildOptions(), False, {}) != tb.cache_key(branch(5), sig, "float32", BuildOptions(), False, {})
+    assert tb.structure_key(other(4), sig) != tb.structure_key(branch(4), sig)  # another op
+    assert tb.structure_key(branch(4), [[*s[:3], True, None] for s in sig]) != tb.structure_key(branch(4), sig)  # layout
+    shaped = branch(4)
+    shaped.graph.initializer[2].dims[:] = [1]  # another shape of a weight is another graph
+    assert tb.structure_key(shaped, sig) != tb.structure_key(branch(4), sig)
+
+
+def test_spawned_workers_compile_self_contained_artifacts(monkeypatch, tmp_path):
+    """Branches no cache holds compile in spawned workers, as a GPU build does: a branch that appears twice in one
+    batch compiles once, and branches of one structure (4 and 5: other weights) compile in turn in one worker,
+    the second a hit in that worker's Inductor caches.  Every artifact computes with its own weights."""
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
     builder = tb.Builder(BuildOptions(device="cpu"))
-    engines = builder.build_all([(branch(4), "b0", LAYOUT), (branch(5), "b1", LAYOUT), (branch(4), "b2", LAYOUT)])
-    assert [r["cache"] for r in builder.report().values()] == ["miss", "miss", "miss"]
-    assert engines[0] == engines[2]
+    models = [branch(4), other(6), branch(5), branch(4)]
+    engines = builder.build_all([(m, f"b{i}", LAYOUT) for i, m in enumerate(models)])
+    assert [r["cache"] for r in builder.report().values()] == ["miss"] * 4
+    assert engines[0] == engines[3]
     x = np.random.default_rng(11).standard_normal(IN.shape).astype(np.float32)
-    for data, seed in zip(engines[:2], (4, 5)):
+    outs = []
+    for data, m in zip(engines[:3], models):
         e = tb.load(data, [IN], [OUT], device="cpu")
         assert not e.compiled_at_load and e.meta["compiled"] == "inductor"
-        np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(seed), x), rtol=1e-5, atol=1e-5)
+        outs.append(e.run({"x": x})["y"])
+        np.testing.assert_allclose(outs[-1], ort(m, x), rtol=1e-5, atol=1e-5)
+    assert np.abs(outs[0] - outs[2]).max() > 0.1
 
 
 # -- a bundle of inductor engines, run by the CPU launcher -----------------------------------------------------
