@@ -500,20 +500,37 @@ def _compile_group(jobs: list[tuple]) -> list[bytes | str]:
 
 
 def structure_key(branch: onnx.ModelProto, signature: list) -> str:
-    """sha256 of the branch with the values of its floating-point initializers left out (their names, shapes
-    and types kept) and of its tensor signature: branches that differ only in their weights.  It only groups
-    compile jobs (which process compiles what, in which order), never decides what a job compiles."""
+    """sha256 of the branch with its names replaced by their order of appearance and the values of its
+    floating-point initializers left out (shapes and types kept), and of its tensor signature without names:
+    branches that differ only in names and weights, which Inductor compiles to one graph (the weights are
+    graph inputs).  It only groups compile jobs (which process compiles what, in which order), never decides
+    what a job compiles."""
     canon = onnx.ModelProto()
     canon.CopyFrom(branch)
-    canon.graph.name = ""
-    canon.graph.doc_string = ""
-    for t in canon.graph.initializer:
+    g = canon.graph
+    g.name = g.doc_string = ""
+    del g.value_info[:]
+    names: dict[str, str] = {}
+
+    def rename(n: str) -> str:
+        return names.setdefault(n, f"t{len(names)}") if n else n
+
+    for v in g.input:
+        v.name = rename(v.name)
+    for t in g.initializer:
+        t.name = rename(t.name)
         if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
                            onnx.TensorProto.DOUBLE):
             for field in ("raw_data", "float_data", "int32_data", "double_data"):
                 t.ClearField(field)
+    for node in g.node:
+        node.name = node.doc_string = ""
+        node.input[:] = [rename(n) for n in node.input]
+        node.output[:] = [rename(n) for n in node.output]
+    for v in g.output:
+        v.name = rename(v.name)
     h = hashlib.sha256(canon.SerializeToString(deterministic=True))
-    h.update(json.dumps(signature).encode())
+    h.update(json.dumps([s[1:] for s in signature]).encode())
     return h.hexdigest()
 
 

@@ -212,6 +212,15 @@ def other(seed: int) -> onnx.ModelProto:
 def test_structure_key_groups_branches_that_differ_only_in_their_weights():
     sig = tb._layout([IN], [OUT], "cpu", (), {})[2]
     assert tb.structure_key(branch(4), sig) == tb.structure_key(branch(5), sig)  # other weights, one graph
+    renamed = branch(5)
+    for n in renamed.graph.node:  # other node and tensor names (another branch of the plan), the same graph
+        n.name = "other_" + n.name
+        n.input[:] = [x if x == "x" else "other_" + x for x in n.input]
+        n.output[:] = [x if x == "y" else "other_" + x for x in n.output]
+    for t in renamed.graph.initializer:
+        t.name = "other_" + t.name
+    assert tb.structure_key(renamed, sig) == tb.structure_key(branch(4), sig)
+    assert tb.structure_key(renamed, [["z", *s[1:]] for s in sig]) == tb.structure_key(branch(4), sig)
     assert tb.cache_key(branch(4), sig, "float32", BuildOptions(), False, {}) != tb.cache_key(branch(5), sig, "float32", BuildOptions(), False, {})
     assert tb.structure_key(other(4), sig) != tb.structure_key(branch(4), sig)  # another op
     assert tb.structure_key(branch(4), [[*s[:3], True, None] for s in sig]) != tb.structure_key(branch(4), sig)  # layout
