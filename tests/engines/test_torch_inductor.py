@@ -172,6 +172,22 @@ def test_weights_that_differ_from_what_it_was_compiled_for_are_refused(built):
         tb.load(tb.pack(meta, onnx_bytes, artifact), [IN], [OUT], device="cpu")
 
 
+def test_an_artifact_of_another_torch_build_is_one_clear_error(built):
+    """Same torch version, another build of it (``torch_key``, the hash of torch's sources the artifact carries)."""
+    from torch.utils._appending_byte_serializer import BytesReader, BytesWriter
+
+    meta, onnx_bytes, artifact = tb.unpack(built.a)
+    r = BytesReader(artifact)
+    header, _key, graph_key, payload = r.read_bytes(), r.read_bytes(), r.read_str(), r.read_bytes()
+    w = BytesWriter()
+    w.write_bytes(header)
+    w.write_bytes(b"another torch build")
+    w.write_str(graph_key)
+    w.write_bytes(payload)
+    with pytest.raises(ParastreamError, match="compiled by another build of torch"):
+        tb.load(tb.pack(meta, onnx_bytes, w.to_bytes()), [IN], [OUT], device="cpu")
+
+
 def test_cache_hit_across_builds_with_a_cache_dir_and_one_changed_branch_compiles_alone(built, monkeypatch):
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
     n = len(built.calls)  # the fixture counts every compile_inductor while this module runs
