@@ -593,13 +593,14 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
     import torch
     import torch._inductor
 
-    from .onnx_torch import convert
+    from .onnx_torch import convert, to_device_shared
 
-    module = convert(_branch_model(onnx_bytes), meta["dtype"], fuse_conv_relu=fuse).to(device)
+    # weights equal to another engine's on this device are that engine's (the buckets of a dynamic batch)
+    module = to_device_shared(convert(_branch_model(onnx_bytes), meta["dtype"], fuse_conv_relu=fuse), device)
     tensors = dict(module.named_buffers(), **dict(module.named_parameters()))
     names = meta.get("params") or []
     missing = [n for n in names if n not in tensors]
-    params = [tensors[n].detach() for n in names if n in tensors]
+    params = [tensors[n] for n in names if n in tensors]  # the module's own tensors: to_device_shared holds them weakly
     if missing or _param_specs(params) != meta.get("param_specs"):
         raise ParastreamError("the engine's Inductor artifact was compiled for other weights than its branch.onnx "
                               f"converts to ({missing[:3] or 'shapes, strides or dtypes differ'}); rebuild the bundle")
@@ -616,6 +617,7 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
     def run(*args):
         art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
 
+    run.params = params
     return run
 
 

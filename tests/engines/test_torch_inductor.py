@@ -165,6 +165,17 @@ def test_an_artifact_compiled_elsewhere_is_refused_saying_for_what(built, other,
         tb.load(_retag(built.a, **other), [IN], [OUT], device="cpu")
 
 
+def test_engines_of_the_same_weights_share_them(built):
+    """Two loads of one engine (a dynamic batch's buckets hold the same weights) hold one copy of its weights."""
+    e1, e2, other = (tb.load(d, [IN], [OUT], device="cpu") for d in (built.a, built.a, built.b))
+    ptrs = [{p.data_ptr() for p in e._runner.params} for e in (e1, e2, other)]
+    assert ptrs[0] == ptrs[1] and len(ptrs[0]) == 3
+    shared = [p for p in other._runner.params if p.data_ptr() in ptrs[0]]  # branch 2: other w and b, the same 0.5
+    assert [p.tolist() for p in shared] == [[0.5]]
+    x = np.random.default_rng(14).standard_normal(IN.shape).astype(np.float32)
+    np.testing.assert_allclose(e2.run({"x": x})["y"], ort(branch(1), x), rtol=1e-5, atol=1e-5)
+
+
 def test_weights_that_differ_from_what_it_was_compiled_for_are_refused(built):
     meta, onnx_bytes, artifact = tb.unpack(built.a)
     meta["param_specs"][0][1] = [1, 4, 12, 36]  # compiled for other strides than branch.onnx converts to
