@@ -110,12 +110,16 @@ def child(args) -> dict:
 
 
 def _cache_contents() -> dict:
-    """What this process wrote into its (at start empty) Inductor cache: C++ sources compiled, and whether one of
-    them is the CPU vector-ISA probe (``_chk_kernel``)."""
+    """What this process wrote into its (at start empty) Inductor and Triton caches: C++ sources compiled, whether
+    one of them is the CPU vector-ISA probe (``_chk_kernel``), and Triton's files."""
     root = Path(os.environ.get("TORCHINDUCTOR_CACHE_DIR", "/nonexistent"))
     cpp = list(root.rglob("*.cpp")) if root.is_dir() else []
+    triton = Path(os.environ.get("TRITON_CACHE_DIR", "/nonexistent"))
     return {"files": sum(1 for f in root.rglob("*") if f.is_file()) if root.is_dir() else 0, "cpp": len(cpp),
-            "cpu_isa_probe": any("_chk_kernel" in f.read_text(errors="replace") for f in cpp)}
+            "cpu_isa_probe": any("_chk_kernel" in f.read_text(errors="replace") for f in cpp),
+            # Triton's cache: kernels (.cubin) and the C helpers it builds with gcc (.so)
+            "triton_files": sorted({f.suffix for f in triton.rglob("*") if f.is_file()}) if triton.is_dir() else [],
+            "triton_so": sum(1 for _ in triton.rglob("*.so")) if triton.is_dir() else 0}
 
 
 def cpu_branches(args) -> list:
