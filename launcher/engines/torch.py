@@ -44,6 +44,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import hashlib
 import io
@@ -85,6 +86,9 @@ ARTIFACTS = ("inductor", "aoti", "jit")
 #: PARASTREAM_AOT_COMPILE=1 (the opt-in before PARASTREAM_TORCH_ARTIFACT) still means "aoti"
 ARTIFACT = os.environ.get("PARASTREAM_TORCH_ARTIFACT") or (
     "aoti" if os.environ.get("PARASTREAM_AOT_COMPILE") == "1" else DEFAULT_ARTIFACT)
+#: inductor engines built on a GPU ship their kernels' autotuning choices (``_autotune``), so a load benchmarks
+#: nothing; PARASTREAM_INDUCTOR_AUTOTUNE=0 leaves them to be benchmarked at every load, as jit engines are
+SHIP_AUTOTUNE = os.environ.get("PARASTREAM_INDUCTOR_AUTOTUNE", "1") != "0"
 #: engine.json's ``compiled`` and the zip member holding the compiled code, per artifact
 _COMPILED = {"aoti": "aotinductor", "inductor": "inductor"}
 _MEMBER = {"aotinductor": "aoti.pt2", "inductor": "inductor.bin"}
@@ -274,7 +278,8 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     canon.graph.name = ""
     canon.graph.doc_string = ""
     h = hashlib.sha256(canon.SerializeToString(deterministic=True))
-    h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact, "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
+    h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
+                         "ship_autotune": SHIP_AUTOTUNE if artifact == "inductor" else None, "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
     return h.hexdigest()
@@ -452,7 +457,28 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         path = os.path.join(d, "inductor.bin")
         art.save(path=path, format="binary")
         data = Path(path).read_bytes()
-    return data, {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params)}
+    extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params)}
+    tuned = _autotune(art, [*params, *args]) if device == "cuda" and SHIP_AUTOTUNE else None
+    if tuned:
+        extra["autotune"] = base64.b64encode(tuned).decode()
+    return data, extra
+
+
+def _autotune(art, args: list) -> bytes | None:
+    """The artifact run once here, its Triton kernels' autotuning choices collected as Inductor cache artifacts
+    (``torch.compiler.load_cache_artifacts`` reads them): a kernel with several configs benchmarks them on its
+    first call, in every process that loads it unless its autotune cache holds the choice (Inception-v3 on the
+    H100: 103 benchmarks in one fresh-process load of 52 engines).  ``with_fresh_cache`` (torch.compiler's
+    private recorder scope) keeps the artifacts of other compiles in this process out; there is no public one."""
+    import torch
+    from torch.compiler._cache import CacheArtifactManager
+
+    with CacheArtifactManager.with_fresh_cache():
+        with torch.no_grad():
+            art(*args)
+        torch.cuda.synchronize()
+        got = CacheArtifactManager.serialize()
+    return got[0] if got else None
 
 
 def compile_workers() -> int:
@@ -605,6 +631,8 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
         raise ParastreamError("the engine's Inductor artifact was compiled for other weights than its branch.onnx "
                               f"converts to ({missing[:3] or 'shapes, strides or dtypes differ'}); rebuild the bundle")
     del module, tensors
+    if meta.get("autotune"):  # the kernels' autotuning choices made at build, into this process's autotune cache
+        torch.compiler.load_cache_artifacts(base64.b64decode(meta["autotune"]))
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API loads from a path
         path = os.path.join(d, "inductor.bin")
         Path(path).write_bytes(artifact)
