@@ -636,8 +636,13 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API loads from a path
         path = os.path.join(d, "inductor.bin")
         Path(path).write_bytes(artifact)
+        # On the GPU the artifact's Triton kernels load from their cubins (Inductor's static launcher) and nothing
+        # compiles, so no compile process pool: Inductor would otherwise start one (a sidecar and up to one
+        # worker per core, each importing torch) at its first kernel, for nothing.
+        serial = torch._inductor.config.patch(compile_threads=1) if device == "cuda" else contextlib.nullcontext()
         try:
-            art = torch._inductor.CompiledArtifact.load(path=path, format="binary")
+            with serial:
+                art = torch._inductor.CompiledArtifact.load(path=path, format="binary")
         except AssertionError:  # its only check: the artifact's torch_key (a hash of torch's sources) is this torch's
             raise ParastreamError("the engine's Inductor artifact was compiled by another build of torch "
                                   f"({meta.get('built_for', {}).get('torch')}); rebuild the bundle here") from None
