@@ -458,9 +458,14 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         art.save(path=path, format="binary")
         data = Path(path).read_bytes()
     extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params)}
-    tuned = _autotune(art, [*params, *args]) if device == "cuda" and SHIP_AUTOTUNE else None
-    if tuned:
-        extra["autotune"] = base64.b64encode(tuned).decode()
+    if device == "cuda" and SHIP_AUTOTUNE:
+        try:
+            tuned = _autotune(art, [*params, *args])
+        except Exception as e:  # noqa: BLE001 - the artifact is good without its choices: loads autotune, as jit's do
+            extra["autotune_error"] = _failure(e)
+        else:
+            if tuned:
+                extra["autotune"] = base64.b64encode(tuned).decode()
     return data, extra
 
 
