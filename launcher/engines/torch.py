@@ -737,6 +737,8 @@ class Builder:
             # a hit, or compiled by this batch (once per distinct branch)
             package, extra = _split_entry(package or compiled[key])
             self._report[name]["package_bytes"] = len(package)
+            if self.artifact == "inductor" and device == "cuda":  # its kernels' autotuning choices shipped or why not
+                self._report[name]["autotune"] = extra.get("autotune_error") or bool(extra.get("autotune"))
             out[i] = pack(dict(meta, **extra), onnx_bytes, package)
         for item in items:  # the compile time is the batch's (its packages compile side by side)
             if self._report[item[1]].get("cache") == "miss":
