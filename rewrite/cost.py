@@ -300,19 +300,34 @@ def _tensor_key(t) -> tuple | None:
     return (tuple(shape) if shape is not None else None, t.dtype, False)
 
 
-def node_key(node: gs.Node, fused_epilogues: bool = True) -> tuple:
+def node_key(node: gs.Node, fused_epilogues: bool = True, tensor_keys: dict | None = None) -> tuple:
     """What the roofline cost of ``node`` depends on: its op, the attributes the cost reads, the shapes and types
     of its inputs and outputs, which of them are the same tensor (counted once), and, with ``fused_epilogues``,
-    whether it runs inside its producer's kernel.  Two nodes with the same key cost the same."""
+    whether it runs inside its producer's kernel.  Two nodes with the same key cost the same.
+
+    ``tensor_keys``: a dict kept for one pass over one graph (``_tensor_key`` by ``id`` of the tensor: each tensor
+    is read by its producer and every consumer; the search costs hundreds of candidates node by node)."""
     first: dict[int, int] = {}  # id(tensor) -> index of its first use
     ios: list = []
     for group in (node.inputs, node.outputs):
         for t in group:
-            named = not isinstance(t, str) and bool(getattr(t, "name", ""))
-            ios.append((_tensor_key(t), first.setdefault(id(t), len(first)) if named else -1))
+            if isinstance(t, str) or not getattr(t, "name", ""):
+                ios.append((_tensor_key(t), -1))
+                continue
+            if tensor_keys is None:
+                key = _tensor_key(t)
+            else:
+                key = tensor_keys.get(id(t), _MISSING)
+                if key is _MISSING:
+                    key = tensor_keys[id(t)] = _tensor_key(t)
+            ios.append((key, first.setdefault(id(t), len(first))))
         ios.append(None)  # inputs | outputs
-    attrs = tuple((a, repr(node.attrs[a])) for a in _COST_ATTRS if a in node.attrs)
+    attrs = node.attrs
+    attrs = tuple((a, repr(attrs[a])) for a in _COST_ATTRS if a in attrs)
     return (node.op, attrs, tuple(ios), fused_epilogues and is_fused_epilogue(node))
+
+
+_MISSING = object()
 
 
 def is_fused_epilogue(node: gs.Node, _depth: int = 0) -> bool:
@@ -410,7 +425,8 @@ def _list_schedule(graph: gs.Graph, streams: int, cost: Callable[[gs.Node], floa
 class _GraphCostMixin:
     def graph_cost(self, graph: gs.Graph, streams: int) -> tuple[float, float]:
         """(critical_path, total_work) in seconds of ``graph`` (shape-inferred) on ``streams`` streams."""
-        return _list_schedule(graph, streams, self.node_cost)
+        node_costs = getattr(self, "_node_costs", None)
+        return _list_schedule(graph, streams, node_costs(graph) if node_costs else self.node_cost)
 
 
 class RooflineCostModel(_GraphCostMixin):
@@ -438,6 +454,20 @@ class RooflineCostModel(_GraphCostMixin):
         if cost is None:
             cost = self._costs[key] = self._node_cost(node)
         return cost
+
+    def _node_costs(self, graph: gs.Graph) -> Callable[[gs.Node], float]:
+        """``node_cost`` for the nodes of one graph, its tensors' keys computed once (the same keys, the same costs)."""
+        tensor_keys: dict[int, tuple | None] = {}
+        costs, fused = self._costs, self.fuse_epilogues
+
+        def cost_of(node: gs.Node) -> float:
+            key = node_key(node, fused, tensor_keys)
+            cost = costs.get(key)
+            if cost is None:
+                cost = costs[key] = self._node_cost(node)
+            return cost
+
+        return cost_of
 
     def _node_cost(self, node: gs.Node) -> float:
         if self.fuse_epilogues and is_fused_epilogue(node):

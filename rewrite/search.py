@@ -39,7 +39,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
-from .ir import GraphHasher, copy_graph, export_model, import_graph, toposort
+from .ir import GraphHasher, cleanup, copy_graph, export_model, import_graph, toposort
 from .rules import ALL_RULES, Rule
 
 REPORT_VERSION = 1
@@ -173,7 +173,7 @@ def assemble(pieces: list[gs.Graph], original: gs.Graph) -> gs.Graph:
             o.dtype = t.dtype
         if t.shape is not None:
             o.shape = t.shape  # keep the declared (possibly symbolic) output shape
-    toposort(whole.cleanup(remove_unused_graph_inputs=False))
+    toposort(cleanup(whole))
     return whole
 
 

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import copy_graph, toposort
+from ..ir import cleanup, copy_graph, toposort
 
 
 @dataclass(frozen=True)
@@ -66,7 +66,7 @@ class Rule:
             raise ValueError(f"{site.key}: {reason}")
         out = copy_graph(graph)
         self.rewrite(out, site)
-        return toposort(out.cleanup(remove_unused_graph_inputs=False))
+        return toposort(cleanup(out))
 
     def sites(self, graph: gs.Graph) -> list[tuple[Site, str | None]]:
         """Every matched site with its check result (``None`` = safe)."""
@@ -140,10 +140,23 @@ def same_dtype(*tensors: gs.Tensor) -> bool:
     return len(dts) == 1
 
 
+def taken_names(graph: gs.Graph) -> set[str]:
+    """The names of ``graph``'s nodes and of its tensors (``graph.tensors()``'s keys: graph inputs and outputs and
+    every node's named inputs and outputs), without building graphsurgeon's ordered tensor map: each rewrite of
+    the search asks for them once."""
+    taken = {n.name for n in graph.nodes}
+    taken.update(t.name for t in graph.inputs if t.name)
+    taken.update(t.name for t in graph.outputs if t.name)
+    for n in graph.nodes:
+        taken.update(t.name for t in n.inputs if t.name)
+        taken.update(t.name for t in n.outputs if t.name)
+    return taken
+
+
 def fresh_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> str:
     """``base``, or ``base_1``, ``base_2`` … whichever no node or tensor of ``graph`` uses yet."""
     if taken is None:
-        taken = {n.name for n in graph.nodes} | set(graph.tensors().keys())
+        taken = taken_names(graph)
     name, i = base, 0
     while name in taken:
         i += 1
@@ -156,7 +169,7 @@ class Namer:
     """Fresh node and tensor names for one rewrite (one scan of the graph, then a set)."""
 
     def __init__(self, graph: gs.Graph):
-        self.taken = {n.name for n in graph.nodes} | set(graph.tensors().keys())
+        self.taken = taken_names(graph)
         self.graph = graph
 
     def __call__(self, base: str) -> str:
