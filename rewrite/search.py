@@ -41,6 +41,7 @@ import onnx_graphsurgeon as gs
 from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
 from .ir import GraphHasher, cleanup, copy_graph, export_model, import_graph, toposort
 from .rules import ALL_RULES, Rule
+from .rules.base import shared_copies
 
 REPORT_VERSION = 1
 _MAX_REFUSALS = 200
@@ -410,6 +411,13 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
         "rules": [r.name for r in rules],
     }
 
+    with shared_copies():  # one copy of a weight's slice for every candidate that cuts it (rules/base.py)
+        return _optimize(model, cost_model, streams, alpha, beta, min_piece, max_piece, top_k, max_candidates,
+                         max_candidates_total, seed, measure, measure_margin, min_gain, rules, report, timings, t_start)
+
+
+def _optimize(model, cost_model, streams, alpha, beta, min_piece, max_piece, top_k, max_candidates, max_candidates_total,
+              seed, measure, measure_margin, min_gain, rules, report, timings, t_start):
     original = import_graph(model)
     score = _Scorer(cost_model, streams, alpha)
     report["nodes_before"] = len(original.nodes)

@@ -14,6 +14,7 @@ every tensor that leaves the nodes they replace, so downstream consumers and gra
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
@@ -253,6 +254,39 @@ def detach(*nodes: gs.Node) -> None:
     for node in nodes:
         node.inputs.clear()
         node.outputs.clear()
+
+
+_COPIES: list[dict] = []  # the innermost shared_copies() scope's memo
+
+
+@contextlib.contextmanager
+def shared_copies():
+    """Inside it, :func:`contiguous` makes one copy per strided view and hands the same array out again.
+
+    The search applies a rule at the same site in many candidates: fission cut the same weight columns
+    (``W[:, lo:hi]`` of a MatMul) into a new array for each, and the hasher hashed every copy's bytes again,
+    a third of ConvNeXt-T's search.  The copies are equal, so one serves them all (rules never change an array
+    in place; graphsurgeon's Graph.copy shares weights the same way); the memo holds each view's base, so an
+    ``id`` is never reused while it is a key, and it is dropped with the scope (the search's)."""
+    _COPIES.append({})
+    try:
+        yield
+    finally:
+        _COPIES.pop()
+
+
+def contiguous(v: np.ndarray) -> np.ndarray:
+    """``np.ascontiguousarray(v)``; inside :func:`shared_copies`, the same array for the same view of a base."""
+    if not _COPIES or not isinstance(v, np.ndarray) or v.flags.c_contiguous or not isinstance(v.base, np.ndarray):
+        return np.ascontiguousarray(v)
+    memo, base = _COPIES[-1], v.base
+    key = (id(base), v.__array_interface__["data"][0] - base.__array_interface__["data"][0], v.shape, v.strides, v.dtype.str)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is base:
+        return hit[1]
+    copy = np.ascontiguousarray(v)
+    memo[key] = (base, copy)
+    return copy
 
 
 def channel_vector(value: np.ndarray, out_rank: int, channels: int, axis: int = 1) -> np.ndarray | None:

@@ -188,3 +188,39 @@ def test_graph_cost_is_the_same_float():
 def test_taken_names_are_graphsurgeons_tensor_names_and_node_names():
     for g in candidates():
         assert taken_names(g) == {n.name for n in g.nodes} | set(g.tensors().keys())
+
+
+def test_shared_copies_hand_out_one_copy_per_view():
+    from parastream.rewrite.rules.base import contiguous, shared_copies
+
+    w = np.arange(48, dtype=np.float32).reshape(6, 8)
+    outside = contiguous(w[:, 2:5])
+    assert outside.flags.c_contiguous and np.array_equal(outside, w[:, 2:5]) and contiguous(w[:, 2:5]) is not outside
+    with shared_copies():
+        a, b, c = contiguous(w[:, 2:5]), contiguous(w[:, 2:5]), contiguous(w[:, 3:6])
+        assert a is b and a is not c
+        assert np.array_equal(a, w[:, 2:5]) and np.array_equal(c, w[:, 3:6]) and a.flags.c_contiguous
+        rows = w[1:3]  # already contiguous: the view itself, as np.ascontiguousarray gives it
+        assert contiguous(rows) is rows
+    assert contiguous(w[:, 2:5]) is not a  # the scope is gone
+
+
+def test_the_search_finds_the_same_with_and_without_shared_copies(monkeypatch):
+    """optimize shares fission's weight slices between candidates; with a scope that shares nothing, the same
+    rules, cost and model bytes (transformer_layer: MatMul weights cut along columns, strided views)."""
+    import contextlib
+
+    import parastream.rewrite.search as search_module
+    from parastream.rewrite import optimize
+
+    for name in ("transformer_layer", "inception_block"):
+        model = zoo.MODELS[name]()
+        cm = RooflineCostModel("CPU")
+        shared, rep = optimize(model, cost_model=cm, streams=2, seed=0, max_candidates_total=120)
+        with monkeypatch.context() as m:
+            m.setattr(search_module, "shared_copies", contextlib.nullcontext)
+            fresh, rep2 = optimize(model, cost_model=RooflineCostModel("CPU"), streams=2, seed=0, max_candidates_total=120)
+        assert rep["rules_chosen"] == rep2["rules_chosen"]
+        assert rep["cost_after"] == rep2["cost_after"]
+        assert [c["estimated_s"] for c in rep["candidates"]] == [c["estimated_s"] for c in rep2["candidates"]]
+        assert shared.SerializeToString(deterministic=True) == fresh.SerializeToString(deterministic=True)
