@@ -366,28 +366,34 @@ class CostModel(Protocol):
 
 
 def _list_schedule(graph: gs.Graph, streams: int, cost: Callable[[gs.Node], float]) -> tuple[float, float]:
-    """(makespan on ``streams`` streams, Σ cost) of the node DAG of ``graph`` (HEFT-style list schedule)."""
+    """(makespan on ``streams`` streams, Σ cost) of the node DAG of ``graph`` (HEFT-style list schedule).
+
+    Written with plain loops where generators and ``key=`` lambdas were (the search schedules every candidate);
+    each ``max``/``min`` keeps the builtin's choice on ties, and tests/rewrite/test_search_primitives.py holds
+    the result equal, to the bit, to the earlier formulation's."""
     nodes = list(graph.nodes)
-    index = {id(n): i for i, n in enumerate(nodes)}
-    costs = [cost(n) for n in nodes]
-    preds: list[list[int]] = [[] for _ in nodes]
-    succs: list[list[int]] = [[] for _ in nodes]
-    for i, n in enumerate(nodes):
-        seen = set()
-        for t in n.inputs:
-            if isinstance(t, gs.Variable):
+    n = len(nodes)
+    index = {id(node): i for i, node in enumerate(nodes)}
+    costs = [cost(node) for node in nodes]
+    preds: list[list[int]] = [[] for _ in range(n)]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    variable = gs.Variable
+    get = index.get
+    for i, node in enumerate(nodes):
+        mine = preds[i]
+        for t in node.inputs:
+            if isinstance(t, variable):
                 for p in t.inputs:
-                    j = index.get(id(p))
-                    if j is not None and j not in seen:
-                        seen.add(j)
-                        preds[i].append(j)
+                    j = get(id(p))
+                    if j is not None and j not in mine:
+                        mine.append(j)
                         succs[j].append(i)
     total = float(sum(costs))
     if not nodes:
         return 0.0, 0.0
     # upward rank: own cost + longest path to a sink (reverse topological order by Kahn)
     indeg = [len(p) for p in preds]
-    order, ready = [], [i for i in range(len(nodes)) if indeg[i] == 0]
+    order, ready = [], [i for i in range(n) if indeg[i] == 0]
     while ready:
         i = ready.pop()
         order.append(i)
@@ -395,30 +401,48 @@ def _list_schedule(graph: gs.Graph, streams: int, cost: Callable[[gs.Node], floa
             indeg[s] -= 1
             if indeg[s] == 0:
                 ready.append(s)
-    if len(order) != len(nodes):
+    if len(order) != n:
         raise ValueError("graph_cost: the graph has a cycle")
-    rank = [0.0] * len(nodes)
+    rank = [0.0] * n
     for i in reversed(order):
-        rank[i] = costs[i] + max((rank[s] for s in succs[i]), default=0.0)
+        longest = 0.0
+        first = True
+        for s in succs[i]:
+            r = rank[s]
+            if first or r > longest:
+                longest, first = r, False
+        rank[i] = costs[i] + longest
     streams = max(1, int(streams))
     free = [0.0] * streams
-    finish = [0.0] * len(nodes)
+    finish = [0.0] * n
     indeg = [len(p) for p in preds]
-    heap = [(-rank[i], i) for i in range(len(nodes)) if indeg[i] == 0]
+    heap = [(-rank[i], i) for i in range(n) if indeg[i] == 0]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     while heap:
-        _, i = heapq.heappop(heap)
-        ready_at = max((finish[p] for p in preds[i]), default=0.0)
-        if costs[i] == 0.0:
+        _, i = pop(heap)
+        ready_at = 0.0
+        first = True
+        for p in preds[i]:
+            f = finish[p]
+            if first or f > ready_at:
+                ready_at, first = f, False
+        c = costs[i]
+        if c == 0.0:
             finish[i] = ready_at  # views take no stream time
         else:
-            s = min(range(streams), key=lambda k: (max(free[k], ready_at), k))
-            finish[i] = max(free[s], ready_at) + costs[i]
-            free[s] = finish[i]
+            best, start = 0, None
+            for k in range(streams):
+                fk = free[k]
+                at = ready_at if ready_at > fk else fk  # max(free[k], ready_at)
+                if start is None or at < start:
+                    best, start = k, at
+            finish[i] = start + c
+            free[best] = finish[i]
         for s_ in succs[i]:
             indeg[s_] -= 1
             if indeg[s_] == 0:
-                heapq.heappush(heap, (-rank[s_], s_))
+                push(heap, (-rank[s_], s_))
     return max(finish), total
 
 
