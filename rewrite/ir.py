@@ -378,6 +378,10 @@ class GraphHasher:
             view = (id(base), offset, values.shape, values.strides, values.dtype.str)
             hit = self._views.get(view)
             if hit is not None and hit[0]() is base:
+                try:
+                    self._const[id(values)] = (weakref.ref(values), hit[1])  # this view object, next time
+                except TypeError:
+                    pass
                 return hit[1]
         arr = np.ascontiguousarray(values)
         h = hashlib.blake2b(arr.tobytes(), digest_size=12)

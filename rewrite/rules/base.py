@@ -276,8 +276,9 @@ def shared_copies():
 
 
 def contiguous(v: np.ndarray) -> np.ndarray:
-    """``np.ascontiguousarray(v)``; inside :func:`shared_copies`, the same array for the same view of a base."""
-    if not _COPIES or not isinstance(v, np.ndarray) or v.flags.c_contiguous or not isinstance(v.base, np.ndarray):
+    """``np.ascontiguousarray(v)``; inside :func:`shared_copies`, the same array for the same view of a base
+    (a copy of a strided view; a contiguous view itself, the first view object made of those bytes)."""
+    if not _COPIES or not isinstance(v, np.ndarray) or not isinstance(v.base, np.ndarray):
         return np.ascontiguousarray(v)
     memo, base = _COPIES[-1], v.base
     key = (id(base), v.__array_interface__["data"][0] - base.__array_interface__["data"][0], v.shape, v.strides, v.dtype.str)
@@ -287,6 +288,22 @@ def contiguous(v: np.ndarray) -> np.ndarray:
     copy = np.ascontiguousarray(v)
     memo[key] = (base, copy)
     return copy
+
+
+def shared_array(tag: tuple, sources: list[np.ndarray], make) -> np.ndarray:
+    """``make()``; inside :func:`shared_copies`, the array made before for ``tag`` from the same ``sources``
+    (the same objects): a merge's concatenated weights, made once for every candidate that merges those
+    weights, so that the hasher hashes them once."""
+    if not _COPIES:
+        return make()
+    memo = _COPIES[-1]
+    key = (tag, tuple(id(a) for a in sources))
+    hit = memo.get(key)
+    if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)):
+        return hit[1]
+    out = make()
+    memo[key] = (list(sources), out)
+    return out
 
 
 def channel_vector(value: np.ndarray, out_rank: int, channels: int, axis: int = 1) -> np.ndarray | None:

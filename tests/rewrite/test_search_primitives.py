@@ -266,8 +266,8 @@ def test_shared_copies_hand_out_one_copy_per_view():
         a, b, c = contiguous(w[:, 2:5]), contiguous(w[:, 2:5]), contiguous(w[:, 3:6])
         assert a is b and a is not c
         assert np.array_equal(a, w[:, 2:5]) and np.array_equal(c, w[:, 3:6]) and a.flags.c_contiguous
-        rows = w[1:3]  # already contiguous: the view itself, as np.ascontiguousarray gives it
-        assert contiguous(rows) is rows
+        rows = w[1:3]  # already contiguous: the view itself, as np.ascontiguousarray gives it, and after it that view
+        assert contiguous(rows) is rows and contiguous(w[1:3]) is rows and not rows.flags.owndata
     assert contiguous(w[:, 2:5]) is not a  # the scope is gone
 
 
