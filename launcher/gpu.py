@@ -235,11 +235,11 @@ class GpuLauncher:
 
         # streams and events (buckets sharing an arena share the origin: their replays never overlap)
         self.origin = shared.origin if shared is not None else cuda.stream_create()
-        n_streams = 0 if single_stream else plan.num_streams
+        n_streams = 0 if self.single_stream else plan.num_streams
         self.streams = [cuda.stream_create() for _ in range(n_streams)]
         self._fork = cuda.event_create()
         self._joins = [cuda.event_create() for _ in self.streams]
-        self._recorders = sorted(plan.recorders()) if not single_stream else []
+        self._recorders = sorted(plan.recorders()) if not self.single_stream else []
         self._events = {b: cuda.event_create() for b in self._recorders}
         self._producer_event = cuda.event_create()
         self._closed = False

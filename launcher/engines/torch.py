@@ -596,9 +596,9 @@ class TorchEngine:
             self._runner = _load_package(package, torch.cuda.current_device() if device == "cuda" else -1)
             self._fn = self._run_package
         else:
-            from .onnx_torch import convert
+            from .onnx_torch import convert, to_device_shared
 
-            self.module = convert(_branch_model(onnx_bytes), self.dtype, fuse_conv_relu=fuse).to(device)
+            self.module = to_device_shared(convert(_branch_model(onnx_bytes), self.dtype, fuse_conv_relu=fuse), device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}
