@@ -184,10 +184,14 @@ def _check_no_external_data(root: Path, files: dict) -> None:
                                       "parastream bundle never does; the bundle is refused")
 
 
-def write_manifest(out: Path, manifest: dict) -> None:
-    """Hash every file under ``out`` (except the manifest) into ``manifest['files']`` and write it."""
+def write_manifest(out: Path, manifest: dict, *, hashed: bool = True) -> None:
+    """Hash every file under ``out`` (except the manifest) into ``manifest['files']`` and write it.
+
+    ``hashed`` False lists the files with empty digests: a staging folder that this process loads with
+    ``check_hashes=False`` before it writes the hashed manifest (a build's verification); hashing every
+    file a second time, weights included, was wasted work."""
     files = {}
     for f in sorted(p for p in out.rglob("*") if p.is_file() and p != out / "manifest.json"):  # buckets' own too
-        files[f.relative_to(out).as_posix()] = sha256_file(f)
+        files[f.relative_to(out).as_posix()] = sha256_file(f) if hashed else ""
     manifest = dict(manifest, version=MANIFEST_VERSION, files=files)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))

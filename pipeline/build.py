@@ -720,12 +720,14 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
 
     model, graph = loaded.model, loaded.graph  # carried from load to plan (read only: stages that change one copy it)
     search_report: dict = {"enabled": False}
+    planned: tuple = (None, None)  # (graph, plan_streams of it) when the search planned it
     if cfg.search:
         t0 = time.perf_counter()
         from parastream.rewrite import optimize
 
         # the search costs candidates on the number of streams the input would get
-        search_streams = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)[0].num_streams
+        planned = graph, plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
+        search_streams = planned[1][0].num_streams
         measure = None
         if cfg.measure and measure_search:
             measure = gpu_measure(backend, options, cost_model, loaded, streams=cfg.streams, max_streams=cfg.max_streams,
@@ -743,7 +745,10 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
         timings["search"] = time.perf_counter() - t0
 
     t0 = time.perf_counter()
-    sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
+    if planned[0] is graph:  # the search changed nothing: the schedule planned for its stream count is this one
+        sched, streams_tried = planned[1]
+    else:
+        sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
     timings["schedule"] = time.perf_counter() - t0
     cpu_threads, cpu_choice, prebuilt = None, None, None
     scratch = contextlib.ExitStack()  # the CPU alternatives' engines, until the bundle has copied the kept one's
@@ -810,7 +815,7 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
                     "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(options),
                                 "internal_nhwc": measured["internal_nhwc"] if measured else True},
                     "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        write_manifest(tmp, manifest)
+        write_manifest(tmp, manifest, hashed=False)  # verification loads it unchecked; hashed below, once
 
         if cfg.verify:
             t0 = time.perf_counter()

@@ -300,19 +300,34 @@ def _tensor_key(t) -> tuple | None:
     return (tuple(shape) if shape is not None else None, t.dtype, False)
 
 
-def node_key(node: gs.Node, fused_epilogues: bool = True) -> tuple:
+def node_key(node: gs.Node, fused_epilogues: bool = True, tensor_keys: dict | None = None) -> tuple:
     """What the roofline cost of ``node`` depends on: its op, the attributes the cost reads, the shapes and types
     of its inputs and outputs, which of them are the same tensor (counted once), and, with ``fused_epilogues``,
-    whether it runs inside its producer's kernel.  Two nodes with the same key cost the same."""
+    whether it runs inside its producer's kernel.  Two nodes with the same key cost the same.
+
+    ``tensor_keys``: a dict kept for one pass over one graph (``_tensor_key`` by ``id`` of the tensor: each tensor
+    is read by its producer and every consumer; the search costs hundreds of candidates node by node)."""
     first: dict[int, int] = {}  # id(tensor) -> index of its first use
     ios: list = []
     for group in (node.inputs, node.outputs):
         for t in group:
-            named = not isinstance(t, str) and bool(getattr(t, "name", ""))
-            ios.append((_tensor_key(t), first.setdefault(id(t), len(first)) if named else -1))
+            if isinstance(t, str) or not getattr(t, "name", ""):
+                ios.append((_tensor_key(t), -1))
+                continue
+            if tensor_keys is None:
+                key = _tensor_key(t)
+            else:
+                key = tensor_keys.get(id(t), _MISSING)
+                if key is _MISSING:
+                    key = tensor_keys[id(t)] = _tensor_key(t)
+            ios.append((key, first.setdefault(id(t), len(first))))
         ios.append(None)  # inputs | outputs
-    attrs = tuple((a, repr(node.attrs[a])) for a in _COST_ATTRS if a in node.attrs)
+    attrs = node.attrs
+    attrs = tuple((a, repr(attrs[a])) for a in _COST_ATTRS if a in attrs)
     return (node.op, attrs, tuple(ios), fused_epilogues and is_fused_epilogue(node))
+
+
+_MISSING = object()
 
 
 def is_fused_epilogue(node: gs.Node, _depth: int = 0) -> bool:
@@ -351,28 +366,34 @@ class CostModel(Protocol):
 
 
 def _list_schedule(graph: gs.Graph, streams: int, cost: Callable[[gs.Node], float]) -> tuple[float, float]:
-    """(makespan on ``streams`` streams, Σ cost) of the node DAG of ``graph`` (HEFT-style list schedule)."""
+    """(makespan on ``streams`` streams, Σ cost) of the node DAG of ``graph`` (HEFT-style list schedule).
+
+    Written with plain loops where generators and ``key=`` lambdas were (the search schedules every candidate);
+    each ``max``/``min`` keeps the builtin's choice on ties, and tests/rewrite/test_search_primitives.py holds
+    the result equal, to the bit, to the earlier formulation's."""
     nodes = list(graph.nodes)
-    index = {id(n): i for i, n in enumerate(nodes)}
-    costs = [cost(n) for n in nodes]
-    preds: list[list[int]] = [[] for _ in nodes]
-    succs: list[list[int]] = [[] for _ in nodes]
-    for i, n in enumerate(nodes):
-        seen = set()
-        for t in n.inputs:
-            if isinstance(t, gs.Variable):
+    n = len(nodes)
+    index = {id(node): i for i, node in enumerate(nodes)}
+    costs = [cost(node) for node in nodes]
+    preds: list[list[int]] = [[] for _ in range(n)]
+    succs: list[list[int]] = [[] for _ in range(n)]
+    variable = gs.Variable
+    get = index.get
+    for i, node in enumerate(nodes):
+        mine = preds[i]
+        for t in node.inputs:
+            if isinstance(t, variable):
                 for p in t.inputs:
-                    j = index.get(id(p))
-                    if j is not None and j not in seen:
-                        seen.add(j)
-                        preds[i].append(j)
+                    j = get(id(p))
+                    if j is not None and j not in mine:
+                        mine.append(j)
                         succs[j].append(i)
     total = float(sum(costs))
     if not nodes:
         return 0.0, 0.0
     # upward rank: own cost + longest path to a sink (reverse topological order by Kahn)
     indeg = [len(p) for p in preds]
-    order, ready = [], [i for i in range(len(nodes)) if indeg[i] == 0]
+    order, ready = [], [i for i in range(n) if indeg[i] == 0]
     while ready:
         i = ready.pop()
         order.append(i)
@@ -380,37 +401,56 @@ def _list_schedule(graph: gs.Graph, streams: int, cost: Callable[[gs.Node], floa
             indeg[s] -= 1
             if indeg[s] == 0:
                 ready.append(s)
-    if len(order) != len(nodes):
+    if len(order) != n:
         raise ValueError("graph_cost: the graph has a cycle")
-    rank = [0.0] * len(nodes)
+    rank = [0.0] * n
     for i in reversed(order):
-        rank[i] = costs[i] + max((rank[s] for s in succs[i]), default=0.0)
+        longest = 0.0
+        first = True
+        for s in succs[i]:
+            r = rank[s]
+            if first or r > longest:
+                longest, first = r, False
+        rank[i] = costs[i] + longest
     streams = max(1, int(streams))
     free = [0.0] * streams
-    finish = [0.0] * len(nodes)
+    finish = [0.0] * n
     indeg = [len(p) for p in preds]
-    heap = [(-rank[i], i) for i in range(len(nodes)) if indeg[i] == 0]
+    heap = [(-rank[i], i) for i in range(n) if indeg[i] == 0]
     heapq.heapify(heap)
+    pop, push = heapq.heappop, heapq.heappush
     while heap:
-        _, i = heapq.heappop(heap)
-        ready_at = max((finish[p] for p in preds[i]), default=0.0)
-        if costs[i] == 0.0:
+        _, i = pop(heap)
+        ready_at = 0.0
+        first = True
+        for p in preds[i]:
+            f = finish[p]
+            if first or f > ready_at:
+                ready_at, first = f, False
+        c = costs[i]
+        if c == 0.0:
             finish[i] = ready_at  # views take no stream time
         else:
-            s = min(range(streams), key=lambda k: (max(free[k], ready_at), k))
-            finish[i] = max(free[s], ready_at) + costs[i]
-            free[s] = finish[i]
+            best, start = 0, None
+            for k in range(streams):
+                fk = free[k]
+                at = ready_at if ready_at > fk else fk  # max(free[k], ready_at)
+                if start is None or at < start:
+                    best, start = k, at
+            finish[i] = start + c
+            free[best] = finish[i]
         for s_ in succs[i]:
             indeg[s_] -= 1
             if indeg[s_] == 0:
-                heapq.heappush(heap, (-rank[s_], s_))
+                push(heap, (-rank[s_], s_))
     return max(finish), total
 
 
 class _GraphCostMixin:
     def graph_cost(self, graph: gs.Graph, streams: int) -> tuple[float, float]:
         """(critical_path, total_work) in seconds of ``graph`` (shape-inferred) on ``streams`` streams."""
-        return _list_schedule(graph, streams, self.node_cost)
+        node_costs = getattr(self, "_node_costs", None)
+        return _list_schedule(graph, streams, node_costs(graph) if node_costs else self.node_cost)
 
 
 class RooflineCostModel(_GraphCostMixin):
@@ -438,6 +478,20 @@ class RooflineCostModel(_GraphCostMixin):
         if cost is None:
             cost = self._costs[key] = self._node_cost(node)
         return cost
+
+    def _node_costs(self, graph: gs.Graph) -> Callable[[gs.Node], float]:
+        """``node_cost`` for the nodes of one graph, its tensors' keys computed once (the same keys, the same costs)."""
+        tensor_keys: dict[int, tuple | None] = {}
+        costs, fused = self._costs, self.fuse_epilogues
+
+        def cost_of(node: gs.Node) -> float:
+            key = node_key(node, fused, tensor_keys)
+            cost = costs.get(key)
+            if cost is None:
+                cost = costs[key] = self._node_cost(node)
+            return cost
+
+        return cost_of
 
     def _node_cost(self, node: gs.Node) -> float:
         if self.fuse_epilogues and is_fused_epilogue(node):

@@ -65,7 +65,7 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
         if isinstance(t, gs.Constant):
             t.values = np.asarray(t.values)  # load lazily-held weights once, not on every access
     _name_nodes(graph)
-    toposort(graph.cleanup(remove_unused_graph_inputs=False))
+    toposort(cleanup(graph))
     return graph
 
 
@@ -215,6 +215,70 @@ def _copy_slow(graph: gs.Graph) -> gs.Graph:
                     import_domains=graph.import_domains, functions=copy.copy(graph.functions), ir_version=graph.ir_version)
 
 
+def cleanup(graph: gs.Graph) -> gs.Graph:
+    """``graph.cleanup(remove_unused_graph_inputs=False)`` with the same effect, for graphs without subgraphs or
+    local functions (those go through graphsurgeon's).
+
+    The same steps in the same order: graph inputs lose their producers, nodes that no graph output depends on
+    (walking back from the outputs through local tensors only: node outputs, graph inputs, constants; a name
+    counted once, empty tensors always) are disconnected and dropped, the kept nodes stay in their order and
+    graph.inputs becomes a new list of the same tensors.  graphsurgeon's own walk re-collects every tensor of
+    the graph twice and looks each node's subgraphs up for every use; after each of the search's rewrites it was
+    a sixth of the search.  tests/rewrite/test_ir.py holds the two equal on every candidate of real searches.
+    """
+    nodes = graph.nodes
+    if graph.functions or any(isinstance(v, gs.Graph) for n in nodes for v in n.attrs.values()):
+        return graph.cleanup(remove_unused_graph_inputs=False)
+    for inp in graph.inputs:
+        inp.inputs.clear()
+    local: set[str] = set()
+    for n in nodes:
+        for t in n.outputs:
+            if t.name:
+                local.add(t.name)
+        for t in n.inputs:
+            if type(t) is gs.Constant:
+                local.add(t.name)
+    for t in graph.inputs:
+        local.add(t.name)
+    for t in graph.outputs:
+        if type(t) is gs.Constant:
+            local.add(t.name)
+    member = {id(n) for n in nodes}
+    seen: set[str] = set()
+    used: set[int] = set()
+
+    def wanted(t: gs.Tensor) -> bool:
+        name = t.name
+        if not name:
+            return True
+        if name not in local or name in seen:
+            return False
+        seen.add(name)
+        return True
+
+    queue = [t for t in graph.outputs if wanted(t)]
+    i = 0
+    while i < len(queue):
+        t = queue[i]
+        i += 1
+        for node in t.inputs:
+            if id(node) not in member:
+                raise ValueError(f"cleanup: {node.name} produces {t.name} but is not in the graph")
+            used.add(id(node))
+            queue.extend(x for x in list(node.inputs) if wanted(x))
+    kept = []
+    for n in nodes:
+        if id(n) in used:
+            kept.append(n)
+        else:
+            n.inputs.clear()
+            n.outputs.clear()
+    graph.inputs = list(graph.inputs)
+    graph.nodes = kept
+    return graph
+
+
 def toposort(graph: gs.Graph) -> gs.Graph:
     """``graph.toposort()`` in the same order, for graphs without subgraphs or local functions.
 
@@ -229,13 +293,19 @@ def toposort(graph: gs.Graph) -> gs.Graph:
     local = {t.name for n in nodes for t in n.outputs if t.name}
     local.update(t.name for t in graph.inputs)
 
+    made: dict[int, list[gs.Node]] = {}
+
     def producers(node: gs.Node) -> list[gs.Node]:
+        got = made.get(id(node))
+        if got is not None:
+            return got
         found: dict[int, gs.Node] = {}
         for t in node.inputs:
             if t.name in local and not isinstance(t, gs.Constant):
                 for p in t.inputs:
                     found.setdefault(id(p), p)
-        return list(found.values())
+        got = made[id(node)] = list(found.values())
+        return got
 
     level: dict[int, int] = {}
     order: list[gs.Node] = []
@@ -264,7 +334,7 @@ def toposort(graph: gs.Graph) -> gs.Graph:
 def export_model(graph: gs.Graph, like: onnx.ModelProto, check: bool = True) -> onnx.ModelProto:
     """``graph`` as a model with ``like``'s opsets, IR version and metadata, shapes inferred and checked."""
     graph = copy_graph(graph)
-    toposort(graph.cleanup(remove_unused_graph_inputs=False))
+    toposort(cleanup(graph))
     model = gs.export_onnx(graph, do_type_check=False)
     model.ClearField("opset_import")
     model.opset_import.extend(like.opset_import)
@@ -292,6 +362,8 @@ class GraphHasher:
     def __init__(self):
         self._const: dict[int, tuple[weakref.ref, str]] = {}
         self._views: dict[tuple, tuple[weakref.ref, str]] = {}
+        self._texts: dict[tuple, tuple[str, list]] = {}
+        self._zero: dict[int, tuple[weakref.ref, bool]] = {}
 
     def _constant(self, t: gs.Constant) -> str:
         values = t.values
@@ -306,6 +378,10 @@ class GraphHasher:
             view = (id(base), offset, values.shape, values.strides, values.dtype.str)
             hit = self._views.get(view)
             if hit is not None and hit[0]() is base:
+                try:
+                    self._const[id(values)] = (weakref.ref(values), hit[1])  # this view object, next time
+                except TypeError:
+                    pass
                 return hit[1]
         arr = np.ascontiguousarray(values)
         h = hashlib.blake2b(arr.tobytes(), digest_size=12)
@@ -320,30 +396,64 @@ class GraphHasher:
             pass
         return digest
 
+    def _local_text(self, node: gs.Node) -> str:
+        """``op|domain|canonical attributes`` of ``node``, remembered by the identity of its attribute values.
+
+        Every candidate is a copy whose nodes share their attribute values with the graph they were copied from
+        (rules set new values, they never change one in place), so the text is made once per distinct node
+        and looked up by ``(op, domain, Conv weight shape, (name, id(value)) ...)``; the memo holds the values,
+        so an id is never reused while it is a key."""
+        attrs = node.attrs
+        op = node.op
+        wshape = None
+        if op == "Conv" and len(node.inputs) > 1:
+            wshape = _static_shape(node.inputs[1])
+        key = (op, node.domain, wshape, *[(k, id(v)) for k, v in attrs.items()])
+        hit = self._texts.get(key)
+        if hit is not None:
+            return hit[0]
+        parts = [op, node.domain or ""]
+        canonical = _canonical_attrs(node)
+        for k in sorted(canonical):
+            parts.append(f"{k}={_attr_text(canonical[k])}")
+        text = "|".join(parts)
+        self._texts[key] = (text, list(attrs.values()))
+        return text
+
     def __call__(self, graph: gs.Graph) -> str:
         tensor_hash: dict[int, str] = {}
         for t in graph.inputs:
             tensor_hash[id(t)] = "in:" + t.name
         node_hashes = []
+        blake2b = hashlib.blake2b
         for node in graph.nodes:  # topologically sorted: rules toposort after every rewrite
-            parts = [node.op, node.domain or ""]
-            attrs = _canonical_attrs(node)
-            for k in sorted(attrs):
-                parts.append(f"{k}={_attr_text(attrs[k])}")
-            for t in _canonical_inputs(node):
+            parts = [self._local_text(node)]
+            for t in _canonical_inputs(node, self._is_zero):
                 if t is None or not getattr(t, "name", ""):
                     parts.append("-" if not isinstance(t, str) else t)
                 elif isinstance(t, gs.Constant):
                     parts.append(self._constant(t))
                 else:
                     parts.append(tensor_hash.get(id(t), "ext:" + t.name))
-            digest = hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
+            digest = blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
             node_hashes.append(digest)
             for i, t in enumerate(node.outputs):
                 tensor_hash[id(t)] = f"{digest}#{i}"
         outs = [tensor_hash.get(id(t), "ext:" + t.name) for t in graph.outputs]
         body = "|".join(sorted(node_hashes)) + "||" + "|".join(outs)
         return hashlib.blake2b(body.encode(), digest_size=16).hexdigest()
+
+    def _is_zero(self, values) -> bool:
+        """``not np.any(values)``, remembered per array (a weak reference, like the digests)."""
+        hit = self._zero.get(id(values))
+        if hit is not None and hit[0]() is values:
+            return hit[1]
+        zero = not np.any(values)
+        try:
+            self._zero[id(values)] = (weakref.ref(values), zero)
+        except TypeError:
+            pass
+        return zero
 
 
 _DEFAULTS = {"Gemm": {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}}
@@ -363,15 +473,21 @@ def _canonical_attrs(node: gs.Node) -> dict:
     return dict(node.attrs)
 
 
-def _canonical_inputs(node: gs.Node) -> list:
+def _canonical_inputs(node: gs.Node, is_zero=lambda v: not np.any(v)) -> list:
     """Inputs, with a Conv's missing or all-zero bias spelled the same way."""
     inputs = list(node.inputs)
     if node.op == "Conv" and len(inputs) > 1 and isinstance(inputs[1], gs.Constant):
         channels = inputs[1].values.shape[0]
         bias = inputs[2] if len(inputs) > 2 else None
-        if bias is None or not getattr(bias, "name", "") or (isinstance(bias, gs.Constant) and not np.any(bias.values)):
+        if bias is None or not getattr(bias, "name", "") or (isinstance(bias, gs.Constant) and is_zero(bias.values)):
             inputs = inputs[:2] + [f"zeros({channels})"]
     return inputs
+
+
+def _static_shape(t):
+    from .rules.base import static_shape
+
+    return static_shape(t)
 
 
 def _attr_text(v) -> str:

@@ -39,8 +39,9 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
-from .ir import GraphHasher, copy_graph, export_model, import_graph, toposort
+from .ir import GraphHasher, cleanup, copy_graph, export_model, import_graph, toposort
 from .rules import ALL_RULES, Rule
+from .rules.base import shared_copies
 
 REPORT_VERSION = 1
 _MAX_REFUSALS = 200
@@ -173,7 +174,7 @@ def assemble(pieces: list[gs.Graph], original: gs.Graph) -> gs.Graph:
             o.dtype = t.dtype
         if t.shape is not None:
             o.shape = t.shape  # keep the declared (possibly symbolic) output shape
-    toposort(whole.cleanup(remove_unused_graph_inputs=False))
+    toposort(cleanup(whole))
     return whole
 
 
@@ -331,7 +332,8 @@ def k_best_combinations(costs: list[list[float]], k: int) -> list[tuple[int, ...
 
 @contextlib.contextmanager
 def _collector_paused():
-    """Python's cyclic garbage collector off while one piece is searched, and one collection after it.
+    """Python's cyclic garbage collector off while one piece is searched (or the wholes are assembled and
+    costed), and one collection after it.
 
     Every candidate is a graph of a few thousand objects in reference cycles (nodes and tensors list each
     other); while the collector runs on its own, the search's allocations set off a full collection every
@@ -409,6 +411,13 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
         "rules": [r.name for r in rules],
     }
 
+    with shared_copies():  # one copy of a weight's slice for every candidate that cuts it (rules/base.py)
+        return _optimize(model, cost_model, streams, alpha, beta, min_piece, max_piece, top_k, max_candidates,
+                         max_candidates_total, seed, measure, measure_margin, min_gain, rules, report, timings, t_start)
+
+
+def _optimize(model, cost_model, streams, alpha, beta, min_piece, max_piece, top_k, max_candidates, max_candidates_total,
+              seed, measure, measure_margin, min_gain, rules, report, timings, t_start):
     original = import_graph(model)
     score = _Scorer(cost_model, streams, alpha)
     report["nodes_before"] = len(original.nodes)
@@ -464,18 +473,19 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
 
     # 3. the k best wholes
     t0 = time.perf_counter()
-    combos = k_best_combinations([[c.cost for c in r.candidates] for r in results], max(1, top_k))
-    wholes = []
-    for combo in combos:
-        trace = [key for r, i in zip(results, combo) for key in r.candidates[i].trace]
-        if not trace:
-            continue  # the input itself, added below
-        try:
-            whole = assemble([r.candidates[i].graph for r, i in zip(results, combo)], original)
-        except Exception as e:  # noqa: BLE001
-            refusals.setdefault(("assemble", ",".join(map(str, combo))), f"{type(e).__name__}: {e}")
-            continue
-        wholes.append({"combo": combo, "graph": whole, "trace": trace, "cost": _cost_dict(cost_model, whole, streams, alpha)})
+    with _collector_paused():  # 20 whole graphs built and costed: the same reason as a piece's candidates
+        combos = k_best_combinations([[c.cost for c in r.candidates] for r in results], max(1, top_k))
+        wholes = []
+        for combo in combos:
+            trace = [key for r, i in zip(results, combo) for key in r.candidates[i].trace]
+            if not trace:
+                continue  # the input itself, added below
+            try:
+                whole = assemble([r.candidates[i].graph for r, i in zip(results, combo)], original)
+            except Exception as e:  # noqa: BLE001
+                refusals.setdefault(("assemble", ",".join(map(str, combo))), f"{type(e).__name__}: {e}")
+                continue
+            wholes.append({"combo": combo, "graph": whole, "trace": trace, "cost": _cost_dict(cost_model, whole, streams, alpha)})
     original_entry = {"combo": None, "graph": original, "trace": [], "cost": report["cost_before"]}
     wholes.append(original_entry)
     wholes.sort(key=lambda w: (w["cost"]["mixed_s"], len(w["graph"].nodes), len(w["trace"])))

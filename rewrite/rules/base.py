@@ -14,12 +14,13 @@ every tensor that leaves the nodes they replace, so downstream consumers and gra
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from ..ir import copy_graph, toposort
+from ..ir import cleanup, copy_graph, toposort
 
 
 @dataclass(frozen=True)
@@ -66,7 +67,7 @@ class Rule:
             raise ValueError(f"{site.key}: {reason}")
         out = copy_graph(graph)
         self.rewrite(out, site)
-        return toposort(out.cleanup(remove_unused_graph_inputs=False))
+        return toposort(cleanup(out))
 
     def sites(self, graph: gs.Graph) -> list[tuple[Site, str | None]]:
         """Every matched site with its check result (``None`` = safe)."""
@@ -140,10 +141,23 @@ def same_dtype(*tensors: gs.Tensor) -> bool:
     return len(dts) == 1
 
 
+def taken_names(graph: gs.Graph) -> set[str]:
+    """The names of ``graph``'s nodes and of its tensors (``graph.tensors()``'s keys: graph inputs and outputs and
+    every node's named inputs and outputs), without building graphsurgeon's ordered tensor map: each rewrite of
+    the search asks for them once."""
+    taken = {n.name for n in graph.nodes}
+    taken.update(t.name for t in graph.inputs if t.name)
+    taken.update(t.name for t in graph.outputs if t.name)
+    for n in graph.nodes:
+        taken.update(t.name for t in n.inputs if t.name)
+        taken.update(t.name for t in n.outputs if t.name)
+    return taken
+
+
 def fresh_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> str:
     """``base``, or ``base_1``, ``base_2`` … whichever no node or tensor of ``graph`` uses yet."""
     if taken is None:
-        taken = {n.name for n in graph.nodes} | set(graph.tensors().keys())
+        taken = taken_names(graph)
     name, i = base, 0
     while name in taken:
         i += 1
@@ -156,7 +170,7 @@ class Namer:
     """Fresh node and tensor names for one rewrite (one scan of the graph, then a set)."""
 
     def __init__(self, graph: gs.Graph):
-        self.taken = {n.name for n in graph.nodes} | set(graph.tensors().keys())
+        self.taken = taken_names(graph)
         self.graph = graph
 
     def __call__(self, base: str) -> str:
@@ -240,6 +254,56 @@ def detach(*nodes: gs.Node) -> None:
     for node in nodes:
         node.inputs.clear()
         node.outputs.clear()
+
+
+_COPIES: list[dict] = []  # the innermost shared_copies() scope's memo
+
+
+@contextlib.contextmanager
+def shared_copies():
+    """Inside it, :func:`contiguous` makes one copy per strided view and hands the same array out again.
+
+    The search applies a rule at the same site in many candidates: fission cut the same weight columns
+    (``W[:, lo:hi]`` of a MatMul) into a new array for each, and the hasher hashed every copy's bytes again,
+    a third of ConvNeXt-T's search.  The copies are equal, so one serves them all (rules never change an array
+    in place; graphsurgeon's Graph.copy shares weights the same way); the memo holds each view's base, so an
+    ``id`` is never reused while it is a key, and it is dropped with the scope (the search's)."""
+    _COPIES.append({})
+    try:
+        yield
+    finally:
+        _COPIES.pop()
+
+
+def contiguous(v: np.ndarray) -> np.ndarray:
+    """``np.ascontiguousarray(v)``; inside :func:`shared_copies`, the same array for the same view of a base
+    (a copy of a strided view; a contiguous view itself, the first view object made of those bytes)."""
+    if not _COPIES or not isinstance(v, np.ndarray) or not isinstance(v.base, np.ndarray):
+        return np.ascontiguousarray(v)
+    memo, base = _COPIES[-1], v.base
+    key = (id(base), v.__array_interface__["data"][0] - base.__array_interface__["data"][0], v.shape, v.strides, v.dtype.str)
+    hit = memo.get(key)
+    if hit is not None and hit[0] is base:
+        return hit[1]
+    copy = np.ascontiguousarray(v)
+    memo[key] = (base, copy)
+    return copy
+
+
+def shared_array(tag: tuple, sources: list[np.ndarray], make) -> np.ndarray:
+    """``make()``; inside :func:`shared_copies`, the array made before for ``tag`` from the same ``sources``
+    (the same objects): a merge's concatenated weights, made once for every candidate that merges those
+    weights, so that the hasher hashes them once."""
+    if not _COPIES:
+        return make()
+    memo = _COPIES[-1]
+    key = (tag, tuple(id(a) for a in sources))
+    hit = memo.get(key)
+    if hit is not None and len(hit[0]) == len(sources) and all(a is b for a, b in zip(hit[0], sources)):
+        return hit[1]
+    out = make()
+    memo[key] = (list(sources), out)
+    return out
 
 
 def channel_vector(value: np.ndarray, out_rank: int, channels: int, axis: int = 1) -> np.ndarray | None:

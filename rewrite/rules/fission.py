@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import Namer, Rule, Site, const_value, detach, is_graph_output, site_nodes, split_sizes, static_shape
+from .base import Namer, Rule, Site, const_value, contiguous, detach, is_graph_output, site_nodes, split_sizes, static_shape
 from .merge_parallel_conv import conv_reason, conv_bias, conv_signature
 
 
@@ -128,7 +128,7 @@ class Fission(Rule):
                 outputs.append(gs.Variable(namer(f"{out.name}_part{i}"), dtype=out.dtype, shape=part_shape))
         lo = 0
         for i, (size, part_out) in enumerate(zip(sizes, outputs)):
-            consts = [gs.Constant(namer(f"{node.name}_part{i}_{k}"), np.ascontiguousarray(v))
+            consts = [gs.Constant(namer(f"{node.name}_part{i}_{k}"), contiguous(v))
                       for k, v in enumerate(_slice(node, lo, lo + size))]
             attrs = dict(node.attrs)
             if node.op == "Conv":

@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import (Namer, Rule, Site, attr_difference, const_value, conv_attrs, detach, make_split, same_dtype,
+from .base import (Namer, Rule, Site, attr_difference, shared_array, const_value, conv_attrs, detach, make_split, same_dtype,
                    site_nodes, static_shape)
 
 
@@ -100,7 +100,7 @@ class MergeParallelConv(Rule):
         weights = [const_value(n.inputs[1]) for n in nodes]
         biases = [conv_bias(n).astype(weights[0].dtype) for n in nodes]
         base = f"{nodes[0].name}_merged"
-        w = gs.Constant(namer(f"{base}_W"), np.concatenate(weights, axis=0))
+        w = gs.Constant(namer(f"{base}_W"), shared_array(("concat", 0), weights, lambda: np.concatenate(weights, axis=0)))
         b = gs.Constant(namer(f"{base}_B"), np.concatenate(biases, axis=0))
         oshape = list(static_shape(nodes[0].outputs[0]))
         oshape[1] = int(sum(wi.shape[0] for wi in weights))

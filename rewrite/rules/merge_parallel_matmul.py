@@ -12,7 +12,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from .base import (Namer, Rule, Site, const_value, detach, is_graph_output, make_split, same_dtype, site_nodes,
+from .base import (Namer, Rule, Site, const_value, shared_array, detach, is_graph_output, make_split, same_dtype, site_nodes,
                    static_shape)
 
 
@@ -120,7 +120,8 @@ class MergeParallelMatMul(Rule):
         oshape[-1] = sum(widths)
         dtype = nodes[0].outputs[0].dtype
         if nodes[0].op == "MatMul":
-            w = gs.Constant(namer(f"{base}_W"), np.concatenate([const_value(n.inputs[1]) for n in nodes], axis=1))
+            mats = [const_value(n.inputs[1]) for n in nodes]
+            w = gs.Constant(namer(f"{base}_W"), shared_array(("concat", 1), mats, lambda: np.concatenate(mats, axis=1)))
             y = gs.Variable(namer(f"{base}_out"), dtype=dtype, shape=oshape)
             graph.nodes.append(gs.Node("MatMul", name=namer(base), inputs=[x, w], outputs=[y]))
             biases = [matmul_bias(graph, n) for n in nodes]

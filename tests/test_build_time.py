@@ -1,0 +1,69 @@
+"""Issue 16 (build time): the work a CPU build no longer does twice leaves the same bundle.
+
+- the manifest a build writes before verifying is listed without digests (verification loads the staging folder
+  unchecked); the bundle it ends with is hashed, every digest the file's sha256;
+- when the search changes nothing, the schedule planned for its stream count is the build's schedule: the same
+  as planning the loaded graph afresh, and exactly what the plan and report record."""
+
+from __future__ import annotations
+
+import importlib
+import json
+from pathlib import Path
+
+from parastream.launcher.bundle import Bundle, sha256_file
+from parastream.pipeline import build
+from parastream.pipeline.model_io import load_model
+from parastream.rewrite.cost import RooflineCostModel
+
+build_module = importlib.import_module("parastream.pipeline.build")  # the module (the package exports the function)
+
+SMALL_NET = Path(__file__).resolve().parents[1] / "examples" / "models" / "small_net.onnx"
+
+
+def test_the_built_manifest_is_hashed_and_the_staging_one_is_not(tmp_path, monkeypatch):
+    staged = []
+    real = build_module.write_manifest
+
+    def spy(out, manifest, **kw):
+        real(out, manifest, **kw)
+        staged.append(json.loads((Path(out) / "manifest.json").read_text())["files"])
+
+    monkeypatch.setattr(build_module, "write_manifest", spy)
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2)
+    assert staged[0] and set(staged[0].values()) == {""}  # listed, not hashed: verification loads it unchecked
+    files = json.loads((tmp_path / "b" / "manifest.json").read_text())["files"]
+    assert files.keys() == staged[0].keys()
+    for rel, digest in files.items():
+        assert digest == sha256_file(tmp_path / "b" / rel)
+    Bundle.open(bundle.path, check_hashes=True)
+
+
+def test_an_unchanged_search_reuses_the_schedule_it_planned(tmp_path, monkeypatch):
+    calls, handed = [], []
+    real = build_module.plan_streams
+    monkeypatch.setattr(build_module, "plan_streams", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    real_choice = build_module.choose_cpu_alternative
+    monkeypatch.setattr(build_module, "choose_cpu_alternative", lambda *a, **k: handed.append(a[3]) or real_choice(*a, **k))
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", search_options={"rules": []})
+    assert bundle.report["search"]["rules_chosen"] == []
+    assert len(calls) == 1  # planned once, for the search's stream count, and kept
+    loaded = load_model(SMALL_NET)
+    cost_model = RooflineCostModel(build_module.default_device_profile(build_module.resolve_backend("onnxruntime")))
+    fresh, tried = real(loaded.graph, cost_model, None, build_module.BuildConfig().max_streams)
+    (sched,) = handed
+    assert (sched.num_streams, sched.node_stream, sched.makespan, sched.total_work) == \
+        (fresh.num_streams, fresh.node_stream, fresh.makespan, fresh.total_work)
+    assert [t["estimated_s"] for t in bundle.report["schedule"]["streams_tried"] if "estimated_s" in t] == \
+        [t["estimated_s"] for t in tried]
+
+
+def test_a_search_that_rewrites_plans_the_rewritten_graph(tmp_path, monkeypatch):
+    calls = []
+    real = build_module.plan_streams
+    monkeypatch.setattr(build_module, "plan_streams", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime")
+    if bundle.report["search"]["rules_chosen"]:
+        assert len(calls) == 2 and calls[0] is not calls[1]
+    else:
+        assert len(calls) == 1
