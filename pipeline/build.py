@@ -698,155 +698,240 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
 
     ``measure_search`` False: the rewrite search decides by the cost model even on a GPU (the buckets of a
     dynamic-batch build other than the one at OPT)."""
-    timings: dict[str, float] = {}
-    t_all = time.perf_counter()
+    b = load_and_check(model_path, cfg, backend, bar, shapes)
+    rewrite_search(b, measure=measure_search)
+    schedule_streams(b)
+    with contextlib.ExitStack() as scratch:  # the CPU alternatives' engines, until the bundle has copied the kept one's
+        time_cpu_alternatives(b, scratch)
+        partition(b)
+        with stage() as tmp:  # build(): staging, renamed to OUT at the end of the block, removed on any error
+            build_engines(b, tmp)
+            scratch.close()
+            time_gpu_alternatives(b, tmp)
+            write_report(b, tmp)
+            verify_bundle(b, tmp)
+            return finish(b, tmp)
+
+
+@dataclass
+class _Build:
+    """What the stages of one static build hand on: the loaded model (one graph, carried from load to plan) and
+    what each stage decides.  ``model``/``graph`` are read only: a stage that changes them makes new ones."""
+    cfg: BuildConfig
+    backend: object
+    bar: object
+    loaded: LoadedModel
+    options: BuildOptions
+    cost_model: object
+    device_profile: str
+    width: int
+    model: onnx.ModelProto
+    graph: gs.Graph
+    t_start: float
+    timings: dict = field(default_factory=dict)
+    search_report: dict = field(default_factory=lambda: {"enabled": False})
+    planned: tuple = (None, None)  # (graph, plan_streams of it) when the search planned it
+    sched: Schedule | None = None
+    streams_tried: list = field(default_factory=list)
+    cpu_threads: object = None
+    cpu_choice: dict | None = None
+    prebuilt: object = None
+    plan: object = None
+    engines_report: dict | None = None
+    measured: dict | None = None
+    report: dict | None = None
+    manifest: dict | None = None
+
+    @contextlib.contextmanager
+    def timed(self, stage: str):
+        t0 = time.perf_counter()
+        yield
+        self.timings[stage] = time.perf_counter() - t0
+
+    def make_plan(self) -> None:
+        from parastream.rewrite.cost import node_flops_bytes
+
+        self.plan = make_plan(self.graph, self.sched, backend=self.backend.name, precision=self.cfg.precision,
+                              suffix=self.backend.suffix, inputs=self.loaded.inputs, outputs=self.loaded.outputs,
+                              flops_bytes=node_flops_bytes)
+
+
+def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build:
+    """Load the model at ``shapes`` (one graph from here to the plan), check that the backend can run it, and set
+    up the cost model and engine options."""
     t0 = time.perf_counter()
     loaded: LoadedModel = load_model(model_path, shapes)
     check_runnable(loaded, backend, cfg.verify)
     bar.step("load and check").advance()
-    timings["load"] = time.perf_counter() - t0
+    from parastream.rewrite.cost import RooflineCostModel
 
-    from parastream.rewrite.cost import RooflineCostModel, node_flops_bytes
-
-    device_profile = cfg.device or default_device_profile(backend)
-    cost_model = RooflineCostModel(device_profile, precision=cfg.precision)
     from .analysis import graph_width
 
-    width = graph_width(loaded.graph)[0]
+    device_profile = cfg.device or default_device_profile(backend)
     options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
                            workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
                            strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
                            profiles={})
+    b = _Build(cfg=cfg, backend=backend, bar=bar, loaded=loaded, options=options,
+               cost_model=RooflineCostModel(device_profile, precision=cfg.precision), device_profile=device_profile,
+               width=graph_width(loaded.graph)[0], model=loaded.model, graph=loaded.graph, t_start=t0)
+    b.timings["load"] = time.perf_counter() - t0
+    return b
 
-    model, graph = loaded.model, loaded.graph  # carried from load to plan (read only: stages that change one copy it)
-    search_report: dict = {"enabled": False}
-    planned: tuple = (None, None)  # (graph, plan_streams of it) when the search planned it
-    if cfg.search:
-        t0 = time.perf_counter()
+
+def rewrite_search(b: _Build, *, measure: bool) -> None:
+    """AutoGraph's search over the rewrite rules; on a GPU its top candidates are measured."""
+    cfg = b.cfg
+    if not cfg.search:
+        return
+    with b.timed("search"):
         from parastream.rewrite import optimize
 
         # the search costs candidates on the number of streams the input would get
-        planned = graph, plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
-        search_streams = planned[1][0].num_streams
-        measure = None
-        if cfg.measure and measure_search:
-            measure = gpu_measure(backend, options, cost_model, loaded, streams=cfg.streams, max_streams=cfg.max_streams,
-                                  precision=cfg.precision, budget_s=cfg.measure_seconds, runs=cfg.measure_runs)
-        task = bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measure else ""))
+        b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
+        measurer = None
+        if cfg.measure and measure:
+            measurer = gpu_measure(b.backend, b.options, b.cost_model, b.loaded, streams=cfg.streams,
+                                   max_streams=cfg.max_streams, precision=cfg.precision, budget_s=cfg.measure_seconds,
+                                   runs=cfg.measure_runs)
+        task = b.bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measurer else ""))
         try:
-            searched, search_report = optimize(model, cost_model=cost_model, streams=search_streams, seed=cfg.seed,
-                                               measure=measure, **cfg.search_options)
+            searched, report = optimize(b.model, cost_model=b.cost_model, streams=b.planned[1][0].num_streams,
+                                        seed=cfg.seed, measure=measurer, **cfg.search_options)
         finally:
-            if measure is not None:
-                measure.close()
-        search_report = dict(search_report, enabled=True)
-        model, graph = _after_search(model, graph, searched)
+            if measurer is not None:
+                measurer.close()
+        b.search_report = dict(report, enabled=True)
+        b.model, b.graph = _after_search(b.model, b.graph, searched)
         task.advance()
-        timings["search"] = time.perf_counter() - t0
 
-    t0 = time.perf_counter()
-    if planned[0] is graph:  # the search changed nothing: the schedule planned for its stream count is this one
-        sched, streams_tried = planned[1]
-    else:
-        sched, streams_tried = plan_streams(graph, cost_model, cfg.streams, cfg.max_streams)
-    timings["schedule"] = time.perf_counter() - t0
-    cpu_threads, cpu_choice, prebuilt = None, None, None
-    scratch = contextlib.ExitStack()  # the CPU alternatives' engines, until the bundle has copied the kept one's
-    if not backend.gpu and cfg.measure:
-        t0 = time.perf_counter()
-        task = bar.step("time the CPU alternatives")
+
+def schedule_streams(b: _Build) -> None:
+    """Streams and a resource-aware launch order (Opara) for the graph as rewritten."""
+    with b.timed("schedule"):
+        if b.planned[0] is b.graph:  # the search changed nothing: the schedule planned for its stream count is this one
+            b.sched, b.streams_tried = b.planned[1]
+        else:
+            b.sched, b.streams_tried = plan_streams(b.graph, b.cost_model, b.cfg.streams, b.cfg.max_streams)
+
+
+def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
+    """CPU engines: time the plan against one full-threaded session (of the rewritten and the original model) and
+    keep the fastest; the kept alternative's engines are built in a scratch folder that ``scratch`` removes."""
+    if b.backend.gpu or not b.cfg.measure:
+        return
+    with b.timed("cpu_choice"):
+        task = b.bar.step("time the CPU alternatives")
         folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="parastream-cpu-")))
-        with running_errors(loaded.path, loaded.model, "to time the CPU alternatives"):
-            model, graph, sched, cpu_threads, cpu_choice, prebuilt = choose_cpu_alternative(
-                loaded, model, graph, sched, backend, options, cost_model, cfg, folder,
-                rewritten=bool(search_report.get("rules_chosen")))
-        _record_measured_streams(streams_tried, sched)
+        with running_errors(b.loaded.path, b.loaded.model, "to time the CPU alternatives"):
+            b.model, b.graph, b.sched, b.cpu_threads, b.cpu_choice, b.prebuilt = choose_cpu_alternative(
+                b.loaded, b.model, b.graph, b.sched, b.backend, b.options, b.cost_model, b.cfg, folder,
+                rewritten=bool(b.search_report.get("rules_chosen")))
+        _record_measured_streams(b.streams_tried, b.sched)
         task.advance()
-        timings["cpu_choice"] = time.perf_counter() - t0
-    plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
-                     inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
-    plan.cpu_threads = cpu_threads
 
-    with scratch, stage() as tmp:  # build(): staging, renamed to OUT at the end of the block, removed on any error
-        t0 = time.perf_counter()
-        task = bar.step(f"build {len(plan.branches)} {backend.name} engines", total=len(plan.branches))
-        engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path), task.advance,
-                                        prebuilt=prebuilt)
-        prebuilt = None
-        scratch.close()
-        timings["engines"] = time.perf_counter() - t0
 
-        measured = None
-        if cfg.measure and backend.gpu:
-            t0 = time.perf_counter()
-            task = bar.step("time the plan against its alternatives on the GPU")
-            fused = options.fuse_conv_relu
-            measured = _measure_alternatives(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded)
-            if measured and (measured["one_engine"] or _compiled_for_other_choices(backend, fused, measured)):
-                if measured["one_engine"]:
-                    sched, _ = plan_streams(graph, cost_model, 1, 1)
-                    _record_measured_streams(streams_tried, sched)
-                    plan = make_plan(graph, sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
-                                     inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
-                shutil.rmtree(tmp / "engines")
-                engines_report = _write_engines(tmp, model, graph, plan, backend, options, str(loaded.path),
-                                                internal_nhwc=measured["internal_nhwc"])
-            task.advance()
-            timings["measure_alternatives"] = time.perf_counter() - t0
+def partition(b: _Build) -> None:
+    """The plan: one branch per partition of the schedule, with its stream, waits and boundary tensors."""
+    b.make_plan()
+    b.plan.cpu_threads = b.cpu_threads
 
-        report = {
-            "version": REPORT_VERSION,
-            "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(model.graph.node),
-                      "inputs": [asdict(t) for t in loaded.inputs], "outputs": [asdict(t) for t in loaded.outputs]},
-            "search": search_report,
-            "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": width,
-                         "branches": len(plan.branches), "critical_path_s": sched.makespan, "total_work_s": sched.total_work,
-                         "estimated_s": estimate_latency(sched), "streams_tried": streams_tried,
-                         "cost_model": f"roofline {device_profile} {cfg.precision}"},
-            "cpu_choice": cpu_choice,
-            "engines": engines_report,
-            "measured_choices": measured,
-            "verification": None,
-            "timings": timings,
-        }
-        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
-        manifest = {"parastream": _versions(backend), "backend": backend.name, "device": _device_description(backend),
-                    "precision": cfg.precision,
-                    "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(options),
-                                "internal_nhwc": measured["internal_nhwc"] if measured else True},
-                    "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
-        write_manifest(tmp, manifest, hashed=False)  # verification loads it unchecked; hashed below, once
 
-        if cfg.verify:
-            t0 = time.perf_counter()
-            task = bar.step("verify against onnxruntime")
-            from parastream.launcher import load
+def build_engines(b: _Build, tmp: Path) -> None:
+    """One engine per branch, written into the staging folder."""
+    with b.timed("engines"):
+        task = b.bar.step(f"build {len(b.plan.branches)} {b.backend.name} engines", total=len(b.plan.branches))
+        b.engines_report = _write_engines(tmp, b.model, b.graph, b.plan, b.backend, b.options, str(b.loaded.path),
+                                          task.advance, prebuilt=b.prebuilt)
+        b.prebuilt = None
 
-            loaded_as: dict = {}
 
-            def load_bundle():
-                runner = load(tmp, check_hashes=False)
-                loaded_as.update(_engines_loaded(runner))
-                return runner
+def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
+    """GPU engines: time the bundle against its alternatives (fused conv+ReLU or not, channels-last or contiguous
+    boundaries, one engine for the whole model), keep each winner and rebuild the engines for it."""
+    cfg = b.cfg
+    if not (cfg.measure and b.backend.gpu):
+        return
+    with b.timed("measure_alternatives"):
+        task = b.bar.step("time the plan against its alternatives on the GPU")
+        fused = b.options.fuse_conv_relu
+        measured = _measure_alternatives(tmp, b.model, b.graph, b.plan, b.backend, b.options, b.cost_model, cfg,
+                                         b.loaded)
+        b.measured = measured
+        if measured and (measured["one_engine"] or _compiled_for_other_choices(b.backend, fused, measured)):
+            if measured["one_engine"]:
+                b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
+                _record_measured_streams(b.streams_tried, b.sched)
+                b.make_plan()
+            shutil.rmtree(tmp / "engines")
+            b.engines_report = _write_engines(tmp, b.model, b.graph, b.plan, b.backend, b.options, str(b.loaded.path),
+                                              internal_nhwc=measured["internal_nhwc"])
+        task.advance()
 
-            model = graph = None  # written; only the bundle runs from here
-            rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
-            result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
-                                      scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle)
-            task.advance()
-            timings["verify"] = time.perf_counter() - t0
-            report["verification"] = dict(result.to_dict(), **loaded_as)
-            if not result.passed:
-                raise VerificationError(
-                    f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
-                    f"({result.failure()}); no bundle was written"
-                    + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
-        timings["total"] = time.perf_counter() - t_all
-        report["peak_rss_mb"] = _peak_rss_mb()
-        (tmp / "report.json").write_text(json.dumps(report, indent=2, default=str))
-        write_manifest(tmp, manifest)
-        bundle = Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
-    return bundle
+
+def write_report(b: _Build, tmp: Path) -> None:
+    """report.json (what was decided, measured and timed) and manifest.json, unhashed until ``finish``."""
+    cfg, loaded, sched = b.cfg, b.loaded, b.sched
+    b.report = {
+        "version": REPORT_VERSION,
+        "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(b.model.graph.node),
+                  "inputs": [asdict(t) for t in loaded.inputs], "outputs": [asdict(t) for t in loaded.outputs]},
+        "search": b.search_report,
+        "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": b.width,
+                     "branches": len(b.plan.branches), "critical_path_s": sched.makespan, "total_work_s": sched.total_work,
+                     "estimated_s": estimate_latency(sched), "streams_tried": b.streams_tried,
+                     "cost_model": f"roofline {b.device_profile} {cfg.precision}"},
+        "cpu_choice": b.cpu_choice,
+        "engines": b.engines_report,
+        "measured_choices": b.measured,
+        "verification": None,
+        "timings": b.timings,
+    }
+    (tmp / "report.json").write_text(json.dumps(b.report, indent=2, default=str))
+    b.manifest = {"parastream": _versions(b.backend), "backend": b.backend.name, "device": _device_description(b.backend),
+                  "precision": cfg.precision,
+                  "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(b.options),
+                              "internal_nhwc": b.measured["internal_nhwc"] if b.measured else True},
+                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+    write_manifest(tmp, b.manifest, hashed=False)  # verification loads it unchecked; hashed in finish, once
+
+
+def verify_bundle(b: _Build, tmp: Path) -> None:
+    """The bundle as written, loaded as ``parastream run`` loads it, against onnxruntime on the original model."""
+    cfg, loaded = b.cfg, b.loaded
+    if not cfg.verify:
+        return
+    with b.timed("verify"):
+        task = b.bar.step("verify against onnxruntime")
+        from parastream.launcher import load
+
+        loaded_as: dict = {}
+
+        def load_bundle():
+            runner = load(tmp, check_hashes=False)
+            loaded_as.update(_engines_loaded(runner))
+            return runner
+
+        b.model = b.graph = None  # written; only the bundle runs from here
+        rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
+        result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
+                                  scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle)
+        task.advance()
+    b.report["verification"] = dict(result.to_dict(), **loaded_as)
+    if not result.passed:
+        raise VerificationError(
+            f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
+            f"({result.failure()}); no bundle was written"
+            + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
+
+
+def finish(b: _Build, tmp: Path) -> Bundle:
+    """The final report and the hashed manifest; the bundle opened (checked) before it becomes OUT."""
+    b.timings["total"] = time.perf_counter() - b.t_start
+    b.report["peak_rss_mb"] = _peak_rss_mb()
+    (tmp / "report.json").write_text(json.dumps(b.report, indent=2, default=str))
+    write_manifest(tmp, b.manifest)
+    return Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
 
 
 def _peak_rss_mb() -> float | None:
