@@ -53,6 +53,7 @@ import os
 import platform
 import threading
 import time
+import weakref
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
@@ -619,10 +620,7 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
     """``run(*inputs, *outputs)``: the engine's Inductor artifact loaded (``CompiledArtifact.load``: no dynamo,
     no AOTAutograd trace, no Inductor codegen; on the GPU its Triton kernels come from the artifact) and called
     with the branch's weights, converted once from branch.onnx as the build converted them."""
-    import tempfile
-
     import torch
-    import torch._inductor
 
     from .onnx_torch import convert, to_device_shared
 
@@ -636,6 +634,33 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
         raise ParastreamError("the engine's Inductor artifact was compiled for other weights than its branch.onnx "
                               f"converts to ({missing[:3] or 'shapes, strides or dtypes differ'}); rebuild the bundle")
     del module, tensors
+    key = (hashlib.sha256(artifact).hexdigest(), f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device)
+    art = _LOADED_ARTIFACTS.get(key)
+    if art is None:
+        art = _load_artifact(artifact, meta, device)
+        _LOADED_ARTIFACTS[key] = art
+
+    def run(*args):
+        art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
+
+    run.params = params
+    run.artifact = art
+    return run
+
+
+#: Artifacts loaded in this process, by content: the weights are the call's inputs, so one loaded artifact
+#: serves every engine whose artifact has the same bytes (the search's candidates share every unchanged
+#: branch with the input; branches of one structure can compile to the same code).  Weak values: an
+#: artifact goes with the last engine that calls it.
+_LOADED_ARTIFACTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+
+
+def _load_artifact(artifact: bytes, meta: dict, device: str):
+    import tempfile
+
+    import torch
+    import torch._inductor
+
     if meta.get("autotune"):  # the kernels' autotuning choices made at build, into this process's autotune cache
         torch.compiler.load_cache_artifacts(base64.b64decode(meta["autotune"]))
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API loads from a path
@@ -651,12 +676,7 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
         except AssertionError:  # its only check: the artifact's torch_key (a hash of torch's sources) is this torch's
             raise ParastreamError("the engine's Inductor artifact was compiled by another build of torch "
                                   f"({meta.get('built_for', {}).get('torch')}); rebuild the bundle here") from None
-
-    def run(*args):
-        art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
-
-    run.params = params
-    return run
+    return art
 
 
 class Builder:

@@ -89,7 +89,8 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
     """The artifact is self-contained: a process whose Inductor and Triton caches are empty loads it with no
     dynamo graph, no AOTAutograd or FX-graph cache miss and no Inductor codegen (which would raise here).
     Branch 1 is loaded after branch 2, whose compile was a hit in the Inductor caches branch 1 had filled (the
-    same graph: the weights are inputs), so its artifact must hold everything too."""
+    same graph: the weights are inputs), so its artifact must hold everything too (where the two artifacts are
+    the same bytes, the process loads them once)."""
     engine = tmp_path / "branch_000.zip"
     engine.write_bytes(built.a)
     (tmp_path / "branch_001.zip").write_bytes(built.b)
@@ -121,7 +122,8 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
     assert p.returncode == 0, p.stderr[-2000:]
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["compiled_at_load"] is False and info["dynamo_graphs"] == 0
-    assert info["inductor"].get("fxgraph_cache_hit") == 2 and not info["inductor"].get("fxgraph_cache_miss"), info
+    distinct = len({tb.unpack(built.a)[2], tb.unpack(built.b)[2]})  # equal bytes load once (_LOADED_ARTIFACTS)
+    assert info["inductor"].get("fxgraph_cache_hit") == distinct and not info["inductor"].get("fxgraph_cache_miss"), info
     assert not info["aot_autograd"].get("autograd_cache_miss"), info
     np.testing.assert_allclose(np.load(tmp_path / "branch_000.npy"), ort(branch(1), x), rtol=1e-5, atol=1e-5)
     np.testing.assert_allclose(np.load(tmp_path / "branch_001.npy"), ort(branch(2), x), rtol=1e-5, atol=1e-5)
@@ -202,6 +204,23 @@ def test_engines_of_the_same_weights_share_them(built):
     assert [p.tolist() for p in shared] == [[0.5]]
     x = np.random.default_rng(14).standard_normal(IN.shape).astype(np.float32)
     np.testing.assert_allclose(e2.run({"x": x})["y"], ort(branch(1), x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_artifact_is_loaded_once_per_process_for_every_engine_that_ships_it(built, monkeypatch):
+    """The weights are the artifact's inputs, so engines whose artifacts have the same bytes (the search's
+    candidates reload every unchanged branch) call one loaded artifact, each with its own weights."""
+    tb._LOADED_ARTIFACTS.clear()
+    calls = []
+    real = tb._load_artifact
+    monkeypatch.setattr(tb, "_load_artifact", lambda *a: calls.append(1) or real(*a))
+    e1, e2 = (tb.load(built.a, [IN], [OUT], device="cpu") for _ in range(2))
+    assert len(calls) == 1 and e1._runner.artifact is e2._runner.artifact
+    e3 = tb.load(built.b, [IN], [OUT], device="cpu")
+    same_bytes = tb.unpack(built.a)[2] == tb.unpack(built.b)[2]
+    assert len(calls) == (1 if same_bytes else 2)
+    x = np.random.default_rng(15).standard_normal(IN.shape).astype(np.float32)
+    for e, b in ((e1, 1), (e2, 1), (e3, 2)):
+        np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(b), x), rtol=1e-5, atol=1e-5)
 
 
 def test_weights_that_differ_from_what_it_was_compiled_for_are_refused(built):
