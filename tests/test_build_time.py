@@ -67,3 +67,33 @@ def test_a_search_that_rewrites_plans_the_rewritten_graph(tmp_path, monkeypatch)
         assert len(calls) == 2 and calls[0] is not calls[1]
     else:
         assert len(calls) == 1
+
+
+def test_the_gpu_stage_rebuilds_the_engines_for_the_measured_choice(tmp_path, monkeypatch):
+    """``time_gpu_alternatives`` (build_static's GPU stage), driven on the CPU: a backend that says it is a GPU
+    backend (onnxruntime's engines under it) and a timing that picks one engine for the whole model.  The stage
+    must plan one stream, write the engines again for that plan, record the choice, and verify what it ships."""
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = True
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    timed = []
+
+    def one_engine_wins(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded):
+        timed.append((plan.num_streams, len(list((Path(tmp) / "engines").iterdir()))))
+        return {"one_engine": True, "internal_nhwc": True, "fuse_conv_relu": False, "rounds": []}
+
+    monkeypatch.setattr(build_module, "_measure_alternatives", one_engine_wins)
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search=False)
+    assert timed == [(2, timed[0][1])] and timed[0][1] > 1  # the plan of two streams was timed
+    assert bundle.plan.num_streams == 1
+    engines = sorted(p.name for p in (tmp_path / "b" / "engines").iterdir())
+    assert len(engines) == len(bundle.plan.branches) < timed[0][1]  # written again, for the one-stream plan
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["measured_choices"]["one_engine"] and report["schedule"]["streams"] == 1
+    assert report["verification"]["passed"] and "measure_alternatives" in report["timings"]
+    Bundle.open(bundle.path, check_hashes=True)
