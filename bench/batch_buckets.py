@@ -38,37 +38,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 sys.path.insert(0, str(ROOT / "bench"))  # first: bench/gpu.py is the module ``gpu`` below
 
-from gpu import make_model, max_err, ort_reference  # noqa: E402 - bench/gpu.py's models (BatchNorm calibrated)
+from gpu import export, make_model, max_err, ort_reference  # noqa: E402 - bench/gpu.py's models (BatchNorm calibrated)
 
 BATCHES = (1, 3, 8, 32)
 
 
 def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
-
-
-def export_dynamic(model, inputs: dict, path: Path) -> list[str]:
-    """torch.onnx.export with a dynamic first dimension on every input and output; the output names."""
-    import torch
-
-    names = list(inputs)
-    outs = ["last_hidden_state", "pooler_output"] if "input_ids" in inputs else ["logits"]
-
-    class Wrap(torch.nn.Module):
-        def __init__(self, m):
-            super().__init__()
-            self.m = m
-
-        def forward(self, *a):
-            out = self.m(*a)
-            return (out.last_hidden_state, out.pooler_output) if hasattr(out, "last_hidden_state") else out
-
-    axes = {n: {0: "N"} for n in names + outs}
-    with torch.no_grad():
-        torch.onnx.export(Wrap(model).eval(), tuple(inputs[n] for n in names), str(path), input_names=names,
-                          output_names=outs, opset_version=17, dynamo=False, do_constant_folding=True,
-                          dynamic_axes=axes)
-    return outs
 
 
 def random_feeds(specs, n: int, rng) -> dict:
@@ -158,7 +134,7 @@ def run_model(name: str, args, outdir: Path) -> dict:
     model, inputs = make_model(name)
     onnx_path = outdir / f"{name}_dyn.onnx"
     t0 = time.perf_counter()
-    outs = export_dynamic(model, inputs, onnx_path)
+    outs = export(model, inputs, onnx_path, dynamic_batch=True)
     res["export_s"] = time.perf_counter() - t0
     del model
     log(f"{name}: exported ({res['export_s']:.1f} s); building --batch {args.batch}")

@@ -101,17 +101,11 @@ class CompiledRunner:
 def prepare(name: str, work: Path, args) -> dict:
     """Export, build the bundle, compute the reference, warm Inductor's cache for the baseline."""
     import torch
-    from gpu import build_bundle, export, make_model, ort_reference
+    from gpu import build_bundle, export_with_reference
 
     row: dict = {"model": name}
-    model, inputs = make_model(name)
-    onnx_path = work / f"{name}.onnx"
-    t0 = time.perf_counter()
-    export(model, inputs, onnx_path)
-    row["export_s"] = time.perf_counter() - t0
-    feeds = {k: v.numpy() for k, v in inputs.items()}
-    np.savez(work / f"{name}.ref.npz", **{f"in.{k}": v for k, v in feeds.items()},
-             **{f"out.{k}": v for k, v in ort_reference(onnx_path, feeds).items()})
+    model, inputs, onnx_path, feeds, ref, row["export_s"] = export_with_reference(name, work)
+    np.savez(work / f"{name}.ref.npz", **{f"in.{k}": v for k, v in feeds.items()}, **{f"out.{k}": v for k, v in ref.items()})
     log: dict = {"handmade": False, "top_k": args.top_k}
     build_bundle(onnx_path, work / f"{name}_bundle", search=True, streams=None, log=log, measure_seconds=args.measure_seconds)
     for key in ("build_s", "schedule", "search", "verification", "timings"):

@@ -85,7 +85,10 @@ def make_model(name: str):
     return model, {"x": x}
 
 
-def export(model, inputs: dict, path: Path) -> None:
+def export(model, inputs: dict, path: Path, *, dynamic_batch: bool = False) -> list[str]:
+    """torch.onnx.export (TorchScript exporter, opset 17) of the model's tensors (BERT: last_hidden_state and
+    pooler_output); ``dynamic_batch``: every input and output with a dynamic first dimension "N".  The output
+    names."""
     import torch
 
     names = list(inputs)
@@ -103,10 +106,24 @@ def export(model, inputs: dict, path: Path) -> None:
             return out
 
     outs = ["last_hidden_state", "pooler_output"] if "input_ids" in inputs else ["logits"]
+    axes = {n: {0: "N"} for n in names + outs} if dynamic_batch else None
     with torch.no_grad():
         torch.onnx.export(Wrap(model).eval(), args, str(path), input_names=names, output_names=outs, opset_version=17,
-                          dynamo=False, do_constant_folding=True)
+                          dynamo=False, do_constant_folding=True, dynamic_axes=axes)
     model.eval()  # export restores the wrapper's mode; make sure nothing is left in training mode
+    return outs
+
+
+def export_with_reference(name: str, folder: Path) -> tuple:
+    """(model, inputs, onnx path, numpy feeds, onnxruntime's outputs on them, export seconds) of one of
+    ``make_model``'s models, exported into ``folder``."""
+    model, inputs = make_model(name)
+    onnx_path = folder / f"{name}.onnx"
+    t0 = time.perf_counter()
+    export(model, inputs, onnx_path)
+    export_s = time.perf_counter() - t0
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    return model, inputs, onnx_path, feeds, ort_reference(onnx_path, feeds), export_s
 
 
 def cuda_median_ms(fn, runs: int, warmup: int, before=None) -> float:
@@ -191,13 +208,7 @@ def run_model(name: str, args, outdir: Path) -> dict:
     from parastream.launcher.gpu import GpuLauncher
 
     res: dict = {"model": name}
-    model, inputs = make_model(name)
-    onnx_path = outdir / f"{name}.onnx"
-    t0 = time.perf_counter()
-    export(model, inputs, onnx_path)
-    res["export_s"] = time.perf_counter() - t0
-    feeds = {k: v.numpy() for k, v in inputs.items()}
-    ref = ort_reference(onnx_path, feeds)
+    model, inputs, onnx_path, feeds, ref, res["export_s"] = export_with_reference(name, outdir)
     ref_list = list(ref.values())
 
     # (a) eager fp16 and (e) torch.compile reduce-overhead, on rotating input sets

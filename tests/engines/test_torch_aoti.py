@@ -23,6 +23,9 @@ from parastream.launcher.engines import BuildOptions  # noqa: E402
 from parastream.launcher.engines import torch as tb  # noqa: E402
 from parastream.launcher.errors import ParastreamError  # noqa: E402
 from parastream.launcher.plan import TensorSpec  # noqa: E402
+from compiled_gpu import (assert_another_architecture_is_refused_naming_the_file,  # noqa: E402
+                          assert_ships_compiled_engines_verified_as_loaded, scaled_error, small_net_bundle)
+from compiled_gpu import retag as _retag  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -144,12 +147,6 @@ def test_the_other_branch_computes_its_own_weights(built):
     assert not e.compiled_at_load
     np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(2), x), rtol=1e-5, atol=1e-5)
     assert np.abs(ort(branch(1), x) - ort(branch(2), x)).max() > 0.1  # the two branches really differ
-
-
-def _retag(data: bytes, **built_for) -> bytes:
-    meta, onnx_bytes, package = tb.unpack(data)
-    meta["built_for"] = dict(meta["built_for"], **built_for)
-    return tb.pack(meta, onnx_bytes, package)
 
 
 @pytest.mark.parametrize("other, says", [
@@ -286,23 +283,12 @@ def test_build_compiles_each_branch_for_the_layout_the_gpu_launcher_gives_it(tmp
 # -- GPU: the whole bundle ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
-    from parastream.pipeline import build
-    from parastream.pipeline.zoo import small_net
-
-    folder = tmp_path_factory.mktemp("gpu-aoti")
-    onnx.save(small_net(), folder / "small_net.onnx")
-    bundle = build(folder / "small_net.onnx", folder / "out", backend="torch", precision="fp16", streams=4, search=False)
-    return folder, bundle
+    return small_net_bundle(tmp_path_factory.mktemp("gpu-aoti"))
 
 
 @pytest.mark.gpu
 def test_gpu_bundle_ships_compiled_engines_verified_as_loaded(gpu_bundle):
-    _, bundle = gpu_bundle
-    engines = bundle.report["engines"]
-    compiled = [e for e in engines.values() if e["compiled"] == "aotinductor"]
-    assert compiled and len(compiled) >= len(engines) - sum(b.concat_axis is not None for b in bundle.plan.branches)
-    v = bundle.report["verification"]
-    assert v["passed"] and v["engines_loaded"] >= len(compiled) and v["engines_compiled_at_load"] == 0
+    assert_ships_compiled_engines_verified_as_loaded(gpu_bundle[1], "aotinductor")
 
 
 @pytest.mark.gpu
@@ -327,11 +313,7 @@ def test_gpu_bundle_loads_in_a_fresh_process_without_compiling(gpu_bundle, tmp_p
     assert p.returncode == 0, p.stderr[-2000:]
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["compiled_at_load"] == 0 and info["dynamo_graphs"] == 0, info
-    import onnxruntime as rt
-
-    ref = rt.InferenceSession(str(folder / "small_net.onnx"), providers=["CPUExecutionProvider"]).run(None, {bundle.plan.inputs[0].name: x})[0]
-    y = np.load(tmp_path / "y.npy")
-    assert np.abs(y - ref).max() / np.abs(ref).max() < 2e-2
+    assert scaled_error(folder, bundle, x, np.load(tmp_path / "y.npy")) < 2e-2
 
 
 @pytest.mark.gpu
@@ -351,19 +333,7 @@ def test_gpu_ablation_layouts_compile_at_load_and_stay_right(gpu_bundle):
 
 @pytest.mark.gpu
 def test_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bundle, tmp_path):
-    import shutil
-
-    from parastream.launcher.bundle import Bundle
-    from parastream.launcher.gpu import GpuLauncher
-
-    _, bundle = gpu_bundle
-    copy = tmp_path / "copy"
-    shutil.copytree(bundle.path, copy)
-    b = next(b for b in bundle.plan.branches if tb.unpack((copy / b.engine).read_bytes())[2] is not None)
-    (copy / b.engine).write_bytes(_retag((copy / b.engine).read_bytes(), arch="sm_80", gpu="NVIDIA A100-SXM4-80GB"))
-    with pytest.raises(ParastreamError, match=rf"{b.engine}: this torch engine was compiled for NVIDIA A100-SXM4-80GB \(sm_80\).*"
-                                              rf"this machine has .*\(sm_\d+\)"):
-        GpuLauncher(Bundle.open(copy, check_hashes=False))
+    assert_another_architecture_is_refused_naming_the_file(gpu_bundle[1], tmp_path)
 
 
 def test_engines_are_compiled_again_only_when_the_timed_choice_differs_from_what_they_were_compiled_for():

@@ -25,8 +25,10 @@ torch = pytest.importorskip("torch")
 from parastream.launcher.engines import BuildOptions  # noqa: E402
 from parastream.launcher.engines import torch as tb  # noqa: E402
 from parastream.launcher.errors import ParastreamError  # noqa: E402
-from parastream.launcher.plan import TensorSpec  # noqa: E402
-from test_torch_aoti import IN, LAYOUT, OUT, _retag, branch, ort  # noqa: E402
+from compiled_gpu import (assert_another_architecture_is_refused_naming_the_file,  # noqa: E402
+                          assert_ships_compiled_engines_verified_as_loaded, retag as _retag, scaled_error,
+                          small_net_bundle)
+from test_torch_aoti import IN, LAYOUT, OUT, branch, ort  # noqa: E402
 
 pytestmark = pytest.mark.slow
 
@@ -363,23 +365,12 @@ def test_a_tampered_inductor_bin_is_refused_by_the_manifest_hash(cpu_bundle, tmp
 # -- GPU: the whole bundle -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
-    from parastream.pipeline import build
-    from parastream.pipeline.zoo import small_net
-
-    folder = tmp_path_factory.mktemp("gpu-inductor")
-    onnx.save(small_net(), folder / "small_net.onnx")
-    bundle = build(folder / "small_net.onnx", folder / "out", backend="torch", precision="fp16", streams=4, search=False)
-    return folder, bundle
+    return small_net_bundle(tmp_path_factory.mktemp("gpu-inductor"))
 
 
 @pytest.mark.gpu
 def test_inductor_gpu_bundle_ships_artifacts_verified_as_loaded(gpu_bundle):
-    _, bundle = gpu_bundle
-    engines = bundle.report["engines"]
-    compiled = [e for e in engines.values() if e["compiled"] == "inductor"]
-    assert compiled and len(compiled) >= len(engines) - sum(b.concat_axis is not None for b in bundle.plan.branches)
-    v = bundle.report["verification"]
-    assert v["passed"] and v["engines_loaded"] >= len(compiled) and v["engines_compiled_at_load"] == 0
+    assert_ships_compiled_engines_verified_as_loaded(gpu_bundle[1], "inductor")
 
 
 @pytest.mark.gpu
@@ -418,22 +409,9 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["compiled_at_load"] == 0 and info["dynamo_graphs"] == 0 and info["graph"], info
     assert not info["inductor"].get("fxgraph_cache_miss"), info
-    import onnxruntime as rt
-
-    ref = rt.InferenceSession(str(folder / "small_net.onnx"), providers=["CPUExecutionProvider"]).run(None, {bundle.plan.inputs[0].name: x})[0]
-    assert np.abs(np.load(tmp_path / "y.npy") - ref).max() / np.abs(ref).max() < 2e-2
+    assert scaled_error(folder, bundle, x, np.load(tmp_path / "y.npy")) < 2e-2
 
 
 @pytest.mark.gpu
 def test_inductor_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bundle, tmp_path):
-    from parastream.launcher.bundle import Bundle
-    from parastream.launcher.gpu import GpuLauncher
-
-    _, bundle = gpu_bundle
-    copy = tmp_path / "copy"
-    shutil.copytree(bundle.path, copy)
-    b = next(b for b in bundle.plan.branches if tb.unpack((copy / b.engine).read_bytes())[2] is not None)
-    (copy / b.engine).write_bytes(_retag((copy / b.engine).read_bytes(), arch="sm_80", gpu="NVIDIA A100-SXM4-80GB"))
-    with pytest.raises(ParastreamError, match=rf"{b.engine}: this torch engine was compiled for NVIDIA A100-SXM4-80GB \(sm_80\).*"
-                                              rf"this machine has .*\(sm_\d+\)"):
-        GpuLauncher(Bundle.open(copy, check_hashes=False))
+    assert_another_architecture_is_refused_naming_the_file(gpu_bundle[1], tmp_path)

@@ -18,7 +18,7 @@ from pathlib import Path
 import numpy as np
 import onnxruntime as ort
 import pytest
-from triton_clients import client_of, infer, make_inputs
+from triton_clients import client_of, expected, infer, make_inputs, random_feeds
 from tritonserver_process import TritonServer
 
 from parastream.pipeline.cli import main as cli
@@ -73,9 +73,8 @@ def test_outputs_right_with_numpy2_in_the_stub(server, numpy2_bin, protocol):
     maps = "".join(Path(f"/proc/{pid}/maps").read_text() for pid in server.stub_pids())
     assert str(numpy2_bin.parent) in maps and "numpy" in maps
     sess = ort.InferenceSession(str(MODEL), providers=["CPUExecutionProvider"])
-    rng = np.random.default_rng(0)
-    feeds = {i.name: rng.standard_normal([int(d) for d in i.shape]).astype(np.float32) for i in sess.get_inputs()}
-    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    feeds = random_feeds(sess, np.random.default_rng(0))
+    ref = expected(sess, feeds)
     client = client_of(server, protocol)
     try:
         assert client.is_model_ready("m")
