@@ -383,6 +383,7 @@ def precheck(graph: gs.Graph, rules: list[Rule], cost_model: CostModel, min_gain
     return None, figures
 
 
+@shared_copies()  # one copy of a weight's slice for every candidate that cuts it, per call (rules/base.py)
 def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, streams: int = 4,
              alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40, max_piece: int = 120,
              top_k: int = 20, max_candidates: int = 200, max_candidates_total: int = 300, seed: int = 0,
@@ -411,13 +412,6 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
         "rules": [r.name for r in rules],
     }
 
-    with shared_copies():  # one copy of a weight's slice for every candidate that cuts it (rules/base.py)
-        return _optimize(model, cost_model, streams, alpha, beta, min_piece, max_piece, top_k, max_candidates,
-                         max_candidates_total, seed, measure, measure_margin, min_gain, rules, report, timings, t_start)
-
-
-def _optimize(model, cost_model, streams, alpha, beta, min_piece, max_piece, top_k, max_candidates, max_candidates_total,
-              seed, measure, measure_margin, min_gain, rules, report, timings, t_start):
     original = import_graph(model)
     score = _Scorer(cost_model, streams, alpha)
     report["nodes_before"] = len(original.nodes)
