@@ -207,6 +207,8 @@ def make_model(name: str):
             calibrate_batchnorm(model.backbone, inputs["x"])
         else:
             calibrate_batchnorm(model, inputs["x"])
+    elif "pixel_values" in inputs:  # transformers' vision models with BatchNorm (ResNet, MobileNetV2): as above;
+        calibrate_batchnorm(model, inputs["pixel_values"])  # MobileNetV2's outputs were ~1e-23 without it
     return model.eval(), inputs
 
 
