@@ -77,13 +77,34 @@ def child(args) -> dict:
         t0 = time.perf_counter()
         torch.compiler.load_cache_artifacts(Path(args.artifacts).read_bytes())
         res["load_cache_artifacts_s"] = time.perf_counter() - t0
+    prof = None
+    if args.profile:  # where a load's time goes (cProfile: Python-heavy parts look slower than they run)
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     la = GpuLauncher(bundle)
     res["launcher_s"] = time.perf_counter() - t0
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        for order in ("cumulative", "tottime"):
+            buf = io.StringIO()
+            pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(45)
+            res[f"profile_{order}"] = buf.getvalue().splitlines()[-60:]
     res["engines_load_s"] = la.load_s
     res["process_to_ready_s"] = time.perf_counter() - T_START
     engines = [e for e in la.engines if e is not None]
     res["engines"] = len(engines)
+    phases: dict = {}
+    for e in engines:
+        for k, v in getattr(e, "phases", {}).items():
+            phases[k] = phases.get(k, 0.0) + v
+    res["load_phases_s"] = phases
+    res["distinct_artifacts"] = len({id(getattr(e._runner, "artifact", e)) for e in engines if getattr(e, "_runner", None) is not None})
     res["compiled_at_load"] = sum(bool(getattr(e, "compiled_at_load", True)) for e in engines)
     if args.child == "mega-save":
         t0 = time.perf_counter()
@@ -293,6 +314,7 @@ def main(argv=None) -> int:
     ap.add_argument("--artifact", default="inductor", choices=["inductor", "aoti", "jit"])
     ap.add_argument("--search", default="off")
     ap.add_argument("--verify", default="off")
+    ap.add_argument("--profile", action="store_true", help="child: the load under cProfile")
     args = ap.parse_args(argv)
     if args.child:
         res = child(args)
@@ -360,6 +382,9 @@ def main(argv=None) -> int:
                 step(f"search_load_{what}", ["--child", "load", "--bundle", str(out), *common], 20)
         elif kind == "build":
             step(f"build_{what}", ["--child", "build", "--artifact", what, "--bundle", str(work / what), *common], 20)
+        elif kind == "profile":  # profile:<artifact>: its load again, under cProfile
+            if (work / what).is_dir():
+                step(f"profile_{what}", ["--child", "load", "--profile", "--bundle", str(work / what), *common], 20)
         elif kind == "load" and what == "jit":  # also collects Inductor's cache artifacts for "mega"
             step("load_jit", ["--child", "mega-save", "--bundle", str(work / "jit"), "--artifacts", str(art), *common], 30)
         elif kind == "load" and what == "mega":

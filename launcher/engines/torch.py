@@ -624,6 +624,7 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
 
     from .onnx_torch import convert, to_device_shared
 
+    t0 = time.perf_counter()
     # weights equal to another engine's on this device are that engine's (the buckets of a dynamic batch)
     module = to_device_shared(convert(_branch_model(onnx_bytes), meta["dtype"], fuse_conv_relu=fuse), device)
     tensors = dict(module.named_buffers(), **dict(module.named_parameters()))
@@ -635,6 +636,7 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
                               f"converts to ({missing[:3] or 'shapes, strides or dtypes differ'}); rebuild the bundle")
     del module, tensors
     key = (hashlib.sha256(artifact).hexdigest(), f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device)
+    t1 = time.perf_counter()
     art = _LOADED_ARTIFACTS.get(key)
     if art is None:
         art = _load_artifact(artifact, meta, device)
@@ -645,6 +647,7 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
 
     run.params = params
     run.artifact = art
+    run.phases = {"weights": t1 - t0, "artifact": time.perf_counter() - t1}
     return run
 
 
@@ -838,6 +841,8 @@ class TorchEngine:
         self.dtype = compute_dtype(options.precision, device)
         self._tdtype = getattr(torch, self.dtype)
         t0 = time.perf_counter()
+        #: seconds of this engine's load by phase (bench/engine_artifacts.py sums them over a bundle)
+        self.phases: dict[str, float] = {}
         meta, onnx_bytes, package = unpack(data)
         self.meta = meta
         if package is not None:
@@ -850,6 +855,7 @@ class TorchEngine:
         if not self.compiled_at_load and meta.get("compiled") == "inductor":
             self._runner = _load_inductor(package, onnx_bytes, meta, device, fuse)
             self._fn = self._runner
+            self.phases.update(self._runner.phases)
         elif not self.compiled_at_load:
             self._runner = _load_package(package, torch.cuda.current_device() if device == "cuda" else -1)
             self._fn = self._run_package
@@ -861,8 +867,10 @@ class TorchEngine:
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}
         self.compile_s = 0.0
+        self.phases["prepare"] = time.perf_counter() - t0
         if device == "cuda":
             self._warm()
+            self.phases["warm"] = self.compile_s
         self.load_s = time.perf_counter() - t0
 
     def _run_package(self, *args) -> None:
