@@ -5,9 +5,10 @@ mkdir -p /tmp/ns/parastream
 for d in launcher pipeline rewrite; do ln -sfn "$PWD/$d" /tmp/ns/parastream/$d; done
 export PYTHONPATH=/tmp/ns:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
-# The device's torch tree holds no usable .pyc files: a fresh process compiled 1436 modules from source (6.1 s of a
-# profiled 100-engine load, stop 20), which a pip-installed torch never does. Compiled modules go to a writable
-# prefix instead, as an install would have written them next to the sources.
+# The device's Python runs with PYTHONDONTWRITEBYTECODE and its torch tree holds no .pyc files: every fresh process
+# compiled 1436 modules from source (6.1 s of a profiled 100-engine load, stop 20), which a pip-installed torch never
+# does. Compiled modules are written, to a prefix of their own, as an install would have written them.
+unset PYTHONDONTWRITEBYTECODE
 export PYTHONPYCACHEPREFIX=/tmp/pycache
 # Interpreters that ignore PYTHONPATH (Triton's Python backend stub embeds this Python in isolated mode: model.py
 # found no parastream) see the same folders through a .pth file in this interpreter's site-packages.

@@ -269,8 +269,6 @@ def child_build(args, res: dict) -> dict:
                       "compile_failed": sum(bool(e.get("aot_error")) for e in eng.values()),
                       "aot_errors": sorted({e["aot_error"] for e in eng.values() if e.get("aot_error")})[:3],
                       "compile_batch_s": max([e.get("compile_batch_s", 0) for e in eng.values()], default=0),
-                      "autotune_shipped": sum(e.get("autotune") is True for e in eng.values()),
-                      "autotune_errors": sorted({e["autotune"] for e in eng.values() if isinstance(e.get("autotune"), str)})[:3],
                       "cache_miss": sum(e.get("cache") == "miss" for e in eng.values()),
                       "package_mb": sum(e.get("package_bytes", 0) for e in eng.values()) / 2**20}
     v = rep.get("verification") or {}

@@ -247,8 +247,7 @@ def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, op
     from parastream.launcher.gpu import GpuLauncher
 
     with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
-        dest = _scratch_bundle(Path(tmp), model, graph, plan, backend, options, internal_nhwc)
-        return GpuLauncher(Bundle.open(dest, check_hashes=False))  # engines are in memory once loaded
+        return GpuLauncher(_scratch_bundle(Path(tmp), model, graph, plan, backend, options, internal_nhwc))  # engines are in memory once loaded
 
 
 def _compiles_for_layout(backend) -> bool:
@@ -278,6 +277,38 @@ def _record_measured_streams(streams_tried: list[dict], sched: Schedule) -> None
     for t in streams_tried:
         t["chosen"] = False
     streams_tried.append({"streams": sched.num_streams, "engines": len(sched.branches), "chosen": True, "measured": True})
+
+
+def _alternative_plans(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions, cost_model) -> list[tuple]:
+    """The engines ``time_alternatives`` will load besides the plan's own, as (model, graph, plan, options,
+    internal_nhwc), guessed before it runs: the first round's choice is unknown, so the later rounds are
+    taken with the fusion as it is (a choice that goes the other way compiles its engines then)."""
+    torch_engines = backend.name == "torch"
+    fused = bool(options.fuse_conv_relu and torch_engines)
+    out = []
+    if fused and _has_conv_relu(model):
+        out.append((model, graph, plan, replace(options, fuse_conv_relu=False), True))
+    out.append((model, graph, plan, options, False))
+    if plan.num_streams > 1:
+        sched1, _ = plan_streams(graph, cost_model, 1, 1)
+        out.append((model, graph, make_plan(graph, sched1, backend=plan.backend, precision=plan.precision,
+                                            suffix=backend.suffix, inputs=plan.inputs, outputs=plan.outputs), options, True))
+    return out
+
+
+def precompile_plans(backend, plans: list[tuple]) -> dict | None:
+    """Compile the engines of several plans ((model, graph, plan, options, internal_nhwc) each) in one batch of the
+    backend's compile workers (torch: ``precompile``); the engine writes that follow are cache hits.  None when
+    the backend compiles nothing for a layout."""
+    precompile = getattr(backend, "precompile", None)
+    if precompile is None or not _compiles_for_layout(backend):
+        return None
+    batches = []
+    for model, graph, plan, options, nhwc in plans:
+        builder = backend.Builder(options)
+        layouts = _engine_layouts(plan, backend, builder, options, nhwc)
+        batches.append((builder, [(extract_branch(model, graph, b), b.name, layouts(b).get("layout")) for b in plan.branches]))
+    return precompile(batches)
 
 
 def _has_conv_relu(model: onnx.ModelProto) -> bool:
@@ -367,13 +398,13 @@ def _compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
 
 
 def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
-                    internal_nhwc: bool = True) -> Path:
-    """A bundle of ``plan`` in ``dest`` to load and time (no report, no verification)."""
-    _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc)
-    (dest / "report.json").write_text("{}")
-    write_manifest(dest, {"backend": backend.name, "precision": plan.precision,
-                          "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)})
-    return dest
+                    internal_nhwc: bool = True) -> Bundle:
+    """A bundle of ``plan`` in ``dest`` to load and time: its plan and engines only (no model.onnx, report or
+    hashes: a launcher reads none of them, and the search writes one per candidate)."""
+    _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc, model_file=False)
+    return Bundle(path=dest, manifest={"backend": backend.name, "precision": plan.precision,
+                                       "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)},
+                  plan=plan, report={})
 
 
 CPU_MARGIN = 0.05  # a timed CPU alternative replaces the default only when at least this much faster (and beyond the spread)
@@ -578,17 +609,34 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     deadline = time.perf_counter() + budget_s
     ref: dict = {}
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
+    planned: dict[int, tuple] = {}  # id(model) -> (model, graph, plan): ``prepare`` plans what ``load`` loads
 
-    def load(model: onnx.ModelProto):
+    def plan_of(model: onnx.ModelProto) -> tuple:
+        got = planned.get(id(model))
+        if got is not None and got[0] is model:
+            return got[1:]
         if model is loaded.model:  # the search measures its input first: the loader's graph
-            graph = loaded.graph
+            m, graph = model, loaded.graph
         else:
-            model = _infer(model)
-            graph = graph_of(model)
+            m = _infer(model)
+            graph = graph_of(m)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
                          inputs=loaded.inputs, outputs=loaded.outputs)
-        return _scratch_launcher(model, graph, plan, backend, options)
+        planned[id(model)] = (model, m, graph, plan)
+        return m, graph, plan
+
+    def load(model: onnx.ModelProto):
+        m, graph, plan = plan_of(model)
+        return _scratch_launcher(m, graph, plan, backend, options)
+
+    def prepare(models: list[onnx.ModelProto]) -> dict | None:
+        """Compile the engines of every model the search may measure (the input first), and of the alternatives
+        the build will time if it keeps the input, in one batch: measuring a candidate then compiles nothing."""
+        plans = [(*plan_of(m), options, True) for m in models]
+        if plans:
+            plans += _alternative_plans(plans[0][0], plans[0][1], plans[0][2], backend, options, cost_model)
+        return precompile_plans(backend, plans)
 
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
@@ -612,6 +660,7 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
             ref.pop("launcher").close()
 
     measure.close = close
+    measure.prepare = prepare
     return measure
 
 
@@ -739,6 +788,7 @@ class _Build:
     plan: object = None
     engines_report: dict | None = None
     measured: dict | None = None
+    precompiled: dict | None = None  # the engines of the plan and its timed alternatives compiled in one batch
     report: dict | None = None
     manifest: dict | None = None
 
@@ -841,6 +891,9 @@ def build_engines(b: _Build, tmp: Path) -> None:
     """One engine per branch, written into the staging folder."""
     with b.timed("engines"):
         task = b.bar.step(f"build {len(b.plan.branches)} {b.backend.name} engines", total=len(b.plan.branches))
+        if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
+            b.precompiled = precompile_plans(b.backend, [(b.model, b.graph, b.plan, b.options, True)] + _alternative_plans(
+                b.model, b.graph, b.plan, b.backend, b.options, b.cost_model))
         b.engines_report = _write_engines(tmp, b.model, b.graph, b.plan, b.backend, b.options, str(b.loaded.path),
                                           task.advance, prebuilt=b.prebuilt)
         b.prebuilt = None
@@ -884,6 +937,7 @@ def write_report(b: _Build, tmp: Path) -> None:
         "cpu_choice": b.cpu_choice,
         "engines": b.engines_report,
         "measured_choices": b.measured,
+        "precompiled": b.precompiled,
         "verification": None,
         "timings": b.timings,
     }

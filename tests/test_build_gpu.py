@@ -113,7 +113,9 @@ def _fake_gpu(monkeypatch, times: dict):
     made = []
 
     def launcher(bundle, fuse_conv_relu=None, internal_nhwc=None):
-        la = types.SimpleNamespace(kind=("scratch" if bundle == "scratch" else "bundle", fuse_conv_relu, internal_nhwc),
+        # a scratch bundle (an alternative compiled for its own layout) is built in a parastream-measure- folder
+        scratch = bundle == "scratch" or "parastream-measure-" in str(getattr(bundle, "path", ""))
+        la = types.SimpleNamespace(kind=("scratch" if scratch else "bundle", fuse_conv_relu, internal_nhwc),
                                    nhwc={"t"}, closed=False)
         la.close = lambda: setattr(la, "closed", True)
         made.append(la)

@@ -97,3 +97,34 @@ def test_the_gpu_stage_rebuilds_the_engines_for_the_measured_choice(tmp_path, mo
     assert report["measured_choices"]["one_engine"] and report["schedule"]["streams"] == 1
     assert report["verification"]["passed"] and "measure_alternatives" in report["timings"]
     Bundle.open(bundle.path, check_hashes=True)
+
+
+def test_a_gpu_build_compiles_its_plan_and_the_alternatives_it_will_time_in_one_batch(tmp_path, monkeypatch):
+    """A GPU backend whose engines are compiled for the launcher's layout (torch) gets, before the engines are
+    written, one ``precompile`` call holding the plan and every alternative ``time_alternatives`` loads (here:
+    contiguous boundaries and one engine for the whole model), so that their compiles share the workers."""
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = True
+
+    class LayoutBuilder(real.Builder):
+        def build(self, branch, name, layout=None):  # compiled for a layout, as torch's builder is
+            return super().build(branch, name)
+
+    gpu_like.Builder = LayoutBuilder
+    batches = []
+    gpu_like.precompile = lambda b: batches.append([(builder.options, len(items)) for builder, items in b]) or {"jobs": 0}
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    monkeypatch.setattr(build_module, "_measure_alternatives", lambda *a: None)
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search=False)
+    assert len(batches) == 1
+    (plan_opts, n_plan), (contiguous_opts, n_contiguous), (_, n_one) = batches[0]
+    assert n_plan == n_contiguous == len(bundle.plan.branches) > 1 and n_one == 1
+    assert json.loads((tmp_path / "b" / "report.json").read_text())["precompiled"] == {"jobs": 0}
+    # without measurement nothing is timed, so only the plan's own engines are built (no batch)
+    build(SMALL_NET, tmp_path / "c", backend="onnxruntime", streams=2, search=False, measure=False)
+    assert len(batches) == 1

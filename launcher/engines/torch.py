@@ -44,7 +44,6 @@
 
 from __future__ import annotations
 
-import base64
 import contextlib
 import hashlib
 import io
@@ -81,15 +80,13 @@ FUSE_CONV_RELU = True
 #: "aoti"      an AOTInductor package (C++ wrapper compiled with g++ at build; on the H100 a 5-branch build did
 #:             not finish its compiles within 100 s);
 #: "jit"       the branch's ONNX alone, converted and compiled by torch.compile at every load (before issue 12).
-#: The default stays "jit" until the GPU comparison (bench/engine_artifacts.py) is in: one line to switch.
-DEFAULT_ARTIFACT = "jit"
+#: The default is "inductor": on the H100 (bench/engine_artifacts.py, Inception-v4, 82 engines, fresh processes) it
+#: loaded in a third of jit's time with the same latency, and its GPU tests pass (docs/torch-engines.md).
+DEFAULT_ARTIFACT = "inductor"
 ARTIFACTS = ("inductor", "aoti", "jit")
 #: PARASTREAM_AOT_COMPILE=1 (the opt-in before PARASTREAM_TORCH_ARTIFACT) still means "aoti"
 ARTIFACT = os.environ.get("PARASTREAM_TORCH_ARTIFACT") or (
     "aoti" if os.environ.get("PARASTREAM_AOT_COMPILE") == "1" else DEFAULT_ARTIFACT)
-#: inductor engines built on a GPU ship their kernels' autotuning choices (``_autotune``), so a load benchmarks
-#: nothing; PARASTREAM_INDUCTOR_AUTOTUNE=0 leaves them to be benchmarked at every load, as jit engines are
-SHIP_AUTOTUNE = os.environ.get("PARASTREAM_INDUCTOR_AUTOTUNE", "1") != "0"
 #: engine.json's ``compiled`` and the zip member holding the compiled code, per artifact
 _COMPILED = {"aoti": "aotinductor", "inductor": "inductor"}
 _MEMBER = {"aotinductor": "aoti.pt2", "inductor": "inductor.bin"}
@@ -285,7 +282,7 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     canon.graph.doc_string = ""
     h = hashlib.sha256(canon.SerializeToString(deterministic=True))
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
-                         "ship_autotune": SHIP_AUTOTUNE if artifact == "inductor" else None, "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
+                         "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
     return h.hexdigest()
@@ -326,6 +323,7 @@ def _cache_put(key: str, data: bytes, cache_dir: str | None) -> None:
 def clear_memory_cache() -> None:
     with _CACHE_LOCK:
         _CACHE.clear()
+    _FAILED.clear()
 
 
 # -- the module an engine runs ---------------------------------------------------------------------
@@ -464,43 +462,24 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         art.save(path=path, format="binary")
         data = Path(path).read_bytes()
     extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params)}
-    if device == "cuda" and SHIP_AUTOTUNE:
-        try:
-            tuned = _autotune(art, [*params, *args])
-        except Exception as e:  # noqa: BLE001 - the artifact is good without its choices: loads autotune, as jit's do
-            extra["autotune_error"] = _failure(e)
-        else:
-            if tuned:
-                extra["autotune"] = base64.b64encode(tuned).decode()
     return data, extra
 
 
-def _autotune(art, args: list) -> bytes | None:
-    """The artifact run once here, its Triton kernels' autotuning choices collected as Inductor cache artifacts
-    (``torch.compiler.load_cache_artifacts`` reads them): a kernel with several configs benchmarks them on its
-    first call, in every process that loads it unless its autotune cache holds the choice (Inception-v3 on the
-    H100: 103 benchmarks in one fresh-process load of 52 engines).  ``with_fresh_cache`` (torch.compiler's
-    private recorder scope) keeps the artifacts of other compiles in this process out; there is no public one."""
-    import torch
-    from torch.compiler._cache import CacheArtifactManager
-
-    with CacheArtifactManager.with_fresh_cache():
-        with torch.no_grad():
-            art(*args)
-        torch.cuda.synchronize()
-        got = CacheArtifactManager.serialize()
-    return got[0] if got else None
-
-
 def compile_workers() -> int:
-    """Processes that compile packages side by side (``PARASTREAM_COMPILE_WORKERS``; default: half the cores, at most 8)."""
+    """Processes that compile packages side by side (``PARASTREAM_COMPILE_WORKERS``; default: every core but one, at
+    most 16).  A worker compiles one kernel at a time (``compile_threads`` 1; ptxas is a process of its own), and
+    the build waits for the batch: on the H100's 16 cores, 8 workers left half of them idle."""
     env = os.environ.get("PARASTREAM_COMPILE_WORKERS")
     if env:
         return max(1, int(env))
-    return max(1, min(8, (os.cpu_count() or 1) // 2))
+    return max(1, min(16, (os.cpu_count() or 1) - 1))
 
 
 _POOL: dict = {}
+#: sha256 of a branch's ONNX -> the steps its conversion has: a build converts each branch once to check it
+_CONVERTED: dict[str, int] = {}
+#: cache key -> why Inductor could not compile that branch (in this process): not tried again
+_FAILED: dict[str, str] = {}
 
 
 def _worker_init() -> None:
@@ -630,19 +609,28 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
     from .onnx_torch import convert, to_device_shared
 
     t0 = time.perf_counter()
-    module = convert(_branch_model(onnx_bytes), meta["dtype"], fuse_conv_relu=fuse)
-    t_convert = time.perf_counter() - t0
-    # weights equal to another engine's on this device are that engine's (the buckets of a dynamic batch)
-    module = to_device_shared(module, device)
-    tensors = dict(module.named_buffers(), **dict(module.named_parameters()))
+    dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
+    # the weights of a branch.onnx already loaded by this process (the search's candidates, the build's timed
+    # alternatives and its verification reload every unchanged branch) are that load's tensors
+    wkey = (hashlib.sha256(onnx_bytes).hexdigest(), meta["dtype"], fuse, dev)
+    weights = _LOADED_WEIGHTS.get(wkey)
+    t_convert = 0.0
+    if weights is None:
+        module = convert(_branch_model(onnx_bytes), meta["dtype"], fuse_conv_relu=fuse)
+        t_convert = time.perf_counter() - t0
+        # weights equal to another engine's on this device are that engine's (the buckets of a dynamic batch)
+        module = to_device_shared(module, device)
+        # the module's own tensors (to_device_shared holds them weakly): the engines calling the artifact keep them
+        weights = _Weights(dict(module.named_buffers(), **dict(module.named_parameters())))
+        _LOADED_WEIGHTS[wkey] = weights
+        del module
     names = meta.get("params") or []
-    missing = [n for n in names if n not in tensors]
-    params = [tensors[n] for n in names if n in tensors]  # the module's own tensors: to_device_shared holds them weakly
+    missing = [n for n in names if n not in weights.tensors]
+    params = [weights.tensors[n] for n in names if n in weights.tensors]
     if missing or _param_specs(params) != meta.get("param_specs"):
         raise ParastreamError("the engine's Inductor artifact was compiled for other weights than its branch.onnx "
                               f"converts to ({missing[:3] or 'shapes, strides or dtypes differ'}); rebuild the bundle")
-    del module, tensors
-    key = (hashlib.sha256(artifact).hexdigest(), f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device)
+    key = (hashlib.sha256(artifact).hexdigest(), dev)
     t1 = time.perf_counter()
     art = _LOADED_ARTIFACTS.get(key)
     if art is None:
@@ -653,9 +641,25 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
         art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
 
     run.params = params
+    run.weights = weights
     run.artifact = art
     run.phases = {"convert": t_convert, "to_device": t1 - t0 - t_convert, "artifact": time.perf_counter() - t1}
     return run
+
+
+class _Weights:
+    """One branch.onnx's weights on a device, by name (a weakly referenced holder: ``_LOADED_WEIGHTS``)."""
+
+    __slots__ = ("tensors", "__weakref__")
+
+    def __init__(self, tensors: dict):
+        self.tensors = tensors
+
+
+#: Weights loaded in this process by (sha256 of branch.onnx, dtype, fusion, device): an engine of the same
+#: branch loaded again (another launcher of the same bundle, the search's candidates) converts nothing.
+#: Weak values: the weights go with the last engine that calls them.
+_LOADED_WEIGHTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 #: Artifacts loaded in this process, by content: the weights are the call's inputs, so one loaded artifact
@@ -671,8 +675,6 @@ def _load_artifact(artifact: bytes, meta: dict, device: str):
     import torch
     import torch._inductor
 
-    if meta.get("autotune"):  # the kernels' autotuning choices made at build, into this process's autotune cache
-        torch.compiler.load_cache_artifacts(base64.b64decode(meta["autotune"]))
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API loads from a path
         path = os.path.join(d, "inductor.bin")
         Path(path).write_bytes(artifact)
@@ -712,6 +714,14 @@ class Builder:
         return self.build_all([(branch, name, layout)])[0]
 
     def build_all(self, items: list[tuple[onnx.ModelProto, str, dict | None]]) -> list[bytes]:
+        out, todo, groups = self._jobs(items)
+        t0 = time.perf_counter()
+        compiled, failed = self._compile(todo, groups)
+        return self._finish(items, out, compiled, failed, t0)
+
+    def _jobs(self, items: list[tuple[onnx.ModelProto, str, dict | None]]) -> tuple[list, dict[str, tuple], dict[str, list[str]]]:
+        """(one entry per item: its engine bytes, or what to pack once compiled; key -> compile job for each
+        distinct branch that no cache holds; structure -> keys that one process compiles in turn)."""
         from .onnx_torch import convert
 
         device = self.options.device
@@ -723,18 +733,24 @@ class Builder:
         groups: dict[str, list[str]] = {}  # the jobs one process compiles in turn (``_compile``)
         for branch, name, layout in items:
             t0 = time.perf_counter()
-            try:
-                module = convert(branch, "float32")
-            except ParastreamError as e:
-                raise type(e)(f"{name}: {e}") from None  # the batch names the branch that failed
+            onnx_bytes = branch.SerializeToString()
+            digest = hashlib.sha256(onnx_bytes).hexdigest()
+            steps = _CONVERTED.get(digest)
+            if steps is None:  # a branch converted before in this process (the search's candidates share most)
+                try:
+                    steps = len(convert(branch, "float32")._steps)
+                except ParastreamError as e:
+                    raise type(e)(f"{name}: {e}") from None  # the batch names the branch that failed
+                if len(_CONVERTED) > 4096:
+                    _CONVERTED.clear()
+                _CONVERTED[digest] = steps
             ops: dict[str, int] = {}
             for n in branch.graph.node:
                 ops[n.op_type] = ops.get(n.op_type, 0) + 1
-            rep = {"nodes": len(branch.graph.node), "torch_steps": len(module._steps), "ops": ops,
+            rep = {"nodes": len(branch.graph.node), "torch_steps": steps, "ops": ops,
                    "compile": bool(self.options.compile), "precision": self.options.precision,
                    "convert_s": round(time.perf_counter() - t0, 4), "compiled": None}
             self._report[name] = rep
-            onnx_bytes = branch.SerializeToString()
             if layout is None or not self.options.compile or self.artifact == "jit":
                 out.append(pack({"format": ENGINE_FORMAT, "compiled": None}, onnx_bytes, None))
                 continue
@@ -742,7 +758,7 @@ class Builder:
             nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
             key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact)
             package, where = cache_get(key, self.options.cache_dir)
-            if package is None and key not in todo:
+            if package is None and key not in todo and key not in _FAILED:
                 todo[key] = (self.artifact, onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
                 # an AOTInductor package embeds its weights: nothing to share, every job its own group
                 group = structure_key(branch, sig) if self.artifact == "inductor" else key
@@ -753,13 +769,15 @@ class Builder:
                     "fuse_conv_relu": fuse, "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}
             out.append((key, name, meta, onnx_bytes, package))
+        return out, todo, groups
 
-        t0 = time.perf_counter()
-        compiled, failed = self._compile(todo, groups)
+    def _finish(self, items: list, out: list, compiled: dict[str, bytes], failed: dict[str, str], t0: float) -> list[bytes]:
         for i, item in enumerate(out):
             if isinstance(item, bytes):
                 continue
             key, name, meta, onnx_bytes, package = item
+            if key not in failed and key in _FAILED and package is None and key not in compiled:
+                failed[key] = _FAILED[key]  # failed in an earlier batch of this process (``precompile``)
             if key in failed:  # Inductor could not compile it: the ONNX ships, compiled at every load (reported)
                 self._report[name].update(compiled=None, aot_error=failed[key])
                 out[i] = pack({"format": ENGINE_FORMAT, "compiled": None, "aot_error": failed[key]}, onnx_bytes, None)
@@ -767,8 +785,6 @@ class Builder:
             # a hit, or compiled by this batch (once per distinct branch)
             package, extra = _split_entry(package or compiled[key])
             self._report[name]["package_bytes"] = len(package)
-            if self.artifact == "inductor" and device == "cuda":  # its kernels' autotuning choices shipped or why not
-                self._report[name]["autotune"] = extra.get("autotune_error") or bool(extra.get("autotune"))
             out[i] = pack(dict(meta, **extra), onnx_bytes, package)
         for item in items:  # the compile time is the batch's (its packages compile side by side)
             if self._report[item[1]].get("cache") == "miss":
@@ -789,7 +805,14 @@ class Builder:
         results: dict[str, bytes | str] = {}
         if workers > 1:
             pool = _pool(compile_workers())
-            futures = {g: pool.submit(_compile_group, [todo[k] for k in ks]) for g, ks in groups.items()}
+            # the longest groups first (a group's first branch compiles, the rest are mostly Inductor cache hits):
+            # a large branch started last would hold the batch up while every other worker idles
+            def work(ks: list[str]) -> float:
+                nodes = [len(onnx.load_from_string(todo[k][1]).graph.node) for k in ks[:1]]
+                return nodes[0] * (1 + 0.2 * (len(ks) - 1))
+
+            order = sorted(groups, key=lambda g: -work(groups[g]))
+            futures = {g: pool.submit(_compile_group, [todo[k] for k in groups[g]]) for g in order}
             for g, f in futures.items():
                 try:
                     results.update(zip(groups[g], f.result()))
@@ -801,7 +824,7 @@ class Builder:
         done, failed = {}, {}
         for k, r in results.items():
             if isinstance(r, str):
-                failed[k] = r
+                failed[k] = _FAILED[k] = r
             else:
                 done[k] = r
                 _cache_put(k, r, self.options.cache_dir)
@@ -812,6 +835,39 @@ class Builder:
 
     def close(self) -> None:
         pass
+
+
+def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, dict | None]]]]) -> dict:
+    """Compile, in one batch over every worker, what ``builder.build_all(items)`` would compile for each
+    (builder, items) pair, and keep it in the compiled-branch cache: the later ``build_all`` calls are hits.
+
+    A GPU build loads several plans in turn (the input and the search's candidates, each alternative it times);
+    compiled one plan at a time, each batch waits for its slowest branch while the other workers idle, and a
+    candidate measured early holds back the compiles of the later ones.  Returns {"jobs", "failed", "s"}."""
+    t0 = time.perf_counter()
+    todo: dict[str, tuple] = {}
+    groups: dict[str, list[str]] = {}
+    first = None
+    for builder, items in batches:
+        if builder.artifact == "jit" or not builder.options.compile:
+            continue
+        first = first or builder
+        _, t, g = builder._jobs(items)
+        for k, job in t.items():
+            todo.setdefault(k, job)
+        for gk, keys in g.items():
+            into = groups.setdefault(gk, [])
+            into.extend(k for k in keys if k not in into)
+    if first is None or not todo:
+        return {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
+    # a key in two batches joins the group it was first seen in
+    seen: set[str] = set()
+    for gk in list(groups):
+        groups[gk] = [k for k in groups[gk] if not (k in seen or seen.add(k))]
+        if not groups[gk]:
+            del groups[gk]
+    _, failed = first._compile(todo, groups)
+    return {"jobs": len(todo), "failed": len(failed), "s": round(time.perf_counter() - t0, 3)}
 
 
 def _wrap(ptr: int, spec: TensorSpec, nhwc: bool, view: tuple[int, int] | None = None):

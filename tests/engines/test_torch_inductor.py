@@ -131,32 +131,21 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
     np.testing.assert_allclose(np.load(tmp_path / "branch_001.npy"), ort(branch(2), x), rtol=1e-5, atol=1e-5)
 
 
-def test_autotuning_choices_shipped_in_the_engine_fill_the_autotune_cache_of_a_fresh_process(built, tmp_path):
-    """A GPU build ships its Triton kernels' autotuning choices (engine.json ``autotune``: Inductor cache
-    artifacts); a load puts them into its autotune cache before the kernels' first call, so they benchmark
-    nothing.  (CPU kernels have no runtime autotuning: here the artifact is made by hand, in the format
-    ``_autotune`` collects.)"""
-    import base64
-
-    from torch.compiler._cache import CacheArtifactManager
-
-    best = {"XBLOCK": 128, "num_warps": 4, "num_stages": 1, "configs_hash": "c0ffee", "found_by_coordesc": False}
-    with CacheArtifactManager.with_fresh_cache():
-        CacheArtifactManager.record_artifact("autotune", "zz/parastreamtest.best_config", best)
-        blob = CacheArtifactManager.serialize()[0]
-    meta, onnx_bytes, artifact = tb.unpack(built.a)
-    (tmp_path / "e.zip").write_bytes(tb.pack(dict(meta, autotune=base64.b64encode(blob).decode()), onnx_bytes, artifact))
-    script = textwrap.dedent(f"""
-        from parastream.launcher.engines import torch as tb
-        from parastream.launcher.plan import TensorSpec
-        tb.load(open({str(tmp_path / "e.zip")!r}, "rb").read(), [TensorSpec("x", "float32", {IN.shape})],
-                [TensorSpec("y", "float32", {OUT.shape})], device="cpu")
-    """)
-    cache = tmp_path / "empty-inductor"
-    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300,
-                       env=dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache), TRITON_CACHE_DIR=str(tmp_path / "t")))
-    assert p.returncode == 0, p.stderr[-2000:]
-    assert json.loads((cache / "zz" / "parastreamtest.best_config").read_text()) == best
+def test_an_engine_loaded_again_in_a_process_converts_nothing_and_shares_the_weights(built):
+    """The search's candidates and the build's alternatives reload unchanged branches: the second load of the same
+    engine file takes the first one's weights (no conversion) and artifact, and computes the same; another
+    branch's engine (same structure, same artifact bytes) has its own weights."""
+    x = np.random.default_rng(9).standard_normal(IN.shape).astype(np.float32)
+    first = tb.load(built.a, [IN], [OUT], device="cpu")
+    again = tb.load(built.a, [IN], [OUT], device="cpu")
+    other = tb.load(built.b, [IN], [OUT], device="cpu")
+    assert again.phases["convert"] == 0.0 and first.phases["convert"] > 0.0
+    assert all(p is q for p, q in zip(again._runner.params, first._runner.params))
+    assert again._runner.artifact is first._runner.artifact
+    assert other._runner.weights is not first._runner.weights  # (equal constants, like the 0.5, are shared)
+    assert not all(p is q for p, q in zip(other._runner.params, first._runner.params))
+    np.testing.assert_array_equal(again.run({"x": x})["y"], first.run({"x": x})["y"])
+    np.testing.assert_allclose(other.run({"x": x})["y"], ort(branch(2), x), rtol=1e-5, atol=1e-5)
 
 
 def test_the_other_branch_computes_with_its_own_weights(built):

@@ -163,6 +163,33 @@ def test_measured_candidates_decide(zoo_model):
     Console(file=open("/dev/null", "w")).print(format_report(report))
 
 
+def test_the_measure_callback_is_prepared_with_every_model_it_will_measure_in_order(zoo_model):
+    """``measure.prepare(models)`` (a GPU build compiles their engines in one batch) is called once, before the
+    first measurement, with the input first and then each candidate in the order they are measured."""
+    m = zoo_model("inception_block")
+    events = []
+
+    def measure(model):
+        events.append(("measure", id(model)))
+        return 1e-4 * len(model.graph.node)
+
+    measure.prepare = lambda models: events.append(("prepare", [id(x) for x in models])) or {"jobs": len(models)}
+    out, report = optimize(m, measure=measure, top_k=5)
+    assert events[0][0] == "prepare" and [e[0] for e in events[1:]] == ["measure"] * (len(events) - 1)
+    prepared = events[0][1]
+    assert prepared[0] == id(m) and [e[1] for e in events[1:]] == prepared[:len(events) - 1]
+    assert len(prepared) >= 2 and report["prepared"] == {"jobs": len(prepared)}
+    assert report["decided_by"] == "measured"
+
+    def failing(models):
+        raise RuntimeError("no compile workers")
+
+    measure.prepare = failing
+    events.clear()
+    out, report = optimize(m, measure=measure, top_k=5)  # measuring compiles what preparing could not
+    assert report["prepared"] == {"error": "RuntimeError: no compile workers"} and report["decided_by"] == "measured"
+
+
 def test_a_rewrite_must_beat_the_input_by_the_margin(zoo_model):
     """Rewrites measured within 2% of the input are noise: the input stays; 5% faster is taken."""
     m = zoo_model("inception_block")

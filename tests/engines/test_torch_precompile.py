@@ -1,0 +1,90 @@
+"""``precompile``: the compile jobs of several builds gathered into one batch, each distinct branch compiled once,
+the later ``build_all`` calls cache hits; a branch Inductor could not compile is not tried again.  Inductor itself
+is replaced by a counting stand-in (the real compile is tested in test_torch_inductor.py)."""
+
+from __future__ import annotations
+
+import hashlib
+
+import pytest
+
+pytest.importorskip("torch")
+
+from parastream.launcher.engines import BuildOptions  # noqa: E402
+from parastream.launcher.engines import torch as tb  # noqa: E402
+from test_torch_aoti import LAYOUT, branch  # noqa: E402
+
+@pytest.fixture
+def compiles(monkeypatch):
+    """Inductor replaced by a stand-in that records what it compiles; branch(3) fails to compile."""
+    calls = []
+
+    def fake(br, inputs, outputs, device, dtype, nhwc, views, options):
+        digest = hashlib.sha256(br.SerializeToString()).hexdigest()[:12]
+        calls.append((digest, tuple(sorted(nhwc))))
+        if br.graph.name == "bad":
+            raise RuntimeError("Inductor cannot")
+        return f"artifact {digest} {sorted(nhwc)}".encode(), {"params": [], "param_specs": []}
+
+    monkeypatch.setattr(tb, "compile_inductor", fake)
+    monkeypatch.setattr(tb, "ARTIFACT", "inductor")
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
+    tb.clear_memory_cache()
+    yield calls
+    tb.clear_memory_cache()
+
+
+def _bad():
+    b = branch(3)
+    b.graph.name = "bad"
+    return b
+
+
+def test_one_batch_compiles_each_distinct_branch_once_and_later_builds_hit(compiles):
+    o3, o5 = BuildOptions(device="cpu"), BuildOptions(device="cpu", optimization_level=5)
+    a = [(branch(1), "a0", LAYOUT), (branch(2), "a1", LAYOUT)]
+    b = [(branch(1), "b0", LAYOUT), (branch(2), "b1", LAYOUT)]  # another plan sharing both branches
+    c = [(branch(2), "c0", LAYOUT)]  # branch 2 again, with other options: another engine
+    batches = [(o3, a), (o3, b), (o5, c)]
+    got = tb.precompile([(tb.Builder(o), items) for o, items in batches])
+    assert got["jobs"] == 3 and got["failed"] == 0 and len(compiles) == 3
+    keys = set()
+    for o, items in batches:
+        builder = tb.Builder(o)
+        datas = builder.build_all(items)
+        assert len(compiles) == 3  # nothing compiled again
+        assert all(r["cache"] == "memory" for r in builder.report().values())
+        assert all(tb.unpack(d)[0]["compiled"] == "inductor" for d in datas)
+        keys |= {tb.unpack(d)[0]["key"] for d in datas}
+    assert len(keys) == 3
+
+
+def test_a_branch_that_failed_in_the_batch_is_not_compiled_again_and_ships_its_onnx(compiles):
+    got = tb.precompile([(tb.Builder(BuildOptions(device="cpu")), [(_bad(), "x0", LAYOUT), (branch(1), "x1", LAYOUT)])])
+    assert got == {"jobs": 2, "failed": 1, "s": got["s"]}
+    builder = tb.Builder(BuildOptions(device="cpu"))
+    bad, good = builder.build_all([(_bad(), "x0", LAYOUT), (branch(1), "x1", LAYOUT)])
+    assert len(compiles) == 2
+    meta, _, package = tb.unpack(bad)
+    assert package is None and meta["aot_error"].startswith("RuntimeError: Inductor cannot")
+    assert builder.report()["x0"]["aot_error"] and tb.unpack(good)[2] is not None
+
+
+def test_jit_builds_and_uncompiled_options_add_no_jobs(compiles, monkeypatch):
+    items = [(branch(1), "a0", LAYOUT)]
+    assert tb.precompile([(tb.Builder(BuildOptions(device="cpu", compile=False)), items)])["jobs"] == 0
+    monkeypatch.setattr(tb, "ARTIFACT", "jit")
+    assert tb.precompile([(tb.Builder(BuildOptions(device="cpu")), items)])["jobs"] == 0
+    assert compiles == []
+
+
+def test_a_branch_converted_once_is_not_converted_again(compiles, monkeypatch):
+    """``build_all`` converts each branch to check it; the same branch in a later build of this process is not."""
+    from parastream.launcher.engines import onnx_torch
+
+    real, n = onnx_torch.convert, []
+    monkeypatch.setattr(onnx_torch, "convert", lambda *a, **k: n.append(1) or real(*a, **k))
+    tb._CONVERTED.clear()
+    for _ in range(2):
+        tb.Builder(BuildOptions(device="cpu")).build_all([(branch(1), "a0", None), (branch(2), "a1", None)])
+    assert len(n) == 2
