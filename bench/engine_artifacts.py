@@ -263,7 +263,10 @@ def child_build(args, res: dict) -> dict:
     cands = s.get("candidates", [])
     res["search"] = {"candidates": len(cands), "measured": sum(c.get("measured_s") is not None for c in cands),
                      "measured_top20": sum(c.get("measured_s") is not None for c in cands if (c.get("rank") or 99) <= 20),
-                     "decided_by": s.get("decided_by"), "nodes_before": s.get("nodes_before"), "nodes_after": s.get("nodes_after")}
+                     "decided_by": s.get("decided_by"), "nodes_before": s.get("nodes_before"), "nodes_after": s.get("nodes_after"),
+                     "prepared": s.get("prepared"), "search_timings": s.get("timings")}
+    res["precompiled"] = rep.get("precompiled")
+    res["measured_choices"] = [(r["choice"], r["won"]) for r in (rep.get("measured_choices") or {}).get("rounds", [])]
     eng = rep.get("engines", {})
     res["engines"] = {"branches": len(eng), "compiled": sum(e.get("compiled") in ("aotinductor", "inductor") for e in eng.values()),
                       "compile_failed": sum(bool(e.get("aot_error")) for e in eng.values()),
@@ -298,7 +301,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=520, help="stop starting steps after this long; no step outlives it")
     ap.add_argument("--step-seconds", type=float, default=200, help="the most one step may take")
-    ap.add_argument("--measure-seconds", type=float, default=30.0)
+    ap.add_argument("--measure-seconds", type=float, default=300.0, help="the build's default budget")
     ap.add_argument("--steps", default=None, help="GPU default: " + ",".join(GPU_STEPS) + "; --cpu: inductor,aoti,jit,mega")
     # child mode
     ap.add_argument("--cpu", action="store_true", help="the CPU proxy (no GPU): per branch of --model (a zoo model)")
