@@ -264,7 +264,7 @@ def child_build(args, res: dict) -> dict:
     res["search"] = {"candidates": len(cands), "measured": sum(c.get("measured_s") is not None for c in cands),
                      "measured_top20": sum(c.get("measured_s") is not None for c in cands if (c.get("rank") or 99) <= 20),
                      "decided_by": s.get("decided_by"), "nodes_before": s.get("nodes_before"), "nodes_after": s.get("nodes_after"),
-                     "prepared": s.get("prepared"), "search_timings": s.get("timings")}
+                     "prepared": s.get("prepared"), "search_timings": s.get("timings"), "measure_log": s.get("measure_log")}
     res["precompiled"] = rep.get("precompiled")
     res["measured_choices"] = [(r["choice"], r["won"]) for r in (rep.get("measured_choices") or {}).get("rounds", [])]
     eng = rep.get("engines", {})

@@ -170,12 +170,13 @@ def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
 
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
                    label: str, on_branch=None, internal_nhwc: bool = True, prebuilt: dict | None = None,
-                   model_file: bool = True) -> dict:
+                   model_file: bool = True, sink: dict | None = None) -> dict:
     """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report.
 
     Engines that are compiled for the launcher's tensor layout (torch) are compiled for the layout a
     launcher of this plan uses with ``internal_nhwc`` (what manifest.json will say).  ``prebuilt``:
-    {branch name: (engine file, builder report)} of this same plan, built already (the CPU alternative kept)."""
+    {branch name: (engine file, builder report)} of this same plan, built already (the CPU alternative kept).
+    ``sink``: a dict that gets each engine's bytes by file name instead of ``dest`` (a scratch bundle in memory)."""
     if prebuilt is not None and set(prebuilt) == {b.name for b in plan.branches}:
         (dest / "engines").mkdir(exist_ok=True)
         onnx.save(model, dest / "model.onnx")
@@ -185,10 +186,11 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
             if on_branch:
                 on_branch()
         return {name: rep for name, (_, rep) in prebuilt.items() if rep is not None}
-    (dest / "engines").mkdir(exist_ok=True)
-    if model_file:
-        onnx.save(model, dest / "model.onnx")
-    plan.save(dest / "plan.json")
+    if sink is None:
+        (dest / "engines").mkdir(exist_ok=True)
+        if model_file:
+            onnx.save(model, dest / "model.onnx")
+        plan.save(dest / "plan.json")
     builder = backend.Builder(options)
     layouts = _engine_layouts(plan, backend, builder, options, internal_nhwc)
     try:
@@ -202,7 +204,10 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
             else:
                 with _naming_failures(label, backend, b):
                     data = builder.build(extract_branch(model, graph, b), b.name, **layouts(b))
-            (dest / b.engine).write_bytes(data)
+            if sink is not None:
+                sink[b.engine] = data
+            else:
+                (dest / b.engine).write_bytes(data)
             if on_branch:
                 on_branch()
         return builder.report()
@@ -247,7 +252,11 @@ def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, op
     from parastream.launcher.gpu import GpuLauncher
 
     with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
-        return GpuLauncher(_scratch_bundle(Path(tmp), model, graph, plan, backend, options, internal_nhwc))  # engines are in memory once loaded
+        bundle = _scratch_bundle(Path(tmp), model, graph, plan, backend, options, internal_nhwc)
+        t_built = time.perf_counter()
+        la = GpuLauncher(bundle)
+        la.t_built = t_built  # when its engines were built (the search's measurement log)
+        return la
 
 
 def _compiles_for_layout(backend) -> bool:
@@ -296,10 +305,10 @@ def _alternative_plans(model: onnx.ModelProto, graph: gs.Graph, plan, backend, o
     return out
 
 
-def precompile_plans(backend, plans: list[tuple]) -> dict | None:
+def precompile_plans(backend, plans: list[tuple], background: bool = False, cancellable: bool = True) -> dict | None:
     """Compile the engines of several plans ((model, graph, plan, options, internal_nhwc) each) in one batch of the
-    backend's compile workers (torch: ``precompile``); the engine writes that follow are cache hits.  None when
-    the backend compiles nothing for a layout."""
+    backend's compile workers (torch: ``precompile``); the engine writes that follow are cache hits (or wait for
+    the branch, when ``background`` left it compiling).  None when the backend compiles nothing for a layout."""
     precompile = getattr(backend, "precompile", None)
     if precompile is None or not _compiles_for_layout(backend):
         return None
@@ -308,7 +317,7 @@ def precompile_plans(backend, plans: list[tuple]) -> dict | None:
         builder = backend.Builder(options)
         layouts = _engine_layouts(plan, backend, builder, options, nhwc)
         batches.append((builder, [(extract_branch(model, graph, b), b.name, layouts(b).get("layout")) for b in plan.branches]))
-    return precompile(batches)
+    return precompile(batches, background=background, cancellable=cancellable) if background else precompile(batches)
 
 
 def _has_conv_relu(model: onnx.ModelProto) -> bool:
@@ -397,14 +406,26 @@ def _compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
     return _compiles_for_layout(backend) and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"])
 
 
+@dataclass
+class _ScratchBundle(Bundle):
+    """A bundle to load and time whose engines stay in memory: the search loads one per candidate, and writing
+    then reading back every engine (330 MB for Inception-v4) cost more than building them from the cache."""
+
+    engines: dict = field(default_factory=dict)
+
+    def engine_bytes(self, branch) -> bytes:
+        return self.engines[branch.engine]
+
+
 def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
                     internal_nhwc: bool = True) -> Bundle:
-    """A bundle of ``plan`` in ``dest`` to load and time: its plan and engines only (no model.onnx, report or
-    hashes: a launcher reads none of them, and the search writes one per candidate)."""
-    _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc, model_file=False)
-    return Bundle(path=dest, manifest={"backend": backend.name, "precision": plan.precision,
-                                       "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)},
-                  plan=plan, report={})
+    """A bundle of ``plan`` to load and time: its plan and engines only, in memory (no model.onnx, report or
+    hashes: a launcher reads none of them); ``dest`` is the folder its engine paths are named under."""
+    engines: dict = {}
+    _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc, sink=engines)
+    return _ScratchBundle(path=dest, manifest={"backend": backend.name, "precision": plan.precision,
+                                               "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)},
+                          plan=plan, report={}, engines=engines)
 
 
 CPU_MARGIN = 0.05  # a timed CPU alternative replaces the default only when at least this much faster (and beyond the spread)
@@ -606,7 +627,8 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     if cuda_device_count() < 1:
         return None
 
-    deadline = time.perf_counter() + budget_s
+    t_made = time.perf_counter()
+    deadline = t_made + budget_s
     ref: dict = {}
     calls = [0]  # models asked for so far (the first two are measured whatever the budget)
     planned: dict[int, tuple] = {}  # id(model) -> (model, graph, plan): ``prepare`` plans what ``load`` loads
@@ -626,17 +648,26 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
         planned[id(model)] = (model, m, graph, plan)
         return m, graph, plan
 
+    log: list[dict] = []  # per model measured: when it started (s after this measurer was made) and its steps
+
     def load(model: onnx.ModelProto):
         m, graph, plan = plan_of(model)
-        return _scratch_launcher(m, graph, plan, backend, options)
+        t0 = time.perf_counter()
+        la = _scratch_launcher(m, graph, plan, backend, options)
+        log[-1].update(build_s=round(la.t_built - t0, 3), load_s=round(time.perf_counter() - la.t_built, 3))
+        return la
 
     def prepare(models: list[onnx.ModelProto]) -> dict | None:
-        """Compile the engines of every model the search may measure (the input first), and of the alternatives
-        the build will time if it keeps the input, in one batch: measuring a candidate then compiles nothing."""
+        """Start compiling the engines of every model the search may measure, in the order it measures them (the
+        input first), then of the alternatives the build will time if it keeps the input, on every compile
+        worker in the background: each candidate is measured as soon as its own engines are compiled, while the
+        workers go on with the next ones, and the budget's end cancels what has not started."""
         plans = [(*plan_of(m), options, True) for m in models]
-        if plans:
-            plans += _alternative_plans(plans[0][0], plans[0][1], plans[0][2], backend, options, cost_model)
-        return precompile_plans(backend, plans)
+        got = precompile_plans(backend, plans, background=True)
+        if plans and got is not None and got.get("background") is True:  # kept when the budget cancels the rest
+            alternatives = _alternative_plans(plans[0][0], plans[0][1], plans[0][2], backend, options, cost_model)
+            got["alternatives"] = precompile_plans(backend, alternatives, background=True, cancellable=False)
+        return got
 
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
@@ -644,23 +675,31 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
         if calls[0] >= 2 and time.perf_counter() > deadline:
             raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
         calls[0] += 1
+        log.append({"start_s": round(time.perf_counter() - t_made, 3)})
         la = load(model)
+        t0 = time.perf_counter()
         if not ref:
             ms = float(np.median(time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]))
             ref.update(launcher=la, ms=ms)
+            log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
             return ms / 1e3
         try:
             times = time_replays({"reference": ref["launcher"], "candidate": la}, runs=runs, warmup=warmup)
         finally:
             la.close()
+        log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
         return float(np.median(times["candidate"]) / np.median(times["reference"]) * ref["ms"]) / 1e3
 
     def close() -> None:
+        cancel = getattr(backend, "cancel_precompile", None)
+        if cancel is not None:  # what ``prepare`` queued and no measurement needs any more
+            cancel()
         if "launcher" in ref:
             ref.pop("launcher").close()
 
     measure.close = close
     measure.prepare = prepare
+    measure.log = log
     return measure
 
 
@@ -852,6 +891,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             if measurer is not None:
                 measurer.close()
         b.search_report = dict(report, enabled=True)
+        if measurer is not None:
+            b.search_report["measure_log"] = measurer.log
         b.model, b.graph = _after_search(b.model, b.graph, searched)
         task.advance()
 

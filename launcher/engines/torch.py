@@ -611,8 +611,10 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
     t0 = time.perf_counter()
     dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
     # the weights of a branch.onnx already loaded by this process (the search's candidates, the build's timed
-    # alternatives and its verification reload every unchanged branch) are that load's tensors
-    wkey = (hashlib.sha256(onnx_bytes).hexdigest(), meta["dtype"], fuse, dev)
+    # alternatives and its verification reload every unchanged branch) are that load's tensors.  Keyed by the
+    # engine's cache key (a sha256 of its branch graph, weights included, taken at build; the manifest's hash
+    # covers the file) rather than hashing 170 MB of weights again at every load of an Inception-v4.
+    wkey = (meta.get("key") or hashlib.sha256(onnx_bytes).hexdigest(), meta["dtype"], fuse, dev)
     weights = _LOADED_WEIGHTS.get(wkey)
     t_convert = 0.0
     if weights is None:
@@ -719,9 +721,11 @@ class Builder:
         compiled, failed = self._compile(todo, groups)
         return self._finish(items, out, compiled, failed, t0)
 
-    def _jobs(self, items: list[tuple[onnx.ModelProto, str, dict | None]]) -> tuple[list, dict[str, tuple], dict[str, list[str]]]:
+    def _jobs(self, items: list[tuple[onnx.ModelProto, str, dict | None]], wait: bool = True
+              ) -> tuple[list, dict[str, tuple], dict[str, list[str]]]:
         """(one entry per item: its engine bytes, or what to pack once compiled; key -> compile job for each
-        distinct branch that no cache holds; structure -> keys that one process compiles in turn)."""
+        distinct branch that no cache holds; structure -> keys that one process compiles in turn).  A branch
+        that a background ``precompile`` is compiling is waited for (``wait``) or left to it."""
         from .onnx_torch import convert
 
         device = self.options.device
@@ -758,6 +762,12 @@ class Builder:
             nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
             key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact)
             package, where = cache_get(key, self.options.cache_dir)
+            if package is None and key in _INFLIGHT:
+                if not wait:
+                    continue
+                _INFLIGHT[key].wait()  # compiled by a worker already on it (a cancelled one leaves it to us)
+                package, where = cache_get(key, self.options.cache_dir)
+                where = "memory (compiled in the background)" if package is not None else where
             if package is None and key not in todo and key not in _FAILED:
                 todo[key] = (self.artifact, onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
                 # an AOTInductor package embeds its weights: nothing to share, every job its own group
@@ -837,22 +847,29 @@ class Builder:
         pass
 
 
-def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, dict | None]]]]) -> dict:
+def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, dict | None]]]], *,
+               background: bool = False, cancellable: bool = True) -> dict:
     """Compile, in one batch over every worker, what ``builder.build_all(items)`` would compile for each
     (builder, items) pair, and keep it in the compiled-branch cache: the later ``build_all`` calls are hits.
 
     A GPU build loads several plans in turn (the input and the search's candidates, each alternative it times);
-    compiled one plan at a time, each batch waits for its slowest branch while the other workers idle, and a
-    candidate measured early holds back the compiles of the later ones.  Returns {"jobs", "failed", "s"}."""
+    compiled one plan at a time, each batch waits for its slowest branch while the other workers idle.
+    ``background``: return at once while the workers compile, the batches' jobs queued in the order given
+    (the search measures its candidates in that order: the first is compiled first, and a ``build_all`` that
+    needs a branch still compiling waits for it); with one worker, nothing is compiled ahead.
+    ``cancel_precompile()`` drops the ``cancellable`` ones that have not started.  Returns {"jobs", "failed",
+    "s"} (``background``: jobs queued)."""
     t0 = time.perf_counter()
     todo: dict[str, tuple] = {}
     groups: dict[str, list[str]] = {}
     first = None
+    if background and compile_workers() <= 1:
+        return {"jobs": 0, "failed": 0, "s": 0.0, "background": "one compile worker: compiled when measured"}
     for builder, items in batches:
         if builder.artifact == "jit" or not builder.options.compile:
             continue
         first = first or builder
-        _, t, g = builder._jobs(items)
+        _, t, g = builder._jobs(items, wait=not background)
         for k, job in t.items():
             todo.setdefault(k, job)
         for gk, keys in g.items():
@@ -866,8 +883,61 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         groups[gk] = [k for k in groups[gk] if not (k in seen or seen.add(k))]
         if not groups[gk]:
             del groups[gk]
+    if background:
+        _submit(todo, groups, first.options.cache_dir, cancellable)
+        return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3)}
     _, failed = first._compile(todo, groups)
     return {"jobs": len(todo), "failed": len(failed), "s": round(time.perf_counter() - t0, 3)}
+
+
+class _Inflight:
+    """A group of compile jobs running in the workers: ``wait()`` returns once its results are in the cache."""
+
+    def __init__(self, keys: list[str], cache_dir: str | None, cancellable: bool = True):
+        self.keys, self.cache_dir, self.cancellable = keys, cache_dir, cancellable
+        self.done = threading.Event()
+        self.future = None
+
+    def wait(self) -> None:
+        self.done.wait()
+
+    def store(self, future) -> None:  # the future's callback (the pool's thread): results into the cache, then done
+        try:
+            results = future.result()
+        except BaseException as e:  # noqa: BLE001 - cancelled or a dead worker: the waiter compiles or reports it
+            results = None if future.cancelled() else [_failure(e)] * len(self.keys)
+        for k, r in zip(self.keys, results or []):
+            if isinstance(r, str):
+                _FAILED[k] = r
+            else:
+                _cache_put(k, r, self.cache_dir)
+        for k in self.keys:
+            if _INFLIGHT.get(k) is self:
+                del _INFLIGHT[k]
+        self.done.set()
+
+
+#: cache key -> the group compiling it in the background (``precompile(background=True)``)
+_INFLIGHT: dict[str, _Inflight] = {}
+
+
+def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool) -> None:
+    pool = _pool(compile_workers())
+    for keys in groups.values():  # in the order given: the first batch's groups first
+        job = _Inflight(keys, cache_dir, cancellable)
+        for k in keys:
+            _INFLIGHT[k] = job
+        job.future = pool.submit(_compile_group, [todo[k] for k in keys])
+        job.future.add_done_callback(job.store)
+
+
+def cancel_precompile() -> int:
+    """Drop the background compiles that have not started (the search's budget is spent); returns how many."""
+    n = 0
+    for job in {id(j): j for j in list(_INFLIGHT.values())}.values():
+        if job.cancellable and job.future is not None and job.future.cancel():
+            n += 1
+    return n
 
 
 def _wrap(ptr: int, spec: TensorSpec, nhwc: bool, view: tuple[int, int] | None = None):

@@ -88,3 +88,48 @@ def test_a_branch_converted_once_is_not_converted_again(compiles, monkeypatch):
     for _ in range(2):
         tb.Builder(BuildOptions(device="cpu")).build_all([(branch(1), "a0", None), (branch(2), "a1", None)])
     assert len(n) == 2
+
+
+def test_background_compiles_are_waited_for_and_the_cancelled_ones_compiled_when_needed(compiles, monkeypatch):
+    """``background=True`` queues the jobs and returns; a ``build_all`` that needs a branch still compiling waits
+    for it (no second compile); ``cancel_precompile()`` drops the queued cancellable jobs, which a later
+    ``build_all`` then compiles itself; the non-cancellable ones stay.  (A one-thread pool stands in for the
+    worker processes, so that the stand-in compiler and a gate on its first job work across it.)"""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate, pool = threading.Event(), ThreadPoolExecutor(1)
+    fake = tb.compile_inductor
+
+    def gated(br, *a, **k):
+        if not compiles:
+            gate.wait(30)
+        return fake(br, *a, **k)
+
+    monkeypatch.setattr(tb, "compile_inductor", gated)
+    monkeypatch.setattr(tb, "_pool", lambda n: pool)
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
+    o3, o5 = BuildOptions(device="cpu"), BuildOptions(device="cpu", optimization_level=5)
+    first = tb.precompile([(tb.Builder(o3), [(branch(1), "a", LAYOUT)])], background=True)
+    queued = tb.precompile([(tb.Builder(o5), [(branch(2), "b", LAYOUT)])], background=True)
+    kept = tb.precompile([(tb.Builder(o5), [(branch(4), "c", LAYOUT)])], background=True, cancellable=False)
+    again = tb.precompile([(tb.Builder(o3), [(branch(1), "a", LAYOUT)])], background=True)
+    assert first["jobs"] == queued["jobs"] == kept["jobs"] == 1 and again["jobs"] == 0  # in flight: not queued twice
+    assert tb.cancel_precompile() == 1  # the queued cancellable one; the running and the kept ones stay
+    gate.set()
+    builder = tb.Builder(o3)
+    builder.build_all([(branch(1), "a", LAYOUT)])
+    assert builder.report()["a"]["cache"].startswith("memory")
+    tb.Builder(o5).build_all([(branch(4), "c", LAYOUT)])
+    assert len(compiles) == 2  # branch 1 once (waited for), branch 4 once (kept)
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
+    builder = tb.Builder(o5)
+    builder.build_all([(branch(2), "b", LAYOUT)])  # cancelled: compiled now
+    assert len(compiles) == 3 and builder.report()["b"]["cache"] == "miss"
+    assert not tb._INFLIGHT
+    pool.shutdown()
+
+
+def test_background_precompile_with_one_worker_compiles_nothing_ahead(compiles):
+    got = tb.precompile([(tb.Builder(BuildOptions(device="cpu")), [(branch(1), "a", LAYOUT)])], background=True)
+    assert got["jobs"] == 0 and compiles == []
