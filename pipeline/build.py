@@ -24,6 +24,8 @@ from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
 
+from parastream.rewrite.search import MeasureBudgetSpent
+
 from .isolate import in_child
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan
@@ -47,7 +49,9 @@ class BuildConfig:
     search: bool = True
     search_options: dict = field(default_factory=dict)
     measure: bool = True  # measure the search's top candidates on the GPU when the backend has GPU engines
-    measure_seconds: float = 300.0  # budget for those measurements (each one builds and loads engines)
+    # budget for those measurements (each one builds and loads engines; the top-ranked first): on the H200 an
+    # Inception-v4 input took ~30 s (its 82 engines compiled and loaded), each candidate after it ~3-5 s
+    measure_seconds: float = 60.0
     measure_runs: int = 100
     cpu_runs: int = 10  # CPU builds: timed calls of each alternative (one full-threaded session, the plan)
     verify: bool = True
@@ -603,10 +607,6 @@ def _cpu_scratch_bundle(dest: Path, alt: CpuAlternative, backend, options: Build
                                        "options": _launcher_options(options)}, plan=plan, report={}), rep
 
 
-class MeasureBudgetSpent(RuntimeError):
-    pass
-
-
 def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel, *, streams: int | None, max_streams: int,
                 precision: str, budget_s: float, runs: int = 100, warmup: int = 10):
     """``measure(model) -> seconds`` for the rewrite search: schedule, build and load the candidate like a
@@ -648,6 +648,7 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
         planned[id(model)] = (model, m, graph, plan)
         return m, graph, plan
 
+    planned_alternatives: list = []  # queued once, with the input
     log: list[dict] = []  # per model measured: when it started (s after this measurer was made) and its steps
 
     def load(model: onnx.ModelProto):
@@ -658,13 +659,15 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
         return la
 
     def prepare(models: list[onnx.ModelProto]) -> dict | None:
-        """Start compiling the engines of every model the search may measure, in the order it measures them (the
-        input first), then of the alternatives the build will time if it keeps the input, on every compile
-        worker in the background: each candidate is measured as soon as its own engines are compiled, while the
-        workers go on with the next ones, and the budget's end cancels what has not started."""
+        """Start compiling the engines of the next models the search will measure (``measure.lookahead`` ahead,
+        in the order it measures them), on every compile worker in the background: a candidate is measured as
+        soon as its own engines are compiled while the workers go on with the next ones, and the budget's end
+        cancels what has not started.  With the first call (the input first) the alternatives the build will
+        time if it keeps the input are queued too, and kept."""
         plans = [(*plan_of(m), options, True) for m in models]
         got = precompile_plans(backend, plans, background=True)
-        if plans and got is not None and got.get("background") is True:  # kept when the budget cancels the rest
+        if not planned_alternatives and plans and got is not None and got.get("background") is True:
+            planned_alternatives.append(True)
             alternatives = _alternative_plans(plans[0][0], plans[0][1], plans[0][2], backend, options, cost_model)
             got["alternatives"] = precompile_plans(backend, alternatives, background=True, cancellable=False)
         return got
@@ -699,6 +702,7 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
     measure.close = close
     measure.prepare = prepare
+    measure.lookahead = 4  # models prepared ahead of the one measured (their compiles overlap its measurement)
     measure.log = log
     return measure
 

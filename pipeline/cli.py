@@ -125,7 +125,8 @@ def cmd_build(args) -> int:
                       search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol,
                       scale_tol=args.scale_tol, seed=args.seed,
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
-                      strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force)
+                      strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force,
+                      **({} if args.measure_seconds is None else {"measure_seconds": float(args.measure_seconds)}))
     triton_name = args.triton_name or Path(args.model).stem
     if args.triton_repo:  # refuse a bad export before the build, not after it
         from .outdir import check_target
@@ -418,6 +419,9 @@ def make_parser() -> argparse.ArgumentParser:
     add_tolerance_args(b)
     add_batch_arg(b)
     b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
+    b.add_argument("--measure-seconds", type=int_in(0, 86_400), default=None, metavar="S",
+                   help="GPU builds: seconds for timing the search's candidates on the device, the top-ranked first "
+                        "(default 60; the input and the best candidate are always timed)")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")
     b.add_argument("--quiet", action="store_true", help="print nothing but errors")

@@ -383,6 +383,10 @@ def precheck(graph: gs.Graph, rules: list[Rule], cost_model: CostModel, min_gain
     return None, figures
 
 
+class MeasureBudgetSpent(RuntimeError):
+    """Raised by a ``measure`` callback whose budget is spent: the search measures no further candidate."""
+
+
 @shared_copies()  # one copy of a weight's slice for every candidate that cuts it, per call (rules/base.py)
 def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, streams: int = 4,
              alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40, max_piece: int = 120,
@@ -492,24 +496,46 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
     if measure is not None:
         # the input first: a budget that runs out must never leave only rewrites measured
         order = [original_entry] + [w for w in admissible if w is not original_entry]
-        for w in order:
-            try:
-                exported[id(w)] = model if w is original_entry else export_model(w["graph"], model)
-            except Exception as e:  # noqa: BLE001 - a candidate that cannot be exported is not chosen
-                w["error"] = f"{type(e).__name__}: {e}"
         prepare = getattr(measure, "prepare", None)
-        if prepare is not None:  # e.g. compile every candidate's engines in one batch before the first is timed
-            try:
-                report["prepared"] = prepare([exported[id(w)] for w in order if id(w) in exported])
-            except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
-                report["prepared"] = {"error": f"{type(e).__name__}: {e}"}
-        for w in order:
-            if id(w) not in exported:
+        ahead = max(1, int(getattr(measure, "lookahead", 4)))
+        prepared: list[dict] = []
+
+        def export(w) -> bool:
+            if id(w) not in exported and "error" not in w:
+                try:
+                    exported[id(w)] = model if w is original_entry else export_model(w["graph"], model)
+                except Exception as e:  # noqa: BLE001 - a candidate that cannot be exported is not chosen
+                    w["error"] = f"{type(e).__name__}: {e}"
+            return id(w) in exported
+
+        spent = None
+        for i, w in enumerate(order):
+            if spent is not None:  # the budget is spent: the rest are neither exported nor prepared
+                w["error"] = spent
+                continue
+            if prepare is not None:
+                # ``measure.prepare(models)``, for the next ``measure.lookahead`` models not prepared yet, in the
+                # order they will be measured (a GPU build compiles their engines in the background meanwhile)
+                todo = [x for x in order[i:i + ahead + 1] if not x.get("_prepared") and export(x)]
+                if todo:
+                    for x in todo:
+                        x["_prepared"] = True
+                    try:
+                        prepared.append(prepare([exported[id(x)] for x in todo]) or {})
+                    except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
+                        prepared.append({"error": f"{type(e).__name__}: {e}"})
+            if not export(w):
                 continue
             try:
                 w["measured_s"] = float(measure(exported[id(w)]))
             except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
                 w["error"] = f"{type(e).__name__}: {e}"
+                if isinstance(e, MeasureBudgetSpent):
+                    spent = w["error"]
+        for w in order:
+            w.pop("_prepared", None)
+        if prepare is not None:
+            report["prepared"] = prepared
         measured = [w for w in admissible if "measured_s" in w]
         if measured:
             chosen = min(measured, key=lambda w: (w["measured_s"], w["cost"]["mixed_s"]))

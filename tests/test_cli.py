@@ -221,3 +221,24 @@ def test_demo_leaves_no_temporary_folder_behind(tmp_path, monkeypatch, capsys):
     kept = tmp_path / "kept"
     assert main(["demo", "--backend", "onnxruntime", "-o", str(kept)]) == 0
     assert (kept / "plan.json").is_file() and not list(tmp_path.glob("parastream-demo-*"))
+
+
+def test_build_takes_the_measurement_budget_and_refuses_a_bad_one(model_path, tmp_path, monkeypatch, capsys):
+    import importlib
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+    seen = []
+
+    def fake_build(model, out, config=None, progress=True):
+        seen.append(config)
+        raise SystemExit(0)
+
+    monkeypatch.setattr(build_module, "build", fake_build)
+    for argv, want in ((["--measure-seconds", "15"], 15.0), ([], build_module.BuildConfig().measure_seconds)):
+        with pytest.raises(SystemExit):
+            main(["build", str(model_path), "-o", str(tmp_path / "b"), *argv])
+        assert seen[-1].measure_seconds == want
+    assert build_module.BuildConfig().measure_seconds == 60.0
+    with pytest.raises(SystemExit) as e:
+        main(["build", str(model_path), "-o", str(tmp_path / "b"), "--measure-seconds", "-5"])
+    assert e.value.code == 2 and "--measure-seconds" in capsys.readouterr().err

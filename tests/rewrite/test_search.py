@@ -163,9 +163,12 @@ def test_measured_candidates_decide(zoo_model):
     Console(file=open("/dev/null", "w")).print(format_report(report))
 
 
-def test_the_measure_callback_is_prepared_with_every_model_it_will_measure_in_order(zoo_model):
-    """``measure.prepare(models)`` (a GPU build compiles their engines in one batch) is called once, before the
-    first measurement, with the input first and then each candidate in the order they are measured."""
+def test_the_measure_callback_is_prepared_ahead_in_the_order_it_measures(zoo_model):
+    """``measure.prepare(models)`` (a GPU build compiles their engines in the background) gets each model before it
+    is measured, at most ``measure.lookahead`` ahead, in the order of measurement, the input first; once the
+    callback's budget is spent (MeasureBudgetSpent) nothing more is exported, prepared or measured."""
+    from parastream.rewrite.search import MeasureBudgetSpent
+
     m = zoo_model("inception_block")
     events = []
 
@@ -173,21 +176,43 @@ def test_the_measure_callback_is_prepared_with_every_model_it_will_measure_in_or
         events.append(("measure", id(model)))
         return 1e-4 * len(model.graph.node)
 
-    measure.prepare = lambda models: events.append(("prepare", [id(x) for x in models])) or {"jobs": len(models)}
-    out, report = optimize(m, measure=measure, top_k=5)
-    assert events[0][0] == "prepare" and [e[0] for e in events[1:]] == ["measure"] * (len(events) - 1)
-    prepared = events[0][1]
-    assert prepared[0] == id(m) and [e[1] for e in events[1:]] == prepared[:len(events) - 1]
-    assert len(prepared) >= 2 and report["prepared"] == {"jobs": len(prepared)}
+    measure.lookahead = 2
+    measure.prepare = lambda models: events.append(("prepare", [id(x) for x in models])) or {"n": len(models)}
+    out, report = optimize(m, measure=measure, top_k=6)
+    prepared = [i for kind, ids in events if kind == "prepare" for i in ids]
+    measured = [i for kind, i in events if kind == "measure"]
+    assert prepared[0] == id(m) and prepared == measured and len(measured) >= 4  # each once, in order
+    for n, (kind, i) in enumerate(events):
+        if kind == "measure":
+            ahead = [j for k, ids in events[:n] if k == "prepare" for j in ids]
+            assert i in ahead and len(ahead) - ahead.index(i) <= 3  # prepared, at most lookahead (2) ahead of it
+    assert all(len(ids) <= 3 for kind, ids in events if kind == "prepare")
+    assert report["prepared"][0] == {"n": len([e for e in events if e[0] == "prepare"][0][1])}
+    assert report["decided_by"] == "measured"
+
+    def two_then_spent(model):
+        events.append(("measure", id(model)))
+        if sum(e[0] == "measure" for e in events) > 2:
+            raise MeasureBudgetSpent("budget spent")
+        return 1e-4 * len(model.graph.node)
+
+    two_then_spent.lookahead = 1
+    two_then_spent.prepare = measure.prepare
+    events.clear()
+    out, report = optimize(m, measure=two_then_spent, top_k=6)
+    measured = [i for kind, i in events if kind == "measure"]
+    prepared = [i for kind, ids in events if kind == "prepare" for i in ids]
+    assert len(measured) == 3 and len(prepared) <= 4  # no preparing past the spent budget
+    errors = [c["error"] for c in report["candidates"] if c["error"]]
+    assert len(errors) >= 2 and all("budget spent" in e for e in errors)
     assert report["decided_by"] == "measured"
 
     def failing(models):
         raise RuntimeError("no compile workers")
 
     measure.prepare = failing
-    events.clear()
     out, report = optimize(m, measure=measure, top_k=5)  # measuring compiles what preparing could not
-    assert report["prepared"] == {"error": "RuntimeError: no compile workers"} and report["decided_by"] == "measured"
+    assert report["prepared"][0] == {"error": "RuntimeError: no compile workers"} and report["decided_by"] == "measured"
 
 
 def test_a_rewrite_must_beat_the_input_by_the_margin(zoo_model):
