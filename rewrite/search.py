@@ -516,12 +516,13 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
             if prepare is not None:
                 # ``measure.prepare(models)``, for the next ``measure.lookahead`` models not prepared yet, in the
                 # order they will be measured (a GPU build compiles their engines in the background meanwhile)
-                todo = [x for x in order[i:i + ahead + 1] if not x.get("_prepared") and export(x)]
-                if todo:
-                    for x in todo:
-                        x["_prepared"] = True
+                # one model per call: the first one's compiles start before the next ones are exported
+                for x in order[i:i + ahead + 1]:
+                    if x.get("_prepared") or not export(x):
+                        continue
+                    x["_prepared"] = True
                     try:
-                        prepared.append(prepare([exported[id(x)] for x in todo]) or {})
+                        prepared.append(prepare([exported[id(x)]]) or {})
                     except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
                         prepared.append({"error": f"{type(e).__name__}: {e}"})
             if not export(w):

@@ -387,7 +387,10 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
         y = la({{{bundle.plan.inputs[0].name!r}: np.load({str(tmp_path / 'x.npy')!r})}})[{bundle.plan.outputs[0].name!r}]
         np.save({str(tmp_path / 'y.npy')!r}, y)
         c = torch._dynamo.utils.counters
-        print(json.dumps({{"ready_s": ready, "graph": la._exec is not None,
+        engines = [e for e in la.engines if e is not None]
+        arts = {{id(e._runner.artifact) for e in engines}}
+        warmed = sum(e.phases["warm"] > 0 for e in engines)
+        print(json.dumps({{"ready_s": ready, "graph": la._exec is not None, "warmed": warmed, "artifacts": len(arts),
                           "compiled_at_load": sum(e.compiled_at_load for e in la.engines if e is not None),
                           "dynamo_graphs": c["stats"]["unique_graphs"], "inductor": dict(c["inductor"])}}))
     """)
@@ -397,6 +400,7 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
     assert p.returncode == 0, p.stderr[-2000:]
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["compiled_at_load"] == 0 and info["dynamo_graphs"] == 0 and info["graph"], info
+    assert info["warmed"] == info["artifacts"], info  # an artifact run once is not warmed again for another engine
     assert not info["inductor"].get("fxgraph_cache_miss"), info
     assert scaled_error(folder, bundle, x, np.load(tmp_path / "y.npy")) < 2e-2
 
