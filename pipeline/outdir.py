@@ -20,7 +20,6 @@ import glob
 import json
 import os
 import shutil
-import tempfile
 import time
 from contextlib import contextmanager
 from pathlib import Path
@@ -128,6 +127,26 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
 _STAGING: set[Path] = set()  # staging folders of this process, for remove_staging()
 
 
+def _new_staging_folder(target: Path) -> Path:
+    """``.NAME.<random>.partial`` beside ``target``, made 0700 like ``tempfile.mkdtemp`` does, but named and listed
+    in ``_STAGING`` before it exists: a signal handled between a mkdtemp and the listing (the CLI's handler runs
+    between any two bytecodes, whichever thread the signal reached) left the folder behind."""
+    import secrets
+
+    for _ in range(100):
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.partial"
+        _STAGING.add(tmp)
+        try:
+            tmp.mkdir(mode=0o700)
+            return tmp
+        except FileExistsError:
+            _STAGING.discard(tmp)
+        except OSError as e:
+            _STAGING.discard(tmp)
+            raise ParastreamError(f"{target}: cannot write beside it ({e.strerror or e})") from None
+    raise ParastreamError(f"{target}: cannot write beside it (no free temporary name)")
+
+
 def remove_staging() -> None:
     """Remove this process's staging folders now (the CLI's SIGTERM handler, before it exits)."""
     for tmp in list(_STAGING):
@@ -220,12 +239,8 @@ def staging(target: Path, kind: str, install=None):
     make_parent(target)
     with _parent_locked(target):
         _clean_stale(target)
-        try:
-            tmp = Path(tempfile.mkdtemp(prefix=f".{target.name}.", suffix=".partial", dir=target.parent))
-        except OSError as e:
-            raise ParastreamError(f"{target}: cannot write beside it ({e.strerror or e})") from None
+        tmp = _new_staging_folder(target)
         fd = _flock(tmp)
-        _STAGING.add(tmp)
     try:
         umask = os.umask(0)
         os.umask(umask)

@@ -317,3 +317,26 @@ def test_conv_group_zero_in_a_multi_stream_model(tmp_path, capsys):
     out = tmp_path / "out"
     code, err = build_cli(capsys, save(tmp_path, m), out, "--no-search")
     assert_refused(code, err, out, "m.onnx", "conv0")
+
+
+def test_a_signal_handled_right_after_the_staging_folder_is_made_removes_it(tmp_path, monkeypatch):
+    """The CLI's signal handler (``remove_staging`` then exit) can run between any two bytecodes: here right after
+    the staging folder is created, before anything else.  The folder is listed before it exists, so the handler
+    removes it (a folder made by mkdtemp and listed after was left behind about once in fifty SIGHUPs)."""
+    from pathlib import Path
+
+    from parastream.pipeline import outdir
+
+    real_mkdir = Path.mkdir
+
+    def mkdir_then_signal(self, *a, **k):
+        real_mkdir(self, *a, **k)
+        if self.name.endswith(".partial"):
+            outdir.remove_staging()  # what _terminate does, before os._exit
+            raise SystemExit(129)
+
+    monkeypatch.setattr(Path, "mkdir", mkdir_then_signal)
+    with pytest.raises(SystemExit):
+        with outdir.staging(tmp_path / "out", "bundle"):
+            pass
+    assert not list(tmp_path.glob(".out.*.partial"))

@@ -379,8 +379,8 @@ def test_alternatives_of_compiled_engines_are_compiled_for_the_layout_they_are_t
     build_mod, made = _fake_gpu(monkeypatch, times)
     writes = []
     monkeypatch.setattr(build_mod, "_write_engines",
-                        lambda dest, model, graph, plan, backend, options, label, on_branch=None, internal_nhwc=True:
-                        writes.append((plan.num_streams, options.fuse_conv_relu, internal_nhwc)))
+                        lambda dest, model, graph, plan, backend, options, label, on_branch=None, internal_nhwc=True,
+                        sink=None: writes.append((plan.num_streams, options.fuse_conv_relu, internal_nhwc)))
 
     class Builder:
         def build(self, branch, name, layout=None):
