@@ -303,10 +303,15 @@ def _alternative_plans(model: onnx.ModelProto, graph: gs.Graph, plan, backend, o
         out.append((model, graph, plan, replace(options, fuse_conv_relu=False), True))
     out.append((model, graph, plan, options, False))
     if plan.num_streams > 1:
-        sched1, _ = plan_streams(graph, cost_model, 1, 1)
-        out.append((model, graph, make_plan(graph, sched1, backend=plan.backend, precision=plan.precision,
-                                            suffix=backend.suffix, inputs=plan.inputs, outputs=plan.outputs), options, True))
+        out.append((model, graph, _one_engine_plan(graph, plan, backend, cost_model), options, True))
     return out
+
+
+def _one_engine_plan(graph: gs.Graph, plan, backend, cost_model):
+    """``plan``'s graph as one engine on one stream (the rival ``time_alternatives`` times a multi-stream plan against)."""
+    sched1, _ = plan_streams(graph, cost_model, 1, 1)
+    return make_plan(graph, sched1, backend=plan.backend, precision=plan.precision, suffix=backend.suffix,
+                     inputs=plan.inputs, outputs=plan.outputs)
 
 
 def precompile_plans(backend, plans: list[tuple], background: bool = False, cancellable: bool = True) -> dict | None:
@@ -321,7 +326,9 @@ def precompile_plans(backend, plans: list[tuple], background: bool = False, canc
         builder = backend.Builder(options)
         layouts = _engine_layouts(plan, backend, builder, options, nhwc)
         batches.append((builder, [(extract_branch(model, graph, b), b.name, layouts(b).get("layout")) for b in plan.branches]))
-    return precompile(batches, background=background, cancellable=cancellable) if background else precompile(batches)
+    if not background:  # the plain call: all a backend's ``precompile`` must take
+        return precompile(batches)
+    return precompile(batches, background=True, cancellable=cancellable)
 
 
 def _has_conv_relu(model: onnx.ModelProto) -> bool:
@@ -378,9 +385,7 @@ def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, 
                 current, other, chosen["internal_nhwc"] = other, current, False
             other.close()
         if plan.num_streams > 1:
-            sched1, _ = plan_streams(graph, cost_model, 1, 1)
-            plan1 = make_plan(graph, sched1, backend=plan.backend, precision=plan.precision, suffix=backend.suffix,
-                              inputs=plan.inputs, outputs=plan.outputs)
+            plan1 = _one_engine_plan(graph, plan, backend, cost_model)
             opts1 = BuildOptions(**{**asdict(options), "fuse_conv_relu": chosen["fuse_conv_relu"]})
             other = _scratch_launcher(model, graph, plan1, backend, opts1)
             if race("streams", current, other, (f"{plan.num_streams}-stream plan", "one engine for the whole model")):

@@ -499,6 +499,7 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
         prepare = getattr(measure, "prepare", None)
         ahead = max(1, int(getattr(measure, "lookahead", 4)))
         prepared: list[dict] = []
+        prepared_ids: set[int] = set()
 
         def export(w) -> bool:
             if id(w) not in exported and "error" not in w:
@@ -518,9 +519,9 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
                 # order they will be measured (a GPU build compiles their engines in the background meanwhile)
                 # one model per call: the first one's compiles start before the next ones are exported
                 for x in order[i:i + ahead + 1]:
-                    if x.get("_prepared") or not export(x):
+                    if id(x) in prepared_ids or not export(x):
                         continue
-                    x["_prepared"] = True
+                    prepared_ids.add(id(x))
                     try:
                         prepared.append(prepare([exported[id(x)]]) or {})
                     except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
@@ -533,8 +534,6 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
                 w["error"] = f"{type(e).__name__}: {e}"
                 if isinstance(e, MeasureBudgetSpent):
                     spent = w["error"]
-        for w in order:
-            w.pop("_prepared", None)
         if prepare is not None:
             report["prepared"] = prepared
         measured = [w for w in admissible if "measured_s" in w]

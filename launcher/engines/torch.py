@@ -846,14 +846,9 @@ class Builder:
         else:
             for ks in groups.values():
                 results.update(zip(ks, _compile_group([todo[k] for k in ks])))
-        done, failed = {}, {}
-        for k, r in results.items():
-            if isinstance(r, str):
-                failed[k] = _FAILED[k] = r
-            else:
-                done[k] = r
-                _cache_put(k, r, self.options.cache_dir)
-        return done, failed
+        _store_results(results, self.options.cache_dir)
+        done = {k: r for k, r in results.items() if not isinstance(r, str)}
+        return done, {k: r for k, r in results.items() if isinstance(r, str)}
 
     def report(self) -> dict:
         return self._report
@@ -887,22 +882,25 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         _, t, g = builder._jobs(items, wait=not background)
         for k, job in t.items():
             todo.setdefault(k, job)
-        for gk, keys in g.items():
+        for gk, keys in g.items():  # a key's group is its structure: the same in every batch
             into = groups.setdefault(gk, [])
             into.extend(k for k in keys if k not in into)
     if first is None or not todo:
         return {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
-    # a key in two batches joins the group it was first seen in
-    seen: set[str] = set()
-    for gk in list(groups):
-        groups[gk] = [k for k in groups[gk] if not (k in seen or seen.add(k))]
-        if not groups[gk]:
-            del groups[gk]
     if background:
         _submit(todo, groups, first.options.cache_dir, cancellable)
         return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3)}
     _, failed = first._compile(todo, groups)
     return {"jobs": len(todo), "failed": len(failed), "s": round(time.perf_counter() - t0, 3)}
+
+
+def _store_results(results: dict[str, bytes | str], cache_dir: str | None) -> None:
+    """Compile results into the compiled-branch cache, failures (their reasons) into ``_FAILED``."""
+    for k, r in results.items():
+        if isinstance(r, str):
+            _FAILED[k] = r
+        else:
+            _cache_put(k, r, cache_dir)
 
 
 class _Inflight:
@@ -921,11 +919,7 @@ class _Inflight:
             results = future.result()
         except BaseException as e:  # noqa: BLE001 - cancelled or a dead worker: the waiter compiles or reports it
             results = None if future.cancelled() else [_failure(e)] * len(self.keys)
-        for k, r in zip(self.keys, results or []):
-            if isinstance(r, str):
-                _FAILED[k] = r
-            else:
-                _cache_put(k, r, self.cache_dir)
+        _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
         for k in self.keys:
             if _INFLIGHT.get(k) is self:
                 del _INFLIGHT[k]
