@@ -480,7 +480,9 @@ def compile_workers() -> int:
     the build waits for the batch: on the H100's 16 cores, 8 workers left half of them idle."""
     env = os.environ.get("PARASTREAM_COMPILE_WORKERS")
     if env:
-        return max(1, int(env))
+        if not env.strip().isdigit() or int(env) < 1:
+            raise ParastreamError(f"PARASTREAM_COMPILE_WORKERS={env!r}: give a whole number of processes, 1 or more")
+        return int(env)
     return max(1, min(16, (os.cpu_count() or 1) - 1))
 
 

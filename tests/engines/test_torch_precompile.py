@@ -133,3 +133,14 @@ def test_background_compiles_are_waited_for_and_the_cancelled_ones_compiled_when
 def test_background_precompile_with_one_worker_compiles_nothing_ahead(compiles):
     got = tb.precompile([(tb.Builder(BuildOptions(device="cpu")), [(branch(1), "a", LAYOUT)])], background=True)
     assert got["jobs"] == 0 and compiles == []
+
+
+@pytest.mark.parametrize("value", ["many", "0", "-2", "1.5"])
+def test_a_bad_compile_worker_count_is_one_error_naming_the_variable(monkeypatch, value):
+    from parastream.launcher.errors import ParastreamError
+
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", value)
+    with pytest.raises(ParastreamError, match=r"PARASTREAM_COMPILE_WORKERS=.*whole number"):
+        tb.compile_workers()
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "3")
+    assert tb.compile_workers() == 3
