@@ -8,7 +8,9 @@
     compiled by ``torch._inductor.standalone_compile`` with the options a load-time torch.compile uses (a Python
     wrapper; no C++ wrapper to compile).  Loading (``CompiledArtifact.load``) runs no dynamo, no AOTAutograd
     trace and no Inductor codegen; on the GPU the Triton kernels come from the artifact (on the CPU its C++
-    kernels are compiled from the sources it holds).  The weights come from ``branch.onnx``.
+    kernels are compiled from the sources it holds).  Its weights ship beside it in ``weights.bin``: the
+    tensors the artifact was compiled with (compute dtype, strides), each one's storage bytes, copied to the
+    device at load without converting ``branch.onnx`` (which stays for the loads below).
   - ``aoti.pt2``: an AOTInductor package (``torch.export`` + ``aoti_compile_and_package``: a shared library
     with its kernels and weights, its C++ wrapper compiled with g++ at build), opened without compiling.
   - neither (``jit``): the branch's ONNX alone, converted and compiled by torch.compile at every load.
@@ -52,10 +54,12 @@ import os
 import platform
 import threading
 import time
+import warnings
 import weakref
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
+from typing import Callable
 
 import numpy as np
 import onnx
@@ -65,7 +69,7 @@ from ..plan import TensorSpec
 from .base import BuildOptions
 
 name = "torch"
-suffix = ".zip"  # engine.json + branch.onnx (+ inductor.bin or aoti.pt2): see the module docstring
+suffix = ".zip"  # engine.json + branch.onnx (+ inductor.bin and weights.bin, or aoti.pt2): see the module docstring
 gpu = True
 #: the GPU launcher may keep 4-d internal boundary tensors channels-last for this backend
 supports_internal_nhwc = True
@@ -90,7 +94,10 @@ ARTIFACT = os.environ.get("PARASTREAM_TORCH_ARTIFACT") or (
 #: engine.json's ``compiled`` and the zip member holding the compiled code, per artifact
 _COMPILED = {"aoti": "aotinductor", "inductor": "inductor"}
 _MEMBER = {"aotinductor": "aoti.pt2", "inductor": "inductor.bin"}
-ENGINE_FORMAT = 1
+#: the zip member holding an inductor engine's weights (``_weights_blob``)
+WEIGHTS_MEMBER = "weights.bin"
+#: 2: inductor engines carry weights.bin (1 converted branch.onnx at every load for them)
+ENGINE_FORMAT = 2
 #: compiled packages kept in memory by one process (the search's candidates share them), least recently used first out
 CACHE_BYTES = 4 << 30
 
@@ -179,13 +186,13 @@ def check_built_for(built: dict, device: str) -> None:
 
 
 # -- the engine file ------------------------------------------------------------------------------
-def pack(meta: dict, branch_onnx: bytes, package: bytes | None) -> bytes:
+def pack(meta: dict, branch_onnx: bytes, package: bytes | None, weights: bytes | None = None) -> bytes:
     """The engine file: a zip of engine.json, branch.onnx and (when compiled) the compiled code, named after
-    ``meta["compiled"]`` (inductor.bin or aoti.pt2).
+    ``meta["compiled"]`` (inductor.bin or aoti.pt2), and an inductor artifact's weights (weights.bin).
 
     The compiled code is deflated at level 1 (a package's shared library shrinks about 4x for ~10 ms per MB to
-    inflate at load); branch.onnx is stored: its weights do not shrink (random or trained floats, ~7%) and
-    inflating them was 1.5 s of a 100-branch load on the H100 (Inception-v4, 170 MB of fp32 weights).
+    inflate at load); branch.onnx and weights.bin are stored: weights do not shrink (random or trained floats,
+    ~7%) and inflating them was 1.5 s of a 100-branch load on the H100 (Inception-v4, 170 MB of fp32 weights).
     """
     buf = io.BytesIO()
     member = _MEMBER.get(meta.get("compiled")) if package is not None else None
@@ -193,33 +200,61 @@ def pack(meta: dict, branch_onnx: bytes, package: bytes | None) -> bytes:
         raise ValueError(f"a compiled torch engine needs compiled in {sorted(_MEMBER)}, not {meta.get('compiled')!r}")
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
         for name, data in (("engine.json", json.dumps(meta, indent=1).encode()), ("branch.onnx", branch_onnx),
-                           (member, package)):
+                           (member, package), (WEIGHTS_MEMBER, weights)):
             if data is not None:
                 info = zipfile.ZipInfo(name, date_time=(1980, 1, 1, 0, 0, 0))  # the same engine gives the same bytes
-                if name == "branch.onnx":
+                if name in ("branch.onnx", WEIGHTS_MEMBER):
                     z.writestr(info, data, compress_type=zipfile.ZIP_STORED)
                 else:
                     z.writestr(info, data, compress_type=zipfile.ZIP_DEFLATED, compresslevel=1)
     return buf.getvalue()
 
 
+class EngineFile:
+    """An engine file opened: ``meta`` (engine.json) and its members read when asked for (``onnx()``,
+    ``compiled()``, ``weights()``), so that a load of a compiled engine never copies its branch.onnx.
+    Bare ONNX (bundles written before issue 12) reads as uncompiled."""
+
+    def __init__(self, data: bytes):
+        self._zip = None
+        if not data.startswith(b"PK"):
+            self.meta, self._onnx = {"format": 0, "compiled": None}, data
+            return
+        try:
+            self._zip = zipfile.ZipFile(io.BytesIO(data))
+            self._names = set(self._zip.namelist())
+            self.meta = json.loads(self._zip.read("engine.json"))
+        except (zipfile.BadZipFile, KeyError, ValueError) as e:
+            raise ParastreamError(f"not a readable torch engine ({e}); rebuild the bundle") from None
+        if self.meta.get("format") != ENGINE_FORMAT:
+            raise ParastreamError(f"torch engine format {self.meta.get('format')!r}, this parastream reads "
+                                  f"{ENGINE_FORMAT}; rebuild the bundle")
+
+    def _read(self, name: str | None) -> bytes | None:
+        if self._zip is None or name not in self._names:
+            return None
+        try:
+            return self._zip.read(name)
+        except (zipfile.BadZipFile, ValueError) as e:  # a damaged member (CRC): the manifest's hash says which file
+            raise ParastreamError(f"not a readable torch engine ({name}: {e}); rebuild the bundle") from None
+
+    def onnx(self) -> bytes:
+        data = self._onnx if self._zip is None else self._read("branch.onnx")
+        if data is None:
+            raise ParastreamError("not a readable torch engine (no branch.onnx); rebuild the bundle")
+        return data
+
+    def compiled(self) -> bytes | None:
+        return self._read(_MEMBER.get(self.meta.get("compiled")))
+
+    def weights(self) -> bytes | None:
+        return self._read(WEIGHTS_MEMBER)
+
+
 def unpack(data: bytes) -> tuple[dict, bytes, bytes | None]:
-    """(engine.json, branch.onnx, the compiled code or None: ``meta["compiled"]`` says which).  Bare ONNX (bundles
-    written before issue 12) reads as uncompiled."""
-    if not data.startswith(b"PK"):
-        return {"format": 0, "compiled": None}, data, None
-    try:
-        with zipfile.ZipFile(io.BytesIO(data)) as z:
-            names = set(z.namelist())
-            meta = json.loads(z.read("engine.json"))
-            onnx_bytes = z.read("branch.onnx")
-            member = _MEMBER.get(meta.get("compiled"))
-            package = z.read(member) if member in names else None
-    except (zipfile.BadZipFile, KeyError, ValueError) as e:
-        raise ParastreamError(f"not a readable torch engine ({e}); rebuild the bundle") from None
-    if meta.get("format") != ENGINE_FORMAT:
-        raise ParastreamError(f"torch engine format {meta.get('format')!r}, this parastream reads {ENGINE_FORMAT}; rebuild the bundle")
-    return meta, onnx_bytes, package
+    """(engine.json, branch.onnx, the compiled code or None: ``meta["compiled"]`` says which)."""
+    f = EngineFile(data)
+    return f.meta, f.onnx(), f.compiled()
 
 
 def _branch_model(onnx_bytes: bytes) -> onnx.ModelProto:
@@ -405,7 +440,7 @@ def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: l
 
 
 def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
-                    dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> tuple[bytes, dict]:
+                    dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> tuple[bytes, dict, bytes]:
     """The branch exported for these tensors (dtypes, shapes, strides) and compiled by AOTInductor: a .pt2 package."""
     import torch
     from torch._inductor import aoti_compile_and_package
@@ -419,7 +454,7 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
         program = torch.export.export(wrapper, args)
         buf = io.BytesIO()
         aoti_compile_and_package(program, package_path=buf, inductor_configs=configs)
-    return buf.getvalue(), {}
+    return buf.getvalue(), {}, b""  # the package holds its weights
 
 
 def _inductor_options(options: BuildOptions) -> dict:
@@ -434,16 +469,60 @@ def _param_specs(params: list) -> list:
     return [[list(p.shape), list(p.stride()), str(p.dtype).removeprefix("torch.")] for p in params]
 
 
+_ALIGN = 64  # each weight's bytes start at a multiple of this in weights.bin (any dtype can view them in place)
+
+
+def _weights_blob(params: list) -> tuple[bytes, dict]:
+    """weights.bin for ``params`` (dense tensors: ``_dense``) and its engine.json fields: each tensor's storage
+    bytes in memory order at an aligned offset (``param_offsets``) and their sha256 (``param_digests``: a
+    process shares equal weights between engines without hashing them at load).
+
+    Hand-written rather than safetensors or torch.save: safetensors stores contiguous tensors only (channels-last
+    weights would need a transform at load), torch.save unpickles at load (a bundle may come from elsewhere)."""
+    import torch
+
+    out = bytearray()
+    offsets, digests = [], []
+    for p in params:
+        out += bytes(-len(out) % _ALIGN)
+        flat = torch.empty(p.numel(), dtype=p.dtype)
+        flat.as_strided(p.shape, p.stride()).copy_(p.detach().cpu())  # element i at its storage position
+        data = flat.view(torch.uint8).numpy().tobytes() if p.numel() else b""
+        offsets.append(len(out))
+        digests.append(hashlib.sha256(data).hexdigest())
+        out += data
+    return bytes(out), {"param_offsets": offsets, "param_digests": digests}
+
+
+def _dense(t) -> bool:
+    return _dense_layout(list(t.shape), list(t.stride()))
+
+
+def _dense_layout(shape: list, stride: list) -> bool:
+    """Every element at its own storage position, none between them: its storage bytes are exactly its values.
+    (torch's own test has moved between releases: ``_prims_common.is_non_overlapping_and_dense`` in 2.11, only an
+    ``_or_false`` variant in 2.13; this is its definition.)"""
+    if len(shape) != len(stride) or 0 in shape:
+        return len(shape) == len(stride)
+    expected = 1
+    for stride, size in sorted((st, n) for n, st in zip(shape, stride) if n != 1):
+        if stride != expected:
+            return False
+        expected *= size
+    return True
+
+
 def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
-                     dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> tuple[bytes, dict]:
+                     dtype: str, nhwc: set[str], views: dict, options: BuildOptions) -> tuple[bytes, dict, bytes]:
     """The branch compiled by Inductor for these tensors into a precompiled artifact (``standalone_compile``,
-    saved in its "binary" format): (artifact bytes, engine.json fields for its weights).
+    saved in its "binary" format): (artifact bytes, engine.json fields for its weights, weights.bin).
 
     The graph is ``make_fx`` of the engine's module with its weights as graph inputs, called as
     ``art(*weights, *inputs, *outputs)``: an artifact whose graph holds its weights as constants fails to run
-    after ``CompiledArtifact.load`` (IndexError in the runtime wrapper, torch 2.13), and the engine file holds
-    the weights already, in branch.onnx.  ``params`` names them (buffers of the converted module) with the
-    shapes, strides and dtypes the artifact was compiled for; the load checks them.
+    after ``CompiledArtifact.load`` (IndexError in the runtime wrapper, torch 2.13).  ``params`` names them
+    (buffers of the converted module) with the shapes, strides and dtypes the artifact was compiled for
+    (``param_specs``); weights.bin holds exactly those tensors (``_weights_blob``), so that a load copies
+    them to the device instead of converting branch.onnx again (1.0 s of a 100-branch load on the H200).
     """
     import tempfile
 
@@ -455,6 +534,7 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
     names = [n for n, _ in wrapper.named_buffers()] + [n for n, _ in wrapper.named_parameters()]
     tensors = dict(wrapper.named_buffers(), **dict(wrapper.named_parameters()))
     params = [tensors[n].detach() for n in names]
+    params = [t if _dense(t) else t.contiguous() for t in params]  # weights.bin holds storage bytes
 
     def f(*a):
         return torch.func.functional_call(wrapper, dict(zip(names, a[:len(names)])), tuple(a[len(names):]))
@@ -470,8 +550,9 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         path = os.path.join(d, "inductor.bin")
         art.save(path=path, format="binary")
         data = Path(path).read_bytes()
-    extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params)}
-    return data, extra
+    weights, fields = _weights_blob(params)
+    extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params), **fields}
+    return data, extra, weights
 
 
 def compile_workers() -> int:
@@ -567,16 +648,19 @@ def structure_key(branch: onnx.ModelProto, signature: list) -> str:
     return h.hexdigest()
 
 
-def _entry(package: bytes, extra: dict) -> bytes:
-    """What the compiled-branch cache holds: the artifact and the engine.json fields that go with it
-    (an inductor artifact's weight names), as 4 bytes of length, that JSON, the artifact."""
-    head = json.dumps(extra, sort_keys=True).encode()
-    return len(head).to_bytes(4, "big") + head + package
+def _entry(package: bytes, extra: dict, weights: bytes = b"") -> bytes:
+    """What the compiled-branch cache holds: the artifact, the engine.json fields that go with it (an inductor
+    artifact's weight names and specs) and its weights.bin, as 4 bytes of length, that JSON (with the
+    artifact's length), the artifact, the weights."""
+    head = json.dumps({"extra": extra, "package_bytes": len(package)}, sort_keys=True).encode()
+    return len(head).to_bytes(4, "big") + head + package + weights
 
 
-def _split_entry(entry: bytes) -> tuple[bytes, dict]:
+def _split_entry(entry: bytes) -> tuple[bytes, dict, bytes | None]:
     n = int.from_bytes(entry[:4], "big")
-    return entry[4 + n:], json.loads(entry[4:4 + n])
+    head = json.loads(entry[4:4 + n])
+    end = 4 + n + head["package_bytes"]
+    return entry[4 + n:end], head["extra"], entry[end:] or None
 
 
 def _pool(workers: int):
@@ -617,38 +701,15 @@ def _load_package(package: bytes, device_index: int):
         return loader(f.name, "model", False, 1, device_index)
 
 
-def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, fuse: bool):
+def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: dict, device: str):
     """``run(*inputs, *outputs)``: the engine's Inductor artifact loaded (``CompiledArtifact.load``: no dynamo,
     no AOTAutograd trace, no Inductor codegen; on the GPU its Triton kernels come from the artifact) and called
-    with the branch's weights, converted once from branch.onnx as the build converted them."""
+    with its weights, read from weights.bin (``weights()``) unless this process holds them already."""
     import torch
-
-    from .onnx_torch import convert, to_device_shared
 
     t0 = time.perf_counter()
     dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
-    # the weights of a branch.onnx already loaded by this process (the search's candidates, the build's timed
-    # alternatives and its verification reload every unchanged branch) are that load's tensors.  Keyed by the
-    # engine's cache key (a sha256 of its branch graph, weights included, taken at build; the manifest's hash
-    # covers the file) rather than hashing 170 MB of weights again at every load of an Inception-v4.
-    wkey = (meta.get("key") or hashlib.sha256(onnx_bytes).hexdigest(), meta["dtype"], fuse, dev)
-    weights = _LOADED_WEIGHTS.get(wkey)
-    t_convert = 0.0
-    if weights is None:
-        module = convert(_branch_model(onnx_bytes), meta["dtype"], fuse_conv_relu=fuse)
-        t_convert = time.perf_counter() - t0
-        # weights equal to another engine's on this device are that engine's (the buckets of a dynamic batch)
-        module = to_device_shared(module, device)
-        # the module's own tensors (to_device_shared holds them weakly): the engines calling the artifact keep them
-        weights = _Weights(dict(module.named_buffers(), **dict(module.named_parameters())))
-        _LOADED_WEIGHTS[wkey] = weights
-        del module
-    names = meta.get("params") or []
-    missing = [n for n in names if n not in weights.tensors]
-    params = [weights.tensors[n] for n in names if n in weights.tensors]
-    if missing or _param_specs(params) != meta.get("param_specs"):
-        raise ParastreamError("the engine's Inductor artifact was compiled for other weights than its branch.onnx "
-                              f"converts to ({missing[:3] or 'shapes, strides or dtypes differ'}); rebuild the bundle")
+    params = _load_params(weights, meta, dev)
     key = (hashlib.sha256(artifact).hexdigest(), dev)
     t1 = time.perf_counter()
     art = _LOADED_ARTIFACTS.get(key)
@@ -660,25 +721,52 @@ def _load_inductor(artifact: bytes, onnx_bytes: bytes, meta: dict, device: str, 
         art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
 
     run.params = params
-    run.weights = weights
     run.artifact = art
-    run.phases = {"convert": t_convert, "to_device": t1 - t0 - t_convert, "artifact": time.perf_counter() - t1}
+    run.phases = {"weights": t1 - t0, "artifact": time.perf_counter() - t1}
     return run
 
 
-class _Weights:
-    """One branch.onnx's weights on a device, by name (a weakly referenced holder: ``_LOADED_WEIGHTS``)."""
+def _load_params(weights: Callable[[], bytes | None], meta: dict, dev: str) -> list:
+    """The artifact's weight tensors on ``dev``, with exactly the shapes, strides and dtypes it was compiled for
+    (``param_specs``).  A tensor this process holds already (``_SHARED_PARAMS``: the same engine loaded again,
+    a dynamic batch's buckets, the search's candidates reloading unchanged branches) is that one; the rest come
+    from weights.bin, copied to the device in one piece, each tensor a view of it."""
+    import torch
 
-    __slots__ = ("tensors", "__weakref__")
+    specs, offsets, digests = meta.get("param_specs"), meta.get("param_offsets"), meta.get("param_digests")
+    if not (isinstance(specs, list) and isinstance(offsets, list) and isinstance(digests, list)
+            and len(specs) == len(offsets) == len(digests) == len(meta.get("params") or [])):
+        raise ParastreamError("the engine's engine.json does not describe its weights; rebuild the bundle")
+    keys = [(dev, d, json.dumps(spec)) for d, spec in zip(digests, specs)]
+    params = [_SHARED_PARAMS.get(k) for k in keys]
+    if all(p is not None for p in params):
+        return params
+    blob = weights()
+    on_device = None
+    for i, ((shape, stride, dtype), off) in enumerate(zip(specs, offsets)):
+        if params[i] is not None:
+            continue
+        dt = getattr(torch, str(dtype), None)
+        if not isinstance(dt, torch.dtype) or not _dense_layout(shape, stride):
+            raise ParastreamError(f"the engine's engine.json gives weight {i} a layout weights.bin cannot hold "
+                                  f"({shape}, {stride}, {dtype}); rebuild the bundle")
+        n = int(np.prod(shape, dtype=np.int64)) * dt.itemsize
+        if blob is None or not isinstance(off, int) or off % _ALIGN or off < 0 or off + n > len(blob):
+            raise ParastreamError(f"the engine's weights.bin does not hold weight {i} that engine.json names; "
+                                  "rebuild the bundle")
+        if on_device is None:
+            with warnings.catch_warnings():  # a read-only buffer: it is only copied from
+                warnings.simplefilter("ignore", UserWarning)
+                host = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+            on_device = host.to(dev) if dev != "cpu" else host.clone()
+        t = on_device[off:off + n].view(dt).as_strided(shape, stride)
+        _SHARED_PARAMS[keys[i]] = params[i] = t
+    return params
 
-    def __init__(self, tensors: dict):
-        self.tensors = tensors
 
-
-#: Weights loaded in this process by (sha256 of branch.onnx, dtype, fusion, device): an engine of the same
-#: branch loaded again (another launcher of the same bundle, the search's candidates) converts nothing.
-#: Weak values: the weights go with the last engine that calls them.
-_LOADED_WEIGHTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+#: Weight tensors loaded in this process by (device, sha256 of their bytes, shape/strides/dtype): engines whose
+#: weights are equal share one copy.  Weak values: a tensor goes with the last engine that calls it.
+_SHARED_PARAMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
 #: Artifacts loaded in this process, by content: the weights are the call's inputs, so one loaded artifact
@@ -810,9 +898,9 @@ class Builder:
                 out[i] = pack({"format": ENGINE_FORMAT, "compiled": None, "aot_error": failed[key]}, onnx_bytes, None)
                 continue
             # a hit, or compiled by this batch (once per distinct branch)
-            package, extra = _split_entry(package or compiled[key])
+            package, extra, weights = _split_entry(package or compiled[key])
             self._report[name]["package_bytes"] = len(package)
-            out[i] = pack(dict(meta, **extra), onnx_bytes, package)
+            out[i] = pack(dict(meta, **extra), onnx_bytes, package, weights)
         for item in items:  # the compile time is the batch's (its packages compile side by side)
             if self._report[item[1]].get("cache") == "miss":
                 self._report[item[1]]["compile_batch_s"] = round(time.perf_counter() - t0, 3)
@@ -987,9 +1075,10 @@ class TorchEngine:
         t0 = time.perf_counter()
         #: seconds of this engine's load by phase (bench/engine_artifacts.py sums them over a bundle)
         self.phases: dict[str, float] = {}
-        meta, onnx_bytes, package = unpack(data)
+        engine = EngineFile(data)
+        meta = self.meta = engine.meta
+        package = engine.compiled()
         self.phases["unpack"] = time.perf_counter() - t0
-        self.meta = meta
         if package is not None:
             check_built_for(meta.get("built_for", {}), device)
         fuse = _fuse(device, self.dtype, options)
@@ -998,7 +1087,7 @@ class TorchEngine:
         self._runner = None
         self.module = None
         if not self.compiled_at_load and meta.get("compiled") == "inductor":
-            self._runner = _load_inductor(package, onnx_bytes, meta, device, fuse)
+            self._runner = _load_inductor(package, engine.weights, meta, device)
             self._fn = self._runner
             self.phases.update(self._runner.phases)
         elif not self.compiled_at_load:
@@ -1007,7 +1096,7 @@ class TorchEngine:
         else:
             from .onnx_torch import convert, to_device_shared
 
-            self.module = to_device_shared(convert(_branch_model(onnx_bytes), self.dtype, fuse_conv_relu=fuse), device)
+            self.module = to_device_shared(convert(_branch_model(engine.onnx()), self.dtype, fuse_conv_relu=fuse), device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}

@@ -15,9 +15,9 @@ from parastream.launcher.errors import ParastreamError
 
 def retag(data: bytes, **built_for) -> bytes:
     """The engine file ``data`` claiming to be compiled for ``built_for`` (device, arch, torch, ...)."""
-    meta, onnx_bytes, package = tb.unpack(data)
-    meta["built_for"] = dict(meta["built_for"], **built_for)
-    return tb.pack(meta, onnx_bytes, package)
+    f = tb.EngineFile(data)
+    meta = dict(f.meta, built_for=dict(f.meta["built_for"], **built_for))
+    return tb.pack(meta, f.onnx(), f.compiled(), f.weights())
 
 
 def small_net_bundle(folder):

@@ -78,10 +78,15 @@ def test_engine_holds_an_inductor_artifact_and_its_weights_names(built):
     meta, onnx_bytes, artifact = tb.unpack(built.a)
     assert meta["compiled"] == "inductor" and artifact is not None
     with zipfile.ZipFile(__import__("io").BytesIO(built.a)) as z:
-        assert sorted(z.namelist()) == ["branch.onnx", "engine.json", "inductor.bin"]
+        assert sorted(z.namelist()) == ["branch.onnx", "engine.json", "inductor.bin", "weights.bin"]
+        blob = z.read("weights.bin")
     assert meta["built_for"] == tb.built_for("cpu")
     # the weights are graph inputs, named by the converted module's buffers, with what they were compiled for
     assert len(meta["params"]) == len(meta["param_specs"]) == 3 and meta["param_specs"][0] == [[4, 3, 3, 3], [27, 9, 3, 1], "float32"]
+    # weights.bin holds those tensors, each at its aligned offset: the first is the branch's Conv weight
+    w = numpy_helper.to_array(branch(1).graph.initializer[0])
+    assert meta["param_offsets"][0] == 0 and all(o % 64 == 0 for o in meta["param_offsets"])
+    np.testing.assert_array_equal(np.frombuffer(blob, np.float32, count=w.size).reshape(w.shape), w)
     rep = built.report["branch_000"]
     assert rep["compiled"] == "inductor" and rep["cache"] == "miss" and rep["package_bytes"] == len(artifact)
     assert len(built.calls) == 2
@@ -131,18 +136,25 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
     np.testing.assert_allclose(np.load(tmp_path / "branch_001.npy"), ort(branch(2), x), rtol=1e-5, atol=1e-5)
 
 
-def test_an_engine_loaded_again_in_a_process_converts_nothing_and_shares_the_weights(built):
+def test_an_engine_loaded_again_in_a_process_reads_no_weights_and_shares_them(built, monkeypatch):
     """The search's candidates and the build's alternatives reload unchanged branches: the second load of the same
-    engine file takes the first one's weights (no conversion) and artifact, and computes the same; another
-    branch's engine (same structure, same artifact bytes) has its own weights."""
+    engine file takes the first one's weights (weights.bin not even read) and artifact, and computes the same;
+    another branch's engine (same structure, same artifact bytes) has its own weights.  No load converts
+    branch.onnx."""
+    from parastream.launcher.engines import onnx_torch
+
+    monkeypatch.setattr(onnx_torch, "convert", lambda *a, **k: pytest.fail("a compiled engine's load converted"))
     x = np.random.default_rng(9).standard_normal(IN.shape).astype(np.float32)
     first = tb.load(built.a, [IN], [OUT], device="cpu")
+    reads = []
+    real = tb.EngineFile.weights
+    monkeypatch.setattr(tb.EngineFile, "weights", lambda self: reads.append(1) or real(self))
     again = tb.load(built.a, [IN], [OUT], device="cpu")
-    other = tb.load(built.b, [IN], [OUT], device="cpu")
-    assert again.phases["convert"] == 0.0 and first.phases["convert"] > 0.0
+    assert not reads
     assert all(p is q for p, q in zip(again._runner.params, first._runner.params))
     assert again._runner.artifact is first._runner.artifact
-    assert other._runner.weights is not first._runner.weights  # (equal constants, like the 0.5, are shared)
+    other = tb.load(built.b, [IN], [OUT], device="cpu")
+    assert reads == [1]
     assert not all(p is q for p, q in zip(other._runner.params, first._runner.params))
     np.testing.assert_array_equal(again.run({"x": x})["y"], first.run({"x": x})["y"])
     np.testing.assert_allclose(other.run({"x": x})["y"], ort(branch(2), x), rtol=1e-5, atol=1e-5)
@@ -160,9 +172,10 @@ def test_outputs_are_written_into_a_channel_view_and_nothing_else(tmp_path):
     """The launcher's tensors: a channels-last input and an output that is channels [3, 7) of a 10-channel
     channels-last buffer (an in-place Concat's slice).  The artifact writes exactly that slice."""
     nhwc, views = {"x", "y"}, {"y": (10, 3)}
-    data, extra = tb.compile_inductor(branch(3), [IN], [OUT], "cpu", "float32", nhwc, views, BuildOptions(device="cpu"))
+    data, extra, weights = tb.compile_inductor(branch(3), [IN], [OUT], "cpu", "float32", nhwc, views,
+                                               BuildOptions(device="cpu"))
     meta = dict(extra, dtype="float32", built_for=tb.built_for("cpu"))
-    run = tb._load_inductor(data, branch(3).SerializeToString(), meta, "cpu", False)
+    run = tb._load_inductor(data, lambda: weights, meta, "cpu")
     x = tb._tensor(IN, True, None, "cpu")
     full = torch.full((1, 8, 8, 10), 7.0)
     y = full[..., 3:7].permute(0, 3, 1, 2)
@@ -214,18 +227,29 @@ def test_an_artifact_is_loaded_once_per_process_for_every_engine_that_ships_it(b
         np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(b), x), rtol=1e-5, atol=1e-5)
 
 
-def test_weights_that_differ_from_what_it_was_compiled_for_are_refused(built):
-    meta, onnx_bytes, artifact = tb.unpack(built.a)
-    meta["param_specs"][0][1] = [1, 4, 12, 36]  # compiled for other strides than branch.onnx converts to
-    with pytest.raises(ParastreamError, match="compiled for other weights"):
-        tb.load(tb.pack(meta, onnx_bytes, artifact), [IN], [OUT], device="cpu")
+@pytest.mark.parametrize("damage, says", [
+    (lambda meta, w: (meta, None), "weights.bin does not hold weight 0"),  # no weights.bin
+    (lambda meta, w: (meta, w[:100]), "weights.bin does not hold weight 0"),  # cut short
+    (lambda meta, w: (dict(meta, param_offsets=[8] + meta["param_offsets"][1:]), w), "does not hold weight 0"),
+    # strides under which elements would overlap (or read the next weight's bytes)
+    (lambda meta, w: (dict(meta, param_specs=[[[4, 3, 3, 3], [1, 1, 1, 1], "float32"]] + meta["param_specs"][1:]), w),
+     "gives weight 0 a layout weights.bin cannot hold"),
+    (lambda meta, w: (dict(meta, param_digests=meta["param_digests"][:1]), w), "does not describe its weights"),
+])
+def test_weights_that_engine_json_does_not_describe_are_one_clear_error(built, damage, says):
+    tb._SHARED_PARAMS.clear()  # an earlier test's load of these weights would answer without reading
+    f = tb.EngineFile(built.a)
+    meta, weights = damage(json.loads(json.dumps(f.meta)), f.weights())
+    with pytest.raises(ParastreamError, match=says):
+        tb.load(tb.pack(meta, f.onnx(), f.compiled(), weights), [IN], [OUT], device="cpu")
 
 
 def test_an_artifact_of_another_torch_build_is_one_clear_error(built):
     """Same torch version, another build of it (``torch_key``, the hash of torch's sources the artifact carries)."""
     from torch.utils._appending_byte_serializer import BytesReader, BytesWriter
 
-    meta, onnx_bytes, artifact = tb.unpack(built.a)
+    f = tb.EngineFile(built.a)
+    meta, onnx_bytes, artifact = f.meta, f.onnx(), f.compiled()
     r = BytesReader(artifact)
     header, _key, graph_key, payload = r.read_bytes(), r.read_bytes(), r.read_str(), r.read_bytes()
     w = BytesWriter()
@@ -234,7 +258,7 @@ def test_an_artifact_of_another_torch_build_is_one_clear_error(built):
     w.write_str(graph_key)
     w.write_bytes(payload)
     with pytest.raises(ParastreamError, match="compiled by another build of torch"):
-        tb.load(tb.pack(meta, onnx_bytes, w.to_bytes()), [IN], [OUT], device="cpu")
+        tb.load(tb.pack(meta, onnx_bytes, w.to_bytes(), f.weights()), [IN], [OUT], device="cpu")
 
 
 def test_cache_hit_across_builds_with_a_cache_dir_and_one_changed_branch_compiles_alone(built, monkeypatch):
