@@ -63,7 +63,7 @@ def child(args) -> dict:
 
     from parastream.launcher.bench import bench_bundle
     from parastream.launcher.bundle import Bundle
-    from parastream.launcher.gpu import GpuLauncher
+    from parastream.launcher.gpu import GpuLauncher, load_phases
 
     res: dict = {"mode": args.child, "import_s": time.perf_counter() - t_import}
     if args.child == "build":
@@ -99,11 +99,7 @@ def child(args) -> dict:
     res["process_to_ready_s"] = time.perf_counter() - T_START
     engines = [e for e in la.engines if e is not None]
     res["engines"] = len(engines)
-    phases: dict = {}
-    for e in engines:
-        for k, v in getattr(e, "phases", {}).items():
-            phases[k] = phases.get(k, 0.0) + v
-    res["load_phases_s"] = phases
+    res["load_phases_s"] = load_phases(la)
     res["distinct_artifacts"] = len({id(getattr(e._runner, "artifact", e)) for e in engines if getattr(e, "_runner", None) is not None})
     res["compiled_at_load"] = sum(bool(getattr(e, "compiled_at_load", True)) for e in engines)
     if args.child == "mega-save":

@@ -149,6 +149,19 @@ class SharedArena:
         cuda.free(self.arena)
 
 
+def load_phases(launcher) -> dict[str, float]:
+    """Seconds of the launcher's engine loads by phase, summed over its engines (those that record ``phases``:
+    torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total and ``ready`` (engines
+    loaded to graph captured)."""
+    out: dict[str, float] = {}
+    for e in launcher.engines:
+        for k, v in (getattr(e, "phases", None) or {}).items():
+            out[k] = round(out.get(k, 0.0) + v, 4)
+    out["engines"] = round(launcher.load_s, 4)
+    out["ready"] = round(getattr(launcher, "ready_s", 0.0), 4)
+    return out
+
+
 class GpuLauncher:
     """Runs a bundle's plan on one GPU: multi-stream, captured as one CUDA Graph (``graph=False``: direct launches).
 
@@ -263,6 +276,7 @@ class GpuLauncher:
             if graph:
                 self._graph, self._exec = self._capture(self._launch_all)
         cuda.stream_synchronize(self.origin)
+        self.ready_s = time.perf_counter() - t0  # engines loaded, warmed up and captured
 
     # -- internals ----------------------------------------------------------------
     def _memory(self):

@@ -13,6 +13,8 @@ import platform
 import shutil
 import tempfile
 import time
+import weakref
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -101,6 +103,13 @@ def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
     return infer(model, strict=True)
 
 
+def _shapes_known(model: onnx.ModelProto) -> bool:
+    """Every node output has a static shape in ``model`` (value_info or a graph output): inferred already."""
+    known = {v.name for v in list(model.graph.value_info) + list(model.graph.output)
+             if v.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
+    return all(o in known for n in model.graph.node for o in n.output if o)
+
+
 def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
     """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates best."""
     if streams:
@@ -172,6 +181,30 @@ def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
         return verify(original, runner, inputs, **kwargs)
 
 
+#: id(plan) -> (weak reference to the plan, its model, its branches extracted, their bytes): ``branches_of``
+_EXTRACTED: "OrderedDict[int, tuple]" = OrderedDict()
+EXTRACTED_BYTES = 1 << 30  # at most this much of extracted branches kept (an Inception-v4 plan is ~170 MB)
+
+
+def branches_of(model: onnx.ModelProto, graph: gs.Graph, plan) -> list[onnx.ModelProto]:
+    """Each branch of ``plan`` extracted from ``model`` (``extract_branch``), once per plan object while the plan
+    lives: a GPU build compiles a plan's engines in a batch before it writes them, the search prepares a candidate
+    before it loads it, and the timed alternatives rebuild the same plan with other options.  Callers never
+    change the protos they get."""
+    key = id(plan)
+    hit = _EXTRACTED.get(key)
+    if hit is not None and hit[0]() is plan and hit[1] is model:
+        _EXTRACTED.move_to_end(key)
+        return hit[2]
+    out = [extract_branch(model, graph, b) for b in plan.branches]
+    size = sum(b.ByteSize() for b in out)
+    if size <= EXTRACTED_BYTES:
+        _EXTRACTED[key] = (weakref.ref(plan, lambda _: _EXTRACTED.pop(key, None)), model, out, size)
+        while sum(v[3] for v in _EXTRACTED.values()) > EXTRACTED_BYTES:
+            _EXTRACTED.popitem(last=False)
+    return out
+
+
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
                    label: str, on_branch=None, internal_nhwc: bool = True, prebuilt: dict | None = None,
                    model_file: bool = True, sink: dict | None = None) -> dict:
@@ -201,7 +234,8 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
         build_all = getattr(builder, "build_all", None)  # torch: compiles its branches side by side
         if build_all is not None:
             with _naming_failures(label, backend, None):
-                datas = build_all([(extract_branch(model, graph, b), b.name, layouts(b).get("layout")) for b in plan.branches])
+                datas = build_all([(br, b.name, layouts(b).get("layout"))
+                                   for br, b in zip(branches_of(model, graph, plan), plan.branches)])
         for i, b in enumerate(plan.branches):
             if build_all is not None:
                 data = datas[i]
@@ -325,7 +359,8 @@ def precompile_plans(backend, plans: list[tuple], background: bool = False, canc
     for model, graph, plan, options, nhwc in plans:
         builder = backend.Builder(options)
         layouts = _engine_layouts(plan, backend, builder, options, nhwc)
-        batches.append((builder, [(extract_branch(model, graph, b), b.name, layouts(b).get("layout")) for b in plan.branches]))
+        batches.append((builder, [(br, b.name, layouts(b).get("layout"))
+                                  for br, b in zip(branches_of(model, graph, plan), plan.branches)]))
     if not background:  # the plain call: all a backend's ``precompile`` must take
         return precompile(batches)
     return precompile(batches, background=True, cancellable=cancellable)
@@ -644,8 +679,8 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
             return got[1:]
         if model is loaded.model:  # the search measures its input first: the loader's graph
             m, graph = model, loaded.graph
-        else:
-            m = _infer(model)
+        else:  # the search's exports are shape-inferred and checked already (as in ``_after_search``)
+            m = model if _shapes_known(model) else _infer(model)
             graph = graph_of(m)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
         plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
@@ -657,10 +692,15 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
     log: list[dict] = []  # per model measured: when it started (s after this measurer was made) and its steps
 
     def load(model: onnx.ModelProto):
+        from parastream.launcher.gpu import load_phases
+
+        t_plan = time.perf_counter()
         m, graph, plan = plan_of(model)
         t0 = time.perf_counter()
         la = _scratch_launcher(m, graph, plan, backend, options)
-        log[-1].update(build_s=round(la.t_built - t0, 3), load_s=round(time.perf_counter() - la.t_built, 3))
+        planned.pop(id(model), None)  # measured once: its plan (and its extracted branches) can go
+        log[-1].update(build_s=round(la.t_built - t0, 3), load_s=round(time.perf_counter() - la.t_built, 3),
+                       plan_s=round(t0 - t_plan, 3), load_phases_s=load_phases(la))
         return la
 
     def prepare(models: list[onnx.ModelProto]) -> dict | None:

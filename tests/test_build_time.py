@@ -128,3 +128,32 @@ def test_a_gpu_build_compiles_its_plan_and_the_alternatives_it_will_time_in_one_
     # without measurement nothing is timed, so only the plan's own engines are built (no batch)
     build(SMALL_NET, tmp_path / "c", backend="onnxruntime", streams=2, search=False, measure=False)
     assert len(batches) == 1
+
+
+def test_a_plans_branches_are_extracted_once_while_it_lives(monkeypatch):
+    """``branches_of``: the build's precompile and its engine writes (and the search's prepare and load of a
+    candidate) extract a plan's branches once; another plan object is extracted anew, and what is kept is bounded."""
+    import gc
+
+    build_module._EXTRACTED.clear()
+    loaded = load_model(SMALL_NET)
+    sched, _ = build_module.plan_streams(loaded.graph, RooflineCostModel(), 2, 8)
+
+    def plan():
+        return build_module.make_plan(loaded.graph, sched, backend="onnxruntime", precision="fp32", suffix=".onnx",
+                                      inputs=loaded.inputs, outputs=loaded.outputs)
+
+    calls = []
+    real = build_module.extract_branch
+    monkeypatch.setattr(build_module, "extract_branch", lambda *a: calls.append(1) or real(*a))
+    p = plan()
+    first = build_module.branches_of(loaded.model, loaded.graph, p)
+    assert build_module.branches_of(loaded.model, loaded.graph, p) is first and len(calls) == len(p.branches) > 1
+    q = plan()
+    assert build_module.branches_of(loaded.model, loaded.graph, q) is not first and len(calls) == 2 * len(p.branches)
+    del p, first
+    gc.collect()
+    assert len(build_module._EXTRACTED) == 1  # the dead plan's branches went with it
+    monkeypatch.setattr(build_module, "EXTRACTED_BYTES", 0)
+    build_module.branches_of(loaded.model, loaded.graph, plan())
+    assert len(build_module._EXTRACTED) == 1  # over the bound: not kept

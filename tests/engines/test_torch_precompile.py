@@ -6,6 +6,8 @@ from __future__ import annotations
 
 import hashlib
 
+import onnx
+
 import pytest
 
 pytest.importorskip("torch")
@@ -22,7 +24,7 @@ def compiles(monkeypatch):
     def fake(br, inputs, outputs, device, dtype, nhwc, views, options):
         digest = hashlib.sha256(br.SerializeToString()).hexdigest()[:12]
         calls.append((digest, tuple(sorted(nhwc))))
-        if br.graph.name == "bad":
+        if br.graph.node[0].name == "bad":
             raise RuntimeError("Inductor cannot")
         return f"artifact {digest} {sorted(nhwc)}".encode(), {"params": [], "param_specs": []}
 
@@ -36,7 +38,7 @@ def compiles(monkeypatch):
 
 def _bad():
     b = branch(3)
-    b.graph.name = "bad"
+    b.graph.node[0].name = "bad"
     return b
 
 
@@ -144,3 +146,22 @@ def test_a_bad_compile_worker_count_is_one_error_naming_the_variable(monkeypatch
         tb.compile_workers()
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "3")
     assert tb.compile_workers() == 3
+
+
+def test_the_same_branch_under_another_name_gives_the_same_engine_packed_once(compiles, monkeypatch):
+    """The search's candidates renumber their branches: an engine's branch.onnx holds the branch without its graph
+    name, so the same branch gives the same engine file, which a process packs once (``_PACKED``)."""
+    packs = []
+    real = tb.pack
+    monkeypatch.setattr(tb, "pack", lambda *a, **k: packs.append(1) or real(*a, **k))
+    renamed = branch(1)
+    renamed.graph.name = "net_branch_042"
+    first, = tb.Builder(BuildOptions(device="cpu")).build_all([(branch(1), "a0", LAYOUT)])
+    again, = tb.Builder(BuildOptions(device="cpu")).build_all([(renamed, "b7", LAYOUT)])
+    assert first == again and len(packs) == 1 and len(compiles) == 1
+    assert onnx.load_from_string(tb.unpack(first)[1]).graph.name == ""
+    other, = tb.Builder(BuildOptions(device="cpu")).build_all([(branch(2), "a1", LAYOUT)])
+    assert other != first and len(packs) == 2
+    tb.clear_memory_cache()  # a packed engine goes with the compiled-branch cache
+    tb.Builder(BuildOptions(device="cpu")).build_all([(branch(1), "a0", LAYOUT)])
+    assert len(packs) == 3
