@@ -6,6 +6,8 @@ Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
 * ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
 * ``inductor``  engines/ hold Inductor precompiled artifacts (``standalone_compile`` at build,
                 ``CompiledArtifact.load`` at load; PARASTREAM_TORCH_ARTIFACT=inductor);
+* ``inductor-bundled``  the same saved as one compiled function (``standalone_compile(aot=True)``,
+                PARASTREAM_INDUCTOR_FORMAT=bundled) rather than as Inductor cache entries;
 * ``aoti``      engines/ hold AOTInductor packages compiled at build for the launcher's layouts;
 * ``mega``      the jit engines after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
                 collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
@@ -247,7 +249,9 @@ def child_build(args, res: dict) -> dict:
     from parastream.launcher.engines import torch as torch_backend
     from parastream.pipeline import build
 
-    torch_backend.ARTIFACT = args.artifact
+    if args.artifact == "inductor-bundled":  # Inductor's artifact saved as one compiled function (aot=True)
+        os.environ["PARASTREAM_INDUCTOR_FORMAT"] = "bundled"  # read by the compile workers this build starts
+    torch_backend.ARTIFACT = args.artifact.split("-")[0]
     t0 = time.perf_counter()
     bundle = build(args.onnx, args.bundle, backend="torch", precision="fp16", force=True, search=args.search == "on",
                    measure=args.search == "on", verify=args.verify == "on", measure_seconds=args.measure_seconds,
@@ -308,7 +312,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bundle")
     ap.add_argument("--onnx")
     ap.add_argument("--artifacts")
-    ap.add_argument("--artifact", default="inductor", choices=["inductor", "aoti", "jit"])
+    ap.add_argument("--artifact", default="inductor", choices=["inductor", "inductor-bundled", "aoti", "jit"])
     ap.add_argument("--search", default="off")
     ap.add_argument("--verify", default="off")
     ap.add_argument("--profile", action="store_true", help="child: the load under cProfile")

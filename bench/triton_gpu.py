@@ -30,6 +30,7 @@ import argparse
 import json
 import multiprocessing
 import os
+import re
 import sys
 import time
 import traceback
@@ -225,6 +226,9 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
         server.start(timeout=args.start_timeout)
         wait_ready(server, name, args.start_timeout)
         res["server_start_s"] = time.perf_counter() - t0
+        # each instance's model.py initialize, as it logs it (the stub's start and imports before it are not in it)
+        res["initialize_s"] = [float(x) for x in re.findall(rf"parastream: {re.escape(name)}\S* ready in ([\d.]+) s",
+                                                             server.log())]
         res["stub_libpython"] = sorted({p for pid in server.stub_pids() for p in server.libpythons(pid)})
         for protocol in ("http", "grpc"):
             client = client_of(server, protocol)

@@ -87,6 +87,17 @@ FUSE_CONV_RELU = True
 #: The default is "inductor": on the H100 (bench/engine_artifacts.py, Inception-v4, 82 engines, fresh processes) it
 #: loaded in a third of jit's time with the same latency, and its GPU tests pass (docs/torch-engines.md).
 DEFAULT_ARTIFACT = "inductor"
+#: how an "inductor" artifact is saved (PARASTREAM_INDUCTOR_FORMAT, read when compiling; bench/engine_artifacts.py
+#: compares them): "cache", Inductor's cache entries (``standalone_compile``'s default: a load writes them into
+#: Inductor's cache folders and looks them up), or "bundled" (``aot=True``: one pickled compiled function)
+INDUCTOR_FORMATS = ("cache", "bundled")
+
+
+def inductor_format() -> str:
+    fmt = os.environ.get("PARASTREAM_INDUCTOR_FORMAT") or "cache"
+    if fmt not in INDUCTOR_FORMATS:
+        raise ParastreamError(f"PARASTREAM_INDUCTOR_FORMAT={fmt!r}: give one of {', '.join(INDUCTOR_FORMATS)}")
+    return fmt
 ARTIFACTS = ("inductor", "aoti", "jit")
 #: PARASTREAM_AOT_COMPILE=1 (the opt-in before PARASTREAM_TORCH_ARTIFACT) still means "aoti"
 ARTIFACT = os.environ.get("PARASTREAM_TORCH_ARTIFACT") or (
@@ -317,6 +328,7 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
                          "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
+                         **({"inductor_format": inductor_format()} if artifact == "inductor" else {}),
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
     return h.hexdigest()
@@ -325,6 +337,31 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
 def branch_digest(branch: onnx.ModelProto) -> str:
     """sha256 of the branch's graph without its name and doc string (the name carries the branch's index)."""
     return hashlib.sha256(_anonymous_bytes(branch)).hexdigest()
+
+
+#: id(branch) -> (the branch, its ``_anonymous_bytes``, their sha256): ``_serialized``
+_SERIALIZED: OrderedDict[int, tuple] = OrderedDict()
+SERIALIZED_BYTES = 1 << 30
+
+
+def _serialized(branch: onnx.ModelProto) -> tuple[bytes, str]:
+    """(``_anonymous_bytes(branch)``, their sha256), once per branch object: a build hands the same extracted
+    branches to the compile batch and then to the engine writes, and the search to a candidate's prepare and then
+    its load (``pipeline.build.branches_of``); serializing and hashing 170 MB twice was ~0.5 s per plan.  Branch
+    objects are never changed after extraction; the entry holds the object, so its id stays its own."""
+    with _CACHE_LOCK:
+        hit = _SERIALIZED.get(id(branch))
+        if hit is not None and hit[0] is branch:
+            _SERIALIZED.move_to_end(id(branch))
+            return hit[1], hit[2]
+    data = _anonymous_bytes(branch)
+    digest = hashlib.sha256(data).hexdigest()
+    with _CACHE_LOCK:
+        _SERIALIZED[id(branch)] = (branch, data, digest)
+        total = sum(len(v[1]) for v in _SERIALIZED.values())
+        while total > SERIALIZED_BYTES and len(_SERIALIZED) > 1:
+            total -= len(_SERIALIZED.popitem(last=False)[1][1])
+    return data, digest
 
 
 def _anonymous_bytes(branch: onnx.ModelProto) -> bytes:
@@ -377,6 +414,7 @@ def clear_memory_cache() -> None:
     with _CACHE_LOCK:
         _CACHE.clear()
         _PACKED.clear()
+        _SERIALIZED.clear()
     _FAILED.clear()
 
 
@@ -554,8 +592,9 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         consts = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
         if consts:  # see the docstring: the loaded artifact could not run these
             raise ParastreamError(f"the traced branch holds tensor constants {consts[:3]}: no Inductor artifact")
+        bundled = {"aot": True} if inductor_format() == "bundled" else {}
         art = torch._inductor.standalone_compile(gm, [*params, *args], dynamic_shapes="from_example_inputs",
-                                                 options={"config_patches": _inductor_options(options)})
+                                                 options={"config_patches": _inductor_options(options)}, **bundled)
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API saves to a path
         path = os.path.join(d, "inductor.bin")
         art.save(path=path, format="binary")
@@ -852,8 +891,7 @@ class Builder:
         groups: dict[str, list[str]] = {}  # the jobs one process compiles in turn (``_compile``)
         for branch, name, layout in items:
             t0 = time.perf_counter()
-            onnx_bytes = _anonymous_bytes(branch)  # serialized once per branch: 170 MB for an Inception-v4
-            digest = hashlib.sha256(onnx_bytes).hexdigest()
+            onnx_bytes, digest = _serialized(branch)
             steps = _CONVERTED.get(digest)
             if steps is None:  # a branch converted before in this process (the search's candidates share most)
                 try:

@@ -23,6 +23,7 @@ finalize    releases the launcher (graph, streams, device memory).
 """
 
 import json
+import time
 from pathlib import Path
 
 import numpy as np
@@ -64,6 +65,7 @@ def _host_tensor(name, arr):
 
 class TritonPythonModel:
     def initialize(self, args):
+        t0 = time.perf_counter()
         from parastream.launcher import load
         from parastream.launcher.bundle import Bundle, inside
         from parastream.launcher.engines import get_backend
@@ -73,6 +75,7 @@ class TritonPythonModel:
         # the bundle lies inside the version folder, and each of its files inside it (hashes checked)
         bundle = Bundle.open(inside(Path(__file__).resolve().parent, params.get("parastream_bundle", "bundle"),
                                     "config.pbtxt's parastream_bundle"))
+        t_open = time.perf_counter()
         plan = bundle.plan
         self.max_batch = int(config.get("max_batch_size", 0))
         # dims as Triton declares them (no batch dim when batching; [1] for a 0-d tensor)
@@ -97,6 +100,14 @@ class TritonPythonModel:
         self.plan = self.runner.plan
         self.batch = self.plan.inputs[0].shape[0] if self.max_batch > 0 else 0
         self.bucketed = bool(bundle.manifest.get("buckets"))  # then a group is run with its own rows, unpadded
+        # how long this instance took to be ready, in the server's log (the stub's own start and its import of
+        # this file come before; everything parastream does is here)
+        self.initialize_s = time.perf_counter() - t0
+        logger = getattr(pb_utils, "Logger", None)
+        if logger is not None:
+            logger.log_info(f"parastream: {args.get('model_instance_name') or args.get('model_name', '')} ready in "
+                            f"{self.initialize_s:.2f} s (imports and bundle opened {t_open - t0:.2f} s, "
+                            f"{len(self.plan.branches)} branches loaded and captured {time.perf_counter() - t_open:.2f} s)")
 
     # -- requests ---------------------------------------------------------------------------------
     def _read_input(self, tensor):

@@ -165,3 +165,17 @@ def test_the_same_branch_under_another_name_gives_the_same_engine_packed_once(co
     tb.clear_memory_cache()  # a packed engine goes with the compiled-branch cache
     tb.Builder(BuildOptions(device="cpu")).build_all([(branch(1), "a0", LAYOUT)])
     assert len(packs) == 3
+
+
+def test_a_branch_object_is_serialized_and_hashed_once(compiles, monkeypatch):
+    """The build hands the same extracted branches to its compile batch and to its engine writes: one serialization
+    of each; an equal branch in another object is serialized again (and gives the same engine)."""
+    n = []
+    real = tb._anonymous_bytes
+    monkeypatch.setattr(tb, "_anonymous_bytes", lambda b: n.append(1) or real(b))
+    b1 = branch(1)
+    tb.precompile([(tb.Builder(BuildOptions(device="cpu")), [(b1, "a0", LAYOUT)])])
+    first, = tb.Builder(BuildOptions(device="cpu")).build_all([(b1, "a0", LAYOUT)])
+    assert len(n) == 1
+    again, = tb.Builder(BuildOptions(device="cpu")).build_all([(branch(1), "a0", LAYOUT)])
+    assert len(n) == 2 and again == first

@@ -52,6 +52,15 @@ def test_execute_matches_onnxruntime_on_the_original(bundles, tmp_path, pb_utils
     model.finalize()
 
 
+def test_initialize_logs_how_long_the_instance_took_to_be_ready(bundles, tmp_path, pb_utils):
+    pb_utils.Logger.messages.clear()
+    model, _ = _served(bundles, tmp_path, "three")
+    ready = [m for level, m in pb_utils.Logger.messages if level == "info" and "ready in" in m]
+    assert len(ready) == 1 and 0 < model.initialize_s < 600
+    assert ready[0].startswith("parastream: m ready in ") and f"{model.initialize_s:.2f} s" in ready[0]
+    assert f"{len(model.plan.branches)} branches loaded" in ready[0]
+
+
 def test_two_outputs(bundles, tmp_path, pb_utils):
     model, original = _served(bundles, tmp_path, "two_output")
     x = np.random.default_rng(3).standard_normal((2, 16)).astype(np.float32)

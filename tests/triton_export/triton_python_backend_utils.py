@@ -11,6 +11,7 @@ triton_python_backend_utils.py, src/infer_response.cc):
   ``as_numpy()`` of a GPU tensor raises, as the real one does.
 * ``InferenceRequest(inputs)``, ``get_input_tensor_by_name``, ``InferenceResponse(output_tensors, error)``,
   ``TritonError(message)``.
+* ``Logger.log_info(message)`` (and the other levels): here the messages are kept in ``Logger.messages``.
 """
 
 from __future__ import annotations
@@ -133,3 +134,25 @@ def get_input_tensor_by_name(inference_request, name):
         if tensor.name() == name:
             return tensor
     return None
+
+
+class Logger:
+    """The backend's logger (``pb_utils.Logger``: its messages go to the server's log); the double keeps them."""
+
+    messages: list[tuple[str, str]] = []
+
+    @classmethod
+    def log_info(cls, message):
+        cls.messages.append(("info", str(message)))
+
+    @classmethod
+    def log_warn(cls, message):
+        cls.messages.append(("warn", str(message)))
+
+    @classmethod
+    def log_error(cls, message):
+        cls.messages.append(("error", str(message)))
+
+    @classmethod
+    def log_verbose(cls, message):
+        cls.messages.append(("verbose", str(message)))

@@ -118,6 +118,16 @@ def test_models_ready(server, protocol):
         client.close()
 
 
+def test_each_instance_logs_how_long_it_took_to_be_ready(server):
+    """model.py's initialize says, in the server's log, how long the instance took (bench/triton_gpu.py reads it)."""
+    import re
+
+    log = server.log()
+    for model in [m.stem for m in EXAMPLES] + ["small_net_b4", "small_net_buckets"]:
+        got = re.findall(rf"parastream: {re.escape(model)}_\d+(?:_\d+)? ready in (\d+\.\d+) s", log)
+        assert got and all(0 < float(s) < 300 for s in got), f"{model}: no ready line\n{server.log_tail()}"
+
+
 def test_stubs_run_this_interpreter(server):
     """Each model instance's stub embeds this interpreter's libpython (see tritonserver_process)."""
     from tritonserver_process import python_library
