@@ -49,6 +49,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import io
+import itertools
 import json
 import os
 import platform
@@ -1052,14 +1053,21 @@ def _store_results(results: dict[str, bytes | str], cache_dir: str | None) -> No
 
 
 class _Inflight:
-    """A group of compile jobs running in the workers: ``wait()`` returns once its results are in the cache."""
+    """A group of compile jobs queued for or running in the workers: ``wait()`` returns once its results are in the
+    cache (or it was cancelled before it started)."""
 
-    def __init__(self, keys: list[str], cache_dir: str | None, cancellable: bool = True):
-        self.keys, self.cache_dir, self.cancellable = keys, cache_dir, cancellable
+    def __init__(self, keys: list[str], jobs: list[tuple], cache_dir: str | None, cancellable: bool, seq: int):
+        self.keys, self.jobs, self.cache_dir, self.cancellable = keys, jobs, cache_dir, cancellable
+        # the search's candidates (cancellable) before what the build needs only after the search: a candidate
+        # measured next must not wait behind the alternatives' compiles; a group someone waits for goes first
+        self.priority, self.seq = (0 if cancellable else 1), seq
         self.done = threading.Event()
         self.future = None
 
     def wait(self) -> None:
+        with _QUEUE_LOCK:
+            self.priority = -1
+        _pump()
         self.done.wait()
 
     def store(self, future) -> None:  # the future's callback (the pool's thread): results into the cache, then done
@@ -1068,6 +1076,12 @@ class _Inflight:
         except BaseException as e:  # noqa: BLE001 - cancelled or a dead worker: the waiter compiles or reports it
             results = None if future.cancelled() else [_failure(e)] * len(self.keys)
         _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
+        self._finish()
+        with _QUEUE_LOCK:
+            _RUNNING[0] -= 1
+        _pump()
+
+    def _finish(self) -> None:
         for k in self.keys:
             if _INFLIGHT.get(k) is self:
                 del _INFLIGHT[k]
@@ -1076,23 +1090,47 @@ class _Inflight:
 
 #: cache key -> the group compiling it in the background (``precompile(background=True)``)
 _INFLIGHT: dict[str, _Inflight] = {}
+#: background groups not handed to the workers yet, and how many are running: at most one group per worker is
+#: in the pool at a time (``_pump``), so that the order of the rest can still change (``_Inflight.priority``)
+_QUEUED: list[_Inflight] = []
+_RUNNING = [0]
+_QUEUE_LOCK = threading.RLock()
+_SEQ = itertools.count()
 
 
 def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool) -> None:
-    pool = _pool(compile_workers())
-    for keys in groups.values():  # in the order given: the first batch's groups first
-        job = _Inflight(keys, cache_dir, cancellable)
-        for k in keys:
-            _INFLIGHT[k] = job
-        job.future = pool.submit(_compile_group, [todo[k] for k in keys])
-        job.future.add_done_callback(job.store)
+    with _QUEUE_LOCK:
+        for keys in groups.values():  # in the order given: the first batch's groups first
+            job = _Inflight(keys, [todo[k] for k in keys], cache_dir, cancellable, seq=next(_SEQ))
+            for k in keys:
+                _INFLIGHT[k] = job
+            _QUEUED.append(job)
+    _pump()
+
+
+def _pump() -> None:
+    """Hand queued groups to the workers, the most urgent first, while a worker is free."""
+    with _QUEUE_LOCK:
+        workers = compile_workers()
+        while _QUEUED and _RUNNING[0] < workers:
+            _QUEUED.sort(key=lambda j: (j.priority, j.seq))
+            job = _QUEUED.pop(0)
+            _RUNNING[0] += 1
+            job.future = _pool(workers).submit(_compile_group, job.jobs)
+            job.future.add_done_callback(job.store)
 
 
 def cancel_precompile() -> int:
     """Drop the background compiles that have not started (the search's budget is spent); returns how many."""
     n = 0
-    for job in {id(j): j for j in list(_INFLIGHT.values())}.values():
-        if job.cancellable and job.future is not None and job.future.cancel():
+    with _QUEUE_LOCK:
+        for job in [j for j in _QUEUED if j.cancellable]:
+            _QUEUED.remove(job)
+            job._finish()
+            n += 1
+        running = {id(j): j for j in _INFLIGHT.values() if j.future is not None}.values()
+    for job in running:
+        if job.cancellable and job.future.cancel():  # handed to the pool, not started: its callback finishes it
             n += 1
     return n
 

@@ -5,6 +5,7 @@ is replaced by a counting stand-in (the real compile is tested in test_torch_ind
 from __future__ import annotations
 
 import hashlib
+import time
 
 import onnx
 
@@ -179,3 +180,45 @@ def test_a_branch_object_is_serialized_and_hashed_once(compiles, monkeypatch):
     assert len(n) == 1
     again, = tb.Builder(BuildOptions(device="cpu")).build_all([(branch(1), "a0", LAYOUT)])
     assert len(n) == 2 and again == first
+
+
+def test_background_compiles_run_the_search_s_candidates_before_what_is_needed_later(compiles, monkeypatch):
+    """Queued groups go to the workers the most urgent first: the search's candidates (cancellable) before the
+    build's alternatives (kept, needed only after the search), and a group somebody waits for before both."""
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    gate, pool = threading.Event(), ThreadPoolExecutor(1)
+    fake = tb.compile_inductor
+
+    def gated(br, *a, **k):
+        if not compiles:
+            gate.wait(30)
+        return fake(br, *a, **k)
+
+    monkeypatch.setattr(tb, "compile_inductor", gated)
+    monkeypatch.setattr(tb, "_pool", lambda n: pool)
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")  # two groups in the pool at a time, the rest queued
+    o = BuildOptions(device="cpu")
+
+    def queue(seed: int, cancellable: bool):
+        tb.precompile([(tb.Builder(o), [(branch(seed), f"s{seed}", LAYOUT)])], background=True, cancellable=cancellable)
+
+    queue(1, True)  # running (held at the gate)
+    queue(2, False)  # in the pool, behind it
+    queue(4, False)  # queued: an alternative
+    queue(5, True)  # queued: a candidate, goes before it
+    queue(6, False)  # queued: waited for below, goes before both
+    digest = {s: hashlib.sha256(tb._anonymous_bytes(branch(s))).hexdigest()[:12] for s in (1, 2, 4, 5, 6)}
+    waiter = threading.Thread(target=lambda: tb.Builder(o).build_all([(branch(6), "w", LAYOUT)]))
+    waiter.start()
+    deadline = time.monotonic() + 30
+    while not any(j.priority == -1 for j in list(tb._QUEUED)) and time.monotonic() < deadline:
+        time.sleep(0.01)  # until the waiter has asked for branch 6
+    gate.set()
+    waiter.join(30)
+    while tb._INFLIGHT and time.monotonic() < deadline:
+        time.sleep(0.01)
+    order = [d for d, _ in compiles]
+    assert order == [digest[s] for s in (1, 2, 6, 5, 4)], order
+    pool.shutdown()
