@@ -264,9 +264,11 @@ def child_build(args, res: dict) -> dict:
     res["search"] = {"candidates": len(cands), "measured": sum(c.get("measured_s") is not None for c in cands),
                      "measured_top20": sum(c.get("measured_s") is not None for c in cands if (c.get("rank") or 99) <= 20),
                      "decided_by": s.get("decided_by"), "nodes_before": s.get("nodes_before"), "nodes_after": s.get("nodes_after"),
-                     "prepared": s.get("prepared"), "search_timings": s.get("timings"), "measure_log": s.get("measure_log")}
+                     "prepared": s.get("prepared"),
+                     "prepared_before_search": s.get("prepared_before_search"), "search_timings": s.get("timings"), "measure_log": s.get("measure_log")}
     res["precompiled"] = rep.get("precompiled")
-    res["measured_choices"] = [(r["choice"], r["won"]) for r in (rep.get("measured_choices") or {}).get("rounds", [])]
+    res["measured_choices"] = [(r["choice"], r["won"], r.get("load_s"), r.get("timed_s"))
+                               for r in (rep.get("measured_choices") or {}).get("rounds", [])]
     eng = rep.get("engines", {})
     res["engines"] = {"branches": len(eng), "compiled": sum(e.get("compiled") in ("aotinductor", "inductor") for e in eng.values()),
                       "compile_failed": sum(bool(e.get("aot_error")) for e in eng.values()),

@@ -154,10 +154,10 @@ def load_phases(launcher) -> dict[str, float]:
     torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total and ``ready`` (engines
     loaded to graph captured)."""
     out: dict[str, float] = {}
-    for e in launcher.engines:
+    for e in getattr(launcher, "engines", None) or []:
         for k, v in (getattr(e, "phases", None) or {}).items():
             out[k] = round(out.get(k, 0.0) + v, 4)
-    out["engines"] = round(launcher.load_s, 4)
+    out["engines"] = round(getattr(launcher, "load_s", 0.0), 4)
     out["ready"] = round(getattr(launcher, "ready_s", 0.0), 4)
     return out
 

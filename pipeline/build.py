@@ -399,11 +399,17 @@ def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, 
     chosen = {"fuse_conv_relu": bool(options.fuse_conv_relu and torch_engines), "internal_nhwc": True, "one_engine": False}
     rounds: list[dict] = []
 
+    t_load = [time.perf_counter()]
+
     def race(what: str, current, other, keys: tuple[str, str]) -> bool:
+        t0 = time.perf_counter()
         times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10)
         ms = {k: float(np.median(v)) for k, v in times.items()}
         won = ms[keys[1]] < ms[keys[0]]
-        rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0]})
+        # load_s: building and loading the alternative (the first round: the bundle's own launcher too)
+        rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0],
+                       "load_s": round(t0 - t_load[0], 3), "timed_s": round(time.perf_counter() - t0, 3)})
+        t_load[0] = time.perf_counter()
         return won
 
     current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
@@ -703,12 +709,18 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
                        plan_s=round(t0 - t_plan, 3), load_phases_s=load_phases(la))
         return la
 
+    prepared: set[int] = set()  # ids of the models prepared (the build prepares the input before the search runs)
+
     def prepare(models: list[onnx.ModelProto]) -> dict | None:
         """Start compiling the engines of the next models the search will measure (``measure.lookahead`` ahead,
         in the order it measures them), on every compile worker in the background: a candidate is measured as
         soon as its own engines are compiled while the workers go on with the next ones, and the budget's end
         cancels what has not started.  With the first call (the input first) the alternatives the build will
         time if it keeps the input are queued too, and kept."""
+        models = [m for m in models if id(m) not in prepared]
+        if not models:
+            return None
+        prepared.update(id(m) for m in models)
         plans = [(*plan_of(m), options, True) for m in models]
         got = precompile_plans(backend, plans, background=True)
         if not planned_alternatives and plans and got is not None and got.get("background") is True:
@@ -932,6 +944,12 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             measurer = gpu_measure(b.backend, b.options, b.cost_model, b.loaded, streams=cfg.streams,
                                    max_streams=cfg.max_streams, precision=cfg.precision, budget_s=cfg.measure_seconds,
                                    runs=cfg.measure_runs)
+        before = None
+        if measurer is not None:  # the search measures its input first: its engines compile while the search runs
+            try:
+                before = measurer.prepare([b.model])
+            except Exception as e:  # noqa: BLE001 - as in the search: measuring compiles what preparing could not
+                before = {"error": f"{type(e).__name__}: {e}"}
         task = b.bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measurer else ""))
         try:
             searched, report = optimize(b.model, cost_model=b.cost_model, streams=b.planned[1][0].num_streams,
@@ -942,6 +960,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         b.search_report = dict(report, enabled=True)
         if measurer is not None:
             b.search_report["measure_log"] = measurer.log
+            b.search_report["prepared_before_search"] = before
         b.model, b.graph = _after_search(b.model, b.graph, searched)
         task.advance()
 

@@ -1038,9 +1038,45 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         return {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
     if background:
         _submit(todo, groups, first.options.cache_dir, cancellable)
+        if first.options.device == "cuda":
+            _import_runtime_in_background()
         return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3)}
     _, failed = first._compile(todo, groups)
     return {"jobs": len(todo), "failed": len(failed), "s": round(time.perf_counter() - t0, 3)}
+
+
+_RUNTIME_IMPORT: list = []
+
+
+def _import_runtime_in_background() -> None:
+    """Import what loading an Inductor artifact imports (Inductor's code cache, AOTAutograd's cache, the Triton
+    kernel wrappers and templates) and hash Triton once (its autotuning key), in a thread, once per process: a
+    GPU build's first load of compiled engines paid ~2 s for them (H100, Inception-v4), while the build itself
+    sat waiting for its compile workers.  Imports take Python's import lock, so a load that needs a module
+    being imported waits for it rather than importing it twice."""
+    if _RUNTIME_IMPORT:
+        return
+
+    def work():
+        import importlib
+
+        for name in ("torch._inductor.standalone_compile", "torch._inductor.codecache",
+                     "torch._functorch._aot_autograd.autograd_cache", "torch._higher_order_ops.triton_kernel_wrap",
+                     "torch._inductor.runtime.triton_heuristics", "torch._inductor.select_algorithm"):
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001 - another torch: the load imports what it needs itself
+                pass
+        try:
+            from torch.utils._triton import triton_hash_with_backend
+
+            triton_hash_with_backend()  # cached by torch for the process
+        except Exception:  # noqa: BLE001
+            pass
+
+    t = threading.Thread(target=work, name="parastream-import-inductor", daemon=True)
+    _RUNTIME_IMPORT.append(t)
+    t.start()
 
 
 def _store_results(results: dict[str, bytes | str], cache_dir: str | None) -> None:
