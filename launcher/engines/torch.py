@@ -762,10 +762,16 @@ def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: d
     params = _load_params(weights, meta, dev)
     key = (hashlib.sha256(artifact).hexdigest(), dev)
     t1 = time.perf_counter()
-    art = _LOADED_ARTIFACTS.get(key)
+    with _CACHE_LOCK:
+        art = _LOADED_ARTIFACTS.get(key)
+        if art is not None:
+            _LOADED_ARTIFACTS.move_to_end(key)
     if art is None:
         art = _load_artifact(artifact, meta, device)
-        _LOADED_ARTIFACTS[key] = art
+        with _CACHE_LOCK:
+            _LOADED_ARTIFACTS[key] = art
+            while len(_LOADED_ARTIFACTS) > LOADED_ARTIFACTS:
+                _LOADED_ARTIFACTS.popitem(last=False)
 
     def run(*args):
         art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
@@ -819,11 +825,13 @@ def _load_params(weights: Callable[[], bytes | None], meta: dict, dev: str) -> l
 _SHARED_PARAMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 
 
-#: Artifacts loaded in this process, by content: the weights are the call's inputs, so one loaded artifact
-#: serves every engine whose artifact has the same bytes (the search's candidates share every unchanged
-#: branch with the input; branches of one structure can compile to the same code).  Weak values: an
-#: artifact goes with the last engine that calls it.
-_LOADED_ARTIFACTS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
+#: Artifacts loaded in this process, by content, the most recently used ``LOADED_ARTIFACTS`` kept: the weights are
+#: the call's inputs, so one loaded artifact serves every engine whose artifact has the same bytes (the search's
+#: candidates reload every unchanged branch; branches of one structure can compile to the same code), and a build
+#: loads the same artifacts for its measured candidates, its timed alternatives and its verification (kept while
+#: no engine held them, each was loaded again: ~1.5 s per load of an Inception-v4 on the H100).
+_LOADED_ARTIFACTS: OrderedDict = OrderedDict()
+LOADED_ARTIFACTS = 512
 
 
 def _load_artifact(artifact: bytes, meta: dict, device: str):
@@ -924,6 +932,9 @@ class Builder:
                 where = "memory (compiled in the background)" if package is not None else where
             if package is None and key not in todo and key not in _FAILED:
                 todo[key] = (self.artifact, onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
+                if len(_NODES) > 65536:
+                    _NODES.clear()
+                _NODES[key] = len(branch.graph.node)
                 # an AOTInductor package embeds its weights: nothing to share, every job its own group
                 group = structure_key(branch, sig) if self.artifact == "inductor" else key
                 groups.setdefault(group, []).append(key)
@@ -981,11 +992,7 @@ class Builder:
             pool = _pool(compile_workers())
             # the longest groups first (a group's first branch compiles, the rest are mostly Inductor cache hits):
             # a large branch started last would hold the batch up while every other worker idles
-            def work(ks: list[str]) -> float:
-                nodes = [len(onnx.load_from_string(todo[k][1]).graph.node) for k in ks[:1]]
-                return nodes[0] * (1 + 0.2 * (len(ks) - 1))
-
-            order = sorted(groups, key=lambda g: -work(groups[g]))
+            order = sorted(groups, key=lambda g: -_work(todo, groups[g]))
             futures = {g: pool.submit(_compile_group, [todo[k] for k in groups[g]]) for g in order}
             for g, f in futures.items():
                 try:
@@ -1079,6 +1086,19 @@ def _import_runtime_in_background() -> None:
     t.start()
 
 
+def _work(todo: dict[str, tuple], keys: list[str]) -> float:
+    """A group's compile work, to start the longest first: its first branch's nodes (the rest of a group are mostly
+    Inductor cache hits in the same worker)."""
+    n = _NODES.get(keys[0])
+    if n is None:
+        n = len(onnx.load_from_string(todo[keys[0]][1]).graph.node)
+    return n * (1 + 0.2 * (len(keys) - 1))
+
+
+#: cache key -> nodes of its branch (``_jobs`` notes them: ``_work`` need not parse the branch again)
+_NODES: dict[str, int] = {}
+
+
 def _store_results(results: dict[str, bytes | str], cache_dir: str | None) -> None:
     """Compile results into the compiled-branch cache, failures (their reasons) into ``_FAILED``."""
     for k, r in results.items():
@@ -1135,9 +1155,16 @@ _SEQ = itertools.count()
 
 
 def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool) -> None:
+    """Queue the groups (a later call's after an earlier one's, the longest of each call first).  Of what is needed
+    only after the search (not ``cancellable``), the longest group starts at once: it ends the build's wait for
+    its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
+    many from the search."""
+    order = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
     with _QUEUE_LOCK:
-        for keys in groups.values():  # in the order given: the first batch's groups first
+        for i, keys in enumerate(order):
             job = _Inflight(keys, [todo[k] for k in keys], cache_dir, cancellable, seq=next(_SEQ))
+            if not cancellable and i == 0 and len(order) > 1:
+                job.priority = -0.5
             for k in keys:
                 _INFLIGHT[k] = job
             _QUEUED.append(job)

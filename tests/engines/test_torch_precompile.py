@@ -222,3 +222,19 @@ def test_background_compiles_run_the_search_s_candidates_before_what_is_needed_l
     order = [d for d, _ in compiles]
     assert order == [digest[s] for s in (1, 2, 6, 5, 4)], order
     pool.shutdown()
+
+
+def test_the_longest_group_needed_after_the_search_starts_at_once(monkeypatch):
+    """Of a batch needed only after the search (kept), the longest group goes before everything queued; the rest of
+    it after the search's candidates.  (Nothing is handed to workers here: ``_pump`` is held.)"""
+    monkeypatch.setattr(tb, "_pump", lambda: None)
+    monkeypatch.setattr(tb, "_QUEUED", [])
+    monkeypatch.setattr(tb, "_INFLIGHT", {})
+    small, big = branch(1), branch(2)
+    big.graph.node.extend([onnx.helper.make_node("Identity", ["y"], [f"y{i}"]) for i in range(5)])
+    todo = {"s": ("inductor", small.SerializeToString()), "b": ("inductor", big.SerializeToString()),
+            "c": ("inductor", small.SerializeToString())}
+    tb._submit({"c": todo["c"]}, {"gc": ["c"]}, None, cancellable=True)
+    tb._submit(todo, {"gs": ["s"], "gb": ["b"]}, None, cancellable=False)
+    tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
+    assert [j.keys for j in tb._QUEUED] == [["b"], ["c"], ["s"]]
