@@ -6,8 +6,9 @@ Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
 * ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
 * ``inductor``  engines/ hold Inductor precompiled artifacts (``standalone_compile`` at build,
                 ``CompiledArtifact.load`` at load; PARASTREAM_TORCH_ARTIFACT=inductor);
-* ``inductor-bundled``  the same saved as one compiled function (``standalone_compile(aot=True)``,
-                PARASTREAM_INDUCTOR_FORMAT=bundled) rather than as Inductor cache entries;
+* ``inductor-bundled``, ``inductor-cache``  the same saved as the compiled function
+                (``standalone_compile(aot=True)``, the default) or as Inductor's cache entries
+                (PARASTREAM_INDUCTOR_FORMAT);
 * ``aoti``      engines/ hold AOTInductor packages compiled at build for the launcher's layouts;
 * ``mega``      the jit engines after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
                 collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
@@ -249,8 +250,8 @@ def child_build(args, res: dict) -> dict:
     from parastream.launcher.engines import torch as torch_backend
     from parastream.pipeline import build
 
-    if args.artifact == "inductor-bundled":  # Inductor's artifact saved as one compiled function (aot=True)
-        os.environ["PARASTREAM_INDUCTOR_FORMAT"] = "bundled"  # read by the compile workers this build starts
+    if args.artifact.startswith("inductor-"):  # inductor-bundled, inductor-cache: how Inductor's artifact is saved
+        os.environ["PARASTREAM_INDUCTOR_FORMAT"] = args.artifact.split("-", 1)[1]  # read by the compile workers
     torch_backend.ARTIFACT = args.artifact.split("-")[0]
     t0 = time.perf_counter()
     bundle = build(args.onnx, args.bundle, backend="torch", precision="fp16", force=True, search=args.search == "on",
@@ -262,7 +263,10 @@ def child_build(args, res: dict) -> dict:
     s = rep.get("search") or {}
     cands = s.get("candidates", [])
     res["search"] = {"candidates": len(cands), "measured": sum(c.get("measured_s") is not None for c in cands),
-                     "measured_top20": sum(c.get("measured_s") is not None for c in cands if (c.get("rank") or 99) <= 20),
+                     # rewrites measured among the 20 best-ranked (ranks from 0; the input is listed too, not counted)
+                     "measured_top20": sum(c.get("measured_s") is not None and not c.get("input")
+                                           for c in sorted((c for c in cands if not c.get("input")),
+                                                           key=lambda c: c["rank"])[:20]) if cands else 0,
                      "decided_by": s.get("decided_by"), "nodes_before": s.get("nodes_before"), "nodes_after": s.get("nodes_after"),
                      "prepared": s.get("prepared"),
                      "prepared_before_search": s.get("prepared_before_search"), "search_timings": s.get("timings"), "measure_log": s.get("measure_log")}
@@ -314,7 +318,7 @@ def main(argv=None) -> int:
     ap.add_argument("--bundle")
     ap.add_argument("--onnx")
     ap.add_argument("--artifacts")
-    ap.add_argument("--artifact", default="inductor", choices=["inductor", "inductor-bundled", "aoti", "jit"])
+    ap.add_argument("--artifact", default="inductor", choices=["inductor", "inductor-bundled", "inductor-cache", "aoti", "jit"])
     ap.add_argument("--search", default="off")
     ap.add_argument("--verify", default="off")
     ap.add_argument("--profile", action="store_true", help="child: the load under cProfile")
