@@ -333,8 +333,7 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
                          "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
-                         **({"inductor_format": inductor_format(), "autotune_pointwise": autotune_pointwise()}
-                            if artifact == "inductor" else {}),
+                         **({"inductor_format": inductor_format()} if artifact == "inductor" else {}),
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
     return h.hexdigest()
@@ -516,17 +515,7 @@ def _inductor_options(options: BuildOptions) -> dict:
     import torch._inductor
 
     mode = "max-autotune-no-cudagraphs" if options.optimization_level >= 5 else "default"
-    out = dict(torch._inductor.list_mode_options(mode))
-    if not autotune_pointwise():
-        out["triton.autotune_pointwise"] = False
-    return out
-
-
-def autotune_pointwise() -> bool:
-    """Whether Inductor compiles several configurations of each pointwise Triton kernel and benchmarks them at its
-    first run (its default; PARASTREAM_INDUCTOR_AUTOTUNE_POINTWISE=0 compiles one, by its heuristics: fewer
-    compiles at build, no benchmarks at load; bench/engine_artifacts.py compares them)."""
-    return os.environ.get("PARASTREAM_INDUCTOR_AUTOTUNE_POINTWISE", "1") != "0"
+    return dict(torch._inductor.list_mode_options(mode))
 
 
 def _param_specs(params: list) -> list:
