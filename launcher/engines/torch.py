@@ -362,10 +362,7 @@ def _serialized(branch: onnx.ModelProto) -> tuple[bytes, str]:
     data = _anonymous_bytes(branch)
     digest = hashlib.sha256(data).hexdigest()
     with _CACHE_LOCK:
-        _SERIALIZED[id(branch)] = (branch, data, digest)
-        total = sum(len(v[1]) for v in _SERIALIZED.values())
-        while total > SERIALIZED_BYTES and len(_SERIALIZED) > 1:
-            total -= len(_SERIALIZED.popitem(last=False)[1][1])
+        _lru_put(_SERIALIZED, id(branch), (branch, data, digest), SERIALIZED_BYTES, size=lambda v: len(v[1]))
     return data, digest
 
 
@@ -401,12 +398,19 @@ def cache_get(key: str, cache_dir: str | None) -> tuple[bytes | None, str]:
     return None, "miss"
 
 
+def _lru_put(cache: OrderedDict, key, value, limit: int, size=len) -> None:
+    """``cache[key] = value`` as its most recent entry, then the least recent out until the ``size`` of all is
+    within ``limit`` (the newest always stays).  The caller holds ``_CACHE_LOCK``."""
+    cache[key] = value
+    cache.move_to_end(key)
+    total = sum(size(v) for v in cache.values())
+    while total > limit and len(cache) > 1:
+        total -= size(cache.popitem(last=False)[1])
+
+
 def _cache_put(key: str, data: bytes, cache_dir: str | None) -> None:
     with _CACHE_LOCK:
-        _CACHE[key] = data
-        _CACHE.move_to_end(key)
-        while sum(len(v) for v in _CACHE.values()) > CACHE_BYTES and len(_CACHE) > 1:
-            _CACHE.popitem(last=False)
+        _lru_put(_CACHE, key, data, CACHE_BYTES)
     f = _cache_file(cache_dir, key)
     if f is not None:
         f.parent.mkdir(parents=True, exist_ok=True)
@@ -773,9 +777,7 @@ def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: d
     if art is None:
         art = _load_artifact(artifact, meta, device)
         with _CACHE_LOCK:
-            _LOADED_ARTIFACTS[key] = art
-            while len(_LOADED_ARTIFACTS) > LOADED_ARTIFACTS:
-                _LOADED_ARTIFACTS.popitem(last=False)
+            _lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS, size=lambda v: 1)
 
     def run(*args):
         art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
@@ -970,9 +972,7 @@ class Builder:
                 package, extra, weights = _split_entry(package or compiled[key])
                 packed = (pack(dict(meta, **extra), onnx_bytes, package, weights), len(package))
                 with _CACHE_LOCK:
-                    _PACKED[key] = packed
-                    while sum(len(v[0]) for v in _PACKED.values()) > CACHE_BYTES // 2 and len(_PACKED) > 1:
-                        _PACKED.popitem(last=False)
+                    _lru_put(_PACKED, key, packed, CACHE_BYTES // 2, size=lambda v: len(v[0]))
             self._report[name]["package_bytes"] = packed[1]
             out[i] = packed[0]
         for item in items:  # the compile time is the batch's (its packages compile side by side)
