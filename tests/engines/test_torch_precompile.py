@@ -5,6 +5,7 @@ is replaced by a counting stand-in (the real compile is tested in test_torch_ind
 from __future__ import annotations
 
 import hashlib
+import threading
 import time
 
 import onnx
@@ -93,12 +94,9 @@ def test_a_branch_converted_once_is_not_converted_again(compiles, monkeypatch):
     assert len(n) == 2
 
 
-def test_background_compiles_are_waited_for_and_the_cancelled_ones_compiled_when_needed(compiles, monkeypatch):
-    """``background=True`` queues the jobs and returns; a ``build_all`` that needs a branch still compiling waits
-    for it (no second compile); ``cancel_precompile()`` drops the queued cancellable jobs, which a later
-    ``build_all`` then compiles itself; the non-cancellable ones stay.  (A one-thread pool stands in for the
-    worker processes, so that the stand-in compiler and a gate on its first job work across it.)"""
-    import threading
+def _gated_pool(compiles: list, monkeypatch):
+    """(gate, pool): a one-thread pool standing in for the worker processes (so that the stand-in compiler works
+    across it), whose first compile waits until ``gate`` is set."""
     from concurrent.futures import ThreadPoolExecutor
 
     gate, pool = threading.Event(), ThreadPoolExecutor(1)
@@ -111,6 +109,15 @@ def test_background_compiles_are_waited_for_and_the_cancelled_ones_compiled_when
 
     monkeypatch.setattr(tb, "compile_inductor", gated)
     monkeypatch.setattr(tb, "_pool", lambda n: pool)
+    return gate, pool
+
+
+def test_background_compiles_are_waited_for_and_the_cancelled_ones_compiled_when_needed(compiles, monkeypatch):
+    """``background=True`` queues the jobs and returns; a ``build_all`` that needs a branch still compiling waits
+    for it (no second compile); ``cancel_precompile()`` drops the queued cancellable jobs, which a later
+    ``build_all`` then compiles itself; the non-cancellable ones stay.  (A one-thread pool stands in for the
+    worker processes, so that the stand-in compiler and a gate on its first job work across it.)"""
+    gate, pool = _gated_pool(compiles, monkeypatch)
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
     o3, o5 = BuildOptions(device="cpu"), BuildOptions(device="cpu", optimization_level=5)
     first = tb.precompile([(tb.Builder(o3), [(branch(1), "a", LAYOUT)])], background=True)
@@ -185,19 +192,7 @@ def test_a_branch_object_is_serialized_and_hashed_once(compiles, monkeypatch):
 def test_background_compiles_run_the_search_s_candidates_before_what_is_needed_later(compiles, monkeypatch):
     """Queued groups go to the workers the most urgent first: the search's candidates (cancellable) before the
     build's alternatives (kept, needed only after the search), and a group somebody waits for before both."""
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    gate, pool = threading.Event(), ThreadPoolExecutor(1)
-    fake = tb.compile_inductor
-
-    def gated(br, *a, **k):
-        if not compiles:
-            gate.wait(30)
-        return fake(br, *a, **k)
-
-    monkeypatch.setattr(tb, "compile_inductor", gated)
-    monkeypatch.setattr(tb, "_pool", lambda n: pool)
+    gate, pool = _gated_pool(compiles, monkeypatch)
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")  # two groups in the pool at a time, the rest queued
     o = BuildOptions(device="cpu")
 

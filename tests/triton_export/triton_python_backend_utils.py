@@ -136,23 +136,12 @@ def get_input_tensor_by_name(inference_request, name):
     return None
 
 
+def _logs_at(level: str):
+    return classmethod(lambda cls, message: cls.messages.append((level, str(message))))
+
+
 class Logger:
     """The backend's logger (``pb_utils.Logger``: its messages go to the server's log); the double keeps them."""
 
     messages: list[tuple[str, str]] = []
-
-    @classmethod
-    def log_info(cls, message):
-        cls.messages.append(("info", str(message)))
-
-    @classmethod
-    def log_warn(cls, message):
-        cls.messages.append(("warn", str(message)))
-
-    @classmethod
-    def log_error(cls, message):
-        cls.messages.append(("error", str(message)))
-
-    @classmethod
-    def log_verbose(cls, message):
-        cls.messages.append(("verbose", str(message)))
+    log_info, log_warn, log_error, log_verbose = (_logs_at(level) for level in ("info", "warn", "error", "verbose"))
