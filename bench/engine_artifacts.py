@@ -75,7 +75,15 @@ def child(args) -> dict:
         return cpu_build_child(args, res)
     if args.child.startswith("cpu-"):
         return cpu_child(args, res)
-    bundle = Bundle.open(args.bundle)
+    if args.baseline:  # the load of stop 21, for a before/after in one call: no prepare, the aliasing check on
+        import contextlib
+
+        from parastream.launcher.engines import torch as tb
+
+        tb._first_call_unchecked = lambda loaded: contextlib.nullcontext()
+    t_open = time.perf_counter()
+    bundle = Bundle.open(args.bundle, loading=not args.baseline)  # what parastream.launcher.load does
+    res["open_s"] = time.perf_counter() - t_open
     if args.child == "mega-load":
         t0 = time.perf_counter()
         torch.compiler.load_cache_artifacts(Path(args.artifacts).read_bytes())
@@ -99,6 +107,7 @@ def child(args) -> dict:
             pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(45)
             res[f"profile_{order}"] = buf.getvalue().splitlines()[-60:]
     res["engines_load_s"] = la.load_s
+    res["load_s"] = res["open_s"] + res["launcher_s"]  # parastream.launcher.load(path): open, load, warm, capture
     res["process_to_ready_s"] = time.perf_counter() - T_START
     engines = [e for e in la.engines if e is not None]
     res["engines"] = len(engines)
@@ -271,6 +280,7 @@ def child_build(args, res: dict) -> dict:
                      "prepared": s.get("prepared"),
                      "prepared_before_search": s.get("prepared_before_search"), "search_timings": s.get("timings"), "measure_log": s.get("measure_log")}
     res["precompiled"] = rep.get("precompiled")
+    res["background_compiles"] = rep.get("background_compiles")
     res["measured_choices"] = [(r["choice"], r["won"], r.get("load_s"), r.get("timed_s"))
                                for r in (rep.get("measured_choices") or {}).get("rounds", [])]
     eng = rep.get("engines", {})
@@ -322,6 +332,7 @@ def main(argv=None) -> int:
     ap.add_argument("--search", default="off")
     ap.add_argument("--verify", default="off")
     ap.add_argument("--profile", action="store_true", help="child: the load under cProfile")
+    ap.add_argument("--baseline", action="store_true", help="child: the load as it was before stop 22")
     args = ap.parse_args(argv)
     if args.child:
         res = child(args)
@@ -397,6 +408,9 @@ def main(argv=None) -> int:
         elif kind == "load" and what == "mega":
             if art.is_file():
                 step("load_mega", ["--child", "mega-load", "--bundle", str(work / "jit"), "--artifacts", str(art), *common], 20)
+        elif kind == "loadbase":  # loadbase:<artifact>: the same load as stop 21's code did it
+            if (work / what).is_dir():
+                step(f"loadbase_{what}", ["--child", "load", "--baseline", "--bundle", str(work / what), *common], 20)
         elif kind == "load":
             if (work / what).is_dir():
                 step(f"load_{what}", ["--child", "load", "--bundle", str(work / what), *common], 20)

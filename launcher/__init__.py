@@ -36,7 +36,7 @@ def load(path: str | Path | Bundle, *, device: str = "auto", graph: bool = True,
     ``device``: "auto" (the GPU launcher when the bundle's engines are GPU engines and
     a GPU is present), "cuda" or "cpu".
     """
-    bundle = path if isinstance(path, Bundle) else Bundle.open(path, check_hashes=check_hashes)
+    bundle = path if isinstance(path, Bundle) else Bundle.open(path, check_hashes=check_hashes, loading=True)
     backend = bundle.backend()
     if device == "auto":
         device = "cuda" if backend.gpu and cuda_device_count() > 0 else "cpu"

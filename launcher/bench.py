@@ -322,7 +322,7 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
     ``concat_ablation``: where the launcher does Concats in place, also time the same bundle with
     every Concat as its own engine (loaded a second time), ``concat_copies_ms``.
     """
-    bundle = path if isinstance(path, Bundle) else Bundle.open(path)
+    bundle = path if isinstance(path, Bundle) else Bundle.open(path, loading=True)
     cpu = not bundle.backend().gpu
     runs = (50 if cpu else 200) if runs is None else runs
     warmup = (5 if cpu else 20) if warmup is None else warmup

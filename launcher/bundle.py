@@ -40,13 +40,15 @@ class Bundle:
     report: dict
 
     @classmethod
-    def open(cls, path: str | Path, *, check_hashes: bool = True) -> "Bundle":
+    def open(cls, path: str | Path, *, check_hashes: bool = True, loading: bool = False) -> "Bundle":
         """Open the bundle at ``path``, refusing one whose files are not all inside it and listed by its manifest.
 
         Every path the bundle names (the manifest's files, the plan's engines) is relative, has no ``..``
         and resolves inside the bundle (no symbolic link leaving it); its manifest lists its files, and every
         file in the folder is listed; its ONNX files carry no external data.  ``check_hashes`` also compares
-        each file with its sha256.
+        each file with its sha256.  ``loading``: the caller loads its engines next; the backend's
+        ``prepare_load(manifest)`` starts what they will need (the torch backend: Inductor's runtime imports,
+        in a thread) before the hashes are checked.
         """
         path = Path(path)
         if not path.is_dir():
@@ -81,6 +83,15 @@ class Bundle:
             if rel not in files:
                 raise ParastreamError(f"{path / 'plan.json'}: {b.name}'s engine {b.engine!r} is not listed in manifest.json")
         bundle = cls(path=path, manifest=manifest, plan=plan, report=report)
+        if loading:
+            from .engines import get_backend
+
+            try:
+                prepare = getattr(get_backend(plan.backend), "prepare_load", None)
+            except ParastreamError:  # an unknown backend: the load names it
+                prepare = None
+            if prepare is not None:
+                prepare(manifest)
         if manifest.get("buckets"):
             bundle.bucket_bundles()  # a dynamic-batch bundle: every bucket's folder is a bundle inside this one
         if check_hashes:

@@ -177,7 +177,7 @@ class GpuLauncher:
                  engines: list | None = None, internal_nhwc: bool | None = None, concat_in_place: bool = True,
                  fuse_conv_relu: bool | None = None, _share=None, shared: "SharedArena | None" = None):
         if not isinstance(bundle, Bundle):
-            bundle = Bundle.open(bundle)
+            bundle = Bundle.open(bundle, loading=True)
         self.bundle = bundle
         self.plan = plan = bundle.plan
         self.device = device

@@ -327,19 +327,53 @@ def _record_measured_streams(streams_tried: list[dict], sched: Schedule) -> None
     streams_tried.append({"streams": sched.num_streams, "engines": len(sched.branches), "chosen": True, "measured": True})
 
 
-def _alternative_plans(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions, cost_model) -> list[tuple]:
+def _alternative_plans(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions, cost_model,
+                       *, named: bool = False) -> list[tuple]:
     """The engines ``time_alternatives`` will load besides the plan's own, as (model, graph, plan, options,
     internal_nhwc), guessed before it runs: the first round's choice is unknown, so the later rounds are
-    taken with the fusion as it is (a choice that goes the other way compiles its engines then)."""
+    taken with the fusion as it is (a choice that goes the other way compiles its engines then).  ``named``:
+    (round, that tuple) each, the round as ``time_alternatives`` names it."""
     torch_engines = backend.name == "torch"
     fused = bool(options.fuse_conv_relu and torch_engines)
     out = []
     if fused and _has_conv_relu(model):
-        out.append((model, graph, plan, replace(options, fuse_conv_relu=False), True))
-    out.append((model, graph, plan, options, False))
+        out.append(("conv+ReLU", (model, graph, plan, replace(options, fuse_conv_relu=False), True)))
+    out.append(("boundary layout", (model, graph, plan, options, False)))
     if plan.num_streams > 1:
-        out.append((model, graph, _one_engine_plan(graph, plan, backend, cost_model), options, True))
-    return out
+        out.append(("streams", (model, graph, _one_engine_plan(graph, plan, backend, cost_model), options, True)))
+    return out if named else [alt for _, alt in out]
+
+
+def _round_labels(what: str, plan) -> tuple[str, str]:
+    """What a round of ``time_alternatives`` races: (the plan as it is, the alternative)."""
+    return {"conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
+            "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
+            "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
+
+
+def _race(rounds: list[dict], what: str, current, other, plan, runs: int, since: float) -> bool:
+    """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
+    replays; the round goes into ``rounds`` (``load_s``: the seconds since ``since``, building and loading
+    ``other``); True when ``other`` was faster."""
+    from parastream.launcher.bench import measure as time_replays
+
+    keys = _round_labels(what, plan)
+    t0 = time.perf_counter()
+    times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10)
+    ms = {k: float(np.median(v)) for k, v in times.items()}
+    won = ms[keys[1]] < ms[keys[0]]
+    rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0],
+                   "load_s": round(t0 - since, 3), "timed_s": round(time.perf_counter() - t0, 3)})
+    return won
+
+
+def _plan_signature(plan) -> tuple:
+    """What makes two plans load the same engines in the same order on the same streams (not the cost model's
+    per-branch estimates)."""
+    return (plan.backend, plan.precision, plan.num_streams,
+            tuple((b.name, b.stream, tuple(b.nodes), tuple(b.inputs), tuple(b.outputs), tuple(b.waits), b.concat_axis)
+                  for b in plan.branches),
+            tuple(sorted((n, str(t)) for n, t in plan.tensors.items())))
 
 
 def _one_engine_plan(graph: gs.Graph, plan, backend, cost_model):
@@ -392,45 +426,38 @@ def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, 
 
     if cuda_device_count() < 1:
         return None
-    from parastream.launcher.bench import measure as time_replays
     from parastream.launcher.gpu import GpuLauncher
 
     bundle = Bundle.open(tmp, check_hashes=False)
     torch_engines = backend.name == "torch"
     chosen = {"fuse_conv_relu": bool(options.fuse_conv_relu and torch_engines), "internal_nhwc": True, "one_engine": False}
     rounds: list[dict] = []
+    since = time.perf_counter()  # a round's load_s: building and loading its alternative (the first: the bundle too)
 
-    t_load = [time.perf_counter()]
-
-    def race(what: str, current, other, keys: tuple[str, str]) -> bool:
-        t0 = time.perf_counter()
-        times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10)
-        ms = {k: float(np.median(v)) for k, v in times.items()}
-        won = ms[keys[1]] < ms[keys[0]]
-        # load_s: building and loading the alternative (the first round: the bundle's own launcher too)
-        rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0],
-                       "load_s": round(t0 - t_load[0], 3), "timed_s": round(time.perf_counter() - t0, 3)})
-        t_load[0] = time.perf_counter()
+    def race(what: str, current, other) -> bool:
+        nonlocal since
+        won = _race(rounds, what, current, other, plan, runs, since)
+        since = time.perf_counter()
         return won
 
     current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
     try:
         if torch_engines and chosen["fuse_conv_relu"] and _has_conv_relu(model):
             other = _alternative_launcher(bundle, model, graph, plan, backend, options, fuse_conv_relu=False)
-            if race("conv+ReLU", current, other, ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue")):
+            if race("conv+ReLU", current, other):
                 current, other, chosen["fuse_conv_relu"] = other, current, False
             other.close()
         if current.nhwc:
             other = _alternative_launcher(bundle, model, graph, plan, backend, options,
                                           fuse_conv_relu=chosen["fuse_conv_relu"], internal_nhwc=False)
-            if race("boundary layout", current, other, ("channels-last boundaries", "contiguous boundaries")):
+            if race("boundary layout", current, other):
                 current, other, chosen["internal_nhwc"] = other, current, False
             other.close()
         if plan.num_streams > 1:
             plan1 = _one_engine_plan(graph, plan, backend, cost_model)
             opts1 = BuildOptions(**{**asdict(options), "fuse_conv_relu": chosen["fuse_conv_relu"]})
             other = _scratch_launcher(model, graph, plan1, backend, opts1)
-            if race("streams", current, other, (f"{plan.num_streams}-stream plan", "one engine for the whole model")):
+            if race("streams", current, other):
                 chosen["one_engine"] = True
             other.close()
     finally:
@@ -724,15 +751,64 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
         prepared.update(id(m) for m in models)
         plans = [(*plan_of(m), options, True) for m in models]
         got = precompile_plans(backend, plans, background=True)
+        if got is not None:
+            got.pop("keys", None)
         if not planned_alternatives and plans and got is not None and got.get("background") is True:
             planned_alternatives.append(True)
-            alternatives = _alternative_plans(plans[0][0], plans[0][1], plans[0][2], backend, options, cost_model)
-            got["alternatives"] = precompile_plans(backend, alternatives, background=True, cancellable=False)
+            named = _alternative_plans(plans[0][0], plans[0][1], plans[0][2], backend, options, cost_model, named=True)
+            alt = precompile_plans(backend, [a for _, a in named], background=True, cancellable=False)
+            keys = alt.pop("keys", None) if alt else None
+            if keys is not None and len(keys) == len(named) and models[0] is loaded.model:
+                # the input's: timed against it during the search once their engines are in (``time_ready``)
+                early.update(plan=plans[0][2], rounds=[], todo=[(what, a, k) for (what, a), k in zip(named, keys)])
+            got["alternatives"] = alt
         return got
+
+    early: dict = {}  # the input's alternatives: its plan, the rounds timed, the rest (round, plan tuple, cache keys)
+
+    def time_ready(wait: bool = False) -> None:
+        """Time the input's alternatives whose engines are compiled against the input (the reference launcher),
+        in ``time_alternatives``'s order, while the search goes on: the build then need not load and time them
+        after the search, nor wait for their compiles at its end.  ``wait``: the rest too, waiting for their
+        compiles.  A round the alternative wins changes what the later rounds race (the bundle's fusion or
+        layout); the build then times them after the search, as for a rewrite chosen."""
+        while early.get("todo") and "launcher" in ref and not early.get("stopped"):
+            what, (m, graph, plan, opts, nhwc), keys = early["todo"][0]
+            if not wait and backend.compiling(keys):
+                return
+            early["todo"].pop(0)
+            t0 = time.perf_counter()
+            try:
+                other = _scratch_launcher(m, graph, plan, backend, opts, nhwc)
+                try:
+                    won = _race(early["rounds"], what, ref["launcher"], other, early["plan"], runs, t0)
+                finally:
+                    other.close()
+            except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
+                early["stopped"] = f"{what}: {type(e).__name__}: {e}"
+                return
+            early["rounds"][-1]["started_s"] = round(t0 - t_made, 3)
+            if won and what != "streams":
+                early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
+
+    def alternatives_timed() -> dict | None:
+        """``time_alternatives``'s result for the input's plan from the rounds timed during the search (the rest
+        timed now), with that ``plan``; None when they could not all be timed against it."""
+        if not early:
+            return None
+        time_ready(wait=True)
+        if early.get("todo") or early.get("stopped") or not early.get("rounds"):
+            return None
+        one = any(r["choice"] == "streams" and r["won"] == _round_labels("streams", early["plan"])[1]
+                  for r in early["rounds"])
+        return {"fuse_conv_relu": bool(options.fuse_conv_relu and backend.name == "torch"), "internal_nhwc": True,
+                "one_engine": one, "rounds": early["rounds"], "runs": runs, "timed": "during the search",
+                "plan": early["plan"]}
 
     def measure(model: onnx.ModelProto) -> float:
         from parastream.launcher.bench import measure as time_replays
 
+        time_ready()  # the input's alternatives whose engines are in, before the next candidate
         if calls[0] >= 2 and time.perf_counter() > deadline:
             raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
         calls[0] += 1
@@ -760,6 +836,7 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
 
     measure.close = close
     measure.prepare = prepare
+    measure.alternatives_timed = alternatives_timed
     measure.lookahead = 4  # models prepared ahead of the one measured (their compiles overlap its measurement)
     measure.log = log
     return measure
@@ -889,6 +966,7 @@ class _Build:
     plan: object = None
     engines_report: dict | None = None
     measured: dict | None = None
+    timed_alternatives: dict | None = None  # the input's alternatives timed during the search (``gpu_measure``)
     precompiled: dict | None = None  # the engines of the plan and its timed alternatives compiled in one batch
     report: dict | None = None
     manifest: dict | None = None
@@ -911,7 +989,14 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     """Load the model at ``shapes`` (one graph from here to the plan), check that the backend can run it, and set
     up the cost model and engine options."""
     t0 = time.perf_counter()
+    options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
+                           workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
+                           strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
+                           profiles={})
     loaded: LoadedModel = load_model(model_path, shapes)
+    start_workers = getattr(backend, "start_workers", None)
+    if start_workers is not None:  # torch on a GPU: its compile workers start while the model is checked and planned
+        start_workers(options)
     check_runnable(loaded, backend, cfg.verify)
     bar.step("load and check").advance()
     from parastream.rewrite.cost import RooflineCostModel
@@ -919,10 +1004,6 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     from .analysis import graph_width
 
     device_profile = cfg.device or default_device_profile(backend)
-    options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
-                           workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
-                           strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
-                           profiles={})
     b = _Build(cfg=cfg, backend=backend, bar=bar, loaded=loaded, options=options,
                cost_model=RooflineCostModel(device_profile, precision=cfg.precision), device_profile=device_profile,
                width=graph_width(loaded.graph)[0], model=loaded.model, graph=loaded.graph, t_start=t0)
@@ -955,6 +1036,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         try:
             searched, report = optimize(b.model, cost_model=b.cost_model, streams=b.planned[1][0].num_streams,
                                         seed=cfg.seed, measure=measurer, **cfg.search_options)
+            if measurer is not None and searched is b.model:  # the input kept: its alternatives, timed meanwhile
+                b.timed_alternatives = measurer.alternatives_timed()
         finally:
             if measurer is not None:
                 measurer.close()
@@ -962,6 +1045,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         if measurer is not None:
             b.search_report["measure_log"] = measurer.log
             b.search_report["prepared_before_search"] = before
+            b.search_report["alternatives_timed"] = ((b.timed_alternatives or {}).get("timed")
+                                                     or "after the search")
         b.model, b.graph = _after_search(b.model, b.graph, searched)
         task.advance()
 
@@ -1001,9 +1086,12 @@ def build_engines(b: _Build, tmp: Path) -> None:
     """One engine per branch, written into the staging folder."""
     with b.timed("engines"):
         task = b.bar.step(f"build {len(b.plan.branches)} {b.backend.name} engines", total=len(b.plan.branches))
+        if b.timed_alternatives is not None and _plan_signature(b.timed_alternatives["plan"]) != _plan_signature(b.plan):
+            b.timed_alternatives = None  # timed for another plan than this one: timed again below
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
-            b.precompiled = precompile_plans(b.backend, [(b.model, b.graph, b.plan, b.options, True)] + _alternative_plans(
-                b.model, b.graph, b.plan, b.backend, b.options, b.cost_model))
+            alternatives = [] if b.timed_alternatives is not None else _alternative_plans(
+                b.model, b.graph, b.plan, b.backend, b.options, b.cost_model)
+            b.precompiled = precompile_plans(b.backend, [(b.model, b.graph, b.plan, b.options, True)] + alternatives)
         b.engines_report = _write_engines(tmp, b.model, b.graph, b.plan, b.backend, b.options, str(b.loaded.path),
                                           task.advance, prebuilt=b.prebuilt)
         b.prebuilt = None
@@ -1018,8 +1106,12 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
     with b.timed("measure_alternatives"):
         task = b.bar.step("time the plan against its alternatives on the GPU")
         fused = b.options.fuse_conv_relu
-        measured = _measure_alternatives(tmp, b.model, b.graph, b.plan, b.backend, b.options, b.cost_model, cfg,
-                                         b.loaded)
+        if b.timed_alternatives is not None:  # timed against this plan's engines during the search
+            measured = {k: v for k, v in b.timed_alternatives.items() if k != "plan"}
+            b.options.fuse_conv_relu = measured["fuse_conv_relu"]
+        else:
+            measured = _measure_alternatives(tmp, b.model, b.graph, b.plan, b.backend, b.options, b.cost_model, cfg,
+                                             b.loaded)
         b.measured = measured
         if measured and (measured["one_engine"] or _compiled_for_other_choices(b.backend, fused, measured)):
             if measured["one_engine"]:
@@ -1030,6 +1122,11 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
             b.engines_report = _write_engines(tmp, b.model, b.graph, b.plan, b.backend, b.options, str(b.loaded.path),
                                               internal_nhwc=measured["internal_nhwc"])
         task.advance()
+
+
+def _background_summary(b: _Build) -> dict | None:
+    summary = getattr(b.backend, "background_summary", None)
+    return summary(b.t_start) if summary is not None else None
 
 
 def write_report(b: _Build, tmp: Path) -> None:
@@ -1048,6 +1145,7 @@ def write_report(b: _Build, tmp: Path) -> None:
         "engines": b.engines_report,
         "measured_choices": b.measured,
         "precompiled": b.precompiled,
+        "background_compiles": _background_summary(b),
         "verification": None,
         "timings": b.timings,
     }

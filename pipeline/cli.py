@@ -245,7 +245,7 @@ def cmd_verify(args) -> int:
     from .build import run_verification
     from .verify import bundle_tolerances
 
-    bundle = Bundle.open(args.bundle)
+    bundle = Bundle.open(args.bundle, loading=True)
     original = args.model or bundle.report.get("model", {}).get("path")
     if not original or not Path(original).is_file():
         raise ParastreamError(f"{args.bundle}: the original model {original!r} is not there; name it with --model ORIGINAL.onnx")
@@ -311,7 +311,7 @@ def cmd_bench(args) -> int:
     if _is_bucketed(args.bundle):  # a dynamic-batch bundle: each bucket, and a batch between buckets
         from parastream.launcher.buckets import bench_buckets
 
-        result = bench_buckets(Bundle.open(args.bundle), runs=args.runs, warmup=args.warmup, console=None if args.json else _console())
+        result = bench_buckets(Bundle.open(args.bundle, loading=True), runs=args.runs, warmup=args.warmup, console=None if args.json else _console())
         if args.json:
             print(json.dumps(result, default=str))
         return 0

@@ -157,3 +157,159 @@ def test_a_plans_branches_are_extracted_once_while_it_lives(monkeypatch):
     monkeypatch.setattr(build_module, "EXTRACTED_BYTES", 0)
     build_module.branches_of(loaded.model, loaded.graph, plan())
     assert len(build_module._EXTRACTED) == 1  # over the bound: not kept
+
+
+def _gpu_like_torch(monkeypatch, pending: set, calls: list):
+    """onnxruntime's engines under a backend that says it runs on the GPU and compiles for the launcher's layout in
+    the background, as torch's does: ``precompile`` hands back each batch's cache keys, ``compiling`` says how many
+    of them are still in ``pending``."""
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = True
+
+    class LayoutBuilder(real.Builder):
+        def build(self, branch, name, layout=None):
+            return super().build(branch, name)
+
+    def precompile(batches, background=False, cancellable=True):
+        keys = [[f"{len(calls)}/{n}/{i}" for i in range(len(items))] for n, (_, items) in enumerate(batches)]
+        calls.append((cancellable, keys))
+        return {"jobs": sum(map(len, keys)), "background": True, "keys": keys}
+
+    gpu_like.Builder = LayoutBuilder
+    gpu_like.precompile = precompile
+    gpu_like.compiling = lambda keys: sum(k in pending for k in keys)
+    return gpu_like
+
+
+def _fake_gpu(monkeypatch, faster: str | None = None):
+    """No GPU needed: launchers that record what they were built for, and a timing where the reference (the input's
+    launcher) is faster than every alternative but ``faster`` (a round's label)."""
+    import types
+
+    import parastream.launcher as launcher_pkg
+    import parastream.launcher.bench as bench_mod
+    import numpy as np
+
+    built = []
+
+    def scratch(model, graph, plan, backend, options, internal_nhwc=True):
+        built.append((plan.num_streams, internal_nhwc))
+        return types.SimpleNamespace(close=lambda: None, t_built=0.0, plan=plan)
+
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(build_module, "_scratch_launcher", scratch)
+    monkeypatch.setattr(build_module, "load_phases", lambda la: {}, raising=False)
+    import parastream.launcher.gpu as gpu_mod
+
+    monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup: {
+        k: np.array([0.5 if k == faster else 1.0 if k in ("reference", "candidate") or i == 0 else 2.0])
+        for i, k in enumerate(launchers)})
+    return built
+
+
+def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_come_in(monkeypatch):
+    """``gpu_measure`` queues the input's alternatives with the input and times each against the input's launcher
+    before the next candidate once its engines are compiled (not before; in ``time_alternatives``' order); the
+    search's end waits for the rest.  The result is ``time_alternatives``' for the input's plan."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.zoo import MODELS
+
+    pending, calls = set(), []
+    backend = _gpu_like_torch(monkeypatch, pending, calls)
+    built = _fake_gpu(monkeypatch)
+    path = Path(__import__("tempfile").mkdtemp()) / "inception_block.onnx"
+    __import__("onnx").save(MODELS["inception_block"](), path)
+    loaded = load_model(path)
+    m = build_module.gpu_measure(backend, BuildOptions(precision="fp32", device="cuda"), RooflineCostModel(), loaded,
+                                 streams=None, max_streams=4, precision="fp32", budget_s=600)
+    got = m.prepare([loaded.model])
+    assert "keys" not in got and "keys" not in got["alternatives"]  # handed on, not reported
+    (_, input_keys), (cancellable, (contiguous_keys, one_engine_keys)) = calls
+    assert cancellable is False and len(one_engine_keys) == 1 < len(contiguous_keys)
+    pending.update(one_engine_keys)  # the whole-model engine still compiling
+    m(loaded.model)  # the input: the reference
+    assert built == [(built[0][0], True)] and built[0][0] > 1
+    m(loaded.model)  # a candidate: first the contiguous boundaries, ready; not the whole-model engine
+    assert built[1] == (built[0][0], False) and len(built) == 3  # then the candidate itself
+    pending.clear()
+    timed = m.alternatives_timed()  # the rest at the search's end
+    assert built[3] == (1, True)
+    assert [r["choice"] for r in timed["rounds"]] == ["boundary layout", "streams"]
+    assert timed["timed"] == "during the search" and not timed["one_engine"] and timed["internal_nhwc"]
+    assert all(r["won"] in ("channels-last boundaries", f"{built[0][0]}-stream plan") for r in timed["rounds"])
+    assert timed["rounds"][0]["started_s"] <= timed["rounds"][1]["started_s"]
+    assert build_module._plan_signature(timed["plan"]) == build_module._plan_signature(
+        build_module.make_plan(loaded.graph, build_module.plan_streams(loaded.graph, RooflineCostModel(), None, 4)[0],
+                               backend="onnxruntime", precision="fp32", suffix=backend.suffix, inputs=loaded.inputs,
+                               outputs=loaded.outputs))
+    m.close()
+
+
+def test_an_alternative_that_wins_during_the_search_leaves_the_rest_to_the_build(monkeypatch):
+    """A round the alternative wins changes what the later rounds race: the search stops timing them and hands the
+    build nothing (it times all of them after the search, as for a rewrite)."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.zoo import MODELS
+
+    pending, calls = set(), []
+    backend = _gpu_like_torch(monkeypatch, pending, calls)
+    built = _fake_gpu(monkeypatch, faster="contiguous boundaries")
+    path = Path(__import__("tempfile").mkdtemp()) / "inception_block.onnx"
+    __import__("onnx").save(MODELS["inception_block"](), path)
+    loaded = load_model(path)
+    m = build_module.gpu_measure(backend, BuildOptions(precision="fp32", device="cuda"), RooflineCostModel(), loaded,
+                                 streams=None, max_streams=4, precision="fp32", budget_s=600)
+    m.prepare([loaded.model])
+    m(loaded.model)
+    m(loaded.model)
+    assert m.alternatives_timed() is None
+    assert [b for b in built if b[0] == 1] == []  # the one-engine round was not timed against the old layout
+    m.close()
+
+
+def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan(tmp_path, monkeypatch):
+    """The search kept the input and timed its alternatives: the build does not load and time them again when its
+    plan is the one they were timed against, and says so; for another plan it times them itself."""
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = True
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    timed_after = []
+    monkeypatch.setattr(build_module, "_measure_alternatives", lambda *a: timed_after.append(a[3]) or None)
+    reference = build(SMALL_NET, tmp_path / "ref", backend="onnxruntime", streams=2, search=False)
+    rounds = [{"choice": "streams", "won": "2-stream plan", "timed_ms": {}, "load_s": 0.0, "timed_s": 0.0}]
+
+    def fake_measure(plan):
+        def measure(model):
+            return 1e-3
+        measure.prepare = lambda models: {}
+        measure.close = lambda: None
+        measure.lookahead = 4
+        measure.log = []
+        measure.alternatives_timed = lambda: {"fuse_conv_relu": False, "internal_nhwc": True, "one_engine": False,
+                                              "rounds": rounds, "runs": 5, "timed": "during the search", "plan": plan}
+        return measure
+
+    monkeypatch.setattr(build_module, "gpu_measure", lambda *a, **k: fake_measure(reference.plan))
+    timed_after.clear()  # the reference build (no search) timed its own
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search_options={"rules": []})
+    assert timed_after == []
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["measured_choices"]["timed"] == "during the search" and report["measured_choices"]["rounds"] == rounds
+    assert report["search"]["alternatives_timed"] == "during the search" and "plan" not in report["measured_choices"]
+    assert report["verification"]["passed"] and bundle.plan.num_streams == 2
+    one = build(SMALL_NET, tmp_path / "one", backend="onnxruntime", streams=1, search=False)
+    monkeypatch.setattr(build_module, "gpu_measure", lambda *a, **k: fake_measure(one.plan))
+    timed_after.clear()
+    build(SMALL_NET, tmp_path / "c", backend="onnxruntime", streams=2, search_options={"rules": []})
+    assert len(timed_after) == 1 and timed_after[0].num_streams == 2  # another plan: timed after the search

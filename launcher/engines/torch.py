@@ -634,8 +634,9 @@ _FAILED: dict[str, str] = {}
 
 def _worker_init() -> None:
     import torch._inductor.config as cfg
+    import torch._inductor.standalone_compile  # noqa: F401 - what every job needs, imported before the first one
 
-    cfg.compile_threads = 1  # the workers are the parallelism; no Triton compile pool per worker
+    cfg.compile_threads = 1  # the workers are the parallelism; no Triton compile pool per worker (but see below)
     # below the build's own process: while they compile the search's next candidates in the background, the
     # build loads and times the current one on the GPU, and a descheduled launch thread would skew its timing
     try:
@@ -648,11 +649,31 @@ def _worker_init() -> None:
 _COMPILERS = {"aoti": "compile_package", "inductor": "compile_inductor"}
 
 
+#: a branch of at least this many nodes compiles its Triton kernels side by side (``_compile_job``)
+LARGE_BRANCH_NODES = 64
+
+
+def large_compile_threads() -> int:
+    """Inductor's compile threads for a large branch in a worker: half the cores, at most 8 (1: none)."""
+    return max(1, min(8, (os.cpu_count() or 1) // 2))
+
+
 def _compile_job(job: tuple) -> bytes:
-    """A cache entry (``_entry``) of the job's branch compiled into its artifact."""
+    """A cache entry (``_entry``) of the job's branch compiled into its artifact.
+
+    A large branch (a whole model as one engine: the one-engine plan a GPU build times its plan against, or a
+    one-stream model's only engine) is one job of one worker, and was the build's longest wait (Inception-v4's
+    whole-model engine: most of a minute, its ~100 Triton kernels compiled one after another).  Its worker compiles
+    its kernels in Inductor's own compile pool (``compile_threads``) instead; the pool stays for that worker's
+    later jobs.  Small branches keep one thread: the workers are their parallelism."""
     artifact, branch_bytes, inputs, outputs, device, dtype, nhwc, views, options = job
+    branch = onnx.load_from_string(branch_bytes)
+    if device == "cuda" and len(branch.graph.node) >= LARGE_BRANCH_NODES and large_compile_threads() > 1:
+        import torch._inductor.config as cfg
+
+        cfg.compile_threads = max(int(cfg.compile_threads or 1), large_compile_threads())
     compile_fn = globals()[_COMPILERS[artifact]]
-    return _entry(*compile_fn(onnx.load_from_string(branch_bytes), inputs, outputs, device, dtype, nhwc, views, options))
+    return _entry(*compile_fn(branch, inputs, outputs, device, dtype, nhwc, views, options))
 
 
 def _failure(e: BaseException) -> str:
@@ -719,6 +740,23 @@ def _split_entry(entry: bytes) -> tuple[bytes, dict, bytes | None]:
     head = json.loads(entry[4:4 + n])
     end = 4 + n + head["package_bytes"]
     return entry[4 + n:end], head["extra"], entry[end:] or None
+
+
+def _ready() -> bool:
+    return True
+
+
+def start_workers(options: BuildOptions) -> None:
+    """Start the compile workers now (a GPU build calls this before it loads the model): each spawns, imports
+    torch and Inductor (seconds each) while the build loads, checks and plans, instead of when the first batch
+    is handed to them."""
+    if options.device != "cuda" or not options.compile or ARTIFACT == "jit" or compile_workers() < 2:
+        return
+    pool = _pool(compile_workers())
+    if not getattr(pool, "_parastream_started", False):
+        pool._parastream_started = True
+        for _ in range(compile_workers()):  # the pool spawns a worker per task it is handed, up to its size
+            pool.submit(_ready)
 
 
 def _pool(workers: int):
@@ -880,6 +918,7 @@ class Builder:
         self.options = options
         self.artifact = ARTIFACT
         self._report: dict[str, dict] = {}
+        self.keys: list[str] = []  # the cache keys of the last ``_jobs`` call's items
 
     def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None) -> bytes:
         return self.build_all([(branch, name, layout)])[0]
@@ -894,9 +933,11 @@ class Builder:
               ) -> tuple[list, dict[str, tuple], dict[str, list[str]]]:
         """(one entry per item: its engine bytes, or what to pack once compiled; key -> compile job for each
         distinct branch that no cache holds; structure -> keys that one process compiles in turn).  A branch
-        that a background ``precompile`` is compiling is waited for (``wait``) or left to it."""
+        that a background ``precompile`` is compiling is waited for (``wait``) or left to it.  ``self.keys``: the
+        cache key of every compiled item, in order (``precompile`` hands them on)."""
         from .onnx_torch import convert
 
+        self.keys = []
         device = self.options.device
         dtype = compute_dtype(self.options.precision, device)
         fuse = _fuse(device, dtype, self.options)
@@ -929,6 +970,7 @@ class Builder:
             inputs, outputs = list(layout["inputs"]), list(layout["outputs"])
             nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
             key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact, digest=digest)
+            self.keys.append(key)
             package, where = cache_get(key, self.options.cache_dir)
             if package is None and key in _INFLIGHT:
                 if not wait:
@@ -1028,30 +1070,35 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
     (the search measures its candidates in that order: the first is compiled first, and a ``build_all`` that
     needs a branch still compiling waits for it); with one worker, nothing is compiled ahead.
     ``cancel_precompile()`` drops the ``cancellable`` ones that have not started.  Returns {"jobs", "failed",
-    "s"} (``background``: jobs queued)."""
+    "s"} (``background``: jobs queued, and ``keys``: each batch's cache keys, for ``compiling``)."""
     t0 = time.perf_counter()
     todo: dict[str, tuple] = {}
     groups: dict[str, list[str]] = {}
     first = None
     if background and compile_workers() <= 1:
         return {"jobs": 0, "failed": 0, "s": 0.0, "background": "one compile worker: compiled when measured"}
+    batch_keys: list[list[str]] = []
     for builder, items in batches:
         if builder.artifact == "jit" or not builder.options.compile:
+            batch_keys.append([])
             continue
         first = first or builder
         _, t, g = builder._jobs(items, wait=not background)
+        batch_keys.append(builder.keys)
         for k, job in t.items():
             todo.setdefault(k, job)
         for gk, keys in g.items():  # a key's group is its structure: the same in every batch
             into = groups.setdefault(gk, [])
             into.extend(k for k in keys if k not in into)
     if first is None or not todo:
-        return {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
+        got = {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
+        return dict(got, keys=batch_keys) if background else got
     if background:
         _submit(todo, groups, first.options.cache_dir, cancellable)
         if first.options.device == "cuda":
             _import_runtime_in_background()
-        return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3)}
+        return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3),
+                "keys": batch_keys}
     _, failed = first._compile(todo, groups)
     return {"jobs": len(todo), "failed": len(failed), "s": round(time.perf_counter() - t0, 3)}
 
@@ -1061,14 +1108,18 @@ _RUNTIME_IMPORT: list = []
 
 def _import_runtime_in_background() -> None:
     """Import what loading an Inductor artifact imports (Inductor's code cache, AOTAutograd's cache, the Triton
-    kernel wrappers and templates) and hash Triton once (its autotuning key), in a thread, once per process: a
-    GPU build's first load of compiled engines paid ~2 s for them (H100, Inception-v4), while the build itself
-    sat waiting for its compile workers.  Imports take Python's import lock, so a load that needs a module
-    being imported waits for it rather than importing it twice."""
+    kernel wrappers and templates) in one thread, and hash Triton (its sources and libtriton, the key of its
+    caches and of Inductor's autotuning) in another, once per process.  Both were ~2.5 s of a fresh process's
+    first load of compiled engines (H100, Inception-v4: the imports, Triton's hash and its launcher helper built
+    into an empty Triton cache), all of it one-time work that need not wait: a load starts them before it hashes
+    the bundle's files (``prepare_load``), a GPU build while it waits for its compile workers.  The hash reads and
+    digests ~0.5 GB and waits for ptxas and the C compiler, so it runs beside the imports rather than after them;
+    imports take Python's import lock, so a load that needs a module being imported waits for it rather than
+    importing it twice."""
     if _RUNTIME_IMPORT:
         return
 
-    def work():
+    def imports():
         import importlib
 
         for name in ("torch._inductor.standalone_compile", "torch._inductor.codecache",
@@ -1078,16 +1129,36 @@ def _import_runtime_in_background() -> None:
                 importlib.import_module(name)
             except Exception:  # noqa: BLE001 - another torch: the load imports what it needs itself
                 pass
-        try:
-            from torch.utils._triton import triton_hash_with_backend
 
-            triton_hash_with_backend()  # cached by torch for the process
-        except Exception:  # noqa: BLE001
+    def triton_hash():
+        # Triton's key (cached by Triton for the process) and its CUDA driver's helper module (built into an
+        # empty Triton cache with the C compiler).  Neither touches a device: a thread's current device is
+        # device 0, which need not be the one this process loads onto.  Not through torch.utils._triton, whose
+        # first import of torch._inductor would wait for the imports above.
+        try:
+            try:
+                from triton.runtime.cache import triton_key
+            except ImportError:
+                from triton.compiler.compiler import triton_key
+            triton_key()
+            from triton.runtime.driver import driver
+
+            driver.active  # noqa: B018 - creating the driver builds (or finds) its helper module
+        except Exception:  # noqa: BLE001 - no Triton, or another one: Inductor hashes it when it needs to
             pass
 
-    t = threading.Thread(target=work, name="parastream-import-inductor", daemon=True)
-    _RUNTIME_IMPORT.append(t)
+    hashed = threading.Thread(target=triton_hash, name="parastream-hash-triton", daemon=True)
+    t = threading.Thread(target=imports, name="parastream-import-inductor", daemon=True)
+    _RUNTIME_IMPORT.extend([hashed, t])
+    hashed.start()
     t.start()
+
+
+def prepare_load(manifest: dict) -> None:
+    """Called by ``Bundle.open(..., loading=True)`` before it hashes the bundle's files: a bundle built for the GPU
+    loads compiled (or compiles) Inductor engines, whose one-time runtime imports then run meanwhile."""
+    if str(manifest.get("device", "")).startswith("cuda"):
+        _import_runtime_in_background()
 
 
 def _work(todo: dict[str, tuple], keys: list[str]) -> float:
@@ -1123,6 +1194,8 @@ class _Inflight:
         self.priority, self.seq = (0 if cancellable else 1), seq
         self.done = threading.Event()
         self.future = None
+        self.nodes = max((_NODES.get(k, 0) for k in keys), default=0)
+        self.t_queued, self.t_started = time.perf_counter(), None
 
     def wait(self) -> None:
         with _QUEUE_LOCK:
@@ -1135,6 +1208,10 @@ class _Inflight:
             results = future.result()
         except BaseException as e:  # noqa: BLE001 - cancelled or a dead worker: the waiter compiles or reports it
             results = None if future.cancelled() else [_failure(e)] * len(self.keys)
+        if results is not None and self.t_started is not None:
+            with _QUEUE_LOCK:
+                _lru_put(_DONE, self.seq, (self.nodes, len(self.keys), self.t_queued, self.t_started,
+                                           time.perf_counter()), 4096, size=lambda v: 1)
         _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
         self._finish()
         with _QUEUE_LOCK:
@@ -1156,6 +1233,24 @@ _QUEUED: list[_Inflight] = []
 _RUNNING = [0]
 _QUEUE_LOCK = threading.RLock()
 _SEQ = itertools.count()
+
+
+#: background groups compiled, by sequence: (nodes of the largest branch, branches, queued, started, done)
+_DONE: OrderedDict = OrderedDict()
+
+
+def background_summary(since: float) -> dict:
+    """The background compiles finished after ``since`` (perf_counter), for the build report: how many, the
+    longest (its seconds, branches and nodes) and when the last one ended, in seconds after ``since``."""
+    with _QUEUE_LOCK:
+        done = [v for v in _DONE.values() if v[2] >= since]
+    if not done:
+        return {"groups": 0}
+    longest = max(done, key=lambda v: v[4] - v[3])
+    return {"groups": len(done), "branches": sum(v[1] for v in done),
+            "longest": {"s": round(longest[4] - longest[3], 2), "branches": longest[1], "nodes": longest[0],
+                        "started_s": round(longest[3] - since, 2)},
+            "last_done_s": round(max(v[4] for v in done) - since, 2)}
 
 
 def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool) -> None:
@@ -1182,9 +1277,16 @@ def _pump() -> None:
         while _QUEUED and _RUNNING[0] < workers:
             _QUEUED.sort(key=lambda j: (j.priority, j.seq))
             job = _QUEUED.pop(0)
+            job.t_started = time.perf_counter()  # handed to a free worker: it starts now
             _RUNNING[0] += 1
             job.future = _pool(workers).submit(_compile_group, job.jobs)
             job.future.add_done_callback(job.store)
+
+
+def compiling(keys: list[str]) -> int:
+    """How many of these cache keys a background ``precompile`` is still compiling (queued or running)."""
+    with _QUEUE_LOCK:
+        return sum(k in _INFLIGHT for k in keys)
 
 
 def cancel_precompile() -> int:
@@ -1218,6 +1320,22 @@ def _wrap(ptr: int, spec: TensorSpec, nhwc: bool, view: tuple[int, int] | None =
         t = torch.as_tensor(DeviceArray(ptr, (n, h, w, total), spec.dtype), device="cuda")
         return t[..., c0:c0 + c].permute(0, 3, 1, 2)
     return DeviceArray(ptr, spec.shape, spec.dtype).torch()
+
+
+def _first_call_unchecked(loaded: bool):
+    """Around a loaded artifact's first call: without AOTAutograd's custom-op aliasing check, which runs that
+    call under a Python dispatch mode to see whether custom operators alias their inputs (torch 2.11+,
+    ``check_custom_op_aliasing``).  An engine calls no custom operator (aten's, its Triton kernels), so the check
+    has nothing to find, and it was ~0.3 s of a 100-branch load (H100, profiled)."""
+    if not loaded:
+        return contextlib.nullcontext()
+    try:
+        from torch._functorch import config  # imported already by the artifact's load
+    except ImportError:
+        return contextlib.nullcontext()
+    if not hasattr(config, "check_custom_op_aliasing"):
+        return contextlib.nullcontext()
+    return config.patch(check_custom_op_aliasing=False)
 
 
 class TorchEngine:
@@ -1314,7 +1432,7 @@ class TorchEngine:
 
         t0 = time.perf_counter()
         args = self._args()
-        with torch.no_grad():
+        with torch.no_grad(), _first_call_unchecked(self._runner is not None):
             self._fn(*args)
             self._fn(*args)
         torch.cuda.synchronize()

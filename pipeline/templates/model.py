@@ -74,7 +74,7 @@ class TritonPythonModel:
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
         # the bundle lies inside the version folder, and each of its files inside it (hashes checked)
         bundle = Bundle.open(inside(Path(__file__).resolve().parent, params.get("parastream_bundle", "bundle"),
-                                    "config.pbtxt's parastream_bundle"))
+                                    "config.pbtxt's parastream_bundle"), loading=True)
         t_open = time.perf_counter()
         plan = bundle.plan
         self.max_batch = int(config.get("max_batch_size", 0))

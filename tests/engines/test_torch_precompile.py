@@ -233,3 +233,80 @@ def test_the_longest_group_needed_after_the_search_starts_at_once(monkeypatch):
     tb._submit(todo, {"gs": ["s"], "gb": ["b"]}, None, cancellable=False)
     tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
     assert [j.keys for j in tb._QUEUED] == [["b"], ["c"], ["s"]]
+
+
+def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_compiling(compiles, monkeypatch):
+    """``precompile(background=True)`` returns each batch's cache keys (the build times the input's alternatives
+    once ``compiling(keys)`` is 0); ``background_summary`` then reports the groups compiled, the longest first."""
+    gate, pool = _gated_pool(compiles, monkeypatch)
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
+    o = BuildOptions(device="cpu")
+    since = time.perf_counter()
+    got = tb.precompile([(tb.Builder(o), [(branch(1), "a", LAYOUT)]),
+                         (tb.Builder(o), [(branch(2), "b", LAYOUT), (branch(1), "c", LAYOUT)])], background=True)
+    first, second = got["keys"]
+    assert len(first) == 1 and len(second) == 2 and second[1] == first[0]  # the same branch: the same key
+    assert tb.compiling(first) == 1 and tb.compiling(second) == 2
+    again = tb.precompile([(tb.Builder(o), [(branch(2), "b", LAYOUT)])], background=True)
+    assert again["jobs"] == 0 and again["keys"] == [[second[0]]]  # in flight: not queued again, its key handed on
+    gate.set()
+    deadline = time.monotonic() + 30
+    while tb.compiling(second) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert tb.compiling(first + second) == 0 and len(compiles) == 2
+    summary = tb.background_summary(since)
+    groups = len({tb.structure_key(b, []) for b in (branch(1), branch(2))})  # one group per structure
+    assert summary["groups"] == groups and summary["branches"] == 2 and summary["longest"]["s"] >= 0
+    assert summary["last_done_s"] >= summary["longest"]["started_s"] >= 0
+    assert tb.background_summary(time.perf_counter() + 1) == {"groups": 0}
+    pool.shutdown()
+
+
+def test_a_large_branch_compiles_its_kernels_in_inductor_s_own_pool(monkeypatch):
+    """In a worker, a branch of ``LARGE_BRANCH_NODES`` nodes or more (a whole model as one engine) compiles with
+    Inductor's compile threads; a small one, and any on the CPU, with one."""
+    import torch._inductor.config as cfg
+
+    seen = []
+    monkeypatch.setattr(cfg, "compile_threads", 1)
+    monkeypatch.setattr(tb.os, "cpu_count", lambda: 16)
+    monkeypatch.setattr(tb, "compile_inductor",
+                        lambda br, *a: seen.append((len(br.graph.node), cfg.compile_threads)) or (b"x", {"params": []}))
+    big = branch(2)
+    big.graph.node.extend([onnx.helper.make_node("Identity", ["y"], [f"y{i}"]) for i in range(tb.LARGE_BRANCH_NODES)])
+
+    def job(b, device):
+        return ("inductor", b.SerializeToString(), [], [], device, "float16", set(), {}, BuildOptions(device=device))
+
+    tb._compile_job(job(branch(1), "cuda"))
+    tb._compile_job(job(big, "cpu"))
+    assert seen == [(len(branch(1).graph.node), 1), (len(big.graph.node), 1)]
+    tb._compile_job(job(big, "cuda"))
+    assert seen[-1] == (len(big.graph.node), 8) and tb.large_compile_threads() == 8
+    monkeypatch.setattr(tb.os, "cpu_count", lambda: 2)
+    assert tb.large_compile_threads() == 1
+
+
+def test_compile_workers_start_before_the_first_batch_only_for_gpu_builds(monkeypatch):
+    """``start_workers``: a GPU build's compile workers are spawned (one task each) while it loads the model; a CPU
+    build, a jit build or one worker start nothing."""
+    handed = []
+
+    class Pool:
+        def submit(self, fn):
+            handed.append(fn)
+
+    pool = Pool()
+    monkeypatch.setattr(tb, "_pool", lambda n: pool)
+    monkeypatch.setattr(tb, "ARTIFACT", "inductor")
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "3")
+    tb.start_workers(BuildOptions(device="cpu"))
+    tb.start_workers(BuildOptions(device="cuda", compile=False))
+    assert handed == []
+    tb.start_workers(BuildOptions(device="cuda"))
+    tb.start_workers(BuildOptions(device="cuda"))  # started once
+    assert handed == [tb._ready] * 3 and tb._ready() is True
+    monkeypatch.setattr(tb, "ARTIFACT", "jit")
+    pool._parastream_started = False
+    tb.start_workers(BuildOptions(device="cuda"))
+    assert len(handed) == 3

@@ -1,0 +1,76 @@
+"""What a fresh process's load of compiled torch engines does before and around the engines (issue 12's load
+target): Inductor's one-time runtime imports and Triton's hash start while the bundle's files are hashed, and a
+loaded artifact's first call runs without AOTAutograd's custom-op aliasing check.  The load itself is timed on the
+GPU (bench/engine_artifacts.py); here: that each piece happens, in order, and only where it applies."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.bundle import Bundle  # noqa: E402
+from parastream.launcher.engines import torch as tb  # noqa: E402
+from parastream.pipeline import build  # noqa: E402
+
+SMALL_NET = Path(__file__).resolve().parents[2] / "examples" / "models" / "small_net.onnx"
+
+
+def test_a_gpu_bundle_s_load_starts_the_runtime_imports_a_cpu_one_does_not(monkeypatch):
+    started = []
+    monkeypatch.setattr(tb, "_import_runtime_in_background", lambda: started.append(1))
+    tb.prepare_load({"device": "cpu: x86_64 (Linux)"})
+    tb.prepare_load({})
+    assert started == []
+    tb.prepare_load({"device": "cuda: NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)"})
+    assert started == [1]
+
+
+def test_bundle_open_for_loading_prepares_the_backend_before_it_hashes_the_files(tmp_path, monkeypatch):
+    """``Bundle.open(..., loading=True)`` (what ``launcher.load``, the GPU launcher, ``parastream run`` and Triton's
+    model.py call) hands the manifest to the backend's ``prepare_load`` first, then checks the hashes: the imports
+    run while the files are hashed.  A plain open prepares nothing."""
+    from parastream.launcher.engines import get_backend
+
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", search=False, measure=False)
+    order = []
+    ort = get_backend("onnxruntime")
+    monkeypatch.setattr(ort, "prepare_load", lambda manifest: order.append(("prepare", manifest["backend"])),
+                        raising=False)
+    real = Bundle.check_hashes
+    monkeypatch.setattr(Bundle, "check_hashes", lambda self: order.append(("hashes",)) or real(self))
+    Bundle.open(bundle.path)
+    assert order == [("hashes",)]
+    order.clear()
+    Bundle.open(bundle.path, loading=True)
+    assert order == [("prepare", "onnxruntime"), ("hashes",)]
+
+
+def test_a_loaded_artifact_s_first_call_skips_the_custom_op_aliasing_check():
+    from torch._functorch import config
+    if not hasattr(config, "check_custom_op_aliasing"):
+        pytest.skip("this torch has no custom-op aliasing check")
+    before = config.check_custom_op_aliasing
+    with tb._first_call_unchecked(True):
+        assert config.check_custom_op_aliasing is False
+    assert config.check_custom_op_aliasing == before
+    with tb._first_call_unchecked(False):  # an engine compiled at load (torch.compile): untouched
+        assert config.check_custom_op_aliasing == before
+
+
+def test_the_runtime_imports_run_once_per_process_in_two_threads(monkeypatch):
+    """Imports in one thread, Triton's hash in another (without Triton here it does nothing), once per process."""
+    import sys
+
+    monkeypatch.setattr(tb, "_RUNTIME_IMPORT", [])
+    monkeypatch.setitem(sys.modules, "triton", None)  # no Triton: its thread returns without error
+    tb._import_runtime_in_background()
+    tb._import_runtime_in_background()
+    assert len(tb._RUNTIME_IMPORT) == 2
+    for t in tb._RUNTIME_IMPORT:
+        t.join(120)
+        assert not t.is_alive()
+    assert {t.name for t in tb._RUNTIME_IMPORT} == {"parastream-hash-triton", "parastream-import-inductor"}
+    assert "torch._inductor.standalone_compile" in sys.modules
