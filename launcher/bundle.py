@@ -25,9 +25,13 @@ BUNDLE_FILES = ("manifest.json", "model.onnx", "plan.json", "report.json")
 
 
 def sha256_file(path: Path) -> str:
+    """The file's sha256, read and hashed in 16 MiB pieces: both let other threads run, and a load hashes its
+    bundle while a thread imports what its engines need (``Bundle.open(loading=True)``); each piece then waits
+    for the interpreter lock again, which with 1 MiB pieces made hashing a 412 MB bundle 2.2 s instead of 0.8
+    (H100 host, Inception-v4)."""
     h = hashlib.sha256()
     with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
+        for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return h.hexdigest()
 
