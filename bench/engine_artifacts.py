@@ -14,6 +14,11 @@ Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
                 collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
                 traces every branch at load).
 
+Further steps: ``loadbase:<artifact>`` (the load as stop 21's code did it: no ``prepare_load``, the aliasing check
+on), ``importtime:<artifact>`` and ``importtimebase:<artifact>`` (a load under ``-X importtime``: the modules
+imported after it started, the slowest first), ``profile:<artifact>`` (under cProfile).  A load records when the
+threads ``prepare_load`` starts began and ended (``runtime_threads_s``, from the open).
+
 For each: the build's engine time, the load (``GpuLauncher``: engines, warm-up, capture of the whole plan into one
 CUDA Graph on its external streams) in a fresh process with empty Inductor and Triton caches, what that load
 wrote into the empty Inductor cache (C++ sources: the CPU vector-ISA probe, ``cpu_isa_probe``), the replay latency
@@ -81,6 +86,7 @@ def child(args) -> dict:
         from parastream.launcher.engines import torch as tb
 
         tb._first_call_unchecked = lambda loaded: contextlib.nullcontext()
+    print(IMPORTTIME_MARK, file=sys.stderr, flush=True)  # (under -X importtime: the imports after it are the load's)
     t_open = time.perf_counter()
     bundle = Bundle.open(args.bundle, loading=not args.baseline)  # what parastream.launcher.load does
     res["open_s"] = time.perf_counter() - t_open
@@ -107,6 +113,11 @@ def child(args) -> dict:
             pstats.Stats(prof, stream=buf).sort_stats(order).print_stats(45)
             res[f"profile_{order}"] = buf.getvalue().splitlines()[-60:]
     res["engines_load_s"] = la.load_s
+    from parastream.launcher.engines import torch as torch_engines
+
+    # the background threads of prepare_load (imports, Triton's hash): when each started and ended, from the open
+    res["runtime_threads_s"] = {k: [round(a - t_open, 3), round(b - t_open, 3)]
+                                for k, (a, b) in getattr(torch_engines, "RUNTIME_IMPORT_TIMES", {}).items()}
     res["load_s"] = res["open_s"] + res["launcher_s"]  # parastream.launcher.load(path): open, load, warm, capture
     res["process_to_ready_s"] = time.perf_counter() - T_START
     engines = [e for e in la.engines if e is not None]
@@ -297,14 +308,41 @@ def child_build(args, res: dict) -> dict:
     return res
 
 
-def run_child(out: dict, key: str, argv: list[str], env: dict, timeout: float) -> None:
+IMPORTTIME_MARK = "parastream-bench: load starts"
+
+
+def _load_imports(stderr: str, top: int = 25) -> dict:
+    """From ``-X importtime`` output: the modules first imported after the load started (any thread), their self
+    time summed, and the slowest top-level imports by cumulative time (what a load waits on)."""
+    lines = stderr.splitlines()
+    if IMPORTTIME_MARK not in lines:
+        return {"error": "no load marker in stderr"}
+    rows = []
+    for ln in lines[lines.index(IMPORTTIME_MARK) + 1:]:
+        if not ln.startswith("import time:") or "|" not in ln or "self [us]" in ln:
+            continue
+        self_us, cum_us, name = (x.rstrip() for x in ln[len("import time:"):].split("|", 2))
+        depth = (len(name) - len(name.lstrip())) // 2
+        rows.append((int(self_us), int(cum_us), depth, name.strip()))
+    if not rows:
+        return {"modules": 0}
+    base = min(r[2] for r in rows)
+    tops = sorted((r for r in rows if r[2] == base), key=lambda r: -r[1])[:top]
+    return {"modules": len(rows), "self_s": round(sum(r[0] for r in rows) / 1e6, 3),
+            "slowest": [(name, round(cum / 1e6, 3)) for _, cum, _, name in tops],
+            "slowest_self": [(r[3], round(r[0] / 1e6, 3)) for r in sorted(rows, key=lambda r: -r[0])[:top]]}
+
+
+def run_child(out: dict, key: str, argv: list[str], env: dict, timeout: float, flags: tuple = ()) -> None:
     t0 = time.perf_counter()
     with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
         result = f.name
     try:
-        p = subprocess.run([sys.executable, __file__, "--result", result, *argv], env=env, capture_output=True, text=True,
-                           timeout=max(10.0, timeout))
+        p = subprocess.run([sys.executable, *flags, __file__, "--result", result, *argv], env=env, capture_output=True,
+                           text=True, timeout=max(10.0, timeout))
         out[key] = json.loads(Path(result).read_text()) if p.returncode == 0 else {"error": p.stderr[-3000:]}
+        if "-X" in flags and p.returncode == 0:
+            out[key]["load_imports"] = _load_imports(p.stderr)
     except subprocess.TimeoutExpired:
         out[key] = {"error": f"timed out after {timeout:.0f} s"}
     out[key]["wall_s"] = time.perf_counter() - t0
@@ -378,14 +416,14 @@ def main(argv=None) -> int:
     save()
     common = ["--onnx", str(onnx_path), "--runs", str(args.runs)]
 
-    def step(key: str, argv: list[str], need: float) -> bool:
+    def step(key: str, argv: list[str], need: float, flags: tuple = ()) -> bool:
         """Run one step in a fresh process with empty caches unless fewer than ``need`` seconds are left."""
         left = deadline - time.perf_counter()
         if left < need:
             res[key] = {"skipped": f"{left:.0f} s left"}
             save()
             return False
-        run_child(res, key, argv, _fresh_env(), min(left, args.step_seconds))
+        run_child(res, key, argv, _fresh_env(), min(left, args.step_seconds), flags)
         save()
         return "error" not in res[key]
 
@@ -408,6 +446,11 @@ def main(argv=None) -> int:
         elif kind == "load" and what == "mega":
             if art.is_file():
                 step("load_mega", ["--child", "mega-load", "--bundle", str(work / "jit"), "--artifacts", str(art), *common], 20)
+        elif kind in ("importtime", "importtimebase"):  # its load (or stop 21's) again under -X importtime
+            if (work / what).is_dir():
+                base = ["--baseline"] if kind == "importtimebase" else []
+                step(f"{kind}_{what}", ["--child", "load", *base, "--bundle", str(work / what), *common], 20,
+                     ("-X", "importtime"))
         elif kind == "loadbase":  # loadbase:<artifact>: the same load as stop 21's code did it
             if (work / what).is_dir():
                 step(f"loadbase_{what}", ["--child", "load", "--baseline", "--bundle", str(work / what), *common], 20)

@@ -189,3 +189,28 @@ def test_input_external_data_must_be_a_plain_file_inside(tmp_path, capsys, kind)
     err = capsys.readouterr().err.strip()
     assert code == 2 and len(err.splitlines()) == 1 and needle in err, err
     assert not out.exists()
+
+
+def test_hashes_checked_in_parallel_name_the_first_modified_file(bundle, monkeypatch):
+    """Opening a bundle hashes its files on several threads; a tampered bundle names the first file (in the
+    manifest's order) that differs, whichever thread hashed it, and an intact one opens."""
+    import threading
+
+    from parastream.launcher import bundle as bundle_mod
+
+    threads = set()
+    real = bundle_mod.sha256_file
+    monkeypatch.setattr(bundle_mod, "sha256_file", lambda f: threads.add(threading.current_thread().name) or real(f))
+    Bundle.open(bundle)
+    files = list(json.loads((bundle / "manifest.json").read_text())["files"])
+    assert len(files) >= 4 and all(t.startswith("parastream-hash") for t in threads) and len(threads) >= 2
+    engines = [f for f in files if f.startswith("engines/")]
+    for rel in (engines[-1], "model.onnx"):  # the later one first: the message must still name the earlier
+        with open(bundle / rel, "ab") as f:
+            f.write(b"\0")
+    first = min((engines[-1], "model.onnx"), key=files.index)
+    with pytest.raises(ParastreamError, match=rf"{first}: sha256 differs from manifest.json"):
+        Bundle.open(bundle)
+    monkeypatch.setattr(bundle_mod, "HASH_THREADS", 1)
+    with pytest.raises(ParastreamError, match=rf"{first}: sha256 differs from manifest.json"):
+        Bundle.open(bundle)

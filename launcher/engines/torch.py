@@ -1104,6 +1104,8 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
 
 
 _RUNTIME_IMPORT: list = []
+#: when each of those threads started and ended (``time.perf_counter()``), for bench/engine_artifacts.py's timeline
+RUNTIME_IMPORT_TIMES: dict[str, tuple[float, float]] = {}
 
 
 def _import_runtime_in_background() -> None:
@@ -1147,8 +1149,17 @@ def _import_runtime_in_background() -> None:
         except Exception:  # noqa: BLE001 - no Triton, or another one: Inductor hashes it when it needs to
             pass
 
-    hashed = threading.Thread(target=triton_hash, name="parastream-hash-triton", daemon=True)
-    t = threading.Thread(target=imports, name="parastream-import-inductor", daemon=True)
+    def timed(fn):
+        def run():
+            t0 = time.perf_counter()
+            try:
+                fn()
+            finally:
+                RUNTIME_IMPORT_TIMES[threading.current_thread().name] = (t0, time.perf_counter())
+        return run
+
+    hashed = threading.Thread(target=timed(triton_hash), name="parastream-hash-triton", daemon=True)
+    t = threading.Thread(target=timed(imports), name="parastream-import-inductor", daemon=True)
     _RUNTIME_IMPORT.extend([hashed, t])
     hashed.start()
     t.start()
