@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# The wheels that tests/triton_server and bench/triton_gpu.py need on the device machine (Python 3.12, x86-64),
+# The wheels that parastream, tests/triton_server and bench/triton_gpu.py need on the device machine (Python 3.12, x86-64),
 # downloaded here into .whl/ (ignored by git; carried with `carry: [".whl"]`, installed by bench/device_env.sh).
 # nvidia-pytriton's wheel (55 MB) is cut down to what serves on Python 3.12: its bundled libpython3.13 and the
 # stubs for the other Python versions are deleted from the zip (40 MB left), so that the tree carried stays
@@ -17,6 +17,9 @@ done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl \
     nvidia-pytriton==0.7.0 tritonclient==2.73.0 geventhttpclient==2.6.1 gevent==26.9.0 greenlet==3.3.2 \
     zope.event==6.2 zope.interface==8.7 python-rapidjson==1.25 brotli==1.2.1 grpcio==1.85.1 protobuf==6.33.6
+# parastream's own pure-Python dependencies that the device's Python lacks (bench/device_env.sh installs them all)
+python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any -d .whl \
+    onnx-graphsurgeon==0.6.1 polygraphy==0.53.6 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 networkx==3.7
 wheel=$(ls .whl/nvidia_pytriton-0.7.0-*.whl)
 if unzip -l "$wheel" | grep -q 'libpython3-'; then
     zip -q -d "$wheel" 'nvidia_pytriton.libs/libpython3-*' \

@@ -139,3 +139,57 @@ def test_hashes_of_weight_slices_follow_their_bytes():
     again = gs.Constant("q0", np.ascontiguousarray(w[:3]))  # a new view object of the same bytes
     assert h._constant(first) == h._constant(again) == GraphHasher()._constant(gs.Constant("c", w[:3].copy()))
     assert h._constant(first) != h._constant(second)
+
+
+def _matmul_relu(w_rows: int = 128):
+    """x @ W -> Relu, W large enough (128 KB) that shape inference and the checker see it set aside."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = np.random.default_rng(0).random((w_rows, 256), dtype=np.float32)
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, w_rows])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 256])
+    graph = helper.make_graph([helper.make_node("MatMul", ["x", "W"], ["h"]), helper.make_node("Relu", ["h"], ["y"])],
+                              "g", [x], [y], [numpy_helper.from_array(w, "W")])
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), w
+
+
+def test_export_checks_the_model_without_its_large_weights(monkeypatch):
+    """export_model's onnx.checker runs on the model with its large initializers set aside (a small file, not the
+    whole model serialized), still rejects what the checker rejects, and the model returned has every weight."""
+    import onnx
+    import pytest
+    from onnx import numpy_helper
+
+    from parastream.rewrite.ir import WEIGHTS_ASIDE_BYTES, export_model
+
+    model, w = _matmul_relu()
+    assert w.nbytes > WEIGHTS_ASIDE_BYTES
+    checked = []
+    real = onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model",
+                        lambda m, *a, **k: checked.append(Path(m).stat().st_size if isinstance(m, str) else m) or real(m, *a, **k))
+    out = export_model(import_graph(model), model)
+    # a file without the weights' bytes: the proto was not handed over (and serialized) whole
+    assert len(checked) == 1 and isinstance(checked[0], int) and checked[0] < w.nbytes // 10
+    assert np.array_equal(numpy_helper.to_array(out.graph.initializer[0]), w)
+    assert not out.graph.initializer[0].HasField("data_location") and not out.graph.initializer[0].external_data
+
+    bad = import_graph(model)
+    next(n for n in bad.nodes if n.op == "Relu").attrs["bogus"] = 1.0
+    export_model(bad.copy(), model, check=False)  # shape inference alone lets it through ...
+    with pytest.raises(onnx.checker.ValidationError, match="Unrecognized attribute: bogus"):
+        export_model(bad, model)  # ... the checker does not
+
+
+def test_export_checks_small_models_in_memory(monkeypatch):
+    """Nothing set aside (every initializer small): the checker gets the model itself, as before."""
+    import onnx
+
+    from parastream.rewrite.ir import export_model
+
+    model, _ = _matmul_relu(w_rows=8)
+    checked = []
+    real = onnx.checker.check_model
+    monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: checked.append(m) or real(m, *a, **k))
+    export_model(import_graph(model), model)
+    assert len(checked) == 1 and isinstance(checked[0], onnx.ModelProto)
