@@ -294,8 +294,13 @@ def _tensor_key(t) -> tuple | None:
     if t is None or isinstance(t, str) or not getattr(t, "name", ""):
         return None
     if isinstance(t, gs.Constant):
-        v = t.values
-        return (v.shape, v.dtype, True)
+        # shape and type without the values: a weight imported from a model (gs's LazyValues) would otherwise be
+        # converted from its proto at every read (4.8 s of planning 13 Inception-v4 candidates, profiled)
+        try:
+            return (tuple(int(d) for d in t.shape), np.dtype(t.dtype), True)
+        except TypeError:  # a type numpy does not name (gs leaves some onnx types as they are)
+            v = t.values
+            return (v.shape, v.dtype, True)
     shape = t.shape
     return (tuple(shape) if shape is not None else None, t.dtype, False)
 

@@ -193,3 +193,42 @@ def test_export_checks_small_models_in_memory(monkeypatch):
     monkeypatch.setattr(onnx.checker, "check_model", lambda m, *a, **k: checked.append(m) or real(m, *a, **k))
     export_model(import_graph(model), model)
     assert len(checked) == 1 and isinstance(checked[0], onnx.ModelProto)
+
+
+def test_export_holds_large_weights_aside_and_writes_the_same_model(monkeypatch):
+    """export_model with the large weights held aside through gs's export writes byte for byte the model of the
+    plain export (every weight, in place, no external data), and leaves the graph it was given as it was."""
+    from parastream.rewrite import ir
+
+    model, w = _matmul_relu()
+    graph = import_graph(model)
+    held = ir._hold_large_weights(ir.copy_graph(graph))
+    assert list(held) == ["W"] and np.array_equal(held["W"], w)
+    fast = ir.export_model(graph, model)
+    assert all(isinstance(t._values, np.ndarray) for t in graph.tensors().values() if isinstance(t, gs.Constant))
+    monkeypatch.setattr(ir, "_hold_large_weights", lambda g: {})
+    assert fast.SerializeToString() == ir.export_model(graph, model).SerializeToString()
+
+
+def test_export_holds_nothing_where_a_node_holds_a_subgraph():
+    """A graph with an If (its branches' initializers are not the top-level list): nothing is held, the export
+    is the plain one."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from parastream.rewrite import ir
+
+    w = np.ones((128, 256), np.float32)
+    out_t = helper.make_tensor_value_info("o", TensorProto.FLOAT, [128, 256])
+    then = helper.make_graph([helper.make_node("Identity", ["W"], ["o"])], "then", [], [out_t])
+    other = helper.make_graph([helper.make_node("Neg", ["W"], ["o"])], "else", [], [out_t])
+    g = helper.make_graph([helper.make_node("If", ["c"], ["y"], then_branch=then, else_branch=other)], "g",
+                          [helper.make_tensor_value_info("c", TensorProto.BOOL, [])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [128, 256])],
+                          [numpy_helper.from_array(w, "W")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    graph = import_graph(model)
+    assert ir._hold_large_weights(ir.copy_graph(graph)) == {}
+    out = ir.export_model(graph, model)
+    found = [numpy_helper.to_array(t) for t in [*out.graph.initializer, *(i for b in out.graph.node[0].attribute
+                                                                         for i in b.g.initializer)] if t.name == "W"]
+    assert found and all(np.array_equal(a, w) for a in found)
