@@ -503,10 +503,13 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
 
         def export(w) -> bool:
             if id(w) not in exported and "error" not in w:
+                t = time.perf_counter()
                 try:
                     exported[id(w)] = model if w is original_entry else export_model(w["graph"], model)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot be exported is not chosen
                     w["error"] = f"{type(e).__name__}: {e}"
+                timings["export_s"] = timings.get("export_s", 0.0) + time.perf_counter() - t
+                timings["exported"] = timings.get("exported", 0) + 1
             return id(w) in exported
 
         spent = None
@@ -522,10 +525,12 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
                     if id(x) in prepared_ids or not export(x):
                         continue
                     prepared_ids.add(id(x))
+                    t = time.perf_counter()
                     try:
                         prepared.append(prepare([exported[id(x)]]) or {})
                     except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
                         prepared.append({"error": f"{type(e).__name__}: {e}"})
+                    timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
             if not export(w):
                 continue
             try:
