@@ -24,7 +24,7 @@ def main() -> None:
 
     import importlib
 
-    pb = importlib.import_module("parastream.pipeline.build")
+    pb = importlib.import_module("parastream.pipeline.build")  # the module: parastream.pipeline.build is the function
     from parastream.rewrite import optimize
     from parastream.rewrite.cost import RooflineCostModel
 

@@ -116,17 +116,11 @@ class Bundle:
             if not f.is_file():
                 raise ParastreamError(f"{self.path / rel}: listed in manifest.json but missing; rebuild the bundle")
             files.append((rel, f, digest))
-        workers = max(1, min(HASH_THREADS, len(files), os.cpu_count() or 1))
-        if workers == 1:
-            found = [sha256_file(f) for _, f, _ in files]
-        else:
-            from concurrent.futures import ThreadPoolExecutor
+        from concurrent.futures import ThreadPoolExecutor
 
-            # largest first, so that the longest file is not the last one started
-            order = sorted(range(len(files)), key=lambda i: -files[i][1].stat().st_size)
-            with ThreadPoolExecutor(workers, thread_name_prefix="parastream-hash") as pool:
-                digests = dict(zip(order, pool.map(lambda i: sha256_file(files[i][1]), order)))
-            found = [digests[i] for i in range(len(files))]
+        workers = max(1, min(HASH_THREADS, len(files), os.cpu_count() or 1))
+        with ThreadPoolExecutor(workers, thread_name_prefix="parastream-hash") as pool:
+            found = list(pool.map(lambda f: sha256_file(f[1]), files))  # in the manifest's order
         for (rel, _, digest), got in zip(files, found):
             if got != digest:
                 raise ParastreamError(f"{self.path / rel}: sha256 differs from manifest.json; the bundle was modified or is corrupt")

@@ -107,7 +107,7 @@ def _hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
     for t in graph.tensors().values():
         values = getattr(t, "_values", None) if isinstance(t, gs.Constant) else None
         if (not isinstance(values, np.ndarray) or values.nbytes <= WEIGHTS_ASIDE_BYTES or t.data_location is not None
-                or getattr(t, "export_dtype", t.dtype) != t.dtype or t.name in held):
+                or getattr(t, "export_dtype", t.dtype) != t.dtype):
             continue
         try:
             dtype = onnx.helper.np_dtype_to_tensor_dtype(values.dtype)
