@@ -6,8 +6,9 @@ Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
 * ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
 * ``inductor``  engines/ hold Inductor precompiled artifacts (``standalone_compile`` at build,
                 ``CompiledArtifact.load`` at load; PARASTREAM_TORCH_ARTIFACT=inductor);
-* ``inductor-bundled``, ``inductor-cache``  the same saved as the compiled function
-                (``standalone_compile(aot=True)``, the default) or as Inductor's cache entries
+* ``inductor-kernels``, ``inductor-bundled``, ``inductor-cache``  the same saved as Inductor's wrapper and
+                cubins loaded without Inductor (the default), as the compiled function
+                (``standalone_compile(aot=True)``, the default before stop 23) or as Inductor's cache entries
                 (PARASTREAM_INDUCTOR_FORMAT);
 * ``aoti``      engines/ hold AOTInductor packages compiled at build for the launcher's layouts;
 * ``mega``      the jit engines after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
@@ -140,6 +141,8 @@ def child(args) -> dict:
     ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     res["max_scaled"] = {k: float(np.abs(got[k].astype(np.float64) - ref[k]).max() / np.abs(ref[k]).max()) for k in ref}
     res["inductor_cache_after_load"] = _cache_contents()
+    # what the load (and one run) imported: a "kernels" bundle needs neither Inductor nor Triton
+    res["imported"] = {p: sum(m == p or m.startswith(p + ".") for m in sys.modules) for p in ("torch._inductor", "triton")}
     from torch._dynamo.utils import counters
 
     res["counters"] = {k: dict(counters[k]) for k in ("inductor", "aot_autograd", "stats")}  # fxgraph_cache_hit/miss, ...
@@ -295,7 +298,10 @@ def child_build(args, res: dict) -> dict:
     res["measured_choices"] = [(r["choice"], r["won"], r.get("load_s"), r.get("timed_s"))
                                for r in (rep.get("measured_choices") or {}).get("rounds", [])]
     eng = rep.get("engines", {})
-    res["engines"] = {"branches": len(eng), "compiled": sum(e.get("compiled") in ("aotinductor", "inductor") for e in eng.values()),
+    res["engines"] = {"branches": len(eng),
+                      "compiled": sum(e.get("compiled") in ("aotinductor", "inductor", "kernels") for e in eng.values()),
+                      "kernels": sum(e.get("compiled") == "kernels" for e in eng.values()),
+                      "kernels_errors": sorted({e["kernels_error"] for e in eng.values() if e.get("kernels_error")})[:3],
                       "compile_failed": sum(bool(e.get("aot_error")) for e in eng.values()),
                       "aot_errors": sorted({e["aot_error"] for e in eng.values() if e.get("aot_error")})[:3],
                       "compile_batch_s": max([e.get("compile_batch_s", 0) for e in eng.values()], default=0),
@@ -366,7 +372,8 @@ def main(argv=None) -> int:
     ap.add_argument("--bundle")
     ap.add_argument("--onnx")
     ap.add_argument("--artifacts")
-    ap.add_argument("--artifact", default="inductor", choices=["inductor", "inductor-bundled", "inductor-cache", "aoti", "jit"])
+    ap.add_argument("--artifact", default="inductor", choices=["inductor", "inductor-kernels", "inductor-bundled",
+                                                                 "inductor-cache", "aoti", "jit"])
     ap.add_argument("--search", default="off")
     ap.add_argument("--verify", default="off")
     ap.add_argument("--profile", action="store_true", help="child: the load under cProfile")

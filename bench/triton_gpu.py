@@ -230,7 +230,8 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
         res["initialize_s"] = [float(x) for x in re.findall(rf"parastream: {re.escape(name)}\S* ready in ([\d.]+) s",
                                                              server.log())]
         res["stub_libpython"] = sorted({p for pid in server.stub_pids() for p in server.libpythons(pid)})
-        for protocol in ("http", "grpc"):
+        protocols = args.protocols.split(",")
+        for protocol in protocols:
             client = client_of(server, protocol)
             try:
                 checks[f"{protocol}_ready"] = bool(client.is_model_ready(name))
@@ -242,22 +243,27 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
             finally:
                 client.close()
         try:
+            if "grpc" not in protocols:
+                raise RuntimeError("gRPC not asked for (--protocols)")
             got, lat = cuda_shm_request(server, name, feeds, outputs, args.requests)
             checks["grpc_cuda_shm_vs_ort"] = {o: max_err(got[o], ref[o]) for o in outputs}
             checks["grpc_cuda_shm_vs_launcher"] = {o: max_err(got[o], la_out[o]) for o in outputs}
             timing["grpc_cuda_shm_1_client"] = lat
         except Exception as e:  # noqa: BLE001 - reported, the rest still runs
             checks["grpc_cuda_shm_error"] = f"{type(e).__name__}: {e}"[:500]
-        for protocol in ("http", "grpc"):
+        for protocol in protocols:
             for c in CLIENTS:
                 timing[f"{protocol}_{c}_clients"] = throughput(protocol, server, name, feeds, outputs, c, args.seconds)
     finally:
         res["server_log_tail"] = server.log_tail(40)
+        log = server.log()
+        res["server_log_errors"] = {"tracebacks": log.count("Traceback (most recent call last)"),
+                                    "pycapsule": log.count("PyCapsule_GetPointer called with incorrect name")}
         server.stop()
     res["checks"] = checks
     res["timing"] = timing
     errs = [v for k, d in checks.items() if k.endswith("_vs_ort") for v in d.values()]
-    res["ok"] = all(checks.get(f"{p}_ready") for p in ("http", "grpc")) and bool(errs) and max(errs) <= SCALE_TOL
+    res["ok"] = all(checks.get(f"{p}_ready") for p in protocols) and bool(errs) and max(errs) <= SCALE_TOL
     return res
 
 
@@ -280,6 +286,8 @@ def table(results: list[dict]) -> str:
                              f"{1e3 / t[key]['mean_ms']:.0f} |")
         for protocol in ("http", "grpc"):
             for c in CLIENTS:
+                if f"{protocol}_{c}_clients" not in t:
+                    continue
                 x = t[f"{protocol}_{c}_clients"]
                 lines.append(f"| {r['model']} | Triton {'HTTP' if protocol == 'http' else 'gRPC'}, concurrent clients | "
                              f"{c} | {x['p50_ms']:.3f} | {x['p99_ms']:.3f} | {x['per_s']:.0f} |")
@@ -294,6 +302,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--instances", type=int, default=1, help="Triton model instances (KIND_GPU count)")
     ap.add_argument("--search", action="store_true", help="run the rewrite search in the build")
     ap.add_argument("--reuse", action="store_true", help="serve the bundle an earlier run left in the work folder")
+    ap.add_argument("--protocols", default="http,grpc",
+                    help="the client protocols to check and time (http alone needs no grpcio wheel on the device)")
     ap.add_argument("--start-timeout", type=float, default=420.0, help="seconds for the server to load the model")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)

@@ -53,7 +53,7 @@ class Bundle:
         and resolves inside the bundle (no symbolic link leaving it); its manifest lists its files, and every
         file in the folder is listed; its ONNX files carry no external data.  ``check_hashes`` also compares
         each file with its sha256.  ``loading``: the caller loads its engines next; the backend's
-        ``prepare_load(manifest)`` starts what they will need (the torch backend: Inductor's runtime imports,
+        ``prepare_load(manifest, report)`` starts what they will need (the torch backend: Inductor's runtime imports,
         in a thread) before the hashes are checked.
         """
         path = Path(path)
@@ -97,7 +97,7 @@ class Bundle:
             except ParastreamError:  # an unknown backend: the load names it
                 prepare = None
             if prepare is not None:
-                prepare(manifest)
+                prepare(manifest, report)
         if manifest.get("buckets"):
             bundle.bucket_bundles()  # a dynamic-batch bundle: every bucket's folder is a bundle inside this one
         if check_hashes:

@@ -90,16 +90,19 @@ FUSE_CONV_RELU = True
 #: loaded in a third of jit's time with the same latency, and its GPU tests pass (docs/torch-engines.md).
 DEFAULT_ARTIFACT = "inductor"
 #: how an "inductor" artifact is saved (PARASTREAM_INDUCTOR_FORMAT, read when compiling; bench/engine_artifacts.py
-#: compares them): "bundled" (``standalone_compile(aot=True)``: the compiled function itself, loaded without
-#: Inductor's caches) or "cache" (its default: Inductor's cache entries, which a load writes into Inductor's cache
-#: folders and looks up).  "bundled" is the default: on the H100 (Inception-v4, 82 engines, stop 21) its compile
-#: batch took 13.9 s against 15.0-17.1 s, its artifacts 23 MB against 34 MB, and a fresh process loaded them in the
-#: same time (4.27 s against 4.35 s) with the same latency.
-INDUCTOR_FORMATS = ("bundled", "cache")
+#: compares them): "kernels" (on the GPU: Inductor's wrapper and its Triton kernels' cubins, loaded without
+#: importing Inductor or Triton: ``inductor_kernels``; on the CPU, and for a branch whose code it cannot hold, it
+#: falls back to "bundled"), "bundled" (``standalone_compile(aot=True)``: the compiled function itself, loaded
+#: with Inductor but without its caches) or "cache" (Inductor's cache entries, which a load writes into Inductor's
+#: cache folders and looks up).  "kernels" is the default: a fresh process's load of a 100-branch bundle no
+#: longer imports Inductor (~3 s on the H100, docs/torch-engines.md).  Before it "bundled" was: on the H100
+#: (Inception-v4, 82 engines, stop 21) its compile batch took 13.9 s against 15.0-17.1 s for "cache", its
+#: artifacts 23 MB against 34 MB, and a fresh process loaded them in the same time with the same latency.
+INDUCTOR_FORMATS = ("kernels", "bundled", "cache")
 
 
 def inductor_format() -> str:
-    fmt = os.environ.get("PARASTREAM_INDUCTOR_FORMAT") or "bundled"
+    fmt = os.environ.get("PARASTREAM_INDUCTOR_FORMAT") or "kernels"
     if fmt not in INDUCTOR_FORMATS:
         raise ParastreamError(f"PARASTREAM_INDUCTOR_FORMAT={fmt!r}: give one of {', '.join(INDUCTOR_FORMATS)}")
     return fmt
@@ -109,11 +112,13 @@ ARTIFACT = os.environ.get("PARASTREAM_TORCH_ARTIFACT") or (
     "aoti" if os.environ.get("PARASTREAM_AOT_COMPILE") == "1" else DEFAULT_ARTIFACT)
 #: engine.json's ``compiled`` and the zip member holding the compiled code, per artifact
 _COMPILED = {"aoti": "aotinductor", "inductor": "inductor"}
-_MEMBER = {"aotinductor": "aoti.pt2", "inductor": "inductor.bin"}
+_MEMBER = {"aotinductor": "aoti.pt2", "inductor": "inductor.bin", "kernels": "kernels.zip"}
 #: the zip member holding an inductor engine's weights (``_weights_blob``)
 WEIGHTS_MEMBER = "weights.bin"
-#: 2: inductor engines carry weights.bin (1 converted branch.onnx at every load for them)
-ENGINE_FORMAT = 2
+#: 2: inductor engines carry weights.bin (1 converted branch.onnx at every load for them); 3: "kernels" engines
+ENGINE_FORMAT = 3
+#: engine formats this parastream loads (2 differs only in having no "kernels" engines)
+READABLE_FORMATS = (2, 3)
 #: compiled packages kept in memory by one process (the search's candidates share them), least recently used first out
 CACHE_BYTES = 4 << 30
 
@@ -242,7 +247,7 @@ class EngineFile:
             self.meta = json.loads(self._zip.read("engine.json"))
         except (zipfile.BadZipFile, KeyError, ValueError) as e:
             raise ParastreamError(f"not a readable torch engine ({e}); rebuild the bundle") from None
-        if self.meta.get("format") != ENGINE_FORMAT:
+        if self.meta.get("format") not in READABLE_FORMATS:
             raise ParastreamError(f"torch engine format {self.meta.get('format')!r}, this parastream reads "
                                   f"{ENGINE_FORMAT}; rebuild the bundle")
 
@@ -323,7 +328,7 @@ _CACHE: OrderedDict[str, bytes] = OrderedDict()
 _CACHE_LOCK = threading.Lock()
 #: cache key -> (engine file, artifact bytes): the search's candidates and the build's alternatives pack each
 #: unchanged branch's engine once (zipping 100 engines of an Inception-v4 was ~0.5 s per candidate)
-_PACKED: OrderedDict[str, tuple[bytes, int]] = OrderedDict()
+_PACKED: OrderedDict[str, tuple[bytes, int, dict]] = OrderedDict()
 
 
 def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: BuildOptions, fuse: bool, built: dict,
@@ -601,15 +606,27 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         consts = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
         if consts:  # see the docstring: the loaded artifact could not run these
             raise ParastreamError(f"the traced branch holds tensor constants {consts[:3]}: no Inductor artifact")
-        bundled = {"aot": True} if inductor_format() == "bundled" else {}
+        fmt = inductor_format()
+        kernels = fmt == "kernels" and device == "cuda"
+        if kernels:
+            from . import inductor_kernels
+
+            inductor_kernels.install_recorder()
+        bundled = {"aot": True} if fmt in ("bundled", "kernels") else {}
         art = torch._inductor.standalone_compile(gm, [*params, *args], dynamic_shapes="from_example_inputs",
                                                  options={"config_patches": _inductor_options(options)}, **bundled)
+    weights, fields = _weights_blob(params)
+    extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params), **fields}
+    if kernels:
+        try:
+            package, info = inductor_kernels.extract(art, [*params, *args], len(outputs))
+            return package, dict(extra, compiled="kernels", kernels=info), weights
+        except Exception as e:  # noqa: BLE001 - Inductor's own artifact ships instead, engine.json says why
+            extra["kernels_error"] = _failure(e)
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API saves to a path
         path = os.path.join(d, "inductor.bin")
         art.save(path=path, format="binary")
         data = Path(path).read_bytes()
-    weights, fields = _weights_blob(params)
-    extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params), **fields}
     return data, extra, weights
 
 
@@ -813,7 +830,12 @@ def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: d
         if art is not None:
             _LOADED_ARTIFACTS.move_to_end(key)
     if art is None:
-        art = _load_artifact(artifact, meta, device)
+        if meta.get("compiled") == "kernels":
+            from . import inductor_kernels
+
+            art = inductor_kernels.load(artifact, torch.cuda.current_device())
+        else:
+            art = _load_artifact(artifact, meta, device)
         with _CACHE_LOCK:
             _lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS, size=lambda v: 1)
 
@@ -1012,10 +1034,14 @@ class Builder:
                     _PACKED.move_to_end(key)
             if packed is None:
                 package, extra, weights = _split_entry(package or compiled[key])
-                packed = (pack(dict(meta, **extra), onnx_bytes, package, weights), len(package))
+                full = dict(meta, **extra)
+                # what shipped: "kernels", or Inductor's own artifact and why not kernels
+                shipped = {"compiled": full["compiled"], **({"kernels_error": full["kernels_error"]}
+                                                            if "kernels_error" in full else {})}
+                packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:
                     _lru_put(_PACKED, key, packed, CACHE_BYTES // 2, size=lambda v: len(v[0]))
-            self._report[name]["package_bytes"] = packed[1]
+            self._report[name].update(packed[2], package_bytes=packed[1])
             out[i] = packed[0]
         for item in items:  # the compile time is the batch's (its packages compile side by side)
             if self._report[item[1]].get("cache") == "miss":
@@ -1165,11 +1191,18 @@ def _import_runtime_in_background() -> None:
     t.start()
 
 
-def prepare_load(manifest: dict) -> None:
-    """Called by ``Bundle.open(..., loading=True)`` before it hashes the bundle's files: a bundle built for the GPU
-    loads compiled (or compiles) Inductor engines, whose one-time runtime imports then run meanwhile."""
-    if str(manifest.get("device", "")).startswith("cuda"):
-        _import_runtime_in_background()
+def prepare_load(manifest: dict, report: dict | None = None) -> None:
+    """Called by ``Bundle.open(..., loading=True)`` before it hashes the bundle's files: a GPU bundle that ships
+    Inductor's own artifacts (report.json's ``engines``: ``compiled`` "inductor"; a report without that list is
+    taken to) starts Inductor's one-time runtime imports meanwhile.  "kernels" engines need none of it: importing
+    it anyway only competed with their load for the interpreter (H100, Inception-v4: 3.9 s instead of ~2.5)."""
+    if not str(manifest.get("device", "")).startswith("cuda"):
+        return
+    engines = (report or {}).get("engines")
+    if isinstance(engines, dict) and not any(isinstance(e, dict) and e.get("compiled") == "inductor"
+                                             for e in engines.values()):
+        return
+    _import_runtime_in_background()
 
 
 def _work(todo: dict[str, tuple], keys: list[str]) -> float:
@@ -1378,7 +1411,7 @@ class TorchEngine:
                                      and meta.get("fuse_conv_relu") == fuse)
         self._runner = None
         self.module = None
-        if not self.compiled_at_load and meta.get("compiled") == "inductor":
+        if not self.compiled_at_load and meta.get("compiled") in ("inductor", "kernels"):
             self._runner = _load_inductor(package, engine.weights, meta, device)
             self._fn = self._runner
             self.phases.update(self._runner.phases)
@@ -1443,7 +1476,7 @@ class TorchEngine:
 
         t0 = time.perf_counter()
         args = self._args()
-        with torch.no_grad(), _first_call_unchecked(self._runner is not None):
+        with torch.no_grad(), _first_call_unchecked(self.meta.get("compiled") == "inductor"):
             self._fn(*args)
             self._fn(*args)
         torch.cuda.synchronize()

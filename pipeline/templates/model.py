@@ -57,8 +57,19 @@ def _host_tensor(name, arr):
     """A host output through DLPack rather than ``pb_utils.Tensor(name, arr)``: the Python backend of Triton
     2.51 and older was built with pybind11 2.10, which reads numpy 2 arrays as empty (the client gets "cannot
     reshape array of size 0"; triton-inference-server/python_backend#384), and numpy 2 is what a torch
-    environment has.  DLPack does not go through pybind11's numpy support; numpy 1.22+ arrays speak it."""
+    environment has.  DLPack does not go through pybind11's numpy support; numpy 1.22+ arrays speak it.
+
+    Handed over as a torch view of the array where torch is installed: the backend marks a capsule it has
+    consumed with a name of its own, which numpy's capsule destructor reports as an error ("PyCapsule_GetPointer
+    called with incorrect name", printed to the server log for every response) where torch's leaves a capsule
+    renamed by its consumer alone, as the DLPack protocol says."""
     if _NUMPY2 and arr.size and arr.dtype != object:
+        torch = _torch()
+        if torch is not None:
+            try:
+                return pb_utils.Tensor.from_dlpack(name, torch.from_numpy(arr))
+            except TypeError:  # a dtype torch cannot view
+                pass
         return pb_utils.Tensor.from_dlpack(name, arr)
     return pb_utils.Tensor(name, arr)
 

@@ -390,7 +390,36 @@ def gpu_bundle(tmp_path_factory):
 
 @pytest.mark.gpu
 def test_inductor_gpu_bundle_ships_artifacts_verified_as_loaded(gpu_bundle):
-    assert_ships_compiled_engines_verified_as_loaded(gpu_bundle[1], "inductor")
+    assert_ships_compiled_engines_verified_as_loaded(gpu_bundle[1], "kernels")
+
+
+@pytest.mark.gpu
+def test_kernels_bundle_loads_and_runs_in_a_fresh_process_without_importing_inductor_or_triton(gpu_bundle, tmp_path):
+    """The "kernels" artifacts (Inductor's wrapper and cubins) load, capture and replay in a fresh process with
+    empty caches that never imports torch._inductor or triton, and match onnxruntime.  (The build ran each one
+    against Inductor's own compiled function on the same tensors and required equal bits.)"""
+    folder, bundle = gpu_bundle
+    x = np.random.default_rng(6).standard_normal(bundle.plan.inputs[0].shape).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    script = textwrap.dedent(f"""
+        import json, sys, numpy as np
+        from parastream.launcher.bundle import Bundle
+        from parastream.launcher.gpu import GpuLauncher
+        la = GpuLauncher(Bundle.open({str(bundle.path)!r}, loading=True))
+        y = la({{{bundle.plan.inputs[0].name!r}: np.load({str(tmp_path / 'x.npy')!r})}})[{bundle.plan.outputs[0].name!r}]
+        np.save({str(tmp_path / 'y.npy')!r}, y)
+        heavy = sorted(m for m in sys.modules if m.startswith(("torch._inductor", "triton")))
+        engines = [e for e in la.engines if e is not None]
+        print(json.dumps({{"heavy": heavy[:5], "graph": la._exec is not None,
+                          "kinds": sorted({{e.meta.get("compiled") for e in engines}}),
+                          "imported": sorted({{m for e in engines for m in getattr(e._runner.artifact, "imported", [])}})}}))
+    """)
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty"), TRITON_CACHE_DIR=str(tmp_path / "empty-triton"))
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=600)
+    assert p.returncode == 0, p.stderr[-2000:]
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info == {"heavy": [], "graph": True, "kinds": ["kernels"], "imported": []}, info
+    assert scaled_error(folder, bundle, x, np.load(tmp_path / "y.npy")) < 2e-2
 
 
 @pytest.mark.gpu

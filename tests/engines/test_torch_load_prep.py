@@ -28,6 +28,20 @@ def test_a_gpu_bundle_s_load_starts_the_runtime_imports_a_cpu_one_does_not(monke
     assert started == [1]
 
 
+def test_a_gpu_bundle_of_kernels_engines_starts_no_import_one_with_inductor_s_artifacts_does(monkeypatch):
+    """"kernels" engines load without Inductor: nothing to import beside the hashes.  Engines without compiled
+    code (in-place Concats) do not count; one engine that ships Inductor's own artifact starts the imports."""
+    started = []
+    monkeypatch.setattr(tb, "_import_runtime_in_background", lambda: started.append(1))
+    gpu = {"device": "cuda: NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)"}
+    kernels = {"engines": {"b0": {"compiled": "kernels"}, "b1": {"compiled": None}, "b2": {"compiled": "kernels"}}}
+    tb.prepare_load(gpu, kernels)
+    assert started == []
+    kernels["engines"]["b3"] = {"compiled": "inductor", "kernels_error": "ParastreamError: ..."}
+    tb.prepare_load(gpu, kernels)
+    assert started == [1]
+
+
 def test_bundle_open_for_loading_prepares_the_backend_before_it_hashes_the_files(tmp_path, monkeypatch):
     """``Bundle.open(..., loading=True)`` (what ``launcher.load``, the GPU launcher, ``parastream run`` and Triton's
     model.py call) hands the manifest to the backend's ``prepare_load`` first, then checks the hashes: the imports
@@ -37,7 +51,7 @@ def test_bundle_open_for_loading_prepares_the_backend_before_it_hashes_the_files
     bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", search=False, measure=False)
     order = []
     ort = get_backend("onnxruntime")
-    monkeypatch.setattr(ort, "prepare_load", lambda manifest: order.append(("prepare", manifest["backend"])),
+    monkeypatch.setattr(ort, "prepare_load", lambda manifest, report: order.append(("prepare", manifest["backend"])),
                         raising=False)
     real = Bundle.check_hashes
     monkeypatch.setattr(Bundle, "check_hashes", lambda self: order.append(("hashes",)) or real(self))
