@@ -278,7 +278,8 @@ def child_build(args, res: dict) -> dict:
     torch_backend.ARTIFACT = args.artifact.split("-")[0]
     t0 = time.perf_counter()
     bundle = build(args.onnx, args.bundle, backend="torch", precision="fp16", force=True, search=args.search == "on",
-                   measure=args.search == "on", verify=args.verify == "on", measure_seconds=args.measure_seconds,
+                   measure=args.search == "on", verify=args.verify == "on",
+                   **({"measure_seconds": args.measure_seconds} if args.measure_seconds is not None else {}),
                    search_options={"top_k": 20} if args.search == "on" else {})
     res["build_s"] = time.perf_counter() - t0
     rep = bundle.report
@@ -361,7 +362,8 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=520, help="stop starting steps after this long; no step outlives it")
     ap.add_argument("--step-seconds", type=float, default=200, help="the most one step may take")
-    ap.add_argument("--measure-seconds", type=float, default=300.0, help="the build's default budget")
+    ap.add_argument("--measure-seconds", type=float, default=None,
+                    help="the search builds' measurement budget (default: the build's own default)")
     ap.add_argument("--steps", default=None, help="GPU default: " + ",".join(GPU_STEPS) + "; --cpu: inductor,aoti,jit,mega")
     # child mode
     ap.add_argument("--cpu", action="store_true", help="the CPU proxy (no GPU): per branch of --model (a zoo model)")
@@ -440,8 +442,9 @@ def main(argv=None) -> int:
         kind, _, what = s.partition(":")
         if kind == "search":  # search:<artifact>: the whole build with the default search, then its load
             out = work / f"search_{what}"
+            budget = ["--measure-seconds", str(args.measure_seconds)] if args.measure_seconds is not None else []
             if step(f"search_build_{what}", ["--child", "build", "--artifact", what, "--search", "on", "--verify", "on",
-                                             "--measure-seconds", str(args.measure_seconds), "--bundle", str(out), *common], 60):
+                                             *budget, "--bundle", str(out), *common], 60):
                 step(f"search_load_{what}", ["--child", "load", "--bundle", str(out), *common], 20)
         elif kind == "build":
             step(f"build_{what}", ["--child", "build", "--artifact", what, "--bundle", str(work / what), *common], 20)

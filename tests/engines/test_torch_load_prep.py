@@ -88,3 +88,25 @@ def test_the_runtime_imports_run_once_per_process_in_two_threads(monkeypatch):
         assert not t.is_alive()
     assert {t.name for t in tb._RUNTIME_IMPORT} == {"parastream-hash-triton", "parastream-import-inductor"}
     assert "torch._inductor.standalone_compile" in sys.modules
+
+
+def test_a_gpu_bundle_s_open_imports_torch_beside_the_hashes_in_a_process_without_it():
+    """Triton's model.py opens the bundle before it has imported torch: prepare_load starts that import in a
+    thread (the hashes run meanwhile), and the load's own import finds the module."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys, threading
+        from parastream.launcher.engines import torch as tb
+        assert "torch" not in sys.modules
+        tb.prepare_load({"device": "cuda: NVIDIA H100 80GB HBM3 (torch 2.11.0+cu130)"},
+                        {"engines": {"b0": {"compiled": "kernels"}}})
+        names = sorted(t.name for t in threading.enumerate() if t.name.startswith("parastream-"))
+        import torch
+        print(names, "parastream-import-torch" in tb.RUNTIME_IMPORT_TIMES, torch.ones(2).sum().item())
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip().splitlines()[-1] == "['parastream-import-torch'] True 2.0"
