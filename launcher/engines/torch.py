@@ -2,8 +2,13 @@
 
 * An engine file is a zip: ``engine.json``, ``branch.onnx`` and, when compiled, the compiled code, one of
   (``ARTIFACT``, ``PARASTREAM_TORCH_ARTIFACT``; docs/torch-engines.md compares them):
-  - ``inductor.bin``: Inductor's precompiled artifact (``inductor_format()``: by default the compiled function
-    itself, ``standalone_compile(aot=True)``).  At build the engine's module is traced with ``make_fx``
+  - ``kernels.zip`` (a GPU engine's default, ``inductor_format()``: "kernels"): Inductor's wrapper for the branch
+    and its Triton kernels' cubins, loaded and run without importing Inductor or Triton
+    (``inductor_kernels``; taken from the module compiled below and checked bit for bit against it at build),
+    with ``weights.bin`` as below.
+  - ``inductor.bin``: Inductor's precompiled artifact (``inductor_format()`` "bundled", a CPU engine's and the
+    fallback of a GPU branch "kernels" cannot hold: the compiled function itself, ``standalone_compile(aot=True)``).
+    At build the engine's module is traced with ``make_fx``
     (its weights as graph inputs) for exactly the tensors the GPU launcher will hand it
     (``launcher.gpu.engine_layouts``: dtypes, channels-last strides, channel views of in-place Concats) and
     compiled by ``torch._inductor.standalone_compile`` with the options a load-time torch.compile uses (a Python
@@ -71,7 +76,7 @@ from ..plan import TensorSpec
 from .base import BuildOptions
 
 name = "torch"
-suffix = ".zip"  # engine.json + branch.onnx (+ inductor.bin and weights.bin, or aoti.pt2): see the module docstring
+suffix = ".zip"  # engine.json + branch.onnx (+ kernels.zip or inductor.bin, and weights.bin; or aoti.pt2): module docstring
 gpu = True
 #: the GPU launcher may keep 4-d internal boundary tensors channels-last for this backend
 supports_internal_nhwc = True

@@ -74,9 +74,11 @@ KERNEL = {"name": "triton_poi_fused_add_0", "num_warps": 4, "shared": 0, "arg_ty
           "grid": {"prefix": [], "x": "-(xnumel // -8)", "y": "1", "z": "1"}, "cubin": "cubins/0.cubin"}
 
 
-def package(source: str = WRAPPER, kernels: dict | None = None, extern_torch=("mm",), fmt: int = ik.FORMAT) -> bytes:
+def package(source: str = WRAPPER, kernels: dict | None = None, extern_torch=("mm",), fmt: int = ik.FORMAT,
+            aligned=()) -> bytes:
     kernels = {"triton_poi_fused_add_0": KERNEL} if kernels is None else kernels
-    spec = {"format": fmt, "kernels": kernels, "extern_torch": list(extern_torch), "extern_inductor": []}
+    spec = {"format": fmt, "kernels": kernels, "extern_torch": list(extern_torch), "extern_inductor": [],
+            "aligned": list(aligned)}
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w") as z:
         z.writestr("kernels.json", json.dumps(spec))
@@ -160,6 +162,18 @@ def test_launcher_source_is_inductor_s_launcher_shape_and_refuses_argument_names
 def test_a_damaged_or_unsupported_artifact_is_one_clear_error(damage, says):
     with pytest.raises(ParastreamError, match=says):
         ik.KernelsArtifact(damage(), device=0, launch=add_one_launch([]))
+
+
+def test_an_argument_aligned_when_compiled_must_be_aligned_when_called():
+    """Inductor's kernels may assume 16-byte alignment of a pointer that had it at compile time."""
+    art = ik.KernelsArtifact(package(aligned=(0, 2)), device=0, launch=add_one_launch([]))
+    base = torch.zeros(40)
+    a, b, out = base[:16].view(4, 4), torch.randn(4, 4), torch.zeros(4, 4)
+    art(a.copy_(torch.randn(4, 4)), b, out)
+    assert torch.allclose(out, a @ b + 1)
+    shifted = base[1:17].view(4, 4)  # 4 bytes past an aligned address
+    with pytest.raises(ParastreamError, match="argument 0 of a compiled engine is not 16-byte aligned"):
+        art(shifted, b, out)
 
 
 def test_extract_needs_the_recorder_installed_before_inductor_compiled(monkeypatch):
