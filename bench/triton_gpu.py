@@ -257,6 +257,7 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
     finally:
         res["server_log_tail"] = server.log_tail(40)
         log = server.log()
+        res["initialize_lines"] = re.findall(r"parastream: \S+ ready in [^)]*\)", log)
         res["server_log_errors"] = {"tracebacks": log.count("Traceback (most recent call last)"),
                                     "pycapsule": log.count("PyCapsule_GetPointer called with incorrect name")}
         server.stop()

@@ -92,9 +92,11 @@ class TritonPythonModel:
         # dims as Triton declares them (no batch dim when batching; [1] for a 0-d tensor)
         self.wire = {io["name"]: [int(d) for d in io["dims"]] for io in config.get("input", []) + config.get("output", [])}
         self.on_gpu = args.get("model_instance_kind", "CPU") == "GPU" and bool(get_backend(plan.backend).gpu)
+        t_torch = None
         if self.on_gpu:
             device = int(args.get("model_instance_device_id", 0) or 0)
-            torch = _torch()
+            torch = _torch()  # (imported since the open began, beside the hashes: Bundle.open(loading=True))
+            t_torch = time.perf_counter()
             if torch is not None:
                 torch.cuda.set_device(device)
             # launcher.load() takes no device index; the GPU launcher is what it returns for "cuda"
@@ -118,7 +120,8 @@ class TritonPythonModel:
         if logger is not None:
             logger.log_info(f"parastream: {args.get('model_instance_name') or args.get('model_name', '')} ready in "
                             f"{self.initialize_s:.2f} s (imports and bundle opened {t_open - t0:.2f} s, "
-                            f"{len(self.plan.branches)} branches loaded and captured {time.perf_counter() - t_open:.2f} s)")
+                            + (f"torch imported at {t_torch - t0:.2f} s, " if t_torch is not None else "")
+                            + f"{len(self.plan.branches)} branches loaded and captured {time.perf_counter() - t_open:.2f} s)")
 
     # -- requests ---------------------------------------------------------------------------------
     def _read_input(self, tensor):
