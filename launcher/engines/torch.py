@@ -1197,11 +1197,9 @@ def _import_runtime_in_background() -> None:
 
 
 def _import_torch_in_background() -> None:
-    """torch itself, in a thread, when a process opens a GPU bundle before importing it (Triton's model.py: ~2 s
-    of an instance's initialize on the H100), then torch's lazy CUDA initialization (``torch.cuda.init``: the
-    device count, the caching allocator, its queued calls; ~0.25 s, no CUDA context on any device): they run
-    while the bundle's files are hashed, and the load's own ``import torch`` and first CUDA call wait for them
-    rather than starting again (Python's per-module import locks, torch's initialization lock)."""
+    """torch itself, in a thread, when a process opens a GPU bundle before importing it (Triton's model.py: 1.5-2 s
+    of an instance's initialize on the H100): its import then runs while the bundle's files are hashed, and the
+    load's own ``import torch`` waits for it rather than starting again (Python's per-module import locks)."""
     import sys
 
     if "torch" in sys.modules or any(t.name == "parastream-import-torch" for t in _RUNTIME_IMPORT):
@@ -1210,11 +1208,8 @@ def _import_torch_in_background() -> None:
     def run():
         t0 = time.perf_counter()
         try:
-            import torch
-
-            if torch.cuda.is_available():
-                torch.cuda.init()
-        except Exception:  # noqa: BLE001 - the load reports a missing or broken torch (or CUDA) itself
+            import torch  # noqa: F401
+        except Exception:  # noqa: BLE001 - the load reports a missing or broken torch itself
             pass
         finally:
             RUNTIME_IMPORT_TIMES["parastream-import-torch"] = (t0, time.perf_counter())
