@@ -44,7 +44,6 @@ def main() -> int:
                 raise
             (out / f"failure_{i}.txt").write_text(traceback.format_exc())
             try:
-                fx = ik._output_code(art)
                 scope = ik._wrapper_module(art)
                 (out / f"wrapper_{i}.py").write_text(Path(scope["__file__"]).read_text())
             except Exception as e2:  # noqa: BLE001
