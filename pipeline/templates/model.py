@@ -59,10 +59,10 @@ def _host_tensor(name, arr):
     reshape array of size 0"; triton-inference-server/python_backend#384), and numpy 2 is what a torch
     environment has.  DLPack does not go through pybind11's numpy support; numpy 1.22+ arrays speak it.
 
-    Handed over as a torch view of the array where torch is installed: the backend marks a capsule it has
-    consumed with a name of its own, which numpy's capsule destructor reports as an error ("PyCapsule_GetPointer
-    called with incorrect name", printed to the server log for every response) where torch's leaves a capsule
-    renamed by its consumer alone, as the DLPack protocol says."""
+    Handed over as a torch view of the array where torch is installed: with numpy's own capsule the server log
+    printed "ValueError: PyCapsule_GetPointer called with incorrect name" at every response (H100, Triton
+    2.51's backend: numpy's capsule destructor, most likely, finding the capsule renamed by the backend in a
+    way it does not expect), with torch's none (docs/triton.md); the responses were right either way."""
     if _NUMPY2 and arr.size and arr.dtype != object:
         torch = _torch()
         if torch is not None:
