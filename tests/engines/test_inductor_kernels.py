@@ -180,3 +180,26 @@ def test_extract_needs_the_recorder_installed_before_inductor_compiled(monkeypat
     monkeypatch.setattr(ik, "_RECORDER", [])
     with pytest.raises(ParastreamError, match="install_recorder"):
         ik.extract(lambda *a: None, [], 0)
+
+
+@pytest.mark.slow
+def test_the_wrapper_module_is_found_inside_inductor_s_compiled_artifact(tmp_path, monkeypatch):
+    """``extract`` takes the wrapper from the module Inductor loaded for the artifact: found by walking the compiled
+    graph's ``current_callable`` (Inductor wraps the module's ``call``).  Here on the CPU (C++ kernels), where the
+    walk is the same as on the GPU."""
+    import torch._inductor
+    from torch.fx.experimental.proxy_tensor import make_fx
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", str(tmp_path / "inductor"))
+
+    def f(x, w):
+        return torch.relu(x @ w) + 1
+
+    args = [torch.randn(4, 4), torch.randn(4, 4)]
+    gm = make_fx(f)(*args)
+    art = torch._inductor.standalone_compile(gm, args, dynamic_shapes="from_example_inputs", aot=True)
+    out = art(*args)
+    assert torch.allclose(out if isinstance(out, torch.Tensor) else out[0], f(*args))
+    scope = ik._wrapper_module(art)
+    assert callable(scope["call"]) and "def call" in open(scope["__file__"]).read()
+    assert torch.allclose(scope["call"](list(args))[0], f(*args))
