@@ -207,6 +207,20 @@ class KernelsArtifact:
             raise ParastreamError(f"kernels artifact format {spec.get('format')!r}, this parastream reads {FORMAT}; "
                                   "rebuild the bundle")
         self.imported: list[str] = []
+        try:
+            scope = self._load(z, spec, source, device, launch)
+        except ParastreamError:
+            raise
+        except Exception as e:  # noqa: BLE001 - a damaged kernels.json, cubin or wrapper: one line, not a traceback
+            raise ParastreamError(f"a damaged kernels artifact ({type(e).__name__}: {e}); rebuild the bundle") from None
+        call = scope.get("call")
+        if not callable(call):
+            raise ParastreamError("the engine's wrapper defines no call(); rebuild the bundle")
+        self._call = call
+        self._aligned = [int(i) for i in spec.get("aligned", [])]
+
+    def _load(self, z: zipfile.ZipFile, spec: dict, source: str, device: int, launch) -> dict:
+        """The kernels loaded and the wrapper executed: the wrapper's globals."""
         kernels = {}
         # the static launcher loads a cubin from a file: each one is written, loaded and removed
         with tempfile.TemporaryDirectory(prefix="parastream-cubins-") as d:
@@ -219,11 +233,7 @@ class KernelsArtifact:
         known = {ASYNC_COMPILE: _async_compile(kernels), EXTERN_KERNELS: _Externs(spec["extern_torch"], self.imported)}
         scope = {"__name__": "parastream_wrapper", "__builtins__": dict(vars(builtins), __import__=_importer(known, self.imported))}
         exec(compile(source, "<parastream wrapper>", "exec"), scope)  # noqa: S102 - the bundle's own code, hashed
-        call = scope.get("call")
-        if not callable(call):
-            raise ParastreamError("the engine's wrapper defines no call(); rebuild the bundle")
-        self._call = call
-        self._aligned = [int(i) for i in spec.get("aligned", [])]
+        return scope
 
     def __call__(self, *args):
         for i in self._aligned:

@@ -88,6 +88,16 @@ def package(source: str = WRAPPER, kernels: dict | None = None, extern_torch=("m
     return buf.getvalue()
 
 
+def without(data: bytes, member: str) -> bytes:
+    """The zip ``data`` less one member."""
+    src, buf = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name in src.namelist():
+            if name != member:
+                z.writestr(name, src.read(name))
+    return buf.getvalue()
+
+
 def add_one_launch(log: list):
     """A stand-in for the static launcher: records each launch and does what the kernel would (out = in + 1)."""
     def launch(function, gx, gy, gz, num_warps, shared, arg_tys, args, stream):
@@ -158,6 +168,11 @@ def test_launcher_source_is_inductor_s_launcher_shape_and_refuses_argument_names
     (lambda: package(WRAPPER.replace("async_compile.wait(globals())", "async_compile.cpp('x')")),
      r"asks AsyncCompile.cpp"),
     (lambda: package(WRAPPER.replace("def call(args)", "def run(args)")), "defines no call"),
+    # kernels.json without a field a load reads, a cubin member it names missing, a wrapper that is not Python
+    (lambda: package(kernels={"triton_poi_fused_add_0": {k: v for k, v in KERNEL.items() if k != "grid"}}),
+     r"a damaged kernels artifact \(KeyError: 'grid'\); rebuild the bundle"),
+    (lambda: without(package(), "cubins/0.cubin"), r"a damaged kernels artifact \(KeyError: .*cubins/0.cubin"),
+    (lambda: package(WRAPPER + "\ndef broken(:\n"), r"a damaged kernels artifact \(SyntaxError"),
 ])
 def test_a_damaged_or_unsupported_artifact_is_one_clear_error(damage, says):
     with pytest.raises(ParastreamError, match=says):
