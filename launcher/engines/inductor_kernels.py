@@ -243,10 +243,6 @@ class KernelsArtifact:
         return self._call(list(args))
 
 
-def load(package: bytes, device: int) -> KernelsArtifact:
-    return KernelsArtifact(package, device)
-
-
 # -- build -----------------------------------------------------------------------------------------
 _RECORDER: list = []
 _RECORDER_LOCK = threading.Lock()
@@ -319,23 +315,34 @@ def record_launcher(result, def_args, runner_args) -> dict:
             "cubin_bytes": cubin}
 
 
-def _output_code(art):
-    """The ``CompiledFxGraph`` inside Inductor's compiled artifact (found by walking its wrappers: closures,
-    attributes, partials; AOTAutograd's runtime wrappers differ between torch releases and name no field for it)."""
+def _reachable(root, stop=lambda o: False, limit: int = 20000, attributes: bool = True):
+    """Objects reachable from ``root`` through partials, bound methods, closures and ``__wrapped__`` and, with
+    ``attributes``, containers, attributes, slots and a method's object (never modules, classes or tensors, nor
+    past an object ``stop`` accepts), depth first, each once, at most ``limit``: how ``extract`` finds its way
+    through Inductor's and AOTAutograd's wrappers, which differ between torch releases and name no field for what
+    they wrap."""
     import functools
     import types
 
     import torch
-    from torch._inductor.output_code import CompiledFxGraph
 
-    found, seen, todo = [], set(), [art]
-    while todo and len(seen) < 20000:
+    seen, todo = set(), [root]
+    while todo and len(seen) < limit:
         o = todo.pop()
         if id(o) in seen or isinstance(o, (type, types.ModuleType, str, bytes, int, float, torch.Tensor)):
             continue
         seen.add(id(o))
-        if isinstance(o, CompiledFxGraph):
-            found.append(o)
+        yield o
+        if stop(o):
+            continue
+        if isinstance(o, functools.partial):
+            todo.extend([o.func, *o.args, *(o.keywords.values() if attributes else ())])
+        if isinstance(o, types.MethodType):
+            todo.extend([o.__self__, o.__func__] if attributes else [o.__func__])
+        if isinstance(o, types.FunctionType):
+            todo.extend(c.cell_contents for c in (o.__closure__ or ()) if _filled(c))
+            todo.append(getattr(o, "__wrapped__", None))
+        if not attributes:
             continue
         for cls in type(o).__mro__:
             slots = getattr(cls, "__slots__", ())
@@ -344,21 +351,9 @@ def _output_code(art):
             todo.extend(o)
         elif isinstance(o, dict):
             todo.extend(o.values())
-        if isinstance(o, functools.partial):
-            todo.extend([o.func, *o.args, *o.keywords.values()])
-        if isinstance(o, types.MethodType):
-            todo.extend([o.__self__, o.__func__])
-        if isinstance(o, types.FunctionType):
-            todo.extend(c.cell_contents for c in (o.__closure__ or ()) if _filled(c))
         d = getattr(o, "__dict__", None)
         if isinstance(d, dict) and not isinstance(o, types.FunctionType):
             todo.extend(d.values())
-    # the loaded graph (its wrapper module imported); AOTAutograd may also keep the entry it was saved from
-    calls = {id(getattr(g.current_callable, "__func__", g.current_callable)): g
-             for g in found if getattr(g, "current_callable", None) is not None}
-    if len(calls) != 1:
-        raise ParastreamError(f"{len(calls)} loaded compiled graphs in the artifact, not one")
-    return next(iter(calls.values()))
 
 
 def _filled(cell) -> bool:
@@ -369,33 +364,31 @@ def _filled(cell) -> bool:
     return True
 
 
+def _output_code(art):
+    """The ``CompiledFxGraph`` inside Inductor's compiled artifact: the loaded one (its wrapper module imported;
+    AOTAutograd may also keep the entry it was saved from)."""
+    from torch._inductor.output_code import CompiledFxGraph
+
+    def graph(o):
+        return isinstance(o, CompiledFxGraph)
+
+    found = [o for o in _reachable(art, stop=graph) if graph(o)]
+    calls = {id(getattr(g.current_callable, "__func__", g.current_callable)): g
+             for g in found if getattr(g, "current_callable", None) is not None}
+    if len(calls) != 1:
+        raise ParastreamError(f"{len(calls)} loaded compiled graphs in the artifact, not one")
+    return next(iter(calls.values()))
+
+
 def _wrapper_module(art) -> dict:
     """The globals of the wrapper module Inductor loaded for ``art``: its ``call`` is inside the compiled graph's
     ``current_callable`` (which Inductor wraps, e.g. to check its inputs' alignment)."""
-    import functools
-    import types
-
-    fx = _output_code(art)
-    todo, seen = [fx.current_callable], set()
-    while todo and len(seen) < 1000:
-        o = todo.pop()
-        if id(o) in seen:
-            continue
-        seen.add(id(o))
+    for o in _reachable(_output_code(art).current_callable, limit=1000, attributes=False):
         fn = getattr(o, "__func__", o)
         scope = getattr(fn, "__globals__", None)
         if isinstance(scope, dict) and scope.get("__file__") and getattr(fn, "__name__", None) == "call" and \
                 getattr(scope.get("call"), "__func__", scope.get("call")) is fn:
             return scope
-        if isinstance(o, functools.partial):
-            todo.extend([o.func, *o.args])
-        if isinstance(o, types.MethodType):
-            todo.append(o.__func__)
-        if isinstance(fn, types.FunctionType):
-            todo.extend(c.cell_contents for c in (fn.__closure__ or ()) if _filled(c))
-        wrapped = getattr(o, "__wrapped__", None)
-        if wrapped is not None:
-            todo.append(wrapped)
     raise ParastreamError("the compiled graph's call has no wrapper module")
 
 

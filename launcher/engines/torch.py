@@ -835,12 +835,7 @@ def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: d
         if art is not None:
             _LOADED_ARTIFACTS.move_to_end(key)
     if art is None:
-        if meta.get("compiled") == "kernels":
-            from . import inductor_kernels
-
-            art = inductor_kernels.load(artifact, torch.cuda.current_device())
-        else:
-            art = _load_artifact(artifact, meta, device)
+        art = _load_artifact(artifact, meta, device)
         with _CACHE_LOCK:
             _lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS, size=lambda v: 1)
 
@@ -909,6 +904,11 @@ def _load_artifact(artifact: bytes, meta: dict, device: str):
     import tempfile
 
     import torch
+
+    if meta.get("compiled") == "kernels":  # Inductor's wrapper and cubins, without Inductor
+        from .inductor_kernels import KernelsArtifact
+
+        return KernelsArtifact(artifact, torch.cuda.current_device())
     import torch._inductor
 
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API loads from a path
