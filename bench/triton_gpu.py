@@ -21,7 +21,11 @@ For each model (bench/gpu.py's Inception-v3 and BERT-base seq 128; random weight
        a GIL), HTTP and gRPC, for ``--seconds`` each: requests/s, p50 and p99.
 Writes triton_gpu_<models>.json and .md to --out ($OUT).
 
+``--starts N`` does only this: N instance starts of each model (a new server each), one request checked against
+onnxruntime each, and what model.py's initialize logged (issue 12's Triton target).
+
 Usage: python3 bench/triton_gpu.py [--models inception_v3,bert] [--requests 300] [--seconds 5] [--out DIR]
+       python3 bench/triton_gpu.py --models inception_v4 --starts 4 [--reuse] [--tag after]
 """
 
 from __future__ import annotations
@@ -268,6 +272,71 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
     return res
 
 
+INIT_RE = (r"parastream: {name}\S* ready in ([\d.]+) s \(imports and bundle opened ([\d.]+) s, (?:torch imported at "
+           r"([\d.]+) s, )?\d+ branches loaded and captured ([\d.]+) s(?:; ([\d.]+) s since the stub process started)?\)")
+
+
+def instance_starts(name: str, args, work: Path, res: dict) -> dict:
+    """``--starts N``: the model's bundle served N times, each by a new server (a new stub process: a Triton
+    instance start as a deployment sees it), one HTTP request checked against onnxruntime each time; what each
+    start's model.py logged (initialize, when torch was ready, the load and capture, the stub process's age)."""
+    from parastream.launcher.bundle import Bundle
+    from parastream.pipeline import build
+    from parastream.pipeline.triton import export_triton
+
+    model, inputs = make_model(name)
+    onnx_path = work / f"{name}.onnx"
+    if not (args.reuse and onnx_path.exists()):
+        export(model, inputs, onnx_path)
+    feeds = {k: v.numpy() for k, v in inputs.items()}
+    ref = ort_reference(onnx_path, feeds)
+    outputs = list(ref)
+    if args.reuse and (work / f"{name}.bundle" / "manifest.json").exists():
+        bundle = Bundle.open(work / f"{name}.bundle")
+        res["reused_bundle"] = True
+    else:
+        t0 = time.perf_counter()
+        bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
+        res["build_s"] = time.perf_counter() - t0
+    res["plan"] = {"streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches)}
+    repo = work / f"{name}.repo.{os.getpid()}"
+    export_triton(bundle, repo, name=name, instances=args.instances, force=True)
+    res["starts"] = []
+    for i in range(args.starts):
+        start: dict = {}
+        t0 = time.perf_counter()
+        server = TritonServer(repo, work / f"{name}.server{i}")
+        try:
+            server.start(timeout=args.start_timeout)
+            wait_ready(server, name, args.start_timeout)
+            start["server_start_to_ready_s"] = time.perf_counter() - t0
+            client = client_of(server, "http")
+            try:
+                got = infer(client, "http", name, make_inputs("http", feeds), outputs)
+                start["http_vs_ort"] = {o: max_err(got[o], ref[o]) for o in outputs}
+            finally:
+                client.close()
+        finally:
+            log = server.log()
+            start["initialize_lines"] = re.findall(r"parastream: \S+ ready in [^)]*\)", log)
+            start["initialize"] = [{"initialize_s": float(a), "open_s": float(b), "torch_at_s": float(c) if c else None,
+                                    "load_capture_s": float(d), "stub_age_s": float(e) if e else None}
+                                   for a, b, c, d, e in re.findall(INIT_RE.format(name=re.escape(name)), log)]
+            start["tracebacks"] = log.count("Traceback (most recent call last)")
+            server.stop()
+        print(json.dumps(start), flush=True)
+        res["starts"].append(start)
+    inits = [x["initialize_s"] for st in res["starts"] for x in st["initialize"]]
+    ages = [x["stub_age_s"] for st in res["starts"] for x in st["initialize"] if x["stub_age_s"] is not None]
+    res["initialize_s"] = inits
+    res["summary"] = {"initialize_median_s": float(np.median(inits)) if inits else None, "initialize_max_s": max(inits, default=None),
+                      "stub_age_median_s": float(np.median(ages)) if ages else None,
+                      "errors_max": max((v for st in res["starts"] for v in st.get("http_vs_ort", {}).values()), default=None)}
+    errs = [v for st in res["starts"] for v in st.get("http_vs_ort", {}).values()]
+    res["ok"] = len(errs) == args.starts * len(outputs) and max(errs) <= SCALE_TOL
+    return res
+
+
 def table(results: list[dict]) -> str:
     lines = ["| model | path | clients | p50 ms | p99 ms | req/s |", "|---|---|---|---|---|---|"]
     for r in results:
@@ -306,11 +375,15 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--protocols", default="http,grpc",
                     help="the client protocols to check and time (http alone needs no grpcio wheel on the device)")
     ap.add_argument("--start-timeout", type=float, default=420.0, help="seconds for the server to load the model")
+    ap.add_argument("--starts", type=int, default=0,
+                    help="only start a server this many times (one instance start each, one request checked) and "
+                         "report what model.py's initialize logged")
+    ap.add_argument("--tag", default="", help="a suffix for the output files")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "triton_gpu_" + args.models.replace(",", "_")  # one call per model keeps each call short
+    stem = "triton_gpu_" + args.models.replace(",", "_") + (f"_{args.tag}" if args.tag else "")  # one call per model keeps each call short
     reason = unavailable()
     print(f"python {sys.version.split()[0]} at {sys.executable}; libpython for the stub: {python_library()}", flush=True)
     if reason:
@@ -327,7 +400,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         r: dict = {"model": name}
         try:
-            run_model(name, args, work, r)
+            (instance_starts if args.starts else run_model)(name, args, work, r)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             r["error"] = f"{type(e).__name__}: {e}"[:6000]
@@ -336,6 +409,9 @@ def main(argv: list[str] | None = None) -> int:
         results.append(r)
         print(json.dumps({k: v for k, v in r.items() if k not in ("config", "server_log_tail")}, default=str), flush=True)
         (out / f"{stem}.json").write_text(json.dumps(results, indent=1, default=str))
+    if args.starts:
+        print(json.dumps([{"model": r["model"], **r.get("summary", {}), "initialize_s": r.get("initialize_s")} for r in results]))
+        return 0 if all(r.get("ok") for r in results) else 1
     md = table(results)
     (out / f"{stem}.md").write_text(md + "\n")
     print(md)

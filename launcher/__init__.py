@@ -36,7 +36,9 @@ def load(path: str | Path | Bundle, *, device: str = "auto", graph: bool = True,
     ``device``: "auto" (the GPU launcher when the bundle's engines are GPU engines and
     a GPU is present), "cuda" or "cpu".
     """
-    bundle = path if isinstance(path, Bundle) else Bundle.open(path, check_hashes=check_hashes, loading=True)
+    # (the GPU launcher runs on device 0: its context is made while the bundle is checked)
+    bundle = path if isinstance(path, Bundle) else Bundle.open(path, check_hashes=check_hashes, loading=True,
+                                                               device=None if device == "cpu" else 0)
     backend = bundle.backend()
     if device == "auto":
         device = "cuda" if backend.gpu and cuda_device_count() > 0 else "cpu"

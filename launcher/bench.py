@@ -449,7 +449,7 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
     from .cpu import CpuLauncher, random_feeds, time_calls
 
     recorded = bundle.report.get("model", {}).get("path")
-    model = Path(original) if original else (Path(recorded) if recorded and Path(recorded).is_file() else bundle.path / "model.onnx")
+    model = Path(original) if original else (Path(recorded) if recorded and Path(recorded).is_file() else bundle.model_path)
     ours = CpuLauncher(bundle)
     try:
         plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])

@@ -46,15 +46,19 @@ class Bundle:
     report: dict
 
     @classmethod
-    def open(cls, path: str | Path, *, check_hashes: bool = True, loading: bool = False) -> "Bundle":
+    def open(cls, path: str | Path, *, check_hashes: bool = True, loading: bool = False,
+             device: int | None = None) -> "Bundle":
         """Open the bundle at ``path``, refusing one whose files are not all inside it and listed by its manifest.
 
         Every path the bundle names (the manifest's files, the plan's engines) is relative, has no ``..``
         and resolves inside the bundle (no symbolic link leaving it); its manifest lists its files, and every
         file in the folder is listed; its ONNX files carry no external data.  ``check_hashes`` also compares
         each file with its sha256.  ``loading``: the caller loads its engines next; the backend's
-        ``prepare_load(manifest, report)`` starts what they will need (the torch backend: Inductor's runtime imports,
-        in a thread) before the hashes are checked.
+        ``prepare_load(manifest, report)`` starts what they will need (the torch backend: torch's import and, for
+        Inductor's own artifacts, its runtime imports, in threads) before the hashes are checked, and a GPU bundle
+        loaded on ``device`` has that device's CUDA context created meanwhile (``cuda.initialize_in_background``).
+        A load reads the engines, not model.onnx: its external-data check is left to ``model_path``, the way
+        every reader of it takes (a parse that held the interpreter for 0.2-0.4 s of an Inception-v4's load).
         """
         path = Path(path)
         if not path.is_dir():
@@ -90,6 +94,10 @@ class Bundle:
                 raise ParastreamError(f"{path / 'plan.json'}: {b.name}'s engine {b.engine!r} is not listed in manifest.json")
         bundle = cls(path=path, manifest=manifest, plan=plan, report=report)
         if loading:
+            if device is not None and str(manifest.get("device", "")).startswith("cuda"):
+                from .cuda import initialize_in_background
+
+                initialize_in_background(device)
             from .engines import get_backend
 
             try:
@@ -105,10 +113,12 @@ class Bundle:
             # beside the hashes rather than after them; a hash that differs is still the error named first
             from concurrent.futures import ThreadPoolExecutor
 
+            onnx_files = [rel for rel in files if rel.endswith(".onnx") and not (loading and rel == "model.onnx")]
             with ThreadPoolExecutor(1, thread_name_prefix="parastream-onnx-check") as pool:
-                external = pool.submit(_check_no_external_data, path, files)
+                external = pool.submit(_check_no_external_data, path, onnx_files)
                 bundle.check_hashes()
                 external.result()
+            bundle._model_checked = not loading
         return bundle
 
     def check_hashes(self) -> None:
@@ -162,6 +172,10 @@ class Bundle:
 
     @property
     def model_path(self) -> Path:
+        """model.onnx, checked for external data on first use when the open left that to its readers (``loading``)."""
+        if not getattr(self, "_model_checked", True):
+            _check_no_external_data(self.path, ["model.onnx"])
+            self._model_checked = True
         return self.path / "model.onnx"
 
     def engine_path(self, branch: Branch) -> Path:
@@ -201,14 +215,14 @@ def _files_under(root: Path) -> set[str]:
     return out
 
 
-def _check_no_external_data(root: Path, files: dict) -> None:
+def _check_no_external_data(root: Path, files: list[str]) -> None:
     """parastream writes every tensor inside its ONNX files; external data in a bundle could name any file."""
+    if not files:
+        return
     import onnx
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     for rel in files:
-        if not rel.endswith(".onnx"):
-            continue
         try:
             model = onnx.load(str(root / rel), load_external_data=False)
         except Exception as e:  # noqa: BLE001 - protobuf raises several kinds

@@ -151,13 +151,14 @@ class SharedArena:
 
 def load_phases(launcher) -> dict[str, float]:
     """Seconds of the launcher's engine loads by phase, summed over its engines (those that record ``phases``:
-    torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total and ``ready`` (engines
-    loaded to graph captured)."""
+    torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total (loads), ``warm_wall``
+    (their warm-up, each stream's in a thread) and ``ready`` (engines loaded to graph captured)."""
     out: dict[str, float] = {}
     for e in getattr(launcher, "engines", None) or []:
         for k, v in (getattr(e, "phases", None) or {}).items():
             out[k] = round(out.get(k, 0.0) + v, 4)
     out["engines"] = round(getattr(launcher, "load_s", 0.0), 4)
+    out["warm_wall"] = round(getattr(launcher, "warm_s", 0.0), 4)  # the launcher's warm-up of them, threads overlapped
     out["ready"] = round(getattr(launcher, "ready_s", 0.0), 4)
     return out
 
@@ -177,7 +178,7 @@ class GpuLauncher:
                  engines: list | None = None, internal_nhwc: bool | None = None, concat_in_place: bool = True,
                  fuse_conv_relu: bool | None = None, _share=None, shared: "SharedArena | None" = None):
         if not isinstance(bundle, Bundle):
-            bundle = Bundle.open(bundle, loading=True)
+            bundle = Bundle.open(bundle, loading=True, device=device)
         self.bundle = bundle
         self.plan = plan = bundle.plan
         self.device = device
@@ -210,9 +211,11 @@ class GpuLauncher:
                             optimization_level=int(built.get("optimization_level", 3)),  # 5: torch max-autotune
                             fuse_conv_relu=fuse_conv_relu)
         t0 = time.perf_counter()
+        fresh = engines is None
         if engines is None:
             engines = []
-            takes_layout = "internal_nhwc" in inspect.signature(backend.load).parameters
+            takes = inspect.signature(backend.load).parameters
+            takes_layout = "internal_nhwc" in takes
             with self._memory():
                 for b in plan.branches:
                     if b.id in self.elided:
@@ -221,6 +224,8 @@ class GpuLauncher:
                     ins = [self.specs[t] for t in b.inputs]
                     outs = [self.specs[t] for t in b.outputs]
                     kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
+                    if "warm" in takes:  # warmed below, each stream's engines in a thread of their own
+                        kw["warm"] = False
                     if channel_views:
                         kw["channel_views"] = branch_views[b.id]
                     try:
@@ -256,6 +261,10 @@ class GpuLauncher:
         self._events = {b: cuda.event_create() for b in self._recorders}
         self._producer_event = cuda.event_create()
         self._closed = False
+        t1 = time.perf_counter()
+        if fresh:
+            self._warm_engines()
+        self.warm_s = time.perf_counter() - t1
 
         # pinned staging for numpy inputs and outputs
         self._host: dict[str, tuple[int, np.ndarray]] = {}
@@ -281,6 +290,36 @@ class GpuLauncher:
     # -- internals ----------------------------------------------------------------
     def _memory(self):
         return self._scope()
+
+    def _warm_engines(self) -> None:
+        """Warm the engines that were loaded unwarmed (``warm()``: torch engines' first call, where cuDNN plans its
+        convolutions and kernels load): each stream's engines in launch order, on that stream, in a thread per
+        stream.  That first call is mostly work inside torch's operators, which let go of the interpreter lock, so
+        the streams' threads overlap it on the host as their kernels will on the device; and each library sets up
+        its per-stream state (cuBLAS's workspace) for the streams the capture records on."""
+        pending = [b for b in self.plan.launch_order
+                   if self.engines[b] is not None and callable(getattr(self.engines[b], "warm", None))]
+        if not pending:
+            return
+        streams = self.streams or [self.origin]
+        groups: dict[int, list[int]] = {}
+        for bid in pending:
+            s = 0 if self.single_stream else self.plan.branches[bid].stream
+            groups.setdefault(s, []).append(bid)
+
+        def warm(item):
+            s, bids = item
+            with self._memory():
+                for bid in bids:
+                    self.engines[bid].warm(self._h(streams[s]))
+
+        if len(groups) == 1:
+            warm(next(iter(groups.items())))
+            return
+        from concurrent.futures import ThreadPoolExecutor
+
+        with ThreadPoolExecutor(len(groups), thread_name_prefix="parastream-warm") as pool:
+            list(pool.map(warm, groups.items()))  # the first engine's error, if any, is raised here
 
     def _h(self, s) -> int:
         return cuda.handle(s)

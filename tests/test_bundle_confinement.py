@@ -132,6 +132,29 @@ def test_engine_with_external_data(bundle, tmp_path, capsys):
     assert_all_refused(capsys, bundle, tmp_path, "external file")
 
 
+def test_model_onnx_with_external_data_is_refused_by_its_readers_not_by_a_load(bundle, tmp_path, capsys):
+    """model.onnx naming an external file: a plain open and ``model_path`` (what its readers take) refuse it; a
+    load (``Bundle.open(loading=True)``, ``run``) reads the engines alone and leaves the check to model.onnx's
+    readers, so it runs and reads nothing outside the bundle."""
+    m = onnx.load(str(bundle / "model.onnx"))
+    (tmp_path / "w.bin").write_bytes(os.urandom(4096))
+    t = m.graph.initializer[0]
+    onnx.external_data_helper.set_external_data(t, location="../../w.bin")
+    t.ClearField("raw_data")
+    t.ClearField("float_data")
+    t.data_location = TensorProto.EXTERNAL
+    (bundle / "model.onnx").write_bytes(m.SerializeToString())
+    rehash(bundle)
+    with pytest.raises(ParastreamError, match="external file"):
+        Bundle.open(bundle)
+    opened = Bundle.open(bundle, loading=True)
+    with pytest.raises(ParastreamError, match="model.onnx: tensor .* external file"):
+        opened.model_path
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((1, 4, 8, 8), np.float32))
+    assert main(["run", str(bundle), "--input", f"input={x}", "--output-dir", str(tmp_path / "res")]) == 0
+
+
 def test_validate_triton_and_model_py_refuse_an_escaping_bundle(bundle, tmp_path, capsys):
     pytest.importorskip("tritonclient.grpc")
     from parastream.pipeline.triton import export_triton, validate_repository

@@ -166,10 +166,13 @@ def memory_scope():
     # Never let a pool die: library workspaces (cuBLAS keeps one per stream for the process's life)
     # may have been carved from it, and freeing a pool with live blocks aborts the process.
     _POOLS.append(pool)
+    device = torch.cuda.current_device()
 
     @contextlib.contextmanager
     def scope():
-        with torch.cuda.use_mem_pool(pool):
+        if torch.cuda.current_device() != device:  # a thread of the launcher's warm-up: its device is its own
+            torch.cuda.set_device(device)
+        with torch.cuda.use_mem_pool(pool, device):
             yield
 
     scope.pool = pool
@@ -1416,7 +1419,7 @@ class TorchEngine:
 
     def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
                  options: BuildOptions, internal_nhwc: set[str] | None = None,
-                 channel_views: dict[str, tuple[int, int]] | None = None):
+                 channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True):
         import torch
 
         self.inputs = inputs
@@ -1456,18 +1459,44 @@ class TorchEngine:
         self._views: dict[tuple, list] = {}
         self.compile_s = 0.0
         self.phases["prepare"] = time.perf_counter() - t0
+        self._shapes = str([t[1:] for t in sig])  # the tensors' dtypes, shapes and layouts; their names do not matter
+        self._device_index = torch.cuda.current_device() if device == "cuda" else -1
+        self.warmed = device != "cuda"
+        if warm and device == "cuda":
+            self.warm()
+        self.load_s = time.perf_counter() - t0
+
+    def warm(self, stream_handle: int | None = None) -> None:
+        """The engine's first call, on tensors with the launcher's shapes, dtypes and strides: JIT engines compile,
+        and the libraries set up what the capture will record (cuDNN plans each convolution, kernels load).  On
+        ``stream_handle`` when given (the launcher's warm-up: each stream's engines in a thread of their own)."""
+        import torch
+
+        if self.warmed:
+            return
         art = getattr(self._runner, "artifact", None)
-        shapes = str([t[1:] for t in sig])  # the tensors' dtypes, shapes and layouts; their names do not matter
-        if device == "cuda" and art is not None and getattr(art, "_parastream_warmed", None) == shapes:
+        if art is not None and getattr(art, "_parastream_warmed", None) == self._shapes:
             # an artifact this process has run already for these tensors (branches of one structure, the
             # search's candidates reloading unchanged branches): its kernels are loaded, nothing to warm
             self.phases["warm"] = 0.0
-        elif device == "cuda":
-            self._warm()
+        else:
+            if torch.cuda.current_device() != self._device_index:  # a thread's device is its own
+                torch.cuda.set_device(self._device_index)
+            stream = self._stream(stream_handle) if stream_handle else torch.cuda.current_stream()
+            with torch.cuda.stream(stream):
+                self._warm(stream)
             self.phases["warm"] = self.compile_s
             if art is not None:
-                art._parastream_warmed = shapes
-        self.load_s = time.perf_counter() - t0
+                art._parastream_warmed = self._shapes
+        self.warmed = True
+
+    def _stream(self, stream_handle: int):
+        import torch
+
+        stream = self._streams.get(stream_handle)
+        if stream is None:
+            stream = self._streams[stream_handle] = torch.cuda.ExternalStream(stream_handle)
+        return stream
 
     def _run_package(self, *args) -> None:
         self._runner.boxed_run(list(args))  # outputs are written in place; boxed_run takes (and empties) its list
@@ -1499,8 +1528,7 @@ class TorchEngine:
         return [_tensor(t, t.name in self.nhwc, self.channel_views.get(t.name), self.device, fill=fill)
                 for t in self.inputs + self.outputs]
 
-    def _warm(self) -> None:
-        """Compile (JIT engines) and load kernels now, on tensors with the launcher's shapes, dtypes and strides."""
+    def _warm(self, stream) -> None:
         import torch
 
         t0 = time.perf_counter()
@@ -1511,7 +1539,7 @@ class TorchEngine:
         with torch.no_grad(), _first_call_unchecked(self.meta.get("compiled") == "inductor"):
             for _ in range(calls):
                 self._fn(*args)
-        torch.cuda.synchronize()
+        stream.synchronize()
         self.compile_s = time.perf_counter() - t0
 
     # -- GPU ---------------------------------------------------------------
@@ -1524,10 +1552,7 @@ class TorchEngine:
             views = [_wrap(addresses[t.name], t, t.name in self.nhwc, self.channel_views.get(t.name))
                      for t in self.inputs + self.outputs]
             self._views[key] = views
-        stream = self._streams.get(stream_handle)
-        if stream is None:
-            stream = self._streams[stream_handle] = torch.cuda.ExternalStream(stream_handle)
-        with torch.no_grad(), torch.cuda.stream(stream):
+        with torch.no_grad(), torch.cuda.stream(self._stream(stream_handle)):
             self._fn(*views)
 
     # -- CPU (and GPU without a launcher) ------------------------------------
@@ -1561,7 +1586,9 @@ class TorchEngine:
 
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu",
          options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
-         channel_views: dict[str, tuple[int, int]] | None = None) -> TorchEngine:
+         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> TorchEngine:
+    """One branch's engine.  A GPU engine is warmed (its first call, ``TorchEngine.warm``) unless ``warm=False``:
+    the launcher warms its engines itself, each stream's on that stream."""
     try:
         import torch
     except ImportError:
@@ -1570,4 +1597,4 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = options.precision == "tf32"
         torch.backends.cudnn.allow_tf32 = options.precision == "tf32"
-    return TorchEngine(data, inputs, outputs, device, options, internal_nhwc, channel_views)
+    return TorchEngine(data, inputs, outputs, device, options, internal_nhwc, channel_views, warm=warm)

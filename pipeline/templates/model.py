@@ -74,27 +74,43 @@ def _host_tensor(name, arr):
     return pb_utils.Tensor(name, arr)
 
 
+def _process_age():
+    """Seconds since this process (the backend's stub) started, from /proc (None elsewhere): the stub's own start
+    and its import of this file come before initialize, and the log line says how long the whole took."""
+    try:
+        import os
+
+        ticks = int(Path("/proc/self/stat").read_text().rsplit(")", 1)[1].split()[19])  # starttime, field 22
+        uptime = float(Path("/proc/uptime").read_text().split()[0])
+        return uptime - ticks / os.sysconf("SC_CLK_TCK")
+    except (OSError, ValueError, IndexError):
+        return None
+
+
 class TritonPythonModel:
     def initialize(self, args):
         t0 = time.perf_counter()
         from parastream.launcher import load
         from parastream.launcher.bundle import Bundle, inside
-        from parastream.launcher.engines import get_backend
 
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        # the bundle lies inside the version folder, and each of its files inside it (hashes checked)
+        kind_gpu = args.get("model_instance_kind", "CPU") == "GPU"
+        device = int(args.get("model_instance_device_id", 0) or 0)
+        # the bundle lies inside the version folder, and each of its files inside it (hashes checked); a GPU
+        # instance's open also starts torch's import and the device's CUDA context, in threads, beside the hashes
         bundle = Bundle.open(inside(Path(__file__).resolve().parent, params.get("parastream_bundle", "bundle"),
-                                    "config.pbtxt's parastream_bundle"), loading=True)
+                                    "config.pbtxt's parastream_bundle"), loading=True, device=device if kind_gpu else None)
         t_open = time.perf_counter()
+        from parastream.launcher.engines import get_backend
+
         plan = bundle.plan
         self.max_batch = int(config.get("max_batch_size", 0))
         # dims as Triton declares them (no batch dim when batching; [1] for a 0-d tensor)
         self.wire = {io["name"]: [int(d) for d in io["dims"]] for io in config.get("input", []) + config.get("output", [])}
-        self.on_gpu = args.get("model_instance_kind", "CPU") == "GPU" and bool(get_backend(plan.backend).gpu)
+        self.on_gpu = kind_gpu and bool(get_backend(plan.backend).gpu)
         t_torch = None
         if self.on_gpu:
-            device = int(args.get("model_instance_device_id", 0) or 0)
             torch = _torch()  # (imported since the open began, beside the hashes: Bundle.open(loading=True))
             t_torch = time.perf_counter()
             if torch is not None:
@@ -116,12 +132,14 @@ class TritonPythonModel:
         # how long this instance took to be ready, in the server's log (the stub's own start and its import of
         # this file come before; everything parastream does is here)
         self.initialize_s = time.perf_counter() - t0
+        started = _process_age()
         logger = getattr(pb_utils, "Logger", None)
         if logger is not None:
             logger.log_info(f"parastream: {args.get('model_instance_name') or args.get('model_name', '')} ready in "
                             f"{self.initialize_s:.2f} s (imports and bundle opened {t_open - t0:.2f} s, "
                             + (f"torch imported at {t_torch - t0:.2f} s, " if t_torch is not None else "")
-                            + f"{len(self.plan.branches)} branches loaded and captured {time.perf_counter() - t_open:.2f} s)")
+                            + f"{len(self.plan.branches)} branches loaded and captured {time.perf_counter() - t_open:.2f} s"
+                            + (f"; {started:.2f} s since the stub process started" if started is not None else "") + ")")
 
     # -- requests ---------------------------------------------------------------------------------
     def _read_input(self, tensor):

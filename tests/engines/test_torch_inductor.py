@@ -466,5 +466,45 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
 
 
 @pytest.mark.gpu
+def test_the_launcher_warms_each_stream_s_engines_on_that_stream_in_a_thread_of_its_own(gpu_bundle, monkeypatch):
+    """The GPU launcher loads its torch engines unwarmed and warms them itself: every engine once, on its branch's
+    stream, each stream's engines in launch order in one thread, the streams' threads side by side; then it
+    captures, and the replay matches onnxruntime."""
+    import threading
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    folder, bundle = gpu_bundle
+    calls, real = [], tb.TorchEngine.warm
+
+    def warm(self, stream_handle=None):
+        calls.append((id(self), stream_handle, threading.current_thread().name))
+        return real(self, stream_handle)
+
+    monkeypatch.setattr(tb.TorchEngine, "warm", warm)
+    la = GpuLauncher(bundle)
+    try:
+        plan = la.plan
+        engines = {id(la.engines[b]): b for b in plan.launch_order if la.engines[b] is not None}
+        assert sorted(engines.values()) == sorted(engines[i] for i, _, _ in calls)  # each engine once
+        assert all(e.warmed for e in la.engines if e is not None)
+        by_thread = {}
+        for i, handle, thread in calls:
+            b = engines[i]
+            assert handle == la._h(la.streams[plan.branches[b].stream])  # on its branch's stream
+            by_thread.setdefault(thread, []).append(b)
+        streams_used = {plan.branches[b].stream for b in engines.values()}
+        assert len(by_thread) == len(streams_used) > 1
+        for bids in by_thread.values():
+            assert len({plan.branches[b].stream for b in bids}) == 1
+            assert bids == [b for b in plan.launch_order if b in bids]  # in launch order
+        x = np.random.default_rng(8).standard_normal(plan.inputs[0].shape).astype(np.float32)
+        y = la({plan.inputs[0].name: x})[plan.outputs[0].name]
+        assert scaled_error(folder, bundle, x, y) < 2e-2
+    finally:
+        la.close()
+
+
+@pytest.mark.gpu
 def test_inductor_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bundle, tmp_path):
     assert_another_architecture_is_refused_naming_the_file(gpu_bundle[1], tmp_path)

@@ -110,3 +110,39 @@ def test_a_gpu_bundle_s_open_imports_torch_beside_the_hashes_in_a_process_withou
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip().splitlines()[-1] == "['parastream-import-torch'] True 2.0"
+
+
+def test_a_load_on_a_gpu_device_creates_its_context_beside_the_hashes(tmp_path, monkeypatch):
+    """``Bundle.open(loading=True, device=N)`` of a GPU bundle starts device N's CUDA context in a thread (the
+    load's import of torch runs meanwhile); a CPU bundle, a load without a device or a plain open do not."""
+    import json
+
+    from parastream.launcher import cuda
+
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", search=False, measure=False)
+    started = []
+    monkeypatch.setattr(cuda, "initialize_in_background", started.append)
+    Bundle.open(bundle.path, loading=True, device=0)
+    assert started == []  # an onnxruntime bundle built for the CPU
+    manifest = json.loads((bundle.path / "manifest.json").read_text())
+    (bundle.path / "manifest.json").write_text(json.dumps(dict(manifest, device="cuda: NVIDIA H100 80GB HBM3")))
+    Bundle.open(bundle.path, loading=True)
+    Bundle.open(bundle.path, device=1)
+    assert started == []
+    Bundle.open(bundle.path, loading=True, device=1)
+    assert started == [1]
+
+
+def test_the_context_thread_runs_once_per_device_and_leaves_errors_to_the_load(monkeypatch):
+    """Without a GPU (or cuda-python) the thread ends quietly, once per device, and records when it ran."""
+    from parastream.launcher import cuda
+
+    monkeypatch.setattr(cuda, "CONTEXT_THREADS", {})
+    monkeypatch.setattr(cuda, "CONTEXT_TIMES", {})
+    cuda.initialize_in_background(3)
+    cuda.initialize_in_background(3)
+    assert list(cuda.CONTEXT_THREADS) == [3]
+    cuda.CONTEXT_THREADS[3].join(60)
+    assert not cuda.CONTEXT_THREADS[3].is_alive()
+    t0, t1 = cuda.CONTEXT_TIMES[3]
+    assert t1 >= t0
