@@ -296,7 +296,9 @@ class GpuLauncher:
         convolutions and kernels load): each stream's engines in launch order, on that stream, in a thread per
         stream.  That first call is mostly work inside torch's operators, which let go of the interpreter lock, so
         the streams' threads overlap it on the host as their kernels will on the device; and each library sets up
-        its per-stream state (cuBLAS's workspace) for the streams the capture records on."""
+        its per-stream state for the streams the capture records on.  One stream's warm-up runs here, in the
+        launcher's memory pool; several run outside it (torch lets one thread at a time allocate into a pool):
+        their temporaries come from torch's own cache, and what the capture allocates still comes from the pool."""
         pending = [b for b in self.plan.launch_order
                    if self.engines[b] is not None and callable(getattr(self.engines[b], "warm", None))]
         if not pending:
@@ -309,12 +311,12 @@ class GpuLauncher:
 
         def warm(item):
             s, bids = item
-            with self._memory():
-                for bid in bids:
-                    self.engines[bid].warm(self._h(streams[s]))
+            for bid in bids:
+                self.engines[bid].warm(self._h(streams[s]))
 
         if len(groups) == 1:
-            warm(next(iter(groups.items())))
+            with self._memory():
+                warm(next(iter(groups.items())))
             return
         from concurrent.futures import ThreadPoolExecutor
 

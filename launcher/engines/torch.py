@@ -166,13 +166,10 @@ def memory_scope():
     # Never let a pool die: library workspaces (cuBLAS keeps one per stream for the process's life)
     # may have been carved from it, and freeing a pool with live blocks aborts the process.
     _POOLS.append(pool)
-    device = torch.cuda.current_device()
 
     @contextlib.contextmanager
     def scope():
-        if torch.cuda.current_device() != device:  # a thread of the launcher's warm-up: its device is its own
-            torch.cuda.set_device(device)
-        with torch.cuda.use_mem_pool(pool, device):
+        with torch.cuda.use_mem_pool(pool):
             yield
 
     scope.pool = pool
