@@ -163,6 +163,46 @@ def load_phases(launcher) -> dict[str, float]:
     return out
 
 
+class _Warming:
+    """The launcher's warm-up of engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where
+    cuDNN plans its convolutions and kernels load): each stream's engines on that stream, in a thread of that
+    stream's own, in the order they load, while the launcher goes on loading the next ones.  That first call is
+    mostly work inside torch's operators, which let go of the interpreter lock, so it overlaps the loads (Python)
+    and the other streams' warm-up; and each library sets up its per-stream state for the streams the capture
+    records on.  The threads allocate outside the launcher's memory pool (torch lets one thread at a time record
+    into a pool, and the loads do): their temporaries come from torch's own cache; the capture's still come
+    from the pool."""
+
+    def __init__(self, launcher: "GpuLauncher"):
+        from concurrent.futures import ThreadPoolExecutor
+
+        self.launcher = launcher
+        self.pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"parastream-warm-{s}")
+                      for s in range(max(1, len(launcher.streams)))}
+        self.futures: list = []
+        self.t0 = time.perf_counter()
+
+    def submit(self, branch, engine) -> None:
+        la = self.launcher
+        s = 0 if la.single_stream else branch.stream
+        handle = la._h(la.streams[s] if la.streams else la.origin)
+        self.futures.append(self.pools[s].submit(engine.warm, handle))
+
+    def wait(self) -> float:
+        """Seconds from the first load to the last warm-up's end; raises the first warm-up error."""
+        try:
+            for f in self.futures:
+                f.result()
+        finally:
+            self.abandon()
+        return time.perf_counter() - self.t0
+
+    def abandon(self) -> None:
+        """A load failed: the warm-ups not begun are dropped, the running ones end, nothing is raised."""
+        for p in self.pools.values():
+            p.shutdown(wait=True, cancel_futures=True)
+
+
 class GpuLauncher:
     """Runs a bundle's plan on one GPU: multi-stream, captured as one CUDA Graph (``graph=False``: direct launches).
 
@@ -210,48 +250,9 @@ class GpuLauncher:
         opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(built.get("compile", True)),
                             optimization_level=int(built.get("optimization_level", 3)),  # 5: torch max-autotune
                             fuse_conv_relu=fuse_conv_relu)
-        t0 = time.perf_counter()
-        fresh = engines is None
-        if engines is None:
-            engines = []
-            takes = inspect.signature(backend.load).parameters
-            takes_layout = "internal_nhwc" in takes
-            with self._memory():
-                for b in plan.branches:
-                    if b.id in self.elided:
-                        engines.append(None)
-                        continue
-                    ins = [self.specs[t] for t in b.inputs]
-                    outs = [self.specs[t] for t in b.outputs]
-                    kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
-                    if "warm" in takes:  # warmed below, each stream's engines in a thread of their own
-                        kw["warm"] = False
-                    if channel_views:
-                        kw["channel_views"] = branch_views[b.id]
-                    try:
-                        engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
-                    except ParastreamError as e:  # e.g. an engine compiled for another GPU: name the file
-                        raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None
-        else:
-            for b, e in zip(plan.branches, engines):
-                if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):
-                    raise ParastreamError(f"{b.name}: the shared engines were loaded for another memory layout "
-                                          "(share engines only between launchers with the same concat_in_place)")
-        self.engines = engines
-        self.load_s = time.perf_counter() - t0
-
-        # one arena for all boundary tensors (or, for a bucket of a dynamic-batch bundle, the buckets' shared one)
-        self.offsets, total = arena_offsets(self.specs, self.views)
-        self._shared = shared
-        if shared is not None and total > shared.nbytes:
-            raise ParastreamError(f"{bundle.path}: needs an arena of {total} bytes, the shared one has {shared.nbytes}")
-        self._arena = shared.arena if shared is not None else cuda.malloc(total)
-        self.arena_device = cuda.get_device()  # where cudaMalloc put it: the current device, not necessarily 0
-        self.arena_bytes = total
-        self.addr = {n: self._arena + off for n, off in self.offsets.items()}
-        self._branch_addrs = [{t: self.addr[t] for t in b.inputs + b.outputs} for b in plan.branches]
-
         # streams and events (buckets sharing an arena share the origin: their replays never overlap)
+        t0 = time.perf_counter()
+        self._shared = shared
         self.origin = shared.origin if shared is not None else cuda.stream_create()
         n_streams = 0 if self.single_stream else plan.num_streams
         self.streams = [cuda.stream_create() for _ in range(n_streams)]
@@ -260,11 +261,58 @@ class GpuLauncher:
         self._recorders = sorted(plan.recorders()) if not self.single_stream else []
         self._events = {b: cuda.event_create() for b in self._recorders}
         self._producer_event = cuda.event_create()
+        self.warm_s = 0.0
+        if engines is None:
+            engines = []
+            takes = inspect.signature(backend.load).parameters
+            takes_layout = "internal_nhwc" in takes
+            warming = _Warming(self) if "warm" in takes else None
+            try:
+                with self._memory():
+                    for b in plan.branches:
+                        if b.id in self.elided:
+                            engines.append(None)
+                            continue
+                        ins = [self.specs[t] for t in b.inputs]
+                        outs = [self.specs[t] for t in b.outputs]
+                        kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
+                        if warming is not None:  # warmed by its stream's thread while the next ones load
+                            kw["warm"] = False
+                        if channel_views:
+                            kw["channel_views"] = branch_views[b.id]
+                        try:
+                            engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
+                        except ParastreamError as e:  # e.g. an engine compiled for another GPU: name the file
+                            raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None
+                        if warming is not None:
+                            warming.submit(b, engines[-1])
+            except BaseException:
+                if warming is not None:
+                    warming.abandon()
+                self._destroy_streams()  # (close() has nothing to release until the launcher is open)
+                raise
+            self.load_s = time.perf_counter() - t0
+            if warming is not None:
+                self.warm_s = warming.wait()  # the first engine's error, if any, is raised here
+        else:
+            for b, e in zip(plan.branches, engines):
+                if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):
+                    raise ParastreamError(f"{b.name}: the shared engines were loaded for another memory layout "
+                                          "(share engines only between launchers with the same concat_in_place)")
+            self.load_s = 0.0
+        self.engines = engines
+
+        # one arena for all boundary tensors (or, for a bucket of a dynamic-batch bundle, the buckets' shared one)
+        self.offsets, total = arena_offsets(self.specs, self.views)
+        if shared is not None and total > shared.nbytes:
+            raise ParastreamError(f"{bundle.path}: needs an arena of {total} bytes, the shared one has {shared.nbytes}")
+        self._arena = shared.arena if shared is not None else cuda.malloc(total)
+        self.arena_device = cuda.get_device()  # where cudaMalloc put it: the current device, not necessarily 0
+        self.arena_bytes = total
+        self.addr = {n: self._arena + off for n, off in self.offsets.items()}
+        self._branch_addrs = [{t: self.addr[t] for t in b.inputs + b.outputs} for b in plan.branches]
+
         self._closed = False
-        t1 = time.perf_counter()
-        if fresh:
-            self._warm_engines()
-        self.warm_s = time.perf_counter() - t1
 
         # pinned staging for numpy inputs and outputs
         self._host: dict[str, tuple[int, np.ndarray]] = {}
@@ -290,38 +338,6 @@ class GpuLauncher:
     # -- internals ----------------------------------------------------------------
     def _memory(self):
         return self._scope()
-
-    def _warm_engines(self) -> None:
-        """Warm the engines that were loaded unwarmed (``warm()``: torch engines' first call, where cuDNN plans its
-        convolutions and kernels load): each stream's engines in launch order, on that stream, in a thread per
-        stream.  That first call is mostly work inside torch's operators, which let go of the interpreter lock, so
-        the streams' threads overlap it on the host as their kernels will on the device; and each library sets up
-        its per-stream state for the streams the capture records on.  One stream's warm-up runs here, in the
-        launcher's memory pool; several run outside it (torch lets one thread at a time allocate into a pool):
-        their temporaries come from torch's own cache, and what the capture allocates still comes from the pool."""
-        pending = [b for b in self.plan.launch_order
-                   if self.engines[b] is not None and callable(getattr(self.engines[b], "warm", None))]
-        if not pending:
-            return
-        streams = self.streams or [self.origin]
-        groups: dict[int, list[int]] = {}
-        for bid in pending:
-            s = 0 if self.single_stream else self.plan.branches[bid].stream
-            groups.setdefault(s, []).append(bid)
-
-        def warm(item):
-            s, bids = item
-            for bid in bids:
-                self.engines[bid].warm(self._h(streams[s]))
-
-        if len(groups) == 1:
-            with self._memory():
-                warm(next(iter(groups.items())))
-            return
-        from concurrent.futures import ThreadPoolExecutor
-
-        with ThreadPoolExecutor(len(groups), thread_name_prefix="parastream-warm") as pool:
-            list(pool.map(warm, groups.items()))  # the first engine's error, if any, is raised here
 
     def _h(self, s) -> int:
         return cuda.handle(s)
@@ -550,16 +566,20 @@ class GpuLauncher:
         for g in (self._graph, self._timed_graph):
             if g is not None:
                 cuda.graph_destroy(g)
+        self._destroy_streams()
+        for ptr, _ in self._host.values():
+            cuda.free_host(ptr)
+        self._host.clear()
+        if self._shared is None:  # a shared arena belongs to its SharedArena
+            cuda.free(self._arena)
+
+    def _destroy_streams(self) -> None:
         for e in [self._fork, self._producer_event, *self._joins, *self._events.values()]:
             cuda.event_destroy(e)
         for s in self.streams:
             cuda.stream_destroy(s)
-        for ptr, _ in self._host.values():
-            cuda.free_host(ptr)
-        self._host.clear()
-        if self._shared is None:  # a shared arena and origin belong to their SharedArena
+        if self._shared is None:  # a shared origin belongs to its SharedArena
             cuda.stream_destroy(self.origin)
-            cuda.free(self._arena)
 
     def __enter__(self):
         return self

@@ -1459,6 +1459,9 @@ class TorchEngine:
         self._shapes = str([t[1:] for t in sig])  # the tensors' dtypes, shapes and layouts; their names do not matter
         self._device_index = torch.cuda.current_device() if device == "cuda" else -1
         self.warmed = device != "cuda"
+        art = getattr(self._runner, "artifact", None)
+        if art is not None and not hasattr(art, "_parastream_warm_lock"):  # (made here, in the loading thread)
+            art._parastream_warm_lock = threading.Lock()
         if warm and device == "cuda":
             self.warm()
         self.load_s = time.perf_counter() - t0
@@ -1472,19 +1475,21 @@ class TorchEngine:
         if self.warmed:
             return
         art = getattr(self._runner, "artifact", None)
-        if art is not None and getattr(art, "_parastream_warmed", None) == self._shapes:
-            # an artifact this process has run already for these tensors (branches of one structure, the
-            # search's candidates reloading unchanged branches): its kernels are loaded, nothing to warm
-            self.phases["warm"] = 0.0
-        else:
-            if torch.cuda.current_device() != self._device_index:  # a thread's device is its own
-                torch.cuda.set_device(self._device_index)
-            stream = self._stream(stream_handle) if stream_handle else torch.cuda.current_stream()
-            with torch.cuda.stream(stream):
-                self._warm(stream)
-            self.phases["warm"] = self.compile_s
-            if art is not None:
-                art._parastream_warmed = self._shapes
+        # engines that share an artifact, warmed by two streams' threads: one runs it, the other finds it run
+        with getattr(art, "_parastream_warm_lock", None) or contextlib.nullcontext():
+            if art is not None and getattr(art, "_parastream_warmed", None) == self._shapes:
+                # an artifact this process has run already for these tensors (branches of one structure, the
+                # search's candidates reloading unchanged branches): its kernels are loaded, nothing to warm
+                self.phases["warm"] = 0.0
+            else:
+                if torch.cuda.current_device() != self._device_index:  # a thread's device is its own
+                    torch.cuda.set_device(self._device_index)
+                stream = self._stream(stream_handle) if stream_handle else torch.cuda.current_stream()
+                with torch.cuda.stream(stream):
+                    self._warm(stream)
+                self.phases["warm"] = self.compile_s
+                if art is not None:
+                    art._parastream_warmed = self._shapes
         self.warmed = True
 
     def _stream(self, stream_handle: int):

@@ -74,6 +74,24 @@ def _host_tensor(name, arr):
     return pb_utils.Tensor(name, arr)
 
 
+def _import_torch_in_background():
+    """A GPU instance needs torch (the launcher's engines; DLPack for tensors in GPU memory), and its import is the
+    longest part of the instance's start (1.6-2 s on an H100 host): it starts first, in a thread, and runs while
+    parastream is imported and the bundle checked; the ``import torch`` after waits for it rather than starting
+    again (Python's per-module import lock).  A failure is left to that import to report."""
+    import sys
+    import threading
+
+    def run():
+        try:
+            _torch()
+        except Exception:  # noqa: BLE001
+            pass
+
+    if "torch" not in sys.modules:
+        threading.Thread(target=run, name="parastream-model-import-torch", daemon=True).start()
+
+
 def _process_age():
     """Seconds since this process (the backend's stub) started, from /proc (None elsewhere): the stub's own start
     and its import of this file come before initialize, and the log line says how long the whole took."""
@@ -90,12 +108,14 @@ def _process_age():
 class TritonPythonModel:
     def initialize(self, args):
         t0 = time.perf_counter()
+        kind_gpu = args.get("model_instance_kind", "CPU") == "GPU"
+        if kind_gpu:
+            _import_torch_in_background()
         from parastream.launcher import load
         from parastream.launcher.bundle import Bundle, inside
 
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        kind_gpu = args.get("model_instance_kind", "CPU") == "GPU"
         device = int(args.get("model_instance_device_id", 0) or 0)
         # the bundle lies inside the version folder, and each of its files inside it (hashes checked); a GPU
         # instance's open also starts torch's import and the device's CUDA context, in threads, beside the hashes

@@ -467,9 +467,9 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
 
 @pytest.mark.gpu
 def test_the_launcher_warms_each_stream_s_engines_on_that_stream_in_a_thread_of_its_own(gpu_bundle, monkeypatch):
-    """The GPU launcher loads its torch engines unwarmed and warms them itself: every engine once, on its branch's
-    stream, each stream's engines in launch order in one thread, the streams' threads side by side; then it
-    captures, and the replay matches onnxruntime."""
+    """The GPU launcher loads its torch engines unwarmed and warms them while it loads the next: every engine
+    once, on its branch's stream, each stream's engines in load order in a thread of that stream's, the threads
+    side by side; then it captures, and the replay matches onnxruntime."""
     import threading
 
     from parastream.launcher.gpu import GpuLauncher
@@ -495,9 +495,9 @@ def test_the_launcher_warms_each_stream_s_engines_on_that_stream_in_a_thread_of_
             by_thread.setdefault(thread, []).append(b)
         streams_used = {plan.branches[b].stream for b in engines.values()}
         assert len(by_thread) == len(streams_used) > 1
-        for bids in by_thread.values():
-            assert len({plan.branches[b].stream for b in bids}) == 1
-            assert bids == [b for b in plan.launch_order if b in bids]  # in launch order
+        for thread, bids in by_thread.items():
+            assert thread.startswith("parastream-warm-") and len({plan.branches[b].stream for b in bids}) == 1
+            assert bids == sorted(bids)  # in load order
         x = np.random.default_rng(8).standard_normal(plan.inputs[0].shape).astype(np.float32)
         y = la({plan.inputs[0].name: x})[plan.outputs[0].name]
         assert scaled_error(folder, bundle, x, y) < 2e-2
