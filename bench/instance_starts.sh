@@ -17,7 +17,7 @@ use() {  # which code /tmp/ns/parastream (what the stubs and this shell's Python
 }
 starts() {
     python3 bench/triton_gpu.py --models inception_v4 --protocols http --starts "$1" --tag "$2" --out "$out" ${3:-} \
-        2>&1 | grep -v "^W\|^I" | tail -n 12
+        2>&1 | grep -E '^\[\{"model"|Error' | cut -c1-600 | tail -n 6
 }
 use "$PWD";          starts 3 after1
 use "$PWD/.before";  starts 3 before --reuse
