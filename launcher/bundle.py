@@ -57,8 +57,9 @@ class Bundle:
         ``prepare_load(manifest, report)`` starts what they will need (the torch backend: torch's import and, for
         Inductor's own artifacts, its runtime imports, in threads) before the hashes are checked, and a GPU bundle
         loaded on ``device`` has that device's CUDA context created meanwhile (``cuda.initialize_in_background``).
-        A load reads the engines, not model.onnx: its external-data check is left to ``model_path``, the way
-        every reader of it takes (a parse that held the interpreter for 0.2-0.4 s of an Inception-v4's load).
+        A load reads the engines, not model.onnx: its checks (hash, external data) are left to ``model_path``,
+        the way every reader of it takes (for an Inception-v4, 170 of the bundle's 412 MB hashed, and a parse
+        that held the interpreter for 0.2-0.4 s, while torch was being imported).
         """
         path = Path(path)
         if not path.is_dir():
@@ -113,21 +114,24 @@ class Bundle:
             # beside the hashes rather than after them; a hash that differs is still the error named first
             from concurrent.futures import ThreadPoolExecutor
 
-            onnx_files = [rel for rel in files if rel.endswith(".onnx") and not (loading and rel == "model.onnx")]
+            later = ("model.onnx",) if loading else ()
+            onnx_files = [rel for rel in files if rel.endswith(".onnx") and rel not in later]
             with ThreadPoolExecutor(1, thread_name_prefix="parastream-onnx-check") as pool:
                 external = pool.submit(_check_no_external_data, path, onnx_files)
-                bundle.check_hashes()
+                bundle.check_hashes(skip=later)
                 external.result()
             bundle._model_checked = not loading
         return bundle
 
-    def check_hashes(self) -> None:
-        """Compare every file the manifest lists with its sha256, several files at a time: hashlib and file reads
-        let go of the interpreter lock for large pieces, so threads hash in parallel (a 412 MB Inception-v4 bundle,
-        model.onnx and 52 engine files: 0.8 s in one thread on the H100 host).  The first file in the manifest's
-        order that differs is the one named, whichever thread found it."""
+    def check_hashes(self, skip: tuple[str, ...] = ()) -> None:
+        """Compare every file the manifest lists (but ``skip``) with its sha256, several files at a time: hashlib
+        and file reads let go of the interpreter lock for large pieces, so threads hash in parallel (a 412 MB
+        Inception-v4 bundle, model.onnx and 52 engine files: 0.8 s in one thread on the H100 host).  The first
+        file in the manifest's order that differs is the one named, whichever thread found it."""
         files = []
         for rel, digest in self.manifest.get("files", {}).items():
+            if rel in skip:
+                continue
             f = inside(self.path, rel, "manifest.json")
             if not f.is_file():
                 raise ParastreamError(f"{self.path / rel}: listed in manifest.json but missing; rebuild the bundle")
@@ -172,11 +176,15 @@ class Bundle:
 
     @property
     def model_path(self) -> Path:
-        """model.onnx, checked for external data on first use when the open left that to its readers (``loading``)."""
+        """model.onnx, its sha256 and external data checked on first use where the open left that to its readers
+        (``loading``)."""
+        path = self.path / "model.onnx"
         if not getattr(self, "_model_checked", True):
+            if sha256_file(path) != self.manifest["files"].get("model.onnx"):
+                raise ParastreamError(f"{path}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
             _check_no_external_data(self.path, ["model.onnx"])
             self._model_checked = True
-        return self.path / "model.onnx"
+        return path
 
     def engine_path(self, branch: Branch) -> Path:
         return inside(self.path, branch.engine, f"plan.json ({branch.name})")

@@ -133,9 +133,9 @@ def test_engine_with_external_data(bundle, tmp_path, capsys):
 
 
 def test_model_onnx_with_external_data_is_refused_by_its_readers_not_by_a_load(bundle, tmp_path, capsys):
-    """model.onnx naming an external file: a plain open and ``model_path`` (what its readers take) refuse it; a
-    load (``Bundle.open(loading=True)``, ``run``) reads the engines alone and leaves the check to model.onnx's
-    readers, so it runs and reads nothing outside the bundle."""
+    """model.onnx naming an external file, or changed: a plain open and ``model_path`` (what its readers take)
+    refuse it; a load (``Bundle.open(loading=True)``, ``run``) reads the engines alone and leaves model.onnx's
+    checks to its readers, so it runs and reads nothing outside the bundle."""
     m = onnx.load(str(bundle / "model.onnx"))
     (tmp_path / "w.bin").write_bytes(os.urandom(4096))
     t = m.graph.initializer[0]
@@ -150,6 +150,10 @@ def test_model_onnx_with_external_data_is_refused_by_its_readers_not_by_a_load(b
     opened = Bundle.open(bundle, loading=True)
     with pytest.raises(ParastreamError, match="model.onnx: tensor .* external file"):
         opened.model_path
+    with open(bundle / "model.onnx", "ab") as f:  # tampered after the open: its reader hashes it
+        f.write(b"\0")
+    with pytest.raises(ParastreamError, match="model.onnx: sha256 differs"):
+        Bundle.open(bundle, loading=True).model_path
     x = tmp_path / "x.npy"
     np.save(x, np.zeros((1, 4, 8, 8), np.float32))
     assert main(["run", str(bundle), "--input", f"input={x}", "--output-dir", str(tmp_path / "res")]) == 0

@@ -92,6 +92,20 @@ def _import_torch_in_background():
         threading.Thread(target=run, name="parastream-model-import-torch", daemon=True).start()
 
 
+def _gpu_bundle_beside() -> bool:
+    """Whether the bundle in this version folder (export-triton's folder name) was built for the GPU."""
+    try:
+        manifest = json.loads((Path(__file__).resolve().parent / "bundle" / "manifest.json").read_text())
+        return str(manifest.get("device", "")).startswith("cuda")
+    except (OSError, ValueError, AttributeError):  # another folder (initialize reads the config), or none
+        return False
+
+
+# a GPU bundle needs torch in any instance: its import starts as the stub imports this file, before initialize
+if _gpu_bundle_beside():
+    _import_torch_in_background()
+
+
 def _process_age():
     """Seconds since this process (the backend's stub) started, from /proc (None elsewhere): the stub's own start
     and its import of this file come before initialize, and the log line says how long the whole took."""

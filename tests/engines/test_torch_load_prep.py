@@ -54,7 +54,7 @@ def test_bundle_open_for_loading_prepares_the_backend_before_it_hashes_the_files
     monkeypatch.setattr(ort, "prepare_load", lambda manifest, report: order.append(("prepare", manifest["backend"])),
                         raising=False)
     real = Bundle.check_hashes
-    monkeypatch.setattr(Bundle, "check_hashes", lambda self: order.append(("hashes",)) or real(self))
+    monkeypatch.setattr(Bundle, "check_hashes", lambda self, **kw: order.append(("hashes",)) or real(self, **kw))
     Bundle.open(bundle.path)
     assert order == [("hashes",)]
     order.clear()
