@@ -25,5 +25,5 @@ use "$PWD";          starts 3 after2 --reuse
 PARASTREAM_BEFORE=/tmp/ns_before timeout 120 python3 bench/instance_load.py /tmp/triton_gpu_work/inception_v4.bundle \
     --reps 3 --variants now,before --out "$out" | grep -E "^SUMMARY|error"
 if [ $# -gt 0 ]; then
-    timeout 270 python3 -m pytest -q -x -p no:cacheprovider "$@" 2>&1 | tail -n 25
+    timeout 280 python3 -m pytest -q --maxfail=3 -p no:cacheprovider "$@" 2>&1 | tail -n 25
 fi

@@ -195,3 +195,38 @@ def test_a_bucketed_bundle_gets_each_group_s_own_rows_unpadded(tmp_path, pb_util
         assert _max_rel(got, ort_reference(original, {"input": x})["output"]) <= 1e-5
     model.runner = runner
     model.finalize()
+
+
+def test_model_py_starts_torch_s_import_as_the_stub_imports_it_for_a_gpu_bundle(bundles, tmp_path):
+    """Importing model.py (what the stub does before initialize) starts torch's import in a thread when the bundle
+    beside it was built for the GPU, and does nothing for a CPU bundle (a fresh process each, without torch)."""
+    import json
+    import subprocess
+    import sys
+    import textwrap
+    from pathlib import Path
+
+    pytest.importorskip("torch")
+    model_dir = export_triton(bundles["three"][0], tmp_path / "repo", name="m")
+    here = Path(__file__).resolve().parent
+    script = textwrap.dedent(f"""
+        import sys, threading
+        sys.path.insert(0, {str(here)!r})
+        from triton_helpers import load_model_py
+        assert "torch" not in sys.modules
+        load_model_py({str(model_dir)!r})
+        started = [t for t in threading.enumerate() if t.name == "parastream-model-import-torch"]
+        for t in started:
+            t.join(300)
+        print(len(started), "torch" in sys.modules)
+    """)
+
+    def run():
+        p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+        assert p.returncode == 0, p.stderr[-2000:]
+        return p.stdout.split()[-2:]
+
+    assert run() == ["0", "False"]  # an onnxruntime bundle built for the CPU
+    manifest = model_dir / "1" / "bundle" / "manifest.json"  # (manifest.json lists the hashes, it is not hashed)
+    manifest.write_text(json.dumps(dict(json.loads(manifest.read_text()), device="cuda: NVIDIA H100 80GB HBM3")))
+    assert run() == ["1", "True"]
