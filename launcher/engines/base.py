@@ -19,10 +19,12 @@ launcher, and the work is queued on the given CUDA stream.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 import numpy as np
-import onnx
+
+if TYPE_CHECKING:  # (a load imports no onnx: its import would hold the interpreter while torch's runs)
+    import onnx
 
 from ..plan import TensorSpec
 

@@ -66,14 +66,16 @@ import weakref
 import zipfile
 from collections import OrderedDict
 from pathlib import Path
-from typing import Callable
+from typing import TYPE_CHECKING, Callable
 
 import numpy as np
-import onnx
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import BuildOptions
+
+if TYPE_CHECKING:
+    import onnx
 
 name = "torch"
 suffix = ".zip"  # engine.json + branch.onnx (+ kernels.zip or inductor.bin, and weights.bin; or aoti.pt2): module docstring
@@ -285,6 +287,7 @@ def unpack(data: bytes) -> tuple[dict, bytes, bytes | None]:
 
 def _branch_model(onnx_bytes: bytes) -> onnx.ModelProto:
     """An engine's branch.onnx; refused if a tensor names an external data file (a bundle's paths stay in it)."""
+    import onnx
     from onnx.external_data_helper import _get_all_tensors, uses_external_data
 
     model = onnx.load_from_string(onnx_bytes)
@@ -688,6 +691,8 @@ def _compile_job(job: tuple) -> bytes:
     whole-model engine: most of a minute, its ~100 Triton kernels compiled one after another).  Its worker compiles
     its kernels in Inductor's own compile pool (``compile_threads``) instead; the pool stays for that worker's
     later jobs.  Small branches keep one thread: the workers are their parallelism."""
+    import onnx
+
     artifact, branch_bytes, inputs, outputs, device, dtype, nhwc, views, options = job
     branch = onnx.load_from_string(branch_bytes)
     if device == "cuda" and len(branch.graph.node) >= LARGE_BRANCH_NODES and large_compile_threads() > 1:
@@ -720,6 +725,8 @@ def structure_key(branch: onnx.ModelProto, signature: list) -> str:
     branches that differ only in names and weights, which Inductor compiles to one graph (the weights are
     graph inputs).  It only groups compile jobs (which process compiles what, in which order), never decides
     what a job compiles."""
+    import onnx
+
     canon = onnx.ModelProto()
     canon.CopyFrom(branch)
     g = canon.graph
@@ -1237,6 +1244,8 @@ def prepare_load(manifest: dict, report: dict | None = None) -> None:
 def _work(todo: dict[str, tuple], keys: list[str]) -> float:
     """A group's compile work, to start the longest first: its first branch's nodes (the rest of a group are mostly
     Inductor cache hits in the same worker)."""
+    import onnx
+
     n = _NODES.get(keys[0])
     if n is None:
         n = len(onnx.load_from_string(todo[keys[0]][1]).graph.node)

@@ -146,3 +146,16 @@ def test_the_context_thread_runs_once_per_device_and_leaves_errors_to_the_load(m
     assert not cuda.CONTEXT_THREADS[3].is_alive()
     t0, t1 = cuda.CONTEXT_TIMES[3]
     assert t1 >= t0
+
+
+def test_the_gpu_load_path_imports_no_onnx():
+    """What a GPU load imports (the launcher, the bundle, the torch backend and its kernels loader) leaves onnx
+    out: its import would hold the interpreter while torch's runs beside the hashes (model.py, launcher.load)."""
+    import subprocess
+    import sys
+
+    script = ("import sys; import parastream.launcher, parastream.launcher.gpu, parastream.launcher.engines.torch, "
+              "parastream.launcher.engines.inductor_kernels; print(sorted(m for m in sys.modules if m.split('.')[0] == 'onnx'))")
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr[-2000:]
+    assert p.stdout.strip() == "[]"
