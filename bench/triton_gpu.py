@@ -193,10 +193,19 @@ def wait_ready(server, name: str, timeout: float) -> None:
     raise RuntimeError(f"model {name} not ready after {timeout:.0f} s; server log:\n{server.log_tail(60)}")
 
 
-def run_model(name: str, args, work: Path, res: dict) -> dict:
-    """Fill ``res`` (the caller keeps what was filled when this raises: the server's log above all)."""
+def start_ready(server: TritonServer, name: str, timeout: float) -> float:
+    """Start the server and wait until the model is ready: the seconds it took."""
+    t0 = time.perf_counter()
+    server.start(timeout=timeout)
+    wait_ready(server, name, timeout)
+    return time.perf_counter() - t0
+
+
+def prepared(name: str, args, work: Path, res: dict):
+    """The model exported (or, with ``--reuse``, the ONNX an earlier run left), its onnxruntime outputs and its
+    bundle built (``--reuse``: the bundle an earlier run built): (bundle, feeds, reference outputs)."""
+    from parastream.launcher.bundle import Bundle
     from parastream.pipeline import build
-    from parastream.pipeline.triton import export_triton
 
     model, inputs = make_model(name)
     onnx_path = work / f"{name}.onnx"
@@ -204,18 +213,23 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
         export(model, inputs, onnx_path)
     feeds = {k: v.numpy() for k, v in inputs.items()}
     ref = ort_reference(onnx_path, feeds)
-    outputs = list(ref)
-
     t0 = time.perf_counter()
     if args.reuse and (work / f"{name}.bundle" / "manifest.json").exists():  # a bundle this script built before
-        from parastream.launcher.bundle import Bundle
-
         bundle = Bundle.open(work / f"{name}.bundle")
         res["reused_bundle"] = True
     else:
         bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
-    res["build_s"] = time.perf_counter() - t0
+        res["build_s"] = time.perf_counter() - t0
     res["plan"] = {"streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches)}
+    return bundle, feeds, ref
+
+
+def run_model(name: str, args, work: Path, res: dict) -> dict:
+    """Fill ``res`` (the caller keeps what was filled when this raises: the server's log above all)."""
+    from parastream.pipeline.triton import export_triton
+
+    bundle, feeds, ref = prepared(name, args, work, res)
+    outputs = list(ref)
 
     res["in_process"], la_out = in_process(bundle.path, feeds, args.requests)
     res["launcher_vs_ort"] = {o: max_err(la_out[o], ref[o]) for o in outputs}
@@ -224,12 +238,9 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
     export_triton(bundle, repo, name=name, instances=args.instances, force=True)
     res["config"] = (repo / name / "config.pbtxt").read_text()
     checks, timing = {}, {}
-    t0 = time.perf_counter()
     server = TritonServer(repo, work / f"{name}.server")
     try:
-        server.start(timeout=args.start_timeout)
-        wait_ready(server, name, args.start_timeout)
-        res["server_start_s"] = time.perf_counter() - t0
+        res["server_start_s"] = start_ready(server, name, args.start_timeout)
         # each instance's model.py initialize, as it logs it (the stub's start and imports before it are not in it)
         res["initialize_s"] = [float(x) for x in re.findall(rf"parastream: {re.escape(name)}\S* ready in ([\d.]+) s",
                                                              server.log())]
@@ -280,36 +291,18 @@ def instance_starts(name: str, args, work: Path, res: dict) -> dict:
     """``--starts N``: the model's bundle served N times, each by a new server (a new stub process: a Triton
     instance start as a deployment sees it), one HTTP request checked against onnxruntime each time; what each
     start's model.py logged (initialize, when torch was ready, the load and capture, the stub process's age)."""
-    from parastream.launcher.bundle import Bundle
-    from parastream.pipeline import build
     from parastream.pipeline.triton import export_triton
 
-    model, inputs = make_model(name)
-    onnx_path = work / f"{name}.onnx"
-    if not (args.reuse and onnx_path.exists()):
-        export(model, inputs, onnx_path)
-    feeds = {k: v.numpy() for k, v in inputs.items()}
-    ref = ort_reference(onnx_path, feeds)
+    bundle, feeds, ref = prepared(name, args, work, res)
     outputs = list(ref)
-    if args.reuse and (work / f"{name}.bundle" / "manifest.json").exists():
-        bundle = Bundle.open(work / f"{name}.bundle")
-        res["reused_bundle"] = True
-    else:
-        t0 = time.perf_counter()
-        bundle = build(onnx_path, work / f"{name}.bundle", backend="torch", precision="fp16", search=args.search, force=True)
-        res["build_s"] = time.perf_counter() - t0
-    res["plan"] = {"streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches)}
     repo = work / f"{name}.repo.{os.getpid()}"
     export_triton(bundle, repo, name=name, instances=args.instances, force=True)
     res["starts"] = []
     for i in range(args.starts):
         start: dict = {}
-        t0 = time.perf_counter()
         server = TritonServer(repo, work / f"{name}.server{i}")
         try:
-            server.start(timeout=args.start_timeout)
-            wait_ready(server, name, args.start_timeout)
-            start["server_start_to_ready_s"] = time.perf_counter() - t0
+            start["server_start_to_ready_s"] = start_ready(server, name, args.start_timeout)
             client = client_of(server, "http")
             try:
                 got = infer(client, "http", name, make_inputs("http", feeds), outputs)
