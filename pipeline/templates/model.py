@@ -163,8 +163,8 @@ class TritonPythonModel:
         self.plan = self.runner.plan
         self.batch = self.plan.inputs[0].shape[0] if self.max_batch > 0 else 0
         self.bucketed = bool(bundle.manifest.get("buckets"))  # then a group is run with its own rows, unpadded
-        # how long this instance took to be ready, in the server's log (the stub's own start and its import of
-        # this file come before; everything parastream does is here)
+        # how long this instance took to be ready, in the server's log: initialize (the stub's own start and its
+        # import of this file come before, and for a GPU bundle torch's import begins there), and the stub's age
         self.initialize_s = time.perf_counter() - t0
         started = _process_age()
         logger = getattr(pb_utils, "Logger", None)

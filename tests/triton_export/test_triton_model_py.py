@@ -3,6 +3,8 @@ CPU with onnxruntime bundles, against ONNX Runtime on the original model (max re
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 from triton_helpers import initialize_args, load_model_py, model_config_or_skip
@@ -59,6 +61,8 @@ def test_initialize_logs_how_long_the_instance_took_to_be_ready(bundles, tmp_pat
     assert len(ready) == 1 and 0 < model.initialize_s < 600
     assert ready[0].startswith("parastream: m ready in ") and f"{model.initialize_s:.2f} s" in ready[0]
     assert f"{len(model.plan.branches)} branches loaded" in ready[0]
+    age = re.search(r"; ([\d.]+) s since the stub process started\)$", ready[0])  # this test process's age, here
+    assert age and float(age.group(1)) >= model.initialize_s, ready[0]
 
 
 def test_two_outputs(bundles, tmp_path, pb_utils):
