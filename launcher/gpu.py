@@ -293,7 +293,11 @@ class GpuLauncher:
                 raise
             self.load_s = time.perf_counter() - t0
             if warming is not None:
-                self.warm_s = warming.wait()  # the first engine's error, if any, is raised here
+                try:
+                    self.warm_s = warming.wait()  # the first engine's error, if any, is raised here
+                except BaseException:
+                    self._destroy_streams()
+                    raise
         else:
             for b, e in zip(plan.branches, engines):
                 if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):
