@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import ModuleType
 
@@ -44,6 +44,8 @@ class Bundle:
     manifest: dict
     plan: Plan
     report: dict
+    #: False while model.onnx's hash and external-data check wait for its first reader (``model_path``)
+    _model_checked: bool = field(default=True, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | Path, *, check_hashes: bool = True, loading: bool = False,
@@ -179,7 +181,7 @@ class Bundle:
         """model.onnx, its sha256 and external data checked on first use where the open left that to its readers
         (``loading``)."""
         path = self.path / "model.onnx"
-        if not getattr(self, "_model_checked", True):
+        if not self._model_checked:
             if sha256_file(path) != self.manifest["files"].get("model.onnx"):
                 raise ParastreamError(f"{path}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
             _check_no_external_data(self.path, ["model.onnx"])

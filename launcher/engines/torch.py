@@ -1497,8 +1497,16 @@ class TorchEngine:
                 if torch.cuda.current_device() != self._device_index:  # a thread's device is its own
                     torch.cuda.set_device(self._device_index)
                 stream = self._stream(stream_handle) if stream_handle else torch.cuda.current_stream()
-                with torch.cuda.stream(stream):
-                    self._warm(stream)
+                t0 = time.perf_counter()
+                # a "kernels" engine has nothing left to compile or autotune: one call makes cuDNN and cuBLAS set
+                # up what its capture will replay; the other kinds run twice (the first may still compile or autotune)
+                calls = 1 if self.meta.get("compiled") == "kernels" else 2
+                with torch.cuda.stream(stream), torch.no_grad(), _first_call_unchecked(self.meta.get("compiled") == "inductor"):
+                    args = self._args()
+                    for _ in range(calls):
+                        self._fn(*args)
+                stream.synchronize()
+                self.compile_s = time.perf_counter() - t0
                 self.phases["warm"] = self.compile_s
                 if art is not None:
                     art._parastream_warmed = self._shapes
@@ -1541,20 +1549,6 @@ class TorchEngine:
     def _args(self, fill: bool = True) -> list:
         return [_tensor(t, t.name in self.nhwc, self.channel_views.get(t.name), self.device, fill=fill)
                 for t in self.inputs + self.outputs]
-
-    def _warm(self, stream) -> None:
-        import torch
-
-        t0 = time.perf_counter()
-        args = self._args()
-        # a "kernels" engine has nothing left to compile or autotune: one call makes cuDNN and cuBLAS set up
-        # what its capture will replay; the other kinds run twice (the first may still compile or autotune)
-        calls = 1 if self.meta.get("compiled") == "kernels" else 2
-        with torch.no_grad(), _first_call_unchecked(self.meta.get("compiled") == "inductor"):
-            for _ in range(calls):
-                self._fn(*args)
-        stream.synchronize()
-        self.compile_s = time.perf_counter() - t0
 
     # -- GPU ---------------------------------------------------------------
     def enqueue(self, stream_handle: int, addresses: dict[str, int]) -> None:
