@@ -4,6 +4,7 @@ file outside it -- even when the attacker re-hashed manifest.json."""
 
 from __future__ import annotations
 
+import itertools
 import json
 import os
 import shutil
@@ -227,7 +228,18 @@ def test_hashes_checked_in_parallel_name_the_first_modified_file(bundle, monkeyp
 
     threads = set()
     real = bundle_mod.sha256_file
-    monkeypatch.setattr(bundle_mod, "sha256_file", lambda f: threads.add(threading.current_thread().name) or real(f))
+    # the first two hashes wait for each other: they must run on two threads at once (a busy machine could
+    # otherwise let one thread take every file before the second starts)
+    meet = threading.Barrier(2, timeout=60)
+    order = itertools.count()
+
+    def hashed(f):
+        threads.add(threading.current_thread().name)
+        if next(order) < 2:  # (next() on a count is atomic)
+            meet.wait()
+        return real(f)
+
+    monkeypatch.setattr(bundle_mod, "sha256_file", hashed)
     Bundle.open(bundle)
     files = list(json.loads((bundle / "manifest.json").read_text())["files"])
     assert len(files) >= 4 and all(t.startswith("parastream-hash") for t in threads) and len(threads) >= 2
