@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Dynamic batch on the H100 (issue 14): CUDA Graphs per batch bucket against one graph padded to MAX.
+"""Dynamic batch on the GPU: CUDA Graphs per batch bucket against one graph padded to MAX.
 
 Run on the device machine from the repository root, after ``source bench/device_env.sh``, one model per call
 (each fits in a 10-minute call; the builds dominate):

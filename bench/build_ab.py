@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""CPU build time of several parastream trees on the same models, alternating (issue 16).
+"""CPU build time of several parastream trees on the same models, alternating: is a change faster?
 
 Each VARIANT is NAME=DIR, DIR holding a ``parastream`` package (``git archive COMMIT pipeline rewrite launcher``
 unpacked under DIR/parastream); NAME=. is the installed (editable) tree.  For every round and model the variants

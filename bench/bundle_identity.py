@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Whether two parastream trees write the same bundle for the same model, with the CPU build's timing off (issue 16).
+"""Whether two parastream trees write the same bundle for the same model, with the CPU build's timing off.
 
 ``build(model, out, backend="onnxruntime", measure=False)`` in one process per tree and model (PYTHONPATH picks the
 tree: DIR holds a ``parastream`` package, as for bench/build_ab.py); compared: the sha256 of every bundle file but

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The public-model corpus (issue 11): models nobody here wrote, exported the two ways a user would.
+"""The public-model corpus: models nobody here wrote, exported the two ways a user would.
 
 Every model is built with random weights (no downloads) from torchvision, timm or transformers
 (small configs), its BatchNorm statistics calibrated on random images (so that fp16 does not

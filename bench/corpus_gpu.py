@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The public-model corpus on the GPU (issue 11): parastream against torch.compile and its own engines on one
+"""The public-model corpus on the GPU: parastream against torch.compile and its own engines on one
 stream, many models in one device call.  Run on the device machine from the repository root after
 ``source bench/device_env.sh``:
 

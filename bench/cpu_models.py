@@ -1,6 +1,6 @@
-"""Small public-architecture stand-ins for the CPU measurements (torchvision and transformers are not importable
-on our CPU machine): PyTorch modules with the block structure of GoogLeNet, DenseNet, ResNet and a BERT-style
-encoder, random weights, exported with torch.onnx (TorchScript exporter).
+"""Small public-architecture stand-ins for the CPU measurements, for a machine without torchvision
+and transformers: PyTorch modules with the block structure of GoogLeNet, DenseNet, ResNet and a BERT-style encoder,
+random weights, exported with torch.onnx (TorchScript exporter).
 
     python bench/cpu_models.py OUT_DIR        # writes googlenet_like.onnx, densenet_like.onnx, ...
 """

@@ -3,21 +3,21 @@ Inductor cache (what a Triton instance start on a fresh machine is).
 
 Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
 
-* ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
+* ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load;
 * ``inductor``  engines/ hold Inductor precompiled artifacts (``standalone_compile`` at build,
                 ``CompiledArtifact.load`` at load; PARASTREAM_TORCH_ARTIFACT=inductor);
 * ``inductor-kernels``, ``inductor-bundled``, ``inductor-cache``  the same saved as Inductor's wrapper and
                 cubins loaded without Inductor (the default), as the compiled function
-                (``standalone_compile(aot=True)``, the default before stop 23) or as Inductor's cache entries
+                (``standalone_compile(aot=True)``, the previous default) or as Inductor's cache entries
                 (PARASTREAM_INDUCTOR_FORMAT);
 * ``aoti``      engines/ hold AOTInductor packages compiled at build for the launcher's layouts;
 * ``mega``      the jit engines after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
                 collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
                 traces every branch at load).
 
-Further steps: ``loadbase:<artifact>`` (the load as stop 21's code did it: no ``prepare_load``, the aliasing check
-on), ``importtime:<artifact>`` and ``importtimebase:<artifact>`` (a load under ``-X importtime``: the modules
-imported after it started, the slowest first), ``profile:<artifact>`` (under cProfile).  A load records when the
+Further steps: ``loadbase:<artifact>`` (the load without ``prepare_load`` and with AOTAutograd's aliasing check
+on, to measure what those two save), ``importtime:<artifact>`` and ``importtimebase:<artifact>`` (a load under
+``-X importtime``: the modules imported after it started, the slowest first), ``profile:<artifact>`` (under cProfile).  A load records when the
 threads ``prepare_load`` starts began and ended (``runtime_threads_s``, from the open).
 
 For each: the build's engine time, the load (``GpuLauncher``: engines, warm-up, capture of the whole plan into one
@@ -81,7 +81,7 @@ def child(args) -> dict:
         return cpu_build_child(args, res)
     if args.child.startswith("cpu-"):
         return cpu_child(args, res)
-    if args.baseline:  # the load of stop 21, for a before/after in one call: no prepare, the aliasing check on
+    if args.baseline:  # the load without prepare_load and with the aliasing check on: a before/after in one call
         import contextlib
 
         from parastream.launcher.engines import torch as tb
@@ -379,7 +379,7 @@ def main(argv=None) -> int:
     ap.add_argument("--search", default="off")
     ap.add_argument("--verify", default="off")
     ap.add_argument("--profile", action="store_true", help="child: the load under cProfile")
-    ap.add_argument("--baseline", action="store_true", help="child: the load as it was before stop 22")
+    ap.add_argument("--baseline", action="store_true", help="child: the load without prepare_load, the aliasing check on")
     args = ap.parse_args(argv)
     if args.child:
         res = child(args)
@@ -456,12 +456,12 @@ def main(argv=None) -> int:
         elif kind == "load" and what == "mega":
             if art.is_file():
                 step("load_mega", ["--child", "mega-load", "--bundle", str(work / "jit"), "--artifacts", str(art), *common], 20)
-        elif kind in ("importtime", "importtimebase"):  # its load (or stop 21's) again under -X importtime
+        elif kind in ("importtime", "importtimebase"):  # its load (or the baseline load) again under -X importtime
             if (work / what).is_dir():
                 base = ["--baseline"] if kind == "importtimebase" else []
                 step(f"{kind}_{what}", ["--child", "load", *base, "--bundle", str(work / what), *common], 20,
                      ("-X", "importtime"))
-        elif kind == "loadbase":  # loadbase:<artifact>: the same load as stop 21's code did it
+        elif kind == "loadbase":  # loadbase:<artifact>: the baseline load (no prepare_load, aliasing check on)
             if (work / what).is_dir():
                 step(f"loadbase_{what}", ["--child", "load", "--baseline", "--bundle", str(work / what), *common], 20)
         elif kind == "load":

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The H100 benchmark (issue 4): run on the device machine, from the repository root,
+"""The GPU benchmark behind the README's H100 table: run on the device machine, from the repository root,
 after ``source bench/device_env.sh``.
 
 For each model (torchvision Inception-v3, GoogLeNet, ResNet-50; transformers BERT-base,

@@ -1,18 +1,17 @@
 #!/usr/bin/env python3
-"""Where a GPU instance's start goes (issue 12's Triton target): fresh processes that do what Triton's model.py
-initialize does -- open the bundle for loading on device 0 (torch's import and the CUDA context in threads beside
+"""Where a GPU instance's start goes (a Triton model.py initialize; target <= 3 s): fresh processes that do what
+Triton's model.py initialize does -- open the bundle for loading on device 0 (torch's import and the CUDA context in threads beside
 the hashes), wait for torch, set the device, load the GPU launcher (engines, warm-up, capture) -- each with empty
 Inductor and Triton caches, timed from the process's start.
 
 Variants, each a few times, interleaved (so that a machine's drift falls on all of them):
   now        the code as it is;
-  serial     the launcher's warm-up in one thread (each engine still on its own stream);
   nocontext  no CUDA context made beside the hashes (torch makes it at its first call);
   before     PARASTREAM_BEFORE (a folder holding an earlier checkout's parastream package, e.g. /tmp/ns_before) on
              sys.path first: that code's load, done the way its model.py did it.
 
 Run on the device after ``source bench/device_env.sh``:
-    python3 bench/instance_load.py BUNDLE [--reps 4] [--variants now,serial,nocontext,before] [--out $OUT]
+    python3 bench/instance_load.py BUNDLE [--reps 4] [--variants now,nocontext,before] [--out $OUT]
 Prints one JSON line per child and a summary (medians per variant); writes instance_load.json to --out.
 """
 
@@ -42,18 +41,6 @@ def child(bundle_path: str, variant: str) -> dict:
         from parastream.launcher import cuda
 
         cuda.initialize_in_background = lambda device: None
-    if variant == "serial":
-        from parastream.launcher.gpu import GpuLauncher
-
-        def one_thread(self):  # the launcher's warm-up, every engine on its stream, in launch order, here
-            for bid in self.plan.launch_order:
-                e = self.engines[bid]
-                if e is not None and callable(getattr(e, "warm", None)):
-                    s = self.origin if self.single_stream else self.streams[self.plan.branches[bid].stream]
-                    with self._memory():
-                        e.warm(self._h(s))
-
-        GpuLauncher._warm_engines = one_thread
     try:
         bundle = Bundle.open(bundle_path, loading=True, device=0)
     except TypeError:  # an earlier checkout: no device argument
@@ -104,7 +91,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("bundle")
     ap.add_argument("--reps", type=int, default=4)
-    ap.add_argument("--variants", default="now,serial,nocontext,before")
+    ap.add_argument("--variants", default="now,nocontext,before")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)

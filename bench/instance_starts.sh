@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# Issue 12's Triton target, before and after in one device call: Inception-v4 (timm, fp16, batch 1) served by
+# Triton instance starts (target <= 3 s), this code against an earlier commit in one device call: Inception-v4 (timm, fp16, batch 1) served by
 # tritonserver, instance starts with this checkout's code and with an earlier one's, interleaved, then the same
 # instance start in plain processes by variant (bench/instance_load.py), then the GPU tests given as arguments.
 #

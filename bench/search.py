@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The rewrite search on every example model (issue 3): nodes and estimated cost before and after, search time.
+"""The rewrite search on every example model: nodes and estimated cost before and after, search time.
 
 Costs are the search's own objective, α·critical_path + (1 − α)·total_work on K streams, under the roofline
 cost model of an H100 SXM (no GPU needed); critical path and total work are printed too.

@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""The rewrite search as a CPU build runs it (issue 16): search seconds and CPU seconds per model, and what it found.
+"""The rewrite search as a CPU build runs it: search seconds and CPU seconds per model, and what it found.
 
 Each model is loaded as ``parastream build --backend onnxruntime`` loads it, the search runs with the "CPU" roofline
 profile on the stream count the build would give it (``plan_streams``), seed 0, default budget.  One JSON row per

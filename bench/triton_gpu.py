@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Triton on the GPU (issue 13): a torch bundle served by NVIDIA's tritonserver (nvidia-pytriton's), KIND_GPU.
+"""Triton on the GPU: a torch bundle served by NVIDIA's tritonserver (nvidia-pytriton's), KIND_GPU.
 
 Run on the device machine from the repository root after ``source bench/device_env.sh`` (with .whl/
 carrying nvidia-pytriton and the HTTP client's wheels; bench/NOTES.md says which).
@@ -22,7 +22,7 @@ For each model (bench/gpu.py's Inception-v3 and BERT-base seq 128; random weight
 Writes triton_gpu_<models>.json and .md to --out ($OUT).
 
 ``--starts N`` does only this: N instance starts of each model (a new server each), one request checked against
-onnxruntime each, and what model.py's initialize logged (issue 12's Triton target).
+onnxruntime each, and what model.py's initialize logged (an instance start; target <= 3 s).
 
 Usage: python3 bench/triton_gpu.py [--models inception_v3,bert] [--requests 300] [--seconds 5] [--out DIR]
        python3 bench/triton_gpu.py --models inception_v4 --starts 4 [--reuse] [--tag after]
