@@ -538,33 +538,45 @@ _VALUE_SHAPED = {
 _ALWAYS_DATA_DEPENDENT = {"NonZero", "NonMaxSuppression", "Unique", "Compress", "Loop"}
 
 
+def _value_sources(model: onnx.ModelProto):
+    """``sources(name)``: the graph inputs whose *values* reach tensor ``name`` (through ops that pass data on,
+    not through Shape/Size/Constant/ConstantOfShape, whose outputs depend on shapes only); empty for a tensor
+    computed from constants and shapes."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    consts = {t.name for t in model.graph.initializer}
+    inputs = {vi.name for vi in model.graph.input} - consts
+    memo: dict[str, frozenset[str]] = {}
+
+    def sources(name: str) -> frozenset[str]:
+        if name in memo:
+            return memo[name]
+        memo[name] = frozenset()  # guards cycles; a DAG has none
+        if name in inputs:
+            res = frozenset([name])
+        elif name in consts or name not in producer:
+            res = frozenset()
+        elif producer[name].op_type in ("Shape", "Size", "Constant", "ConstantOfShape"):
+            res = frozenset()
+        else:
+            res = frozenset().union(*(sources(i) for i in producer[name].input if i))
+        memo[name] = res
+        return res
+
+    return sources
+
+
+def _shaping_inputs(node: onnx.NodeProto) -> list[str]:
+    """The inputs of ``node`` whose values can set its output shape (_VALUE_SHAPED)."""
+    which = _VALUE_SHAPED.get(node.op_type) or range(len(node.input))
+    return [node.input[i] for i in which if i < len(node.input) and node.input[i]]
+
+
 def _data_dependent_node(model: onnx.ModelProto, unknown: list[tuple[onnx.NodeProto, str]]) -> onnx.NodeProto | None:
     """The first node, in graph order, whose output shape depends on the values (not only the shapes) of
     the model's inputs: a NonZero, an NMS, or a Reshape/Slice/TopK/... whose size input is computed from
     the data.  Only nodes whose outputs are unknown are considered; constants and Shape/Size outputs do
     not carry data."""
-    producer = {o: n for n in model.graph.node for o in n.output}
-    consts = {t.name for t in model.graph.initializer}
-    inputs = {vi.name for vi in model.graph.input} - consts
-    memo: dict[str, bool] = {}
-
-    def carries_data(name: str) -> bool:
-        if name in memo:
-            return memo[name]
-        memo[name] = False  # guards cycles; a DAG has none
-        if name in inputs:
-            res = True
-        elif name in consts or name not in producer:
-            res = False
-        else:
-            node = producer[name]
-            if node.op_type in ("Shape", "Size", "Constant", "ConstantOfShape"):
-                res = False
-            else:
-                res = any(i and carries_data(i) for i in node.input)
-        memo[name] = res
-        return res
-
+    sources = _value_sources(model)
     seen: set[str] = set()
     for node, _out in unknown:
         if node.name in seen:
@@ -574,10 +586,52 @@ def _data_dependent_node(model: onnx.ModelProto, unknown: list[tuple[onnx.NodePr
             continue
         if node.op_type in _ALWAYS_DATA_DEPENDENT:
             return node
-        which = _VALUE_SHAPED[node.op_type] or range(len(node.input))
-        if any(i < len(node.input) and node.input[i] and carries_data(node.input[i]) for i in which):
+        if any(sources(i) for i in _shaping_inputs(node)):
             return node
     return None
+
+
+def _quoted(names, noun: str) -> str:
+    names = list(names)
+    return f"{noun}{'s' if len(names) > 1 else ''} " + ", ".join(repr(n) for n in names)
+
+
+def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str, path: Path) -> ParastreamError:
+    """One line that says where a node whose output shape depends on input values sits: its position in the
+    graph, the graph inputs whose values it is computed from, and what depends on it (how many nodes, the
+    next ops, the outputs it reaches), so that the user can see which part of the export to leave out."""
+    nodes = list(model.graph.node)
+    k = next(i for i, n in enumerate(nodes) if n is node) + 1
+    order = [vi.name for vi in model.graph.input]
+    srcs = frozenset().union(*(_value_sources(model)(i) for i in _shaping_inputs(node)))
+    srcs = sorted(srcs, key=order.index)
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for t in n.input:
+            consumers.setdefault(t, []).append(i)
+    downstream: set[int] = set()
+    tensors, reached = list(node.output), set(node.output)
+    while tensors:
+        for i in consumers.get(tensors.pop(), []):
+            if i not in downstream:
+                downstream.add(i)
+                new = [o for o in nodes[i].output if o and o not in reached]
+                reached.update(new)
+                tensors.extend(new)
+    nexts = list(dict.fromkeys(nodes[i].op_type for o in node.output for i in consumers.get(o, [])))[:3]
+    outputs = [vi.name for vi in model.graph.output if vi.name in reached]
+    where = (f"depends on the values of {_quoted(srcs, 'input')}" if srcs
+             else "depends on values computed inside the model")
+    after = f"{len(downstream)} node{'s' if len(downstream) != 1 else ''} depend on it"
+    if nexts:
+        after += f" (next: {', '.join(nexts)})"
+    if outputs:
+        after += f", reaching {_quoted(outputs, 'output')}"
+    fix = (f"leave the path from {_quoted(srcs, 'input')} to this node out of the export (e.g. without that input if "
+           "it is optional), or end the model before this node") if srcs else "end the model before this node"
+    return ParastreamError(
+        f"{path}: node {node.name!r} ({node.op_type}, node {k} of {len(nodes)}) gives {out!r} a shape that {where}, "
+        f"not only on the input shapes; {after}. parastream plans static shapes: {fix}")
 
 
 def _symbolic_infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -654,10 +708,7 @@ def _static_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
         node = _data_dependent_node(model, unknown)
         if node is not None:
             out = next((o for n, o in unknown if n is node), node.output[0])
-            raise ParastreamError(
-                f"{path}: node {node.name!r} ({node.op_type}) gives {out!r} a shape that depends on the input values, "
-                "not only on the input shapes; parastream needs static shapes (export the model without the "
-                "part from this node on, e.g. without the detection post-processing)")
+            raise _data_dependent_error(model, node, out, path)
         model = _record_shapes_by_running(model, [o for _n, o in unknown], path)
         model = _infer(model, path)
     return model
