@@ -188,3 +188,62 @@ def test_a_value_dependent_shape_says_where_the_node_sits(tmp_path, capsys):
     assert "3 nodes depend on it (next: Transpose), reaching output 'y'" in err, err
     assert "detection" not in err and "--shapes" not in err
     assert not out.exists()
+
+
+# -- a real export: RoBERTa with a dynamic batch and sequence ---------------------------------------------------
+
+@pytest.fixture(scope="module")
+def roberta(tmp_path_factory):
+    """A 2-layer RoBERTa (hidden 32, random weights) exported with ``batch`` and ``seq`` dynamic on both inputs."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+
+    cfg = tf.RobertaConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=2, num_attention_heads=2,
+                           intermediate_size=64, max_position_embeddings=160, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = tf.RobertaModel(cfg, add_pooling_layer=False).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    path = tmp_path_factory.mktemp("roberta") / "roberta.onnx"
+    ids, mask = torch.randint(3, VOCAB, (1, 16)), torch.ones(1, 16, dtype=torch.int64)
+    axes = {0: "batch", 1: "seq"}
+    with torch.no_grad():
+        torch.onnx.export(Hidden(), (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
+                          output_names=["hidden"], dynamic_axes={"input_ids": axes, "attention_mask": axes, "hidden": axes},
+                          opset_version=17, dynamo=False)
+    return str(path)
+
+
+def _roberta_feeds(n, seq):
+    x = feeds(n, seq, seed=n)
+    x["input_ids"] = np.maximum(x["input_ids"], 3)  # RoBERTa's padding id is 1: real tokens only
+    return x
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("argv, batches", [(["--shapes", "input_ids:1x64"], [1]),
+                                           (["--batch", "1:2:4", "--shapes", "input_ids:1x64"], [1, 3, 4])])
+def test_roberta_built_from_one_input_shape_serves_real_masks(roberta, tmp_path, capsys, argv, batches):
+    from parastream.launcher import load
+
+    code, err = build_cli(capsys, roberta, "-o", str(tmp_path / "out"), *argv)
+    assert code == 0, err
+    run = load(tmp_path / "out", device="cpu")
+    for n in batches:
+        x = _roberta_feeds(n, 64)
+        np.testing.assert_allclose(run(x)["hidden"], ort_reference(onnx.load(roberta), x)["hidden"], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.slow
+def test_roberta_hint_and_contradiction(roberta, tmp_path, capsys):
+    code, err = build_cli(capsys, roberta, "-o", str(tmp_path / "out"))
+    assert code == 2 and "--shapes input_ids:1x128,attention_mask:1x128 " in err, err
+    code, err = build_cli(capsys, roberta, "-o", str(tmp_path / "out"), "--shapes", "input_ids:1x64,attention_mask:1x1")
+    assert code == 2 and "'seq'" in err and "attention_mask:1x1" in err and not (tmp_path / "out").exists(), err
