@@ -596,12 +596,23 @@ def _quoted(names, noun: str) -> str:
     return f"{noun}{'s' if len(names) > 1 else ''} " + ", ".join(repr(n) for n in names)
 
 
+def _position_in_file(path: Path, name: str) -> tuple[int, int] | None:
+    """(k, N): node ``name`` is the k-th of the N nodes of the file at ``path`` as a viewer lists them (nodes
+    named as the loader names them), or None where the file cannot be read or the node is not in it (folding
+    made it).  The loaded graph is folded and toposorted, so its order is not the one the user can look up."""
+    try:
+        names = name_nodes(onnx.load(str(path), load_external_data=False), assign=False)
+    except Exception:  # noqa: BLE001 - the position in the loaded graph is given instead
+        return None
+    return (names.index(name) + 1, len(names)) if name in names else None
+
+
 def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str, path: Path) -> ParastreamError:
     """One line that says where a node whose output shape depends on input values sits: its position in the
-    graph, the graph inputs whose values it is computed from, and what depends on it (how many nodes, the
+    model file, the graph inputs whose values it is computed from, and what depends on it (how many nodes, the
     next ops, the outputs it reaches), so that the user can see which part of the export to leave out."""
     nodes = list(model.graph.node)
-    k = next(i for i, n in enumerate(nodes) if n is node) + 1
+    k, total = _position_in_file(path, node.name) or (next(i for i, n in enumerate(nodes) if n is node) + 1, len(nodes))
     order = [vi.name for vi in model.graph.input]
     srcs = frozenset().union(*(_value_sources(model)(i) for i in _shaping_inputs(node)))
     srcs = sorted(srcs, key=order.index)
@@ -630,7 +641,7 @@ def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str
     fix = (f"leave the path from {_quoted(srcs, 'input')} to this node out of the export (e.g. without that input if "
            "it is optional), or end the model before this node") if srcs else "end the model before this node"
     return ParastreamError(
-        f"{path}: node {node.name!r} ({node.op_type}, node {k} of {len(nodes)}) gives {out!r} a shape that {where}, "
+        f"{path}: node {node.name!r} ({node.op_type}, node {k} of {total}) gives {out!r} a shape that {where}, "
         f"not only on the input shapes; {after}. parastream plans static shapes: {fix}")
 
 
