@@ -241,7 +241,7 @@ class InputBinding:
     example: str
 
 
-def bind_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path, *, batch: int | None = None
+def _bind_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path, *, batch: int | None = None
                       ) -> InputBinding:
     """Check ``shapes`` against the model's inputs and bind every dimension name they size (see InputBinding).
 
@@ -258,7 +258,8 @@ def bind_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path
             raise ParastreamError(f"--shapes names {name!r}, which is not an input of {path.name}; its inputs are {real}")
         cur = declared[name]
         if cur is not None and len(cur) != len(dims):
-            raise ParastreamError(f"--shapes {name}:{_fmt(dims)} has rank {len(dims)}, but input {name!r} of {path.name} has rank {len(cur)}")
+            raise ParastreamError(f"--shapes {name}:{_fmt(dims)} has rank {len(dims)}, but input {name!r} of {path.name} "
+                                  f"has rank {len(cur)}")
         given[name] = [batch, *dims[1:]] if name in batched else list(dims)
         for i, (c, d) in enumerate(zip(cur or [], given[name])):
             if isinstance(c, int) and c != d:
@@ -347,9 +348,9 @@ def _unknown_inputs(unknown: dict) -> str:
 
 
 def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path) -> None:
-    """Write the static shape of every input into ``model`` (bind_input_shapes), or one error naming every
+    """Write the static shape of every input into ``model`` (_bind_input_shapes), or one error naming every
     input whose dimensions are still unknown, with a ``--shapes`` value that makes them known."""
-    binding = bind_input_shapes(model, shapes, path)
+    binding = _bind_input_shapes(model, shapes, path)
     if binding.unknown:
         raise ParastreamError(f"{path}: {_unknown_inputs(binding.unknown)} unknown dimensions; give them with "
                               f"--shapes {binding.example} (a dimension name shared by several inputs takes one size)")
@@ -614,7 +615,8 @@ def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str
     nodes = list(model.graph.node)
     k, total = _position_in_file(path, node.name) or (next(i for i, n in enumerate(nodes) if n is node) + 1, len(nodes))
     order = [vi.name for vi in model.graph.input]
-    srcs = frozenset().union(*(_value_sources(model)(i) for i in _shaping_inputs(node)))
+    sources = _value_sources(model)
+    srcs = frozenset().union(*(sources(i) for i in _shaping_inputs(node)))
     srcs = sorted(srcs, key=order.index)
     consumers: dict[str, list[int]] = {}
     for i, n in enumerate(nodes):
@@ -822,7 +824,7 @@ def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[
     profiles (TensorRT) accept any batch from MIN to MAX.  ``--batch`` gives the batch axis and ``--shapes``
     the others: the first dimension a ``--shapes`` entry gives an input with a dynamic first dimension is
     replaced by the batch (write any value there, 1 by convention).  Dimension names are bound across inputs
-    as without ``--batch`` (bind_input_shapes).
+    as without ``--batch`` (_bind_input_shapes).
     """
     path = Path(path)
     try:
@@ -834,7 +836,7 @@ def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[
     batched = [vi.name for vi in model.graph.input if vi.name not in init_names and _batch_dynamic(_dims(vi))]
     if not batched:
         raise ParastreamError(f"{path}: --batch given, but no input of the model has a dynamic first dimension")
-    binding = bind_input_shapes(model, shapes, path, batch=opt)
+    binding = _bind_input_shapes(model, shapes, path, batch=opt)
     if binding.unknown:
         raise ParastreamError(
             f"{path}: {_unknown_inputs(binding.unknown)} unknown dimensions besides the batch; give them with "
