@@ -61,13 +61,17 @@ class _Parser(argparse.ArgumentParser):
 def add_model_args(p: argparse.ArgumentParser) -> None:
     g = p.add_argument_group("model")
     g.add_argument("--shapes", default=None, metavar="NAME:1x3x224x224,...",
-                   help="static shapes for inputs with unknown dimensions")
+                   help="static shapes for inputs with unknown dimensions; a dimension name shared by several inputs "
+                        "is one dimension, so sizing it on one input sizes it on all (input_ids:1x128 fixes an "
+                        "attention_mask [batch, seq] too); with build's --batch, --batch gives the first dimension of a "
+                        "dynamic-batch input and the value written there is replaced (write 1)")
 
 
 def add_batch_arg(p: argparse.ArgumentParser) -> None:
     p.add_argument("--batch", default=None, metavar="MIN:OPT:MAX",
                    help="dynamic batch: one static plan, engines and CUDA Graph per batch bucket; any batch MIN..MAX "
-                        "runs on the smallest bucket that holds it (OPT: where the search measures)")
+                        "runs on the smallest bucket that holds it (OPT: where the search measures); the other "
+                        "unknown dimensions come from --shapes, e.g. --batch 1:8:32 --shapes input_ids:1x128")
     p.add_argument("--batch-buckets", default=None, metavar="1,2,4,...",
                    help="the buckets of --batch (default: MIN, the powers of two between, MAX)")
 

@@ -212,32 +212,154 @@ def name_nodes(model: onnx.ModelProto, *, assign: bool = True) -> list[str]:
     return names
 
 
-def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path) -> None:
-    graph_inputs = {vi.name: vi for vi in model.graph.input}
+def _fmt(dims) -> str:
+    return "x".join(str(d) for d in dims)
+
+
+def _shown(dims) -> str:
+    """Declared dimensions as a reader sees them: ``[batch, seq]``, ``[1, 3, ?, ?]``; ``?`` for no shape."""
+    return "?" if dims is None else "[" + ", ".join("?" if d is None else str(d) for d in dims) + "]"
+
+
+def _batch_dynamic(dims: list[int | str | None] | None) -> bool:
+    """Whether an input so declared has a dynamic first dimension, the one ``--batch`` gives."""
+    return bool(dims) and not isinstance(dims[0], int)
+
+
+@dataclass
+class InputBinding:
+    """The static shapes of a model's inputs from ``--shapes`` (and ``--batch``), dimension names bound across inputs.
+
+    A dim_param is one dimension wherever it appears (ONNX: the same name is the same size at run time), so a
+    size given for it on one input fixes it on every input that names it.  ``shapes`` has every input that
+    ends up static; ``unknown`` every input still not (its declared dims with the bound names replaced), in
+    model order; ``example`` a ``--shapes`` value that makes every input static: the user's entries, and for
+    each unknown input its declared static sizes, the sizes bound so far, 1 for a batch-like leading
+    dimension and 128 elsewhere, one size per dimension name."""
+    shapes: dict[str, list[int]]
+    unknown: dict[str, list[int | str | None] | None]
+    example: str
+
+
+def _bind_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path, *, batch: int | None = None
+                      ) -> InputBinding:
+    """Check ``shapes`` against the model's inputs and bind every dimension name they size (see InputBinding).
+
+    ``batch``: the first dimension of every input whose first dimension is dynamic is ``batch``, whatever
+    ``--shapes`` gives it (``--batch`` owns the batch axis; --shapes the other axes)."""
+    vis = {vi.name: vi for vi in model.graph.input}
     init_names = {t.name for t in model.graph.initializer}
-    real_inputs = [n for n in graph_inputs if n not in init_names]
+    real = [n for n in vis if n not in init_names]
+    declared = {n: _dims(vis[n]) for n in real}
+    batched = {n for n in real if batch is not None and _batch_dynamic(declared[n])}
+    given: dict[str, list[int]] = {}
     for name, dims in shapes.items():
-        if name not in graph_inputs or name in init_names:
-            raise ParastreamError(f"--shapes names {name!r}, which is not an input of {path.name}; its inputs are {real_inputs}")
-        vi = graph_inputs[name]
-        cur = _dims(vi)
+        if name not in vis or name in init_names:
+            raise ParastreamError(f"--shapes names {name!r}, which is not an input of {path.name}; its inputs are {real}")
+        cur = declared[name]
         if cur is not None and len(cur) != len(dims):
-            raise ParastreamError(f"--shapes {name}:{'x'.join(map(str, dims))} has rank {len(dims)}, but input {name!r} of {path.name} has rank {len(cur)}")
-        if cur is not None:
-            for i, (c, d) in enumerate(zip(cur, dims)):
-                if isinstance(c, int) and c != d:
-                    raise ParastreamError(f"--shapes {name}: dimension {i} is fixed to {c} in {path.name}, not {d}")
-        shape = vi.type.tensor_type.shape
+            raise ParastreamError(f"--shapes {name}:{_fmt(dims)} has rank {len(dims)}, but input {name!r} of {path.name} "
+                                  f"has rank {len(cur)}")
+        given[name] = [batch, *dims[1:]] if name in batched else list(dims)
+        for i, (c, d) in enumerate(zip(cur or [], given[name])):
+            if isinstance(c, int) and c != d:
+                raise ParastreamError(f"--shapes {name}: dimension {i} is fixed to {c} in {path.name}, not {d}")
+
+    bound: dict[str, tuple[int, str]] = {}  # dimension name -> (size, what gave it)
+
+    def bind(param: str, size: int, source: str) -> None:
+        if param not in bound:
+            bound[param] = (size, source)
+            return
+        was, first = bound[param]
+        if was == size:
+            return
+        if first == source:
+            raise ParastreamError(f"{source} gives dimension {param!r} two sizes, {was} and {size}; "
+                                  f"input dimensions named {param!r} in {path.name} are one dimension and take one size")
+        raise ParastreamError(f"{first} and {source} give dimension {param!r} the sizes {was} and {size}; inputs that "
+                              f"name {param!r} in {path.name} share that dimension: give them one size")
+
+    for name in sorted(batched, key=real.index):
+        if isinstance(declared[name][0], str):
+            bind(declared[name][0], batch, f"--batch (batch {batch} for {name!r})")
+    for name, dims in given.items():
+        source = f"--shapes {name}:{_fmt(shapes[name])}"
+        for c, d in zip(declared[name] or [], dims):
+            if isinstance(c, str):
+                bind(c, d, source)
+
+    static: dict[str, list[int]] = {}
+    unknown: dict[str, list[int | str | None] | None] = {}
+    for name in real:
+        if name in given:
+            static[name] = given[name]
+            continue
+        cur = declared[name]
+        if cur is None:
+            unknown[name] = None
+            continue
+        dims = [bound[d][0] if isinstance(d, str) and d in bound else d for d in cur]
+        if name in batched:
+            dims[0] = batch
+        if all(isinstance(d, int) for d in dims):
+            if any(not isinstance(d, int) for d in cur):
+                static[name] = dims  # type: ignore[assignment]
+        else:
+            unknown[name] = [cur[0], *dims[1:]] if name in batched else dims  # the batch axis shown by its name
+    return InputBinding(static, unknown, _example_shapes(real, shapes, unknown, bound, batched))
+
+
+def _example_shapes(real: list[str], shapes: dict[str, list[int]], unknown: dict, bound: dict, batched: set[str]) -> str:
+    chosen = {k: v for k, (v, _src) in bound.items()}
+    entries = []
+    for name in real:
+        if name in shapes:
+            entries.append(f"{name}:{_fmt(shapes[name])}")
+        elif name in unknown:
+            dims = unknown[name]
+            if dims is None:
+                entries.append(f"{name}:D1xD2x...")
+                continue
+            out = []
+            for i, d in enumerate(dims):
+                if isinstance(d, int):
+                    out.append(d)
+                    continue
+                if i == 0 and name in batched:
+                    out.append(1)  # --batch replaces it
+                    continue
+                size = chosen.get(d) if isinstance(d, str) else None
+                if size is None:
+                    size = 1 if i == 0 and len(dims) > 1 else 128
+                    if isinstance(d, str):
+                        chosen[d] = size
+                out.append(size)
+            entries.append(f"{name}:{_fmt(out)}")
+    return ",".join(entries)
+
+
+def _unknown_inputs(unknown: dict) -> str:
+    """``input 'x' [N, seq] has`` or ``inputs 'a' [batch, seq] and 'b' [batch, seq] have``."""
+    parts = [f"{name!r} {_shown(dims)}" for name, dims in unknown.items()]
+    if len(parts) == 1:
+        return f"input {parts[0]} has"
+    return f"inputs {', '.join(parts[:-1])} and {parts[-1]} have"
+
+
+def _fix_input_shapes(model: onnx.ModelProto, shapes: dict[str, list[int]], path: Path) -> None:
+    """Write the static shape of every input into ``model`` (_bind_input_shapes), or one error naming every
+    input whose dimensions are still unknown, with a ``--shapes`` value that makes them known."""
+    binding = _bind_input_shapes(model, shapes, path)
+    if binding.unknown:
+        raise ParastreamError(f"{path}: {_unknown_inputs(binding.unknown)} unknown dimensions; give them with "
+                              f"--shapes {binding.example} (a dimension name shared by several inputs takes one size)")
+    vis = {vi.name: vi for vi in model.graph.input}
+    for name, dims in binding.shapes.items():
+        shape = vis[name].type.tensor_type.shape
         shape.ClearField("dim")
         for d in dims:
             shape.dim.add().dim_value = d
-    for name in real_inputs:
-        dims = _dims(graph_inputs[name])
-        if dims is None or any(not isinstance(d, int) for d in dims):
-            shown = "?" if dims is None else "x".join(str(d) if isinstance(d, int) else str(d or "?") for d in dims)
-            raise ParastreamError(
-                f"{path}: input {name!r} has unknown dimensions ({shown}); give them with --shapes {name}:{'x'.join(str(d) if isinstance(d, int) else '1' for d in (dims or [1]))}"
-            )
 
 
 def _check_declarations(model: onnx.ModelProto, path: Path) -> None:
@@ -417,33 +539,45 @@ _VALUE_SHAPED = {
 _ALWAYS_DATA_DEPENDENT = {"NonZero", "NonMaxSuppression", "Unique", "Compress", "Loop"}
 
 
+def _value_sources(model: onnx.ModelProto):
+    """``sources(name)``: the graph inputs whose *values* reach tensor ``name`` (through ops that pass data on,
+    not through Shape/Size/Constant/ConstantOfShape, whose outputs depend on shapes only); empty for a tensor
+    computed from constants and shapes."""
+    producer = {o: n for n in model.graph.node for o in n.output}
+    consts = {t.name for t in model.graph.initializer}
+    inputs = {vi.name for vi in model.graph.input} - consts
+    memo: dict[str, frozenset[str]] = {}
+
+    def sources(name: str) -> frozenset[str]:
+        if name in memo:
+            return memo[name]
+        memo[name] = frozenset()  # guards cycles; a DAG has none
+        if name in inputs:
+            res = frozenset([name])
+        elif name in consts or name not in producer:
+            res = frozenset()
+        elif producer[name].op_type in ("Shape", "Size", "Constant", "ConstantOfShape"):
+            res = frozenset()
+        else:
+            res = frozenset().union(*(sources(i) for i in producer[name].input if i))
+        memo[name] = res
+        return res
+
+    return sources
+
+
+def _shaping_inputs(node: onnx.NodeProto) -> list[str]:
+    """The inputs of ``node`` whose values can set its output shape (_VALUE_SHAPED)."""
+    which = _VALUE_SHAPED.get(node.op_type) or range(len(node.input))
+    return [node.input[i] for i in which if i < len(node.input) and node.input[i]]
+
+
 def _data_dependent_node(model: onnx.ModelProto, unknown: list[tuple[onnx.NodeProto, str]]) -> onnx.NodeProto | None:
     """The first node, in graph order, whose output shape depends on the values (not only the shapes) of
     the model's inputs: a NonZero, an NMS, or a Reshape/Slice/TopK/... whose size input is computed from
     the data.  Only nodes whose outputs are unknown are considered; constants and Shape/Size outputs do
     not carry data."""
-    producer = {o: n for n in model.graph.node for o in n.output}
-    consts = {t.name for t in model.graph.initializer}
-    inputs = {vi.name for vi in model.graph.input} - consts
-    memo: dict[str, bool] = {}
-
-    def carries_data(name: str) -> bool:
-        if name in memo:
-            return memo[name]
-        memo[name] = False  # guards cycles; a DAG has none
-        if name in inputs:
-            res = True
-        elif name in consts or name not in producer:
-            res = False
-        else:
-            node = producer[name]
-            if node.op_type in ("Shape", "Size", "Constant", "ConstantOfShape"):
-                res = False
-            else:
-                res = any(i and carries_data(i) for i in node.input)
-        memo[name] = res
-        return res
-
+    sources = _value_sources(model)
     seen: set[str] = set()
     for node, _out in unknown:
         if node.name in seen:
@@ -453,10 +587,64 @@ def _data_dependent_node(model: onnx.ModelProto, unknown: list[tuple[onnx.NodePr
             continue
         if node.op_type in _ALWAYS_DATA_DEPENDENT:
             return node
-        which = _VALUE_SHAPED[node.op_type] or range(len(node.input))
-        if any(i < len(node.input) and node.input[i] and carries_data(node.input[i]) for i in which):
+        if any(sources(i) for i in _shaping_inputs(node)):
             return node
     return None
+
+
+def _quoted(names, noun: str) -> str:
+    names = list(names)
+    return f"{noun}{'s' if len(names) > 1 else ''} " + ", ".join(repr(n) for n in names)
+
+
+def _position_in_file(path: Path, name: str) -> tuple[int, int] | None:
+    """(k, N): node ``name`` is the k-th of the N nodes of the file at ``path`` as a viewer lists them (nodes
+    named as the loader names them), or None where the file cannot be read or the node is not in it (folding
+    made it).  The loaded graph is folded and toposorted, so its order is not the one the user can look up."""
+    try:
+        names = name_nodes(onnx.load(str(path), load_external_data=False), assign=False)
+    except Exception:  # noqa: BLE001 - the position in the loaded graph is given instead
+        return None
+    return (names.index(name) + 1, len(names)) if name in names else None
+
+
+def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str, path: Path) -> ParastreamError:
+    """One line that says where a node whose output shape depends on input values sits: its position in the
+    model file, the graph inputs whose values it is computed from, and what depends on it (how many nodes, the
+    next ops, the outputs it reaches), so that the user can see which part of the export to leave out."""
+    nodes = list(model.graph.node)
+    k, total = _position_in_file(path, node.name) or (next(i for i, n in enumerate(nodes) if n is node) + 1, len(nodes))
+    order = [vi.name for vi in model.graph.input]
+    sources = _value_sources(model)
+    srcs = frozenset().union(*(sources(i) for i in _shaping_inputs(node)))
+    srcs = sorted(srcs, key=order.index)
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(nodes):
+        for t in n.input:
+            consumers.setdefault(t, []).append(i)
+    downstream: set[int] = set()
+    tensors, reached = list(node.output), set(node.output)
+    while tensors:
+        for i in consumers.get(tensors.pop(), []):
+            if i not in downstream:
+                downstream.add(i)
+                new = [o for o in nodes[i].output if o and o not in reached]
+                reached.update(new)
+                tensors.extend(new)
+    nexts = list(dict.fromkeys(nodes[i].op_type for o in node.output for i in consumers.get(o, [])))[:3]
+    outputs = [vi.name for vi in model.graph.output if vi.name in reached]
+    where = (f"depends on the values of {_quoted(srcs, 'input')}" if srcs
+             else "depends on values computed inside the model")
+    after = f"{len(downstream)} node{'s' if len(downstream) != 1 else ''} depend on it"
+    if nexts:
+        after += f" (next: {', '.join(nexts)})"
+    if outputs:
+        after += f", reaching {_quoted(outputs, 'output')}"
+    fix = (f"leave the path from {_quoted(srcs, 'input')} to this node out of the export (e.g. without that input if "
+           "it is optional), or end the model before this node") if srcs else "end the model before this node"
+    return ParastreamError(
+        f"{path}: node {node.name!r} ({node.op_type}, node {k} of {total}) gives {out!r} a shape that {where}, "
+        f"not only on the input shapes; {after}. parastream plans static shapes: {fix}")
 
 
 def _symbolic_infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -533,10 +721,7 @@ def _static_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
         node = _data_dependent_node(model, unknown)
         if node is not None:
             out = next((o for n, o in unknown if n is node), node.output[0])
-            raise ParastreamError(
-                f"{path}: node {node.name!r} ({node.op_type}) gives {out!r} a shape that depends on the input values, "
-                "not only on the input shapes; parastream needs static shapes (export the model without the "
-                "part from this node on, e.g. without the detection post-processing)")
+            raise _data_dependent_error(model, node, out, path)
         model = _record_shapes_by_running(model, [o for _n, o in unknown], path)
         model = _infer(model, path)
     return model
@@ -631,39 +816,38 @@ def parse_batch(text: str | None) -> tuple[int, int, int] | None:
     return values  # type: ignore[return-value]
 
 
-def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[int, int, int], *, check_opt: bool = True
+def batch_profiles(path: str | Path, shapes: dict[str, list[int]], batch: tuple[int, int, int]
                    ) -> tuple[dict[str, list[int]], dict[str, tuple[list[int], list[int], list[int]]]]:
     """Shapes at the OPT batch and (min, opt, max) profiles for every input whose first dimension is dynamic.
 
     The plan (and the launcher's buffers and CUDA Graph) use the OPT batch; engines that take optimization
-    profiles (TensorRT) accept any batch from MIN to MAX.  Other unknown dimensions still need ``--shapes``.
+    profiles (TensorRT) accept any batch from MIN to MAX.  ``--batch`` gives the batch axis and ``--shapes``
+    the others: the first dimension a ``--shapes`` entry gives an input with a dynamic first dimension is
+    replaced by the batch (write any value there, 1 by convention).  Dimension names are bound across inputs
+    as without ``--batch`` (_bind_input_shapes).
     """
     path = Path(path)
     try:
         model = onnx.load(str(path), load_external_data=False)
     except Exception:  # noqa: BLE001 - load_model reports a bad file with its own message
         return dict(shapes), {}
-    init_names = {t.name for t in model.graph.initializer}
     lo, opt, hi = batch
-    shapes = dict(shapes)
-    profiles = {}
-    for vi in model.graph.input:
-        if vi.name in init_names:
-            continue
-        dims = _dims(vi)
-        if not dims or isinstance(dims[0], int):
-            continue  # a fixed batch dimension: nothing to choose
-        rest = list(shapes[vi.name][1:]) if vi.name in shapes else list(dims[1:])
-        if check_opt and vi.name in shapes and shapes[vi.name][0] != opt:
-            raise ParastreamError(f"--shapes {vi.name} gives batch {shapes[vi.name][0]}, but --batch says OPT = {opt}")
-        if any(not isinstance(d, int) for d in rest):
-            shown = "x".join(str(d) if isinstance(d, int) else "?" for d in dims)
-            raise ParastreamError(f"{path}: input {vi.name!r} ({shown}) has unknown dimensions besides the batch; give them with --shapes")
-        shapes[vi.name] = [opt, *rest]
-        profiles[vi.name] = ([lo, *rest], [opt, *rest], [hi, *rest])
-    if not profiles:
+    init_names = {t.name for t in model.graph.initializer}
+    batched = [vi.name for vi in model.graph.input if vi.name not in init_names and _batch_dynamic(_dims(vi))]
+    if not batched:
         raise ParastreamError(f"{path}: --batch given, but no input of the model has a dynamic first dimension")
-    return shapes, profiles
+    binding = _bind_input_shapes(model, shapes, path, batch=opt)
+    if binding.unknown:
+        raise ParastreamError(
+            f"{path}: {_unknown_inputs(binding.unknown)} unknown dimensions besides the batch; give them with "
+            f"--batch {lo}:{opt}:{hi} --shapes {binding.example} (with --batch, the first dimension of a dynamic-batch "
+            "input in --shapes is replaced by the batch)")
+    out = {**shapes, **binding.shapes}
+    profiles = {}
+    for name in batched:
+        rest = out[name][1:]
+        profiles[name] = ([lo, *rest], [opt, *rest], [hi, *rest])
+    return out, profiles
 
 
 def parse_buckets(text: str | None) -> list[int] | None:
@@ -696,9 +880,9 @@ def batch_buckets(batch: tuple[int, int, int], buckets: list[int] | None = None)
 
 
 def shapes_at_batch(path: str | Path, shapes: dict[str, list[int]], batch: int) -> dict[str, list[int]]:
-    """``shapes`` (checked against ``--batch`` by ``batch_profiles`` first) with every input whose first dimension
-    is dynamic fixed at ``batch``: one bucket's static model."""
-    return batch_profiles(path, shapes, (batch, batch, batch), check_opt=False)[0]
+    """``shapes`` with every input whose first dimension is dynamic fixed at ``batch`` (whatever first dimension
+    ``shapes`` gives it) and every dimension name bound: one bucket's static model."""
+    return batch_profiles(path, shapes, (batch, batch, batch))[0]
 
 
 def original_at_batch(path: str | Path, shapes: dict[str, list[int]]) -> onnx.ModelProto:

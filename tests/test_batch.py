@@ -47,10 +47,14 @@ def test_fixed_batch_is_refused(tmp_path):
         batch_profiles(path, {}, (1, 2, 4))
 
 
-def test_shapes_must_agree_with_opt(tmp_path):
+def test_batch_gives_the_batch_axis_whatever_shapes_gives_it(tmp_path):
+    """--batch owns the first dimension of a dynamic-batch input; --shapes may write any value there."""
     path = _dynamic_model(tmp_path / "m.onnx")
-    with pytest.raises(ParastreamError, match="OPT = 8"):
-        batch_profiles(path, {"x": [4, 16]}, (1, 8, 32))
+    for first in (1, 4, 8):
+        shapes, profiles = batch_profiles(path, {"x": [first, 16]}, (1, 8, 32))
+        assert shapes == {"x": [8, 16]} and profiles == {"x": ([1, 16], [8, 16], [32, 16])}
+    with pytest.raises(ParastreamError, match="dimension 1 is fixed to 16"):
+        batch_profiles(path, {"x": [8, 15]}, (1, 8, 32))  # the other axes are still checked
 
 
 def test_build_with_batch_serves_min_to_max(tmp_path):
