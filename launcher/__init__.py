@@ -30,30 +30,32 @@ def cuda_device_count() -> int:
     return int(n) if int(err) == 0 else 0
 
 
-def load(path: str | Path | Bundle, *, device: str = "auto", graph: bool = True, check_hashes: bool = True):
+def load(path: str | Path | Bundle, *, device: str | int = "auto", graph: bool = True, check_hashes: bool = True):
     """Load a bundle written by ``parastream build`` (a path, or a Bundle already opened); return a callable runner.
 
-    ``device``: "auto" (the GPU launcher when the bundle's engines are GPU engines and
-    a GPU is present), "cuda" or "cpu".
+    ``device``: "auto" (the GPU launcher on GPU 0 when the bundle's engines are GPU engines and a GPU is
+    present, else the CPU launcher), "cpu", "cuda" (GPU 0), "cuda:N" or the integer N (GPU N: the launcher's
+    memory, streams, events, engines and captured graph all on that GPU).  A value that is none of these, or a
+    GPU this machine lacks, is a ``ParastreamError`` naming the GPUs present.
     """
-    # (the GPU launcher runs on device 0: its context is made while the bundle is checked)
+    from .cuda import parse_device
+
+    kind, gpu = parse_device(device, option="device")
+    gpu = gpu or 0
+    # (the GPU launcher's device has its context made in a thread while the bundle is checked)
     bundle = path if isinstance(path, Bundle) else Bundle.open(path, check_hashes=check_hashes, loading=True,
-                                                               device=None if device == "cpu" else 0)
+                                                               device=None if kind == "cpu" else gpu)
     backend = bundle.backend()
-    if device == "auto":
-        device = "cuda" if backend.gpu and cuda_device_count() > 0 else "cpu"
+    if kind == "auto":
+        kind = "cuda" if backend.gpu and cuda_device_count() > 0 else "cpu"
     if bundle.manifest.get("buckets"):  # a dynamic-batch bundle: one launcher per batch bucket
-        if device not in ("cuda", "cpu"):
-            raise ParastreamError(f"--device {device!r} is not one of: auto, cuda, cpu")
         from .buckets import BucketedLauncher
 
-        return BucketedLauncher(bundle, device=device, graph=graph)
-    if device == "cuda":
+        return BucketedLauncher(bundle, device=kind, graph=graph, gpu=gpu)
+    if kind == "cuda":
         from .gpu import GpuLauncher
 
-        return GpuLauncher(bundle, graph=graph)
-    if device != "cpu":
-        raise ParastreamError(f"--device {device!r} is not one of: auto, cuda, cpu")
+        return GpuLauncher(bundle, graph=graph, device=gpu)
     from .cpu import CpuLauncher
 
     return CpuLauncher(bundle)

@@ -77,7 +77,8 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
     """Per-replay milliseconds of each launcher (all of one bundle), timed in alternating blocks while this
     process holds the GPU's timing lock (``gpu_timing_lock``)."""
     first = next(iter(launchers.values()))
-    with gpu_timing_lock(getattr(first, "device", 0) or 0):
+    device = getattr(first, "device", 0) or 0
+    with gpu_timing_lock(device), cuda.on_device(device):  # the input sets on the launchers' GPU
         return _measure(launchers, runs=runs, warmup=warmup, seed=seed)
 
 
@@ -312,7 +313,8 @@ def _whole_model_reason(bundle: Bundle) -> str | None:
 
 
 def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, timeline: str | Path | None = None, console=None,
-                 launcher=None, whole_model: bool = True, graph: bool | None = None, concat_ablation: bool = False) -> dict:
+                 launcher=None, whole_model: bool = True, graph: bool | None = None, concat_ablation: bool = False,
+                 gpu: int = 0) -> dict:
     """Median latency (ms) of the bundle's multi-stream graph and of the same engines on one stream, and their ratio.
 
     ``whole_model``: on a TensorRT bundle, also time the whole model as one TensorRT engine with
@@ -321,8 +323,10 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
     False enqueues directly (engines that cannot be captured; the TensorRT test double).
     ``concat_ablation``: where the launcher does Concats in place, also time the same bundle with
     every Concat as its own engine (loaded a second time), ``concat_copies_ms``.
+    ``gpu``: the GPU every variant runs on (a given ``launcher``'s own device instead, where it has one).
     """
     bundle = path if isinstance(path, Bundle) else Bundle.open(path, loading=True)
+    gpu = int(getattr(launcher, "device", gpu) if launcher is not None else gpu)
     cpu = not bundle.backend().gpu
     runs = (50 if cpu else 200) if runs is None else runs
     warmup = (5 if cpu else 20) if warmup is None else warmup
@@ -339,8 +343,8 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
         raise ParastreamError("parastream bench needs a CUDA GPU, and cuda-python sees none")
     if graph is None:
         graph = bool(getattr(launcher, "use_graph", True)) if launcher is not None else True
-    multi = launcher or GpuLauncher(bundle, graph=graph)
-    single = GpuLauncher(bundle, single_stream=True, engines=multi.engines, graph=graph)
+    multi = launcher or GpuLauncher(bundle, graph=graph, device=gpu)
+    single = GpuLauncher(bundle, single_stream=True, engines=multi.engines, graph=graph, device=gpu)
     whole = copies = None
     try:
         # same engines, same inputs: the two graphs must agree before their times mean anything
@@ -360,7 +364,7 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
             else:
                 baseline = {"tensorrt_whole_model_error": skip}
         if concat_ablation and getattr(multi, "elided", ()):
-            copies = GpuLauncher(bundle, graph=graph, concat_in_place=False)
+            copies = GpuLauncher(bundle, graph=graph, concat_in_place=False, device=gpu)
             variants["concat_copies"] = copies
         times = measure(variants, runs=runs, warmup=warmup)
         result = {

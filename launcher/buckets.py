@@ -166,7 +166,7 @@ class BucketedLauncher:
             pass
 
 
-def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None = None, console=None) -> dict:
+def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None = None, console=None, gpu: int = 0) -> dict:
     """``parastream bench`` on a dynamic-batch bundle: at every bucket and at a batch between buckets, the median
     latency with buckets against the same rows padded to MAX and run on the MAX bucket (one graph at MAX).
 
@@ -174,17 +174,17 @@ def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None
     that serves n against the MAX bucket's (launcher.bench.measure; copies in and out are not timed)."""
     from .cpu import random_feeds
 
-    gpu = bundle.backend().gpu
-    if gpu:
+    on_gpu = bundle.backend().gpu
+    if on_gpu:
         from . import cuda_device_count
 
         if cuda_device_count() < 1:
             raise ParastreamError("parastream bench on a GPU bundle needs a CUDA GPU, and cuda-python sees none")
-    runs = (50 if not gpu else 200) if runs is None else runs
-    warmup = (5 if not gpu else 20) if warmup is None else warmup
+    runs = (50 if not on_gpu else 200) if runs is None else runs
+    warmup = (5 if not on_gpu else 20) if warmup is None else warmup
     if runs < 1:
         raise ParastreamError(f"--runs {runs}: must be at least 1")
-    la = BucketedLauncher(bundle, device="cuda" if gpu else "cpu")
+    la = BucketedLauncher(bundle, device="cuda" if on_gpu else "cpu", gpu=gpu)
     try:
         between = next((a + 1 for a, b in zip(la.sizes, la.sizes[1:]) if b - a > 1), None)
         batches = sorted(set(la.sizes) | ({between} if between else set()))
@@ -192,7 +192,7 @@ def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None
         rows = []
         for n in batches:
             b = la.bucket_for(n)
-            if gpu:
+            if on_gpu:
                 from .bench import measure
 
                 # the bucket first: measure() copies the first launcher's inputs into each (the MAX bucket gets
@@ -213,8 +213,8 @@ def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None
                          "speedup": ms["padded_to_max"] / ms["buckets"] if ms["buckets"] > 0 else None})
     finally:
         la.close()
-    result = {"bundle": str(bundle.path), "device": "cuda" if gpu else "cpu", "sizes": la.sizes, "runs": runs,
-              "timed": "CUDA-event timed graph replays" if gpu else "seconds per call", "batches": rows}
+    result = {"bundle": str(bundle.path), "device": "cuda" if on_gpu else "cpu", "sizes": la.sizes, "runs": runs,
+              "timed": "CUDA-event timed graph replays" if on_gpu else "seconds per call", "batches": rows}
     if console is not None:
         from rich.table import Table
 

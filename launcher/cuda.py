@@ -9,6 +9,7 @@ is imported lazily: this module imports on a machine without it.
 from __future__ import annotations
 
 import ctypes
+import re
 import threading
 import time
 from typing import Any
@@ -38,6 +39,36 @@ def runtime():
                 raise BackendUnavailable("the GPU launcher needs cuda-python: pip install cuda-python") from None
         _rt = rt
     return _rt
+
+
+_drv = None
+
+
+def driver():
+    """The driver API module of cuda-python (``cuda.bindings.driver``, or ``cuda.cuda`` before 12.6): only the
+    device queries below need it (a stream's or a graph node's context has no runtime call)."""
+    global _drv
+    if _drv is None:
+        try:
+            from cuda.bindings import driver as drv
+        except ImportError:
+            try:
+                from cuda import cuda as drv  # cuda-python < 12.6
+            except ImportError:
+                raise BackendUnavailable("the GPU launcher needs cuda-python: pip install cuda-python") from None
+        _drv = drv
+    return _drv
+
+
+def check_driver(result: Any, call: str):
+    """``check`` for a driver API call: a ``CUresult`` other than success is a ``CudaError`` naming ``call``."""
+    drv = driver()
+    err, values = (result[0], result[1:]) if isinstance(result, tuple) else (result, ())
+    if err != drv.CUresult.CUDA_SUCCESS:
+        raise CudaError(f"{call} failed: {getattr(err, 'name', str(err))}")
+    if not values:
+        return None
+    return values[0] if len(values) == 1 else values
 
 
 def check(result: Any, call: str):
@@ -87,6 +118,74 @@ def set_device(device: int) -> None:
     check(runtime().cudaSetDevice(device), f"cudaSetDevice({device})")
 
 
+class on_device:
+    """``with on_device(n):`` the calling thread's current device is ``n`` inside the block and what it was
+    before after it.  The current device is per thread, and CUDA launches kernels, and torch allocates, on
+    it: a launcher on GPU n called from a thread last used for another GPU sets it first.  A class rather
+    than a generator: it wraps every call of a launcher, and one cudaGetDevice is all it costs when the
+    device is already current."""
+
+    __slots__ = ("device", "previous")
+
+    def __init__(self, device: int):
+        self.device = int(device)
+        self.previous = None
+
+    def __enter__(self):
+        current = get_device()
+        if current != self.device:
+            set_device(self.device)
+            self.previous = current
+        return self
+
+    def __exit__(self, *exc):
+        if self.previous is not None:
+            set_device(self.previous)
+            self.previous = None
+
+
+def gpus_present() -> str:
+    """The GPUs cuda-python sees, for an error message: "2 GPUs: cuda:0 (NVIDIA H100), cuda:1 (NVIDIA H100)"."""
+    n = device_count()
+    if n < 1:
+        return "no GPU (cuda-python and a driver see none)"
+    names = []
+    for i in range(n):
+        try:
+            names.append(f"cuda:{i} ({device_name(i)})")
+        except Exception:  # noqa: BLE001 - the name is a nicety
+            names.append(f"cuda:{i}")
+    return f"{n} GPU{'s' if n > 1 else ''}: {', '.join(names)}"
+
+
+_DEVICE_RE = re.compile(r"(?:cuda:)?([0-9]{1,4})")
+
+
+def parse_device(value, *, option: str | None = "device") -> tuple[str, int | None]:
+    """``(kind, ordinal)`` of a device as ``load`` and the command line take it: "auto", "cpu", "cuda" (GPU 0, or
+    the calling thread's current GPU where a caller chose one), "cuda:N" or the integer N (GPU N).  ``kind`` is
+    "auto", "cpu" or "cuda"; ``ordinal`` is None except for an explicit GPU.  A value that is none of these, or a
+    GPU this machine does not have, is a one-line ``ParastreamError`` naming ``option`` (``device='gpu1' is not
+    a device ...``; None: the value alone, for argparse to prefix with its option) and the GPUs present."""
+    prefix = f"{option}=" if option else ""
+    if isinstance(value, bool):  # (a bool is an int to Python, never a device)
+        value = str(value)
+    if isinstance(value, int):
+        text, ordinal = value, value if value >= 0 else None
+    else:
+        text = str(value).strip()
+        low = text.lower()
+        if low in ("auto", "cpu", "cuda"):
+            return low, None
+        m = _DEVICE_RE.fullmatch(low)
+        ordinal = int(m.group(1)) if m else None
+    if ordinal is None:
+        raise ParastreamError(f"{prefix}{text!r} is not a device: give auto, cpu, cuda or cuda:N; this machine has {gpus_present()}")
+    if ordinal >= device_count():
+        raise ParastreamError(f"{prefix}{text!r}: no GPU cuda:{ordinal}; this machine has {gpus_present()}")
+    return "cuda", ordinal
+
+
 #: device -> the thread creating its context (``initialize_in_background``), and when it started and ended
 CONTEXT_THREADS: dict[int, threading.Thread] = {}
 CONTEXT_TIMES: dict[int, tuple[float, float]] = {}
@@ -133,6 +232,63 @@ def pointer_device(ptr: int) -> int:
         kind = getattr(attrs.type, "name", str(attrs.type))
         raise CudaError(f"0x{int(ptr):x} is not CUDA device memory ({kind})")
     return int(attrs.device)
+
+
+def context_device(ctx) -> int:
+    """The ordinal of the device of CUDA context ``ctx`` (made current for the query, then popped)."""
+    drv = driver()
+    check_driver(drv.cuCtxPushCurrent(ctx), "cuCtxPushCurrent")
+    try:
+        return int(check_driver(drv.cuCtxGetDevice(), "cuCtxGetDevice"))  # a CUdevice is the device's ordinal
+    finally:
+        check_driver(drv.cuCtxPopCurrent(), "cuCtxPopCurrent")
+
+
+def stream_device(stream) -> int:
+    """The ordinal of the device ``stream`` was created on (the device of its context: cuStreamGetCtx)."""
+    return context_device(check_driver(driver().cuStreamGetCtx(handle(stream)), "cuStreamGetCtx"))
+
+
+def event_on_stream_device(event, stream) -> bool:
+    """Whether ``event`` belongs to ``stream``'s device: recording an event into a stream of another device's
+    context fails (cudaEventRecord: "event and stream must be on the same CUDA context"), and no call reads an
+    event's device directly.  Records ``event`` on ``stream``: only for an idle launcher."""
+    rt = runtime()
+    return rt.cudaEventRecord(event, stream)[0] == rt.cudaError_t.cudaSuccess
+
+
+def graph_devices(graph) -> dict[str, list[int]]:
+    """The devices a captured graph's work runs on: ``kernels``, the device of each kernel node's context (its
+    launch parameters name the context it runs in; nodes that leave it unset are not counted), ``memsets``, the
+    device of each memset node's destination, ``copies``, each memcpy node's (source, destination) devices, -1 for
+    host memory: a replay that copies nothing between GPUs has only (n, n) pairs."""
+    rt, drv = runtime(), driver()
+    n = graph_num_nodes(graph)
+    nodes = check(rt.cudaGraphGetNodes(graph, n), "cudaGraphGetNodes")[0] if n else []
+    kinds = rt.cudaGraphNodeType
+    out: dict[str, list] = {"kernels": [], "memsets": [], "copies": []}
+    for node in nodes:
+        kind = check(rt.cudaGraphNodeGetType(node), "cudaGraphNodeGetType")
+        if kind == kinds.cudaGraphNodeTypeKernel:
+            params = check_driver(drv.cuGraphKernelNodeGetParams(int(node)), "cuGraphKernelNodeGetParams")
+            ctx = getattr(params, "ctx", None)
+            if ctx is not None and int(ctx) != 0:
+                out["kernels"].append(context_device(ctx))
+        elif kind == kinds.cudaGraphNodeTypeMemset:
+            params = check(rt.cudaGraphMemsetNodeGetParams(node), "cudaGraphMemsetNodeGetParams")
+            out["memsets"].append(pointer_device(handle(params.dst)))
+        elif kind == kinds.cudaGraphNodeTypeMemcpy:
+            params = check(rt.cudaGraphMemcpyNodeGetParams(node), "cudaGraphMemcpyNodeGetParams")
+            out["copies"].append((_device_or_host(handle(params.srcPtr.ptr)), _device_or_host(handle(params.dstPtr.ptr))))
+    return out
+
+
+def _device_or_host(ptr: int) -> int:
+    """``pointer_device``, or -1 for host memory."""
+    try:
+        return pointer_device(ptr)
+    except CudaError:
+        return -1
 
 
 def synchronize() -> None:

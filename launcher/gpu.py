@@ -136,6 +136,7 @@ class SharedArena:
 
     def __init__(self, nbytes: int):
         self.nbytes = int(nbytes)
+        self.device = cuda.get_device()  # both made on the calling thread's current device
         self.arena = cuda.malloc(self.nbytes)
         self.origin = cuda.stream_create()
         self._closed = False
@@ -144,9 +145,10 @@ class SharedArena:
         if self._closed:
             return
         self._closed = True
-        cuda.stream_synchronize(self.origin)
-        cuda.stream_destroy(self.origin)
-        cuda.free(self.arena)
+        with cuda.on_device(self.device):
+            cuda.stream_synchronize(self.origin)
+            cuda.stream_destroy(self.origin)
+            cuda.free(self.arena)
 
 
 def load_phases(launcher) -> dict[str, float]:
@@ -177,7 +179,9 @@ class _Warming:
         from concurrent.futures import ThreadPoolExecutor
 
         self.launcher = launcher
-        self.pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"parastream-warm-{s}")
+        # a thread's current device is its own (0 when it starts): each warms on the launcher's
+        self.pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"parastream-warm-{s}", initializer=cuda.set_device,
+                                            initargs=(launcher.device,))
                       for s in range(max(1, len(launcher.streams)))}
         self.futures: list = []
         self.t0 = time.perf_counter()
@@ -206,6 +210,10 @@ class _Warming:
 class GpuLauncher:
     """Runs a bundle's plan on one GPU: multi-stream, captured as one CUDA Graph (``graph=False``: direct launches).
 
+    ``device``: the GPU's ordinal.  Everything the launcher makes is made on it (``devices()`` reads each object's
+    device back), and every call sets it as the calling thread's current device for its duration, so launchers on
+    several GPUs may be called from one thread, or from several at once.
+
     ``single_stream=True`` puts every branch on the origin stream in launch order
     (no events): the same engines without inter-branch parallelism, which is what
     ``bench`` compares against.  ``engines=`` shares loaded engines with another
@@ -221,11 +229,15 @@ class GpuLauncher:
             bundle = Bundle.open(bundle, loading=True, device=device)
         self.bundle = bundle
         self.plan = plan = bundle.plan
-        self.device = device
+        self.device = device = int(device)
         self.single_stream = single_stream or plan.num_streams == 1
         self.use_graph = graph
         self._closed = True
         self._shared = None
+        # everything below is made on ``device``: streams, events, the arena, the engines (torch places tensors on
+        # the current device, TensorRT and the kernels artifacts load into its context), the captured graph
+        if shared is not None and shared.device != device:
+            raise ParastreamError(f"{bundle.path}: the shared arena is on cuda:{shared.device}, this launcher on cuda:{device}")
         cuda.set_device(device)
         backend = bundle.backend()
         self.backend = backend
@@ -417,7 +429,14 @@ class GpuLauncher:
         if type(x).__module__.startswith("torch"):
             import torch
 
-            torch_stream = torch.cuda.current_stream().cuda_stream
+            where = x.device.index if x.device.type == "cuda" else None
+            if where == self.device:
+                torch_stream = torch.cuda.current_stream(x.device).cuda_stream
+        else:  # (a DeviceArray knows its device; anything else is asked of its pointer)
+            where = x.device if isinstance(x, DeviceArray) else cuda.pointer_device(int(cai["data"][0]))
+        if where != self.device:
+            raise ParastreamError(f"input {spec.name!r} is on cuda:{where}, this launcher runs on cuda:{self.device}; move it "
+                                  f"there first (x.to('cuda:{self.device}')): a replay copies nothing between GPUs")
         shape = tuple(int(s) for s in cai["shape"])
         if list(shape) != list(spec.shape):
             raise ParastreamError(f"input {spec.name!r} has shape {list(shape)}, the bundle was built for {spec.shape}")
@@ -467,24 +486,32 @@ class GpuLauncher:
         and it waits for the launch in turn.
         """
         self._check_open()
-        if stream is not None:
-            cuda.event_record(self._producer_event, stream)
-            cuda.stream_wait_event(self.origin, self._producer_event)
-        if self._exec is not None:
-            cuda.graph_launch(self._exec, self.origin)
-        else:
-            with self._memory():
-                self._launch_all(self.origin)
-        if stream is not None:
-            cuda.event_record(self._producer_event, self.origin)
-            cuda.stream_wait_event(stream, self._producer_event)
+        with cuda.on_device(self.device):
+            if stream is not None:
+                cuda.event_record(self._producer_event, stream)
+                cuda.stream_wait_event(self.origin, self._producer_event)
+            if self._exec is not None:
+                cuda.graph_launch(self._exec, self.origin)
+            else:
+                with self._memory():
+                    self._launch_all(self.origin)
+            if stream is not None:
+                cuda.event_record(self._producer_event, self.origin)
+                cuda.stream_wait_event(stream, self._producer_event)
 
     def synchronize(self) -> None:
         cuda.stream_synchronize(self.origin)
 
     def __call__(self, feeds: dict) -> dict:
-        """Run once.  numpy feeds give numpy outputs; device feeds give ``DeviceArray`` views of the outputs."""
+        """Run once.  numpy feeds give numpy outputs; device feeds give ``DeviceArray`` views of the outputs.
+
+        Device feeds must be on the launcher's GPU (``device``): one on another GPU is refused, naming it, so that
+        no replay ever waits on a copy between GPUs."""
         self._check_open()
+        with cuda.on_device(self.device):
+            return self._call(feeds)
+
+    def _call(self, feeds: dict) -> dict:
         plan = self.plan
         unknown = set(feeds) - {t.name for t in plan.inputs}
         if unknown:
@@ -521,6 +548,10 @@ class GpuLauncher:
         the driver refuses event-record nodes.
         """
         self._check_open()
+        with cuda.on_device(self.device):
+            return self._run_timed(replays)
+
+    def _run_timed(self, replays: int) -> list[dict]:
         nb = len(self.plan.branches)
         timing = {"start": [cuda.event_create(timing=True) for _ in range(nb)],
                   "end": [cuda.event_create(timing=True) for _ in range(nb)], "external": True}
@@ -555,6 +586,29 @@ class GpuLauncher:
                         "end_ms": float(med[b.id][1]), "mode": mode, "nodes": len(b.nodes), "in_place": b.id in self.elided})
         return out
 
+    def devices(self) -> dict:
+        """The device ordinal of each object this launcher made, read back from CUDA rather than from ``device``:
+        ``arena`` (cudaPointerGetAttributes), ``origin`` and ``streams`` (each stream's context), ``events`` (each
+        recorded on the origin stream, which only an event of the origin's device allows; -1 for one of another
+        device), ``engines`` (per branch, the devices of what the engine holds: weights, views of the arena, torch
+        streams, loaded kernels, TensorRT scratch; None for an in-place Concat), ``graph`` (``cuda.graph_devices``
+        of the captured graph: each kernel node's context, each memset's destination; None without a graph).
+        Every one of them is ``device`` for a correctly placed launcher.  Synchronizes the origin first."""
+        self._check_open()
+        with cuda.on_device(self.device):
+            cuda.stream_synchronize(self.origin)
+            events = [self._fork, self._producer_event, *self._joins, *self._events.values()]
+            out = {
+                "arena": cuda.pointer_device(self._arena),
+                "origin": cuda.stream_device(self.origin),
+                "streams": [cuda.stream_device(st) for st in self.streams],
+                "events": [self.device if cuda.event_on_stream_device(e, self.origin) else -1 for e in events],
+                "engines": [None if e is None else sorted(e.devices()) if hasattr(e, "devices") else [] for e in self.engines],
+                "graph": cuda.graph_devices(self._graph) if self._graph is not None else None,
+            }
+            cuda.stream_synchronize(self.origin)
+        return out
+
     def _check_open(self) -> None:
         if self._closed:
             raise ParastreamError("this launcher is closed")
@@ -562,6 +616,10 @@ class GpuLauncher:
     def close(self) -> None:
         if self._closed:
             return
+        with cuda.on_device(self.device):
+            self._close()
+
+    def _close(self) -> None:
         self._closed = True
         cuda.stream_synchronize(self.origin)
         for ex in (self._exec, self._timed_exec):

@@ -148,6 +148,19 @@ def _importer(known: dict, imported: list):
 
 _IDENT = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 
+#: where a wrapper names the GPU it was compiled on: Inductor writes ``with torch.cuda._DeviceGuard(0):``,
+#: ``torch.cuda.set_device(0)`` and ``stream0 = get_raw_stream(0)`` around its allocations and launches
+_DEVICE_CALL = re.compile(r"\b(torch\.cuda\._DeviceGuard|torch\.cuda\.set_device|get_raw_stream)\(\s*([0-9]+)\s*\)")
+
+
+def on_device(source: str, device: int) -> str:
+    """The wrapper ``source`` with the device it names in its device guards, ``set_device`` and stream lookups
+    replaced by ``device``: the GPU the launcher loads it on, which need not be the one it was compiled on.
+    Without this a wrapper compiled on GPU 0 and loaded for GPU 1 would allocate its buffers and launch its
+    kernels on GPU 0's current stream.  A regular expression over generated code, for want of an Inductor API
+    that re-targets output code (AOTInductor's ``device_index`` does it for its own packages only)."""
+    return _DEVICE_CALL.sub(lambda m: f"{m.group(1)}({int(device)})", source)
+
 
 def launcher_source(spec: dict) -> str:
     """The launcher Inductor generated for a statically launched kernel (``_gen_launcher_code``), from what
@@ -207,8 +220,9 @@ class KernelsArtifact:
             raise ParastreamError(f"kernels artifact format {spec.get('format')!r}, this parastream reads {FORMAT}; "
                                   "rebuild the bundle")
         self.imported: list[str] = []
+        self.device = int(device)
         try:
-            scope = self._load(z, spec, source, device, launch)
+            scope = self._load(z, spec, on_device(source, self.device), device, launch)
         except ParastreamError:
             raise
         except Exception as e:  # noqa: BLE001 - a damaged kernels.json, cubin or wrapper: one line, not a traceback

@@ -1157,11 +1157,14 @@ def to_device_shared(module, device):
     another module, where one is.  Equal means same dtype, shape, strides and bytes (sha256 of the host
     copy, taken before the move).  The modules never write their constants, so sharing them is safe."""
     torch = _torch()
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:  # "cuda" is the current GPU: keyed by its number, so that
+        device = torch.device("cuda", torch.cuda.current_device())  # a module on GPU 1 never gets GPU 0's constants
     keys = {}
     for name, t in module.named_buffers():
         host = t.detach().reshape(-1).cpu()
         digest = hashlib.sha256(host.view(torch.uint8).numpy().tobytes() if host.numel() else b"").hexdigest()
-        keys[name] = (str(torch.device(device)), str(t.dtype), tuple(t.shape), tuple(t.stride()), digest)
+        keys[name] = (str(device), str(t.dtype), tuple(t.shape), tuple(t.stride()), digest)
     module = module.to(device)
     for name, t in list(module.named_buffers()):
         shared = _SHARED_CONSTANTS.get(keys[name])

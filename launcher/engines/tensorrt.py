@@ -534,6 +534,11 @@ class TrtEngine:
         mem.synchronize(self._stream)
         return out
 
+    def devices(self) -> set[int]:
+        """The GPUs of the engine's memory: its context's scratch (allocated on the device whose context was
+        current when the engine loaded, the context's own) and its host-path buffers."""
+        return {cuda.pointer_device(p) for p in [self._scratch, *self._buffers.values()] if p}
+
     def close(self) -> None:
         """Free what the engine allocated; the context goes first, since it uses the scratch memory."""
         mem = self._memory

@@ -1386,22 +1386,21 @@ def cancel_precompile() -> int:
     return n
 
 
-def _wrap(ptr: int, spec: TensorSpec, nhwc: bool, view: tuple[int, int] | None = None):
-    """A torch tensor over launcher memory at ``ptr`` (no copy), NCHW-shaped, channels-last strided if ``nhwc``.
+def _wrap(ptr: int, spec: TensorSpec, nhwc: bool, view: tuple[int, int] | None = None, device: int | None = None):
+    """A torch tensor over launcher memory at ``ptr`` on GPU ``device`` (no copy), NCHW-shaped, channels-last
+    strided if ``nhwc``.  ``device`` None: the memory's own, asked of the pointer.
 
     With ``view = (total, c0)``, ``ptr`` is a channels-last buffer of ``total`` channels and the
     tensor is its channels ``[c0, c0 + C)``.
     """
-    import torch
-
     from ..cuda import DeviceArray
 
     if nhwc:
         n, c, h, w = spec.shape
         total, c0 = view if view is not None else (c, 0)
-        t = torch.as_tensor(DeviceArray(ptr, (n, h, w, total), spec.dtype), device="cuda")
+        t = DeviceArray(ptr, (n, h, w, total), spec.dtype, device=device).torch()  # on the memory's device, never a copy
         return t[..., c0:c0 + c].permute(0, 3, 1, 2)
-    return DeviceArray(ptr, spec.shape, spec.dtype).torch()
+    return DeviceArray(ptr, spec.shape, spec.dtype, device=device).torch()
 
 
 def _first_call_unchecked(loaded: bool):
@@ -1516,8 +1515,8 @@ class TorchEngine:
         import torch
 
         stream = self._streams.get(stream_handle)
-        if stream is None:
-            stream = self._streams[stream_handle] = torch.cuda.ExternalStream(stream_handle)
+        if stream is None:  # the launcher's stream is on this engine's device, whichever device is current
+            stream = self._streams[stream_handle] = torch.cuda.ExternalStream(stream_handle, device=self._device_index)
         return stream
 
     def _run_package(self, *args) -> None:
@@ -1557,7 +1556,7 @@ class TorchEngine:
         key = tuple(addresses[t.name] for t in self.inputs) + tuple(addresses[t.name] for t in self.outputs)
         views = self._views.get(key)
         if views is None:
-            views = [_wrap(addresses[t.name], t, t.name in self.nhwc, self.channel_views.get(t.name))
+            views = [_wrap(addresses[t.name], t, t.name in self.nhwc, self.channel_views.get(t.name), self._device_index)
                      for t in self.inputs + self.outputs]
             self._views[key] = views
         with torch.no_grad(), torch.cuda.stream(self._stream(stream_handle)):
@@ -1586,6 +1585,21 @@ class TorchEngine:
         ys = self.module(*[xs[i].to(self._tdtype) if xs[i].is_floating_point() else xs[i] for i in order])
         produced = [n for n, _, _ in self.module.output_specs]
         return [ys[produced.index(t.name)] for t in self.outputs]
+
+    def devices(self) -> set[int]:
+        """The GPUs of what this engine holds: its weights (the module's parameters and buffers, or the artifact's
+        weight tensors), its views of the launcher's buffers, the torch streams it wraps, its loaded kernels."""
+        tensors = []
+        if self.module is not None and hasattr(self.module, "parameters"):
+            tensors += [*self.module.parameters(), *self.module.buffers()]
+        tensors += list(getattr(self._runner, "params", None) or [])
+        tensors += [t for views in self._views.values() for t in views]
+        found = {t.device.index for t in tensors if t.device.type == "cuda"}
+        found |= {s.device.index for s in self._streams.values()}
+        art_device = getattr(getattr(self._runner, "artifact", None), "device", None)
+        if isinstance(art_device, int):
+            found.add(art_device)
+        return found
 
     def close(self) -> None:
         self._views.clear()

@@ -278,15 +278,126 @@ def test_device_array_reports_the_device_of_its_memory():
         cuda.free(ptr)
 
 
+def assert_all_on(devices: dict, n: int) -> None:
+    """Every object in a launcher's ``devices()`` is on GPU ``n``: arena, streams, events, engines, and the
+    captured graph's kernels (at least one of which names its context), memsets and copies."""
+    assert devices["arena"] == n and devices["origin"] == n, devices
+    assert all(d == n for d in devices["streams"]), devices["streams"]
+    assert devices["events"] and all(d == n for d in devices["events"]), devices["events"]
+    engines = [e for e in devices["engines"] if e is not None]
+    assert engines and all(e == [n] for e in engines), devices["engines"]
+    graph = devices["graph"]
+    if graph is not None:
+        assert graph["kernels"] and set(graph["kernels"]) == {n}, graph
+        assert set(graph["memsets"]) <= {n}, graph
+        assert set(graph["copies"]) <= {(n, n)}, graph  # a replay copies nothing between GPUs, nor to the host
+
+
+@pytest.fixture
+def two_gpus():
+    """Skip where this machine has fewer than two GPUs (the two-GPU tests need the device tool's two-GPU kind)."""
+    n = cuda.device_count()
+    if n < 2:
+        pytest.skip(f"needs two CUDA GPUs; cuda-python sees {n}")
+
+
 @pytest.mark.gpu
-def test_launcher_views_on_the_second_gpu_say_so(bundles):
+@pytest.mark.parametrize("key", [("three_branch", "fp32"), ("inception_block", "fp16"), ("inception_block", "eager")])
+@pytest.mark.parametrize("graph", [True, False])
+def test_every_object_of_a_launcher_on_gpu_0_is_on_gpu_0(bundles, key, graph):
+    """load(device=0), GPU 0 asked for explicitly: arena, streams, events, engines and graph all read back as 0."""
+    from parastream.launcher import load
+    from parastream.launcher.gpu import GpuLauncher
+
+    path, bundle = bundles[key]
+    la = load(bundle.path, device=0, graph=graph)
+    try:
+        assert isinstance(la, GpuLauncher) and la.device == 0
+        feeds = _feeds(bundle, 6)
+        got, ref = la(feeds), _ref(path, feeds)
+        for name in ref:
+            assert _rel(got[name], ref[name]) <= 1e-2
+        devices = la.devices()
+        assert (devices["graph"] is None) == (not graph)
+        assert_all_on(devices, 0)
+    finally:
+        la.close()
+    la = load(bundle.path, device="cuda:0", graph=graph)
+    assert la.device == 0 and la.arena_device == 0
+    la.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("key", [("three_branch", "fp32"), ("inception_block", "fp16"), ("inception_block", "eager")])
+def test_one_bundle_on_gpu_0_and_gpu_1_in_one_process(bundles, two_gpus, key):
+    """The same bundle loaded on GPU 0 and on GPU 1: equal outputs, each launcher's objects on its own GPU, calls in
+    any order from a thread whose current device is the other one (restored after each call), both launchers
+    serving from two threads at once, and a device input from the other GPU refused rather than copied."""
+    import threading
+
+    import torch
+
+    from parastream.launcher import load
+
+    path, bundle = bundles[key]
+    tol = 1e-2 if key[1] == "fp16" else 1e-3
+    same = 1e-3 if key[1] == "fp16" else 1e-5  # one engine on two GPUs of one model: the same kernels
+    la0 = load(bundle.path, device=0)
+    la1 = load(bundle.path, device="cuda:1")
+    try:
+        assert (la0.device, la1.device) == (0, 1)
+        assert_all_on(la0.devices(), 0)
+        assert_all_on(la1.devices(), 1)
+        for seed, current in ((1, 1), (2, 0)):
+            cuda.set_device(current)
+            feeds = _feeds(bundle, seed)
+            ref = _ref(path, feeds)
+            a, b = la0(feeds), la1(feeds)
+            assert cuda.get_device() == current  # each call restored the caller's device
+            for name in ref:
+                assert _rel(a[name], b[name]) <= same, name
+                assert _rel(b[name], ref[name]) <= tol, name
+        # device inputs: on the launcher's own GPU taken as they are, from the other GPU refused with its name
+        tfeeds = {k: torch.from_numpy(v).to("cuda:1") for k, v in feeds.items()}
+        outs = la1(tfeeds)
+        for name in ref:
+            assert outs[name].device == 1 and _rel(outs[name].torch().cpu().numpy(), ref[name]) <= tol
+        with pytest.raises(Exception, match="is on cuda:0, this launcher runs on cuda:1"):
+            la1({k: v.to("cuda:0") for k, v in tfeeds.items()})
+        # both GPUs at once, one thread each
+        results, errors = {}, []
+
+        def serve(name, la):
+            try:
+                results[name] = [la(feeds) for _ in range(20)]
+            except Exception as e:  # noqa: BLE001 - reported below
+                errors.append(e)
+
+        threads = [threading.Thread(target=serve, args=(n, la)) for n, la in (("gpu0", la0), ("gpu1", la1))]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        for runs in results.values():
+            for got in runs:
+                for name in ref:
+                    assert _rel(got[name], ref[name]) <= tol
+        assert_all_on(la0.devices(), 0)
+        assert_all_on(la1.devices(), 1)
+    finally:
+        la0.close()
+        la1.close()
+        cuda.set_device(0)
+
+
+@pytest.mark.gpu
+def test_launcher_views_on_the_second_gpu_say_so(bundles, two_gpus):
     """A launcher on device 1 hands out views whose DLPack device is 1; torch wraps them there without a copy."""
     import torch
 
     from parastream.launcher.gpu import GpuLauncher
 
-    if cuda.device_count() < 2:
-        pytest.skip("needs two CUDA GPUs")
     path, bundle = bundles[("three_branch", "fp32")]
     raw = None
     try:
@@ -313,8 +424,9 @@ def test_launcher_views_on_the_second_gpu_say_so(bundles):
             assert _rel(t.cpu().numpy(), ref[name]) <= 1e-3
         for name, arr in la.inputs().items():
             assert arr.__dlpack_device__() == (2, 1)
-        cuda.set_device(1)  # the launcher's own device again for close()
-    cuda.set_device(0)
+        assert_all_on(la.devices(), 1)
+        assert cuda.get_device() == 0  # close() below runs on the launcher's device and restores this one
+    assert cuda.get_device() == 0
 
 
 @pytest.mark.gpu
