@@ -47,6 +47,31 @@ def tolerance(text: str) -> float:
     return v
 
 
+def device_option(text: str) -> str:
+    """An argparse type: auto, cpu, cuda, cuda:N or N (a GPU this machine has), as ``launcher.load`` takes it;
+    a bad value's error names the GPUs present (launcher.cuda.parse_device)."""
+    from parastream.launcher.cuda import parse_device
+
+    try:
+        kind, n = parse_device(text, option=None)
+    except ParastreamError as e:
+        raise argparse.ArgumentTypeError(str(e)) from None
+    return kind if n is None else f"cuda:{n}"
+
+
+def gpu_list(text: str) -> list[int]:
+    """An argparse type: GPU ordinals separated by commas ("0,1"), each once."""
+    parts = [p.strip() for p in text.split(",")]
+    if not parts or any(not re.fullmatch(r"[0-9]{1,4}", p) for p in parts):
+        raise argparse.ArgumentTypeError(f"{text!r} is not a list of GPU numbers: give e.g. 0,1")
+    gpus = [int(p) for p in parts]
+    if len(set(gpus)) != len(gpus):
+        raise argparse.ArgumentTypeError(f"{text!r} names a GPU twice")
+    return gpus
+
+
+DEVICE_HELP = "auto, cpu, cuda (GPU 0) or cuda:N (GPU N); default auto: GPU 0 for a GPU bundle where one is present"
+
 MAX_STREAMS = 64  # CUDA's concurrent kernel limit is 128; a plan this wide is already far past any measured gain
 
 
@@ -308,6 +333,23 @@ def _is_bucketed(path) -> bool:
         return False
 
 
+def _bench_gpu(bundle, option: str) -> int:
+    """The GPU ``parastream bench`` times ``bundle`` on, from ``--device`` (``option``): a GPU bundle runs on a GPU,
+    a CPU bundle on the CPU."""
+    from parastream.launcher.cuda import parse_device
+    from parastream.launcher.engines import get_backend
+
+    kind, n = parse_device(option, option="--device")
+    gpu_bundle = bool(get_backend(bundle.plan.backend).gpu)  # (what the engines are; bench checks they can run here)
+    if gpu_bundle and kind == "cpu":
+        raise ParastreamError(f"--device cpu: {bundle.path} has {bundle.plan.backend} engines, which bench times on a GPU; "
+                              "give auto, cuda or cuda:N")
+    if not gpu_bundle and kind == "cuda":
+        raise ParastreamError(f"--device {option}: {bundle.path} has {bundle.plan.backend} engines, which run on the CPU; "
+                              "give auto or cpu")
+    return n or 0
+
+
 def cmd_bench(args) -> int:
     from parastream.launcher.bench import bench_bundle
     from parastream.launcher.bundle import Bundle
@@ -315,13 +357,19 @@ def cmd_bench(args) -> int:
     if _is_bucketed(args.bundle):  # a dynamic-batch bundle: each bucket, and a batch between buckets
         from parastream.launcher.buckets import bench_buckets
 
-        result = bench_buckets(Bundle.open(args.bundle, loading=True), runs=args.runs, warmup=args.warmup, console=None if args.json else _console())
+        bundle = Bundle.open(args.bundle, loading=True)
+        result = bench_buckets(bundle, runs=args.runs, warmup=args.warmup, console=None if args.json else _console(),
+                               gpu=_bench_gpu(bundle, args.device))
         if args.json:
             print(json.dumps(result, default=str))
         return 0
-    result = bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
+    target, gpu = args.bundle, 0
+    if args.device != "auto":  # checked against the bundle's engines, which bench_bundle then takes opened
+        target = Bundle.open(args.bundle, loading=True)
+        gpu = _bench_gpu(target, args.device)
+    result = bench_bundle(target, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
                           console=None if args.json else _console(), whole_model=args.whole_model,
-                          concat_ablation=args.concat_ablation)
+                          concat_ablation=args.concat_ablation, gpu=gpu)
     if args.json:
         print(json.dumps(result, default=str))
     return 0
@@ -331,7 +379,7 @@ def cmd_export_triton(args) -> int:
     from .triton import export_triton
 
     path = export_triton(args.bundle, args.repo, name=args.name, mode=args.mode, max_batch=args.max_batch,
-                         instances=args.instances, force=args.force)
+                         instances=args.instances, gpus=args.gpus, force=args.force)
     _console().print(f"Triton model repository written: {path}")
     return 0
 
@@ -442,7 +490,7 @@ def make_parser() -> argparse.ArgumentParser:
     r.add_argument("bundle")
     r.add_argument("--input", action="append", metavar="NAME=file.npy")
     r.add_argument("--output-dir", required=True)
-    r.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    r.add_argument("--device", default="auto", type=device_option, metavar="DEVICE", help=DEVICE_HELP)
     r.add_argument("--force", action="store_true")
     r.set_defaults(func=cmd_run)
 
@@ -451,7 +499,7 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--model", default=None, help="the original model (default: the path recorded at build)")
     v.add_argument("--iterations", type=int_in(1, 10_000), default=3)
     v.add_argument("--json", action="store_true", help="print the result as one JSON object")
-    v.add_argument("--device", default="auto", choices=["auto", "cuda", "cpu"])
+    v.add_argument("--device", default="auto", type=device_option, metavar="DEVICE", help=DEVICE_HELP)
     add_tolerance_args(v)
     v.set_defaults(func=cmd_verify)
 
@@ -461,6 +509,8 @@ def make_parser() -> argparse.ArgumentParser:
     be.add_argument("--runs", type=int_in(1, 10_000_000), default=None, help="timed runs of each variant (default: 200 GPU, 50 CPU)")
     be.add_argument("--warmup", type=int_in(0, 10_000_000), default=None, help="untimed runs first (default: 20 GPU, 5 CPU)")
     be.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    be.add_argument("--device", default="auto", type=device_option, metavar="DEVICE",
+                    help="the GPU a GPU bundle is timed on: auto or cuda (GPU 0), cuda:N (GPU N); a CPU bundle: auto or cpu")
     be.add_argument("--timeline", default=None, metavar="FILE.png")
     be.add_argument("--no-whole-model", dest="whole_model", action="store_false",
                     help="TensorRT bundles: skip the whole-model engine baseline (max_aux_streams)")
@@ -474,7 +524,10 @@ def make_parser() -> argparse.ArgumentParser:
     t.add_argument("--name", required=True)
     t.add_argument("--mode", default="graph", choices=["graph", "ensemble"])
     t.add_argument("--max-batch", type=int_in(0, 1 << 31), default=0)
-    t.add_argument("--instances", type=int_in(1, 4096), default=1)
+    t.add_argument("--instances", type=int_in(1, 4096), default=1,
+                   help="instances of the model on each GPU it is placed on (Triton's instance_group count)")
+    t.add_argument("--gpus", type=gpu_list, default=None, metavar="0,1",
+                   help="the GPUs the instances go on (instance_group gpus); default: every GPU of the server")
     t.add_argument("--force", action="store_true")
     t.set_defaults(func=cmd_export_triton)
 

@@ -181,8 +181,10 @@ def _batch_of(bundle: Bundle, max_batch: int) -> int:
     return batch
 
 
-def graph_model(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int = 1) -> ModelFolder:
-    """The Python-backend model that replays the bundle's plan (mode "graph")."""
+def graph_model(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int = 1,
+                gpus: list[int] | None = None) -> ModelFolder:
+    """The Python-backend model that replays the bundle's plan (mode "graph").  ``instances`` per GPU, on ``gpus``
+    (default: every GPU of the server); each instance loads the bundle on its own GPU (model.py)."""
     mc = model_config_pb2()
     plan = bundle.plan
     gpu = bool(get_backend(plan.backend).gpu)
@@ -192,8 +194,11 @@ def graph_model(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
     config.input.extend(_io(mc.ModelInput, t, max_batch) for t in plan.inputs)
     config.output.extend(_io(mc.ModelOutput, t, max_batch) for t in plan.outputs)
+    if gpus and not gpu:
+        raise ParastreamError(f"--gpus {','.join(map(str, gpus))}: {bundle.path} has {plan.backend} engines, served by KIND_CPU "
+                              "instances, which take no GPUs; leave --gpus out")
     kind = mc.ModelInstanceGroup.Kind.Value("KIND_GPU" if gpu else "KIND_CPU")
-    config.instance_group.add(kind=kind, count=instances)
+    config.instance_group.add(kind=kind, count=instances, gpus=gpus or [])
     _params(config, **{P_BUNDLE: BUNDLE_DIR, P_BACKEND: plan.backend})
     if gpu:
         # inputs already on the GPU (CUDA shared memory, an upstream GPU model) stay there
@@ -211,7 +216,8 @@ def branch_model_name(name: str, branch_name: str) -> str:
     return f"{name}_{branch_name}"
 
 
-def ensemble_models(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int = 1) -> list[ModelFolder]:
+def ensemble_models(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int = 1,
+                    gpus: list[int] | None = None) -> list[ModelFolder]:
     """One tensorrt_plan model per branch engine and the ensemble that wires them (mode "ensemble")."""
     mc = model_config_pb2()
     plan = bundle.plan
@@ -252,7 +258,7 @@ def ensemble_models(bundle: Bundle, name: str, *, max_batch: int = 0, instances:
         cfg = mc.ModelConfig(name=step_name, platform="tensorrt_plan", max_batch_size=0)
         cfg.input.extend(_io(mc.ModelInput, plan.tensors[t], 0) for t in b.inputs)
         cfg.output.extend(_io(mc.ModelOutput, plan.tensors[t], 0) for t in b.outputs)
-        cfg.instance_group.add(kind=mc.ModelInstanceGroup.Kind.Value("KIND_GPU"), count=instances)
+        cfg.instance_group.add(kind=mc.ModelInstanceGroup.Kind.Value("KIND_GPU"), count=instances, gpus=gpus or [])
         _params(cfg, **{P_ENSEMBLE: name, P_BACKEND: plan.backend})
         models.append(ModelFolder(name=step_name, config=cfg, header=header, files={"model.plan": engine}))
         step = ensemble.ensemble_scheduling.step.add(model_name=step_name, model_version=-1)
@@ -269,7 +275,7 @@ def ensemble_models(bundle: Bundle, name: str, *, max_batch: int = 0, instances:
 _NAME_RE = re.compile(r"^[A-Za-z0-9_][A-Za-z0-9_.\-]*$")
 
 
-def check_options(name: str, mode: str, max_batch: int, instances: int) -> None:
+def check_options(name: str, mode: str, max_batch: int, instances: int, gpus: list[int] | None = None) -> None:
     if not name or not _NAME_RE.match(name) or name in (".", ".."):
         raise ParastreamError(f"--name {name!r}: a Triton model name here is a folder name of letters, digits, "
                               "'_', '-' and '.', not starting with '.' or '-'")
@@ -279,6 +285,12 @@ def check_options(name: str, mode: str, max_batch: int, instances: int) -> None:
         raise ParastreamError(f"--max-batch {max_batch}: must be 0 (no batching) or more")
     if int(instances) < 1:
         raise ParastreamError(f"--instances {instances}: must be at least 1")
+    if gpus is not None:
+        given = ",".join(map(str, gpus))
+        if not gpus or any(isinstance(g, bool) or not isinstance(g, int) or g < 0 for g in gpus):
+            raise ParastreamError(f"--gpus {given!r}: give GPU numbers (0 or more) separated by commas, e.g. 0,1")
+        if len(set(gpus)) != len(gpus):
+            raise ParastreamError(f"--gpus {given}: names a GPU twice")
 
 
 def _stale_branch_models(repo: Path, name: str, keep: set[str]) -> list[Path]:
@@ -299,21 +311,22 @@ def _stale_branch_models(repo: Path, name: str, keep: set[str]) -> list[Path]:
 
 
 def export_triton(bundle: Bundle | str | Path, repo: str | Path, *, name: str, mode: str = "graph", max_batch: int = 0,
-                  instances: int = 1, force: bool = False) -> Path:
+                  instances: int = 1, gpus: list[int] | None = None, force: bool = False) -> Path:
     """Write the bundle into the Triton model repository ``repo`` as model ``name``; return ``repo/name``.
 
     ``mode="graph"``: one Python-backend model replaying the bundle's plan; ``mode="ensemble"``: one
     tensorrt_plan model per branch plus an ensemble (TensorRT bundles only).  An existing model folder
     is replaced only with ``force`` (and then also the branch models an earlier ensemble export of
-    ``name`` left behind).
+    ``name`` left behind).  ``instances``: Triton's instance_group count, instances on EACH GPU they are
+    placed on; ``gpus``: the GPUs they are placed on (instance_group ``gpus``; default every GPU of the server).
     """
-    check_options(name, mode, max_batch, instances)
+    check_options(name, mode, max_batch, instances, gpus)
     if not isinstance(bundle, Bundle):
         bundle = Bundle.open(bundle)
     if mode == "graph":
-        models = [graph_model(bundle, name, max_batch=int(max_batch), instances=int(instances))]
+        models = [graph_model(bundle, name, max_batch=int(max_batch), instances=int(instances), gpus=gpus)]
     else:
-        models = ensemble_models(bundle, name, max_batch=int(max_batch), instances=int(instances))
+        models = ensemble_models(bundle, name, max_batch=int(max_batch), instances=int(instances), gpus=gpus)
 
     repo = Path(repo)
     if repo.exists() and not repo.is_dir():
@@ -568,6 +581,12 @@ def validate_repository(repo: str | Path) -> list[str]:
         problems += _io_problems(where, config)
         if config.max_batch_size < 0:
             problems.append(f"{where}: max_batch_size {config.max_batch_size} is negative")
+        for group in config.instance_group:
+            if group.gpus and group.kind in (group.KIND_CPU, group.KIND_MODEL):
+                problems.append(f"{where}: an instance_group of kind {group.Kind.Name(group.kind)} lists gpus "
+                                f"{list(group.gpus)}, which Triton refuses; only GPU instances are placed on GPUs")
+            if len(set(group.gpus)) != len(group.gpus) or any(g < 0 for g in group.gpus):
+                problems.append(f"{where}: instance_group gpus {list(group.gpus)}: each GPU once, numbered from 0")
         versions = sorted(v for v in d.iterdir() if v.is_dir() and v.name.isdigit())
         if not versions:
             problems.append(f"{d}: no version folder (such as {d / VERSION})")

@@ -130,7 +130,9 @@ class TritonPythonModel:
 
         config = json.loads(args["model_config"])
         params = {k: v.get("string_value", "") for k, v in config.get("parameters", {}).items()}
-        device = int(args.get("model_instance_device_id", 0) or 0)
+        # Triton places each KIND_GPU instance on one GPU (instance_group gpus, else every GPU) and names it here;
+        # the instance's launcher makes its memory, streams, engines and graph there
+        device = self.device = int(args.get("model_instance_device_id", 0) or 0)
         # the bundle lies inside the version folder, and each of its files inside it (hashes checked); a GPU
         # instance's open also starts torch's import and the device's CUDA context, in threads, beside the hashes
         bundle = Bundle.open(inside(Path(__file__).resolve().parent, params.get("parastream_bundle", "bundle"),
@@ -148,16 +150,8 @@ class TritonPythonModel:
             torch = _torch()  # (imported since the open began, beside the hashes: Bundle.open(loading=True))
             t_torch = time.perf_counter()
             if torch is not None:
-                torch.cuda.set_device(device)
-            # launcher.load() takes no device index; the GPU launcher is what it returns for "cuda"
-            from parastream.launcher.gpu import GpuLauncher
-
-            if bundle.manifest.get("buckets"):
-                from parastream.launcher.buckets import BucketedLauncher
-
-                self.runner = BucketedLauncher(bundle, device="cuda", gpu=device)
-            else:
-                self.runner = GpuLauncher(bundle, device=device)
+                torch.cuda.set_device(device)  # torch's own work in execute (stacking, output copies) there too
+            self.runner = load(bundle, device=f"cuda:{device}")
         else:
             self.runner = load(bundle, device="cpu")
         self.plan = self.runner.plan
@@ -184,7 +178,11 @@ class TritonPythonModel:
             raise RuntimeError(f"input {tensor.name()!r} arrived in GPU memory; reading it without a host copy "
                                "needs torch in the server's Python environment (pip install torch)")
         x = torch.from_dlpack(tensor)
-        return x if self.on_gpu else x.cpu().numpy()
+        if not self.on_gpu:
+            return x.cpu().numpy()
+        # an input in another GPU's memory (an upstream model's output there) is copied here once, before the
+        # replay: the launcher takes device inputs on its own GPU only
+        return x if x.device.index == self.device else x.to(f"cuda:{self.device}")
 
     def _read(self, request):
         """The request's inputs in the bundle's shapes, and its batch size (0 when not batching)."""
@@ -249,7 +247,7 @@ class TritonPythonModel:
         wire = ([hi - lo] if self.max_batch else []) + self.wire[spec.name]
         if hasattr(value, "__cuda_array_interface__"):
             torch = _torch()
-            t = value.torch() if hasattr(value, "torch") else torch.as_tensor(value, device="cuda")
+            t = value.torch() if hasattr(value, "torch") else torch.as_tensor(value, device=f"cuda:{self.device}")
             if self.max_batch:
                 t = t[lo:hi]
             return pb_utils.Tensor.from_dlpack(spec.name, t.reshape(wire).clone()), True
@@ -276,7 +274,7 @@ class TritonPythonModel:
             lo += n
         if on_device:
             # the copies above are queued on torch's stream; Triton reads the outputs once execute returns
-            _torch().cuda.current_stream().synchronize()
+            _torch().cuda.current_stream(self.device).synchronize()
         return results
 
     @staticmethod

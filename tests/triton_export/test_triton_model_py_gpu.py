@@ -135,3 +135,37 @@ def test_a_bucketed_bundle_on_the_device(tmp_path, pb_utils):
         assert not t.is_cpu() and tuple(t.data().shape) == (len(x), 24, 12, 12)
         assert _rel(t.data().cpu().numpy(), ort_reference(original, {"input": x})["output"]) <= TOL
     model.finalize()
+
+
+def test_an_instance_on_gpu_1_serves_from_gpu_1(gpu_models, tmp_path, pb_utils):
+    """An instance Triton places on GPU 1 (model_instance_device_id 1, from instance_group gpus [0, 1]) loads the
+    bundle there: its launcher's memory, streams and engines on GPU 1; an input in GPU 0's memory is copied to
+    GPU 1 once, before the replay; outputs leave in GPU 1's memory."""
+    import torch
+
+    from parastream.launcher import cuda
+
+    if cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA GPUs; cuda-python sees {cuda.device_count()}")
+    bundle, original = gpu_models["b1"]
+    model_dir = export_triton(bundle, tmp_path / "repo", name="m", gpus=[0, 1])
+    assert list(read_config(model_dir / "config.pbtxt").instance_group[0].gpus) == [0, 1]
+    model = load_model_py(model_dir).TritonPythonModel()
+    try:
+        model.initialize(initialize_args(model_dir, kind="GPU", device_id=1))
+        assert model.on_gpu and model.runner.device == 1
+        devices = model.runner.devices()
+        assert devices["arena"] == 1 and devices["origin"] == 1 and set(devices["streams"]) <= {1}
+        assert all(e == [1] for e in devices["engines"] if e is not None)
+        rng = np.random.default_rng(5)
+        xs = [rng.standard_normal((1, 8, 12, 12)).astype(np.float32) for _ in range(2)]
+        requests = [pb_utils.InferenceRequest([pb_utils.Tensor.on_device("input", torch.from_numpy(x).to(f"cuda:{g}"))])
+                    for g, x in zip((0, 1), xs)]
+        for x, r in zip(xs, model.execute(requests)):
+            assert not r.has_error(), r.error().message()
+            (t,) = r.output_tensors()
+            assert t.data().device == torch.device("cuda", 1)
+            assert _rel(t.data().cpu().numpy(), ort_reference(original, {"input": x})["output"]) <= TOL
+    finally:
+        model.finalize()
+        torch.cuda.set_device(0)

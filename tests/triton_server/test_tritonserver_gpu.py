@@ -84,3 +84,107 @@ def test_gpu_input_through_cuda_shared_memory(gpu_server, reference):
         client.unregister_cuda_shared_memory()
         cudashm.destroy_shared_memory_region(handle)
         client.close()
+
+
+# -- two GPUs: one repository, an instance on each GPU -------------------------------------------------------------
+CLIENTS = 16  # concurrent clients of the throughput comparison
+REQUESTS = 40  # requests per client
+
+
+def _gpus() -> int:
+    from parastream.launcher import cuda_device_count
+
+    return cuda_device_count()
+
+
+@pytest.fixture(scope="module")
+def small_net_bundle(tmp_path_factory):
+    pytest.importorskip("torch")
+    if _gpus() < 2:
+        pytest.skip(f"needs two CUDA GPUs; cuda-python sees {_gpus()}")
+    work = tmp_path_factory.mktemp("two_gpus")
+    return work, build(MODEL, work / "small_net.bundle", backend="torch", precision="fp32", search=False)
+
+
+def _serve_on(work: Path, bundle, gpus: list[int]) -> TritonServer:
+    repo = work / f"repo_{'_'.join(map(str, gpus))}"
+    export_triton(bundle, repo, name="small_net", instances=1, gpus=gpus)
+    (group,) = read_config(repo / "small_net" / "config.pbtxt").instance_group
+    assert group.kind == group.KIND_GPU and group.count == 1 and list(group.gpus) == gpus
+    srv = TritonServer(repo, work / f"server_{'_'.join(map(str, gpus))}")
+    srv.start(timeout=420)
+    return srv
+
+
+def _throughput(server, feeds: dict, want: dict, utilisation: dict | None = None) -> float:
+    """Requests per second of CLIENTS gRPC clients sending REQUESTS each, every answer checked against
+    onnxruntime; with ``utilisation`` (GPU -> samples), each GPU's utilisation sampled (NVML) meanwhile."""
+    import threading
+    import time
+
+    errors: list = []
+    done = threading.Event()
+
+    def client_loop():
+        client = client_of(server, "grpc")
+        try:
+            for _ in range(REQUESTS):
+                got = infer(client, "grpc", "small_net", make_inputs("grpc", feeds), list(want))
+                for name, ref in want.items():
+                    np.testing.assert_allclose(got[name], ref, rtol=RTOL, atol=ATOL)
+        except Exception as e:  # noqa: BLE001 - reported below
+            errors.append(e)
+        finally:
+            client.close()
+
+    def sample():
+        import torch
+
+        while not done.is_set():
+            for gpu in utilisation:
+                utilisation[gpu].append(torch.cuda.utilization(gpu))
+            time.sleep(0.05)
+
+    sampler = threading.Thread(target=sample) if utilisation is not None else None
+    threads = [threading.Thread(target=client_loop) for _ in range(CLIENTS)]
+    t0 = time.perf_counter()
+    if sampler is not None:
+        sampler.start()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    wall = time.perf_counter() - t0
+    done.set()
+    if sampler is not None:
+        sampler.join()
+    assert not errors, errors[0]
+    return CLIENTS * REQUESTS / wall
+
+
+def test_two_gpus_serve_together_with_twice_the_throughput(small_net_bundle, reference, record_property):
+    """A repository exported with one instance on each of GPU 0 and GPU 1 (instance_group gpus [0, 1]): the model
+    is ready, answers right under 16 concurrent clients, both GPUs are busy meanwhile (NVML utilisation), and the
+    throughput is close to twice that of the same export on GPU 0 alone (the ratio is recorded as
+    ``two_gpu_throughput_ratio``)."""
+    pytest.importorskip("pynvml", reason="the per-GPU utilisation is read through NVML (pip install nvidia-ml-py)")
+    work, bundle = small_net_bundle
+    feeds = random_feeds(reference, np.random.default_rng(21))
+    want = expected(reference, feeds)
+    rates, busy = {}, {0: [], 1: []}
+    for gpus in ([0], [0, 1]):
+        srv = _serve_on(work, bundle, gpus)
+        try:
+            client = client_of(srv, "grpc")
+            assert client.is_model_ready("small_net")
+            client.close()
+            _throughput(srv, feeds, want)  # warm-up: every instance has replayed
+            rates[len(gpus)] = _throughput(srv, feeds, want, busy if len(gpus) == 2 else None)
+        finally:
+            srv.stop()
+    ratio = rates[2] / rates[1]
+    record_property("two_gpu_throughput_ratio", round(ratio, 3))
+    record_property("requests_per_s", {k: round(v, 1) for k, v in rates.items()})
+    print(f"throughput at {CLIENTS} clients: one GPU {rates[1]:.1f}/s, two GPUs {rates[2]:.1f}/s, ratio {ratio:.2f}")
+    assert max(busy[0]) > 0 and max(busy[1]) > 0, busy  # both GPUs ran kernels under load
+    assert ratio >= 1.5, f"two GPUs serve {ratio:.2f}x one GPU's throughput"
