@@ -162,9 +162,9 @@ _DEVICE_RE = re.compile(r"(?:cuda:)?([0-9]{1,4})")
 
 
 def parse_device(value, *, option: str | None = "device") -> tuple[str, int | None]:
-    """``(kind, ordinal)`` of a device as ``load`` and the command line take it: "auto", "cpu", "cuda" (GPU 0, or
-    the calling thread's current GPU where a caller chose one), "cuda:N" or the integer N (GPU N).  ``kind`` is
-    "auto", "cpu" or "cuda"; ``ordinal`` is None except for an explicit GPU.  A value that is none of these, or a
+    """``(kind, ordinal)`` of a device as ``load`` and the command line take it: "auto", "cpu", "cuda" (which
+    ``load`` runs on GPU 0), "cuda:N" or the integer N (GPU N).  ``kind`` is "auto", "cpu" or "cuda"; ``ordinal``
+    is None except for an explicit GPU.  A value that is none of these, or a
     GPU this machine does not have, is a one-line ``ParastreamError`` naming ``option`` (``device='gpu1' is not
     a device ...``; None: the value alone, for argparse to prefix with its option) and the GPUs present."""
     prefix = f"{option}=" if option else ""

@@ -387,3 +387,101 @@ def test_a_kernels_artifact_records_its_device():
     assert art.device == 1
     art._call.__globals__["get_raw_stream"] = lambda d: d
     assert art() == 1  # the wrapper asks for GPU 1's stream
+
+
+class _FakeDriver:
+    """cuda-python's driver API as the device queries use it: contexts on made-up devices, a context stack."""
+
+    class CUresult(enum.Enum):
+        CUDA_SUCCESS = 0
+        CUDA_ERROR_INVALID_VALUE = 1
+
+    def __init__(self, stream_ctx: dict, ctx_device: dict, kernel_ctx: dict):
+        self.stream_ctx, self.ctx_device, self.kernel_ctx, self.stack = stream_ctx, ctx_device, kernel_ctx, []
+
+    def cuStreamGetCtx(self, stream):
+        return self.CUresult.CUDA_SUCCESS, self.stream_ctx[int(stream)]
+
+    def cuCtxPushCurrent(self, ctx):
+        self.stack.append(ctx)
+        return (self.CUresult.CUDA_SUCCESS,)
+
+    def cuCtxGetDevice(self):
+        return self.CUresult.CUDA_SUCCESS, self.ctx_device[self.stack[-1]]
+
+    def cuCtxPopCurrent(self):
+        return self.CUresult.CUDA_SUCCESS, self.stack.pop()
+
+    def cuGraphKernelNodeGetParams(self, node):
+        return self.CUresult.CUDA_SUCCESS, types.SimpleNamespace(ctx=self.kernel_ctx[node])
+
+
+class _FakeGraphRuntime(_FakeRuntime):
+    class cudaGraphNodeType(enum.Enum):
+        cudaGraphNodeTypeKernel = 0
+        cudaGraphNodeTypeMemcpy = 1
+        cudaGraphNodeTypeMemset = 2
+        cudaGraphNodeTypeEventRecord = 3
+
+    def __init__(self, nodes: dict, pointers: dict):
+        super().__init__(pointers)
+        self.nodes = nodes  # node -> (type name, params)
+
+    def cudaGraphGetNodes(self, graph, n):
+        return (self.cudaError_t.cudaSuccess, list(self.nodes)[:n] if n else None, len(self.nodes))
+
+    def cudaGraphNodeGetType(self, node):
+        return self.cudaError_t.cudaSuccess, getattr(self.cudaGraphNodeType, self.nodes[node][0])
+
+    def cudaGraphMemsetNodeGetParams(self, node):
+        return self.cudaError_t.cudaSuccess, self.nodes[node][1]
+
+    def cudaGraphMemcpyNodeGetParams(self, node):
+        return self.cudaError_t.cudaSuccess, self.nodes[node][1]
+
+    def cudaPointerGetAttributes(self, ptr):
+        if int(ptr) not in self.pointers:  # host memory
+            return self.cudaError_t.cudaSuccess, types.SimpleNamespace(type=types.SimpleNamespace(name="cudaMemoryTypeHost"),
+                                                                       device=-1)
+        return super().cudaPointerGetAttributes(ptr)
+
+
+def test_device_queries_read_contexts_pointers_and_graph_nodes(monkeypatch):
+    """Streams by their context's device, a graph by its kernel nodes' contexts (unset ones not counted), its
+    memsets' destinations and its copies' ends (-1 for host memory); the context stack is left as it was."""
+    ptr = lambda n: types.SimpleNamespace(ptr=n)  # noqa: E731 - a cudaPitchedPtr
+    rt = _FakeGraphRuntime({10: ("cudaGraphNodeTypeKernel", None), 11: ("cudaGraphNodeTypeKernel", None),
+                            12: ("cudaGraphNodeTypeMemset", types.SimpleNamespace(dst=0x1000)),
+                            13: ("cudaGraphNodeTypeMemcpy", types.SimpleNamespace(srcPtr=ptr(0x1000), dstPtr=ptr(0x2000))),
+                            14: ("cudaGraphNodeTypeMemcpy", types.SimpleNamespace(srcPtr=ptr(0x1000), dstPtr=ptr(0x9000))),
+                            15: ("cudaGraphNodeTypeEventRecord", None)},
+                           {0x1000: 1, 0x2000: 1})
+    ctx0, ctx1 = 0x7000, 0x7100  # context handles (a CUcontext converts to int; 0 is none)
+    drv = _FakeDriver(stream_ctx={7: ctx1, 8: ctx0}, ctx_device={ctx0: 0, ctx1: 1}, kernel_ctx={10: ctx1, 11: 0})
+    monkeypatch.setattr(cuda, "_rt", rt)
+    monkeypatch.setattr(cuda, "_drv", drv)
+    assert cuda.stream_device(7) == 1 and cuda.stream_device(8) == 0
+    assert cuda.graph_devices("graph") == {"kernels": [1], "memsets": [1], "copies": [(1, 1), (1, -1)]}
+    assert drv.stack == []
+
+
+def test_launcher_devices_lists_every_object(monkeypatch):
+    """GpuLauncher.devices() over the queries above: an event recordable on the origin is on its device, one that
+    is not is -1; an in-place Concat has no engine (None)."""
+    from parastream.launcher.gpu import GpuLauncher
+
+    rt = _FakeGraphRuntime({10: ("cudaGraphNodeTypeKernel", None)}, {0x1000: 1})
+    rt.cudaStreamSynchronize = lambda stream: (rt.cudaError_t.cudaSuccess,)
+    rt.cudaEventRecord = lambda event, stream: ((rt.cudaError_t.cudaSuccess if event != 99 else rt.cudaError_t.cudaErrorInvalidResourceHandle),)
+    rt.cudaError_t = enum.Enum("cudaError_t", {"cudaSuccess": 0, "cudaErrorInvalidResourceHandle": 400})
+    drv = _FakeDriver(stream_ctx={5: 0x7100, 6: 0x7100}, ctx_device={0x7100: 1}, kernel_ctx={10: 0x7100})
+    monkeypatch.setattr(cuda, "_rt", rt)
+    monkeypatch.setattr(cuda, "_drv", drv)
+    la = GpuLauncher.__new__(GpuLauncher)
+    la.device, la._closed, la._arena, la.origin, la.streams = 1, False, 0x1000, 5, [6]
+    la._fork, la._producer_event, la._joins, la._events = 20, 21, [22], {0: 99}
+    la.engines = [types.SimpleNamespace(devices=lambda: {1}), None]
+    la._graph = "graph"
+    assert la.devices() == {"arena": 1, "origin": 1, "streams": [1], "events": [1, 1, 1, -1], "engines": [[1], None],
+                            "graph": {"kernels": [1], "memsets": [], "copies": []}}
+    la._closed = True  # nothing of it to release
