@@ -1444,8 +1444,12 @@ class TorchEngine:
         if package is not None:
             check_built_for(meta.get("built_for", {}), device)
         fuse = _fuse(device, self.dtype, options)
-        self.compiled_at_load = not (package is not None and meta.get("signature") == sig and meta.get("dtype") == self.dtype
-                                     and meta.get("fuse_conv_relu") == fuse)
+        # Inductor's own artifact runs code that names the GPU it was compiled on (the build's current GPU, 0) in
+        # its device guards and stream lookups, and no API re-targets it: on another GPU the engine is compiled
+        # again from branch.onnx, as a jit engine is (a kernels artifact is re-targeted instead: inductor_kernels)
+        elsewhere = meta.get("compiled") == "inductor" and device == "cuda" and torch.cuda.current_device() != 0
+        self.compiled_at_load = elsewhere or not (package is not None and meta.get("signature") == sig
+                                                  and meta.get("dtype") == self.dtype and meta.get("fuse_conv_relu") == fuse)
         self._runner = None
         self.module = None
         if not self.compiled_at_load and meta.get("compiled") in ("inductor", "kernels"):

@@ -391,6 +391,49 @@ def test_one_bundle_on_gpu_0_and_gpu_1_in_one_process(bundles, two_gpus, key):
         cuda.set_device(0)
 
 
+@pytest.fixture(scope="module")
+def inductor_bundle(tmp_path_factory):
+    """A torch bundle whose engines ship Inductor's own artifact ("bundled"), built only where two GPUs exist."""
+    if cuda.device_count() < 2:
+        pytest.skip(f"needs two CUDA GPUs; cuda-python sees {cuda.device_count()}")
+    pytest.importorskip("torch")
+    from handmade_bundles import make_bundle
+
+    tmp = tmp_path_factory.mktemp("inductor_bundle")
+    path = _models(tmp)["three_branch"]
+    mp = pytest.MonkeyPatch()
+    mp.setenv("PARASTREAM_INDUCTOR_FORMAT", "bundled")  # read when compiling
+    try:
+        return path, make_bundle(path, tmp / "bundled", backend="torch", streams=3, precision="fp32")
+    finally:
+        mp.undo()
+
+
+@pytest.mark.gpu
+def test_inductor_artifacts_on_gpu_1_compile_again_there(inductor_bundle):
+    """Inductor's own artifact names the GPU it was compiled on: on GPU 1 its engines compile from branch.onnx at
+    load, on GPU 0 they load as built; both give onnxruntime's outputs, each launcher's objects on its GPU."""
+    from parastream.launcher import load
+
+    path, bundle = inductor_bundle
+    la0, la1 = load(bundle.path, device=0), load(bundle.path, device=1)
+    try:
+        shipped = [e for e in la0.engines if e is not None and e.meta.get("compiled") == "inductor"]
+        assert shipped, "the bundle has no engine with Inductor's own artifact"
+        assert not any(e.compiled_at_load for e in shipped)
+        assert all(e.compiled_at_load for e in la1.engines if e is not None and e.meta.get("compiled") == "inductor")
+        feeds = _feeds(bundle, 8)
+        ref, a, b = _ref(path, feeds), la0(feeds), la1(feeds)
+        for name in ref:
+            assert _rel(a[name], ref[name]) <= 1e-3 and _rel(b[name], ref[name]) <= 1e-3
+        assert_all_on(la0.devices(), 0)
+        assert_all_on(la1.devices(), 1)
+    finally:
+        la0.close()
+        la1.close()
+        cuda.set_device(0)
+
+
 @pytest.mark.gpu
 def test_launcher_views_on_the_second_gpu_say_so(bundles, two_gpus):
     """A launcher on device 1 hands out views whose DLPack device is 1; torch wraps them there without a copy."""
