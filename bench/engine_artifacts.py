@@ -256,8 +256,7 @@ def cpu_build_child(args, res: dict) -> dict:
     from parastream.launcher.engines import torch as tb
 
     branches = cpu_branches(args)
-    tb.ARTIFACT = args.artifact
-    builder = tb.Builder(BuildOptions(device="cpu"))
+    builder = tb.Builder(BuildOptions(device="cpu", torch_artifact=args.artifact))
     t0 = time.perf_counter()
     per = []
     for i, (model, ins, outs) in enumerate(branches):
@@ -270,14 +269,13 @@ def cpu_build_child(args, res: dict) -> dict:
 
 
 def child_build(args, res: dict) -> dict:
-    from parastream.launcher.engines import torch as torch_backend
     from parastream.pipeline import build
 
-    if args.artifact.startswith("inductor-"):  # inductor-bundled, inductor-cache: how Inductor's artifact is saved
-        os.environ["PARASTREAM_INDUCTOR_FORMAT"] = args.artifact.split("-", 1)[1]  # read by the compile workers
-    torch_backend.ARTIFACT = args.artifact.split("-")[0]
+    # inductor-bundled, inductor-cache: how Inductor's artifact is saved (build options, carried to the compile workers)
+    artifact, _, fmt = args.artifact.partition("-")
     t0 = time.perf_counter()
     bundle = build(args.onnx, args.bundle, backend="torch", precision="fp16", force=True, search=args.search == "on",
+                   torch_artifact=artifact, inductor_format=fmt or "kernels",
                    measure=args.search == "on", verify=args.verify == "on",
                    **({"measure_seconds": args.measure_seconds} if args.measure_seconds is not None else {}),
                    search_options={"top_k": 20} if args.search == "on" else {})

@@ -27,12 +27,12 @@ def main(argv=None) -> int:
     import importlib
 
     B = importlib.import_module("parastream.pipeline.build")  # the module (the package exports its build function)
+    from parastream.pipeline import measure as M
     from parastream.pipeline.model_io import graph_of, load_model
     from parastream.pipeline.partition import make_plan
     from parastream.rewrite.cost import RooflineCostModel
     from parastream.rewrite import search as S
 
-    tb.ARTIFACT = "inductor"
     loaded = load_model(args.onnx)
     backend = tb  # the module itself: resolve_backend refuses torch where no GPU is seen
     options = BuildOptions(precision="fp16", device="cuda")
@@ -47,7 +47,7 @@ def main(argv=None) -> int:
     t = {"infer+graph": 0.0, "plan": 0.0, "extract": 0.0, "jobs": 0.0, "engines": 0.0}
     for m in got:
         t1 = time.perf_counter()
-        mi = m if B._shapes_known(m) else B._infer(m)
+        mi = m if M._shapes_known(m) else M._infer(m)
         g = graph_of(mi)
         t2 = time.perf_counter()
         sched, _ = B.plan_streams(g, cm, None, 8)
@@ -55,7 +55,7 @@ def main(argv=None) -> int:
                          outputs=loaded.outputs)
         t3 = time.perf_counter()
         builder = backend.Builder(options)
-        layouts = B._engine_layouts(plan, backend, builder, options, True)
+        layouts = B._engine_layouts(plan, backend, options, True)
         items = [(br, b.name, layouts(b).get("layout")) for br, b in zip(B.branches_of(mi, g, plan), plan.branches)]
         t4 = time.perf_counter()
         _, todo, _ = builder._jobs(items, wait=False)

@@ -1,5 +1,5 @@
 """Where the measured search's time goes between two candidates, without a GPU: the search of a GPU build runs
-with a ``measure`` that does the CPU side of ``pipeline.build.gpu_measure`` (each model planned as the measurer
+with a ``measure`` that does the CPU side of ``pipeline.measure.GpuMeasurer`` (each model planned as the measurer
 plans it: shapes, graph, streams, plan; prepared ``lookahead`` ahead), under cProfile.  The device's figures
 (``report.json`` ``search.measure_log``) give the GPU side.
 
@@ -25,6 +25,7 @@ def main() -> None:
     import importlib
 
     pb = importlib.import_module("parastream.pipeline.build")  # the module: parastream.pipeline.build is the function
+    from parastream.pipeline import measure as pm
     from parastream.rewrite import optimize
     from parastream.rewrite.cost import RooflineCostModel
 
@@ -41,7 +42,7 @@ def main() -> None:
         return out
 
     def plan_of(model):
-        m = model if model is loaded.model else (model if pb._shapes_known(model) else timed("infer", pb._infer, model))
+        m = model if model is loaded.model else (model if pm._shapes_known(model) else timed("infer", pm._infer, model))
         graph = loaded.graph if model is loaded.model else timed("graph_of", pb.graph_of, m)
         sched, _ = timed("plan_streams", pb.plan_streams, graph, cost_model, None, 8)
         return timed("make_plan", lambda: pb.make_plan(graph, sched, backend="torch", precision="fp16", suffix=".zip",
@@ -49,14 +50,19 @@ def main() -> None:
 
     calls = [0]
 
-    def measure(model):
-        calls[0] += 1
-        if calls[0] > args.candidates:
-            raise pb.MeasureBudgetSpent("enough")
-        return 1e-3
+    class PlanningMeasurer:  # the CPU side of GpuMeasurer: each model planned when prepared, nothing built
+        lookahead = 4
 
-    measure.prepare = lambda models: [plan_of(m) for m in models] and {}
-    measure.lookahead = 4
+        def prepare(self, models):
+            return [plan_of(m) for m in models] and {}
+
+        def measure(self, model):
+            calls[0] += 1
+            if calls[0] > args.candidates:
+                raise pb.MeasureBudgetSpent("enough")
+            return 1e-3
+
+    measure = PlanningMeasurer()
     prof = cProfile.Profile()
     t0 = time.perf_counter()
     prof.enable()
