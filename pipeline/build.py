@@ -460,11 +460,13 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
 
 
 def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, list[int]], stage, *,
-                 measure_search: bool = True) -> Bundle:
+                 measure_search: bool = True, final: bool = True) -> "Bundle | _Build":
     """The build's stages for static ``shapes``, written into the folder ``stage()`` yields; return it opened.
 
     ``measure_search`` False: the rewrite search decides by the cost model even on a GPU (the buckets of a
-    dynamic-batch build other than the one at OPT)."""
+    dynamic-batch build other than the one at OPT).  ``final`` False: the verified build's state, its report
+    and manifest complete but not written over the staging ones (a dynamic-batch build adds its buckets to them
+    and writes them once, ``buckets.build_buckets``)."""
     b = load_and_check(model_path, cfg, backend, bar, shapes)
     rewrite_search(b, measure=measure_search)
     schedule_streams(b)
@@ -479,7 +481,7 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
             with b.timed("write"):
                 write_report(b, tmp)
             verify_bundle(b, tmp)
-            return finish(b, tmp)
+            return finish(b, tmp) if final else complete(b)
 
 
 @dataclass
@@ -739,11 +741,17 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
             + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
 
 
-def finish(b: _Build, tmp: Path) -> Bundle:
-    """The final report and the hashed manifest; the bundle opened (checked) before it becomes OUT."""
+def complete(b: _Build) -> _Build:
+    """The report's last figures: the build's total seconds, the seconds of each stage and the peak memory."""
     b.timings["total"] = time.perf_counter() - b.t_start
     b.report["stage_seconds"] = b.stage_seconds()
     b.report["peak_rss_mb"] = _peak_rss_mb()
+    return b
+
+
+def finish(b: _Build, tmp: Path) -> Bundle:
+    """The final report and the hashed manifest; the bundle opened (checked) before it becomes OUT."""
+    complete(b)
     (tmp / "report.json").write_text(json.dumps(b.report, indent=2, default=str))
     write_manifest(tmp, b.manifest)
     return Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace
