@@ -5,11 +5,11 @@ Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
 
 * ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load (before issue 12);
 * ``inductor``  engines/ hold Inductor precompiled artifacts (``standalone_compile`` at build,
-                ``CompiledArtifact.load`` at load; PARASTREAM_TORCH_ARTIFACT=inductor);
+                ``CompiledArtifact.load`` at load; --torch-artifact inductor);
 * ``inductor-kernels``, ``inductor-bundled``, ``inductor-cache``  the same saved as Inductor's wrapper and
                 cubins loaded without Inductor (the default), as the compiled function
                 (``standalone_compile(aot=True)``, the default before stop 23) or as Inductor's cache entries
-                (PARASTREAM_INDUCTOR_FORMAT);
+                (--inductor-format);
 * ``aoti``      engines/ hold AOTInductor packages compiled at build for the launcher's layouts;
 * ``mega``      the jit engines after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
                 collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
