@@ -108,11 +108,11 @@ class Bundle:
             from .engines import get_backend
 
             try:
-                prepare = getattr(get_backend(plan.backend), "prepare_load", None)
+                backend = get_backend(plan.backend)
             except ParastreamError:  # an unknown backend: the load names it
-                prepare = None
-            if prepare is not None:
-                prepare(manifest, report)
+                backend = None
+            if backend is not None:
+                backend.prepare_load(manifest, report)
         if manifest.get("buckets"):
             bundle.bucket_bundles()  # a dynamic-batch bundle: every bucket's folder is a bundle inside this one
         if check_hashes:
