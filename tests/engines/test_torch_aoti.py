@@ -330,14 +330,14 @@ def test_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bund
 
 def test_engines_are_compiled_again_only_when_the_timed_choice_differs_from_what_they_were_compiled_for():
     from parastream.launcher.engines import get_backend
-    from parastream.pipeline.build import _compiled_for_other_choices
+    from parastream.pipeline.measure import compiled_for_other_choices
 
     torch_backend = get_backend("torch")
-    assert not _compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": True})
-    assert _compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": False, "internal_nhwc": True})
-    assert _compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": False})
+    assert not compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": True})
+    assert compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": False, "internal_nhwc": True})
+    assert compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": False})
     for other in ("onnxruntime", "tensorrt"):  # their engines do not depend on the launcher's layout
-        assert not _compiled_for_other_choices(get_backend(other), True, {"fuse_conv_relu": False, "internal_nhwc": False})
+        assert not compiled_for_other_choices(get_backend(other), True, {"fuse_conv_relu": False, "internal_nhwc": False})
 
 
 def test_a_branch_aotinductor_cannot_compile_ships_its_onnx_and_says_why(monkeypatch):
