@@ -11,7 +11,7 @@
    never by the clock, so the same command gives the same result on a loaded and on an idle machine.  Rules marked ``enabling`` (merges, kernel enlargement: a step that pays only with the next
    one) may go past β, up to two such steps in a row.
 3. The ``top_k`` cheapest combinations of piece candidates are assembled into whole models and costed as
-   wholes; with a ``measure(model) -> seconds`` callback they are measured on the device (onboard
+   wholes; with a ``Measurer`` (or a plain ``model -> seconds`` function) they are measured on the device (onboard
    verification) and the fastest wins if it beats the input by ``measure_margin``; otherwise the cost
    model decides.  The input is always a candidate,
    so the result is never rated worse than it.
