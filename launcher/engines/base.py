@@ -74,6 +74,10 @@ class BuildOptions:
 
 @runtime_checkable
 class BranchEngine(Protocol):
+    """What ``load`` returns.  Besides these, a GPU engine has ``enqueue(stream_handle, addresses)`` and
+    ``close()``; a ``warms_after_load`` backend's engine has ``warm()``; an engine that may compile at load says so
+    in ``compiled_at_load`` (the build's report counts them) and its load's steps in ``phases``."""
+
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
 
