@@ -5,11 +5,11 @@ Four ways to load the same plan of Inception-v3 (fp16, batch 1, no search):
 
 * ``jit``       engines/ hold each branch's ONNX, converted and compiled by Inductor at every load;
 * ``inductor``  engines/ hold Inductor precompiled artifacts (``standalone_compile`` at build,
-                ``CompiledArtifact.load`` at load; PARASTREAM_TORCH_ARTIFACT=inductor);
+                ``CompiledArtifact.load`` at load; --torch-artifact inductor);
 * ``inductor-kernels``, ``inductor-bundled``, ``inductor-cache``  the same saved as Inductor's wrapper and
                 cubins loaded without Inductor (the default), as the compiled function
                 (``standalone_compile(aot=True)``, the previous default) or as Inductor's cache entries
-                (PARASTREAM_INDUCTOR_FORMAT);
+                (--inductor-format);
 * ``aoti``      engines/ hold AOTInductor packages compiled at build for the launcher's layouts;
 * ``mega``      the jit engines after ``torch.compiler.load_cache_artifacts`` of the artifacts ``save_cache_artifacts``
                 collected in the ``jit`` process (Inductor's own cache shipped in the bundle: dynamo still
@@ -256,8 +256,7 @@ def cpu_build_child(args, res: dict) -> dict:
     from parastream.launcher.engines import torch as tb
 
     branches = cpu_branches(args)
-    tb.ARTIFACT = args.artifact
-    builder = tb.Builder(BuildOptions(device="cpu"))
+    builder = tb.Builder(BuildOptions(device="cpu", torch_artifact=args.artifact))
     t0 = time.perf_counter()
     per = []
     for i, (model, ins, outs) in enumerate(branches):
@@ -270,14 +269,13 @@ def cpu_build_child(args, res: dict) -> dict:
 
 
 def child_build(args, res: dict) -> dict:
-    from parastream.launcher.engines import torch as torch_backend
     from parastream.pipeline import build
 
-    if args.artifact.startswith("inductor-"):  # inductor-bundled, inductor-cache: how Inductor's artifact is saved
-        os.environ["PARASTREAM_INDUCTOR_FORMAT"] = args.artifact.split("-", 1)[1]  # read by the compile workers
-    torch_backend.ARTIFACT = args.artifact.split("-")[0]
+    # inductor-bundled, inductor-cache: how Inductor's artifact is saved (build options, carried to the compile workers)
+    artifact, _, fmt = args.artifact.partition("-")
     t0 = time.perf_counter()
     bundle = build(args.onnx, args.bundle, backend="torch", precision="fp16", force=True, search=args.search == "on",
+                   torch_artifact=artifact, inductor_format=fmt or "kernels",
                    measure=args.search == "on", verify=args.verify == "on",
                    **({"measure_seconds": args.measure_seconds} if args.measure_seconds is not None else {}),
                    search_options={"top_k": 20} if args.search == "on" else {})

@@ -52,13 +52,15 @@ def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) ->
 
 
 @contextlib.contextmanager
-def gpu_timing_lock(device: int = 0):
+def gpu_timing_lock(device: int = 0, enabled: bool = True):
     """Hold the machine-wide lock for timing on GPU ``device`` (a flock on a file in the temporary folder).
 
     Builds that run side by side on one GPU (a CI machine building several models at once) compile in
     parallel but take turns while they time: a measurement that shares the GPU with another process's
-    replays would decide a build's choices on noise.  ``PARASTREAM_GPU_TIMING_LOCK=0`` turns it off."""
-    if os.environ.get("PARASTREAM_GPU_TIMING_LOCK", "1") == "0":
+    replays would decide a build's choices on noise.  ``enabled`` False (a build's ``--no-gpu-timing-lock``,
+    recorded in manifest.json) or ``PARASTREAM_GPU_TIMING_LOCK=0`` (an override for every process of a machine
+    that runs one build at a time) turns it off."""
+    if not enabled or os.environ.get("PARASTREAM_GPU_TIMING_LOCK", "1") == "0":
         yield
         return
     import fcntl
@@ -73,12 +75,12 @@ def gpu_timing_lock(device: int = 0):
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0) -> dict[str, np.ndarray]:
+def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0, lock: bool = True) -> dict[str, np.ndarray]:
     """Per-replay milliseconds of each launcher (all of one bundle), timed in alternating blocks while this
-    process holds the GPU's timing lock (``gpu_timing_lock``)."""
+    process holds the GPU's timing lock (``gpu_timing_lock``; ``lock`` False: without it)."""
     first = next(iter(launchers.values()))
     device = getattr(first, "device", 0) or 0
-    with gpu_timing_lock(device), cuda.on_device(device):  # the input sets on the launchers' GPU
+    with gpu_timing_lock(device, enabled=lock), cuda.on_device(device):  # the input sets on the launchers' GPU
         return _measure(launchers, runs=runs, warmup=warmup, seed=seed)
 
 

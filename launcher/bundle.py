@@ -16,9 +16,13 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path, PurePosixPath
 from types import ModuleType
+from typing import TYPE_CHECKING
 
 from .errors import ParastreamError
 from .plan import Branch, Plan
+
+if TYPE_CHECKING:
+    from .engines.base import BuildOptions
 
 MANIFEST_VERSION = 1
 BUNDLE_FILES = ("manifest.json", "model.onnx", "plan.json", "report.json")
@@ -104,11 +108,11 @@ class Bundle:
             from .engines import get_backend
 
             try:
-                prepare = getattr(get_backend(plan.backend), "prepare_load", None)
+                backend = get_backend(plan.backend)
             except ParastreamError:  # an unknown backend: the load names it
-                prepare = None
-            if prepare is not None:
-                prepare(manifest, report)
+                backend = None
+            if backend is not None:
+                backend.prepare_load(manifest, report)
         if manifest.get("buckets"):
             bundle.bucket_bundles()  # a dynamic-batch bundle: every bucket's folder is a bundle inside this one
         if check_hashes:
@@ -198,6 +202,18 @@ class Bundle:
         from .engines import require_backend
 
         return require_backend(self.plan.backend)
+
+    #: the build options a launcher loads engines with, as manifest.json's options record them
+    LOAD_OPTIONS = ("compile", "optimization_level", "fuse_conv_relu", "torch_artifact", "inductor_format")
+
+    def engine_options(self, device: str, **overrides) -> "BuildOptions":
+        """The options to load this bundle's engines on ``device`` with: the build's (``LOAD_OPTIONS`` of
+        manifest.json's options; a bundle that predates one gets its default), then ``overrides``."""
+        from .engines.base import BuildOptions
+
+        built = self.manifest.get("options", {}) or {}
+        kw = {k: built[k] for k in self.LOAD_OPTIONS if built.get(k) is not None}
+        return BuildOptions(**dict(kw, precision=self.plan.precision, device=device, **overrides))
 
 
 def inside(root: Path, rel: str, named_in: str) -> Path:

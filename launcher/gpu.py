@@ -34,8 +34,6 @@ through ``torch.as_tensor``/``cupy.asarray``/DLPack), then call ``launch()``.
 
 from __future__ import annotations
 
-import contextlib
-import inspect
 import time
 from dataclasses import dataclass
 
@@ -44,7 +42,6 @@ import numpy as np
 from . import cuda
 from .bundle import Bundle
 from .cuda import DeviceArray, nbytes_of
-from .engines.base import BuildOptions
 from .errors import ParastreamError
 from .plan import TensorSpec
 
@@ -89,7 +86,7 @@ def engine_layouts(plan, backend, *, internal_nhwc: bool = True, concat_in_place
     The build calls this too, so that compiled engines are compiled for exactly these layouts.
     """
     model_io = {t.name for t in plan.inputs} | {t.name for t in plan.outputs}
-    native = bool(getattr(backend, "supports_internal_nhwc", False))
+    native = bool(backend.supports_internal_nhwc)
     low = _compute_dtype(plan.precision) if native else None
     specs: dict[str, TensorSpec] = {}
     for name, spec in plan.tensors.items():
@@ -101,7 +98,7 @@ def engine_layouts(plan, backend, *, internal_nhwc: bool = True, concat_in_place
             if native and internal_nhwc and n not in model_io and len(s.shape) == 4 and s.dtype.startswith(("float", "bfloat"))}
     views: dict[str, tuple[str, int]] = {}
     elided: set[int] = set()
-    if concat_in_place and getattr(backend, "supports_channel_views", False):
+    if concat_in_place and backend.supports_channel_views:
         views, elided = plan.in_place_concats(specs, nhwc)
     return EngineLayouts(specs, nhwc, views, elided)
 
@@ -254,14 +251,8 @@ class GpuLauncher:
         branch_views = [lay.branch_views(b) for b in plan.branches]
 
         # engines and a private memory pool for what they allocate
-        self._scope_factory = getattr(backend, "memory_scope", None)
-        if _share is not None:
-            self._scope = _share._scope
-        else:
-            self._scope = self._scope_factory() if self._scope_factory else contextlib.nullcontext
-        opts = BuildOptions(precision=plan.precision, device="cuda", compile=bool(built.get("compile", True)),
-                            optimization_level=int(built.get("optimization_level", 3)),  # 5: torch max-autotune
-                            fuse_conv_relu=fuse_conv_relu)
+        self._scope = _share._scope if _share is not None else backend.memory_scope()
+        opts = bundle.engine_options("cuda", fuse_conv_relu=fuse_conv_relu)  # optimization_level 5: torch max-autotune
         # streams and events (buckets sharing an arena share the origin: their replays never overlap)
         t0 = time.perf_counter()
         self._shared = shared
@@ -276,9 +267,8 @@ class GpuLauncher:
         self.warm_s = 0.0
         if engines is None:
             engines = []
-            takes = inspect.signature(backend.load).parameters
-            takes_layout = "internal_nhwc" in takes
-            warming = _Warming(self) if "warm" in takes else None
+            takes_layout = backend.supports_internal_nhwc
+            warming = _Warming(self) if backend.warms_after_load else None
             try:
                 with self._memory():
                     for b in plan.branches:

@@ -7,18 +7,14 @@ temporary folder beside OUT and renamed into place at the end.
 from __future__ import annotations
 
 import contextlib
-import inspect
 import json
 import platform
 import shutil
 import tempfile
 import time
-import weakref
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
-import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
 
@@ -26,9 +22,11 @@ from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
 
-from parastream.rewrite.search import MeasureBudgetSpent
+from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised by the measurer, caught by the search
 
 from .isolate import in_child
+from .measure import (GpuMeasurer, Variant, alternative_variants, choose_cpu_alternative, compiled_for_other_choices,
+                      plan_signature, time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
@@ -68,6 +66,12 @@ class BuildConfig:
     strongly_typed: bool = False
     cache_dir: str | None = None
     compile: bool = True
+    # torch engines: what an engine ships and how an "inductor" artifact is saved (docs/torch-engines.md), and the
+    # processes that compile them side by side (0: every core but one, at most 16)
+    torch_artifact: str = "inductor"
+    inductor_format: str = "kernels"
+    compile_workers: int = 0
+    gpu_timing_lock: bool = True  # GPU builds take turns with other processes' timing on the same GPU
     force: bool = False
 
 
@@ -84,31 +88,16 @@ def _versions(backend) -> dict:
 
 
 def _device_description(backend) -> str:
-    describe = getattr(backend, "describe_device", None)
-    if describe is not None:
-        try:
-            return str(describe())
-        except Exception:  # noqa: BLE001 - informational only
-            pass
-    return f"cpu: {platform.processor() or platform.machine()} ({platform.system()})"
+    try:
+        described = backend.describe_device()
+    except Exception:  # noqa: BLE001 - informational only
+        described = None
+    return str(described) if described else f"cpu: {platform.processor() or platform.machine()} ({platform.system()})"
 
 
 def default_device_profile(backend) -> str:
     """The cost model's device when --device-profile is not given: this CPU for CPU engines, else an H100."""
     return "H100-SXM" if backend.gpu else "CPU"
-
-
-def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
-    from parastream.rewrite.ir import infer
-
-    return infer(model, strict=True)
-
-
-def _shapes_known(model: onnx.ModelProto) -> bool:
-    """Every node output has a static shape in ``model`` (value_info or a graph output): inferred already."""
-    known = {v.name for v in list(model.graph.value_info) + list(model.graph.output)
-             if v.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
-    return all(o in known for n in model.graph.node for o in n.output if o)
 
 
 def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
@@ -129,10 +118,11 @@ def _after_search(model: onnx.ModelProto, graph: gs.Graph, searched: onnx.ModelP
     return searched, graph_of(searched)  # inferred and checked by the search's export (no second inference)
 
 
-def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):
+def _engine_layouts(plan, backend, options: BuildOptions, internal_nhwc: bool = True):
     """``branch -> keyword arguments for builder.build``: the GPU launcher's tensor layout for builders that
-    compile for it (torch: Inductor artifacts or AOTInductor packages), so the engine compiled is the engine loaded; else nothing."""
-    if options.device != "cuda" or "layout" not in inspect.signature(builder.build).parameters:
+    compile for it (``compiles_for_layout``: torch's Inductor artifacts or AOTInductor packages), so the engine
+    compiled is the engine loaded; else nothing."""
+    if options.device != "cuda" or not backend.compiles_for_layout:
         return lambda b: {}
     from parastream.launcher.gpu import engine_layouts
 
@@ -146,14 +136,13 @@ def check_runnable(loaded: LoadedModel, backend, reference: bool) -> None:
     original (the reference); in a child process, since ONNX Runtime may crash on a malformed model."""
     from parastream.launcher.engines import onnxruntime as ort_engines
 
-    checks = [(getattr(backend, "check_model", None), loaded.model)]
+    checks = [(backend.check_model, loaded.model)]
     if reference and backend is not ort_engines:
         checks.append((ort_engines.check_model, loaded.original))
 
     def run_checks():
         for check, model in checks:
-            if check is not None:
-                check(model)
+            check(model)
 
     try:
         in_child(run_checks, what="loading the model into onnxruntime")
@@ -182,33 +171,51 @@ def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
         return verify(original, runner, inputs, **kwargs)
 
 
-#: id(plan) -> (weak reference to the plan, its model, its branches extracted, their bytes): ``branches_of``
-_EXTRACTED: "OrderedDict[int, tuple]" = OrderedDict()
 EXTRACTED_BYTES = 1 << 30  # at most this much of extracted branches kept (an Inception-v4 plan is ~170 MB)
 
 
-def branches_of(model: onnx.ModelProto, graph: gs.Graph, plan) -> list[onnx.ModelProto]:
-    """Each branch of ``plan`` extracted from ``model`` (``extract_branch``), once per plan object while the plan
-    lives: a GPU build compiles a plan's engines in a batch before it writes them, the search prepares a candidate
-    before it loads it, and the timed alternatives rebuild the same plan with other options.  Callers never
-    change the protos they get."""
-    key = id(plan)
-    hit = _EXTRACTED.get(key)
-    if hit is not None and hit[0]() is plan and hit[1] is model:
-        _EXTRACTED.move_to_end(key)
-        return hit[2]
+class BranchCache:
+    """The branches extracted of the plans a build holds, newest last, at most ``max_bytes`` of them: a GPU
+    build compiles a plan's engines in a batch before it writes them, the search prepares a candidate before it
+    loads it, and the timed alternatives rebuild the same plan with other options.  An entry is found by its
+    model (the same object) and its plan's signature (``measure.plan_signature``: the same branches)."""
+
+    def __init__(self, max_bytes: int | None = None):
+        self.max_bytes = EXTRACTED_BYTES if max_bytes is None else max_bytes
+        self.entries: list[tuple[onnx.ModelProto, tuple, list[onnx.ModelProto], int]] = []
+
+    def get(self, model: onnx.ModelProto, plan) -> list[onnx.ModelProto] | None:
+        sig = plan_signature(plan)
+        for i, (m, s, branches, size) in enumerate(self.entries):
+            if m is model and s == sig:
+                self.entries.append(self.entries.pop(i))
+                return branches
+        return None
+
+    def put(self, model: onnx.ModelProto, plan, branches: list[onnx.ModelProto]) -> None:
+        size = sum(b.ByteSize() for b in branches)
+        if size > self.max_bytes:
+            return
+        self.entries.append((model, plan_signature(plan), branches, size))
+        while sum(e[3] for e in self.entries) > self.max_bytes:
+            self.entries.pop(0)
+
+
+def branches_of(model: onnx.ModelProto, graph: gs.Graph, plan, cache: BranchCache | None = None) -> list[onnx.ModelProto]:
+    """Each branch of ``plan`` extracted from ``model`` (``extract_branch``), once per ``cache`` (the build's).
+    Callers never change the protos they get."""
+    hit = cache.get(model, plan) if cache is not None else None
+    if hit is not None:
+        return hit
     out = [extract_branch(model, graph, b) for b in plan.branches]
-    size = sum(b.ByteSize() for b in out)
-    if size <= EXTRACTED_BYTES:
-        _EXTRACTED[key] = (weakref.ref(plan, lambda _: _EXTRACTED.pop(key, None)), model, out, size)
-        while sum(v[3] for v in _EXTRACTED.values()) > EXTRACTED_BYTES:
-            _EXTRACTED.popitem(last=False)
+    if cache is not None:
+        cache.put(model, plan, out)
     return out
 
 
 def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
                    label: str, on_branch=None, internal_nhwc: bool = True, prebuilt: dict | None = None,
-                   model_file: bool = True, sink: dict | None = None) -> dict:
+                   model_file: bool = True, sink: dict | None = None, cache: BranchCache | None = None) -> dict:
     """model.onnx, plan.json and one engine per branch into ``dest``; return the builder's report.
 
     Engines that are compiled for the launcher's tensor layout (torch) are compiled for the layout a
@@ -230,15 +237,14 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
             onnx.save(model, dest / "model.onnx")
         plan.save(dest / "plan.json")
     builder = backend.Builder(options)
-    layouts = _engine_layouts(plan, backend, builder, options, internal_nhwc)
+    layouts = _engine_layouts(plan, backend, options, internal_nhwc)
     try:
-        build_all = getattr(builder, "build_all", None)  # torch: compiles its branches side by side
-        if build_all is not None:
+        if backend.builds_side_by_side:  # torch: compiles its branches side by side
             with _naming_failures(label, backend, None):
-                datas = build_all([(br, b.name, layouts(b).get("layout"))
-                                   for br, b in zip(branches_of(model, graph, plan), plan.branches)])
+                datas = builder.build_all([(br, b.name, layouts(b).get("layout"))
+                                           for br, b in zip(branches_of(model, graph, plan, cache), plan.branches)])
         for i, b in enumerate(plan.branches):
-            if build_all is not None:
+            if backend.builds_side_by_side:
                 data = datas[i]
             else:
                 with _naming_failures(label, backend, b):
@@ -277,44 +283,20 @@ def _engines_loaded(runner) -> dict:
     return {"engines_loaded": len(engines), "engines_compiled_at_load": sum(bool(e.compiled_at_load) for e in engines)}
 
 
+def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
+    """The engine options of a build of ``cfg`` with ``backend`` (manifest.json records them, ``_launcher_options``)."""
+    return BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
+                        workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
+                        strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
+                        profiles={}, torch_artifact=cfg.torch_artifact, inductor_format=cfg.inductor_format,
+                        compile_workers=cfg.compile_workers, gpu_timing_lock=cfg.gpu_timing_lock)
+
+
 def _launcher_options(options: BuildOptions) -> dict:
-    """The builder options a launcher reads back from manifest.json."""
+    """The builder options a launcher reads back from manifest.json (``Bundle.engine_options``)."""
     return {"compile": options.compile, "optimization_level": options.optimization_level,
-            "fuse_conv_relu": options.fuse_conv_relu}
-
-
-def _scratch_launcher(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
-                      internal_nhwc: bool = True):
-    """A GpuLauncher of ``plan`` built like a real bundle in a scratch folder (gone once the engines are loaded)."""
-    import tempfile
-
-    from parastream.launcher.gpu import GpuLauncher
-
-    with tempfile.TemporaryDirectory(prefix="parastream-measure-") as tmp:
-        bundle = _scratch_bundle(Path(tmp), model, graph, plan, backend, options, internal_nhwc)
-        t_built = time.perf_counter()
-        la = GpuLauncher(bundle)
-        la.t_built = t_built  # when its engines were built (the search's measurement log)
-        return la
-
-
-def _compiles_for_layout(backend) -> bool:
-    """Whether the backend's engines are compiled for the launcher's tensor layout and fusion (torch packages)."""
-    build_fn = getattr(getattr(backend, "Builder", None), "build", None)
-    return build_fn is not None and "layout" in inspect.signature(build_fn).parameters
-
-
-def _alternative_launcher(bundle: Bundle, model, graph, plan, backend, options: BuildOptions, *, fuse_conv_relu: bool,
-                          internal_nhwc: bool | None = None):
-    """The bundle loaded with another fusion or boundary layout: engines compiled for a layout (torch packages)
-    are compiled for it in a scratch bundle (side by side, cached: if it wins, the bundle's rewrite hits the
-    cache); other engines load as they are."""
-    from parastream.launcher.gpu import GpuLauncher
-
-    if _compiles_for_layout(backend):
-        return _scratch_launcher(model, graph, plan, backend, replace(options, fuse_conv_relu=fuse_conv_relu),
-                                 internal_nhwc is not False)
-    return GpuLauncher(bundle, fuse_conv_relu=fuse_conv_relu, internal_nhwc=internal_nhwc)
+            "fuse_conv_relu": options.fuse_conv_relu, "torch_artifact": options.torch_artifact,
+            "inductor_format": options.inductor_format}
 
 
 def _record_measured_streams(streams_tried: list[dict], sched: Schedule) -> None:
@@ -325,163 +307,6 @@ def _record_measured_streams(streams_tried: list[dict], sched: Schedule) -> None
     for t in streams_tried:
         t["chosen"] = False
     streams_tried.append({"streams": sched.num_streams, "engines": len(sched.branches), "chosen": True, "measured": True})
-
-
-def _alternative_plans(model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions, cost_model,
-                       *, named: bool = False) -> list[tuple]:
-    """The engines ``time_alternatives`` will load besides the plan's own, as (model, graph, plan, options,
-    internal_nhwc), guessed before it runs: the first round's choice is unknown, so the later rounds are
-    taken with the fusion as it is (a choice that goes the other way compiles its engines then).  ``named``:
-    (round, that tuple) each, the round as ``time_alternatives`` names it."""
-    torch_engines = backend.name == "torch"
-    fused = bool(options.fuse_conv_relu and torch_engines)
-    out = []
-    if fused and _has_conv_relu(model):
-        out.append(("conv+ReLU", (model, graph, plan, replace(options, fuse_conv_relu=False), True)))
-    out.append(("boundary layout", (model, graph, plan, options, False)))
-    if plan.num_streams > 1:
-        out.append(("streams", (model, graph, _one_engine_plan(graph, plan, backend, cost_model), options, True)))
-    return out if named else [alt for _, alt in out]
-
-
-def _round_labels(what: str, plan) -> tuple[str, str]:
-    """What a round of ``time_alternatives`` races: (the plan as it is, the alternative)."""
-    return {"conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
-            "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
-            "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
-
-
-def _race(rounds: list[dict], what: str, current, other, plan, runs: int, since: float) -> bool:
-    """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
-    replays; the round goes into ``rounds`` (``load_s``: the seconds since ``since``, building and loading
-    ``other``); True when ``other`` was faster."""
-    from parastream.launcher.bench import measure as time_replays
-
-    keys = _round_labels(what, plan)
-    t0 = time.perf_counter()
-    times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10)
-    ms = {k: float(np.median(v)) for k, v in times.items()}
-    won = ms[keys[1]] < ms[keys[0]]
-    rounds.append({"choice": what, "timed_ms": ms, "won": keys[1] if won else keys[0],
-                   "load_s": round(t0 - since, 3), "timed_s": round(time.perf_counter() - t0, 3)})
-    return won
-
-
-def _plan_signature(plan) -> tuple:
-    """What makes two plans load the same engines in the same order on the same streams (not the cost model's
-    per-branch estimates)."""
-    return (plan.backend, plan.precision, plan.num_streams,
-            tuple((b.name, b.stream, tuple(b.nodes), tuple(b.inputs), tuple(b.outputs), tuple(b.waits), b.concat_axis)
-                  for b in plan.branches),
-            tuple(sorted((n, str(t)) for n, t in plan.tensors.items())))
-
-
-def _one_engine_plan(graph: gs.Graph, plan, backend, cost_model):
-    """``plan``'s graph as one engine on one stream (the rival ``time_alternatives`` times a multi-stream plan against)."""
-    sched1, _ = plan_streams(graph, cost_model, 1, 1)
-    return make_plan(graph, sched1, backend=plan.backend, precision=plan.precision, suffix=backend.suffix,
-                     inputs=plan.inputs, outputs=plan.outputs)
-
-
-def precompile_plans(backend, plans: list[tuple], background: bool = False, cancellable: bool = True) -> dict | None:
-    """Compile the engines of several plans ((model, graph, plan, options, internal_nhwc) each) in one batch of the
-    backend's compile workers (torch: ``precompile``); the engine writes that follow are cache hits (or wait for
-    the branch, when ``background`` left it compiling).  None when the backend compiles nothing for a layout."""
-    precompile = getattr(backend, "precompile", None)
-    if precompile is None or not _compiles_for_layout(backend):
-        return None
-    batches = []
-    for model, graph, plan, options, nhwc in plans:
-        builder = backend.Builder(options)
-        layouts = _engine_layouts(plan, backend, builder, options, nhwc)
-        batches.append((builder, [(br, b.name, layouts(b).get("layout"))
-                                  for br, b in zip(branches_of(model, graph, plan), plan.branches)]))
-    if not background:  # the plain call: all a backend's ``precompile`` must take
-        return precompile(batches)
-    return precompile(batches, background=True, cancellable=cancellable)
-
-
-def _has_conv_relu(model: onnx.ModelProto) -> bool:
-    readers: dict[str, list[str]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n.op_type)
-    return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
-
-
-def time_alternatives(tmp: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
-                      cost_model, *, runs: int) -> dict | None:
-    """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
-
-    The bundle written in ``tmp`` is timed on the GPU against what the build could have shipped instead,
-    one choice at a time, each round in alternating blocks of CUDA-event timed replays (launcher.bench.measure):
-    (1) torch engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last against contiguous
-    internal boundaries, (3) the plan against one engine for the whole model (when the plan has several
-    streams).  Returns {"rounds": [...], "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of
-    each round, or None when there is no GPU or nothing to choose.
-    """
-    if not getattr(backend, "gpu", False):
-        return None
-    from parastream.launcher import cuda_device_count
-
-    if cuda_device_count() < 1:
-        return None
-    from parastream.launcher.gpu import GpuLauncher
-
-    bundle = Bundle.open(tmp, check_hashes=False)
-    torch_engines = backend.name == "torch"
-    chosen = {"fuse_conv_relu": bool(options.fuse_conv_relu and torch_engines), "internal_nhwc": True, "one_engine": False}
-    rounds: list[dict] = []
-    since = time.perf_counter()  # a round's load_s: building and loading its alternative (the first: the bundle too)
-
-    def race(what: str, current, other) -> bool:
-        nonlocal since
-        won = _race(rounds, what, current, other, plan, runs, since)
-        since = time.perf_counter()
-        return won
-
-    current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
-    try:
-        if torch_engines and chosen["fuse_conv_relu"] and _has_conv_relu(model):
-            other = _alternative_launcher(bundle, model, graph, plan, backend, options, fuse_conv_relu=False)
-            if race("conv+ReLU", current, other):
-                current, other, chosen["fuse_conv_relu"] = other, current, False
-            other.close()
-        if current.nhwc:
-            other = _alternative_launcher(bundle, model, graph, plan, backend, options,
-                                          fuse_conv_relu=chosen["fuse_conv_relu"], internal_nhwc=False)
-            if race("boundary layout", current, other):
-                current, other, chosen["internal_nhwc"] = other, current, False
-            other.close()
-        if plan.num_streams > 1:
-            plan1 = _one_engine_plan(graph, plan, backend, cost_model)
-            opts1 = BuildOptions(**{**asdict(options), "fuse_conv_relu": chosen["fuse_conv_relu"]})
-            other = _scratch_launcher(model, graph, plan1, backend, opts1)
-            if race("streams", current, other):
-                chosen["one_engine"] = True
-            other.close()
-    finally:
-        current.close()
-    if not rounds:
-        return None
-    return dict(chosen, rounds=rounds, runs=runs)
-
-
-def _measure_alternatives(tmp: Path, model, graph, plan, backend, options: BuildOptions, cost_model, cfg: BuildConfig,
-                          loaded: LoadedModel) -> dict | None:
-    """``time_alternatives`` on the engines just written to ``tmp``; the options it chose go into ``options``."""
-    (tmp / "report.json").write_text("{}")
-    write_manifest(tmp, {"backend": backend.name, "precision": cfg.precision, "options": _launcher_options(options)})
-    measured = time_alternatives(tmp, model, graph, plan, backend, options, cost_model, runs=cfg.measure_runs)
-    if measured:
-        options.fuse_conv_relu = measured["fuse_conv_relu"]
-    return measured
-
-
-def _compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
-    """Whether the engines just written were compiled (torch packages) for a fusion or boundary layout that the
-    measurement did not choose: they are compiled again for the choice, so that what ships is what loads."""
-    return _compiles_for_layout(backend) and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"])
 
 
 @dataclass
@@ -495,352 +320,66 @@ class _ScratchBundle(Bundle):
         return self.engines[branch.engine]
 
 
-def _scratch_bundle(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, backend, options: BuildOptions,
-                    internal_nhwc: bool = True) -> Bundle:
-    """A bundle of ``plan`` to load and time: its plan and engines only, in memory (no model.onnx, report or
-    hashes: a launcher reads none of them); ``dest`` is the folder its engine paths are named under."""
-    engines: dict = {}
-    _write_engines(dest, model, graph, plan, backend, options, "candidate", internal_nhwc=internal_nhwc, sink=engines)
-    return _ScratchBundle(path=dest, manifest={"backend": backend.name, "precision": plan.precision,
-                                               "options": dict(_launcher_options(options), internal_nhwc=internal_nhwc)},
-                          plan=plan, report={}, engines=engines)
-
-
-CPU_MARGIN = 0.05  # a timed CPU alternative replaces the default only when at least this much faster (and beyond the spread)
-CPU_BUSY_SHARE = 0.25  # ... and only when other processes used at most this share of the cores while it was timed
-CPU_LOAD_PROBE_S = 0.3  # how long the CPU build looks at the machine's load before it builds alternatives to time
-
-
 @dataclass
-class CpuAlternative:
-    name: str
-    model: onnx.ModelProto
-    graph: gs.Graph
-    sched: Schedule
-    threads: int  # intra-op threads per session (0: onnxruntime's default, every core)
+class Engines:
+    """Plans, builds and loads engines for one build: the bundle's and the variants measurement times
+    (``measure.EngineMaker``); owns the build's cache of extracted branches."""
 
+    backend: object
+    cost_model: object
+    loaded: LoadedModel
+    precision: str
+    branches: BranchCache = field(default_factory=lambda: BranchCache())
 
-def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, cost_model,
-                     cfg: "BuildConfig", rewritten: bool) -> list[CpuAlternative]:
-    """What a CPU build can ship, the DEFAULT first: the loaded model as one onnxruntime session with every core
-    (plain onnxruntime, which a bundle must never be slower than), then the rewritten model as one session, the
-    multi-stream plan the cost model scheduled with the cores shared out among its streams, and with every core
-    per session.  ``--streams`` given: only the plan's thread counts (the shared one the default).  ``rewritten``
-    False (the search changed nothing): the rewritten model is the loaded one, not timed twice.  A rewrite or a
-    plan replaces plain onnxruntime only by being timed faster (``decide_by_timing``)."""
-    import os
+    def plan_of_schedule(self, graph: gs.Graph, sched: Schedule):
+        return make_plan(graph, sched, backend=self.backend.name, precision=self.precision, suffix=self.backend.suffix,
+                         inputs=self.loaded.inputs, outputs=self.loaded.outputs)
 
-    cores = os.cpu_count() or 1
-    plans: list[CpuAlternative] = []
-    if sched.num_streams > 1 or cfg.streams:
-        shared = max(1, cores // sched.num_streams) if sched.num_streams > 1 else 0
-        for threads in dict.fromkeys([shared, 0]):
-            plans.append(CpuAlternative(f"plan: {sched.num_streams} streams, {len(sched.branches)} sessions, "
-                                        f"{threads or cores} threads each", model, graph, sched, threads))
-    whole: list[CpuAlternative] = []
-    if not cfg.streams:
-        for name, m in (("rewritten model, one session", model), ("original model, one session", loaded.model)):
-            if name.startswith("rewritten") and (m is loaded.model or not rewritten):
-                continue
-            g = graph if m is model else loaded.graph  # the loader's graph of the loaded model
-            whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
-    # plain onnxruntime (the original, one session) first when it is an alternative: it is the default
-    return whole[::-1] + plans
+    def plan(self, graph: gs.Graph, streams: int | None, max_streams: int):
+        """``graph`` scheduled on ``streams`` (else the count ``choose_streams`` estimates best) and planned."""
+        return self.plan_of_schedule(graph, plan_streams(graph, self.cost_model, streams, max_streams)[0])
 
+    def one_engine_plan(self, graph: gs.Graph, plan):
+        """``plan``'s graph as one engine on one stream (the rival ``time_alternatives`` times a multi-stream plan against)."""
+        return make_plan(graph, plan_streams(graph, self.cost_model, 1, 1)[0], backend=plan.backend,
+                         precision=plan.precision, suffix=self.backend.suffix, inputs=plan.inputs, outputs=plan.outputs)
 
-def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: float = CPU_MARGIN) -> tuple[str, list[dict]]:
-    """The alternative to keep from timed calls: ``order[0]`` (the default) unless another is faster by a clear
-    margin.  The alternatives are taken in order; one replaces the current choice when its median is below the
-    current's by more than the margin: the larger of ``floor`` and the spread of either (interquartile range /
-    median of its calls), so that a difference within the noise of a loaded machine never flips the bundle.
-    Returns (chosen, one row per alternative: median, quartiles, spread, calls, margin it needed, won)."""
-    stats = {}
-    for name in order:
-        t = np.asarray(times[name], dtype=float)
-        q25, med, q75 = (float(x) for x in np.percentile(t, [25, 50, 75]))
-        stats[name] = {"median_ms": med * 1e3, "p25_ms": q25 * 1e3, "p75_ms": q75 * 1e3,
-                       "spread": (q75 - q25) / med if med > 0 else 0.0, "calls": int(t.size)}
-    current = order[0]
-    for name in order[1:]:
-        margin = max(floor, stats[current]["spread"], stats[name]["spread"])
-        stats[name]["margin_needed"] = margin
-        stats[name]["against"] = current
-        if stats[name]["median_ms"] < stats[current]["median_ms"] * (1.0 - margin):
-            current = name
-    return current, [dict(alternative=n, **stats[n], chosen=n == current) for n in order]
+    def manifest_of(self, v: Variant) -> dict:
+        """What a launcher reads of manifest.json to load ``v``'s engines."""
+        return {"backend": self.backend.name, "precision": v.plan.precision,
+                "options": dict(_launcher_options(v.options), internal_nhwc=v.internal_nhwc)}
 
+    def write(self, dest: Path, v: Variant, label: str, *, model_file: bool = True, **kw) -> dict:
+        """model.onnx (``model_file``), plan.json and one engine per branch of ``v`` into ``dest`` (``_write_engines``)."""
+        return _write_engines(dest, v.model, v.graph, v.plan, self.backend, v.options, label,
+                              internal_nhwc=v.internal_nhwc, model_file=model_file, cache=self.branches, **kw)
 
-CPU_INTERLEAVE_BYTES = 256 << 20  # alternatives whose sessions' engines together are larger are timed one at a time
+    def launcher(self, v: Variant):
+        """A GpuLauncher of ``v`` built like a real bundle, its engines in memory (paths named under a scratch folder)."""
+        from parastream.launcher.gpu import GpuLauncher
 
-
-def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
-                           options: BuildOptions, cost_model, cfg: "BuildConfig", scratch: Path, rewritten: bool = True):
-    """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
-    candidates, and keep the default (plain onnxruntime) unless another is faster beyond the noise
-    (``decide_by_timing``) on a machine that other processes left to the build (``OthersLoad``: at most
-    ``CPU_BUSY_SHARE`` of the cores used by others while it was timed): the same command gives the same
-    bundle on a loaded and on an idle machine unless an alternative wins clearly where it can be timed.
-
-    They are loaded together and timed in alternating blocks on the same random input (``race_calls``: at most
-    ``cfg.cpu_runs`` calls each; one clearly behind stops early), so that a change in the machine's load falls on
-    all of them alike; when their engines together pass ``CPU_INTERLEAVE_BYTES`` (a large model: every session
-    holds its own weights), one at a time instead, to bound the build's memory.  Each distinct model and schedule
-    is built once, in ``scratch`` (the caller's folder; the plan's two thread counts share their engines), and the
-    engines of the one kept are handed back as files there, so that the bundle copies rather than builds them.
-
-    Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (file, builder report)}).
-    """
-    import os
-
-    from parastream.launcher import cpu as cpu_launcher
-
-    cores = os.cpu_count() or 1
-    alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, cfg, rewritten)
-    report = {"runs": cfg.cpu_runs, "cores": cores, "default": alternatives[0].name, "timed": []}
-    built: dict[tuple, tuple[Bundle, dict]] = {}
-    busy_before = None
-    if len(alternatives) > 1:
-        # a machine that others keep busy now cannot replace the default by timing (below): not built, not timed
-        with cpu_launcher.OthersLoad() as probe:
-            time.sleep(CPU_LOAD_PROBE_S)
-        if probe.share is not None and probe.share > CPU_BUSY_SHARE:
-            busy_before = probe.share
-            alternatives = alternatives[:1]
-
-    def key(alt: CpuAlternative) -> tuple:
-        return (id(alt.model), alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
-
-    for alt in alternatives:
-        if key(alt) not in built:  # checked by the builder only when no launcher loads it (to time or verify it)
-            built[key(alt)] = _cpu_scratch_bundle(scratch / str(len(built)), alt, backend, options, loaded, cfg,
-                                                  check=len(alternatives) == 1 and not cfg.verify)
-    if busy_before is not None:
-        chosen = alternatives[0].name
-        report.update(chosen=chosen, others_cpu_share=busy_before,
-                      decision=(f"the default, not timed: other processes used {busy_before:.0%} of the cores (more than "
-                                f"{CPU_BUSY_SHARE:.0%}); a loaded machine's timings do not replace it"))
-    elif len(alternatives) == 1:
-        chosen = alternatives[0].name
-        report.update(chosen=chosen, decision="one alternative: nothing to time")
-    else:
-        engine_bytes = {k: sum(f.stat().st_size for f in (b.path / "engines").iterdir()) for k, (b, _) in built.items()}
-        size = sum(engine_bytes[key(a)] for a in alternatives)  # each alternative's launcher loads its own sessions
-        together = size <= CPU_INTERLEAVE_BYTES
-        feeds = cpu_launcher.random_feeds(loaded.inputs, seed=cfg.seed)
-        groups = [alternatives] if together else [[a] for a in alternatives]
-        times: dict = {}
-        shares = []
-        for group in groups:
-            runners = {}
-            try:
-                for alt in group:
-                    runners[alt.name] = cpu_launcher.CpuLauncher(built[key(alt)][0], threads_per_engine=alt.threads)
-                with cpu_launcher.OthersLoad() as others:
-                    times.update(cpu_launcher.race_calls(runners, feeds, runs=cfg.cpu_runs, behind=2 * CPU_MARGIN))
-                shares.append(others.share)
-            finally:
-                for r in runners.values():
-                    r.close()
-                runners.clear()  # their sessions (and weights) go now, not with the next group's
-        chosen, rows = decide_by_timing(times, [a.name for a in alternatives])
-        for alt, row in zip(alternatives, rows):
-            row.update(streams=alt.sched.num_streams, sessions=len(alt.sched.branches), threads=alt.threads or cores)
-        share = max((x for x in shares if x is not None), default=None)
-        busy = share is not None and share > CPU_BUSY_SHARE
-        if chosen == alternatives[0].name:
-            decision = "the default: no alternative was timed faster beyond the noise"
-        elif busy:
-            decision = (f"the default: {chosen} was timed faster, but other processes used {share:.0%} of the cores "
-                        f"meanwhile (more than {CPU_BUSY_SHARE:.0%}): a loaded machine's timings do not replace it")
-            chosen = alternatives[0].name
-            for row in rows:
-                row["chosen"] = row["alternative"] == chosen
-        else:
-            decision = f"timed faster than the default ({alternatives[0].name}) beyond the noise"
-        report.update(timed=rows, chosen=chosen, margin=f"max({CPU_MARGIN:.0%}, interquartile spread of either)",
-                      others_cpu_share=share, decision=decision,
-                      loaded=("together, alternating blocks" if together else
-                              f"one at a time (their engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"))
-    best = next(a for a in alternatives if a.name == chosen)
-    kept, best_report = built[key(best)]
-    engines = {b.name: (kept.engine_path(b), best_report.get(b.name)) for b in kept.plan.branches}
-    return best.model, best.graph, best.sched, best.threads, report, engines
-
-
-def _cpu_scratch_bundle(dest: Path, alt: CpuAlternative, backend, options: BuildOptions, loaded: LoadedModel,
-                        cfg: "BuildConfig", check: bool) -> tuple[Bundle, dict]:
-    """The engines of ``alt`` in ``dest``, opened as a bundle to time, with its builder's report (per branch).
-    No model.onnx, report or hashed manifest: only the launcher reads it, and only its plan and engines."""
-    dest.mkdir()
-    plan = make_plan(alt.graph, alt.sched, backend=backend.name, precision=cfg.precision, suffix=backend.suffix,
-                     inputs=loaded.inputs, outputs=loaded.outputs)
-    # check False: the launcher that times it loads every engine next (its errors name the node there)
-    rep = _write_engines(dest, alt.model, alt.graph, plan, backend, replace(options, check=check), "candidate",
-                         model_file=False)
-    return Bundle(path=dest, manifest={"backend": backend.name, "precision": plan.precision,
-                                       "options": _launcher_options(options)}, plan=plan, report={}), rep
-
-
-def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel, *, streams: int | None, max_streams: int,
-                precision: str, budget_s: float, runs: int = 100, warmup: int = 10):
-    """``measure(model) -> seconds`` for the rewrite search: schedule, build and load the candidate like a
-    real bundle (in a scratch folder), replay its CUDA Graph and return the median latency.
-
-    The first model measured (the search measures its input first) stays loaded as the reference; every
-    later candidate is timed in alternating blocks with it, and its time is scaled by the reference's
-    first median, so that clock changes between measurements do not decide.  ``measure.close()`` frees
-    the reference.  None when the backend has no GPU engines or no GPU is present.  The first two models
-    (the input and the cost model's best candidate) are always measured, so that a slow load can never
-    leave the decision without a rival; after those, once ``budget_s`` is spent, further candidates raise
-    MeasureBudgetSpent (the search decides among those measured).
-    """
-    if not getattr(backend, "gpu", False):
-        return None
-    from parastream.launcher import cuda_device_count
-
-    if cuda_device_count() < 1:
-        return None
-
-    t_made = time.perf_counter()
-    deadline = t_made + budget_s
-    ref: dict = {}
-    calls = [0]  # models asked for so far (the first two are measured whatever the budget)
-    planned: dict[int, tuple] = {}  # id(model) -> (model, graph, plan): ``prepare`` plans what ``load`` loads
-
-    def plan_of(model: onnx.ModelProto) -> tuple:
-        got = planned.get(id(model))
-        if got is not None and got[0] is model:
-            return got[1:]
-        if model is loaded.model:  # the search measures its input first: the loader's graph
-            m, graph = model, loaded.graph
-        else:  # the search's exports are shape-inferred and checked already (as in ``_after_search``)
-            m = model if _shapes_known(model) else _infer(model)
-            graph = graph_of(m)
-        sched, _ = plan_streams(graph, cost_model, streams, max_streams)
-        plan = make_plan(graph, sched, backend=backend.name, precision=precision, suffix=backend.suffix,
-                         inputs=loaded.inputs, outputs=loaded.outputs)
-        planned[id(model)] = (model, m, graph, plan)
-        return m, graph, plan
-
-    planned_alternatives: list = []  # queued once, with the input
-    log: list[dict] = []  # per model measured: when it started (s after this measurer was made) and its steps
-
-    def load(model: onnx.ModelProto):
-        from parastream.launcher.gpu import load_phases
-
-        t_plan = time.perf_counter()
-        m, graph, plan = plan_of(model)
-        t0 = time.perf_counter()
-        la = _scratch_launcher(m, graph, plan, backend, options)
-        planned.pop(id(model), None)  # measured once: its plan (and its extracted branches) can go
-        log[-1].update(build_s=round(la.t_built - t0, 3), load_s=round(time.perf_counter() - la.t_built, 3),
-                       plan_s=round(t0 - t_plan, 3), load_phases_s=load_phases(la))
+        engines: dict = {}
+        dest = Path(tempfile.gettempdir()) / "parastream-measure-engines"  # named only: nothing is written there
+        self.write(dest, v, "candidate", sink=engines)
+        bundle = _ScratchBundle(path=dest, manifest=self.manifest_of(v), plan=v.plan, report={}, engines=engines)
+        t_built = time.perf_counter()
+        la = GpuLauncher(bundle)
+        la.t_built = t_built  # when its engines were built (the search's measurement log)
         return la
 
-    prepared: set[int] = set()  # ids of the models prepared (the build prepares the input before the search runs)
-
-    def prepare(models: list[onnx.ModelProto]) -> dict | None:
-        """Start compiling the engines of the next models the search will measure (``measure.lookahead`` ahead,
-        in the order it measures them), on every compile worker in the background: a candidate is measured as
-        soon as its own engines are compiled while the workers go on with the next ones, and the budget's end
-        cancels what has not started.  With the first call (the input first) the alternatives the build will
-        time if it keeps the input are queued too, and kept."""
-        models = [m for m in models if id(m) not in prepared]
-        if not models:
+    def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True) -> dict | None:
+        """Compile the engines of several variants in one batch of the backend's compile workers (``precompile``);
+        the engine writes that follow are cache hits (or wait for the branch, when ``background`` left it
+        compiling).  None when the backend compiles nothing for a layout."""
+        if not self.backend.compiles_for_layout:
             return None
-        prepared.update(id(m) for m in models)
-        plans = [(*plan_of(m), options, True) for m in models]
-        got = precompile_plans(backend, plans, background=True)
-        if got is not None:
-            got.pop("keys", None)
-        if not planned_alternatives and plans and got is not None and got.get("background") is True:
-            planned_alternatives.append(True)
-            named = _alternative_plans(plans[0][0], plans[0][1], plans[0][2], backend, options, cost_model, named=True)
-            alt = precompile_plans(backend, [a for _, a in named], background=True, cancellable=False)
-            keys = alt.pop("keys", None) if alt else None
-            if keys is not None and len(keys) == len(named) and models[0] is loaded.model:
-                # the input's: timed against it during the search once their engines are in (``time_ready``)
-                early.update(plan=plans[0][2], rounds=[], todo=[(what, a, k) for (what, a), k in zip(named, keys)])
-            got["alternatives"] = alt
-        return got
-
-    early: dict = {}  # the input's alternatives: its plan, the rounds timed, the rest (round, plan tuple, cache keys)
-
-    def time_ready(wait: bool = False) -> None:
-        """Time the input's alternatives whose engines are compiled against the input (the reference launcher),
-        in ``time_alternatives``'s order, while the search goes on: the build then need not load and time them
-        after the search, nor wait for their compiles at its end.  ``wait``: the rest too, waiting for their
-        compiles.  A round the alternative wins changes what the later rounds race (the bundle's fusion or
-        layout); the build then times them after the search, as for a rewrite chosen."""
-        while early.get("todo") and "launcher" in ref and not early.get("stopped"):
-            what, (m, graph, plan, opts, nhwc), keys = early["todo"][0]
-            if not wait and backend.compiling(keys):
-                return
-            early["todo"].pop(0)
-            t0 = time.perf_counter()
-            try:
-                other = _scratch_launcher(m, graph, plan, backend, opts, nhwc)
-                try:
-                    won = _race(early["rounds"], what, ref["launcher"], other, early["plan"], runs, t0)
-                finally:
-                    other.close()
-            except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
-                early["stopped"] = f"{what}: {type(e).__name__}: {e}"
-                return
-            early["rounds"][-1]["started_s"] = round(t0 - t_made, 3)
-            if won and what != "streams":
-                early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
-
-    def alternatives_timed() -> dict | None:
-        """``time_alternatives``'s result for the input's plan from the rounds timed during the search (the rest
-        timed now), with that ``plan``; None when they could not all be timed against it."""
-        if not early:
-            return None
-        time_ready(wait=True)
-        if early.get("todo") or early.get("stopped") or not early.get("rounds"):
-            return None
-        one = any(r["choice"] == "streams" and r["won"] == _round_labels("streams", early["plan"])[1]
-                  for r in early["rounds"])
-        return {"fuse_conv_relu": bool(options.fuse_conv_relu and backend.name == "torch"), "internal_nhwc": True,
-                "one_engine": one, "rounds": early["rounds"], "runs": runs, "timed": "during the search",
-                "plan": early["plan"]}
-
-    def measure(model: onnx.ModelProto) -> float:
-        from parastream.launcher.bench import measure as time_replays
-
-        t_called = time.perf_counter()
-        time_ready()  # the input's alternatives whose engines are in, before the next candidate
-        if calls[0] >= 2 and time.perf_counter() > deadline:
-            raise MeasureBudgetSpent(f"measurement budget of {budget_s:.0f} s spent")
-        calls[0] += 1
-        log.append({"start_s": round(time.perf_counter() - t_made, 3), "called_s": round(t_called - t_made, 3)})
-        la = load(model)
-        t0 = time.perf_counter()
-        if not ref:
-            ms = float(np.median(time_replays({"candidate": la}, runs=runs, warmup=warmup)["candidate"]))
-            ref.update(launcher=la, ms=ms)
-            log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
-            return ms / 1e3
-        try:
-            times = time_replays({"reference": ref["launcher"], "candidate": la}, runs=runs, warmup=warmup)
-        finally:
-            la.close()
-        log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
-        return float(np.median(times["candidate"]) / np.median(times["reference"]) * ref["ms"]) / 1e3
-
-    def close() -> None:
-        cancel = getattr(backend, "cancel_precompile", None)
-        if cancel is not None:  # what ``prepare`` queued and no measurement needs any more
-            cancel()
-        if "launcher" in ref:
-            ref.pop("launcher").close()
-
-    measure.close = close
-    measure.prepare = prepare
-    measure.alternatives_timed = alternatives_timed
-    measure.lookahead = 4  # models prepared ahead of the one measured (their compiles overlap its measurement)
-    measure.log = log
-    return measure
+        batches = []
+        for v in variants:
+            builder = self.backend.Builder(v.options)
+            layouts = _engine_layouts(v.plan, self.backend, v.options, v.internal_nhwc)
+            batches.append((builder, [(br, b.name, layouts(b).get("layout"))
+                                      for br, b in zip(branches_of(v.model, v.graph, v.plan, self.branches), v.plan.branches)]))
+        return self.backend.precompile(batches, background=background, cancellable=cancellable)
 
 
 class _Progress:
@@ -921,24 +460,28 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
 
 
 def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, list[int]], stage, *,
-                 measure_search: bool = True) -> Bundle:
+                 measure_search: bool = True, final: bool = True) -> "Bundle | _Build":
     """The build's stages for static ``shapes``, written into the folder ``stage()`` yields; return it opened.
 
     ``measure_search`` False: the rewrite search decides by the cost model even on a GPU (the buckets of a
-    dynamic-batch build other than the one at OPT)."""
+    dynamic-batch build other than the one at OPT).  ``final`` False: the verified build's state, its report
+    and manifest complete but not written over the staging ones (a dynamic-batch build adds its buckets to them
+    and writes them once, ``buckets.build_buckets``)."""
     b = load_and_check(model_path, cfg, backend, bar, shapes)
     rewrite_search(b, measure=measure_search)
     schedule_streams(b)
     with contextlib.ExitStack() as scratch:  # the CPU alternatives' engines, until the bundle has copied the kept one's
         time_cpu_alternatives(b, scratch)
-        partition(b)
+        with b.timed("plan"):
+            partition(b)
         with stage() as tmp:  # build(): staging, renamed to OUT at the end of the block, removed on any error
             build_engines(b, tmp)
             scratch.close()
             time_gpu_alternatives(b, tmp)
-            write_report(b, tmp)
+            with b.timed("write"):
+                write_report(b, tmp)
             verify_bundle(b, tmp)
-            return finish(b, tmp)
+            return finish(b, tmp) if final else complete(b)
 
 
 @dataclass
@@ -967,16 +510,25 @@ class _Build:
     plan: object = None
     engines_report: dict | None = None
     measured: dict | None = None
-    timed_alternatives: dict | None = None  # the input's alternatives timed during the search (``gpu_measure``)
+    timed_alternatives: dict | None = None  # the input's alternatives timed during the search (``GpuMeasurer``)
     precompiled: dict | None = None  # the engines of the plan and its timed alternatives compiled in one batch
     report: dict | None = None
     manifest: dict | None = None
+    engines: Engines | None = None  # plans, builds and loads engines (the bundle's and those measurement times)
+
+    def __post_init__(self):
+        if self.engines is None:
+            self.engines = Engines(self.backend, self.cost_model, self.loaded, self.cfg.precision)
 
     @contextlib.contextmanager
     def timed(self, stage: str):
         t0 = time.perf_counter()
         yield
         self.timings[stage] = time.perf_counter() - t0
+
+    def stage_seconds(self) -> dict[str, float]:
+        """Seconds per stage run so far, in the order they ran (``timings`` less the total)."""
+        return {k: round(v, 3) for k, v in self.timings.items() if k != "total"}
 
     def make_plan(self) -> None:
         from parastream.rewrite.cost import node_flops_bytes
@@ -990,14 +542,10 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     """Load the model at ``shapes`` (one graph from here to the plan), check that the backend can run it, and set
     up the cost model and engine options."""
     t0 = time.perf_counter()
-    options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
-                           workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
-                           strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
-                           profiles={})
+    options = engine_options(cfg, backend)
     loaded: LoadedModel = load_model(model_path, shapes)
-    start_workers = getattr(backend, "start_workers", None)
-    if start_workers is not None:  # torch on a GPU: its compile workers start while the model is checked and planned
-        start_workers(options)
+    if backend.background_compiles:  # torch on a GPU: its compile workers start while the model is checked and planned
+        backend.start_workers(options)
     check_runnable(loaded, backend, cfg.verify)
     bar.step("load and check").advance()
     from parastream.rewrite.cost import RooflineCostModel
@@ -1024,9 +572,9 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
         measurer = None
         if cfg.measure and measure:
-            measurer = gpu_measure(b.backend, b.options, b.cost_model, b.loaded, streams=cfg.streams,
-                                   max_streams=cfg.max_streams, precision=cfg.precision, budget_s=cfg.measure_seconds,
-                                   runs=cfg.measure_runs)
+            measurer = GpuMeasurer.for_build(b.engines, b.options, b.loaded, streams=cfg.streams,
+                                             max_streams=cfg.max_streams, budget_s=cfg.measure_seconds,
+                                             runs=cfg.measure_runs)
         before = None
         if measurer is not None:  # the search measures its input first: its engines compile while the search runs
             try:
@@ -1071,7 +619,8 @@ def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
         folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="parastream-cpu-")))
         with running_errors(b.loaded.path, b.loaded.model, "to time the CPU alternatives"):
             b.model, b.graph, b.sched, b.cpu_threads, b.cpu_choice, b.prebuilt = choose_cpu_alternative(
-                b.loaded, b.model, b.graph, b.sched, b.backend, b.options, b.cost_model, b.cfg, folder,
+                b.engines, b.loaded, b.model, b.graph, b.sched, b.options, b.cost_model, streams=b.cfg.streams,
+                runs=b.cfg.cpu_runs, seed=b.cfg.seed, verify=b.cfg.verify, scratch=folder,
                 rewritten=bool(b.search_report.get("rules_chosen")))
         _record_measured_streams(b.streams_tried, b.sched)
         task.advance()
@@ -1087,14 +636,15 @@ def build_engines(b: _Build, tmp: Path) -> None:
     """One engine per branch, written into the staging folder."""
     with b.timed("engines"):
         task = b.bar.step(f"build {len(b.plan.branches)} {b.backend.name} engines", total=len(b.plan.branches))
-        if b.timed_alternatives is not None and _plan_signature(b.timed_alternatives["plan"]) != _plan_signature(b.plan):
+        if b.timed_alternatives is not None and plan_signature(b.timed_alternatives["plan"]) != plan_signature(b.plan):
             b.timed_alternatives = None  # timed for another plan than this one: timed again below
+        shipped = Variant(b.model, b.graph, b.plan, b.options)
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
-            alternatives = [] if b.timed_alternatives is not None else _alternative_plans(
-                b.model, b.graph, b.plan, b.backend, b.options, b.cost_model)
-            b.precompiled = precompile_plans(b.backend, [(b.model, b.graph, b.plan, b.options, True)] + alternatives)
-        b.engines_report = _write_engines(tmp, b.model, b.graph, b.plan, b.backend, b.options, str(b.loaded.path),
-                                          task.advance, prebuilt=b.prebuilt)
+            alternatives = [] if b.timed_alternatives is not None else [
+                v for _, v in alternative_variants(b.engines, shipped)]
+            b.precompiled = b.engines.precompile([shipped] + alternatives)
+        b.engines_report = b.engines.write(tmp, shipped, str(b.loaded.path), on_branch=task.advance,
+                                           prebuilt=b.prebuilt)
         b.prebuilt = None
 
 
@@ -1110,24 +660,26 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
         if b.timed_alternatives is not None:  # timed against this plan's engines during the search
             measured = {k: v for k, v in b.timed_alternatives.items() if k != "plan"}
             b.options.fuse_conv_relu = measured["fuse_conv_relu"]
-        else:
-            measured = _measure_alternatives(tmp, b.model, b.graph, b.plan, b.backend, b.options, b.cost_model, cfg,
-                                             b.loaded)
+        else:  # the bundle as written, loaded from ``tmp`` (its manifest is written after this stage)
+            shipped = Variant(b.model, b.graph, b.plan, b.options)
+            bundle = Bundle(path=tmp, manifest=b.engines.manifest_of(shipped), plan=b.plan, report={})
+            measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs)
+            if measured:
+                b.options.fuse_conv_relu = measured["fuse_conv_relu"]
         b.measured = measured
-        if measured and (measured["one_engine"] or _compiled_for_other_choices(b.backend, fused, measured)):
+        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured)):
             if measured["one_engine"]:
                 b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
                 _record_measured_streams(b.streams_tried, b.sched)
                 b.make_plan()
             shutil.rmtree(tmp / "engines")
-            b.engines_report = _write_engines(tmp, b.model, b.graph, b.plan, b.backend, b.options, str(b.loaded.path),
-                                              internal_nhwc=measured["internal_nhwc"])
+            b.engines_report = b.engines.write(tmp, Variant(b.model, b.graph, b.plan, b.options, measured["internal_nhwc"]),
+                                               str(b.loaded.path))
         task.advance()
 
 
 def _background_summary(b: _Build) -> dict | None:
-    summary = getattr(b.backend, "background_summary", None)
-    return summary(b.t_start) if summary is not None else None
+    return b.backend.background_summary(b.t_start) if b.backend.background_compiles else None
 
 
 def write_report(b: _Build, tmp: Path) -> None:
@@ -1149,6 +701,7 @@ def write_report(b: _Build, tmp: Path) -> None:
         "background_compiles": _background_summary(b),
         "verification": None,
         "timings": b.timings,
+        "stage_seconds": b.stage_seconds(),
     }
     (tmp / "report.json").write_text(json.dumps(b.report, indent=2, default=str))
     b.manifest = {"parastream": _versions(b.backend), "backend": b.backend.name, "device": _device_description(b.backend),
@@ -1188,10 +741,17 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
             + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
 
 
+def complete(b: _Build) -> _Build:
+    """The report's last figures: the build's total seconds, the seconds of each stage and the peak memory."""
+    b.timings["total"] = time.perf_counter() - b.t_start
+    b.report["stage_seconds"] = b.stage_seconds()
+    b.report["peak_rss_mb"] = _peak_rss_mb()
+    return b
+
+
 def finish(b: _Build, tmp: Path) -> Bundle:
     """The final report and the hashed manifest; the bundle opened (checked) before it becomes OUT."""
-    b.timings["total"] = time.perf_counter() - b.t_start
-    b.report["peak_rss_mb"] = _peak_rss_mb()
+    complete(b)
     (tmp / "report.json").write_text(json.dumps(b.report, indent=2, default=str))
     write_manifest(tmp, b.manifest)
     return Bundle.open(tmp)  # checked before it becomes OUT, which a concurrent --force build may replace

@@ -121,6 +121,14 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--strongly-typed", action="store_true", help="TensorRT strongly typed network")
     g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
     g.add_argument("--cache-dir", default=None, help="where TensorRT timing caches and compiled torch engines (the compiled-branch cache) persist across builds")
+    g.add_argument("--torch-artifact", default="inductor", choices=["inductor", "aoti", "jit"],
+                   help="torch backend: what an engine ships (docs/torch-engines.md; default inductor)")
+    g.add_argument("--inductor-format", default="kernels", choices=["kernels", "bundled", "cache"],
+                   help="torch backend, inductor artifacts: how they are saved (default kernels)")
+    g.add_argument("--compile-workers", type=int_in(0, 1024), default=0, metavar="N",
+                   help="torch backend: processes compiling engines side by side (default 0: every core but one, at most 16)")
+    g.add_argument("--no-gpu-timing-lock", action="store_true",
+                   help="GPU builds: time without taking turns with other builds' timing on the same GPU")
 
 
 def add_tolerance_args(p: argparse.ArgumentParser) -> None:
@@ -155,6 +163,8 @@ def cmd_build(args) -> int:
                       scale_tol=args.scale_tol, seed=args.seed,
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force,
+                      torch_artifact=args.torch_artifact, inductor_format=args.inductor_format,
+                      compile_workers=args.compile_workers, gpu_timing_lock=not args.no_gpu_timing_lock,
                       **({} if args.measure_seconds is None else {"measure_seconds": float(args.measure_seconds)}))
     triton_name = args.triton_name or Path(args.model).stem
     if args.triton_repo:  # refuse a bad export before the build, not after it

@@ -73,6 +73,7 @@ def build_summary(bundle) -> dict:
                           "not_meaningful": {k: o["not_meaningful"] for k, o in outputs.items() if o.get("not_meaningful")}}
                          if ver else None),
         "build_s": (rep.get("buckets") or {}).get("build_s") or rep.get("timings", {}).get("total"),
+        "stage_seconds": (rep.get("buckets") or {}).get("stage_seconds") or rep.get("stage_seconds"),
         "peak_rss_mb": rep.get("peak_rss_mb"),
         "buckets": _buckets_summary(rep.get("buckets")),
     }
@@ -123,6 +124,8 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
             console.print(f"  [yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(why)}")
     else:
         console.print("  verification: skipped (--no-verify)")
+    if verbose and s["stage_seconds"]:
+        console.print(escape("  stages: " + ", ".join(f"{k} {v:.2f} s" for k, v in s["stage_seconds"].items())))
     peak = f", peak memory {s['peak_rss_mb']:.0f} MiB" if s.get("peak_rss_mb") else ""
     console.print(f"  built in {s['build_s'] or 0.0:.1f} s{peak}" + ("" if verbose else "; --verbose for the details"))
 

@@ -11,7 +11,7 @@
    never by the clock, so the same command gives the same result on a loaded and on an idle machine.  Rules marked ``enabling`` (merges, kernel enlargement: a step that pays only with the next
    one) may go past β, up to two such steps in a row.
 3. The ``top_k`` cheapest combinations of piece candidates are assembled into whole models and costed as
-   wholes; with a ``measure(model) -> seconds`` callback they are measured on the device (onboard
+   wholes; with a ``Measurer`` (or a plain ``model -> seconds`` function) they are measured on the device (onboard
    verification) and the fastest wins if it beats the input by ``measure_margin``; otherwise the cost
    model decides.  The input is always a candidate,
    so the result is never rated worse than it.
@@ -33,7 +33,7 @@ import heapq
 import random
 import time
 from dataclasses import dataclass, field
-from typing import Callable
+from typing import Callable, Protocol, runtime_checkable
 
 import onnx
 import onnx_graphsurgeon as gs
@@ -384,14 +384,44 @@ def precheck(graph: gs.Graph, rules: list[Rule], cost_model: CostModel, min_gain
 
 
 class MeasureBudgetSpent(RuntimeError):
-    """Raised by a ``measure`` callback whose budget is spent: the search measures no further candidate."""
+    """Raised by a measurer whose budget is spent: the search measures no further candidate."""
+
+
+@runtime_checkable
+class Measurer(Protocol):
+    """What the search measures its candidates with (a GPU build: ``pipeline.measure.GpuMeasurer``).
+
+    ``measure(model)`` returns the model's latency in seconds (or raises: MeasureBudgetSpent ends the
+    measurements); ``prepare(models)`` is told, ``lookahead`` models ahead and in the order they will be
+    measured, which models come next (a GPU build compiles their engines meanwhile) and returns what it
+    started, for the report (or None)."""
+
+    lookahead: int
+
+    def prepare(self, models: list[onnx.ModelProto]) -> dict | None: ...
+
+    def measure(self, model: onnx.ModelProto) -> float: ...
+
+
+@dataclass
+class TimedBy:
+    """A plain ``model -> seconds`` function as a Measurer that prepares nothing."""
+
+    fn: Callable[[onnx.ModelProto], float]
+    lookahead: int = 1
+
+    def prepare(self, models: list[onnx.ModelProto]) -> dict | None:
+        return None
+
+    def measure(self, model: onnx.ModelProto) -> float:
+        return self.fn(model)
 
 
 @shared_copies()  # one copy of a weight's slice for every candidate that cuts it, per call (rules/base.py)
 def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, streams: int = 4,
              alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40, max_piece: int = 120,
              top_k: int = 20, max_candidates: int = 200, max_candidates_total: int = 300, seed: int = 0,
-             measure: Callable[[onnx.ModelProto], float] | None = None, measure_margin: float = 0.02,
+             measure: Measurer | Callable[[onnx.ModelProto], float] | None = None, measure_margin: float = 0.02,
              min_gain: float = 0.01, rules: list[Rule] | None = None) -> tuple[onnx.ModelProto, dict]:
     """Rewrite ``model`` with the rules the search finds cheapest; return (model, JSON-able report).
 
@@ -494,10 +524,10 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
     admissible = [w for w in wholes if w["cost"]["mixed_s"] <= report["cost_before"]["mixed_s"]]
     chosen, exported = None, {}
     if measure is not None:
+        measurer = measure if isinstance(measure, Measurer) else TimedBy(measure)
         # the input first: a budget that runs out must never leave only rewrites measured
         order = [original_entry] + [w for w in admissible if w is not original_entry]
-        prepare = getattr(measure, "prepare", None)
-        ahead = max(1, int(getattr(measure, "lookahead", 4)))
+        ahead = max(1, int(measurer.lookahead))
         prepared: list[dict] = []
         prepared_ids: set[int] = set()
 
@@ -517,8 +547,8 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
             if spent is not None:  # the budget is spent: the rest are neither exported nor prepared
                 w["error"] = spent
                 continue
-            if prepare is not None:
-                # ``measure.prepare(models)``, for the next ``measure.lookahead`` models not prepared yet, in the
+            if not isinstance(measurer, TimedBy):
+                # ``measurer.prepare(models)``, for the next ``measurer.lookahead`` models not prepared yet, in the
                 # order they will be measured (a GPU build compiles their engines in the background meanwhile)
                 # one model per call: the first one's compiles start before the next ones are exported
                 for x in order[i:i + ahead + 1]:
@@ -527,19 +557,19 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
                     prepared_ids.add(id(x))
                     t = time.perf_counter()
                     try:
-                        prepared.append(prepare([exported[id(x)]]) or {})
+                        prepared.append(measurer.prepare([exported[id(x)]]) or {})
                     except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
                         prepared.append({"error": f"{type(e).__name__}: {e}"})
                     timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
             if not export(w):
                 continue
             try:
-                w["measured_s"] = float(measure(exported[id(w)]))
+                w["measured_s"] = float(measurer.measure(exported[id(w)]))
             except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
                 w["error"] = f"{type(e).__name__}: {e}"
                 if isinstance(e, MeasureBudgetSpent):
                     spent = w["error"]
-        if prepare is not None:
+        if not isinstance(measurer, TimedBy):
             report["prepared"] = prepared
         measured = [w for w in admissible if "measured_s" in w]
         if measured:

@@ -246,3 +246,31 @@ def test_shape_with_start_and_end_folds_to_its_slice(tmp_path, attrs, expect):
     x = np.random.default_rng(0).standard_normal((5, 16)).astype(np.float32)
     sess = ort.InferenceSession(loaded.model.SerializeToString(), providers=["CPUExecutionProvider"])
     np.testing.assert_allclose(sess.run(None, {"x": x})[0], x.sum() + np.array(expect, np.float32), rtol=1e-5)
+
+
+def test_the_top_level_manifest_is_hashed_once_and_the_report_carries_every_bucket_s_stage_seconds(tmp_path, monkeypatch):
+    """A dynamic-batch build hashes the top-level manifest once, at the end (the staging ones only list files), and
+    writes report.json's bucket record once; ``stage_seconds`` adds up the buckets' stages and the between-buckets
+    verification, and is what ``parastream build --json`` prints."""
+    from pathlib import Path
+
+    import parastream.pipeline.buckets as buckets_module
+    from parastream.pipeline import build
+    from parastream.pipeline.report import build_summary
+
+    _reshaping_model(tmp_path / "m.onnx")
+    writes = []
+    real = buckets_module.write_manifest
+
+    def spy(out, manifest, **kw):
+        writes.append((Path(out), kw.get("hashed", True)))
+        real(out, manifest, **kw)
+
+    monkeypatch.setattr(buckets_module, "write_manifest", spy)
+    bundle = build(tmp_path / "m.onnx", tmp_path / "out", backend="onnxruntime", batch=(1, 2, 8), search=False)
+    assert [hashed for _, hashed in writes] == [False, False, True]  # listed twice, hashed once: last
+    stages = bundle.report["buckets"]["stage_seconds"]
+    assert {"load", "engines", "verify", "verify_between"} <= set(stages) and all(v >= 0 for v in stages.values())
+    assert build_summary(bundle)["stage_seconds"] == stages
+    assert json.loads((tmp_path / "out" / "report.json").read_text())["buckets"]["stage_seconds"] == stages
+    Bundle.open(tmp_path / "out", check_hashes=True)

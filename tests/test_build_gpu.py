@@ -12,7 +12,9 @@ import pytest
 
 from parastream.launcher.engines import get_backend
 from parastream.pipeline import build
-from parastream.pipeline.build import BuildConfig, gpu_measure
+from parastream.pipeline.build import BuildConfig, Engines
+from parastream.pipeline.measure import GpuMeasurer, Variant
+from parastream.pipeline.measure import has_conv_relu, time_alternatives
 from parastream.pipeline.zoo import write_all
 
 
@@ -28,9 +30,8 @@ def test_no_measurement_without_gpu_engines(models):
     from parastream.rewrite.cost import RooflineCostModel
 
     loaded = load_model(models / "inception_block.onnx")
-    m = gpu_measure(get_backend("onnxruntime"), None, RooflineCostModel(), loaded, streams=None, max_streams=4,
-                    precision="fp32", budget_s=10)
-    assert m is None
+    engines = Engines(get_backend("onnxruntime"), RooflineCostModel(), loaded, "fp32")
+    assert GpuMeasurer.for_build(engines, None, loaded, streams=None, max_streams=4, budget_s=10) is None
 
 
 def test_cpu_build_records_the_stream_choice(models, tmp_path):
@@ -58,19 +59,19 @@ def test_measurement_budget_always_leaves_the_input_and_one_rival(models, monkey
     closed = []
     monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
     monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
-    monkeypatch.setattr(build_mod.Bundle, "open", classmethod(lambda cls, path, check_hashes=True: path))
     monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle: types.SimpleNamespace(close=lambda: closed.append(1)))
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup: {k: np.array([2.0 if k == "candidate" else 1.0])
-                                                                               for k in launchers})
-    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".onnx")
+    monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+        k: np.array([2.0 if k == "candidate" else 1.0]) for k in launchers})
+    backend = _gpu_backend()
     from parastream.launcher.engines import BuildOptions
 
-    m = gpu_measure(backend, BuildOptions(precision="fp16"), RooflineCostModel(), loaded, streams=1, max_streams=1,
-                    precision="fp16", budget_s=0)
-    assert m(loaded.model) == pytest.approx(2e-3)  # the input: its own median
-    assert m(loaded.model) == pytest.approx(4e-3)  # the first rival, measured although the budget is spent
+    m = GpuMeasurer.for_build(Engines(backend, RooflineCostModel(), loaded, "fp16"), BuildOptions(precision="fp16"),
+                              loaded, streams=1, max_streams=1, budget_s=0)
+    assert m.measure(loaded.model) == pytest.approx(2e-3)  # the input: its own median
+    assert m.measure(loaded.model) == pytest.approx(4e-3)  # the first rival, measured although the budget is spent
     with pytest.raises(MeasureBudgetSpent):
-        m(loaded.model)
+        m.measure(loaded.model)
     assert closed == [1]  # the rival's launcher is closed; the reference stays until close()
     m.close()
     assert closed == [1, 1]
@@ -100,6 +101,16 @@ def test_gpu_build_measures_candidates(models, tmp_path):
     json.dumps(bundle.report)  # the report stays JSON
 
 
+def _gpu_backend(**kw):
+    """A stand-in for torch's backend module: its name, suffix and capability flags (no engines are built)."""
+    import types
+
+    flags = dict(gpu=True, name="torch", suffix=".onnx", compiles_for_layout=False, builds_side_by_side=False,
+                 background_compiles=False, fuses_conv_relu=True, supports_internal_nhwc=True,
+                 supports_channel_views=True, warms_after_load=True)
+    return types.SimpleNamespace(**dict(flags, **kw))
+
+
 def _fake_gpu(monkeypatch, times: dict):
     """GpuLauncher and launcher.bench.measure stand-ins: each launcher is timed at ``times[its options]``."""
     import importlib
@@ -123,9 +134,9 @@ def _fake_gpu(monkeypatch, times: dict):
 
     monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
     monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
-    monkeypatch.setattr(build_mod.Bundle, "open", classmethod(lambda cls, path, check_hashes=True: "scratch" if "measure" in str(path) else "bundle"))
     monkeypatch.setattr(gpu_mod, "GpuLauncher", launcher)
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup: {k: np.array([times[la.kind]]) for k, la in launchers.items()})
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+        k: np.array([times[la.kind]]) for k, la in launchers.items()})
     return build_mod, made
 
 
@@ -162,9 +173,9 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
              ("scratch", None, None): 0.7}                              # one engine wins round 3
     build_mod, made = _fake_gpu(monkeypatch, times)
     model, graph, plan, cm = _plan_of(models / "small_net.onnx", 2)
-    assert plan.num_streams == 2 and build_mod._has_conv_relu(model)
-    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".onnx")
-    got = build_mod.time_alternatives(tmp_path, model, graph, plan, backend, BuildOptions(precision="fp16"), cm, runs=5)
+    assert plan.num_streams == 2 and has_conv_relu(model)
+    got = time_alternatives(Engines(_gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
     assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
     assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
     assert got["rounds"][0]["timed_ms"] == {"cuDNN fused conv+bias+ReLU": 1.0, "Inductor's conv and epilogue": 0.8}
@@ -179,15 +190,15 @@ def test_alternatives_not_timed_without_a_rival(models, monkeypatch, tmp_path):
 
     build_mod, made = _fake_gpu(monkeypatch, {})
     model, graph, plan, cm = _plan_of(models / "transformer_layer.onnx", 1)
-    assert not build_mod._has_conv_relu(model) and plan.num_streams == 1
-    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".onnx")
+    assert not has_conv_relu(model) and plan.num_streams == 1
     made_nhwc = []
     monkeypatch.setattr("parastream.launcher.gpu.GpuLauncher",
                         lambda bundle, **kw: made_nhwc.append(kw) or types.SimpleNamespace(nhwc=set(), close=lambda: None))
-    assert build_mod.time_alternatives(tmp_path, model, graph, plan, backend, BuildOptions(), cm, runs=5) is None
+    v = Variant(model, graph, plan, BuildOptions())
+    assert time_alternatives(Engines(_gpu_backend(), cm, None, "fp32"), "bundle", v, runs=5) is None
     assert len(made_nhwc) == 1  # only the bundle as built was loaded
-    cpu = types.SimpleNamespace(gpu=False, name="onnxruntime", suffix=".onnx")
-    assert build_mod.time_alternatives(tmp_path, model, graph, plan, cpu, BuildOptions(), cm, runs=5) is None
+    cpu = _gpu_backend(gpu=False, name="onnxruntime")
+    assert time_alternatives(Engines(cpu, cm, None, "fp32"), "bundle", v, runs=5) is None
 
 
 @pytest.mark.gpu

@@ -44,7 +44,7 @@ def test_an_unchanged_search_reuses_the_schedule_it_planned(tmp_path, monkeypatc
     real = build_module.plan_streams
     monkeypatch.setattr(build_module, "plan_streams", lambda *a, **k: calls.append(a[0]) or real(*a, **k))
     real_choice = build_module.choose_cpu_alternative
-    monkeypatch.setattr(build_module, "choose_cpu_alternative", lambda *a, **k: handed.append(a[3]) or real_choice(*a, **k))
+    monkeypatch.setattr(build_module, "choose_cpu_alternative", lambda *a, **k: handed.append(a[4]) or real_choice(*a, **k))
     bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", search_options={"rules": []})
     assert bundle.report["search"]["rules_chosen"] == []
     assert len(calls) == 1  # planned once, for the search's stream count, and kept
@@ -83,11 +83,12 @@ def test_the_gpu_stage_rebuilds_the_engines_for_the_measured_choice(tmp_path, mo
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
     timed = []
 
-    def one_engine_wins(tmp, model, graph, plan, backend, options, cost_model, cfg, loaded):
-        timed.append((plan.num_streams, len(list((Path(tmp) / "engines").iterdir()))))
+    def one_engine_wins(engines, bundle, variant, runs):
+        timed.append((variant.plan.num_streams, len(list((Path(bundle.path) / "engines").iterdir()))))
+        assert bundle.plan is variant.plan and not (Path(bundle.path) / "report.json").exists()  # no scratch files
         return {"one_engine": True, "internal_nhwc": True, "fuse_conv_relu": False, "rounds": []}
 
-    monkeypatch.setattr(build_module, "_measure_alternatives", one_engine_wins)
+    monkeypatch.setattr(build_module, "time_alternatives", one_engine_wins)
     bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search=False)
     assert timed == [(2, timed[0][1])] and timed[0][1] > 1  # the plan of two streams was timed
     assert bundle.plan.num_streams == 1
@@ -116,10 +117,11 @@ def test_a_gpu_build_compiles_its_plan_and_the_alternatives_it_will_time_in_one_
             return super().build(branch, name)
 
     gpu_like.Builder = LayoutBuilder
+    gpu_like.compiles_for_layout = True
     batches = []
-    gpu_like.precompile = lambda b: batches.append([(builder.options, len(items)) for builder, items in b]) or {"jobs": 0}
+    gpu_like.precompile = lambda b, **kw: batches.append([(builder.options, len(items)) for builder, items in b]) or {"jobs": 0}
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
-    monkeypatch.setattr(build_module, "_measure_alternatives", lambda *a: None)
+    monkeypatch.setattr(build_module, "time_alternatives", lambda *a, **k: None)
     bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search=False)
     assert len(batches) == 1
     (plan_opts, n_plan), (contiguous_opts, n_contiguous), (_, n_one) = batches[0]
@@ -130,33 +132,34 @@ def test_a_gpu_build_compiles_its_plan_and_the_alternatives_it_will_time_in_one_
     assert len(batches) == 1
 
 
-def test_a_plans_branches_are_extracted_once_while_it_lives(monkeypatch):
-    """``branches_of``: the build's precompile and its engine writes (and the search's prepare and load of a
-    candidate) extract a plan's branches once; another plan object is extracted anew, and what is kept is bounded."""
-    import gc
-
-    build_module._EXTRACTED.clear()
+def test_a_plans_branches_are_extracted_once_per_build(monkeypatch):
+    """``branches_of`` with the build's ``BranchCache``: the build's precompile and its engine writes (and the
+    search's prepare and load of a candidate) extract a plan's branches once; a plan of other branches is extracted
+    anew; what is kept is bounded; without a cache every call extracts."""
+    cache = build_module.BranchCache()
     loaded = load_model(SMALL_NET)
-    sched, _ = build_module.plan_streams(loaded.graph, RooflineCostModel(), 2, 8)
 
-    def plan():
+    def plan(streams):
+        sched, _ = build_module.plan_streams(loaded.graph, RooflineCostModel(), streams, 8)
         return build_module.make_plan(loaded.graph, sched, backend="onnxruntime", precision="fp32", suffix=".onnx",
                                       inputs=loaded.inputs, outputs=loaded.outputs)
 
     calls = []
     real = build_module.extract_branch
     monkeypatch.setattr(build_module, "extract_branch", lambda *a: calls.append(1) or real(*a))
-    p = plan()
-    first = build_module.branches_of(loaded.model, loaded.graph, p)
-    assert build_module.branches_of(loaded.model, loaded.graph, p) is first and len(calls) == len(p.branches) > 1
-    q = plan()
-    assert build_module.branches_of(loaded.model, loaded.graph, q) is not first and len(calls) == 2 * len(p.branches)
-    del p, first
-    gc.collect()
-    assert len(build_module._EXTRACTED) == 1  # the dead plan's branches went with it
-    monkeypatch.setattr(build_module, "EXTRACTED_BYTES", 0)
-    build_module.branches_of(loaded.model, loaded.graph, plan())
-    assert len(build_module._EXTRACTED) == 1  # over the bound: not kept
+    p = plan(2)
+    first = build_module.branches_of(loaded.model, loaded.graph, p, cache)
+    assert build_module.branches_of(loaded.model, loaded.graph, p, cache) is first and len(calls) == len(p.branches) > 1
+    assert build_module.branches_of(loaded.model, loaded.graph, plan(2), cache) is first  # the same branches
+    q = plan(1)
+    assert build_module.branches_of(loaded.model, loaded.graph, q, cache) is not first
+    assert len(calls) == len(p.branches) + len(q.branches) and len(cache.entries) == 2
+    small = build_module.BranchCache(max_bytes=0)
+    build_module.branches_of(loaded.model, loaded.graph, p, small)
+    assert small.entries == []  # over the bound: not kept
+    n = len(calls)
+    build_module.branches_of(loaded.model, loaded.graph, p)
+    assert len(calls) == n + len(p.branches)
 
 
 def _gpu_like_torch(monkeypatch, pending: set, calls: list):
@@ -181,8 +184,10 @@ def _gpu_like_torch(monkeypatch, pending: set, calls: list):
         return {"jobs": sum(map(len, keys)), "background": True, "keys": keys}
 
     gpu_like.Builder = LayoutBuilder
+    gpu_like.compiles_for_layout = gpu_like.background_compiles = gpu_like.fuses_conv_relu = True
     gpu_like.precompile = precompile
     gpu_like.compiling = lambda keys: sum(k in pending for k in keys)
+    gpu_like.cancel_precompile = lambda: 0
     return gpu_like
 
 
@@ -197,24 +202,31 @@ def _fake_gpu(monkeypatch, faster: str | None = None):
 
     built = []
 
-    def scratch(model, graph, plan, backend, options, internal_nhwc=True):
-        built.append((plan.num_streams, internal_nhwc))
-        return types.SimpleNamespace(close=lambda: None, t_built=0.0, plan=plan)
+    def scratch(engines, v):
+        built.append((v.plan.num_streams, v.internal_nhwc))
+        return types.SimpleNamespace(close=lambda: None, t_built=0.0, plan=v.plan)
 
     monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
-    monkeypatch.setattr(build_module, "_scratch_launcher", scratch)
-    monkeypatch.setattr(build_module, "load_phases", lambda la: {}, raising=False)
+    monkeypatch.setattr(build_module.Engines, "launcher", scratch)
     import parastream.launcher.gpu as gpu_mod
 
     monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup: {
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
         k: np.array([0.5 if k == faster else 1.0 if k in ("reference", "candidate") or i == 0 else 2.0])
         for i, k in enumerate(launchers)})
     return built
 
 
+def _measurer(backend, loaded):
+    from parastream.launcher.engines import BuildOptions
+
+    engines = build_module.Engines(backend, RooflineCostModel(), loaded, "fp32")
+    return build_module.GpuMeasurer.for_build(engines, BuildOptions(precision="fp32", device="cuda"), loaded,
+                                              streams=None, max_streams=4, budget_s=600)
+
+
 def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_come_in(monkeypatch):
-    """``gpu_measure`` queues the input's alternatives with the input and times each against the input's launcher
+    """``GpuMeasurer`` queues the input's alternatives with the input and times each against the input's launcher
     before the next candidate once its engines are compiled (not before; in ``time_alternatives``' order); the
     search's end waits for the rest.  The result is ``time_alternatives``' for the input's plan."""
     from parastream.launcher.engines import BuildOptions
@@ -226,16 +238,15 @@ def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_co
     path = Path(__import__("tempfile").mkdtemp()) / "inception_block.onnx"
     __import__("onnx").save(MODELS["inception_block"](), path)
     loaded = load_model(path)
-    m = build_module.gpu_measure(backend, BuildOptions(precision="fp32", device="cuda"), RooflineCostModel(), loaded,
-                                 streams=None, max_streams=4, precision="fp32", budget_s=600)
+    m = _measurer(backend, loaded)
     got = m.prepare([loaded.model])
     assert "keys" not in got and "keys" not in got["alternatives"]  # handed on, not reported
     (_, input_keys), (cancellable, (contiguous_keys, one_engine_keys)) = calls
     assert cancellable is False and len(one_engine_keys) == 1 < len(contiguous_keys)
     pending.update(one_engine_keys)  # the whole-model engine still compiling
-    m(loaded.model)  # the input: the reference
+    m.measure(loaded.model)  # the input: the reference
     assert built == [(built[0][0], True)] and built[0][0] > 1
-    m(loaded.model)  # a candidate: first the contiguous boundaries, ready; not the whole-model engine
+    m.measure(loaded.model)  # a candidate: first the contiguous boundaries, ready; not the whole-model engine
     assert built[1] == (built[0][0], False) and len(built) == 3  # then the candidate itself
     pending.clear()
     timed = m.alternatives_timed()  # the rest at the search's end
@@ -244,7 +255,7 @@ def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_co
     assert timed["timed"] == "during the search" and not timed["one_engine"] and timed["internal_nhwc"]
     assert all(r["won"] in ("channels-last boundaries", f"{built[0][0]}-stream plan") for r in timed["rounds"])
     assert timed["rounds"][0]["started_s"] <= timed["rounds"][1]["started_s"]
-    assert build_module._plan_signature(timed["plan"]) == build_module._plan_signature(
+    assert build_module.plan_signature(timed["plan"]) == build_module.plan_signature(
         build_module.make_plan(loaded.graph, build_module.plan_streams(loaded.graph, RooflineCostModel(), None, 4)[0],
                                backend="onnxruntime", precision="fp32", suffix=backend.suffix, inputs=loaded.inputs,
                                outputs=loaded.outputs))
@@ -263,11 +274,10 @@ def test_an_alternative_that_wins_during_the_search_leaves_the_rest_to_the_build
     path = Path(__import__("tempfile").mkdtemp()) / "inception_block.onnx"
     __import__("onnx").save(MODELS["inception_block"](), path)
     loaded = load_model(path)
-    m = build_module.gpu_measure(backend, BuildOptions(precision="fp32", device="cuda"), RooflineCostModel(), loaded,
-                                 streams=None, max_streams=4, precision="fp32", budget_s=600)
+    m = _measurer(backend, loaded)
     m.prepare([loaded.model])
-    m(loaded.model)
-    m(loaded.model)
+    m.measure(loaded.model)
+    m.measure(loaded.model)
     assert m.alternatives_timed() is None
     assert [b for b in built if b[0] == 1] == []  # the one-engine round was not timed against the old layout
     m.close()
@@ -285,22 +295,30 @@ def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan
     gpu_like.gpu = True
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
     timed_after = []
-    monkeypatch.setattr(build_module, "_measure_alternatives", lambda *a: timed_after.append(a[3]) or None)
+    monkeypatch.setattr(build_module, "time_alternatives", lambda engines, bundle, v, runs: timed_after.append(v.plan) or None)
     reference = build(SMALL_NET, tmp_path / "ref", backend="onnxruntime", streams=2, search=False)
     rounds = [{"choice": "streams", "won": "2-stream plan", "timed_ms": {}, "load_s": 0.0, "timed_s": 0.0}]
 
-    def fake_measure(plan):
-        def measure(model):
-            return 1e-3
-        measure.prepare = lambda models: {}
-        measure.close = lambda: None
-        measure.lookahead = 4
-        measure.log = []
-        measure.alternatives_timed = lambda: {"fuse_conv_relu": False, "internal_nhwc": True, "one_engine": False,
-                                              "rounds": rounds, "runs": 5, "timed": "during the search", "plan": plan}
-        return measure
+    class FakeMeasurer:
+        lookahead = 4
 
-    monkeypatch.setattr(build_module, "gpu_measure", lambda *a, **k: fake_measure(reference.plan))
+        def __init__(self, plan):
+            self.plan, self.log = plan, []
+
+        def prepare(self, models):
+            return {}
+
+        def measure(self, model):
+            return 1e-3
+
+        def close(self):
+            pass
+
+        def alternatives_timed(self):
+            return {"fuse_conv_relu": False, "internal_nhwc": True, "one_engine": False, "rounds": rounds, "runs": 5,
+                    "timed": "during the search", "plan": self.plan}
+
+    monkeypatch.setattr(build_module.GpuMeasurer, "for_build", classmethod(lambda cls, *a, **k: FakeMeasurer(reference.plan)))
     timed_after.clear()  # the reference build (no search) timed its own
     bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search_options={"rules": []})
     assert timed_after == []
@@ -309,7 +327,44 @@ def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan
     assert report["search"]["alternatives_timed"] == "during the search" and "plan" not in report["measured_choices"]
     assert report["verification"]["passed"] and bundle.plan.num_streams == 2
     one = build(SMALL_NET, tmp_path / "one", backend="onnxruntime", streams=1, search=False)
-    monkeypatch.setattr(build_module, "gpu_measure", lambda *a, **k: fake_measure(one.plan))
+    monkeypatch.setattr(build_module.GpuMeasurer, "for_build", classmethod(lambda cls, *a, **k: FakeMeasurer(one.plan)))
     timed_after.clear()
     build(SMALL_NET, tmp_path / "c", backend="onnxruntime", streams=2, search_options={"rules": []})
     assert len(timed_after) == 1 and timed_after[0].num_streams == 2  # another plan: timed after the search
+
+
+def test_build_reports_seconds_per_stage_in_report_json_and_on_the_command_line(tmp_path, capsys):
+    """report.json and ``parastream build --json`` carry {"stage_seconds": {stage: seconds}}, in the order the stages
+    ran; ``--verbose`` prints them on one line."""
+    from parastream.pipeline.cli import main
+
+    assert main(["build", str(SMALL_NET), "-o", str(tmp_path / "j"), "--backend", "onnxruntime", "--json"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    stages = summary["stage_seconds"]
+    assert list(stages)[:3] == ["load", "search", "schedule"] and {"engines", "write", "verify"} <= set(stages)
+    assert all(isinstance(v, float) and v >= 0 for v in stages.values())
+    report = json.loads((tmp_path / "j" / "report.json").read_text())
+    assert report["stage_seconds"] == stages
+    assert sum(stages.values()) <= report["timings"]["total"] + 1e-3
+    assert main(["build", str(SMALL_NET), "-o", str(tmp_path / "v"), "--backend", "onnxruntime", "--no-search",
+                 "--verbose"]) == 0
+    line = next(x for x in capsys.readouterr().out.splitlines() if x.strip().startswith("stages:"))
+    assert "load" in line and "engines" in line and "search" not in line
+
+
+def test_engine_format_flags_are_recorded_build_options(tmp_path, capsys):
+    """``--torch-artifact``, ``--inductor-format``, ``--compile-workers`` and ``--no-gpu-timing-lock`` are build
+    options: manifest.json records them (a launcher reads its options back from there, ``Bundle.engine_options``)."""
+    from parastream.pipeline.cli import main
+
+    out = tmp_path / "b"
+    assert main(["build", str(SMALL_NET), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--quiet",
+                 "--torch-artifact", "aoti", "--inductor-format", "bundled", "--compile-workers", "3",
+                 "--no-gpu-timing-lock"]) == 0
+    options = json.loads((out / "manifest.json").read_text())["options"]
+    assert (options["torch_artifact"], options["inductor_format"], options["compile_workers"],
+            options["gpu_timing_lock"]) == ("aoti", "bundled", 3, False)
+    got = Bundle.open(out).engine_options("cpu")
+    assert (got.torch_artifact, got.inductor_format, got.compile, got.device) == ("aoti", "bundled", True, "cpu")
+    default = build(SMALL_NET, tmp_path / "d", backend="onnxruntime", search=False, verify=False)
+    assert default.engine_options("cpu").torch_artifact == "inductor"

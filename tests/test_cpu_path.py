@@ -190,7 +190,7 @@ def test_a_busy_machine_keeps_the_default(model_path, tmp_path, monkeypatch):
 
 
 def test_decide_by_timing_takes_alternatives_in_order():
-    from parastream.pipeline.build import decide_by_timing
+    from parastream.pipeline.measure import decide_by_timing
 
     t = {"a": np.full(9, 1.0), "b": np.full(9, 0.9), "c": np.full(9, 0.88)}
     chosen, rows = decide_by_timing(t, ["a", "b", "c"])
@@ -331,7 +331,7 @@ def test_large_alternatives_are_timed_one_at_a_time(model_path, tmp_path, monkey
 
     import parastream.launcher.cpu as cpu
 
-    build_module = sys.modules["parastream.pipeline.build"]  # the package exports build() under the same name
+    measure_module = sys.modules["parastream.pipeline.measure"]
     seen = []
     real = cpu.race_calls
 
@@ -340,7 +340,7 @@ def test_large_alternatives_are_timed_one_at_a_time(model_path, tmp_path, monkey
         return real(runners, feeds, **kw)
 
     monkeypatch.setattr(cpu, "race_calls", spy)
-    monkeypatch.setattr(build_module, "CPU_INTERLEAVE_BYTES", 0)
+    monkeypatch.setattr(measure_module, "CPU_INTERLEAVE_BYTES", 0)
     bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3, search=False)
     choice = bundle.report["cpu_choice"]
     assert choice["loaded"].startswith("one at a time") and len(seen) == len(choice["timed"]) > 1

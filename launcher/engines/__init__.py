@@ -1,7 +1,8 @@
 """Engine backends: tensorrt (production), torch (GPU engines we can run here), onnxruntime (CPU, reference).
 
-Each backend is a module with ``name``, ``suffix``, ``gpu``, ``available()``,
-``Builder`` and ``load`` (see ``base``).  Heavy dependencies are imported lazily,
+Each backend is a module with every member of ``base.Backend`` (``name``, ``suffix``, ``gpu``, the capability
+flags, ``available()``, ``Builder``, ``load``, ...; tests/engines/test_backend_contract.py checks each one).
+Heavy dependencies are imported lazily,
 so every backend module imports everywhere and fails with an install hint only
 when it is used.
 """

@@ -1,14 +1,23 @@
-"""The engine-backend contract.
+"""The engine-backend contract: ``Backend`` names every member the build and the launchers use.
 
-An engine backend turns one branch (a self-contained ONNX model) into an engine
-and loads it again for the launcher:
+An engine backend (a module: onnxruntime, torch, tensorrt) turns one branch (a self-contained ONNX model) into
+an engine and loads it again for the launcher:
 
-* ``available()`` says why the backend cannot run here (``None`` when it can).
-* ``Builder(options).build(branch_model, name) -> bytes`` serialises one engine;
-  a builder lives for one ``parastream build`` so it can share state between
-  branches (TensorRT's timing cache); ``report()`` returns per-branch figures for
-  report.json and ``close()`` persists caches.
-* ``load(data, specs, device) -> BranchEngine``.
+* ``available()`` says why the backend cannot run here (``None`` when it can); ``check_model(model)`` fails,
+  naming the node, for a model it cannot run; ``describe_device()`` names the device engines are built for.
+* ``Builder(options).build(branch_model, name, layout=None) -> bytes`` serialises one engine; a builder lives for
+  one ``parastream build`` so it can share state between branches (TensorRT's timing cache); ``build_all``
+  builds many; ``report()`` returns per-branch figures for report.json and ``close()`` persists caches.
+* ``load(data, inputs, outputs, device, options, ...) -> BranchEngine``.
+
+What differs between backends is said by capability flags, never by the backend's name: ``compiles_for_layout``
+(engines are compiled for the GPU launcher's tensor layout: ``build`` takes ``layout``), ``builds_side_by_side``
+(``build_all`` compiles in parallel: the build hands it every branch at once), ``background_compiles``
+(``start_workers``, ``precompile(background=True)``, ``compiling``, ``cancel_precompile`` and
+``background_summary`` do something), ``fuses_conv_relu`` (``BuildOptions.fuse_conv_relu`` changes the engines),
+``supports_internal_nhwc`` and ``supports_channel_views`` (what ``load`` takes of the launcher's layout),
+``warms_after_load`` (``load(warm=False)`` defers the engine's first call to ``engine.warm()``).  A backend
+without a capability keeps the defaults below (``BuilderBase``, ``no_precompile``, ...).
 
 A ``BranchEngine`` names its inputs and outputs and has ``run(feeds)`` on the CPU
 and, on a GPU, ``enqueue(stream_handle, addresses)`` with the shape of TensorRT's
@@ -18,8 +27,9 @@ launcher, and the work is queued on the given CUDA stream.
 
 from __future__ import annotations
 
+import contextlib
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import TYPE_CHECKING, Callable, Protocol, runtime_checkable
 
 import numpy as np
 
@@ -50,33 +60,143 @@ class BuildOptions:
     # onnxruntime: build() loads each branch into a session to check it; off where the caller loads it next
     # anyway (the CPU build's scratch bundles, loaded to be timed: the check cost a second copy of the weights)
     check: bool = True
+    # torch backend: what an engine ships (docs/torch-engines.md compares them): "inductor" (Inductor's
+    # precompiled artifact), "aoti" (an AOTInductor package) or "jit" (the branch's ONNX, compiled at every load)
+    torch_artifact: str = "inductor"
+    # torch backend, "inductor" artifacts: "kernels" (Inductor's wrapper and its kernels' cubins, loaded without
+    # Inductor or Triton), "bundled" (``standalone_compile(aot=True)``) or "cache" (Inductor's cache entries)
+    inductor_format: str = "kernels"
+    # torch backend: processes that compile engines side by side (0: every core but one, at most 16)
+    compile_workers: int = 0
+    # GPU builds: take turns with other processes' timing on the same GPU (a machine-wide lock) while timing
+    gpu_timing_lock: bool = True
 
 
 @runtime_checkable
 class BranchEngine(Protocol):
+    """What ``load`` returns.  Besides these, a GPU engine has ``enqueue(stream_handle, addresses)`` and
+    ``close()``; a ``warms_after_load`` backend's engine has ``warm()``; an engine that may compile at load says so
+    in ``compiled_at_load`` (the build's report counts them) and its load's steps in ``phases``."""
+
     inputs: list[TensorSpec]
     outputs: list[TensorSpec]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]: ...
 
 
+#: one item of ``Builder.build_all``: (branch, name, the launcher's layout for it or None)
+BuildItem = tuple["onnx.ModelProto", str, "dict | None"]
+
+
 class Builder(Protocol):
-    def build(self, branch: onnx.ModelProto, name: str) -> bytes: ...
+    options: BuildOptions
+
+    def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None) -> bytes: ...
+
+    def build_all(self, items: list[BuildItem]) -> list[bytes]: ...
 
     def report(self) -> dict: ...
 
     def close(self) -> None: ...
 
 
+class BuilderBase:
+    """What a builder without side-by-side builds or layouts inherits: ``build_all`` builds one branch at a time."""
+
+    options: BuildOptions
+
+    def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None) -> bytes:
+        raise NotImplementedError
+
+    def build_all(self, items: list[BuildItem]) -> list[bytes]:
+        return [self.build(branch, name, layout) for branch, name, layout in items]
+
+    def report(self) -> dict:
+        return {}
+
+    def close(self) -> None:
+        pass
+
+
 class Backend(Protocol):
-    """What ``launcher.engines.get_backend(name)`` returns (a module or an object)."""
+    """What ``launcher.engines.get_backend(name)`` returns (a module): every member the build and the launchers use.
+    tests/engines/test_backend_contract.py checks that each backend has each one, with this signature."""
 
     name: str
     suffix: str  # engine file suffix: ".onnx", ".plan", ...
     gpu: bool
+    # capability flags (the module docstring says what each allows)
+    compiles_for_layout: bool
+    builds_side_by_side: bool
+    background_compiles: bool
+    fuses_conv_relu: bool
+    supports_internal_nhwc: bool
+    supports_channel_views: bool
+    warms_after_load: bool
 
     def available(self) -> str | None: ...
 
+    def check_model(self, model: onnx.ModelProto) -> None: ...
+
+    def describe_device(self) -> str | None: ...
+
     def Builder(self, options: BuildOptions) -> Builder: ...
 
-    def load(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu", options: BuildOptions | None = None) -> BranchEngine: ...
+    def load(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu",
+             options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
+             channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> BranchEngine: ...
+
+    def memory_scope(self) -> Callable[[], contextlib.AbstractContextManager]: ...
+
+    def prepare_load(self, manifest: dict, report: dict | None = None) -> None: ...
+
+    def start_workers(self, options: BuildOptions) -> None: ...
+
+    def precompile(self, batches: list[tuple[Builder, list[BuildItem]]], *, background: bool = False,
+                   cancellable: bool = True) -> dict | None: ...
+
+    def compiling(self, keys: list[str]) -> int: ...
+
+    def cancel_precompile(self) -> int: ...
+
+    def background_summary(self, since: float) -> dict | None: ...
+
+
+# -- the defaults of a backend without background compiles or a device of its own ------------------------------
+def check_model(model: onnx.ModelProto) -> None:
+    """Nothing checked before the build: the builder fails on the first branch it cannot build, naming it."""
+
+
+def describe_device() -> str | None:
+    """None: the build describes the host's CPU."""
+    return None
+
+
+def memory_scope() -> Callable[[], contextlib.AbstractContextManager]:
+    """What a GPU launcher enters around its engines' loads and runs: nothing (no private memory pool)."""
+    return contextlib.nullcontext
+
+
+def prepare_load(manifest: dict, report: dict | None = None) -> None:
+    """Nothing to start before a bundle's hashes are checked."""
+
+
+def start_workers(options: BuildOptions) -> None:
+    """No compile workers."""
+
+
+def precompile(batches: list, *, background: bool = False, cancellable: bool = True) -> dict | None:
+    """Nothing compiled ahead (``compiles_for_layout`` False: the build never asks)."""
+    return None
+
+
+def compiling(keys: list[str]) -> int:
+    return 0
+
+
+def cancel_precompile() -> int:
+    return 0
+
+
+def background_summary(since: float) -> dict | None:
+    return None

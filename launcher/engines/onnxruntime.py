@@ -11,11 +11,20 @@ import numpy as np
 import onnx
 
 from ..plan import TensorSpec
-from .base import BuildOptions
+from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling,  # noqa: F401
+                   describe_device, memory_scope, precompile, prepare_load, start_workers)
 
 name = "onnxruntime"
 suffix = ".onnx"
 gpu = False
+# capabilities (base.Backend): CPU sessions of the branch's ONNX, built one at a time, nothing compiled ahead
+compiles_for_layout = False
+builds_side_by_side = False
+background_compiles = False
+fuses_conv_relu = False
+supports_internal_nhwc = False
+supports_channel_views = False
+warms_after_load = False
 
 
 def available() -> str | None:
@@ -54,7 +63,7 @@ def session_options(threads: int = 0, spin: bool = True):
     return so
 
 
-class Builder:
+class Builder(BuilderBase):
     """Checks that ONNX Runtime can run the branch, then keeps its ONNX as the engine."""
 
     def __init__(self, options: BuildOptions):
@@ -66,7 +75,7 @@ class Builder:
         self.options = options
         self._report: dict[str, dict] = {}
 
-    def build(self, branch: onnx.ModelProto, name: str) -> bytes:
+    def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None) -> bytes:
         import onnxruntime as ort
 
         data = branch.SerializeToString()
@@ -98,7 +107,10 @@ class OrtEngine:
         return dict(zip(self._out_names, vals))
 
 
-def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu", options: BuildOptions | None = None) -> OrtEngine:
+def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu",
+         options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
+         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> OrtEngine:
+    """A session of the branch (``device`` and the launcher's layout do not apply: a CPU engine in NCHW)."""
     return OrtEngine(data, inputs, outputs, options.threads if options else 0, options.spin if options else True)
 
 

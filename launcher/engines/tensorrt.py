@@ -55,11 +55,21 @@ from .. import cuda
 from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
-from .base import PRECISIONS, BuildOptions
+from .base import (PRECISIONS, BuilderBase, BuildOptions, background_summary, cancel_precompile,  # noqa: F401
+                   check_model, compiling, memory_scope, precompile, prepare_load, start_workers)
 
 name = "tensorrt"
 suffix = ".plan"
 gpu = True
+# capabilities (base.Backend): a TensorRT engine per branch with its own tactics, layouts and fusions, built one
+# at a time (one shared timing cache), its bindings NCHW in the model's dtypes
+compiles_for_layout = False
+builds_side_by_side = False
+background_compiles = False
+fuses_conv_relu = False
+supports_internal_nhwc = False
+supports_channel_views = False
+warms_after_load = False
 
 INSTALL_HINT = ("pip install tensorrt from NVIDIA's index (pip install --extra-index-url https://pypi.nvidia.com "
                 "tensorrt cuda-python), or use an NGC TensorRT/PyTorch container (see the Dockerfile)")
@@ -192,7 +202,7 @@ def _layer_information(trt, runtime, data: bytes) -> dict:
     return out
 
 
-class Builder:
+class Builder(BuilderBase):
     """Builds one TensorRT engine per branch; all branches of a build share one timing cache."""
 
     def __init__(self, options: BuildOptions):
@@ -299,7 +309,9 @@ class Builder:
         return self.logger.errors[0] if self.logger.errors else default
 
     # -- the contract --------------------------------------------------------------------------------
-    def build(self, branch: onnx.ModelProto, name: str, *, max_aux_streams: int = BRANCH_AUX_STREAMS) -> bytes:
+    def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None, *,
+              max_aux_streams: int = BRANCH_AUX_STREAMS) -> bytes:
+        """One engine for ``branch`` (``layout`` does not apply: TensorRT picks its own formats inside)."""
         trt, options = self.trt, self.options
         t0 = time.perf_counter()
         self.logger.errors.clear()
@@ -581,7 +593,8 @@ class TrtWholeModelRunner(TrtEngine):
 
 
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cuda",
-         options: BuildOptions | None = None, memory=None) -> TrtEngine:
+         options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
+         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True, *, memory=None) -> TrtEngine:
     """A branch engine; ``device`` is always a GPU for TensorRT (``run`` is a host-in, host-out path over it)."""
     try:
         _trt()

@@ -1,12 +1,12 @@
 """PyTorch engines: a branch's ONNX becomes a torch module (``onnx_torch.convert``), compiled ahead of time.
 
 * An engine file is a zip: ``engine.json``, ``branch.onnx`` and, when compiled, the compiled code, one of
-  (``ARTIFACT``, ``PARASTREAM_TORCH_ARTIFACT``; docs/torch-engines.md compares them):
-  - ``kernels.zip`` (a GPU engine's default, ``inductor_format()``: "kernels"): Inductor's wrapper for the branch
+  (``BuildOptions.torch_artifact``, ``--torch-artifact``; docs/torch-engines.md compares them):
+  - ``kernels.zip`` (a GPU engine's default, ``BuildOptions.inductor_format`` "kernels"): Inductor's wrapper for the branch
     and its Triton kernels' cubins, loaded and run without importing Inductor or Triton
     (``inductor_kernels``; taken from the module compiled below and checked bit for bit against it at build),
     with ``weights.bin`` as below.
-  - ``inductor.bin``: Inductor's precompiled artifact (``inductor_format()`` "bundled", a CPU engine's and the
+  - ``inductor.bin``: Inductor's precompiled artifact (``inductor_format`` "bundled", a CPU engine's and the
     fallback of a GPU branch "kernels" cannot hold: the compiled function itself, ``standalone_compile(aot=True)``).
     At build the engine's module is traced with ``make_fx``
     (its weights as graph inputs) for exactly the tensors the GPU launcher will hand it
@@ -27,7 +27,7 @@
   CPU) in ``engine.json`` and refuses, with both named, to load anywhere else.
 * A load that asks for another layout than the one compiled (the launcher's ablations:
   ``internal_nhwc=False``, ``concat_in_place=False``; ``FUSE_CONV_RELU`` changed) and engines
-  built with ``compile=False`` or ``ARTIFACT = "jit"`` convert ``branch.onnx`` again and, on
+  built with ``compile=False`` or ``torch_artifact = "jit"`` convert ``branch.onnx`` again and, on
   a GPU, compile it with TorchInductor at load, as every load did before (``compiled_at_load``).
 * Compiled artifacts are cached by (branch graph, tensor layout, precision, options, what they
   were compiled for, which artifact) in this process and, with ``cache_dir``, on disk: the search's candidates
@@ -72,7 +72,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
-from .base import BuildOptions
+from .base import BuilderBase, BuildOptions, check_model  # noqa: F401 - check_model: the builder's conversion checks
 
 if TYPE_CHECKING:
     import onnx
@@ -84,10 +84,18 @@ gpu = True
 supports_internal_nhwc = True
 #: engines read and write channel slices of channels-last buffers (the launcher's in-place Concat)
 supports_channel_views = True
+# capabilities (base.Backend): engines compiled for the launcher's layout and fusion (``Builder.build(layout=)``),
+# side by side in compile workers that also compile ahead in the background (``precompile``); a GPU engine's
+# first call can wait until after the load (``load(warm=False)``, ``TorchEngine.warm``)
+compiles_for_layout = True
+builds_side_by_side = True
+background_compiles = True
+fuses_conv_relu = True
+warms_after_load = True
 #: on the GPU, a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU (one kernel instead of
 #: a convolution and a Triton bias+ReLU kernel); set False before loading to get the unfused engines
 FUSE_CONV_RELU = True
-#: what a torch engine ships (PARASTREAM_TORCH_ARTIFACT; docs/torch-engines.md compares them):
+#: what a torch engine ships (``BuildOptions.torch_artifact``; docs/torch-engines.md compares them):
 #: "inductor"  Inductor's precompiled artifact (``torch._inductor.standalone_compile``), compiled at build like a
 #:             load-time torch.compile (Python wrapper, no C++ wrapper), loaded with ``CompiledArtifact.load``;
 #: "aoti"      an AOTInductor package (C++ wrapper compiled with g++ at build; on the H100 a 5-branch build did
@@ -96,7 +104,7 @@ FUSE_CONV_RELU = True
 #: The default is "inductor": on the H100 (bench/engine_artifacts.py, Inception-v4, 82 engines, fresh processes) it
 #: loaded in a third of jit's time with the same latency, and its GPU tests pass (docs/torch-engines.md).
 DEFAULT_ARTIFACT = "inductor"
-#: how an "inductor" artifact is saved (PARASTREAM_INDUCTOR_FORMAT, read when compiling; bench/engine_artifacts.py
+#: how an "inductor" artifact is saved (``BuildOptions.inductor_format``, carried to the compile workers by the options; bench/engine_artifacts.py
 #: compares them): "kernels" (on the GPU: Inductor's wrapper and its Triton kernels' cubins, loaded without
 #: importing Inductor or Triton: ``inductor_kernels``; on the CPU, and for a branch whose code it cannot hold, it
 #: falls back to "bundled"), "bundled" (``standalone_compile(aot=True)``: the compiled function itself, loaded
@@ -108,15 +116,15 @@ DEFAULT_ARTIFACT = "inductor"
 INDUCTOR_FORMATS = ("kernels", "bundled", "cache")
 
 
-def inductor_format() -> str:
-    fmt = os.environ.get("PARASTREAM_INDUCTOR_FORMAT") or "kernels"
+def inductor_format(options: BuildOptions) -> str:
+    """How ``options`` save an "inductor" artifact (one of INDUCTOR_FORMATS)."""
+    fmt = options.inductor_format
     if fmt not in INDUCTOR_FORMATS:
-        raise ParastreamError(f"PARASTREAM_INDUCTOR_FORMAT={fmt!r}: give one of {', '.join(INDUCTOR_FORMATS)}")
+        raise ParastreamError(f"--inductor-format {fmt}: give one of {', '.join(INDUCTOR_FORMATS)}")
     return fmt
+
+
 ARTIFACTS = ("inductor", "aoti", "jit")
-#: PARASTREAM_AOT_COMPILE=1 (the opt-in before PARASTREAM_TORCH_ARTIFACT) still means "aoti"
-ARTIFACT = os.environ.get("PARASTREAM_TORCH_ARTIFACT") or (
-    "aoti" if os.environ.get("PARASTREAM_AOT_COMPILE") == "1" else DEFAULT_ARTIFACT)
 #: engine.json's ``compiled`` and the zip member holding the compiled code, per artifact
 _COMPILED = {"aoti": "aotinductor", "inductor": "inductor"}
 _MEMBER = {"aotinductor": "aoti.pt2", "inductor": "inductor.bin", "kernels": "kernels.zip"}
@@ -346,7 +354,7 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
                          "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
-                         **({"inductor_format": inductor_format()} if artifact == "inductor" else {}),
+                         **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
     return h.hexdigest()
@@ -614,7 +622,7 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         consts = [n.target for n in gm.graph.nodes if n.op == "get_attr"]
         if consts:  # see the docstring: the loaded artifact could not run these
             raise ParastreamError(f"the traced branch holds tensor constants {consts[:3]}: no Inductor artifact")
-        fmt = inductor_format()
+        fmt = inductor_format(options)
         kernels = fmt == "kernels" and device == "cuda"
         if kernels:
             from . import inductor_kernels
@@ -638,15 +646,20 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
     return data, extra, weights
 
 
-def compile_workers() -> int:
-    """Processes that compile packages side by side (``PARASTREAM_COMPILE_WORKERS``; default: every core but one, at
-    most 16).  A worker compiles one kernel at a time (``compile_threads`` 1; ptxas is a process of its own), and
-    the build waits for the batch: on the H100's 16 cores, 8 workers left half of them idle."""
+def compile_workers(options: BuildOptions | None = None) -> int:
+    """Processes that compile packages side by side: ``options.compile_workers`` (``--compile-workers``), else every
+    core but one, at most 16; ``PARASTREAM_COMPILE_WORKERS`` overrides both (a machine's limit on a shared host,
+    docs/torch-engines.md).  A worker compiles one kernel at a time (``compile_threads`` 1; ptxas is a process of
+    its own), and the build waits for the batch: on the H100's 16 cores, 8 workers left half of them idle."""
     env = os.environ.get("PARASTREAM_COMPILE_WORKERS")
     if env:
         if not env.strip().isdigit() or int(env) < 1:
             raise ParastreamError(f"PARASTREAM_COMPILE_WORKERS={env!r}: give a whole number of processes, 1 or more")
         return int(env)
+    if options is not None and options.compile_workers:
+        if options.compile_workers < 1:
+            raise ParastreamError(f"--compile-workers {options.compile_workers}: give a whole number of processes, 1 or more")
+        return int(options.compile_workers)
     return max(1, min(16, (os.cpu_count() or 1) - 1))
 
 
@@ -779,12 +792,13 @@ def start_workers(options: BuildOptions) -> None:
     """Start the compile workers now (a GPU build calls this before it loads the model): each spawns, imports
     torch and Inductor (seconds each) while the build loads, checks and plans, instead of when the first batch
     is handed to them."""
-    if options.device != "cuda" or not options.compile or ARTIFACT == "jit" or compile_workers() < 2:
+    workers = compile_workers(options)
+    if options.device != "cuda" or not options.compile or options.torch_artifact == "jit" or workers < 2:
         return
-    pool = _pool(compile_workers())
+    pool = _pool(workers)
     if not getattr(pool, "_parastream_started", False):
         pool._parastream_started = True
-        for _ in range(compile_workers()):  # the pool spawns a worker per task it is handed, up to its size
+        for _ in range(workers):  # the pool spawns a worker per task it is handed, up to its size
             pool.submit(_ready)
 
 
@@ -934,23 +948,25 @@ def _load_artifact(artifact: bytes, meta: dict, device: str):
     return art
 
 
-class Builder:
+class Builder(BuilderBase):
     """Converts each branch (failing on the first unsupported node) and compiles it for the launcher's layout.
 
     ``build(branch, name, layout=None)``: ``layout`` is what the launcher will give the engine
     (``EngineLayouts.branch``: input and output specs, channels-last set, channel views); without
-    it, or with ``compile=False`` or ``ARTIFACT == "jit"``, the engine holds the branch's ONNX alone.
+    it, or with ``compile=False`` or ``options.torch_artifact == "jit"``, the engine holds the branch's ONNX alone.
     ``build_all(items)`` does the same for many branches and compiles the artifacts that no cache
-    holds in ``compile_workers()`` processes side by side.
+    holds in ``compile_workers(options)`` processes side by side.
     """
 
     def __init__(self, options: BuildOptions):
         if options.precision not in ("fp32", "tf32", "fp16", "bf16"):
             raise ParastreamError(f"--precision {options.precision}: the torch backend builds fp32, tf32, fp16 or bf16 engines")
-        if ARTIFACT not in ARTIFACTS:
-            raise ParastreamError(f"PARASTREAM_TORCH_ARTIFACT={ARTIFACT!r}: the torch backend ships {', '.join(ARTIFACTS)}")
+        if options.torch_artifact not in ARTIFACTS:
+            raise ParastreamError(f"--torch-artifact {options.torch_artifact}: the torch backend ships {', '.join(ARTIFACTS)}")
+        if options.torch_artifact == "inductor":
+            inductor_format(options)  # refused here, before anything compiles
         self.options = options
-        self.artifact = ARTIFACT
+        self.artifact = options.torch_artifact
         self._report: dict[str, dict] = {}
         self.keys: list[str] = []  # the cache keys of the last ``_jobs`` call's items
 
@@ -1070,10 +1086,10 @@ class Builder:
         the report and verification say so."""
         if not todo:
             return {}, {}
-        workers = min(compile_workers(), len(groups))
+        workers = min(compile_workers(self.options), len(groups))
         results: dict[str, bytes | str] = {}
         if workers > 1:
-            pool = _pool(compile_workers())
+            pool = _pool(compile_workers(self.options))
             # the longest groups first (a group's first branch compiles, the rest are mostly Inductor cache hits):
             # a large branch started last would hold the batch up while every other worker idles
             order = sorted(groups, key=lambda g: -_work(todo, groups[g]))
@@ -1113,7 +1129,7 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
     todo: dict[str, tuple] = {}
     groups: dict[str, list[str]] = {}
     first = None
-    if background and compile_workers() <= 1:
+    if background and batches and compile_workers(batches[0][0].options) <= 1:
         return {"jobs": 0, "failed": 0, "s": 0.0, "background": "one compile worker: compiled when measured"}
     batch_keys: list[list[str]] = []
     for builder, items in batches:
@@ -1132,7 +1148,7 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         got = {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
         return dict(got, keys=batch_keys) if background else got
     if background:
-        _submit(todo, groups, first.options.cache_dir, cancellable)
+        _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options))
         if first.options.device == "cuda":
             _import_runtime_in_background()
         return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3),
@@ -1335,7 +1351,8 @@ def background_summary(since: float) -> dict:
             "last_done_s": round(max(v[4] for v in done) - since, 2)}
 
 
-def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool) -> None:
+def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool,
+            workers: int | None = None) -> None:
     """Queue the groups (a later call's after an earlier one's, the longest of each call first).  Of what is needed
     only after the search (not ``cancellable``), the longest group starts at once: it ends the build's wait for
     its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
@@ -1349,13 +1366,18 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
             for k in keys:
                 _INFLIGHT[k] = job
             _QUEUED.append(job)
+        _WORKERS[0] = compile_workers() if workers is None else workers
     _pump()
+
+
+#: the workers of the last background batch (``_submit``: its builders' options): what ``_pump`` fills
+_WORKERS = [1]
 
 
 def _pump() -> None:
     """Hand queued groups to the workers, the most urgent first, while a worker is free."""
     with _QUEUE_LOCK:
-        workers = compile_workers()
+        workers = _WORKERS[0]
         while _QUEUED and _RUNNING[0] < workers:
             _QUEUED.sort(key=lambda j: (j.priority, j.seq))
             job = _QUEUED.pop(0)

@@ -20,14 +20,15 @@ def retag(data: bytes, **built_for) -> bytes:
     return tb.pack(meta, f.onnx(), f.compiled(), f.weights())
 
 
-def small_net_bundle(folder):
-    """The zoo's small_net built for the GPU (torch, fp16, 4 streams, no search) in ``folder``: (folder, bundle)."""
+def small_net_bundle(folder, torch_artifact: str = "inductor"):
+    """The zoo's small_net built for the GPU (torch, fp16, 4 streams, no search, engines shipping
+    ``torch_artifact``) in ``folder``: (folder, bundle)."""
     from parastream.pipeline import build
     from parastream.pipeline.zoo import small_net
 
     onnx.save(small_net(), folder / "small_net.onnx")
     return folder, build(folder / "small_net.onnx", folder / "out", backend="torch", precision="fp16", streams=4,
-                         search=False)
+                         search=False, torch_artifact=torch_artifact)
 
 
 def assert_ships_compiled_engines_verified_as_loaded(bundle, compiled: str) -> None:

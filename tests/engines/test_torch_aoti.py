@@ -19,7 +19,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 torch = pytest.importorskip("torch")
 
-from parastream.launcher.engines import BuildOptions  # noqa: E402
+from parastream.launcher.engines import BuildOptions as _BuildOptions  # noqa: E402
 from parastream.launcher.engines import torch as tb  # noqa: E402
 from parastream.launcher.errors import ParastreamError  # noqa: E402
 from parastream.launcher.plan import TensorSpec  # noqa: E402
@@ -33,18 +33,9 @@ IN = TensorSpec("x", "float32", [1, 3, 8, 8])
 OUT = TensorSpec("y", "float32", [1, 4, 8, 8])
 
 
-@pytest.fixture(autouse=True, scope="module")
-def _aot_on():
-    """These tests build AOTInductor packages (PARASTREAM_TORCH_ARTIFACT=aoti), here and in subprocesses."""
-    old, old_env = tb.ARTIFACT, os.environ.get("PARASTREAM_TORCH_ARTIFACT")
-    tb.ARTIFACT = "aoti"
-    os.environ["PARASTREAM_TORCH_ARTIFACT"] = "aoti"
-    yield
-    tb.ARTIFACT = old
-    if old_env is None:
-        os.environ.pop("PARASTREAM_TORCH_ARTIFACT", None)
-    else:
-        os.environ["PARASTREAM_TORCH_ARTIFACT"] = old_env
+def BuildOptions(**kw) -> _BuildOptions:
+    """These tests build AOTInductor packages (``--torch-artifact aoti``)."""
+    return _BuildOptions(**{"torch_artifact": "aoti", **kw})
 
 
 def branch(seed: int) -> onnx.ModelProto:
@@ -259,7 +250,8 @@ def test_build_compiles_each_branch_for_the_layout_the_gpu_launcher_gives_it(tmp
             pass
 
     backend = types.SimpleNamespace(name="torch", suffix=".zip", gpu=True, supports_internal_nhwc=True,
-                                    supports_channel_views=True, Builder=Recording)
+                                    supports_channel_views=True, compiles_for_layout=True, builds_side_by_side=False,
+                                    Builder=Recording)
     model = onnx.load(tmp_path / "ort" / "model.onnx")
     graph = gs.import_onnx(model)
     graph.toposort()
@@ -283,7 +275,7 @@ def test_build_compiles_each_branch_for_the_layout_the_gpu_launcher_gives_it(tmp
 # -- GPU: the whole bundle ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
-    return small_net_bundle(tmp_path_factory.mktemp("gpu-aoti"))
+    return small_net_bundle(tmp_path_factory.mktemp("gpu-aoti"), torch_artifact="aoti")
 
 
 @pytest.mark.gpu
@@ -338,14 +330,14 @@ def test_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bund
 
 def test_engines_are_compiled_again_only_when_the_timed_choice_differs_from_what_they_were_compiled_for():
     from parastream.launcher.engines import get_backend
-    from parastream.pipeline.build import _compiled_for_other_choices
+    from parastream.pipeline.measure import compiled_for_other_choices
 
     torch_backend = get_backend("torch")
-    assert not _compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": True})
-    assert _compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": False, "internal_nhwc": True})
-    assert _compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": False})
+    assert not compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": True})
+    assert compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": False, "internal_nhwc": True})
+    assert compiled_for_other_choices(torch_backend, True, {"fuse_conv_relu": True, "internal_nhwc": False})
     for other in ("onnxruntime", "tensorrt"):  # their engines do not depend on the launcher's layout
-        assert not _compiled_for_other_choices(get_backend(other), True, {"fuse_conv_relu": False, "internal_nhwc": False})
+        assert not compiled_for_other_choices(get_backend(other), True, {"fuse_conv_relu": False, "internal_nhwc": False})
 
 
 def test_a_branch_aotinductor_cannot_compile_ships_its_onnx_and_says_why(monkeypatch):
@@ -380,15 +372,21 @@ def test_alternatives_of_compiled_engines_are_compiled_for_the_layout_they_are_t
     writes = []
     monkeypatch.setattr(build_mod, "_write_engines",
                         lambda dest, model, graph, plan, backend, options, label, on_branch=None, internal_nhwc=True,
-                        sink=None: writes.append((plan.num_streams, options.fuse_conv_relu, internal_nhwc)))
+                        prebuilt=None, model_file=True, sink=None, cache=None:
+                        writes.append((plan.num_streams, options.fuse_conv_relu, internal_nhwc)))
 
     class Builder:
         def build(self, branch, name, layout=None):
             raise AssertionError("faked")
 
-    backend = types.SimpleNamespace(gpu=True, name="torch", suffix=".zip", Builder=Builder)
+    from test_build_gpu import _gpu_backend
+
+    from parastream.pipeline.measure import Variant, time_alternatives
+
+    backend = _gpu_backend(suffix=".zip", Builder=Builder, compiles_for_layout=True)
     model, graph, plan, cm = _plan_of(tmp_path / "small_net.onnx", 2)
-    got = build_mod.time_alternatives(tmp_path, model, graph, plan, backend, BuildOptions(precision="fp16"), cm, runs=5)
+    got = time_alternatives(build_mod.Engines(backend, cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
     # round 1: the unfused packages win (0.8 < 1.0); round 2: contiguous packages, unfused, tie (kept); round 3: one engine
     assert writes == [(2, False, True), (2, False, False), (1, False, True)]
     assert (got["fuse_conv_relu"], got["internal_nhwc"]) == (False, True)

@@ -1,4 +1,4 @@
-"""Torch engines as Inductor precompiled artifacts (``PARASTREAM_TORCH_ARTIFACT=inductor``: ``standalone_compile`` at
+"""Torch engines as Inductor precompiled artifacts (``--torch-artifact inductor``, the default: ``standalone_compile`` at
 build, ``CompiledArtifact.load`` at load): built once, loaded in a fresh process with empty caches without
 dynamo, AOTAutograd or Inductor codegen, writing into the tensors it is given, refused where it was not compiled
 for, cached by branch.  Inductor compiles for the CPU too, which is how these run in CI (tiny branches, one
@@ -31,20 +31,6 @@ from compiled_gpu import (assert_another_architecture_is_refused_naming_the_file
 from test_torch_aoti import IN, LAYOUT, OUT, branch, ort  # noqa: E402
 
 pytestmark = pytest.mark.slow
-
-
-@pytest.fixture(autouse=True, scope="module")
-def _inductor_on():
-    """These tests build Inductor artifacts, here and in subprocesses (PARASTREAM_TORCH_ARTIFACT=inductor)."""
-    old, old_env = tb.ARTIFACT, os.environ.get("PARASTREAM_TORCH_ARTIFACT")
-    tb.ARTIFACT = "inductor"
-    os.environ["PARASTREAM_TORCH_ARTIFACT"] = "inductor"
-    yield
-    tb.ARTIFACT = old
-    if old_env is None:
-        os.environ.pop("PARASTREAM_TORCH_ARTIFACT", None)
-    else:
-        os.environ["PARASTREAM_TORCH_ARTIFACT"] = old_env
 
 
 @pytest.fixture(scope="module")
@@ -130,7 +116,7 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
     info = json.loads(p.stdout.strip().splitlines()[-1])
     assert info["compiled_at_load"] is False and info["dynamo_graphs"] == 0
     distinct = len({tb.unpack(built.a)[2], tb.unpack(built.b)[2]})  # equal bytes load once (_LOADED_ARTIFACTS)
-    if tb.inductor_format() == "cache":  # its entries are written into the empty cache and found there
+    if tb.inductor_format(BuildOptions()) == "cache":  # its entries are written into the empty cache and found there
         assert info["inductor"].get("fxgraph_cache_hit") == distinct, info
     else:  # "bundled": the compiled function itself, no cache lookup at all
         assert not info["inductor"].get("fxgraph_cache_hit"), info
@@ -293,9 +279,8 @@ def test_the_artifact_kind_is_part_of_the_cache_key():
 
 
 def test_an_unknown_artifact_is_one_clear_error(monkeypatch):
-    monkeypatch.setattr(tb, "ARTIFACT", "tensorrt")
-    with pytest.raises(ParastreamError, match="PARASTREAM_TORCH_ARTIFACT='tensorrt': the torch backend ships inductor, aoti, jit"):
-        tb.Builder(BuildOptions(device="cpu"))
+    with pytest.raises(ParastreamError, match="--torch-artifact tensorrt: the torch backend ships inductor, aoti, jit"):
+        tb.Builder(BuildOptions(device="cpu", torch_artifact="tensorrt"))
 
 
 def other(seed: int) -> onnx.ModelProto:

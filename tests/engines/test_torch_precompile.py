@@ -31,7 +31,6 @@ def compiles(monkeypatch):
         return f"artifact {digest} {sorted(nhwc)}".encode(), {"params": [], "param_specs": []}
 
     monkeypatch.setattr(tb, "compile_inductor", fake)
-    monkeypatch.setattr(tb, "ARTIFACT", "inductor")
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
     tb.clear_memory_cache()
     yield calls
@@ -77,8 +76,7 @@ def test_a_branch_that_failed_in_the_batch_is_not_compiled_again_and_ships_its_o
 def test_jit_builds_and_uncompiled_options_add_no_jobs(compiles, monkeypatch):
     items = [(branch(1), "a0", LAYOUT)]
     assert tb.precompile([(tb.Builder(BuildOptions(device="cpu", compile=False)), items)])["jobs"] == 0
-    monkeypatch.setattr(tb, "ARTIFACT", "jit")
-    assert tb.precompile([(tb.Builder(BuildOptions(device="cpu")), items)])["jobs"] == 0
+    assert tb.precompile([(tb.Builder(BuildOptions(device="cpu", torch_artifact="jit")), items)])["jobs"] == 0
     assert compiles == []
 
 
@@ -154,6 +152,26 @@ def test_a_bad_compile_worker_count_is_one_error_naming_the_variable(monkeypatch
         tb.compile_workers()
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "3")
     assert tb.compile_workers() == 3
+
+
+def test_the_compile_workers_are_a_build_option_the_variable_overrides(monkeypatch):
+    """``BuildOptions.compile_workers`` (``--compile-workers``) sets the count, 0 the default; the variable overrides it."""
+    monkeypatch.delenv("PARASTREAM_COMPILE_WORKERS", raising=False)
+    assert tb.compile_workers(BuildOptions(compile_workers=5)) == 5
+    assert tb.compile_workers(BuildOptions()) == tb.compile_workers() >= 1
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
+    assert tb.compile_workers(BuildOptions(compile_workers=5)) == 2
+
+
+def test_the_artifact_and_its_format_are_build_options_refused_by_name():
+    """What a torch engine ships is ``BuildOptions.torch_artifact``/``inductor_format``; a bad one names the option."""
+    from parastream.launcher.errors import ParastreamError
+
+    with pytest.raises(ParastreamError, match="--torch-artifact tensorrt: the torch backend ships inductor, aoti, jit"):
+        tb.Builder(BuildOptions(device="cpu", torch_artifact="tensorrt"))
+    with pytest.raises(ParastreamError, match="--inductor-format zip: give one of kernels, bundled, cache"):
+        tb.Builder(BuildOptions(device="cpu", inductor_format="zip"))
+    assert tb.Builder(BuildOptions(device="cpu", torch_artifact="aoti")).artifact == "aoti"
 
 
 def test_the_same_branch_under_another_name_gives_the_same_engine_packed_once(compiles, monkeypatch):
@@ -298,7 +316,6 @@ def test_compile_workers_start_before_the_first_batch_only_for_gpu_builds(monkey
 
     pool = Pool()
     monkeypatch.setattr(tb, "_pool", lambda n: pool)
-    monkeypatch.setattr(tb, "ARTIFACT", "inductor")
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "3")
     tb.start_workers(BuildOptions(device="cpu"))
     tb.start_workers(BuildOptions(device="cuda", compile=False))
@@ -306,7 +323,6 @@ def test_compile_workers_start_before_the_first_batch_only_for_gpu_builds(monkey
     tb.start_workers(BuildOptions(device="cuda"))
     tb.start_workers(BuildOptions(device="cuda"))  # started once
     assert handed == [tb._ready] * 3 and tb._ready() is True
-    monkeypatch.setattr(tb, "ARTIFACT", "jit")
     pool._parastream_started = False
-    tb.start_workers(BuildOptions(device="cuda"))
+    tb.start_workers(BuildOptions(device="cuda", torch_artifact="jit"))
     assert len(handed) == 3

@@ -36,3 +36,10 @@ def test_lock_can_be_turned_off(monkeypatch):
     monkeypatch.setenv("PARASTREAM_GPU_TIMING_LOCK", "0")
     with gpu_timing_lock(7):
         assert _other_process_can_lock(7)
+
+
+def test_the_build_option_turns_it_off(monkeypatch):
+    """``BuildOptions.gpu_timing_lock`` False (``--no-gpu-timing-lock``): the block runs without the lock."""
+    monkeypatch.delenv("PARASTREAM_GPU_TIMING_LOCK", raising=False)
+    with gpu_timing_lock(7, enabled=False):
+        assert _other_process_can_lock(7)

@@ -163,22 +163,33 @@ def test_measured_candidates_decide(zoo_model):
     Console(file=open("/dev/null", "w")).print(format_report(report))
 
 
-def test_the_measure_callback_is_prepared_ahead_in_the_order_it_measures(zoo_model):
-    """``measure.prepare(models)`` (a GPU build compiles their engines in the background) gets each model before it
-    is measured, at most ``measure.lookahead`` ahead, in the order of measurement, the input first; once the
-    callback's budget is spent (MeasureBudgetSpent) nothing more is exported, prepared or measured."""
-    from parastream.rewrite.search import MeasureBudgetSpent
+def test_the_measurer_is_prepared_ahead_in_the_order_it_measures(zoo_model):
+    """``Measurer.prepare(models)`` (a GPU build compiles their engines in the background) gets each model before it
+    is measured, at most ``lookahead`` ahead, in the order of measurement, the input first; once the measurer's
+    budget is spent (MeasureBudgetSpent) nothing more is exported, prepared or measured."""
+    from parastream.rewrite.search import MeasureBudgetSpent, Measurer
 
     m = zoo_model("inception_block")
     events = []
 
-    def measure(model):
-        events.append(("measure", id(model)))
-        return 1e-4 * len(model.graph.node)
+    class Recording:
+        def __init__(self, lookahead, spend_after=None, prepare_fails=False):
+            self.lookahead, self.spend_after, self.prepare_fails = lookahead, spend_after, prepare_fails
 
-    measure.lookahead = 2
-    measure.prepare = lambda models: events.append(("prepare", [id(x) for x in models])) or {"n": len(models)}
-    out, report = optimize(m, measure=measure, top_k=6)
+        def prepare(self, models):
+            if self.prepare_fails:
+                raise RuntimeError("no compile workers")
+            events.append(("prepare", [id(x) for x in models]))
+            return {"n": len(models)}
+
+        def measure(self, model):
+            events.append(("measure", id(model)))
+            if self.spend_after is not None and sum(e[0] == "measure" for e in events) > self.spend_after:
+                raise MeasureBudgetSpent("budget spent")
+            return 1e-4 * len(model.graph.node)
+
+    assert isinstance(Recording(2), Measurer)
+    out, report = optimize(m, measure=Recording(2), top_k=6)
     prepared = [i for kind, ids in events if kind == "prepare" for i in ids]
     measured = [i for kind, i in events if kind == "measure"]
     assert prepared[0] == id(m) and prepared == measured and len(measured) >= 4  # each once, in order
@@ -190,16 +201,8 @@ def test_the_measure_callback_is_prepared_ahead_in_the_order_it_measures(zoo_mod
     assert report["prepared"][0] == {"n": 1} and len(report["prepared"]) == len(prepared)
     assert report["decided_by"] == "measured"
 
-    def two_then_spent(model):
-        events.append(("measure", id(model)))
-        if sum(e[0] == "measure" for e in events) > 2:
-            raise MeasureBudgetSpent("budget spent")
-        return 1e-4 * len(model.graph.node)
-
-    two_then_spent.lookahead = 1
-    two_then_spent.prepare = measure.prepare
     events.clear()
-    out, report = optimize(m, measure=two_then_spent, top_k=6)
+    out, report = optimize(m, measure=Recording(1, spend_after=2), top_k=6)
     measured = [i for kind, i in events if kind == "measure"]
     prepared = [i for kind, ids in events if kind == "prepare" for i in ids]
     assert len(measured) == 3 and len(prepared) <= 4  # no preparing past the spent budget
@@ -207,11 +210,7 @@ def test_the_measure_callback_is_prepared_ahead_in_the_order_it_measures(zoo_mod
     assert len(errors) >= 2 and all("budget spent" in e for e in errors)
     assert report["decided_by"] == "measured"
 
-    def failing(models):
-        raise RuntimeError("no compile workers")
-
-    measure.prepare = failing
-    out, report = optimize(m, measure=measure, top_k=5)  # measuring compiles what preparing could not
+    out, report = optimize(m, measure=Recording(4, prepare_fails=True), top_k=5)  # measuring compiles what preparing could not
     assert report["prepared"][0] == {"error": "RuntimeError: no compile workers"} and report["decided_by"] == "measured"
 
 

@@ -1,0 +1,555 @@
+"""Measurement: what the build times on the machine to decide between what it could ship.
+
+Three decisions are taken by timing rather than by the cost model:
+
+* the rewrite search's candidates, on the GPU (``GpuMeasurer.measure``, the search's ``Measurer``);
+* a GPU bundle's alternatives (``GpuMeasurer.time_alternatives``): cuDNN's fused conv + bias + ReLU or not,
+  channels-last or contiguous internal boundaries, the plan or one engine for the whole model;
+* a CPU build's alternatives (``choose_cpu_alternative``): plain onnxruntime, the rewritten model, the plan.
+
+Each thing timed is a ``Variant`` (data: a model, its graph and plan, the engine options and boundary layout);
+each decision between two or more is taken by the one comparator, ``decide_by_timing`` (medians in order,
+the default kept unless another is faster by a margin).  What builds and loads a variant's engines is the
+build's (``pipeline.build.Engines``, the ``EngineMaker`` below); this module decides what to time and when.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+import onnx
+import onnx_graphsurgeon as gs
+
+from parastream.launcher.bundle import Bundle
+from parastream.launcher.engines import BuildOptions
+from parastream.rewrite.search import MeasureBudgetSpent
+
+from .model_io import LoadedModel, graph_of
+from .schedule import Schedule, schedule_graph
+
+if TYPE_CHECKING:
+    from parastream.launcher.plan import Plan
+
+
+@dataclass
+class Variant:
+    """One thing a build may time: ``plan`` of ``model`` (its ``graph``) built with ``options`` and loaded with
+    channels-last internal boundaries or not (``internal_nhwc``)."""
+
+    model: onnx.ModelProto
+    graph: gs.Graph
+    plan: "Plan"
+    options: BuildOptions
+    internal_nhwc: bool = True
+
+
+class EngineMaker(Protocol):
+    """What measurement needs of the build's engines (``pipeline.build.Engines``)."""
+
+    backend: object
+
+    def plan(self, graph: gs.Graph, streams: int | None, max_streams: int) -> "Plan": ...
+
+    def plan_of_schedule(self, graph: gs.Graph, sched: Schedule) -> "Plan": ...
+
+    def manifest_of(self, variant: Variant) -> dict: ...
+
+    def one_engine_plan(self, graph: gs.Graph, plan: "Plan") -> "Plan": ...
+
+    def launcher(self, variant: Variant): ...
+
+    def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True) -> dict | None: ...
+
+    def write(self, dest: Path, variant: Variant, label: str, *, model_file: bool = True) -> dict: ...
+
+
+def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: float = 0.05,
+                     spread: bool = True) -> tuple[str, list[dict]]:
+    """The one comparator: the alternative to keep from timed calls, ``order[0]`` (the default) unless another is
+    faster by a clear margin.  The alternatives are taken in order; one replaces the current choice when its
+    median is below the current's by more than the margin: the larger of ``floor`` and (``spread``) the spread of
+    either (interquartile range / median of its calls), so that a difference within the noise of a loaded machine
+    never flips the bundle.  ``floor=0, spread=False``: the smaller median wins (a GPU's CUDA-event replays).
+    Returns (chosen, one row per alternative: median, quartiles, spread, calls, margin it needed, won)."""
+    stats = {}
+    for name in order:
+        t = np.asarray(times[name], dtype=float)
+        q25, med, q75 = (float(x) for x in np.percentile(t, [25, 50, 75]))
+        stats[name] = {"median_ms": med * 1e3, "p25_ms": q25 * 1e3, "p75_ms": q75 * 1e3,
+                       "spread": (q75 - q25) / med if med > 0 else 0.0, "calls": int(t.size)}
+    current = order[0]
+    for name in order[1:]:
+        margin = max(floor, stats[current]["spread"], stats[name]["spread"]) if spread else floor
+        stats[name]["margin_needed"] = margin
+        stats[name]["against"] = current
+        if stats[name]["median_ms"] < stats[current]["median_ms"] * (1.0 - margin):
+            current = name
+    return current, [dict(alternative=n, **stats[n], chosen=n == current) for n in order]
+
+
+# -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
+ROUNDS = ("conv+ReLU", "boundary layout", "streams")  # time_alternatives' rounds, in the order it times them
+
+
+def round_labels(what: str, plan) -> tuple[str, str]:
+    """What a round of ``time_alternatives`` races: (the plan as it is, the alternative)."""
+    return {"conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
+            "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
+            "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
+
+
+def has_conv_relu(model: onnx.ModelProto) -> bool:
+    """Whether a Conv's output is read by one Relu only (what cuDNN's fused conv + bias + ReLU runs)."""
+    readers: dict[str, list[str]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n.op_type)
+    return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
+
+
+def plan_signature(plan) -> tuple:
+    """What makes two plans load the same engines in the same order on the same streams (not the cost model's
+    per-branch estimates)."""
+    return (plan.backend, plan.precision, plan.num_streams,
+            tuple((b.name, b.stream, tuple(b.nodes), tuple(b.inputs), tuple(b.outputs), tuple(b.waits), b.concat_axis)
+                  for b in plan.branches),
+            tuple(sorted((n, str(t)) for n, t in plan.tensors.items())))
+
+
+def compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
+    """Whether the engines just written were compiled (torch packages) for a fusion or boundary layout that the
+    measurement did not choose: they are compiled again for the choice, so that what ships is what loads."""
+    return backend.compiles_for_layout and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"])
+
+
+def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
+    from parastream.rewrite.ir import infer
+
+    return infer(model, strict=True)
+
+
+def _shapes_known(model: onnx.ModelProto) -> bool:
+    """Every node output has a static shape in ``model`` (value_info or a graph output): inferred already."""
+    known = {v.name for v in list(model.graph.value_info) + list(model.graph.output)
+             if v.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in v.type.tensor_type.shape.dim)}
+    return all(o in known for n in model.graph.node for o in n.output if o)
+
+
+def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Variant]]:
+    """The engines ``time_alternatives`` will load besides ``v``'s own, by round, guessed before it runs: the
+    first round's choice is unknown, so the later rounds are taken with the fusion as it is (a choice that goes
+    the other way compiles its engines then)."""
+    out = []
+    if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
+        out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
+    out.append(("boundary layout", replace(v, internal_nhwc=False)))
+    if v.plan.num_streams > 1:
+        out.append(("streams", replace(v, plan=engines.one_engine_plan(v.graph, v.plan))))
+    return out
+
+
+def gpu_present(backend) -> bool:
+    """Whether ``backend`` has GPU engines and a GPU is here to time them on."""
+    if not backend.gpu:
+        return False
+    from parastream.launcher import cuda_device_count
+
+    return cuda_device_count() > 0
+
+
+def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, since: float, lock: bool = True) -> bool:
+    """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
+    replays, the faster median kept (``decide_by_timing`` without a margin); the round goes into ``rounds``
+    (``load_s``: the seconds since ``since``, building and loading ``other``); True when ``other`` was faster."""
+    from parastream.launcher.bench import measure as time_replays
+
+    keys = round_labels(what, plan)
+    t0 = time.perf_counter()
+    times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10, lock=lock)
+    chosen, _ = decide_by_timing(times, list(keys), floor=0.0, spread=False)
+    rounds.append({"choice": what, "timed_ms": {k: float(np.median(v)) for k, v in times.items()}, "won": chosen,
+                   "load_s": round(t0 - since, 3), "timed_s": round(time.perf_counter() - t0, 3)})
+    return chosen == keys[1]
+
+
+@dataclass
+class GpuMeasurer:
+    """Times on the GPU what a build could ship, against a reference kept loaded.
+
+    As the search's ``Measurer``: ``measure(model)`` schedules, builds and loads the candidate like a real bundle
+    (engines in memory), replays its CUDA Graph and returns the median latency.  The first model measured (the
+    search measures its input first) stays loaded as the reference; every later candidate is timed in
+    alternating blocks with it, and its time is scaled by the reference's first median, so that clock changes
+    between measurements do not decide.  The first two models (the input and the cost model's best candidate)
+    are always measured, so that a slow load can never leave the decision without a rival; after those, once
+    ``budget_s`` is spent, further candidates raise MeasureBudgetSpent (the search decides among those measured).
+
+    ``prepare(models)`` compiles the next candidates' engines in the background; with the input it queues the
+    input's alternatives too (``alternative_variants``), timed against the reference as their engines come in
+    (``time_ready``) so that ``alternatives_timed`` hands the build ``time_alternatives``' result for the input's
+    plan.  ``close()`` frees the reference and cancels what no measurement needs any more."""
+
+    engines: EngineMaker
+    options: BuildOptions
+    loaded: LoadedModel
+    streams: int | None
+    max_streams: int
+    budget_s: float
+    runs: int = 100
+    warmup: int = 10
+    lookahead: int = 4  # models prepared ahead of the one measured (their compiles overlap its measurement)
+    log: list = field(default_factory=list)  # per model measured: when it started (s after this was made), its steps
+
+    def __post_init__(self):
+        self.backend = self.engines.backend
+        self.t_made = time.perf_counter()
+        self.deadline = self.t_made + self.budget_s
+        self.calls = 0  # models asked for so far (the first two are measured whatever the budget)
+        self.reference = None  # (launcher, median ms) of the first model measured
+        self.planned: list[tuple[onnx.ModelProto, Variant]] = []  # what ``prepare`` planned for ``measure`` to load
+        self.prepared: list[onnx.ModelProto] = []
+        self.early: dict = {}  # the input's alternatives: its plan, the rounds timed, the rest (round, variant, keys)
+        self.alternatives_queued = False
+
+    @classmethod
+    def for_build(cls, engines: EngineMaker, options: BuildOptions, loaded: LoadedModel, **kw) -> "GpuMeasurer | None":
+        """A measurer, or None when the backend has no GPU engines or no GPU is present."""
+        return cls(engines, options, loaded, **kw) if gpu_present(engines.backend) else None
+
+    # -- the variants ------------------------------------------------------------------------------------------
+    def variant_of(self, model: onnx.ModelProto) -> Variant:
+        """``model`` scheduled and planned as the build would ship it (planned once, until it is measured)."""
+        for m, v in self.planned:
+            if m is model:
+                return v
+        if model is self.loaded.model:  # the search measures its input first: the loader's graph
+            m, graph = model, self.loaded.graph
+        else:  # the search's exports are shape-inferred and checked already (inferred here where they are not)
+            m = model if _shapes_known(model) else _infer(model)
+            graph = graph_of(m)
+        v = Variant(m, graph, self.engines.plan(graph, self.streams, self.max_streams), self.options)
+        self.planned.append((model, v))
+        return v
+
+    # -- the search's Measurer ---------------------------------------------------------------------------------
+    def prepare(self, models: list[onnx.ModelProto]) -> dict | None:
+        """Start compiling the engines of the next models the search will measure, on every compile worker in the
+        background: a candidate is measured as soon as its own engines are compiled while the workers go on with
+        the next ones, and the budget's end cancels what has not started.  With the first call (the input
+        first) the alternatives the build will time if it keeps the input are queued too, and kept."""
+        models = [m for m in models if not any(m is p for p in self.prepared)]
+        if not models:
+            return None
+        self.prepared.extend(models)
+        variants = [self.variant_of(m) for m in models]
+        got = self.engines.precompile(variants, background=True)
+        if got is not None:
+            got.pop("keys", None)
+        if not self.alternatives_queued and got is not None and got.get("background") is True:
+            self.alternatives_queued = True
+            named = alternative_variants(self.engines, variants[0])
+            alt = self.engines.precompile([a for _, a in named], background=True, cancellable=False)
+            keys = alt.pop("keys", None) if alt else None
+            if keys is not None and len(keys) == len(named) and models[0] is self.loaded.model:
+                self.early.update(plan=variants[0].plan, rounds=[],
+                                  todo=[(what, a, k) for (what, a), k in zip(named, keys)])
+            got["alternatives"] = alt
+        return got
+
+    def measure(self, model: onnx.ModelProto) -> float:
+        from parastream.launcher.bench import measure as time_replays
+
+        t_called = time.perf_counter()
+        self.time_ready()  # the input's alternatives whose engines are in, before the next candidate
+        if self.calls >= 2 and time.perf_counter() > self.deadline:
+            raise MeasureBudgetSpent(f"measurement budget of {self.budget_s:.0f} s spent")
+        self.calls += 1
+        self.log.append({"start_s": round(time.perf_counter() - self.t_made, 3),
+                         "called_s": round(t_called - self.t_made, 3)})
+        la = self._load(model)
+        t0 = time.perf_counter()
+        lock = self.options.gpu_timing_lock
+        if self.reference is None:
+            ms = float(np.median(time_replays({"candidate": la}, runs=self.runs, warmup=self.warmup, lock=lock)["candidate"]))
+            self.reference = (la, ms)
+            self.log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
+            return ms / 1e3
+        ref, ref_ms = self.reference
+        try:
+            times = time_replays({"reference": ref, "candidate": la}, runs=self.runs, warmup=self.warmup, lock=lock)
+        finally:
+            la.close()
+        self.log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
+        return float(np.median(times["candidate"]) / np.median(times["reference"]) * ref_ms) / 1e3
+
+    def _load(self, model: onnx.ModelProto):
+        from parastream.launcher.gpu import load_phases
+
+        t_plan = time.perf_counter()
+        v = self.variant_of(model)
+        t0 = time.perf_counter()
+        la = self.engines.launcher(v)
+        self.planned = [(m, x) for m, x in self.planned if m is not model]  # measured once: its plan can go
+        self.log[-1].update(build_s=round(la.t_built - t0, 3), load_s=round(time.perf_counter() - la.t_built, 3),
+                            plan_s=round(t0 - t_plan, 3), load_phases_s=load_phases(la))
+        return la
+
+    def close(self) -> None:
+        if self.backend.background_compiles:  # what ``prepare`` queued and no measurement needs any more
+            self.backend.cancel_precompile()
+        if self.reference is not None:
+            self.reference[0].close()
+            self.reference = None
+
+    # -- the input's alternatives, timed during the search -----------------------------------------------------
+    def time_ready(self, wait: bool = False) -> None:
+        """Time the input's alternatives whose engines are compiled against the input (the reference launcher),
+        in ``time_alternatives``'s order, while the search goes on: the build then need not load and time them
+        after the search, nor wait for their compiles at its end.  ``wait``: the rest too, waiting for their
+        compiles.  A round the alternative wins changes what the later rounds race (the bundle's fusion or
+        layout); the build then times them after the search, as for a rewrite chosen."""
+        early = self.early
+        while early.get("todo") and self.reference is not None and not early.get("stopped"):
+            what, v, keys = early["todo"][0]
+            if not wait and self.backend.compiling(keys):
+                return
+            early["todo"].pop(0)
+            t0 = time.perf_counter()
+            try:
+                other = self.engines.launcher(v)
+                try:
+                    won = race(early["rounds"], what, self.reference[0], other, early["plan"], runs=self.runs,
+                               since=t0, lock=self.options.gpu_timing_lock)
+                finally:
+                    other.close()
+            except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
+                early["stopped"] = f"{what}: {type(e).__name__}: {e}"
+                return
+            early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
+            if won and what != "streams":
+                early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
+
+    def alternatives_timed(self) -> dict | None:
+        """``time_alternatives``'s result for the input's plan from the rounds timed during the search (the rest
+        timed now), with that ``plan``; None when they could not all be timed against it."""
+        early = self.early
+        if not early:
+            return None
+        self.time_ready(wait=True)
+        if early.get("todo") or early.get("stopped") or not early.get("rounds"):
+            return None
+        one = any(r["choice"] == "streams" and r["won"] == round_labels("streams", early["plan"])[1]
+                  for r in early["rounds"])
+        return {"fuse_conv_relu": bool(self.options.fuse_conv_relu and self.backend.fuses_conv_relu),
+                "internal_nhwc": True, "one_engine": one, "rounds": early["rounds"], "runs": self.runs,
+                "timed": "during the search", "plan": early["plan"]}
+
+
+def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs: int) -> dict | None:
+    """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
+
+    ``bundle`` (``v``'s engines as written) is timed on the GPU against what the build could have shipped
+    instead, one choice at a time, each round in alternating blocks of CUDA-event timed replays
+    (``race``): (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last
+    against contiguous internal boundaries, (3) the plan against one engine for the whole model (when the plan
+    has several streams).  Engines compiled for a layout (``compiles_for_layout``) are compiled for each
+    alternative; others load as they are with other launcher settings.  Returns {"rounds": [...],
+    "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no
+    GPU or nothing to choose."""
+    from parastream.launcher.gpu import GpuLauncher
+
+    backend = engines.backend
+    if not gpu_present(backend):
+        return None
+    chosen = {"fuse_conv_relu": bool(v.options.fuse_conv_relu and backend.fuses_conv_relu), "internal_nhwc": True,
+              "one_engine": False}
+    rounds: list[dict] = []
+    since = [time.perf_counter()]  # a round's load_s: building and loading its alternative (the first: the bundle too)
+
+    def timed_round(what: str, current, other) -> bool:
+        won = race(rounds, what, current, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
+        since[0] = time.perf_counter()
+        return won
+
+    def alternative(fuse: bool, nhwc: bool | None = None):
+        if backend.compiles_for_layout:
+            return engines.launcher(replace(v, options=replace(v.options, fuse_conv_relu=fuse), internal_nhwc=nhwc is not False))
+        return GpuLauncher(bundle, fuse_conv_relu=fuse, internal_nhwc=nhwc)
+
+    current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
+    try:
+        if chosen["fuse_conv_relu"] and has_conv_relu(v.model):
+            other = alternative(False)
+            if timed_round("conv+ReLU", current, other):
+                current, other, chosen["fuse_conv_relu"] = other, current, False
+            other.close()
+        if current.nhwc:
+            other = alternative(chosen["fuse_conv_relu"], False)
+            if timed_round("boundary layout", current, other):
+                current, other, chosen["internal_nhwc"] = other, current, False
+            other.close()
+        if v.plan.num_streams > 1:
+            one = Variant(v.model, v.graph, engines.one_engine_plan(v.graph, v.plan),
+                          replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]))
+            other = engines.launcher(one)
+            if timed_round("streams", current, other):
+                chosen["one_engine"] = True
+            other.close()
+    finally:
+        current.close()
+    if not rounds:
+        return None
+    return dict(chosen, rounds=rounds, runs=runs)
+
+
+# -- the CPU: plain onnxruntime, the rewritten model, the plan --------------------------------------------------
+CPU_MARGIN = 0.05  # a timed CPU alternative replaces the default only when at least this much faster (and beyond the spread)
+CPU_BUSY_SHARE = 0.25  # ... and only when other processes used at most this share of the cores while it was timed
+CPU_LOAD_PROBE_S = 0.3  # how long the CPU build looks at the machine's load before it builds alternatives to time
+CPU_INTERLEAVE_BYTES = 256 << 20  # alternatives whose sessions' engines together are larger are timed one at a time
+
+
+@dataclass
+class CpuAlternative:
+    name: str
+    model: onnx.ModelProto
+    graph: gs.Graph
+    sched: Schedule
+    threads: int  # intra-op threads per session (0: onnxruntime's default, every core)
+
+
+def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, cost_model,
+                     streams: int | None, rewritten: bool) -> list[CpuAlternative]:
+    """What a CPU build can ship, the DEFAULT first: the loaded model as one onnxruntime session with every core
+    (plain onnxruntime, which a bundle must never be slower than), then the rewritten model as one session, the
+    multi-stream plan the cost model scheduled with the cores shared out among its streams, and with every core
+    per session.  ``streams`` given (--streams): only the plan's thread counts (the shared one the default).
+    ``rewritten`` False (the search changed nothing): the rewritten model is the loaded one, not timed twice.
+    A rewrite or a plan replaces plain onnxruntime only by being timed faster (``decide_by_timing``)."""
+    cores = os.cpu_count() or 1
+    plans: list[CpuAlternative] = []
+    if sched.num_streams > 1 or streams:
+        shared = max(1, cores // sched.num_streams) if sched.num_streams > 1 else 0
+        for threads in dict.fromkeys([shared, 0]):
+            plans.append(CpuAlternative(f"plan: {sched.num_streams} streams, {len(sched.branches)} sessions, "
+                                        f"{threads or cores} threads each", model, graph, sched, threads))
+    whole: list[CpuAlternative] = []
+    if not streams:
+        for name, m in (("rewritten model, one session", model), ("original model, one session", loaded.model)):
+            if name.startswith("rewritten") and (m is loaded.model or not rewritten):
+                continue
+            g = graph if m is model else loaded.graph  # the loader's graph of the loaded model
+            whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
+    # plain onnxruntime (the original, one session) first when it is an alternative: it is the default
+    return whole[::-1] + plans
+
+
+def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph,
+                           sched: Schedule, options: BuildOptions, cost_model, *, streams: int | None, runs: int,
+                           seed: int, verify: bool, scratch: Path, rewritten: bool = True):
+    """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
+    candidates, and keep the default (plain onnxruntime) unless another is faster beyond the noise
+    (``decide_by_timing``) on a machine that other processes left to the build (``OthersLoad``: at most
+    ``CPU_BUSY_SHARE`` of the cores used by others while it was timed): the same command gives the same
+    bundle on a loaded and on an idle machine unless an alternative wins clearly where it can be timed.
+
+    They are loaded together and timed in alternating blocks on the same random input (``race_calls``: at most
+    ``runs`` calls each; one clearly behind stops early), so that a change in the machine's load falls on
+    all of them alike; when their engines together pass ``CPU_INTERLEAVE_BYTES`` (a large model: every session
+    holds its own weights), one at a time instead, to bound the build's memory.  Each distinct model and schedule
+    is built once, in ``scratch`` (the caller's folder; the plan's two thread counts share their engines), and the
+    engines of the one kept are handed back as files there, so that the bundle copies rather than builds them.
+
+    Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (file, builder report)}).
+    """
+    from parastream.launcher import cpu as cpu_launcher
+
+    cores = os.cpu_count() or 1
+    alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, streams, rewritten)
+    report = {"runs": runs, "cores": cores, "default": alternatives[0].name, "timed": []}
+    built: dict[tuple, tuple[Bundle, dict]] = {}
+    busy_before = None
+    if len(alternatives) > 1:
+        # a machine that others keep busy now cannot replace the default by timing (below): not built, not timed
+        with cpu_launcher.OthersLoad() as probe:
+            time.sleep(CPU_LOAD_PROBE_S)
+        if probe.share is not None and probe.share > CPU_BUSY_SHARE:
+            busy_before = probe.share
+            alternatives = alternatives[:1]
+
+    def key(alt: CpuAlternative) -> tuple:  # the model (by identity) and the schedule a scratch bundle was built for
+        return (next(i for i, a in enumerate(alternatives) if a.model is alt.model),
+                alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
+
+    for alt in alternatives:
+        if key(alt) not in built:  # checked by the builder only when no launcher loads it (to time or verify it)
+            built[key(alt)] = _cpu_scratch_bundle(engines, scratch / str(len(built)), alt, options, loaded,
+                                                  check=len(alternatives) == 1 and not verify)
+    if busy_before is not None:
+        chosen = alternatives[0].name
+        report.update(chosen=chosen, others_cpu_share=busy_before,
+                      decision=(f"the default, not timed: other processes used {busy_before:.0%} of the cores (more than "
+                                f"{CPU_BUSY_SHARE:.0%}); a loaded machine's timings do not replace it"))
+    elif len(alternatives) == 1:
+        chosen = alternatives[0].name
+        report.update(chosen=chosen, decision="one alternative: nothing to time")
+    else:
+        engine_bytes = {k: sum(f.stat().st_size for f in (b.path / "engines").iterdir()) for k, (b, _) in built.items()}
+        size = sum(engine_bytes[key(a)] for a in alternatives)  # each alternative's launcher loads its own sessions
+        together = size <= CPU_INTERLEAVE_BYTES
+        feeds = cpu_launcher.random_feeds(loaded.inputs, seed=seed)
+        groups = [alternatives] if together else [[a] for a in alternatives]
+        times: dict = {}
+        shares = []
+        for group in groups:
+            runners = {}
+            try:
+                for alt in group:
+                    runners[alt.name] = cpu_launcher.CpuLauncher(built[key(alt)][0], threads_per_engine=alt.threads)
+                with cpu_launcher.OthersLoad() as others:
+                    times.update(cpu_launcher.race_calls(runners, feeds, runs=runs, behind=2 * CPU_MARGIN))
+                shares.append(others.share)
+            finally:
+                for r in runners.values():
+                    r.close()
+                runners.clear()  # their sessions (and weights) go now, not with the next group's
+        chosen, rows = decide_by_timing(times, [a.name for a in alternatives], floor=CPU_MARGIN)
+        for alt, row in zip(alternatives, rows):
+            row.update(streams=alt.sched.num_streams, sessions=len(alt.sched.branches), threads=alt.threads or cores)
+        share = max((x for x in shares if x is not None), default=None)
+        busy = share is not None and share > CPU_BUSY_SHARE
+        if chosen == alternatives[0].name:
+            decision = "the default: no alternative was timed faster beyond the noise"
+        elif busy:
+            decision = (f"the default: {chosen} was timed faster, but other processes used {share:.0%} of the cores "
+                        f"meanwhile (more than {CPU_BUSY_SHARE:.0%}): a loaded machine's timings do not replace it")
+            chosen = alternatives[0].name
+            for row in rows:
+                row["chosen"] = row["alternative"] == chosen
+        else:
+            decision = f"timed faster than the default ({alternatives[0].name}) beyond the noise"
+        report.update(timed=rows, chosen=chosen, margin=f"max({CPU_MARGIN:.0%}, interquartile spread of either)",
+                      others_cpu_share=share, decision=decision,
+                      loaded=("together, alternating blocks" if together else
+                              f"one at a time (their engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"))
+    best = next(a for a in alternatives if a.name == chosen)
+    kept, best_report = built[key(best)]
+    files = {b.name: (kept.engine_path(b), best_report.get(b.name)) for b in kept.plan.branches}
+    return best.model, best.graph, best.sched, best.threads, report, files
+
+
+def _cpu_scratch_bundle(engines: EngineMaker, dest: Path, alt: CpuAlternative, options: BuildOptions,
+                        loaded: LoadedModel, check: bool) -> tuple[Bundle, dict]:
+    """The engines of ``alt`` in ``dest``, opened as a bundle to time, with its builder's report (per branch).
+    No model.onnx, report or hashed manifest: only the launcher reads it, and only its plan and engines."""
+    dest.mkdir()
+    plan = engines.plan_of_schedule(alt.graph, alt.sched)
+    # check False: the launcher that times it loads every engine next (its errors name the node there)
+    v = Variant(alt.model, alt.graph, plan, replace(options, check=check))
+    rep = engines.write(dest, v, "candidate", model_file=False)
+    return Bundle(path=dest, manifest=engines.manifest_of(v), plan=plan, report={}), rep
