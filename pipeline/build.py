@@ -32,7 +32,7 @@ from .isolate import in_child
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
-from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
+from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
 REPORT_VERSION = 1
