@@ -236,9 +236,14 @@ def launch_order(branch_preds: list[set[int]], branch_bound: list[str], branch_s
     launch: list[int] = []
     last = None
     while ready:
-        earliest = min(branch_start[b] for b in ready)
-        window = [b for b in ready if branch_start[b] <= earliest + 1e-12] or list(ready)
-        pick = min(window, key=lambda b: (0 if (last is None or branch_bound[b] != last) else 1, branch_start[b], b))
+        earliest = min([branch_start[b] for b in ready])
+        best = None
+        for b in ready:  # among those that could start first: the other bound than the last, then start, then id
+            if branch_start[b] <= earliest + 1e-12:
+                key = (0 if (last is None or branch_bound[b] != last) else 1, branch_start[b], b)
+                if best is None or key < best:
+                    best = key
+        pick = best[2]
         ready.remove(pick)
         launch.append(pick)
         last = branch_bound[pick]
