@@ -27,6 +27,7 @@ from pathlib import Path
 import numpy as np
 
 from parastream.core.accuracy import max_scaled_error, scale_tolerance
+from parastream.core.tensors import random_array, random_feeds
 
 from . import cuda
 from .bundle import Bundle
@@ -79,8 +80,6 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
 
 
 def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str, np.ndarray]:
-    from parastream.core.tensors import random_array
-
     first = next(iter(launchers.values()))
     plan = first.plan
     rng = np.random.default_rng(seed)
@@ -211,8 +210,6 @@ class WholeModelLauncher:
             raise
 
     def _start(self, graph: bool) -> None:
-        from parastream.core.tensors import random_array
-
         rng = np.random.default_rng(0)
         for spec in self.plan.inputs:
             self._copy_in(spec, random_array(spec, rng))
@@ -323,8 +320,6 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
         if console is not None:
             print_bench_cpu(result, console)
         return result
-    from parastream.core.tensors import random_array
-
     from .gpu import GpuLauncher
 
     if cuda.device_count() < 1:
@@ -439,8 +434,6 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
     import os
 
     import onnxruntime as ort
-
-    from parastream.core.tensors import random_feeds
 
     from .cpu import CpuLauncher, time_calls
 
