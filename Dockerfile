@@ -22,6 +22,7 @@ COPY pyproject.toml README.md ./
 COPY pipeline/ pipeline/
 COPY rewrite/ rewrite/
 COPY launcher/ launcher/
+COPY core/ core/
 
 # The image's TensorRT matches its CUDA, cuDNN and driver requirements: pip must not replace it.
 # So: (1) the [trt] extra is left out (it would ask pip for a `tensorrt` distribution, which an image

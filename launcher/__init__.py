@@ -10,24 +10,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from .bundle import Bundle
+from .cuda import cuda_device_count  # noqa: F401 - part of the launcher's API (the build asks it too)
 from .errors import BackendUnavailable, ParastreamError, VerificationError  # noqa: F401
 from .plan import Branch, Plan, TensorSpec  # noqa: F401
-
-
-def cuda_device_count() -> int:
-    """Number of CUDA devices cuda-python sees (0 where cuda-python or a driver is missing)."""
-    try:
-        from cuda.bindings import runtime as cudart
-    except ImportError:
-        try:
-            from cuda import cudart  # cuda-python < 12.6
-        except ImportError:
-            return 0
-    try:
-        err, n = cudart.cudaGetDeviceCount()
-    except Exception:  # noqa: BLE001 - no driver
-        return 0
-    return int(n) if int(err) == 0 else 0
 
 
 def load(path: str | Path | Bundle, *, device: str | int = "auto", graph: bool = True, check_hashes: bool = True):

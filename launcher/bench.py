@@ -26,6 +26,9 @@ from pathlib import Path
 
 import numpy as np
 
+from parastream.core.accuracy import max_scaled_error, scale_tolerance
+from parastream.core.tensors import random_array, random_feeds
+
 from . import cuda
 from .bundle import Bundle
 from .cuda import nbytes_of
@@ -34,11 +37,6 @@ from .errors import ParastreamError
 
 INPUT_SETS = 4
 BLOCK = 25
-#: the whole-model engine agrees with the multi-stream launcher when max|whole - multi| <= TOL * max|multi|
-#: on every output (different engines pick different tactics and fusions; fp16/bf16 as in verification)
-WHOLE_MODEL_SCALE_TOL = {"fp32": 1e-3, "tf32": 1e-2, "fp16": 0.1, "bf16": 0.15}
-
-
 def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) -> None:
     """Queue ``runs`` timed replays (inputs copied device-to-device before each, outside the events)."""
     plan = launcher.plan
@@ -85,8 +83,6 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
 
 
 def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str, np.ndarray]:
-    from .gpu import random_array
-
     first = next(iter(launchers.values()))
     plan = first.plan
     rng = np.random.default_rng(seed)
@@ -217,8 +213,6 @@ class WholeModelLauncher:
             raise
 
     def _start(self, graph: bool) -> None:
-        from .gpu import random_array
-
         rng = np.random.default_rng(0)
         for spec in self.plan.inputs:
             self._copy_in(spec, random_array(spec, rng))
@@ -289,18 +283,11 @@ class WholeModelLauncher:
 
 
 def _differences(a: dict, b: dict) -> tuple[dict, float]:
-    """max|a-b| per output, and the largest of max|a-b| / max|b| over the outputs (inf where not finite)."""
-    absdiff, scaled = {}, 0.0
-    for k in b:
-        x, y = a[k].astype(np.float64), b[k].astype(np.float64)
-        d = float(np.max(np.abs(x - y))) if x.size else 0.0
-        absdiff[k] = d
-        if not (np.all(np.isfinite(x)) and np.isfinite(d)):
-            scaled = float("inf")
-            continue
-        ref = float(np.max(np.abs(y))) if y.size else 0.0
-        scaled = max(scaled, d / ref if ref > 0 else (0.0 if d == 0 else float("inf")))
-    return absdiff, scaled
+    """max|a-b| per output, and the largest scaled error of ``a`` against ``b`` (``core.accuracy``, verification's
+    measure) over the outputs."""
+    absdiff = {k: float(np.max(np.abs(a[k].astype(np.float64) - b[k].astype(np.float64)))) if b[k].size else 0.0
+               for k in b}
+    return absdiff, max_scaled_error(a, b)
 
 
 def _whole_model_reason(bundle: Bundle) -> str | None:
@@ -339,7 +326,7 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
         if console is not None:
             print_bench_cpu(result, console)
         return result
-    from .gpu import GpuLauncher, random_array
+    from .gpu import GpuLauncher
 
     if cuda.device_count() < 1:
         raise ParastreamError("parastream bench needs a CUDA GPU, and cuda-python sees none")
@@ -432,7 +419,9 @@ def _whole_model_baseline(bundle: Bundle, multi, feeds: dict, reference: dict, g
             runner.close()
         entries["tensorrt_whole_model_error"] = str(e)
         return entries, None
-    tol = WHOLE_MODEL_SCALE_TOL.get(bundle.plan.precision, 1e-3)
+    # the whole-model engine agrees with the multi-stream launcher within verification's bound for the precision
+    # (different engines pick different tactics and fusions)
+    tol = scale_tolerance(bundle.plan.precision)
     entries["max_abs_diff_whole_model_vs_multi"] = absdiff
     entries["whole_model_scaled_error"] = scaled
     if not scaled <= tol:
@@ -447,12 +436,12 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
     """A CPU bundle against plain onnxruntime (default session options) on the same model: the original the
     bundle was built from where it is still there (report.json names it), else the bundle's model.onnx.
     Medians of ``runs`` calls each on the same random input, in alternating blocks (:func:`time_calls`); the
-    outputs must agree first (scaled error <= 1e-3, as verification's fp32 bound)."""
+    outputs must agree first (scaled error within verification's bound for the precision)."""
     import os
 
     import onnxruntime as ort
 
-    from .cpu import CpuLauncher, random_feeds, time_calls
+    from .cpu import CpuLauncher, time_calls
 
     recorded = bundle.report.get("model", {}).get("path")
     model = Path(original) if original else (Path(recorded) if recorded and Path(recorded).is_file() else bundle.model_path)
@@ -466,7 +455,7 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
 
         feeds = random_feeds(bundle.plan.inputs)
         _, worst = _differences(ours(feeds), run_plain(feeds))
-        if not worst <= 1e-3:
+        if not worst <= scale_tolerance(bundle.plan.precision):
             raise ParastreamError(f"{bundle.path}: the bundle's outputs differ from onnxruntime on {model} "
                                   f"(scaled error {worst:.3g}); run `parastream verify` first")
         times = time_calls({"parastream": ours, "onnxruntime": run_plain}, feeds, runs=runs, warmup=warmup)

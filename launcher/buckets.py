@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from parastream.core.tensors import random_feeds
+
 from .bundle import Bundle
 from .errors import ParastreamError
 
@@ -172,11 +174,10 @@ def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None
 
     CPU: seconds per call (time_calls, interleaved blocks).  GPU: CUDA-event timed graph replays of the bucket
     that serves n against the MAX bucket's (launcher.bench.measure; copies in and out are not timed)."""
-    from .cpu import random_feeds
 
     on_gpu = bundle.backend().gpu
     if on_gpu:
-        from . import cuda_device_count
+        from .cuda import cuda_device_count
 
         if cuda_device_count() < 1:
             raise ParastreamError("parastream bench on a GPU bundle needs a CUDA GPU, and cuda-python sees none")

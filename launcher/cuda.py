@@ -23,6 +23,22 @@ class CudaError(ParastreamError):
     """A CUDA runtime call failed; the message names the call and the error."""
 
 
+def cuda_device_count() -> int:
+    """Number of CUDA devices cuda-python sees (0 where cuda-python or a driver is missing)."""
+    try:
+        from cuda.bindings import runtime as cudart
+    except ImportError:
+        try:
+            from cuda import cudart  # cuda-python < 12.6
+        except ImportError:
+            return 0
+    try:
+        err, n = cudart.cudaGetDeviceCount()
+    except Exception:  # noqa: BLE001 - no driver
+        return 0
+    return int(n) if int(err) == 0 else 0
+
+
 _rt = None
 
 

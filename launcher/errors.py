@@ -1,21 +1,6 @@
-"""Errors that reach users: one sentence naming the file, node or option, and exit status 2."""
+"""The user-facing errors, under the name most of the package and its users import them by; they are defined in
+:mod:`parastream.core.errors`, the layer that rewrite, pipeline and launcher share."""
 
+from parastream.core.errors import BackendUnavailable, ParastreamError, VerificationError
 
-class ParastreamError(Exception):
-    """A problem with the user's input or environment.
-
-    The CLI prints ``str(err)`` on one line and exits with ``exit_code``; a
-    traceback only appears with ``--debug``.
-    """
-
-    exit_code = 2
-
-
-class BackendUnavailable(ParastreamError):
-    """The chosen engine backend cannot run here (missing package or no GPU)."""
-
-
-class VerificationError(ParastreamError):
-    """Outputs of the deployment do not match the reference within tolerance."""
-
-    exit_code = 1
+__all__ = ["BackendUnavailable", "ParastreamError", "VerificationError"]

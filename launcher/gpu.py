@@ -39,6 +39,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from parastream.core.tensors import random_array
+
 from . import cuda
 from .bundle import Bundle
 from .cuda import DeviceArray, nbytes_of
@@ -644,13 +646,3 @@ class GpuLauncher:
             self.close()
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-
-def random_array(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
-    """Random inputs that are never all zeros: floats ~ N(0, 1); integers in {0, 1} (valid ids and masks)."""
-    dt = np.dtype(spec.dtype) if spec.dtype != "bfloat16" else np.dtype("float32")
-    if dt.kind == "f":
-        return rng.standard_normal(spec.shape).astype(dt)
-    if dt.kind == "b":
-        return rng.integers(0, 2, spec.shape).astype(bool)
-    return np.ones(spec.shape, dtype=dt) if spec.shape == [] else rng.integers(0, 2, spec.shape).astype(dt)

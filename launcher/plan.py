@@ -20,18 +20,10 @@ import json
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
+from parastream.core.dataflow import producers
+from parastream.core.tensors import TensorSpec
+
 PLAN_VERSION = 1
-
-
-@dataclass
-class TensorSpec:
-    name: str
-    dtype: str  # numpy dtype name: "float32", "float16", "int64", ...
-    shape: list[int]
-
-    @classmethod
-    def from_dict(cls, d: dict) -> "TensorSpec":
-        return cls(name=d["name"], dtype=d["dtype"], shape=[int(s) for s in d["shape"]])
 
 
 @dataclass
@@ -95,12 +87,10 @@ class Plan:
         if sorted(self.launch_order) != ids:
             raise ValueError("plan: launch_order must name every branch exactly once")
         pos = {b: i for i, b in enumerate(self.launch_order)}
-        producer: dict[str, int] = {}
         for b in self.branches:
             if not 0 <= b.stream < self.num_streams:
                 raise ValueError(f"plan: {b.name} is on stream {b.stream}, outside 0..{self.num_streams - 1}")
-            for t in b.outputs:
-                producer[t] = b.id
+        producer = producers(b.outputs for b in self.branches)  # tensor -> branch id (ids are the indices)
         model_inputs = {t.name for t in self.inputs}
         for b in self.branches:
             for t in b.inputs:

@@ -28,6 +28,7 @@ from parastream.launcher.errors import VerificationError
 from parastream.launcher.plan import TensorSpec
 
 from .model_io import batch_buckets, batch_profiles, original_at_batch, shapes_at_batch
+from .verify import resolve_tolerances, run_verification
 
 BUCKETS_DIR = "buckets"
 
@@ -71,11 +72,11 @@ def bucket_summary(bundle: Bundle) -> dict:
             "timings": rep.get("timings", {})}
 
 
-def build_buckets(model_path, tmp: Path, cfg, backend, bar) -> Bundle:
-    """Build every bucket of ``cfg.batch`` into ``tmp`` (build_static per bucket, MAX last at the top level), then
-    the bucket record, the between-buckets verification and the memory figures; return the bundle opened."""
-    from .build import build_static
-
+def build_buckets(model_path, tmp: Path, cfg, backend, bar, build_static) -> Bundle:
+    """Build every bucket of ``cfg.batch`` into ``tmp`` (``build_static``, the build's stages for static shapes,
+    per bucket, MAX last at the top level), then the bucket record, the between-buckets verification and the
+    memory figures; return the bundle opened.  The static build is given by the build that calls this one, which
+    sits above it."""
     lo, opt, hi = cfg.batch
     batched_inputs = list(batch_profiles(model_path, dict(cfg.shapes), tuple(cfg.batch))[1])  # checks --shapes
     sizes = batch_buckets(tuple(cfg.batch), cfg.batch_buckets)
@@ -147,8 +148,6 @@ def verify_between(model_path, tmp: Path, cfg, sizes: list[int], batched_inputs:
     ONNX Runtime on the original model at that batch.  None when every batch in range is a bucket."""
     from parastream.launcher import load
 
-    from .verify import resolve_tolerances
-
     n = between_buckets(sizes)
     if n is None:
         return None
@@ -169,8 +168,6 @@ def verify_at_batches(model_path, runner, batches: list[int], *, rtol: float, at
                       seed: int, iterations: int = 2) -> dict:
     """``runner`` (a BucketedLauncher) at each batch n of ``batches`` against ONNX Runtime on the original model
     with its batched inputs fixed at n: batch -> Verification."""
-    from .build import run_verification
-
     out = {}
     for n in batches:
         specs = [TensorSpec(t.name, t.dtype, [n, *t.shape[1:]] if t.name in runner.batched_inputs else list(t.shape))

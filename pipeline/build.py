@@ -30,8 +30,8 @@ from .measure import (GpuMeasurer, Variant, alternative_variants, choose_cpu_alt
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
-from .schedule import Schedule, choose_streams, estimate_latency, schedule_graph
-from .verify import resolve_tolerances, verify
+from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
+from .verify import resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
 REPORT_VERSION = 1
 DEFAULT_MAX_STREAMS = 4
@@ -148,27 +148,6 @@ def check_runnable(loaded: LoadedModel, backend, reference: bool) -> None:
         in_child(run_checks, what="loading the model into onnxruntime")
     except ParastreamError as e:
         raise ParastreamError(f"{loaded.path}: {e}") from None
-
-
-@contextlib.contextmanager
-def running_errors(path, model: onnx.ModelProto, what: str):
-    """An error of ONNX Runtime (or of a bundle's engine) while the model runs on random inputs, as one line
-    naming the node: a model that loads can still fail to run (a Conv group that does not divide its channels
-    or is 0, a Transpose perm of the wrong rank, shapes that contradict the weights)."""
-    from parastream.launcher.engines.onnxruntime import describe_error
-
-    try:
-        yield
-    except ParastreamError:
-        raise
-    except Exception as e:  # noqa: BLE001 - onnxruntime and polygraphy raise their own types
-        raise ParastreamError(f"{path}: running the model on random inputs {what} failed: {describe_error(e, model)}") from None
-
-
-def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
-    """``verify``, with errors of the model's run as one line (``running_errors``)."""
-    with running_errors(path, original, "for verification"):
-        return verify(original, runner, inputs, **kwargs)
 
 
 EXTRACTED_BYTES = 1 << 30  # at most this much of extracted branches kept (an Inception-v4 plan is ~170 MB)
@@ -452,7 +431,7 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             from .buckets import build_buckets
 
             with staging(out, "bundle") as tmp:  # renamed to OUT at the end of the block, removed on any error
-                bundle = build_buckets(model_path, tmp, cfg, backend, bar)
+                bundle = build_buckets(model_path, tmp, cfg, backend, bar, build_static)
             return replace(bundle, path=out)
         shapes = batch_profiles(model_path, dict(cfg.shapes), tuple(cfg.batch))[0] if cfg.batch else dict(cfg.shapes)
         bundle = build_static(model_path, cfg, backend, bar, shapes, lambda: staging(out, "bundle"))

@@ -30,7 +30,7 @@ from parastream.launcher.engines import BuildOptions
 from parastream.rewrite.search import MeasureBudgetSpent
 
 from .model_io import LoadedModel, graph_of
-from .schedule import Schedule, schedule_graph
+from parastream.core.schedule import Schedule, schedule_graph
 
 if TYPE_CHECKING:
     from parastream.launcher.plan import Plan

@@ -19,7 +19,7 @@ import onnx
 from onnx import helper, shape_inference
 
 from parastream.launcher.errors import ParastreamError
-from parastream.launcher.plan import TensorSpec
+from parastream.core.tensors import TensorSpec, random_feeds
 
 if TYPE_CHECKING:
     import onnx_graphsurgeon as gs
@@ -782,23 +782,6 @@ def _check_sizes(model: onnx.ModelProto, path: Path) -> None:
         if all(isinstance(d, int) for d in dims) and math.prod(dims) > MAX_ELEMENTS:
             raise ParastreamError(f"{path}: tensor {vi.name!r} has shape {dims}, {math.prod(dims):,} elements, more than "
                                   f"the {MAX_ELEMENTS:,} parastream supports in one tensor; give smaller --shapes")
-
-
-def random_feeds(specs: list[TensorSpec], seed: int = 0) -> dict[str, np.ndarray]:
-    """Seeded random inputs (never zeros): floats N(0,1), integers in [0, 2)."""
-    rng = np.random.default_rng(seed)
-    feeds = {}
-    for s in specs:
-        dt = np.dtype(s.dtype)
-        if dt.kind == "f":
-            feeds[s.name] = rng.standard_normal(s.shape).astype(dt)
-        elif dt.kind in "iu":
-            feeds[s.name] = rng.integers(0, 2, size=s.shape).astype(dt)
-        elif dt.kind == "b":
-            feeds[s.name] = rng.integers(0, 2, size=s.shape).astype(bool)
-        else:
-            raise ParastreamError(f"input {s.name!r} has dtype {s.dtype}, which parastream cannot generate test data for")
-    return feeds
 
 
 def parse_batch(text: str | None) -> tuple[int, int, int] | None:

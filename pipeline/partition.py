@@ -16,7 +16,7 @@ from parastream.launcher.plan import Branch, Plan, TensorSpec
 
 from parastream.rewrite.ir import copy_graph
 
-from .schedule import Schedule
+from parastream.core.schedule import Schedule
 
 
 def _spec(t: gs.Variable) -> TensorSpec:

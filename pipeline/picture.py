@@ -16,7 +16,8 @@ from pathlib import Path
 import networkx as nx
 import onnx
 
-from parastream.launcher.errors import ParastreamError
+from parastream.core.dataflow import consumers, producers
+from parastream.core.errors import ParastreamError
 
 from .analysis import node_graph
 
@@ -136,10 +137,12 @@ def draw_graph(model: onnx.ModelProto, path: str | Path, streams: dict[str, int]
 
     dag = node_graph(model)
     initializers = {t.name for t in model.graph.initializer}
-    producers = {out: v for v, node in zip(dag, model.graph.node) for out in node.output if out}
+    vertices = list(dag)  # node names, in graph order
+    writer = producers(node.output for node in model.graph.node)
+    reader = consumers(node.input for node in model.graph.node)
     inputs = [i.name for i in model.graph.input if i.name not in initializers]
-    outputs = [(o.name, producers[o.name]) for o in model.graph.output if o.name in producers]
-    readers = {name: [v for v, node in zip(dag, model.graph.node) if name in node.input] for name in inputs}
+    outputs = [(o.name, vertices[writer[o.name]]) for o in model.graph.output if o.name in writer]
+    readers = {name: [vertices[i] for i in reader.get(name, [])] for name in inputs}
     layout = _Layout(dag, [(name, readers[name]) for name in inputs if readers[name]], outputs)
     streams = streams or {}
     branches = branches or {}

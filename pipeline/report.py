@@ -181,7 +181,7 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
 
     from .build import DEFAULT_MAX_STREAMS, default_device_profile, plan_streams
     from .model_io import load_model
-    from .schedule import schedule_graph
+    from parastream.core.schedule import schedule_graph
 
     if picture is not None and Path(picture).suffix.lower() not in (".svg", ".png"):
         raise ParastreamError(f"--picture {picture}: the file name must end in .svg or .png")

@@ -31,6 +31,7 @@ indices into an embedding table (a Gather on an initializer) over the table's ro
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -40,8 +41,9 @@ import onnx
 from polygraphy.backend.base import BaseRunner
 from polygraphy.common import TensorMetadata
 
-from parastream.launcher.errors import ParastreamError
-from parastream.launcher.plan import TensorSpec
+from parastream.core.accuracy import DEFAULT_SCALE_TOLERANCES, reference_scale, scale_tolerance, scaled_error  # noqa: F401
+from parastream.core.errors import ParastreamError
+from parastream.core.tensors import TensorSpec
 
 DEFAULT_TOLERANCES = {  # (rtol, atol) per precision: the elementwise criterion (--rtol/--atol) and its recorded figures
     "fp32": (1e-4, 1e-5),
@@ -49,9 +51,6 @@ DEFAULT_TOLERANCES = {  # (rtol, atol) per precision: the elementwise criterion 
     "fp16": (2e-2, 2e-2),
     "bf16": (5e-2, 5e-2),
 }
-
-# scaled-error bound per precision: max|out-ref| / max|ref|
-DEFAULT_SCALE_TOLERANCES = {"fp32": 1e-3, "tf32": 1e-2, "fp16": 0.1, "bf16": 0.15}
 
 NEAR_ZERO = 1e-6  # a reference output with max|ref| at or below this on every input has no scale to compare against
 
@@ -72,7 +71,7 @@ def resolve_tolerances(precision: str, rtol: float | None = None, atol: float | 
             raise ParastreamError(f"{flag} {value} must be a number >= 0")
     d_rtol, d_atol = DEFAULT_TOLERANCES.get(precision, DEFAULT_TOLERANCES["fp32"])
     if scale_tol is None and rtol is None and atol is None:
-        scale_tol = DEFAULT_SCALE_TOLERANCES.get(precision, DEFAULT_SCALE_TOLERANCES["fp32"])
+        scale_tol = scale_tolerance(precision)
     return (d_rtol if rtol is None else rtol, d_atol if atol is None else atol, scale_tol)
 
 
@@ -230,43 +229,12 @@ def not_meaningful(refs: list) -> str | None:
     finite = [np.isfinite(a.astype(np.float64)) for a in arrays]
     if not any(f.any() for f in finite):
         return "NaN or infinite everywhere on every input"
-    if all(_reference_scale(a) <= NEAR_ZERO for a in arrays):
+    if all(reference_scale(a) <= NEAR_ZERO for a in arrays):
         return f"near zero on every input (max|ref| <= {NEAR_ZERO:g})"
     if len(arrays) > 1 and all(a.shape == arrays[0].shape and np.array_equal(a, arrays[0], equal_nan=True)
                                for a in arrays[1:]):
         return f"the same on all {len(arrays)} inputs drawn (constant)"
     return None
-
-
-def _reference_scale(ref) -> float:
-    """max|ref| over the finite elements (0 for an empty or all-zero tensor)."""
-    r = np.abs(np.asarray(ref, dtype=np.float64))
-    r = r[np.isfinite(r)]
-    return float(r.max()) if r.size else 0.0
-
-
-def scaled_error(out, ref) -> float:
-    """max|out − ref| / max|ref| over the whole tensor.
-
-    Equal elements count as zero error (matching infinities or NaNs do not poison the maximum);
-    a shape mismatch, a NaN or infinity on one side only, or any error against an all-zero
-    reference gives inf.
-    """
-    out, ref = np.asarray(out), np.asarray(ref)
-    if out.shape != ref.shape:
-        return float("inf")
-    if out.size == 0:
-        return 0.0
-    o, r = out.astype(np.float64), ref.astype(np.float64)
-    with np.errstate(invalid="ignore", over="ignore"):
-        diff = np.where((o == r) | (np.isnan(o) & np.isnan(r)), 0.0, np.abs(o - r))
-    if not np.all(np.isfinite(diff)):
-        return float("inf")
-    err = float(diff.max())
-    if err == 0.0:
-        return 0.0
-    scale = _reference_scale(r)
-    return err / scale if scale > 0 else float("inf")
 
 
 def _simple_compare_func(rtol: float, atol: float):
@@ -346,7 +314,7 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
             d = per_output.setdefault(out_name, {"max_abs": 0.0, "max_rel": 0.0, "max_scaled": 0.0, "max_ref": 0.0,
                                                  "elementwise_passed": True, "passed": True})
             refs.setdefault(out_name, []).append(ref)
-            d["max_ref"] = max(d["max_ref"], _reference_scale(ref))
+            d["max_ref"] = max(d["max_ref"], reference_scale(ref))
             if out_name not in our_it:  # polygraphy skips a missing output with a warning; we do not
                 d.update(max_abs=float("inf"), max_rel=float("inf"), max_scaled=float("inf"), elementwise_passed=False)
                 continue
@@ -374,3 +342,24 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
               and any(d["meaningful"] for d in per_output.values()))
     return Verification(passed=passed, rtol=rtol, atol=atol, iterations=iterations, seed=seed, outputs=per_output,
                         scale_tol=scale_tol, input_ranges=ranges)
+
+
+@contextlib.contextmanager
+def running_errors(path, model: onnx.ModelProto, what: str):
+    """An error of ONNX Runtime (or of a bundle's engine) while the model runs on random inputs, as one line
+    naming the node: a model that loads can still fail to run (a Conv group that does not divide its channels
+    or is 0, a Transpose perm of the wrong rank, shapes that contradict the weights)."""
+    from parastream.launcher.engines.onnxruntime import describe_error
+
+    try:
+        yield
+    except ParastreamError:
+        raise
+    except Exception as e:  # noqa: BLE001 - onnxruntime and polygraphy raise their own types
+        raise ParastreamError(f"{path}: running the model on random inputs {what} failed: {describe_error(e, model)}") from None
+
+
+def run_verification(path, original: onnx.ModelProto, runner, inputs, **kwargs):
+    """``verify``, with errors of the model's run as one line (``running_errors``)."""
+    with running_errors(path, original, "for verification"):
+        return verify(original, runner, inputs, **kwargs)

@@ -4,8 +4,9 @@ A :class:`CostModel` gives the seconds one node takes (``node_cost``) and, for a
 whole graph on K streams, ``graph_cost -> (critical_path, total_work)``:
 
 * ``total_work``    = Σ node_cost(n)                 (what one stream would take)
-* ``critical_path`` = makespan of a list schedule of the node DAG on K streams
-  (nodes by decreasing upward rank, each on the stream where it finishes first).
+* ``critical_path`` = the latency the shipped schedule of the graph on K streams is estimated to have:
+  the build's own list scheduler (``parastream.core.schedule``: chains kept whole, units by upward rank,
+  cross-stream inputs, events and one cost per engine charged), so the search minimises what the plan runs.
 
 The search minimises ``mixed_cost = α·critical_path + (1−α)·total_work`` (α = 0.25).
 
@@ -29,7 +30,6 @@ The roofline counts an elementwise op that an engine fuses into the preceding Co
 from __future__ import annotations
 
 import hashlib
-import heapq
 import json
 import math
 import os
@@ -41,6 +41,10 @@ from typing import Callable, Protocol, runtime_checkable
 import numpy as np
 import onnx
 import onnx_graphsurgeon as gs
+
+from parastream.core.errors import ParastreamError
+from parastream.core.graph import node_edges, static_shape
+from parastream.core.schedule import schedule_latency
 
 DEFAULT_ALPHA = 0.25
 
@@ -145,8 +149,6 @@ def get_device(name: str | DeviceSpec) -> DeviceSpec:
             return DEVICES[full]
     if key in _ALIASES:
         return DEVICES[_ALIASES[key]]
-    from parastream.launcher.errors import ParastreamError
-
     raise ParastreamError(f"--device-profile {name!r} is not in the device table; choose one of {', '.join(DEVICES)}, CPU")
 
 
@@ -171,17 +173,8 @@ _NORM = {"LayerNormalization": 8, "InstanceNormalization": 8, "GroupNormalizatio
          "LpNormalization": 4, "SimplifiedLayerNormalization": 6, "SkipLayerNormalization": 9}
 
 
-def _static_shape(t: gs.Tensor) -> tuple[int, ...] | None:
-    if isinstance(t, gs.Constant):
-        return tuple(int(d) for d in t.values.shape)
-    shape = t.shape
-    if shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
-        return None
-    return tuple(int(d) for d in shape)
-
-
 def _numel(t: gs.Tensor) -> int:
-    shape = _static_shape(t)
+    shape = static_shape(t)
     return math.prod(shape) if shape is not None else 0
 
 
@@ -230,7 +223,7 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
     out = outs[0] if outs else None
     out_n = _numel(out) if out is not None else 0
     if op == "Split" and ins:
-        shape = _static_shape(ins[0])
+        shape = static_shape(ins[0])
         axis = int(node.attrs.get("axis", 0))
         if shape is not None and all(d == 1 for d in shape[: axis % max(len(shape), 1)]):
             return 0.0, 0.0, None  # contiguous slices: consumers read views
@@ -238,30 +231,30 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
     flops, tiles = 0.0, None
 
     if op in ("Conv", "ConvTranspose") and len(ins) >= 2:
-        w = _static_shape(ins[1])
+        w = static_shape(ins[1])
         if w is not None and len(w) >= 3:
             per = int(np.prod(w[1:], dtype=np.int64))
             if op == "Conv":
                 flops = 2.0 * out_n * per
-                oshape = _static_shape(out)
+                oshape = static_shape(out)
                 if oshape is not None and len(oshape) >= 3:
                     rows = oshape[0] * int(np.prod(oshape[2:], dtype=np.int64))
                     group = int(node.attrs.get("group", 1))
                     tiles = _gemm_tiles(rows, max(oshape[1] // max(group, 1), 1), batch=max(group, 1))  # group <= 0: an invalid model, still costed
             else:
                 flops = 2.0 * _numel(ins[0]) * per
-                oshape = _static_shape(out)
+                oshape = static_shape(out)
                 if oshape is not None and len(oshape) >= 3:
                     tiles = _gemm_tiles(oshape[0] * int(np.prod(oshape[2:], dtype=np.int64)), oshape[1])
     elif op in ("MatMul", "Gemm", "MatMulInteger", "FusedMatMul") and len(ins) >= 2:
-        a = _static_shape(ins[0])
+        a = static_shape(ins[0])
         if a is not None and out is not None and out_n:
             if op == "Gemm":
                 k = a[0] if node.attrs.get("transA", 0) else a[-1]
             else:
                 k = a[-1]
             flops = 2.0 * out_n * k
-            oshape = _static_shape(out)
+            oshape = static_shape(out)
             if oshape:
                 rows = oshape[-2] if len(oshape) >= 2 else 1
                 batch = int(np.prod(oshape[:-2], dtype=np.int64)) if len(oshape) > 2 else 1
@@ -370,92 +363,18 @@ class CostModel(Protocol):
     def graph_cost(self, graph: gs.Graph, streams: int) -> tuple[float, float]: ...
 
 
-def _list_schedule(graph: gs.Graph, streams: int, cost: Callable[[gs.Node], float]) -> tuple[float, float]:
-    """(makespan on ``streams`` streams, Σ cost) of the node DAG of ``graph`` (HEFT-style list schedule).
-
-    Written with plain loops where generators and ``key=`` lambdas were (the search schedules every candidate);
-    each ``max``/``min`` keeps the builtin's choice on ties, and tests/rewrite/test_search_primitives.py holds
-    the result equal, to the bit, to the earlier formulation's."""
-    nodes = list(graph.nodes)
-    n = len(nodes)
-    index = {id(node): i for i, node in enumerate(nodes)}
-    costs = [cost(node) for node in nodes]
-    preds: list[list[int]] = [[] for _ in range(n)]
-    succs: list[list[int]] = [[] for _ in range(n)]
-    variable = gs.Variable
-    get = index.get
-    for i, node in enumerate(nodes):
-        mine = preds[i]
-        for t in node.inputs:
-            if isinstance(t, variable):
-                for p in t.inputs:
-                    j = get(id(p))
-                    if j is not None and j not in mine:
-                        mine.append(j)
-                        succs[j].append(i)
-    total = float(sum(costs))
-    if not nodes:
-        return 0.0, 0.0
-    # upward rank: own cost + longest path to a sink (reverse topological order by Kahn)
-    indeg = [len(p) for p in preds]
-    order, ready = [], [i for i in range(n) if indeg[i] == 0]
-    while ready:
-        i = ready.pop()
-        order.append(i)
-        for s in succs[i]:
-            indeg[s] -= 1
-            if indeg[s] == 0:
-                ready.append(s)
-    if len(order) != n:
-        raise ValueError("graph_cost: the graph has a cycle")
-    rank = [0.0] * n
-    for i in reversed(order):
-        longest = 0.0
-        first = True
-        for s in succs[i]:
-            r = rank[s]
-            if first or r > longest:
-                longest, first = r, False
-        rank[i] = costs[i] + longest
-    streams = max(1, int(streams))
-    free = [0.0] * streams
-    finish = [0.0] * n
-    indeg = [len(p) for p in preds]
-    heap = [(-rank[i], i) for i in range(n) if indeg[i] == 0]
-    heapq.heapify(heap)
-    pop, push = heapq.heappop, heapq.heappush
-    while heap:
-        _, i = pop(heap)
-        ready_at = 0.0
-        first = True
-        for p in preds[i]:
-            f = finish[p]
-            if first or f > ready_at:
-                ready_at, first = f, False
-        c = costs[i]
-        if c == 0.0:
-            finish[i] = ready_at  # views take no stream time
-        else:
-            best, start = 0, None
-            for k in range(streams):
-                fk = free[k]
-                at = ready_at if ready_at > fk else fk  # max(free[k], ready_at)
-                if start is None or at < start:
-                    best, start = k, at
-            finish[i] = start + c
-            free[best] = finish[i]
-        for s_ in succs[i]:
-            indeg[s_] -= 1
-            if indeg[s_] == 0:
-                push(heap, (-rank[s_], s_))
-    return max(finish), total
-
-
 class _GraphCostMixin:
     def graph_cost(self, graph: gs.Graph, streams: int) -> tuple[float, float]:
-        """(critical_path, total_work) in seconds of ``graph`` (shape-inferred) on ``streams`` streams."""
-        node_costs = getattr(self, "_node_costs", None)
-        return _list_schedule(graph, streams, node_costs(graph) if node_costs else self.node_cost)
+        """(critical_path, total_work) in seconds of ``graph`` (shape-inferred) on ``streams`` streams: the
+        latency the shipped schedule is estimated to have (``core.schedule.schedule_latency``: chains kept
+        whole, cross-stream events and engines charged) and the sum of the node costs."""
+        figures = getattr(self, "_node_figures", None)
+        if figures is not None:
+            costs, bound = figures(graph)
+        else:
+            costs = [self.node_cost(n) for n in graph.nodes]
+            bound = [self.is_memory_bound(n) for n in graph.nodes]
+        return schedule_latency(node_edges(graph), costs, bound, streams), float(sum(costs))
 
 
 class RooflineCostModel(_GraphCostMixin):
@@ -473,6 +392,7 @@ class RooflineCostModel(_GraphCostMixin):
         # node costs by node_key: the search costs thousands of candidates that share most of their nodes
         self._costs: dict[tuple, float] = {}
         self._bound: dict[tuple, bool] = {}
+        self._figures: dict[tuple, tuple[float, bool]] = {}  # (cost, memory-bound) by node_key, for graph_cost
 
     def describe(self) -> str:
         return f"roofline {self.device.name} {self.precision}"
@@ -484,19 +404,21 @@ class RooflineCostModel(_GraphCostMixin):
             cost = self._costs[key] = self._node_cost(node)
         return cost
 
-    def _node_costs(self, graph: gs.Graph) -> Callable[[gs.Node], float]:
-        """``node_cost`` for the nodes of one graph, its tensors' keys computed once (the same keys, the same costs)."""
+    def _node_figures(self, graph: gs.Graph) -> tuple[list[float], list[bool]]:
+        """``node_cost`` and ``is_memory_bound`` of every node of one graph, its tensors' keys computed once and
+        each node's key hashed once (the same keys, the same figures)."""
         tensor_keys: dict[int, tuple | None] = {}
-        costs, fused = self._costs, self.fuse_epilogues
-
-        def cost_of(node: gs.Node) -> float:
+        figures, fused = self._figures, self.fuse_epilogues
+        costs: list[float] = []
+        bound: list[bool] = []
+        for node in graph.nodes:
             key = node_key(node, fused, tensor_keys)
-            cost = costs.get(key)
-            if cost is None:
-                cost = costs[key] = self._node_cost(node)
-            return cost
-
-        return cost_of
+            known = figures.get(key)
+            if known is None:
+                known = figures[key] = (self.node_cost(node), self.is_memory_bound(node))
+            costs.append(known[0])
+            bound.append(known[1])
+        return costs, bound
 
     def _node_cost(self, node: gs.Node) -> float:
         if self.fuse_epilogues and is_fused_epilogue(node):
@@ -545,7 +467,7 @@ def _attr_jsonable(v):
     if isinstance(v, (str, int, float, bool)) or v is None:
         return v
     if isinstance(v, gs.Tensor):
-        return {"tensor": list(_static_shape(v) or [])}
+        return {"tensor": list(static_shape(v) or [])}
     return repr(type(v).__name__)  # subgraphs: not profiled in detail
 
 
@@ -556,7 +478,7 @@ def node_signature(node: gs.Node) -> str | None:
         if t is None or not getattr(t, "name", ""):
             ins.append(None)
             continue
-        shape = _static_shape(t)
+        shape = static_shape(t)
         if shape is None:
             return None
         dtype = t.values.dtype if isinstance(t, gs.Constant) else t.dtype
@@ -566,7 +488,7 @@ def node_signature(node: gs.Node) -> str | None:
             entry["value"] = np.asarray(t.values).tolist()
         ins.append(entry)
     for t in node.outputs:
-        if _static_shape(t) is None:
+        if static_shape(t) is None:
             return None
     sig = {"op": node.op, "domain": node.domain or "", "attrs": {k: _attr_jsonable(v) for k, v in sorted(node.attrs.items())},
            "inputs": ins}
@@ -583,10 +505,10 @@ def single_node_model(node: gs.Node, opset: int = 17) -> onnx.ModelProto:
         if isinstance(t, gs.Constant):
             new_inputs.append(gs.Constant(f"c{i}", np.asarray(t.values)))
         else:
-            v = gs.Variable(f"in{i}", dtype=t.dtype, shape=list(_static_shape(t)))
+            v = gs.Variable(f"in{i}", dtype=t.dtype, shape=list(static_shape(t)))
             new_inputs.append(v)
             inputs.append(v)
-    outputs = [gs.Variable(f"out{i}", dtype=t.dtype, shape=list(_static_shape(t) or [])) for i, t in enumerate(node.outputs)]
+    outputs = [gs.Variable(f"out{i}", dtype=t.dtype, shape=list(static_shape(t) or [])) for i, t in enumerate(node.outputs)]
     clone = gs.Node(node.op, name="probe", attrs=dict(node.attrs), inputs=new_inputs, outputs=outputs, domain=node.domain)
     graph = gs.Graph(nodes=[clone], inputs=inputs, outputs=outputs, opset=opset)
     return gs.export_onnx(graph)

@@ -522,7 +522,7 @@ _DEFAULTS = {"Gemm": {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}}
 def _canonical_attrs(node: gs.Node) -> dict:
     """Attributes with defaults filled in, so that a rewrite that spells a default out changes nothing."""
     if node.op == "Conv" and len(node.inputs) > 1:
-        from .rules.base import conv_attrs, static_shape
+        from parastream.core.graph import conv_attrs, static_shape
 
         w = static_shape(node.inputs[1])
         if w is not None:
@@ -545,7 +545,7 @@ def _canonical_inputs(node: gs.Node, is_zero=lambda v: not np.any(v)) -> list:
 
 
 def _static_shape(t):
-    from .rules.base import static_shape
+    from parastream.core.graph import static_shape
 
     return static_shape(t)
 

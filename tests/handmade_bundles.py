@@ -63,7 +63,7 @@ def make_bundle(model_path, out, *, backend: str = "torch", streams: int = 2, pr
 
     from parastream.pipeline.model_io import load_model
     from parastream.pipeline.partition import extract_branch, make_plan
-    from parastream.pipeline.schedule import schedule_graph
+    from parastream.core.schedule import schedule_graph
 
     out = Path(out)
     out.mkdir(parents=True, exist_ok=True)

@@ -187,8 +187,17 @@ def test_if_bodies_reading_the_outer_scope_are_edges_for_inspect_and_the_schedul
     schedule both see that edge, so the schedule never starts the If before relu has finished."""
     import onnx_graphsurgeon as gs
 
+    from parastream.core.graph import node_edges
+    from parastream.core.schedule import ENGINE_COST, schedule_graph
     from parastream.pipeline.analysis import node_dag
-    from parastream.pipeline.schedule import schedule_graph
+    from parastream.rewrite.cost import _GraphCostMixin
+
+    class _Unit(_GraphCostMixin):  # every node 1 µs, compute-bound
+        def node_cost(self, node):
+            return 1e-6
+
+        def is_memory_bound(self, node):
+            return False
 
     m = _if_reading_outer_scope()
     assert list(node_graph(m).edges) == [("relu", "if")]
@@ -196,17 +205,23 @@ def test_if_bodies_reading_the_outer_scope_are_edges_for_inspect_and_the_schedul
     graph = gs.import_onnx(m)
     graph.toposort()
     assert list(node_dag(graph).edges) == [(0, 1)]
+    assert node_edges(graph) == ([[], [0]], [[1], []])
     sched = schedule_graph(graph, 2, lambda n: 1e-6, lambda n: False)
     assert sched.node_start["if"] >= sched.node_start["relu"] + 1e-6
+    # the search's cost schedules the same DAG: the If after relu, one engine on one stream
+    cp, work = _Unit().graph_cost(graph, 2)
+    assert work == 2e-6 and cp == pytest.approx(2e-6 + ENGINE_COST)
 
 
 def test_schedule_and_inspect_see_the_same_edges():
-    """The schedule's producers and consumers are node_graph's edges (one builder for both)."""
+    """The schedule's producers and consumers (core.graph.node_edges) are node_graph's edges."""
     import onnx_graphsurgeon as gs
 
-    from parastream.pipeline.schedule import _preds_succs
+    from parastream.core.graph import node_edges
 
     m = dag_model([("s", "p1"), ("p1", "p2"), ("p2", "t"), ("s", "q1"), ("q1", "t"), ("p1", "r1"), ("r1", "t")])
     graph = gs.import_onnx(m)
-    nodes, preds, _succs = _preds_succs(graph)
+    nodes = graph.nodes
+    preds, succs = node_edges(graph)
+    assert {(p, i) for i in range(len(nodes)) for p in preds[i]} == {(i, s) for i in range(len(nodes)) for s in succs[i]}
     assert {(nodes[p].name, nodes[i].name) for i in range(len(nodes)) for p in preds[i]} == set(node_graph(m).edges)

@@ -1,4 +1,4 @@
-"""Stream assignment, branches and launch order (pipeline/schedule.py), with cost functions given by the test."""
+"""Stream assignment, branches and launch order (core/schedule.py), with cost functions given by the test."""
 
 from __future__ import annotations
 
@@ -9,9 +9,10 @@ import pytest
 from graphs import ort_reference, three_branch_model
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
+from parastream.core.graph import node_edges
+from parastream.core.schedule import choose_streams, estimate_latency, place, schedule_graph, schedule_latency
 from parastream.launcher.plan import TensorSpec
 from parastream.pipeline.partition import extract_branch, make_plan
-from parastream.pipeline.schedule import choose_streams, estimate_latency, schedule_graph
 
 
 def gs_graph(model):
@@ -172,3 +173,99 @@ def test_choose_streams_needs_the_minimum_gain():
     assert sched.num_streams == 1
     sched, _ = choose_streams(g, 4, unit_cost, conv_compute, min_gain=gain - 0.01)
     assert sched.num_streams == 3
+
+
+def _reference_place(preds, succs, c, k, sync_cost=2e-6):
+    """The placement written with dicts, sets and key functions, as the build's scheduler first read (before
+    it was flattened for the search, which schedules every candidate): (stream, start) per node."""
+    import heapq
+
+    n = len(c)
+    unit_of = list(range(n))
+    for i in range(n):
+        if len(preds[i]) == 1:
+            (p,) = preds[i]
+            if len(succs[p]) == 1:
+                unit_of[i] = unit_of[p]
+    members: dict[int, list[int]] = {}
+    for i in range(n):
+        members.setdefault(unit_of[i], []).append(i)
+    units = list(members)
+    upreds = {u: {unit_of[p] for i in members[u] for p in preds[i]} - {u} for u in units}
+    usuccs: dict[int, set[int]] = {u: set() for u in units}
+    for u, ps in upreds.items():
+        for p in ps:
+            usuccs[p].add(u)
+    uc = {u: sum(c[i] for i in members[u]) for u in units}
+    rank: dict[int, float] = {}
+    for u in reversed(units):
+        rank[u] = uc[u] + max((rank[v] for v in usuccs[u]), default=0.0)
+    free, start, where = [0.0] * k, [0.0] * n, [-1] * n
+    ufinish: dict[int, float] = {}
+    ustream: dict[int, int] = {}
+    remaining = {u: len(upreds[u]) for u in units}
+    ready = [(-rank[u], u) for u in units if remaining[u] == 0]
+    heapq.heapify(ready)
+    while ready:
+        _, u = heapq.heappop(ready)
+        heavy = max(upreds[u], key=lambda p: (uc[p], -p), default=None)
+        best = None
+        for s_ in range(k):
+            t0 = free[s_]
+            for p in upreds[u]:
+                t0 = max(t0, ufinish[p] + (sync_cost if ustream[p] != s_ else 0.0))
+            key = (t0 + uc[u], 0 if (heavy is not None and ustream[heavy] == s_) else 1, s_)
+            if best is None or key < best[0]:
+                best = (key, s_, t0)
+        _, s_, t = best
+        for i in members[u]:
+            where[i], start[i] = s_, t
+            t += c[i]
+        ustream[u], ufinish[u] = s_, t
+        free[s_] = t
+        for v in usuccs[u]:
+            remaining[v] -= 1
+            if remaining[v] == 0:
+                heapq.heappush(ready, (-rank[v], v))
+    return where, start
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_placement_is_the_reference_formulation_with_ties(seed):
+    """Random DAGs, costs with many ties: the flattened placement puts every node on the same stream at the same
+    start as the formulation with dicts and key functions (ties between streams and units broken alike)."""
+    import random
+
+    rng = random.Random(seed)
+    edges = node_edges(gs_graph(random_dag_model(seed, n=24)))
+    for _ in range(10):
+        c = [rng.choice([1e-9, 1e-6, 2e-6, 2e-6, 5e-6, rng.random() * 1e-5]) for _ in edges[0]]
+        for k in (1, 2, 3, 4):
+            where, start, _finish = place(*edges, c, k)
+            assert (where, start) == _reference_place(*edges, c, k)
+
+
+def test_place_needs_no_topological_node_order():
+    """Nodes listed consumers first: with costs that tie nowhere, the same placement as in topological order,
+    node for node, and every node starts after its producers."""
+    g = gs_graph(three_branch_model())
+    preds, succs = node_edges(g)
+    n = len(preds)
+    c = [unit_cost(node) + i * 1e-8 for i, node in enumerate(g.nodes)]
+    rev = list(reversed(range(n)))  # node i is listed at n - 1 - i
+    rpreds = [[n - 1 - p for p in preds[i]] for i in rev]
+    rsuccs = [[n - 1 - s for s in succs[i]] for i in rev]
+    where, start, finish = place(preds, succs, c, 2)
+    rwhere, rstart, _ = place(rpreds, rsuccs, [c[i] for i in rev], 2)
+    assert [rstart[n - 1 - i] for i in range(n)] == start
+    assert [rwhere[n - 1 - i] for i in range(n)] == where
+    assert all(start[i] >= finish[p] for i in range(n) for p in preds[i])
+
+
+def test_schedule_latency_is_estimate_latency_of_the_schedule():
+    """What the search charges a graph is estimate_latency of the schedule the build ships for it."""
+    g = gs_graph(three_branch_model())
+    for k in (1, 2, 3):
+        sched = schedule_graph(g, k, unit_cost, conv_compute)
+        assert schedule_latency(node_edges(g), [unit_cost(n) for n in g.nodes], [conv_compute(n) for n in g.nodes], k) \
+            == estimate_latency(sched)

@@ -37,6 +37,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from parastream.core.dataflow import consumers
+
 from ..errors import ParastreamError
 
 
@@ -998,11 +1000,7 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
     and how many pairs were fused.
     """
     torch = _torch()
-    readers: dict[str, list[int]] = {}
-    for i, st in enumerate(steps):
-        for a in st.args:
-            if a is not None and a[0] == "v":
-                readers.setdefault(a[1], []).append(i)
+    readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
     out: list = []
     fused = 0
     skip: set[int] = set()

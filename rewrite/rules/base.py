@@ -20,6 +20,8 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
+from parastream.core.graph import conv_attrs, static_shape  # noqa: F401 - the rules import them from here
+
 from ..ir import cleanup, copy_graph, toposort
 
 
@@ -92,16 +94,6 @@ def site_nodes(graph: gs.Graph, site: Site) -> list[gs.Node] | None:
         return [by[n] for n in site.nodes]
     except KeyError:
         return None
-
-
-def static_shape(t: gs.Tensor | None) -> tuple[int, ...] | None:
-    if t is None:
-        return None
-    if isinstance(t, gs.Constant):
-        return tuple(int(d) for d in t.values.shape)
-    if t.shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in t.shape):
-        return None
-    return tuple(int(d) for d in t.shape)
 
 
 def const_value(t: gs.Tensor | None) -> np.ndarray | None:
@@ -177,26 +169,6 @@ class Namer:
         return fresh_name(self.graph, base, self.taken)
 
 
-
-
-def conv_attrs(node: gs.Node, rank: int) -> dict:
-    """Conv attributes with ONNX defaults filled in (spatial rank ``rank``)."""
-    w = node.inputs[1]
-    ks = node.attrs.get("kernel_shape")
-    if ks is None and static_shape(w) is not None:
-        ks = list(static_shape(w)[2:])
-    auto_pad = node.attrs.get("auto_pad", "NOTSET")
-    if isinstance(auto_pad, bytes):
-        auto_pad = auto_pad.decode()
-    return {
-        # VALID is NOTSET with zero pads; SAME_* stays as it is (callers refuse it)
-        "auto_pad": "NOTSET" if auto_pad == "VALID" else auto_pad,
-        "dilations": list(node.attrs.get("dilations", [1] * rank)),
-        "group": int(node.attrs.get("group", 1)),
-        "kernel_shape": list(ks) if ks is not None else None,
-        "pads": [0] * (2 * rank) if auto_pad == "VALID" else list(node.attrs.get("pads", [0] * (2 * rank))),
-        "strides": list(node.attrs.get("strides", [1] * rank)),
-    }
 
 
 def attr_difference(a: dict, b: dict, names_a: str, names_b: str) -> str | None:

@@ -10,12 +10,14 @@ import onnx_graphsurgeon as gs
 import pytest
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
-from parastream.launcher.errors import ParastreamError
+from parastream.core.errors import ParastreamError
+from parastream.core.schedule import ENGINE_COST, EVENT_COST, estimate_latency, schedule_graph
 from parastream.rewrite.cost import (
     DEVICES,
     CostModel,
     ProfiledCostModel,
     RooflineCostModel,
+    _GraphCostMixin,
     get_device,
     mixed_cost,
     node_flops_bytes,
@@ -92,15 +94,48 @@ def test_roofline_floor_memory_bound_and_no_gpu():
 
 
 def test_graph_cost_streams_shorten_the_critical_path_not_the_work():
+    """The critical path is the shipped schedule's latency: one engine on one stream; on three, the Convs side by
+    side, the Concat after them in a fourth engine that waits on one event (its heaviest producer's stream
+    needs none)."""
     g = parallel_branches(3)
     cm = RooflineCostModel()
     cp1, work1 = cm.graph_cost(g, 1)
     cp3, work3 = cm.graph_cost(g, 3)
-    assert cp1 == pytest.approx(work1) and work3 == pytest.approx(work1)
+    assert cp1 == pytest.approx(work1 + ENGINE_COST) and work3 == pytest.approx(work1)
     conv = cm.node_cost(next(n for n in g.nodes if n.op == "Conv"))
     cat = cm.node_cost(next(n for n in g.nodes if n.op == "Concat"))
-    assert cp3 == pytest.approx(conv + cat)
+    assert cp3 == pytest.approx(conv + cat + 2 * ENGINE_COST + EVENT_COST)
+    assert cp3 < cp1
     assert mixed_cost(cp3, work3) == pytest.approx(0.25 * cp3 + 0.75 * work3)
+
+
+@pytest.mark.parametrize("name", ["inception_block", "nasnet_cell", "transformer_layer"])
+def test_graph_cost_is_the_shipped_schedules_estimate(name):
+    """The search's critical path on K streams is, to the bit, ``estimate_latency`` of the schedule the build
+    ships on K streams (one scheduler for both), for the roofline and for a cost model without per-graph figures."""
+    from parastream.pipeline import zoo
+    from parastream.rewrite.ir import import_graph
+
+    g = import_graph(zoo.MODELS[name]())
+
+    class Plain:  # node_cost and is_memory_bound only: graph_cost's generic path
+        def __init__(self):
+            self.roofline = RooflineCostModel("A100-SXM", precision="fp16")
+
+        def node_cost(self, node):
+            return self.roofline.node_cost(node)
+
+        def is_memory_bound(self, node):
+            return self.roofline.is_memory_bound(node)
+
+    for cm in (RooflineCostModel("CPU"), RooflineCostModel("A100-SXM", precision="fp16")):
+        for k in (1, 2, 4):
+            sched = schedule_graph(g, k, cm.node_cost, cm.is_memory_bound)
+            cp, work = cm.graph_cost(g, k)
+            assert cp == estimate_latency(sched)
+            assert work == pytest.approx(sum(cm.node_cost(n) for n in g.nodes), rel=1e-12)
+    plain = Plain()
+    assert _GraphCostMixin.graph_cost(plain, g, 2) == plain.roofline.graph_cost(g, 2)
 
 
 def test_profiled_cost_model_measures_each_signature_once_and_uses_the_cache(tmp_path):

@@ -12,7 +12,7 @@ import pytest
 from rich.console import Console
 
 from parastream.rewrite import ALL_RULES, RooflineCostModel, format_report, optimize
-from parastream.rewrite.cost import mixed_cost
+from parastream.rewrite.cost import _GraphCostMixin, mixed_cost
 from parastream.rewrite.ir import import_graph
 from parastream.rewrite.search import cut_pieces, k_best_combinations, live_counts
 
@@ -112,7 +112,7 @@ def test_same_seed_same_result(zoo_model):
     assert ra["rules_chosen"] == rb["rules_chosen"]
 
 
-class NewNodesAreSlow:
+class NewNodesAreSlow(_GraphCostMixin):
     """A cost model under which every node a rule creates is slow: the search must keep the input's nodes."""
 
     def __init__(self, original: onnx.ModelProto):
@@ -124,11 +124,6 @@ class NewNodesAreSlow:
 
     def is_memory_bound(self, node):
         return False
-
-    def graph_cost(self, graph, streams):
-        from parastream.rewrite.cost import _list_schedule
-
-        return _list_schedule(graph, streams, self.node_cost)
 
 
 @pytest.mark.parametrize("name", ["inception_block", "nasnet_cell", "transformer_layer", "resnet_bottleneck"])

@@ -1,0 +1,33 @@
+"""The one producer/consumer map: which item writes each tensor and which items read it.
+
+An item is anything that reads and writes named tensors: a node of an ONNX or onnx-graphsurgeon graph, a plan's
+branch, a converter's step.  Plain Python over names, so that the launcher (the runtime, which loads neither
+onnx nor onnx-graphsurgeon) shares it with the build."""
+
+from __future__ import annotations
+
+from typing import Iterable
+
+
+def producers(writes: Iterable[Iterable[str]]) -> dict[str, int]:
+    """Tensor name -> index of the item that writes it (``writes``: each item's output names, in order; an empty
+    name, an omitted optional output, is skipped; a name written twice maps to its last writer)."""
+    out: dict[str, int] = {}
+    for i, names in enumerate(writes):
+        for name in names:
+            if name:
+                out[name] = i
+    return out
+
+
+def consumers(reads: Iterable[Iterable[str]]) -> dict[str, list[int]]:
+    """Tensor name -> indices of the items that read it, in item order, each once (``reads``: each item's input
+    names; empty names skipped)."""
+    out: dict[str, list[int]] = {}
+    for i, names in enumerate(reads):
+        for name in names:
+            if name:
+                users = out.setdefault(name, [])
+                if not users or users[-1] != i:
+                    users.append(i)
+    return out
