@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import signal
 import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -503,59 +501,74 @@ def _quiet_libraries(quiet: bool):
         yield
 
 
-def _terminate(signum, frame):
-    """SIGINT, SIGTERM, SIGHUP while a command runs: remove its temporary folders, stop the children it forked,
-    and exit at once.  Not by raising an exception: one raised inside a native import or call (torch, which
-    polygraphy imports during verification) aborts the interpreter (SIGABRT) instead of unwinding."""
+def _interrupt_in(e: BaseException):
+    """The interrupt behind ``e``: ``e`` itself, or the one whose unwinding raised ``e`` (a cleanup that failed)."""
+    from .interrupts import Interrupted
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):  # a plain one: an API caller's own Ctrl-C handling, or outside the main thread
+            return e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        seen.add(id(e))
+        e = e.__context__
+    return None
+
+
+def _report_interrupt(interrupt, e: BaseException) -> int:
+    """After an interrupt has unwound every ``with`` block: remove what was made outside one (a staging folder or a
+    child whose block had not begun when the signal came), and say in one line what is left, if anything."""
     from .isolate import stop_children
-    from .outdir import remove_staging
+    from .outdir import WRITTEN, remove_staging
 
     stop_children()
-    remove_staging()
-    what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
-    os.write(2, f"parastream: {what}; nothing was written\n".encode())
-    os._exit(128 + signum)
+    left = [str(p) for p in remove_staging()]
+    if e is not interrupt and isinstance(e, OSError) and e.filename:  # a temporary folder's removal failed
+        left.append(str(e.filename))
+    written = [str(p) for p in WRITTEN if p.exists()]  # a demo's bundle in its temporary folder is gone again
+    done = f"{', '.join(written)} was written before it" if written else "nothing was written"
+    print(f"parastream: {interrupt.describe()}; {done}" + (f"; could not remove {', '.join(left)}" if left else ""),
+          file=sys.stderr, flush=True)
+    return interrupt.exit_code
 
 
-@contextmanager
-def _signals_exit_cleanly():
-    """While a command runs (in the main thread only, as Python requires), the signals above exit cleanly."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def _exit_status(e: BaseException, args) -> int | None:
+    """The exit status of a command that raised ``e``, its one line printed; None: let ``e`` through (--debug, or
+    not one of ours)."""
+    interrupt = _interrupt_in(e)
+    if interrupt is not None:
+        return _report_interrupt(interrupt, e)
+    if args.debug or not isinstance(e, (ParastreamError, MemoryError, OSError)):
+        return None
+    if isinstance(e, ParastreamError):
+        message, code = str(e), e.exit_code
+    elif isinstance(e, MemoryError):
+        message, code = "out of memory; give smaller --shapes or use a larger machine", 2
+    else:  # the environment: a full disk, a read-only folder, a name too long for the file system
+        message, code = f"{f'{e.filename}: ' if e.filename else ''}{e.strerror or e}", 2
+    if getattr(args, "json", False) and args.command == "verify":  # a build step parses it: the error as JSON too
+        print(json.dumps({"passed": False, "error": message}))
+    print(f"parastream {args.command}: error: {message}", file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; ``argv`` None: this process's arguments (the ``parastream`` program)."""
+    from . import interrupts, outdir
+
     parser = make_parser()
     args = parser.parse_args(argv)
+    outdir.WRITTEN.clear()
     try:
-        with _signals_exit_cleanly(), _quiet_libraries(not args.debug):
+        # SIGINT, SIGTERM, SIGHUP raise an exception in the main thread: every `with` block unwinds (interrupts.py)
+        with interrupts.signals_raise(then_ignore=argv is None), _quiet_libraries(not args.debug):
             return int(args.func(args) or 0)
-    except ParastreamError as e:
-        if args.debug:
+    except BaseException as e:  # noqa: BLE001 - each kind gets its exit status and line in _exit_status
+        code = _exit_status(e, args)
+        if code is None:
             raise
-        print(f"parastream {args.command}: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:  # a Ctrl-C outside the main thread's handler (an API caller's own)
-        print("parastream: interrupted", file=sys.stderr)
-        return 130
-    except MemoryError:
-        if args.debug:
-            raise
-        print(f"parastream {args.command}: error: out of memory; give smaller --shapes or use a larger machine", file=sys.stderr)
-        return 2
-    except OSError as e:  # the environment: a full disk, a read-only folder, a name too long for the file system
-        if args.debug:
-            raise
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"parastream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
+    if argv is None and code > 128:  # the program, interrupted: a worker thread still finishing does not hold it
+        interrupts.exit_when_threads_linger(code)
+    return code
 
 
 if __name__ == "__main__":

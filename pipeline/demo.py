@@ -7,7 +7,6 @@ compares with ONNX Runtime on the original model.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +23,10 @@ def run_demo(out: str | None = None, backend: str = "auto", model_name: str | No
         from parastream.launcher.errors import ParastreamError
 
         raise ParastreamError(f"--model {name!r} is not an example model; choose one of {sorted(zoo.MODELS)}")
-    work = Path(tempfile.mkdtemp(prefix="parastream-demo-"))
-    try:
-        return _demo(work, name, out, backend, console)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # the example model, and the bundle unless -o named a folder
+    # the example model, and the bundle unless -o named a folder; the object removes the folder however the block
+    # ends (an interrupt too), and even if the signal came before the block began
+    with tempfile.TemporaryDirectory(prefix="parastream-demo-", ignore_cleanup_errors=True) as work:
+        return _demo(Path(work), name, out, backend, console)
 
 
 def _demo(work: Path, name: str, out: str | None, backend: str, console) -> int:
