@@ -102,13 +102,20 @@ def add_tolerance_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of the random inputs")
 
 
+_STDOUT = None  # the command's own output: sys.stdout as main found it (``_library_output`` redirects sys.stdout)
+
+
+def _stdout():
+    return _STDOUT or sys.stdout
+
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    stream = sys.stderr if stderr else sys.stdout
+    stream = sys.stderr if stderr else _stdout()
     # piped into a log: lines of text are not wrapped, and tables are 160 columns wide instead of 80
     tty = stream.isatty()
-    return Console(stderr=stderr, soft_wrap=not tty, width=None if tty else 160)
+    return Console(file=stream, soft_wrap=not tty, width=None if tty else 160)
 
 
 # -- commands ------------------------------------------------------------------------------------------
@@ -138,7 +145,7 @@ def cmd_build(args) -> int:
     if args.json:
         from .report import build_summary
 
-        print(json.dumps(build_summary(bundle), default=str))
+        print(json.dumps(build_summary(bundle), default=str), file=_stdout())
     elif not args.quiet:
         print_build_summary(bundle, _console(), verbose=args.verbose)
     if args.triton_repo:
@@ -261,7 +268,7 @@ def cmd_verify(args) -> int:
         if close:
             close()
     if args.json:
-        print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original)), default=str))
+        print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original)), default=str), file=_stdout())
     else:
         print_verification(result, _console(), title=f"verify {bundle.path} against onnxruntime on {original}")
     return 0 if result.passed else 1
@@ -286,7 +293,7 @@ def verify_buckets(bundle, original: str, args) -> int:
     passed = all(r.passed for r in results.values())
     if args.json:
         print(json.dumps({"passed": passed, "bundle": str(bundle.path), "model": str(original),
-                          "batches": {str(n): r.to_dict() for n, r in results.items()}}, default=str))
+                          "batches": {str(n): r.to_dict() for n, r in results.items()}}, default=str), file=_stdout())
     else:
         for n, r in results.items():
             where = "bucket" if n in runner.sizes else f"between buckets, run on bucket {runner.bucket_for(n)}"
@@ -311,13 +318,13 @@ def cmd_bench(args) -> int:
 
         result = bench_buckets(Bundle.open(args.bundle, loading=True), runs=args.runs, warmup=args.warmup, console=None if args.json else _console())
         if args.json:
-            print(json.dumps(result, default=str))
+            print(json.dumps(result, default=str), file=_stdout())
         return 0
     result = bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
                           console=None if args.json else _console(), whole_model=args.whole_model,
                           concat_ablation=args.concat_ablation)
     if args.json:
-        print(json.dumps(result, default=str))
+        print(json.dumps(result, default=str), file=_stdout())
     return 0
 
 
@@ -501,6 +508,29 @@ def _quiet_libraries(quiet: bool):
         yield
 
 
+@contextmanager
+def _library_output(show: bool):
+    """stdout holds the command's own output alone (one JSON line with --json, nothing with --quiet): the libraries'
+    log lines go to stderr, and only with --debug or --verbose (``show``).
+
+    onnx-graphsurgeon's and polygraphy's loggers print() to sys.stdout and have no option for another stream
+    ("[W] colored module is not installed", "[W] It looks like this model contains foldable nodes ..."), so the
+    command runs with sys.stdout redirected to stderr (contextlib.redirect_stdout: whatever a library prints lands
+    there) and writes its own output to the stream saved before (``_stdout``); without ``show`` their severity is
+    ERROR (their own G_LOGGER controls), so that their warnings are not printed at all."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if not show:
+            from onnx_graphsurgeon.logger import G_LOGGER as gs_logger
+            from polygraphy.logger import G_LOGGER as pg_logger
+
+            stack.enter_context(gs_logger.suppress(gs_logger.ERROR))
+            stack.enter_context(pg_logger.verbosity(pg_logger.ERROR))
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        yield
+
+
 def _interrupt_in(e: BaseException):
     """The interrupt behind ``e``: ``e`` itself, or the one whose unwinding raised ``e`` (a cleanup that failed)."""
     from .interrupts import Interrupted
@@ -546,7 +576,7 @@ def _exit_status(e: BaseException, args) -> int | None:
     else:  # the environment: a full disk, a read-only folder, a name too long for the file system
         message, code = f"{f'{e.filename}: ' if e.filename else ''}{e.strerror or e}", 2
     if getattr(args, "json", False) and args.command == "verify":  # a build step parses it: the error as JSON too
-        print(json.dumps({"passed": False, "error": message}))
+        print(json.dumps({"passed": False, "error": message}), file=_stdout())
     print(f"parastream {args.command}: error: {message}", file=sys.stderr)
     return code
 
@@ -555,17 +585,23 @@ def main(argv: list[str] | None = None) -> int:
     """The command line; ``argv`` None: this process's arguments (the ``parastream`` program)."""
     from . import interrupts, outdir
 
+    global _STDOUT
+
     parser = make_parser()
     args = parser.parse_args(argv)
     outdir.WRITTEN.clear()
+    _STDOUT = sys.stdout
     try:
         # SIGINT, SIGTERM, SIGHUP raise an exception in the main thread: every `with` block unwinds (interrupts.py)
-        with interrupts.signals_raise(then_ignore=argv is None), _quiet_libraries(not args.debug):
+        with interrupts.signals_raise(then_ignore=argv is None), _quiet_libraries(not args.debug), \
+                _library_output(args.debug or getattr(args, "verbose", False)):
             return int(args.func(args) or 0)
     except BaseException as e:  # noqa: BLE001 - each kind gets its exit status and line in _exit_status
         code = _exit_status(e, args)
         if code is None:
             raise
+    finally:
+        _STDOUT = None
     if argv is None and code > 128:  # the program, interrupted: a worker thread still finishing does not hold it
         interrupts.exit_when_threads_linger(code)
     return code
