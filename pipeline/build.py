@@ -1136,6 +1136,7 @@ def write_report(b: _Build, tmp: Path) -> None:
     b.report = {
         "version": REPORT_VERSION,
         "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(b.model.graph.node),
+                  "rewritten": b.model is not loaded.model,  # False: the search's proposal was not shipped (CPU choice)
                   "inputs": [asdict(t) for t in loaded.inputs], "outputs": [asdict(t) for t in loaded.outputs]},
         "search": b.search_report,
         "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": b.width,

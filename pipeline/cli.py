@@ -377,7 +377,8 @@ def cmd_devices(args) -> int:
 
     from parastream.rewrite.cost import DEVICES, cpu_device
 
-    t = Table(title="device profiles of the roofline cost model (GPUs from datasheets; CPU measured here, SMs = cores)")
+    t = Table(title="device profiles of the roofline cost model (GPUs from datasheets; CPU: this machine's cores and "
+                    "vector width at nominal per-core rates, not measured; SMs = cores)")
     for col in ("name", "fp16 TFLOP/s", "fp32 TFLOP/s", "GB/s", "SMs"):
         t.add_column(col)
     for name, d in {**DEVICES, "CPU": cpu_device()}.items():
