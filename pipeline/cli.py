@@ -251,9 +251,7 @@ def cmd_verify(args) -> int:
     from .verify import bundle_tolerances
 
     bundle = Bundle.open(args.bundle, loading=True)
-    original = args.model or bundle.report.get("model", {}).get("path")
-    if not original or not Path(original).is_file():
-        raise ParastreamError(f"{args.bundle}: the original model {original!r} is not there; name it with --model ORIGINAL.onnx")
+    original = original_model(bundle, args.model)
     if bundle.manifest.get("buckets"):
         return verify_buckets(bundle, original, args)
     shapes = {t.name: t.shape for t in bundle.plan.inputs}
@@ -272,6 +270,25 @@ def cmd_verify(args) -> int:
     else:
         print_verification(result, _console(), title=f"verify {bundle.path} against onnxruntime on {original}")
     return 0 if result.passed else 1
+
+
+def original_model(bundle, given: str | None) -> str:
+    """The model ``bundle`` was built from: ``--model`` (``given``), else the path its report.json records; where
+    that is not there, an error that says so (never another model in its place)."""
+    if given:
+        if not Path(given).is_file():
+            raise ParastreamError(f"--model {given}: no such file")
+        return given
+    recorded = bundle.report.get("model", {}).get("path")
+    if recorded and Path(recorded).is_file():
+        return recorded
+    if not recorded:
+        where = "its report.json records no original model"
+    elif not Path(recorded).is_absolute():  # bundles of an older parastream recorded the path as the build was given it
+        where = f"the original model {recorded} (recorded relative to the folder it was built in) is not there"
+    else:
+        where = f"the original model {recorded} is not there"
+    raise ParastreamError(f"{bundle.path}: {where}; name it with --model ORIGINAL.onnx")
 
 
 def verify_buckets(bundle, original: str, args) -> int:
@@ -322,7 +339,7 @@ def cmd_bench(args) -> int:
         return 0
     result = bench_bundle(args.bundle, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
                           console=None if args.json else _console(), whole_model=args.whole_model,
-                          concat_ablation=args.concat_ablation)
+                          concat_ablation=args.concat_ablation, original=args.model)
     if args.json:
         print(json.dumps(result, default=str), file=_stdout())
     return 0
@@ -397,6 +414,8 @@ def _version() -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from .build import BuildConfig  # its defaults are the help's (imported with the package anyway)
+
     p = _Parser(prog="parastream", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"parastream {_version()}")
@@ -427,8 +446,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
     b.add_argument("--measure-seconds", type=int_in(0, 86_400), default=None, metavar="S",
                    help="GPU builds: seconds for timing the search's candidates on the device, the top-ranked first, "
-                        "and the input's alternatives as their engines are compiled (default 50; the input and the "
-                        "best candidate are always timed)")
+                        f"and the input's alternatives as their engines are compiled (default {BuildConfig.measure_seconds:g}; "
+                        "the input and the best candidate are always timed)")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")
     b.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -463,6 +482,8 @@ def make_parser() -> argparse.ArgumentParser:
     be.add_argument("--runs", type=int_in(1, 10_000_000), default=None, help="timed runs of each variant (default: 200 GPU, 50 CPU)")
     be.add_argument("--warmup", type=int_in(0, 10_000_000), default=None, help="untimed runs first (default: 20 GPU, 5 CPU)")
     be.add_argument("--json", action="store_true", help="print the result as one JSON object")
+    be.add_argument("--model", default=None, help="CPU bundles: the original model, the baseline (default: the path "
+                                                  "recorded at build)")
     be.add_argument("--timeline", default=None, metavar="FILE.png")
     be.add_argument("--no-whole-model", dest="whole_model", action="store_false",
                     help="TensorRT bundles: skip the whole-model engine baseline (max_aux_streams)")

@@ -117,12 +117,12 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
             raise ParastreamError(f"{option} {target}: would replace {what}; choose a new folder for {option}")
     if not (target.exists() or target.is_symlink()):
         return target
-    if not force:
-        raise ParastreamError(f"{target} already exists; pass --force to replace it")
     reason = why_not_ours(target, kind)
-    if reason:
-        raise ParastreamError(f"{target} exists and --force replaces only {KINDS[kind]}, but {reason}; "
-                              "remove it yourself or choose another folder")
+    if reason:  # with or without --force: one message that says what --force would and would not replace
+        raise ParastreamError(f"{target} exists and --force replaces only {KINDS[kind]} that parastream wrote, but "
+                              f"{reason}; remove it yourself or choose another folder")
+    if not force:
+        raise ParastreamError(f"{target} already exists ({KINDS[kind]}); pass --force to replace it")
     return target
 
 
