@@ -122,7 +122,7 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
         raise ParastreamError(f"{target} exists and --force replaces only {KINDS[kind]} that parastream wrote, but "
                               f"{reason}; remove it yourself or choose another folder")
     if not force:
-        raise ParastreamError(f"{target} already exists ({KINDS[kind]}); pass --force to replace it")
+        raise ParastreamError(f"{target} already exists; pass --force to replace it")
     return target
 
 

@@ -205,4 +205,4 @@ def test_without_force_a_foreign_folder_is_refused_in_one_message(model, tmp_pat
     bundle = tmp_path / "b"
     assert build_cli(capsys, model, bundle)[0] == 0
     code, err = build_cli(capsys, model, bundle)
-    assert code == 2 and "pass --force to replace it" in err and "a parastream bundle" in err
+    assert code == 2 and "already exists; pass --force to replace it" in err
