@@ -45,7 +45,7 @@ def in_child(step, *args, what: str) -> None:
     if pid == 0:  # the child: report and leave without running the parent's cleanups (atexit, finally)
         code = 0
         try:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # not the parent's handlers: just die
+            for sig in SIGNALS:  # not the parent's handlers (which raise): just die
                 signal.signal(sig, signal.SIG_DFL)
             os.close(r)
             try:
