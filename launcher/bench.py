@@ -303,7 +303,7 @@ def _whole_model_reason(bundle: Bundle) -> str | None:
 
 def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, timeline: str | Path | None = None, console=None,
                  launcher=None, whole_model: bool = True, graph: bool | None = None, concat_ablation: bool = False,
-                 gpu: int = 0) -> dict:
+                 gpu: int = 0, original: str | Path | None = None) -> dict:
     """Median latency (ms) of the bundle's multi-stream graph and of the same engines on one stream, and their ratio.
 
     ``whole_model``: on a TensorRT bundle, also time the whole model as one TensorRT engine with
@@ -313,6 +313,7 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
     ``concat_ablation``: where the launcher does Concats in place, also time the same bundle with
     every Concat as its own engine (loaded a second time), ``concat_copies_ms``.
     ``gpu``: the GPU every variant runs on (a given ``launcher``'s own device instead, where it has one).
+    ``original``: a CPU bundle's baseline model (default: the one report.json records; see ``bench_cpu``).
     """
     bundle = path if isinstance(path, Bundle) else Bundle.open(path, loading=True)
     gpu = int(getattr(launcher, "device", gpu) if launcher is not None else gpu)
@@ -322,7 +323,7 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
     if runs < 1:
         raise ParastreamError(f"--runs {runs}: must be at least 1")
     if cpu:
-        result = bench_cpu(bundle, runs=runs, warmup=warmup)
+        result = bench_cpu(bundle, runs=runs, warmup=warmup, original=original)
         if console is not None:
             print_bench_cpu(result, console)
         return result
@@ -432,19 +433,63 @@ def _whole_model_baseline(bundle: Bundle, multi, feeds: dict, reference: dict, g
     return entries, whole
 
 
-def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str | Path | None = None) -> dict:
-    """A CPU bundle against plain onnxruntime (default session options) on the same model: the original the
-    bundle was built from where it is still there (report.json names it), else the bundle's model.onnx.
-    Medians of ``runs`` calls each on the same random input, in alternating blocks (:func:`time_calls`); the
-    outputs must agree first (scaled error within verification's bound for the precision)."""
-    import os
+CPU_BLOCK = 5  # calls per block of the CPU comparison (runs 50: ten blocks of each, five pairs in each order)
 
+
+def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, block: int = CPU_BLOCK) -> tuple[dict, list]:
+    """Seconds per call of two runners on ``feeds``, without a bias between equal ones: ``warmup`` untimed calls
+    of each in turn, then blocks of ``block`` calls, the two in turn and the order alternating (AB, BA, AB, ...),
+    each block after one untimed call of its own runner (so each starts as the other did: after the other's
+    threads and cache, on its own warm state).  A drift of the machine's speed falls on both alike, and on the
+    first and second of a pair alike.  Returns ({name: seconds per call}, one ratio per pair of blocks: the second
+    runner's block median / the first's)."""
+    first, second = list(runners)
+    for _ in range(warmup):
+        for run in runners.values():
+            run(feeds)
+    times: dict[str, list[float]] = {first: [], second: []}
+    ratios = []
+    while len(times[first]) < runs:
+        n = min(block, runs - len(times[first]))
+        medians = {}
+        for name in ((first, second) if len(ratios) % 2 == 0 else (second, first)):
+            run = runners[name]
+            run(feeds)
+            calls = []
+            for _ in range(n):
+                t0 = time.perf_counter()
+                run(feeds)
+                calls.append(time.perf_counter() - t0)
+            times[name] += calls
+            medians[name] = float(np.median(calls))
+        ratios.append(medians[second] / medians[first] if medians[first] > 0 else float("nan"))
+    return {name: np.asarray(t) for name, t in times.items()}, ratios
+
+
+def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str | Path | None = None) -> dict:
+    """A CPU bundle against plain onnxruntime (default session options) on the original model: ``original``, else
+    the path report.json records (an error when it is not there: never another model in its place).  The outputs
+    must agree first (scaled error <= 1e-3, as verification's fp32 bound); then ``runs`` calls each on the same
+    random input in alternating blocks (:func:`time_alternating`).
+
+    ``speedup_vs_onnxruntime`` is the median over pairs of blocks of (onnxruntime's block median / the bundle's),
+    with its spread (interquartile range and min..max over the pairs); ``others_cpu_share``: the share of the
+    cores other processes used meanwhile (``OthersLoad``, as the CPU build measures it): a comparison on a loaded
+    machine says how it is loaded."""
     import onnxruntime as ort
 
-    from .cpu import CpuLauncher, time_calls
+    from .cpu import CpuLauncher, OthersLoad
 
-    recorded = bundle.report.get("model", {}).get("path")
-    model = Path(original) if original else (Path(recorded) if recorded and Path(recorded).is_file() else bundle.model_path)
+    if original is None:
+        recorded = bundle.report.get("model", {}).get("path")
+        if not recorded or not Path(recorded).is_file():
+            raise ParastreamError(f"{bundle.path}: the original model {recorded or '(none recorded)'} is not there; "
+                                  f"name it with --model ORIGINAL.onnx (or --model {bundle.path / 'model.onnx'} to "
+                                  "compare with the bundle's own model)")
+        original = recorded
+    elif not Path(original).is_file():
+        raise ParastreamError(f"--model {original}: no such file")
+    model = Path(original)
     ours = CpuLauncher(bundle)
     try:
         plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
@@ -458,18 +503,25 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
         if not worst <= scale_tolerance(bundle.plan.precision):
             raise ParastreamError(f"{bundle.path}: the bundle's outputs differ from onnxruntime on {model} "
                                   f"(scaled error {worst:.3g}); run `parastream verify` first")
-        times = time_calls({"parastream": ours, "onnxruntime": run_plain}, feeds, runs=runs, warmup=warmup)
+        with OthersLoad() as others:
+            times, ratios = time_alternating({"parastream": ours, "onnxruntime": run_plain}, feeds, runs=runs,
+                                             warmup=warmup)
     finally:
         ours.close()
     ms = {k: v * 1e3 for k, v in times.items()}
+    r = np.asarray(ratios, dtype=float)
     result = {"bundle": str(bundle.path), "device": f"cpu ({os.cpu_count()} cores)", "runs": runs, "model": str(model),
-              "model_is_original": model != bundle.path / "model.onnx",
+              "model_is_original": model.resolve() != (bundle.path / "model.onnx").resolve(),
               "streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches), "threads": ours.threads or os.cpu_count(),
               "parastream_ms": float(np.median(ms["parastream"])), "onnxruntime_ms": float(np.median(ms["onnxruntime"])),
               "parastream_p10_p90_ms": [float(x) for x in np.percentile(ms["parastream"], [10, 90])],
               "onnxruntime_p10_p90_ms": [float(x) for x in np.percentile(ms["onnxruntime"], [10, 90])],
+              "speedup_vs_onnxruntime": float(np.median(r)),
+              "speedup_iqr": [float(x) for x in np.percentile(r, [25, 75])],
+              "speedup_min_max": [float(r.min()), float(r.max())],
+              "block_pairs": len(ratios), "block": CPU_BLOCK, "order": "alternating blocks, AB then BA",
+              "others_cpu_share": others.share,
               "max_scaled_error": worst}
-    result["speedup_vs_onnxruntime"] = result["onnxruntime_ms"] / result["parastream_ms"]
     return result
 
 
@@ -477,18 +529,26 @@ def print_bench_cpu(result: dict, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
+    from .words import plural
+
     t = Table(title=escape(f"parastream bench — {result['bundle']} on {result['device']}"))
     t.add_column("variant")
     t.add_column("median ms", justify="right")
     t.add_column("p10–p90 ms", justify="right")
-    t.add_row(f"parastream ({result['streams']} streams, {result['branches']} sessions, {result['threads']} threads each)",
+    t.add_row(f"parastream ({plural(result['streams'], 'stream')}, {plural(result['branches'], 'session')}, "
+              f"{plural(result['threads'], 'thread')} each)",
               f"{result['parastream_ms']:.3f}", "–".join(f"{x:.3f}" for x in result["parastream_p10_p90_ms"]))
     t.add_row(escape(f"plain onnxruntime, default session options, on {result['model']}"
-                     + ("" if result["model_is_original"] else " (the original is not there)")),
+                     + ("" if result["model_is_original"] else " (the bundle's own model, as --model named it)")),
               f"{result['onnxruntime_ms']:.3f}", "–".join(f"{x:.3f}" for x in result["onnxruntime_p10_p90_ms"]))
     console.print(t)
-    console.print(f"parastream vs plain onnxruntime: {result['speedup_vs_onnxruntime']:.2f}x "
-                  f"(medians of {result['runs']} runs each)")
+    lo, hi = result["speedup_iqr"]
+    mn, mx = result["speedup_min_max"]
+    share = result.get("others_cpu_share")
+    load = "" if share is None else f"; other processes used {share:.0%} of the cores meanwhile"
+    console.print(f"parastream vs plain onnxruntime: {result['speedup_vs_onnxruntime']:.2f}x (median of "
+                  f"{result['block_pairs']} pairs of {result['block']}-call blocks in alternating order; interquartile "
+                  f"{lo:.2f}–{hi:.2f}x, min–max {mn:.2f}–{mx:.2f}x{load})")
 
 
 def print_bench(result: dict, console) -> None:

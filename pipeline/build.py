@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import os
 import platform
 import shutil
 import tempfile
@@ -666,7 +667,10 @@ def write_report(b: _Build, tmp: Path) -> None:
     cfg, loaded, sched = b.cfg, b.loaded, b.sched
     b.report = {
         "version": REPORT_VERSION,
-        "model": {"path": str(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(b.model.graph.node),
+        # absolute (not resolved through links, so it reads as the user named it): verify and bench find the
+        # original from any working directory
+        "model": {"path": os.path.abspath(loaded.path), "nodes_in": len(loaded.model.graph.node), "nodes_out": len(b.model.graph.node),
+                  "rewritten": b.model is not loaded.model,  # False: the search's proposal was not shipped (CPU choice)
                   "inputs": [asdict(t) for t in loaded.inputs], "outputs": [asdict(t) for t in loaded.outputs]},
         "search": b.search_report,
         "schedule": {"streams": sched.num_streams, "requested_streams": cfg.streams, "graph_width": b.width,

@@ -10,11 +10,9 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import os
 import re
 import signal
 import sys
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -141,13 +139,20 @@ def add_tolerance_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seed", type=int_in(0, 2**32 - 1), default=0, help="seed of the random inputs")
 
 
+_STDOUT = None  # the command's own output: sys.stdout as main found it (``_library_output`` redirects sys.stdout)
+
+
+def _stdout():
+    return _STDOUT or sys.stdout
+
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
-    stream = sys.stderr if stderr else sys.stdout
+    stream = sys.stderr if stderr else _stdout()
     # piped into a log: lines of text are not wrapped, and tables are 160 columns wide instead of 80
     tty = stream.isatty()
-    return Console(stderr=stderr, soft_wrap=not tty, width=None if tty else 160)
+    return Console(file=stream, soft_wrap=not tty, width=None if tty else 160)
 
 
 # -- commands ------------------------------------------------------------------------------------------
@@ -179,7 +184,7 @@ def cmd_build(args) -> int:
     if args.json:
         from .report import build_summary
 
-        print(json.dumps(build_summary(bundle), default=str))
+        print(json.dumps(build_summary(bundle), default=str), file=_stdout())
     elif not args.quiet:
         print_build_summary(bundle, _console(), verbose=args.verbose)
     if args.triton_repo:
@@ -285,9 +290,7 @@ def cmd_verify(args) -> int:
     from .verify import bundle_tolerances
 
     bundle = Bundle.open(args.bundle, loading=True)
-    original = args.model or bundle.report.get("model", {}).get("path")
-    if not original or not Path(original).is_file():
-        raise ParastreamError(f"{args.bundle}: the original model {original!r} is not there; name it with --model ORIGINAL.onnx")
+    original = original_model(bundle, args.model)
     if bundle.manifest.get("buckets"):
         return verify_buckets(bundle, original, args)
     shapes = {t.name: t.shape for t in bundle.plan.inputs}
@@ -302,10 +305,29 @@ def cmd_verify(args) -> int:
         if close:
             close()
     if args.json:
-        print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original)), default=str))
+        print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original)), default=str), file=_stdout())
     else:
         print_verification(result, _console(), title=f"verify {bundle.path} against onnxruntime on {original}")
     return 0 if result.passed else 1
+
+
+def original_model(bundle, given: str | None) -> str:
+    """The model ``bundle`` was built from: ``--model`` (``given``), else the path its report.json records; where
+    that is not there, an error that says so (never another model in its place)."""
+    if given:
+        if not Path(given).is_file():
+            raise ParastreamError(f"--model {given}: no such file")
+        return given
+    recorded = bundle.report.get("model", {}).get("path")
+    if recorded and Path(recorded).is_file():
+        return recorded
+    if not recorded:
+        where = "its report.json records no original model"
+    elif not Path(recorded).is_absolute():  # bundles of an older parastream recorded the path as the build was given it
+        where = f"the original model {recorded} (recorded relative to the folder it was built in) is not there"
+    else:
+        where = f"the original model {recorded} is not there"
+    raise ParastreamError(f"{bundle.path}: {where}; name it with --model ORIGINAL.onnx")
 
 
 def verify_buckets(bundle, original: str, args) -> int:
@@ -327,7 +349,7 @@ def verify_buckets(bundle, original: str, args) -> int:
     passed = all(r.passed for r in results.values())
     if args.json:
         print(json.dumps({"passed": passed, "bundle": str(bundle.path), "model": str(original),
-                          "batches": {str(n): r.to_dict() for n, r in results.items()}}, default=str))
+                          "batches": {str(n): r.to_dict() for n, r in results.items()}}, default=str), file=_stdout())
     else:
         for n, r in results.items():
             where = "bucket" if n in runner.sizes else f"between buckets, run on bucket {runner.bucket_for(n)}"
@@ -371,7 +393,7 @@ def cmd_bench(args) -> int:
         result = bench_buckets(bundle, runs=args.runs, warmup=args.warmup, console=None if args.json else _console(),
                                gpu=_bench_gpu(bundle, args.device))
         if args.json:
-            print(json.dumps(result, default=str))
+            print(json.dumps(result, default=str), file=_stdout())
         return 0
     target, gpu = args.bundle, 0
     if args.device != "auto":  # checked against the bundle's engines, which bench_bundle then takes opened
@@ -379,9 +401,9 @@ def cmd_bench(args) -> int:
         gpu = _bench_gpu(target, args.device)
     result = bench_bundle(target, runs=args.runs, warmup=args.warmup, timeline=args.timeline,
                           console=None if args.json else _console(), whole_model=args.whole_model,
-                          concat_ablation=args.concat_ablation, gpu=gpu)
+                          concat_ablation=args.concat_ablation, gpu=gpu, original=args.model)
     if args.json:
-        print(json.dumps(result, default=str))
+        print(json.dumps(result, default=str), file=_stdout())
     return 0
 
 
@@ -434,7 +456,8 @@ def cmd_devices(args) -> int:
 
     from parastream.rewrite.cost import DEVICES, cpu_device
 
-    t = Table(title="device profiles of the roofline cost model (GPUs from datasheets; CPU measured here, SMs = cores)")
+    t = Table(title="device profiles of the roofline cost model (GPUs from datasheets; CPU: this machine's cores and "
+                    "vector width at nominal per-core rates, not measured; SMs = cores)")
     for col in ("name", "fp16 TFLOP/s", "fp32 TFLOP/s", "GB/s", "SMs"):
         t.add_column(col)
     for name, d in {**DEVICES, "CPU": cpu_device()}.items():
@@ -453,6 +476,8 @@ def _version() -> str:
 
 
 def make_parser() -> argparse.ArgumentParser:
+    from .build import BuildConfig  # its defaults are the help's (imported with the package anyway)
+
     p = _Parser(prog="parastream", description=__doc__.splitlines()[0] if __doc__ else None)
     p.add_argument("--debug", action="store_true", help="show tracebacks")
     p.add_argument("--version", action="version", version=f"parastream {_version()}")
@@ -483,8 +508,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
     b.add_argument("--measure-seconds", type=int_in(0, 86_400), default=None, metavar="S",
                    help="GPU builds: seconds for timing the search's candidates on the device, the top-ranked first, "
-                        "and the input's alternatives as their engines are compiled (default 50; the input and the "
-                        "best candidate are always timed)")
+                        f"and the input's alternatives as their engines are compiled (default {BuildConfig.measure_seconds:g}; "
+                        "the input and the best candidate are always timed)")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")
     b.add_argument("--quiet", action="store_true", help="print nothing but errors")
@@ -521,6 +546,8 @@ def make_parser() -> argparse.ArgumentParser:
     be.add_argument("--json", action="store_true", help="print the result as one JSON object")
     be.add_argument("--device", default="auto", type=device_option, metavar="DEVICE",
                     help="the GPU a GPU bundle is timed on: auto or cuda (GPU 0), cuda:N (GPU N); a CPU bundle: auto or cpu")
+    be.add_argument("--model", default=None, help="CPU bundles: the original model, the baseline (default: the path "
+                                                  "recorded at build)")
     be.add_argument("--timeline", default=None, metavar="FILE.png")
     be.add_argument("--no-whole-model", dest="whole_model", action="store_false",
                     help="TensorRT bundles: skip the whole-model engine baseline (max_aux_streams)")
@@ -570,59 +597,103 @@ def _quiet_libraries(quiet: bool):
         yield
 
 
-def _terminate(signum, frame):
-    """SIGINT, SIGTERM, SIGHUP while a command runs: remove its temporary folders, stop the children it forked,
-    and exit at once.  Not by raising an exception: one raised inside a native import or call (torch, which
-    polygraphy imports during verification) aborts the interpreter (SIGABRT) instead of unwinding."""
+@contextmanager
+def _library_output(show: bool):
+    """stdout holds the command's own output alone (one JSON line with --json, nothing with --quiet): the libraries'
+    log lines go to stderr, and only with --debug or --verbose (``show``).
+
+    onnx-graphsurgeon's and polygraphy's loggers print() to sys.stdout and have no option for another stream
+    ("[W] colored module is not installed", "[W] It looks like this model contains foldable nodes ..."), so the
+    command runs with sys.stdout redirected to stderr (contextlib.redirect_stdout: whatever a library prints lands
+    there) and writes its own output to the stream saved before (``_stdout``); without ``show`` their severity is
+    ERROR (their own G_LOGGER controls), so that their warnings are not printed at all."""
+    import contextlib
+
+    with contextlib.ExitStack() as stack:
+        if not show:
+            from onnx_graphsurgeon.logger import G_LOGGER as gs_logger
+            from polygraphy.logger import G_LOGGER as pg_logger
+
+            stack.enter_context(gs_logger.suppress(gs_logger.ERROR))
+            stack.enter_context(pg_logger.verbosity(pg_logger.ERROR))
+        stack.enter_context(contextlib.redirect_stdout(sys.stderr))
+        yield
+
+
+def _interrupt_in(e: BaseException):
+    """The interrupt behind ``e``: ``e`` itself, or the one whose unwinding raised ``e`` (a cleanup that failed)."""
+    from .interrupts import Interrupted
+
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, KeyboardInterrupt):  # a plain one: an API caller's own Ctrl-C handling, or outside the main thread
+            return e if isinstance(e, Interrupted) else Interrupted(signal.SIGINT)
+        seen.add(id(e))
+        e = e.__context__
+    return None
+
+
+def _report_interrupt(interrupt, e: BaseException) -> int:
+    """After an interrupt has unwound every ``with`` block: remove what was made outside one (a staging folder or a
+    child whose block had not begun when the signal came), and say in one line what is left, if anything."""
     from .isolate import stop_children
-    from .outdir import remove_staging
+    from .outdir import WRITTEN, remove_staging
 
     stop_children()
-    remove_staging()
-    what = "interrupted" if signum == signal.SIGINT else f"terminated by {signal.Signals(signum).name}"
-    os.write(2, f"parastream: {what}; nothing was written\n".encode())
-    os._exit(128 + signum)
+    left = [str(p) for p in remove_staging()]
+    if e is not interrupt and isinstance(e, OSError) and e.filename:  # a temporary folder's removal failed
+        left.append(str(e.filename))
+    written = [str(p) for p in WRITTEN if p.exists()]  # a demo's bundle in its temporary folder is gone again
+    done = f"{', '.join(written)} was written before it" if written else "nothing was written"
+    print(f"parastream: {interrupt.describe()}; {done}" + (f"; could not remove {', '.join(left)}" if left else ""),
+          file=sys.stderr, flush=True)
+    return interrupt.exit_code
 
 
-@contextmanager
-def _signals_exit_cleanly():
-    """While a command runs (in the main thread only, as Python requires), the signals above exit cleanly."""
-    if threading.current_thread() is not threading.main_thread():
-        yield
-        return
-    previous = {sig: signal.signal(sig, _terminate) for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)}
-    try:
-        yield
-    finally:
-        for sig, handler in previous.items():
-            signal.signal(sig, handler)
+def _exit_status(e: BaseException, args) -> int | None:
+    """The exit status of a command that raised ``e``, its one line printed; None: let ``e`` through (--debug, or
+    not one of ours)."""
+    interrupt = _interrupt_in(e)
+    if interrupt is not None:
+        return _report_interrupt(interrupt, e)
+    if args.debug or not isinstance(e, (ParastreamError, MemoryError, OSError)):
+        return None
+    if isinstance(e, ParastreamError):
+        message, code = str(e), e.exit_code
+    elif isinstance(e, MemoryError):
+        message, code = "out of memory; give smaller --shapes or use a larger machine", 2
+    else:  # the environment: a full disk, a read-only folder, a name too long for the file system
+        message, code = f"{f'{e.filename}: ' if e.filename else ''}{e.strerror or e}", 2
+    if getattr(args, "json", False) and args.command == "verify":  # a build step parses it: the error as JSON too
+        print(json.dumps({"passed": False, "error": message}), file=_stdout())
+    print(f"parastream {args.command}: error: {message}", file=sys.stderr)
+    return code
 
 
 def main(argv: list[str] | None = None) -> int:
+    """The command line; ``argv`` None: this process's arguments (the ``parastream`` program)."""
+    from . import interrupts, outdir
+
+    global _STDOUT
+
     parser = make_parser()
     args = parser.parse_args(argv)
+    outdir.WRITTEN.clear()
+    _STDOUT = sys.stdout
     try:
-        with _signals_exit_cleanly(), _quiet_libraries(not args.debug):
+        # SIGINT, SIGTERM, SIGHUP raise an exception in the main thread: every `with` block unwinds (interrupts.py)
+        with interrupts.signals_raise(then_ignore=argv is None), _quiet_libraries(not args.debug), \
+                _library_output(args.debug or getattr(args, "verbose", False)):
             return int(args.func(args) or 0)
-    except ParastreamError as e:
-        if args.debug:
+    except BaseException as e:  # noqa: BLE001 - each kind gets its exit status and line in _exit_status
+        code = _exit_status(e, args)
+        if code is None:
             raise
-        print(f"parastream {args.command}: error: {e}", file=sys.stderr)
-        return e.exit_code
-    except KeyboardInterrupt:  # a Ctrl-C outside the main thread's handler (an API caller's own)
-        print("parastream: interrupted", file=sys.stderr)
-        return 130
-    except MemoryError:
-        if args.debug:
-            raise
-        print(f"parastream {args.command}: error: out of memory; give smaller --shapes or use a larger machine", file=sys.stderr)
-        return 2
-    except OSError as e:  # the environment: a full disk, a read-only folder, a name too long for the file system
-        if args.debug:
-            raise
-        where = f"{e.filename}: " if e.filename else ""
-        print(f"parastream {args.command}: error: {where}{e.strerror or e}", file=sys.stderr)
-        return 2
+    finally:
+        _STDOUT = None
+    if argv is None and code > 128:  # the program, interrupted: a worker thread still finishing does not hold it
+        interrupts.exit_when_threads_linger(code)
+    return code
 
 
 if __name__ == "__main__":

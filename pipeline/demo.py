@@ -7,7 +7,6 @@ compares with ONNX Runtime on the original model.
 
 from __future__ import annotations
 
-import shutil
 import tempfile
 import time
 from pathlib import Path
@@ -24,11 +23,10 @@ def run_demo(out: str | None = None, backend: str = "auto", model_name: str | No
         from parastream.launcher.errors import ParastreamError
 
         raise ParastreamError(f"--model {name!r} is not an example model; choose one of {sorted(zoo.MODELS)}")
-    work = Path(tempfile.mkdtemp(prefix="parastream-demo-"))
-    try:
-        return _demo(work, name, out, backend, console)
-    finally:
-        shutil.rmtree(work, ignore_errors=True)  # the example model, and the bundle unless -o named a folder
+    # the example model, and the bundle unless -o named a folder; the object removes the folder however the block
+    # ends (an interrupt too), and even if the signal came before the block began
+    with tempfile.TemporaryDirectory(prefix="parastream-demo-", ignore_cleanup_errors=True) as work:
+        return _demo(Path(work), name, out, backend, console)
 
 
 def _demo(work: Path, name: str, out: str | None, backend: str, console) -> int:
@@ -36,6 +34,7 @@ def _demo(work: Path, name: str, out: str | None, backend: str, console) -> int:
     from rich.table import Table
 
     from parastream.launcher import load
+    from parastream.launcher.words import plural
 
     from . import zoo
     from .build import build
@@ -46,13 +45,20 @@ def _demo(work: Path, name: str, out: str | None, backend: str, console) -> int:
     out_dir = Path(out) if out else work / "bundle"
     console.rule(f"parastream demo: {name}")
     console.print(f"example model written to {model_path}")
-    inspect_model(model_path, console=console)
+    console.rule("inspect: the cost model's estimates, before anything is built or timed")
+    estimate = inspect_model(model_path, console=console)
 
     console.rule("build")
     t0 = time.perf_counter()
     bundle = build(model_path, out_dir, backend=backend, force=True, progress=True)
     console.print(f"built in {time.perf_counter() - t0:.1f} s")
     print_build_summary(bundle, console)
+    built = (bundle.plan.num_streams, len(bundle.plan.branches))
+    what = f"{plural(built[1], 'engine')} on {plural(built[0], 'stream')}"
+    if built != (estimate["streams"], estimate["branches"]):
+        what += (f", not the estimate's {plural(estimate['streams'], 'stream')} and {plural(estimate['branches'], 'branch')}"
+                 f" ({'the CPU choice' if bundle.report.get('cpu_choice') else 'the timings'} above say why)")
+    console.print(f"built: {what}")
 
     console.rule("run")
     runner = load(bundle.path)

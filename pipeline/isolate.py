@@ -16,12 +16,16 @@ import sys
 
 from parastream.launcher.errors import ParastreamError
 
+from .interrupts import SIGNALS, Interrupted
+
 
 _CHILDREN: set[int] = set()
 
 
 def stop_children() -> None:
-    """Kill the children ``in_child`` is waiting for (the CLI's signal handler, before it exits)."""
+    """Kill the children ``in_child`` is still waiting for (the CLI, after an interrupt has unwound: ``in_child``
+    kills its own child when the exception passes, so this finds one only if the signal came between the fork
+    and that ``try``)."""
     for pid in list(_CHILDREN):
         try:
             os.kill(pid, signal.SIGKILL)
@@ -41,7 +45,7 @@ def in_child(step, *args, what: str) -> None:
     if pid == 0:  # the child: report and leave without running the parent's cleanups (atexit, finally)
         code = 0
         try:
-            for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # not the parent's handlers: just die
+            for sig in SIGNALS:  # not the parent's handlers (which raise): just die
                 signal.signal(sig, signal.SIG_DFL)
             os.close(r)
             try:
@@ -75,6 +79,8 @@ def in_child(step, *args, what: str) -> None:
     message = b"".join(chunks).decode("utf-8", "replace")
     if os.WIFSIGNALED(status):
         sig = os.WTERMSIG(status)
+        if sig in SIGNALS:  # a Ctrl-C reaches the whole process group: the child went first, this process follows
+            raise Interrupted(sig)
         name = signal.Signals(sig).name if sig in signal.Signals._value2member_map_ else f"signal {sig}"
         raise ParastreamError(f"{what}: the library crashed ({name}); the model is malformed in a way it does not check")
     if message or os.WEXITSTATUS(status) != 0:

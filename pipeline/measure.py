@@ -27,10 +27,11 @@ import onnx_graphsurgeon as gs
 
 from parastream.launcher.bundle import Bundle
 from parastream.launcher.engines import BuildOptions
+from parastream.core.schedule import Schedule, schedule_graph
+from parastream.launcher.words import plural
 from parastream.rewrite.search import MeasureBudgetSpent
 
 from .model_io import LoadedModel, graph_of
-from parastream.core.schedule import Schedule, schedule_graph
 
 if TYPE_CHECKING:
     from parastream.launcher.plan import Plan
@@ -436,8 +437,8 @@ def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Grap
     if sched.num_streams > 1 or streams:
         shared = max(1, cores // sched.num_streams) if sched.num_streams > 1 else 0
         for threads in dict.fromkeys([shared, 0]):
-            plans.append(CpuAlternative(f"plan: {sched.num_streams} streams, {len(sched.branches)} sessions, "
-                                        f"{threads or cores} threads each", model, graph, sched, threads))
+            plans.append(CpuAlternative(f"plan: {plural(sched.num_streams, 'stream')}, {plural(len(sched.branches), 'session')}, "
+                                        f"{plural(threads or cores, 'thread')} each", model, graph, sched, threads))
     whole: list[CpuAlternative] = []
     if not streams:
         for name, m in (("rewritten model, one session", model), ("original model, one session", loaded.model)):

@@ -26,6 +26,8 @@ from pathlib import Path
 
 from parastream.launcher.errors import ParastreamError
 
+from .interrupts import uninterrupted
+
 MARKER = ".parastream.json"
 MANIFEST = "manifest.json"
 KINDS = {"bundle": "a parastream bundle (manifest.json)", "run": "an output folder of `parastream run`",
@@ -115,16 +117,17 @@ def check_target(target: str | Path, *, kind: str, force: bool, protect: tuple =
             raise ParastreamError(f"{option} {target}: would replace {what}; choose a new folder for {option}")
     if not (target.exists() or target.is_symlink()):
         return target
+    reason = why_not_ours(target, kind)
+    if reason:  # with or without --force: one message that says what --force would and would not replace
+        raise ParastreamError(f"{target} exists and --force replaces only {KINDS[kind]} that parastream wrote, but "
+                              f"{reason}; remove it yourself or choose another folder")
     if not force:
         raise ParastreamError(f"{target} already exists; pass --force to replace it")
-    reason = why_not_ours(target, kind)
-    if reason:
-        raise ParastreamError(f"{target} exists and --force replaces only {KINDS[kind]}, but {reason}; "
-                              "remove it yourself or choose another folder")
     return target
 
 
 _STAGING: set[Path] = set()  # staging folders of this process, for remove_staging()
+WRITTEN: list[Path] = []  # targets this process put in place (what an interrupted command says it wrote)
 
 
 def _new_staging_folder(target: Path) -> Path:
@@ -147,10 +150,14 @@ def _new_staging_folder(target: Path) -> Path:
     raise ParastreamError(f"{target}: cannot write beside it (no free temporary name)")
 
 
-def remove_staging() -> None:
-    """Remove this process's staging folders now (the CLI's SIGTERM handler, before it exits)."""
+def remove_staging() -> list[Path]:
+    """Remove this process's staging folders that are still there (after an interrupt has unwound: one whose
+    ``staging`` block never began); return those that could not be removed."""
     for tmp in list(_STAGING):
         shutil.rmtree(tmp, ignore_errors=True)
+        if not tmp.exists():
+            _STAGING.discard(tmp)
+    return sorted(_STAGING)
 
 
 def make_parent(target: Path) -> None:
@@ -233,7 +240,8 @@ def staging(target: Path, kind: str, install=None):
 
     The folder is ``.NAME.<random>.partial`` and stays flock-ed while this process lives, so that a later run
     removes it only once its owner is gone (kill -9, a power cut); any error, Ctrl-C, SIGTERM or SIGHUP
-    removes it at once (the CLI's handlers: ``remove_staging``).  Folders a killed run left beside ``target`` are cleaned here first.
+    removes it at once (the CLI turns those signals into an exception, ``interrupts``).  Folders a killed run left
+    beside ``target`` are cleaned here first.  The swap into place is not stopped half-way by a signal.
     """
     target = Path(target)
     make_parent(target)
@@ -246,8 +254,9 @@ def staging(target: Path, kind: str, install=None):
         os.umask(umask)
         tmp.chmod(0o777 & ~umask)  # mkdtemp makes it 0700; a bundle is as readable as any folder the user makes
         yield tmp
-        with _parent_locked(target):
+        with uninterrupted(), _parent_locked(target):
             (install or (lambda t: move_into_place(t, target, kind)))(tmp)
+            WRITTEN.append(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
         _STAGING.discard(tmp)

@@ -7,6 +7,7 @@ from pathlib import Path
 from rich.table import Table
 
 from parastream.launcher.errors import ParastreamError
+from parastream.launcher.words import plural
 
 
 def _us(seconds: float) -> str:
@@ -55,17 +56,52 @@ def verification_table(ver: dict, title: str) -> Table:
     return t
 
 
+def _search_text(search: dict) -> str:
+    """What the rewrite search proposed, in words (the search's own summary, its counts agreeing in number)."""
+    if not search.get("enabled"):
+        return "skipped"
+    try:
+        before, after = search["cost_before"]["mixed_s"], search["cost_after"]["mixed_s"]
+        if search.get("decided_by") == "unchanged":
+            return search["summary"]
+        gain = (1 - after / before) * 100 if before else 0.0
+        how = "measured on the device" if search.get("decided_by") == "measured" else "decided by the cost model"
+        return (f"{search['nodes_before']} → {search['nodes_after']} nodes, estimated {before * 1e6:.1f} → "
+                f"{after * 1e6:.1f} µs ({gain:.0f}% less), {plural(len(search.get('rules_chosen', [])), 'rewrite')} in "
+                f"{plural(len(search.get('pieces', [])), 'piece')}, {how}")
+    except (KeyError, TypeError):  # a report of another version: its own words
+        return str(search.get("summary", "done"))
+
+
+def shipped_rewrites(rep: dict) -> tuple[int | None, int | None]:
+    """(rewrites the bundle's model.onnx holds, rewrites the search proposed); None, None without a search.
+
+    They differ where a CPU build timed the search's model against the original and kept the original
+    (report.json ``model.rewritten``; a report without it: the CPU choice's name says which model it kept)."""
+    search = rep.get("search", {})
+    if not search.get("enabled"):
+        return None, None
+    proposed = len(search.get("rules_chosen", []))
+    rewritten = rep.get("model", {}).get("rewritten")
+    if rewritten is None:
+        rewritten = not str((rep.get("cpu_choice") or {}).get("chosen", "")).startswith("original model")
+    return (proposed if rewritten else 0), proposed
+
+
 def build_summary(bundle) -> dict:
-    """What a build step needs to know about a bundle, as one JSON-able dict (``parastream build --json``)."""
+    """What a build step needs to know about a bundle, as one JSON-able dict (``parastream build --json``): the
+    bundle as shipped (``rewrites``: those its model.onnx holds; ``rewrites_proposed`` and ``search``: what the
+    search proposed, which a CPU build may have timed and not shipped)."""
     plan, rep = bundle.plan, bundle.report
     m, search, ver = rep.get("model", {}), rep.get("search", {}), rep.get("verification") or {}
     outputs = ver.get("outputs", {})
+    shipped, proposed = shipped_rewrites(rep)
     return {
         "bundle": str(bundle.path), "backend": plan.backend, "precision": plan.precision,
         "streams": plan.num_streams, "engines": len(plan.branches), "cpu_threads": plan.cpu_threads,
         "nodes_in": m.get("nodes_in"), "nodes_out": m.get("nodes_out"),
-        "rewrites": len(search.get("rules_chosen", [])) if search.get("enabled") else None,
-        "search": search.get("summary") if search.get("enabled") else "skipped",
+        "rewrites": shipped, "rewrites_proposed": proposed,
+        "search": _search_text(search),
         "cpu_choice": (rep.get("cpu_choice") or {}).get("chosen"),
         "verification": ({"status": ver.get("status", "passed" if ver.get("passed") else "failed"), "criterion": ver.get("criterion"),
                           "scale_tol": ver.get("scale_tol"),
@@ -77,6 +113,16 @@ def build_summary(bundle) -> dict:
         "peak_rss_mb": rep.get("peak_rss_mb"),
         "buckets": _buckets_summary(rep.get("buckets")),
     }
+
+
+def _search_line(s: dict) -> str:
+    """The summary's line on the rewrite search: what shipped, and what the search proposed where that differs."""
+    if s["rewrites_proposed"] is None:
+        return "rewrite search: skipped (--no-search)"
+    if s["rewrites"] == s["rewrites_proposed"]:
+        return f"rewrite search: {s['search']}"
+    return (f"rewrite search: proposed {s['search']}; not shipped: the CPU choice below kept the original model "
+            f"({s['nodes_out']} nodes)")
 
 
 def _buckets_summary(rb: dict | None) -> dict | None:
@@ -99,12 +145,13 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
     s = build_summary(bundle)
     if verbose:
         _print_build_details(bundle, console)
-    console.print(escape(f"{s['bundle']}: {s['engines']} {s['backend']} engine{'s' if s['engines'] != 1 else ''} on "
-                         f"{s['streams']} stream{'s' if s['streams'] != 1 else ''} ({s['precision']})"))
-    console.print(escape(f"  rewrite search: {s['search']}"))
+    console.print(escape(f"{s['bundle']}: {plural(s['engines'], s['backend'] + ' engine')} on "
+                         f"{plural(s['streams'], 'stream')} ({s['precision']})"))
+    console.print(escape(f"  {_search_line(s)}"))
     if s["buckets"]:
         b = s["buckets"]
-        rows = ", ".join(f"{n}: {r['engines']} engines on {r['streams']} streams" for n, r in b["per_bucket"].items())
+        rows = ", ".join(f"{n}: {plural(r['engines'], 'engine')} on {plural(r['streams'], 'stream')}"
+                         for n, r in b["per_bucket"].items())
         between = f"; verified at batch {b['verified_between']} between buckets too" if b["verified_between"] else ""
         console.print(escape(f"  batch {b['range'][0]}..{b['range'][1]} in buckets {b['sizes']} ({rows}){between}; "
                              "the lines above are the largest bucket's"))
@@ -133,17 +180,14 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
 def _print_build_details(bundle, console) -> None:
     plan, rep = bundle.plan, bundle.report
     sched = rep.get("schedule", {})
-    console.print(schedule_table(plan, title=f"{bundle.path}: {len(plan.branches)} {plan.backend} engines on {plan.num_streams} streams"))
+    console.print(schedule_table(plan, title=f"{bundle.path}: {plural(len(plan.branches), plan.backend + ' engine')} on "
+                                             f"{plural(plan.num_streams, 'stream')}"))
     s = Table(title="summary")
     s.add_column("")
     s.add_column("value")
     m = rep.get("model", {})
-    s.add_row("nodes (input → rewritten)", f"{m.get('nodes_in')} → {m.get('nodes_out')}")
-    search = rep.get("search", {})
-    if search.get("enabled"):
-        s.add_row("rewrite search", f"{search.get('summary', 'done')}")
-    else:
-        s.add_row("rewrite search", "skipped (--no-search)")
+    s.add_row("nodes (input → shipped)", f"{m.get('nodes_in')} → {m.get('nodes_out')}")
+    s.add_row("rewrite search", _search_line(build_summary(bundle)).removeprefix("rewrite search: "))
     s.add_row("graph width", str(sched.get("graph_width")))
     requested = sched.get("requested_streams")
     if requested and requested != plan.num_streams:
@@ -174,7 +218,7 @@ def _print_build_details(bundle, console) -> None:
 
 def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None, search=False, console=None) -> dict:
     """Print op histogram, node count, width, branches and estimated critical path; optionally draw or search."""
-    from parastream.rewrite.cost import RooflineCostModel
+    from parastream.rewrite.cost import RooflineCostModel, get_device
 
     from .analysis import graph_width, op_histogram
     from parastream.launcher.engines import resolve_backend
@@ -190,7 +234,9 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
     hist = op_histogram(model)
     width, _ = graph_width(loaded.graph)
     # the device profile a default build would plan for, so that inspect reports the streams the build makes
-    cm = RooflineCostModel(device or default_device_profile(resolve_backend("auto")))
+    profile = device or default_device_profile(resolve_backend("auto"))
+    cm = RooflineCostModel(profile)
+    cpu = get_device(profile).name == "CPU"
     graph = loaded.graph
     sched, tried = plan_streams(graph, cm, streams, DEFAULT_MAX_STREAMS)
     one = schedule_graph(graph, 1, cm.node_cost, cm.is_memory_bound)
@@ -202,17 +248,21 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
     for op, n in hist.most_common():
         t.add_row(op, str(n))
     console.print(t)
-    s = Table(title="parallelism")
+    s = Table(title=f"parallelism: the cost model's estimates for {get_device(profile).name}, not measured")
     s.add_column("")
     s.add_column("value")
     s.add_row("nodes", str(len(model.graph.node)))
     s.add_row("graph width (largest set of mutually independent nodes)", str(width))
-    s.add_row("streams", str(sched.num_streams))
+    s.add_row("streams (estimated best)", str(sched.num_streams))
     s.add_row("branches (engines)", str(len(sched.branches)))
-    s.add_row(f"estimated critical path on {sched.num_streams} streams", _us(sched.makespan))
+    s.add_row(f"estimated critical path on {plural(sched.num_streams, 'stream')}", _us(sched.makespan))
     s.add_row("estimated total work (= 1 stream)", _us(one.makespan))
     s.add_row("estimated speed-up from streams", f"{one.makespan / sched.makespan:.2f}x" if sched.makespan else "-")
     console.print(s)
+    if cpu:
+        console.print("CPU: these stream estimates are not measured; a CPU build times the plan against one "
+                      "onnxruntime session with every core, and ships one session unless the plan is timed faster "
+                      "beyond the noise (`build --verbose` shows the timings)")
     if len(tried) > 1:
         kt = Table(title="number of streams (engines cost 3 µs, events 2 µs; more streams only when ≥ 10% faster)")
         for col in ("streams", "engines", "events", "critical path", "estimated latency", ""):
@@ -233,7 +283,7 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
         from .picture import draw_graph
 
         branches = {name: b for b, nodes in enumerate(sched.branches) for name in nodes}
-        draw_graph(model, picture, streams=sched.node_stream, branches=branches, title=f"{Path(path).name}: {sched.num_streams} streams, {len(sched.branches)} branches")
+        draw_graph(model, picture, streams=sched.node_stream, branches=branches, title=f"{Path(path).name}: {plural(sched.num_streams, 'stream')}, {plural(len(sched.branches), 'branch')}")
         console.print(f"picture written: {picture}")
     result = {"nodes": len(model.graph.node), "width": width, "streams": sched.num_streams, "branches": len(sched.branches),
               "streams_tried": tried,

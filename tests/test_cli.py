@@ -242,3 +242,41 @@ def test_build_takes_the_measurement_budget_and_refuses_a_bad_one(model_path, tm
     with pytest.raises(SystemExit) as e:
         main(["build", str(model_path), "-o", str(tmp_path / "b"), "--measure-seconds", "-5"])
     assert e.value.code == 2 and "--measure-seconds" in capsys.readouterr().err
+
+
+def test_measure_seconds_help_gives_the_default_the_build_uses(capsys):
+    import importlib
+
+    default = importlib.import_module("parastream.pipeline.build").BuildConfig().measure_seconds
+    with pytest.raises(SystemExit):
+        main(["build", "--help"])
+    text = " ".join(capsys.readouterr().out.split())
+    assert f"(default {default:g};" in text
+
+
+def test_the_original_is_recorded_absolute_and_a_missing_one_is_said(tmp_path, monkeypatch, capsys):
+    """A build given a relative model path records it absolute: verify and bench find it from another folder; once
+    it is gone, both say so (bench does not silently compare with the bundle's model.onnx) and verify --json
+    prints its error as one JSON line, exit status unchanged."""
+    work, elsewhere = tmp_path / "work", tmp_path / "elsewhere"
+    work.mkdir()
+    elsewhere.mkdir()
+    onnx.save(three_branch_model(), work / "m.onnx")
+    monkeypatch.chdir(work)
+    assert main(["build", "m.onnx", "-o", "b", "--backend", "onnxruntime", "--no-search", "--quiet"]) == 0
+    report = json.loads((work / "b" / "report.json").read_text())
+    assert report["model"]["path"] == str(work / "m.onnx")
+    monkeypatch.chdir(elsewhere)
+    assert main(["verify", str(work / "b"), "--iterations", "1", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(work / "m.onnx")
+    assert main(["bench", str(work / "b"), "--runs", "2", "--warmup", "0", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["model"] == str(work / "m.onnx")
+    (work / "m.onnx").unlink()
+    assert main(["verify", str(work / "b"), "--json"]) == 2
+    captured = capsys.readouterr()
+    line = json.loads(captured.out)
+    assert line["passed"] is False and "m.onnx is not there" in line["error"] and "--model" in line["error"]
+    assert len(captured.out.splitlines()) == 1 and "m.onnx is not there" in captured.err
+    assert main(["bench", str(work / "b"), "--runs", "2"]) == 2
+    err = capsys.readouterr().err
+    assert "m.onnx is not there" in err and "--model" in err and "model.onnx" in err

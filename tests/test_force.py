@@ -192,3 +192,17 @@ def test_run_keeps_outputs_whose_names_collide(tmp_path, capsys):
     files = output_file_names(["out/a", "out_a"])
     np.testing.assert_array_equal(np.load(tmp_path / "res" / files["out/a"]), np.maximum(xv, 0))
     np.testing.assert_array_equal(np.load(tmp_path / "res" / files["out_a"]), -xv)
+
+
+def test_without_force_a_foreign_folder_is_refused_in_one_message(model, tmp_path, capsys):
+    """Not first "pass --force" and then, with it, a refusal: the first message says that --force would not do."""
+    out = tmp_path / "mine"
+    out.mkdir()
+    (out / "precious.txt").write_text("keep me")
+    code, err = build_cli(capsys, model, out)
+    assert_refused(code, err, str(out), "not a parastream bundle", "--force replaces only")
+    assert "pass --force" not in err
+    bundle = tmp_path / "b"
+    assert build_cli(capsys, model, bundle)[0] == 0
+    code, err = build_cli(capsys, model, bundle)
+    assert code == 2 and "already exists; pass --force to replace it" in err

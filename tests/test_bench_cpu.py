@@ -1,0 +1,52 @@
+"""``parastream bench`` on the CPU is unbiased between equal sessions: a bundle whose plan is one full-threaded
+onnxruntime session of the model, against plain onnxruntime on the same model, comes out at 1.0 within the spread
+it reports; and it says how busy other processes kept the machine meanwhile."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from parastream.pipeline import build
+from parastream.pipeline.cli import main
+
+MODEL = Path(__file__).resolve().parents[1] / "examples" / "models" / "small_net.onnx"
+
+
+@pytest.fixture(scope="module")
+def same_as_baseline(tmp_path_factory):
+    """small_net as one session with every core: the plan (--streams 1, no rewrite) is plain onnxruntime's."""
+    out = tmp_path_factory.mktemp("bench") / "b"
+    bundle = build(MODEL, out, backend="onnxruntime", search=False, streams=1)
+    assert bundle.plan.num_streams == 1 and len(bundle.plan.branches) == 1 and bundle.plan.cpu_threads in (0, None)
+    return out
+
+
+def test_equal_sessions_come_out_at_one(same_as_baseline, capsys):
+    assert main(["bench", str(same_as_baseline), "--runs", "300", "--warmup", "10", "--json"]) == 0
+    res = json.loads(capsys.readouterr().out)
+    lo, hi = res["speedup_min_max"]
+    assert lo <= 1.0 <= hi, res
+    assert 0.9 <= res["speedup_vs_onnxruntime"] <= 1.1, res
+    assert res["block_pairs"] == 60 and res["model_is_original"]
+    assert res["others_cpu_share"] is None or 0.0 <= res["others_cpu_share"] <= 1.0
+
+
+def test_the_printed_line_gives_the_spread_and_the_machines_load(same_as_baseline, capsys):
+    assert main(["bench", str(same_as_baseline), "--runs", "20", "--warmup", "1"]) == 0
+    printed = " ".join(capsys.readouterr().out.split())
+    assert "interquartile" in printed and "min–max" in printed and "of the cores meanwhile" in printed
+    assert "1 streams" not in printed and "1 sessions" not in printed
+
+
+def test_the_order_alternates_and_each_block_starts_alike():
+    from parastream.launcher.bench import time_alternating
+
+    calls = []
+    runners = {"a": lambda feeds: calls.append("a"), "b": lambda feeds: calls.append("b")}
+    times, ratios = time_alternating(runners, {}, runs=4, warmup=1, block=2)
+    assert len(times["a"]) == len(times["b"]) == 4 and len(ratios) == 2
+    # warm-up a b; then pair 1: a (1 untimed + 2), b (1 + 2); pair 2: b first, then a
+    assert "".join(calls) == "ab" + "aaa" + "bbb" + "bbb" + "aaa"
