@@ -66,7 +66,7 @@ def _summary_lines(out: Path, capsys) -> str:
 def test_a_proposal_the_cpu_choice_did_not_ship_is_called_a_proposal(tmp_path, capsys, monkeypatch):
     """The CPU choice keeps the original model (as on a loaded machine, or where the rewrite was timed no faster):
     the summary's rewrites are 0, and the search's rewrites are its proposal."""
-    build_module = importlib.import_module("parastream.pipeline.build")
+    build_module = importlib.import_module("parastream.pipeline.measure")
     monkeypatch.setattr(build_module, "CPU_BUSY_SHARE", -1.0)  # every machine counts as busy: the default is kept
     model = next(m for m in EXAMPLES if m.stem == "small_net")
     out = tmp_path / "out"
