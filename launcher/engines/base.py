@@ -50,6 +50,8 @@ class BuildOptions:
     # onnxruntime: build() loads each branch into a session to check it; off where the caller loads it next
     # anyway (the CPU build's scratch bundles, loaded to be timed: the check cost a second copy of the weights)
     check: bool = True
+    # --keep-fp32: op types, node names or globs whose branches (TensorRT: layers) compute in fp32 (``fp32_pinned``)
+    keep_fp32: list[str] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -80,3 +82,15 @@ class Backend(Protocol):
     def Builder(self, options: BuildOptions) -> Builder: ...
 
     def load(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu", options: BuildOptions | None = None) -> BranchEngine: ...
+
+
+def fp32_pinned(branch: "onnx.ModelProto", patterns: list[str] | tuple[str, ...]) -> list[str]:
+    """The names of ``branch``'s nodes that ``--keep-fp32`` patterns cover: each pattern is an op type, a node
+    name, or an fnmatch glob over either ("Softmax", "conv_12", "*/attn/*").  A branch holding one is built in
+    fp32 (TensorRT: those layers alone)."""
+    from fnmatch import fnmatchcase
+
+    if not patterns:
+        return []
+    return [n.name for n in branch.graph.node
+            if any(fnmatchcase(n.op_type, p) or fnmatchcase(n.name, p) for p in patterns)]
