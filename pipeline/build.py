@@ -69,6 +69,7 @@ class BuildConfig:
     cache_dir: str | None = None
     compile: bool = True
     force: bool = False
+    keep_fp32: list[str] = field(default_factory=list)  # --keep-fp32: op types, node names, globs built in fp32
 
 
 def _versions(backend) -> dict:
@@ -993,7 +994,7 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     options = BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
                            workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
                            strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
-                           profiles={})
+                           profiles={}, keep_fp32=list(cfg.keep_fp32))
     loaded: LoadedModel = load_model(model_path, shapes)
     start_workers = getattr(backend, "start_workers", None)
     if start_workers is not None:  # torch on a GPU: its compile workers start while the model is checked and planned
@@ -1185,7 +1186,18 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
         raise VerificationError(
             f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
             f"({result.failure()}); no bundle was written"
-            + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
+            + ("; --no-verify builds without verification" if result.status == "inconclusive" else _where(b, tmp)))
+
+
+def _where(b: _Build, tmp: Path) -> str:
+    """Where the failed build parts from the original (``localize`` on the staged bundle), as a clause."""
+    from .localize import localize
+
+    try:
+        found = localize(tmp, b.loaded.path, seed=b.cfg.seed + 1, iterations=2, check_hashes=False)
+    except Exception as e:  # noqa: BLE001 - the verification's failure is the error; localizing it is a bonus
+        return f"; it could not be localized ({type(e).__name__}: {e})"
+    return f"; localized: {found.summary()}" + (f"; pin it with {found.keep_fp32}" if found.keep_fp32 else "")
 
 
 def finish(b: _Build, tmp: Path) -> Bundle:

@@ -1,0 +1,254 @@
+"""Localization with injected faults: each one is named at the right stage (rewrite or engine) and node; a
+correct bundle localizes to "no divergence".  Plus --keep-fp32: parsed, recorded, and honoured by the torch
+backend (the branch's compute dtype) and the TensorRT backend (per-layer precision, through its test double)."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import pytest
+from graphs import three_branch_model
+from onnx import TensorProto, helper, numpy_helper
+
+from parastream.launcher.bundle import write_manifest
+from parastream.launcher.engines.base import BuildOptions, fp32_pinned
+from parastream.launcher.errors import ParastreamError
+from parastream.pipeline.build import BuildConfig, build
+from parastream.pipeline.cli import main, parse_keep_fp32
+from parastream.pipeline.localize import applied_rewrites, localize, localize_branch, replay
+from parastream.rewrite.rules.fold_bn_and_affine import FoldBatchNormAndAffine
+
+
+def bn_branches_model(seed: int = 0, c: int = 8, size: int = 12) -> onnx.ModelProto:
+    """x -> three Conv+BatchNormalization+Relu branches (1x1, 3x3, 5x5) -> Concat -> Conv 1x1: the search folds
+    each BatchNormalization into its Conv and merges the Convs."""
+    rng = np.random.default_rng(seed)
+    nodes, inits = [], []
+    for i, k in enumerate([1, 3, 5]):
+        inits += [numpy_helper.from_array((rng.standard_normal((c, c, k, k)) * 0.3).astype(np.float32), f"w{i}"),
+                  numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), f"b{i}"),
+                  numpy_helper.from_array((rng.random(c) + 0.5).astype(np.float32), f"g{i}"),
+                  numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), f"be{i}"),
+                  numpy_helper.from_array(rng.standard_normal(c).astype(np.float32) * 0.1, f"m{i}"),
+                  numpy_helper.from_array((rng.random(c) + 0.5).astype(np.float32), f"v{i}")]
+        nodes += [helper.make_node("Conv", ["x", f"w{i}", f"b{i}"], [f"c{i}"], name=f"conv{i}", pads=[k // 2] * 4),
+                  helper.make_node("BatchNormalization", [f"c{i}", f"g{i}", f"be{i}", f"m{i}", f"v{i}"], [f"n{i}"], name=f"bn{i}"),
+                  helper.make_node("Relu", [f"n{i}"], [f"r{i}"], name=f"relu{i}")]
+    nodes.append(helper.make_node("Concat", ["r0", "r1", "r2"], ["cat"], axis=1, name="concat"))
+    inits.append(numpy_helper.from_array((rng.standard_normal((c, 3 * c, 1, 1)) * 0.3).astype(np.float32), "wo"))
+    nodes.append(helper.make_node("Conv", ["cat", "wo"], ["y"], name="conv_out"))
+    g = helper.make_graph(nodes, "bn_branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, size, size])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def _build(model, tmp_path, name="bundle", **cfg):
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(model, path)
+    out = tmp_path / name
+    kw = dict(backend="onnxruntime", streams=3, force=True)
+    kw.update(cfg)
+    build(str(path), str(out), config=BuildConfig(**kw), progress=False)
+    return out, path
+
+
+@pytest.fixture
+def wrong_fold(monkeypatch):
+    """The BatchNormalization fold made wrong at one site: conv1's folded weight comes out 1.5 times too large."""
+    right = FoldBatchNormAndAffine.rewrite
+
+    def wrong(self, graph, site):
+        right(self, graph, site)
+        if site.nodes[0] == "conv1":
+            w = next(n for n in graph.nodes if n.name == "conv1").inputs[1]
+            w.values = (np.asarray(w.values) * 1.5).astype(np.float32)
+
+    monkeypatch.setattr(FoldBatchNormAndAffine, "rewrite", wrong)
+
+
+# -- a correct bundle ---------------------------------------------------------------------------------------
+def test_a_correct_bundle_localizes_to_no_divergence(tmp_path):
+    out, model = _build(bn_branches_model(), tmp_path)
+    found = localize(out)
+    assert found.status == "no divergence" and not found.rewrite and not found.engine and found.keep_fp32 is None
+    assert "no divergence" in found.summary()
+
+
+def test_the_recorded_rewrites_replay_to_the_model_in_the_bundle(tmp_path):
+    out, path = _build(bn_branches_model(), tmp_path)
+    report = json.loads((out / "report.json").read_text())
+    keys = applied_rewrites(report)
+    assert keys and keys[0].startswith("fold_bn_and_affine:")
+    from parastream.pipeline.model_io import load_model
+
+    replayed = replay(load_model(str(path), {}).model, keys)
+    shipped = onnx.load(out / "model.onnx")
+    assert sorted(n.op_type for n in replayed.graph.node) == sorted(n.op_type for n in shipped.graph.node)
+    with pytest.raises(ParastreamError, match="matches no site"):
+        replay(load_model(str(path), {}).model, ["fold_bn_and_affine:conv9+bn9"])
+
+
+# -- fault 1: a rule application made wrong ------------------------------------------------------------------
+def test_a_wrong_rule_application_is_named_with_its_site(tmp_path, wrong_fold):
+    out, _ = _build(bn_branches_model(), tmp_path, verify=False)
+    found = localize(out)
+    assert found.status == "rewrite"
+    r = found.rewrite
+    assert (r["rule"], r["site"]) == ("fold_bn_and_affine", "conv1+bn1")
+    assert r["tensor"] == "cat" and r["node"] == "concat"  # the merge renamed the branches' own tensors
+    assert not found.engine  # the engines compute model.onnx faithfully
+
+
+def test_a_failed_build_says_where_in_its_error(tmp_path, wrong_fold):
+    with pytest.raises(ParastreamError) as e:
+        _build(bn_branches_model(), tmp_path)
+    msg = str(e.value)
+    assert "no bundle was written" in msg and "localized:" in msg and "rule fold_bn_and_affine at conv1+bn1" in msg
+    assert not (tmp_path / "bundle").exists()
+
+
+def test_weights_changed_outside_any_rewrite_are_not_blamed_on_one(tmp_path):
+    out, _ = _build(bn_branches_model(), tmp_path)
+    model = onnx.load(out / "model.onnx")
+    w = next(t for t in model.graph.initializer if t.name == "wo")
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * 2, "wo"))
+    onnx.save(model, out / "model.onnx")
+    write_manifest(out, json.loads((out / "manifest.json").read_text()))
+    found = localize(out)
+    assert found.status == "rewrite" and "rule" not in found.rewrite
+    assert "no rewrite explains it" in found.rewrite["explanation"]
+    assert found.rewrite["tensor"] == "y"
+
+
+# -- fault 2: one engine built from perturbed weights ------------------------------------------------------------
+def test_an_engine_with_perturbed_weights_is_named_with_its_node(tmp_path, capsys):
+    out, path = _build(three_branch_model(), tmp_path, search=False)
+    plan = json.loads((out / "plan.json").read_text())
+    branch = next(b for b in plan["branches"] if "conv1" in b["nodes"])
+    engine = onnx.load(out / branch["engine"])
+    w = next(t for t in engine.graph.initializer if t.name == "w1")
+    w.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(w) * 1.3, "w1"))
+    onnx.save(engine, out / branch["engine"])
+    write_manifest(out, json.loads((out / "manifest.json").read_text()))  # re-hashed: a bundle that opens
+    found = localize(out, path)
+    assert found.status == "engine" and not found.rewrite
+    e = found.engine
+    assert (e["branch"], e["node"], e["op"]) == (branch["name"], "conv1", "Conv")
+    assert e["backend"] == "onnxruntime" and e["precision"] == "fp32" and e["growth"][-1]["error"] > found.tolerance
+    assert found.keep_fp32 is None  # an fp32 bundle: pinning precision would not help
+
+    code = main(["verify", str(out), "--localize"])
+    printed = capsys.readouterr().out
+    assert code == 1 and "conv1" in printed and branch["name"] in printed and "localized in" in printed
+    code = main(["verify", str(out), "--localize", "--json"])
+    data = json.loads(capsys.readouterr().out)
+    assert code == 1 and data["localization"]["engine"]["node"] == "conv1"
+    assert sorted(p.name for p in out.iterdir()) == ["engines", "manifest.json", "model.onnx", "plan.json", "report.json"]
+
+
+def test_verify_localize_on_a_correct_bundle(tmp_path, capsys):
+    out, _ = _build(three_branch_model(), tmp_path, search=False)
+    assert main(["verify", str(out), "--localize", "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["localization"]["status"] == "no divergence"
+
+
+# -- fault 3: an fp16 overflow in one branch ------------------------------------------------------------------
+def overflow_model() -> onnx.ModelProto:
+    """x (in [-1, 1)) -> Mul 300 -> Mul 300 (up to 90000: past fp16's 65504) -> Mul 1e-4 -> y, beside a Tanh."""
+    k = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
+    nodes = [helper.make_node("Mul", ["x", "k1"], ["a"], name="scale_a"),
+             helper.make_node("Mul", ["a", "k1"], ["big"], name="scale_big"),
+             helper.make_node("Mul", ["big", "k2"], ["small"], name="scale_back"),
+             helper.make_node("Tanh", ["x"], ["t"], name="tanh"),
+             helper.make_node("Add", ["small", "t"], ["y"], name="add")]
+    g = helper.make_graph(nodes, "overflow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [k("k1", 300.0), k("k2", 1e-4)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_an_fp16_overflow_is_named_by_the_branch_run_alone_in_fp16():
+    """The node-level step of a torch fp16 branch on the CPU: the converter's graph computed in float16."""
+    model = overflow_model()
+    x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 64)
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(
+        __import__("polygraphy.backend.onnx.util", fromlist=["x"]).mark_outputs(
+            onnx.ModelProto.FromString(model.SerializeToString()), ["a", "big", "small", "t", "y"]).SerializeToString(),
+        providers=["CPUExecutionProvider"])
+    ref = dict(zip(["a", "big", "small", "t", "y"], sess.run(None, {"x": x})))
+    found = localize_branch(model, "float16", {"x": x}, ref, tol=0.1)
+    assert (found["node"], found["op"]) == ("scale_big", "Mul") and found["node_error"] == float("inf")
+    assert [g["node"] for g in found["growth"]] == ["scale_a", "scale_big"] and found["growth"][0]["error"] < 0.1
+    assert localize_branch(model, "float32", {"x": x}, ref, tol=0.1).get("node") is None
+
+
+@pytest.mark.gpu
+def test_an_fp16_overflow_in_a_torch_bundle_on_the_gpu(tmp_path):
+    out, _ = _build(overflow_model(), tmp_path, backend="torch", precision="fp16", streams=None, verify=False, search=False)
+    found = localize(out)
+    assert found.status == "engine" and found.engine["node"] == "scale_big"
+    assert found.engine["precision"] == "fp16" and found.keep_fp32 == "--keep-fp32 scale_big"
+    pinned, _ = _build(overflow_model(), tmp_path, name="pinned", backend="torch", precision="fp16", streams=None,
+                       search=False, keep_fp32=["scale_big"])
+    assert localize(pinned).status == "no divergence"
+
+
+# -- fault 4: a torch-converter op mis-converted ---------------------------------------------------------------
+def test_a_misconverted_torch_op_is_named_with_its_node(tmp_path, monkeypatch):
+    """A torch bundle on the CPU (its engines converted at load and run eagerly) whose Relu converts wrong."""
+    from handmade_bundles import make_bundle
+
+    from parastream.launcher.engines import onnx_torch
+    from parastream.launcher.engines import torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "available", lambda: None)  # its CPU path, which the launcher refuses
+
+    def leaky_relu(n):  # Relu converted wrong: negative values leak through at half their size
+        torch = onnx_torch._torch()
+        return lambda x: torch.where(x > 0, x, 0.5 * x)
+
+    monkeypatch.setitem(onnx_torch.CONVERTERS, "Relu", leaky_relu)
+    path = tmp_path / "m.onnx"
+    onnx.save(three_branch_model(), path)
+    make_bundle(path, tmp_path / "b", backend="torch", streams=3, compile=False)
+    found = localize(tmp_path / "b", path, device="cpu")
+    assert found.status == "engine" and not found.rewrite
+    e = found.engine
+    assert e["op"] == "Relu" and e["node"].startswith("relu") and e["backend"] == "torch" and e["runs_as"] == "float32"
+    assert e["growth"][0]["op"] == "Conv" and e["growth"][0]["error"] <= found.tolerance
+
+
+# -- precision pins ------------------------------------------------------------------------------------------
+def test_keep_fp32_patterns_cover_op_types_names_and_globs():
+    model = bn_branches_model()
+    assert fp32_pinned(model, ["Concat"]) == ["concat"]
+    assert fp32_pinned(model, ["conv1", "bn*"]) == ["bn0", "conv1", "bn1", "bn2"]
+    assert fp32_pinned(model, []) == [] and fp32_pinned(model, ["Softmax"]) == []
+    assert parse_keep_fp32("Softmax, conv_1") == ["Softmax", "conv_1"] and parse_keep_fp32(None) == []
+    with pytest.raises(ParastreamError, match="--keep-fp32"):
+        parse_keep_fp32("Softmax,,conv")
+
+
+def test_keep_fp32_is_recorded_in_the_manifest(tmp_path):
+    out, _ = _build(three_branch_model(), tmp_path, search=False, keep_fp32=["Conv", "relu*"])
+    assert json.loads((out / "manifest.json").read_text())["options"]["keep_fp32"] == ["Conv", "relu*"]
+
+
+def test_a_torch_branch_holding_a_pinned_node_computes_in_fp32():
+    """The torch builder gives a branch holding a pinned node the fp32 compute dtype (its engine casts the
+    launcher's fp16 boundaries); the others keep the precision's."""
+    from onnx_cases import inception_block
+
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.launcher.engines.torch import EngineFile
+
+    model = inception_block(seed=5)
+    node = model.graph.node[0].name
+    pinned = torch_backend.Builder(BuildOptions(precision="fp16", compile=False, keep_fp32=[node]))
+    assert EngineFile(pinned.build(model, "b")).meta.get("dtype") == "float32"
+    assert pinned.report()["b"]["fp32_pinned"] == [node]
+    free = torch_backend.Builder(BuildOptions(precision="fp16", compile=False, keep_fp32=["NoSuchOp"]))
+    assert EngineFile(free.build(model, "b")).meta.get("dtype") is None and "fp32_pinned" not in free.report()["b"]
