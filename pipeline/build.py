@@ -1194,7 +1194,7 @@ def _where(b: _Build, tmp: Path) -> str:
     from .localize import localize
 
     try:
-        found = localize(tmp, b.loaded.path, seed=b.cfg.seed + 1, iterations=2, check_hashes=False)
+        found = localize(tmp, b.loaded.path, seed=b.cfg.seed + 1, iterations=2, check_hashes=False, loaded=b.loaded)
     except Exception as e:  # noqa: BLE001 - the verification's failure is the error; localizing it is a bonus
         return f"; it could not be localized ({type(e).__name__}: {e})"
     return f"; localized: {found.summary()}" + (f"; pin it with {found.keep_fp32}" if found.keep_fp32 else "")

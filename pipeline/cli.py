@@ -278,7 +278,7 @@ def cmd_verify(args) -> int:
         from .localize import localize, print_localization
 
         found = localize(bundle.path, original, seed=args.seed, iterations=args.iterations, device=args.device,
-                         scale_tol=scale_tol, check_hashes=False)  # (checked by the open above)
+                         scale_tol=scale_tol, check_hashes=False, loaded=loaded)  # (checked by the open above)
     if args.json:
         print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original),
                               **({"localization": found.to_dict()} if found else {})), default=str))

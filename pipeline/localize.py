@@ -254,11 +254,10 @@ def _branch_graph(bundle, branch, model: onnx.ModelProto) -> tuple[onnx.ModelPro
         on = "cuda" if str(bundle.manifest.get("device", "")).startswith("cuda") else "cpu"
         dtype = "float32" if engine.meta.get("dtype") == "float32" else compute_dtype(bundle.plan.precision, on)
         return onnx.load_from_string(engine.onnx()), dtype
-    from parastream.rewrite.ir import import_graph
-
+    from .model_io import graph_of
     from .partition import extract_branch
 
-    return extract_branch(model, import_graph(model), branch), "onnxruntime"
+    return extract_branch(model, graph_of(model), branch), "onnxruntime"
 
 
 def _run_branch_exposed(graph: onnx.ModelProto, how: str, feeds: dict) -> tuple[list[onnx.NodeProto], dict]:
@@ -308,16 +307,18 @@ def localize_branch(graph: onnx.ModelProto, how: str, feeds: dict, reference: di
 
 # -- the whole ---------------------------------------------------------------------------------------------------
 def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int = 3, device: str = "auto",
-             scale_tol: float | None = None, check_hashes: bool = True, budget: int = MEMORY_BUDGET) -> Localization:
+             scale_tol: float | None = None, check_hashes: bool = True, budget: int = MEMORY_BUDGET,
+             loaded=None) -> Localization:
     """Where the bundle at ``bundle_path`` parts from ONNX Runtime on the original model (see the module docstring).
 
     ``seed``/``iterations``: the inputs verification draws (``parastream verify``'s seed; a build verifies with
     its --seed + 1); the first input on which either stage diverges is localized.  ``scale_tol``: the engine
-    stage's bound (default: the bundle's, else its precision's)."""
+    stage's bound (default: the bundle's, else its precision's).  ``loaded``: the original as ``load_model`` gave
+    it already (else it is loaded when the rewrite stage needs it: the reference runs the model as read)."""
     from parastream.launcher import load
     from parastream.launcher.bundle import Bundle
 
-    from .model_io import load_model
+    from .model_io import load_model, name_nodes, read_model
     from .verify import bundle_tolerances
 
     t0 = time.perf_counter()
@@ -328,7 +329,11 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
     if not original_path or not Path(original_path).is_file():
         raise ParastreamError(f"{bundle_path}: the original model {original_path!r} is not there; name it with --model ORIGINAL.onnx")
     plan = bundle.plan
-    loaded = load_model(original_path, {t.name: t.shape for t in plan.inputs})
+    if loaded is not None:
+        original = loaded.original
+    else:  # what load_model's ``original`` is, without its checks and folding (seconds on a large model)
+        original = read_model(original_path)
+        name_nodes(original)  # onnxruntime refuses duplicate node names
     model = onnx.load(str(bundle.model_path))
     tol = scale_tol or bundle_tolerances(bundle)[2] or DEFAULT_SCALE_TOLERANCES.get(plan.precision, 1e-3)
     tol1 = DEFAULT_SCALE_TOLERANCES["fp32"]
@@ -338,10 +343,13 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
     out_names = [t.name for t in plan.outputs]
     order = [b for bid in plan.launch_order for b in [plan.branches[bid]]]
     boundary = list(dict.fromkeys([t for b in order for t in b.outputs] + out_names))
-    reference = Values(loaded.original)
+    reference = Values(original)
     rewritten = Values(model, budget)
     runner = load(bundle, device=device)
-    loader, _ = seeded_inputs(loaded.original, plan.inputs, seed=seed, iterations=iterations)
+    from polygraphy.logger import G_LOGGER
+
+    G_LOGGER.module_severity = G_LOGGER.ERROR  # as verify: no polygraphy lines about the inputs it draws
+    loader, _ = seeded_inputs(original, plan.inputs, seed=seed, iterations=iterations)
     try:
         for index, feeds in enumerate(loader):
             feeds = {k: np.asarray(v) for k, v in feeds.items()}
@@ -367,6 +375,8 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
             if rewrite_err > tol1:
                 result.status = "rewrite"
                 result.rewrite = {"output_error": rewrite_err}
+                if loaded is None:
+                    loaded = load_model(original_path, {t.name: t.shape for t in plan.inputs})
                 at = first_shared_divergence(loaded.model, model, feeds, tol1, budget)
                 if at:
                     result.rewrite.update(at)

@@ -252,3 +252,37 @@ def test_a_torch_branch_holding_a_pinned_node_computes_in_fp32():
     assert pinned.report()["b"]["fp32_pinned"] == [node]
     free = torch_backend.Builder(BuildOptions(precision="fp16", compile=False, keep_fp32=["NoSuchOp"]))
     assert EngineFile(free.build(model, "b")).meta.get("dtype") is None and "fp32_pinned" not in free.report()["b"]
+
+
+def test_tensorrt_pins_the_layers_of_pinned_nodes_to_fp32(tmp_path, monkeypatch):
+    """Through the TensorRT test double: each pinned node's layer gets precision FLOAT and FLOAT outputs, and the
+    builder is told to obey them; an fp32 build or an unmatched pattern pins nothing."""
+    import trt_double
+
+    trt = trt_double.install(monkeypatch)
+    from parastream.launcher.engines import tensorrt as backend
+
+    model = three_branch_model()
+    model.ir_version = 8
+
+    def build_with(**kw):
+        builder = backend.Builder(BuildOptions(device="cuda", cache_dir=str(tmp_path / "cache"), **kw))
+        try:
+            data = builder.build(model, "branch_000")
+        finally:
+            builder.close()
+        n = int.from_bytes(data[len(trt._MAGIC):len(trt._MAGIC) + 8], "little")
+        header = json.loads(data[len(trt._MAGIC) + 8:len(trt._MAGIC) + 8 + n])
+        return builder.report()["branch_000"], header
+
+    trt.reset()
+    report, header = build_with(precision="fp16", keep_fp32=["conv1", "Sigmoid"])
+    assert report["fp32_layers"] == ["conv1", "sigmoid"] and "OBEY_PRECISION_CONSTRAINTS" in report["builder_flags"]
+    assert header["layer_precisions"] == {"conv1": "FLOAT", "sigmoid": "FLOAT"}
+    assert "OBEY_PRECISION_CONSTRAINTS" in header["flags"] and "FP16" in header["flags"]
+    set_types = [(d["layer"], d["dtype"]) for _, _, d in trt.calls("ILayer", "set_output_type")]
+    assert set_types == [("conv1", "FLOAT"), ("sigmoid", "FLOAT")]
+    for kw in ({"precision": "fp32", "keep_fp32": ["conv1"]}, {"precision": "fp16", "keep_fp32": ["NoSuchOp"]}):
+        report, header = build_with(**kw)
+        assert "fp32_layers" not in report and not header["layer_precisions"]
+        assert "OBEY_PRECISION_CONSTRAINTS" not in header["flags"]
