@@ -156,43 +156,48 @@ def test_verify_localize_on_a_correct_bundle(tmp_path, capsys):
 
 # -- fault 3: an fp16 overflow in one branch ------------------------------------------------------------------
 def overflow_model() -> onnx.ModelProto:
-    """x (in [-1, 1)) -> Mul 300 -> Mul 300 (up to 90000: past fp16's 65504) -> Mul 1e-4 -> y, beside a Tanh."""
-    k = lambda name, v: numpy_helper.from_array(np.array(v, np.float32), name)  # noqa: E731
-    nodes = [helper.make_node("Mul", ["x", "k1"], ["a"], name="scale_a"),
-             helper.make_node("Mul", ["a", "k1"], ["big"], name="scale_big"),
-             helper.make_node("Mul", ["big", "k2"], ["small"], name="scale_back"),
+    """x (in [-1, 1)) -> MatMul by a 64x64 weight of random ±30000 (|h| of the order of 1e5: past fp16's 65504)
+    -> Mul 1e-5 -> + Tanh(x) -> y (of the order of 1 in fp32).  A MatMul's output is stored in fp16 whatever the
+    kernels fuse around it."""
+    w = (np.random.default_rng(0).choice([-1.0, 1.0], size=(64, 64)) * 30000).astype(np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "w"], ["big"], name="mm_big"),
+             helper.make_node("Mul", ["big", "k"], ["small"], name="scale_back"),
              helper.make_node("Tanh", ["x"], ["t"], name="tanh"),
              helper.make_node("Add", ["small", "t"], ["y"], name="add")]
     g = helper.make_graph(nodes, "overflow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])], [k("k1", 300.0), k("k2", 1e-4)])
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
+                          [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(1e-5, np.float32), "k")])
     return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
 
 def test_an_fp16_overflow_is_named_by_the_branch_run_alone_in_fp16():
-    """The node-level step of a torch fp16 branch on the CPU: the converter's graph computed in float16."""
+    """The node-level step of a torch fp16 branch, on the CPU: the converter's graph computed in float16."""
+    import onnxruntime as ort
+    from polygraphy.backend.onnx.util import mark_outputs
+
     model = overflow_model()
     x = np.linspace(-1, 1, 64, dtype=np.float32).reshape(1, 64)
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(
-        __import__("polygraphy.backend.onnx.util", fromlist=["x"]).mark_outputs(
-            onnx.ModelProto.FromString(model.SerializeToString()), ["a", "big", "small", "t", "y"]).SerializeToString(),
-        providers=["CPUExecutionProvider"])
-    ref = dict(zip(["a", "big", "small", "t", "y"], sess.run(None, {"x": x})))
+    names = ["big", "small", "t", "y"]
+    exposed = mark_outputs(onnx.ModelProto.FromString(model.SerializeToString()), names)
+    ref = dict(zip(names, ort.InferenceSession(exposed.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})))
+    assert np.abs(ref["big"]).max() > 65504 and np.abs(ref["y"]).max() < 20
     found = localize_branch(model, "float16", {"x": x}, ref, tol=0.1)
-    assert (found["node"], found["op"]) == ("scale_big", "Mul") and found["node_error"] == float("inf")
-    assert [g["node"] for g in found["growth"]] == ["scale_a", "scale_big"] and found["growth"][0]["error"] < 0.1
-    assert localize_branch(model, "float32", {"x": x}, ref, tol=0.1).get("node") is None
+    assert (found["node"], found["op"]) == ("mm_big", "MatMul") and found["node_error"] == float("inf")
+    assert [g["node"] for g in found["growth"]] == ["mm_big"]
+    fine = localize_branch(model, "float32", {"x": x}, ref, tol=0.1)
+    assert "node" not in fine and [g["node"] for g in fine["growth"]] == ["mm_big", "scale_back", "tanh", "add"]
 
 
 @pytest.mark.gpu
 def test_an_fp16_overflow_in_a_torch_bundle_on_the_gpu(tmp_path):
-    out, _ = _build(overflow_model(), tmp_path, backend="torch", precision="fp16", streams=None, verify=False, search=False)
+    """End to end on the GPU: the fp16 bundle overflows in mm_big's branch, and --keep-fp32 mm_big cures it."""
+    out, _ = _build(overflow_model(), tmp_path, backend="torch", precision="fp16", streams=2, verify=False, search=False)
     found = localize(out)
-    assert found.status == "engine" and found.engine["node"] == "scale_big"
-    assert found.engine["precision"] == "fp16" and found.keep_fp32 == "--keep-fp32 scale_big"
-    pinned, _ = _build(overflow_model(), tmp_path, name="pinned", backend="torch", precision="fp16", streams=None,
-                       search=False, keep_fp32=["scale_big"])
+    assert found.status == "engine" and (found.engine["node"], found.engine["op"]) == ("mm_big", "MatMul")
+    assert found.engine["precision"] == "fp16" and found.engine["runs_as"] == "float16"
+    assert found.keep_fp32 == "--keep-fp32 mm_big"
+    pinned, _ = _build(overflow_model(), tmp_path, name="pinned", backend="torch", precision="fp16", streams=2,
+                       search=False, keep_fp32=["mm_big"])  # verified by the build
     assert localize(pinned).status == "no divergence"
 
 
