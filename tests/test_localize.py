@@ -41,7 +41,7 @@ def bn_branches_model(seed: int = 0, c: int = 8, size: int = 12) -> onnx.ModelPr
     nodes.append(helper.make_node("Conv", ["cat", "wo"], ["y"], name="conv_out"))
     g = helper.make_graph(nodes, "bn_branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, size, size])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)
 
 
 def _build(model, tmp_path, name="bundle", **cfg):
@@ -167,7 +167,7 @@ def overflow_model() -> onnx.ModelProto:
     g = helper.make_graph(nodes, "overflow", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 64])],
                           [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 64])],
                           [numpy_helper.from_array(w, "w"), numpy_helper.from_array(np.array(1e-5, np.float32), "k")])
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)], ir_version=8)  # any onnxruntime reads 8
 
 
 def test_an_fp16_overflow_is_named_by_the_branch_run_alone_in_fp16():
