@@ -305,6 +305,47 @@ def localize_branch(graph: onnx.ModelProto, how: str, feeds: dict, reference: di
     return {"growth": growth}
 
 
+def first_diverging_branch(order: list, theirs: dict, mod: dict, tol: float):
+    """The first branch in launch order with an output beyond ``tol`` of ONNX Runtime's value (``mod``), as
+    (branch, (worst tensor, its error), [(tensor, error) of each output]), or None."""
+    for b in order:
+        errs = [(t, scaled_error(theirs[t], mod[t])) for t in b.outputs if t in theirs and t in mod]
+        worst = max(errs, key=lambda e: e[1], default=None)
+        if worst is not None and worst[1] > tol:
+            return b, worst, errs
+    return None
+
+
+def _rewrite_stage(start: onnx.ModelProto, model: onnx.ModelProto, report: dict, feeds: dict, ref: dict,
+                   output_error: float, tol: float, budget: int) -> dict:
+    """Stage 1 once the outputs differ: the first shared tensor that differs, then the rewrite that explains it."""
+    found = {"output_error": output_error}
+    found.update(first_shared_divergence(start, model, feeds, tol, budget) or {})
+    found.update(bisect_rewrites(start, applied_rewrites(report), feeds, ref, tol))
+    return found
+
+
+def _engine_stage(bundle, model: onnx.ModelProto, rewritten: Values, order: list, first, theirs: dict, mod: dict,
+                  feeds: dict, tol: float) -> dict:
+    """Stage 2 once a branch's output differs: that branch run alone, node by node, on the bundle's inputs."""
+    branch, (tensor, err), errs = first
+    at = order.index(branch)
+    found = {"branch": branch.name, "branch_index": at, "backend": bundle.plan.backend,
+             "precision": bundle.plan.precision, "boundary_tensor": tensor, "branch_error": err,
+             "boundaries_compared": sum(len(b.outputs) for b in order[:at]) + len(errs),
+             "inputs_error": max((scaled_error(theirs[t], mod[t]) for t in branch.inputs if t in theirs and t in mod),
+                                 default=0.0)}
+    graph, how = _branch_graph(bundle, branch, model)
+    found["runs_as"] = how
+    found["branch_nodes"] = [n.name for n in graph.graph.node]
+    produced = _producers(model)
+    names = [o for n in graph.graph.node for o in n.output if o in produced]
+    found.update(localize_branch(graph, how, {t: theirs[t] for t in branch.inputs}, rewritten.run(names, feeds), tol))
+    if "node" not in found:
+        found["explanation"] = "no node of the branch diverges when its graph runs alone: the engine itself differs from its ONNX"
+    return found
+
+
 # -- the whole ---------------------------------------------------------------------------------------------------
 def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int = 3, device: str = "auto",
              scale_tol: float | None = None, check_hashes: bool = True, budget: int = MEMORY_BUDGET,
@@ -315,6 +356,8 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
     its --seed + 1); the first input on which either stage diverges is localized.  ``scale_tol``: the engine
     stage's bound (default: the bundle's, else its precision's).  ``loaded``: the original as ``load_model`` gave
     it already (else it is loaded when the rewrite stage needs it: the reference runs the model as read)."""
+    from polygraphy.logger import G_LOGGER
+
     from parastream.launcher import load
     from parastream.launcher.bundle import Bundle
 
@@ -341,13 +384,11 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
                           tol1, seed)
 
     out_names = [t.name for t in plan.outputs]
-    order = [b for bid in plan.launch_order for b in [plan.branches[bid]]]
+    order = [plan.branches[bid] for bid in plan.launch_order]
     boundary = list(dict.fromkeys([t for b in order for t in b.outputs] + out_names))
     reference = Values(original)
     rewritten = Values(model, budget)
     runner = load(bundle, device=device)
-    from polygraphy.logger import G_LOGGER
-
     G_LOGGER.module_severity = G_LOGGER.ERROR  # as verify: no polygraphy lines about the inputs it draws
     loader, _ = seeded_inputs(original, plan.inputs, seed=seed, iterations=iterations)
     try:
@@ -362,46 +403,21 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
             else:
                 runner(feeds, boundaries=theirs)
             rewrite_err = _outputs_differ(mod, ref)
-            first = None
-            for b in order:
-                errs = [(t, scaled_error(theirs[t], mod[t])) for t in b.outputs if t in theirs]
-                worst = max(errs, key=lambda e: e[1], default=None)
-                if worst is not None and worst[1] > tol:
-                    first = (b, worst, errs)
-                    break
+            first = first_diverging_branch(order, theirs, mod, tol)
             if rewrite_err <= tol1 and first is None:
                 continue
             result.input_index = index
             if rewrite_err > tol1:
-                result.status = "rewrite"
-                result.rewrite = {"output_error": rewrite_err}
                 if loaded is None:
                     loaded = load_model(original_path, {t.name: t.shape for t in plan.inputs})
-                at = first_shared_divergence(loaded.model, model, feeds, tol1, budget)
-                if at:
-                    result.rewrite.update(at)
-                result.rewrite.update(bisect_rewrites(loaded.model, applied_rewrites(bundle.report), feeds, ref, tol1))
+                result.status = "rewrite"
+                result.rewrite = _rewrite_stage(loaded.model, model, bundle.report, feeds, ref, rewrite_err, tol1, budget)
             if first is not None:
-                branch, (tensor, err), errs = first
-                engine = {"branch": branch.name, "branch_index": order.index(branch), "backend": plan.backend,
-                          "precision": plan.precision, "boundary_tensor": tensor, "branch_error": err,
-                          "boundaries_compared": sum(len(b.outputs) for b in order[:order.index(branch)]) + len(errs),
-                          "inputs_error": max((scaled_error(theirs[t], mod[t]) for t in branch.inputs
-                                               if t in theirs and t in mod), default=0.0)}
-                graph, how = _branch_graph(bundle, branch, model)
-                engine["runs_as"] = how
-                names = [o for n in graph.graph.node for o in n.output if o]
-                reference_values = rewritten.run(names, feeds)
-                found = localize_branch(graph, how, {t: theirs[t] for t in branch.inputs}, reference_values, tol)
-                engine.update(found)
-                if "node" not in found:
-                    engine["explanation"] = ("no node of the branch diverges when its graph runs alone: the engine "
-                                             "itself differs from its ONNX")
-                if result.status == "no divergence":
-                    result.status = "engine"
-                result.engine = engine
+                result.engine = _engine_stage(bundle, model, rewritten, order, first, theirs, mod, feeds, tol)
+                result.status = "engine" if result.status == "no divergence" else result.status
                 if plan.precision != "fp32":
-                    result.keep_fp32 = f"--keep-fp32 {found.get('node') or ','.join(n.name for n in graph.graph.node)}"
+                    pinned = result.engine.get("node") or ",".join(result.engine["branch_nodes"])
+                    result.keep_fp32 = f"--keep-fp32 {pinned}"
             break
     finally:
         close = getattr(runner, "close", None)
