@@ -18,6 +18,7 @@ from parastream.launcher.errors import ParastreamError
 from parastream.pipeline.build import BuildConfig, build
 from parastream.pipeline.cli import main, parse_keep_fp32
 from parastream.pipeline.localize import applied_rewrites, localize, localize_branch, replay
+from parastream.pipeline.verify import scaled_error
 from parastream.rewrite.rules.fold_bn_and_affine import FoldBatchNormAndAffine
 
 
@@ -291,3 +292,28 @@ def test_tensorrt_pins_the_layers_of_pinned_nodes_to_fp32(tmp_path, monkeypatch)
         report, header = build_with(**kw)
         assert "fp32_layers" not in report and not header["layer_precisions"]
         assert "OBEY_PRECISION_CONSTRAINTS" not in header["flags"]
+
+
+@pytest.mark.gpu
+def test_gpu_boundaries_read_back_channels_last_and_in_place_concats(tmp_path):
+    """GpuLauncher.boundaries(): every boundary tensor of an fp16 torch bundle (channels-last, Concat done in
+    place) in the plan's layout and dtype, each within fp16's bound of ONNX Runtime on model.onnx."""
+    from parastream.launcher.gpu import GpuLauncher
+    from parastream.pipeline.localize import Values
+
+    model = three_branch_model(channels=16, size=16)
+    model.ir_version = 8
+    out, _ = _build(model, tmp_path, backend="torch", precision="fp16", streams=3, search=False)
+    launcher = GpuLauncher(str(out))
+    try:
+        assert launcher.nhwc and launcher.views  # what the read-back undoes
+        x = np.random.default_rng(0).uniform(-1, 1, (1, 16, 16, 16)).astype(np.float32)
+        launcher({"input": x})
+        got = launcher.boundaries()
+    finally:
+        launcher.close()
+    names = sorted(set(launcher.plan.tensors) - {"input"})
+    ref = Values(onnx.load(out / "model.onnx")).run(names, {"input": x})
+    for name in names:
+        assert got[name].dtype == np.float32 and got[name].shape == ref[name].shape
+        assert scaled_error(got[name], ref[name]) <= 0.1, name
