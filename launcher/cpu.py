@@ -156,12 +156,15 @@ class CpuLauncher:
     def output_specs(self):
         return self.plan.outputs
 
-    def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
+    def __call__(self, feeds: dict, *, boundaries: dict | None = None) -> dict[str, np.ndarray]:
+        """Run once.  ``boundaries``: a dict that also gets every tensor that crosses a branch boundary."""
         plan = self.plan
         values: dict[str, np.ndarray] = coerce_feeds(plan, feeds, self._input_specs)
         if plan.num_streams == 1:  # one stream: in the caller's thread, in launch order (no pool, no events)
             for bid in plan.launch_order:
                 values.update(self.engines[bid].run({t: values[t] for t in plan.branches[bid].inputs}))
+            if boundaries is not None:
+                boundaries.update(values)
             return {t.name: values[t.name] for t in plan.outputs}
         done = [threading.Event() for _ in plan.branches]
         failed: list[BaseException] = []
@@ -188,6 +191,8 @@ class CpuLauncher:
             f.result()
         if failed:
             raise failed[0]
+        if boundaries is not None:
+            boundaries.update(values)
         return {t.name: values[t.name] for t in plan.outputs}
 
     def close(self) -> None:

@@ -532,6 +532,32 @@ class GpuLauncher:
         self.synchronize()
         return {spec.name: self._host[spec.name][1].copy() for spec in plan.outputs}
 
+    def boundaries(self) -> dict[str, np.ndarray]:
+        """Every tensor in the arena after the last replay, in the plan's dtype and NCHW layout (localization:
+        the engines' values at each branch boundary).  Channels-last tensors are transposed back, and a tensor
+        living in its Concat's buffer is cut out of it."""
+        self._check_open()
+        self.synchronize()
+        out = {}
+        for name, spec in self.plan.tensors.items():
+            root, c0 = self.views.get(name, (name, 0))
+            rspec = self.specs[root]
+            shape = list(rspec.shape)
+            if root in self.nhwc:
+                shape = [shape[0], *shape[2:], shape[1]]
+            host_dtype = "uint16" if rspec.dtype == "bfloat16" else rspec.dtype
+            arr = np.empty(shape, dtype=host_dtype)
+            cuda.memcpy_dtoh_async(arr.ctypes.data, self.addr[root], arr.nbytes, self.origin)  # pageable: synchronous
+            self.synchronize()
+            if rspec.dtype == "bfloat16":
+                arr = (arr.astype(np.uint32) << 16).view(np.float32)
+            if root in self.nhwc:
+                arr = arr.transpose(0, 3, 1, 2)
+            if name != root:
+                arr = arr[:, c0:c0 + spec.shape[1]]
+            out[name] = np.ascontiguousarray(arr).astype(spec.dtype, copy=False)
+        return out
+
     def run_timed(self, *, replays: int = 5) -> list[dict]:
         """When each branch ran on each stream: timing events around every engine, in a separately captured graph.
 

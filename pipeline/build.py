@@ -74,6 +74,7 @@ class BuildConfig:
     compile_workers: int = 0
     gpu_timing_lock: bool = True  # GPU builds take turns with other processes' timing on the same GPU
     force: bool = False
+    keep_fp32: list[str] = field(default_factory=list)  # --keep-fp32: op types, node names, globs built in fp32
 
 
 def _versions(backend) -> dict:
@@ -269,7 +270,8 @@ def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
                         workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
                         strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
                         profiles={}, torch_artifact=cfg.torch_artifact, inductor_format=cfg.inductor_format,
-                        compile_workers=cfg.compile_workers, gpu_timing_lock=cfg.gpu_timing_lock)
+                        compile_workers=cfg.compile_workers, gpu_timing_lock=cfg.gpu_timing_lock,
+                        keep_fp32=list(cfg.keep_fp32))
 
 
 def _launcher_options(options: BuildOptions) -> dict:
@@ -721,7 +723,18 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
         raise VerificationError(
             f"{loaded.path}: the built deployment does not match onnxruntime on the original model "
             f"({result.failure()}); no bundle was written"
-            + ("; --no-verify builds without verification" if result.status == "inconclusive" else ""))
+            + ("; --no-verify builds without verification" if result.status == "inconclusive" else _where(b, tmp)))
+
+
+def _where(b: _Build, tmp: Path) -> str:
+    """Where the failed build parts from the original (``localize`` on the staged bundle), as a clause."""
+    from .localize import localize
+
+    try:
+        found = localize(tmp, b.loaded.path, seed=b.cfg.seed + 1, iterations=2, check_hashes=False, loaded=b.loaded)
+    except Exception as e:  # noqa: BLE001 - the verification's failure is the error; localizing it is a bonus
+        return f"; it could not be localized ({type(e).__name__}: {e})"
+    return f"; localized: {found.summary()}" + (f"; pin it with {found.keep_fp32}" if found.keep_fp32 else "")
 
 
 def complete(b: _Build) -> _Build:

@@ -118,6 +118,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--opt-level", type=int_in(0, 5), default=3, help="TensorRT builder_optimization_level (0..5)")
     g.add_argument("--strongly-typed", action="store_true", help="TensorRT strongly typed network")
     g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
+    g.add_argument("--keep-fp32", default=None, metavar="NODE_OR_PATTERN,...",
+                   help="build the branches (TensorRT: the layers) holding these op types, node names or globs in fp32")
     g.add_argument("--cache-dir", default=None, help="where TensorRT timing caches and compiled torch engines (the compiled-branch cache) persist across builds")
     g.add_argument("--torch-artifact", default="inductor", choices=["inductor", "aoti", "jit"],
                    help="torch backend: what an engine ships (docs/torch-engines.md; default inductor)")
@@ -146,6 +148,14 @@ def _stdout():
     return _STDOUT or sys.stdout
 
 
+def parse_keep_fp32(text: str | None) -> list[str]:
+    """--keep-fp32 "Softmax,conv_3,*/attn/*" -> its patterns."""
+    items = [t.strip() for t in (text or "").split(",")]
+    if text is not None and not all(items):
+        raise ParastreamError(f"--keep-fp32 {text!r}: give comma-separated op types, node names or globs, none empty")
+    return [t for t in items if t]
+
+
 def _console(stderr: bool = False):
     from rich.console import Console
 
@@ -170,6 +180,7 @@ def cmd_build(args) -> int:
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force,
                       torch_artifact=args.torch_artifact, inductor_format=args.inductor_format,
                       compile_workers=args.compile_workers, gpu_timing_lock=not args.no_gpu_timing_lock,
+                      keep_fp32=parse_keep_fp32(args.keep_fp32),
                       **({} if args.measure_seconds is None else {"measure_seconds": float(args.measure_seconds)}))
     triton_name = args.triton_name or Path(args.model).stem
     if args.triton_repo:  # refuse a bad export before the build, not after it
@@ -304,10 +315,19 @@ def cmd_verify(args) -> int:
         close = getattr(runner, "close", None)
         if close:
             close()
+    found = None
+    if args.localize:
+        from .localize import localize, print_localization
+
+        found = localize(bundle.path, original, seed=args.seed, iterations=args.iterations, device=args.device,
+                         scale_tol=scale_tol, check_hashes=False, loaded=loaded)  # (checked by the open above)
     if args.json:
-        print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original)), default=str), file=_stdout())
+        print(json.dumps(dict(result.to_dict(), bundle=str(bundle.path), model=str(original),
+                              **({"localization": found.to_dict()} if found else {})), default=str), file=_stdout())
     else:
         print_verification(result, _console(), title=f"verify {bundle.path} against onnxruntime on {original}")
+        if found:
+            print_localization(found, _console())
     return 0 if result.passed else 1
 
 
@@ -535,6 +555,8 @@ def make_parser() -> argparse.ArgumentParser:
     v.add_argument("--iterations", type=int_in(1, 10_000), default=3)
     v.add_argument("--json", action="store_true", help="print the result as one JSON object")
     v.add_argument("--device", default="auto", type=device_option, metavar="DEVICE", help=DEVICE_HELP)
+    v.add_argument("--localize", action="store_true",
+                   help="also say where the bundle parts from the original: which rewrite, branch, node and precision")
     add_tolerance_args(v)
     v.set_defaults(func=cmd_verify)
 

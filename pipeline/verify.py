@@ -270,6 +270,19 @@ def _polygraphy_without_torch_import() -> None:
         pg_array.torch = _TorchIfImported(pg_array.torch)
 
 
+def seeded_inputs(original: onnx.ModelProto, inputs: list[TensorSpec], *, seed: int, iterations: int,
+                  input_ranges: dict[str, tuple] | None = None):
+    """(polygraphy's DataLoader of the inputs :func:`verify` draws, the value ranges): iterating the loader gives
+    the same feeds, in the same order, as a verification with this seed (localization re-runs them)."""
+    from polygraphy.comparator import DataLoader
+
+    meta = TensorMetadata()
+    for s in inputs:
+        meta.add(s.name, np.dtype(s.dtype), tuple(s.shape))
+    ranges = dict(input_value_ranges(original, inputs) if input_ranges is None else input_ranges)
+    return DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges), ranges
+
+
 def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rtol: float, atol: float,
            scale_tol: float | None = None, seed: int = 1, iterations: int = 2,
            input_ranges: dict[str, tuple] | None = None, load=None) -> Verification:
@@ -282,17 +295,13 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
     """
     from polygraphy import config as pg_config
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
-    from polygraphy.comparator import Comparator, DataLoader
+    from polygraphy.comparator import Comparator
     from polygraphy.logger import G_LOGGER
 
     G_LOGGER.module_severity = G_LOGGER.ERROR
     pg_config.INTERNAL_CORRECTNESS_CHECKS = False
     _polygraphy_without_torch_import()
-    meta = TensorMetadata()
-    for s in inputs:
-        meta.add(s.name, np.dtype(s.dtype), tuple(s.shape))
-    ranges = dict(input_value_ranges(original, inputs) if input_ranges is None else input_ranges)
-    loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges)
+    loader, ranges = seeded_inputs(original, inputs, seed=seed, iterations=iterations, input_ranges=input_ranges)
     reference = OnnxrtRunner(SessionFromOnnx(original.SerializeToString(), providers=["cpu"]), name="onnxruntime")
     ours = LauncherRunner(launcher, inputs, load=load)
     results = Comparator.run([reference, ours], data_loader=loader)

@@ -70,6 +70,8 @@ class BuildOptions:
     compile_workers: int = 0
     # GPU builds: take turns with other processes' timing on the same GPU (a machine-wide lock) while timing
     gpu_timing_lock: bool = True
+    # --keep-fp32: op types, node names or globs whose branches (TensorRT: layers) compute in fp32 (``fp32_pinned``)
+    keep_fp32: list[str] = field(default_factory=list)
 
 
 @runtime_checkable
@@ -200,3 +202,15 @@ def cancel_precompile() -> int:
 
 def background_summary(since: float) -> dict | None:
     return None
+
+
+def fp32_pinned(branch: "onnx.ModelProto", patterns: list[str] | tuple[str, ...]) -> list[str]:
+    """The names of ``branch``'s nodes that ``--keep-fp32`` patterns cover: each pattern is an op type, a node
+    name, or an fnmatch glob over either ("Softmax", "conv_12", "*/attn/*").  A branch holding one is built in
+    fp32 (TensorRT: those layers alone)."""
+    from fnmatch import fnmatchcase
+
+    if not patterns:
+        return []
+    return [n.name for n in branch.graph.node
+            if any(fnmatchcase(n.op_type, p) or fnmatchcase(n.name, p) for p in patterns)]

@@ -56,7 +56,7 @@ from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import (PRECISIONS, BuilderBase, BuildOptions, background_summary, cancel_precompile,  # noqa: F401
-                   check_model, compiling, memory_scope, precompile, prepare_load, start_workers)
+                   check_model, compiling, fp32_pinned, memory_scope, precompile, prepare_load, start_workers)
 
 name = "tensorrt"
 suffix = ".plan"
@@ -260,6 +260,31 @@ class Builder(BuilderBase):
             flags.append(flag)
         return flags
 
+    def _pin_fp32(self, network, branch: onnx.ModelProto, config, flags: list[str]) -> list[str]:
+        """--keep-fp32: the layers of the pinned nodes (the parser names a node's layer after it) compute and
+        write fp32 [Layer: ILayer.precision, set_output_type]; OBEY_PRECISION_CONSTRAINTS makes the builder
+        honour that rather than treat it as a hint [Config: BuilderFlag].  A strongly typed network takes its
+        types from the model: nothing to pin there, nor in an fp32 build."""
+        trt = self.trt
+        nodes = set(fp32_pinned(branch, self.options.keep_fp32))
+        if not nodes or self.options.strongly_typed or self.options.precision == "fp32":
+            return []
+        floats = {trt.DataType.FLOAT, trt.DataType.HALF, trt.DataType.BF16}
+        pinned = []
+        for i in range(network.num_layers):
+            layer = network.get_layer(i)
+            outs = [j for j in range(layer.num_outputs) if layer.get_output(j).dtype in floats]
+            if layer.name not in nodes or not outs:
+                continue
+            layer.precision = trt.DataType.FLOAT
+            for j in outs:
+                layer.set_output_type(j, trt.DataType.FLOAT)
+            pinned.append(layer.name)
+        if pinned:
+            config.set_flag(trt.BuilderFlag.OBEY_PRECISION_CONSTRAINTS)
+            flags.append("OBEY_PRECISION_CONSTRAINTS")
+        return pinned
+
     def _profile(self, network, config, name: str) -> dict:
         dynamic = {}
         for i in range(network.num_inputs):
@@ -319,6 +344,7 @@ class Builder(BuilderBase):
         config = self.builder.create_builder_config()
         config.set_memory_pool_limit(trt.MemoryPoolType.WORKSPACE, int(options.workspace_mb) << 20)
         flags = self._precision_flags(config)
+        pinned = self._pin_fp32(network, branch, config, flags)
         config.builder_optimization_level = int(options.optimization_level)
         # DETAILED: the inspector then reports every layer's tactic, formats and fused ONNX nodes [Inspect]
         config.profiling_verbosity = trt.ProfilingVerbosity.DETAILED
@@ -336,6 +362,7 @@ class Builder(BuilderBase):
             "tensorrt": trt.__version__, "build_s": round(build_s, 4), "engine_bytes": len(data),
             "nodes": len(branch.graph.node), "precision": options.precision, "builder_flags": flags,
             "strongly_typed": bool(options.strongly_typed), "workspace_mb": int(options.workspace_mb),
+            **({"fp32_layers": pinned} if pinned else {}),
             "optimization_level": int(options.optimization_level), "max_aux_streams": int(max_aux_streams),
             "profiles": profiles, "timing_cache": {"path": str(self.cache_path), "state": self._cache_state},
             "inputs": {network.get_input(i).name: [int(d) for d in network.get_input(i).shape] for i in range(network.num_inputs)},

@@ -72,7 +72,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
-from .base import BuilderBase, BuildOptions, check_model  # noqa: F401 - check_model: the builder's conversion checks
+from .base import BuilderBase, BuildOptions, check_model, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
 
 if TYPE_CHECKING:
     import onnx
@@ -989,14 +989,16 @@ class Builder(BuilderBase):
 
         self.keys = []
         device = self.options.device
-        dtype = compute_dtype(self.options.precision, device)
-        fuse = _fuse(device, dtype, self.options)
         built = built_for(device)
         out: list = []
         todo: dict[str, tuple] = {}  # key -> compile job (one per distinct branch)
         groups: dict[str, list[str]] = {}  # the jobs one process compiles in turn (``_compile``)
         for branch, name, layout in items:
             t0 = time.perf_counter()
+            # --keep-fp32: a branch holding a pinned node computes in fp32 (its engine casts at its boundaries)
+            pinned = fp32_pinned(branch, self.options.keep_fp32)
+            dtype = "float32" if pinned else compute_dtype(self.options.precision, device)
+            fuse = _fuse(device, dtype, self.options)
             onnx_bytes, digest = _serialized(branch)
             steps = _CONVERTED.get(digest)
             if steps is None:  # a branch converted before in this process (the search's candidates share most)
@@ -1014,8 +1016,11 @@ class Builder(BuilderBase):
                    "compile": bool(self.options.compile), "precision": self.options.precision,
                    "convert_s": round(time.perf_counter() - t0, 4), "compiled": None}
             self._report[name] = rep
+            if pinned:
+                rep["fp32_pinned"] = pinned
             if layout is None or not self.options.compile or self.artifact == "jit":
-                out.append(pack({"format": ENGINE_FORMAT, "compiled": None}, onnx_bytes, None))
+                out.append(pack({"format": ENGINE_FORMAT, "compiled": None, **({"dtype": dtype} if pinned else {})},
+                                onnx_bytes, None))
                 continue
             inputs, outputs = list(layout["inputs"]), list(layout["outputs"])
             nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
@@ -1454,13 +1459,14 @@ class TorchEngine:
         self.device = device
         self.options = options
         self.nhwc, self.channel_views, sig = _layout(inputs, outputs, device, internal_nhwc, channel_views)
-        self.dtype = compute_dtype(options.precision, device)
-        self._tdtype = getattr(torch, self.dtype)
         t0 = time.perf_counter()
         #: seconds of this engine's load by phase (bench/engine_artifacts.py sums them over a bundle)
         self.phases: dict[str, float] = {}
         engine = EngineFile(data)
         meta = self.meta = engine.meta
+        # a branch pinned to fp32 (--keep-fp32) records its dtype; the others compute in the precision's
+        self.dtype = "float32" if meta.get("dtype") == "float32" else compute_dtype(options.precision, device)
+        self._tdtype = getattr(torch, self.dtype)
         package = engine.compiled()
         self.phases["unpack"] = time.perf_counter() - t0
         if package is not None:

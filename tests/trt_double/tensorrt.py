@@ -84,6 +84,8 @@ class BuilderFlag(enum.IntEnum):
     DISABLE_TIMING_CACHE = 5
     TF32 = 6
     SPARSE_WEIGHTS = 7
+    OBEY_PRECISION_CONSTRAINTS = 9
+    PREFER_PRECISION_CONSTRAINTS = 10
     BF16 = 17
 
 
@@ -244,6 +246,44 @@ class ITensor:
         self.name, self.shape, self.dtype = name, Dims(shape), dtype
 
 
+class ILayer:
+    """One layer per ONNX node (named after it, as TensorRT's parser names a node's main layer), with the
+    per-layer precision API: ``precision``, ``precision_is_set``, ``set_output_type``/``get_output_type``."""
+
+    def __init__(self, network_id: int, node: onnx.NodeProto, out_dtypes: list[DataType]):
+        self.network_id, self.name, self.type = network_id, node.name, node.op_type
+        self._outputs = [ITensor(o, (), dt) for o, dt in zip(node.output, out_dtypes)]
+        self._precision: DataType | None = None
+        self.output_types: dict[int, DataType] = {}
+
+    @property
+    def num_outputs(self) -> int:
+        return len(self._outputs)
+
+    def get_output(self, index: int) -> ITensor:
+        return self._outputs[index]
+
+    @property
+    def precision(self) -> DataType:
+        return DataType.FLOAT if self._precision is None else self._precision
+
+    @precision.setter
+    def precision(self, dtype: DataType) -> None:
+        _record("ILayer", "precision", network=self.network_id, layer=self.name, dtype=DataType(dtype).name)
+        self._precision = DataType(dtype)
+
+    @property
+    def precision_is_set(self) -> bool:
+        return self._precision is not None
+
+    def set_output_type(self, index: int, dtype: DataType) -> None:
+        _record("ILayer", "set_output_type", network=self.network_id, layer=self.name, index=index, dtype=DataType(dtype).name)
+        self.output_types[index] = DataType(dtype)
+
+    def get_output_type(self, index: int) -> DataType:
+        return self.output_types.get(index, self._outputs[index].dtype)
+
+
 class INetworkDefinition:
     def __init__(self, flags: int):
         self.id = next(_ids)
@@ -251,6 +291,10 @@ class INetworkDefinition:
         self.model: onnx.ModelProto | None = None
         self._inputs: list[ITensor] = []
         self._outputs: list[ITensor] = []
+        self._layers: list[ILayer] = []
+
+    def get_layer(self, index: int) -> ILayer:
+        return self._layers[index]
 
     def get_flag(self, flag: NetworkDefinitionCreationFlag) -> bool:
         return bool(self.flags & (1 << int(flag)))
@@ -352,6 +396,10 @@ class OnnxParser:
                 return False  # the real parser stops at the first node it cannot import
         initializers = {t.name for t in proto.graph.initializer}
         self.network.model = proto
+        types = {v.name: _ONNX_TO_TRT.get(v.type.tensor_type.elem_type, DataType.FLOAT)
+                 for v in (*proto.graph.input, *proto.graph.value_info, *proto.graph.output)}
+        self.network._layers = [ILayer(self.network.id, n, [types.get(o, DataType.FLOAT) for o in n.output])
+                                for n in proto.graph.node]
         self.network._inputs = [_value_tensor(v) for v in proto.graph.input if v.name not in initializers]
         self.network._outputs = [_value_tensor(v) for v in proto.graph.output]
         return True
@@ -529,6 +577,7 @@ class Builder:
             "inputs": [[t.name, int(t.dtype), list(t.shape)] for t in network._inputs],
             "outputs": [[t.name, int(t.dtype), list(t.shape)] for t in network._outputs],
             "layers": [[n.name, n.op_type, list(n.input), list(n.output)] for n in nodes],
+            "layer_precisions": {l.name: l.precision.name for l in network._layers if l.precision_is_set},
             "cache_hits": cache.hits if cache else None,
         }
         header = json.dumps(meta).encode()
