@@ -53,7 +53,7 @@ def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) ->
 def gpu_timing_lock(device: int = 0, enabled: bool = True):
     """Hold the machine-wide lock for timing on GPU ``device`` (a flock on a file in the temporary folder).
 
-    Builds that run side by side on one GPU (a CI machine building several models at once) compile in
+    Builds that run side by side on one GPU (a build machine building several models at once) compile in
     parallel but take turns while they time: a measurement that shares the GPU with another process's
     replays would decide a build's choices on noise.  ``enabled`` False (a build's ``--no-gpu-timing-lock``,
     recorded in manifest.json) or ``PARASTREAM_GPU_TIMING_LOCK=0`` (an override for every process of a machine

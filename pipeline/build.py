@@ -52,7 +52,7 @@ class BuildConfig:
     measure: bool = True  # measure the search's top candidates on the GPU when the backend has GPU engines
     # budget for those measurements (each one builds and loads engines; the top-ranked first): on the H100 an
     # Inception-v4 input is timed ~15 s after the build starts (its 82 engines compiled while the search runs),
-    # each candidate after it ~2 s (stop 23, "kernels" engines: 50 s measured 18 of the top 20, the build 61.5 s)
+    # each candidate after it ~2 s ("kernels" engines, Inception-v4: 50 s measured 18 of the top 20, the build 61.5 s)
     measure_seconds: float = 45.0
     measure_runs: int = 100
     cpu_runs: int = 10  # CPU builds: timed calls of each alternative (one full-threaded session, the plan)

@@ -1,4 +1,4 @@
-"""Issue 16 (build time): the work a CPU build no longer does twice leaves the same bundle.
+"""Build time: the work a CPU build no longer does twice leaves the same bundle.
 
 - the manifest a build writes before verifying is listed without digests (verification loads the staging folder
   unchecked); the bundle it ends with is hashed, every digest the file's sha256;

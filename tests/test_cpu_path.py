@@ -23,7 +23,7 @@ from parastream.launcher.cpu import OthersLoad as REAL_OTHERS_LOAD  # noqa: E402
 
 @pytest.fixture(autouse=True)
 def quiet_machine(monkeypatch):
-    """The tests see a machine no other process loads (the shared CI machine's load must not decide them);
+    """The tests see a machine no other process loads (a shared machine's load must not decide them);
     the tests of a loaded machine say so with _quiet."""
     _quiet(monkeypatch)
 

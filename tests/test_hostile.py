@@ -1,4 +1,4 @@
-"""Hostile input from issue 15: each case a one-line error (exit 1 or 2) and nothing beside OUT, or a build that
+"""Hostile input: each case a one-line error (exit 1 or 2) and nothing beside OUT, or a build that
 matches onnxruntime.  The campaign over thousands of mutations is bench/fuzz.py (tests/fuzz)."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The loader gives every tensor a static shape where the input shapes are static (issue 11).
+"""The loader gives every tensor a static shape where the input shapes are static.
 
 Real exports compute sizes at run time (timm's "same" padding: Shape -> Gather -> arithmetic -> Cast ->
 Concat -> Pad) and leave tensors that one folding pass and ONNX shape inference cannot resolve.  The

@@ -1,5 +1,5 @@
 """Verification on exported PyTorch models: the same architecture with other weights must be refused, the
-correct build passes at build time and at `parastream verify` with other seeds (issue 16's targets, in small)."""
+correct build passes at build time and at `parastream verify` with other seeds (the verification targets, in small)."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ Run (``load`` -> ``TrtEngine``):
 Device memory that the engine owns itself (the context's scratch, and the buffers of the host
 path ``run(feeds)``) goes through ``Memory`` (``CudaMemory``: cuda-python).  The tests swap it
 for host memory and ``tensorrt`` for a documented test double (tests/trt_double/): TensorRT is
-not installable on our machines.
+not installable in the project's CI (its wheels come from NVIDIA's own index).
 
 References (TensorRT 10 Python API, docs.nvidia.com/deeplearning/tensorrt/latest/_static/python-api/):
   [Builder]  infer/Core/Builder.html (Builder, NetworkDefinitionCreationFlag)

@@ -1,4 +1,4 @@
-"""Ops the public-model corpus needed in the torch converter (issue 11): each against ONNX Runtime on the
+"""Ops the public-model corpus needed in the torch converter: each against ONNX Runtime on the
 CPU, and each with a case it must refuse (naming the node) rather than convert wrongly."""
 
 from __future__ import annotations

@@ -357,7 +357,7 @@ def test_whole_model_launcher_captures_the_enqueue_into_one_cuda_graph():
     assert engine.closed and whole.addr == {}
 
 
-# -- real TensorRT (marked trt: not run on our machines) ------------------------------------------------------------
+# -- real TensorRT (marked trt: skipped where TensorRT does not import) ------------------------------------------------------------
 
 @pytest.mark.trt
 @pytest.mark.gpu

@@ -1,6 +1,6 @@
 """The TensorRT backend's cuda-python side on a real GPU, with the TensorRT test double (marked gpu).
 
-TensorRT itself cannot be installed on our machines (see test_tensorrt_real.py for the tests that
+TensorRT itself cannot be installed in the project's CI (see test_tensorrt_real.py for the tests that
 need it); here the double stands in for it while everything else is real: scratch memory from
 cudaMalloc, cuda-python streams, the GPU launcher's device buffers and stream handles.  The double
 executes synchronously (host round trips), so these use direct launches: nothing here can show

@@ -1,6 +1,6 @@
 """The TensorRT backend against the real TensorRT on a GPU (marked ``trt`` and ``gpu``: skipped elsewhere).
 
-TensorRT is not installable on our machines, so these have not run here; they run wherever
+TensorRT is not installable in the project's CI, so these skip there; they run wherever
 ``import tensorrt`` works and a GPU is present (an NGC TensorRT container built from the Dockerfile).
 """
 

@@ -1,4 +1,4 @@
-"""What a fresh process's load of compiled torch engines does before and around the engines (issue 12's load
+"""What a fresh process's load of compiled torch engines does before and around the engines (the compiled engines' load
 target): Inductor's one-time runtime imports and Triton's hash start while the bundle's files are hashed, and a
 loaded artifact's first call runs without AOTAutograd's custom-op aliasing check.  The load itself is timed on the
 GPU (bench/engine_artifacts.py); here: that each piece happens, in order, and only where it applies."""

@@ -1,4 +1,4 @@
-"""Issue 16 (build time): the search's cheaper primitives give exactly what they replace, on every candidate that
+"""Build time: the search's cheaper primitives give exactly what they replace, on every candidate that
 real searches make: our cleanup is graphsurgeon's ``cleanup(remove_unused_graph_inputs=False)``, the hasher's
 remembered node texts and zero-bias answers are the ones computed afresh, node keys computed with a per-graph
 tensor-key dict are the plain ones, and a graph's cost through them is the same float."""

@@ -16,7 +16,7 @@ step it leaves to luck:
   (``backends/python/triton_python_backend_stub`` beside a copy of ``libtriton_python.so``);
 * ``LD_LIBRARY_PATH`` starts with the folder of *this* interpreter's libpython (``sysconfig``'s
   LIBDIR).  Without it the stub loads whichever libpython3.X the dynamic linker finds first: on
-  our build machine Debian's /lib/x86_64-linux-gnu/libpython3.11.so (3.11.2) under a pyenv 3.11.7
+  a build machine with Debian's /lib/x86_64-linux-gnu/libpython3.11.so (3.11.2) under a pyenv 3.11.7
   venv, a second interpreter reading the first one's standard library.  Then the wheel's own
   libraries (``nvidia_pytriton.libs``), which the copied stub no longer finds through its RPATH;
 * ``PATH`` starts with this interpreter's bin folder: the embedded Python finds its prefix, and a

@@ -1,6 +1,6 @@
 """TEST DOUBLE of the ``tensorrt`` Python module (TensorRT 10) -- this is NOT TensorRT.
 
-TensorRT cannot be installed on our machines, so the backend (launcher/engines/tensorrt.py) is
+TensorRT cannot be installed in the project's CI, so the backend (launcher/engines/tensorrt.py) is
 checked against this stand-in, which the tests put into ``sys.modules["tensorrt"]`` (it is never
 installed).  It has exactly the API surface the backend calls, with the names, signatures and
 documented behaviour of the TensorRT 10 Python API (docs.nvidia.com/deeplearning/tensorrt/latest/
