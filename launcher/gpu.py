@@ -151,56 +151,68 @@ class SharedArena:
 
 def load_phases(launcher) -> dict[str, float]:
     """Seconds of the launcher's engine loads by phase, summed over its engines (those that record ``phases``:
-    torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total (loads), ``warm_wall``
-    (their warm-up, each stream's in a thread) and ``ready`` (engines loaded to graph captured)."""
+    torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total (loads),
+    ``warm_wall`` (from the first load to the last warm-up's end, in the thread that captures) and ``ready``
+    (engines loaded to graph captured)."""
     out: dict[str, float] = {}
     for e in getattr(launcher, "engines", None) or []:
         for k, v in (getattr(e, "phases", None) or {}).items():
             out[k] = round(out.get(k, 0.0) + v, 4)
     out["engines"] = round(getattr(launcher, "load_s", 0.0), 4)
-    out["warm_wall"] = round(getattr(launcher, "warm_s", 0.0), 4)  # the launcher's warm-up of them, threads overlapped
+    out["warm_wall"] = round(getattr(launcher, "warm_s", 0.0), 4)  # the launcher's warm-up of them
     out["ready"] = round(getattr(launcher, "ready_s", 0.0), 4)
     return out
 
 
-class _Warming:
-    """The launcher's warm-up of engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where
-    cuDNN plans its convolutions and kernels load): each stream's engines on that stream, in a thread of that
-    stream's own, in the order they load, while the launcher goes on loading the next ones.  That first call is
-    mostly work inside torch's operators, which let go of the interpreter lock, so it overlaps the loads (Python)
-    and the other streams' warm-up; and each library sets up its per-stream state for the streams the capture
-    records on.  The threads allocate outside the launcher's memory pool (torch lets one thread at a time record
-    into a pool, and the loads do): their temporaries come from torch's own cache; the capture's still come
-    from the pool."""
+class _Warmer:
+    """One thread that warms the engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where cuDNN
+    plans each convolution and kernels load), each on its branch's stream, in load order, while the launcher loads
+    the next ones; and that then runs the launcher's own warm-up launch and capture (``run``).
+
+    The same thread for both because torch keeps cuDNN's convolution plans per thread (its cuDNN v8 plan cache is
+    thread-local): engines warmed in threads of their own had every plan built there and again by the launching
+    thread (H100, fresh processes, bench/load_breakdown.py: MixNet-S's one engine 6.0 s of warm-up in a thread,
+    then 5.3 s more before its capture; NASNet-A Large 9.1 s and 5.6 s).  A plan costs 15-45 ms for a grouped or
+    depthwise convolution, 1-2 ms for a dense one.  The warm-ups allocate outside the launcher's memory pool
+    (torch lets one thread at a time record into a pool, and the loads do); the capture's allocations still
+    come from the pool."""
 
     def __init__(self, launcher: "GpuLauncher"):
         from concurrent.futures import ThreadPoolExecutor
 
         self.launcher = launcher
-        self.pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"parastream-warm-{s}")
-                      for s in range(max(1, len(launcher.streams)))}
+        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parastream-warm")
         self.futures: list = []
         self.t0 = time.perf_counter()
 
     def submit(self, branch, engine) -> None:
         la = self.launcher
-        s = 0 if la.single_stream else branch.stream
-        handle = la._h(la.streams[s] if la.streams else la.origin)
-        self.futures.append(self.pools[s].submit(engine.warm, handle))
+        s = la.origin if la.single_stream else la.streams[branch.stream]
+        self.futures.append(self.pool.submit(engine.warm, la._h(s)))
 
     def wait(self) -> float:
-        """Seconds from the first load to the last warm-up's end; raises the first warm-up error."""
+        """Seconds from the first load to the last warm-up's end; raises the first warm-up error (and stops)."""
         try:
             for f in self.futures:
                 f.result()
-        finally:
-            self.abandon()
+        except BaseException:
+            self.close()
+            raise
         return time.perf_counter() - self.t0
 
-    def abandon(self) -> None:
-        """A load failed: the warm-ups not begun are dropped, the running ones end, nothing is raised."""
-        for p in self.pools.values():
-            p.shutdown(wait=True, cancel_futures=True)
+    def run(self, fn):
+        """``fn()`` in the warming thread, on the launcher's device; its result or its error."""
+        device = self.launcher.device
+
+        def call():
+            cuda.set_device(device)  # a thread's current device is its own
+            return fn()
+
+        return self.pool.submit(call).result()
+
+    def close(self) -> None:
+        """The warm-ups not begun are dropped, a running one ends; the thread goes."""
+        self.pool.shutdown(wait=True, cancel_futures=True)
 
 
 class GpuLauncher:
@@ -266,7 +278,9 @@ class GpuLauncher:
             engines = []
             takes = inspect.signature(backend.load).parameters
             takes_layout = "internal_nhwc" in takes
-            warming = _Warming(self) if "warm" in takes else None
+            # an engine that can be loaded unwarmed (a torch "kernels" engine) is warmed by the thread that will
+            # launch and capture the plan (``_Warmer``), while the next ones load
+            warmer = _Warmer(self) if "warm" in takes else None
             try:
                 with self._memory():
                     for b in plan.branches:
@@ -276,7 +290,7 @@ class GpuLauncher:
                         ins = [self.specs[t] for t in b.inputs]
                         outs = [self.specs[t] for t in b.outputs]
                         kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
-                        if warming is not None:  # warmed by its stream's thread while the next ones load
+                        if warmer is not None:
                             kw["warm"] = False
                         if channel_views:
                             kw["channel_views"] = branch_views[b.id]
@@ -284,21 +298,22 @@ class GpuLauncher:
                             engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
                         except ParastreamError as e:  # e.g. an engine compiled for another GPU: name the file
                             raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None
-                        if warming is not None:
-                            warming.submit(b, engines[-1])
+                        if warmer is not None:
+                            warmer.submit(b, engines[-1])
             except BaseException:
-                if warming is not None:
-                    warming.abandon()
+                if warmer is not None:
+                    warmer.close()
                 self._destroy_streams()  # (close() has nothing to release until the launcher is open)
                 raise
             self.load_s = time.perf_counter() - t0
-            if warming is not None:
+            if warmer is not None:
                 try:
-                    self.warm_s = warming.wait()  # the first engine's error, if any, is raised here
+                    self.warm_s = warmer.wait()  # the first engine's error, if any, is raised here
                 except BaseException:
                     self._destroy_streams()
                     raise
         else:
+            warmer = None
             for b, e in zip(plan.branches, engines):
                 if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):
                     raise ParastreamError(f"{b.name}: the shared engines were loaded for another memory layout "
@@ -309,6 +324,8 @@ class GpuLauncher:
         # one arena for all boundary tensors (or, for a bucket of a dynamic-batch bundle, the buckets' shared one)
         self.offsets, total = arena_offsets(self.specs, self.views)
         if shared is not None and total > shared.nbytes:
+            if warmer is not None:
+                warmer.close()
             raise ParastreamError(f"{bundle.path}: needs an arena of {total} bytes, the shared one has {shared.nbytes}")
         self._arena = shared.arena if shared is not None else cuda.malloc(total)
         self.arena_device = cuda.get_device()  # where cudaMalloc put it: the current device, not necessarily 0
@@ -329,13 +346,23 @@ class GpuLauncher:
 
         self._graph = self._exec = None
         self._timed_exec = self._timed_graph = None
-        # warm-up on defined inputs (never captured), then capture
+        # warm-up on defined inputs (never captured), then capture: in the thread that warmed the engines
         self._fill_random_inputs(seed=0)
-        with self._memory():
-            self._launch_all(self.origin)
-            cuda.stream_synchronize(self.origin)
-            if graph:
-                self._graph, self._exec = self._capture(self._launch_all)
+
+        def warm_up_and_capture():
+            with self._memory():
+                self._launch_all(self.origin)
+                cuda.stream_synchronize(self.origin)
+                if graph:
+                    self._graph, self._exec = self._capture(self._launch_all)
+
+        if warmer is None:
+            warm_up_and_capture()
+        else:
+            try:
+                warmer.run(warm_up_and_capture)
+            finally:
+                warmer.close()
         cuda.stream_synchronize(self.origin)
         self.ready_s = time.perf_counter() - t0  # engines loaded, warmed up and captured
 

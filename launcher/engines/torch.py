@@ -1471,9 +1471,9 @@ class TorchEngine:
         art = getattr(self._runner, "artifact", None)
         if art is not None and not hasattr(art, "_parastream_warm_lock"):  # (made here, in the loading thread)
             art._parastream_warm_lock = threading.Lock()
-        # warm=False (the launcher's threads warm it): only a "kernels" artifact, whose first call is torch's
-        # operators and Triton launches; the others may compile (torch.compile, which is not thread-safe) or patch
-        # torch's global config on their first call, so they warm here, in the loading thread
+        # warm=False (the launcher warms it on its branch's stream): only a "kernels" artifact, whose first call is
+        # torch's operators and Triton launches; the others may compile or patch torch's global config on their
+        # first call, so they warm here
         if device == "cuda" and (warm or self.compiled_at_load or meta.get("compiled") != "kernels"):
             self.warm()
         self.load_s = time.perf_counter() - t0
@@ -1596,7 +1596,8 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
          options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
          channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> TorchEngine:
     """One branch's engine.  A GPU engine is warmed (its first call, ``TorchEngine.warm``) unless ``warm=False`` and
-    it ships a "kernels" artifact: the launcher then warms it itself, on its stream's thread."""
+    it ships a "kernels" artifact: the launcher then warms it itself, on its branch's stream, in the thread that
+    captures (torch's cuDNN plans are per thread)."""
     try:
         import torch
     except ImportError:
