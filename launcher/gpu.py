@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import contextlib
 import inspect
+import threading
 import time
 from dataclasses import dataclass
 
@@ -164,10 +165,28 @@ def load_phases(launcher) -> dict[str, float]:
     return out
 
 
+#: the thread in which launchers warm their engines and capture (``_Warmer``), one per process, made when first used
+_WARM_THREAD: list = []
+_WARM_LOCK = threading.Lock()
+
+
+def _warm_thread():
+    """The process's warm-up thread: the same one for every launcher, so that what torch keeps per thread (cuDNN's
+    convolution plans, cuBLAS handles) is built once per process, not once per launcher (a build loads one
+    launcher per measured candidate, per timed alternative and for its verification)."""
+    with _WARM_LOCK:
+        if not _WARM_THREAD:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _WARM_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="parastream-warm"))
+        return _WARM_THREAD[0]
+
+
 class _Warmer:
-    """One thread that warms the engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where cuDNN
-    plans each convolution and kernels load), each on its branch's stream, in load order, while the launcher loads
-    the next ones; and that then runs the launcher's own warm-up launch and capture (``run``).
+    """Warms the engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where cuDNN plans each
+    convolution and kernels load), each on its branch's stream, in load order, in the process's warm-up thread
+    while the launcher loads the next ones; that thread then runs the launcher's own warm-up launch and capture
+    (``run``).
 
     The same thread for both because torch keeps cuDNN's convolution plans per thread (its cuDNN v8 plan cache is
     thread-local): engines warmed in threads of their own had every plan built there and again by the launching
@@ -178,20 +197,31 @@ class _Warmer:
     come from the pool."""
 
     def __init__(self, launcher: "GpuLauncher"):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.launcher = launcher
-        self.pool = ThreadPoolExecutor(1, thread_name_prefix="parastream-warm")
+        self.pool = _warm_thread()
         self.futures: list = []
         self.t0 = time.perf_counter()
+
+    def _submit(self, fn, *args):
+        if threading.current_thread().name.startswith("parastream-warm"):  # a launcher made in that thread: here
+            from concurrent.futures import Future
+
+            f: Future = Future()
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - raised where the result is asked for, as from the thread
+                f.set_exception(e)
+            return f
+        return self.pool.submit(fn, *args)
 
     def submit(self, branch, engine) -> None:
         la = self.launcher
         s = la.origin if la.single_stream else la.streams[branch.stream]
-        self.futures.append(self.pool.submit(engine.warm, la._h(s)))
+        self.futures.append(self._submit(engine.warm, la._h(s)))
 
     def wait(self) -> float:
-        """Seconds from the first load to the last warm-up's end; raises the first warm-up error (and stops)."""
+        """Seconds from the first load to the last warm-up's end; raises the first warm-up error (the warm-ups
+        not begun are dropped)."""
         try:
             for f in self.futures:
                 f.result()
@@ -201,18 +231,26 @@ class _Warmer:
         return time.perf_counter() - self.t0
 
     def run(self, fn):
-        """``fn()`` in the warming thread, on the launcher's device; its result or its error."""
+        """``fn()`` in the warm-up thread, on the launcher's device; its result or its error."""
         device = self.launcher.device
 
         def call():
             cuda.set_device(device)  # a thread's current device is its own
             return fn()
 
-        return self.pool.submit(call).result()
+        return self._submit(call).result()
 
     def close(self) -> None:
-        """The warm-ups not begun are dropped, a running one ends; the thread goes."""
-        self.pool.shutdown(wait=True, cancel_futures=True)
+        """This launcher's warm-ups not begun are dropped and a running one ends (the thread stays: it is the
+        process's)."""
+        for f in self.futures:
+            f.cancel()
+        for f in self.futures:
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:  # noqa: BLE001 - the first error was raised already, or a load's is
+                    pass
 
 
 class GpuLauncher:
@@ -313,7 +351,9 @@ class GpuLauncher:
                     self._destroy_streams()
                     raise
         else:
-            warmer = None
+            # engines another launcher loaded (and warmed in the warm-up thread): captured there too, where their
+            # cuDNN plans are
+            warmer = _Warmer(self) if "warm" in inspect.signature(backend.load).parameters else None
             for b, e in zip(plan.branches, engines):
                 if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):
                     raise ParastreamError(f"{b.name}: the shared engines were loaded for another memory layout "

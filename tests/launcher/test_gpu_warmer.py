@@ -57,15 +57,47 @@ def test_a_single_stream_plan_warms_on_the_origin():
     assert log[0][2] == "handle:origin"
 
 
-def test_a_warm_up_error_is_raised_by_wait_and_the_thread_goes():
+def test_a_warm_up_error_is_raised_by_wait_and_the_warm_ups_not_begun_are_dropped():
     log: list = []
     w = gpu._Warmer(_launcher())
-    w.submit(SimpleNamespace(stream=0), _Engine(log, fail=True, sleep=0.05))
-    w.submit(SimpleNamespace(stream=1), _Engine(log))
+    gate = threading.Event()
+    w.futures.append(w.pool.submit(gate.wait))  # holds the thread until the failing warm-up is queued
+    w.submit(SimpleNamespace(stream=0), _Engine(log, fail=True))
+    w.submit(SimpleNamespace(stream=1), _Engine(log, sleep=0.5))
+    w.submit(SimpleNamespace(stream=0), _Engine(log))
+    gate.set()
     with pytest.raises(RuntimeError, match="cuDNN said no"):
         w.wait()
-    with pytest.raises(RuntimeError):  # the thread is gone: nothing more runs
-        w.run(lambda: None)
+    assert len(log) <= 2  # the last one never ran (the second may have begun)
+    assert w.run(lambda: "still there") == "still there"  # the thread is the process's: it stays
+
+
+def test_every_launcher_of_a_process_warms_and_captures_in_the_same_thread():
+    """torch keeps cuDNN's plans per thread: a build's launchers (candidates, alternatives, verification) find
+    the plans the earlier ones built."""
+    idents = set()
+    for single in (False, True):
+        log: list = []
+        w = gpu._Warmer(_launcher(single_stream=single))
+        w.submit(SimpleNamespace(stream=0), _Engine(log))
+        w.wait()
+        idents |= {entry[3] for entry in log} | {w.run(threading.get_ident)}
+        w.close()
+    assert len(idents) == 1 and threading.get_ident() not in idents
+
+
+def test_a_launcher_made_inside_the_warm_up_thread_warms_there_instead_of_waiting_for_itself():
+    log: list = []
+
+    def inner():
+        w = gpu._Warmer(_launcher())
+        w.submit(SimpleNamespace(stream=0), _Engine(log))
+        w.wait()
+        return w.run(threading.get_ident)
+
+    outer = gpu._Warmer(_launcher())
+    got = outer.run(inner)
+    assert got == log[0][3] != threading.get_ident()
 
 
 def test_an_error_of_the_capture_is_the_caller_s():
