@@ -34,6 +34,7 @@ through ``torch.as_tensor``/``cupy.asarray``/DLPack), then call ``launch()``.
 
 from __future__ import annotations
 
+import threading
 import time
 from dataclasses import dataclass
 
@@ -152,58 +153,111 @@ class SharedArena:
 
 def load_phases(launcher) -> dict[str, float]:
     """Seconds of the launcher's engine loads by phase, summed over its engines (those that record ``phases``:
-    torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total (loads), ``warm_wall``
-    (their warm-up, each stream's in a thread) and ``ready`` (engines loaded to graph captured)."""
+    torch engines' unpack, weights, artifact, warm), and the launcher's ``engines`` total (loads),
+    ``warm_wall`` (from the first load to the last warm-up's end, in the thread that captures) and ``ready``
+    (engines loaded to graph captured)."""
     out: dict[str, float] = {}
     for e in getattr(launcher, "engines", None) or []:
         for k, v in (getattr(e, "phases", None) or {}).items():
             out[k] = round(out.get(k, 0.0) + v, 4)
     out["engines"] = round(getattr(launcher, "load_s", 0.0), 4)
-    out["warm_wall"] = round(getattr(launcher, "warm_s", 0.0), 4)  # the launcher's warm-up of them, threads overlapped
+    out["warm_wall"] = round(getattr(launcher, "warm_s", 0.0), 4)  # the launcher's warm-up of them
     out["ready"] = round(getattr(launcher, "ready_s", 0.0), 4)
     return out
 
 
-class _Warming:
-    """The launcher's warm-up of engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where
-    cuDNN plans its convolutions and kernels load): each stream's engines on that stream, in a thread of that
-    stream's own, in the order they load, while the launcher goes on loading the next ones.  That first call is
-    mostly work inside torch's operators, which let go of the interpreter lock, so it overlaps the loads (Python)
-    and the other streams' warm-up; and each library sets up its per-stream state for the streams the capture
-    records on.  The threads allocate outside the launcher's memory pool (torch lets one thread at a time record
-    into a pool, and the loads do): their temporaries come from torch's own cache; the capture's still come
-    from the pool."""
+#: the thread in which launchers warm their engines and capture (``_Warmer``), one per process, made when first used
+_WARM_THREAD: list = []
+_WARM_LOCK = threading.Lock()
+
+
+def _warm_thread():
+    """The process's warm-up thread: the same one for every launcher, so that what torch keeps per thread (cuDNN's
+    convolution plans, cuBLAS handles) is built once per process, not once per launcher (a build loads one
+    launcher per measured candidate, per timed alternative and for its verification)."""
+    with _WARM_LOCK:
+        if not _WARM_THREAD:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _WARM_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="parastream-warm"))
+        return _WARM_THREAD[0]
+
+
+class _Warmer:
+    """Warms the engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where cuDNN plans each
+    convolution and kernels load), each on its branch's stream, in load order, in the process's warm-up thread
+    while the launcher loads the next ones; that thread then runs the launcher's own warm-up launch and capture
+    (``run``).
+
+    The same thread for both because torch keeps cuDNN's convolution plans per thread (its cuDNN v8 plan cache is
+    thread-local): engines warmed in threads of their own had every plan built there and again by the launching
+    thread (H100, fresh processes, bench/load_breakdown.py: MixNet-S's one engine 6.0 s of warm-up in a thread,
+    then 5.3 s more before its capture; NASNet-A Large 9.1 s and 5.6 s).  A plan costs 15-45 ms for a grouped or
+    depthwise convolution, 1-2 ms for a dense one.  The warm-ups allocate outside the launcher's memory pool
+    (torch lets one thread at a time record into a pool, and the loads do); the capture's allocations still
+    come from the pool."""
 
     def __init__(self, launcher: "GpuLauncher"):
-        from concurrent.futures import ThreadPoolExecutor
-
         self.launcher = launcher
-        # a thread's current device is its own (0 when it starts): each warms on the launcher's
-        self.pools = {s: ThreadPoolExecutor(1, thread_name_prefix=f"parastream-warm-{s}", initializer=cuda.set_device,
-                                            initargs=(launcher.device,))
-                      for s in range(max(1, len(launcher.streams)))}
+        self.pool = _warm_thread()
         self.futures: list = []
         self.t0 = time.perf_counter()
 
+    def _submit(self, fn, *args):
+        if threading.current_thread().name.startswith("parastream-warm"):  # a launcher made in that thread: here
+            from concurrent.futures import Future
+
+            f: Future = Future()
+            try:
+                f.set_result(fn(*args))
+            except BaseException as e:  # noqa: BLE001 - raised where the result is asked for, as from the thread
+                f.set_exception(e)
+            return f
+        return self.pool.submit(fn, *args)
+
     def submit(self, branch, engine) -> None:
         la = self.launcher
-        s = 0 if la.single_stream else branch.stream
-        handle = la._h(la.streams[s] if la.streams else la.origin)
-        self.futures.append(self.pools[s].submit(engine.warm, handle))
+        s = la.origin if la.single_stream else la.streams[branch.stream]
+        self.futures.append(self._submit(self._on_device, engine.warm, la._h(s)))
+
+    def _on_device(self, fn, *args):
+        """``fn(*args)`` on the launcher's device: the warm-up thread is the process's, shared by launchers on
+        any GPU, and a thread's current device is its own."""
+        cuda.set_device(self.launcher.device)
+        return fn(*args)
 
     def wait(self) -> float:
-        """Seconds from the first load to the last warm-up's end; raises the first warm-up error."""
+        """Seconds from the first load to the last warm-up's end; raises the first warm-up error (the warm-ups
+        not begun are dropped)."""
         try:
             for f in self.futures:
                 f.result()
-        finally:
-            self.abandon()
+        except BaseException:
+            self.close()
+            raise
         return time.perf_counter() - self.t0
 
-    def abandon(self) -> None:
-        """A load failed: the warm-ups not begun are dropped, the running ones end, nothing is raised."""
-        for p in self.pools.values():
-            p.shutdown(wait=True, cancel_futures=True)
+    def run(self, fn):
+        """``fn()`` in the warm-up thread, on the launcher's device; its result or its error."""
+        device = self.launcher.device
+
+        def call():
+            cuda.set_device(device)  # a thread's current device is its own
+            return fn()
+
+        return self._submit(call).result()
+
+    def close(self) -> None:
+        """This launcher's warm-ups not begun are dropped and a running one ends (the thread stays: it is the
+        process's)."""
+        for f in self.futures:
+            f.cancel()
+        for f in self.futures:
+            if not f.cancelled():
+                try:
+                    f.result()
+                except BaseException:  # noqa: BLE001 - the first error was raised already, or a load's is
+                    pass
 
 
 class GpuLauncher:
@@ -270,7 +324,9 @@ class GpuLauncher:
         if engines is None:
             engines = []
             takes_layout = backend.supports_internal_nhwc
-            warming = _Warming(self) if backend.warms_after_load else None
+            # an engine that can be loaded unwarmed (a torch "kernels" engine) is warmed by the thread that will
+            # launch and capture the plan (``_Warmer``), while the next ones load
+            warmer = _Warmer(self) if backend.warms_after_load else None
             try:
                 with self._memory():
                     for b in plan.branches:
@@ -280,7 +336,7 @@ class GpuLauncher:
                         ins = [self.specs[t] for t in b.inputs]
                         outs = [self.specs[t] for t in b.outputs]
                         kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
-                        if warming is not None:  # warmed by its stream's thread while the next ones load
+                        if warmer is not None:
                             kw["warm"] = False
                         if channel_views:
                             kw["channel_views"] = branch_views[b.id]
@@ -288,21 +344,24 @@ class GpuLauncher:
                             engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
                         except ParastreamError as e:  # e.g. an engine compiled for another GPU: name the file
                             raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None
-                        if warming is not None:
-                            warming.submit(b, engines[-1])
+                        if warmer is not None:
+                            warmer.submit(b, engines[-1])
             except BaseException:
-                if warming is not None:
-                    warming.abandon()
+                if warmer is not None:
+                    warmer.close()
                 self._destroy_streams()  # (close() has nothing to release until the launcher is open)
                 raise
             self.load_s = time.perf_counter() - t0
-            if warming is not None:
+            if warmer is not None:
                 try:
-                    self.warm_s = warming.wait()  # the first engine's error, if any, is raised here
+                    self.warm_s = warmer.wait()  # the first engine's error, if any, is raised here
                 except BaseException:
                     self._destroy_streams()
                     raise
         else:
+            # engines another launcher loaded (and warmed in the warm-up thread): captured there too, where their
+            # cuDNN plans are
+            warmer = _Warmer(self) if backend.warms_after_load else None
             for b, e in zip(plan.branches, engines):
                 if (e is None) != (b.id in self.elided) or (e is not None and getattr(e, "channel_views", {}) != branch_views[b.id]):
                     raise ParastreamError(f"{b.name}: the shared engines were loaded for another memory layout "
@@ -313,6 +372,8 @@ class GpuLauncher:
         # one arena for all boundary tensors (or, for a bucket of a dynamic-batch bundle, the buckets' shared one)
         self.offsets, total = arena_offsets(self.specs, self.views)
         if shared is not None and total > shared.nbytes:
+            if warmer is not None:
+                warmer.close()
             raise ParastreamError(f"{bundle.path}: needs an arena of {total} bytes, the shared one has {shared.nbytes}")
         self._arena = shared.arena if shared is not None else cuda.malloc(total)
         self.arena_device = cuda.get_device()  # where cudaMalloc put it: the current device, not necessarily 0
@@ -333,13 +394,23 @@ class GpuLauncher:
 
         self._graph = self._exec = None
         self._timed_exec = self._timed_graph = None
-        # warm-up on defined inputs (never captured), then capture
+        # warm-up on defined inputs (never captured), then capture: in the thread that warmed the engines
         self._fill_random_inputs(seed=0)
-        with self._memory():
-            self._launch_all(self.origin)
-            cuda.stream_synchronize(self.origin)
-            if graph:
-                self._graph, self._exec = self._capture(self._launch_all)
+
+        def warm_up_and_capture():
+            with self._memory():
+                self._launch_all(self.origin)
+                cuda.stream_synchronize(self.origin)
+                if graph:
+                    self._graph, self._exec = self._capture(self._launch_all)
+
+        if warmer is None:
+            warm_up_and_capture()
+        else:
+            try:
+                warmer.run(warm_up_and_capture)
+            finally:
+                warmer.close()
         cuda.stream_synchronize(self.origin)
         self.ready_s = time.perf_counter() - t0  # engines loaded, warmed up and captured
 

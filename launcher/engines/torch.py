@@ -445,6 +445,7 @@ def clear_memory_cache() -> None:
         _CACHE.clear()
         _PACKED.clear()
         _SERIALIZED.clear()
+        _SAME_CODE.clear()
     _FAILED.clear()
 
 
@@ -623,6 +624,13 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
         if consts:  # see the docstring: the loaded artifact could not run these
             raise ParastreamError(f"the traced branch holds tensor constants {consts[:3]}: no Inductor artifact")
         fmt = inductor_format(options)
+        same = _code_id(gm, [*params, *args], options, fmt, device)
+        hit = _code_get(same, options.cache_dir)
+        if hit is not None:  # another branch with this very graph was compiled in this process: its code, our weights
+            package, compiled_extra = hit
+            weights, fields = _weights_blob(params)
+            return package, dict(compiled_extra, params=[n.removeprefix("inner.") for n in names],
+                                 param_specs=_param_specs(params), code_reused=True, **fields), weights
         kernels = fmt == "kernels" and device == "cuda"
         if kernels:
             from . import inductor_kernels
@@ -636,14 +644,72 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
     if kernels:
         try:
             package, info = inductor_kernels.extract(art, [*params, *args], len(outputs))
-            return package, dict(extra, compiled="kernels", kernels=info), weights
+            extra = dict(extra, compiled="kernels", kernels=info)
+            _remember_code(same, package, extra, options.cache_dir)
+            return package, extra, weights
         except Exception as e:  # noqa: BLE001 - Inductor's own artifact ships instead, engine.json says why
             extra["kernels_error"] = _failure(e)
     with tempfile.TemporaryDirectory(prefix="parastream-inductor-") as d:  # the API saves to a path
         path = os.path.join(d, "inductor.bin")
         art.save(path=path, format="binary")
         data = Path(path).read_bytes()
+    _remember_code(same, data, extra, options.cache_dir)
     return data, extra, weights
+
+
+#: a traced graph's identity (``_code_id``) -> (the artifact Inductor compiled from it, its engine.json fields but
+#: the weights'): branches whose graphs are the same compile to the same code, since their weights are graph inputs.
+#: A compile worker keeps it across its jobs (structure groups are compiled in one worker in turn); with
+#: ``--cache-dir`` it is also kept in DIR/torch-code/, so that a rebuild of a model whose weights changed compiles
+#: nothing whose code did not (the compiled-branch cache, keyed by the branch with its weights, misses there)
+_SAME_CODE: OrderedDict = OrderedDict()
+SAME_CODE_BYTES = 1 << 30
+_WEIGHT_FIELDS = ("params", "param_specs", "param_offsets", "param_digests")
+
+
+def _code_id(gm, tensors: list, options: BuildOptions, fmt: str, device: str) -> str:
+    """sha256 of what Inductor compiles: the traced graph's code (its operators, their arguments and any Python
+    constant in it: a value that the ONNX held as a weight but the converter folded into the code makes another
+    graph), the dtype, shape and strides of every graph input (weights, inputs, outputs), the Inductor options,
+    the artifact format and the device.  Equal ids compile to the same artifact (the weights are graph inputs).
+    Not ``structure_key``, which leaves out every float initializer's values and only groups compile jobs."""
+    h = hashlib.sha256(gm.code.encode())
+    h.update(json.dumps({"inputs": _param_specs(tensors), "inductor": _inductor_options(options),
+                         "format": fmt, "device": device}, sort_keys=True, default=str).encode())
+    return h.hexdigest()
+
+
+def _code_file(cache_dir: str | None, same: str) -> Path | None:
+    return Path(cache_dir) / "torch-code" / f"{same}.bin" if cache_dir else None
+
+
+def _code_get(same: str, cache_dir: str | None) -> tuple[bytes, dict] | None:
+    """(artifact, engine.json fields but the weights') compiled from a graph with this ``_code_id``, in this process
+    or in ``cache_dir``; else None."""
+    with _CACHE_LOCK:
+        hit = _SAME_CODE.get(same)
+        if hit is not None:
+            _SAME_CODE.move_to_end(same)
+            return hit
+    f = _code_file(cache_dir, same)
+    if f is None or not f.is_file():
+        return None
+    package, kept, _ = _split_entry(f.read_bytes())
+    with _CACHE_LOCK:
+        _lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
+    return package, kept
+
+
+def _remember_code(same: str, package: bytes, extra: dict, cache_dir: str | None) -> None:
+    kept = {k: v for k, v in extra.items() if k not in _WEIGHT_FIELDS}
+    with _CACHE_LOCK:
+        _lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
+    f = _code_file(cache_dir, same)
+    if f is not None:  # written by a compile worker: its process and thread name the temporary file
+        f.parent.mkdir(parents=True, exist_ok=True)
+        tmp = f.with_name(f".{f.name}.{os.getpid()}.{threading.get_ident()}.tmp")
+        tmp.write_bytes(_entry(package, kept))
+        tmp.replace(f)  # atomic: a concurrent build never reads half an artifact
 
 
 def compile_workers(options: BuildOptions | None = None) -> int:
@@ -1067,10 +1133,12 @@ class Builder(BuilderBase):
                     _PACKED.move_to_end(key)
             if packed is None:
                 package, extra, weights = _split_entry(package or compiled[key])
+                reused = extra.pop("code_reused", False)  # the report's, not engine.json's: the same file either way
                 full = dict(meta, **extra)
                 # what shipped: "kernels", or Inductor's own artifact and why not kernels
                 shipped = {"compiled": full["compiled"], **({"kernels_error": full["kernels_error"]}
-                                                            if "kernels_error" in full else {})}
+                                                            if "kernels_error" in full else {}),
+                           **({"code_reused": True} if reused else {})}
                 packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:
                     _lru_put(_PACKED, key, packed, CACHE_BYTES // 2, size=lambda v: len(v[0]))
@@ -1502,9 +1570,9 @@ class TorchEngine:
         art = getattr(self._runner, "artifact", None)
         if art is not None and not hasattr(art, "_parastream_warm_lock"):  # (made here, in the loading thread)
             art._parastream_warm_lock = threading.Lock()
-        # warm=False (the launcher's threads warm it): only a "kernels" artifact, whose first call is torch's
-        # operators and Triton launches; the others may compile (torch.compile, which is not thread-safe) or patch
-        # torch's global config on their first call, so they warm here, in the loading thread
+        # warm=False (the launcher warms it on its branch's stream): only a "kernels" artifact, whose first call is
+        # torch's operators and Triton launches; the others may compile or patch torch's global config on their
+        # first call, so they warm here
         if device == "cuda" and (warm or self.compiled_at_load or meta.get("compiled") != "kernels"):
             self.warm()
         self.load_s = time.perf_counter() - t0
@@ -1642,7 +1710,8 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
          options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
          channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> TorchEngine:
     """One branch's engine.  A GPU engine is warmed (its first call, ``TorchEngine.warm``) unless ``warm=False`` and
-    it ships a "kernels" artifact: the launcher then warms it itself, on its stream's thread."""
+    it ships a "kernels" artifact: the launcher then warms it itself, on its branch's stream, in the thread that
+    captures (torch's cuDNN plans are per thread)."""
     try:
         import torch
     except ImportError:

@@ -451,38 +451,43 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
 
 
 @pytest.mark.gpu
-def test_the_launcher_warms_each_stream_s_engines_on_that_stream_in_a_thread_of_its_own(gpu_bundle, monkeypatch):
-    """The GPU launcher loads its torch engines unwarmed and warms them while it loads the next: every engine
-    once, on its branch's stream, each stream's engines in load order in a thread of that stream's, the threads
-    side by side; then it captures, and the replay matches onnxruntime."""
+def test_the_launcher_warms_engines_and_captures_in_one_thread_while_it_loads(gpu_bundle, monkeypatch):
+    """The GPU launcher loads its torch engines unwarmed and warms them in one thread of its own while it loads the
+    next: every engine once, on its branch's stream, in load order; then that same thread launches and captures
+    the plan (torch keeps cuDNN's convolution plans per thread: warmed in other threads than the capturing one,
+    every plan was built twice).  The replay matches onnxruntime."""
     import threading
 
     from parastream.launcher.gpu import GpuLauncher
 
     folder, bundle = gpu_bundle
     calls, real = [], tb.TorchEngine.warm
+    captured, real_capture = [], GpuLauncher._capture
 
     def warm(self, stream_handle=None):
         calls.append((id(self), stream_handle, threading.current_thread().name))
         return real(self, stream_handle)
 
+    def capture(self, body, *args):
+        captured.append(threading.current_thread().name)
+        return real_capture(self, body, *args)
+
     monkeypatch.setattr(tb.TorchEngine, "warm", warm)
+    monkeypatch.setattr(GpuLauncher, "_capture", capture)
     la = GpuLauncher(bundle)
     try:
         plan = la.plan
         engines = {id(la.engines[b]): b for b in plan.launch_order if la.engines[b] is not None}
         assert sorted(engines.values()) == sorted(engines[i] for i, _, _ in calls)  # each engine once
         assert all(e.warmed for e in la.engines if e is not None)
-        by_thread = {}
-        for i, handle, thread in calls:
-            b = engines[i]
-            assert handle == la._h(la.streams[plan.branches[b].stream])  # on its branch's stream
-            by_thread.setdefault(thread, []).append(b)
-        streams_used = {plan.branches[b].stream for b in engines.values()}
-        assert len(by_thread) == len(streams_used) > 1
-        for thread, bids in by_thread.items():
-            assert thread.startswith("parastream-warm-") and len({plan.branches[b].stream for b in bids}) == 1
-            assert bids == sorted(bids)  # in load order
+        threads = {thread for _, _, thread in calls}
+        assert len(threads) == 1 and threads != {threading.current_thread().name}
+        assert captured == list(threads)  # the plan captured by the thread that warmed its engines
+        assert next(iter(threads)).startswith("parastream-warm")
+        assert len({plan.branches[b].stream for b in engines.values()}) > 1
+        for i, handle, _ in calls:
+            assert handle == la._h(la.streams[plan.branches[engines[i]].stream])  # on its branch's stream
+        assert [engines[i] for i, _, _ in calls] == sorted(engines[i] for i, _, _ in calls)  # in load order
         x = np.random.default_rng(8).standard_normal(plan.inputs[0].shape).astype(np.float32)
         y = la({plan.inputs[0].name: x})[plan.outputs[0].name]
         assert scaled_error(folder, bundle, x, y) < 2e-2
