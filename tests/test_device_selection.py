@@ -300,8 +300,10 @@ def test_on_device_sets_the_device_for_the_block_and_restores_it(monkeypatch):
     assert cuda.get_device() == 0  # restored on the way out of an error too
 
 
-def test_warm_up_threads_run_on_the_launchers_device(monkeypatch):
-    from parastream.launcher.gpu import _Warming
+def test_the_warm_up_thread_runs_on_each_launchers_device(monkeypatch):
+    """The process's one warm-up thread is shared by launchers on any GPU: each warm-up and each launcher's
+    capture run there on that launcher's device."""
+    from parastream.launcher.gpu import _Warmer
 
     fake = _FakeRuntime()
     monkeypatch.setattr(cuda, "_rt", fake)
@@ -311,13 +313,15 @@ def test_warm_up_threads_run_on_the_launchers_device(monkeypatch):
         def warm(self, stream):
             seen.append((stream, cuda.get_device()))
 
-    la = types.SimpleNamespace(device=1, streams=[11, 12], origin=10, single_stream=False, _h=lambda s: s)
-    warming = _Warming(la)
-    for s in (0, 1):
-        warming.submit(types.SimpleNamespace(stream=s), Engine())
-    warming.wait()
-    assert sorted(seen) == [(11, 1), (12, 1)]
-    assert all(name.startswith("parastream-warm-") for name, _ in fake.sets)
+    for device, streams in ((1, [11, 12]), (0, [21, 22])):
+        la = types.SimpleNamespace(device=device, streams=streams, origin=10, single_stream=False, _h=lambda s: s)
+        warmer = _Warmer(la)
+        for s in (0, 1):
+            warmer.submit(types.SimpleNamespace(stream=s), Engine())
+        warmer.wait()
+        assert warmer.run(cuda.get_device) == device
+    assert sorted(seen) == [(11, 1), (12, 1), (21, 0), (22, 0)]
+    assert all(name.startswith("parastream-warm") for name, _ in fake.sets)
 
 
 def _launcher_on(device: int):

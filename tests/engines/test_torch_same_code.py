@@ -104,16 +104,11 @@ def test_other_strides_are_another_graph(compiles):
     assert len(compiles) == 2
 
 
-def test_the_build_reports_the_reuse_and_engine_json_does_not_carry_it(compiles, monkeypatch):
-    import os
-
-    monkeypatch.setattr(tb, "ARTIFACT", "inductor")
-    monkeypatch.setenv("PARASTREAM_TORCH_ARTIFACT", "inductor")
-    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "1")
+def test_the_build_reports_the_reuse_and_engine_json_does_not_carry_it(compiles):
     layout = {"inputs": [IN], "outputs": [OUT]}
-    builder = tb.Builder(BuildOptions(device="cpu"))
+    builder = tb.Builder(BuildOptions(device="cpu", torch_artifact="inductor", compile_workers=1))
     a, b = builder.build_all([(branch(7), "branch_000", layout), (renamed(8), "branch_001", layout)])
-    assert len(compiles) == 1 and os.environ["PARASTREAM_COMPILE_WORKERS"] == "1"
+    assert len(compiles) == 1
     rep = builder.report()
     assert rep["branch_001"].get("code_reused") and not rep["branch_000"].get("code_reused")
     assert "code_reused" not in tb.EngineFile(b).meta
