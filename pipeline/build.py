@@ -121,14 +121,6 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
     return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
 
 
-def _after_search(model: onnx.ModelProto, graph: gs.Graph, searched: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
-    """The model and graph that the rewrite search leaves: ``model`` and its ``graph`` when it changed nothing (it
-    returns its input then), else the rewritten model (shape-inferred), imported into graphsurgeon once."""
-    if searched is model:
-        return model, graph
-    return searched, graph_of(searched)  # inferred and checked by the search's export (no second inference)
-
-
 def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):
     """``branch -> keyword arguments for builder.build``: the GPU launcher's tensor layout for builders that
     compile for it (torch: Inductor artifacts or AOTInductor packages), so the engine compiled is the engine loaded; else nothing."""
@@ -713,7 +705,7 @@ def gpu_measure(backend, options: BuildOptions, cost_model, loaded: LoadedModel,
             return got[1:]
         if model is loaded.model:  # the search measures its input first: the loader's graph
             m, graph = model, loaded.graph
-        else:  # the search's exports are shape-inferred and checked already (as in ``_after_search``)
+        else:  # the search's exports are shape-inferred and checked already
             m = model if _shapes_known(model) else _infer(model)
             graph = graph_of(m)
         sched, _ = plan_streams(graph, cost_model, streams, max_streams)
@@ -1018,7 +1010,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
     if not cfg.search:
         return
     with b.timed("search"):
-        from parastream.rewrite import optimize
+        from parastream.rewrite import optimize_graph
 
         # the search costs candidates on the number of streams the input would get
         b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
@@ -1035,8 +1027,10 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
                 before = {"error": f"{type(e).__name__}: {e}"}
         task = b.bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measurer else ""))
         try:
-            searched, report = optimize(b.model, cost_model=b.cost_model, streams=b.planned[1][0].num_streams,
-                                        seed=cfg.seed, measure=measurer, **cfg.search_options)
+            # the search copies the carried graph and hands back the graph of the model it returns (no import)
+            searched, graph, report = optimize_graph(b.model, b.graph, cost_model=b.cost_model,
+                                                     streams=b.planned[1][0].num_streams, seed=cfg.seed,
+                                                     measure=measurer, **cfg.search_options)
             if measurer is not None and searched is b.model:  # the input kept: its alternatives, timed meanwhile
                 b.timed_alternatives = measurer.alternatives_timed()
         finally:
@@ -1048,7 +1042,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             b.search_report["prepared_before_search"] = before
             b.search_report["alternatives_timed"] = ((b.timed_alternatives or {}).get("timed")
                                                      or "after the search")
-        b.model, b.graph = _after_search(b.model, b.graph, searched)
+        b.model, b.graph = searched, graph
         task.advance()
 
 

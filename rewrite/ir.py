@@ -121,7 +121,18 @@ def _hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
 
 
 def import_graph(model: onnx.ModelProto) -> gs.Graph:
-    graph = gs.import_onnx(infer(model))
+    """``model`` in graphsurgeon with the invariants above (its shapes inferred here)."""
+    return _for_rules(gs.import_onnx(infer(model)))
+
+
+def working_copy(graph: gs.Graph) -> gs.Graph:
+    """A copy of ``graph`` (a model's graph with its shapes inferred: the loader's ``LoadedModel.graph``) with
+    the invariants of ``import_graph``, for the rules to rewrite; ``graph`` itself is left as it is (its weights
+    stay as they are held, the copy loads them into arrays of its own tensors)."""
+    return _for_rules(copy_graph(graph))
+
+
+def _for_rules(graph: gs.Graph) -> gs.Graph:
     _lift_constant_nodes(graph)
     for t in graph.tensors().values():
         if isinstance(t, gs.Constant):
@@ -129,6 +140,59 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
     _name_nodes(graph)
     toposort(cleanup(graph))
     return graph
+
+
+def adopt_model(graph: gs.Graph, model: onnx.ModelProto) -> gs.Graph | None:
+    """``graph`` made what importing ``model`` would give, where ``model`` is ``graph`` exported and
+    shape-inferred (the loader's folded model, the search's chosen candidate): the inferred types and shapes go
+    onto its tensors the way graphsurgeon's importer reads them (a tensor's first declaration, a value_info
+    declared again filling what the first lacks, a tensor declared nowhere without any), its weights are read
+    from ``model``'s initializers as an import's are (so that the arrays or protos it held can go), its nodes
+    take ``model``'s names and the graph ``model``'s name, producer, IR version and opsets; then toposorted.
+    Changed in place and returned; None (``graph`` unchanged) when ``model`` has another node list: import it.
+
+    Importing ``model`` again would give the same graph (every tensor, attribute and exported byte: the
+    loader's test holds them equal) at the cost of a second import of every node and weight."""
+    from onnx_graphsurgeon.importers.onnx_importer import (get_onnx_tensor_dtype, get_onnx_tensor_shape,
+                                                           get_onnx_tensor_type)
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    nodes = model.graph.node
+    if len(graph.nodes) != len(nodes) or any(n.op != p.op_type for n, p in zip(graph.nodes, nodes)):
+        return None
+    for n, p in zip(graph.nodes, nodes):
+        n.name = p.name
+    tensors = graph.tensors()
+    inits = {t.name: t for t in model.graph.initializer}
+    declared: set[str] = set()
+    value_info = len(model.graph.value_info)
+    ends = [*(i for i in model.graph.input if i.name not in inits), *model.graph.output]
+    for k, vi in enumerate([*model.graph.value_info, *ends]):
+        t = tensors.get(vi.name)
+        if not isinstance(t, gs.Variable) or vi.name in declared and k >= value_info:
+            continue  # a graph input or output declared before keeps that declaration
+        if vi.name in declared:  # a value_info declared again only fills in what the first one lacks
+            if vi.type.ByteSize() > 0:
+                t.dtype, t.shape = t.dtype or get_onnx_tensor_dtype(vi), t.shape or get_onnx_tensor_shape(vi)
+            continue
+        declared.add(vi.name)
+        if vi.type.ByteSize() > 0:
+            t.dtype, t.shape, t.type = get_onnx_tensor_dtype(vi), get_onnx_tensor_shape(vi), get_onnx_tensor_type(vi)
+        else:
+            t.dtype, t.shape, t.type = None, None, "tensor_type"
+    for name, t in tensors.items():
+        if isinstance(t, gs.Variable) and name not in declared:
+            t.dtype, t.shape, t.type = None, None, "tensor_type"
+        elif isinstance(t, gs.Constant) and name in inits:
+            proto = inits[name]
+            t.values = LazyValues(proto)
+            t.data_location = int(proto.data_location) if proto.HasField("data_location") else None
+    graph.name, graph.doc_string = model.graph.name, model.graph.doc_string
+    graph.producer_name, graph.producer_version = model.producer_name, model.producer_version
+    graph.ir_version = model.ir_version
+    graph.import_domains = model.opset_import
+    graph.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), graph.opset)
+    return toposort(graph)
 
 
 def _lift_constant_nodes(graph: gs.Graph) -> None:
