@@ -111,14 +111,15 @@ def _shapes_known(model: onnx.ModelProto) -> bool:
     return all(o in known for n in model.graph.node for o in n.output if o)
 
 
-def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
-    """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates best."""
+def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int, dag=None) -> tuple[Schedule, list[dict]]:
+    """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates best.
+    ``dag``: the graph's ``analysis.node_dag`` when the caller has it."""
     if streams:
-        sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound)
+        sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound, dag=dag)
         est = estimate_latency(sched)
         return sched, [{"streams": sched.num_streams, "engines": len(sched.branches), "critical_path_s": sched.makespan,
                         "estimated_s": est, "chosen": True, "requested": streams}]
-    return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
+    return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound, dag=dag)
 
 
 def _engine_layouts(plan, backend, builder, options: BuildOptions, internal_nhwc: bool = True):
@@ -513,7 +514,7 @@ class CpuAlternative:
 
 
 def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, cost_model,
-                     cfg: "BuildConfig", rewritten: bool) -> list[CpuAlternative]:
+                     cfg: "BuildConfig", rewritten: bool, dag=None) -> list[CpuAlternative]:
     """What a CPU build can ship, the DEFAULT first: the loaded model as one onnxruntime session with every core
     (plain onnxruntime, which a bundle must never be slower than), then the rewritten model as one session, the
     multi-stream plan the cost model scheduled with the cores shared out among its streams, and with every core
@@ -535,7 +536,9 @@ def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Grap
             if name.startswith("rewritten") and (m is loaded.model or not rewritten):
                 continue
             g = graph if m is model else loaded.graph  # the loader's graph of the loaded model
-            whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound), 0))
+            g_dag = dag if g is graph else loaded.dag  # (``dag``: the node DAG of ``graph``, when the caller has it)
+            whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound,
+                                                                   dag=g_dag), 0))
     # plain onnxruntime (the original, one session) first when it is an alternative: it is the default
     return whole[::-1] + plans
 
@@ -566,7 +569,8 @@ CPU_INTERLEAVE_BYTES = 256 << 20  # alternatives whose sessions' engines togethe
 
 
 def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph, sched: Schedule, backend,
-                           options: BuildOptions, cost_model, cfg: "BuildConfig", scratch: Path, rewritten: bool = True):
+                           options: BuildOptions, cost_model, cfg: "BuildConfig", scratch: Path, rewritten: bool = True,
+                           dag=None):
     """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
     candidates, and keep the default (plain onnxruntime) unless another is faster beyond the noise
     (``decide_by_timing``) on a machine that other processes left to the build (``OthersLoad``: at most
@@ -587,7 +591,7 @@ def choose_cpu_alternative(loaded: LoadedModel, model: onnx.ModelProto, graph: g
     from parastream.launcher import cpu as cpu_launcher
 
     cores = os.cpu_count() or 1
-    alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, cfg, rewritten)
+    alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, cfg, rewritten, dag)
     report = {"runs": cfg.cpu_runs, "cores": cores, "default": alternatives[0].name, "timed": []}
     built: dict[tuple, tuple[Bundle, dict]] = {}
     busy_before = None
@@ -948,6 +952,7 @@ class _Build:
     model: onnx.ModelProto
     graph: gs.Graph
     t_start: float
+    dag: object = None  # the node DAG of ``graph`` (analysis.node_dag): built once per graph, read by the schedules
     timings: dict = field(default_factory=dict)
     search_report: dict = field(default_factory=lambda: {"enabled": False})
     planned: tuple = (None, None)  # (graph, plan_streams of it) when the search planned it
@@ -999,7 +1004,8 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     device_profile = cfg.device or default_device_profile(backend)
     b = _Build(cfg=cfg, backend=backend, bar=bar, loaded=loaded, options=options,
                cost_model=RooflineCostModel(device_profile, precision=cfg.precision), device_profile=device_profile,
-               width=graph_width(loaded.graph)[0], model=loaded.model, graph=loaded.graph, t_start=t0)
+               width=graph_width(loaded.graph, loaded.dag)[0], model=loaded.model, graph=loaded.graph, dag=loaded.dag,
+               t_start=t0)
     b.timings["load"] = time.perf_counter() - t0
     return b
 
@@ -1013,7 +1019,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         from parastream.rewrite import optimize_graph
 
         # the search costs candidates on the number of streams the input would get
-        b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
+        b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams, b.dag)
         measurer = None
         if cfg.measure and measure:
             measurer = gpu_measure(b.backend, b.options, b.cost_model, b.loaded, streams=cfg.streams,
@@ -1042,7 +1048,10 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             b.search_report["prepared_before_search"] = before
             b.search_report["alternatives_timed"] = ((b.timed_alternatives or {}).get("timed")
                                                      or "after the search")
-        b.model, b.graph = searched, graph
+        if graph is not b.graph:
+            from .analysis import node_dag
+
+            b.model, b.graph, b.dag = searched, graph, node_dag(graph)
         task.advance()
 
 
@@ -1052,7 +1061,7 @@ def schedule_streams(b: _Build) -> None:
         if b.planned[0] is b.graph:  # the search changed nothing: the schedule planned for its stream count is this one
             b.sched, b.streams_tried = b.planned[1]
         else:
-            b.sched, b.streams_tried = plan_streams(b.graph, b.cost_model, b.cfg.streams, b.cfg.max_streams)
+            b.sched, b.streams_tried = plan_streams(b.graph, b.cost_model, b.cfg.streams, b.cfg.max_streams, b.dag)
 
 
 def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
@@ -1066,7 +1075,9 @@ def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
         with running_errors(b.loaded.path, b.loaded.model, "to time the CPU alternatives"):
             b.model, b.graph, b.sched, b.cpu_threads, b.cpu_choice, b.prebuilt = choose_cpu_alternative(
                 b.loaded, b.model, b.graph, b.sched, b.backend, b.options, b.cost_model, b.cfg, folder,
-                rewritten=bool(b.search_report.get("rules_chosen")))
+                rewritten=bool(b.search_report.get("rules_chosen")), dag=b.dag)
+            if b.graph is b.loaded.graph:
+                b.dag = b.loaded.dag
         _record_measured_streams(b.streams_tried, b.sched)
         task.advance()
 
@@ -1110,7 +1121,7 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
         b.measured = measured
         if measured and (measured["one_engine"] or _compiled_for_other_choices(b.backend, fused, measured)):
             if measured["one_engine"]:
-                b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
+                b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1, b.dag)
                 _record_measured_streams(b.streams_tried, b.sched)
                 b.make_plan()
             shutil.rmtree(tmp / "engines")

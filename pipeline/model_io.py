@@ -8,6 +8,7 @@ and no ``--shapes``, a ``--shapes`` entry that names no input or has the wrong r
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from dataclasses import dataclass
@@ -90,6 +91,14 @@ class LoadedModel:
     # carried to the plan.  The stages only read it; one that changes a graph works on a copy (extract_branch
     # and the rewrite search copy it), so it stays the graph of ``model``.  None: not imported.
     graph: gs.Graph | None = None
+
+    @functools.cached_property
+    def dag(self):
+        """The node DAG of ``graph`` (``analysis.node_dag``), built on first use and shared by the stages that
+        read it (the width, the stream schedules of the loaded model)."""
+        from .analysis import node_dag
+
+        return node_dag(self.graph)
 
 
 def _non_text_string(message, where: str = "model") -> str | None:

@@ -259,16 +259,18 @@ def _branch_preds(sched: Schedule) -> list[set[int]]:
 
 def choose_streams(graph: gs.Graph, max_streams: int, cost: Callable[[gs.Node], float],
                    memory_bound: Callable[[gs.Node], bool], *, sync_cost: float = 2e-6, min_gain: float = 0.10,
-                   engine_cost: float = ENGINE_COST, event_cost: float = EVENT_COST) -> tuple[Schedule, list[dict]]:
+                   engine_cost: float = ENGINE_COST, event_cost: float = EVENT_COST,
+                   dag: nx.DiGraph | None = None) -> tuple[Schedule, list[dict]]:
     """The schedule to use, and the estimate for every number of streams tried.
 
     Every K from 1 to ``max_streams`` is scheduled and re-simulated with engine and event
     costs (``estimate_latency``); K > 1 is taken only when its estimate is at least
-    ``min_gain`` below that of one stream, and then the K with the lowest estimate wins.
+    ``min_gain`` below that of one stream, and then the K with the lowest estimate wins.  ``dag``: the graph's
+    ``node_dag`` when the caller has it (built here when not given).
     """
     tried: list[dict] = []
     schedules: list[Schedule] = []
-    dag = node_dag(graph)  # one DAG for every K
+    dag = node_dag(graph) if dag is None else dag  # one DAG for every K
     for k in range(1, max(1, int(max_streams)) + 1):
         sched = schedule_graph(graph, k, cost, memory_bound, sync_cost=sync_cost, dag=dag)
         if any(s.num_streams == sched.num_streams for s in schedules):
