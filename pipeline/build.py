@@ -111,7 +111,8 @@ def _shapes_known(model: onnx.ModelProto) -> bool:
     return all(o in known for n in model.graph.node for o in n.output if o)
 
 
-def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int, dag=None) -> tuple[Schedule, list[dict]]:
+def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int,
+                 dag=None) -> tuple[Schedule, list[dict]]:
     """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates best.
     ``dag``: the graph's ``analysis.node_dag`` when the caller has it."""
     if streams:
@@ -537,8 +538,8 @@ def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Grap
                 continue
             g = graph if m is model else loaded.graph  # the loader's graph of the loaded model
             g_dag = dag if g is graph else loaded.dag  # (``dag``: the node DAG of ``graph``, when the caller has it)
-            whole.append(CpuAlternative(name, m, g, schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound,
-                                                                   dag=g_dag), 0))
+            one = schedule_graph(g, 1, cost_model.node_cost, cost_model.is_memory_bound, dag=g_dag)
+            whole.append(CpuAlternative(name, m, g, one, 0))
     # plain onnxruntime (the original, one session) first when it is an alternative: it is the default
     return whole[::-1] + plans
 

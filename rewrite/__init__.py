@@ -12,5 +12,6 @@ from .cost import DEVICES, CostModel, ProfiledCostModel, RooflineCostModel, get_
 from .rules import ALL_RULES
 from .search import format_report, optimize, optimize_graph
 
-__all__ = ["optimize", "optimize_graph", "format_report", "RooflineCostModel", "ProfiledCostModel", "CostModel", "ALL_RULES", "DEVICES",
+__all__ = ["optimize", "optimize_graph",
+           "format_report", "RooflineCostModel", "ProfiledCostModel", "CostModel", "ALL_RULES", "DEVICES",
            "get_device", "mixed_cost", "node_flops_bytes"]

@@ -59,7 +59,8 @@ def _described(graph: gs.Graph):
     shape, the node names in order and the graph's own fields."""
     tensors = [(name, type(t).__name__, getattr(t, "dtype", None), getattr(t, "shape", None), getattr(t, "type", None))
                for name, t in graph.tensors().items()]
-    fields = [getattr(graph, k) for k in ("name", "doc_string", "opset", "producer_name", "producer_version", "ir_version")]
+    fields = [getattr(graph, k)
+              for k in ("name", "doc_string", "opset", "producer_name", "producer_version", "ir_version")]
     return (gs.export_onnx(graph, do_type_check=False).SerializeToString(), tensors, [n.name for n in graph.nodes],
             fields)
 
