@@ -619,7 +619,8 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     if result is model:
         return model, graph if graph is not None else original, report
     chosen_graph = toposort(cleanup(chosen_graph))  # as export_model exported it (its order, its tensors)
-    return result, adopt_model(chosen_graph, result) or import_graph(result), report
+    # (imported only if the export's node list were not the graph's: the graph the loader's graph_of would give)
+    return result, adopt_model(chosen_graph, result) or toposort(gs.import_onnx(result)), report
 
 
 def _check_interface(before: onnx.ModelProto, after: onnx.ModelProto) -> None:

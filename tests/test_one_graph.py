@@ -136,3 +136,18 @@ def test_a_search_that_keeps_the_input_returns_its_graph():
     lm = load_model(SMALL_NET)
     result, graph, report = optimize_graph(lm.model, lm.graph, rules=[])
     assert result is lm.model and graph is lm.graph and report["rules_chosen"] == []
+
+
+def test_a_graph_is_not_adopted_by_a_model_with_other_nodes(monkeypatch):
+    """adopt_model refuses a model that is not the graph's export (and leaves the graph as it was); the search
+    then imports its result: the graph it returns is still the result's."""
+    from parastream.rewrite import ir, search
+
+    small, inception = load_model(SMALL_NET), load_model(EXAMPLES / "inception_block.onnx")
+    before = _described(small.graph)
+    assert ir.adopt_model(small.graph, inception.model) is None
+    assert _described(small.graph) == before
+    monkeypatch.setattr(search, "adopt_model", lambda graph, model: None)
+    result, graph, report = optimize_graph(inception.model, inception.graph, cost_model=RooflineCostModel("CPU"),
+                                           streams=2)
+    assert report["rules_chosen"] and _described(graph) == _described(graph_of(result))
