@@ -74,30 +74,51 @@ def node_graph(model: onnx.ModelProto | gs.Graph) -> nx.DiGraph:
     return g
 
 
-def graph_width(model: onnx.ModelProto | gs.Graph) -> tuple[int, list[str]]:
-    """(size of a maximum antichain of the node DAG, the names of its nodes in graph order)."""
-    dag = node_graph(model)
+def graph_width(model: onnx.ModelProto | gs.Graph, dag: nx.DiGraph | None = None) -> tuple[int, list[str]]:
+    """(size of a maximum antichain of the node DAG, the names of its nodes in graph order).  ``dag``: the
+    graph's ``node_dag`` when the caller has it (a build builds it once per graph), else it is built here."""
+    if isinstance(model, gs.Graph):
+        graph, names = model, [n.name for n in model.nodes]
+    else:
+        graph, names = gs.import_onnx(model), name_nodes(model, assign=False)  # import keeps the node order
+    if len(set(names)) != len(names):
+        raise ValueError("node names are not unique; name the nodes first (model_io.name_nodes)")
+    dag = node_dag(graph) if dag is None else dag
     n = dag.number_of_nodes()
     if n == 0:
         return 0, []
     if not nx.is_directed_acyclic_graph(dag):
         raise ValueError("the node graph has a cycle")
-    names = list(dag)
-    index = {v: i for i, v in enumerate(names)}
-    closure = nx.transitive_closure_dag(dag)
+    # u reaches v, as bit v of reach[u], from the successors' sets in reverse topological order (what
+    # nx.transitive_closure_dag computes, without building a second DiGraph with every pair as an edge)
+    reach = [0] * n
+    for u in reversed(list(nx.topological_sort(dag))):
+        bits = 0
+        for v in dag.successors(u):
+            bits |= reach[v] | (1 << v)
+        reach[u] = bits
     # Bipartite graph on integers: u (0 … n−1) is u's "out" side, n + v is v's "in" side.
     bipartite = nx.Graph()
     bipartite.add_nodes_from(range(2 * n))
-    bipartite.add_edges_from((index[u], n + index[v]) for u, v in closure.edges)
+    bipartite.add_edges_from((u, n + v) for u in range(n) for v in _bits(reach[u]))
     top = range(n)
     matching = nx.bipartite.hopcroft_karp_matching(bipartite, top_nodes=top)
     reached = _alternating_reach(bipartite, matching, [u for u in top if u not in matching])
     # König: cover = (out sides not reached) ∪ (in sides reached); the antichain is every node with neither side in it.
-    antichain = [v for v in names if index[v] in reached and n + index[v] not in reached]
+    antichain = [v for v in range(n) if v in reached and n + v not in reached]
     # Dilworth: |antichain| = n − |M| (the matching dict holds each matched pair twice).
     assert len(antichain) == n - len(matching) // 2
-    antichain.sort(key=lambda v: dag.nodes[v]["index"])
-    return len(antichain), antichain
+    return len(antichain), [names[v] for v in antichain]  # vertex v is graph.nodes[v]: graph order
+
+
+def _bits(x: int) -> list[int]:
+    """The positions of the set bits of ``x``, ascending."""
+    out = []
+    while x:
+        low = x & -x
+        out.append(low.bit_length() - 1)
+        x ^= low
+    return out
 
 
 def _alternating_reach(bipartite: nx.Graph, matching: dict, free_top: list) -> set:

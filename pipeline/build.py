@@ -28,7 +28,7 @@ from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised 
 from .isolate import in_child
 from .measure import (GpuMeasurer, Variant, alternative_variants, choose_cpu_alternative, compiled_for_other_choices,
                       plan_signature, time_alternatives)
-from .model_io import LoadedModel, batch_profiles, graph_of, load_model
+from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
@@ -110,14 +110,6 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
         return sched, [{"streams": sched.num_streams, "engines": len(sched.branches), "critical_path_s": sched.makespan,
                         "estimated_s": est, "chosen": True, "requested": streams}]
     return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
-
-
-def _after_search(model: onnx.ModelProto, graph: gs.Graph, searched: onnx.ModelProto) -> tuple[onnx.ModelProto, gs.Graph]:
-    """The model and graph that the rewrite search leaves: ``model`` and its ``graph`` when it changed nothing (it
-    returns its input then), else the rewritten model (shape-inferred), imported into graphsurgeon once."""
-    if searched is model:
-        return model, graph
-    return searched, graph_of(searched)  # inferred and checked by the search's export (no second inference)
 
 
 def _engine_layouts(plan, backend, options: BuildOptions, internal_nhwc: bool = True):
@@ -548,7 +540,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
     if not cfg.search:
         return
     with b.timed("search"):
-        from parastream.rewrite import optimize
+        from parastream.rewrite import optimize_graph
 
         # the search costs candidates on the number of streams the input would get
         b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
@@ -565,8 +557,10 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
                 before = {"error": f"{type(e).__name__}: {e}"}
         task = b.bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measurer else ""))
         try:
-            searched, report = optimize(b.model, cost_model=b.cost_model, streams=b.planned[1][0].num_streams,
-                                        seed=cfg.seed, measure=measurer, **cfg.search_options)
+            # the search copies the carried graph and hands back the graph of the model it returns (no import)
+            searched, graph, report = optimize_graph(b.model, b.graph, cost_model=b.cost_model,
+                                                     streams=b.planned[1][0].num_streams, seed=cfg.seed,
+                                                     measure=measurer, **cfg.search_options)
             if measurer is not None and searched is b.model:  # the input kept: its alternatives, timed meanwhile
                 b.timed_alternatives = measurer.alternatives_timed()
         finally:
@@ -578,7 +572,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             b.search_report["prepared_before_search"] = before
             b.search_report["alternatives_timed"] = ((b.timed_alternatives or {}).get("timed")
                                                      or "after the search")
-        b.model, b.graph = _after_search(b.model, b.graph, searched)
+        b.model, b.graph = searched, graph
         task.advance()
 
 

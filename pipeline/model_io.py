@@ -88,7 +88,7 @@ class LoadedModel:
     outputs: list[TensorSpec]
     # ``model`` in graphsurgeon (graph_of: toposorted, the inferred shapes on its tensors), imported once here and
     # carried to the plan.  The stages only read it; one that changes a graph works on a copy (extract_branch
-    # copies, the rewrite search imports its own), so it stays the graph of ``model``.  None: not imported.
+    # and the rewrite search copy it), so it stays the graph of ``model``.  None: not imported.
     graph: gs.Graph | None = None
 
 
@@ -467,9 +467,10 @@ def _constants_to_initializers(model: onnx.ModelProto, graph=None) -> onnx.Model
     return _export_like(graph, model)
 
 
-def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model") -> onnx.ModelProto:
-    """Fold shape arithmetic and Constant nodes now that input shapes are static (one graphsurgeon import: the
-    graph that proves graphsurgeon can represent the model is the one folded and exported)."""
+def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model"):
+    """Fold shape arithmetic and Constant nodes now that input shapes are static; return (the folded model, its
+    graph).  One graphsurgeon import: the graph that proves graphsurgeon can represent the model is the one
+    folded, exported, and (``rewrite.ir.adopt_model``) carried to the plan."""
     import onnx_graphsurgeon as gs
 
     try:
@@ -481,7 +482,7 @@ def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model") -> o
         raise ParastreamError(f"{path}: onnx-graphsurgeon cannot represent this model: {first}") from None
     if _fold_graph(graph) is None:
         graph = gs.import_onnx(model)  # folding failed half-way through: the unfolded model, as _fold_once does
-    return _constants_to_initializers(model, graph)
+    return _constants_to_initializers(model, graph), graph
 
 
 def _infer(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
@@ -703,17 +704,24 @@ def _record_shapes_by_running(model: onnx.ModelProto, names: list[str], path: Pa
     return model
 
 
-def _static_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
-    """Every tensor of ``model`` (static inputs) gets a static shape and dtype, or a one-line error.
+def _static_shapes(model: onnx.ModelProto, path: Path, graph=None):
+    """Every tensor of ``model`` (static inputs) gets a static shape and dtype, or a one-line error; return
+    (the inferred model, ``graph`` when the model is still its export, else None: the fallbacks below change
+    the model, whose graph must then be imported again).
 
     In order, each step only while tensors are still unknown: ONNX shape inference (strict, with data
     propagation) -> constant folding to a fixed point -> ONNX Runtime's symbolic shape inference ->
     (no node whose output shape depends on input values, else an error naming it) one ONNX Runtime run
     that records the shape of every tensor still unknown.
+
+    Polygraphy's ``InferShapes(allow_onnxruntime=True)`` chains the first and third step, but neither the
+    fixed-point folding between them nor the data-dependence check with its one-line error, and it returns a
+    model either way; these steps are ours so that the common case (one inference) keeps the folded graph.
     """
     model = _infer(model, path)
-    if unknown_tensors(model):
-        model = _fold_to_fixed_point(model, path)
+    if not unknown_tensors(model):
+        return model, graph
+    model = _fold_to_fixed_point(model, path)
     if unknown_tensors(model):
         model = _infer(_symbolic_infer(model), path)
     unknown = unknown_tensors(model)
@@ -724,11 +732,13 @@ def _static_shapes(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
             raise _data_dependent_error(model, node, out, path)
         model = _record_shapes_by_running(model, [o for _n, o in unknown], path)
         model = _infer(model, path)
-    return model
+    return model, None
 
 
 def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> LoadedModel:
     """Read, check, fix input shapes, fold constants, give every tensor a static shape; raise ParastreamError on bad input."""
+    from parastream.rewrite.ir import adopt_model
+
     path = Path(path)
     model = read_model(path)
     _check(model, path)
@@ -741,7 +751,8 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
     if shapes:
         _fix_input_shapes(original, shapes, path)
     _check_sizes(model, path)  # before anything allocates, and as declared (folding merges declarations)
-    model = _static_shapes(_fold_constants(model, path), path)
+    model, graph = _fold_constants(model, path)
+    model, graph = _static_shapes(model, path, graph)
     name_nodes(model)
     init_names = {t.name for t in model.graph.initializer}
     inputs = [_spec(vi, path, "input") for vi in model.graph.input if vi.name not in init_names]
@@ -755,7 +766,9 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
             raise ParastreamError(f"{path}: output {vi.name!r} has a shape that cannot be inferred from the input shapes; parastream needs static shapes")
         outputs.append(_spec(vi, path, "output"))
     _check_sizes(model, path)
-    return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs, graph=graph_of(model))
+    # the folded graph, with the inferred shapes, when inference alone gave every tensor one; else imported again
+    graph = (None if graph is None else adopt_model(graph, model)) or graph_of(model)
+    return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs, graph=graph)
 
 
 MAX_ELEMENTS = 2**31 - 1  # TensorRT's limit on a tensor's volume; the launchers' buffers are sized from it too

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 from .cost import DEVICES, CostModel, ProfiledCostModel, RooflineCostModel, get_device, mixed_cost, node_flops_bytes
 from .rules import ALL_RULES
-from .search import format_report, optimize
+from .search import format_report, optimize, optimize_graph
 
-__all__ = ["optimize", "format_report", "RooflineCostModel", "ProfiledCostModel", "CostModel", "ALL_RULES", "DEVICES",
+__all__ = ["optimize", "optimize_graph",
+           "format_report", "RooflineCostModel", "ProfiledCostModel", "CostModel", "ALL_RULES", "DEVICES",
            "get_device", "mixed_cost", "node_flops_bytes"]

@@ -1,9 +1,10 @@
 """ONNX ⇄ graphsurgeon for the rules and the search: the invariants rules rely on, and back to a checked model.
 
-``import_graph`` gives a graph whose tensors carry inferred shapes and dtypes, whose Constant nodes are
-initializers, whose weights are plain numpy arrays (loaded once), and whose nodes have unique names
-(the search identifies sites by node names).  ``export_model`` returns a model that passes
-``onnx.checker`` and strict shape inference, with the original's opsets, IR version and metadata.
+``import_graph`` (or ``working_copy`` of a graph the loader imported already) gives a graph whose tensors carry
+inferred shapes and dtypes, whose Constant nodes are initializers, whose weights are plain numpy arrays (loaded
+once), and whose nodes have unique names (the search identifies sites by node names).  ``export_model`` returns
+a model that passes ``onnx.checker`` and strict shape inference, with the original's opsets, IR version and
+metadata, and ``adopt_model`` makes the graph so exported the graph of that model without importing it again.
 """
 
 from __future__ import annotations
@@ -62,7 +63,7 @@ def _check_aside(model: onnx.ModelProto, aside: bool) -> None:
     """``onnx.checker.check_model`` of a model whose large initializers are set aside (``infer``).
 
     The checker serializes a ModelProto it is handed whole (1.1 s of every exported candidate of Inception-v4,
-    170 MB, on our CI machine: most of the time between two measured candidates of a GPU build), and it checks
+    170 MB: most of the time between two measured candidates of a GPU build), and it checks
     an external-data tensor's location as a file beside the model.  So the model without those bytes is written
     to a temporary folder beside an empty file at that location and checked from there (14 ms): everything the
     checker checks but the set-aside tensors' byte counts, which ``gs.export_onnx`` wrote from arrays of
@@ -95,8 +96,8 @@ def _hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
     that exports as set-aside external data (type and dimensions, no bytes), its array returned by name.
 
     Exporting copies every weight's bytes into a TensorProto and ``make_graph`` copies them again into the
-    model, which ``infer`` then sets aside and puts back (0.6 s of every exported Inception-v4 candidate on our
-    CI machine, 170 MB each time); held here, they are written once, into the result.  Only plain numpy
+    model, which ``infer`` then sets aside and puts back (0.6 s of every exported Inception-v4 candidate,
+    170 MB each time); held here, they are written once, into the result.  Only plain numpy
     weights of the top-level graph whose type the model keeps (no ``export_dtype`` conversion), and none where a
     node holds a subgraph (whose initializers the result's top-level list would not reach)."""
     from onnx_graphsurgeon.ir.tensor import LazyValues
@@ -121,7 +122,18 @@ def _hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
 
 
 def import_graph(model: onnx.ModelProto) -> gs.Graph:
-    graph = gs.import_onnx(infer(model))
+    """``model`` in graphsurgeon with the invariants above (its shapes inferred here)."""
+    return _for_rules(gs.import_onnx(infer(model)))
+
+
+def working_copy(graph: gs.Graph) -> gs.Graph:
+    """A copy of ``graph`` (a model's graph with its shapes inferred: the loader's ``LoadedModel.graph``) with
+    the invariants of ``import_graph``, for the rules to rewrite; ``graph`` itself is left as it is (its weights
+    stay as they are held, the copy loads them into arrays of its own tensors)."""
+    return _for_rules(copy_graph(graph))
+
+
+def _for_rules(graph: gs.Graph) -> gs.Graph:
     _lift_constant_nodes(graph)
     for t in graph.tensors().values():
         if isinstance(t, gs.Constant):
@@ -129,6 +141,59 @@ def import_graph(model: onnx.ModelProto) -> gs.Graph:
     _name_nodes(graph)
     toposort(cleanup(graph))
     return graph
+
+
+def adopt_model(graph: gs.Graph, model: onnx.ModelProto) -> gs.Graph | None:
+    """``graph`` made what importing ``model`` would give, where ``model`` is ``graph`` exported and
+    shape-inferred (the loader's folded model, the search's chosen candidate): the inferred types and shapes go
+    onto its tensors the way graphsurgeon's importer reads them (a tensor's first declaration, a value_info
+    declared again filling what the first lacks, a tensor declared nowhere without any), its weights are read
+    from ``model``'s initializers as an import's are (so that the arrays or protos it held can go), its nodes
+    take ``model``'s names and the graph ``model``'s name, producer, IR version and opsets; then toposorted.
+    Changed in place and returned; None (``graph`` unchanged) when ``model`` has another node list: import it.
+
+    Importing ``model`` again would give the same graph (every tensor, attribute and exported byte: the
+    loader's test holds them equal) at the cost of a second import of every node and weight."""
+    from onnx_graphsurgeon.importers.onnx_importer import (get_onnx_tensor_dtype, get_onnx_tensor_shape,
+                                                           get_onnx_tensor_type)
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    nodes = model.graph.node
+    if len(graph.nodes) != len(nodes) or any(n.op != p.op_type for n, p in zip(graph.nodes, nodes)):
+        return None
+    for n, p in zip(graph.nodes, nodes):
+        n.name = p.name
+    tensors = graph.tensors()
+    inits = {t.name: t for t in model.graph.initializer}
+    declared: set[str] = set()
+    value_info = len(model.graph.value_info)
+    ends = [*(i for i in model.graph.input if i.name not in inits), *model.graph.output]
+    for k, vi in enumerate([*model.graph.value_info, *ends]):
+        t = tensors.get(vi.name)
+        if not isinstance(t, gs.Variable) or vi.name in declared and k >= value_info:
+            continue  # a graph input or output declared before keeps that declaration
+        if vi.name in declared:  # a value_info declared again only fills in what the first one lacks
+            if vi.type.ByteSize() > 0:
+                t.dtype, t.shape = t.dtype or get_onnx_tensor_dtype(vi), t.shape or get_onnx_tensor_shape(vi)
+            continue
+        declared.add(vi.name)
+        if vi.type.ByteSize() > 0:
+            t.dtype, t.shape, t.type = get_onnx_tensor_dtype(vi), get_onnx_tensor_shape(vi), get_onnx_tensor_type(vi)
+        else:
+            t.dtype, t.shape, t.type = None, None, "tensor_type"
+    for name, t in tensors.items():
+        if isinstance(t, gs.Variable) and name not in declared:
+            t.dtype, t.shape, t.type = None, None, "tensor_type"
+        elif isinstance(t, gs.Constant) and name in inits:
+            proto = inits[name]
+            t.values = LazyValues(proto)
+            t.data_location = int(proto.data_location) if proto.HasField("data_location") else None
+    graph.name, graph.doc_string = model.graph.name, model.graph.doc_string
+    graph.producer_name, graph.producer_version = model.producer_name, model.producer_version
+    graph.ir_version = model.ir_version
+    graph.import_domains = model.opset_import
+    graph.opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), graph.opset)
+    return toposort(graph)
 
 
 def _lift_constant_nodes(graph: gs.Graph) -> None:
@@ -173,9 +238,11 @@ def copy_graph(graph: gs.Graph) -> gs.Graph:
     subgraph attributes (If/Loop/Scan) or local functions still go through Graph.copy.
 
     The objects are made the way onnx-graphsurgeon's constructors make them (``_copy_slow`` is the same copy
-    through them, and tests/rewrite/test_ir.py holds the two equal, attribute by attribute), without their
-    per-attribute ``__setattr__`` hooks and per-element list synchronisation: building the copies through the
-    constructors was 40% of the search's time.
+    through them, and tests/rewrite/test_ir_speed.py holds the two equal, attribute by attribute), without their
+    per-attribute ``__setattr__`` hooks and per-element list synchronisation.  Why not the public API, measured
+    as the CPU time of the rewrite search on the examples (nasnet_cell, small_net, inception_block; median of
+    3): 0.64, 1.57, 0.46 s with this copy; 1.26, 2.67, 0.71 s with Graph.copy; 0.99, 2.12, 0.55 s with
+    ``_copy_slow`` (the public constructors).  The search copies a graph for every rewrite it tries.
     """
     if any(isinstance(v, gs.Graph) for n in graph.nodes for v in n.attrs.values()):
         return graph.copy()
@@ -285,8 +352,10 @@ def cleanup(graph: gs.Graph) -> gs.Graph:
     (walking back from the outputs through local tensors only: node outputs, graph inputs, constants; a name
     counted once, empty tensors always) are disconnected and dropped, the kept nodes stay in their order and
     graph.inputs becomes a new list of the same tensors.  graphsurgeon's own walk re-collects every tensor of
-    the graph twice and looks each node's subgraphs up for every use; after each of the search's rewrites it was
-    a sixth of the search.  tests/rewrite/test_ir.py holds the two equal on every candidate of real searches.
+    the graph twice and looks each node's subgraphs up for every use.  Why not the public API, measured as for
+    ``copy_graph``: the search's CPU time 0.64, 1.57, 0.46 s with this cleanup, 0.78, 1.84, 0.50 s with
+    Graph.cleanup (it runs after each of the search's rewrites).  tests/rewrite/test_ir_speed.py holds the two
+    equal on graphs cut back to a few of their tensors.
     """
     nodes = graph.nodes
     if graph.functions or any(isinstance(v, gs.Graph) for n in nodes for v in n.attrs.values()):
@@ -347,7 +416,9 @@ def toposort(graph: gs.Graph) -> gs.Graph:
     The order is onnx-graphsurgeon's: each node's level (1 + its producers' highest, 0 without producers in the
     graph), nodes first listed depth-first, producers before their consumers, then stably sorted by level.  Its
     Graph.toposort computes this with a recursive walk that re-collects every graph's subgraphs and functions
-    for each node; after every rewrite of the search that was a fifth of the search's time.
+    for each node.  Why not the public API, measured as for ``copy_graph``: the search's CPU time 0.64, 1.57,
+    0.46 s with this toposort, 1.02, 2.32, 0.61 s with Graph.toposort (it runs after each of the search's
+    rewrites).  tests/rewrite/test_ir_speed.py holds the two orders equal.
     """
     nodes = list(graph.nodes)
     if graph.functions or any(isinstance(v, gs.Graph) for n in nodes for v in n.attrs.values()):

@@ -39,7 +39,7 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
-from .ir import GraphHasher, cleanup, copy_graph, export_model, import_graph, toposort
+from .ir import GraphHasher, adopt_model, cleanup, copy_graph, export_model, import_graph, toposort, working_copy
 from .rules import ALL_RULES, Rule
 from .rules.base import shared_copies
 
@@ -417,13 +417,26 @@ class TimedBy:
         return self.fn(model)
 
 
-@shared_copies()  # one copy of a weight's slice for every candidate that cuts it, per call (rules/base.py)
-def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, streams: int = 4,
-             alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40, max_piece: int = 120,
-             top_k: int = 20, max_candidates: int = 200, max_candidates_total: int = 300, seed: int = 0,
-             measure: Measurer | Callable[[onnx.ModelProto], float] | None = None, measure_margin: float = 0.02,
-             min_gain: float = 0.01, rules: list[Rule] | None = None) -> tuple[onnx.ModelProto, dict]:
+def optimize(model: onnx.ModelProto, **options) -> tuple[onnx.ModelProto, dict]:
     """Rewrite ``model`` with the rules the search finds cheapest; return (model, JSON-able report).
+    ``options``: those of :func:`optimize_graph`, which this is without a graph (``model`` is imported)."""
+    result, _graph, report = optimize_graph(model, None, **options)
+    return result, report
+
+
+@shared_copies()  # one copy of a weight's slice for every candidate that cuts it, per call (rules/base.py)
+def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cost_model: CostModel | None = None,
+                   streams: int = 4, alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40,
+                   max_piece: int = 120, top_k: int = 20, max_candidates: int = 200, max_candidates_total: int = 300,
+                   seed: int = 0, measure: Measurer | Callable[[onnx.ModelProto], float] | None = None,
+                   measure_margin: float = 0.02, min_gain: float = 0.01, rules: list[Rule] | None = None
+                   ) -> tuple[onnx.ModelProto, gs.Graph, dict]:
+    """Rewrite ``model`` with the rules the search finds cheapest; return (model, its graph, JSON-able report).
+
+    ``graph``: ``model`` in graphsurgeon with its shapes inferred (the loader's graph), which the search copies
+    instead of importing ``model`` again and leaves as it is; None: ``model`` is imported.  The graph returned
+    is ``graph`` when the result is the input, else the chosen candidate's own graph made the graph of the
+    exported result (``ir.adopt_model``), so that nothing imports the result again.
 
     The search is bounded by work: ``max_candidates_total`` candidates in all, split over the pieces by their
     node counts, at most ``max_candidates`` per piece; no clock decides anything (measurements aside).
@@ -446,19 +459,19 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
         "rules": [r.name for r in rules],
     }
 
-    original = import_graph(model)
+    original = import_graph(model) if graph is None else working_copy(graph)
     score = _Scorer(cost_model, streams, alpha)
     report["nodes_before"] = len(original.nodes)
     report["cost_before"] = _cost_dict(cost_model, original, streams, alpha)
 
-    def unchanged(reason: str) -> tuple[onnx.ModelProto, dict]:
+    def unchanged(reason: str) -> tuple[onnx.ModelProto, gs.Graph, dict]:
         report.update(nodes_after=len(original.nodes), cost_after=report["cost_before"], pieces=report.get("pieces", []),
                       candidates=report.get("candidates", []), rules_chosen=[], rules_chosen_count={},
                       decided_by="unchanged", decision=reason)
         timings["total_s"] = time.perf_counter() - t_start
         report["timings"] = timings
         report["summary"] = f"unchanged ({reason})"
-        return model, report
+        return model, graph if graph is not None else original, report
 
     if _has_subgraphs(original):
         return unchanged("the model has control flow (If/Loop/Scan): not searched")
@@ -633,7 +646,11 @@ def optimize(model: onnx.ModelProto, *, cost_model: CostModel | None = None, str
                          f"{before * 1e6:.1f} → {after * 1e6:.1f} µs ({gain:.0f}% less), "
                          f"{len(chosen['trace'])} rewrites in {len(pieces)} pieces, "
                          f"{'measured on the device' if report['decided_by'] == 'measured' else 'decided by the cost model'}")
-    return result, report
+    if result is model:
+        return model, graph if graph is not None else original, report
+    chosen_graph = toposort(cleanup(chosen_graph))  # as export_model exported it (its order, its tensors)
+    # (imported only if the export's node list were not the graph's: the graph the loader's graph_of would give)
+    return result, adopt_model(chosen_graph, result) or toposort(gs.import_onnx(result)), report
 
 
 def _check_interface(before: onnx.ModelProto, after: onnx.ModelProto) -> None:

@@ -14,7 +14,7 @@ from parastream.rewrite import RooflineCostModel
 from parastream.rewrite.cost import _flops_bytes_tiles, is_fused_epilogue
 from onnx_graphsurgeon.util.misc import SynchronizedList
 
-from parastream.rewrite.ir import GraphHasher, _copy_slow, copy_graph, import_graph, toposort
+from parastream.rewrite.ir import GraphHasher, _copy_slow, cleanup, copy_graph, import_graph, toposort
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from graphs import nested_concat_model, three_branch_model  # noqa: E402
@@ -101,6 +101,25 @@ def test_toposort_is_graphsurgeons_order():
             rng.shuffle(a.nodes)
             b = copy_graph(a)
             assert [n.name for n in toposort(a).nodes] == [n.name for n in b.toposort().nodes]
+
+
+def test_cleanup_is_graphsurgeons_cleanup():
+    """Graphs whose outputs are cut back to a few of their tensors (so that nodes are dropped, some of them
+    dangling off the kept ones) clean up to the same nodes, tensors, inputs and outputs as graphsurgeon's."""
+    rng = random.Random(0)
+    dropped = 0
+    for model in MODELS:
+        g = import_graph(model)
+        variables = [t for n in g.nodes for t in n.outputs]
+        for _ in range(5):
+            a = copy_graph(g)
+            kept = rng.sample(variables, k=min(len(variables), rng.randint(1, 3)))
+            a.outputs = [a.tensors()[t.name] for t in kept]
+            b = copy_graph(a)
+            ours, theirs = cleanup(a), b.cleanup(remove_unused_graph_inputs=False)
+            assert _describe(ours) == _describe(theirs)
+            dropped += len(ours.nodes) < len(g.nodes)
+    assert dropped  # the cases dropped nodes
 
 
 def test_toposort_refuses_a_cycle():
