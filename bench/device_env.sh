@@ -2,7 +2,7 @@
 # `parastream.*` importable from this checkout without building it.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
 mkdir -p /tmp/ns/parastream
-for d in launcher pipeline rewrite; do ln -sfn "$PWD/$d" /tmp/ns/parastream/$d; done
+for d in core launcher pipeline rewrite; do ln -sfn "$PWD/$d" /tmp/ns/parastream/$d; done
 export PYTHONPATH=/tmp/ns:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 export PYTHONUNBUFFERED=1
 # The device's Python runs with PYTHONDONTWRITEBYTECODE and its torch tree holds no .pyc files: every fresh process
