@@ -15,6 +15,8 @@ import networkx as nx
 import onnx
 import onnx_graphsurgeon as gs
 
+from parastream.core.graph import node_edges
+
 from .model_io import name_nodes
 
 
@@ -23,50 +25,37 @@ def op_histogram(model: onnx.ModelProto) -> Counter:
     return Counter(n.op_type if n.domain in ("", "ai.onnx") else f"{n.domain}::{n.op_type}" for n in model.graph.node)
 
 
-def _subgraph_reads(node: gs.Node) -> set[str]:
-    """Names of the tensors that an If/Loop/Scan body of ``node`` reads from the enclosing scope (at any depth of
-    nesting): they are inputs of the node too, though ONNX does not list them.  (graphsurgeon's own
-    ``Graph._foreign_tensors`` does this but is private.)"""
-    reads: set[str] = set()
-    for body in node.subgraphs():
-        local = {t.name for t in body.inputs} | {t.name for inner in body.nodes for t in inner.outputs}
-        for inner in body.nodes:
-            reads.update(t.name for t in inner.inputs if isinstance(t, gs.Variable) and t.name and t.name not in local)
-            reads.update(_subgraph_reads(inner) - local)
-    return reads
-
-
 def node_dag(graph: gs.Graph) -> nx.DiGraph:
-    """The node DAG of ``graph``, the one builder that the schedule, the width and ``inspect`` share: vertex ``i`` is
-    ``graph.nodes[i]`` (attributes ``name``, ``op``), an edge producer → consumer for every tensor that passes
-    between two nodes, including the tensors an If/Loop/Scan body reads from the enclosing scope.  Vertices are
-    indices, not names, so that a graph whose names are not unique (yet) still gets one vertex per node."""
+    """The node DAG of ``graph`` as a networkx graph, for ``inspect``, the width and the picture: vertex ``i`` is
+    ``graph.nodes[i]`` (attributes ``name``, ``op``), an edge producer -> consumer for every tensor that passes
+    between two nodes, including the tensors an If/Loop/Scan body reads from the enclosing scope.  The edges are
+    ``core.graph.node_edges``, the ones the scheduler uses.  Vertices are indices, not names, so that a graph whose
+    names are not unique (yet) still gets one vertex per node."""
     dag = nx.DiGraph()
-    producer: dict[str, int] = {}
-    for i, node in enumerate(graph.nodes):
-        dag.add_node(i, name=node.name, op=node.op)
-        for t in node.outputs:
-            if t.name:
-                producer[t.name] = i
-    for i, node in enumerate(graph.nodes):
-        reads = [t.name for t in node.inputs if isinstance(t, gs.Variable) and t.name] + sorted(_subgraph_reads(node))
-        for name in reads:
-            src = producer.get(name)
-            if src is not None and src != i:
-                dag.add_edge(src, i)
+    dag.add_nodes_from((i, {"name": node.name, "op": node.op}) for i, node in enumerate(graph.nodes))
+    preds, _ = node_edges(graph)
+    dag.add_edges_from((j, i) for i, mine in enumerate(preds) for j in mine)
     return dag
 
 
-def node_graph(model: onnx.ModelProto | gs.Graph) -> nx.DiGraph:
-    """``node_dag`` with vertices named: one vertex per node (by name, with ``op`` and ``index`` attributes), in graph
-    order.  A ModelProto is imported into graphsurgeon for this and named as the loader names it (``name_nodes``
-    with ``assign=False``: the model is left as it is); a graph is taken as it is (the loader's names are unique)."""
+def _graph_and_names(model: onnx.ModelProto | gs.Graph) -> tuple[gs.Graph, list[str]]:
+    """``model``'s graphsurgeon graph and its node names in graph order: a ModelProto is imported for this and named
+    as the loader names it (``name_nodes`` with ``assign=False``: the model is left as it is); a graph is taken as
+    it is (the loader's names are unique)."""
     if isinstance(model, gs.Graph):
         graph, names = model, [n.name for n in model.nodes]
     else:
         graph, names = gs.import_onnx(model), name_nodes(model, assign=False)  # import keeps the node order
     if len(set(names)) != len(names):
         raise ValueError("node names are not unique; name the nodes first (model_io.name_nodes)")
+    return graph, names
+
+
+def node_graph(model: onnx.ModelProto | gs.Graph) -> nx.DiGraph:
+    """``node_dag`` with vertices named: one vertex per node (by name, with ``op`` and ``index`` attributes), in graph
+    order.  A ModelProto is imported into graphsurgeon for this and named as the loader names it (``name_nodes``
+    with ``assign=False``: the model is left as it is); a graph is taken as it is (the loader's names are unique)."""
+    graph, names = _graph_and_names(model)
     dag = node_dag(graph)
     g = nx.DiGraph()
     g.add_nodes_from((names[i], {"op": dag.nodes[i]["op"], "index": i}) for i in dag)
@@ -77,12 +66,7 @@ def node_graph(model: onnx.ModelProto | gs.Graph) -> nx.DiGraph:
 def graph_width(model: onnx.ModelProto | gs.Graph, dag: nx.DiGraph | None = None) -> tuple[int, list[str]]:
     """(size of a maximum antichain of the node DAG, the names of its nodes in graph order).  ``dag``: the
     graph's ``node_dag`` when the caller has it (a build builds it once per graph), else it is built here."""
-    if isinstance(model, gs.Graph):
-        graph, names = model, [n.name for n in model.nodes]
-    else:
-        graph, names = gs.import_onnx(model), name_nodes(model, assign=False)  # import keeps the node order
-    if len(set(names)) != len(names):
-        raise ValueError("node names are not unique; name the nodes first (model_io.name_nodes)")
+    graph, names = _graph_and_names(model)
     dag = node_dag(graph) if dag is None else dag
     n = dag.number_of_nodes()
     if n == 0:
