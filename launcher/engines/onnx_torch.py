@@ -590,17 +590,22 @@ def _attention(n: NodeView):
     kv_heads = n.shape(1)[-3] if n.op == "Attention" else None
     groups = n.shape(0)[-3] // kv_heads if kv_heads else 1  # grouped-query attention: K and V heads repeated
 
-    def as_mask(mask, dtype):
-        return mask if mask is None or mask.dtype == torch.bool else mask.to(dtype)
+    # what the code needs of the mask and the causal pattern is known now: the module stays FX-traceable
+    bool_mask = n.has_input(3) and n.inputs[3].dtype == torch.bool
+    sq, sk = n.shape(0)[-2], n.shape(1)[-2]
+    dtype = n.float_dtype
+
+    def causal_keep(device):
+        return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
 
     if n.fuse_attention:
-        f = torch.nn.functional.scaled_dot_product_attention
-
         def fused(q, k, v, mask=None):
-            mask = as_mask(mask, q.dtype)
+            f = torch.nn.functional.scaled_dot_product_attention
+            if mask is not None and not bool_mask:
+                mask = mask.to(dtype)
             if causal and mask is not None:  # SDPA takes one or the other: the causal mask joins the given one
-                keep = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool, device=q.device).tril()
-                mask = mask & keep if mask.dtype == torch.bool else mask.masked_fill(~keep, float("-inf"))
+                keep = causal_keep(q.device)
+                mask = mask & keep if bool_mask else mask.masked_fill(~keep, float("-inf"))
                 return f(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
             return f(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=groups > 1)
 
@@ -611,11 +616,9 @@ def _attention(n: NodeView):
             k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
         s = torch.matmul(q, k.transpose(-1, -2)) * scale
         if causal:
-            keep = torch.ones(s.shape[-2], s.shape[-1], dtype=torch.bool, device=s.device).tril()
-            s = s.masked_fill(~keep, float("-inf"))
-        mask = as_mask(mask, s.dtype)
+            s = s.masked_fill(~causal_keep(s.device), float("-inf"))
         if mask is not None:
-            s = s.masked_fill(~mask, float("-inf")) if mask.dtype == torch.bool else s + mask
+            s = s.masked_fill(~mask, float("-inf")) if bool_mask else s + mask.to(dtype)
         return torch.matmul(torch.softmax(s, dim=-1), v)
 
     return unfused
