@@ -289,3 +289,17 @@ def test_exported_bert_at_opset_23_gets_onnx_attention():
     for name in a:
         np.testing.assert_allclose(b[name], a[name], rtol=1e-4, atol=1e-4)
     assert_torch_matches_ort(m, out, rtol=1e-4)
+
+
+def test_the_search_for_the_torch_backend_fuses_bert():
+    """optimize() with the torch backend's rules fuses BERT's attention (a simplifying rule: applied wherever the
+    cost model agrees); the Transpose it puts back on TorchScript's Kᵀ cancels against the head transpose."""
+    from parastream.rewrite import optimize
+
+    m = export("bert", "torchscript", 17)
+    out, report = optimize(m, rules=rules_for("torch"))
+    assert any(key.startswith("fuse_attention:") for key in report["rules_chosen"])
+    assert len(fused_nodes(out)) == 1
+    assert_torch_matches_ort(m, out, rtol=1e-4)
+    _, report = optimize(m)
+    assert not any(key.startswith("fuse_attention:") for key in report["rules_chosen"])
