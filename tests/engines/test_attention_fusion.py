@@ -6,7 +6,6 @@ The CPU tests check the plumbing; the GPU tests (marked) the timing and the engi
 
 from __future__ import annotations
 
-import io
 import types
 import warnings
 
@@ -228,3 +227,31 @@ def test_gpu_build_times_fused_attention_against_its_decomposition(tmp_path):
     with load(bundle.path, device="cuda") as run:
         got = run(inputs)["last_hidden_state"]
     assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 2e-2
+
+
+# -- the baseline: torch.compile runs BERT as its users run it --------------------------------------------------
+
+def test_the_benchmark_compiles_the_default_attention_model():
+    """bench/gpu.py exports BERT with eager attention (plain ONNX ops) and gives the PyTorch baselines transformers'
+    default (sdpa) with the same weights, so torch.compile is not handicapped by an attention nobody runs."""
+    import sys
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        from gpu import users_model
+    finally:
+        sys.path.pop(0)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64, attn_implementation="eager")
+    exported = transformers.BertModel(cfg).eval()
+    user = users_model("bert", exported)
+    assert exported.config._attn_implementation == "eager" and user.config._attn_implementation == "sdpa"
+    ids, mask = torch.randint(0, 50, (1, 8)), torch.ones(1, 8, dtype=torch.int64)
+    mask[:, -2:] = 0
+    with torch.no_grad():
+        a = exported(input_ids=ids, attention_mask=mask).last_hidden_state
+        b = user(input_ids=ids, attention_mask=mask).last_hidden_state
+    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    assert users_model("resnet50", exported) is exported
