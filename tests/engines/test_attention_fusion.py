@@ -158,6 +158,28 @@ def test_an_onnxruntime_build_leaves_attention_as_it_is(tmp_path):
     assert "fuse_attention" not in bundle.report["search"].get("rules_chosen", [])
 
 
+def test_a_torch_build_fuses_attention_and_verifies(tmp_path, monkeypatch):
+    """The whole build with the torch backend, its engines run on the CPU (no compile): the search fuses the
+    attention, the bundle (here over several branches) verifies against ONNX Runtime on the original, and the
+    manifest records the option the launcher loads with."""
+    import json
+
+    from parastream.launcher import load
+    from parastream.pipeline import build
+
+    monkeypatch.setattr(torch_backend, "available", lambda: None)  # its engines run on the CPU too
+    path = tmp_path / "attention.onnx"
+    onnx.save(sdpa_model(fused=False), path)
+    bundle = build(path, tmp_path / "out", backend="torch", precision="fp32", streams=3, compile=False)
+    assert any(key.startswith("fuse_attention:") for key in bundle.report["search"]["rules_chosen"])
+    assert bundle.report["verification"]["passed"]
+    shipped = onnx.load(str(bundle.path / "model.onnx"))
+    assert [n.op_type for n in shipped.graph.node if n.domain == fused_ops.DOMAIN] == [fused_ops.SDPA]
+    assert json.loads((bundle.path / "manifest.json").read_text())["options"]["fuse_attention"] is True
+    got = load(bundle.path, device="cpu")(feeds())["y"]
+    np.testing.assert_allclose(got, ort_reference(), rtol=1e-4, atol=1e-5)
+
+
 # -- GPU: the engines and the timing -------------------------------------------------------------------------------
 
 def _tiny_bert(folder) -> tuple:
