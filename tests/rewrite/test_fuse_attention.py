@@ -303,3 +303,18 @@ def test_the_search_for_the_torch_backend_fuses_bert():
     assert_torch_matches_ort(m, out, rtol=1e-4)
     _, report = optimize(m)
     assert not any(key.startswith("fuse_attention:") for key in report["rules_chosen"])
+
+
+def test_the_cost_model_counts_the_fused_attention_work():
+    """The roofline prices the fused node by its two GEMMs and softmax (FLOPs), without the scores' bytes: the
+    unfused chain costs more, the fused node is not free."""
+    from parastream.rewrite.cost import RooflineCostModel, node_flops_bytes
+    from parastream.rewrite.ir import import_graph
+
+    m = attention("div", "add")
+    out, _ = apply_everywhere(RULE, m)
+    (node,) = [n for n in import_graph(out).nodes if n.op == fused_ops.SDPA]
+    flops, _ = node_flops_bytes(node)
+    assert flops == 2.0 * B * H * S * S * (D + D) + 5.0 * B * H * S * S
+    cm = RooflineCostModel()
+    assert 0 < cm.graph_cost(import_graph(out), 1)[1] < cm.graph_cost(import_graph(m), 1)[1]
