@@ -4,17 +4,17 @@
 
 with ``s`` the product of every constant scalar scale on the way (a Div by c is a factor 1/c; a Mul of Q and a
 Mul of Kᵀ by √s each, as torch's own decomposition exports it, give their product, since
-(a·Q)·(b·Kᵀ) = a·b·(Q·Kᵀ)), and ``M`` the mask:
+(a·Q)·(b·Kᵀ) = a·b·(Q·Kᵀ)), and ``M`` the sum of the masks (T5 adds its position bias, then its mask):
 
 * ``Add(scores, M)``: an additive mask, broadcast to the scores (BERT's extended mask, GPT-2's causal mask, T5's
   position bias);
 * ``Where(C, scores, f)`` (or ``Where(C, f, scores)``): a boolean mask with a fill ``f`` so large and negative that
   ``x + f == f`` for every score x (-inf, or at most -1e30: ``torch.finfo(float32).min`` as transformers fills).
   Then Where(C, x, f) = x + Where(C, 0, f) exactly, so the node gets the additive mask Where(C, 0, f);
-* a constant mask that hides exactly the keys after each query (Sq = Sk) is the causal mask: ``is_causal = 1``
-  and no mask input.
+* a constant mask that hides exactly the keys after each query (Sq = Sk), the only mask, is the causal mask:
+  ``is_causal = 1`` and no mask input.
 
-The chain it replaces: MatMul(Q, Kᵀ) -> Mul/Div by constant scalars -> at most one mask -> Softmax on the last
+The chain it replaces: MatMul(Q, Kᵀ) -> Mul/Div by constant scalars -> the masks -> Softmax on the last
 axis -> MatMul(·, V), Casts to the type they read and Identities anywhere between; the Transpose that makes Kᵀ
 from K (last two axes swapped) and the scale Muls of Q and Kᵀ are absorbed when nothing else reads them, and a
 Kᵀ that arrives transposed already gets a Transpose back.  The head reshapes and transposes around it stay.
@@ -34,6 +34,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 import onnx_graphsurgeon as gs
+from onnx import helper
 
 from parastream.core import fused_ops
 
@@ -42,6 +43,15 @@ from .base import Namer, Rule, Site, const_value, detach, is_graph_output, site_
 HIDING_FILL = -1e30  # a Where fill at or below this hides a key exactly: x + fill == fill for any score x
 _PASS = ("Cast", "Identity")
 _FLOAT_TYPES = (np.float16, np.float32, np.float64)
+
+
+@dataclass
+class Mask:
+    """One masking node's mask: Add's other operand, or Where's condition with its fill and which value keeps."""
+
+    tensor: gs.Tensor
+    where_fill: float | None = None
+    keep_if_true: bool = True
 
 
 @dataclass
@@ -54,9 +64,7 @@ class Attention:
     out: gs.Tensor
     scale: float = 1.0
     k_transposed: bool = False
-    mask: gs.Tensor | None = None  # Add's operand, or Where's condition
-    where_fill: float | None = None  # a Where mask: its fill, and whether True keeps a key
-    keep_if_true: bool = True
+    masks: list[Mask] = field(default_factory=list)
     nodes: list[gs.Node] = field(default_factory=list)  # every node replaced, the first MatMul first
 
 
@@ -67,8 +75,6 @@ def _passes(node: gs.Node) -> bool:
     if node.op != "Cast" or not node.inputs or node.inputs[0].dtype is None:
         return False
     try:
-        from onnx import helper
-
         return np.dtype(helper.tensor_dtype_to_np_dtype(int(node.attrs.get("to", 0)))) == np.dtype(node.inputs[0].dtype)
     except (TypeError, KeyError, ValueError):
         return False
@@ -119,23 +125,23 @@ def _scores_operand(node: gs.Node) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
-def _reaches_matmul(t: gs.Tensor) -> bool:
-    """Whether ``t`` is a MatMul's output, through Casts, Identities and Mul/Div by constant scalars."""
-    for _ in range(8):
-        p = _producer(t)
-        if p is None:
-            return False
-        if p.op == "MatMul":
-            return True
-        if _passes(p):
-            t = p.inputs[0]
-        elif p.op in ("Mul", "Div"):
-            got = _scale_of(p)
-            if isinstance(got, str):
-                return False
-            t = got[0]
-        else:
-            return False
+def _reaches_matmul(t: gs.Tensor, depth: int = 0) -> bool:
+    """Whether ``t`` is a MatMul's output, through Casts, Identities, Mul/Div by constant scalars and masks."""
+    p = _producer(t)
+    if p is None or depth > 8:
+        return False
+    if p.op == "MatMul":
+        return True
+    if _passes(p):
+        return _reaches_matmul(p.inputs[0], depth + 1)
+    if p.op in ("Mul", "Div"):
+        got = _scale_of(p)
+        return not isinstance(got, str) and _reaches_matmul(got[0], depth + 1)
+    if p.op == "Where":  # the operand that is not the constant fill
+        i = _scores_operand(p)
+        return i is not None and _reaches_matmul(p.inputs[i], depth + 1)
+    if p.op == "Add":
+        return any(_reaches_matmul(x, depth + 1) for x in p.inputs)
     return False
 
 
@@ -163,7 +169,7 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
     mm2 = reader
 
     before: list[gs.Node] = []
-    scale, mask_node = 1.0, None
+    scale, mask_nodes = 1.0, []
     t = x
     while True:
         p = _producer(t)
@@ -185,14 +191,13 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
             t, c = got
             scale *= c
         elif p.op in ("Add", "Where"):
-            if mask_node is not None:
-                return f"{p.name} and {mask_node.name} both mask the scores"
             if scale != 1.0:  # walking back from the Softmax: a scale met before the mask is applied after it
                 return f"the scores are scaled after the mask {p.name}"
             i = _scores_operand(p)
             if i is None:
                 return f"{p.name} does not read the scores and a mask"
-            mask_node, t = p, p.inputs[i]
+            mask_nodes.append(p)
+            t = p.inputs[i]
         else:
             return f"{p.name} ({p.op}) stands between the scores and {softmax.name}"
 
@@ -246,20 +251,19 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
 
     att = Attention(q=q, k=kt, v=v, out=mm2.outputs[0], scale=scale, k_transposed=k_transposed,
                     nodes=[mm1, *reversed(before[:-1]), *after, mm2, *extra])
-    if mask_node is not None:
-        i = _scores_operand(mask_node)
-        scores_shape = static_shape(mask_node.outputs[0])
-        if mask_node.op == "Add":
-            att.mask = mask_node.inputs[1 - i]
+    for node in mask_nodes:
+        i = _scores_operand(node)
+        if node.op == "Add":
+            mask = Mask(node.inputs[1 - i])
         else:
-            att.mask, att.keep_if_true = mask_node.inputs[0], i == 1
-            att.where_fill = _scalar(mask_node.inputs[3 - i])
-            if not att.where_fill <= HIDING_FILL:
-                return (f"the fill {att.where_fill:g} of {mask_node.name} does not hide a key exactly "
+            mask = Mask(node.inputs[0], _scalar(node.inputs[3 - i]), i == 1)
+            if not mask.where_fill <= HIDING_FILL:
+                return (f"the fill {mask.where_fill:g} of {node.name} does not hide a key exactly "
                         f"(-inf or at most {HIDING_FILL:g})")
         # the mask broadcasts to the scores without enlarging them: the masked scores have the scores' shape
-        if scores_shape is None or static_shape(mask_node.inputs[i]) != scores_shape:
-            return f"the mask {att.mask.name} of {mask_node.name} does not broadcast to the scores' shape"
+        if static_shape(node.outputs[0]) is None or static_shape(node.inputs[i]) != static_shape(node.outputs[0]):
+            return f"the mask {mask.tensor.name} of {node.name} does not broadcast to the scores' shape"
+        att.masks.append(mask)
     return att
 
 
@@ -271,14 +275,14 @@ def _swaps_last_two(node: gs.Node) -> bool:
     return r >= 2 and list(perm) == list(range(r - 2)) + [r - 1, r - 2]
 
 
-def _keep_pattern(att: Attention) -> np.ndarray | None:
+def _keep_pattern(mask: Mask) -> np.ndarray | None:
     """The constant mask as booleans (True: the key takes part), or None when it is not constant or is not
     only 0 and hiding values."""
-    value = const_value(att.mask)
+    value = const_value(mask.tensor)
     if value is None:
         return None
-    if att.where_fill is not None:
-        return value.astype(bool) if att.keep_if_true else ~value.astype(bool)
+    if mask.where_fill is not None:
+        return value.astype(bool) if mask.keep_if_true else ~value.astype(bool)
     if not np.all((value == 0) | (value <= HIDING_FILL)):
         return None
     return value == 0
@@ -290,6 +294,11 @@ def is_causal_mask(keep: np.ndarray | None, sq: int, sk: int) -> bool:
         return False
     flat = keep.reshape(-1, sq, sk)
     return bool(np.all(flat == np.tril(np.ones((sq, sk), dtype=bool))))
+
+
+def _broadcast(a: gs.Tensor, b: gs.Tensor) -> list[int] | None:
+    sa, sb = static_shape(a), static_shape(b)
+    return list(np.broadcast_shapes(sa, sb)) if sa is not None and sb is not None else None
 
 
 class FuseAttention(Rule):
@@ -323,6 +332,22 @@ class FuseAttention(Rule):
         att = self._find(graph, site)
         return att if isinstance(att, str) else None
 
+    @staticmethod
+    def _additive(graph: gs.Graph, namer: Namer, base: str, mask: Mask, dtype) -> gs.Tensor:
+        """``mask`` as a tensor added to the scores: Add's operand as it is, Where(C, 0, f) for a Where."""
+        if mask.where_fill is None:
+            return mask.tensor
+        keep = _keep_pattern(mask)
+        if keep is not None:  # a constant condition: the additive mask is a constant too
+            return gs.Constant(namer(f"{base}_mask"), np.where(keep, 0, mask.where_fill).astype(dtype))
+        # Where(C, x, f) = x + Where(C, 0, f): f hides exactly (HIDING_FILL)
+        zero = gs.Constant(namer(f"{base}_zero"), np.zeros((), dtype=dtype))
+        fill = gs.Constant(namer(f"{base}_fill"), np.asarray(mask.where_fill, dtype=dtype))
+        out = gs.Variable(namer(f"{base}_mask"), dtype=dtype, shape=mask.tensor.shape)
+        pair = [zero, fill] if mask.keep_if_true else [fill, zero]
+        graph.nodes.append(gs.Node("Where", name=namer(f"{base}_mask"), inputs=[mask.tensor, *pair], outputs=[out]))
+        return out
+
     def rewrite(self, graph: gs.Graph, site: Site) -> None:
         att = self._find(graph, site)
         namer = Namer(graph)
@@ -337,20 +362,16 @@ class FuseAttention(Rule):
                                        attrs={"perm": list(range(r - 2)) + [r - 1, r - 2]}, inputs=[att.k], outputs=[k]))
         qs, sk = static_shape(att.q), static_shape(k)[-2]
         causal, mask = 0, None
-        if att.mask is not None:
-            keep = _keep_pattern(att)
-            if is_causal_mask(keep, qs[-2], sk):
-                causal = 1
-            elif att.where_fill is None:
-                mask = att.mask
-            elif keep is not None:  # a constant condition: the additive mask is a constant too
-                mask = gs.Constant(namer(f"{base}_mask"), np.where(keep, 0, att.where_fill).astype(dtype))
-            else:  # Where(C, x, f) = x + Where(C, 0, f): f hides exactly (HIDING_FILL)
-                zero = gs.Constant(namer(f"{base}_zero"), np.zeros((), dtype=dtype))
-                fill = gs.Constant(namer(f"{base}_fill"), np.asarray(att.where_fill, dtype=dtype))
-                mask = gs.Variable(namer(f"{base}_mask"), dtype=dtype, shape=att.mask.shape)
-                pair = [zero, fill] if att.keep_if_true else [fill, zero]
-                graph.nodes.append(gs.Node("Where", name=namer(f"{base}_mask"), inputs=[att.mask, *pair], outputs=[mask]))
+        if len(att.masks) == 1 and is_causal_mask(_keep_pattern(att.masks[0]), qs[-2], sk):
+            causal = 1
+        else:
+            for m in att.masks:  # their sum, each as an additive mask
+                term = self._additive(graph, namer, base, m, dtype)
+                if mask is not None:
+                    total = gs.Variable(namer(f"{base}_masks"), dtype=dtype, shape=_broadcast(mask, term))
+                    graph.nodes.append(gs.Node("Add", name=namer(f"{base}_masks"), inputs=[mask, term], outputs=[total]))
+                    term = total
+                mask = term
         out = att.out
         detach(*att.nodes)
         inputs = [att.q, k, att.v] + ([mask] if mask is not None else [])

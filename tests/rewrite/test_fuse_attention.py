@@ -4,7 +4,7 @@ ONNX Runtime cannot run parastream's own node, so the fused graph runs in the to
 CPU (as SDPA and, with ``fuse_attention`` off, as its decomposition) against ONNX Runtime on the original; an
 opset-23 graph gets ONNX's ``Attention``, which ONNX Runtime runs too.  The graphs: hand-built ones for each form
 the rule knows, and transformers' BERT, GPT-2 and ViT (eager attention, random weights) as the TorchScript and the
-dynamo exporter write them.
+dynamo exporter write them, and T5's encoder (no scale; position bias and mask added one after the other).
 """
 
 from __future__ import annotations
@@ -111,7 +111,11 @@ def attention(scale: str | None = "div", mask: str | None = None, *, k_transpose
         inputs.append(vi("bias", [1, H, S, S]))
         nodes.append(helper.make_node("Add", ["bias", x], ["masked"], name="mask"))
         x = "masked"
-    elif mask == "where":  # a boolean mask (True: the key takes part)
+    elif mask in ("where", "bias_where"):  # a boolean mask (True: the key takes part), after a position bias
+        if mask == "bias_where":
+            inputs.append(vi("bias", [1, H, S, S]))
+            nodes.append(helper.make_node("Add", [x, "bias"], ["biased"], name="bias"))
+            x = "biased"
         inputs.append(vi("keep", [B, 1, 1, S], TensorProto.BOOL))
         inits.append(numpy_helper.from_array(np.asarray(fill, dtype=np.float32), "fill"))
         nodes.append(helper.make_node("Where", ["keep", x, "fill"], ["masked"], name="mask"))
@@ -133,7 +137,7 @@ def attention(scale: str | None = "div", mask: str | None = None, *, k_transpose
 
 
 @pytest.mark.parametrize("scale, mask", [("div", None), ("mul", None), ("sqrt", None), (None, "bias"),
-                                         ("div", "add"), ("mul", "where")])
+                                         ("div", "add"), ("mul", "where"), (None, "bias_where")])
 def test_fuses_and_matches_onnxruntime(scale, mask):
     m = attention(scale, mask)
     out, fired = apply_everywhere(RULE, m)
@@ -228,6 +232,11 @@ def _transformers_model(kind: str):
                                       intermediate_size=64, max_position_embeddings=32)
         cls, names = transformers.BertModel, ("input_ids", "attention_mask")
         args = (torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.int64))
+    elif kind == "t5":
+        cfg = transformers.T5Config(vocab_size=50, d_model=32, d_kv=8, d_ff=64, num_layers=1, num_heads=4,
+                                    use_cache=False)
+        cls, names = transformers.T5EncoderModel, ("input_ids", "attention_mask")
+        args = (torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.int64))
     elif kind == "gpt2":
         cfg = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=32)
         cls, names = transformers.GPT2Model, ("input_ids", "attention_mask")
@@ -270,6 +279,7 @@ def export(kind: str, exporter: str, opset: int) -> onnx.ModelProto:
     ("bert", "torchscript", 17), ("bert", "dynamo", 18),
     ("gpt2", "torchscript", 17), ("gpt2", "dynamo", 18),
     ("vit", "torchscript", 17), ("vit", "dynamo", 18),
+    ("t5", "torchscript", 17), ("t5", "dynamo", 18),
 ])
 def test_exported_transformers(kind, exporter, opset):
     m = export(kind, exporter, opset)
