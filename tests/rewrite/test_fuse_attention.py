@@ -4,7 +4,8 @@ ONNX Runtime cannot run parastream's own node, so the fused graph runs in the to
 CPU (as SDPA and, with ``fuse_attention`` off, as its decomposition) against ONNX Runtime on the original; an
 opset-23 graph gets ONNX's ``Attention``, which ONNX Runtime runs too.  The graphs: hand-built ones for each form
 the rule knows, and transformers' BERT, GPT-2 and ViT (eager attention, random weights) as the TorchScript and the
-dynamo exporter write them, and T5's encoder (no scale; position bias and mask added one after the other).
+dynamo exporter write them, T5's encoder (no scale; position bias and mask added one after the other) and
+Swin's window attention (as the build loads it).
 """
 
 from __future__ import annotations
@@ -241,6 +242,10 @@ def _transformers_model(kind: str):
         cfg = transformers.GPT2Config(vocab_size=50, n_embd=32, n_layer=1, n_head=4, n_positions=32)
         cls, names = transformers.GPT2Model, ("input_ids", "attention_mask")
         args = (torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.int64))
+    elif kind == "swin":
+        cfg = transformers.SwinConfig(image_size=32, patch_size=4, embed_dim=16, depths=[2], num_heads=[2], window_size=4)
+        cls, names = transformers.SwinModel, ("pixel_values",)
+        args = (torch.randn(1, 3, 32, 32),)
     else:
         cfg = transformers.ViTConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=4, intermediate_size=64,
                                      image_size=32, patch_size=8)
@@ -328,3 +333,17 @@ def test_the_cost_model_counts_the_fused_attention_work():
     assert flops == 2.0 * B * H * S * S * (D + D) + 5.0 * B * H * S * S
     cm = RooflineCostModel()
     assert 0 < cm.graph_cost(import_graph(out), 1)[1] < cm.graph_cost(import_graph(m), 1)[1]
+
+
+@pytest.mark.parametrize("exporter, opset", [("torchscript", 17), ("dynamo", 18)])
+def test_swin_windows_after_the_build_loads_them(exporter, opset, tmp_path):
+    """Swin's window attention (relative position bias; the shifted windows' mask) has shapes that only the
+    build's load makes static (shapes fixed, constants folded); then both blocks fuse."""
+    from parastream.pipeline.model_io import load_model
+
+    path = tmp_path / "swin.onnx"
+    onnx.save(export("swin", exporter, opset), path)
+    m = load_model(path).model
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 2 and len(fused_nodes(out)) == 2, reasons(RULE, m)
+    assert_torch_matches_ort(m, out, rtol=1e-4)
