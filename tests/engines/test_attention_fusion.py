@@ -155,7 +155,7 @@ def test_an_onnxruntime_build_leaves_attention_as_it_is(tmp_path):
     onnx.save(sdpa_model(fused=False), path)
     bundle = build(path, tmp_path / "out", backend="onnxruntime", streams=1)
     assert "fuse_attention" not in bundle.report["search"]["rules"]
-    assert "fuse_attention" not in bundle.report["search"].get("rules_chosen", [])
+    assert not any(key.startswith("fuse_attention:") for key in bundle.report["search"].get("rules_chosen", []))
 
 
 def test_a_torch_build_fuses_attention_and_verifies(tmp_path, monkeypatch):
@@ -237,7 +237,8 @@ def test_gpu_build_times_fused_attention_against_its_decomposition(tmp_path):
     path, inputs = _tiny_bert(tmp_path)
     bundle = build(path, tmp_path / "out", backend="torch", precision="fp16", streams=1, measure_seconds=120)
     report = bundle.report
-    assert "fuse_attention" in report["search"]["rules_chosen"]
+    assert any(key.startswith("fuse_attention:") for key in report["search"]["rules_chosen"]), \
+        f"the search kept no fused attention: {report['search'].get('decision')}"
     choices = report["measured_choices"]
     (timed,) = [r for r in choices["rounds"] if r["choice"] == "attention"]
     assert set(timed["timed_ms"]) == {"one SDPA kernel per attention", "attention as matmul, softmax, matmul"}
