@@ -184,7 +184,7 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         if _passes(p):
             t = p.inputs[0]
         elif p.op in ("Mul", "Div"):
-            chain = next((i for i in p.inputs if _producer(i) is not None and const_value(i) is None), None)
+            chain = next((i for i in p.inputs if _reaches_matmul(i)), None)
             got = _scale_of(p, chain)
             if isinstance(got, str):
                 return got
