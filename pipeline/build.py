@@ -269,7 +269,8 @@ def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
 def _launcher_options(options: BuildOptions) -> dict:
     """The builder options a launcher reads back from manifest.json (``Bundle.engine_options``)."""
     return {"compile": options.compile, "optimization_level": options.optimization_level,
-            "fuse_conv_relu": options.fuse_conv_relu, "torch_artifact": options.torch_artifact,
+            "fuse_conv_relu": options.fuse_conv_relu, "fuse_attention": options.fuse_attention,
+            "torch_artifact": options.torch_artifact,
             "inductor_format": options.inductor_format}
 
 
@@ -541,6 +542,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         return
     with b.timed("search"):
         from parastream.rewrite import optimize_graph
+        from parastream.rewrite.rules import rules_for
 
         # the search costs candidates on the number of streams the input would get
         b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
@@ -557,10 +559,12 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
                 before = {"error": f"{type(e).__name__}: {e}"}
         task = b.bar.step("rewrite search" + (" (measuring candidates on the GPU)" if measurer else ""))
         try:
-            # the search copies the carried graph and hands back the graph of the model it returns (no import)
+            # the search copies the carried graph and hands back the graph of the model it returns (no import);
+            # it takes the rules whose fused nodes the build's engines run
+            options = {"rules": rules_for(b.backend.name), **cfg.search_options}
             searched, graph, report = optimize_graph(b.model, b.graph, cost_model=b.cost_model,
                                                      streams=b.planned[1][0].num_streams, seed=cfg.seed,
-                                                     measure=measurer, **cfg.search_options)
+                                                     measure=measurer, **options)
             if measurer is not None and searched is b.model:  # the input kept: its alternatives, timed meanwhile
                 b.timed_alternatives = measurer.alternatives_timed()
         finally:
@@ -632,18 +636,20 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
         return
     with b.timed("measure_alternatives"):
         task = b.bar.step("time the plan against its alternatives on the GPU")
-        fused = b.options.fuse_conv_relu
+        fused, attention = b.options.fuse_conv_relu, b.options.fuse_attention
         if b.timed_alternatives is not None:  # timed against this plan's engines during the search
             measured = {k: v for k, v in b.timed_alternatives.items() if k != "plan"}
             b.options.fuse_conv_relu = measured["fuse_conv_relu"]
+            b.options.fuse_attention = measured.get("fuse_attention", attention)
         else:  # the bundle as written, loaded from ``tmp`` (its manifest is written after this stage)
             shipped = Variant(b.model, b.graph, b.plan, b.options)
             bundle = Bundle(path=tmp, manifest=b.engines.manifest_of(shipped), plan=b.plan, report={})
             measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs)
             if measured:
                 b.options.fuse_conv_relu = measured["fuse_conv_relu"]
+                b.options.fuse_attention = measured.get("fuse_attention", attention)
         b.measured = measured
-        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured)):
+        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured, attention)):
             if measured["one_engine"]:
                 b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
                 _record_measured_streams(b.streams_tried, b.sched)

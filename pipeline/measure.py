@@ -94,12 +94,13 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
 
 
 # -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
-ROUNDS = ("conv+ReLU", "boundary layout", "streams")  # time_alternatives' rounds, in the order it times them
+ROUNDS = ("attention", "conv+ReLU", "boundary layout", "streams")  # time_alternatives' rounds, in the order it times them
 
 
 def round_labels(what: str, plan) -> tuple[str, str]:
     """What a round of ``time_alternatives`` races: (the plan as it is, the alternative)."""
-    return {"conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
+    return {"attention": ("one SDPA kernel per attention", "attention as matmul, softmax, matmul"),
+            "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
             "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
 
@@ -113,6 +114,22 @@ def has_conv_relu(model: onnx.ModelProto) -> bool:
     return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
 
 
+def has_fused_attention(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has an attention node (rewrite rule fuse_attention: ONNX's Attention or parastream's own)."""
+    from parastream.core import fused_ops
+
+    return any((n.domain in ("", "ai.onnx") and n.op_type == "Attention")
+               or (n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.SDPA) for n in model.graph.node)
+
+
+def runs_fused_attention(backend) -> bool:
+    """Whether ``backend``'s engines run attention nodes as one kernel or decomposed (``fuse_attention``): the
+    backends the rule that makes them is for."""
+    from parastream.rewrite.rules.fuse_attention import FuseAttention
+
+    return backend.name in FuseAttention.backends
+
+
 def plan_signature(plan) -> tuple:
     """What makes two plans load the same engines in the same order on the same streams (not the cost model's
     per-branch estimates)."""
@@ -122,10 +139,12 @@ def plan_signature(plan) -> tuple:
             tuple(sorted((n, str(t)) for n, t in plan.tensors.items())))
 
 
-def compiled_for_other_choices(backend, fused: bool, measured: dict) -> bool:
+def compiled_for_other_choices(backend, fused: bool, measured: dict, attention: bool = True) -> bool:
     """Whether the engines just written were compiled (torch packages) for a fusion or boundary layout that the
-    measurement did not choose: they are compiled again for the choice, so that what ships is what loads."""
-    return backend.compiles_for_layout and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"])
+    measurement did not choose (``fused``, ``attention``: the conv+ReLU and attention fusions they were compiled
+    with): they are compiled again for the choice, so that what ships is what loads."""
+    return backend.compiles_for_layout and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"]
+                                            or measured.get("fuse_attention", attention) != attention)
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -146,6 +165,8 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     first round's choice is unknown, so the later rounds are taken with the fusion as it is (a choice that goes
     the other way compiles its engines then)."""
     out = []
+    if v.options.fuse_attention and runs_fused_attention(engines.backend) and has_fused_attention(v.model):
+        out.append(("attention", replace(v, options=replace(v.options, fuse_attention=False))))
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
         out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
     out.append(("boundary layout", replace(v, internal_nhwc=False)))
@@ -347,6 +368,7 @@ class GpuMeasurer:
         one = any(r["choice"] == "streams" and r["won"] == round_labels("streams", early["plan"])[1]
                   for r in early["rounds"])
         return {"fuse_conv_relu": bool(self.options.fuse_conv_relu and self.backend.fuses_conv_relu),
+                "fuse_attention": bool(self.options.fuse_attention and runs_fused_attention(self.backend)),
                 "internal_nhwc": True, "one_engine": one, "rounds": early["rounds"], "runs": self.runs,
                 "timed": "during the search", "plan": early["plan"]}
 
@@ -356,11 +378,12 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
 
     ``bundle`` (``v``'s engines as written) is timed on the GPU against what the build could have shipped
     instead, one choice at a time, each round in alternating blocks of CUDA-event timed replays
-    (``race``): (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last
+    (``race``): (0) attention nodes as one SDPA kernel or decomposed (``fuse_attention``; engines compiled for
+    each), (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last
     against contiguous internal boundaries, (3) the plan against one engine for the whole model (when the plan
     has several streams).  Engines compiled for a layout (``compiles_for_layout``) are compiled for each
     alternative; others load as they are with other launcher settings.  Returns {"rounds": [...],
-    "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no
+    "fuse_attention", "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no
     GPU or nothing to choose."""
     from parastream.launcher.gpu import GpuLauncher
 
@@ -368,7 +391,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     if not gpu_present(backend):
         return None
     chosen = {"fuse_conv_relu": bool(v.options.fuse_conv_relu and backend.fuses_conv_relu), "internal_nhwc": True,
-              "one_engine": False}
+              "one_engine": False, "fuse_attention": bool(v.options.fuse_attention and runs_fused_attention(backend))}
     rounds: list[dict] = []
     since = [time.perf_counter()]  # a round's load_s: building and loading its alternative (the first: the bundle too)
 
@@ -384,6 +407,12 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
 
     current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
     try:
+        if chosen["fuse_attention"] and has_fused_attention(v.model):
+            other = engines.launcher(replace(v, options=replace(v.options, fuse_attention=False)))
+            if timed_round("attention", current, other):
+                current, other, chosen["fuse_attention"] = other, current, False
+                v = replace(v, options=replace(v.options, fuse_attention=False))  # the later rounds' alternatives
+            other.close()
         if chosen["fuse_conv_relu"] and has_conv_relu(v.model):
             other = alternative(False)
             if timed_round("conv+ReLU", current, other):

@@ -270,6 +270,15 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
         flops = 5.0 * out_n
     elif op in _NORM:
         flops = float(_NORM[op] * out_n)
+    elif op in ("Attention", "ScaledDotProductAttention") and len(ins) >= 3:
+        q, k = static_shape(ins[0]), static_shape(ins[1])
+        if q is not None and k is not None and len(q) >= 2 and out is not None and out_n:
+            # softmax(Q·Kᵀ)·V: two GEMMs of Sq x Sk per head (D and Dv deep) and the softmax, the scores never
+            # written (4-d Attention's K may have fewer heads: its Sk is still k[-2])
+            oshape = static_shape(out)
+            heads, sq, sk, dv = int(np.prod(oshape[:-2], dtype=np.int64)), q[-2], k[-2], oshape[-1]
+            flops = 2.0 * heads * sq * sk * (q[-1] + dv) + 5.0 * heads * sq * sk
+            tiles = _gemm_tiles(sq, dv, heads)
     elif op == "Einsum":
         flops = 2.0 * max((_numel(t) for t in ins), default=0) * 8  # rough: no contraction analysis
     return flops, byts, tiles

@@ -472,6 +472,8 @@ def export_model(graph: gs.Graph, like: onnx.ModelProto, check: bool = True) -> 
     model = gs.export_onnx(graph, do_type_check=False)
     model.ClearField("opset_import")
     model.opset_import.extend(like.opset_import)
+    imported = {o.domain for o in like.opset_import}  # plus a domain a rule's fused node brought (core/fused_ops.py)
+    model.opset_import.extend(d for d in graph.import_domains or [] if d.domain not in imported)
     model.ir_version = like.ir_version
     for field in ("producer_name", "producer_version", "domain", "model_version", "doc_string"):
         setattr(model, field, getattr(like, field))

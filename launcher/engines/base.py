@@ -57,6 +57,9 @@ class BuildOptions:
     # torch backend on a GPU: a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU.
     # A GPU build times the bundle with and without it and records the faster in manifest.json.
     fuse_conv_relu: bool = True
+    # torch backend: an attention node (rewrite rule fuse_attention) runs as one scaled_dot_product_attention
+    # kernel; off, as its matmul-softmax-matmul.  A GPU build times both and records the faster in manifest.json.
+    fuse_attention: bool = True
     # onnxruntime: build() loads each branch into a session to check it; off where the caller loads it next
     # anyway (the CPU build's scratch bundles, loaded to be timed: the check cost a second copy of the weights)
     check: bool = True

@@ -37,6 +37,7 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from parastream.core import fused_ops
 from parastream.core.dataflow import consumers
 
 from ..errors import ParastreamError
@@ -79,8 +80,10 @@ class Value:
 class NodeView:
     """What a converter sees of one node: attributes, input Values, the compute dtype."""
 
-    def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype, inferred=None):
+    def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype, inferred=None,
+                 fuse_attention: bool = True):
         self.node = node
+        self.fuse_attention = fuse_attention  # attention nodes: one SDPA kernel, else its matmul-softmax-matmul
         self.inferred = inferred or {}
         self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
         self.op = node.op_type
@@ -567,6 +570,60 @@ def _softmax(n: NodeView):
     return lambda x: f(x.reshape(flat), dim=1).reshape(shp)
 
 
+@converter("Attention", f"{fused_ops.DOMAIN}.{fused_ops.SDPA}")
+def _attention(n: NodeView):
+    """softmax(scale·Q·Kᵀ + mask)·V (core/fused_ops.py; ONNX's opset-23 Attention in its 4-d form without a KV
+    cache) as ``torch.nn.functional.scaled_dot_product_attention`` or, with ``fuse_attention`` off, as the
+    decomposition the rule replaced (the GPU build times one against the other)."""
+    torch = _torch()
+    if n.op == "Attention":
+        if len(n.node.output) > 1 or any(n.has_input(i) for i in range(4, len(n.inputs))):
+            n.fail("only Attention without a KV cache (inputs Q, K, V, attn_mask; one output) is supported")
+        if any(n.rank(i) != 4 for i in range(3)):
+            n.fail("only 4-d Q, K and V are supported")
+        if float(n.attr("softcap", 0.0)) != 0.0 or int(n.attr("qk_matmul_output_mode", 0)) != 0:
+            n.fail("softcap and qk_matmul_output_mode are not supported")
+    d = n.shape(0)[-1]
+    scale = n.attr("scale")
+    scale = float(scale) if scale is not None else 1.0 / math.sqrt(d) if n.op == "Attention" else 1.0
+    causal = bool(int(n.attr("is_causal", 0)))
+    kv_heads = n.shape(1)[-3] if n.op == "Attention" else None
+    groups = n.shape(0)[-3] // kv_heads if kv_heads else 1  # grouped-query attention: K and V heads repeated
+
+    # what the code needs of the mask and the causal pattern is known now: the module stays FX-traceable
+    bool_mask = n.has_input(3) and n.inputs[3].dtype == torch.bool
+    sq, sk = n.shape(0)[-2], n.shape(1)[-2]
+    dtype = n.float_dtype
+
+    def causal_keep(device):
+        return torch.ones(sq, sk, dtype=torch.bool, device=device).tril()
+
+    if n.fuse_attention:
+        def fused(q, k, v, mask=None):
+            f = torch.nn.functional.scaled_dot_product_attention
+            if mask is not None and not bool_mask:
+                mask = mask.to(dtype)
+            if causal and mask is not None:  # SDPA takes one or the other: the causal mask joins the given one
+                keep = causal_keep(q.device)
+                mask = mask & keep if bool_mask else mask.masked_fill(~keep, float("-inf"))
+                return f(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+            return f(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=groups > 1)
+
+        return fused
+
+    def unfused(q, k, v, mask=None):
+        if groups > 1:
+            k, v = k.repeat_interleave(groups, dim=-3), v.repeat_interleave(groups, dim=-3)
+        s = torch.matmul(q, k.transpose(-1, -2)) * scale
+        if causal:
+            s = s.masked_fill(~causal_keep(s.device), float("-inf"))
+        if mask is not None:
+            s = s.masked_fill(~mask, float("-inf")) if bool_mask else s + mask.to(dtype)
+        return torch.matmul(torch.softmax(s, dim=-1), v)
+
+    return unfused
+
+
 @converter("Shape")
 def _shape(n: NodeView):
     torch = _torch()
@@ -1022,13 +1079,16 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
     return out, fused
 
 
-def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False):
+def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
+            fuse_attention: bool = True):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
     ``forward``'s first consumers (callers do that; see ``TorchEngine``).  Raises
     ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
     only: cuDNN's fused kernel) turns each 2-d Conv whose only reader is a Relu into one step.
+    ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
+    matmul-softmax-matmul it replaced.
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -1070,14 +1130,15 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         return key
 
     for node in g.node:
-        if node.domain not in ("", "ai.onnx"):
+        op_key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
+        if node.domain not in ("", "ai.onnx", fused_ops.DOMAIN):
             raise UnsupportedOp(f"node {node.name!r} ({node.domain}:{node.op_type}): custom domain ops are not supported by the torch backend")
         ins = [values.get(i) if i else None for i in node.input]
         for i, name in enumerate(node.input):
             if name and ins[i] is None:
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
-        conv = CONVERTERS.get(node.op_type)
-        nv = NodeView(node, ins, opset, float_dtype, inferred)
+        conv = CONVERTERS.get(op_key)
+        nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention)
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)

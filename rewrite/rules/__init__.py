@@ -11,14 +11,16 @@ from .cancel_transpose_reshape import CancelReshapePair, CancelTransposePair, Dr
 from .enlarge_kernel import EnlargeKernel, ShrinkKernel
 from .fission import Fission
 from .fold_bn_and_affine import FoldBatchNormAndAffine
+from .fuse_attention import FuseAttention
 from .merge_parallel_conv import MergeParallelConv
 from .merge_parallel_matmul import MergeParallelMatMul
 from .merge_summed import MergeSummed
 from .split_concat import ConcatSplit, HoistPointwiseConcat, HoistPointwiseSplit, SinkPointwiseConcat, SplitConcat
 
 # Order matters only for ties: the search tries sites in this order (then by site key).
-ALL_RULES: list[Rule] = [
+EVERY_RULE: list[Rule] = [
     FoldBatchNormAndAffine(),
+    FuseAttention(),
     CancelTransposePair(),
     CancelReshapePair(),
     DropNoOpView(),
@@ -35,6 +37,16 @@ ALL_RULES: list[Rule] = [
     Fission(),
 ]
 
-RULES_BY_NAME: dict[str, Rule] = {r.name: r for r in ALL_RULES}
 
-__all__ = ["ALL_RULES", "RULES_BY_NAME", "Rule", "Site"]
+def rules_for(backend: str | None) -> list[Rule]:
+    """The rules a search for ``backend``'s engines uses: every rule that leaves plain ONNX, and those whose
+    ``backends`` name it (their fused nodes only those backends run); None: the plain-ONNX rules alone."""
+    return [r for r in EVERY_RULE if r.backends is None or (backend is not None and backend in r.backends)]
+
+
+#: the rules whose result every backend runs (``optimize``'s default)
+ALL_RULES: list[Rule] = rules_for(None)
+
+RULES_BY_NAME: dict[str, Rule] = {r.name: r for r in EVERY_RULE}
+
+__all__ = ["ALL_RULES", "EVERY_RULE", "RULES_BY_NAME", "Rule", "Site", "rules_for"]

@@ -46,11 +46,14 @@ class Rule:
     (kernel enlargement before a merge); the search looks past β for them.
     ``simplifying`` marks rules that only ever remove work (folding, cancelling): the search applies
     them greedily, wherever the cost model does not object, before it starts branching.
+    ``backends`` names the engine backends whose engines run what the rule leaves (a fused node of parastream's
+    own domain, which only they know); None: every backend (``rules_for`` picks a build's rules by it).
     """
 
     name: str = "rule"
     enabling: bool = False
     simplifying: bool = False
+    backends: frozenset[str] | None = None
 
     def match(self, graph: gs.Graph) -> list[Site]:
         raise NotImplementedError

@@ -156,3 +156,114 @@ def test_scatter_elements_with_a_reduction_is_refused():
                  opset=18, axis=1, reduction="add")
     with pytest.raises(UnsupportedOp, match="the_ScatterElements.*reduction 'add'"):
         convert(m)
+
+
+# -- attention: ONNX's opset-23 Attention and parastream's own ScaledDotProductAttention (core/fused_ops.py) -------
+def attention_model(op, q, k, v, mask=None, **attrs):
+    """One attention node of ``op`` ("Attention" at opset 23, or parastream's node) over inputs of these shapes."""
+    from parastream.core import fused_ops
+
+    inputs = [("q", F, q), ("k", F, k), ("v", F, v)] + ([("m", *mask)] if mask else [])
+    out = [*q[:-1], v[-1]] if op == "Attention" else None
+    m = one_node(op, inputs, [("y", F, out)], opset=23, **attrs) if op == "Attention" else None
+    if m is None:
+        node = helper.make_node(fused_ops.SDPA, [n for n, *_ in inputs], ["y"], name="the_sdpa", domain=fused_ops.DOMAIN,
+                                **attrs)
+        g = helper.make_graph([node], "sdpa", [helper.make_tensor_value_info(*i) for i in inputs],
+                              [helper.make_tensor_value_info("y", F, None)])
+        m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), fused_ops.opset_id()])
+        m.ir_version = 8
+        m = onnx.shape_inference.infer_shapes(m, strict_mode=True)
+    return m
+
+
+ATTENTION_CASES = {  # name: (shapes of q, k, v, the mask as (elem type, shape) or None, attributes)
+    "plain": ([2, 3, 5, 4], [2, 3, 7, 4], [2, 3, 7, 6], None, {}),
+    "scale, additive mask": ([2, 3, 5, 4], [2, 3, 7, 4], [2, 3, 7, 4], (F, [2, 1, 5, 7]), {"scale": 0.3}),
+    "boolean mask": ([1, 2, 6, 4], [1, 2, 6, 4], [1, 2, 6, 4], (TensorProto.BOOL, [1, 2, 6, 6]), {"scale": 0.5}),
+    "causal": ([2, 2, 6, 8], [2, 2, 6, 8], [2, 2, 6, 8], None, {"is_causal": 1, "scale": 0.25}),
+}
+
+
+def attention_feeds(m):
+    feeds = {}
+    for i in m.graph.input:
+        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        if i.type.tensor_type.elem_type == TensorProto.BOOL:
+            keep = rng.random(shape) > 0.3
+            keep[..., 0] = True  # every query sees a key
+            feeds[i.name] = keep
+        else:
+            feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    return feeds
+
+
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("case", sorted(ATTENTION_CASES))
+def test_attention_as_sdpa_and_decomposed(case, fuse):
+    """Both nodes, as SDPA and as its decomposition, against ONNX Runtime's opset-23 Attention (which runs
+    parastream's node's semantics: softmax(scale·Q·Kᵀ + mask)·V)."""
+    import onnxruntime as ort
+
+    q, k, v, mask, attrs = ATTENTION_CASES[case]
+    attrs = dict(attrs)
+    reference = attention_model("Attention", q, k, v, mask, **attrs)
+    feeds = attention_feeds(reference)
+    want = ort.InferenceSession(reference.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    attrs.setdefault("scale", 1.0 / np.sqrt(q[-1]))  # ONNX's default; parastream's node says it
+    for m in (reference, attention_model("sdpa", q, k, v, mask, **attrs)):
+        module = convert(m, fuse_attention=fuse)
+        with torch.no_grad():
+            got = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])[0]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_grouped_query_heads():
+    import onnxruntime as ort
+
+    m = attention_model("Attention", [1, 4, 5, 8], [1, 2, 5, 8], [1, 2, 5, 8])
+    feeds = attention_feeds(m)
+    want = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+    for fuse in (True, False):
+        with torch.no_grad():
+            got = convert(m, fuse_attention=fuse)(*[torch.from_numpy(feeds[n]) for n in ("q", "k", "v")])[0]
+        np.testing.assert_allclose(got.numpy(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_attention_off_runs_the_decomposition(monkeypatch):
+    """``fuse_attention=False``: the module never calls SDPA (the GPU build times the two against each other)."""
+    q, k, v, mask, attrs = ATTENTION_CASES["scale, additive mask"]
+    m = attention_model("sdpa", q, k, v, mask, **attrs)
+    feeds = [torch.from_numpy(x) for x in attention_feeds(m).values()]
+    fused, unfused = convert(m, fuse_attention=True), convert(m, fuse_attention=False)
+
+    def refuse(*a, **kw):
+        raise AssertionError("SDPA called")
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", refuse)
+    with torch.no_grad():
+        unfused(*feeds)
+        with pytest.raises(AssertionError, match="SDPA called"):
+            fused(*feeds)
+
+
+def test_attention_with_a_kv_cache_is_refused():
+    m = one_node("Attention", [("q", F, [1, 2, 3, 4]), ("k", F, [1, 2, 3, 4]), ("v", F, [1, 2, 3, 4]),
+                               ("mask", F, [1, 2, 3, 3]), ("past_key", F, [1, 2, 2, 4]), ("past_value", F, [1, 2, 2, 4])],
+                 [("y", F, [1, 2, 3, 4]), ("present_key", F, None), ("present_value", F, None)], opset=23)
+    with pytest.raises(UnsupportedOp, match="the_Attention.*KV cache"):
+        convert(m)
+
+
+@pytest.mark.parametrize("case", ["boolean mask", "causal"])
+def test_attention_traces_to_fx(case):
+    """The engines compile the FX graph of the module (``to_fx``): both forms trace without falling back."""
+    from parastream.launcher.engines.onnx_torch import to_fx
+
+    q, k, v, mask, attrs = ATTENTION_CASES[case]
+    m = attention_model("sdpa", q, k, v, mask, **attrs)
+    feeds = [torch.from_numpy(x) for x in attention_feeds(m).values()]
+    for fuse in (True, False):
+        module = convert(m, fuse_attention=fuse)
+        with torch.no_grad():
+            np.testing.assert_allclose(to_fx(module)(*feeds)[0].numpy(), module(*feeds)[0].numpy(), rtol=1e-6, atol=1e-6)
