@@ -434,6 +434,8 @@ def _bundle_problems(where: str, config, folder: Path) -> list[str]:
     mb = config.max_batch_size
     if params.get(P_BACKEND, plan.backend) != plan.backend:
         problems.append(f"{where}: {P_BACKEND} is {params[P_BACKEND]!r} but the bundle was built with {plan.backend!r}")
+    record = bundle.manifest.get("buckets") or {}
+    dynamic = grid_dynamic_dims(record) if "axes" in record else {}
     for kind, specs, ios in (("input", plan.inputs, config.input), ("output", plan.outputs, config.output)):
         declared = {io.name: io for io in ios}
         if sorted(declared) != sorted(t.name for t in specs):
@@ -444,9 +446,10 @@ def _bundle_problems(where: str, config, folder: Path) -> list[str]:
             want_type = TRITON_DTYPES.get(spec.dtype)
             if mc.DataType.Name(io.data_type) != want_type:
                 problems.append(f"{where}: {kind} {spec.name!r} is {mc.DataType.Name(io.data_type)}, the bundle has {spec.dtype} ({want_type})")
-            if list(io.dims) != wire_dims(spec, mb):
+            want = list(_io(mc.ModelInput, spec, mb, dynamic.get(spec.name)).dims)  # -1 on a grid's dynamic axes
+            if list(io.dims) != want:
                 problems.append(f"{where}: {kind} {spec.name!r} has dims {list(io.dims)}, the bundle's shape {spec.shape} "
-                                f"with max_batch_size {mb} gives {wire_dims(spec, mb)}")
+                                f"with max_batch_size {mb} gives {want}")
             if mb > 0 and (not spec.shape or spec.shape[0] < mb):
                 problems.append(f"{where}: max_batch_size {mb} but the bundle's {spec.name!r} has shape {spec.shape}")
     return problems
