@@ -43,6 +43,38 @@ def tiny_bert(path: Path) -> Path:
     return path
 
 
+def tiny_gpt2(path: Path, *, mask: bool = True) -> Path:
+    """GPT2Model, 1 layer, hidden 32, no KV cache, [batch, seq] inputs -> ``hidden`` [batch, seq, 32]: with
+    ``mask``, ``input_ids``, ``attention_mask`` and ``position_ids``; without, ``input_ids`` alone (positions
+    counted inside, every position unmasked).  Causal: padding at the end changes no real position, mask or not."""
+    import torch
+    import transformers as tf
+
+    cfg = tf.GPT2Config(vocab_size=VOCAB, n_embd=32, n_layer=1, n_head=2, n_positions=128, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = tf.GPT2Model(cfg).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask=None, position_ids=None):
+            if attention_mask is None:  # no mask input: every position real (the causal mask alone hides the future)
+                attention_mask = torch.ones_like(input_ids)
+            return self.m(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
+                          use_cache=False).last_hidden_state
+
+    ids = torch.randint(0, VOCAB, (1, 16))
+    names = ["input_ids", "attention_mask", "position_ids"] if mask else ["input_ids"]
+    args = (ids, torch.ones(1, 16, dtype=torch.int64), torch.arange(16)[None]) if mask else (ids,)
+    axes = {0: "batch", 1: "seq"}
+    with torch.no_grad():
+        torch.onnx.export(Hidden(), args, str(path), input_names=names, output_names=["hidden"],
+                          dynamic_axes={**{n: axes for n in names}, "hidden": axes}, opset_version=17, dynamo=False)
+    return path
+
+
 def bert_feeds(n: int, seq: int, seed: int = 0) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     return {"input_ids": rng.integers(0, VOCAB, (n, seq)).astype(np.int64),

@@ -10,7 +10,7 @@ import json
 import numpy as np
 import onnxruntime as ort
 import pytest
-from dynamic_models import bert_feeds, small_cnn, tiny_bert, unmasked_attention
+from dynamic_models import VOCAB, bert_feeds, small_cnn, tiny_bert, tiny_gpt2, unmasked_attention
 
 from parastream.core.accuracy import scaled_error
 from parastream.launcher import load
@@ -178,6 +178,31 @@ def test_a_cnn_with_exact_sizes_builds_each_and_runs_only_those(tmp_path):
         with pytest.raises(ParastreamError, match=r"input 'image' dimension 2 \(axis 'H'\) has size 20; this bundle was "
                                                   r"built for exactly 16, 24, 32 on axis 'H' \(no padding there\)"):
             la({"image": np.zeros((1, 3, 20, 16), np.float32)})
+    finally:
+        la.close()
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("mask", [True, False], ids=["masked", "causal-only"])
+def test_gpt2_pads_at_the_end_with_position_ids_counting_on(tmp_path, mask):
+    """A causal decoder: padded at the end, its real positions are unchanged with or without a mask input;
+    position ids continue through the padding."""
+    pytest.importorskip("transformers")
+    path = tiny_gpt2(tmp_path / "gpt2.onnx", mask=mask)
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", search=False, min_shapes={"input_ids": [1, 1]},
+                   max_shapes={"input_ids": [1, 32]})
+    (axis,) = bundle.manifest["buckets"]["axes"]
+    if mask:
+        assert axis["pad"]["position_ids"] == "continue" and axis["pad_source"]["position_ids"] == "detected"
+    la = load(bundle.path)
+    try:
+        for seq in (5, 17, 32):
+            rng = np.random.default_rng(seq)
+            feeds = {"input_ids": rng.integers(0, VOCAB, (1, seq))}
+            if mask:
+                feeds.update(attention_mask=np.ones((1, seq), np.int64), position_ids=np.arange(seq)[None])
+            got = la(feeds)["hidden"]
+            assert got.shape == (1, seq, 32) and scaled_error(got, _ort(path, feeds)["hidden"]) <= 1e-5
     finally:
         la.close()
 
