@@ -66,7 +66,10 @@ def _xp(x):
 
     if isinstance(x, torch.Tensor):
         return torch, x
-    return torch, (torch.as_tensor(x, device="cuda") if hasattr(x, "__cuda_array_interface__") else torch.from_dlpack(x))
+    if hasattr(x, "__cuda_array_interface__"):  # a DeviceArray names its GPU; torch reads the interface there
+        device = getattr(x, "device", None)
+        return torch, torch.as_tensor(x, device=f"cuda:{device}" if isinstance(device, int) else "cuda")
+    return torch, torch.from_dlpack(x)
 
 
 def pad_axis(x, dim: int, size: int, how):

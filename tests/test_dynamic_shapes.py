@@ -85,6 +85,19 @@ def test_a_length_out_of_range_names_the_input_the_axis_and_the_range(seq_bundle
         la.close()
 
 
+def test_a_changed_byte_in_any_bucket_refuses_the_bundle(seq_bundle, tmp_path):
+    import shutil
+
+    from parastream.launcher.bundle import Bundle
+
+    copy = tmp_path / "copy"
+    shutil.copytree(seq_bundle.path, copy)
+    plan = copy / "buckets" / "b16" / "plan.json"
+    plan.write_text(plan.read_text() + " ")
+    with pytest.raises(ParastreamError, match=r"b16/plan.json: sha256 differs from manifest.json"):
+        Bundle.open(copy)
+
+
 def test_verify_checks_every_bucket_and_a_length_between(seq_bundle, capsys):
     assert main(["verify", str(seq_bundle.path), "--json"]) == 0
     got = json.loads(capsys.readouterr().out)
