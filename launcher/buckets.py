@@ -110,6 +110,27 @@ def cut_axis(x, dim: int, size: int):
     return x[index] if xp is np else x[index].contiguous()
 
 
+def axis_between(sizes: list[int], lo: int) -> int | None:
+    """A size of a grid axis that is not a bucket and runs padded: the one past the smallest bucket with a gap
+    after it, else MIN where it lies below the first bucket; None when every size in range is a bucket."""
+    for a, b in zip(sizes, sizes[1:]):
+        if b - a > 1:
+            return a + 1
+    return lo if lo < sizes[0] else None
+
+
+def grid_between(la) -> tuple[int, ...] | None:
+    """A point between buckets of a grid bundle (``la``: its BucketedLauncher): every padded axis at its size
+    between buckets (axis_between), the others at their smallest bucket; None when no axis has one.  What the
+    build and ``parastream verify`` check and ``parastream bench`` times besides the buckets."""
+    point, any_gap = [], False
+    for a in la.axes:
+        gap = None if a.get("exact") else axis_between(sorted(a["sizes"]), int(a["min"]))
+        any_gap = any_gap or gap is not None
+        point.append(gap if gap is not None else min(a["sizes"]))
+    return tuple(point) if any_gap else None
+
+
 def grid_bundles(bundle: Bundle, rec: dict) -> dict:
     """A grid bundle's buckets, key (one size per axis) -> Bundle: the key of every axis's MAX is this bundle
     itself, the others live in their folders (their files listed and hashed by this bundle's manifest)."""
@@ -427,11 +448,8 @@ def _bench_grid(bundle: Bundle, la: BucketedLauncher, *, runs: int, warmup: int,
     from .cpu import time_calls
 
     top_key = la.max
-    between = None
-    for a in la.axes:
-        gaps = [x + 1 for x, y in zip(a["sizes"], a["sizes"][1:]) if y - x > 1] if not a.get("exact") else []
-        between = (between or []) + [gaps[0] if gaps else min(a["sizes"])]
-    points = sorted(set(la.sizes) | ({tuple(between)} if between and tuple(between) not in la.sizes else set()))
+    between = grid_between(la)
+    points = sorted(set(la.sizes) | ({between} if between else set()))
     can_pad = not any(a.get("exact") for a in la.axes)
     rows = []
     try:

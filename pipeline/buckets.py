@@ -30,6 +30,8 @@ from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.errors import ParastreamError, VerificationError
 from parastream.launcher.plan import TensorSpec
 
+from parastream.launcher.buckets import axis_between, grid_between
+
 from .model_io import batch_buckets, batch_profiles, original_at_batch, shapes_at_batch
 from .verify import resolve_tolerances, run_verification, running_errors
 
@@ -286,7 +288,7 @@ def check_padding(model_path, fixed: dict[str, list[int]], axes, seed: int) -> N
     model = onnx.load(str(model_path), load_external_data=False)
     sess = None
     for k, a in enumerate(axes):
-        gap = between_buckets(a.sizes)
+        gap = axis_between(a.sizes, a.min)
         n, b = (gap, next(s for s in a.sizes if s >= gap)) if gap else (a.sizes[0], a.sizes[1])
         base = [x.sizes[0] for x in axes]
         at_n, at_b = list(base), list(base)
@@ -397,17 +399,6 @@ def check_output_axes(model_path, axes, bundles: dict) -> None:
                     raise ParastreamError(f"{model_path}: output {name!r} has shape {shapes[name]} in the bucket "
                                           f"{key}, but the padding check found axis {a.name!r} in its dimensions {dims}; "
                                           "no bundle was written")
-
-
-def grid_between(runner) -> tuple[int, ...] | None:
-    """A point between buckets of a grid bundle: every padded axis at its first size between buckets (the
-    others at their smallest bucket); None when no axis has one."""
-    point, any_gap = [], False
-    for a in runner.axes:
-        gap = None if a.get("exact") else between_buckets(sorted(a["sizes"]))
-        any_gap = any_gap or gap is not None
-        point.append(gap if gap is not None else min(a["sizes"]))
-    return tuple(point) if any_gap else None
 
 
 def verification_points(runner) -> list[tuple[int, ...]]:

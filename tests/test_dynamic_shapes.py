@@ -154,6 +154,16 @@ def test_a_batch_by_sequence_grid_serves_every_shape(bert, tmp_path, capsys):
         la.close()
 
 
+def test_one_bucket_at_max_serves_every_shorter_length_padded(bert, tmp_path):
+    """--buckets with MAX alone: every length below it is padded, so the check and the verification run at MIN."""
+    bundle = build(bert, tmp_path / "out", backend="onnxruntime", search=False, min_shapes={"input_ids": [1, 1]},
+                   max_shapes={"input_ids": [1, 16]}, shape_buckets={("input_ids", 1): [16]})
+    assert bundle.report["buckets"]["between"]["point"] == [1] and bundle.report["buckets"]["between"]["bucket"] == [16]
+    with load(bundle.path) as la:
+        feeds = bert_feeds(1, 6, seed=6)
+        assert scaled_error(la(feeds)["hidden"], _ort(bert, feeds)["hidden"]) <= 1e-5
+
+
 def test_a_cnn_image_side_is_refused_in_one_line_and_nothing_is_written(tmp_path, capsys):
     path = small_cnn(tmp_path / "cnn.onnx")
     out = tmp_path / "out"
