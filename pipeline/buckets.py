@@ -228,27 +228,20 @@ def profile_ranges(cfg) -> dict[str, tuple[list[int], list[int], list[int]]]:
 
 
 def _feeds_at(model: onnx.ModelProto, shapes: dict[str, list[int]], axes, seed: int) -> dict:
-    """Seeded inputs at ``shapes`` as verification draws them (input_value_ranges), adjusted for a padding proof
-    (check_ranges_for_padding)."""
-    from parastream.launcher.plan import TensorSpec as Spec
+    """Seeded inputs at ``shapes`` as verification draws them (polygraphy's DataLoader over the ranges
+    padding_input_ranges gives), for the padding check."""
     from onnx import helper
+    from polygraphy.comparator import DataLoader
+    from polygraphy.common import TensorMetadata
 
     vis = {vi.name: vi for vi in model.graph.input}
-    specs = [Spec(n, np.dtype(helper.tensor_dtype_to_np_dtype(vis[n].type.tensor_type.elem_type)).name, s)
+    specs = [TensorSpec(n, np.dtype(helper.tensor_dtype_to_np_dtype(vis[n].type.tensor_type.elem_type)).name, s)
              for n, s in shapes.items()]
-    ranges = padding_input_ranges(model, specs, axes)
-    rng = np.random.default_rng(seed)
-    feeds = {}
+    meta = TensorMetadata()
     for s in specs:
-        lo, hi = ranges[s.name]
-        kind = np.dtype(s.dtype).kind
-        if kind in "iu":
-            feeds[s.name] = rng.integers(int(lo), int(hi) + 1, size=s.shape).astype(s.dtype)
-        elif kind == "b":
-            feeds[s.name] = rng.integers(0, 2, size=s.shape).astype(bool)
-        else:
-            feeds[s.name] = rng.uniform(float(lo), float(hi), size=s.shape).astype(s.dtype)
-    return feeds
+        meta.add(s.name, np.dtype(s.dtype), tuple(s.shape))
+    loader = DataLoader(seed=seed, iterations=1, input_metadata=meta, val_range=padding_input_ranges(model, specs, axes))
+    return dict(next(iter(loader)))
 
 
 def padding_input_ranges(model: onnx.ModelProto, specs, axes) -> dict[str, tuple]:
