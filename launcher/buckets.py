@@ -9,6 +9,11 @@ that reads a plain bundle reads it as a batch-MAX bundle), every other bucket is
 and the rest of that bucket filled by repeating them (so padding rows hold valid values: token ids,
 masks), and returns the outputs' first n rows.  On a GPU the buckets share one arena for their boundary
 tensors (sized for the largest) and one origin stream (``SharedArena``): only one bucket runs at a time.
+
+A bundle built with ``--min-shapes/--max-shapes`` holds one static bundle per bucket of a grid over its dynamic
+axes (manifest.json ``buckets.axes`` and ``buckets.grid``, folders ``buckets/b<1x16>``): the same launcher takes
+any shape in range, runs each axis's smallest bucket that holds it with the inputs padded as the build proved
+harmless (``pad_axis``), and cuts the outputs back along the dimensions that carry each axis (``cut_axis``).
 """
 
 from __future__ import annotations

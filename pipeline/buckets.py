@@ -1,4 +1,7 @@
-"""Dynamic-batch builds (``--batch MIN:OPT:MAX`` with MIN < MAX): the build's stages once per batch bucket.
+"""Dynamic-batch builds (``--batch MIN:OPT:MAX`` with MIN < MAX): the build's stages once per batch bucket;
+and dynamic shapes on any named axis (``--min-shapes/--opt-shapes/--max-shapes``, ``build_grid``): the same per
+bucket of a grid over the axes, after the padding check proves on ONNX Runtime that padding each axis to its
+bucket leaves the real positions' outputs unchanged (docs/dynamic-shapes.md).
 
 Why one static sub-bundle per bucket rather than one plan with a dynamic first dimension: a CUDA Graph
 replays fixed shapes and fixed addresses, so a graph per bucket is what serving systems that replay
