@@ -130,7 +130,7 @@ def _buckets_summary(rb: dict | None) -> dict | None:
     if not rb:
         return None
     axes = rb.get("axes")  # a grid over named axes: each axis's range, the point verified between buckets
-    return {"sizes": rb.get("sizes"), "range": [rb.get("min"), rb.get("max")],
+    return {"sizes": rb.get("sizes"), "range": None if axes else [rb.get("min"), rb.get("max")],
             "axes": [f"{a['name']} {a['min']}..{a['max']}" + (" (exact)" if a.get("exact") else "") for a in axes] if axes else None,
             "per_bucket": {s: {"streams": r.get("streams"), "engines": r.get("branches"), "verified": r.get("verified")}
                            for s, r in (rb.get("per_bucket") or {}).items()},
