@@ -138,6 +138,9 @@ def test_a_batch_by_sequence_grid_serves_every_shape(bert, tmp_path, capsys):
     out = tmp_path / "grid"
     assert main(["build", str(bert), "-o", str(out), "--backend", "onnxruntime", "--no-search",
                  "--min-shapes", "input_ids:1x1", "--max-shapes", "input_ids:4x64", "--buckets", "input_ids:1=16,64"]) == 0
+    summary = capsys.readouterr().out
+    assert "batch 1..4, seq 1..64 in buckets ['1x16', '1x64', '2x16', '2x64', '4x16', '4x64']" in summary
+    assert "verified at 3x17 between buckets too" in summary
     rec = json.loads((out / "manifest.json").read_text())["buckets"]
     assert [(a["name"], a["sizes"]) for a in rec["axes"]] == [("batch", [1, 2, 4]), ("seq", [16, 64])]
     assert rec["axes"][0]["pad"]["attention_mask"] == "repeat" and rec["axes"][0]["outputs"] == {"hidden": [0]}
