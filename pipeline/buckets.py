@@ -283,6 +283,7 @@ def check_padding(model_path, fixed: dict[str, list[int]], axes, seed: int) -> N
 
     model = onnx.load(str(model_path), load_external_data=False)
     sess = None
+    refused = []
     for k, a in enumerate(axes):
         gap = axis_between(a.sizes, a.min)
         n, b = (gap, next(s for s in a.sizes if s >= gap)) if gap else (a.sizes[0], a.sizes[1])
@@ -323,10 +324,19 @@ def check_padding(model_path, fixed: dict[str, list[int]], axes, seed: int) -> N
         if a.buckets_given:
             a.exact = True  # --buckets listed the sizes: each built exactly, a request takes one of them
             continue
-        raise ParastreamError(f"{model_path}: axis {a.name!r} ({a.option()}) cannot be padded: padded from {n} to {b}, "
-                              f"{failure}, so the model does not ignore padded positions there (an image side, a model "
-                              f"without a mask); build exact sizes instead with --buckets {a.option()}="
-                              f"{','.join(map(str, a.sizes))}")
+        refused.append((a, n, b, failure))
+    if refused:
+        a, n, b, failure = refused[0]
+        others = "".join(f"; {_axis_named(x)} neither" for x, *_ in refused[1:])
+        exact = " ".join(f"--buckets {x.option()}={','.join(map(str, x.sizes))}" for x, *_ in refused)
+        raise ParastreamError(f"{model_path}: {_axis_named(a)} cannot be padded: padded from {n} to {b}, {failure}, so "
+                              "the model does not ignore padded positions there (an image side, a model without a mask)"
+                              f"{others}; build exact sizes instead with {exact}")
+
+
+def _axis_named(a) -> str:
+    """``axis 'seq' (input_ids:1)``, or ``axis 'x:1'`` for an unnamed dimension."""
+    return f"axis {a.name!r}" + (f" ({a.option()})" if a.name != a.option() else "")
 
 
 def build_grid(model_path, tmp: Path, cfg, backend, bar, build_static) -> Bundle:
