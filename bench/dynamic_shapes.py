@@ -17,7 +17,8 @@ and, for each length L of ``--lengths``, a static bundle built at exactly 1 x L.
 latency (host wall clock of ``launcher(feeds)``, inputs already on the device on a GPU: padding, replay,
 synchronise; variants alternating in blocks) of the grid bundle, of the static bundle and, on a GPU, of
 ``torch.compile(mode="reduce-overhead")`` on the PyTorch model in fp16 at that shape; the grid's outputs
-against onnxruntime (CPU, fp32) on the unpadded input (scaled error).  Targets (docs/dynamic-shapes.md):
+against onnxruntime (CPU, fp32) on the unpadded input (scaled error).  On a GPU, the device memory the loaded
+grid takes against one static bundle at MAX (a length of ``--lengths`` equal to ``--max-seq``).  Targets (docs/dynamic-shapes.md):
 grid / static <= 1.15 and grid <= torch.compile at every length.  Writes ``OUT/<model>_dynshapes.json``.
 """
 
@@ -78,6 +79,16 @@ def export(model, path: Path) -> None:
                           opset_version=17, dynamo=False)
 
 
+def device_used() -> int:
+    """Bytes in use on the current GPU (cudaMemGetInfo through torch; torch's pools are never given back, so the
+    difference around one load is what that load took)."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
 def median_ms(calls: dict, runs: int, warmup: int, block: int = 10) -> dict:
     """Median wall-clock ms of each no-argument call, ``runs`` each after ``warmup``, alternating in blocks."""
     for _ in range(warmup):
@@ -117,7 +128,9 @@ def run_model(name: str, args, outdir: Path) -> dict:
                  "sizes": grid.manifest["buckets"]["axes"][0]["sizes"], "lengths": []}
     log(f"{name}: grid built in {res['grid_build_s']:.0f} s, buckets {res['sizes']}")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    used = device_used() if gpu else 0
     la = load(grid.path)
+    res["device_memory_bytes"] = {"grid": device_used() - used} if gpu else None
     compiled = None
     if gpu:
         compiled = torch.compile(model.half().cuda(), mode="reduce-overhead")
@@ -125,7 +138,10 @@ def run_model(name: str, args, outdir: Path) -> dict:
         for length in (int(v) for v in args.lengths.split(",")):
             static = build(path, outdir / f"{name}_static_{length}", shapes={"input_ids": [1, length],
                                                                               "attention_mask": [1, length]}, **common)
+            used = device_used() if gpu else 0
             ls = load(static.path)
+            if gpu and length == args.max_seq:  # one static bundle at MAX against the whole grid, loaded
+                res["device_memory_bytes"]["static_at_max"] = device_used() - used
             rng = np.random.default_rng(length)
             feeds = {"input_ids": rng.integers(0, vocab, (1, length)).astype(np.int64),
                      "attention_mask": np.ones((1, length), np.int64)}
