@@ -348,7 +348,7 @@ def build_grid(model_path, tmp: Path, cfg, backend, bar, build_static) -> Bundle
     from .model_io import shape_axes, shapes_at_point
 
     axes, fixed = shape_axes(model_path, dict(cfg.shapes), profile_ranges(cfg), batch=cfg.batch,
-                             batch_buckets_=cfg.batch_buckets, buckets=cfg.shape_buckets, pads=cfg.pads)
+                             batch_sizes=cfg.batch_buckets, buckets=cfg.shape_buckets, pads=cfg.pads)
     bar.step(f"check padding on {', '.join(a.name for a in axes)}").advance()
     check_padding(model_path, fixed, axes, cfg.seed)
     points = grid_points(axes)

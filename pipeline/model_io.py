@@ -981,7 +981,7 @@ def detected_pad(name: str) -> tuple[object, str]:
 
 
 def shape_axes(path: str | Path, shapes: dict[str, list[int]], ranges: dict[str, tuple[list[int], list[int], list[int]]],
-               *, batch: tuple[int, int, int] | None = None, batch_buckets_: list[int] | None = None,
+               *, batch: tuple[int, int, int] | None = None, batch_sizes: list[int] | None = None,
                buckets: dict[tuple[str, int], list[int]] | None = None, pads: dict[str, object] | None = None
                ) -> tuple[list[ShapeAxis], dict[str, list[int]]]:
     """The dynamic axes of ``--min/--opt/--max-shapes`` (``ranges``: input -> (min, opt, max) dims) and the
@@ -989,7 +989,8 @@ def shape_axes(path: str | Path, shapes: dict[str, list[int]], ranges: dict[str,
 
     A dimension whose min differs from its max is dynamic; dimensions that carry one dim_param are one axis
     (on every input that names it, given or not), an unnamed one is an axis of its own.  ``batch`` (``--batch``)
-    is the range of the first dimension of every input whose first dimension is dynamic."""
+    is the range of the first dimension of every input whose first dimension is dynamic, ``batch_sizes``
+    (``--batch-buckets``) its buckets."""
     path = Path(path)
     model = onnx.load(str(path), load_external_data=False)
     vis = {vi.name: vi for vi in model.graph.input}
@@ -1070,7 +1071,7 @@ def shape_axes(path: str | Path, shapes: dict[str, list[int]], ranges: dict[str,
         ax.sizes, ax.buckets_given = sizes, True
     for ax in axes.values():
         if not ax.sizes:
-            given = batch_buckets_ if ax.batch_like and batch is not None else None
+            given = batch_sizes if ax.batch_like and batch is not None else None
             ax.sizes = batch_buckets((ax.min, ax.opt, ax.max), given)
         for name in ax.inputs:
             if ax.batch_like:
