@@ -9,6 +9,11 @@ that reads a plain bundle reads it as a batch-MAX bundle), every other bucket is
 and the rest of that bucket filled by repeating them (so padding rows hold valid values: token ids,
 masks), and returns the outputs' first n rows.  On a GPU the buckets share one arena for their boundary
 tensors (sized for the largest) and one origin stream (``SharedArena``): only one bucket runs at a time.
+
+A bundle built with ``--min-shapes/--max-shapes`` holds one static bundle per bucket of a grid over its dynamic
+axes (manifest.json ``buckets.axes`` and ``buckets.grid``, folders ``buckets/b<1x16>``): the same launcher takes
+any shape in range, runs each axis's smallest bucket that holds it with the inputs padded as the build proved
+harmless (``pad_axis``), and cuts the outputs back along the dimensions that carry each axis (``cut_axis``).
 """
 
 from __future__ import annotations
@@ -40,6 +45,130 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     return x[np.arange(rows) % n]
 
 
+def grid_key(text) -> tuple[int, ...]:
+    """A grid bucket's key in manifest.json (``"1x16"``: one size per axis, in the axes' order) as a tuple."""
+    return tuple(int(v) for v in str(text).split("x"))
+
+
+def key_text(key) -> str:
+    return "x".join(str(v) for v in key)
+
+
+def _batch_like(axis: dict) -> bool:
+    return all(int(i) == 0 for i in axis["inputs"].values())
+
+
+def _bucket_on(axis: dict, size: int) -> int:
+    """The bucket of ``axis`` that serves ``size``: the size itself on an exact axis, else the smallest >= it."""
+    return size if axis.get("exact") else smallest_bucket(sorted(axis["sizes"]), size)
+
+
+def _xp(x):
+    """numpy for host arrays, torch for device ones (a DeviceArray or anything with a CUDA array interface)."""
+    if isinstance(x, np.ndarray) or not (hasattr(x, "__cuda_array_interface__") or hasattr(x, "__dlpack__")):
+        return np, np.asarray(x)
+    import torch
+
+    if isinstance(x, torch.Tensor):
+        return torch, x
+    if hasattr(x, "__cuda_array_interface__"):  # a DeviceArray names its GPU; torch reads the interface there
+        device = getattr(x, "device", None)
+        return torch, torch.as_tensor(x, device=f"cuda:{device}" if isinstance(device, int) else "cuda")
+    return torch, torch.from_dlpack(x)
+
+
+def pad_axis(x, dim: int, size: int, how):
+    """``x`` grown along ``dim`` to ``size``: ``"repeat"`` repeats its slices in order (the batch axis: padding
+    rows hold valid values), ``"continue"`` counts on from the last slice (position ids), a number fills."""
+    xp, x = _xp(x)
+    n = int(x.shape[dim])
+    if n == size:
+        return x
+    if how == "repeat":
+        idx = np.arange(size) % n
+        return np.take(x, idx, axis=dim) if xp is np else x.index_select(dim, xp.as_tensor(idx, device=x.device))
+    shape = list(x.shape)
+    shape[dim] = size - n
+    if how == "continue":
+        last = np.take(x, [n - 1], axis=dim) if xp is np else x.narrow(dim, n - 1, 1)
+        steps = np.arange(1, size - n + 1).reshape([-1 if i == dim else 1 for i in range(len(shape))])
+        fill = last + (steps.astype(x.dtype) if xp is np else xp.as_tensor(steps, device=x.device, dtype=x.dtype))
+    elif xp is np:
+        fill = np.full(shape, how, dtype=x.dtype)
+    else:
+        fill = xp.full(shape, how, dtype=x.dtype, device=x.device)
+    return np.concatenate([x, fill], axis=dim) if xp is np else xp.cat([x, fill], dim=dim)
+
+
+def cut_axis(x, dim: int, size: int):
+    """The first ``size`` entries of ``x`` along ``dim`` (a padded run's real positions).  A DeviceArray cut along
+    its first dimension stays a view of its buffer's start; along another dimension it is copied (torch)."""
+    if int(x.shape[dim]) == size:
+        return x
+    from_device = not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__") and dim == 0
+    if from_device and hasattr(x, "ptr"):
+        from .cuda import DeviceArray
+
+        return DeviceArray(x.ptr, (size, *x.shape[1:]), x.dtype, x.name, x._owner, device=x.device)
+    xp, x = _xp(x)
+    index = (slice(None),) * dim + (slice(0, size),)
+    return x[index] if xp is np else x[index].contiguous()
+
+
+def axis_between(sizes: list[int], lo: int) -> int | None:
+    """A size of a grid axis that is not a bucket and runs padded: the one past the smallest bucket with a gap
+    after it, else MIN where it lies below the first bucket; None when every size in range is a bucket."""
+    for a, b in zip(sizes, sizes[1:]):
+        if b - a > 1:
+            return a + 1
+    return lo if lo < sizes[0] else None
+
+
+def grid_between(la) -> tuple[int, ...] | None:
+    """A point between buckets of a grid bundle (``la``: its BucketedLauncher): every padded axis at its size
+    between buckets (axis_between), the others at their smallest bucket; None when no axis has one.  What the
+    build and ``parastream verify`` check and ``parastream bench`` times besides the buckets."""
+    point, any_gap = [], False
+    for a in la.axes:
+        gap = None if a.get("exact") else axis_between(sorted(a["sizes"]), int(a["min"]))
+        any_gap = any_gap or gap is not None
+        point.append(gap if gap is not None else min(a["sizes"]))
+    return tuple(point) if any_gap else None
+
+
+def grid_bundles(bundle: Bundle, rec: dict) -> dict:
+    """A grid bundle's buckets, key (one size per axis) -> Bundle: the key of every axis's MAX is this bundle
+    itself, the others live in their folders (their files listed and hashed by this bundle's manifest)."""
+    from .bundle import inside
+
+    where = bundle.path / "manifest.json"
+    axes, grid = rec.get("axes"), rec.get("grid")
+    if (not isinstance(axes, list) or not axes or not isinstance(grid, dict) or not grid
+            or not all(isinstance(a, dict) and isinstance(a.get("inputs"), dict) and isinstance(a.get("sizes"), list)
+                       and isinstance(a.get("pad"), dict) for a in axes)):
+        raise ParastreamError(f"{where}: 'buckets' does not list the axes and the grid's folders; rebuild the bundle")
+    out: dict = {}
+    for text, folder in grid.items():
+        if not isinstance(folder, str) or not all(v.isdigit() for v in str(text).split("x")) or len(str(text).split("x")) != len(axes):
+            raise ParastreamError(f"{where}: bucket {text!r} -> {folder!r} is not one size per axis and a folder")
+        key = grid_key(text)
+        if folder == ".":
+            out[key] = bundle
+            continue
+        sub = Bundle.open(inside(bundle.path, folder, "manifest.json (buckets)"), check_hashes=False)
+        if sub.manifest.get("buckets"):
+            raise ParastreamError(f"{sub.path}: a bucket is itself a bucketed bundle; rebuild the bundle")
+        out[key] = sub
+    import itertools
+
+    expected = set(itertools.product(*[sorted(int(s) for s in a["sizes"]) for a in axes]))
+    top = tuple(int(a["max"]) for a in axes)
+    if set(out) != expected or out.get(top) is not bundle:
+        raise ParastreamError(f"{where}: 'buckets' is inconsistent (the grid's folders are not every combination of the "
+                              "axes' sizes, or the largest is not this bundle's own plan); rebuild the bundle")
+    return out
+
+
 class BucketedLauncher:
     """Runs a dynamic-batch bundle: any batch n in [MIN, MAX] on the smallest bucket >= n, n rows out.
 
@@ -53,10 +182,20 @@ class BucketedLauncher:
         if rec is None:
             raise ParastreamError(f"{bundle.path}: not a dynamic-batch bundle (manifest.json lists no buckets)")
         self.bundle = bundle
-        self.sizes = sorted(int(b) for b in rec["sizes"])
-        self.min, self.max = int(rec["min"]), int(rec["max"])
-        self.batched_inputs = list(rec["inputs"])
-        self.batched_outputs = set(rec["outputs"])
+        self.grid = "axes" in rec  # a grid over named axes (--min/--max-shapes); else the batch axis alone
+        if self.grid:
+            self.axes = [dict(a) for a in rec["axes"]]
+            self.sizes = sorted(grid_key(k) for k in rec["grid"])
+            self.min = tuple(int(a["min"]) for a in self.axes)
+            self.max = tuple(int(a["max"]) for a in self.axes)
+            self.batched_inputs = sorted({n for a in self.axes if _batch_like(a) for n in a["inputs"]})
+            self.batched_outputs = {o for a in self.axes if _batch_like(a) for o in a.get("outputs", {})}
+        else:
+            self.axes = None
+            self.sizes = sorted(int(b) for b in rec["sizes"])
+            self.min, self.max = int(rec["min"]), int(rec["max"])
+            self.batched_inputs = list(rec["inputs"])
+            self.batched_outputs = set(rec["outputs"])
         self.device = device
         self.shared = None
         self.launchers: dict[int, object] = {}
@@ -89,8 +228,14 @@ class BucketedLauncher:
     def output_specs(self):
         return self.launchers[self.max].output_specs
 
-    def bucket_for(self, n: int) -> int:
-        """The bucket that runs a batch of ``n``; a batch outside [MIN, MAX] is refused, naming the range."""
+    def bucket_for(self, n):
+        """The bucket that runs a batch of ``n`` (a grid bundle: the point ``n``, one size per axis); a size
+        outside its axis's range is refused, naming the range."""
+        if self.grid:
+            point = tuple(n)
+            for a, size in zip(self.axes, point):
+                self._check_size(a, size, f"axis {a['name']!r}")
+            return tuple(_bucket_on(a, size) for a, size in zip(self.axes, point))
         if not self.min <= n <= self.max:
             raise ParastreamError(f"a batch of {n} is outside this bundle's range {self.min}..{self.max} "
                                   f"(--batch {self.min}:..:{self.max}); buckets {self.sizes}")
@@ -117,8 +262,64 @@ class BucketedLauncher:
                                   f"(buckets {self.sizes})")
         return n
 
+    @staticmethod
+    def _check_size(a: dict, size: int, what: str) -> None:
+        if a.get("exact"):
+            if size not in a["sizes"]:
+                raise ParastreamError(f"{what} has size {size}; this bundle was built for exactly "
+                                      f"{', '.join(map(str, a['sizes']))} on axis {a['name']!r} (no padding there)")
+        elif not int(a["min"]) <= size <= int(a["max"]):
+            raise ParastreamError(f"{what} has size {size}, outside this bundle's range {a['min']}..{a['max']} on axis "
+                                  f"{a['name']!r} (buckets {a['sizes']})")
+
+    def point_of(self, feeds: dict) -> tuple[int, ...]:
+        """A grid bundle's point for ``feeds``: per axis, the size every input carrying it gives (they must agree);
+        outside an axis's range, an error naming the input, the axis and the range."""
+        point = []
+        for a in self.axes:
+            found: dict[str, int] = {}
+            for name, dim in a["inputs"].items():
+                if name not in feeds:
+                    continue
+                shape = getattr(feeds[name], "shape", None)
+                if shape is None:
+                    shape = np.asarray(feeds[name]).shape
+                if len(shape) <= dim:
+                    raise ParastreamError(f"input {name!r} has shape {list(shape)}; it carries axis {a['name']!r} as "
+                                          f"dimension {dim} ({a['min']}..{a['max']})")
+                found[name] = int(shape[dim])
+                self._check_size(a, found[name], f"input {name!r} dimension {dim} (axis {a['name']!r})")
+            if not found:
+                raise ParastreamError(f"missing input(s) {list(a['inputs'])}; the model takes {[t.name for t in self.input_specs]}")
+            if len(set(found.values())) > 1:
+                raise ParastreamError(f"inputs disagree on axis {a['name']!r}: {found}")
+            point.append(next(iter(found.values())))
+        return tuple(point)
+
+    def _call_grid(self, feeds: dict) -> dict:
+        point = self.point_of(feeds)
+        key = self.bucket_for(point)
+        padded = dict(feeds)
+        for a, size, bsize in zip(self.axes, point, key):
+            if size != bsize:
+                for name, dim in a["inputs"].items():
+                    if name in padded:
+                        padded[name] = pad_axis(padded[name], dim, bsize, a["pad"][name])
+        outs = self.launchers[key](padded)
+        for a, size, bsize in zip(self.axes, point, key):
+            if size != bsize:
+                for name, dims in (a.get("outputs") or {}).items():
+                    if name in outs:
+                        for dim in dims:
+                            outs[name] = cut_axis(outs[name], dim, size)
+        return outs
+
     def __call__(self, feeds: dict) -> dict:
-        """Run ``feeds`` of batch n on the smallest bucket >= n; outputs with a batch dimension have n rows."""
+        """Run ``feeds`` of batch n on the smallest bucket >= n; outputs with a batch dimension have n rows.
+        A grid bundle: each axis on its smallest bucket that holds the feeds' size, padded as the build proved
+        harmless, outputs cut back on the dimensions that carry the axis."""
+        if self.grid:
+            return self._call_grid(feeds)
         n = self.batch_of(feeds)
         b = self.bucket_for(n)
         padded = {k: (self._pad(v, b) if k in self.batched_inputs else v) for k, v in feeds.items()}
@@ -186,6 +387,8 @@ def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None
     if runs < 1:
         raise ParastreamError(f"--runs {runs}: must be at least 1")
     la = BucketedLauncher(bundle, device="cuda" if on_gpu else "cpu", gpu=gpu)
+    if la.grid:
+        return _bench_grid(bundle, la, runs=runs, warmup=warmup, console=console, on_gpu=on_gpu)
     try:
         between = next((a + 1 for a, b in zip(la.sizes, la.sizes[1:]) if b - a > 1), None)
         batches = sorted(set(la.sizes) | ({between} if between else set()))
@@ -226,4 +429,75 @@ def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None
             t.add_row(str(r["batch"]), str(r["bucket"]), f"{r['buckets_ms']:.3f}", f"{r['padded_to_max_ms']:.3f}",
                       f"{r['speedup']:.2f}x" if r["speedup"] else "-")
         console.print(t)
+    return result
+
+
+def _feeds_at_point(la: BucketedLauncher, point: tuple[int, ...], seed: int) -> dict:
+    """Random inputs of a grid bundle at ``point`` (mask-like inputs all ones: a row masked everywhere is no request)."""
+    shapes = {t.name: list(t.shape) for t in la.input_specs}
+    for a, size in zip(la.axes, point):
+        for name, dim in a["inputs"].items():
+            shapes[name][dim] = size
+    specs = [type(t)(t.name, t.dtype, shapes[t.name]) for t in la.input_specs]
+    feeds = random_feeds(specs, seed=seed)
+    for name in feeds:
+        if "mask" in name.lower():
+            feeds[name] = np.ones_like(feeds[name])
+    return feeds
+
+
+def _bench_grid(bundle: Bundle, la: BucketedLauncher, *, runs: int, warmup: int, console, on_gpu: bool) -> dict:
+    """``parastream bench`` on a grid bundle: at every bucket and at a point between buckets, the median latency of
+    the bucket that serves it (padded) against the same inputs padded to every axis's MAX on the MAX bucket (where
+    no axis is exact).  Times calls with host inputs on the CPU and the GPU alike (padding and copies included)."""
+    from .cpu import time_calls
+
+    top_key = la.max
+    between = grid_between(la)
+    points = sorted(set(la.sizes) | ({between} if between else set()))
+    can_pad = not any(a.get("exact") for a in la.axes)
+    rows = []
+    try:
+        for point in points:
+            feeds = _feeds_at_point(la, point, seed=sum(point))
+            calls = {"buckets": la}
+            if can_pad:
+                top = la.launchers[top_key]
+
+                def padded(f, top=top):
+                    out = dict(f)
+                    for a, size in zip(la.axes, top_key):
+                        for name, dim in a["inputs"].items():
+                            if name in out:
+                                out[name] = pad_axis(out[name], dim, size, a["pad"][name])
+                    return top(out)
+
+                calls["padded_to_max"] = padded
+            times = time_calls(calls, feeds, runs=runs, warmup=warmup)
+            ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+            rows.append({"point": list(point), "bucket": list(la.bucket_for(point)), "buckets_ms": ms["buckets"],
+                         "padded_to_max_ms": ms.get("padded_to_max"),
+                         "speedup": ms["padded_to_max"] / ms["buckets"] if ms.get("padded_to_max") and ms["buckets"] > 0 else None})
+    finally:
+        la.close()
+    axes = "x".join(a["name"] for a in la.axes)
+    memory = (bundle.report.get("buckets") or {}).get("memory")
+    result = {"bundle": str(bundle.path), "device": "cuda" if on_gpu else "cpu", "axes": axes,
+              "sizes": [key_text(k) for k in la.sizes], "runs": runs, "timed": "seconds per call", "points": rows,
+              "memory": memory}
+    if console is not None:
+        from rich.table import Table
+
+        t = Table(title=f"{bundle.path}: buckets over {axes} against one bucket at MAX = {key_text(top_key)} "
+                        f"(median of {runs})")
+        for c in (axes, "bucket", "buckets ms", "padded to MAX ms", "speedup"):
+            t.add_column(c, justify="right")
+        for r in rows:
+            t.add_row(key_text(r["point"]), key_text(r["bucket"]), f"{r['buckets_ms']:.3f}",
+                      f"{r['padded_to_max_ms']:.3f}" if r["padded_to_max_ms"] else "-",
+                      f"{r['speedup']:.2f}x" if r["speedup"] else "-")
+        console.print(t)
+        if memory:
+            console.print(f"engines {memory['engine_bytes']:,} bytes in all buckets against {memory['engine_bytes_at_max']:,} "
+                          f"at MAX alone; boundary buffers {memory['shared_buffer_bytes']:,} bytes shared")
     return result

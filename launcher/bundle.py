@@ -156,6 +156,10 @@ class Bundle:
         live in ``buckets/b<N>/``, their files listed and hashed by this bundle's manifest too)."""
         rec = self.manifest.get("buckets")
         where = self.path / "manifest.json"
+        if isinstance(rec, dict) and "axes" in rec:  # a grid over named axes (--min/--max-shapes): key -> Bundle
+            from .buckets import grid_bundles
+
+            return grid_bundles(self, rec)
         if not isinstance(rec, dict) or not isinstance(rec.get("folders"), dict) or not rec["folders"]:
             raise ParastreamError(f"{where}: 'buckets' does not list the buckets' folders; rebuild the bundle")
         out: dict[int, Bundle] = {}

@@ -46,6 +46,12 @@ class BuildConfig:
     shapes: dict[str, list[int]] = field(default_factory=dict)
     batch: tuple[int, int, int] | None = None  # --batch min:opt:max for inputs with a dynamic first dimension
     batch_buckets: list[int] | None = None  # --batch-buckets: the batch sizes built (None: powers of two, MIN and MAX)
+    # --min-shapes/--opt-shapes/--max-shapes: dynamic axes on any input (a grid of static buckets, pipeline/buckets.py)
+    min_shapes: dict[str, list[int]] = field(default_factory=dict)
+    opt_shapes: dict[str, list[int]] = field(default_factory=dict)
+    max_shapes: dict[str, list[int]] = field(default_factory=dict)
+    shape_buckets: dict[tuple[str, int], list[int]] = field(default_factory=dict)  # --buckets INPUT:AXIS=sizes
+    pads: dict[str, object] = field(default_factory=dict)  # --pad NAME=VALUE: what padded positions of an input hold
     precision: str = "fp32"
     search: bool = True
     search_options: dict = field(default_factory=dict)
@@ -419,10 +425,23 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
     out = check_target(out_dir, kind="bundle", force=cfg.force, protect=(model_path,), option="-o")
     if cfg.streams is not None and cfg.streams < 1:
         raise ParastreamError(f"--streams {cfg.streams}: must be at least 1")
+    ranged = bool(cfg.min_shapes or cfg.opt_shapes or cfg.max_shapes)
     if cfg.batch_buckets and not (cfg.batch and cfg.batch[0] < cfg.batch[2]):
         raise ParastreamError("--batch-buckets needs --batch MIN:OPT:MAX with MIN < MAX")
+    if (cfg.shape_buckets or cfg.pads) and not ranged:
+        raise ParastreamError(f"{'--buckets' if cfg.shape_buckets else '--pad'} needs dynamic axes: give "
+                              "--min-shapes and --max-shapes")
+    if ranged and not (cfg.min_shapes and cfg.max_shapes):
+        raise ParastreamError("--min-shapes, --opt-shapes and --max-shapes go together: give at least --min-shapes "
+                              "and --max-shapes")
     backend = resolve_backend(cfg.backend)
     with _Progress(progress) as bar:
+        if ranged:  # dynamic shapes on named axes: one static bundle per bucket of the grid
+            from .buckets import build_grid
+
+            with staging(out, "bundle") as tmp:
+                bundle = build_grid(model_path, tmp, cfg, backend, bar, build_static)
+            return replace(bundle, path=out)
         if cfg.batch and cfg.batch[0] < cfg.batch[2]:  # a dynamic batch: one static bundle per batch bucket
             from .buckets import build_buckets
 

@@ -97,6 +97,18 @@ def add_batch_arg(p: argparse.ArgumentParser) -> None:
                         "unknown dimensions come from --shapes, e.g. --batch 1:8:32 --shapes input_ids:1x128")
     p.add_argument("--batch-buckets", default=None, metavar="1,2,4,...",
                    help="the buckets of --batch (default: MIN, the powers of two between, MAX)")
+    p.add_argument("--min-shapes", default=None, metavar="NAME:1x1,...",
+                   help="dynamic shapes on any axis (with --max-shapes, --opt-shapes): a dimension whose min and max "
+                        "differ is dynamic; one static bucket per size in a grid over those axes (docs/dynamic-shapes.md)")
+    p.add_argument("--opt-shapes", default=None, metavar="NAME:1x128,...",
+                   help="where the rewrite search measures (default: --min-shapes)")
+    p.add_argument("--max-shapes", default=None, metavar="NAME:8x512,...", help="the largest shape of each input")
+    p.add_argument("--buckets", action="append", default=None, metavar="NAME:AXIS=16,32,...",
+                   help="the buckets of one dynamic axis (default: MIN, the powers of two between, MAX); an axis whose "
+                        "padding the build cannot prove harmless is built exactly at these sizes (repeatable)")
+    p.add_argument("--pad", action="append", default=None, metavar="NAME=VALUE",
+                   help="what an input's padded positions hold (a number, or 'continue' for position ids); default "
+                        "by name: masks, token ids and token types 0, position ids continuing (repeatable)")
 
 
 def add_schedule_args(p: argparse.ArgumentParser) -> None:
@@ -168,11 +180,15 @@ def _console(stderr: bool = False):
 # -- commands ------------------------------------------------------------------------------------------
 def cmd_build(args) -> int:
     from .build import BuildConfig, build
-    from .model_io import parse_batch, parse_buckets, parse_shapes
+    from .model_io import parse_axis_buckets, parse_batch, parse_buckets, parse_pads, parse_shape_option, parse_shapes
     from .report import print_build_summary
 
     cfg = BuildConfig(backend=args.backend, streams=args.streams, shapes=parse_shapes(args.shapes), batch=parse_batch(args.batch),
                       batch_buckets=parse_buckets(args.batch_buckets),
+                      min_shapes=parse_shape_option(args.min_shapes, "--min-shapes"),
+                      opt_shapes=parse_shape_option(args.opt_shapes, "--opt-shapes"),
+                      max_shapes=parse_shape_option(args.max_shapes, "--max-shapes"),
+                      shape_buckets=parse_axis_buckets(args.buckets), pads=parse_pads(args.pad),
                       precision=args.precision,
                       search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol,
                       scale_tol=args.scale_tol, seed=args.seed,
@@ -361,6 +377,8 @@ def verify_buckets(bundle, original: str, args) -> int:
 
     rtol, atol, scale_tol = bundle_tolerances(bundle, args.rtol, args.atol, args.scale_tol)
     runner = load(bundle.path, device=args.device)
+    if runner.grid:  # a grid over named axes: every bucket and a point between buckets
+        return _verify_grid(bundle, original, runner, args, rtol, atol, scale_tol)
     try:
         results = verify_at_batches(original, runner, verification_batches(runner.sizes), rtol=rtol, atol=atol,
                                     scale_tol=scale_tol, seed=args.seed, iterations=args.iterations)
@@ -374,6 +392,32 @@ def verify_buckets(bundle, original: str, args) -> int:
         for n, r in results.items():
             where = "bucket" if n in runner.sizes else f"between buckets, run on bucket {runner.bucket_for(n)}"
             print_verification(r, _console(), title=f"verify {bundle.path} at batch {n} ({where}) against onnxruntime on {original}")
+    return 0 if passed else 1
+
+
+def _verify_grid(bundle, original: str, runner, args, rtol, atol, scale_tol) -> int:
+    from parastream.launcher.buckets import key_text
+
+    from .buckets import verification_points, verify_at_points
+    from .report import print_verification
+
+    try:
+        results = verify_at_points(original, runner, verification_points(runner), rtol=rtol, atol=atol,
+                                   scale_tol=scale_tol, seed=args.seed, iterations=args.iterations)
+        buckets = {p: runner.bucket_for(p) for p in results}
+    finally:
+        runner.close()
+    passed = all(r.passed for r in results.values())
+    axes = "x".join(a["name"] for a in runner.axes)
+    if args.json:
+        print(json.dumps({"passed": passed, "bundle": str(bundle.path), "model": str(original), "axes": axes,
+                          "points": {key_text(p): dict(r.to_dict(), bucket=key_text(buckets[p])) for p, r in results.items()}},
+                         default=str), file=_stdout())
+    else:
+        for p, r in results.items():
+            where = "bucket" if p == buckets[p] else f"between buckets, run padded on bucket {key_text(buckets[p])}"
+            print_verification(r, _console(), title=f"verify {bundle.path} at {axes} {key_text(p)} ({where}) against "
+                                                    f"onnxruntime on {original}, unpadded")
     return 0 if passed else 1
 
 

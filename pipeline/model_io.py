@@ -888,3 +888,238 @@ def original_at_batch(path: str | Path, shapes: dict[str, list[int]]) -> onnx.Mo
     name_nodes(model)
     _fix_input_shapes(model, shapes, path)
     return model
+
+
+# -- dynamic shapes on any axis (--min-shapes/--opt-shapes/--max-shapes, --buckets, --pad) ---------------------------
+
+#: the most buckets one grid may hold: every bucket is a whole static build, so a larger grid is refused with the
+#: sizes that made it (choose fewer with --buckets)
+MAX_GRID = 64
+
+
+@dataclass
+class ShapeAxis:
+    """One dynamic axis of a shape grid: a dimension name (dim_param) and every input dimension that carries it.
+
+    ``name``: the dim_param, or ``INPUT:AXIS`` for an unnamed dimension.  ``inputs``: input -> its dimension on
+    this axis.  ``sizes``: the buckets, ascending, ending at ``max``.  ``pad``: input -> how its padded positions
+    are filled: ``"repeat"`` (the batch axis: rows repeated, as --batch pads), ``"continue"`` (position ids
+    counting on) or a number; ``pad_source``: input -> "given" (--pad), "detected" (its name) or "default".
+    ``exact``: only the listed sizes are served, each by its own bucket, without padding.  ``outputs`` (set once
+    the padding check ran): output -> the dimensions that carry this axis (cut back after a padded run)."""
+    name: str
+    inputs: dict[str, int]
+    min: int
+    opt: int
+    max: int
+    sizes: list[int]
+    pad: dict[str, object]
+    pad_source: dict[str, str]
+    exact: bool = False
+    buckets_given: bool = False
+    outputs: dict[str, list[int]] | None = None
+
+    @property
+    def batch_like(self) -> bool:
+        """Every input carries this axis first: padded by repeating rows, whatever the inputs' names."""
+        return all(i == 0 for i in self.inputs.values())
+
+    def option(self) -> str:
+        """How a user names this axis on the command line: ``INPUT:AXIS`` of its first input."""
+        name, i = next(iter(self.inputs.items()))
+        return f"{name}:{i}"
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "inputs": dict(self.inputs), "min": self.min, "opt": self.opt, "max": self.max,
+                "sizes": list(self.sizes), "pad": dict(self.pad), "pad_source": dict(self.pad_source),
+                "exact": self.exact, "outputs": dict(self.outputs or {})}
+
+
+def parse_shape_option(text: str | None, option: str) -> dict[str, list[int]]:
+    """``--min-shapes``/``--opt-shapes``/``--max-shapes NAME:D1xD2,...`` (``--shapes``'s syntax), the option named
+    in its errors."""
+    try:
+        return parse_shapes(text)
+    except ParastreamError as e:
+        raise ParastreamError(str(e).replace("--shapes", option)) from None
+
+
+def parse_axis_buckets(entries: list[str] | None) -> dict[tuple[str, int], list[int]]:
+    """``--buckets INPUT:AXIS=16,32,64`` (repeatable) into ``{(input, axis): sizes}``."""
+    out: dict[tuple[str, int], list[int]] = {}
+    for entry in entries or []:
+        where, sep, sizes = entry.partition("=")
+        name, colon, axis = where.rpartition(":")
+        parts = [p.strip() for p in sizes.split(",")]
+        if (not sep or not colon or not name or not re.fullmatch(r"[0-9]{1,3}", axis.strip())
+                or not all(re.fullmatch(r"[0-9]{1,12}", p) and int(p) >= 1 for p in parts)):
+            raise ParastreamError(f"--buckets {entry!r} is not INPUT:AXIS=SIZE,SIZE,...; e.g. --buckets input_ids:1=16,32,64")
+        key = (name, int(axis))
+        if key in out:
+            raise ParastreamError(f"--buckets names {name}:{axis} twice; give each axis once")
+        out[key] = sorted(set(int(p) for p in parts))
+    return out
+
+
+def parse_pads(entries: list[str] | None) -> dict[str, object]:
+    """``--pad NAME=VALUE`` (repeatable): the value an input's padded positions hold (a number, or ``continue``
+    for position ids that count on)."""
+    out: dict[str, object] = {}
+    for entry in entries or []:
+        name, sep, value = entry.partition("=")
+        value = value.strip()
+        if not sep or not name.strip() or not value:
+            raise ParastreamError(f"--pad {entry!r} is not NAME=VALUE; e.g. --pad input_ids=1 (a pad token id)")
+        if value == "continue":
+            out[name.strip()] = value
+            continue
+        try:
+            number = float(value)
+        except ValueError:
+            raise ParastreamError(f"--pad {entry!r}: VALUE must be a number or 'continue' (position ids)") from None
+        out[name.strip()] = int(number) if number.is_integer() and "." not in value else number
+    return out
+
+
+def detected_pad(name: str) -> tuple[object, str]:
+    """How an input named like a transformers input is padded along a sequence axis, and whether the name said so:
+    masks and token types 0, token ids 0 (any id: the mask hides it; --pad gives a model's pad id), position ids
+    counting on; anything else 0 by default (the padding check decides whether that is harmless)."""
+    low = name.lower()
+    if "position" in low:
+        return "continue", "detected"
+    if "mask" in low or "token_type" in low or "segment" in low or low.endswith("ids") or low.endswith("_id"):
+        return 0, "detected"
+    return 0, "default"
+
+
+def shape_axes(path: str | Path, shapes: dict[str, list[int]], ranges: dict[str, tuple[list[int], list[int], list[int]]],
+               *, batch: tuple[int, int, int] | None = None, batch_sizes: list[int] | None = None,
+               buckets: dict[tuple[str, int], list[int]] | None = None, pads: dict[str, object] | None = None
+               ) -> tuple[list[ShapeAxis], dict[str, list[int]]]:
+    """The dynamic axes of ``--min/--opt/--max-shapes`` (``ranges``: input -> (min, opt, max) dims) and the
+    fixed shapes (every input dimension whose min equals its max, with ``shapes``, ``--shapes``).
+
+    A dimension whose min differs from its max is dynamic; dimensions that carry one dim_param are one axis
+    (on every input that names it, given or not), an unnamed one is an axis of its own.  ``batch`` (``--batch``)
+    is the range of the first dimension of every input whose first dimension is dynamic, ``batch_sizes``
+    (``--batch-buckets``) its buckets."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    vis = {vi.name: vi for vi in model.graph.input}
+    init_names = {t.name for t in model.graph.initializer}
+    real = [n for n in vis if n not in init_names]
+    declared = {n: _dims(vis[n]) for n in real}
+    buckets = dict(buckets or {})
+    pads = dict(pads or {})
+    for name in pads:
+        if name not in real:
+            raise ParastreamError(f"--pad names {name!r}, which is not an input of {path.name}; its inputs are {real}")
+    ranges = {k: tuple(list(d) for d in v) for k, v in ranges.items()}
+    if batch is not None:
+        for name in real:
+            if _batch_dynamic(declared[name]):
+                if name not in ranges:
+                    rest = (shapes.get(name) or [1] + [d if isinstance(d, int) else 1 for d in declared[name][1:]])[1:]
+                    if name not in shapes and any(not isinstance(d, int) for d in declared[name][1:]):
+                        continue  # its other dimensions come from the dim_params other inputs bind
+                    ranges[name] = ([1, *rest], [1, *rest], [1, *rest])
+                for dims, value in zip(ranges[name], batch):
+                    dims[0] = value
+    axes: dict[str, ShapeAxis] = {}
+    fixed: dict[str, list[int]] = {k: list(v) for k, v in shapes.items()}
+    for name, (lo, opt, hi) in ranges.items():
+        if name not in vis or name in init_names:
+            raise ParastreamError(f"--min-shapes names {name!r}, which is not an input of {path.name}; its inputs are {real}")
+        cur = declared[name]
+        if not (len(lo) == len(opt) == len(hi)):
+            raise ParastreamError(f"--min/--opt/--max-shapes give input {name!r} ranks {len(lo)}, {len(opt)} and {len(hi)}; "
+                                  "give one rank")
+        if cur is not None and len(cur) != len(lo):
+            raise ParastreamError(f"--min-shapes {name}:{_fmt(lo)} has rank {len(lo)}, but input {name!r} of {path.name} "
+                                  f"has rank {len(cur)}")
+        for i, (a, o, b) in enumerate(zip(lo, opt, hi)):
+            if not a <= o <= b:
+                raise ParastreamError(f"input {name!r} dimension {i}: need min <= opt <= max, got {a}, {o}, {b} "
+                                      "(--min-shapes, --opt-shapes, --max-shapes)")
+            c = cur[i] if cur is not None else None
+            if a == b:
+                continue
+            if isinstance(c, int):
+                raise ParastreamError(f"input {name!r} dimension {i} is fixed to {c} in {path.name}; it cannot range "
+                                      f"{a}..{b}")
+            key = c if isinstance(c, str) else f"{name}:{i}"
+            ax = axes.get(key)
+            if ax is None:
+                axes[key] = ShapeAxis(key, {name: i}, a, o, b, [], {}, {})
+            elif (ax.min, ax.opt, ax.max) != (a, o, b):
+                first = next(iter(ax.inputs))
+                raise ParastreamError(f"inputs {first!r} and {name!r} share dimension {key!r} in {path.name} but are "
+                                      f"given the ranges {ax.min}:{ax.opt}:{ax.max} and {a}:{o}:{b}; give them one range")
+            else:
+                ax.inputs[name] = i
+        fixed[name] = list(opt)
+    if not axes:
+        raise ParastreamError(f"{path}: --min-shapes and --max-shapes give every dimension one size; give a range "
+                              "(min < max) on the axes that vary, or use --shapes for static shapes")
+    # a dim_param is one axis on every input that names it
+    for name in real:
+        for i, c in enumerate(declared[name] or []):
+            if isinstance(c, str) and c in axes and name not in axes[c].inputs:
+                axes[c].inputs[name] = i
+                if name in ranges and ranges[name][0][i] == ranges[name][2][i]:
+                    raise ParastreamError(f"input {name!r} dimension {i} ({c!r}) is given one size, {ranges[name][0][i]}, "
+                                          f"but {c!r} ranges {axes[c].min}..{axes[c].max} on another input; give them one range")
+    for (name, i), sizes in buckets.items():
+        ax = next((a for a in axes.values() if a.inputs.get(name) == i), None)
+        if ax is None:
+            raise ParastreamError(f"--buckets {name}:{i}: dimension {i} of input {name!r} is not a dynamic axis of this "
+                                  "build (give its range with --min-shapes/--max-shapes)")
+        outside = [s for s in sizes if not ax.min <= s <= ax.max]
+        if outside:
+            raise ParastreamError(f"--buckets {name}:{i}={outside[0]} is outside that axis's range {ax.min}..{ax.max}")
+        if ax.max not in sizes:
+            raise ParastreamError(f"--buckets {name}:{i} must include the axis's MAX = {ax.max}, so that every size up to "
+                                  "MAX has a bucket")
+        ax.sizes, ax.buckets_given = sizes, True
+    for ax in axes.values():
+        if not ax.sizes:
+            given = batch_sizes if ax.batch_like and batch is not None else None
+            ax.sizes = batch_buckets((ax.min, ax.opt, ax.max), given)
+        for name in ax.inputs:
+            if ax.batch_like:
+                ax.pad[name], ax.pad_source[name] = "repeat", "batch"
+            elif name in pads:
+                ax.pad[name], ax.pad_source[name] = pads[name], "given"
+            else:
+                ax.pad[name], ax.pad_source[name] = detected_pad(name)
+    out = list(axes.values())
+    count = math.prod(len(a.sizes) for a in out)
+    if count > MAX_GRID:
+        raise ParastreamError(f"{path}: the buckets {', '.join(f'{a.name} {a.sizes}' for a in out)} make {count} static "
+                              f"builds, more than {MAX_GRID}; choose fewer with --buckets INPUT:AXIS=SIZE,...")
+    return out, fixed
+
+
+def shapes_at_point(path: str | Path, fixed: dict[str, list[int]], axes: list[ShapeAxis], point: tuple[int, ...]
+                    ) -> dict[str, list[int]]:
+    """Every input's static shape with each axis at its size in ``point`` (one bucket's, or a request's), the
+    dimension names bound across inputs (_bind_input_shapes)."""
+    path = Path(path)
+    model = onnx.load(str(path), load_external_data=False)
+    declared = {vi.name: _dims(vi) for vi in model.graph.input}
+    shapes = {k: list(v) for k, v in fixed.items()}
+    for ax, size in zip(axes, point):
+        for name, i in ax.inputs.items():
+            if name not in shapes:
+                cur = declared.get(name)
+                if cur is None or not all(isinstance(d, int) or d in {a.name for a in axes} for d in cur):
+                    continue  # its other dimensions come from the names the given inputs bind
+                shapes[name] = [d if isinstance(d, int) else 1 for d in cur]
+            shapes[name][i] = size
+    binding = _bind_input_shapes(model, shapes, path)
+    if binding.unknown:
+        raise ParastreamError(f"{path}: {_unknown_inputs(binding.unknown)} unknown dimensions besides the dynamic axes; "
+                              f"give them in --min-shapes/--opt-shapes/--max-shapes or --shapes (e.g. --shapes "
+                              f"{binding.example})")
+    return {**shapes, **binding.shapes}

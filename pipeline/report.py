@@ -129,10 +129,12 @@ def _buckets_summary(rb: dict | None) -> dict | None:
     """A dynamic-batch bundle's buckets: per bucket its streams and engines, the batch verified between buckets."""
     if not rb:
         return None
-    return {"sizes": rb.get("sizes"), "range": [rb.get("min"), rb.get("max")],
+    axes = rb.get("axes")  # a grid over named axes: each axis's range, the point verified between buckets
+    return {"sizes": rb.get("sizes"), "range": None if axes else [rb.get("min"), rb.get("max")],
+            "axes": [f"{a['name']} {a['min']}..{a['max']}" + (" (exact)" if a.get("exact") else "") for a in axes] if axes else None,
             "per_bucket": {s: {"streams": r.get("streams"), "engines": r.get("branches"), "verified": r.get("verified")}
                            for s, r in (rb.get("per_bucket") or {}).items()},
-            "verified_between": (rb.get("between") or {}).get("batch"), "build_s": rb.get("build_s"),
+            "verified_between": (rb.get("between") or {}).get("point" if axes else "batch"), "build_s": rb.get("build_s"),
             "memory": rb.get("memory")}
 
 
@@ -152,8 +154,10 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
         b = s["buckets"]
         rows = ", ".join(f"{n}: {plural(r['engines'], 'engine')} on {plural(r['streams'], 'stream')}"
                          for n, r in b["per_bucket"].items())
-        between = f"; verified at batch {b['verified_between']} between buckets too" if b["verified_between"] else ""
-        console.print(escape(f"  batch {b['range'][0]}..{b['range'][1]} in buckets {b['sizes']} ({rows}){between}; "
+        what = "x".join(map(str, b["verified_between"])) if b.get("axes") and b["verified_between"] else b["verified_between"]
+        between = f"; verified at {'' if b.get('axes') else 'batch '}{what} between buckets too" if what else ""
+        span = ", ".join(b["axes"]) if b.get("axes") else f"batch {b['range'][0]}..{b['range'][1]}"
+        console.print(escape(f"  {span} in buckets {b['sizes']} ({rows}){between}; "
                              "the lines above are the largest bucket's"))
     choice = rep.get("cpu_choice")
     if choice and choice.get("timed"):

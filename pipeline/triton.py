@@ -110,9 +110,26 @@ def wire_dims(spec: TensorSpec, max_batch: int) -> list[int]:
     return dims or [1]
 
 
-def _io(message, spec: TensorSpec, max_batch: int):
+def _io(message, spec: TensorSpec, max_batch: int, dynamic: set[int] | None = None):
+    """A Triton input or output; ``dynamic``: the tensor's dimensions that carry a dynamic axis (declared -1)."""
     mc = model_config_pb2()
-    return message(name=spec.name, data_type=mc.DataType.Value(triton_dtype(spec)), dims=wire_dims(spec, max_batch))
+    dims = wire_dims(spec, max_batch)
+    if dynamic and spec.shape:
+        first = 1 if max_batch > 0 else 0
+        dims = [-1 if i + first in dynamic else d for i, d in enumerate(dims)]
+    return message(name=spec.name, data_type=mc.DataType.Value(triton_dtype(spec)), dims=dims)
+
+
+def grid_dynamic_dims(record: dict) -> dict[str, set[int]]:
+    """A grid bundle's tensors and their dimensions that vary with a dynamic axis (inputs that carry it, outputs
+    cut back along it): Triton declares them -1, model.py hands the launcher what arrives."""
+    out: dict[str, set[int]] = {}
+    for a in record.get("axes", []):
+        for name, dim in a["inputs"].items():
+            out.setdefault(name, set()).add(int(dim))
+        for name, dims in (a.get("outputs") or {}).items():
+            out.setdefault(name, set()).update(int(d) for d in dims)
+    return out
 
 
 def _params(config, **values: str) -> None:
@@ -188,12 +205,20 @@ def graph_model(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int
     mc = model_config_pb2()
     plan = bundle.plan
     gpu = bool(get_backend(plan.backend).gpu)
-    buckets = (bundle.manifest.get("buckets") or {}).get("sizes")
+    record = bundle.manifest.get("buckets") or {}
+    buckets = record.get("sizes")
+    dynamic = grid_dynamic_dims(record) if "axes" in record else {}
+    if "axes" in record:  # a grid over named axes: batching along its batch axis, if it has one
+        batch_axis = next((a for a in record["axes"] if all(int(i) == 0 for i in a["inputs"].values())), None)
+        buckets = sorted(int(s) for s in batch_axis["sizes"]) if batch_axis else None
+        if not batch_axis and max_batch:
+            raise ParastreamError(f"--max-batch {max_batch}: {bundle.path} has no dynamic batch axis (its dynamic axes: "
+                                  f"{', '.join(a['name'] for a in record['axes'])}); export with --max-batch 0")
     if buckets:  # a dynamic-batch bundle batches up to MAX, each batch on its smallest bucket (no padding to B)
         max_batch = max_batch or max(buckets)
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
-    config.input.extend(_io(mc.ModelInput, t, max_batch) for t in plan.inputs)
-    config.output.extend(_io(mc.ModelOutput, t, max_batch) for t in plan.outputs)
+    config.input.extend(_io(mc.ModelInput, t, max_batch, dynamic.get(t.name)) for t in plan.inputs)
+    config.output.extend(_io(mc.ModelOutput, t, max_batch, dynamic.get(t.name)) for t in plan.outputs)
     if gpus and not gpu:
         raise ParastreamError(f"--gpus {','.join(map(str, gpus))}: {bundle.path} has {plan.backend} engines, served by KIND_CPU "
                               "instances, which take no GPUs; leave --gpus out")
@@ -409,6 +434,8 @@ def _bundle_problems(where: str, config, folder: Path) -> list[str]:
     mb = config.max_batch_size
     if params.get(P_BACKEND, plan.backend) != plan.backend:
         problems.append(f"{where}: {P_BACKEND} is {params[P_BACKEND]!r} but the bundle was built with {plan.backend!r}")
+    record = bundle.manifest.get("buckets") or {}
+    dynamic = grid_dynamic_dims(record) if "axes" in record else {}
     for kind, specs, ios in (("input", plan.inputs, config.input), ("output", plan.outputs, config.output)):
         declared = {io.name: io for io in ios}
         if sorted(declared) != sorted(t.name for t in specs):
@@ -419,9 +446,10 @@ def _bundle_problems(where: str, config, folder: Path) -> list[str]:
             want_type = TRITON_DTYPES.get(spec.dtype)
             if mc.DataType.Name(io.data_type) != want_type:
                 problems.append(f"{where}: {kind} {spec.name!r} is {mc.DataType.Name(io.data_type)}, the bundle has {spec.dtype} ({want_type})")
-            if list(io.dims) != wire_dims(spec, mb):
+            want = list(_io(mc.ModelInput, spec, mb, dynamic.get(spec.name)).dims)  # -1 on a grid's dynamic axes
+            if list(io.dims) != want:
                 problems.append(f"{where}: {kind} {spec.name!r} has dims {list(io.dims)}, the bundle's shape {spec.shape} "
-                                f"with max_batch_size {mb} gives {wire_dims(spec, mb)}")
+                                f"with max_batch_size {mb} gives {want}")
             if mb > 0 and (not spec.shape or spec.shape[0] < mb):
                 problems.append(f"{where}: max_batch_size {mb} but the bundle's {spec.name!r} has shape {spec.shape}")
     return problems

@@ -46,6 +46,7 @@ import os
 import re
 import time
 import warnings
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -183,6 +184,13 @@ def _profile_shapes(options: BuildOptions, input_name: str, shape: list[int], na
     return lo, opt, hi
 
 
+def bucket_profiles(buckets: list[dict[str, list[int]]]) -> list[dict[str, tuple[list[int], list[int], list[int]]]]:
+    """One optimization profile per bucket of a shape grid (``BuildOptions.profiles`` as a list): profile k has
+    min = opt = max = bucket k's shape of every input, so one engine with dynamic inputs serves each bucket at
+    exactly its shape (what a static engine per bucket would run) from one copy of the weights."""
+    return [{name: (list(shape), list(shape), list(shape)) for name, shape in b.items()} for b in buckets]
+
+
 def _layer_information(trt, runtime, data: bytes) -> dict:
     """The engine inspector's JSON of every layer, and what an execution context needs [Inspect, Engine]."""
     engine = runtime.deserialize_cuda_engine(data)
@@ -285,21 +293,36 @@ class Builder(BuilderBase):
             flags.append("OBEY_PRECISION_CONSTRAINTS")
         return pinned
 
-    def _profile(self, network, config, name: str) -> dict:
-        dynamic = {}
-        for i in range(network.num_inputs):
-            tensor = network.get_input(i)
-            shape = [int(d) for d in tensor.shape]
-            if any(d < 0 for d in shape):
-                dynamic[tensor.name] = _profile_shapes(self.options, tensor.name, shape, name)
-        if not dynamic:
-            return {}
-        profile = self.builder.create_optimization_profile()
-        for input_name, (lo, opt, hi) in dynamic.items():
-            profile.set_shape(input_name, lo, opt, hi)  # [Profile]
-        if config.add_optimization_profile(profile) < 0:
-            raise ParastreamError(f"{name}: TensorRT rejected the optimization profile {dynamic}: {self._first_error('invalid profile')}")
-        return {k: {"min": v[0], "opt": v[1], "max": v[2]} for k, v in dynamic.items()}
+    def _profile(self, network, config, name: str) -> dict | list:
+        """The optimization profiles of a network with dynamic inputs: one from ``options.profiles`` (a dict,
+        input -> (min, opt, max)), or one per bucket where ``options.profiles`` is a list of such dicts
+        (``bucket_profiles``).  TensorRT 10's rules [Profile]: every profile gives every dynamic input, with
+        min <= opt <= max and the input's fixed dimensions; profile k is the k-th added (the index an execution
+        context selects).  A network without dynamic inputs gets TensorRT's default profile."""
+        sets = self.options.profiles if isinstance(self.options.profiles, list) else [self.options.profiles]
+        found: list[dict] = []
+        for k, given in enumerate(sets):
+            dynamic = {}
+            where = name if len(sets) == 1 else f"{name} (profile {k}, bucket {k})"
+            for i in range(network.num_inputs):
+                tensor = network.get_input(i)
+                shape = [int(d) for d in tensor.shape]
+                if any(d < 0 for d in shape):
+                    dynamic[tensor.name] = _profile_shapes(replace(self.options, profiles=given), tensor.name, shape, where)
+            if not dynamic:
+                return {}
+            profile = self.builder.create_optimization_profile()
+            for input_name, (lo, opt, hi) in dynamic.items():
+                profile.set_shape(input_name, lo, opt, hi)  # [Profile]
+            index = config.add_optimization_profile(profile)
+            if index < 0:
+                raise ParastreamError(f"{where}: TensorRT rejected the optimization profile {dynamic}: "
+                                      f"{self._first_error('invalid profile')}")
+            if index != k:
+                raise ParastreamError(f"{where}: TensorRT numbered the profile {index}, not {k}; profiles are "
+                                      "selected by the order they were added")
+            found.append({n: {"min": v[0], "opt": v[1], "max": v[2]} for n, v in dynamic.items()})
+        return found[0] if not isinstance(self.options.profiles, list) else found
 
     def _timing_cache(self, config) -> None:
         """Attach the build's one timing cache; the first branch creates it from the cache file [Samples: common.py].

@@ -119,6 +119,16 @@ def _process_age():
         return None
 
 
+def _fits(shape, wire) -> bool:
+    """A request's dims against the config's: equal, -1 taking any size (a grid bundle's dynamic axes)."""
+    return len(shape) == len(wire) and all(w == -1 or s == w for s, w in zip(shape, wire))
+
+
+def _shapes(feeds) -> tuple:
+    """The shapes of a request's inputs past the batch dimension (requests stack only when these agree)."""
+    return tuple((k, tuple(int(d) for d in v.shape[1:])) for k, v in sorted(feeds.items()))
+
+
 class TritonPythonModel:
     def initialize(self, args):
         t0 = time.perf_counter()
@@ -157,6 +167,9 @@ class TritonPythonModel:
         self.plan = self.runner.plan
         self.batch = self.plan.inputs[0].shape[0] if self.max_batch > 0 else 0
         self.bucketed = bool(bundle.manifest.get("buckets"))  # then a group is run with its own rows, unpadded
+        # a grid over named axes (dims -1 in the config): requests of any shape in range, the launcher picks the
+        # bucket; requests are grouped only with requests of the same shape (their rows stack)
+        self.grid = "axes" in (bundle.manifest.get("buckets") or {})
         # how long this instance took to be ready, in the server's log: initialize (the stub's own start and its
         # import of this file come before, and for a GPU bundle torch's import begins there), and the stub's age
         self.initialize_s = time.perf_counter() - t0
@@ -195,16 +208,19 @@ class TritonPythonModel:
             shape = [int(d) for d in x.shape]
             wire = self.wire[spec.name]
             if self.max_batch:
-                if len(shape) != len(wire) + 1 or shape[1:] != wire or not 1 <= shape[0] <= self.batch:
+                if (len(shape) != len(wire) + 1 or not _fits(shape[1:], wire)
+                        or not 1 <= shape[0] <= self.batch):
                     raise ValueError(f"input {spec.name!r} has shape {shape}; the model takes [1..{self.max_batch}] + {wire}")
                 if n is not None and shape[0] != n:
                     raise ValueError(f"input {spec.name!r} has batch {shape[0]} but another input has batch {n}")
                 n = shape[0]
-                x = x.reshape([n] + list(spec.shape[1:]))
+                if not self.grid:
+                    x = x.reshape([n] + list(spec.shape[1:]))
             else:
-                if shape != wire:
+                if not _fits(shape, wire):
                     raise ValueError(f"input {spec.name!r} has shape {shape}; the model takes {wire}")
-                x = x.reshape(list(spec.shape))
+                if not self.grid:
+                    x = x.reshape(list(spec.shape))
             feeds[spec.name] = x
         return feeds, n or 0
 
@@ -214,7 +230,7 @@ class TritonPythonModel:
             return [[r] for r in ready]
         groups, current, total = [], [], 0
         for r in ready:
-            if current and total + r[2] > self.batch:
+            if current and (total + r[2] > self.batch or (self.grid and _shapes(r[1]) != _shapes(current[0][1]))):
                 groups.append(current)
                 current, total = [], 0
             current.append(r)
@@ -229,7 +245,7 @@ class TritonPythonModel:
         rows = sum(int(p.shape[0]) for p in parts) if self.bucketed else self.batch
         if len(parts) == 1 and parts[0].shape[0] == rows:
             return parts[0]
-        shape = [rows] + list(spec.shape[1:])
+        shape = [rows] + list(parts[0].shape[1:] if self.grid else spec.shape[1:])
         device = next((p.device for p in parts if not isinstance(p, np.ndarray)), None)
         if device is None:
             out = np.zeros(shape, dtype=parts[0].dtype)
@@ -245,6 +261,8 @@ class TritonPythonModel:
 
     def _output(self, spec, value, lo, hi):
         wire = ([hi - lo] if self.max_batch else []) + self.wire[spec.name]
+        if self.grid:  # dims -1 in the config: the launcher's outputs are already cut to the requests' shapes
+            wire = ([hi - lo] if self.max_batch else []) + list(value.shape[1 if self.max_batch else 0:]) if value.shape else wire
         if hasattr(value, "__cuda_array_interface__"):
             torch = _torch()
             t = value.torch() if hasattr(value, "torch") else torch.as_tensor(value, device=f"cuda:{self.device}")

@@ -458,3 +458,23 @@ def test_the_double_is_marked_as_a_double():
     assert trt_double.fake_tensorrt.IS_TEST_DOUBLE and "double" in trt_double.fake_tensorrt.__version__
     assert "TEST DOUBLE" in trt_double.fake_tensorrt.__doc__
     assert TensorProto.FLOAT in trt_double.fake_tensorrt._ONNX_TO_TRT
+
+
+# -- one optimization profile per bucket (dynamic shapes) -----------------------------------------------------------
+
+def test_one_profile_per_bucket_in_order(trt, tmp_path):
+    """A list of profiles (backend.bucket_profiles): profile k is bucket k's shape exactly, added k-th."""
+    profiles = backend.bucket_profiles([{"input": [n, 4, 8, 8]} for n in (1, 2, 4)])
+    builder, _ = build_one(tmp_path, three_branch_model(batch="N"), profiles=profiles)
+    shapes = [c[2] for c in trt.calls("IOptimizationProfile", "set_shape")]
+    assert [(s["min"], s["opt"], s["max"]) for s in shapes] == [([n, 4, 8, 8],) * 3 for n in (1, 2, 4)]
+    assert len(trt.calls("IBuilderConfig", "add_optimization_profile")) == 3
+    assert builder.report()["branch_000"]["profiles"] == [
+        {"input": {"min": [n, 4, 8, 8], "opt": [n, 4, 8, 8], "max": [n, 4, 8, 8]}} for n in (1, 2, 4)]
+
+
+def test_a_bucket_profile_missing_a_dynamic_input_names_the_profile(trt, tmp_path):
+    profiles = backend.bucket_profiles([{"input": [1, 4, 8, 8]}, {}])
+    with pytest.raises(ParastreamError, match=r"\(profile 1, bucket 1\): input 'input' has dynamic shape"):
+        build_one(tmp_path, three_branch_model(batch="N"), profiles=profiles)
+    assert not trt.calls("Builder", "build_serialized_network")

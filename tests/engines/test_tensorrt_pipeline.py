@@ -172,3 +172,29 @@ def test_cli_backend_tensorrt_without_tensorrt_fails_at_once_with_the_install_hi
     err = capsys.readouterr().err
     assert "--backend tensorrt: TensorRT is not installed: pip install tensorrt" in err and "NGC" in err
     assert not out.exists()
+
+
+# --min-shapes/--max-shapes (dynamic shapes on a named axis) builds each bucket of the grid as static engines the
+# same way; a length between buckets runs padded on the next bucket, cut back, equal to ONNX Runtime unpadded.
+def test_a_sequence_grid_builds_static_engines_per_bucket_and_serves_lengths_between(trt, pipeline_build, tmp_path):
+    pytest.importorskip("transformers")
+    from dynamic_models import bert_feeds, tiny_bert
+
+    path = tiny_bert(tmp_path / "bert.onnx")
+    bundle = pipeline_build(path, tmp_path / "out", backend="tensorrt", search=False, min_shapes={"input_ids": [1, 8]},
+                            max_shapes={"input_ids": [1, 16]}, shape_buckets={("input_ids", 1): [8, 16]})
+    report = json.loads((tmp_path / "out" / "report.json").read_text())
+    assert report["buckets"]["between"]["passed"] and report["buckets"]["between"]["bucket"] == [16]
+    for key, sub in bundle.bucket_bundles().items():
+        for entry in sub.report["engines"].values():
+            assert all(shape[1] == key[0] for shape in entry["inputs"].values() if len(shape) == 2)
+            assert entry["profiles"] == {}  # static at the bucket: TensorRT's default profile
+    run = load(tmp_path / "out")
+    try:
+        feeds = bert_feeds(1, 11, seed=4)
+        got = run(feeds)["hidden"]
+    finally:
+        run.close()
+    want = ort_reference(onnx.load(str(path)), feeds)["hidden"]
+    assert got.shape == (1, 11, 32)
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-5)

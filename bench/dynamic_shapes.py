@@ -1,0 +1,201 @@
+#!/usr/bin/env python3
+"""Dynamic shapes: a sequence grid against static bundles at exactly each length (and torch.compile on a GPU).
+
+On the device machine, from the repository root after ``source bench/device_env.sh``, one model per call:
+
+    python3 bench/dynamic_shapes.py --models bert --out bench_results/dynshapes
+    python3 bench/dynamic_shapes.py --models gpt2 --buckets 64,128,256,384,512 --out bench_results/dynshapes
+
+and on the CPU (ONNX Runtime engines, 2-layer configs) as a smoke run of the same code:
+
+    python3 bench/dynamic_shapes.py --models bert --tiny --backend onnxruntime --max-seq 128 --lengths 17,100,128 --out /tmp/ds
+
+For each model (transformers BERT-base or GPT-2 without a KV cache, random weights; ``--tiny``: 2 layers,
+hidden 128), exported with a dynamic batch and sequence, one bundle is built with ``--min-shapes
+input_ids:1x1 --max-shapes input_ids:1xMAX`` (``--buckets`` the sequence's buckets; default the powers of two)
+and, for each length L of ``--lengths``, a static bundle built at exactly 1 x L.  At each L: the median call
+latency (host wall clock of ``launcher(feeds)``, inputs already on the device on a GPU: padding, replay,
+synchronise; variants alternating in blocks) of the grid bundle, of the static bundle and, on a GPU, of
+``torch.compile(mode="reduce-overhead")`` on the PyTorch model in fp16 at that shape; the grid's outputs
+against onnxruntime (CPU, fp32) on the unpadded input (scaled error).  On a GPU, the device memory the loaded
+grid takes against one static bundle at MAX (a length of ``--lengths`` equal to ``--max-seq``).  Targets (docs/dynamic-shapes.md):
+grid / static <= 1.15 and grid <= torch.compile at every length.  Writes ``OUT/<model>_dynshapes.json``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import numpy as np
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "bench"))
+
+
+def log(msg: str) -> None:
+    print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
+
+
+def make(name: str, tiny: bool, max_seq: int):
+    """(torch model in eval mode, its input names); outputs the last hidden state."""
+    import torch
+    import transformers as tf
+
+    size = dict(hidden=128, layers=2, heads=2, ff=256) if tiny else dict(hidden=768, layers=12, heads=12, ff=3072)
+    torch.manual_seed(0)
+    if name == "bert":
+        cfg = tf.BertConfig(vocab_size=30522, hidden_size=size["hidden"], num_hidden_layers=size["layers"],
+                            num_attention_heads=size["heads"], intermediate_size=size["ff"],
+                            max_position_embeddings=max(512, max_seq), attn_implementation="eager")
+        core = tf.BertModel(cfg, add_pooling_layer=False)
+    else:
+        cfg = tf.GPT2Config(vocab_size=50257, n_embd=size["hidden"], n_layer=size["layers"], n_head=size["heads"],
+                            n_positions=max(1024, max_seq), use_cache=False, attn_implementation="eager")
+        core = tf.GPT2Model(cfg)
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = core
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    return Hidden().eval(), cfg.vocab_size
+
+
+def export(model, path: Path) -> None:
+    import torch
+
+    ids, mask = torch.randint(0, 1000, (1, 16)), torch.ones(1, 16, dtype=torch.int64)
+    axes = {0: "batch", 1: "seq"}
+    with torch.no_grad():
+        torch.onnx.export(model, (ids, mask), str(path), input_names=["input_ids", "attention_mask"],
+                          output_names=["hidden"], dynamic_axes={"input_ids": axes, "attention_mask": axes, "hidden": axes},
+                          opset_version=17, dynamo=False)
+
+
+def device_used() -> int:
+    """Bytes in use on the current GPU (cudaMemGetInfo through torch; torch's pools are never given back, so the
+    difference around one load is what that load took)."""
+    import torch
+
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    return int(total - free)
+
+
+def median_ms(calls: dict, runs: int, warmup: int, block: int = 10) -> dict:
+    """Median wall-clock ms of each no-argument call, ``runs`` each after ``warmup``, alternating in blocks."""
+    for _ in range(warmup):
+        for f in calls.values():
+            f()
+    times = {k: [] for k in calls}
+    while any(len(t) < runs for t in times.values()):
+        for k, f in calls.items():
+            for _ in range(min(block, runs - len(times[k]))):
+                t0 = time.perf_counter()
+                f()
+                times[k].append(time.perf_counter() - t0)
+    return {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+
+
+def run_model(name: str, args, outdir: Path) -> dict:
+    import onnxruntime as ort
+    import torch
+
+    from parastream.core.accuracy import scaled_error
+    from parastream.launcher import load
+    from parastream.pipeline import build
+
+    gpu = args.backend != "onnxruntime"
+    model, vocab = make(name, args.tiny, args.max_seq)
+    path = outdir / f"{name}_dyn.onnx"
+    export(model, path)
+    common = dict(backend=args.backend, precision=args.precision, search=args.search, force=True)
+    if gpu:
+        common.update(measure=False)
+    t0 = time.perf_counter()
+    grid = build(path, outdir / f"{name}_grid", min_shapes={"input_ids": [1, 1]}, max_shapes={"input_ids": [1, args.max_seq]},
+                 shape_buckets={("input_ids", 1): [int(v) for v in args.buckets.split(",")]} if args.buckets else {},
+                 **common)
+    res: dict = {"model": name, "tiny": args.tiny, "backend": args.backend, "precision": args.precision,
+                 "grid_build_s": time.perf_counter() - t0, "memory": grid.report["buckets"]["memory"],
+                 "sizes": grid.manifest["buckets"]["axes"][0]["sizes"], "lengths": []}
+    log(f"{name}: grid built in {res['grid_build_s']:.0f} s, buckets {res['sizes']}")
+    sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
+    used = device_used() if gpu else 0
+    la = load(grid.path)
+    res["device_memory_bytes"] = {"grid": device_used() - used} if gpu else None
+    compiled = None
+    if gpu:
+        compiled = torch.compile(model.half().cuda(), mode="reduce-overhead")
+    try:
+        for length in (int(v) for v in args.lengths.split(",")):
+            static = build(path, outdir / f"{name}_static_{length}", shapes={"input_ids": [1, length],
+                                                                              "attention_mask": [1, length]}, **common)
+            used = device_used() if gpu else 0
+            ls = load(static.path)
+            if gpu and length == args.max_seq:  # one static bundle at MAX against the whole grid, loaded
+                res["device_memory_bytes"]["static_at_max"] = device_used() - used
+            rng = np.random.default_rng(length)
+            feeds = {"input_ids": rng.integers(0, vocab, (1, length)).astype(np.int64),
+                     "attention_mask": np.ones((1, length), np.int64)}
+            err = scaled_error(np.asarray(_host(la(feeds)["hidden"]), np.float32), sess.run(None, feeds)[0])
+            dev = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()} if gpu else feeds
+            calls = {"grid": lambda: la(dev), "static": lambda: ls(dev)}
+            if compiled is not None:
+                def eager(c=compiled, f=dev):
+                    with torch.no_grad():
+                        c(**f)
+                    torch.cuda.synchronize()
+                calls["torch_compile"] = eager
+            ms = median_ms(calls, args.runs, args.warmup)
+            ls.close()
+            row = {"length": length, "bucket": la.bucket_for((length,))[0], "ms": ms, "grid_over_static": ms["grid"] / ms["static"],
+                   "grid_over_torch_compile": ms["grid"] / ms["torch_compile"] if "torch_compile" in ms else None,
+                   "scaled_error_vs_ort_unpadded": err}
+            res["lengths"].append(row)
+            log(f"{name} L={length} (bucket {row['bucket']}): {json.dumps({k: round(v, 4) for k, v in ms.items()})} "
+                f"grid/static {row['grid_over_static']:.3f} err {err:.2g}")
+            (outdir / f"{name}_dynshapes.json").write_text(json.dumps(res, indent=2, default=str))
+    finally:
+        la.close()
+    return res
+
+
+def _host(v):
+    if isinstance(v, np.ndarray):
+        return v
+    t = v.torch() if hasattr(v, "torch") else v
+    return t.float().cpu().numpy()
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--models", default="bert", help="bert, gpt2 (comma-separated)")
+    p.add_argument("--tiny", action="store_true", help="2 layers, hidden 128 (a CPU smoke run)")
+    p.add_argument("--backend", default="torch", choices=["torch", "tensorrt", "onnxruntime"])
+    p.add_argument("--precision", default=None, help="default fp16 on a GPU, fp32 on onnxruntime")
+    p.add_argument("--max-seq", type=int, default=512)
+    p.add_argument("--buckets", default=None, help="the sequence's buckets (default: powers of two, MIN and MAX)")
+    p.add_argument("--lengths", default="17,100,128,384,512")
+    p.add_argument("--search", action="store_true", help="run the rewrite search per bucket (off: shorter builds)")
+    p.add_argument("--runs", type=int, default=100)
+    p.add_argument("--warmup", type=int, default=10)
+    p.add_argument("--out", required=True)
+    args = p.parse_args(argv)
+    args.precision = args.precision or ("fp32" if args.backend == "onnxruntime" else "fp16")
+    outdir = Path(args.out)
+    outdir.mkdir(parents=True, exist_ok=True)
+    results = [run_model(m.strip(), args, outdir) for m in args.models.split(",")]
+    (outdir / "results.json").write_text(json.dumps(results, indent=2, default=str))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
