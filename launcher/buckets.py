@@ -15,8 +15,6 @@ from __future__ import annotations
 
 import numpy as np
 
-from parastream.core.tensors import random_feeds
-
 from .bundle import Bundle
 from .errors import ParastreamError
 
@@ -166,64 +164,3 @@ class BucketedLauncher:
             self.close()  # the buckets' launchers first, then the arena and origin they share
         except Exception:  # noqa: BLE001 - interpreter shutdown
             pass
-
-
-def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None = None, console=None, gpu: int = 0) -> dict:
-    """``parastream bench`` on a dynamic-batch bundle: at every bucket and at a batch between buckets, the median
-    latency with buckets against the same rows padded to MAX and run on the MAX bucket (one graph at MAX).
-
-    CPU: seconds per call (time_calls, interleaved blocks).  GPU: CUDA-event timed graph replays of the bucket
-    that serves n against the MAX bucket's (launcher.bench.measure; copies in and out are not timed)."""
-
-    on_gpu = bundle.backend().gpu
-    if on_gpu:
-        from .cuda import cuda_device_count
-
-        if cuda_device_count() < 1:
-            raise ParastreamError("parastream bench on a GPU bundle needs a CUDA GPU, and cuda-python sees none")
-    runs = (50 if not on_gpu else 200) if runs is None else runs
-    warmup = (5 if not on_gpu else 20) if warmup is None else warmup
-    if runs < 1:
-        raise ParastreamError(f"--runs {runs}: must be at least 1")
-    la = BucketedLauncher(bundle, device="cuda" if on_gpu else "cpu", gpu=gpu)
-    try:
-        between = next((a + 1 for a, b in zip(la.sizes, la.sizes[1:]) if b - a > 1), None)
-        batches = sorted(set(la.sizes) | ({between} if between else set()))
-        top = la.launchers[la.max]
-        rows = []
-        for n in batches:
-            b = la.bucket_for(n)
-            if on_gpu:
-                from .bench import measure
-
-                # the bucket first: measure() copies the first launcher's inputs into each (the MAX bucket gets
-                # the same first rows; what it computes on the rest does not change its time)
-                times = measure({"buckets": la.launchers[b], "padded_to_max": top}, runs=runs, warmup=warmup)
-                ms = {k: float(np.median(v)) for k, v in times.items()}
-            else:
-                from .cpu import time_calls
-
-                specs = [type(t)(t.name, t.dtype, [n, *t.shape[1:]] if t.name in la.batched_inputs else t.shape)
-                         for t in la.input_specs]
-                feeds = random_feeds(specs, seed=n)
-                times = time_calls({"buckets": la, "padded_to_max": lambda f: top({k: pad_rows(v, la.max) if k in la.batched_inputs else v
-                                                                                   for k, v in f.items()})},
-                                   feeds, runs=runs, warmup=warmup)
-                ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
-            rows.append({"batch": n, "bucket": b, "buckets_ms": ms["buckets"], "padded_to_max_ms": ms["padded_to_max"],
-                         "speedup": ms["padded_to_max"] / ms["buckets"] if ms["buckets"] > 0 else None})
-    finally:
-        la.close()
-    result = {"bundle": str(bundle.path), "device": "cuda" if on_gpu else "cpu", "sizes": la.sizes, "runs": runs,
-              "timed": "CUDA-event timed graph replays" if on_gpu else "seconds per call", "batches": rows}
-    if console is not None:
-        from rich.table import Table
-
-        t = Table(title=f"{bundle.path}: buckets {la.sizes} against one graph at MAX = {la.max} (median of {runs})")
-        for c in ("batch", "bucket", "buckets ms", f"padded to {la.max} ms", "speedup"):
-            t.add_column(c, justify="right")
-        for r in rows:
-            t.add_row(str(r["batch"]), str(r["bucket"]), f"{r['buckets_ms']:.3f}", f"{r['padded_to_max_ms']:.3f}",
-                      f"{r['speedup']:.2f}x" if r["speedup"] else "-")
-        console.print(t)
-    return result

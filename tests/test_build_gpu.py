@@ -48,7 +48,7 @@ def test_measurement_budget_always_leaves_the_input_and_one_rival(models, monkey
     import types
 
     import parastream.launcher as launcher_pkg
-    import parastream.launcher.bench as bench_mod
+    import parastream.pipeline.bench as bench_mod
     import parastream.launcher.gpu as gpu_mod
     from parastream.pipeline.build import MeasureBudgetSpent
     from parastream.pipeline.model_io import load_model
@@ -112,12 +112,12 @@ def _gpu_backend(**kw):
 
 
 def _fake_gpu(monkeypatch, times: dict):
-    """GpuLauncher and launcher.bench.measure stand-ins: each launcher is timed at ``times[its options]``."""
+    """GpuLauncher and pipeline.bench.measure stand-ins: each launcher is timed at ``times[its options]``."""
     import importlib
     import types
 
     import parastream.launcher as launcher_pkg
-    import parastream.launcher.bench as bench_mod
+    import parastream.pipeline.bench as bench_mod
     import parastream.launcher.gpu as gpu_mod
 
     build_mod = importlib.import_module("parastream.pipeline.build")

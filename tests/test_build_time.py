@@ -197,7 +197,7 @@ def _fake_gpu(monkeypatch, faster: str | None = None):
     import types
 
     import parastream.launcher as launcher_pkg
-    import parastream.launcher.bench as bench_mod
+    import parastream.pipeline.bench as bench_mod
     import numpy as np
 
     built = []
