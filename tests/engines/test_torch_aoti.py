@@ -1,7 +1,7 @@
 """Compiled torch engines (AOTInductor packages): built once, loaded without compiling, refused where they were
 not compiled for, cached by branch.  AOTInductor compiles for the CPU too, which is how these run in CI (tiny
 branches; each compile takes seconds, so the module compiles three and shares them); the GPU path is in
-test_torch_aoti_gpu below and tests/test_build_gpu.py."""
+test_torch_aoti_gpu below and tests/pipeline/test_build_gpu.py."""
 
 from __future__ import annotations
 

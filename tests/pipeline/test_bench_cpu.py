@@ -12,7 +12,7 @@ import pytest
 from parastream.pipeline import build
 from parastream.pipeline.cli import main
 
-MODEL = Path(__file__).resolve().parents[1] / "examples" / "models" / "small_net.onnx"
+MODEL = Path(__file__).resolve().parents[2] / "examples" / "models" / "small_net.onnx"
 
 
 @pytest.fixture(scope="module")
