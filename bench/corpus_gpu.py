@@ -7,7 +7,7 @@ stream, many models in one device call.  Run on the device machine from the repo
 
 Per model (bench/gpu.py's models: bert, or a torchvision/timm classifier of bench/corpus.py; random weights,
 BatchNorm calibrated, TorchScript export at opset 17, fp16, batch 1) it times, side by side in one process, in
-alternating blocks of CUDA-event timed calls on fresh random inputs (launcher.bench.measure, medians):
+alternating blocks of CUDA-event timed calls on fresh random inputs (pipeline.bench.measure, medians):
 
   parastream   the bundle ``parastream build --backend torch --precision fp16`` made: the rewrite search with its
                top candidates measured on the GPU, the stream count and the one-engine alternative timed by the build
@@ -65,7 +65,7 @@ class HalfInput:
 
 
 class CompiledRunner:
-    """A ``torch.compile`` callable with the launcher interface ``launcher.bench.measure`` times: static input
+    """A ``torch.compile`` callable with the launcher interface ``pipeline.bench.measure`` times: static input
     tensors at ``addr``, an ``origin`` stream, ``launch`` and ``synchronize``."""
 
     def __init__(self, fn, plan):
@@ -133,7 +133,7 @@ def prepare(name: str, work: Path, args) -> dict:
 def quiet_gpu(children: list[subprocess.Popen]):
     """Hold parastream's GPU timing lock (no build is in the middle of its own measurement) and stop every
     running build while the block runs."""
-    from parastream.launcher.bench import gpu_timing_lock
+    from parastream.pipeline.bench import gpu_timing_lock
 
     stopped = []
     with gpu_timing_lock(0):
@@ -155,7 +155,7 @@ def time_model(name: str, work: Path, row: dict, args, children) -> dict:
     import torch
     from gpu import make_model, max_err, users_model
 
-    from parastream.launcher.bench import _measure
+    from parastream.pipeline.bench import _measure
     from parastream.launcher.bundle import Bundle
     from parastream.launcher.gpu import GpuLauncher
 

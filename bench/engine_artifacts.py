@@ -70,7 +70,7 @@ def child(args) -> dict:
     import numpy as np
     import torch
 
-    from parastream.launcher.bench import bench_bundle
+    from parastream.pipeline.bench import bench_bundle
     from parastream.launcher.bundle import Bundle
     from parastream.launcher.gpu import GpuLauncher, load_phases
 

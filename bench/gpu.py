@@ -219,7 +219,7 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
 def run_model(name: str, args, outdir: Path) -> dict:
     import torch
 
-    from parastream.launcher.bench import bench_bundle
+    from parastream.pipeline.bench import bench_bundle
     from parastream.launcher.gpu import GpuLauncher
 
     res: dict = {"model": name}

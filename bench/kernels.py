@@ -9,7 +9,7 @@ the instrumented graph replay (``GpuLauncher.run_timed``) for comparison.
     python3 bench/kernels.py --model inception_v3 [--top 4] [--variants unfused,fused] [--out $OUT]
 
 With several ``--variants`` it also times every build's multi-stream graph and its one-stream graph in the
-same alternating blocks (``launcher.bench.measure``) and prints b/d for each; ``unfused`` turns off the torch
+same alternating blocks (``pipeline.bench.measure``) and prints b/d for each; ``unfused`` turns off the torch
 backend's cuDNN conv + bias + ReLU fusion (``FUSE_CONV_RELU``) for that build and load.
 """
 
@@ -131,7 +131,7 @@ def main(argv=None) -> int:
     model, inputs = make_model(args.model)
     onnx_path = work / f"{args.model}.onnx"
     export(model, inputs, onnx_path)
-    from parastream.launcher.bench import measure
+    from parastream.pipeline.bench import measure
     from parastream.launcher.gpu import GpuLauncher
 
     from parastream.launcher.engines import torch as torch_backend

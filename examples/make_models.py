@@ -2,7 +2,7 @@
 
     python examples/make_models.py [FOLDER]
 
-The files are generated from a fixed seed, so running this again gives the same bytes (tests/test_zoo.py
+The files are generated from a fixed seed, so running this again gives the same bytes (tests/pipeline/test_zoo.py
 checks that the committed files equal freshly generated ones).
 """
 

@@ -10,12 +10,9 @@ from __future__ import annotations
 
 import os
 import threading
-import time
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
-
-from parastream.core.tensors import random_feeds  # noqa: F401 - the CPU build times its alternatives on these
 
 from .bundle import Bundle
 from .engines.base import BuildOptions
@@ -55,79 +52,6 @@ def default_threads(plan: Plan) -> int:
     if plan.cpu_threads is not None:
         return plan.cpu_threads
     return 0 if plan.num_streams <= 1 else max(1, (os.cpu_count() or 1) // plan.num_streams)
-
-
-def time_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 3, block: int = 10) -> dict[str, np.ndarray]:
-    """Seconds per call of each runner on ``feeds``: ``runs`` calls each after ``warmup``, in alternating blocks
-    of ``block`` calls, so that a change in the machine's load falls on all of them alike while one runner's
-    spinning threads seldom run into another's calls."""
-    for _ in range(warmup):
-        for run in runners.values():
-            run(feeds)
-    times = {name: [] for name in runners}
-    while any(len(t) < runs for t in times.values()):
-        for name, run in runners.items():
-            for _ in range(min(block, runs - len(times[name]))):
-                t0 = time.perf_counter()
-                run(feeds)
-                times[name].append(time.perf_counter() - t0)
-    return {name: np.asarray(t) for name, t in times.items()}
-
-
-def race_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 1, block: int = 5,
-               behind: float = 0.10) -> dict[str, np.ndarray]:
-    """Seconds per call of each runner, timed in alternating blocks of ``block`` calls (as :func:`time_calls`),
-    with a sequential stop: after each round, a runner whose FASTEST call so far is slower than the current
-    leader's median by more than ``behind`` is clearly behind and is not called again (its calls so far are
-    returned).  At most ``runs`` calls each; at least one block each."""
-    for _ in range(warmup):
-        for run in runners.values():
-            run(feeds)
-    times: dict[str, list[float]] = {name: [] for name in runners}
-    active = list(runners)
-    while active and any(len(times[n]) < runs for n in active):
-        for name in active:
-            for _ in range(min(block, runs - len(times[name]))):
-                t0 = time.perf_counter()
-                runners[name](feeds)
-                times[name].append(time.perf_counter() - t0)
-        medians = {n: float(np.median(times[n])) for n in active}
-        lead = min(medians.values())
-        active = [n for n in active if min(times[n]) <= lead * (1.0 + behind)]
-    return {name: np.asarray(t) for name, t in times.items()}
-
-
-class OthersLoad:
-    """The share of this machine's CPU time that OTHER processes used while the block ran (0..1), from the
-    kernel's counters (/proc/stat: every core's busy time, less this process's own); ``share`` is None where
-    they cannot be read (not Linux).  A timing taken while others use the cores says how the machine is
-    loaded, not how the alternatives compare: the CPU build does not let it replace its default."""
-
-    def __init__(self):
-        self.share: float | None = None
-
-    @staticmethod
-    def _machine_busy_s() -> float | None:
-        try:
-            with open("/proc/stat") as f:
-                fields = f.readline().split()[1:]
-            ticks = [int(x) for x in fields]
-        except (OSError, ValueError, IndexError):
-            return None
-        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
-        return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
-
-    def __enter__(self):
-        self._busy0, self._own0, self._t0 = self._machine_busy_s(), time.process_time(), time.perf_counter()
-        return self
-
-    def __exit__(self, *exc):
-        busy1 = self._machine_busy_s()
-        wall = time.perf_counter() - self._t0
-        if self._busy0 is not None and busy1 is not None and wall > 0:
-            others = (busy1 - self._busy0) - (time.process_time() - self._own0)
-            self.share = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
-        return False
 
 
 class CpuLauncher:

@@ -447,11 +447,12 @@ def _bench_gpu(bundle, option: str) -> int:
 
 
 def cmd_bench(args) -> int:
-    from parastream.launcher.bench import bench_bundle
     from parastream.launcher.bundle import Bundle
 
+    from .bench import bench_bundle
+
     if _is_bucketed(args.bundle):  # a dynamic-batch bundle: each bucket, and a batch between buckets
-        from parastream.launcher.buckets import bench_buckets
+        from .bench import bench_buckets
 
         bundle = Bundle.open(args.bundle, loading=True)
         result = bench_buckets(bundle, runs=args.runs, warmup=args.warmup, console=None if args.json else _console(),

@@ -188,7 +188,7 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
     """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
     replays, the faster median kept (``decide_by_timing`` without a margin); the round goes into ``rounds``
     (``load_s``: the seconds since ``since``, building and loading ``other``); True when ``other`` was faster."""
-    from parastream.launcher.bench import measure as time_replays
+    from .bench import measure as time_replays
 
     keys = round_labels(what, plan)
     t0 = time.perf_counter()
@@ -284,7 +284,7 @@ class GpuMeasurer:
         return got
 
     def measure(self, model: onnx.ModelProto) -> float:
-        from parastream.launcher.bench import measure as time_replays
+        from .bench import measure as time_replays
 
         t_called = time.perf_counter()
         self.time_ready()  # the input's alternatives whose engines are in, before the next candidate
@@ -497,7 +497,10 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
 
     Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (file, builder report)}).
     """
-    from parastream.launcher import cpu as cpu_launcher
+    from parastream.core.tensors import random_feeds
+    from parastream.launcher.cpu import CpuLauncher
+
+    from . import bench
 
     cores = os.cpu_count() or 1
     alternatives = cpu_alternatives(loaded, model, graph, sched, cost_model, streams, rewritten)
@@ -506,7 +509,7 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
     busy_before = None
     if len(alternatives) > 1:
         # a machine that others keep busy now cannot replace the default by timing (below): not built, not timed
-        with cpu_launcher.OthersLoad() as probe:
+        with bench.OthersLoad() as probe:
             time.sleep(CPU_LOAD_PROBE_S)
         if probe.share is not None and probe.share > CPU_BUSY_SHARE:
             busy_before = probe.share
@@ -532,7 +535,7 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
         engine_bytes = {k: sum(f.stat().st_size for f in (b.path / "engines").iterdir()) for k, (b, _) in built.items()}
         size = sum(engine_bytes[key(a)] for a in alternatives)  # each alternative's launcher loads its own sessions
         together = size <= CPU_INTERLEAVE_BYTES
-        feeds = cpu_launcher.random_feeds(loaded.inputs, seed=seed)
+        feeds = random_feeds(loaded.inputs, seed=seed)
         groups = [alternatives] if together else [[a] for a in alternatives]
         times: dict = {}
         shares = []
@@ -540,9 +543,9 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
             runners = {}
             try:
                 for alt in group:
-                    runners[alt.name] = cpu_launcher.CpuLauncher(built[key(alt)][0], threads_per_engine=alt.threads)
-                with cpu_launcher.OthersLoad() as others:
-                    times.update(cpu_launcher.race_calls(runners, feeds, runs=runs, behind=2 * CPU_MARGIN))
+                    runners[alt.name] = CpuLauncher(built[key(alt)][0], threads_per_engine=alt.threads)
+                with bench.OthersLoad() as others:
+                    times.update(bench.race_calls(runners, feeds, runs=runs, behind=2 * CPU_MARGIN))
                 shares.append(others.share)
             finally:
                 for r in runners.values():

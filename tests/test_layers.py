@@ -4,7 +4,8 @@
     core  <-  launcher <-  pipeline
 
 No cycle among parastream's modules; the launcher (the runtime) never imports rewrite or pipeline; core imports
-none of the others.  A function-level import of a heavy optional dependency (torch, tensorrt, cuda) is outside the
+none of the others.  The launcher is runtime only: the timing of launchers (what the build times to decide, and
+``parastream bench``) is pipeline/bench.py, and no module under launcher/ defines it.  A function-level import of a heavy optional dependency (torch, tensorrt, cuda) is outside the
 package and not counted; a function-level import of a parastream module counts like a top-level one, so it cannot
 hide a cycle."""
 
@@ -94,3 +95,45 @@ def test_the_checker_sees_a_function_level_cycle(tmp_path, monkeypatch):
     monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
     graph = import_graph()
     assert list(nx.simple_cycles(graph)) != []
+
+
+# What times a launcher, defined in pipeline/bench.py: the build's measurements (GPU replays, the GPU timing lock,
+# CPU calls in alternating blocks, the machine's load meanwhile) and ``parastream bench``.
+TIMING = ("measure", "gpu_timing_lock", "time_calls", "race_calls", "time_alternating", "OthersLoad",
+          "WholeModelLauncher", "bench_bundle", "bench_cpu", "bench_buckets", "print_bench", "print_bench_cpu")
+
+
+def _top_level_names(path: Path) -> set[str]:
+    tree = ast.parse(path.read_text(), filename=str(path))
+    return {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef))}
+
+
+def timing_in_launcher() -> list[str]:
+    """``module: name`` for every timing entry point (TIMING, or a name starting ``bench``/``print_bench``) that a
+    module under launcher/ defines, and every launcher module named bench."""
+    found = []
+    for path in sorted((ROOT / "launcher").rglob("*.py")):
+        module = _module_name(path)
+        if path.stem.startswith("bench"):
+            found.append(f"{module}: a benchmarking module")
+        found += [f"{module}: {name}" for name in sorted(_top_level_names(path))
+                  if name in TIMING or name.startswith(("bench", "print_bench"))]
+    return found
+
+
+def test_the_launcher_is_runtime_only():
+    assert timing_in_launcher() == []
+
+
+def test_the_timing_entry_points_are_in_pipeline_bench():
+    """The list above names what pipeline/bench.py defines (a renamed entry point must be renamed here too)."""
+    assert set(TIMING) <= _top_level_names(ROOT / "pipeline" / "bench.py")
+
+
+def test_the_checker_sees_timing_code_in_the_launcher(tmp_path, monkeypatch):
+    (tmp_path / "launcher").mkdir()
+    (tmp_path / "launcher" / "cpu.py").write_text("def race_calls(runners):\n    return {}\n\nclass CpuLauncher:\n    pass\n")
+    (tmp_path / "launcher" / "bench.py").write_text("")
+    monkeypatch.setattr(__import__(__name__), "ROOT", tmp_path)
+    assert timing_in_launcher() == ["parastream.launcher.bench: a benchmarking module",
+                                    "parastream.launcher.cpu: race_calls"]

@@ -9,7 +9,7 @@ from parastream.core.accuracy import DEFAULT_SCALE_TOLERANCES, max_scaled_error,
 
 
 def test_one_table_for_verification_and_bench():
-    from parastream.launcher import bench
+    from parastream.pipeline import bench
     from parastream.pipeline import verify
 
     assert verify.DEFAULT_SCALE_TOLERANCES is DEFAULT_SCALE_TOLERANCES
@@ -25,8 +25,8 @@ def test_max_scaled_error_over_outputs():
 
 
 def test_bench_differences_use_the_scaled_error():
-    """launcher/bench.py's comparison: matching infinities are no error there either (as in verification)."""
-    from parastream.launcher import bench
+    """pipeline/bench.py's comparison: matching infinities are no error there either (as in verification)."""
+    from parastream.pipeline import bench
 
     ref = {"y": np.array([np.inf, -4.0], np.float32)}
     absdiff, scaled = bench._differences({"y": np.array([np.inf, -3.6], np.float32)}, ref)

@@ -21,10 +21,11 @@ from graphs import ort_reference
 from graphs import three_branch_model as _three_branch_model
 
 import parastream.launcher as launcher_api
-from parastream.launcher import bench, cuda
+from parastream.launcher import cuda
 from parastream.launcher import gpu as gpu_module
 from parastream.launcher.engines import tensorrt as backend
 from parastream.launcher.errors import ParastreamError
+from parastream.pipeline import bench
 
 
 def three_branch_model(**kw) -> onnx.ModelProto:

@@ -106,7 +106,7 @@ def test_a_branch_tensorrt_cannot_build_is_named_once(trt, pipeline_build, model
 
 
 def _dynamic_batch_model(path):
-    """x: N x 16 -> MatMul -> Relu -> z: N x 8 (the model of tests/test_batch.py)."""
+    """x: N x 16 -> MatMul -> Relu -> z: N x 8 (the model of tests/pipeline/test_batch.py)."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(0)

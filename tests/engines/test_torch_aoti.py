@@ -1,7 +1,7 @@
 """Compiled torch engines (AOTInductor packages): built once, loaded without compiling, refused where they were
 not compiled for, cached by branch.  AOTInductor compiles for the CPU too, which is how these run in CI (tiny
 branches; each compile takes seconds, so the module compiles three and shares them); the GPU path is in
-test_torch_aoti_gpu below and tests/test_build_gpu.py."""
+test_torch_aoti_gpu below and tests/pipeline/test_build_gpu.py."""
 
 from __future__ import annotations
 
@@ -362,13 +362,13 @@ def test_a_branch_aotinductor_cannot_compile_ships_its_onnx_and_says_why(monkeyp
 def test_alternatives_of_compiled_engines_are_compiled_for_the_layout_they_are_timed_in(monkeypatch, tmp_path):
     """time_alternatives (GPU builds) with packages: each alternative is compiled for its own fusion and boundary
     layout (a scratch bundle; on the cache's path, so that the bundle's rewrite for a winner is all hits)."""
-    from test_build_gpu import _fake_gpu, _plan_of
+    from gpu_build_fakes import fake_gpu, plan_of
 
     from parastream.pipeline.zoo import small_net
 
     onnx.save(small_net(), tmp_path / "small_net.onnx")
     times = {("bundle", True, None): 1.0, ("scratch", None, None): 0.8}  # every scratch alternative at 0.8
-    build_mod, made = _fake_gpu(monkeypatch, times)
+    build_mod, made = fake_gpu(monkeypatch, times)
     writes = []
     monkeypatch.setattr(build_mod, "_write_engines",
                         lambda dest, model, graph, plan, backend, options, label, on_branch=None, internal_nhwc=True,
@@ -379,12 +379,12 @@ def test_alternatives_of_compiled_engines_are_compiled_for_the_layout_they_are_t
         def build(self, branch, name, layout=None):
             raise AssertionError("faked")
 
-    from test_build_gpu import _gpu_backend
+    from gpu_build_fakes import gpu_backend
 
     from parastream.pipeline.measure import Variant, time_alternatives
 
-    backend = _gpu_backend(suffix=".zip", Builder=Builder, compiles_for_layout=True)
-    model, graph, plan, cm = _plan_of(tmp_path / "small_net.onnx", 2)
+    backend = gpu_backend(suffix=".zip", Builder=Builder, compiles_for_layout=True)
+    model, graph, plan, cm = plan_of(tmp_path / "small_net.onnx", 2)
     got = time_alternatives(build_mod.Engines(backend, cm, None, "fp16"), "bundle",
                             Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
     # round 1: the unfused packages win (0.8 < 1.0); round 2: contiguous packages, unfused, tie (kept); round 3: one engine

@@ -222,7 +222,7 @@ def test_device_feeds_torch_and_cupy_and_zero_copy_views(bundles):
 
 @pytest.mark.gpu
 def test_single_stream_and_timeline(bundles, tmp_path):
-    from parastream.launcher.bench import bench_bundle
+    from parastream.pipeline.bench import bench_bundle
     from parastream.launcher.gpu import GpuLauncher
 
     path, bundle = bundles[("inception_block", "fp16")]

@@ -6,9 +6,9 @@ from __future__ import annotations
 import json
 
 import numpy as np
-import onnx_graphsurgeon as gs
 import onnxruntime as ort
 import pytest
+from gpu_build_fakes import fake_gpu, gpu_backend, plan_of
 
 from parastream.launcher.engines import get_backend
 from parastream.pipeline import build
@@ -48,7 +48,7 @@ def test_measurement_budget_always_leaves_the_input_and_one_rival(models, monkey
     import types
 
     import parastream.launcher as launcher_pkg
-    import parastream.launcher.bench as bench_mod
+    import parastream.pipeline.bench as bench_mod
     import parastream.launcher.gpu as gpu_mod
     from parastream.pipeline.build import MeasureBudgetSpent
     from parastream.pipeline.model_io import load_model
@@ -63,7 +63,7 @@ def test_measurement_budget_always_leaves_the_input_and_one_rival(models, monkey
     monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
     monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
         k: np.array([2.0 if k == "candidate" else 1.0]) for k in launchers})
-    backend = _gpu_backend()
+    backend = gpu_backend()
     from parastream.launcher.engines import BuildOptions
 
     m = GpuMeasurer.for_build(Engines(backend, RooflineCostModel(), loaded, "fp16"), BuildOptions(precision="fp16"),
@@ -101,67 +101,6 @@ def test_gpu_build_measures_candidates(models, tmp_path):
     json.dumps(bundle.report)  # the report stays JSON
 
 
-def _gpu_backend(**kw):
-    """A stand-in for torch's backend module: its name, suffix and capability flags (no engines are built)."""
-    import types
-
-    flags = dict(gpu=True, name="torch", suffix=".onnx", compiles_for_layout=False, builds_side_by_side=False,
-                 background_compiles=False, fuses_conv_relu=True, supports_internal_nhwc=True,
-                 supports_channel_views=True, warms_after_load=True)
-    return types.SimpleNamespace(**dict(flags, **kw))
-
-
-def _fake_gpu(monkeypatch, times: dict):
-    """GpuLauncher and launcher.bench.measure stand-ins: each launcher is timed at ``times[its options]``."""
-    import importlib
-    import types
-
-    import parastream.launcher as launcher_pkg
-    import parastream.launcher.bench as bench_mod
-    import parastream.launcher.gpu as gpu_mod
-
-    build_mod = importlib.import_module("parastream.pipeline.build")
-    made = []
-
-    def launcher(bundle, fuse_conv_relu=None, internal_nhwc=None):
-        # a scratch bundle (an alternative compiled for its own layout) is built in a parastream-measure- folder
-        scratch = bundle == "scratch" or "parastream-measure-" in str(getattr(bundle, "path", ""))
-        la = types.SimpleNamespace(kind=("scratch" if scratch else "bundle", fuse_conv_relu, internal_nhwc),
-                                   nhwc={"t"}, closed=False)
-        la.close = lambda: setattr(la, "closed", True)
-        made.append(la)
-        return la
-
-    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
-    monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
-    monkeypatch.setattr(gpu_mod, "GpuLauncher", launcher)
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
-        k: np.array([times[la.kind]]) for k, la in launchers.items()})
-    return build_mod, made
-
-
-def _plan_of(model_path, streams):
-    from parastream.pipeline.build import plan_streams
-    from parastream.pipeline.model_io import graph_of as _graph_of
-    from parastream.pipeline.model_io import load_model
-    from parastream.pipeline.partition import make_plan
-    from parastream.rewrite.cost import RooflineCostModel
-
-    from parastream.rewrite.rules.fold_bn_and_affine import FoldBatchNormAndAffine
-
-    loaded = load_model(model_path)
-    graph = _graph_of(loaded.model)
-    rule = FoldBatchNormAndAffine()
-    while sites := [st for st in rule.match(graph) if rule.check(graph, st) is None]:
-        graph = rule.apply(graph, sites[0])  # BatchNorms folded into their Convs, as the search does
-    model = gs.export_onnx(graph)
-    graph = _graph_of(model)
-    cm = RooflineCostModel()
-    sched, _ = plan_streams(graph, cm, streams, streams)
-    plan = make_plan(graph, sched, backend="torch", precision="fp16", suffix=".onnx", inputs=loaded.inputs, outputs=loaded.outputs)
-    return model, graph, plan, cm
-
-
 def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_path):
     """Each round keeps the faster; a later round starts from the earlier winners (small_net: Conv->Relu, 2 streams)."""
     import types
@@ -171,10 +110,10 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
     times = {("bundle", True, None): 1.0, ("bundle", False, None): 0.8,  # unfused wins round 1
              ("bundle", False, False): 0.9,                             # contiguous loses round 2
              ("scratch", None, None): 0.7}                              # one engine wins round 3
-    build_mod, made = _fake_gpu(monkeypatch, times)
-    model, graph, plan, cm = _plan_of(models / "small_net.onnx", 2)
+    build_mod, made = fake_gpu(monkeypatch, times)
+    model, graph, plan, cm = plan_of(models / "small_net.onnx", 2)
     assert plan.num_streams == 2 and has_conv_relu(model)
-    got = time_alternatives(Engines(_gpu_backend(), cm, None, "fp16"), "bundle",
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
                             Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
     assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
     assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
@@ -188,16 +127,16 @@ def test_alternatives_not_timed_without_a_rival(models, monkeypatch, tmp_path):
 
     from parastream.launcher.engines import BuildOptions
 
-    build_mod, made = _fake_gpu(monkeypatch, {})
-    model, graph, plan, cm = _plan_of(models / "transformer_layer.onnx", 1)
+    build_mod, made = fake_gpu(monkeypatch, {})
+    model, graph, plan, cm = plan_of(models / "transformer_layer.onnx", 1)
     assert not has_conv_relu(model) and plan.num_streams == 1
     made_nhwc = []
     monkeypatch.setattr("parastream.launcher.gpu.GpuLauncher",
                         lambda bundle, **kw: made_nhwc.append(kw) or types.SimpleNamespace(nhwc=set(), close=lambda: None))
     v = Variant(model, graph, plan, BuildOptions())
-    assert time_alternatives(Engines(_gpu_backend(), cm, None, "fp32"), "bundle", v, runs=5) is None
+    assert time_alternatives(Engines(gpu_backend(), cm, None, "fp32"), "bundle", v, runs=5) is None
     assert len(made_nhwc) == 1  # only the bundle as built was loaded
-    cpu = _gpu_backend(gpu=False, name="onnxruntime")
+    cpu = gpu_backend(gpu=False, name="onnxruntime")
     assert time_alternatives(Engines(cpu, cm, None, "fp32"), "bundle", v, runs=5) is None
 
 
@@ -207,7 +146,7 @@ def test_gpu_build_times_its_alternatives(models, tmp_path):
     """On the GPU the fusion, layout and stream choices are timed, recorded, and the bundle ships the winners."""
     import onnx
 
-    model, _, _, _ = _plan_of(models / "small_net.onnx", 2)  # BatchNorms folded: Conv -> Relu pairs to fuse
+    model, _, _, _ = plan_of(models / "small_net.onnx", 2)  # BatchNorms folded: Conv -> Relu pairs to fuse
     onnx.save(model, tmp_path / "folded.onnx")
     cfg = BuildConfig(backend="torch", precision="fp16", search=False, measure_runs=30, streams=2)
     bundle = build(tmp_path / "folded.onnx", tmp_path / "out", config=cfg)

@@ -19,7 +19,7 @@ import pytest
 
 from parastream.pipeline.cli import main
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 MODEL = EXAMPLES / "small_net.onnx"
 # the program's own entry (``sys.exit(main())``, as the console script), saying when main is about to run, so that
 # a signal lands in the command and not in Python's start-up

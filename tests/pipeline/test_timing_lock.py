@@ -1,11 +1,11 @@
-"""The GPU timing lock: builds side by side on one GPU take turns while they time (launcher.bench.gpu_timing_lock)."""
+"""The GPU timing lock: builds side by side on one GPU take turns while they time (pipeline.bench.gpu_timing_lock)."""
 
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
 
-from parastream.launcher.bench import gpu_timing_lock
+from parastream.pipeline.bench import gpu_timing_lock
 
 TRY_LOCK = """
 import fcntl, os, sys

@@ -12,7 +12,7 @@ import pytest
 from parastream.pipeline import build
 from parastream.pipeline.cli import main
 
-MODEL = Path(__file__).resolve().parents[1] / "examples" / "models" / "small_net.onnx"
+MODEL = Path(__file__).resolve().parents[2] / "examples" / "models" / "small_net.onnx"
 
 
 @pytest.fixture(scope="module")
@@ -42,7 +42,7 @@ def test_the_printed_line_gives_the_spread_and_the_machines_load(same_as_baselin
 
 
 def test_the_order_alternates_and_each_block_starts_alike():
-    from parastream.launcher.bench import time_alternating
+    from parastream.pipeline.bench import time_alternating
 
     calls = []
     runners = {"a": lambda feeds: calls.append("a"), "b": lambda feeds: calls.append("b")}

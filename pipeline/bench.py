@@ -1,4 +1,14 @@
-"""``parastream bench OUT``: latency of a bundle on the GPU, against the same engines on one stream.
+"""Timing of launchers: what the build times to decide, and ``parastream bench``.
+
+The launcher (launcher/) is the runtime: it loads and runs a bundle.  Everything that times one lives here:
+the GPU timing lock (``gpu_timing_lock``) and CUDA-event timed replays of launchers in alternating blocks
+(``measure``), which pipeline/measure.py uses for the search's candidates and the timed alternatives; calls
+timed in alternating blocks on the CPU (``time_calls``, ``race_calls``, ``time_alternating``) and the load other
+processes put on the machine meanwhile (``OthersLoad``), which the CPU build's choice uses; and the ``parastream
+bench`` command: ``bench_bundle`` (GPU, or ``bench_cpu`` for a CPU bundle), ``bench_buckets`` (a dynamic-batch
+bundle) and their printing.
+
+``parastream bench OUT`` on a GPU bundle: its latency against the same engines on one stream.
 
 Both variants are one CUDA Graph each, built from the *same* loaded engines: the
 bundle's multi-stream plan, and every branch on a single stream in launch order.
@@ -27,13 +37,12 @@ from pathlib import Path
 import numpy as np
 
 from parastream.core.accuracy import max_scaled_error, scale_tolerance
+from parastream.core.errors import ParastreamError
 from parastream.core.tensors import random_array, random_feeds
-
-from . import cuda
-from .bundle import Bundle
-from .cuda import nbytes_of
-from .engines.base import BuildOptions
-from .errors import ParastreamError
+from parastream.launcher import cuda
+from parastream.launcher.bundle import Bundle
+from parastream.launcher.cuda import nbytes_of
+from parastream.launcher.engines.base import BuildOptions
 
 INPUT_SETS = 4
 BLOCK = 25
@@ -161,7 +170,7 @@ def build_whole_model(bundle: Bundle, *, memory=None):
     """
     import onnx
 
-    from .engines import tensorrt as trt_backend
+    from parastream.launcher.engines import tensorrt as trt_backend
 
     model = onnx.load(str(bundle.model_path))
     options = whole_model_options(bundle)
@@ -327,7 +336,7 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
         if console is not None:
             print_bench_cpu(result, console)
         return result
-    from .gpu import GpuLauncher
+    from parastream.launcher.gpu import GpuLauncher
 
     if cuda.device_count() < 1:
         raise ParastreamError("parastream bench needs a CUDA GPU, and cuda-python sees none")
@@ -466,6 +475,79 @@ def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, bloc
     return {name: np.asarray(t) for name, t in times.items()}, ratios
 
 
+def time_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 3, block: int = 10) -> dict[str, np.ndarray]:
+    """Seconds per call of each runner on ``feeds``: ``runs`` calls each after ``warmup``, in alternating blocks
+    of ``block`` calls, so that a change in the machine's load falls on all of them alike while one runner's
+    spinning threads seldom run into another's calls."""
+    for _ in range(warmup):
+        for run in runners.values():
+            run(feeds)
+    times = {name: [] for name in runners}
+    while any(len(t) < runs for t in times.values()):
+        for name, run in runners.items():
+            for _ in range(min(block, runs - len(times[name]))):
+                t0 = time.perf_counter()
+                run(feeds)
+                times[name].append(time.perf_counter() - t0)
+    return {name: np.asarray(t) for name, t in times.items()}
+
+
+def race_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 1, block: int = 5,
+               behind: float = 0.10) -> dict[str, np.ndarray]:
+    """Seconds per call of each runner, timed in alternating blocks of ``block`` calls (as :func:`time_calls`),
+    with a sequential stop: after each round, a runner whose FASTEST call so far is slower than the current
+    leader's median by more than ``behind`` is clearly behind and is not called again (its calls so far are
+    returned).  At most ``runs`` calls each; at least one block each."""
+    for _ in range(warmup):
+        for run in runners.values():
+            run(feeds)
+    times: dict[str, list[float]] = {name: [] for name in runners}
+    active = list(runners)
+    while active and any(len(times[n]) < runs for n in active):
+        for name in active:
+            for _ in range(min(block, runs - len(times[name]))):
+                t0 = time.perf_counter()
+                runners[name](feeds)
+                times[name].append(time.perf_counter() - t0)
+        medians = {n: float(np.median(times[n])) for n in active}
+        lead = min(medians.values())
+        active = [n for n in active if min(times[n]) <= lead * (1.0 + behind)]
+    return {name: np.asarray(t) for name, t in times.items()}
+
+
+class OthersLoad:
+    """The share of this machine's CPU time that OTHER processes used while the block ran (0..1), from the
+    kernel's counters (/proc/stat: every core's busy time, less this process's own); ``share`` is None where
+    they cannot be read (not Linux).  A timing taken while others use the cores says how the machine is
+    loaded, not how the alternatives compare: the CPU build does not let it replace its default."""
+
+    def __init__(self):
+        self.share: float | None = None
+
+    @staticmethod
+    def _machine_busy_s() -> float | None:
+        try:
+            with open("/proc/stat") as f:
+                fields = f.readline().split()[1:]
+            ticks = [int(x) for x in fields]
+        except (OSError, ValueError, IndexError):
+            return None
+        idle = ticks[3] + (ticks[4] if len(ticks) > 4 else 0)  # idle + iowait
+        return (sum(ticks[:8]) - idle) / os.sysconf("SC_CLK_TCK")
+
+    def __enter__(self):
+        self._busy0, self._own0, self._t0 = self._machine_busy_s(), time.process_time(), time.perf_counter()
+        return self
+
+    def __exit__(self, *exc):
+        busy1 = self._machine_busy_s()
+        wall = time.perf_counter() - self._t0
+        if self._busy0 is not None and busy1 is not None and wall > 0:
+            others = (busy1 - self._busy0) - (time.process_time() - self._own0)
+            self.share = min(1.0, max(0.0, others / (wall * (os.cpu_count() or 1))))
+        return False
+
+
 def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str | Path | None = None) -> dict:
     """A CPU bundle against plain onnxruntime (default session options) on the original model: ``original``, else
     the path report.json records (an error when it is not there: never another model in its place).  The outputs
@@ -478,7 +560,7 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
     machine says how it is loaded."""
     import onnxruntime as ort
 
-    from .cpu import CpuLauncher, OthersLoad
+    from parastream.launcher.cpu import CpuLauncher
 
     if original is None:
         recorded = bundle.report.get("model", {}).get("path")
@@ -529,7 +611,7 @@ def print_bench_cpu(result: dict, console) -> None:
     from rich.markup import escape
     from rich.table import Table
 
-    from .words import plural
+    from parastream.launcher.words import plural
 
     t = Table(title=escape(f"parastream bench — {result['bundle']} on {result['device']}"))
     t.add_column("variant")
@@ -583,6 +665,138 @@ def print_bench(result: dict, console) -> None:
         console.print(f"TensorRT whole-model baseline: none ({escape(result['tensorrt_whole_model_error'])})")
     if "timeline" in result:
         console.print(f"timeline: {result['timeline']} (GPU busy on some stream {100 * result['busy_fraction']:.0f}% of the replay)")
+
+
+def bench_buckets(bundle: Bundle, *, runs: int | None = None, warmup: int | None = None, console=None, gpu: int = 0) -> dict:
+    """``parastream bench`` on a dynamic-batch bundle: at every bucket and at a batch between buckets, the median
+    latency with buckets against the same rows padded to MAX and run on the MAX bucket (one graph at MAX).
+
+    CPU: seconds per call (time_calls, interleaved blocks).  GPU: CUDA-event timed graph replays of the bucket
+    that serves n against the MAX bucket's (``measure``; copies in and out are not timed)."""
+
+    from parastream.launcher.buckets import BucketedLauncher, pad_rows
+
+    on_gpu = bundle.backend().gpu
+    if on_gpu:
+        from parastream.launcher.cuda import cuda_device_count
+
+        if cuda_device_count() < 1:
+            raise ParastreamError("parastream bench on a GPU bundle needs a CUDA GPU, and cuda-python sees none")
+    runs = (50 if not on_gpu else 200) if runs is None else runs
+    warmup = (5 if not on_gpu else 20) if warmup is None else warmup
+    if runs < 1:
+        raise ParastreamError(f"--runs {runs}: must be at least 1")
+    la = BucketedLauncher(bundle, device="cuda" if on_gpu else "cpu", gpu=gpu)
+    if la.grid:
+        return _bench_grid(bundle, la, runs=runs, warmup=warmup, console=console, on_gpu=on_gpu)
+    try:
+        between = next((a + 1 for a, b in zip(la.sizes, la.sizes[1:]) if b - a > 1), None)
+        batches = sorted(set(la.sizes) | ({between} if between else set()))
+        top = la.launchers[la.max]
+        rows = []
+        for n in batches:
+            b = la.bucket_for(n)
+            if on_gpu:
+                # the bucket first: measure() copies the first launcher's inputs into each (the MAX bucket gets
+                # the same first rows; what it computes on the rest does not change its time)
+                times = measure({"buckets": la.launchers[b], "padded_to_max": top}, runs=runs, warmup=warmup)
+                ms = {k: float(np.median(v)) for k, v in times.items()}
+            else:
+                specs = [type(t)(t.name, t.dtype, [n, *t.shape[1:]] if t.name in la.batched_inputs else t.shape)
+                         for t in la.input_specs]
+                feeds = random_feeds(specs, seed=n)
+                times = time_calls({"buckets": la, "padded_to_max": lambda f: top({k: pad_rows(v, la.max) if k in la.batched_inputs else v
+                                                                                   for k, v in f.items()})},
+                                   feeds, runs=runs, warmup=warmup)
+                ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+            rows.append({"batch": n, "bucket": b, "buckets_ms": ms["buckets"], "padded_to_max_ms": ms["padded_to_max"],
+                         "speedup": ms["padded_to_max"] / ms["buckets"] if ms["buckets"] > 0 else None})
+    finally:
+        la.close()
+    result = {"bundle": str(bundle.path), "device": "cuda" if on_gpu else "cpu", "sizes": la.sizes, "runs": runs,
+              "timed": "CUDA-event timed graph replays" if on_gpu else "seconds per call", "batches": rows}
+    if console is not None:
+        from rich.table import Table
+
+        t = Table(title=f"{bundle.path}: buckets {la.sizes} against one graph at MAX = {la.max} (median of {runs})")
+        for c in ("batch", "bucket", "buckets ms", f"padded to {la.max} ms", "speedup"):
+            t.add_column(c, justify="right")
+        for r in rows:
+            t.add_row(str(r["batch"]), str(r["bucket"]), f"{r['buckets_ms']:.3f}", f"{r['padded_to_max_ms']:.3f}",
+                      f"{r['speedup']:.2f}x" if r["speedup"] else "-")
+        console.print(t)
+    return result
+
+
+def _feeds_at_point(la, point: tuple[int, ...], seed: int) -> dict:
+    """Random inputs of a grid bundle at ``point`` (mask-like inputs all ones: a row masked everywhere is no request)."""
+    shapes = {t.name: list(t.shape) for t in la.input_specs}
+    for a, size in zip(la.axes, point):
+        for name, dim in a["inputs"].items():
+            shapes[name][dim] = size
+    specs = [type(t)(t.name, t.dtype, shapes[t.name]) for t in la.input_specs]
+    feeds = random_feeds(specs, seed=seed)
+    for name in feeds:
+        if "mask" in name.lower():
+            feeds[name] = np.ones_like(feeds[name])
+    return feeds
+
+
+def _bench_grid(bundle: Bundle, la, *, runs: int, warmup: int, console, on_gpu: bool) -> dict:
+    """``parastream bench`` on a grid bundle: at every bucket and at a point between buckets, the median latency of
+    the bucket that serves it (padded) against the same inputs padded to every axis's MAX on the MAX bucket (where
+    no axis is exact).  Times calls with host inputs on the CPU and the GPU alike (padding and copies included)."""
+    from parastream.launcher.buckets import grid_between, key_text, pad_axis
+
+    top_key = la.max
+    between = grid_between(la)
+    points = sorted(set(la.sizes) | ({between} if between else set()))
+    can_pad = not any(a.get("exact") for a in la.axes)
+    rows = []
+    try:
+        for point in points:
+            feeds = _feeds_at_point(la, point, seed=sum(point))
+            calls = {"buckets": la}
+            if can_pad:
+                top = la.launchers[top_key]
+
+                def padded(f, top=top):
+                    out = dict(f)
+                    for a, size in zip(la.axes, top_key):
+                        for name, dim in a["inputs"].items():
+                            if name in out:
+                                out[name] = pad_axis(out[name], dim, size, a["pad"][name])
+                    return top(out)
+
+                calls["padded_to_max"] = padded
+            times = time_calls(calls, feeds, runs=runs, warmup=warmup)
+            ms = {k: float(np.median(v)) * 1e3 for k, v in times.items()}
+            rows.append({"point": list(point), "bucket": list(la.bucket_for(point)), "buckets_ms": ms["buckets"],
+                         "padded_to_max_ms": ms.get("padded_to_max"),
+                         "speedup": ms["padded_to_max"] / ms["buckets"] if ms.get("padded_to_max") and ms["buckets"] > 0 else None})
+    finally:
+        la.close()
+    axes = "x".join(a["name"] for a in la.axes)
+    memory = (bundle.report.get("buckets") or {}).get("memory")
+    result = {"bundle": str(bundle.path), "device": "cuda" if on_gpu else "cpu", "axes": axes,
+              "sizes": [key_text(k) for k in la.sizes], "runs": runs, "timed": "seconds per call", "points": rows,
+              "memory": memory}
+    if console is not None:
+        from rich.table import Table
+
+        t = Table(title=f"{bundle.path}: buckets over {axes} against one bucket at MAX = {key_text(top_key)} "
+                        f"(median of {runs})")
+        for c in (axes, "bucket", "buckets ms", "padded to MAX ms", "speedup"):
+            t.add_column(c, justify="right")
+        for r in rows:
+            t.add_row(key_text(r["point"]), key_text(r["bucket"]), f"{r['buckets_ms']:.3f}",
+                      f"{r['padded_to_max_ms']:.3f}" if r["padded_to_max_ms"] else "-",
+                      f"{r['speedup']:.2f}x" if r["speedup"] else "-")
+        console.print(t)
+        if memory:
+            console.print(f"engines {memory['engine_bytes']:,} bytes in all buckets against {memory['engine_bytes_at_max']:,} "
+                          f"at MAX alone; boundary buffers {memory['shared_buffer_bytes']:,} bytes shared")
+    return result
 
 
 def draw_timeline(spans: list[dict], path, *, title: str = "") -> float:

@@ -159,7 +159,7 @@ def test_console_script_exit_code(tmp_path):
 
 @pytest.mark.parametrize("argv,whole,ablation", [([], True, False), (["--no-whole-model", "--concat-ablation"], False, True)])
 def test_bench_options_reach_bench_bundle(monkeypatch, tmp_path, argv, whole, ablation):
-    import parastream.launcher.bench as bench
+    import parastream.pipeline.bench as bench
 
     seen = {}
     monkeypatch.setattr(bench, "bench_bundle", lambda path, **kw: seen.update(kw, path=path) or {})

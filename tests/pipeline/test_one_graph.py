@@ -22,7 +22,7 @@ from parastream.rewrite.search import optimize_graph
 
 build_module = importlib.import_module("parastream.pipeline.build")  # the module (the package exports the function)
 
-EXAMPLES = Path(__file__).resolve().parents[1] / "examples" / "models"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 SMALL_NET = EXAMPLES / "small_net.onnx"
 
 

@@ -18,7 +18,7 @@ from parastream.pipeline import build
 from parastream.pipeline.cli import main
 
 
-from parastream.launcher.cpu import OthersLoad as REAL_OTHERS_LOAD  # noqa: E402
+from parastream.pipeline.bench import OthersLoad as REAL_OTHERS_LOAD  # noqa: E402
 
 
 @pytest.fixture(autouse=True)
@@ -42,7 +42,7 @@ def _check_outputs(bundle_path, model_path):
 
 
 def test_cpu_build_times_the_alternatives_and_keeps_the_default_unless_beaten(model_path, tmp_path, monkeypatch):
-    import parastream.launcher.cpu as cpu
+    import parastream.pipeline.bench as bench
 
     looks = []
 
@@ -54,7 +54,7 @@ def test_cpu_build_times_the_alternatives_and_keeps_the_default_unless_beaten(mo
             looks.append(self.share)
             return False
 
-    monkeypatch.setattr(cpu, "OthersLoad", QuietLook)
+    monkeypatch.setattr(bench, "OthersLoad", QuietLook)
     bundle = build(model_path, tmp_path / "b", backend="onnxruntime", streams=None, cpu_runs=5)
     choice = bundle.report["cpu_choice"]
     names = [t["alternative"] for t in choice["timed"]]
@@ -80,7 +80,7 @@ def test_cpu_build_times_the_alternatives_and_keeps_the_default_unless_beaten(mo
 def _quiet(monkeypatch, share: float = 0.0, *then: float):
     """The machine as if other processes used ``share`` of its cores (the build's look before it builds the
     alternatives, then ``then`` for each timing after it)."""
-    import parastream.launcher.cpu as cpu
+    import parastream.pipeline.bench as bench
 
     shares = iter((share, *then))
 
@@ -94,7 +94,7 @@ def _quiet(monkeypatch, share: float = 0.0, *then: float):
         def __exit__(self, *exc):
             return False
 
-    monkeypatch.setattr(cpu, "OthersLoad", Others)
+    monkeypatch.setattr(bench, "OthersLoad", Others)
 
 
 def _injected(medians: dict, spread: float = 0.01, runs: int = 10):
@@ -113,7 +113,7 @@ def _injected(medians: dict, spread: float = 0.01, runs: int = 10):
 @pytest.mark.parametrize("winner", ["original model, one session", "plan"])
 def test_the_timed_winner_decides_the_bundle(model_path, tmp_path, monkeypatch, winner):
     """Timings injected: an alternative 5x faster than the others replaces the default, and the bundle follows."""
-    import parastream.launcher.cpu as cpu
+    import parastream.pipeline.bench as bench
 
     every_core = f" {os.cpu_count()} threads each"
 
@@ -125,7 +125,7 @@ def test_the_timed_winner_decides_the_bundle(model_path, tmp_path, monkeypatch, 
             out[name] = np.full(runs, 0.001 if fast else 0.005)
         return out
 
-    monkeypatch.setattr(cpu, "race_calls", fake)
+    monkeypatch.setattr(bench, "race_calls", fake)
     _quiet(monkeypatch)
     bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3, search=False)
     choice = bundle.report["cpu_choice"]
@@ -141,13 +141,13 @@ def test_the_timed_winner_decides_the_bundle(model_path, tmp_path, monkeypatch, 
 def test_a_loaded_machines_noise_does_not_flip_the_choice(model_path, tmp_path, monkeypatch):
     """A loaded run: the alternatives' medians 4% apart with calls spread +-15% (the noise on a busy machine).
     The default is kept, whichever alternative the noise favours; the report says what was timed and why."""
-    import parastream.launcher.cpu as cpu
+    import parastream.pipeline.bench as bench
 
     _quiet(monkeypatch)
     for faster in ("original", "plan"):
         medians = {"plan": 10.0, "original": 10.0}
         medians[faster] = 9.6
-        monkeypatch.setattr(cpu, "race_calls", _injected(medians, spread=0.15))
+        monkeypatch.setattr(bench, "race_calls", _injected(medians, spread=0.15))
         bundle = build(model_path, tmp_path / faster, backend="onnxruntime", cpu_runs=10, search=False)
         choice = bundle.report["cpu_choice"]
         assert choice["chosen"] == choice["default"] == "original model, one session"
@@ -155,10 +155,10 @@ def test_a_loaded_machines_noise_does_not_flip_the_choice(model_path, tmp_path, 
         plan = next(t for t in choice["timed"] if t["alternative"].startswith("plan"))
         assert plan["margin_needed"] >= plan["spread"] > 0.1 and not plan["chosen"]
     # the same medians, quiet calls (spread 1%): 4% is still within the 5% floor, the default stays
-    monkeypatch.setattr(cpu, "race_calls", _injected({"plan": 9.6, "original": 10.0}, spread=0.01))
+    monkeypatch.setattr(bench, "race_calls", _injected({"plan": 9.6, "original": 10.0}, spread=0.01))
     assert build(model_path, tmp_path / "quiet", backend="onnxruntime", cpu_runs=10, search=False).report["cpu_choice"]["chosen"] == "original model, one session"
     # a clear win (20% with 1% spread) replaces it
-    monkeypatch.setattr(cpu, "race_calls", _injected({"plan": 8.0, "original": 10.0}, spread=0.01))
+    monkeypatch.setattr(bench, "race_calls", _injected({"plan": 8.0, "original": 10.0}, spread=0.01))
     assert build(model_path, tmp_path / "clear", backend="onnxruntime", cpu_runs=10, search=False).report["cpu_choice"]["chosen"].startswith("plan: ")
 
 
@@ -166,11 +166,11 @@ def test_a_busy_machine_keeps_the_default(model_path, tmp_path, monkeypatch):
     """Under load the alternatives compare otherwise (spinning threads suffer most), so a loaded machine's timings
     never replace plain onnxruntime: busy when the build looks, nothing else is built or timed; busy while timing,
     a clear win (2x) is recorded but not kept."""
-    import parastream.launcher.cpu as cpu
+    import parastream.pipeline.bench as bench
 
     calls = []
     fake = _injected({"plan": 5.0, "original": 10.0}, spread=0.01)
-    monkeypatch.setattr(cpu, "race_calls", lambda *a, **kw: calls.append(1) or fake(*a, **kw))
+    monkeypatch.setattr(bench, "race_calls", lambda *a, **kw: calls.append(1) or fake(*a, **kw))
     _quiet(monkeypatch, 0.9)
     bundle = build(model_path, tmp_path / "busy", backend="onnxruntime", cpu_runs=10, search=False)
     choice = bundle.report["cpu_choice"]
@@ -203,7 +203,7 @@ def test_decide_by_timing_takes_alternatives_in_order():
 def test_race_calls_stops_a_clearly_slower_runner_early():
     import time
 
-    from parastream.launcher.cpu import race_calls
+    from parastream.pipeline.bench import race_calls
 
     calls = {"fast": 0, "slow": 0}
 
@@ -292,7 +292,7 @@ def test_bench_cpu_bundle_against_plain_onnxruntime(model_path, tmp_path, capsys
 
 
 def test_bench_cpu_refuses_a_bundle_that_computes_something_else(model_path, tmp_path):
-    from parastream.launcher.bench import bench_cpu
+    from parastream.pipeline.bench import bench_cpu
     from parastream.launcher.errors import ParastreamError
 
     out = tmp_path / "b"
@@ -330,17 +330,17 @@ def test_large_alternatives_are_timed_one_at_a_time(model_path, tmp_path, monkey
     the same choice is made from timings taken apart, and the report says how they were loaded."""
     import sys
 
-    import parastream.launcher.cpu as cpu
+    import parastream.pipeline.bench as bench
 
     measure_module = sys.modules["parastream.pipeline.measure"]
     seen = []
-    real = cpu.race_calls
+    real = bench.race_calls
 
     def spy(runners, feeds, **kw):
         seen.append(sorted(runners))
         return real(runners, feeds, **kw)
 
-    monkeypatch.setattr(cpu, "race_calls", spy)
+    monkeypatch.setattr(bench, "race_calls", spy)
     monkeypatch.setattr(measure_module, "CPU_INTERLEAVE_BYTES", 0)
     bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=3, search=False)
     choice = bundle.report["cpu_choice"]

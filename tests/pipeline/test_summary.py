@@ -15,7 +15,7 @@ import pytest
 from parastream.launcher.bundle import Bundle
 from parastream.pipeline.cli import main
 
-EXAMPLES = sorted((Path(__file__).resolve().parents[1] / "examples" / "models").glob("*.onnx"))
+EXAMPLES = sorted((Path(__file__).resolve().parents[2] / "examples" / "models").glob("*.onnx"))
 
 
 def ops(model: onnx.ModelProto) -> list[tuple[str, str]]:

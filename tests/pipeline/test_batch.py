@@ -1,5 +1,5 @@
 """--batch MIN:OPT:MAX: parsed, checked against the model and --shapes; a build makes one bucket per batch size
-(tests/test_batch_buckets.py has the buckets end to end); bad values are refused."""
+(tests/pipeline/test_batch_buckets.py has the buckets end to end); bad values are refused."""
 
 from __future__ import annotations
 

@@ -18,7 +18,7 @@ from parastream.rewrite.cost import RooflineCostModel
 
 build_module = importlib.import_module("parastream.pipeline.build")  # the module (the package exports the function)
 
-SMALL_NET = Path(__file__).resolve().parents[1] / "examples" / "models" / "small_net.onnx"
+SMALL_NET = Path(__file__).resolve().parents[2] / "examples" / "models" / "small_net.onnx"
 
 
 def test_the_built_manifest_is_hashed_and_the_staging_one_is_not(tmp_path, monkeypatch):
@@ -197,7 +197,7 @@ def _fake_gpu(monkeypatch, faster: str | None = None):
     import types
 
     import parastream.launcher as launcher_pkg
-    import parastream.launcher.bench as bench_mod
+    import parastream.pipeline.bench as bench_mod
     import numpy as np
 
     built = []

@@ -182,7 +182,7 @@ def test_run_on_the_cpu_device_by_name(cpu_bundle, tmp_path, capsys):
 
 def test_bench_passes_the_gpu_and_refuses_a_device_the_bundle_cannot_run_on(two_gpus, monkeypatch, cpu_bundle, torch_bundle,
                                                                              capsys):
-    from parastream.launcher import bench
+    from parastream.pipeline import bench
 
     seen = []
     monkeypatch.setattr(bench, "bench_bundle", lambda bundle, **kw: seen.append(kw["gpu"]) or {})

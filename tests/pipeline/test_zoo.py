@@ -11,7 +11,7 @@ import pytest
 
 from parastream.pipeline import zoo
 
-EXAMPLES = Path(__file__).resolve().parent.parent / "examples" / "models"
+EXAMPLES = Path(__file__).resolve().parents[2] / "examples" / "models"
 NAMES = sorted(zoo.MODELS)
 EXPECTED_OUTPUT = {
     "inception_block": (1, 256, 35, 35),
