@@ -20,7 +20,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from .bundle import Bundle
+from .bundle import Bundle, grid_key
 from .errors import ParastreamError
 
 
@@ -41,11 +41,6 @@ def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
     if n == rows:
         return x
     return x[np.arange(rows) % n]
-
-
-def grid_key(text) -> tuple[int, ...]:
-    """A grid bucket's key in manifest.json (``"1x16"``: one size per axis, in the axes' order) as a tuple."""
-    return tuple(int(v) for v in str(text).split("x"))
 
 
 def key_text(key) -> str:
@@ -132,39 +127,6 @@ def grid_between(la) -> tuple[int, ...] | None:
         any_gap = any_gap or gap is not None
         point.append(gap if gap is not None else min(a["sizes"]))
     return tuple(point) if any_gap else None
-
-
-def grid_bundles(bundle: Bundle, rec: dict) -> dict:
-    """A grid bundle's buckets, key (one size per axis) -> Bundle: the key of every axis's MAX is this bundle
-    itself, the others live in their folders (their files listed and hashed by this bundle's manifest)."""
-    from .bundle import inside
-
-    where = bundle.path / "manifest.json"
-    axes, grid = rec.get("axes"), rec.get("grid")
-    if (not isinstance(axes, list) or not axes or not isinstance(grid, dict) or not grid
-            or not all(isinstance(a, dict) and isinstance(a.get("inputs"), dict) and isinstance(a.get("sizes"), list)
-                       and isinstance(a.get("pad"), dict) for a in axes)):
-        raise ParastreamError(f"{where}: 'buckets' does not list the axes and the grid's folders; rebuild the bundle")
-    out: dict = {}
-    for text, folder in grid.items():
-        if not isinstance(folder, str) or not all(v.isdigit() for v in str(text).split("x")) or len(str(text).split("x")) != len(axes):
-            raise ParastreamError(f"{where}: bucket {text!r} -> {folder!r} is not one size per axis and a folder")
-        key = grid_key(text)
-        if folder == ".":
-            out[key] = bundle
-            continue
-        sub = Bundle.open(inside(bundle.path, folder, "manifest.json (buckets)"), check_hashes=False)
-        if sub.manifest.get("buckets"):
-            raise ParastreamError(f"{sub.path}: a bucket is itself a bucketed bundle; rebuild the bundle")
-        out[key] = sub
-    import itertools
-
-    expected = set(itertools.product(*[sorted(int(s) for s in a["sizes"]) for a in axes]))
-    top = tuple(int(a["max"]) for a in axes)
-    if set(out) != expected or out.get(top) is not bundle:
-        raise ParastreamError(f"{where}: 'buckets' is inconsistent (the grid's folders are not every combination of the "
-                              "axes' sizes, or the largest is not this bundle's own plan); rebuild the bundle")
-    return out
 
 
 class BucketedLauncher:

@@ -10,7 +10,9 @@
 
 from __future__ import annotations
 
+
 import hashlib
+import itertools
 import json
 import os
 from dataclasses import dataclass, field
@@ -157,9 +159,7 @@ class Bundle:
         rec = self.manifest.get("buckets")
         where = self.path / "manifest.json"
         if isinstance(rec, dict) and "axes" in rec:  # a grid over named axes (--min/--max-shapes): key -> Bundle
-            from .buckets import grid_bundles
-
-            return grid_bundles(self, rec)
+            return _grid_bundles(self, rec)
         if not isinstance(rec, dict) or not isinstance(rec.get("folders"), dict) or not rec["folders"]:
             raise ParastreamError(f"{where}: 'buckets' does not list the buckets' folders; rebuild the bundle")
         out: dict[int, Bundle] = {}
@@ -275,3 +275,37 @@ def write_manifest(out: Path, manifest: dict, *, hashed: bool = True) -> None:
         files[f.relative_to(out).as_posix()] = sha256_file(f) if hashed else ""
     manifest = dict(manifest, version=MANIFEST_VERSION, files=files)
     (out / "manifest.json").write_text(json.dumps(manifest, indent=2))
+
+
+def grid_key(text) -> tuple[int, ...]:
+    """A grid bucket's key in manifest.json (``"1x16"``: one size per axis, in the axes' order) as a tuple."""
+    return tuple(int(v) for v in str(text).split("x"))
+
+
+def _grid_bundles(bundle: "Bundle", rec: dict) -> dict:
+    """A grid bundle's buckets, key (one size per axis) -> Bundle: the key of every axis's MAX is this bundle
+    itself, the others live in their folders (their files listed and hashed by this bundle's manifest)."""
+    where = bundle.path / "manifest.json"
+    axes, grid = rec.get("axes"), rec.get("grid")
+    if (not isinstance(axes, list) or not axes or not isinstance(grid, dict) or not grid
+            or not all(isinstance(a, dict) and isinstance(a.get("inputs"), dict) and isinstance(a.get("sizes"), list)
+                       and isinstance(a.get("pad"), dict) for a in axes)):
+        raise ParastreamError(f"{where}: 'buckets' does not list the axes and the grid's folders; rebuild the bundle")
+    out: dict = {}
+    for text, folder in grid.items():
+        if not isinstance(folder, str) or not all(v.isdigit() for v in str(text).split("x")) or len(str(text).split("x")) != len(axes):
+            raise ParastreamError(f"{where}: bucket {text!r} -> {folder!r} is not one size per axis and a folder")
+        key = grid_key(text)
+        if folder == ".":
+            out[key] = bundle
+            continue
+        sub = Bundle.open(inside(bundle.path, folder, "manifest.json (buckets)"), check_hashes=False)
+        if sub.manifest.get("buckets"):
+            raise ParastreamError(f"{sub.path}: a bucket is itself a bucketed bundle; rebuild the bundle")
+        out[key] = sub
+    expected = set(itertools.product(*[sorted(int(s) for s in a["sizes"]) for a in axes]))
+    top = tuple(int(a["max"]) for a in axes)
+    if set(out) != expected or out.get(top) is not bundle:
+        raise ParastreamError(f"{where}: 'buckets' is inconsistent (the grid's folders are not every combination of the "
+                              "axes' sizes, or the largest is not this bundle's own plan); rebuild the bundle")
+    return out
