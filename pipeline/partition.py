@@ -2,7 +2,7 @@
 
 A branch is exported the graphsurgeon way: a copy of the graph gets the branch's
 boundary tensors as its inputs and outputs, and ``cleanup()`` drops every node
-outside it (STYLE.md).
+outside it (onnx-graphsurgeon's public API, rather than a hand-written extractor).
 """
 
 from __future__ import annotations

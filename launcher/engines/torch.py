@@ -100,7 +100,7 @@ FUSE_CONV_RELU = True
 #:             load-time torch.compile (Python wrapper, no C++ wrapper), loaded with ``CompiledArtifact.load``;
 #: "aoti"      an AOTInductor package (C++ wrapper compiled with g++ at build; on the H100 a 5-branch build did
 #:             not finish its compiles within 100 s);
-#: "jit"       the branch's ONNX alone, converted and compiled by torch.compile at every load (before issue 12).
+#: "jit"       the branch's ONNX alone, converted and compiled by torch.compile at every load (the format before compiled engines shipped).
 #: The default is "inductor": on the H100 (bench/engine_artifacts.py, Inception-v4, 82 engines, fresh processes) it
 #: loaded in a third of jit's time with the same latency, and its GPU tests pass (docs/torch-engines.md).
 DEFAULT_ARTIFACT = "inductor"
@@ -111,7 +111,7 @@ DEFAULT_ARTIFACT = "inductor"
 #: with Inductor but without its caches) or "cache" (Inductor's cache entries, which a load writes into Inductor's
 #: cache folders and looks up).  "kernels" is the default: a fresh process's load of a 100-branch bundle no
 #: longer imports Inductor (~3 s on the H100, docs/torch-engines.md).  Before it "bundled" was: on the H100
-#: (Inception-v4, 82 engines, stop 21) its compile batch took 13.9 s against 15.0-17.1 s for "cache", its
+#: (Inception-v4, 82 engines, H100) its compile batch took 13.9 s against 15.0-17.1 s for "cache", its
 #: artifacts 23 MB against 34 MB, and a fresh process loaded them in the same time with the same latency.
 INDUCTOR_FORMATS = ("kernels", "bundled", "cache")
 
@@ -249,7 +249,7 @@ def pack(meta: dict, branch_onnx: bytes, package: bytes | None, weights: bytes |
 class EngineFile:
     """An engine file opened: ``meta`` (engine.json) and its members read when asked for (``onnx()``,
     ``compiled()``, ``weights()``), so that a load of a compiled engine never copies its branch.onnx.
-    Bare ONNX (bundles written before issue 12) reads as uncompiled."""
+    Bare ONNX (bundles written before compiled engines shipped) reads as uncompiled."""
 
     def __init__(self, data: bytes):
         self._zip = None
@@ -889,7 +889,7 @@ def _load_package(package: bytes, device_index: int):
 
     Not ``torch._inductor.aoti_load_package``: before loading, that compares the package's device
     information with this machine's, whose CPU part (``pick_vec_isa``) compiles and runs a probe
-    kernel with the C++ compiler in every process with an empty Inductor cache (9.5 s on our CI
+    kernel with the C++ compiler in every process with an empty Inductor cache (9.5 s on a 2-core CI
     machine, the first load of a fresh Triton instance), and on a mismatch it only warns.
     ``check_built_for`` has refused a mismatch already.
     """
