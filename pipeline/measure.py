@@ -141,6 +141,14 @@ def _shapes_known(model: onnx.ModelProto) -> bool:
     return all(o in known for n in model.graph.node for o in n.output if o)
 
 
+def _internal_nhwc(backend, plan) -> bool:
+    """Whether ``plan`` has channels-last internal boundaries for ``backend`` (a one-engine plan has none: the
+    boundary-layout round would race the same engines)."""
+    from parastream.launcher.gpu import engine_layouts
+
+    return bool(engine_layouts(plan, backend, internal_nhwc=True).nhwc)
+
+
 def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Variant]]:
     """The engines ``time_alternatives`` will load besides ``v``'s own, by round, guessed before it runs: the
     first round's choice is unknown, so the later rounds are taken with the fusion as it is (a choice that goes
@@ -148,7 +156,8 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     out = []
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
         out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
-    out.append(("boundary layout", replace(v, internal_nhwc=False)))
+    if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
+        out.append(("boundary layout", replace(v, internal_nhwc=False)))
     if v.plan.num_streams > 1:
         out.append(("streams", replace(v, plan=engines.one_engine_plan(v.graph, v.plan))))
     return out

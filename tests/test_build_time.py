@@ -118,6 +118,7 @@ def test_a_gpu_build_compiles_its_plan_and_the_alternatives_it_will_time_in_one_
 
     gpu_like.Builder = LayoutBuilder
     gpu_like.compiles_for_layout = True
+    gpu_like.supports_internal_nhwc = True  # channels-last internal boundaries, as torch's: a boundary-layout round
     batches = []
     gpu_like.precompile = lambda b, **kw: batches.append([(builder.options, len(items)) for builder, items in b]) or {"jobs": 0}
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
@@ -185,6 +186,7 @@ def _gpu_like_torch(monkeypatch, pending: set, calls: list):
 
     gpu_like.Builder = LayoutBuilder
     gpu_like.compiles_for_layout = gpu_like.background_compiles = gpu_like.fuses_conv_relu = True
+    gpu_like.supports_internal_nhwc = True  # channels-last internal boundaries: a boundary-layout round
     gpu_like.precompile = precompile
     gpu_like.compiling = lambda keys: sum(k in pending for k in keys)
     gpu_like.cancel_precompile = lambda: 0
