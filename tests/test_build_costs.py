@@ -80,3 +80,147 @@ def test_a_one_engine_plan_queues_no_boundary_layout_alternative(tmp_path):
     assert "boundary layout" in rounds and "streams" in rounds
     assert [what for what, _ in alternative_variants(engines, Variant(loaded.model, loaded.graph, one, options))] == [
         r for r in rounds if r not in ("boundary layout", "streams")]
+
+
+@pytest.fixture
+def fake_compiles(monkeypatch):
+    """Inductor replaced by a stand-in that records each branch it compiles (the real compile: below and in
+    tests/engines/); one compile worker, this process."""
+    pytest.importorskip("torch")
+    from parastream.launcher.engines import torch as torch_backend
+
+    calls = []
+
+    def fake(branch, inputs, outputs, device, dtype, nhwc, views, options):
+        calls.append(len(branch.graph.node))
+        return b"code", {"params": [], "param_specs": []}
+
+    monkeypatch.setattr(torch_backend, "compile_inductor", fake)
+    torch_backend.clear_memory_cache()
+    yield calls
+    torch_backend.clear_memory_cache()
+
+
+def _content(branch, layout) -> tuple:
+    """A branch as it compiles: its ONNX without the graph's name (which carries the branch's index), and its
+    boundary tensors with their channels-last flags and channel views."""
+    import copy
+
+    b = copy.deepcopy(branch)
+    b.graph.name = ""
+    specs = list(layout["inputs"]) + list(layout["outputs"])
+    nhwc, views = set(layout.get("internal_nhwc") or ()), dict(layout.get("channel_views") or {})
+    return b.SerializeToString(deterministic=True), repr([(t, t.name in nhwc, views.get(t.name)) for t in specs])
+
+
+def test_a_candidate_compiles_only_the_branches_it_changed(tmp_path, fake_compiles):
+    """The search's candidate of small_net keeps some of the input's branches as they were, most under another
+    branch name (the plan numbers its branches anew): the engines of the candidate compile exactly the branches
+    whose content or layout is not one of the input's (the compiled-branch cache is keyed by content, not name)."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline.build import Engines, _engine_layouts, branches_of
+    from parastream.pipeline.measure import Variant
+    from parastream.rewrite import optimize_graph
+
+    loaded = _loaded(tmp_path, "small_net")
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16")
+    options = BuildOptions(precision="fp16", device="cuda", compile_workers=1, torch_artifact="inductor")
+    before = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, None, 4), options)
+    model, graph, report = optimize_graph(loaded.model, loaded.graph, cost_model=RooflineCostModel(), top_k=5)
+    assert report["rules_chosen"]
+    after = Variant(model, graph, engines.plan(graph, None, 4), options)
+
+    def contents(v):
+        lay = _engine_layouts(v.plan, torch_backend, options)
+        return {b.name: _content(br, lay(b)["layout"])  # an in-place Concat compiles nothing
+                for br, b in zip(branches_of(v.model, v.graph, v.plan, engines.branches), v.plan.branches) if lay(b)}
+
+    old, new = contents(before), contents(after)
+    engines.write(tmp_path / "input", before, "input", sink={})
+    assert len(fake_compiles) == len(set(old.values()))
+    fake_compiles.clear()
+    engines.write(tmp_path / "candidate", after, "candidate", sink={})
+    kept = {name for name, c in new.items() if c in set(old.values())}
+    renamed = {name for name in kept if old.get(name) != new[name]}
+    assert 0 < len(kept) < len(new) and renamed  # some kept, most of those under another branch name
+    assert len(fake_compiles) == len({c for name, c in new.items() if name not in kept})
+
+
+@pytest.fixture
+def torch_build_on_cpu(monkeypatch):
+    """``build`` with the torch backend compiling its engines for this CPU (as CI runs Inductor): the backend's GPU
+    check, the engine device and the engines' layouts (which a build computes for CUDA only) patched; counts the
+    Inductor compiles (``standalone_compile`` calls)."""
+    import dataclasses
+    import importlib
+
+    torch = pytest.importorskip("torch")
+    import torch._inductor
+
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.launcher.gpu import engine_layouts
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+    real_options = build_module.engine_options
+
+    def layouts(plan, backend, options, internal_nhwc=True):
+        lay = engine_layouts(plan, backend, internal_nhwc=internal_nhwc)
+        return lambda b: {} if b.id in lay.elided else {"layout": lay.branch(b)}
+
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: torch_backend)
+    monkeypatch.setattr(build_module, "engine_options",
+                        lambda cfg, backend: dataclasses.replace(real_options(cfg, backend), device="cpu"))
+    monkeypatch.setattr(build_module, "_engine_layouts", layouts)
+    calls = []
+    real = torch._inductor.standalone_compile
+    monkeypatch.setattr(torch._inductor, "standalone_compile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch_backend.clear_memory_cache()
+    yield build_module, calls
+    torch_backend.clear_memory_cache()
+
+
+@pytest.mark.slow
+def test_with_a_cache_dir_a_second_build_compiles_nothing_whose_code_did_not_change(tmp_path, torch_build_on_cpu):
+    """Built again with ``--cache-dir`` in a process with an empty memory (each build below clears it): the same
+    model compiles nothing (every engine a disk hit); the model with one changed weight misses the cache for that
+    weight's branch only, whose code is the same, so Inductor compiles nothing there either."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import onnx
+    from onnx import numpy_helper
+
+    from parastream.launcher.engines import torch as torch_backend
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from graphs import three_branch_model
+
+    build_module, compiles = torch_build_on_cpu
+    cache = tmp_path / "cache"
+
+    def build(model, name):
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(model, path)
+        torch_backend.clear_memory_cache()  # another process
+        compiles.clear()
+        build_module.build(path, tmp_path / name, backend="torch", precision="fp32", verify=False, streams=3,
+                           cache_dir=str(cache), compile_workers=1)
+        return json.loads((tmp_path / name / "report.json").read_text())["engines"]
+
+    model = three_branch_model()
+    first = build(model, "first")
+    # each engine compiled (before it is written, with the alternatives a GPU build would time: memory hits)
+    assert len(compiles) >= len(first) > 1 and {r["compiled"] for r in first.values()} == {"inductor"}
+    again = build(model, "again")
+    # (read from the disk by the batch compiled before the engines are written, which then find them in memory)
+    assert compiles == [] and "miss" not in {r["cache"] for r in again.values()}
+    assert not any(r.get("code_reused") for r in again.values())
+    w = model.graph.initializer[2]  # the 3x3 convolution's weight
+    changed = numpy_helper.to_array(w).copy()
+    changed[0, 0, 0, 0] += 1.0
+    w.CopyFrom(numpy_helper.from_array(changed, w.name))
+    rebuilt = build(model, "changed")
+    assert compiles == []
+    assert len([name for name, r in rebuilt.items() if r.get("code_reused")]) == 1  # the changed weight's branch
