@@ -22,6 +22,13 @@ stops (SIGSTOP) the builds still running while it measures, so that nothing else
 timed block, and resumes them (SIGCONT) after.  Each build also compiles the torch.compile baseline once, so that
 Inductor's cache is warm when this process compiles it again.
 
+Per model it also records the build's seconds per stage (report.json's ``stage_seconds``: load, search,
+engines, measure_alternatives, verify, ...) and ``--fresh-loads`` fresh-process loads of the bundle
+(bench/load_breakdown.py's loader: a new Python process with empty Inductor and Triton caches timing
+``import torch`` + ``parastream.launcher.load(bundle)``, the builds still running stopped meanwhile; the median
+and each, with the median's stages).  ``--table FILE`` prints the table of a corpus_gpu.json written before
+(no GPU needed).
+
 Writes corpus_gpu.json (one row per model) and corpus_gpu.md under --out.
 """
 
@@ -112,6 +119,7 @@ def prepare(name: str, work: Path, args) -> dict:
         row[key] = log.get(key)
     rep = json.loads((work / f"{name}_bundle" / "report.json").read_text())
     row["measured_choices"] = rep.get("measured_choices")
+    row["stage_seconds"] = rep.get("stage_seconds")
     row["nodes"] = [rep["model"]["nodes_in"], rep["model"]["nodes_out"]]
     row["peak_rss_mb"] = rep.get("peak_rss_mb")
     # the baseline's compile, once, to fill Inductor's cache for the timing process
@@ -193,6 +201,37 @@ def time_model(name: str, work: Path, row: dict, args, children) -> dict:
     return row
 
 
+def fresh_loads(bundle: Path, n: int, children) -> dict:
+    """``n`` loads of ``bundle``, each in a fresh process with empty Inductor and Triton caches (bench/load_breakdown.py's
+    loader), the builds still running stopped meanwhile: the median of ``import torch`` + load (``total_s``), each
+    rep's, and the median rep's stages."""
+    import statistics
+    import tempfile
+
+    import load_breakdown
+
+    reps, errors = [], []
+    for _ in range(n):
+        with tempfile.TemporaryDirectory(prefix="corpus-gpu-caches-") as d, quiet_gpu(children):
+            r = load_breakdown._child(["--child", "load", "--args", str(bundle), "0"], None,
+                                      {"TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor", "TRITON_CACHE_DIR": f"{d}/triton"},
+                                      timeout=180)
+        (errors if "error" in r else reps).append(r)
+    if not reps:
+        return {"error": errors[0].get("error") if errors else "no load"}
+    mid = sorted(reps, key=lambda r: r["total_s"])[(len(reps) - 1) // 2]
+    return {"median_s": statistics.median(r["total_s"] for r in reps), "each_s": [round(r["total_s"], 3) for r in reps],
+            "median_rep": {k: mid.get(k) for k in ("import_torch_s", "load_s", "open_s", "phases", "engines",
+                                                   "cache_files", "replay_ms")},
+            **({"errors": [e.get("error") for e in errors]} if errors else {})}
+
+
+def _stages(r: dict) -> str:
+    """The build's stages of at least 0.5 s, as ``stage seconds`` joined (report.json's ``stage_seconds``)."""
+    st = r.get("stage_seconds") or {}
+    return ", ".join(f"{k} {v:.0f}" for k, v in st.items() if isinstance(v, (int, float)) and v >= 0.5) or "-"
+
+
 def table(rows: list[dict]) -> str:
     from corpus import MODELS
 
@@ -200,19 +239,23 @@ def table(rows: list[dict]) -> str:
         return "transformer" if n == "bert" else MODELS[n].family if n in MODELS else "?"
 
     out = ["| model | family | nodes in → out | streams / engines | parastream ms | one stream ms | torch.compile ms | "
-           "vs compile | vs one stream | max err (scale) | build s | load s |", "|" + "---|" * 12]
+           "vs compile | vs one stream | max err (scale) | build s | build stages s | load s | fresh load s |",
+           "|" + "---|" * 14]
     ratios_c, ratios_b = [], []
     for r in rows:
         if "parastream_ms" not in r:
-            out.append(f"| {r['model']} | {family(r['model'])} | " + f"error: {r.get('error', '?')[:120]} |" + " |" * 10)
+            out.append(f"| {r['model']} | {family(r['model'])} | " + f"error: {r.get('error', '?')[:120]} |" + " |" * 11)
             continue
         c, b = r["compile_ms"] / r["parastream_ms"], r["one_stream_ms"] / r["parastream_ms"]
         ratios_c.append(c)
         ratios_b.append(b)
         err = max(r["maxerr"].values())
+        fl = r.get("fresh_load") or {}
+        fresh = (f"{fl['median_s']:.1f} ({', '.join(f'{x:.1f}' for x in fl['each_s'])})" if "median_s" in fl
+                 else fl.get("error", "-")[:60])
         out.append(f"| {r['model']} | {family(r['model'])} | {r['nodes'][0]} → {r['nodes'][1]} | {r['streams']} / {r['engines']} | "
                    f"{r['parastream_ms']:.3f} | {r['one_stream_ms']:.3f} | {r['compile_ms']:.3f} | {c:.2f}x | {b:.2f}x | "
-                   f"{err:.1e} | {r.get('build_s', 0):.0f} | {r.get('load_s', 0):.1f} |")
+                   f"{err:.1e} | {r.get('build_s', 0):.0f} | {_stages(r)} | {r.get('load_s', 0):.1f} | {fresh} |")
     if ratios_c:
         gm = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
         out.append(f"\ngeometric mean over {len(ratios_c)} models: {gm(ratios_c):.2f}x vs torch.compile, "
@@ -229,10 +272,16 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-seconds", type=float, default=20)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--fresh-loads", type=int, default=3,
+                    help="fresh-process loads per bundle, empty Inductor/Triton caches (0: none)")
+    ap.add_argument("--table", default=None, metavar="JSON", help="print the table of a corpus_gpu.json and exit")
     ap.add_argument("--work", default="/tmp/corpus_gpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/corpus_gpu_out"))
     ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)  # the child process: build one model
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -291,12 +340,16 @@ def main(argv=None) -> int:
             if "error" not in row:
                 try:
                     row = time_model(n, work, row, args, [q for q, _, _ in running.values()])
+                    if args.fresh_loads > 0:
+                        row["fresh_load"] = fresh_loads(work / f"{n}_bundle", args.fresh_loads,
+                                                        [q for q, _, _ in running.values()])
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     row["error"] = f"timing: {type(e).__name__}: {e}"
             rows.append(row)
             brief = {k: row.get(k) for k in ("model", "error", "parastream_ms", "one_stream_ms", "compile_ms", "streams", "engines",
-                                             "build_s", "load_s", "maxerr")}
+                                             "build_s", "load_s", "maxerr", "stage_seconds")}
+            brief["fresh_load_s"] = (row.get("fresh_load") or {}).get("median_s")
             print(f"[{time.perf_counter() - t_start:5.0f} s] {json.dumps(brief, default=str)}", flush=True)
             save()
     save()
