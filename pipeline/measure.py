@@ -346,13 +346,18 @@ class GpuMeasurer:
 
     def alternatives_timed(self) -> dict | None:
         """``time_alternatives``'s result for the input's plan from the rounds timed during the search (the rest
-        timed now), with that ``plan``; None when they could not all be timed against it."""
+        timed now), with that ``plan``; when they could not all be timed against it (a round the alternative won
+        changes what the later ones race), {"partial": True, "rounds": those timed, "plan"} for
+        ``time_alternatives`` to go on from; None when none was."""
         early = self.early
         if not early:
             return None
         self.time_ready(wait=True)
-        if early.get("todo") or early.get("stopped") or not early.get("rounds"):
+        if not early.get("rounds"):
             return None
+        if early.get("todo") or early.get("stopped"):
+            return {"partial": True, "rounds": early["rounds"], "plan": early["plan"],
+                    "timed": f"{plural(len(early['rounds']), 'round')} during the search, the rest after it"}
         one = any(r["choice"] == "streams" and r["won"] == round_labels("streams", early["plan"])[1]
                   for r in early["rounds"])
         return {"fuse_conv_relu": bool(self.options.fuse_conv_relu and self.backend.fuses_conv_relu),
@@ -360,58 +365,74 @@ class GpuMeasurer:
                 "timed": "during the search", "plan": early["plan"]}
 
 
-def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs: int) -> dict | None:
+def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs: int,
+                      timed: list[dict] | tuple = ()) -> dict | None:
     """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
 
     ``bundle`` (``v``'s engines as written) is timed on the GPU against what the build could have shipped
     instead, one choice at a time, each round in alternating blocks of CUDA-event timed replays
     (``race``): (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last
-    against contiguous internal boundaries, (3) the plan against one engine for the whole model (when the plan
-    has several streams).  Engines compiled for a layout (``compiles_for_layout``) are compiled for each
-    alternative; others load as they are with other launcher settings.  Returns {"rounds": [...],
-    "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no
-    GPU or nothing to choose."""
+    against contiguous internal boundaries (when the plan has channels-last internal boundaries), (3) the plan
+    against one engine for the whole model (when the plan has several streams).  Engines compiled for a layout
+    (``compiles_for_layout``) are compiled for each alternative; others load as they are with other launcher
+    settings.  ``timed``: the first rounds, timed already against ``v``'s plan during the search
+    (``GpuMeasurer.alternatives_timed``): taken as they are, not timed again; what a round races is loaded only
+    when it is timed here.  Returns {"rounds": [...], "fuse_conv_relu", "internal_nhwc", "one_engine"} with the
+    faster of each round, or None when there is no GPU or nothing to choose."""
     from parastream.launcher.gpu import GpuLauncher
 
     backend = engines.backend
     if not gpu_present(backend):
         return None
-    chosen = {"fuse_conv_relu": bool(v.options.fuse_conv_relu and backend.fuses_conv_relu), "internal_nhwc": True,
-              "one_engine": False}
+    fused = bool(v.options.fuse_conv_relu and backend.fuses_conv_relu)
+    chosen = {"fuse_conv_relu": fused, "internal_nhwc": True, "one_engine": False}
+    done = {r["choice"]: r for r in timed}
     rounds: list[dict] = []
     since = [time.perf_counter()]  # a round's load_s: building and loading its alternative (the first: the bundle too)
-
-    def timed_round(what: str, current, other) -> bool:
-        won = race(rounds, what, current, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
-        since[0] = time.perf_counter()
-        return won
+    held: list = []  # the launcher of the choices so far, once a round timed here has loaded it
 
     def alternative(fuse: bool, nhwc: bool | None = None):
         if backend.compiles_for_layout:
             return engines.launcher(replace(v, options=replace(v.options, fuse_conv_relu=fuse), internal_nhwc=nhwc is not False))
         return GpuLauncher(bundle, fuse_conv_relu=fuse, internal_nhwc=nhwc)
 
-    current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
+    def current():
+        if not held:
+            held.append(GpuLauncher(bundle, fuse_conv_relu=fused) if (chosen["fuse_conv_relu"], chosen["internal_nhwc"]) == (fused, True)
+                        else alternative(chosen["fuse_conv_relu"], None if chosen["internal_nhwc"] else False))
+        return held[0]
+
+    def round_won(what: str, make_other) -> bool:
+        """Whether round ``what`` keeps its alternative: as the search timed it, else raced here."""
+        if what in done:
+            rounds.append(dict(done[what], timed="during the search"))
+            won = done[what]["won"] == round_labels(what, v.plan)[1]
+            if won and what != "streams":
+                while held:  # loaded for the choices before this one (none: the search's rounds come first)
+                    held.pop().close()
+            return won
+        cur = current()
+        other = make_other()
+        won = race(rounds, what, cur, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
+        since[0] = time.perf_counter()
+        if won and what != "streams":  # the later rounds race the winner
+            held[0], other = other, cur
+        other.close()
+        return won
+
     try:
-        if chosen["fuse_conv_relu"] and has_conv_relu(v.model):
-            other = alternative(False)
-            if timed_round("conv+ReLU", current, other):
-                current, other, chosen["fuse_conv_relu"] = other, current, False
-            other.close()
-        if current.nhwc:
-            other = alternative(chosen["fuse_conv_relu"], False)
-            if timed_round("boundary layout", current, other):
-                current, other, chosen["internal_nhwc"] = other, current, False
-            other.close()
-        if v.plan.num_streams > 1:
-            one = Variant(v.model, v.graph, engines.one_engine_plan(v.graph, v.plan),
-                          replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]))
-            other = engines.launcher(one)
-            if timed_round("streams", current, other):
-                chosen["one_engine"] = True
-            other.close()
+        if fused and has_conv_relu(v.model) and round_won("conv+ReLU", lambda: alternative(False)):
+            chosen["fuse_conv_relu"] = False
+        if _internal_nhwc(backend, v.plan) and round_won(
+                "boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False)):
+            chosen["internal_nhwc"] = False
+        if v.plan.num_streams > 1 and round_won("streams", lambda: engines.launcher(
+                Variant(v.model, v.graph, engines.one_engine_plan(v.graph, v.plan),
+                        replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"])))):
+            chosen["one_engine"] = True
     finally:
-        current.close()
+        while held:
+            held.pop().close()
     if not rounds:
         return None
     return dict(chosen, rounds=rounds, runs=runs)
