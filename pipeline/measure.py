@@ -257,7 +257,10 @@ class GpuMeasurer:
             return None
         self.prepared.extend(models)
         variants = [self.variant_of(m) for m in models]
-        got = self.engines.precompile(variants, background=True)
+        # the input's engines are never cancelled: the search measures the input first, or measures nothing and
+        # keeps it; cancelled, they were compiled again only after the alternatives queued behind them
+        got = self.engines.precompile(variants, background=True,
+                                      cancellable=not any(m is self.loaded.model for m in models))
         if got is not None:
             got.pop("keys", None)
         if not self.alternatives_queued and got is not None and got.get("background") is True:

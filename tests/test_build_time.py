@@ -243,8 +243,9 @@ def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_co
     m = _measurer(backend, loaded)
     got = m.prepare([loaded.model])
     assert "keys" not in got and "keys" not in got["alternatives"]  # handed on, not reported
-    (_, input_keys), (cancellable, (contiguous_keys, one_engine_keys)) = calls
+    (input_cancellable, input_keys), (cancellable, (contiguous_keys, one_engine_keys)) = calls
     assert cancellable is False and len(one_engine_keys) == 1 < len(contiguous_keys)
+    assert input_cancellable is False  # needed whether the search measures it (first) or nothing (it is kept)
     pending.update(one_engine_keys)  # the whole-model engine still compiling
     m.measure(loaded.model)  # the input: the reference
     assert built == [(built[0][0], True)] and built[0][0] > 1
@@ -261,6 +262,8 @@ def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_co
         build_module.make_plan(loaded.graph, build_module.plan_streams(loaded.graph, RooflineCostModel(), None, 4)[0],
                                backend="onnxruntime", precision="fp32", suffix=backend.suffix, inputs=loaded.inputs,
                                outputs=loaded.outputs))
+    m.prepare([__import__("copy").deepcopy(loaded.model)])  # a candidate: cancelled when the budget is spent
+    assert calls[-1][0] is True
     m.close()
 
 
