@@ -23,6 +23,14 @@ stops (SIGSTOP) the builds still running while it measures, so that nothing else
 timed block, and resumes them (SIGCONT) after.  Each build also compiles the torch.compile baseline once, so that
 Inductor's cache is warm when this process compiles it again.
 
+Per model it also records the build's seconds per stage (report.json's ``stage_seconds``: load, search,
+engines, measure_alternatives, verify, ...) and ``--fresh-loads`` fresh-process loads of the bundle
+(bench/load_breakdown.py's loader: a new Python process with empty Inductor and Triton caches timing
+``import torch`` + ``parastream.launcher.load(bundle)``, the builds still running stopped meanwhile; the median
+and each, with the median's stages).  ``--rebuild``: each model is built with a --cache-dir and, once timed,
+built again in a fresh process with that cache warm (``rebuild``: seconds, stages, compile jobs).  ``--table FILE``
+prints the table of a corpus_gpu.json written before (no GPU needed).
+
 Writes corpus_gpu.json (one row per model) and corpus_gpu.md under --out.
 """
 
@@ -108,11 +116,14 @@ def prepare(name: str, work: Path, args) -> dict:
     model, inputs, onnx_path, feeds, ref, row["export_s"] = export_with_reference(name, work)
     np.savez(work / f"{name}.ref.npz", **{f"in.{k}": v for k, v in feeds.items()}, **{f"out.{k}": v for k, v in ref.items()})
     log: dict = {"handmade": False, "top_k": args.top_k}
-    build_bundle(onnx_path, work / f"{name}_bundle", search=True, streams=None, log=log, measure_seconds=args.measure_seconds)
+    row["onnx_path"] = str(onnx_path)
+    build_bundle(onnx_path, work / f"{name}_bundle", search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
+                 cache_dir=_cache_dir(name, work, args))
     for key in ("build_s", "schedule", "search", "verification", "timings"):
         row[key] = log.get(key)
     rep = json.loads((work / f"{name}_bundle" / "report.json").read_text())
     row["measured_choices"] = rep.get("measured_choices")
+    row["stage_seconds"] = rep.get("stage_seconds")
     row["nodes"] = [rep["model"]["nodes_in"], rep["model"]["nodes_out"]]
     row["peak_rss_mb"] = rep.get("peak_rss_mb")
     # the baseline's compile, once, to fill Inductor's cache for the timing process
@@ -125,6 +136,32 @@ def prepare(name: str, work: Path, args) -> dict:
     torch.cuda.synchronize()
     row["compile_cold_s"] = time.perf_counter() - t0
     return row
+
+
+def _cache_dir(name: str, work: Path, args) -> str | None:
+    """The model's --cache-dir with ``--rebuild`` (its first build fills it, the rebuild reads it), else None."""
+    return str(work / "cache" / name) if args.rebuild else None
+
+
+def rebuild(name: str, work: Path, args) -> dict:
+    """The model built again as ``prepare`` built it, in a fresh process, with the --cache-dir its first build filled:
+    the build's seconds in all and per stage, its compile jobs (branches no cache held: the search's background
+    compiles, the batch before the engines, the engines' own misses) and the engines whose code was reused (a job
+    that found the branch's compiled code under another weight: no Inductor compile)."""
+    from gpu import build_bundle
+
+    prep = json.loads((work / f"{name}.prep.json").read_text())
+    log: dict = {"handmade": False, "top_k": args.top_k}
+    out = work / f"{name}_rebuild"
+    build_bundle(Path(prep["onnx_path"]), out, search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
+                 cache_dir=_cache_dir(name, work, args))
+    rep = json.loads((out / "report.json").read_text())
+    engines = [e for e in (rep.get("engines") or {}).values() if isinstance(e, dict)]
+    jobs = ((rep.get("background_compiles") or {}).get("branches") or 0) + ((rep.get("precompiled") or {}).get("jobs") or 0) \
+        + sum(e.get("cache") == "miss" for e in engines)
+    return {"build_s": log["build_s"], "stage_seconds": rep.get("stage_seconds"), "engines": len(engines),
+            "compile_jobs": jobs, "code_reused": sum(bool(e.get("code_reused")) for e in engines),
+            "search_measured": len((log.get("search") or {}).get("measured") or [])}
 
 
 # -- the timing (this process) -------------------------------------------------------------------------------
@@ -194,6 +231,37 @@ def time_model(name: str, work: Path, row: dict, args, children) -> dict:
     return row
 
 
+def fresh_loads(bundle: Path, n: int, children) -> dict:
+    """``n`` loads of ``bundle``, each in a fresh process with empty Inductor and Triton caches (bench/load_breakdown.py's
+    loader), the builds still running stopped meanwhile: the median of ``import torch`` + load (``total_s``), each
+    rep's, and the median rep's stages."""
+    import statistics
+    import tempfile
+
+    import load_breakdown
+
+    reps, errors = [], []
+    for _ in range(n):
+        with tempfile.TemporaryDirectory(prefix="corpus-gpu-caches-") as d, quiet_gpu(children):
+            r = load_breakdown._child(["--child", "load", "--args", str(bundle), "0"], None,
+                                      {"TORCHINDUCTOR_CACHE_DIR": f"{d}/inductor", "TRITON_CACHE_DIR": f"{d}/triton"},
+                                      timeout=180)
+        (errors if "error" in r else reps).append(r)
+    if not reps:
+        return {"error": errors[0].get("error") if errors else "no load"}
+    mid = sorted(reps, key=lambda r: r["total_s"])[(len(reps) - 1) // 2]
+    return {"median_s": statistics.median(r["total_s"] for r in reps), "each_s": [round(r["total_s"], 3) for r in reps],
+            "median_rep": {k: mid.get(k) for k in ("import_torch_s", "load_s", "open_s", "phases", "engines",
+                                                   "cache_files", "replay_ms")},
+            **({"errors": [e.get("error") for e in errors]} if errors else {})}
+
+
+def _stages(r: dict) -> str:
+    """The build's stages of at least 0.5 s, as ``stage seconds`` joined (report.json's ``stage_seconds``)."""
+    st = r.get("stage_seconds") or {}
+    return ", ".join(f"{k} {v:.0f}" for k, v in st.items() if isinstance(v, (int, float)) and v >= 0.5) or "-"
+
+
 def table(rows: list[dict]) -> str:
     from corpus import MODELS
 
@@ -201,19 +269,25 @@ def table(rows: list[dict]) -> str:
         return "transformer" if n == "bert" else MODELS[n].family if n in MODELS else "?"
 
     out = ["| model | family | nodes in → out | streams / engines | parastream ms | one stream ms | torch.compile ms | "
-           "vs compile | vs one stream | max err (scale) | build s | load s |", "|" + "---|" * 12]
+           "vs compile | vs one stream | max err (scale) | build s | build stages s | load s | fresh load s | "
+           "rebuild s |", "|" + "---|" * 15]
     ratios_c, ratios_b = [], []
     for r in rows:
         if "parastream_ms" not in r:
-            out.append(f"| {r['model']} | {family(r['model'])} | " + f"error: {r.get('error', '?')[:120]} |" + " |" * 10)
+            out.append(f"| {r['model']} | {family(r['model'])} | " + f"error: {r.get('error', '?')[:120]} |" + " |" * 12)
             continue
         c, b = r["compile_ms"] / r["parastream_ms"], r["one_stream_ms"] / r["parastream_ms"]
         ratios_c.append(c)
         ratios_b.append(b)
         err = max(r["maxerr"].values())
+        fl = r.get("fresh_load") or {}
+        fresh = (f"{fl['median_s']:.1f} ({', '.join(f'{x:.1f}' for x in fl['each_s'])})" if "median_s" in fl
+                 else fl.get("error", "-")[:60])
+        rb = r.get("rebuild") or {}
+        again = (f"{rb['build_s']:.0f} ({rb['compile_jobs']} compile jobs)" if "build_s" in rb else rb.get("error", "-")[:60])
         out.append(f"| {r['model']} | {family(r['model'])} | {r['nodes'][0]} → {r['nodes'][1]} | {r['streams']} / {r['engines']} | "
                    f"{r['parastream_ms']:.3f} | {r['one_stream_ms']:.3f} | {r['compile_ms']:.3f} | {c:.2f}x | {b:.2f}x | "
-                   f"{err:.1e} | {r.get('build_s', 0):.0f} | {r.get('load_s', 0):.1f} |")
+                   f"{err:.1e} | {r.get('build_s', 0):.0f} | {_stages(r)} | {r.get('load_s', 0):.1f} | {fresh} | {again} |")
     if ratios_c:
         gm = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
         out.append(f"\ngeometric mean over {len(ratios_c)} models: {gm(ratios_c):.2f}x vs torch.compile, "
@@ -230,10 +304,19 @@ def main(argv=None) -> int:
     ap.add_argument("--measure-seconds", type=float, default=20)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--fresh-loads", type=int, default=3,
+                    help="fresh-process loads per bundle, empty Inductor/Triton caches (0: none)")
+    ap.add_argument("--rebuild", action="store_true",
+                    help="build each model with a --cache-dir and build it again in a fresh process (the warm rebuild)")
+    ap.add_argument("--table", default=None, metavar="JSON", help="print the table of a corpus_gpu.json and exit")
+    ap.add_argument("--rebuild-of", default=None, help=argparse.SUPPRESS)  # the child process: rebuild one model
     ap.add_argument("--work", default="/tmp/corpus_gpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/corpus_gpu_out"))
     ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)  # the child process: build one model
     args = ap.parse_args(argv)
+    if args.table:
+        print(table(json.loads(Path(args.table).read_text())))
+        return 0
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
@@ -244,6 +327,14 @@ def main(argv=None) -> int:
             traceback.print_exc()
             row = {"model": args.prepare, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
         (work / f"{args.prepare}.prep.json").write_text(json.dumps(row, default=str))
+        return 0
+    if args.rebuild_of:
+        try:
+            got = rebuild(args.rebuild_of, work, args)
+        except Exception as e:  # noqa: BLE001 - the row says what failed
+            traceback.print_exc()
+            got = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
+        (work / f"{args.rebuild_of}.rebuild.json").write_text(json.dumps(got, default=str))
         return 0
 
     import torch
@@ -261,23 +352,37 @@ def main(argv=None) -> int:
         (out / "corpus_gpu.json").write_text(json.dumps(rows, indent=1, default=str))
         (out / "corpus_gpu.md").write_text(table(rows) + "\n")
 
+    rebuilt = "#rebuild"  # a pending or running job of this suffix rebuilds a model built already (``--rebuild``)
+
+    def row_of(n: str) -> dict:
+        return next(r for r in rows if r["model"] == n)
+
     while pending or running:
         elapsed = time.perf_counter() - t_start
         while pending and len(running) < args.workers and elapsed < args.seconds * 0.6:
             n = pending.pop(0)
             f = open(logs / f"{n}.log", "w")  # noqa: SIM115 - closed when the child ends
-            cmd = [sys.executable, __file__, "--prepare", n, "--work", str(work), "--measure-seconds", str(args.measure_seconds),
-                   "--top-k", str(args.top_k)]
+            model, again = n.removesuffix(rebuilt), n.endswith(rebuilt)
+            cmd = [sys.executable, __file__, "--rebuild-of" if again else "--prepare", model, "--work", str(work),
+                   "--measure-seconds", str(args.measure_seconds), "--top-k", str(args.top_k)] + (["--rebuild"] if args.rebuild else [])
             running[n] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True), f, time.perf_counter())
-            print(f"[{elapsed:5.0f} s] build {n}", flush=True)
+            print(f"[{elapsed:5.0f} s] {'rebuild' if again else 'build'} {model}", flush=True)
         done = [n for n, (p, _, _) in running.items() if p.poll() is not None]
         if elapsed > args.seconds:
             for n, (p, f, _) in running.items():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
-                rows.append({"model": n, "error": f"not finished within --seconds {args.seconds:.0f}"})
+                late = {"error": f"not finished within --seconds {args.seconds:.0f}"}
+                if n.endswith(rebuilt):
+                    row_of(n.removesuffix(rebuilt))["rebuild"] = late
+                else:
+                    rows.append({"model": n, **late})
             running.clear()
-            pending and rows.extend({"model": n, "error": "not started (time)"} for n in pending)
+            for n in pending:
+                if n.endswith(rebuilt):
+                    row_of(n.removesuffix(rebuilt))["rebuild"] = {"error": "not started (time)"}
+                else:
+                    rows.append({"model": n, "error": "not started (time)"})
             pending.clear()
             break
         if not done:
@@ -286,18 +391,33 @@ def main(argv=None) -> int:
         for n in done:
             p, f, t0 = running.pop(n)
             f.close()
+            if n.endswith(rebuilt):
+                model = n.removesuffix(rebuilt)
+                got = work / f"{model}.rebuild.json"
+                row_of(model)["rebuild"] = (json.loads(got.read_text()) if got.exists()
+                                            else {"error": f"rebuild process exited {p.returncode}"})
+                print(f"[{time.perf_counter() - t_start:5.0f} s] {json.dumps({'model': model, 'rebuild': row_of(model)['rebuild']}, default=str)}",
+                      flush=True)
+                save()
+                continue
             prep = work / f"{n}.prep.json"
             row = json.loads(prep.read_text()) if prep.exists() else {"model": n, "error": f"build process exited {p.returncode}"}
             row["prepare_wall_s"] = time.perf_counter() - t0
             if "error" not in row:
                 try:
                     row = time_model(n, work, row, args, [q for q, _, _ in running.values()])
+                    if args.fresh_loads > 0:
+                        row["fresh_load"] = fresh_loads(work / f"{n}_bundle", args.fresh_loads,
+                                                        [q for q, _, _ in running.values()])
                 except Exception as e:  # noqa: BLE001
                     traceback.print_exc()
                     row["error"] = f"timing: {type(e).__name__}: {e}"
+                if args.rebuild:  # next: a fresh process, the model's cache filled by this build
+                    pending.insert(0, n + rebuilt)
             rows.append(row)
             brief = {k: row.get(k) for k in ("model", "error", "parastream_ms", "one_stream_ms", "compile_ms", "streams", "engines",
-                                             "build_s", "load_s", "maxerr")}
+                                             "build_s", "load_s", "maxerr", "stage_seconds")}
+            brief["fresh_load_s"] = (row.get("fresh_load") or {}).get("median_s")
             print(f"[{time.perf_counter() - t_start:5.0f} s] {json.dumps(brief, default=str)}", flush=True)
             save()
     save()

@@ -242,14 +242,16 @@ def load_child(bundle_path: str, profile: bool) -> dict:
 
 # -- parent -----------------------------------------------------------------------------------------------
 def _ns(tree: str, name: str, work: Path) -> str:
-    """A folder whose parastream/{launcher,pipeline,rewrite} are ``tree``'s: the PYTHONPATH entry of its code."""
+    """A folder whose parastream/{core,launcher,pipeline,rewrite} are ``tree``'s: the PYTHONPATH entry of its code
+    (a tree without core/ has none: its layers held what core holds)."""
     d = work / "ns" / name / "parastream"
     d.mkdir(parents=True, exist_ok=True)
-    for sub in ("launcher", "pipeline", "rewrite"):
+    for sub in ("core", "launcher", "pipeline", "rewrite"):
         link = d / sub
         if link.is_symlink() or link.exists():
             link.unlink()
-        link.symlink_to(Path(tree).resolve() / sub)
+        if (Path(tree) / sub).is_dir():
+            link.symlink_to(Path(tree).resolve() / sub)
     return str(d.parent)
 
 

@@ -639,7 +639,7 @@ def build_engines(b: _Build, tmp: Path) -> None:
             b.timed_alternatives = None  # timed for another plan than this one: timed again below
         shipped = Variant(b.model, b.graph, b.plan, b.options)
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
-            alternatives = [] if b.timed_alternatives is not None else [
+            alternatives = [] if b.timed_alternatives is not None and not b.timed_alternatives.get("partial") else [
                 v for _, v in alternative_variants(b.engines, shipped)]
             b.precompiled = b.engines.precompile([shipped] + alternatives)
         b.engines_report = b.engines.write(tmp, shipped, str(b.loaded.path), on_branch=task.advance,
@@ -656,14 +656,16 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
     with b.timed("measure_alternatives"):
         task = b.bar.step("time the plan against its alternatives on the GPU")
         fused, attention = b.options.fuse_conv_relu, b.options.fuse_attention
-        if b.timed_alternatives is not None:  # timed against this plan's engines during the search
-            measured = {k: v for k, v in b.timed_alternatives.items() if k != "plan"}
+        early = b.timed_alternatives or {}
+        if early and not early.get("partial"):  # timed against this plan's engines during the search
+            measured = {k: v for k, v in early.items() if k != "plan"}
             b.options.fuse_conv_relu = measured["fuse_conv_relu"]
             b.options.fuse_attention = measured.get("fuse_attention", attention)
-        else:  # the bundle as written, loaded from ``tmp`` (its manifest is written after this stage)
+        else:  # the bundle as written, loaded from ``tmp`` (its manifest is written after this stage), from the
+            # rounds the search timed on (none, or those before an alternative won)
             shipped = Variant(b.model, b.graph, b.plan, b.options)
             bundle = Bundle(path=tmp, manifest=b.engines.manifest_of(shipped), plan=b.plan, report={})
-            measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs)
+            measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs, timed=early.get("rounds", ()))
             if measured:
                 b.options.fuse_conv_relu = measured["fuse_conv_relu"]
                 b.options.fuse_attention = measured.get("fuse_attention", attention)

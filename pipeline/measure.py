@@ -160,6 +160,14 @@ def _shapes_known(model: onnx.ModelProto) -> bool:
     return all(o in known for n in model.graph.node for o in n.output if o)
 
 
+def _internal_nhwc(backend, plan) -> bool:
+    """Whether ``plan`` has channels-last internal boundaries for ``backend`` (a one-engine plan has none: the
+    boundary-layout round would race the same engines)."""
+    from parastream.launcher.gpu import engine_layouts
+
+    return bool(engine_layouts(plan, backend, internal_nhwc=True).nhwc)
+
+
 def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Variant]]:
     """The engines ``time_alternatives`` will load besides ``v``'s own, by round, guessed before it runs: the
     first round's choice is unknown, so the later rounds are taken with the fusion as it is (a choice that goes
@@ -169,7 +177,8 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
         out.append(("attention", replace(v, options=replace(v.options, fuse_attention=False))))
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
         out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
-    out.append(("boundary layout", replace(v, internal_nhwc=False)))
+    if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
+        out.append(("boundary layout", replace(v, internal_nhwc=False)))
     if v.plan.num_streams > 1:
         out.append(("streams", replace(v, plan=engines.one_engine_plan(v.graph, v.plan))))
     return out
@@ -269,7 +278,10 @@ class GpuMeasurer:
             return None
         self.prepared.extend(models)
         variants = [self.variant_of(m) for m in models]
-        got = self.engines.precompile(variants, background=True)
+        # the input's engines are never cancelled: the search measures the input first, or measures nothing and
+        # keeps it; cancelled, they were compiled again only after the alternatives queued behind them
+        got = self.engines.precompile(variants, background=True,
+                                      cancellable=not any(m is self.loaded.model for m in models))
         if got is not None:
             got.pop("keys", None)
         if not self.alternatives_queued and got is not None and got.get("background") is True:
@@ -358,13 +370,18 @@ class GpuMeasurer:
 
     def alternatives_timed(self) -> dict | None:
         """``time_alternatives``'s result for the input's plan from the rounds timed during the search (the rest
-        timed now), with that ``plan``; None when they could not all be timed against it."""
+        timed now), with that ``plan``; when they could not all be timed against it (a round the alternative won
+        changes what the later ones race), {"partial": True, "rounds": those timed, "plan"} for
+        ``time_alternatives`` to go on from; None when none was."""
         early = self.early
         if not early:
             return None
         self.time_ready(wait=True)
-        if early.get("todo") or early.get("stopped") or not early.get("rounds"):
+        if not early.get("rounds"):
             return None
+        if early.get("todo") or early.get("stopped"):
+            return {"partial": True, "rounds": early["rounds"], "plan": early["plan"],
+                    "timed": f"{plural(len(early['rounds']), 'round')} during the search, the rest after it"}
         one = any(r["choice"] == "streams" and r["won"] == round_labels("streams", early["plan"])[1]
                   for r in early["rounds"])
         return {"fuse_conv_relu": bool(self.options.fuse_conv_relu and self.backend.fuses_conv_relu),
@@ -373,65 +390,81 @@ class GpuMeasurer:
                 "timed": "during the search", "plan": early["plan"]}
 
 
-def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs: int) -> dict | None:
+def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs: int,
+                      timed: list[dict] | tuple = ()) -> dict | None:
     """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
 
     ``bundle`` (``v``'s engines as written) is timed on the GPU against what the build could have shipped
     instead, one choice at a time, each round in alternating blocks of CUDA-event timed replays
     (``race``): (0) attention nodes as one SDPA kernel or decomposed (``fuse_attention``; engines compiled for
-    each), (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last
-    against contiguous internal boundaries, (3) the plan against one engine for the whole model (when the plan
-    has several streams).  Engines compiled for a layout (``compiles_for_layout``) are compiled for each
-    alternative; others load as they are with other launcher settings.  Returns {"rounds": [...],
-    "fuse_attention", "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no
-    GPU or nothing to choose."""
+    each), (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last against contiguous
+    internal boundaries (when the plan has channels-last internal boundaries), (3) the plan against one engine
+    for the whole model (when the plan has several streams).  Engines compiled for a layout
+    (``compiles_for_layout``) are compiled for each alternative; others load as they are with other launcher
+    settings.  ``timed``: the first rounds, timed already against ``v``'s plan during the search
+    (``GpuMeasurer.alternatives_timed``): taken as they are, not timed again; what a round races is loaded only
+    when it is timed here.  Returns {"rounds": [...], "fuse_attention", "fuse_conv_relu", "internal_nhwc",
+    "one_engine"} with the faster of each round, or None when there is no GPU or nothing to choose."""
     from parastream.launcher.gpu import GpuLauncher
 
     backend = engines.backend
     if not gpu_present(backend):
         return None
-    chosen = {"fuse_conv_relu": bool(v.options.fuse_conv_relu and backend.fuses_conv_relu), "internal_nhwc": True,
-              "one_engine": False, "fuse_attention": bool(v.options.fuse_attention and runs_fused_attention(backend))}
+    fused = bool(v.options.fuse_conv_relu and backend.fuses_conv_relu)
+    attention = bool(v.options.fuse_attention and runs_fused_attention(backend))
+    chosen = {"fuse_conv_relu": fused, "internal_nhwc": True, "one_engine": False, "fuse_attention": attention}
+    done = {r["choice"]: r for r in timed}
     rounds: list[dict] = []
     since = [time.perf_counter()]  # a round's load_s: building and loading its alternative (the first: the bundle too)
-
-    def timed_round(what: str, current, other) -> bool:
-        won = race(rounds, what, current, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
-        since[0] = time.perf_counter()
-        return won
+    held: list = []  # the launcher of the choices so far, once a round timed here has loaded it
 
     def alternative(fuse: bool, nhwc: bool | None = None):
         if backend.compiles_for_layout:
             return engines.launcher(replace(v, options=replace(v.options, fuse_conv_relu=fuse), internal_nhwc=nhwc is not False))
         return GpuLauncher(bundle, fuse_conv_relu=fuse, internal_nhwc=nhwc)
 
-    current = GpuLauncher(bundle, fuse_conv_relu=chosen["fuse_conv_relu"])
+    def current():
+        if not held:
+            as_written = (chosen["fuse_conv_relu"], chosen["internal_nhwc"], chosen["fuse_attention"]) == (fused, True, attention)
+            held.append(GpuLauncher(bundle, fuse_conv_relu=fused) if as_written
+                        else alternative(chosen["fuse_conv_relu"], None if chosen["internal_nhwc"] else False))
+        return held[0]
+
+    def round_won(what: str, make_other) -> bool:
+        """Whether round ``what`` keeps its alternative: as the search timed it, else raced here."""
+        if what in done:
+            rounds.append(dict(done[what], timed="during the search"))
+            won = done[what]["won"] == round_labels(what, v.plan)[1]
+            if won and what != "streams":
+                while held:  # loaded for the choices before this one (none: the search's rounds come first)
+                    held.pop().close()
+            return won
+        cur = current()
+        other = make_other()
+        won = race(rounds, what, cur, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
+        since[0] = time.perf_counter()
+        if won and what != "streams":  # the later rounds race the winner
+            held[0], other = other, cur
+        other.close()
+        return won
+
     try:
-        if chosen["fuse_attention"] and has_fused_attention(v.model):
-            other = engines.launcher(replace(v, options=replace(v.options, fuse_attention=False)))
-            if timed_round("attention", current, other):
-                current, other, chosen["fuse_attention"] = other, current, False
-                v = replace(v, options=replace(v.options, fuse_attention=False))  # the later rounds' alternatives
-            other.close()
-        if chosen["fuse_conv_relu"] and has_conv_relu(v.model):
-            other = alternative(False)
-            if timed_round("conv+ReLU", current, other):
-                current, other, chosen["fuse_conv_relu"] = other, current, False
-            other.close()
-        if current.nhwc:
-            other = alternative(chosen["fuse_conv_relu"], False)
-            if timed_round("boundary layout", current, other):
-                current, other, chosen["internal_nhwc"] = other, current, False
-            other.close()
-        if v.plan.num_streams > 1:
-            one = Variant(v.model, v.graph, engines.one_engine_plan(v.graph, v.plan),
-                          replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]))
-            other = engines.launcher(one)
-            if timed_round("streams", current, other):
-                chosen["one_engine"] = True
-            other.close()
+        if attention and has_fused_attention(v.model) and round_won(
+                "attention", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_attention=False)))):
+            chosen["fuse_attention"] = False
+            v = replace(v, options=replace(v.options, fuse_attention=False))  # what the later rounds' alternatives run
+        if fused and has_conv_relu(v.model) and round_won("conv+ReLU", lambda: alternative(False)):
+            chosen["fuse_conv_relu"] = False
+        if _internal_nhwc(backend, v.plan) and round_won(
+                "boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False)):
+            chosen["internal_nhwc"] = False
+        if v.plan.num_streams > 1 and round_won("streams", lambda: engines.launcher(
+                Variant(v.model, v.graph, engines.one_engine_plan(v.graph, v.plan),
+                        replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"])))):
+            chosen["one_engine"] = True
     finally:
-        current.close()
+        while held:
+            held.pop().close()
     if not rounds:
         return None
     return dict(chosen, rounds=rounds, runs=runs)

@@ -442,6 +442,8 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     node counts, at most ``max_candidates`` per piece; no clock decides anything (measurements aside).
     A measured rewrite replaces the input only when it is at least ``measure_margin`` faster than the
     input measured the same way (the rest is noise); an estimated one when it is ``min_gain`` cheaper.
+    ``measure`` is not called when no rewrite is estimated no costlier than the input: the input alone decides
+    nothing (a build times the input's plan against its alternatives after the search, once).
     The returned model passes onnx.checker and strict shape inference and keeps the input's graph
     inputs and outputs; where nothing pays, it is the input itself.
     """
@@ -536,7 +538,13 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     t0 = time.perf_counter()
     admissible = [w for w in wholes if w["cost"]["mixed_s"] <= report["cost_before"]["mixed_s"]]
     chosen, exported = None, {}
-    if measure is not None:
+    if measure is not None and len(admissible) == 1:
+        # the input alone: a measurement would decide nothing, and the build times the input's plan anyway
+        # (against its alternatives); measuring it here compiled and loaded it once more for no decision
+        chosen = original_entry
+        report["decided_by"] = "cost_model"
+        report["decision"] = "the input: no rewrite is estimated no costlier than the input, so nothing was measured"
+    elif measure is not None:
         measurer = measure if isinstance(measure, Measurer) else TimedBy(measure)
         # the input first: a budget that runs out must never leave only rewrites measured
         order = [original_entry] + [w for w in admissible if w is not original_entry]

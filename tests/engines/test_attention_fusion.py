@@ -118,8 +118,11 @@ def test_engine_cache_key_tells_the_two_apart():
     assert on != off
 
 
-def test_the_attention_round_is_planned_for_torch_engines_only():
+def test_the_attention_round_is_planned_for_torch_engines_only(monkeypatch):
+    from parastream.pipeline import measure
     from parastream.pipeline.measure import ROUNDS, Variant, alternative_variants, has_fused_attention
+
+    monkeypatch.setattr(measure, "_internal_nhwc", lambda backend, plan: False)  # a one-engine plan: no layout round
 
     assert ROUNDS[0] == "attention"
     plan = types.SimpleNamespace(num_streams=1)

@@ -121,6 +121,25 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
     assert all(la.closed for la in made)
 
 
+def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_path):
+    """The search timed the first round against the input's plan (the alternative won, so it stopped there): that
+    round is taken as it is, the bundle as built (fused) is never loaded, and the later rounds race the winner."""
+    from parastream.launcher.engines import BuildOptions
+
+    times = {("bundle", False, None): 0.8, ("bundle", False, False): 0.9, ("scratch", None, None): 0.7}
+    build_mod, made = fake_gpu(monkeypatch, times)
+    model, graph, plan, cm = plan_of(models / "small_net.onnx", 2)
+    searched = {"choice": "conv+ReLU", "won": "Inductor's conv and epilogue", "load_s": 0.1, "timed_s": 0.1,
+                "timed_ms": {"cuDNN fused conv+bias+ReLU": 1.0, "Inductor's conv and epilogue": 0.8}}
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5, timed=[searched])
+    assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
+    assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
+    assert got["rounds"][0] == dict(searched, timed="during the search") and "timed" not in got["rounds"][1]
+    assert [la.kind for la in made] == [("bundle", False, None), ("bundle", False, False), ("scratch", None, None)]
+    assert all(la.closed for la in made)
+
+
 def test_alternatives_not_timed_without_a_rival(models, monkeypatch, tmp_path):
     """No GPU: nothing timed.  No Conv->Relu, one stream, no 4-d boundary: no round at all."""
     import types
@@ -135,7 +154,7 @@ def test_alternatives_not_timed_without_a_rival(models, monkeypatch, tmp_path):
                         lambda bundle, **kw: made_nhwc.append(kw) or types.SimpleNamespace(nhwc=set(), close=lambda: None))
     v = Variant(model, graph, plan, BuildOptions())
     assert time_alternatives(Engines(gpu_backend(), cm, None, "fp32"), "bundle", v, runs=5) is None
-    assert len(made_nhwc) == 1  # only the bundle as built was loaded
+    assert made_nhwc == []  # nothing to race: not even the bundle as built was loaded
     cpu = gpu_backend(gpu=False, name="onnxruntime")
     assert time_alternatives(Engines(cpu, cm, None, "fp32"), "bundle", v, runs=5) is None
 

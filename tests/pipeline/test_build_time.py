@@ -83,7 +83,7 @@ def test_the_gpu_stage_rebuilds_the_engines_for_the_measured_choice(tmp_path, mo
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
     timed = []
 
-    def one_engine_wins(engines, bundle, variant, runs):
+    def one_engine_wins(engines, bundle, variant, runs, **rounds_timed):
         timed.append((variant.plan.num_streams, len(list((Path(bundle.path) / "engines").iterdir()))))
         assert bundle.plan is variant.plan and not (Path(bundle.path) / "report.json").exists()  # no scratch files
         return {"one_engine": True, "internal_nhwc": True, "fuse_conv_relu": False, "rounds": []}
@@ -118,6 +118,7 @@ def test_a_gpu_build_compiles_its_plan_and_the_alternatives_it_will_time_in_one_
 
     gpu_like.Builder = LayoutBuilder
     gpu_like.compiles_for_layout = True
+    gpu_like.supports_internal_nhwc = True  # channels-last internal boundaries, as torch's: a boundary-layout round
     batches = []
     gpu_like.precompile = lambda b, **kw: batches.append([(builder.options, len(items)) for builder, items in b]) or {"jobs": 0}
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
@@ -185,6 +186,7 @@ def _gpu_like_torch(monkeypatch, pending: set, calls: list):
 
     gpu_like.Builder = LayoutBuilder
     gpu_like.compiles_for_layout = gpu_like.background_compiles = gpu_like.fuses_conv_relu = True
+    gpu_like.supports_internal_nhwc = True  # channels-last internal boundaries: a boundary-layout round
     gpu_like.precompile = precompile
     gpu_like.compiling = lambda keys: sum(k in pending for k in keys)
     gpu_like.cancel_precompile = lambda: 0
@@ -241,8 +243,9 @@ def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_co
     m = _measurer(backend, loaded)
     got = m.prepare([loaded.model])
     assert "keys" not in got and "keys" not in got["alternatives"]  # handed on, not reported
-    (_, input_keys), (cancellable, (contiguous_keys, one_engine_keys)) = calls
+    (input_cancellable, input_keys), (cancellable, (contiguous_keys, one_engine_keys)) = calls
     assert cancellable is False and len(one_engine_keys) == 1 < len(contiguous_keys)
+    assert input_cancellable is False  # needed whether the search measures it (first) or nothing (it is kept)
     pending.update(one_engine_keys)  # the whole-model engine still compiling
     m.measure(loaded.model)  # the input: the reference
     assert built == [(built[0][0], True)] and built[0][0] > 1
@@ -259,12 +262,14 @@ def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_co
         build_module.make_plan(loaded.graph, build_module.plan_streams(loaded.graph, RooflineCostModel(), None, 4)[0],
                                backend="onnxruntime", precision="fp32", suffix=backend.suffix, inputs=loaded.inputs,
                                outputs=loaded.outputs))
+    m.prepare([__import__("copy").deepcopy(loaded.model)])  # a candidate: cancelled when the budget is spent
+    assert calls[-1][0] is True
     m.close()
 
 
 def test_an_alternative_that_wins_during_the_search_leaves_the_rest_to_the_build(monkeypatch):
     """A round the alternative wins changes what the later rounds race: the search stops timing them and hands the
-    build nothing (it times all of them after the search, as for a rewrite)."""
+    build the rounds it timed, marked partial (the build times the rest after the search, from the winner)."""
     from parastream.launcher.engines import BuildOptions
     from parastream.pipeline.zoo import MODELS
 
@@ -278,7 +283,8 @@ def test_an_alternative_that_wins_during_the_search_leaves_the_rest_to_the_build
     m.prepare([loaded.model])
     m.measure(loaded.model)
     m.measure(loaded.model)
-    assert m.alternatives_timed() is None
+    got = m.alternatives_timed()
+    assert got["partial"] and [(r["choice"], r["won"]) for r in got["rounds"]] == [("boundary layout", "contiguous boundaries")]
     assert [b for b in built if b[0] == 1] == []  # the one-engine round was not timed against the old layout
     m.close()
 
@@ -295,7 +301,7 @@ def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan
     gpu_like.gpu = True
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
     timed_after = []
-    monkeypatch.setattr(build_module, "time_alternatives", lambda engines, bundle, v, runs: timed_after.append(v.plan) or None)
+    monkeypatch.setattr(build_module, "time_alternatives", lambda engines, bundle, v, runs, **k: timed_after.append(v.plan) or None)
     reference = build(SMALL_NET, tmp_path / "ref", backend="onnxruntime", streams=2, search=False)
     rounds = [{"choice": "streams", "won": "2-stream plan", "timed_ms": {}, "load_s": 0.0, "timed_s": 0.0}]
 
@@ -331,6 +337,45 @@ def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan
     timed_after.clear()
     build(SMALL_NET, tmp_path / "c", backend="onnxruntime", streams=2, search_options={"rules": []})
     assert len(timed_after) == 1 and timed_after[0].num_streams == 2  # another plan: timed after the search
+
+
+def test_rounds_timed_during_the_search_before_an_alternative_won_are_handed_to_the_build(tmp_path, monkeypatch):
+    """The search stopped timing the input's alternatives where one won: the build times the rest from those rounds
+    (``time_alternatives(..., timed=rounds)``), and compiles beforehand every alternative it may load."""
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = True
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    reference = build(SMALL_NET, tmp_path / "ref", backend="onnxruntime", streams=2, search=False, measure=False)
+    rounds = [{"choice": "boundary layout", "won": "contiguous boundaries", "timed_ms": {}, "load_s": 0.0, "timed_s": 0.0}]
+    handed = []
+    monkeypatch.setattr(build_module, "time_alternatives",
+                        lambda engines, bundle, v, runs, timed=(): handed.append(list(timed)) or None)
+
+    class FakeMeasurer:
+        lookahead, log = 4, []
+
+        def prepare(self, models):
+            return {}
+
+        def measure(self, model):
+            return 1e-3
+
+        def close(self):
+            pass
+
+        def alternatives_timed(self):
+            return {"partial": True, "rounds": rounds, "plan": reference.plan, "timed": "1 round during the search"}
+
+    monkeypatch.setattr(build_module.GpuMeasurer, "for_build", classmethod(lambda cls, *a, **k: FakeMeasurer()))
+    build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search_options={"rules": []})
+    assert handed == [rounds]
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["search"]["alternatives_timed"] == "1 round during the search"
 
 
 def test_build_reports_seconds_per_stage_in_report_json_and_on_the_command_line(tmp_path, capsys):

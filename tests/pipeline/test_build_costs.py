@@ -1,0 +1,226 @@
+"""What a build pays for: the search measures only when a measurement can decide something, a candidate that
+differs from the input in a few branches compiles only those, and ``--cache-dir`` makes a second build compile
+nothing whose code did not change.  On the CPU: the device is a stand-in, compiles are counted."""
+
+from __future__ import annotations
+
+import pytest
+
+from parastream.pipeline import zoo
+from parastream.rewrite import RooflineCostModel, optimize
+from parastream.rewrite.ir import import_graph
+
+
+class _EveryRewriteCostlier(RooflineCostModel):
+    """The roofline model, but any graph whose nodes are not the input's is estimated twice as costly: the search
+    finds candidates (its rules fire) and ranks none of them below the input."""
+
+    def __init__(self, names: set[str]):
+        super().__init__()
+        self.names = names
+
+    def graph_cost(self, graph, streams):
+        cp, work = super().graph_cost(graph, streams)
+        return (cp, work) if {n.name for n in graph.nodes} >= self.names else (2 * cp, 2 * work)
+
+
+def test_a_search_with_only_the_input_to_rank_measures_nothing():
+    """The input alone decides nothing: neither prepared nor measured (the build times the input's plan once,
+    against its alternatives, after the search)."""
+    m = zoo.MODELS["inception_block"]()
+    calls = []
+
+    class Recording:
+        lookahead = 2
+
+        def prepare(self, models):
+            calls.append("prepare")
+
+        def measure(self, model):
+            calls.append("measure")
+            return 1e-3
+
+    names = {n.name for n in import_graph(m).nodes}
+    out, report = optimize(m, measure=Recording(), top_k=5, cost_model=_EveryRewriteCostlier(names))
+    assert report["pieces"] and sum(p["candidates_tried"] for p in report["pieces"]) > 0  # the rules fired
+    assert calls == []
+    assert out is m and report["decided_by"] == "cost_model" and "nothing was measured" in report["decision"]
+    assert [c["input"] for c in report["candidates"] if c["chosen"]] == [True]
+
+    # with the roofline model a rewrite ranks below the input: the input and the rewrites are measured
+    out, report = optimize(m, measure=Recording(), top_k=5)
+    assert calls.count("measure") >= 2 and report["decided_by"] == "measured"
+
+
+def _loaded(tmp_path, name="inception_block"):
+    import onnx
+
+    from parastream.pipeline.model_io import load_model
+
+    path = tmp_path / f"{name}.onnx"
+    onnx.save(zoo.MODELS[name](), path)
+    return load_model(path)
+
+
+def test_a_one_engine_plan_queues_no_boundary_layout_alternative(tmp_path):
+    """A one-engine plan has no internal boundary: channels-last or contiguous boundaries are the same engines, so
+    the alternatives a GPU build compiles and times for it leave that round out (``time_alternatives`` does)."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline.build import Engines
+    from parastream.pipeline.measure import Variant, alternative_variants
+
+    loaded = _loaded(tmp_path)
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16")
+    options = BuildOptions(precision="fp16", device="cuda")
+    several = engines.plan(loaded.graph, None, 4)
+    assert several.num_streams > 1
+    one = engines.one_engine_plan(loaded.graph, several)
+    rounds = [what for what, _ in alternative_variants(engines, Variant(loaded.model, loaded.graph, several, options))]
+    assert "boundary layout" in rounds and "streams" in rounds
+    assert [what for what, _ in alternative_variants(engines, Variant(loaded.model, loaded.graph, one, options))] == [
+        r for r in rounds if r not in ("boundary layout", "streams")]
+
+
+@pytest.fixture
+def fake_compiles(monkeypatch):
+    """Inductor replaced by a stand-in that records each branch it compiles (the real compile: below and in
+    tests/engines/); one compile worker, this process."""
+    pytest.importorskip("torch")
+    from parastream.launcher.engines import torch as torch_backend
+
+    calls = []
+
+    def fake(branch, inputs, outputs, device, dtype, nhwc, views, options):
+        calls.append(len(branch.graph.node))
+        return b"code", {"params": [], "param_specs": []}
+
+    monkeypatch.setattr(torch_backend, "compile_inductor", fake)
+    torch_backend.clear_memory_cache()
+    yield calls
+    torch_backend.clear_memory_cache()
+
+
+def _content(branch, layout) -> tuple:
+    """A branch as it compiles: its ONNX without the graph's name (which carries the branch's index), and its
+    boundary tensors with their channels-last flags and channel views."""
+    import copy
+
+    b = copy.deepcopy(branch)
+    b.graph.name = ""
+    specs = list(layout["inputs"]) + list(layout["outputs"])
+    nhwc, views = set(layout.get("internal_nhwc") or ()), dict(layout.get("channel_views") or {})
+    return b.SerializeToString(deterministic=True), repr([(t, t.name in nhwc, views.get(t.name)) for t in specs])
+
+
+def test_a_candidate_compiles_only_the_branches_it_changed(tmp_path, fake_compiles):
+    """The search's candidate of small_net keeps some of the input's branches as they were, most under another
+    branch name (the plan numbers its branches anew): the engines of the candidate compile exactly the branches
+    whose content or layout is not one of the input's (the compiled-branch cache is keyed by content, not name)."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline.build import Engines, _engine_layouts, branches_of
+    from parastream.pipeline.measure import Variant
+    from parastream.rewrite import optimize_graph
+
+    loaded = _loaded(tmp_path, "small_net")
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16")
+    options = BuildOptions(precision="fp16", device="cuda", compile_workers=1, torch_artifact="inductor")
+    before = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, None, 4), options)
+    model, graph, report = optimize_graph(loaded.model, loaded.graph, cost_model=RooflineCostModel(), top_k=5)
+    assert report["rules_chosen"]
+    after = Variant(model, graph, engines.plan(graph, None, 4), options)
+
+    def contents(v):
+        lay = _engine_layouts(v.plan, torch_backend, options)
+        return {b.name: _content(br, lay(b)["layout"])  # an in-place Concat compiles nothing
+                for br, b in zip(branches_of(v.model, v.graph, v.plan, engines.branches), v.plan.branches) if lay(b)}
+
+    old, new = contents(before), contents(after)
+    engines.write(tmp_path / "input", before, "input", sink={})
+    assert len(fake_compiles) == len(set(old.values()))
+    fake_compiles.clear()
+    engines.write(tmp_path / "candidate", after, "candidate", sink={})
+    kept = {name for name, c in new.items() if c in set(old.values())}
+    renamed = {name for name in kept if old.get(name) != new[name]}
+    assert 0 < len(kept) < len(new) and renamed  # some kept, most of those under another branch name
+    assert len(fake_compiles) == len({c for name, c in new.items() if name not in kept})
+
+
+@pytest.fixture
+def torch_build_on_cpu(monkeypatch):
+    """``build`` with the torch backend compiling its engines for this CPU (as CI runs Inductor): the backend's GPU
+    check, the engine device and the engines' layouts (which a build computes for CUDA only) patched; counts the
+    Inductor compiles (``standalone_compile`` calls)."""
+    import dataclasses
+    import importlib
+
+    torch = pytest.importorskip("torch")
+    import torch._inductor
+
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.launcher.gpu import engine_layouts
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+    real_options = build_module.engine_options
+
+    def layouts(plan, backend, options, internal_nhwc=True):
+        lay = engine_layouts(plan, backend, internal_nhwc=internal_nhwc)
+        return lambda b: {} if b.id in lay.elided else {"layout": lay.branch(b)}
+
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: torch_backend)
+    monkeypatch.setattr(build_module, "engine_options",
+                        lambda cfg, backend: dataclasses.replace(real_options(cfg, backend), device="cpu"))
+    monkeypatch.setattr(build_module, "_engine_layouts", layouts)
+    calls = []
+    real = torch._inductor.standalone_compile
+    monkeypatch.setattr(torch._inductor, "standalone_compile", lambda *a, **k: calls.append(1) or real(*a, **k))
+    torch_backend.clear_memory_cache()
+    yield build_module, calls
+    torch_backend.clear_memory_cache()
+
+
+@pytest.mark.slow
+def test_with_a_cache_dir_a_second_build_compiles_nothing_whose_code_did_not_change(tmp_path, torch_build_on_cpu):
+    """Built again with ``--cache-dir`` in a process with an empty memory (each build below clears it): the same
+    model compiles nothing (every engine a disk hit); the model with one changed weight misses the cache for that
+    weight's branch only, whose code is the same, so Inductor compiles nothing there either."""
+    import json
+    import sys
+    from pathlib import Path
+
+    import onnx
+    from onnx import numpy_helper
+
+    from parastream.launcher.engines import torch as torch_backend
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from graphs import three_branch_model
+
+    build_module, compiles = torch_build_on_cpu
+    cache = tmp_path / "cache"
+
+    def build(model, name):
+        path = tmp_path / f"{name}.onnx"
+        onnx.save(model, path)
+        torch_backend.clear_memory_cache()  # another process
+        compiles.clear()
+        build_module.build(path, tmp_path / name, backend="torch", precision="fp32", verify=False, streams=3,
+                           cache_dir=str(cache), compile_workers=1)
+        return json.loads((tmp_path / name / "report.json").read_text())["engines"]
+
+    model = three_branch_model()
+    first = build(model, "first")
+    # each engine compiled (before it is written, with the alternatives a GPU build would time: memory hits)
+    assert len(compiles) >= len(first) > 1 and {r["compiled"] for r in first.values()} == {"inductor"}
+    again = build(model, "again")
+    # (read from the disk by the batch compiled before the engines are written, which then find them in memory)
+    assert compiles == [] and "miss" not in {r["cache"] for r in again.values()}
+    assert not any(r.get("code_reused") for r in again.values())
+    w = model.graph.initializer[2]  # the 3x3 convolution's weight
+    changed = numpy_helper.to_array(w).copy()
+    changed[0, 0, 0, 0] += 1.0
+    w.CopyFrom(numpy_helper.from_array(changed, w.name))
+    rebuilt = build(model, "changed")
+    assert compiles == []
+    assert len([name for name, r in rebuilt.items() if r.get("code_reused")]) == 1  # the changed weight's branch
