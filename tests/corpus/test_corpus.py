@@ -85,3 +85,26 @@ def test_full_corpus(name, exporter, tmp_path):
     assert row["verification"]["passed"], row["verification"]
     _check_summary(row)
     assert row["torch"]["converts"], row["torch"].get("convert_error")
+
+
+@pytest.fixture(scope="module")
+def bert_bundle(tmp_path_factory):
+    """A CI-subset export (BERT, TorchScript exporter) and its bundle, built by the CLI."""
+    _needs("transformers")
+    tmp = tmp_path_factory.mktemp("bert")
+    model = tmp / "bert.onnx"
+    corpus.export("bert", "torchscript", model)
+    code, _, error = corpus.build_with_cli(model, tmp / "bundle")
+    assert code == 0, error
+    return model, tmp / "bundle"
+
+
+@pytest.mark.corpus
+@pytest.mark.parametrize("kind", ["build", "bench", "export-triton"])
+def test_interrupts_leave_no_temporary_folder(kind, tmp_path, bert_bundle):
+    """A corpus model's build, bench and Triton export, each signalled at ten random moments of its run (as the
+    example models' slow test does): every temporary folder is removed and nothing is half-written."""
+    from test_interrupts import ten_random_moments
+
+    model, bundle = bert_bundle
+    assert ten_random_moments(kind, tmp_path, bundle, None, model=model) >= 3  # the rest finished first
