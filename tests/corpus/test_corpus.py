@@ -104,7 +104,7 @@ def bert_bundle(tmp_path_factory):
 def test_interrupts_leave_no_temporary_folder(kind, tmp_path, bert_bundle):
     """A corpus model's build, bench and Triton export, each signalled at ten random moments of its run (as the
     example models' slow test does): every temporary folder is removed and nothing is half-written."""
-    from test_interrupts import ten_random_moments
+    from interrupting import ten_random_moments
 
     model, bundle = bert_bundle
     assert ten_random_moments(kind, tmp_path, bundle, None, model=model) >= 3  # the rest finished first
