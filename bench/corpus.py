@@ -336,6 +336,23 @@ def ort_self_difference(onnx_path: Path, feeds: dict) -> dict:
     return res
 
 
+def build_with_cli(onnx_path: Path, out: Path) -> tuple[int, str, str]:
+    """``parastream build ONNX -o OUT --backend onnxruntime --force --json`` in this process, as a build step runs
+    it: (its exit status, its stdout, its error line without the "parastream build: error: " prefix, or '')."""
+    import contextlib
+    import io
+
+    from parastream.pipeline.cli import main as cli
+
+    stdout, stderr = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
+        code = cli(["build", str(onnx_path), "-o", str(out), "--backend", "onnxruntime", "--force", "--json"])
+    if code > 128:  # interrupted: the corpus stops too
+        raise KeyboardInterrupt(stderr.getvalue().strip())
+    lines = [x for x in stderr.getvalue().splitlines() if x.startswith("parastream build: error: ")]
+    return code, stdout.getvalue(), lines[-1].split(": error: ", 1)[1] if lines else ""
+
+
 def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, reuse: bool = False) -> dict:
     """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there (and with
     ``reuse``, an export kept there by an earlier run is taken instead of exporting again)."""
@@ -357,27 +374,31 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
     finally:
         row["export_s"] = round(time.perf_counter() - t0, 2)
 
+    from parastream.launcher.bundle import Bundle
     from parastream.launcher.errors import ParastreamError
-    from parastream.pipeline import build
     from parastream.pipeline.model_io import load_model
 
     t0 = time.perf_counter()
+    out = workdir / f"{name}__{exporter}.bundle"
     try:
-        bundle = build(onnx_path, workdir / f"{name}__{exporter}.bundle", backend="onnxruntime", force=True)
-        rep = bundle.report
-        v = rep.get("verification") or {}
-        row.update(build_ok=True, exit=0, nodes_in=rep["model"]["nodes_in"], nodes_out=rep["model"]["nodes_out"],
-                   streams=rep["schedule"]["streams"], branches=rep["schedule"]["branches"],
-                   verification={"passed": v.get("passed"), "criterion": v.get("criterion"),
-                                 "max_abs": max((o.get("max_abs", 0.0) for o in v.get("outputs", {}).values()), default=None),
-                                 "max_scaled": max((o.get("max_scaled", 0.0) or 0.0 for o in v.get("outputs", {}).values()), default=None)},
-                   rules=(rep.get("search") or {}).get("rules_chosen_count"),
-                   # the build's peak resident memory (this process's: with a reused export nothing else ran in it yet)
-                   peak_rss_mb=rep.get("peak_rss_mb"), cpu_choice=(rep.get("cpu_choice") or {}).get("chosen"))
-    except ParastreamError as e:
-        row.update(build_ok=False, exit=e.exit_code, build_error=_first_line(e), peak_rss_mb=_peak_rss_mb())
-        if e.exit_code == 1:  # verification: how far ONNX Runtime is from itself on this model
-            row["ort_self_difference"] = ort_self_difference(onnx_path, ex["feeds"])
+        # the command a user runs: its stdout (one JSON line) is kept for the tests to check against the bundle
+        code, stdout, error = build_with_cli(onnx_path, out)
+        row.update(bundle=str(out), build_stdout=stdout)
+        if code == 0:
+            rep = Bundle.open(out).report
+            v = rep.get("verification") or {}
+            row.update(build_ok=True, exit=0, nodes_in=rep["model"]["nodes_in"], nodes_out=rep["model"]["nodes_out"],
+                       streams=rep["schedule"]["streams"], branches=rep["schedule"]["branches"],
+                       verification={"passed": v.get("passed"), "criterion": v.get("criterion"),
+                                     "max_abs": max((o.get("max_abs", 0.0) for o in v.get("outputs", {}).values()), default=None),
+                                     "max_scaled": max((o.get("max_scaled", 0.0) or 0.0 for o in v.get("outputs", {}).values()), default=None)},
+                       rules=(rep.get("search") or {}).get("rules_chosen_count"),
+                       # the build's peak resident memory (this process's: with a reused export nothing else ran in it yet)
+                       peak_rss_mb=rep.get("peak_rss_mb"), cpu_choice=(rep.get("cpu_choice") or {}).get("chosen"))
+        else:  # the CLI's one-line error and exit status (2: bad input, 1: verification failed)
+            row.update(build_ok=False, exit=code, build_error=_first_line(Exception(error)), peak_rss_mb=_peak_rss_mb())
+            if code == 1:  # verification: how far ONNX Runtime is from itself on this model
+                row["ort_self_difference"] = ort_self_difference(onnx_path, ex["feeds"])
     except Exception as e:  # noqa: BLE001 - a crash is a bug of ours: the table says so
         row.update(build_ok=False, exit="crash", build_error=f"{type(e).__name__}: {_first_line(e)}",
                    traceback=traceback.format_exc()[-2000:])

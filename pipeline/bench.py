@@ -443,15 +443,34 @@ def _whole_model_baseline(bundle: Bundle, multi, feeds: dict, reference: dict, g
 
 
 CPU_BLOCK = 5  # calls per block of the CPU comparison (runs 50: ten blocks of each, five pairs in each order)
+CPU_QUIET_PROBE_S = 0.005  # a sleep over which this process's other threads must use (almost) no CPU
+CPU_SETTLE_LIMIT_S = 0.5  # at most this long waiting for them
 
 
-def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, block: int = CPU_BLOCK) -> tuple[dict, list]:
+def settle_own_threads(limit_s: float = CPU_SETTLE_LIMIT_S) -> float:
+    """Sleep until this process's other threads use no CPU any more, at most ``limit_s``; returns the seconds waited.
+
+    onnxruntime's intra-op pool threads spin for tens of milliseconds after each call (session option
+    ``session.intra_op.allow_spinning``, on by default), on a core that the next runner's own threads need: a block
+    begun right after the other runner's block ran beside that spinning and was timed slower than one begun after
+    its own runner's block.  Waiting here before every block makes each start alike."""
+    t0 = time.perf_counter()
+    while time.perf_counter() - t0 < limit_s:
+        c0 = time.process_time()  # CPU time of every thread of this process
+        time.sleep(CPU_QUIET_PROBE_S)
+        if time.process_time() - c0 < 0.2 * CPU_QUIET_PROBE_S:
+            break
+    return time.perf_counter() - t0
+
+
+def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, block: int = CPU_BLOCK,
+                     settle=settle_own_threads) -> tuple[dict, list]:
     """Seconds per call of two runners on ``feeds``, without a bias between equal ones: ``warmup`` untimed calls
     of each in turn, then blocks of ``block`` calls, the two in turn and the order alternating (AB, BA, AB, ...),
-    each block after one untimed call of its own runner (so each starts as the other did: after the other's
-    threads and cache, on its own warm state).  A drift of the machine's speed falls on both alike, and on the
-    first and second of a pair alike.  Returns ({name: seconds per call}, one ratio per pair of blocks: the second
-    runner's block median / the first's)."""
+    each block after ``settle()`` (:func:`settle_own_threads`: the other runner's spinning threads have stopped)
+    and one untimed call of its own runner (so each starts on its own warm state).  A drift of the machine's speed
+    falls on both alike, and on the first and second of a pair alike.  Returns ({name: seconds per call}, one ratio
+    per pair of blocks: the second runner's block median / the first's)."""
     first, second = list(runners)
     for _ in range(warmup):
         for run in runners.values():
@@ -463,6 +482,7 @@ def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, bloc
         medians = {}
         for name in ((first, second) if len(ratios) % 2 == 0 else (second, first)):
             run = runners[name]
+            settle()
             run(feeds)
             calls = []
             for _ in range(n):

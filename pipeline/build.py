@@ -22,6 +22,7 @@ import onnx_graphsurgeon as gs
 from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.errors import ParastreamError, VerificationError
+from parastream.launcher.words import plural
 
 from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised by the measurer, caught by the search
 
@@ -634,7 +635,7 @@ def partition(b: _Build) -> None:
 def build_engines(b: _Build, tmp: Path) -> None:
     """One engine per branch, written into the staging folder."""
     with b.timed("engines"):
-        task = b.bar.step(f"build {len(b.plan.branches)} {b.backend.name} engines", total=len(b.plan.branches))
+        task = b.bar.step(f"build {plural(len(b.plan.branches), b.backend.name + ' engine')}", total=len(b.plan.branches))
         if b.timed_alternatives is not None and plan_signature(b.timed_alternatives["plan"]) != plan_signature(b.plan):
             b.timed_alternatives = None  # timed for another plan than this one: timed again below
         shipped = Variant(b.model, b.graph, b.plan, b.options)

@@ -1,10 +1,12 @@
 """The public-model corpus (bench/corpus.py) as tests.
 
 CI runs the subset that needs no torchvision (transformers models at small configs, random weights, both
-exporters): each export must build on the CPU path and verify against ONNX Runtime, and the torch
+exporters): each export must build on the CPU path (``parastream build --json``, as a build step runs it) and
+verify against ONNX Runtime, its stdout must be exactly one JSON line whose summary describes the bundle that
+shipped (engines, streams, nodes and rewrites as in its plan.json, model.onnx and report.json), and the torch
 backend's converter must convert it and match ONNX Runtime.  The rest of the corpus (torchvision, timm)
 is the ``corpus`` tier, run on demand with ``PARASTREAM_CORPUS=1`` where those packages import; there an
-export must build and verify, or stop with a one-line error (exit 2) that names a node.
+export must build and verify with the same summary checks, or stop with a one-line error (exit 2) that names a node.
 """
 
 from __future__ import annotations
@@ -13,6 +15,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from summary_check import check_summary, one_json_line, summary_lines
 
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "bench"))
@@ -37,6 +40,11 @@ def _needs(source: str) -> None:
         pytest.importorskip("transformers")
 
 
+def _check_summary(row: dict) -> None:
+    """The build's stdout is one JSON line, and its summary and printed lines describe the shipped bundle."""
+    check_summary(Path(row["bundle"]), one_json_line(row["build_stdout"]), summary_lines(Path(row["bundle"])))
+
+
 def test_corpus_has_the_issue_s_coverage():
     fams = {}
     for s in corpus.MODELS.values():
@@ -56,6 +64,7 @@ def test_ci_subset_builds_verifies_and_converts(name, exporter, tmp_path):
     assert row["build_ok"], row.get("build_error")
     assert row["verification"]["passed"], row["verification"]
     assert row["nodes_out"] >= 1 and row["streams"] >= 1
+    _check_summary(row)
     t = row["torch"]
     assert t["missing_ops"] == [], t
     assert t["converts"], t.get("convert_error")
@@ -74,4 +83,28 @@ def test_full_corpus(name, exporter, tmp_path):
         assert "node '" in row["build_error"], row["build_error"]
         return
     assert row["verification"]["passed"], row["verification"]
+    _check_summary(row)
     assert row["torch"]["converts"], row["torch"].get("convert_error")
+
+
+@pytest.fixture(scope="module")
+def bert_bundle(tmp_path_factory):
+    """A CI-subset export (BERT, TorchScript exporter) and its bundle, built by the CLI."""
+    _needs("transformers")
+    tmp = tmp_path_factory.mktemp("bert")
+    model = tmp / "bert.onnx"
+    corpus.export("bert", "torchscript", model)
+    code, _, error = corpus.build_with_cli(model, tmp / "bundle")
+    assert code == 0, error
+    return model, tmp / "bundle"
+
+
+@pytest.mark.corpus
+@pytest.mark.parametrize("kind", ["build", "bench", "export-triton"])
+def test_interrupts_leave_no_temporary_folder(kind, tmp_path, bert_bundle):
+    """A corpus model's build, bench and Triton export, each signalled at ten random moments of its run (as the
+    example models' slow test does): every temporary folder is removed and nothing is half-written."""
+    from interrupting import ten_random_moments
+
+    model, bundle = bert_bundle
+    assert ten_random_moments(kind, tmp_path, bundle, None, model=model) >= 3  # the rest finished first

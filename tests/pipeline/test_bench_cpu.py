@@ -50,3 +50,36 @@ def test_the_order_alternates_and_each_block_starts_alike():
     assert len(times["a"]) == len(times["b"]) == 4 and len(ratios) == 2
     # warm-up a b; then pair 1: a (1 untimed + 2), b (1 + 2); pair 2: b first, then a
     assert "".join(calls) == "ab" + "aaa" + "bbb" + "bbb" + "aaa"
+
+
+def test_each_block_starts_after_the_other_runners_threads_stopped_spinning(same_as_baseline):
+    """onnxruntime's pool threads spin for a while after each call; a block begun beside the other session's
+    spinning threads was timed slower (ratios alternating r, 1/r between AB and BA pairs on an idle machine).  Each
+    block's first call finds this process's other threads idle: over a short sleep before it, they use no CPU."""
+    import time
+
+    import onnxruntime as ort
+
+    from parastream.core.tensors import random_feeds
+    from parastream.pipeline.bench import time_alternating
+    from parastream.launcher.bundle import Bundle
+
+    probe, burned, last = 0.004, [], [None]
+
+    def runner(name):
+        sess = ort.InferenceSession(str(MODEL), providers=["CPUExecutionProvider"])  # default options: spinning on
+        names = [o.name for o in sess.get_outputs()]
+
+        def run(feeds):
+            if last[0] not in (None, name):  # the other runner ran last: a block begins here
+                c0 = time.process_time()
+                time.sleep(probe)
+                burned.append(time.process_time() - c0)
+            last[0] = name
+            return sess.run(names, feeds)
+        return run
+
+    feeds = random_feeds(Bundle.open(same_as_baseline).plan.inputs)
+    time_alternating({"a": runner("a"), "b": runner("b")}, feeds, runs=30, warmup=2, block=5)
+    assert len(burned) >= 6
+    assert sorted(burned)[len(burned) // 2] < 0.25 * probe, burned  # the median block start: no thread spinning

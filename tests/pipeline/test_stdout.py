@@ -7,6 +7,7 @@ Real processes: the loggers print() to the process's stdout, and print their "co
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 
@@ -65,3 +66,11 @@ def test_verify_json_is_one_line_too(tmp_path, model):
     r = cli(tmp_path, "verify", "out", "--json", "--iterations", "1")
     assert r.returncode == 0, r.stderr
     assert len(r.stdout.splitlines()) == 1 and json.loads(r.stdout)["passed"] is True
+
+
+def test_progress_lines_agree_in_number(tmp_path, model):
+    """The progress lines on stderr count as the summary does: "build 1 onnxruntime engine", not "1 ... engines"."""
+    r = cli(tmp_path, "build", model, "-o", "out", "--backend", "onnxruntime", "--json")
+    assert r.returncode == 0, r.stderr
+    assert "build 1 onnxruntime engine\n" in r.stderr, r.stderr
+    assert not re.search(r"\b1 (\w+ )?(streams|engines|pieces|rewrites|branches)\b", r.stderr), r.stderr
