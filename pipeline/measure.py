@@ -243,6 +243,7 @@ class GpuMeasurer:
         self.calls = 0  # models asked for so far (the first two are measured whatever the budget)
         self.reference = None  # (launcher, median ms) of the first model measured
         self.planned: list[tuple[onnx.ModelProto, Variant]] = []  # what ``prepare`` planned for ``measure`` to load
+        self.adopted: list[tuple[onnx.ModelProto, gs.Graph]] = []  # the search's candidates with their graphs
         self.prepared: list[onnx.ModelProto] = []
         self.early: dict = {}  # the input's alternatives: its plan, the rounds timed, the rest (round, variant, keys)
         self.alternatives_queued = False
@@ -260,14 +261,22 @@ class GpuMeasurer:
                 return v
         if model is self.loaded.model:  # the search measures its input first: the loader's graph
             m, graph = model, self.loaded.graph
-        else:  # the search's exports are shape-inferred and checked already (inferred here where they are not)
-            m = model if _shapes_known(model) else _infer(model)
-            graph = graph_of(m)
+        else:
+            graph = next((g for m, g in self.adopted if m is model), None)
+            if graph is not None:  # the candidate's own graph, made the graph of its export by the search
+                m = model
+            else:  # the search's exports are shape-inferred and checked already (inferred here where they are not)
+                m = model if _shapes_known(model) else _infer(model)
+                graph = graph_of(m)
         v = Variant(m, graph, self.engines.plan(graph, self.streams, self.max_streams), self.options)
         self.planned.append((model, v))
         return v
 
     # -- the search's Measurer ---------------------------------------------------------------------------------
+    def adopt(self, model: onnx.ModelProto, graph: gs.Graph) -> None:
+        """``graph`` is ``model``'s (the search exported the candidate from it): ``variant_of`` plans it."""
+        self.adopted.append((model, graph))
+
     def prepare(self, models: list[onnx.ModelProto]) -> dict | None:
         """Start compiling the engines of the next models the search will measure, on every compile worker in the
         background: a candidate is measured as soon as its own engines are compiled while the workers go on with
@@ -339,6 +348,7 @@ class GpuMeasurer:
         if self.reference is not None:
             self.reference[0].close()
             self.reference = None
+        self.adopted.clear()  # the candidates' graphs: planned already, or never measured
 
     # -- the input's alternatives, timed during the search -----------------------------------------------------
     def time_ready(self, wait: bool = False) -> None:

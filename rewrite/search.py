@@ -394,9 +394,13 @@ class Measurer(Protocol):
     ``measure(model)`` returns the model's latency in seconds (or raises: MeasureBudgetSpent ends the
     measurements); ``prepare(models)`` is told, ``lookahead`` models ahead and in the order they will be
     measured, which models come next (a GPU build compiles their engines meanwhile) and returns what it
-    started, for the report (or None)."""
+    started, for the report (or None); ``adopt(model, graph)`` is given, before ``prepare``, the graph of a
+    candidate the search exported (the candidate's own graph with the export's names, types and shapes:
+    ``ir.adopt_model``), so that the measurer plans it without importing ``model`` again."""
 
     lookahead: int
+
+    def adopt(self, model: onnx.ModelProto, graph: gs.Graph) -> None: ...
 
     def prepare(self, models: list[onnx.ModelProto]) -> dict | None: ...
 
@@ -409,6 +413,9 @@ class TimedBy:
 
     fn: Callable[[onnx.ModelProto], float]
     lookahead: int = 1
+
+    def adopt(self, model: onnx.ModelProto, graph: gs.Graph) -> None:
+        return None
 
     def prepare(self, models: list[onnx.ModelProto]) -> dict | None:
         return None
@@ -559,6 +566,13 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                     exported[id(w)] = model if w is original_entry else export_model(w["graph"], model)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot be exported is not chosen
                     w["error"] = f"{type(e).__name__}: {e}"
+                else:
+                    if w is not original_entry and not isinstance(measurer, TimedBy):
+                        # the measurer plans the candidate from its own graph, as export_model exported it, rather
+                        # than importing the export (a second import of every node and weight)
+                        mine = adopt_model(toposort(cleanup(copy_graph(w["graph"]))), exported[id(w)])
+                        if mine is not None:
+                            measurer.adopt(exported[id(w)], mine)
                 timings["export_s"] = timings.get("export_s", 0.0) + time.perf_counter() - t
                 timings["exported"] = timings.get("exported", 0) + 1
             return id(w) in exported

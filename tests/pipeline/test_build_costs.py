@@ -33,6 +33,9 @@ def test_a_search_with_only_the_input_to_rank_measures_nothing():
     class Recording:
         lookahead = 2
 
+        def adopt(self, model, graph):
+            pass
+
         def prepare(self, models):
             calls.append("prepare")
 
@@ -224,3 +227,33 @@ def test_with_a_cache_dir_a_second_build_compiles_nothing_whose_code_did_not_cha
     rebuilt = build(model, "changed")
     assert compiles == []
     assert len([name for name, r in rebuilt.items() if r.get("code_reused")]) == 1  # the changed weight's branch
+
+
+def test_the_measurer_plans_an_adopted_candidate_from_its_graph_without_importing_it(monkeypatch):
+    """A candidate the search hands over with its graph (``Measurer.adopt``) is planned from that graph; one
+    handed over without is imported (``graph_of``), as before."""
+    import types
+
+    import onnx_graphsurgeon as gs
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.measure import GpuMeasurer
+
+    imports = []
+    real = gs.import_onnx
+    monkeypatch.setattr(gs, "import_onnx", lambda *a, **k: imports.append(1) or real(*a, **k))
+    planned = []
+    engines = types.SimpleNamespace(backend=types.SimpleNamespace(background_compiles=False),
+                                    plan=lambda graph, streams, max_streams: planned.append(graph) or "plan")
+    loaded = types.SimpleNamespace(model=object(), graph=None)
+    measurer = GpuMeasurer(engines, BuildOptions(), loaded, streams=None, max_streams=4, budget_s=1.0)
+    m = zoo.MODELS["inception_block"]()
+    g = import_graph(m)
+    imports.clear()
+    measurer.adopt(m, g)
+    assert measurer.variant_of(m).graph is g and planned == [g] and imports == []
+    other = zoo.MODELS["small_net"]()
+    measurer.variant_of(other)
+    assert len(imports) == 1 and planned[-1] is not g
+    measurer.close()
+    assert measurer.adopted == []

@@ -311,6 +311,9 @@ def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan
         def __init__(self, plan):
             self.plan, self.log = plan, []
 
+        def adopt(self, model, graph):
+            pass
+
         def prepare(self, models):
             return {}
 
@@ -358,6 +361,9 @@ def test_rounds_timed_during_the_search_before_an_alternative_won_are_handed_to_
 
     class FakeMeasurer:
         lookahead, log = 4, []
+
+        def adopt(self, model, graph):
+            pass
 
         def prepare(self, models):
             return {}

@@ -171,6 +171,12 @@ def test_the_measurer_is_prepared_ahead_in_the_order_it_measures(zoo_model):
         def __init__(self, lookahead, spend_after=None, prepare_fails=False):
             self.lookahead, self.spend_after, self.prepare_fails = lookahead, spend_after, prepare_fails
 
+        def adopt(self, model, graph):
+            # the candidate's own graph, as its export: same nodes in the same order, shapes known
+            assert [n.name for n in graph.nodes] == [n.name for n in model.graph.node]
+            assert all(t.shape is not None for n in graph.nodes for t in n.outputs)
+            events.append(("adopt", id(model)))
+
         def prepare(self, models):
             if self.prepare_fails:
                 raise RuntimeError("no compile workers")
@@ -193,6 +199,10 @@ def test_the_measurer_is_prepared_ahead_in_the_order_it_measures(zoo_model):
             ahead = [j for k, ids in events[:n] if k == "prepare" for j in ids]
             assert i in ahead and len(ahead) - ahead.index(i) <= 3  # prepared, at most lookahead (2) ahead of it
     assert all(len(ids) == 1 for kind, ids in events if kind == "prepare")  # one model per call
+    adopted = [i for kind, i in events if kind == "adopt"]
+    assert adopted == prepared[1:]  # every candidate but the input comes with its graph, before it is prepared
+    for i in adopted:
+        assert events.index(("adopt", i)) < events.index(("prepare", [i]))
     assert report["prepared"][0] == {"n": 1} and len(report["prepared"]) == len(prepared)
     assert report["decided_by"] == "measured"
 
