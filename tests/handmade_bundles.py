@@ -54,11 +54,13 @@ def memory_bound(node) -> bool:
 
 
 def make_bundle(model_path, out, *, backend: str = "torch", streams: int = 2, precision: str = "fp32",
-                compile: bool = True, sync_cost: float = 2e-6, layouts: bool = False) -> Bundle:
+                compile: bool = True, sync_cost: float = 2e-6, layouts: bool = False,
+                options: dict | None = None) -> Bundle:
     """Partition ``model_path`` onto ``streams`` streams, build one engine per branch and write a bundle.
 
     ``layouts``: hand the builder each branch's tensors as the CPU launcher gives them (contiguous), so that a
-    torch builder compiles its engines for them (the artifact ``torch_backend.ARTIFACT`` names)."""
+    torch builder compiles its engines for them (the artifact ``options.torch_artifact`` names).  ``options``:
+    further build options (``BuildOptions`` fields, e.g. ``inductor_format``), recorded in the manifest."""
     import onnx_graphsurgeon as gs
 
     from parastream.pipeline.model_io import load_model
@@ -77,7 +79,7 @@ def make_bundle(model_path, out, *, backend: str = "torch", streams: int = 2, pr
     mod = get_backend(backend)
     plan = make_plan(graph, sched, backend=mod.name, precision=precision, suffix=mod.suffix,
                      inputs=loaded.inputs, outputs=loaded.outputs, flops_bytes=node_flops_bytes)
-    builder = mod.Builder(BuildOptions(precision=precision, compile=compile))
+    builder = mod.Builder(BuildOptions(precision=precision, compile=compile, **(options or {})))
     for b in plan.branches:
         layout = {"inputs": [plan.tensors[t] for t in b.inputs], "outputs": [plan.tensors[t] for t in b.outputs]}
         (out / b.engine).write_bytes(builder.build(extract_branch(model, graph, b), b.name, *([layout] if layouts else [])))
@@ -87,5 +89,5 @@ def make_bundle(model_path, out, *, backend: str = "torch", streams: int = 2, pr
                                                  "schedule": {"streams": plan.num_streams, "branches": len(plan.branches),
                                                               "critical_path_s": sched.makespan, "total_work_s": sched.total_work},
                                                  "timings": {"build_s": time.perf_counter() - t0}}, indent=2))
-    write_manifest(out, {"backend": mod.name, "precision": precision, "options": {"compile": compile}, "handmade": True})
+    write_manifest(out, {"backend": mod.name, "precision": precision, "options": {"compile": compile, **(options or {})}, "handmade": True})
     return Bundle.open(out)

@@ -401,12 +401,8 @@ def inductor_bundle(tmp_path_factory):
 
     tmp = tmp_path_factory.mktemp("inductor_bundle")
     path = _models(tmp)["three_branch"]
-    mp = pytest.MonkeyPatch()
-    mp.setenv("PARASTREAM_INDUCTOR_FORMAT", "bundled")  # read when compiling
-    try:
-        return path, make_bundle(path, tmp / "bundled", backend="torch", streams=3, precision="fp32")
-    finally:
-        mp.undo()
+    return path, make_bundle(path, tmp / "bundled", backend="torch", streams=3, precision="fp32", layouts=True,
+                             options={"device": "cuda", "inductor_format": "bundled"})
 
 
 @pytest.mark.gpu
