@@ -463,6 +463,23 @@ def settle_own_threads(limit_s: float = CPU_SETTLE_LIMIT_S) -> float:
     return time.perf_counter() - t0
 
 
+def _warm_each(runners: dict, feeds: dict, warmup: int) -> None:
+    """``warmup`` untimed calls of each runner in turn."""
+    for _ in range(warmup):
+        for run in runners.values():
+            run(feeds)
+
+
+def _timed_calls(run, feeds: dict, n: int) -> list[float]:
+    """Seconds of each of ``n`` calls of ``run`` on ``feeds``: the one timed block of every CPU timer here."""
+    calls = []
+    for _ in range(n):
+        t0 = time.perf_counter()
+        run(feeds)
+        calls.append(time.perf_counter() - t0)
+    return calls
+
+
 def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, block: int = CPU_BLOCK,
                      settle=settle_own_threads) -> tuple[dict, list]:
     """Seconds per call of two runners on ``feeds``, without a bias between equal ones: ``warmup`` untimed calls
@@ -472,9 +489,7 @@ def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, bloc
     falls on both alike, and on the first and second of a pair alike.  Returns ({name: seconds per call}, one ratio
     per pair of blocks: the second runner's block median / the first's)."""
     first, second = list(runners)
-    for _ in range(warmup):
-        for run in runners.values():
-            run(feeds)
+    _warm_each(runners, feeds, warmup)
     times: dict[str, list[float]] = {first: [], second: []}
     ratios = []
     while len(times[first]) < runs:
@@ -484,11 +499,7 @@ def time_alternating(runners: dict, feeds: dict, *, runs: int, warmup: int, bloc
             run = runners[name]
             settle()
             run(feeds)
-            calls = []
-            for _ in range(n):
-                t0 = time.perf_counter()
-                run(feeds)
-                calls.append(time.perf_counter() - t0)
+            calls = _timed_calls(run, feeds, n)
             times[name] += calls
             medians[name] = float(np.median(calls))
         ratios.append(medians[second] / medians[first] if medians[first] > 0 else float("nan"))
@@ -499,16 +510,11 @@ def time_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 3, block:
     """Seconds per call of each runner on ``feeds``: ``runs`` calls each after ``warmup``, in alternating blocks
     of ``block`` calls, so that a change in the machine's load falls on all of them alike while one runner's
     spinning threads seldom run into another's calls."""
-    for _ in range(warmup):
-        for run in runners.values():
-            run(feeds)
+    _warm_each(runners, feeds, warmup)
     times = {name: [] for name in runners}
     while any(len(t) < runs for t in times.values()):
         for name, run in runners.items():
-            for _ in range(min(block, runs - len(times[name]))):
-                t0 = time.perf_counter()
-                run(feeds)
-                times[name].append(time.perf_counter() - t0)
+            times[name] += _timed_calls(run, feeds, min(block, runs - len(times[name])))
     return {name: np.asarray(t) for name, t in times.items()}
 
 
@@ -518,17 +524,12 @@ def race_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 1, block:
     with a sequential stop: after each round, a runner whose FASTEST call so far is slower than the current
     leader's median by more than ``behind`` is clearly behind and is not called again (its calls so far are
     returned).  At most ``runs`` calls each; at least one block each."""
-    for _ in range(warmup):
-        for run in runners.values():
-            run(feeds)
+    _warm_each(runners, feeds, warmup)
     times: dict[str, list[float]] = {name: [] for name in runners}
     active = list(runners)
     while active and any(len(times[n]) < runs for n in active):
         for name in active:
-            for _ in range(min(block, runs - len(times[name]))):
-                t0 = time.perf_counter()
-                runners[name](feeds)
-                times[name].append(time.perf_counter() - t0)
+            times[name] += _timed_calls(runners[name], feeds, min(block, runs - len(times[name])))
         medians = {n: float(np.median(times[n])) for n in active}
         lead = min(medians.values())
         active = [n for n in active if min(times[n]) <= lead * (1.0 + behind)]
