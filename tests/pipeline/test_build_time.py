@@ -289,6 +289,24 @@ def test_an_alternative_that_wins_during_the_search_leaves_the_rest_to_the_build
     m.close()
 
 
+class _QuietMeasurer:
+    """A GPU build's measurer with nothing measured: every candidate 1 ms (the tests give its timed rounds)."""
+
+    lookahead = 4
+
+    def adopt(self, model, graph):
+        pass
+
+    def prepare(self, models):
+        return {}
+
+    def measure(self, model):
+        return 1e-3
+
+    def close(self):
+        pass
+
+
 def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan(tmp_path, monkeypatch):
     """The search kept the input and timed its alternatives: the build does not load and time them again when its
     plan is the one they were timed against, and says so; for another plan it times them itself."""
@@ -305,23 +323,9 @@ def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan
     reference = build(SMALL_NET, tmp_path / "ref", backend="onnxruntime", streams=2, search=False)
     rounds = [{"choice": "streams", "won": "2-stream plan", "timed_ms": {}, "load_s": 0.0, "timed_s": 0.0}]
 
-    class FakeMeasurer:
-        lookahead = 4
-
+    class FakeMeasurer(_QuietMeasurer):
         def __init__(self, plan):
             self.plan, self.log = plan, []
-
-        def adopt(self, model, graph):
-            pass
-
-        def prepare(self, models):
-            return {}
-
-        def measure(self, model):
-            return 1e-3
-
-        def close(self):
-            pass
 
         def alternatives_timed(self):
             return {"fuse_conv_relu": False, "internal_nhwc": True, "one_engine": False, "rounds": rounds, "runs": 5,
@@ -359,20 +363,8 @@ def test_rounds_timed_during_the_search_before_an_alternative_won_are_handed_to_
     monkeypatch.setattr(build_module, "time_alternatives",
                         lambda engines, bundle, v, runs, timed=(): handed.append(list(timed)) or None)
 
-    class FakeMeasurer:
-        lookahead, log = 4, []
-
-        def adopt(self, model, graph):
-            pass
-
-        def prepare(self, models):
-            return {}
-
-        def measure(self, model):
-            return 1e-3
-
-        def close(self):
-            pass
+    class FakeMeasurer(_QuietMeasurer):
+        log = []
 
         def alternatives_timed(self):
             return {"partial": True, "rounds": rounds, "plan": reference.plan, "timed": "1 round during the search"}
