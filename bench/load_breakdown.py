@@ -33,7 +33,8 @@ Builds record their wall time, report.json's per-stage ``timings`` and the shipp
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/load_breakdown.py --models mixnet_s,ghostnet_100,mobilevit_xs,nasnetalarge,inception_v4 \\
         --trees now=. [--trees before=/path/to/other/checkout] --reps 3 [--profile] --out $OUT
-``--env NAME:KEY=VALUE`` runs the tree NAME's loads with an environment variable set; ``--bundles-of NAME=OTHER`` has
+``--env NAME:KEY=VALUE`` runs the tree NAME's loads with an environment variable set; ``--build-option
+NAME:KEY=VALUE`` builds the tree NAME's bundles with a build option (``--trees`` may name a path twice); ``--bundles-of NAME=OTHER`` has
 NAME load OTHER's bundles instead of building its own (for load-side changes; ``--trees`` may name a path twice).
 Prints one JSON line per build and load and a table (median of the reps per model and tree: total, load, the
 largest stages); writes load_breakdown.json to --out (rewritten after every step, so a run cut short keeps what
@@ -83,13 +84,14 @@ def export_child(name: str, path: str) -> dict:
             "input": list(x.shape)}
 
 
-def build_child(onnx_path: str, out: str) -> dict:
-    """A torch bundle of ``onnx_path`` (fp16, no search, no timed alternatives): wall time, report.json's stages,
-    the formats its engines ship in."""
+def build_child(onnx_path: str, out: str, options: str = "{}") -> dict:
+    """A torch bundle of ``onnx_path`` (fp16, no search, no timed alternatives, ``options``: more build options as
+    JSON): wall time, report.json's stages, the formats its engines ship in."""
     from parastream.pipeline import build
 
     t0 = time.perf_counter()
-    bundle = build(onnx_path, out, backend="torch", precision="fp16", search=False, measure=False, force=True)
+    bundle = build(onnx_path, out, backend="torch", precision="fp16", search=False, measure=False, force=True,
+                   **json.loads(options))
     res = {"build_s": time.perf_counter() - t0, "timings": bundle.report.get("timings"),
            "streams": bundle.plan.num_streams, "branches": len(bundle.plan.branches)}
     engines = bundle.report.get("engines") or {}
@@ -328,6 +330,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default=",".join(MODELS))
     ap.add_argument("--trees", action="append", default=None, help="NAME=PATH of a checkout (repeatable; default now=.)")
     ap.add_argument("--env", action="append", default=None, help="NAME:KEY=VALUE: the tree NAME's loads run with it")
+    ap.add_argument("--build-option", action="append", default=None,
+                    help="NAME:KEY=VALUE: the tree NAME's builds take this build option (a JSON value or a string)")
     ap.add_argument("--bundles-of", action="append", default=None,
                     help="NAME=OTHER: the tree NAME builds nothing and loads OTHER's bundles (a load-side change)")
     ap.add_argument("--reps", type=int, default=3)
@@ -360,6 +364,15 @@ def main(argv=None) -> int:
         name, _, kv = item.partition(":")
         k, _, v = kv.partition("=")
         envs.setdefault(name, {})[k] = v
+    build_options: dict = {}
+    for item in a.build_option or []:  # NAME:KEY=VALUE
+        name, _, kv = item.partition(":")
+        k, _, v = kv.partition("=")
+        try:
+            value = json.loads(v)
+        except ValueError:
+            value = v
+        build_options.setdefault(name, {})[k] = value
     bundles_of = dict(t.split("=", 1) for t in (a.bundles_of or []))  # NAME=OTHER: NAME loads OTHER's bundles
     models = a.models.split(",")
     work = Path(a.work)
@@ -367,7 +380,7 @@ def main(argv=None) -> int:
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     ns = {name: _ns(path, name, work) for name, path in trees.items()}
-    doc: dict = {"models": models, "trees": trees, "reps": a.reps, "exports": {}, "builds": {}, "loads": []}
+    doc: dict = {"models": models, "trees": trees, "build_options": build_options, "reps": a.reps, "exports": {}, "builds": {}, "loads": []}
     try:
         import torch
 
@@ -393,7 +406,8 @@ def main(argv=None) -> int:
 
     def one_build(tm):
         t, m = tm
-        return tm, _child(["--child", "build", "--args", paths[m], str(work / t / m)], ns[t],
+        return tm, _child(["--child", "build", "--args", paths[m], str(work / t / m), json.dumps(build_options.get(t, {}))],
+                          ns[t],
                           {"PARASTREAM_COMPILE_WORKERS": workers})
 
     with ThreadPoolExecutor(max(1, a.build_jobs)) as pool:

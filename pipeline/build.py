@@ -78,6 +78,7 @@ class BuildConfig:
     # processes that compile them side by side (0: every core but one, at most 16)
     torch_artifact: str = "inductor"
     inductor_format: str = "kernels"
+    conv_kernels: str = "cudnn"  # torch engines: depthwise/1x1 convolutions as cuDNN calls or Inductor kernels
     compile_workers: int = 0
     gpu_timing_lock: bool = True  # GPU builds take turns with other processes' timing on the same GPU
     force: bool = False
@@ -269,6 +270,7 @@ def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
                         workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
                         strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
                         profiles={}, torch_artifact=cfg.torch_artifact, inductor_format=cfg.inductor_format,
+                        conv_kernels=cfg.conv_kernels,
                         compile_workers=cfg.compile_workers, gpu_timing_lock=cfg.gpu_timing_lock,
                         keep_fp32=list(cfg.keep_fp32))
 
@@ -277,6 +279,7 @@ def _launcher_options(options: BuildOptions) -> dict:
     """The builder options a launcher reads back from manifest.json (``Bundle.engine_options``)."""
     return {"compile": options.compile, "optimization_level": options.optimization_level,
             "fuse_conv_relu": options.fuse_conv_relu, "fuse_attention": options.fuse_attention,
+            "conv_kernels": options.conv_kernels,
             "torch_artifact": options.torch_artifact,
             "inductor_format": options.inductor_format}
 

@@ -60,6 +60,10 @@ class BuildOptions:
     # torch backend: an attention node (rewrite rule fuse_attention) runs as one scaled_dot_product_attention
     # kernel; off, as its matmul-softmax-matmul.  A GPU build times both and records the faster in manifest.json.
     fuse_attention: bool = True
+    # torch backend: "inductor" writes depthwise and 1x1 convolutions as ops Inductor compiles into its own kernels
+    # (no cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "cudnn"
+    # runs every convolution through torch's convolution.  A GPU build times both and records the faster.
+    conv_kernels: str = "cudnn"
     # onnxruntime: build() loads each branch into a session to check it; off where the caller loads it next
     # anyway (the CPU build's scratch bundles, loaded to be timed: the check cost a second copy of the weights)
     check: bool = True

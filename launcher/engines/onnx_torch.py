@@ -81,9 +81,10 @@ class NodeView:
     """What a converter sees of one node: attributes, input Values, the compute dtype."""
 
     def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype, inferred=None,
-                 fuse_attention: bool = True):
+                 fuse_attention: bool = True, conv_kernels: str = "cudnn"):
         self.node = node
         self.fuse_attention = fuse_attention  # attention nodes: one SDPA kernel, else its matmul-softmax-matmul
+        self.conv_kernels = conv_kernels  # "inductor": depthwise and 1x1 convolutions as ops Inductor compiles
         self.inferred = inferred or {}
         self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
         self.op = node.op_type
@@ -355,10 +356,68 @@ def _conv(n: NodeView):
     fconv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(nd)
     if fconv is None:
         n.fail(f"{nd}-d convolution")
+    if n.conv_kernels == "inductor" and nd == 2:
+        lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
+        if lowered is not None:
+            return lowered
     if begin == end:
         return _ConvFn(fconv, strides, begin, dil, group, nd)
     pad = _torch_pad_arg(begin, end)
     return lambda x, w, b=None: fconv(F.pad(x, pad), w, b, strides, 0, dil, group)
+
+
+def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """A 2-d depthwise or 1x1 convolution written as ops that Inductor compiles into its own kernels, or None
+    for any other convolution.
+
+    Why: torch runs every convolution through cuDNN, which builds an execution plan for each convolution shape at
+    its first call in every process (15-45 ms for a depthwise or pointwise one, against ~4 ms for a dense 3x3:
+    docs/torch-engines.md, "Fresh-process load"), so a bundle of a depthwise-separable network spends seconds of
+    every instance start building plans.  Written like this, a depthwise convolution is one reduction over its
+    k*k taps (``F.unfold``, which Inductor fuses into the reduction's loads, with the bias and whatever follows as
+    its epilogue) and a 1x1 convolution a matrix product (cuBLAS, no plan to build).  Whether a bundle is faster
+    this way or with cuDNN is timed on the GPU (``BuildOptions.conv_kernels``).
+    """
+    torch = _torch()
+    F = torch.nn.functional
+    n_in, c_in, h, w = (int(d) for d in x_shape)
+    c_out = int(w_shape[0])
+    kh, kw = (int(k) for k in kernel)
+    sh, sw = (int(s) for s in strides)
+    if any(int(d) != 1 for d in dil):
+        return None
+    if group == c_in and c_out == c_in and int(w_shape[1]) == 1 and kh * kw > 1:
+        ho = (h + begin[0] + end[0] - kh) // sh + 1
+        wo = (w + begin[1] + end[1] - kw) // sw + 1
+        symmetric = begin == end
+        pad = _torch_pad_arg(begin, end)
+        taps = kh * kw
+
+        def depthwise(x, weight, bias=None):
+            if not symmetric:
+                x = F.pad(x, pad)
+            cols = F.unfold(x, (kh, kw), 1, tuple(begin) if symmetric else 0, (sh, sw)).view(n_in, c_in, taps, ho * wo)
+            y = (cols * weight.reshape(1, c_in, taps, 1)).sum(2)
+            if bias is not None:
+                y = y + bias.reshape(1, c_in, 1)
+            return y.view(n_in, c_in, ho, wo)
+
+        return depthwise
+    if kh == kw == 1 and not any(begin) and not any(end) and c_in % group == 0 and c_out % group == 0:
+        ho, wo = (h - 1) // sh + 1, (w - 1) // sw + 1
+        cg, og = c_in // group, c_out // group
+
+        def pointwise(x, weight, bias=None):
+            if sh > 1 or sw > 1:
+                x = x[:, :, ::sh, ::sw]
+            y = torch.matmul(weight.reshape(group, og, cg), x.reshape(n_in, group, cg, ho * wo))
+            y = y.reshape(n_in, c_out, ho, wo)
+            if bias is not None:
+                y = y + bias.reshape(1, c_out, 1, 1)
+            return y
+
+        return pointwise
+    return None
 
 
 class _ConvFn:
@@ -1080,7 +1139,7 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
 
 
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
-            fuse_attention: bool = True):
+            fuse_attention: bool = True, conv_kernels: str = "cudnn"):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -1088,7 +1147,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
     only: cuDNN's fused kernel) turns each 2-d Conv whose only reader is a Relu into one step.
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
-    matmul-softmax-matmul it replaced.
+    matmul-softmax-matmul it replaced.  ``conv_kernels`` "inductor" writes depthwise and 1x1 convolutions as ops
+    Inductor compiles (``_conv_as_kernels``); "cudnn" runs every convolution as torch's convolution.
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -1138,7 +1198,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             if name and ins[i] is None:
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(op_key)
-        nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention)
+        nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, conv_kernels)
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)

@@ -1,0 +1,135 @@
+"""Depthwise and 1x1 convolutions written as ops Inductor compiles (``BuildOptions.conv_kernels="inductor"``).
+
+Each lowered form against ONNX Runtime (eager and compiled by Inductor on the CPU), and the convolutions that must
+stay torch's convolution (cuDNN on a GPU): dilated, channel-multiplier depthwise, grouped k x k, padded 1x1,
+1-d.  Which one a convolution became is read from the converted module's steps.  On the GPU (marked) a
+converted module is compiled and compared in fp16.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines.onnx_torch import convert  # noqa: E402
+
+
+def _w(rng, name, shape):
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+
+def conv_model(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, bool]]:
+    """Convolutions of every kind the lowering looks at, and for each whether it must be lowered."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    c = 8
+    inits = [_w(rng, "dw3", (c, 1, 3, 3)), _w(rng, "b8", (c,)), _w(rng, "dw5", (c, 1, 5, 5)),
+             _w(rng, "dw7", (c, 1, 7, 7)), _w(rng, "pw", (12, c, 1, 1)), _w(rng, "b12", (12,)),
+             _w(rng, "gpw", (12, 4, 1, 1)), _w(rng, "dil", (c, 1, 3, 3)), _w(rng, "mult", (16, 1, 3, 3)),
+             _w(rng, "gk", (c, 4, 3, 3)), _w(rng, "pwpad", (c, c, 1, 1)), _w(rng, "dense", (c, c, 3, 3)),
+             _w(rng, "w1d", (c, 1, 3))]
+    nodes = [
+        N("Conv", ["x", "dw3", "b8"], ["dw3_o"], name="dw3_same", pads=[1, 1, 1, 1], group=c),
+        N("Conv", ["x", "dw5"], ["dw5_o"], name="dw5_stride2_nobias", pads=[2, 2, 2, 2], strides=[2, 2], group=c),
+        N("Conv", ["x", "dw7", "b8"], ["dw7_o"], name="dw7_asym", pads=[3, 2, 3, 4], group=c),
+        N("Conv", ["x", "dw3"], ["dwsu_o"], name="dw3_same_upper_s2", auto_pad="SAME_UPPER", strides=[2, 2], group=c),
+        N("Conv", ["x", "pw", "b12"], ["pw_o"], name="pw", group=1),
+        N("Conv", ["x", "pw"], ["pws_o"], name="pw_stride2", strides=[2, 2]),
+        N("Conv", ["x", "gpw", "b12"], ["gpw_o"], name="pw_groups2", group=2),
+        # must stay torch's convolution
+        N("Conv", ["x", "dil"], ["dil_o"], name="dw_dilated", pads=[2, 2, 2, 2], dilations=[2, 2], group=c),
+        N("Conv", ["x", "mult"], ["mult_o"], name="dw_multiplier2", pads=[1, 1, 1, 1], group=c),
+        N("Conv", ["x", "gk"], ["gk_o"], name="grouped_3x3", pads=[1, 1, 1, 1], group=2),
+        N("Conv", ["x", "pwpad"], ["pwpad_o"], name="pw_padded", pads=[1, 1, 1, 1]),
+        N("Conv", ["x", "dense"], ["dense_o"], name="dense_3x3", pads=[1, 1, 1, 1]),
+        N("Conv", ["x1d", "w1d"], ["c1d_o"], name="dw_1d", pads=[1, 1], group=c),
+    ]
+    lowered = {"dw3_same": True, "dw5_stride2_nobias": True, "dw7_asym": True, "dw3_same_upper_s2": True,
+               "pw": True, "pw_stride2": True, "pw_groups2": True, "dw_dilated": False, "dw_multiplier2": False,
+               "grouped_3x3": False, "pw_padded": False, "dense_3x3": False, "dw_1d": False}
+    outs = [n.output[0] for n in nodes]
+    graph = helper.make_graph(nodes, "conv_kernels",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, c, 15, 13]),
+                               helper.make_tensor_value_info("x1d", TensorProto.FLOAT, [2, c, 11])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model), lowered
+
+
+def _feeds(seed: int = 1):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((2, 8, 15, 13)).astype(np.float32),
+            "x1d": rng.standard_normal((2, 8, 11)).astype(np.float32)}
+
+
+def _ort(model, feeds):
+    import onnxruntime as ort
+
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    names = [o.name for o in sess.get_outputs()]
+    return dict(zip(names, sess.run(names, feeds)))
+
+
+def _run(module, model, feeds):
+    ins = [torch.from_numpy(feeds[i.name]) for i in model.graph.input]
+    with torch.no_grad():
+        outs = module(*ins)
+    return {o.name: t.numpy() for o, t in zip(model.graph.output, outs)}
+
+
+def _kinds(module) -> dict[str, bool]:
+    """node name -> whether the converter lowered it (its step is not torch's convolution)."""
+    return {st.node: "_conv_as_kernels" in getattr(st.fn, "__qualname__", "") for st in module._steps}
+
+
+def test_only_depthwise_and_1x1_convolutions_are_lowered():
+    model, lowered = conv_model()
+    assert _kinds(convert(model, conv_kernels="inductor")) == lowered
+    assert not any(_kinds(convert(model, conv_kernels="cudnn")).values())
+
+
+def test_lowered_convolutions_equal_onnxruntime():
+    model, _ = conv_model()
+    feeds = _feeds()
+    ref = _ort(model, feeds)
+    got = _run(convert(model, conv_kernels="inductor"), model, feeds)
+    for name, r in ref.items():
+        assert got[name].shape == r.shape, name
+        np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def test_lowered_convolutions_compiled_by_inductor_equal_onnxruntime():
+    from parastream.launcher.engines.onnx_torch import to_fx
+
+    model, _ = conv_model()
+    feeds = _feeds(2)
+    ref = _ort(model, feeds)
+    compiled = torch.compile(to_fx(convert(model, conv_kernels="inductor")))
+    got = _run(compiled, model, feeds)
+    for name, r in ref.items():
+        np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+@pytest.mark.gpu
+def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from parastream.launcher.engines.onnx_torch import to_fx
+
+    model, _ = conv_model()
+    feeds = _feeds(3)
+    ref = _ort(model, feeds)
+    module = to_fx(convert(model, "float16", conv_kernels="inductor")).cuda()
+    compiled = torch.compile(module)
+    ins = [torch.from_numpy(feeds[i.name]).cuda().half() for i in model.graph.input]
+    with torch.no_grad():
+        outs = compiled(*ins)
+    for o, t in zip(model.graph.output, outs):
+        r = ref[o.name]
+        err = float(np.abs(t.float().cpu().numpy() - r).max() / max(np.abs(r).max(), 1e-6))
+        assert err < 5e-3, (o.name, err)
