@@ -356,8 +356,9 @@ def _conv(n: NodeView):
     fconv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(nd)
     if fconv is None:
         n.fail(f"{nd}-d convolution")
-    if n.conv_kernels == "inductor" and nd == 2:
-        lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
+    if CONV_KERNELS[n.conv_kernels] and nd == 2:
+        lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end,
+                                   CONV_KERNELS[n.conv_kernels])
         if lowered is not None:
             return lowered
     if begin == end:
@@ -366,17 +367,24 @@ def _conv(n: NodeView):
     return lambda x, w, b=None: fconv(F.pad(x, pad), w, b, strides, 0, dil, group)
 
 
-def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+#: what ``conv_kernels`` lowers: "depthwise" (a reduction over the taps), "taps" (depthwise as a sum of shifted
+#: slices: one pointwise kernel), "pointwise" (1x1 as a matrix product); "inductor" is depthwise and pointwise
+CONV_KERNELS = {"cudnn": (), "depthwise": ("depthwise",), "taps": ("taps",), "pointwise": ("pointwise",),
+                "inductor": ("depthwise", "pointwise")}
+
+
+def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end, forms=("depthwise", "pointwise")):
     """A 2-d depthwise or 1x1 convolution written as ops that Inductor compiles into its own kernels, or None
-    for any other convolution.
+    for any other convolution (or a kind not in ``forms``).
 
     Why: torch runs every convolution through cuDNN, which builds an execution plan for each convolution shape at
     its first call in every process (15-45 ms for a depthwise or pointwise one, against ~4 ms for a dense 3x3:
     docs/torch-engines.md, "Fresh-process load"), so a bundle of a depthwise-separable network spends seconds of
     every instance start building plans.  Written like this, a depthwise convolution is one reduction over its
     k*k taps (``F.unfold``, which Inductor fuses into the reduction's loads, with the bias and whatever follows as
-    its epilogue) and a 1x1 convolution a matrix product (cuBLAS, no plan to build).  Whether a bundle is faster
-    this way or with cuDNN is timed on the GPU (``BuildOptions.conv_kernels``).
+    its epilogue) or a sum of k*k shifted slices (one pointwise kernel), and a 1x1 convolution a matrix product
+    (cuBLAS, no plan to build).  Whether a bundle is faster this way or with cuDNN is timed on the GPU
+    (``BuildOptions.conv_kernels``).
     """
     torch = _torch()
     F = torch.nn.functional
@@ -386,7 +394,8 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     sh, sw = (int(s) for s in strides)
     if any(int(d) != 1 for d in dil):
         return None
-    if group == c_in and c_out == c_in and int(w_shape[1]) == 1 and kh * kw > 1:
+    if group == c_in and c_out == c_in and int(w_shape[1]) == 1 and kh * kw > 1 and (
+            "depthwise" in forms or "taps" in forms):
         ho = (h + begin[0] + end[0] - kh) // sh + 1
         wo = (w + begin[1] + end[1] - kw) // sw + 1
         symmetric = begin == end
@@ -402,8 +411,21 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
                 y = y + bias.reshape(1, c_in, 1)
             return y.view(n_in, c_in, ho, wo)
 
-        return depthwise
-    if kh == kw == 1 and not any(begin) and not any(end) and c_in % group == 0 and c_out % group == 0:
+        def depthwise_taps(x, weight, bias=None):
+            if any(begin) or any(end):
+                x = F.pad(x, pad)
+            y = None
+            for i in range(kh):
+                for j in range(kw):
+                    t = x[:, :, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw] * weight[:, :, i, j].reshape(1, c_in, 1, 1)
+                    y = t if y is None else y + t
+            if bias is not None:
+                y = y + bias.reshape(1, c_in, 1, 1)
+            return y
+
+        return depthwise if "depthwise" in forms else depthwise_taps
+    if kh == kw == 1 and not any(begin) and not any(end) and c_in % group == 0 and c_out % group == 0 and (
+            "pointwise" in forms):
         ho, wo = (h - 1) // sh + 1, (w - 1) // sw + 1
         cg, og = c_in // group, c_out // group
 

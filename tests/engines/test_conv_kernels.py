@@ -93,11 +93,12 @@ def test_only_depthwise_and_1x1_convolutions_are_lowered():
     assert not any(_kinds(convert(model, conv_kernels="cudnn")).values())
 
 
-def test_lowered_convolutions_equal_onnxruntime():
+@pytest.mark.parametrize("kind", ["inductor", "taps"])
+def test_lowered_convolutions_equal_onnxruntime(kind):
     model, _ = conv_model()
     feeds = _feeds()
     ref = _ort(model, feeds)
-    got = _run(convert(model, conv_kernels="inductor"), model, feeds)
+    got = _run(convert(model, conv_kernels=kind), model, feeds)
     for name, r in ref.items():
         assert got[name].shape == r.shape, name
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
@@ -116,7 +117,8 @@ def test_lowered_convolutions_compiled_by_inductor_equal_onnxruntime():
 
 
 @pytest.mark.gpu
-def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime():
+@pytest.mark.parametrize("kind", ["inductor", "taps"])
+def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime(kind):
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from parastream.launcher.engines.onnx_torch import to_fx
@@ -124,7 +126,7 @@ def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime():
     model, _ = conv_model()
     feeds = _feeds(3)
     ref = _ort(model, feeds)
-    module = to_fx(convert(model, "float16", conv_kernels="inductor")).cuda()
+    module = to_fx(convert(model, "float16", conv_kernels=kind)).cuda()
     compiled = torch.compile(module)
     ins = [torch.from_numpy(feeds[i.name]).cuda().half() for i in model.graph.input]
     with torch.no_grad():
