@@ -422,7 +422,9 @@ def table(rows: list[dict]) -> str:
 # -- the run -------------------------------------------------------------------------------------------------
 
 def batch_sizes(text: str) -> list[int]:
-    """``1,8,32`` -> [1, 8, 32] (each once, in order); anything but positive integers is refused."""
+    """``1,8,32`` -> [1, 8, 32] (each once, in order), ``none`` -> []; anything but positive integers is refused."""
+    if text.strip().lower() == "none":
+        return []
     out: list[int] = []
     for item in text.split(","):
         item = item.strip()
@@ -446,7 +448,7 @@ def parse_args(argv=None) -> argparse.Namespace:
                          "builds at the other batches rank the search's candidates by the cost model and measure only "
                          "the input and its best candidate (--measure-seconds 0 --top-k 1), saving the measured "
                          "search's seconds per build; every build still times its fusions and streams on the GPU "
-                         "(default: every batch of --batches)")
+                         "(default: every batch of --batches; none: no build runs it)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=540, help="stop starting builds and timings after this")
     ap.add_argument("--measure-seconds", type=float, default=20)
@@ -465,6 +467,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)  # the child process: build one model
     ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)  # ... at this batch
     args = ap.parse_args(argv)
+    if not args.batches:
+        ap.error("--batches none: give at least one batch size")
     if args.search_batches is not None and not set(args.search_batches) <= set(args.batches):
         ap.error(f"--search-batches {','.join(map(str, args.search_batches))}: not among --batches "
                  f"{','.join(map(str, args.batches))}")

@@ -37,11 +37,13 @@ def test_batches_parse_and_default():
     assert args.batches == [1, 8, 32]
     assert args.search_batches == [1]
     assert corpus_gpu.parse_args(["--batches", "8"]).search_batches is None
+    assert corpus_gpu.parse_args(["--batches", "8,32", "--search-batches", "none"]).search_batches == []
 
 
 @pytest.mark.parametrize("argv, named", [
     (["--batches", "1,x"], "--batches"),
     (["--batches", "0,8"], "--batches"),
+    (["--batches", "none"], "--batches none"),
     (["--batches", "1,8", "--search-batches", "32"], "--search-batches 32"),
 ])
 def test_bad_batches_refused_naming_the_option(argv, named, capsys):
@@ -59,6 +61,8 @@ def test_search_batches_decide_each_build():
     assert corpus_gpu.build_settings(32, args) == (0.0, 1)
     every = corpus_gpu.parse_args(["--batches", "1,8,32", "--measure-seconds", "30", "--top-k", "12"])
     assert [corpus_gpu.build_settings(b, every) for b in (1, 8, 32)] == [(30, 12)] * 3
+    nowhere = corpus_gpu.parse_args(["--batches", "8,32", "--search-batches", "none"])
+    assert [corpus_gpu.build_settings(b, nowhere) for b in (8, 32)] == [(0.0, 1)] * 2
 
 
 def test_inputs_at_a_batch():
