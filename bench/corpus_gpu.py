@@ -5,16 +5,26 @@ stream, many models in one device call.  Run on the device machine from the repo
 
     python3 bench/corpus_gpu.py --models inception_v3,googlenet,... --workers 4 --seconds 540 --out $OUT
 
-Per model (bench/gpu.py's models: bert, or a torchvision/timm classifier of bench/corpus.py; random weights,
-BatchNorm calibrated, TorchScript export at opset 17, fp16, batch 1) it times, side by side in one process, in
-alternating blocks of CUDA-event timed calls on fresh random inputs (pipeline.bench.measure, medians):
+Per model and batch size of ``--batches`` (default 1) (bench/gpu.py's models: bert, or a torchvision/timm
+classifier of bench/corpus.py; random weights, BatchNorm calibrated, TorchScript export at opset 17 at that batch,
+static shapes, fp16) it times, side by side in one process, in alternating blocks of CUDA-event timed calls on fresh
+random inputs (pipeline.bench.measure, medians):
 
   parastream   the bundle ``parastream build --backend torch --precision fp16`` made: the rewrite search with its
                top candidates measured on the GPU, the stream count and the one-engine alternative timed by the build
   one stream   the same loaded engines on one stream (one CUDA Graph)
   compile      ``torch.compile(mode="reduce-overhead")`` on the PyTorch model as its users run it (BERT with
                transformers' default attention, ``sdpa``: gpu.users_model) in fp16 (its forward casts the fp32
-               input to fp16, as the bundle's first engine does)
+               input to fp16, as the bundle's first engine does), at the same batch, static shapes
+               (``dynamic=False``: one model at several batches in this process must not turn dynamic)
+
+Each (model, batch) is its own build and its own row: the export, the bundle, the fusions and stream count its
+build timed on the device and kept (the ``kept`` column: the search's rewrites and each ``time_alternatives``
+round's winner from report.json) and the timing.  ``--search-batches`` names the batches whose build runs the
+measured rewrite search; the others' builds rank the search's candidates by the cost model and measure only the
+input and its best candidate, which saves each of them the measured search's seconds (their fusions and streams
+are still timed).  An error at one batch (a CUDA out-of-memory at batch 32, a failed verification) is that row's
+error; the other rows go on.
 
 Builds are slow and mostly CPU (export, search, Inductor compiles), so they run as ``--workers`` processes side
 by side; each build's own GPU measurements take turns through parastream's GPU timing lock.  The timing of the
@@ -28,10 +38,12 @@ engines, measure_alternatives, verify, ...) and ``--fresh-loads`` fresh-process 
 (bench/load_breakdown.py's loader: a new Python process with empty Inductor and Triton caches timing
 ``import torch`` + ``parastream.launcher.load(bundle)``, the builds still running stopped meanwhile; the median
 and each, with the median's stages).  ``--rebuild``: each model is built with a --cache-dir and, once timed,
-built again in a fresh process with that cache warm (``rebuild``: seconds, stages, compile jobs).  ``--table FILE``
-prints the table of a corpus_gpu.json written before (no GPU needed).
+built again in a fresh process with that cache warm (``rebuild``: seconds, stages, compile jobs).  ``--table FILE
+...`` prints the table of corpus_gpu.json files written before, one table of all their rows (no GPU needed; files
+without batches are batch 1; a later file's row of the same model and batch replaces an earlier one's unless it is
+an error).
 
-Writes corpus_gpu.json (one row per model) and corpus_gpu.md under --out.
+Writes corpus_gpu.json (one row per model and batch) and corpus_gpu.md under --out.
 """
 
 from __future__ import annotations
@@ -107,28 +119,48 @@ class CompiledRunner:
 
 # -- one build (a child process) -----------------------------------------------------------------------------
 
-def prepare(name: str, work: Path, args) -> dict:
-    """Export, build the bundle, compute the reference, warm Inductor's cache for the baseline."""
+def job_key(model: str, batch: int) -> str:
+    """The name of one (model, batch) build's files under --work and --out/logs."""
+    return f"{model}@{batch}"
+
+
+def searched(batch: int, args) -> bool:
+    """Whether the build at ``batch`` runs the measured rewrite search: ``batch`` is one of --search-batches
+    (every batch when it is not given)."""
+    return args.search_batches is None or batch in args.search_batches
+
+
+def build_settings(batch: int, args) -> tuple[float, int]:
+    """(--measure-seconds, --top-k) of the build at ``batch``: the run's own where it runs the measured search,
+    else (0, 1): the search ranks its candidates by the cost model and measures only the input and its best
+    candidate (what a GPU build measures whatever its budget), which saves the measured search's seconds; the
+    build still times its fusions and streams."""
+    return (args.measure_seconds, args.top_k) if searched(batch, args) else (0.0, 1)
+
+
+def prepare(name: str, batch: int, work: Path, args) -> dict:
+    """Export at ``batch``, build the bundle, compute the reference, warm Inductor's cache for the baseline."""
     import torch
     from gpu import build_bundle, export_with_reference, users_model
 
-    row: dict = {"model": name}
-    model, inputs, onnx_path, feeds, ref, row["export_s"] = export_with_reference(name, work)
-    np.savez(work / f"{name}.ref.npz", **{f"in.{k}": v for k, v in feeds.items()}, **{f"out.{k}": v for k, v in ref.items()})
+    stem = job_key(name, batch)
+    row: dict = {"model": name, "batch": batch}
+    model, inputs, onnx_path, feeds, ref, row["export_s"] = export_with_reference(name, work, batch)
+    np.savez(work / f"{stem}.ref.npz", **{f"in.{k}": v for k, v in feeds.items()}, **{f"out.{k}": v for k, v in ref.items()})
     log: dict = {"handmade": False, "top_k": args.top_k}
     row["onnx_path"] = str(onnx_path)
-    build_bundle(onnx_path, work / f"{name}_bundle", search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
-                 cache_dir=_cache_dir(name, work, args))
+    build_bundle(onnx_path, work / f"{stem}_bundle", search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
+                 cache_dir=_cache_dir(stem, work, args))
     for key in ("build_s", "schedule", "search", "verification", "timings"):
         row[key] = log.get(key)
-    rep = json.loads((work / f"{name}_bundle" / "report.json").read_text())
+    rep = json.loads((work / f"{stem}_bundle" / "report.json").read_text())
     row["measured_choices"] = rep.get("measured_choices")
     row["stage_seconds"] = rep.get("stage_seconds")
     row["nodes"] = [rep["model"]["nodes_in"], rep["model"]["nodes_out"]]
     row["peak_rss_mb"] = rep.get("peak_rss_mb")
     # the baseline's compile, once, to fill Inductor's cache for the timing process
     t0 = time.perf_counter()
-    compiled = torch.compile(HalfInput(users_model(name, model).half().cuda()).eval(), mode="reduce-overhead")
+    compiled = torch.compile(HalfInput(users_model(name, model).half().cuda()).eval(), mode="reduce-overhead", dynamic=False)
     dev = [v.cuda() for v in inputs.values()]
     with torch.no_grad():
         for _ in range(3):
@@ -138,23 +170,24 @@ def prepare(name: str, work: Path, args) -> dict:
     return row
 
 
-def _cache_dir(name: str, work: Path, args) -> str | None:
-    """The model's --cache-dir with ``--rebuild`` (its first build fills it, the rebuild reads it), else None."""
-    return str(work / "cache" / name) if args.rebuild else None
+def _cache_dir(key: str, work: Path, args) -> str | None:
+    """The build's --cache-dir with ``--rebuild`` (its first build fills it, the rebuild reads it), else None."""
+    return str(work / "cache" / key) if args.rebuild else None
 
 
-def rebuild(name: str, work: Path, args) -> dict:
+def rebuild(name: str, batch: int, work: Path, args) -> dict:
     """The model built again as ``prepare`` built it, in a fresh process, with the --cache-dir its first build filled:
     the build's seconds in all and per stage, its compile jobs (branches no cache held: the search's background
     compiles, the batch before the engines, the engines' own misses) and the engines whose code was reused (a job
     that found the branch's compiled code under another weight: no Inductor compile)."""
     from gpu import build_bundle
 
-    prep = json.loads((work / f"{name}.prep.json").read_text())
+    key = job_key(name, batch)
+    prep = json.loads((work / f"{key}.prep.json").read_text())
     log: dict = {"handmade": False, "top_k": args.top_k}
-    out = work / f"{name}_rebuild"
+    out = work / f"{key}_rebuild"
     build_bundle(Path(prep["onnx_path"]), out, search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
-                 cache_dir=_cache_dir(name, work, args))
+                 cache_dir=_cache_dir(key, work, args))
     rep = json.loads((out / "report.json").read_text())
     engines = [e for e in (rep.get("engines") or {}).values() if isinstance(e, dict)]
     jobs = ((rep.get("background_compiles") or {}).get("branches") or 0) + ((rep.get("precompiled") or {}).get("jobs") or 0) \
@@ -162,6 +195,12 @@ def rebuild(name: str, work: Path, args) -> dict:
     return {"build_s": log["build_s"], "stage_seconds": rep.get("stage_seconds"), "engines": len(engines),
             "compile_jobs": jobs, "code_reused": sum(bool(e.get("code_reused")) for e in engines),
             "search_measured": len((log.get("search") or {}).get("measured") or [])}
+
+
+def error_text(e: BaseException) -> str:
+    """``Type: first line of the message`` (a CUDA out-of-memory reads ``OutOfMemoryError: CUDA out of memory. ...``)."""
+    text = str(e).strip()
+    return f"{type(e).__name__}: {text.splitlines()[0] if text else ''}"
 
 
 # -- the timing (this process) -------------------------------------------------------------------------------
@@ -188,7 +227,10 @@ def quiet_gpu(children: list[subprocess.Popen]):
                     os.killpg(p.pid, signal.SIGCONT)
 
 
-def time_model(name: str, work: Path, row: dict, args, children) -> dict:
+def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> dict:
+    """The bundle of ``name`` at ``batch``, its engines on one stream and torch.compile at the same batch, timed
+    side by side into ``row``.  Whatever it loaded is freed when it returns or raises (an out-of-memory at a large
+    batch leaves the next rows their GPU memory)."""
     import torch
     from gpu import make_model, max_err, users_model
 
@@ -196,39 +238,59 @@ def time_model(name: str, work: Path, row: dict, args, children) -> dict:
     from parastream.launcher.bundle import Bundle
     from parastream.launcher.gpu import GpuLauncher
 
-    data = np.load(work / f"{name}.ref.npz")
+    key = job_key(name, batch)
+    data = np.load(work / f"{key}.ref.npz")
     feeds = {k[3:]: data[k] for k in data.files if k.startswith("in.")}
     ref = {k[4:]: data[k] for k in data.files if k.startswith("out.")}
-    bundle = Bundle.open(work / f"{name}_bundle")
-    t0 = time.perf_counter()
-    la = GpuLauncher(bundle)
-    row["load_s"] = time.perf_counter() - t0
-    single = GpuLauncher(bundle, single_stream=True, engines=la.engines)
-    got = la(feeds)
-    row["maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
-    model = users_model(name, make_model(name)[0])  # as its users run it (BERT: transformers' default attention)
-    t0 = time.perf_counter()
-    compiled = torch.compile(HalfInput(model.half().cuda()).eval(), mode="reduce-overhead")
-    runner = CompiledRunner(compiled, bundle.plan)
-    runner.set(feeds)
-    for _ in range(3):
-        runner.launch()
-    runner.synchronize()
-    row["compile_warm_s"] = time.perf_counter() - t0
-    first = next(iter(ref))
-    row["maxerr_compile"] = max_err(runner.out.float().cpu().numpy(), ref[first])
-    with quiet_gpu(children):
-        times = _measure({"parastream": la, "one_stream": single, "compile": runner}, runs=args.runs, warmup=50, seed=7)
-    for k, t in times.items():
-        row[f"{k}_ms"] = float(np.median(t))
-        row[f"{k}_p10_p90"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
-    row["streams"], row["engines"] = bundle.plan.num_streams, len(bundle.plan.branches)
-    la.close()
-    single.close()
-    del compiled, runner, model
+    bundle = Bundle.open(work / f"{key}_bundle")
+    la = single = None
+    try:
+        t0 = time.perf_counter()
+        la = GpuLauncher(bundle)
+        row["load_s"] = time.perf_counter() - t0
+        single = GpuLauncher(bundle, single_stream=True, engines=la.engines)
+        got = la(feeds)
+        row["maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
+        model = users_model(name, make_model(name)[0])  # as its users run it (BERT: transformers' default attention)
+        t0 = time.perf_counter()
+        # static shapes: this process compiles the same model at each batch, and dynamo would otherwise compile
+        # the second batch with a dynamic batch dimension (a build per batch is static too)
+        compiled = torch.compile(HalfInput(model.half().cuda()).eval(), mode="reduce-overhead", dynamic=False)
+        runner = CompiledRunner(compiled, bundle.plan)
+        runner.set(feeds)
+        for _ in range(3):
+            runner.launch()
+        runner.synchronize()
+        row["compile_warm_s"] = time.perf_counter() - t0
+        first = next(iter(ref))
+        row["maxerr_compile"] = max_err(runner.out.float().cpu().numpy(), ref[first])
+        with quiet_gpu(children):
+            times = _measure({"parastream": la, "one_stream": single, "compile": runner}, runs=args.runs, warmup=50, seed=7)
+        for k, t in times.items():
+            row[f"{k}_ms"] = float(np.median(t))
+            row[f"{k}_p10_p90"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
+        row["streams"], row["engines"] = bundle.plan.num_streams, len(bundle.plan.branches)
+        return row
+    finally:
+        for launcher in (la, single):
+            if launcher is not None:
+                with contextlib.suppress(Exception):
+                    launcher.close()
+        # dropped here, not when a traceback that holds this frame goes: the caches are emptied next
+        la = single = compiled = runner = model = None
+        with contextlib.suppress(Exception):  # never in place of the error that ended the timing
+            free_gpu()
+
+
+def free_gpu() -> None:
+    """Forget torch.compile's graphs (and their CUDA Graph pools) and hand cached GPU memory back."""
+    import gc
+
+    import torch
+
     torch._dynamo.reset()
+    gc.collect()
     torch.cuda.empty_cache()
-    return row
 
 
 def fresh_loads(bundle: Path, n: int, children) -> dict:
@@ -256,95 +318,206 @@ def fresh_loads(bundle: Path, n: int, children) -> dict:
             **({"errors": [e.get("error") for e in errors]} if errors else {})}
 
 
+# -- the table (no GPU) --------------------------------------------------------------------------------------
+
 def _stages(r: dict) -> str:
     """The build's stages of at least 0.5 s, as ``stage seconds`` joined (report.json's ``stage_seconds``)."""
     st = r.get("stage_seconds") or {}
     return ", ".join(f"{k} {v:.0f}" for k, v in st.items() if isinstance(v, (int, float)) and v >= 0.5) or "-"
 
 
+# the winners of the build's timed rounds (pipeline.measure.round_labels), in a word; a label not here is shown as it is
+KEPT_WORDS = {"one SDPA kernel per attention": "attention fused",
+              "attention as matmul, softmax, matmul": "attention unfused",
+              "cuDNN fused conv+bias+ReLU": "conv+ReLU fused",
+              "Inductor's conv and epilogue": "conv+ReLU unfused",
+              "channels-last boundaries": "NHWC boundaries",
+              "contiguous boundaries": "contiguous boundaries",
+              "one engine for the whole model": "one engine"}
+
+
+def kept(r: dict) -> str:
+    """What the row's build kept: the search's rewrites (rule ×sites, report.json's ``search.rules_chosen_count``),
+    then each round its build timed on the device (``measured_choices.rounds``: the fusion, boundary layout or plan
+    that was faster); "search by cost model" where the build's search measured only the input and its best
+    candidate (``--search-batches``)."""
+    parts = []
+    counts = (r.get("search") or {}).get("rules_chosen_count") or {}
+    if counts:
+        parts.append("rewrites " + ", ".join(f"{k} ×{v}" for k, v in counts.items()))
+    for rnd in (r.get("measured_choices") or {}).get("rounds") or []:
+        won = str(rnd.get("won"))
+        parts.append(KEPT_WORDS.get(won, won))
+    if r.get("search_mode") == "cost model":
+        parts.append("search by cost model")
+    return "; ".join(parts) or "-"
+
+
+def merged(files: list[list[dict]]) -> list[dict]:
+    """The rows of several corpus_gpu.json files as one list: a row without ``batch`` is batch 1; a later file's row
+    of the same model and batch replaces an earlier one's, unless it is an error and the earlier one was timed."""
+    out: dict[tuple, dict] = {}
+    for rows in files:
+        for r in rows:
+            k = (r["model"], r.get("batch", 1))
+            if k in out and "parastream_ms" in out[k] and "parastream_ms" not in r:
+                continue
+            out[k] = r
+    return list(out.values())
+
+
+def _geomean(xs: list[float]) -> float:
+    return float(np.exp(np.mean(np.log(xs))))
+
+
+COLUMNS = ("model", "family", "batch", "nodes in → out", "streams / engines", "parastream ms", "parastream items/s",
+           "one stream ms", "torch.compile ms", "vs compile", "vs one stream", "kept (rewrites; timed choices)",
+           "max err (scale)", "build s", "build stages s", "load s", "fresh load s", "rebuild s")
+
+
 def table(rows: list[dict]) -> str:
+    """The markdown table of ``rows`` (each model's batches together, in the order the models first appear), then
+    per batch the geometric mean of the ratios and the models slower than torch.compile."""
     from corpus import MODELS
 
     def family(n):
         return "transformer" if n == "bert" else MODELS[n].family if n in MODELS else "?"
 
-    out = ["| model | family | nodes in → out | streams / engines | parastream ms | one stream ms | torch.compile ms | "
-           "vs compile | vs one stream | max err (scale) | build s | build stages s | load s | fresh load s | "
-           "rebuild s |", "|" + "---|" * 15]
-    ratios_c, ratios_b = [], []
+    first: dict[str, int] = {}
     for r in rows:
+        first.setdefault(r["model"], len(first))
+    rows = sorted(rows, key=lambda r: (first[r["model"]], r.get("batch", 1)))
+    out = ["| " + " | ".join(COLUMNS) + " |", "|" + "---|" * len(COLUMNS)]
+    by_batch: dict[int, list[tuple[str, float, float]]] = {}
+    for r in rows:
+        batch = r.get("batch", 1)
         if "parastream_ms" not in r:
-            out.append(f"| {r['model']} | {family(r['model'])} | " + f"error: {r.get('error', '?')[:120]} |" + " |" * 12)
+            out.append(f"| {r['model']} | {family(r['model'])} | {batch} | error: {str(r.get('error', '?'))[:120]} |"
+                       + " |" * (len(COLUMNS) - 4))
             continue
         c, b = r["compile_ms"] / r["parastream_ms"], r["one_stream_ms"] / r["parastream_ms"]
-        ratios_c.append(c)
-        ratios_b.append(b)
+        by_batch.setdefault(batch, []).append((r["model"], c, b))
         err = max(r["maxerr"].values())
         fl = r.get("fresh_load") or {}
         fresh = (f"{fl['median_s']:.1f} ({', '.join(f'{x:.1f}' for x in fl['each_s'])})" if "median_s" in fl
                  else fl.get("error", "-")[:60])
         rb = r.get("rebuild") or {}
         again = (f"{rb['build_s']:.0f} ({rb['compile_jobs']} compile jobs)" if "build_s" in rb else rb.get("error", "-")[:60])
-        out.append(f"| {r['model']} | {family(r['model'])} | {r['nodes'][0]} → {r['nodes'][1]} | {r['streams']} / {r['engines']} | "
-                   f"{r['parastream_ms']:.3f} | {r['one_stream_ms']:.3f} | {r['compile_ms']:.3f} | {c:.2f}x | {b:.2f}x | "
+        out.append(f"| {r['model']} | {family(r['model'])} | {batch} | {r['nodes'][0]} → {r['nodes'][1]} | "
+                   f"{r['streams']} / {r['engines']} | {r['parastream_ms']:.3f} | {batch * 1e3 / r['parastream_ms']:,.0f} | "
+                   f"{r['one_stream_ms']:.3f} | {r['compile_ms']:.3f} | {c:.2f}x | {b:.2f}x | {kept(r)} | "
                    f"{err:.1e} | {r.get('build_s', 0):.0f} | {_stages(r)} | {r.get('load_s', 0):.1f} | {fresh} | {again} |")
-    if ratios_c:
-        gm = lambda xs: float(np.exp(np.mean(np.log(xs))))  # noqa: E731
-        out.append(f"\ngeometric mean over {len(ratios_c)} models: {gm(ratios_c):.2f}x vs torch.compile, "
-                   f"{gm(ratios_b):.2f}x vs its engines on one stream; slower than torch.compile on "
-                   f"{sum(x < 1 for x in ratios_c)} of {len(ratios_c)}")
-    return "\n".join(out)
+    out.append("")
+    for batch, got in sorted(by_batch.items()):
+        slower = [f"{m} {c:.2f}x" for m, c, _ in got if c < 1]
+        out.append(f"batch {batch}: geometric mean over {len(got)} models: {_geomean([c for _, c, _ in got]):.2f}x vs "
+                   f"torch.compile, {_geomean([b for _, _, b in got]):.2f}x vs its engines on one stream; slower than "
+                   f"torch.compile on {len(slower)} of {len(got)}" + (f" ({', '.join(slower)})" if slower else ""))
+    errors = sum("parastream_ms" not in r for r in rows)
+    if errors:
+        out.append(f"{errors} of {len(rows)} rows not timed (error)")
+    return "\n".join(out).rstrip("\n")
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser()
+# -- the run -------------------------------------------------------------------------------------------------
+
+def batch_sizes(text: str) -> list[int]:
+    """``1,8,32`` -> [1, 8, 32] (each once, in order), ``none`` -> []; anything but positive integers is refused."""
+    if text.strip().lower() == "none":
+        return []
+    out: list[int] = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.isdigit() or int(item) < 1:
+            raise argparse.ArgumentTypeError(f"{text!r}: batch sizes are positive integers separated by commas, e.g. 1,8,32")
+        if int(item) not in out:
+            out.append(int(item))
+    return out
+
+
+def parse_args(argv=None) -> argparse.Namespace:
+    ap = argparse.ArgumentParser(description="The public-model corpus on the GPU: parastream against torch.compile "
+                                             "(reduce-overhead) and its own engines on one stream, per model and batch.")
     ap.add_argument("--models", required=False, default="")
+    ap.add_argument("--batches", type=batch_sizes, default=[1], metavar="N,N,...",
+                    help="batch sizes: each model is exported, built and timed at each (static shapes), torch.compile "
+                         "at the same batch; one row per model and batch, each model's batches started one after "
+                         "the other (default 1)")
+    ap.add_argument("--search-batches", type=batch_sizes, default=None, metavar="N,...",
+                    help="the batches whose build runs the measured rewrite search (--measure-seconds, --top-k); the "
+                         "builds at the other batches rank the search's candidates by the cost model and measure only "
+                         "the input and its best candidate (--measure-seconds 0 --top-k 1), saving the measured "
+                         "search's seconds per build; every build still times its fusions and streams on the GPU "
+                         "(default: every batch of --batches; none: no build runs it)")
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=540, help="stop starting builds and timings after this")
     ap.add_argument("--measure-seconds", type=float, default=20)
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--fresh-loads", type=int, default=3,
-                    help="fresh-process loads per bundle, empty Inductor/Triton caches (0: none)")
+                    help="fresh-process loads per bundle (each model and batch), empty Inductor/Triton caches (0: none)")
     ap.add_argument("--rebuild", action="store_true",
                     help="build each model with a --cache-dir and build it again in a fresh process (the warm rebuild)")
-    ap.add_argument("--table", default=None, metavar="JSON", help="print the table of a corpus_gpu.json and exit")
+    ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
+                    help="print the table of corpus_gpu.json files (their rows together; rows without a batch are "
+                         "batch 1) and exit")
     ap.add_argument("--rebuild-of", default=None, help=argparse.SUPPRESS)  # the child process: rebuild one model
     ap.add_argument("--work", default="/tmp/corpus_gpu")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/corpus_gpu_out"))
     ap.add_argument("--prepare", default=None, help=argparse.SUPPRESS)  # the child process: build one model
+    ap.add_argument("--batch", type=int, default=1, help=argparse.SUPPRESS)  # ... at this batch
     args = ap.parse_args(argv)
+    if not args.batches:
+        ap.error("--batches none: give at least one batch size")
+    if args.search_batches is not None and not set(args.search_batches) <= set(args.batches):
+        ap.error(f"--search-batches {','.join(map(str, args.search_batches))}: not among --batches "
+                 f"{','.join(map(str, args.batches))}")
+    return args
+
+
+def main(argv=None) -> int:
+    args = parse_args(argv)
     if args.table:
-        print(table(json.loads(Path(args.table).read_text())))
+        files = []
+        for f in args.table:
+            try:
+                files.append(json.loads(Path(f).read_text()))
+            except (OSError, ValueError) as e:
+                print(f"--table {f}: {error_text(e)}", file=sys.stderr)
+                return 2
+        print(table(merged(files)))
         return 0
     work, out = Path(args.work), Path(args.out)
     work.mkdir(parents=True, exist_ok=True)
     out.mkdir(parents=True, exist_ok=True)
     if args.prepare:
         try:
-            row = prepare(args.prepare, work, args)
+            row = prepare(args.prepare, args.batch, work, args)
         except Exception as e:  # noqa: BLE001 - the row says what failed
             traceback.print_exc()
-            row = {"model": args.prepare, "error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
-        (work / f"{args.prepare}.prep.json").write_text(json.dumps(row, default=str))
+            row = {"model": args.prepare, "batch": args.batch, "error": error_text(e)}
+        (work / f"{job_key(args.prepare, args.batch)}.prep.json").write_text(json.dumps(row, default=str))
         return 0
     if args.rebuild_of:
         try:
-            got = rebuild(args.rebuild_of, work, args)
+            got = rebuild(args.rebuild_of, args.batch, work, args)
         except Exception as e:  # noqa: BLE001 - the row says what failed
             traceback.print_exc()
-            got = {"error": f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"}
-        (work / f"{args.rebuild_of}.rebuild.json").write_text(json.dumps(got, default=str))
+            got = {"error": error_text(e)}
+        (work / f"{job_key(args.rebuild_of, args.batch)}.rebuild.json").write_text(json.dumps(got, default=str))
         return 0
 
     import torch
 
     t_start = time.perf_counter()
     names = list(filter(None, args.models.split(",")))  # started in this order: long builds first pay off
-    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; {len(names)} models, {args.workers} builds at a time",
-          flush=True)
+    # a job: (model, batch, a rebuild of it); each model's batches one after the other
+    pending: list[tuple[str, int, bool]] = [(n, b, False) for n in names for b in args.batches]
+    print(f"device: {torch.cuda.get_device_name(0)}, torch {torch.__version__}; {len(names)} models at batch "
+          f"{','.join(map(str, args.batches))}, {args.workers} builds at a time", flush=True)
     env = dict(os.environ, TORCHINDUCTOR_COMPILE_THREADS=str(max(1, (os.cpu_count() or 4) // args.workers)))
-    pending, running, rows = list(names), {}, []
+    running: dict[tuple[str, int, bool], tuple] = {}
+    rows: list[dict] = []
     logs = out / "logs"
     logs.mkdir(exist_ok=True)
 
@@ -352,71 +525,76 @@ def main(argv=None) -> int:
         (out / "corpus_gpu.json").write_text(json.dumps(rows, indent=1, default=str))
         (out / "corpus_gpu.md").write_text(table(rows) + "\n")
 
-    rebuilt = "#rebuild"  # a pending or running job of this suffix rebuilds a model built already (``--rebuild``)
-
-    def row_of(n: str) -> dict:
-        return next(r for r in rows if r["model"] == n)
+    def row_of(n: str, b: int) -> dict:
+        return next(r for r in rows if r["model"] == n and r.get("batch", 1) == b)
 
     while pending or running:
         elapsed = time.perf_counter() - t_start
         while pending and len(running) < args.workers and elapsed < args.seconds * 0.6:
-            n = pending.pop(0)
-            f = open(logs / f"{n}.log", "w")  # noqa: SIM115 - closed when the child ends
-            model, again = n.removesuffix(rebuilt), n.endswith(rebuilt)
-            cmd = [sys.executable, __file__, "--rebuild-of" if again else "--prepare", model, "--work", str(work),
-                   "--measure-seconds", str(args.measure_seconds), "--top-k", str(args.top_k)] + (["--rebuild"] if args.rebuild else [])
-            running[n] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True), f, time.perf_counter())
-            print(f"[{elapsed:5.0f} s] {'rebuild' if again else 'build'} {model}", flush=True)
-        done = [n for n, (p, _, _) in running.items() if p.poll() is not None]
+            job = pending.pop(0)
+            model, batch, again = job
+            key = job_key(model, batch)
+            f = open(logs / f"{key}{'.rebuild' if again else ''}.log", "w")  # noqa: SIM115 - closed when the child ends
+            measure_s, top_k = build_settings(batch, args)
+            cmd = [sys.executable, __file__, "--rebuild-of" if again else "--prepare", model, "--batch", str(batch),
+                   "--work", str(work), "--measure-seconds", str(measure_s), "--top-k", str(top_k)] \
+                + (["--rebuild"] if args.rebuild else [])
+            running[job] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True), f, time.perf_counter())
+            print(f"[{elapsed:5.0f} s] {'rebuild' if again else 'build'} {model} at batch {batch}", flush=True)
+        done = [j for j, (p, _, _) in running.items() if p.poll() is not None]
         if elapsed > args.seconds:
-            for n, (p, f, _) in running.items():
+            for (model, batch, again), (p, f, _) in running.items():
                 with contextlib.suppress(ProcessLookupError):
                     os.killpg(p.pid, signal.SIGKILL)
                 late = {"error": f"not finished within --seconds {args.seconds:.0f}"}
-                if n.endswith(rebuilt):
-                    row_of(n.removesuffix(rebuilt))["rebuild"] = late
+                if again:
+                    row_of(model, batch)["rebuild"] = late
                 else:
-                    rows.append({"model": n, **late})
+                    rows.append({"model": model, "batch": batch, **late})
             running.clear()
-            for n in pending:
-                if n.endswith(rebuilt):
-                    row_of(n.removesuffix(rebuilt))["rebuild"] = {"error": "not started (time)"}
+            for model, batch, again in pending:
+                if again:
+                    row_of(model, batch)["rebuild"] = {"error": "not started (time)"}
                 else:
-                    rows.append({"model": n, "error": "not started (time)"})
+                    rows.append({"model": model, "batch": batch, "error": "not started (time)"})
             pending.clear()
             break
         if not done:
             time.sleep(1)
             continue
-        for n in done:
-            p, f, t0 = running.pop(n)
+        for job in done:
+            p, f, t0 = running.pop(job)
             f.close()
-            if n.endswith(rebuilt):
-                model = n.removesuffix(rebuilt)
-                got = work / f"{model}.rebuild.json"
-                row_of(model)["rebuild"] = (json.loads(got.read_text()) if got.exists()
-                                            else {"error": f"rebuild process exited {p.returncode}"})
-                print(f"[{time.perf_counter() - t_start:5.0f} s] {json.dumps({'model': model, 'rebuild': row_of(model)['rebuild']}, default=str)}",
+            model, batch, again = job
+            key = job_key(model, batch)
+            if again:
+                got = work / f"{key}.rebuild.json"
+                row_of(model, batch)["rebuild"] = (json.loads(got.read_text()) if got.exists()
+                                                   else {"error": f"rebuild process exited {p.returncode}"})
+                print(f"[{time.perf_counter() - t_start:5.0f} s] "
+                      f"{json.dumps({'model': model, 'batch': batch, 'rebuild': row_of(model, batch)['rebuild']}, default=str)}",
                       flush=True)
                 save()
                 continue
-            prep = work / f"{n}.prep.json"
-            row = json.loads(prep.read_text()) if prep.exists() else {"model": n, "error": f"build process exited {p.returncode}"}
+            prep = work / f"{key}.prep.json"
+            row = (json.loads(prep.read_text()) if prep.exists()
+                   else {"model": model, "batch": batch, "error": f"build process exited {p.returncode}"})
             row["prepare_wall_s"] = time.perf_counter() - t0
+            row["search_mode"] = "measured" if searched(batch, args) else "cost model"
             if "error" not in row:
                 try:
-                    row = time_model(n, work, row, args, [q for q, _, _ in running.values()])
+                    row = time_model(model, batch, work, row, args, [q for q, _, _ in running.values()])
                     if args.fresh_loads > 0:
-                        row["fresh_load"] = fresh_loads(work / f"{n}_bundle", args.fresh_loads,
+                        row["fresh_load"] = fresh_loads(work / f"{key}_bundle", args.fresh_loads,
                                                         [q for q, _, _ in running.values()])
-                except Exception as e:  # noqa: BLE001
+                except Exception as e:  # noqa: BLE001 - the row says what failed; the next rows go on
                     traceback.print_exc()
-                    row["error"] = f"timing: {type(e).__name__}: {e}"
+                    row["error"] = f"timing: {error_text(e)}"
                 if args.rebuild:  # next: a fresh process, the model's cache filled by this build
-                    pending.insert(0, n + rebuilt)
+                    pending.insert(0, (model, batch, True))
             rows.append(row)
-            brief = {k: row.get(k) for k in ("model", "error", "parastream_ms", "one_stream_ms", "compile_ms", "streams", "engines",
-                                             "build_s", "load_s", "maxerr", "stage_seconds")}
+            brief = {k: row.get(k) for k in ("model", "batch", "error", "parastream_ms", "one_stream_ms", "compile_ms", "streams",
+                                             "engines", "build_s", "load_s", "maxerr", "stage_seconds")}
             brief["fresh_load_s"] = (row.get("fresh_load") or {}).get("median_s")
             print(f"[{time.perf_counter() - t_start:5.0f} s] {json.dumps(brief, default=str)}", flush=True)
             save()

@@ -36,8 +36,26 @@ sys.path.insert(0, str(ROOT / "tests"))
 MODELS = ("inception_v3", "googlenet", "resnet50", "bert")
 
 
-def make_model(name: str):
-    """(torch model in fp32 eval mode on the CPU, dict of example inputs, onnx input names)."""
+def make_model(name: str, batch: int = 1):
+    """(torch model in fp32 eval mode on the CPU, dict of example inputs at ``batch``).  The model is the same
+    at every batch (its weights and BatchNorm statistics do not depend on it); see ``at_batch``."""
+    model, inputs = _make_model(name)
+    return model, at_batch(inputs, batch)
+
+
+def at_batch(inputs: dict, batch: int) -> dict:
+    """``inputs`` (batch 1) at ``batch``: float tensors drawn afresh (a generator seeded by the batch, so that
+    the model's own random stream is untouched), integer ones (BERT's token ids and mask) repeated row by row."""
+    import torch
+
+    if batch == 1:
+        return inputs
+    gen = torch.Generator().manual_seed(batch)
+    return {k: torch.randn((batch, *v.shape[1:]), generator=gen, dtype=v.dtype) if v.is_floating_point()
+            else v.repeat(batch, *[1] * (v.dim() - 1)) for k, v in inputs.items()}
+
+
+def _make_model(name: str):
     import torch
 
     torch.manual_seed(0)
@@ -129,11 +147,12 @@ def export(model, inputs: dict, path: Path, *, dynamic_batch: bool = False) -> l
     return outs
 
 
-def export_with_reference(name: str, folder: Path) -> tuple:
+def export_with_reference(name: str, folder: Path, batch: int = 1) -> tuple:
     """(model, inputs, onnx path, numpy feeds, onnxruntime's outputs on them, export seconds) of one of
-    ``make_model``'s models, exported into ``folder``."""
-    model, inputs = make_model(name)
-    onnx_path = folder / f"{name}.onnx"
+    ``make_model``'s models at ``batch`` (static shapes), exported into ``folder`` (``NAME.onnx`` at batch 1,
+    ``NAME_bN.onnx`` at batch N)."""
+    model, inputs = make_model(name, batch)
+    onnx_path = folder / (f"{name}.onnx" if batch == 1 else f"{name}_b{batch}.onnx")
     t0 = time.perf_counter()
     export(model, inputs, onnx_path)
     export_s = time.perf_counter() - t0
