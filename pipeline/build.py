@@ -277,6 +277,7 @@ def _launcher_options(options: BuildOptions) -> dict:
     """The builder options a launcher reads back from manifest.json (``Bundle.engine_options``)."""
     return {"compile": options.compile, "optimization_level": options.optimization_level,
             "fuse_conv_relu": options.fuse_conv_relu, "fuse_attention": options.fuse_attention,
+            "fuse_gemm_epilogue": options.fuse_gemm_epilogue,
             "torch_artifact": options.torch_artifact,
             "inductor_format": options.inductor_format}
 
@@ -656,12 +657,13 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
         return
     with b.timed("measure_alternatives"):
         task = b.bar.step("time the plan against its alternatives on the GPU")
-        fused, attention = b.options.fuse_conv_relu, b.options.fuse_attention
+        fused, attention, gemm = b.options.fuse_conv_relu, b.options.fuse_attention, b.options.fuse_gemm_epilogue
         early = b.timed_alternatives or {}
         if early and not early.get("partial"):  # timed against this plan's engines during the search
             measured = {k: v for k, v in early.items() if k != "plan"}
             b.options.fuse_conv_relu = measured["fuse_conv_relu"]
             b.options.fuse_attention = measured.get("fuse_attention", attention)
+            b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", gemm)
         else:  # the bundle as written, loaded from ``tmp`` (its manifest is written after this stage), from the
             # rounds the search timed on (none, or those before an alternative won)
             shipped = Variant(b.model, b.graph, b.plan, b.options)
@@ -670,8 +672,9 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
             if measured:
                 b.options.fuse_conv_relu = measured["fuse_conv_relu"]
                 b.options.fuse_attention = measured.get("fuse_attention", attention)
+                b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", gemm)
         b.measured = measured
-        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured, attention)):
+        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured, attention, gemm)):
             if measured["one_engine"]:
                 b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
                 _record_measured_streams(b.streams_tried, b.sched)

@@ -60,6 +60,10 @@ class BuildOptions:
     # torch backend: an attention node (rewrite rule fuse_attention) runs as one scaled_dot_product_attention
     # kernel; off, as its matmul-softmax-matmul.  A GPU build times both and records the faster in manifest.json.
     fuse_attention: bool = True
+    # torch backend on a GPU: a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) runs as one
+    # torch._addmm_activation (cuBLASLt's fused epilogue); off, as its matmul, add and activation.  A GPU build
+    # times both and records the faster in manifest.json.
+    fuse_gemm_epilogue: bool = True
     # onnxruntime: build() loads each branch into a session to check it; off where the caller loads it next
     # anyway (the CPU build's scratch bundles, loaded to be timed: the check cost a second copy of the weights)
     check: bool = True

@@ -355,6 +355,7 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
                          "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
                          **({} if options.fuse_attention else {"fuse_attention": False}),  # keys made before it stay
+                         **({} if options.fuse_gemm_epilogue else {"fuse_gemm_epilogue": False}),
                          **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
@@ -485,6 +486,12 @@ def _fuse(device: str, dtype: str, options: BuildOptions) -> bool:
     return device == "cuda" and FUSE_CONV_RELU and options.fuse_conv_relu and dtype in ("float16", "float32")
 
 
+def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:
+    # cuBLASLt's epilogue, whose GELU is the tanh approximation on CUDA (the converter fuses a GELU only where that
+    # is what it computes); a GPU build times the bundle with and without it (options.fuse_gemm_epilogue)
+    return device == "cuda" and options.fuse_gemm_epilogue
+
+
 def _known_inductor_configs(configs: dict) -> dict:
     """The entries of ``configs`` that this torch's Inductor knows (torch 2.11 has no
     ``aot_inductor.enable_line_tables``, and an unknown key fails the whole compile)."""
@@ -510,7 +517,8 @@ def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: l
     from .onnx_torch import convert, to_fx
 
     module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype, options),
-                     fuse_attention=options.fuse_attention).to(device)
+                     fuse_attention=options.fuse_attention,
+                     fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options)).to(device)
     try:
         inner = to_fx(module)  # straight-line code rather than the interpreter loop
     except Exception:  # noqa: BLE001 - the interpreter module compiles too
@@ -1113,6 +1121,7 @@ class Builder(BuilderBase):
             rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
             meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
                     "fuse_conv_relu": fuse, "fuse_attention": bool(self.options.fuse_attention),
+                    "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue),
                     "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}
             out.append((key, name, meta, onnx_bytes, package))
@@ -1549,7 +1558,8 @@ class TorchEngine:
         elsewhere = meta.get("compiled") == "inductor" and device == "cuda" and torch.cuda.current_device() != 0
         self.compiled_at_load = elsewhere or not (package is not None and meta.get("signature") == sig
                                                   and meta.get("dtype") == self.dtype and meta.get("fuse_conv_relu") == fuse
-                                                  and meta.get("fuse_attention", True) == options.fuse_attention)
+                                                  and meta.get("fuse_attention", True) == options.fuse_attention
+                                                  and meta.get("fuse_gemm_epilogue", True) == options.fuse_gemm_epilogue)
         self._runner = None
         self.module = None
         if not self.compiled_at_load and meta.get("compiled") in ("inductor", "kernels"):
@@ -1563,7 +1573,8 @@ class TorchEngine:
             from .onnx_torch import convert, to_device_shared
 
             self.module = to_device_shared(convert(_branch_model(engine.onnx()), self.dtype, fuse_conv_relu=fuse,
-                                                   fuse_attention=options.fuse_attention), device)
+                                                   fuse_attention=options.fuse_attention,
+                                                   fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options)), device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}

@@ -201,6 +201,28 @@ def test_erf_gelu_runs_the_fused_kernel_in_half_precision(monkeypatch):
     assert spy.calls and set(spy.calls) == {True}
 
 
+def test_the_cost_model_prices_the_fused_node_as_its_gemm():
+    """The roofline prices the fused node by its GEMM and activation (FLOPs) and the bytes of X, W, B and Y, not
+    free: about what it prices a MatMul, bias Add and Relu at (it counts those two as the GEMM's epilogue
+    already), and less than a decomposed GELU (whose nodes read x more than once: kernels of their own)."""
+    from parastream.rewrite.cost import RooflineCostModel, node_flops_bytes
+    from parastream.rewrite.ir import import_graph
+
+    m = linear("erf")
+    out, _ = apply_everywhere(RULE, m)
+    (node,) = [n for n in import_graph(out).nodes if n.op == fused_ops.GEMM_ACTIVATION]
+    flops, byts = node_flops_bytes(node)
+    assert flops == 2.0 * B * S * N * K + 12.0 * B * S * N
+    assert byts == 4.0 * (B * S * K + K * N + N + B * S * N)
+    cm = RooflineCostModel()
+    fused, plain = cm.graph_cost(import_graph(out), 1)[1], cm.graph_cost(import_graph(m), 1)[1]
+    assert 0 < fused < 0.5 * plain
+    relu = linear("relu")
+    fused = cm.graph_cost(import_graph(apply_everywhere(RULE, relu)[0]), 1)[1]
+    plain = cm.graph_cost(import_graph(relu), 1)[1]
+    assert 0.99 * plain < fused <= plain * 1.001
+
+
 # -- must not fire ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, why", [
