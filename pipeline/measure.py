@@ -108,12 +108,20 @@ def round_labels(what: str, plan) -> tuple[str, str]:
 
 
 def has_conv_relu(model: onnx.ModelProto) -> bool:
-    """Whether a Conv's output is read by one Relu only (what cuDNN's fused conv + bias + ReLU runs)."""
-    readers: dict[str, list[str]] = {}
+    """Whether a Conv's output is read by one Relu only, or by one Add whose sum one Relu alone reads (what cuDNN's
+    fused conv + bias (+ residual) + ReLU runs)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
     for n in model.graph.node:
         for i in n.input:
-            readers.setdefault(i, []).append(n.op_type)
-    return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
+            readers.setdefault(i, []).append(n)
+
+    def only(name: str, op: str) -> onnx.NodeProto | None:
+        got = readers.get(name, [])
+        return got[0] if len(got) == 1 and got[0].op_type == op else None
+
+    return any(n.op_type == "Conv" and (only(n.output[0], "Relu") is not None or (
+        (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None))
+        for n in model.graph.node)
 
 
 def has_fused_attention(model: onnx.ModelProto) -> bool:

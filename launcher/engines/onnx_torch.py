@@ -363,7 +363,8 @@ def _conv(n: NodeView):
 
 
 class _ConvFn:
-    """A convolution with symmetric padding; ``relu_fused()`` gives cuDNN's conv + bias + ReLU in one kernel."""
+    """A convolution with symmetric padding; ``relu_fused()`` gives cuDNN's conv + bias + ReLU in one kernel,
+    ``add_relu_fused()`` cuDNN's conv + bias + residual + ReLU."""
 
     def __init__(self, fconv, strides, padding, dilations, group, nd):
         self.fconv, self.strides, self.padding, self.dilations, self.group, self.nd = fconv, strides, padding, dilations, group, nd
@@ -375,6 +376,13 @@ class _ConvFn:
         torch = _torch()
         strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
         return lambda x, w, b=None: torch.cudnn_convolution_relu(x, w, b, strides, padding, dilations, group)
+
+    def add_relu_fused(self):
+        """relu(conv(x, w) + z + b) as one cuDNN call (``torch.cudnn_convolution_add_relu``, alpha 1 on z)."""
+        torch = _torch()
+        strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
+        return lambda x, w, z, b=None: torch.cudnn_convolution_add_relu(x, w, z, 1.0, b, strides, padding,
+                                                                        dilations, group)
 
 
 @converter("ConvTranspose")
@@ -1115,6 +1123,50 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
     return out, fused
 
 
+def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str],
+                        shapes: dict[str, tuple]) -> tuple[list, int, dict[int, str]]:
+    """Conv (2-d, symmetric pads, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual:
+    no broadcasting) + Relu, each output read only by the next and none a graph output (``keep``) -> one cuDNN
+    conv + bias + residual + ReLU step, relu(conv(x, w) + z + b), in the Relu's place (where x and z are both
+    computed).  The fused weights are stored channels-last, as ``_fuse_conv_relu`` stores them.  Returns the new
+    steps, how many chains were fused, and ``op_of`` for the new steps' indices."""
+    torch = _torch()
+    readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
+    producer = {name: i for i, st in enumerate(steps) for name in st.outputs if name}
+    drop: set[int] = set()
+    fused: dict[int, Step] = {}
+    for i, add in enumerate(steps):
+        if op_of.get(i) != "Add" or len(add.outputs) != 1 or add.outputs[0] in keep or len(add.args) != 2:
+            continue
+        after = readers.get(add.outputs[0], [])
+        if len(after) != 1 or op_of.get(after[0]) != "Relu" or after[0] in fused:
+            continue
+        if any(a is None or a[0] != "v" for a in add.args) or add.args[0][1] == add.args[1][1]:
+            continue
+        for j in (0, 1):
+            c = producer.get(add.args[j][1])
+            z = add.args[1 - j][1]
+            if c is None or c in drop:
+                continue
+            conv = steps[c]
+            w = conv.args[1] if len(conv.args) > 1 else None
+            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and len(conv.outputs) == 1
+                    and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
+                    and w is not None and w[0] == "c"
+                    and shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])):
+                continue
+            relu = steps[after[0]]
+            consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+            bias = conv.args[2] if len(conv.args) > 2 else None
+            fused[after[0]] = Step(conv.fn.add_relu_fused(), [conv.args[0], w, ("v", z), bias], relu.outputs,
+                                   f"{conv.node}+{add.node}+{relu.node}")
+            drop.update((c, i))
+            break
+    kept = [i for i in range(len(steps)) if i not in drop]
+    return ([fused.get(i, steps[i]) for i in kept], len(fused),
+            {new: ("Conv+Add+Relu" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
+
+
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
@@ -1122,7 +1174,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
     ``forward``'s first consumers (callers do that; see ``TorchEngine``).  Raises
     ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
-    only: cuDNN's fused kernel) turns each 2-d Conv whose only reader is a Relu into one step.
+    only: cuDNN's fused kernels) turns each 2-d Conv whose only reader is a Relu into one step, and each
+    2-d Conv + residual Add + Relu into one ``torch.cudnn_convolution_add_relu`` step.
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
     matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
     the tanh approximation there) runs each matmul-bias-activation node as one ``torch._addmm_activation``; off,
@@ -1229,11 +1282,14 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         if v is None:
             raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
-    fused = 0
+    fused = residual = 0
     if fuse_conv_relu:
-        steps, fused = _fuse_conv_relu(steps, {ref for kind, ref in output_refs if kind == "v"}, consts, op_of)
+        keep = {ref for kind, ref in output_refs if kind == "v"}
+        steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, {k: v.shape for k, v in values.items()})
+        steps, fused = _fuse_conv_relu(steps, keep, consts, op_of)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
+    module.fused_conv_add_relu = residual
     module.eval()
     module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]
     return module
