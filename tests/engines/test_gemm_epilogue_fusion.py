@@ -229,6 +229,18 @@ def test_a_torch_build_fuses_the_epilogue_and_verifies(tmp_path, monkeypatch):
     np.testing.assert_allclose(got, ort_reference(), rtol=1e-4, atol=1e-4)
 
 
+def test_localize_runs_the_fused_node_in_onnxruntime():
+    """``parastream verify --localize`` runs the rewritten model in ONNX Runtime: the node as its plain ops."""
+    from parastream.pipeline.localize import Values
+
+    for activation, approximate in (("Relu", "none"), ("Gelu", "none"), ("Gelu", "tanh")):
+        fused = mlp_model(fused=True, activation=activation, approximate=approximate)
+        got = Values(fused).run(["h", "y"], feeds())
+        np.testing.assert_allclose(got["y"], ort_reference(activation, approximate), rtol=1e-5, atol=1e-5)
+    plain = mlp_model(fused=False)
+    assert Values(plain).model is plain  # nothing to write back: not copied
+
+
 # -- GPU: the kernel and the timing -------------------------------------------------------------------------------
 
 @pytest.mark.gpu

@@ -1,7 +1,8 @@
 """fuse_gemm_epilogue: the fused node computes what ONNX Runtime computes on the unfused graph.
 
-ONNX Runtime cannot run parastream's own node, so the fused graph runs in the torch backend's converter on the
-CPU against ONNX Runtime on the original: as the matmul, add and activation it stands for (exactly), and as
+ONNX Runtime cannot run parastream's own node: it runs the fused graph with the node written back as plain ops
+(``fused_ops.plain_onnx``) against the original, and the torch backend's converter runs it on the CPU against
+ONNX Runtime on the original: as the matmul, add and activation it stands for (exactly), and as
 ``torch._addmm_activation`` (the fused kernel; on the CPU its GELU is erf GELU, within 4.7e-4 of the tanh
 approximation the kernel computes on CUDA).  The graphs: hand-built ones for each form the rule knows, and a
 Linear followed by each activation as the TorchScript and the dynamo exporter write it.
@@ -22,7 +23,7 @@ from parastream.core import fused_ops
 from parastream.rewrite.rules import ALL_RULES, rules_for
 from parastream.rewrite.rules.fuse_gemm_epilogue import FuseGemmEpilogue
 
-from rule_testing import apply_everywhere, model, ops, random_feeds, reasons, run, vi, weight
+from rule_testing import apply_everywhere, assert_equivalent, model, ops, random_feeds, reasons, run, vi, weight
 
 torch = pytest.importorskip("torch")
 from parastream.launcher.engines.onnx_torch import convert  # noqa: E402 - needs torch
@@ -163,6 +164,10 @@ def test_fuses_each_form_and_matches_onnxruntime(activation, kwargs, monkeypatch
     assert list(node.input) == ["x", "w", "b"] and list(node.output) == ["y"]
     assert any(o.domain == fused_ops.DOMAIN for o in out.opset_import)
     onnx.checker.check_model(out, full_check=True)  # the schema (core/fused_ops.py) infers Y's type and shape
+    plain = fused_ops.plain_onnx(out)
+    assert not any(o.domain == fused_ops.DOMAIN for o in plain.opset_import) and fused_nodes(out)
+    onnx.checker.check_model(plain, full_check=True)
+    assert_equivalent(m, plain)  # ONNX Runtime on both, the node written back as plain ops
     assert_torch_matches_ort(m, out, fuse=False)  # as the three ops: exactly
     spy = AddmmSpy(monkeypatch)
     # the fused kernel (the CPU computes erf GELU for use_gelu; CUDA the tanh form) where it computes the node's
@@ -181,6 +186,7 @@ def test_a_gemm_and_its_bias(trans, monkeypatch):
     (node,) = fused_nodes(out)
     w = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}[node.input[1]]
     assert w.shape == (K, N)  # a constant transB weight is transposed here, not by a node
+    assert_equivalent(m, fused_ops.plain_onnx(out))
     assert_torch_matches_ort(m, out, fuse=False)
     spy = AddmmSpy(monkeypatch)
     relu = linear("relu", gemm=trans, x_shape=(B, K))
@@ -303,5 +309,6 @@ def test_exported_linear_and_activation(act, exporter, opset, x_shape):
     (node,) = fused_nodes(out)
     assert attrs_of(node).get("approximate", "none") == ("tanh" if act == "gelu_tanh" else "none")
     assert not {"Erf", "Tanh", "Gelu", "Relu"} & set(ops(out))
+    assert_equivalent(m, fused_ops.plain_onnx(out))
     assert_torch_matches_ort(m, out, fuse=False)
     assert_torch_matches_ort(m, out, fuse=True, atol=GELU_TANH_VS_ERF * 4 if act == "gelu_tanh" else 0.0)
