@@ -101,7 +101,8 @@ ROUNDS = ("attention", "GEMM epilogue", "conv+ReLU", "boundary layout", "streams
 def round_labels(what: str, plan) -> tuple[str, str]:
     """What a round of ``time_alternatives`` races: (the plan as it is, the alternative)."""
     return {"attention": ("one SDPA kernel per attention", "attention as matmul, softmax, matmul"),
-            "GEMM epilogue": ("cuBLASLt GEMM with fused bias and activation", "GEMM, bias and activation as Inductor's kernels"),
+            "GEMM epilogue": ("cuBLASLt GEMM with fused bias and activation",
+                              "GEMM, bias and activation as Inductor's kernels"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
             "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
@@ -439,8 +440,9 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     instead, one choice at a time, each round in alternating blocks of CUDA-event timed replays
     (``race``): (0) attention nodes as one SDPA kernel or decomposed (``fuse_attention``; engines compiled for
     each), (0b) matmul-bias-activation nodes as one cuBLASLt GEMM with its epilogue or as their plain ops
-    (``fuse_gemm_epilogue``; engines compiled for each), (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last against contiguous
-    internal boundaries (when the plan has channels-last internal boundaries), (3) the plan against one engine
+    (``fuse_gemm_epilogue``; engines compiled for each), (1) engines with and without cuDNN's fused conv + bias
+    (+ residual) + ReLU, (2) channels-last against contiguous internal boundaries (when the plan has
+    channels-last internal boundaries), (3) the plan against one engine
     for the whole model (when the plan has several streams).  Engines compiled for a layout
     (``compiles_for_layout``) are compiled for each alternative; others load as they are with other launcher
     settings.  ``timed``: the first rounds, timed already against ``v``'s plan during the search

@@ -1150,10 +1150,10 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
                 continue
             conv = steps[c]
             w = conv.args[1] if len(conv.args) > 1 else None
-            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and len(conv.outputs) == 1
+            same_shape = shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])
+            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and len(conv.outputs) == 1 and same_shape
                     and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
-                    and w is not None and w[0] == "c"
-                    and shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])):
+                    and w is not None and w[0] == "c"):
                 continue
             relu = steps[after[0]]
             consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)

@@ -273,7 +273,8 @@ def _tiny_vit_mlp(folder):
     class Block(torch.nn.Module):
         def __init__(self):
             super().__init__()
-            self.fc1, self.act, self.fc2 = torch.nn.Linear(256, 1024), torch.nn.GELU(approximate="tanh"), torch.nn.Linear(1024, 256)
+            self.fc1, self.fc2 = torch.nn.Linear(256, 1024), torch.nn.Linear(1024, 256)
+            self.act = torch.nn.GELU(approximate="tanh")
 
         def forward(self, x):
             return x + self.fc2(self.act(self.fc1(x)))

@@ -17,7 +17,7 @@ import warnings
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import helper, numpy_helper
 
 from parastream.core import fused_ops
 from parastream.rewrite.rules import ALL_RULES, rules_for
