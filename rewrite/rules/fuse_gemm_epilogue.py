@@ -4,11 +4,15 @@
 
 The chain it replaces, as both exporters write a Linear followed by an activation:
 
-* the product: ``MatMul(X, W)`` with W 2-d (a weight, not a per-batch matrix), or ``Gemm(A, W, C)`` with
-  transA = 0, alpha = beta = 1 and a bias C (transB = 1 gets W's transpose: a constant transposed here, else a
-  Transpose node);
+* the product: ``MatMul(X, W)`` with W 2-d (a weight, not a per-batch matrix), or ``Gemm(A, W[, C])`` with
+  transA = 0 and alpha = beta = 1 (transB = 1 gets W's transpose: a constant transposed here, else a Transpose
+  node);
 * the bias: ``Add(product, B)`` in either order, B of static shape [1, ..., 1, N] not enlarging the product
-  (a Gemm's C is the bias itself);
+  (a Gemm's C is the bias itself); none (a Linear without bias, or one whose zero bias an exporter folded
+  away): a MatMul read by the activation itself, or a Gemm without C, gets a zero bias;
+* a Reshape between the biased product and the activation, as GPT-2's Conv1D writes it (the product of the
+  rows flattened to 2-d, reshaped back): the activation is elementwise, so act(reshape(y)) = reshape(act(y)),
+  and the fused node is followed by the same Reshape;
 * the activation of the biased product ``x``: ``Relu(x)``; ONNX's ``Gelu(x)`` (opset 20, either ``approximate``);
   the erf form 0.5·x·(1 + erf(x/√2)) (x/√2 as a Div by √2 or a Mul by 1/√2; the product of x, 0.5 and
   1 + erf in any order of Muls, as the TorchScript exporter, the dynamo exporter at opset 18 and transformers
@@ -43,11 +47,12 @@ class Epilogue:
 
     x: gs.Tensor
     w: gs.Tensor
-    bias: gs.Tensor
+    bias: gs.Tensor | None  # None: no bias (a zero bias)
     out: gs.Tensor
     activation: str = "Relu"
     approximate: str = "none"
     transpose_w: bool = False
+    reshape: gs.Node | None = None  # a Reshape between the biased product and the activation
     nodes: list[gs.Node] = field(default_factory=list)  # every node replaced, the product first
 
 
@@ -234,45 +239,47 @@ def find_epilogue(graph: gs.Graph, product: gs.Node) -> Epilogue | str:
     """The product-bias-activation chain that starts at ``product`` (a MatMul or a Gemm), or the reason it is
     not one this rule fuses."""
     y = product.outputs[0]
+    nodes, biased, bias = [product], y, None
     if product.op == "Gemm":
-        if len(product.inputs) != 3:
-            return f"{product.name} has no bias"
         if int(product.attrs.get("transA", 0)) != 0 or float(product.attrs.get("alpha", 1.0)) != 1.0 \
                 or float(product.attrs.get("beta", 1.0)) != 1.0:
             return f"{product.name} has transA, alpha or beta"
-        x, w, bias = product.inputs
+        x, w = product.inputs[:2]
+        bias = product.inputs[2] if len(product.inputs) > 2 else None
         transpose_w = bool(int(product.attrs.get("transB", 0)))
-        nodes = [product]
-        biased = y
     else:
         x, w = product.inputs
         transpose_w = False
-        add = _only_reader(graph, y)
-        if add is None:
-            return f"{y.name} is read by {len(y.outputs)} nodes or is a graph output"
-        if add.op != "Add":
-            return f"{y.name} is read by {add.name} ({add.op}), not a bias Add"
-        bias = _other(add, y)
-        if bias is None:
-            return f"{add.name} does not add a bias to {y.name}"
-        nodes = [product, add]
-        biased = add.outputs[0]
+        add = _only_reader(graph, y)  # else no bias: the activation reads the product itself
+        if add is not None and add.op == "Add":
+            bias = _other(add, y)
+            if bias is None:
+                return f"{add.name} does not add a bias to {y.name}"
+            nodes.append(add)
+            biased = add.outputs[0]
     xs, ws = static_shape(x), static_shape(w)
     if xs is None or ws is None or len(ws) != 2 or len(xs) < 2 or (product.op == "Gemm" and len(xs) != 2):
         return f"{product.name} is not [..., K] x [K, N] with a 2-d weight"
     k, n = (ws[1], ws[0]) if transpose_w else (ws[0], ws[1])
     if xs[-1] != k:
         return f"{product.name} is not [..., K] x [K, N]"
-    if not _vector_bias(bias, n, y, biased):
+    if bias is not None and not _vector_bias(bias, n, y, biased):
         return f"the bias {bias.name} is not a vector of the {n} columns of {product.name}"
-    if not _float_type(x, w, bias):
+    if not _float_type(x, w, *([bias] if bias is not None else [])):
         return f"the inputs of {product.name} are not floating point of one type"
+    reshape = _only_reader(graph, biased)
+    if reshape is not None and reshape.op == "Reshape" and static_shape(biased) is not None \
+            and static_shape(reshape.outputs[0]) is not None:
+        nodes.append(reshape)
+        biased = reshape.outputs[0]
+    else:
+        reshape = None
     got = find_activation(graph, biased)
     if isinstance(got, str):
         return got
     activation, approximate, out, act_nodes = got
     return Epilogue(x=x, w=w, bias=bias, out=out, activation=activation, approximate=approximate,
-                    transpose_w=transpose_w, nodes=nodes + act_nodes)
+                    transpose_w=transpose_w, reshape=reshape, nodes=nodes + act_nodes)
 
 
 class FuseGemmEpilogue(Rule):
@@ -317,13 +324,22 @@ class FuseGemmEpilogue(Rule):
                 w = gs.Variable(namer(f"{base}_W"), dtype=ep.w.dtype, shape=[ws[1], ws[0]])
                 graph.nodes.append(gs.Node("Transpose", name=namer(f"{base}_W_transpose"), attrs={"perm": [1, 0]},
                                            inputs=[ep.w], outputs=[w]))
+        bias = ep.bias
+        if bias is None:
+            dtype = np.dtype(ep.x.dtype)
+            bias = gs.Constant(namer(f"{base}_zero_bias"), np.zeros(static_shape(w)[1], dtype=dtype))
         out = ep.out
+        if ep.reshape is not None:  # act(reshape(y)) = reshape(act(y)): the same Reshape after the fused node
+            before = ep.reshape.inputs[0]
+            out = gs.Variable(namer(f"{base}_out"), dtype=before.dtype, shape=before.shape)
+            graph.nodes.append(gs.Node("Reshape", name=namer(ep.reshape.name), attrs=dict(ep.reshape.attrs),
+                                       inputs=[out, ep.reshape.inputs[1]], outputs=[ep.out]))
         detach(*ep.nodes)
         attrs = {"activation": ep.activation}
         if ep.activation == "Gelu":
             attrs["approximate"] = ep.approximate
         graph.nodes.append(gs.Node(fused_ops.GEMM_ACTIVATION, name=namer(base), attrs=attrs,
-                                   inputs=[ep.x, w, ep.bias], outputs=[out], domain=fused_ops.DOMAIN))
+                                   inputs=[ep.x, w, bias], outputs=[out], domain=fused_ops.DOMAIN))
         domains = list(graph.import_domains or [])
         if not any(d.domain == fused_ops.DOMAIN for d in domains):  # a new list: copies share the old one
             graph.import_domains = domains + [fused_ops.opset_id()]

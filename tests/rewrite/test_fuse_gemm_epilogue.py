@@ -101,6 +101,15 @@ def _gelu_nodes(form: str, x: str, y: str) -> tuple[list, list]:
         return nodes, inits
     # the tanh form: 0.5 · x · (1 + tanh(√(2/π) · (x + 0.044715 · x³)))
     inits = [c("k", 0.044715), c("root", math.sqrt(2 / math.pi)), c("one", 1.0), c("half", 0.5), c("three", 3.0)]
+    if form == "tanh_gpt2":  # GPT-2's gelu_new as TorchScript writes it: (0.5 · x) · (1 + tanh(...)), Pow(x, 3)
+        return [helper.make_node("Mul", [x, "half"], ["g_h"], name="g_half"),
+                helper.make_node("Pow", [x, "three"], ["g_c"], name="g_cube"),
+                helper.make_node("Mul", ["g_c", "k"], ["g_kc"], name="g_k"),
+                helper.make_node("Add", [x, "g_kc"], ["g_in"], name="g_inner"),
+                helper.make_node("Mul", ["g_in", "root"], ["g_arg"], name="g_root"),
+                helper.make_node("Tanh", ["g_arg"], ["g_t"], name="g_tanh"),
+                helper.make_node("Add", ["g_t", "one"], ["g_a"], name="g_add"),
+                helper.make_node("Mul", ["g_h", "g_a"], [y], name="g_mul")], inits
     if form == "tanh_pow":
         cube = [helper.make_node("Pow", [x, "three"], ["g_c"], name="g_cube")]
     else:  # TorchScript: x · (x · x)
@@ -117,17 +126,26 @@ def _gelu_nodes(form: str, x: str, y: str) -> tuple[list, list]:
 
 def linear(activation: str = "relu", *, gemm: str | None = None, x_shape=(B, S, K), bias_shape=(N,),
            w_shape=(K, N), bias_first: bool = False, extra_reader: str | None = None, opset: int = 17,
-           graph_output: str | None = None) -> onnx.ModelProto:
-    """y = act(x·W + b) as ``activation`` names it; ``gemm`` "T" or "N": a Gemm with transB 1 or 0 instead."""
+           graph_output: str | None = None, bias: bool = True, reshape_to: tuple | None = None) -> onnx.ModelProto:
+    """y = act(x·W + b) as ``activation`` names it; ``gemm`` "T" or "N": a Gemm with transB 1 or 0 instead;
+    ``bias`` False: no bias; ``reshape_to``: the biased product reshaped to it before the activation."""
     inputs = [vi("x", list(x_shape))]
     inits = [weight("b", list(bias_shape), 1)]
+    h = "hr" if reshape_to else "h"
     if gemm:
         inits.append(weight("w", [N, K] if gemm == "T" else [K, N], 0))
-        nodes = [helper.make_node("Gemm", ["x", "w", "b"], ["h"], name="fc", transB=int(gemm == "T"))]
-    else:
+        nodes = [helper.make_node("Gemm", ["x", "w", "b"] if bias else ["x", "w"], [h], name="fc",
+                                  transB=int(gemm == "T"))]
+    elif bias:
         inits.append(weight("w", list(w_shape), 0))
         nodes = [helper.make_node("MatMul", ["x", "w"], ["mm"], name="fc"),
-                 helper.make_node("Add", ["b", "mm"] if bias_first else ["mm", "b"], ["h"], name="bias")]
+                 helper.make_node("Add", ["b", "mm"] if bias_first else ["mm", "b"], [h], name="bias")]
+    else:
+        inits.append(weight("w", list(w_shape), 0))
+        nodes = [helper.make_node("MatMul", ["x", "w"], [h], name="fc")]
+    if reshape_to:
+        inits.append(numpy_helper.from_array(np.asarray(reshape_to, dtype=np.int64), "to"))
+        nodes.append(helper.make_node("Reshape", ["hr", "to"], ["h"], name="unflatten"))
     if activation == "relu":
         nodes.append(helper.make_node("Relu", ["h"], ["y"], name="relu"))
     elif activation == "sigmoid":
@@ -147,7 +165,7 @@ def linear(activation: str = "relu", *, gemm: str | None = None, x_shape=(B, S, 
 
 
 FORMS = [("relu", {}), ("erf", {}), ("erf_mul", {}), ("erf_dynamo", {}), ("erf_transformers", {}),
-         ("tanh", {}), ("tanh_pow", {}), ("gelu_op", {"opset": 20}), ("gelu_op_tanh", {"opset": 20})]
+         ("tanh", {}), ("tanh_pow", {}), ("tanh_gpt2", {}), ("gelu_op", {"opset": 20}), ("gelu_op_tanh", {"opset": 20})]
 
 
 @pytest.mark.parametrize("activation, kwargs", FORMS)
@@ -176,6 +194,35 @@ def test_fuses_each_form_and_matches_onnxruntime(activation, kwargs, monkeypatch
     assert_torch_matches_ort(m, out, fuse=True, atol=GELU_TANH_VS_ERF if want[1] == "tanh" else 0.0)
     assert bool(spy.calls) == fused
     assert all(use_gelu == (want[0] == "Gelu") for use_gelu in spy.calls)
+
+
+@pytest.mark.parametrize("kwargs", [dict(bias=False), dict(bias=False, gemm="T", x_shape=(B, K)),
+                                    dict(bias=False, activation="erf")])
+def test_no_bias_gets_a_zero_bias(kwargs):
+    """A Linear without bias (or whose zero bias the exporter folded away) is fused with a zero bias."""
+    m = linear(**kwargs)
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1 and ops(out) == [fused_ops.GEMM_ACTIVATION]
+    (node,) = fused_nodes(out)
+    b = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}[node.input[2]]
+    assert b.shape == (N,) and not b.any()
+    assert_equivalent(m, fused_ops.plain_onnx(out))
+    assert_torch_matches_ort(m, out, fuse=False)
+
+
+@pytest.mark.parametrize("activation", ["tanh_gpt2", "relu"])
+@pytest.mark.parametrize("gemm", [None, "N"])
+def test_a_reshape_before_the_activation_follows_the_fused_node(activation, gemm):
+    """GPT-2's Conv1D: the rows flattened to 2-d, a Gemm, reshaped back, then the activation (elementwise: it
+    commutes with the Reshape, which follows the fused node instead)."""
+    m = linear(activation, gemm=gemm, x_shape=(B * S, K), reshape_to=(B, S, N))
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1 and ops(out) == [fused_ops.GEMM_ACTIVATION, "Reshape"]
+    (node,) = fused_nodes(out)
+    assert node.output[0] == next(n for n in out.graph.node if n.op_type == "Reshape").input[0]
+    onnx.checker.check_model(out, full_check=True)
+    assert_equivalent(m, fused_ops.plain_onnx(out))
+    assert_torch_matches_ort(m, out, fuse=False)
 
 
 @pytest.mark.parametrize("trans", ["T", "N"])
@@ -234,7 +281,7 @@ def test_the_cost_model_prices_the_fused_node_as_its_gemm():
 @pytest.mark.parametrize("kwargs, why", [
     (dict(bias_shape=(B, S, N)), "is not a vector"),  # a residual, not a bias
     (dict(bias_shape=(S, N)), "is not a vector"),
-    (dict(extra_reader="mm"), "is read by 2 nodes"),  # the product is needed unbiased too
+    (dict(extra_reader="mm"), "not a ReLU or a GELU alone"),  # the product is needed unbiased too
     (dict(extra_reader="h"), "not a ReLU or a GELU alone"),  # the pre-activation is needed too
     (dict(graph_output="h"), "is a graph output"),
     (dict(activation="sigmoid"), "not a ReLU or a GELU alone"),
@@ -312,3 +359,28 @@ def test_exported_linear_and_activation(act, exporter, opset, x_shape):
     assert_equivalent(m, fused_ops.plain_onnx(out))
     assert_torch_matches_ort(m, out, fuse=False)
     assert_torch_matches_ort(m, out, fuse=True, atol=GELU_TANH_VS_ERF * 4 if act == "gelu_tanh" else 0.0)
+
+
+@pytest.mark.parametrize("kind, exporter, opset", [
+    ("bert", "torchscript", 17), ("bert", "dynamo", 18),  # erf GELU after MatMul + Add
+    ("gpt2", "torchscript", 17), ("gpt2", "dynamo", 18),  # tanh GELU (Pow) after Gemm + Reshape; dynamo: no bias
+    ("vit", "torchscript", 17), ("vit", "dynamo", 18),
+])
+def test_exported_transformers_mlps(kind, exporter, opset):
+    """Each layer's MLP (one layer here) of transformers' models, random weights, as both exporters write them."""
+    from test_fuse_attention import assert_torch_matches_ort as converter_matches_ort
+    from test_fuse_attention import export, feeds_for  # the same tiny models the attention rule is tested on
+
+    from parastream.rewrite.ir import infer
+
+    m = infer(export(kind, exporter, opset), strict=True)
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1, reasons(RULE, m)
+    (node,) = fused_nodes(out)
+    assert attrs_of(node).get("approximate", "none") == ("tanh" if kind == "gpt2" else "none")
+    assert not {"Erf", "Tanh", "Gelu"} & set(ops(out))
+    feeds = feeds_for(m, 7)  # token ids and masks as the models read them
+    want, got = run(m, feeds), run(fused_ops.plain_onnx(out), feeds)
+    for name in want:
+        assert np.max(np.abs(got[name] - want[name])) <= 1e-5 * max(float(np.max(np.abs(want[name]))), 1e-6), name
+    converter_matches_ort(m, out)  # the node as its plain ops in the converter (a CPU engine's)
