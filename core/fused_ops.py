@@ -12,18 +12,34 @@ model's opset has no ``Attention`` (opset < 23) and the torch backend runs as
 * attributes ``scale`` (float, default 1) and ``is_causal`` (int, default 0: 1 hides key j from query i for j > i);
 * output ``Y`` [..., Sq, Dv], Q's type.
 
-Importing this module registers the op's schema with onnx (checker and shape inference then know it); a model
+``parastream::MatMulBiasActivation`` (version 1), what ``rewrite/rules/fuse_gemm_epilogue.py`` leaves and the torch
+backend runs as ``torch._addmm_activation`` (cuBLASLt's fused bias + ReLU/GELU epilogue):
+
+    Y = act(X·W + B)
+
+* inputs ``X`` [..., K], ``W`` [K, N], ``B`` [N] (or [1, ..., 1, N]); output ``Y`` [..., N], X's type;
+* attributes ``activation`` ("Relu" or "Gelu") and, for "Gelu", ``approximate`` ("none": x·Φ(x) with erf, or
+  "tanh": 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), as ONNX's Gelu names them).
+
+:func:`plain_onnx` writes a model's ``MatMulBiasActivation`` nodes back as the plain ops, for ONNX Runtime.
+
+Importing this module registers the ops' schemas with onnx (checker and shape inference then know it); a model
 that uses it imports the domain at :data:`VERSION` (:func:`opset_id`).
 """
 
 from __future__ import annotations
 
+import math
+
+import numpy as np
 import onnx
-from onnx import defs, helper
+from onnx import defs, helper, numpy_helper
 
 DOMAIN = "parastream"
 VERSION = 1
 SDPA = "ScaledDotProductAttention"
+GEMM_ACTIVATION = "MatMulBiasActivation"
+ACTIVATIONS = ("Relu", "Gelu")
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
 
@@ -43,6 +59,17 @@ def _sdpa_shapes(ctx) -> None:
     ctx.set_output_type(0, out)
 
 
+def _gemm_activation_shapes(ctx) -> None:
+    """Y has X's type and shape with W's last dimension."""
+    x, w = ctx.get_input_type(0), ctx.get_input_type(1)
+    out = onnx.TypeProto()
+    out.CopyFrom(x)
+    if x.tensor_type.HasField("shape") and w.tensor_type.HasField("shape") and w.tensor_type.shape.dim \
+            and x.tensor_type.shape.dim:
+        out.tensor_type.shape.dim[-1].CopyFrom(w.tensor_type.shape.dim[-1])
+    ctx.set_output_type(0, out)
+
+
 def _register() -> None:
     if defs.has(SDPA, DOMAIN):
         return
@@ -58,6 +85,95 @@ def _register() -> None:
                     attr("is_causal", helper.make_attribute("is_causal", 0), "1: key j is hidden from query i when j > i")])
     schema.set_type_and_shape_inference_function(_sdpa_shapes)
     defs.register_schema(schema)
+    schema = defs.OpSchema(
+        GEMM_ACTIVATION, DOMAIN, VERSION, __doc__ or "",
+        inputs=[param("X", "T"), param("W", "T"), param("B", "T")],
+        outputs=[param("Y", "T")],
+        type_constraints=[("T", _FLOATS, "floating-point tensors")],
+        attributes=[attr("activation", helper.make_attribute("activation", "Relu"), "Relu or Gelu"),
+                    attr("approximate", helper.make_attribute("approximate", "none"), "Gelu: none (erf) or tanh")])
+    schema.set_type_and_shape_inference_function(_gemm_activation_shapes)
+    defs.register_schema(schema)
 
 
 _register()
+
+
+def _elem_type(graph: onnx.GraphProto, name: str) -> int:
+    for v in (*graph.input, *graph.value_info, *graph.output):
+        if v.name == name and v.type.tensor_type.elem_type:
+            return v.type.tensor_type.elem_type
+    for t in graph.initializer:
+        if t.name == name:
+            return t.data_type
+    return onnx.TensorProto.FLOAT
+
+
+def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
+    """A copy of ``model`` with each ``MatMulBiasActivation`` node replaced by the plain ops it stands for, so that
+    ONNX Runtime runs it: MatMul, Add and Relu; for a GELU, ONNX's Gelu where the model's opset is at least 20,
+    else its erf form 0.5·x·(1 + erf(x/√2)) or its tanh form 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+    The domain's import is dropped when no node of it is left.  A model without such a node is returned as it is
+    (not copied)."""
+    if not any((n.domain, n.op_type) == (DOMAIN, GEMM_ACTIVATION) for n in model.graph.node):
+        return model
+    out = onnx.ModelProto()
+    out.CopyFrom(model)
+    g = out.graph
+    opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 1)
+    taken = {n.name for n in g.node} | {t for n in g.node for t in (*n.input, *n.output)} | \
+        {t.name for t in (*g.input, *g.output, *g.initializer)}
+
+    def fresh(base: str) -> str:
+        name, k = base, 0
+        while name in taken:
+            k += 1
+            name = f"{base}_{k}"
+        taken.add(name)
+        return name
+
+    nodes = []
+    for node in g.node:
+        if (node.domain, node.op_type) != (DOMAIN, GEMM_ACTIVATION):
+            nodes.append(node)
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        activation = attrs.get("activation", b"Relu")
+        approximate = attrs.get("approximate", b"none")
+        activation = activation.decode() if isinstance(activation, bytes) else activation
+        approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+        dtype = helper.tensor_dtype_to_np_dtype(_elem_type(g, node.input[0]))
+        base = node.name or node.output[0]
+        x, w, b = node.input
+        y = node.output[0]
+
+        def const(tag: str, value: float) -> str:
+            name = fresh(f"{base}_{tag}")
+            g.initializer.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
+            return name
+
+        def op(kind: str, inputs: list[str], output: str | None = None, **kw) -> str:
+            output = output or fresh(f"{base}_{kind.lower()}")
+            nodes.append(helper.make_node(kind, inputs, [output], name=fresh(f"{base}_{kind.lower()}"), **kw))
+            return output
+
+        h = op("Add", [op("MatMul", [x, w]), b])
+        if activation == "Relu":
+            op("Relu", [h], y)
+        elif opset >= 20:
+            op("Gelu", [h], y, approximate=approximate)
+        else:
+            if approximate == "tanh":
+                cube = op("Mul", [h, op("Mul", [h, h])])
+                inner = op("Add", [h, op("Mul", [cube, const("k", 0.044715)])])
+                t = op("Tanh", [op("Mul", [inner, const("root", math.sqrt(2 / math.pi))])])
+            else:
+                t = op("Erf", [op("Div", [h, const("sqrt2", math.sqrt(2.0))])])
+            op("Mul", [op("Mul", [h, op("Add", [t, const("one", 1.0)])]), const("half", 0.5)], y)
+    del g.node[:]
+    g.node.extend(nodes)
+    if not any(n.domain == DOMAIN for n in g.node):
+        kept = [o for o in out.opset_import if o.domain != DOMAIN]
+        del out.opset_import[:]
+        out.opset_import.extend(kept)
+    return out

@@ -21,6 +21,7 @@ import onnx_graphsurgeon as gs
 
 from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
+from parastream.launcher.engines.base import conv_kernels_used
 from parastream.launcher.errors import ParastreamError, VerificationError
 from parastream.launcher.words import plural
 
@@ -78,7 +79,7 @@ class BuildConfig:
     # processes that compile them side by side (0: every core but one, at most 16)
     torch_artifact: str = "inductor"
     inductor_format: str = "kernels"
-    conv_kernels: str = "cudnn"  # torch engines: depthwise/1x1 convolutions as cuDNN calls or Inductor kernels
+    conv_kernels: str = "auto"  # torch engines: depthwise convolutions as cuDNN calls or Inductor kernels (timed)
     compile_workers: int = 0
     gpu_timing_lock: bool = True  # GPU builds take turns with other processes' timing on the same GPU
     force: bool = False
@@ -280,6 +281,7 @@ def _launcher_options(options: BuildOptions) -> dict:
     return {"compile": options.compile, "optimization_level": options.optimization_level,
             "fuse_conv_relu": options.fuse_conv_relu, "fuse_attention": options.fuse_attention,
             "conv_kernels": options.conv_kernels,
+            "fuse_gemm_epilogue": options.fuse_gemm_epilogue,
             "torch_artifact": options.torch_artifact,
             "inductor_format": options.inductor_format}
 
@@ -652,19 +654,23 @@ def build_engines(b: _Build, tmp: Path) -> None:
 
 
 def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
-    """GPU engines: time the bundle against its alternatives (fused conv+ReLU or not, channels-last or contiguous
-    boundaries, one engine for the whole model), keep each winner and rebuild the engines for it."""
+    """GPU engines: time the bundle against its alternatives (fused attention, GEMM epilogues and conv+ReLU or
+    not, depthwise convolutions as cuDNN's or Inductor's kernels, channels-last or contiguous boundaries, one engine
+    for the whole model), keep each winner and rebuild the engines for it."""
     cfg = b.cfg
     if not (cfg.measure and b.backend.gpu):
         return
     with b.timed("measure_alternatives"):
         task = b.bar.step("time the plan against its alternatives on the GPU")
-        fused, attention = b.options.fuse_conv_relu, b.options.fuse_attention
+        fused, attention, gemm = b.options.fuse_conv_relu, b.options.fuse_attention, b.options.fuse_gemm_epilogue
+        convs = conv_kernels_used(b.options.conv_kernels)
         early = b.timed_alternatives or {}
         if early and not early.get("partial"):  # timed against this plan's engines during the search
             measured = {k: v for k, v in early.items() if k != "plan"}
             b.options.fuse_conv_relu = measured["fuse_conv_relu"]
             b.options.fuse_attention = measured.get("fuse_attention", attention)
+            b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", gemm)
+            b.options.conv_kernels = measured.get("conv_kernels", convs)
         else:  # the bundle as written, loaded from ``tmp`` (its manifest is written after this stage), from the
             # rounds the search timed on (none, or those before an alternative won)
             shipped = Variant(b.model, b.graph, b.plan, b.options)
@@ -673,8 +679,11 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
             if measured:
                 b.options.fuse_conv_relu = measured["fuse_conv_relu"]
                 b.options.fuse_attention = measured.get("fuse_attention", attention)
+                b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", gemm)
+                b.options.conv_kernels = measured.get("conv_kernels", convs)
         b.measured = measured
-        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured, attention)):
+        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured, attention, gemm,
+                                                                                          convs)):
             if measured["one_engine"]:
                 b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
                 _record_measured_streams(b.streams_tried, b.sched)

@@ -35,6 +35,7 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from parastream.core.fused_ops import plain_onnx
 from parastream.launcher.errors import ParastreamError
 
 from .verify import DEFAULT_SCALE_TOLERANCES, scaled_error, seeded_inputs
@@ -130,7 +131,7 @@ class Values:
     bytes each), made on first use and kept for the next feed."""
 
     def __init__(self, model: onnx.ModelProto, budget: int = MEMORY_BUDGET):
-        self.model, self.budget = model, budget
+        self.model, self.budget = plain_onnx(model), budget  # ONNX Runtime runs parastream's GEMM epilogues as plain ops
         self._sizes: dict[str, int] | None = None
         self._sessions: dict[tuple, object] = {}
 

@@ -3,7 +3,8 @@
 Three decisions are taken by timing rather than by the cost model:
 
 * the rewrite search's candidates, on the GPU (``GpuMeasurer.measure``, the search's ``Measurer``);
-* a GPU bundle's alternatives (``GpuMeasurer.time_alternatives``): cuDNN's fused conv + bias + ReLU or not,
+* a GPU bundle's alternatives (``GpuMeasurer.time_alternatives``): fused attention and GEMM epilogues or their
+  plain ops, depthwise convolutions as cuDNN's or Inductor's kernels, cuDNN's fused conv + bias + ReLU or not,
   channels-last or contiguous internal boundaries, the plan or one engine for the whole model;
 * a CPU build's alternatives (``choose_cpu_alternative``): plain onnxruntime, the rewritten model, the plan.
 
@@ -27,6 +28,7 @@ import onnx_graphsurgeon as gs
 
 from parastream.launcher.bundle import Bundle
 from parastream.launcher.engines import BuildOptions
+from parastream.launcher.engines.base import conv_kernels_used
 from parastream.core.schedule import Schedule, schedule_graph
 from parastream.launcher.words import plural
 from parastream.rewrite.search import MeasureBudgetSpent
@@ -94,24 +96,35 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
 
 
 # -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
-ROUNDS = ("attention", "conv+ReLU", "boundary layout", "streams")  # time_alternatives' rounds, in the order it times them
+ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "conv+ReLU", "boundary layout", "streams")  # time_alternatives' rounds, in the order it times them
 
 
 def round_labels(what: str, plan) -> tuple[str, str]:
     """What a round of ``time_alternatives`` races: (the plan as it is, the alternative)."""
     return {"attention": ("one SDPA kernel per attention", "attention as matmul, softmax, matmul"),
+            "GEMM epilogue": ("cuBLASLt GEMM with fused bias and activation",
+                              "GEMM, bias and activation as Inductor's kernels"),
+            "depthwise convolutions": ("depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
             "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
 
 
 def has_conv_relu(model: onnx.ModelProto) -> bool:
-    """Whether a Conv's output is read by one Relu only (what cuDNN's fused conv + bias + ReLU runs)."""
-    readers: dict[str, list[str]] = {}
+    """Whether a Conv's output is read by one Relu only, or by one Add whose sum one Relu alone reads (what cuDNN's
+    fused conv + bias (+ residual) + ReLU runs)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
     for n in model.graph.node:
         for i in n.input:
-            readers.setdefault(i, []).append(n.op_type)
-    return any(n.op_type == "Conv" and readers.get(n.output[0]) == ["Relu"] for n in model.graph.node)
+            readers.setdefault(i, []).append(n)
+
+    def only(name: str, op: str) -> onnx.NodeProto | None:
+        got = readers.get(name, [])
+        return got[0] if len(got) == 1 and got[0].op_type == op else None
+
+    return any(n.op_type == "Conv" and (only(n.output[0], "Relu") is not None or (
+        (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None))
+        for n in model.graph.node)
 
 
 def has_fused_attention(model: onnx.ModelProto) -> bool:
@@ -130,6 +143,35 @@ def runs_fused_attention(backend) -> bool:
     return backend.name in FuseAttention.backends
 
 
+#: rounds whose alternative is kept unless it is slower by more than this share: Inductor's depthwise kernels
+#: ship compiled, where cuDNN builds an execution plan per convolution at every process's first call (MixNet-S:
+#: 3.0 s against 8.0 s to a fresh process's first result, H100), so at equal speed they are the better bundle
+PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02}
+
+
+def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
+    """Whether the "depthwise convolutions" round races ``model``: ``conv_kernels`` left to timing ("auto"),
+    a backend whose engines it changes, and a depthwise convolution for it to change."""
+    from parastream.launcher.engines.onnx_torch import lowers_convolutions
+
+    return options.conv_kernels == "auto" and bool(getattr(backend, "lowers_convolutions", False)) and lowers_convolutions(model)
+
+
+def has_gemm_epilogue(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue)."""
+    from parastream.core import fused_ops
+
+    return any(n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.GEMM_ACTIVATION for n in model.graph.node)
+
+
+def runs_gemm_epilogue(backend) -> bool:
+    """Whether ``backend``'s engines run matmul-bias-activation nodes as one kernel or as their plain ops
+    (``fuse_gemm_epilogue``): the backends the rule that makes them is for."""
+    from parastream.rewrite.rules.fuse_gemm_epilogue import FuseGemmEpilogue
+
+    return backend.name in FuseGemmEpilogue.backends
+
+
 def plan_signature(plan) -> tuple:
     """What makes two plans load the same engines in the same order on the same streams (not the cost model's
     per-branch estimates)."""
@@ -139,12 +181,16 @@ def plan_signature(plan) -> tuple:
             tuple(sorted((n, str(t)) for n, t in plan.tensors.items())))
 
 
-def compiled_for_other_choices(backend, fused: bool, measured: dict, attention: bool = True) -> bool:
+def compiled_for_other_choices(backend, fused: bool, measured: dict, attention: bool = True,
+                               gemm_epilogue: bool = True, conv_kernels: str = "cudnn") -> bool:
     """Whether the engines just written were compiled (torch packages) for a fusion or boundary layout that the
-    measurement did not choose (``fused``, ``attention``: the conv+ReLU and attention fusions they were compiled
-    with): they are compiled again for the choice, so that what ships is what loads."""
+    measurement did not choose (``fused``, ``attention``, ``gemm_epilogue``: the conv+ReLU, attention and GEMM
+    epilogue fusions they were compiled with): they are compiled again for the choice, so that what ships is
+    what loads."""
     return backend.compiles_for_layout and (measured["fuse_conv_relu"] != fused or not measured["internal_nhwc"]
-                                            or measured.get("fuse_attention", attention) != attention)
+                                            or measured.get("fuse_attention", attention) != attention
+                                            or measured.get("fuse_gemm_epilogue", gemm_epilogue) != gemm_epilogue
+                                            or measured.get("conv_kernels", conv_kernels) != conv_kernels)
 
 
 def _infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -175,6 +221,10 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     out = []
     if v.options.fuse_attention and runs_fused_attention(engines.backend) and has_fused_attention(v.model):
         out.append(("attention", replace(v, options=replace(v.options, fuse_attention=False))))
+    if v.options.fuse_gemm_epilogue and runs_gemm_epilogue(engines.backend) and has_gemm_epilogue(v.model):
+        out.append(("GEMM epilogue", replace(v, options=replace(v.options, fuse_gemm_epilogue=False))))
+    if lowers_depthwise(engines.backend, v.options, v.model):
+        out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
         out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
     if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
@@ -195,16 +245,21 @@ def gpu_present(backend) -> bool:
 
 def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, since: float, lock: bool = True) -> bool:
     """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
-    replays, the faster median kept (``decide_by_timing`` without a margin); the round goes into ``rounds``
-    (``load_s``: the seconds since ``since``, building and loading ``other``); True when ``other`` was faster."""
+    replays, the faster median kept (``decide_by_timing`` without a margin; a round of ``PREFER_ALTERNATIVE_WITHIN``
+    keeps ``other`` unless it is slower by more than its share); the round goes into ``rounds`` (``load_s``: the
+    seconds since ``since``, building and loading ``other``); True when ``other`` was kept."""
     from .bench import measure as time_replays
 
     keys = round_labels(what, plan)
     t0 = time.perf_counter()
     times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10, lock=lock)
     chosen, _ = decide_by_timing(times, list(keys), floor=0.0, spread=False)
+    within = PREFER_ALTERNATIVE_WITHIN.get(what)
+    if within is not None and float(np.median(times[keys[1]])) <= float(np.median(times[keys[0]])) * (1 + within):
+        chosen = keys[1]
     rounds.append({"choice": what, "timed_ms": {k: float(np.median(v)) for k, v in times.items()}, "won": chosen,
-                   "load_s": round(t0 - since, 3), "timed_s": round(time.perf_counter() - t0, 3)})
+                   "load_s": round(t0 - since, 3), "timed_s": round(time.perf_counter() - t0, 3),
+                   **({"alternative_kept_within": within} if within is not None else {})})
     return chosen == keys[1]
 
 
@@ -396,6 +451,8 @@ class GpuMeasurer:
                   for r in early["rounds"])
         return {"fuse_conv_relu": bool(self.options.fuse_conv_relu and self.backend.fuses_conv_relu),
                 "fuse_attention": bool(self.options.fuse_attention and runs_fused_attention(self.backend)),
+                "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue and runs_gemm_epilogue(self.backend)),
+                "conv_kernels": conv_kernels_used(self.options.conv_kernels),
                 "internal_nhwc": True, "one_engine": one, "rounds": early["rounds"], "runs": self.runs,
                 "timed": "during the search", "plan": early["plan"]}
 
@@ -407,14 +464,18 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     ``bundle`` (``v``'s engines as written) is timed on the GPU against what the build could have shipped
     instead, one choice at a time, each round in alternating blocks of CUDA-event timed replays
     (``race``): (0) attention nodes as one SDPA kernel or decomposed (``fuse_attention``; engines compiled for
-    each), (1) engines with and without cuDNN's fused conv + bias + ReLU, (2) channels-last against contiguous
-    internal boundaries (when the plan has channels-last internal boundaries), (3) the plan against one engine
+    each), (0b) matmul-bias-activation nodes as one cuBLASLt GEMM with its epilogue or as their plain ops
+    (``fuse_gemm_epilogue``; engines compiled for each), (0c) depthwise convolutions as cuDNN calls or as Inductor
+    kernels (``conv_kernels`` "auto" only; the Inductor kernels kept unless over 2% slower: they start faster),
+    (1) engines with and without cuDNN's fused conv + bias
+    (+ residual) + ReLU, (2) channels-last against contiguous internal boundaries (when the plan has
+    channels-last internal boundaries), (3) the plan against one engine
     for the whole model (when the plan has several streams).  Engines compiled for a layout
     (``compiles_for_layout``) are compiled for each alternative; others load as they are with other launcher
     settings.  ``timed``: the first rounds, timed already against ``v``'s plan during the search
     (``GpuMeasurer.alternatives_timed``): taken as they are, not timed again; what a round races is loaded only
-    when it is timed here.  Returns {"rounds": [...], "fuse_attention", "fuse_conv_relu", "internal_nhwc",
-    "one_engine"} with the faster of each round, or None when there is no GPU or nothing to choose."""
+    when it is timed here.  Returns {"rounds": [...], "fuse_attention", "fuse_gemm_epilogue", "conv_kernels",
+    "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no GPU or nothing to choose."""
     from parastream.launcher.gpu import GpuLauncher
 
     backend = engines.backend
@@ -422,7 +483,10 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
         return None
     fused = bool(v.options.fuse_conv_relu and backend.fuses_conv_relu)
     attention = bool(v.options.fuse_attention and runs_fused_attention(backend))
-    chosen = {"fuse_conv_relu": fused, "internal_nhwc": True, "one_engine": False, "fuse_attention": attention}
+    gemm = bool(v.options.fuse_gemm_epilogue and runs_gemm_epilogue(backend))
+    convs = conv_kernels_used(v.options.conv_kernels)
+    chosen = {"fuse_conv_relu": fused, "internal_nhwc": True, "one_engine": False, "fuse_attention": attention,
+              "fuse_gemm_epilogue": gemm, "conv_kernels": convs}
     done = {r["choice"]: r for r in timed}
     rounds: list[dict] = []
     since = [time.perf_counter()]  # a round's load_s: building and loading its alternative (the first: the bundle too)
@@ -435,7 +499,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
 
     def current():
         if not held:
-            as_written = (chosen["fuse_conv_relu"], chosen["internal_nhwc"], chosen["fuse_attention"]) == (fused, True, attention)
+            as_written = (chosen["fuse_conv_relu"], chosen["internal_nhwc"], chosen["fuse_attention"],
+                          chosen["fuse_gemm_epilogue"], chosen["conv_kernels"]) == (fused, True, attention, gemm, convs)
             held.append(GpuLauncher(bundle, fuse_conv_relu=fused) if as_written
                         else alternative(chosen["fuse_conv_relu"], None if chosen["internal_nhwc"] else False))
         return held[0]
@@ -463,6 +528,14 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 "attention", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_attention=False)))):
             chosen["fuse_attention"] = False
             v = replace(v, options=replace(v.options, fuse_attention=False))  # what the later rounds' alternatives run
+        if gemm and has_gemm_epilogue(v.model) and round_won(
+                "GEMM epilogue", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_gemm_epilogue=False)))):
+            chosen["fuse_gemm_epilogue"] = False
+            v = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+        if lowers_depthwise(backend, v.options, v.model) and round_won(
+                "depthwise convolutions", lambda: engines.launcher(replace(v, options=replace(v.options, conv_kernels="inductor")))):
+            chosen["conv_kernels"] = "inductor"
+            v = replace(v, options=replace(v.options, conv_kernels="inductor"))
         if fused and has_conv_relu(v.model) and round_won("conv+ReLU", lambda: alternative(False)):
             chosen["fuse_conv_relu"] = False
         if _internal_nhwc(backend, v.plan) and round_won(

@@ -246,7 +246,7 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
                 oshape = static_shape(out)
                 if oshape is not None and len(oshape) >= 3:
                     tiles = _gemm_tiles(oshape[0] * int(np.prod(oshape[2:], dtype=np.int64)), oshape[1])
-    elif op in ("MatMul", "Gemm", "MatMulInteger", "FusedMatMul") and len(ins) >= 2:
+    elif op in ("MatMul", "Gemm", "MatMulInteger", "FusedMatMul", "MatMulBiasActivation") and len(ins) >= 2:
         a = static_shape(ins[0])
         if a is not None and out is not None and out_n:
             if op == "Gemm":
@@ -259,6 +259,8 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
                 rows = oshape[-2] if len(oshape) >= 2 else 1
                 batch = int(np.prod(oshape[:-2], dtype=np.int64)) if len(oshape) > 2 else 1
                 tiles = _gemm_tiles(rows, oshape[-1], batch)
+            if op == "MatMulBiasActivation":  # parastream's GEMM with its bias and activation as the epilogue
+                flops += float(_POINTWISE.get(str(node.attrs.get("activation", "Relu")), 1) * out_n)
     elif op in _POINTWISE:
         flops = float(_POINTWISE[op] * out_n)
     elif op in ("MaxPool", "AveragePool", "LpPool"):

@@ -13,7 +13,7 @@ def gpu_backend(**kw):
     import types
 
     flags = dict(gpu=True, name="torch", suffix=".onnx", compiles_for_layout=False, builds_side_by_side=False,
-                 background_compiles=False, fuses_conv_relu=True, supports_internal_nhwc=True,
+                 background_compiles=False, fuses_conv_relu=True, lowers_convolutions=True, supports_internal_nhwc=True,
                  supports_channel_views=True, warms_after_load=True)
     return types.SimpleNamespace(**dict(flags, **kw))
 

@@ -14,7 +14,8 @@ What differs between backends is said by capability flags, never by the backend'
 (engines are compiled for the GPU launcher's tensor layout: ``build`` takes ``layout``), ``builds_side_by_side``
 (``build_all`` compiles in parallel: the build hands it every branch at once), ``background_compiles``
 (``start_workers``, ``precompile(background=True)``, ``compiling``, ``cancel_precompile`` and
-``background_summary`` do something), ``fuses_conv_relu`` (``BuildOptions.fuse_conv_relu`` changes the engines),
+``background_summary`` do something), ``fuses_conv_relu`` (``BuildOptions.fuse_conv_relu`` changes the engines), ``lowers_convolutions`` (so does
+``BuildOptions.conv_kernels``),
 ``supports_internal_nhwc`` and ``supports_channel_views`` (what ``load`` takes of the launcher's layout),
 ``warms_after_load`` (``load(warm=False)`` defers the engine's first call to ``engine.warm()``).  A backend
 without a capability keeps the defaults below (``BuilderBase``, ``no_precompile``, ...).
@@ -60,10 +61,15 @@ class BuildOptions:
     # torch backend: an attention node (rewrite rule fuse_attention) runs as one scaled_dot_product_attention
     # kernel; off, as its matmul-softmax-matmul.  A GPU build times both and records the faster in manifest.json.
     fuse_attention: bool = True
-    # torch backend: "inductor" writes depthwise and 1x1 convolutions as ops Inductor compiles into its own kernels
-    # (no cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "cudnn"
-    # runs every convolution through torch's convolution.  A GPU build times both and records the faster.
-    conv_kernels: str = "cudnn"
+    # torch backend: "inductor" writes depthwise convolutions as ops Inductor compiles into its own kernels (no
+    # cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "cudnn" runs
+    # every convolution through torch's convolution; "auto" (default) is "cudnn", and a GPU build of a model with
+    # depthwise convolutions times both and records the one it keeps ("inductor" unless over 2% slower).
+    conv_kernels: str = "auto"
+    # torch backend on a GPU: a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) runs as one
+    # torch._addmm_activation (cuBLASLt's fused epilogue); off, as its matmul, add and activation.  A GPU build
+    # times both and records the faster in manifest.json.
+    fuse_gemm_epilogue: bool = True
     # onnxruntime: build() loads each branch into a session to check it; off where the caller loads it next
     # anyway (the CPU build's scratch bundles, loaded to be timed: the check cost a second copy of the weights)
     check: bool = True
@@ -79,6 +85,14 @@ class BuildOptions:
     gpu_timing_lock: bool = True
     # --keep-fp32: op types, node names or globs whose branches (TensorRT: layers) compute in fp32 (``fp32_pinned``)
     keep_fp32: list[str] = field(default_factory=list)
+
+
+CONV_KERNELS = ("auto", "cudnn", "inductor")  # BuildOptions.conv_kernels
+
+
+def conv_kernels_used(value: str) -> str:
+    """What ``BuildOptions.conv_kernels`` compiles: "auto" compiles cuDNN's until a GPU build's timing says."""
+    return "inductor" if value == "inductor" else "cudnn"
 
 
 @runtime_checkable
@@ -139,6 +153,7 @@ class Backend(Protocol):
     builds_side_by_side: bool
     background_compiles: bool
     fuses_conv_relu: bool
+    lowers_convolutions: bool  # BuildOptions.conv_kernels changes the engines
     supports_internal_nhwc: bool
     supports_channel_views: bool
     warms_after_load: bool

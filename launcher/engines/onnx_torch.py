@@ -81,10 +81,11 @@ class NodeView:
     """What a converter sees of one node: attributes, input Values, the compute dtype."""
 
     def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype, inferred=None,
-                 fuse_attention: bool = True, conv_kernels: str = "cudnn"):
+                 fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn"):
         self.node = node
         self.fuse_attention = fuse_attention  # attention nodes: one SDPA kernel, else its matmul-softmax-matmul
-        self.conv_kernels = conv_kernels  # "inductor": depthwise and 1x1 convolutions as ops Inductor compiles
+        self.fuse_gemm_epilogue = fuse_gemm_epilogue  # matmul-bias-activation nodes: cuBLASLt's epilogue, else three ops
+        self.conv_kernels = conv_kernels  # "inductor": depthwise convolutions as ops Inductor compiles
         self.inferred = inferred or {}
         self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
         self.op = node.op_type
@@ -356,9 +357,8 @@ def _conv(n: NodeView):
     fconv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(nd)
     if fconv is None:
         n.fail(f"{nd}-d convolution")
-    if CONV_KERNELS[n.conv_kernels] and nd == 2:
-        lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end,
-                                   CONV_KERNELS[n.conv_kernels])
+    if n.conv_kernels == "inductor" and nd == 2:
+        lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if lowered is not None:
             return lowered
     if begin == end:
@@ -367,83 +367,82 @@ def _conv(n: NodeView):
     return lambda x, w, b=None: fconv(F.pad(x, pad), w, b, strides, 0, dil, group)
 
 
-#: what ``conv_kernels`` lowers: "depthwise" (a reduction over the taps), "taps" (depthwise as a sum of shifted
-#: slices: one pointwise kernel), "pointwise" (1x1 as a matrix product); "inductor" is depthwise and pointwise
-CONV_KERNELS = {"cudnn": (), "depthwise": ("depthwise",), "taps": ("taps",), "pointwise": ("pointwise",),
-                "inductor": ("depthwise", "pointwise")}
+#: the most taps a depthwise convolution is written as a sum of shifted slices for; larger kernels are written as
+#: one reduction over their taps.  The sum is the faster kernel (H100, fp16, batch 1: MobileViT-XS 0.452 ms against
+#: 0.519 with the reduction, NASNet-A Large 2.0 against 3.0), but Inductor's compile time grows steeply with its
+#: terms: NASNet-A Large's 7x7 kernels as 49-term sums took its build from 76 s to 237 s.
+MAX_SUMMED_TAPS = 25
 
 
-def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end, forms=("depthwise", "pointwise")):
-    """A 2-d depthwise or 1x1 convolution written as ops that Inductor compiles into its own kernels, or None
-    for any other convolution (or a kind not in ``forms``).
+def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """A 2-d depthwise convolution written as ops that Inductor compiles into its own kernel, or None for any other
+    convolution.
 
     Why: torch runs every convolution through cuDNN, which builds an execution plan for each convolution shape at
-    its first call in every process (15-45 ms for a depthwise or pointwise one, against ~4 ms for a dense 3x3:
+    its first call in every process (15-45 ms for a depthwise one, against ~4 ms for a dense 3x3:
     docs/torch-engines.md, "Fresh-process load"), so a bundle of a depthwise-separable network spends seconds of
-    every instance start building plans.  Written like this, a depthwise convolution is one reduction over its
-    k*k taps (``F.unfold``, which Inductor fuses into the reduction's loads, with the bias and whatever follows as
-    its epilogue) or a sum of k*k shifted slices (one pointwise kernel), and a 1x1 convolution a matrix product
-    (cuBLAS, no plan to build).  Whether a bundle is faster this way or with cuDNN is timed on the GPU
+    every instance start building plans.  Written as a sum of its k*k shifted slices (up to ``MAX_SUMMED_TAPS``)
+    or as one reduction over the taps (``F.unfold``, which Inductor fuses into the reduction's loads), a depthwise
+    convolution is one Triton kernel with the bias and whatever follows as its epilogue, shipped compiled.
+    1x1 convolutions stay cuDNN's: as matrix products they saved no load time and ran slower (NASNet-A Large 2.4
+    against 1.5 ms).  Whether a bundle is faster this way or with cuDNN is timed on the GPU
     (``BuildOptions.conv_kernels``).
     """
     torch = _torch()
     F = torch.nn.functional
     n_in, c_in, h, w = (int(d) for d in x_shape)
-    c_out = int(w_shape[0])
     kh, kw = (int(k) for k in kernel)
     sh, sw = (int(s) for s in strides)
-    if any(int(d) != 1 for d in dil):
+    if any(int(d) != 1 for d in dil) or not (group == c_in == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
         return None
-    if group == c_in and c_out == c_in and int(w_shape[1]) == 1 and kh * kw > 1 and (
-            "depthwise" in forms or "taps" in forms):
-        ho = (h + begin[0] + end[0] - kh) // sh + 1
-        wo = (w + begin[1] + end[1] - kw) // sw + 1
-        symmetric = begin == end
-        pad = _torch_pad_arg(begin, end)
-        taps = kh * kw
+    ho = (h + begin[0] + end[0] - kh) // sh + 1
+    wo = (w + begin[1] + end[1] - kw) // sw + 1
+    symmetric = begin == end
+    pad = _torch_pad_arg(begin, end)
+    taps = kh * kw
 
-        def depthwise(x, weight, bias=None):
-            if not symmetric:
-                x = F.pad(x, pad)
-            cols = F.unfold(x, (kh, kw), 1, tuple(begin) if symmetric else 0, (sh, sw)).view(n_in, c_in, taps, ho * wo)
-            y = (cols * weight.reshape(1, c_in, taps, 1)).sum(2)
-            if bias is not None:
-                y = y + bias.reshape(1, c_in, 1)
-            return y.view(n_in, c_in, ho, wo)
+    def depthwise(x, weight, bias=None):
+        if not symmetric:
+            x = F.pad(x, pad)
+        cols = F.unfold(x, (kh, kw), 1, tuple(begin) if symmetric else 0, (sh, sw)).view(n_in, c_in, taps, ho * wo)
+        y = (cols * weight.reshape(1, c_in, taps, 1)).sum(2)
+        if bias is not None:
+            y = y + bias.reshape(1, c_in, 1)
+        return y.view(n_in, c_in, ho, wo)
 
-        def depthwise_taps(x, weight, bias=None):
-            if any(begin) or any(end):
-                x = F.pad(x, pad)
-            y = None
-            for i in range(kh):
-                for j in range(kw):
-                    t = x[:, :, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw] * weight[:, :, i, j].reshape(1, c_in, 1, 1)
-                    y = t if y is None else y + t
-            if bias is not None:
-                y = y + bias.reshape(1, c_in, 1, 1)
-            return y
+    def depthwise_taps(x, weight, bias=None):
+        if any(begin) or any(end):
+            x = F.pad(x, pad)
+        y = None
+        for i in range(kh):
+            for j in range(kw):
+                t = x[:, :, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw] * weight[:, :, i, j].reshape(1, c_in, 1, 1)
+                y = t if y is None else y + t
+        if bias is not None:
+            y = y + bias.reshape(1, c_in, 1, 1)
+        return y
 
-        return depthwise if "depthwise" in forms else depthwise_taps
-    if kh == kw == 1 and not any(begin) and not any(end) and c_in % group == 0 and c_out % group == 0 and (
-            "pointwise" in forms):
-        ho, wo = (h - 1) // sh + 1, (w - 1) // sw + 1
-        cg, og = c_in // group, c_out // group
+    return depthwise_taps if taps <= MAX_SUMMED_TAPS else depthwise
 
-        def pointwise(x, weight, bias=None):
-            if sh > 1 or sw > 1:
-                x = x[:, :, ::sh, ::sw]
-            y = torch.matmul(weight.reshape(group, og, cg), x.reshape(n_in, group, cg, ho * wo))
-            y = y.reshape(n_in, c_out, ho, wo)
-            if bias is not None:
-                y = y + bias.reshape(1, c_out, 1, 1)
-            return y
 
-        return pointwise
-    return None
+def lowers_convolutions(model: onnx.ModelProto) -> bool:
+    """Whether ``conv_kernels="inductor"`` changes ``model``'s engine: it has a 2-d depthwise convolution
+    (weight [C, 1, kh, kw], group C, no dilation) with a constant weight."""
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
+    for n in model.graph.node:
+        if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in weights:
+            continue
+        dims = weights[n.input[1]]
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        if (len(dims) == 4 and dims[1] == 1 and int(attrs.get("group", 1)) == dims[0] > 1 and dims[2] * dims[3] > 1
+                and all(int(d) == 1 for d in attrs.get("dilations", [1, 1]))):
+            return True
+    return False
 
 
 class _ConvFn:
-    """A convolution with symmetric padding; ``relu_fused()`` gives cuDNN's conv + bias + ReLU in one kernel."""
+    """A convolution with symmetric padding; ``relu_fused()`` gives cuDNN's conv + bias + ReLU in one kernel,
+    ``add_relu_fused()`` cuDNN's conv + bias + residual + ReLU."""
 
     def __init__(self, fconv, strides, padding, dilations, group, nd):
         self.fconv, self.strides, self.padding, self.dilations, self.group, self.nd = fconv, strides, padding, dilations, group, nd
@@ -455,6 +454,13 @@ class _ConvFn:
         torch = _torch()
         strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
         return lambda x, w, b=None: torch.cudnn_convolution_relu(x, w, b, strides, padding, dilations, group)
+
+    def add_relu_fused(self):
+        """relu(conv(x, w) + z + b) as one cuDNN call (``torch.cudnn_convolution_add_relu``, alpha 1 on z)."""
+        torch = _torch()
+        strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
+        return lambda x, w, z, b=None: torch.cudnn_convolution_add_relu(x, w, z, 1.0, b, strides, padding,
+                                                                        dilations, group)
 
 
 @converter("ConvTranspose")
@@ -701,6 +707,41 @@ def _attention(n: NodeView):
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if bool_mask else s + mask.to(dtype)
         return torch.matmul(torch.softmax(s, dim=-1), v)
+
+    return unfused
+
+
+@converter(f"{fused_ops.DOMAIN}.{fused_ops.GEMM_ACTIVATION}")
+def _gemm_activation(n: NodeView):
+    """act(X·W + B) (core/fused_ops.py) as ``torch._addmm_activation`` on X's rows (its leading dimensions
+    flattened): with ``fuse_gemm_epilogue`` (a CUDA engine's: cuBLASLt's fused bias + ReLU/GELU epilogue) where
+    that kernel computes the node's activation, else as the matmul, add and activation the rule replaced (the
+    GPU build times one against the other).
+
+    On CUDA ``use_gelu`` is GELU's tanh approximation (cuBLASLt's GELU epilogue; torch's own decomposition of
+    ``_addmm_activation`` says so: tanh on CUDA, erf on the CPU).  It differs from erf GELU by at most 4.7e-4
+    absolute (at x = 2.7, a quarter of a float16 unit in the last place of the result there), inside the rounding
+    of float16 and bfloat16 results but far above float32's: an erf GELU is fused only when the engine computes
+    in float16 or bfloat16; ReLU and tanh GELU always."""
+    torch = _torch()
+    F = torch.nn.functional
+    activation = n.attr("activation", "Relu")
+    approximate = n.attr("approximate", "none")
+    if activation not in fused_ops.ACTIVATIONS or approximate not in ("none", "tanh"):
+        n.fail(f"activation {activation!r} (approximate {approximate!r}) is not one of {', '.join(fused_ops.ACTIVATIONS)}")
+    if n.rank(1) != 2 or n.rank(0) < 2:
+        n.fail("X must be [..., K] and W [K, N]")
+    k, cols = n.shape(1)
+    rows = n.shape(0)[:-1]
+    gelu = activation == "Gelu"
+    exact = not gelu or approximate == "tanh" or n.float_dtype in (torch.float16, torch.bfloat16)
+    if n.fuse_gemm_epilogue and exact:
+        return lambda x, w, b: torch._addmm_activation(b.reshape(cols), x.reshape(-1, k), w,
+                                                       use_gelu=gelu).reshape(*rows, cols)
+
+    def unfused(x, w, b):
+        y = torch.matmul(x, w) + b
+        return F.gelu(y, approximate=approximate) if gelu else torch.relu(y)
 
     return unfused
 
@@ -1160,17 +1201,64 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
     return out, fused
 
 
+def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str],
+                        shapes: dict[str, tuple]) -> tuple[list, int, dict[int, str]]:
+    """Conv (2-d, symmetric pads, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual:
+    no broadcasting) + Relu, each output read only by the next and none a graph output (``keep``) -> one cuDNN
+    conv + bias + residual + ReLU step, relu(conv(x, w) + z + b), in the Relu's place (where x and z are both
+    computed).  The fused weights are stored channels-last, as ``_fuse_conv_relu`` stores them.  Returns the new
+    steps, how many chains were fused, and ``op_of`` for the new steps' indices."""
+    torch = _torch()
+    readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
+    producer = {name: i for i, st in enumerate(steps) for name in st.outputs if name}
+    drop: set[int] = set()
+    fused: dict[int, Step] = {}
+    for i, add in enumerate(steps):
+        if op_of.get(i) != "Add" or len(add.outputs) != 1 or add.outputs[0] in keep or len(add.args) != 2:
+            continue
+        after = readers.get(add.outputs[0], [])
+        if len(after) != 1 or op_of.get(after[0]) != "Relu" or after[0] in fused:
+            continue
+        if any(a is None or a[0] != "v" for a in add.args) or add.args[0][1] == add.args[1][1]:
+            continue
+        for j in (0, 1):
+            c = producer.get(add.args[j][1])
+            z = add.args[1 - j][1]
+            if c is None or c in drop:
+                continue
+            conv = steps[c]
+            w = conv.args[1] if len(conv.args) > 1 else None
+            same_shape = shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])
+            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and len(conv.outputs) == 1 and same_shape
+                    and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
+                    and w is not None and w[0] == "c"):
+                continue
+            relu = steps[after[0]]
+            consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+            bias = conv.args[2] if len(conv.args) > 2 else None
+            fused[after[0]] = Step(conv.fn.add_relu_fused(), [conv.args[0], w, ("v", z), bias], relu.outputs,
+                                   f"{conv.node}+{add.node}+{relu.node}")
+            drop.update((c, i))
+            break
+    kept = [i for i in range(len(steps)) if i not in drop]
+    return ([fused.get(i, steps[i]) for i in kept], len(fused),
+            {new: ("Conv+Add+Relu" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
+
+
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
-            fuse_attention: bool = True, conv_kernels: str = "cudnn"):
+            fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn"):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
     ``forward``'s first consumers (callers do that; see ``TorchEngine``).  Raises
     ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
-    only: cuDNN's fused kernel) turns each 2-d Conv whose only reader is a Relu into one step.
+    only: cuDNN's fused kernels) turns each 2-d Conv whose only reader is a Relu into one step, and each
+    2-d Conv + residual Add + Relu into one ``torch.cudnn_convolution_add_relu`` step.
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
-    matmul-softmax-matmul it replaced.  ``conv_kernels`` "inductor" writes depthwise and 1x1 convolutions as ops
-    Inductor compiles (``_conv_as_kernels``); "cudnn" runs every convolution as torch's convolution.
+    matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
+    the tanh approximation there) runs each matmul-bias-activation node as one ``torch._addmm_activation``; off,
+    as the matmul, add and activation it replaced.  ``conv_kernels`` "inductor" writes depthwise convolutions as
+    ops Inductor compiles (``_conv_as_kernels``); "cudnn" runs every convolution as torch's convolution.
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -1220,7 +1308,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             if name and ins[i] is None:
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(op_key)
-        nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, conv_kernels)
+        nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, fuse_gemm_epilogue=fuse_gemm_epilogue,
+                      conv_kernels=conv_kernels)
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)
@@ -1273,11 +1362,14 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         if v is None:
             raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
-    fused = 0
+    fused = residual = 0
     if fuse_conv_relu:
-        steps, fused = _fuse_conv_relu(steps, {ref for kind, ref in output_refs if kind == "v"}, consts, op_of)
+        keep = {ref for kind, ref in output_refs if kind == "v"}
+        steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, {k: v.shape for k, v in values.items()})
+        steps, fused = _fuse_conv_relu(steps, keep, consts, op_of)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
+    module.fused_conv_add_relu = residual
     module.eval()
     module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]
     return module

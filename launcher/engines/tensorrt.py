@@ -68,6 +68,7 @@ compiles_for_layout = False
 builds_side_by_side = False
 background_compiles = False
 fuses_conv_relu = False
+lowers_convolutions = False
 supports_internal_nhwc = False
 supports_channel_views = False
 warms_after_load = False

@@ -72,7 +72,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
-from .base import BuilderBase, BuildOptions, check_model, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
+from .base import BuilderBase, BuildOptions, check_model, conv_kernels_used, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
 
 if TYPE_CHECKING:
     import onnx
@@ -91,6 +91,7 @@ compiles_for_layout = True
 builds_side_by_side = True
 background_compiles = True
 fuses_conv_relu = True
+lowers_convolutions = True  # BuildOptions.conv_kernels: depthwise convolutions as Inductor kernels
 warms_after_load = True
 #: on the GPU, a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU (one kernel instead of
 #: a convolution and a Triton bias+ReLU kernel); set False before loading to get the unfused engines
@@ -351,11 +352,15 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
               artifact: str = "aoti", digest: str | None = None) -> str:
     """sha256 of the branch's graph (its name, which carries the branch's index, left out), the tensor layout,
     the compute dtype, the options that change the code, what it is compiled for, and into which artifact."""
+    from .onnx_torch import lowers_convolutions
+
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
                          "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
                          **({} if options.fuse_attention else {"fuse_attention": False}),  # keys made before it stay
-                         **({} if options.conv_kernels == "cudnn" else {"conv_kernels": options.conv_kernels}),
+                         **({"conv_kernels": "inductor"}  # only where it changes the code
+                            if options.conv_kernels == "inductor" and lowers_convolutions(branch) else {}),
+                         **({} if options.fuse_gemm_epilogue else {"fuse_gemm_epilogue": False}),
                          **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
@@ -486,6 +491,12 @@ def _fuse(device: str, dtype: str, options: BuildOptions) -> bool:
     return device == "cuda" and FUSE_CONV_RELU and options.fuse_conv_relu and dtype in ("float16", "float32")
 
 
+def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:
+    # cuBLASLt's epilogue, whose GELU is the tanh approximation on CUDA (the converter fuses a GELU only where that
+    # is what it computes); a GPU build times the bundle with and without it (options.fuse_gemm_epilogue)
+    return device == "cuda" and options.fuse_gemm_epilogue
+
+
 def _known_inductor_configs(configs: dict) -> dict:
     """The entries of ``configs`` that this torch's Inductor knows (torch 2.11 has no
     ``aot_inductor.enable_line_tables``, and an unknown key fails the whole compile)."""
@@ -511,7 +522,8 @@ def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: l
     from .onnx_torch import convert, to_fx
 
     module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype, options),
-                     fuse_attention=options.fuse_attention, conv_kernels=options.conv_kernels).to(device)
+                     fuse_attention=options.fuse_attention, conv_kernels=options.conv_kernels,
+                     fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options)).to(device)
     try:
         inner = to_fx(module)  # straight-line code rather than the interpreter loop
     except Exception:  # noqa: BLE001 - the interpreter module compiles too
@@ -1114,7 +1126,8 @@ class Builder(BuilderBase):
             rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
             meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
                     "fuse_conv_relu": fuse, "fuse_attention": bool(self.options.fuse_attention),
-                    "conv_kernels": self.options.conv_kernels,
+                    "conv_kernels": conv_kernels_used(self.options.conv_kernels),
+                    "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue),
                     "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}
             out.append((key, name, meta, onnx_bytes, package))
@@ -1552,7 +1565,8 @@ class TorchEngine:
         self.compiled_at_load = elsewhere or not (package is not None and meta.get("signature") == sig
                                                   and meta.get("dtype") == self.dtype and meta.get("fuse_conv_relu") == fuse
                                                   and meta.get("fuse_attention", True) == options.fuse_attention
-                                                  and meta.get("conv_kernels", "cudnn") == options.conv_kernels)
+                                                  and meta.get("conv_kernels", "cudnn") == conv_kernels_used(options.conv_kernels)
+                                                  and meta.get("fuse_gemm_epilogue", True) == options.fuse_gemm_epilogue)
         self._runner = None
         self.module = None
         if not self.compiled_at_load and meta.get("compiled") in ("inductor", "kernels"):
@@ -1567,7 +1581,8 @@ class TorchEngine:
 
             self.module = to_device_shared(convert(_branch_model(engine.onnx()), self.dtype, fuse_conv_relu=fuse,
                                                    fuse_attention=options.fuse_attention,
-                                                   conv_kernels=options.conv_kernels), device)
+                                                   conv_kernels=options.conv_kernels,
+                                                   fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options)), device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}

@@ -12,6 +12,7 @@ from .enlarge_kernel import EnlargeKernel, ShrinkKernel
 from .fission import Fission
 from .fold_bn_and_affine import FoldBatchNormAndAffine
 from .fuse_attention import FuseAttention
+from .fuse_gemm_epilogue import FuseGemmEpilogue
 from .merge_parallel_conv import MergeParallelConv
 from .merge_parallel_matmul import MergeParallelMatMul
 from .merge_summed import MergeSummed
@@ -21,6 +22,7 @@ from .split_concat import ConcatSplit, HoistPointwiseConcat, HoistPointwiseSplit
 EVERY_RULE: list[Rule] = [
     FoldBatchNormAndAffine(),
     FuseAttention(),
+    FuseGemmEpilogue(),
     CancelTransposePair(),
     CancelReshapePair(),
     DropNoOpView(),

@@ -1,8 +1,8 @@
-"""Depthwise and 1x1 convolutions written as ops Inductor compiles (``BuildOptions.conv_kernels="inductor"``).
+"""Depthwise convolutions written as ops Inductor compiles (``BuildOptions.conv_kernels="inductor"``).
 
-Each lowered form against ONNX Runtime (eager and compiled by Inductor on the CPU), and the convolutions that must
-stay torch's convolution (cuDNN on a GPU): dilated, channel-multiplier depthwise, grouped k x k, padded 1x1,
-1-d.  Which one a convolution became is read from the converted module's steps.  On the GPU (marked) a
+Both lowered forms (a sum of shifted slices up to 5x5, one reduction over the taps beyond) against ONNX Runtime
+(eager and compiled by Inductor on the CPU), and the convolutions that must stay torch's convolution (cuDNN on a
+GPU): 1x1, dilated, channel-multiplier depthwise, grouped k x k, dense, 1-d.  Which one a convolution became is read from the converted module's steps.  On the GPU (marked) a
 converted module is compiled and compared in fp16.
 """
 
@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 torch = pytest.importorskip("torch")
 
-from parastream.launcher.engines.onnx_torch import convert  # noqa: E402
+from parastream.launcher.engines.onnx_torch import convert, lowers_convolutions  # noqa: E402
 
 
 def _w(rng, name, shape):
@@ -49,7 +49,7 @@ def conv_model(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, bool]]:
         N("Conv", ["x1d", "w1d"], ["c1d_o"], name="dw_1d", pads=[1, 1], group=c),
     ]
     lowered = {"dw3_same": True, "dw5_stride2_nobias": True, "dw7_asym": True, "dw3_same_upper_s2": True,
-               "pw": True, "pw_stride2": True, "pw_groups2": True, "dw_dilated": False, "dw_multiplier2": False,
+               "pw": False, "pw_stride2": False, "pw_groups2": False, "dw_dilated": False, "dw_multiplier2": False,
                "grouped_3x3": False, "pw_padded": False, "dense_3x3": False, "dw_1d": False}
     outs = [n.output[0] for n in nodes]
     graph = helper.make_graph(nodes, "conv_kernels",
@@ -93,12 +93,11 @@ def test_only_depthwise_and_1x1_convolutions_are_lowered():
     assert not any(_kinds(convert(model, conv_kernels="cudnn")).values())
 
 
-@pytest.mark.parametrize("kind", ["inductor", "taps"])
-def test_lowered_convolutions_equal_onnxruntime(kind):
+def test_lowered_convolutions_equal_onnxruntime():
     model, _ = conv_model()
     feeds = _feeds()
     ref = _ort(model, feeds)
-    got = _run(convert(model, conv_kernels=kind), model, feeds)
+    got = _run(convert(model, conv_kernels="inductor"), model, feeds)
     for name, r in ref.items():
         assert got[name].shape == r.shape, name
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
@@ -116,9 +115,20 @@ def test_lowered_convolutions_compiled_by_inductor_equal_onnxruntime():
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_which_models_the_option_changes():
+    model, _ = conv_model()
+    assert lowers_convolutions(model)
+    kept = onnx.ModelProto()
+    kept.CopyFrom(model)
+    keep = {"pw", "dw_dilated", "dw_multiplier2", "grouped_3x3", "pw_padded", "dense_3x3", "dw_1d"}
+    nodes = [n for n in kept.graph.node if n.name in keep]
+    del kept.graph.node[:]
+    kept.graph.node.extend(nodes)
+    assert not lowers_convolutions(kept)
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("kind", ["inductor", "taps"])
-def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime(kind):
+def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime():
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     from parastream.launcher.engines.onnx_torch import to_fx
@@ -126,7 +136,7 @@ def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime(kind):
     model, _ = conv_model()
     feeds = _feeds(3)
     ref = _ort(model, feeds)
-    module = to_fx(convert(model, "float16", conv_kernels=kind)).cuda()
+    module = to_fx(convert(model, "float16", conv_kernels="inductor")).cuda()
     compiled = torch.compile(module)
     ins = [torch.from_numpy(feeds[i.name]).cuda().half() for i in model.graph.input]
     with torch.no_grad():

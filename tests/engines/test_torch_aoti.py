@@ -386,7 +386,7 @@ def test_alternatives_of_compiled_engines_are_compiled_for_the_layout_they_are_t
     backend = gpu_backend(suffix=".zip", Builder=Builder, compiles_for_layout=True)
     model, graph, plan, cm = plan_of(tmp_path / "small_net.onnx", 2)
     got = time_alternatives(build_mod.Engines(backend, cm, None, "fp16"), "bundle",
-                            Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels="cudnn")), runs=5)
     # round 1: the unfused packages win (0.8 < 1.0); round 2: contiguous packages, unfused, tie (kept); round 3: one engine
     assert writes == [(2, False, True), (2, False, False), (1, False, True)]
     assert (got["fuse_conv_relu"], got["internal_nhwc"]) == (False, True)

@@ -114,11 +114,37 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
     model, graph, plan, cm = plan_of(models / "small_net.onnx", 2)
     assert plan.num_streams == 2 and has_conv_relu(model)
     got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
-                            Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels="cudnn")), runs=5)
     assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
     assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
     assert got["rounds"][0]["timed_ms"] == {"cuDNN fused conv+bias+ReLU": 1.0, "Inductor's conv and epilogue": 0.8}
     assert all(la.closed for la in made)
+
+
+@pytest.mark.parametrize("slower, kept", [(1.015, "inductor"), (1.03, "cudnn"), (0.9, "inductor")])
+def test_depthwise_kernels_are_kept_unless_over_2_percent_slower(models, monkeypatch, slower, kept):
+    """small_net has a depthwise convolution: with conv_kernels "auto" its first round races cuDNN's depthwise
+    convolutions against Inductor's kernels (an alternative compiled for itself), and keeps Inductor's unless they
+    are more than 2% slower (they start faster).  "cudnn" or "inductor" given: no such round."""
+    from parastream.launcher.engines import BuildOptions
+
+    class Times(dict):
+        def __missing__(self, key):
+            return 1.0
+
+    build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("scratch", None, None): slower}))
+    model, graph, plan, cm = plan_of(models / "small_net.onnx", 1)
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
+    first = got["rounds"][0]
+    assert first["choice"] == "depthwise convolutions" and first["alternative_kept_within"] == 0.02
+    assert first["timed_ms"] == {"depthwise convolutions as cuDNN calls": 1.0,
+                                 "depthwise convolutions as Inductor kernels": slower}
+    assert got["conv_kernels"] == kept
+    for given in ("cudnn", "inductor"):
+        got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                                Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels=given)), runs=5)
+        assert "depthwise convolutions" not in [r["choice"] for r in got["rounds"]] and got["conv_kernels"] == given
 
 
 def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_path):
@@ -132,7 +158,8 @@ def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_pa
     searched = {"choice": "conv+ReLU", "won": "Inductor's conv and epilogue", "load_s": 0.1, "timed_s": 0.1,
                 "timed_ms": {"cuDNN fused conv+bias+ReLU": 1.0, "Inductor's conv and epilogue": 0.8}}
     got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
-                            Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5, timed=[searched])
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels="cudnn")), runs=5,
+                            timed=[searched])
     assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
     assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
     assert got["rounds"][0] == dict(searched, timed="during the search") and "timed" not in got["rounds"][1]
