@@ -68,6 +68,8 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
     _timm("inception_v4", "branchy"), _timm("inception_resnet_v2", "branchy"), _timm("nasnetalarge", "branchy"),
     _timm("dpn68", "branchy"), _timm("res2net50_26w_4s", "branchy"), _timm("skresnet18", "branchy"),
     _timm("mixnet_s", "branchy"),
+    # depthwise-separable and hybrid nets (depthwise convolutions: docs/torch-engines.md, "Fresh-process load")
+    _timm("ghostnet_100", "chain"), _timm("mobilevit_xs", "transformer"),
     # chains
     _tv("resnet50", "chain"), _tv("resnext50_32x4d", "chain"), _tv("regnet_y_400mf", "chain"),
     _tv("mobilenet_v2", "chain"), _tv("mobilenet_v3_small", "chain"), _tv("efficientnet_b0", "chain"),

@@ -119,9 +119,20 @@ class CompiledRunner:
 
 # -- one build (a child process) -----------------------------------------------------------------------------
 
+def _last_error_line(log: Path) -> str:
+    """The last line of a failed child's log that names an error (the table's row says why it failed)."""
+    try:
+        lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+    except OSError:
+        return "no log"
+    named = [ln for ln in lines if "Error" in ln or "error" in ln]
+    return (named or lines or ["empty log"])[-1][:400]
+
+
 def job_key(model: str, batch: int) -> str:
-    """The name of one (model, batch) build's files under --work and --out/logs."""
-    return f"{model}@{batch}"
+    """The name of one (model, batch) build's files under --work and --out/logs (letters, digits and ``_`` only:
+    the device tool brings back no file whose name has other characters)."""
+    return f"{model}_b{batch}"
 
 
 def searched(batch: int, args) -> bool:
@@ -578,7 +589,8 @@ def main(argv=None) -> int:
                 continue
             prep = work / f"{key}.prep.json"
             row = (json.loads(prep.read_text()) if prep.exists()
-                   else {"model": model, "batch": batch, "error": f"build process exited {p.returncode}"})
+                   else {"model": model, "batch": batch, "error": f"build process exited {p.returncode}: "
+                         + _last_error_line(logs / f"{key}.log")})
             row["prepare_wall_s"] = time.perf_counter() - t0
             row["search_mode"] = "measured" if searched(batch, args) else "cost model"
             if "error" not in row:

@@ -185,7 +185,7 @@ def test_run_one_row_per_model_and_batch(tmp_path, monkeypatch, capsys):
     assert rows[("resnet50", 8)]["compile_ms"] == pytest.approx(0.96)
     assert rows[("resnet50", 8)]["search_mode"] == "cost model" and rows[("resnet50", 1)]["search_mode"] == "measured"
     assert rows[("resnet50", 32)]["error"] == "timing: RuntimeError: CUDA out of memory. Tried to allocate 4.00 GiB"
-    assert rows[("broken", 8)]["error"] == "build process exited 1"
+    assert rows[("broken", 8)]["error"].startswith("build process exited 1")
     assert rows[("resnet50", 1)]["rebuild"] == {"build_s": 9.0, "compile_jobs": 0}
     assert "rebuild" in rows[("resnet50", 32)]  # rebuilt too: the build was fine, its timing was not
     md = (out / "corpus_gpu.md").read_text()
