@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from .dataflow import producers
+
+_name = attrgetter("name")
 
 
 def subgraph_reads(node: gs.Node) -> set[str]:
@@ -35,17 +39,19 @@ def node_edges(graph: gs.Graph) -> tuple[list[list[int]], list[list[int]]]:
     Plain lists rather than a networkx graph: the rewrite search schedules every candidate it costs, and
     building a DiGraph took longer than the schedule itself."""
     nodes = graph.nodes
-    writer = producers([t.name for t in node.outputs] for node in nodes)
+    writer = producers(map(_name, node.outputs) for node in nodes)
     preds: list[list[int]] = [[] for _ in nodes]
     succs: list[list[int]] = [[] for _ in nodes]
     get, variable, graph_type = writer.get, gs.Variable, gs.Graph
     for i, node in enumerate(nodes):
         mine = preds[i]
         reads = [t.name for t in node.inputs if t.__class__ is variable or isinstance(t, variable)]
-        for value in node.attrs.values():
-            if isinstance(value, graph_type):
-                reads += sorted(subgraph_reads(node))
-                break
+        attrs = node.attrs
+        if attrs:
+            for value in attrs.values():
+                if isinstance(value, graph_type):
+                    reads += sorted(subgraph_reads(node))
+                    break
         for name in reads:
             j = get(name)
             if j is not None and j != i and j not in mine:
