@@ -229,6 +229,16 @@ def _name_nodes(graph: gs.Graph) -> None:
         taken.add(name)
 
 
+class _SlottedList(SynchronizedList):
+    """onnx-graphsurgeon's SynchronizedList (a node's or tensor's ``inputs``/``outputs``, which keeps the other
+    side's list in step) with its two fields in slots.  SynchronizedList keeps them in an instance dict: one more
+    object for every list, two lists for every node and tensor, a third of all the objects a search's candidates
+    are made of, every one of them allocated, walked by the garbage collector and freed again.  Behaviour and
+    fields are SynchronizedList's; only where the two fields are stored differs."""
+
+    __slots__ = ("parent_obj", "field_name")
+
+
 def copy_graph(graph: gs.Graph) -> gs.Graph:
     """``graph.copy()``, each tensor copied once (same nodes, tensors, attributes and order).
 
@@ -252,7 +262,7 @@ def copy_graph(graph: gs.Graph) -> gs.Graph:
     new = object.__new__
 
     def sync_list(parent, field_name: str) -> SynchronizedList:
-        lst = list.__new__(SynchronizedList)
+        lst = list.__new__(_SlottedList)
         lst.parent_obj, lst.field_name = parent, field_name
         return lst
 
