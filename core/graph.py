@@ -65,11 +65,18 @@ def static_shape(t: gs.Tensor | None) -> tuple[int, ...] | None:
     if t is None:
         return None
     if isinstance(t, gs.Constant):
-        return tuple(int(d) for d in t.values.shape)
+        return tuple([int(d) for d in t.values.shape])
     shape = t.shape
-    if shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+    if shape is None:
         return None
-    return tuple(int(d) for d in shape)
+    # plain loops: the rules and the search's hasher ask for tens of thousands of shapes per build
+    for d in shape:
+        if not isinstance(d, _INTEGERS) or d < 0:
+            return None
+    return tuple([int(d) for d in shape])
+
+
+_INTEGERS = (int, np.integer)
 
 
 def conv_attrs(node: gs.Node, rank: int) -> dict:
