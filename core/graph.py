@@ -8,10 +8,14 @@
 
 from __future__ import annotations
 
+from operator import attrgetter
+
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from .dataflow import producers
+
+_name = attrgetter("name")
 
 
 def subgraph_reads(node: gs.Node) -> set[str]:
@@ -35,17 +39,19 @@ def node_edges(graph: gs.Graph) -> tuple[list[list[int]], list[list[int]]]:
     Plain lists rather than a networkx graph: the rewrite search schedules every candidate it costs, and
     building a DiGraph took longer than the schedule itself."""
     nodes = graph.nodes
-    writer = producers([t.name for t in node.outputs] for node in nodes)
+    writer = producers(map(_name, node.outputs) for node in nodes)
     preds: list[list[int]] = [[] for _ in nodes]
     succs: list[list[int]] = [[] for _ in nodes]
     get, variable, graph_type = writer.get, gs.Variable, gs.Graph
     for i, node in enumerate(nodes):
         mine = preds[i]
         reads = [t.name for t in node.inputs if t.__class__ is variable or isinstance(t, variable)]
-        for value in node.attrs.values():
-            if isinstance(value, graph_type):
-                reads += sorted(subgraph_reads(node))
-                break
+        attrs = node.attrs
+        if attrs:
+            for value in attrs.values():
+                if isinstance(value, graph_type):
+                    reads += sorted(subgraph_reads(node))
+                    break
         for name in reads:
             j = get(name)
             if j is not None and j != i and j not in mine:
@@ -59,11 +65,18 @@ def static_shape(t: gs.Tensor | None) -> tuple[int, ...] | None:
     if t is None:
         return None
     if isinstance(t, gs.Constant):
-        return tuple(int(d) for d in t.values.shape)
+        return tuple([int(d) for d in t.values.shape])
     shape = t.shape
-    if shape is None or any(not isinstance(d, (int, np.integer)) or d < 0 for d in shape):
+    if shape is None:
         return None
-    return tuple(int(d) for d in shape)
+    # plain loops: the rules and the search's hasher ask for tens of thousands of shapes per build
+    for d in shape:
+        if not isinstance(d, _INTEGERS) or d < 0:
+            return None
+    return tuple([int(d) for d in shape])
+
+
+_INTEGERS = (int, np.integer)
 
 
 def conv_attrs(node: gs.Node, rank: int) -> dict:

@@ -34,6 +34,7 @@ The cost of a node is a callable (``cost(node) -> seconds``): the roofline, meas
 from __future__ import annotations
 
 import heapq
+from bisect import insort
 from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
@@ -86,7 +87,14 @@ class Placement:
 
 def _topological(preds: list[list[int]], succs: list[list[int]]) -> list[int]:
     """Node indices in a topological order: index order where that is one (a toposorted graph), else Kahn's."""
-    if all(p < i for i, ps in enumerate(preds) for p in ps):
+    for i, ps in enumerate(preds):
+        for p in ps:
+            if p >= i:
+                break
+        else:
+            continue
+        break
+    else:
         return list(range(len(preds)))
     indeg = [len(p) for p in preds]
     ready = [i for i, d in enumerate(indeg) if d == 0]
@@ -112,22 +120,26 @@ def place(preds: list[list[int]], succs: list[list[int]], cost: Sequence[float],
     Units are keyed by their first node's index; lists indexed by node stand for maps over units (the search
     schedules every candidate it costs, so this is written for speed: plain loops, no key functions)."""
     n = len(cost)
-    # units: maximal chains; a node whose only producer has no other consumer joins that producer's unit
+    # units: maximal chains; a node whose only producer has no other consumer joins that producer's unit.  The
+    # per-unit lists exist for units only (most nodes of a chain-heavy graph are not a unit's first node).
     head = list(range(n))
-    members: list[list[int]] = [[] for _ in range(n)]
+    members: list = [None] * n
     units: list[int] = []  # in topological order of their first nodes
     for i in _topological(preds, succs):
         ps = preds[i]
         if len(ps) == 1 and len(succs[ps[0]]) == 1:
-            head[i] = head[ps[0]]
+            h = head[i] = head[ps[0]]
+            members[h].append(i)
         else:
             units.append(i)
-        members[head[i]].append(i)
-    upreds: list[list[int]] = [[] for _ in range(n)]  # only a chain's first node reads another unit
-    usuccs: list[list[int]] = [[] for _ in range(n)]
+            members[i] = [i]
+    upreds: list = [None] * n  # only a chain's first node reads another unit
+    usuccs: list = [None] * n
     uc = [0.0] * n
     for u in units:
-        mine = upreds[u]
+        usuccs[u] = []
+    for u in units:
+        mine = upreds[u] = []
         for p in preds[u]:
             h = head[p]
             if h not in mine:
@@ -144,14 +156,21 @@ def place(preds: list[list[int]], succs: list[list[int]], cost: Sequence[float],
 
     k = max(1, int(streams))
     stream_free = [0.0] * k
+    streams_k = range(k)
     where, start, finish = [-1] * n, [0.0] * n, [0.0] * n
     ustream = [-1] * n
     ufinish = [0.0] * n
-    remaining = [len(upreds[u]) for u in range(n)]
-    ready = [(-rank[u], u) for u in units if not upreds[u]]
+    remaining = [0] * n
+    ready = []
+    for u in units:
+        if upreds[u]:
+            remaining[u] = len(upreds[u])
+        else:
+            ready.append((-rank[u], u))
     heapq.heapify(ready)
+    pop, push = heapq.heappop, heapq.heappush
     while ready:
-        _, u = heapq.heappop(ready)
+        _, u = pop(ready)
         ps, cu = upreds[u], uc[u]
         heavy = -1  # the producer unit of largest cost (the first on ties): its stream wins ties
         for p in ps:
@@ -160,15 +179,25 @@ def place(preds: list[list[int]], succs: list[list[int]], cost: Sequence[float],
         heavy_stream = ustream[heavy] if heavy >= 0 else -1
         # the stream where the unit finishes first; ties: the heavy producer's stream, then the lowest number
         best, best_end, best_prefer, best_start = -1, 0.0, 0, 0.0
-        for s in range(k):
-            t0 = stream_free[s]
-            for p in ps:
-                ready_at = ufinish[p] if ustream[p] == s else ufinish[p] + sync_cost
-                if ready_at > t0:
-                    t0 = ready_at
-            end, prefer = t0 + cu, 0 if s == heavy_stream else 1
-            if best < 0 or end < best_end or (end == best_end and prefer < best_prefer):
-                best, best_end, best_prefer, best_start = s, end, prefer, t0
+        if ps:
+            # each producer's finish as read from its own stream and from any other (one sum per producer, the
+            # same sum the stream loop would make)
+            reads = [(ustream[p], ufinish[p], ufinish[p] + sync_cost) for p in ps]
+            for s in streams_k:
+                t0 = stream_free[s]
+                for ps_, same, other in reads:
+                    ready_at = same if ps_ == s else other
+                    if ready_at > t0:
+                        t0 = ready_at
+                end, prefer = t0 + cu, 0 if s == heavy_stream else 1
+                if best < 0 or end < best_end or (end == best_end and prefer < best_prefer):
+                    best, best_end, best_prefer, best_start = s, end, prefer, t0
+        else:
+            for s in streams_k:
+                t0 = stream_free[s]
+                end = t0 + cu
+                if best < 0 or end < best_end:  # no producer: no stream is preferred
+                    best, best_end, best_start = s, end, t0
         t = best_start
         for i in members[u]:
             where[i], start[i] = best, t
@@ -178,7 +207,7 @@ def place(preds: list[list[int]], succs: list[list[int]], cost: Sequence[float],
         for v in usuccs[u]:
             remaining[v] -= 1
             if remaining[v] == 0:
-                heapq.heappush(ready, (-rank[v], v))
+                push(ready, (-rank[v], v))
     return where, start, finish
 
 
@@ -199,7 +228,7 @@ def cut_branches(preds: list[list[int]], succs: list[list[int]], where: list[int
     branches: list[list[int]] = []
     branch_stream: list[int] = []
     for s, nodes in enumerate(per_stream):
-        nodes.sort(key=lambda i: (start[i], i))
+        nodes.sort(key=start.__getitem__)  # stable over ascending indices: ties in index order
         current: list[int] = []
         for i in nodes:
             if current:
@@ -228,29 +257,32 @@ def launch_order(branch_preds: list[set[int]], branch_bound: list[str], branch_s
     could start at the earliest simulated time (ties: earliest start, then id)."""
     nb = len(branch_preds)
     indeg = [len(p) for p in branch_preds]
-    bsuccs: list[set[int]] = [set() for _ in range(nb)]
+    bsuccs: list[list[int]] = [[] for _ in range(nb)]
     for b, ps in enumerate(branch_preds):
         for p in ps:
-            bsuccs[p].add(b)
-    ready = {b for b in range(nb) if indeg[b] == 0}
+            bsuccs[p].append(b)
+    # the ready branches sorted by (start, id): those that could start first are a prefix, and the first of them
+    # of the other bound than the last (else the first) is the pick
+    ready = sorted([(branch_start[b], b) for b in range(nb) if indeg[b] == 0])
     launch: list[int] = []
     last = None
     while ready:
-        earliest = min([branch_start[b] for b in ready])
-        best = None
-        for b in ready:  # among those that could start first: the other bound than the last, then start, then id
-            if branch_start[b] <= earliest + 1e-12:
-                key = (0 if (last is None or branch_bound[b] != last) else 1, branch_start[b], b)
-                if best is None or key < best:
-                    best = key
-        pick = best[2]
-        ready.remove(pick)
-        launch.append(pick)
-        last = branch_bound[pick]
-        for v in bsuccs[pick]:
+        pick = 0
+        if last is not None:
+            limit = ready[0][0] + 1e-12
+            for j, (at, b) in enumerate(ready):
+                if at > limit:
+                    break
+                if branch_bound[b] != last:
+                    pick = j
+                    break
+        b = ready.pop(pick)[1]
+        launch.append(b)
+        last = branch_bound[b]
+        for v in bsuccs[b]:
             indeg[v] -= 1
             if indeg[v] == 0:
-                ready.add(v)
+                insort(ready, (branch_start[v], v))
     assert len(launch) == nb, "branch graph has a cycle"
     return launch
 

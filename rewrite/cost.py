@@ -323,16 +323,20 @@ def node_key(node: gs.Node, fused_epilogues: bool = True, tensor_keys: dict | No
             if isinstance(t, str) or not getattr(t, "name", ""):
                 ios.append((_tensor_key(t), -1))
                 continue
+            i = id(t)
             if tensor_keys is None:
                 key = _tensor_key(t)
             else:
-                key = tensor_keys.get(id(t), _MISSING)
+                key = tensor_keys.get(i, _MISSING)
                 if key is _MISSING:
-                    key = tensor_keys[id(t)] = _tensor_key(t)
-            ios.append((key, first.setdefault(id(t), len(first))))
+                    key = tensor_keys[i] = _tensor_key(t)
+            at = first.get(i)
+            if at is None:
+                at = first[i] = len(first)
+            ios.append((key, at))
         ios.append(None)  # inputs | outputs
     attrs = node.attrs
-    attrs = tuple((a, repr(attrs[a])) for a in _COST_ATTRS if a in attrs)
+    attrs = tuple([(a, repr(attrs[a])) for a in _COST_ATTRS if a in attrs]) if attrs else ()
     return (node.op, attrs, tuple(ios), fused_epilogues and is_fused_epilogue(node))
 
 

@@ -21,6 +21,8 @@ import onnx_graphsurgeon as gs
 from onnx import shape_inference
 from onnx_graphsurgeon.util.misc import SynchronizedList
 
+from parastream.core.graph import conv_attrs, static_shape
+
 
 WEIGHTS_ASIDE_BYTES = 1 << 16  # initializers above this size are set aside during shape inference
 
@@ -229,6 +231,16 @@ def _name_nodes(graph: gs.Graph) -> None:
         taken.add(name)
 
 
+class _SlottedList(SynchronizedList):
+    """onnx-graphsurgeon's SynchronizedList (a node's or tensor's ``inputs``/``outputs``, which keeps the other
+    side's list in step) with its two fields in slots.  SynchronizedList keeps them in an instance dict: one more
+    object for every list, two lists for every node and tensor, a third of all the objects a search's candidates
+    are made of, every one of them allocated, walked by the garbage collector and freed again.  Behaviour and
+    fields are SynchronizedList's; only where the two fields are stored differs."""
+
+    __slots__ = ("parent_obj", "field_name")
+
+
 def copy_graph(graph: gs.Graph) -> gs.Graph:
     """``graph.copy()``, each tensor copied once (same nodes, tensors, attributes and order).
 
@@ -252,7 +264,7 @@ def copy_graph(graph: gs.Graph) -> gs.Graph:
     new = object.__new__
 
     def sync_list(parent, field_name: str) -> SynchronizedList:
-        lst = list.__new__(SynchronizedList)
+        lst = list.__new__(_SlottedList)
         lst.parent_obj, lst.field_name = parent, field_name
         return lst
 
@@ -540,7 +552,7 @@ class GraphHasher:
         op = node.op
         wshape = None
         if op == "Conv" and len(node.inputs) > 1:
-            wshape = _static_shape(node.inputs[1])
+            wshape = static_shape(node.inputs[1])
         key = (op, node.domain, wshape, *[(k, id(v)) for k, v in attrs.items()])
         hit = self._texts.get(key)
         if hit is not None:
@@ -595,8 +607,6 @@ _DEFAULTS = {"Gemm": {"alpha": 1.0, "beta": 1.0, "transA": 0, "transB": 0}}
 def _canonical_attrs(node: gs.Node) -> dict:
     """Attributes with defaults filled in, so that a rewrite that spells a default out changes nothing."""
     if node.op == "Conv" and len(node.inputs) > 1:
-        from parastream.core.graph import conv_attrs, static_shape
-
         w = static_shape(node.inputs[1])
         if w is not None:
             return conv_attrs(node, len(w) - 2)
@@ -615,12 +625,6 @@ def _canonical_inputs(node: gs.Node, is_zero=lambda v: not np.any(v)) -> list:
         if bias is None or not getattr(bias, "name", "") or (isinstance(bias, gs.Constant) and is_zero(bias.values)):
             inputs = inputs[:2] + [f"zeros({channels})"]
     return inputs
-
-
-def _static_shape(t):
-    from parastream.core.graph import static_shape
-
-    return static_shape(t)
 
 
 def _attr_text(v) -> str:

@@ -10,7 +10,8 @@ from graphs import ort_reference, three_branch_model
 from onnx import TensorProto, helper, numpy_helper, shape_inference
 
 from parastream.core.graph import node_edges
-from parastream.core.schedule import choose_streams, estimate_latency, place, schedule_graph, schedule_latency
+from parastream.core.schedule import (choose_streams, estimate_latency, launch_order, place, schedule_graph,
+                                      schedule_latency)
 from parastream.launcher.plan import TensorSpec
 from parastream.pipeline.partition import extract_branch, make_plan
 
@@ -243,6 +244,42 @@ def test_placement_is_the_reference_formulation_with_ties(seed):
         for k in (1, 2, 3, 4):
             where, start, _finish = place(*edges, c, k)
             assert (where, start) == _reference_place(*edges, c, k)
+
+
+def _reference_launch_order(branch_preds, branch_bound, branch_start):
+    """The launch order written with a ready set and one key function: among the ready branches that could start
+    at the earliest simulated time, the other bound than the last one's, then the earliest start, then the id."""
+    nb = len(branch_preds)
+    indeg = [len(p) for p in branch_preds]
+    ready, launch, last = {b for b in range(nb) if indeg[b] == 0}, [], None
+    while ready:
+        earliest = min(branch_start[b] for b in ready)
+        pick = min((b for b in ready if branch_start[b] <= earliest + 1e-12),
+                   key=lambda b: (0 if last is None or branch_bound[b] != last else 1, branch_start[b], b))
+        ready.remove(pick)
+        launch.append(pick)
+        last = branch_bound[pick]
+        for v in range(nb):
+            if pick in branch_preds[v]:
+                indeg[v] -= 1
+                if indeg[v] == 0:
+                    ready.add(v)
+    return launch
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_launch_order_is_the_reference_formulation_with_ties(seed):
+    """Random branch DAGs with many equal starts and both bounds: the sorted-ready-list launch order is the
+    reference's, branch for branch."""
+    import random
+
+    rng = random.Random(seed)
+    for _ in range(40):
+        nb = rng.randint(1, 30)
+        preds = [{p for p in range(b) if rng.random() < 0.15} for b in range(nb)]
+        start = [rng.choice([0.0, 1e-6, 2e-6, 2e-6 + 1e-13, rng.random() * 1e-5]) for _ in range(nb)]
+        bound = [rng.choice(["compute", "memory"]) for _ in range(nb)]
+        assert launch_order(preds, bound, start) == _reference_launch_order(preds, bound, start)
 
 
 def test_place_needs_no_topological_node_order():

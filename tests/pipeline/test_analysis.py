@@ -109,6 +109,50 @@ def test_random_dags_match_brute_force(seed):
     assert is_antichain(m, names)
 
 
+def networkx_antichain(model: onnx.ModelProto) -> list[str]:
+    """The maximum antichain by networkx: Hopcroft-Karp on the transitive closure, then König's cover."""
+    dag = node_graph(model)
+    names = list(dag)
+    n, index = len(names), {v: i for i, v in enumerate(names)}
+    bipartite = nx.Graph()
+    bipartite.add_nodes_from(range(2 * n))
+    bipartite.add_edges_from((index[u], n + index[v]) for u, v in nx.transitive_closure_dag(dag).edges)
+    matching = nx.bipartite.hopcroft_karp_matching(bipartite, top_nodes=range(n))
+    free = [u for u in range(n) if u not in matching]
+    reached, frontier = set(free), list(free)
+    while frontier:  # alternating paths: a non-matching edge out -> in, then the matching edge in -> out
+        nxt = []
+        for u in frontier:
+            for w in bipartite[u]:
+                if w not in reached and matching.get(u) != w:
+                    reached.add(w)
+                    if w in matching and matching[w] not in reached:
+                        reached.add(matching[w])
+                        nxt.append(matching[w])
+        frontier = nxt
+    return [v for v in names if index[v] in reached and n + index[v] not in reached]
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_random_larger_dags_match_networkx(seed):
+    # the width's own matching: the same antichain as networkx's Hopcroft-Karp (any maximum matching gives it)
+    rng = np.random.default_rng(100 + seed)
+    n = int(rng.integers(20, 70))
+    p = float(rng.uniform(0.02, 0.3))
+    edges = [(f"v{i}", f"v{j}") for i in range(n) for j in range(i + 1, n) if rng.random() < p]
+    m = dag_model(edges, nodes=[f"v{i}" for i in range(n)])
+    width, names = graph_width(m)
+    assert names == networkx_antichain(m) and width == len(names)
+    assert is_antichain(m, names)
+
+
+def test_a_cycle_is_refused():
+    m = dag_model([("a", "b")])
+    m.graph.node[0].input[0] = "b"  # a reads b, b reads a
+    with pytest.raises(ValueError, match="cycle"):
+        graph_width(m)
+
+
 @pytest.mark.parametrize("name, width", [("inception_block", 4), ("resnet_bottleneck", 2), ("transformer_layer", 3)])
 def test_zoo_widths(name, width):
     m = zoo.MODELS[name]()

@@ -157,6 +157,21 @@ def test_console_script_exit_code(tmp_path):
     assert not (tmp_path / "o").exists()
 
 
+def test_the_program_leaves_its_objects_to_the_exit(model_path):
+    """As the program (no argv) main freezes the collector's objects once the command is done, since the process
+    exits next; called with arguments (a test, a caller that goes on) it leaves the collector alone."""
+    code = ("import gc, sys\n"
+            "from parastream.pipeline.cli import main\n"
+            "gc.freeze = lambda: print('frozen')\n"
+            "assert main(['inspect', sys.argv[1]]) == 0\n"
+            "print('argv given: done')\n"
+            "sys.argv = ['parastream', 'inspect', sys.argv[1]]\n"
+            "sys.exit(main())\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    assert proc.stdout.count("frozen") == 1 and proc.stdout.index("argv given: done") < proc.stdout.index("frozen")
+
+
 @pytest.mark.parametrize("argv,whole,ablation", [([], True, False), (["--no-whole-model", "--concat-ablation"], False, True)])
 def test_bench_options_reach_bench_bundle(monkeypatch, tmp_path, argv, whole, ablation):
     import parastream.pipeline.bench as bench

@@ -3,6 +3,7 @@ onnx-graphsurgeon's and the uncached ones give: they exist only to make the sear
 
 from __future__ import annotations
 
+import gc
 import random
 import sys
 from pathlib import Path
@@ -63,7 +64,9 @@ def _objects(graph: gs.Graph) -> list:
         if id(v) in order:
             return order[id(v)]
         if isinstance(v, list):
-            kind = (type(v).__name__, order.get(id(getattr(v, "parent_obj", None))), getattr(v, "field_name", None))
+            # the fast copy's lists are SynchronizedList with their two fields in slots: the same list to its users
+            kind = ("SynchronizedList" if isinstance(v, SynchronizedList) else type(v).__name__,
+                    order.get(id(getattr(v, "parent_obj", None))), getattr(v, "field_name", None))
             return (kind, [value(x) for x in v])
         if isinstance(v, np.ndarray):
             return ("array", id(v))  # weights are shared, never copied
@@ -84,6 +87,9 @@ def test_copy_graph_builds_what_graphsurgeons_constructors_build():
         fast, slow = copy_graph(g), _copy_slow(g)
         assert _objects(fast) == _objects(slow)
         assert all(isinstance(n.inputs, SynchronizedList) and n.inputs.parent_obj is n for n in fast.nodes)
+        # no instance dict behind any of the copy's lists (their fields are in slots): a third fewer objects
+        lists = [lst for n in fast.nodes for lst in (n.inputs, n.outputs, *[x for t in n.outputs for x in (t.inputs, t.outputs)])]
+        assert not any(type(r) is dict for lst in lists for r in gc.get_referents(lst))
         # the lists stay synchronised: editing the copy edits its tensors' lists, never the original's
         node = fast.nodes[0]
         t = node.inputs[0]
