@@ -152,9 +152,9 @@ PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02}
 def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
     """Whether the "depthwise convolutions" round races ``model``: ``conv_kernels`` left to timing ("auto"),
     a backend whose engines it changes, and a depthwise convolution for it to change."""
-    from parastream.launcher.engines.onnx_torch import lowers_convolutions
+    from parastream.launcher.engines.onnx_torch import has_depthwise_conv
 
-    return options.conv_kernels == "auto" and bool(getattr(backend, "lowers_convolutions", False)) and lowers_convolutions(model)
+    return options.conv_kernels == "auto" and bool(getattr(backend, "lowers_convolutions", False)) and has_depthwise_conv(model)
 
 
 def has_gemm_epilogue(model: onnx.ModelProto) -> bool:

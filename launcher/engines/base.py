@@ -14,9 +14,8 @@ What differs between backends is said by capability flags, never by the backend'
 (engines are compiled for the GPU launcher's tensor layout: ``build`` takes ``layout``), ``builds_side_by_side``
 (``build_all`` compiles in parallel: the build hands it every branch at once), ``background_compiles``
 (``start_workers``, ``precompile(background=True)``, ``compiling``, ``cancel_precompile`` and
-``background_summary`` do something), ``fuses_conv_relu`` (``BuildOptions.fuse_conv_relu`` changes the engines), ``lowers_convolutions`` (so does
-``BuildOptions.conv_kernels``),
-``supports_internal_nhwc`` and ``supports_channel_views`` (what ``load`` takes of the launcher's layout),
+``background_summary`` do something), ``fuses_conv_relu`` (``BuildOptions.fuse_conv_relu`` changes the engines),
+``lowers_convolutions`` (so does ``BuildOptions.conv_kernels``), ``supports_internal_nhwc`` and ``supports_channel_views`` (what ``load`` takes of the launcher's layout),
 ``warms_after_load`` (``load(warm=False)`` defers the engine's first call to ``engine.warm()``).  A backend
 without a capability keeps the defaults below (``BuilderBase``, ``no_precompile``, ...).
 

@@ -425,7 +425,7 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise_taps if taps <= MAX_SUMMED_TAPS else depthwise
 
 
-def lowers_convolutions(model: onnx.ModelProto) -> bool:
+def has_depthwise_conv(model: onnx.ModelProto) -> bool:
     """Whether ``conv_kernels="inductor"`` changes ``model``'s engine: it has a 2-d depthwise convolution
     (weight [C, 1, kh, kw], group C, no dilation) with a constant weight."""
     weights = {t.name: list(t.dims) for t in model.graph.initializer}

@@ -352,14 +352,14 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
               artifact: str = "aoti", digest: str | None = None) -> str:
     """sha256 of the branch's graph (its name, which carries the branch's index, left out), the tensor layout,
     the compute dtype, the options that change the code, what it is compiled for, and into which artifact."""
-    from .onnx_torch import lowers_convolutions
+    from .onnx_torch import has_depthwise_conv
 
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
                          "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
                          **({} if options.fuse_attention else {"fuse_attention": False}),  # keys made before it stay
                          **({"conv_kernels": "inductor"}  # only where it changes the code
-                            if options.conv_kernels == "inductor" and lowers_convolutions(branch) else {}),
+                            if options.conv_kernels == "inductor" and has_depthwise_conv(branch) else {}),
                          **({} if options.fuse_gemm_epilogue else {"fuse_gemm_epilogue": False}),
                          **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
                          "optimization_level": int(options.optimization_level),
@@ -1066,7 +1066,7 @@ class Builder(BuilderBase):
         distinct branch that no cache holds; structure -> keys that one process compiles in turn).  A branch
         that a background ``precompile`` is compiling is waited for (``wait``) or left to it.  ``self.keys``: the
         cache key of every compiled item, in order (``precompile`` hands them on)."""
-        from .onnx_torch import convert
+        from .onnx_torch import convert, has_depthwise_conv
 
         self.keys = []
         device = self.options.device
@@ -1126,7 +1126,9 @@ class Builder(BuilderBase):
             rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
             meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
                     "fuse_conv_relu": fuse, "fuse_attention": bool(self.options.fuse_attention),
-                    "conv_kernels": conv_kernels_used(self.options.conv_kernels),
+                    # only a branch the option changes says how its convolutions were compiled: the others' engines
+                    # are the same either way (one cache key), so either choice loads them as they are
+                    **({"conv_kernels": conv_kernels_used(self.options.conv_kernels)} if has_depthwise_conv(branch) else {}),
                     "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue),
                     "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}
@@ -1565,7 +1567,8 @@ class TorchEngine:
         self.compiled_at_load = elsewhere or not (package is not None and meta.get("signature") == sig
                                                   and meta.get("dtype") == self.dtype and meta.get("fuse_conv_relu") == fuse
                                                   and meta.get("fuse_attention", True) == options.fuse_attention
-                                                  and meta.get("conv_kernels", "cudnn") == conv_kernels_used(options.conv_kernels)
+                                                  and meta.get("conv_kernels", conv_kernels_used(options.conv_kernels))
+                                                  == conv_kernels_used(options.conv_kernels)
                                                   and meta.get("fuse_gemm_epilogue", True) == options.fuse_gemm_epilogue)
         self._runner = None
         self.module = None

@@ -15,7 +15,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 torch = pytest.importorskip("torch")
 
-from parastream.launcher.engines.onnx_torch import convert, lowers_convolutions  # noqa: E402
+from parastream.launcher.engines.onnx_torch import convert, has_depthwise_conv  # noqa: E402
 
 
 def _w(rng, name, shape):
@@ -117,14 +117,14 @@ def test_lowered_convolutions_compiled_by_inductor_equal_onnxruntime():
 
 def test_which_models_the_option_changes():
     model, _ = conv_model()
-    assert lowers_convolutions(model)
+    assert has_depthwise_conv(model)
     kept = onnx.ModelProto()
     kept.CopyFrom(model)
     keep = {"pw", "dw_dilated", "dw_multiplier2", "grouped_3x3", "pw_padded", "dense_3x3", "dw_1d"}
     nodes = [n for n in kept.graph.node if n.name in keep]
     del kept.graph.node[:]
     kept.graph.node.extend(nodes)
-    assert not lowers_convolutions(kept)
+    assert not has_depthwise_conv(kept)
 
 
 @pytest.mark.gpu
