@@ -145,3 +145,37 @@ def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime():
         r = ref[o.name]
         err = float(np.abs(t.float().cpu().numpy() - r).max() / max(np.abs(r).max(), 1e-6))
         assert err < 5e-3, (o.name, err)
+
+
+def _jobs_meta(model, conv_kernels: str) -> dict:
+    """The engine.json fields and cache key the torch builder gives ``model``'s one branch (nothing compiled)."""
+    from parastream.core.tensors import TensorSpec
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.launcher.engines.base import BuildOptions
+
+    def specs(values):
+        return [TensorSpec(v.name, "float32", [d.dim_value for d in v.type.tensor_type.shape.dim]) for v in values]
+
+    builder = torch_backend.Builder(BuildOptions(precision="fp32", device="cpu", conv_kernels=conv_kernels))
+    layout = {"inputs": specs(model.graph.input), "outputs": specs(onnx.shape_inference.infer_shapes(model).graph.output)}
+    out, _, _ = builder._jobs([(model, "branch_000", layout)], wait=False)
+    return out[0][2]
+
+
+def test_only_a_branch_with_a_depthwise_convolution_is_compiled_apart():
+    """A branch the option changes gets its own cache key and says in engine.json how its convolutions were compiled
+    (a load with the other choice compiles it again); a branch without one is one engine for both choices: one
+    key, nothing recorded, so either choice loads it as compiled."""
+    model, _ = conv_model()
+    dense = onnx.ModelProto()
+    dense.CopyFrom(model)
+    nodes = [n for n in dense.graph.node if n.name == "dense_3x3"]
+    del dense.graph.node[:]
+    dense.graph.node.extend(nodes)
+    del dense.graph.output[:]
+    dense.graph.output.extend([helper.make_tensor_value_info("dense_o", TensorProto.FLOAT, [2, 8, 15, 13])])
+    lowered, kept = _jobs_meta(model, "inductor"), _jobs_meta(model, "cudnn")
+    assert lowered["key"] != kept["key"] and (lowered["conv_kernels"], kept["conv_kernels"]) == ("inductor", "cudnn")
+    assert _jobs_meta(model, "auto")["key"] == kept["key"]  # "auto" compiles cuDNN's until timing says
+    plain = [_jobs_meta(dense, k) for k in ("inductor", "cudnn", "auto")]
+    assert len({m["key"] for m in plain}) == 1 and not any("conv_kernels" in m for m in plain)
