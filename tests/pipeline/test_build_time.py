@@ -396,18 +396,20 @@ def test_build_reports_seconds_per_stage_in_report_json_and_on_the_command_line(
 
 
 def test_engine_format_flags_are_recorded_build_options(tmp_path, capsys):
-    """``--torch-artifact``, ``--inductor-format``, ``--compile-workers`` and ``--no-gpu-timing-lock`` are build
-    options: manifest.json records them (a launcher reads its options back from there, ``Bundle.engine_options``)."""
+    """``--torch-artifact``, ``--inductor-format``, ``--compile-workers``, ``--no-gpu-timing-lock`` and
+    ``--conv-kernels`` are build options: manifest.json records them (a launcher reads its options back from there, ``Bundle.engine_options``)."""
     from parastream.pipeline.cli import main
 
     out = tmp_path / "b"
     assert main(["build", str(SMALL_NET), "-o", str(out), "--backend", "onnxruntime", "--no-search", "--quiet",
                  "--torch-artifact", "aoti", "--inductor-format", "bundled", "--compile-workers", "3",
-                 "--no-gpu-timing-lock"]) == 0
+                 "--no-gpu-timing-lock", "--conv-kernels", "inductor"]) == 0
     options = json.loads((out / "manifest.json").read_text())["options"]
     assert (options["torch_artifact"], options["inductor_format"], options["compile_workers"],
-            options["gpu_timing_lock"]) == ("aoti", "bundled", 3, False)
+            options["gpu_timing_lock"], options["conv_kernels"]) == ("aoti", "bundled", 3, False, "inductor")
     got = Bundle.open(out).engine_options("cpu")
-    assert (got.torch_artifact, got.inductor_format, got.compile, got.device) == ("aoti", "bundled", True, "cpu")
+    assert (got.torch_artifact, got.inductor_format, got.compile, got.device, got.conv_kernels) == (
+        "aoti", "bundled", True, "cpu", "inductor")
     default = build(SMALL_NET, tmp_path / "d", backend="onnxruntime", search=False, verify=False)
     assert default.engine_options("cpu").torch_artifact == "inductor"
+    assert default.engine_options("cpu").conv_kernels == "auto"  # cuDNN's until a GPU build times the other
