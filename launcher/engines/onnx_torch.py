@@ -425,19 +425,26 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise_taps if taps <= MAX_SUMMED_TAPS else depthwise
 
 
-def has_depthwise_conv(model: onnx.ModelProto) -> bool:
-    """Whether ``conv_kernels="inductor"`` changes ``model``'s engine: it has a 2-d depthwise convolution
-    (weight [C, 1, kh, kw], group C, no dilation) with a constant weight."""
+def depthwise_convs(model: onnx.ModelProto) -> set[int]:
+    """The indices of ``model``'s nodes that ``conv_kernels="inductor"`` lowers: 2-d depthwise convolutions
+    (weight an initializer [C, 1, kh, kw] with kh*kw > 1, group C, no dilation).  The converter lowers these and
+    no others, so that whether an engine changes with the option is read from its ONNX alone (its cache key)."""
     weights = {t.name: list(t.dims) for t in model.graph.initializer}
-    for n in model.graph.node:
+    found = set()
+    for i, n in enumerate(model.graph.node):
         if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in weights:
             continue
         dims = weights[n.input[1]]
         attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
         if (len(dims) == 4 and dims[1] == 1 and int(attrs.get("group", 1)) == dims[0] > 1 and dims[2] * dims[3] > 1
                 and all(int(d) == 1 for d in attrs.get("dilations", [1, 1]))):
-            return True
-    return False
+            found.add(i)
+    return found
+
+
+def has_depthwise_conv(model: onnx.ModelProto) -> bool:
+    """Whether ``conv_kernels="inductor"`` changes ``model``'s engine (``depthwise_convs``)."""
+    return bool(depthwise_convs(model))
 
 
 class _ConvFn:
@@ -1299,7 +1306,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             const_key[id(v.const)] = key
         return key
 
-    for node in g.node:
+    lowered = depthwise_convs(model) if conv_kernels == "inductor" else set()
+    for index, node in enumerate(g.node):
         op_key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
         if node.domain not in ("", "ai.onnx", fused_ops.DOMAIN):
             raise UnsupportedOp(f"node {node.name!r} ({node.domain}:{node.op_type}): custom domain ops are not supported by the torch backend")
@@ -1309,7 +1317,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(op_key)
         nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, fuse_gemm_epilogue=fuse_gemm_epilogue,
-                      conv_kernels=conv_kernels)
+                      conv_kernels="inductor" if index in lowered else "cudnn")
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)

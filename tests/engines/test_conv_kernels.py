@@ -115,6 +115,24 @@ def test_lowered_convolutions_compiled_by_inductor_equal_onnxruntime():
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
+def test_a_depthwise_weight_computed_in_the_graph_is_not_lowered():
+    """Only initializer weights are lowered (what ``has_depthwise_conv`` reads from the ONNX, and so the cache key
+    sees): a depthwise convolution whose weight a Constant node makes stays torch's convolution, and the
+    converted model still equals ONNX Runtime."""
+    rng = np.random.default_rng(4)
+    w = numpy_helper.from_array((rng.standard_normal((8, 1, 3, 3)) * 0.3).astype(np.float32), "wc")
+    nodes = [helper.make_node("Constant", [], ["w"], name="weight", value=w),
+             helper.make_node("Conv", ["x", "w"], ["y"], name="dw_const_weight", pads=[1, 1, 1, 1], group=8)]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 9, 9])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    assert not has_depthwise_conv(model)
+    module = convert(model, conv_kernels="inductor")
+    assert not any(_kinds(module).values())
+    feeds = {"x": rng.standard_normal((1, 8, 9, 9)).astype(np.float32)}
+    np.testing.assert_allclose(_run(module, model, feeds)["y"], _ort(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
 def test_which_models_the_option_changes():
     model, _ = conv_model()
     assert has_depthwise_conv(model)
