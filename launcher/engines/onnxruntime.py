@@ -134,14 +134,16 @@ def describe_error(e: BaseException, model: onnx.ModelProto) -> str:
     return f"{where}{first}"
 
 
-def check_model(model: onnx.ModelProto) -> None:
-    """Fail early, naming the node, when ONNX Runtime cannot run an op or opset of the model."""
+def check_model(model: onnx.ModelProto, serialized: bytes | None = None) -> None:
+    """Fail early, naming the node, when ONNX Runtime cannot run an op or opset of the model (``serialized``: its
+    bytes, when the caller has them)."""
     import onnxruntime as ort
 
     from ..errors import ParastreamError
 
     try:
-        ort.InferenceSession(model.SerializeToString(), session_options(1), providers=["CPUExecutionProvider"])
+        ort.InferenceSession(serialized if serialized is not None else model.SerializeToString(), session_options(1),
+                             providers=["CPUExecutionProvider"])
     except Exception as e:  # noqa: BLE001 - ORT raises its own exception types
         d = describe_error(e, model)
         where, sep, first = d.partition(": ") if d.startswith("node ") else ("", "", d)
