@@ -43,13 +43,7 @@ def infer(model: onnx.ModelProto, strict: bool = False, restore: bool = True, ch
     of a second per exported candidate).  ``check``: the result also passes ``onnx.checker`` (``_check_aside``).
     ``held``: initializers the model holds set aside already (``export_model``), name -> their values.
     """
-    aside: dict[str, bytes | np.ndarray] = dict(held or {})
-    for t in model.graph.initializer:
-        if not t.HasField("data_location") and len(t.raw_data) > WEIGHTS_ASIDE_BYTES and t.name not in aside:
-            aside[t.name] = t.raw_data
-            t.ClearField("raw_data")
-            t.data_location = onnx.TensorProto.EXTERNAL
-            t.external_data.add(key="location", value=ASIDE_LOCATION)
+    aside = _set_aside(model, held)
     try:
         out = shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True)
         if check:
@@ -59,6 +53,59 @@ def infer(model: onnx.ModelProto, strict: bool = False, restore: bool = True, ch
             _put_back(model, aside)
     _put_back(out, aside)
     return out
+
+
+def _set_aside(model: onnx.ModelProto, held: dict | None) -> dict[str, bytes | np.ndarray]:
+    """The data of ``model``'s initializers above ``WEIGHTS_ASIDE_BYTES`` taken out (each left as external data at
+    ``ASIDE_LOCATION``: type and dimensions, no bytes), by name, with ``held`` (set aside already)."""
+    aside: dict[str, bytes | np.ndarray] = dict(held or {})
+    for t in model.graph.initializer:
+        if not t.HasField("data_location") and len(t.raw_data) > WEIGHTS_ASIDE_BYTES and t.name not in aside:
+            aside[t.name] = t.raw_data
+            t.ClearField("raw_data")
+            t.data_location = onnx.TensorProto.EXTERNAL
+            t.external_data.add(key="location", value=ASIDE_LOCATION)
+    return aside
+
+
+def infer_aside(model: onnx.ModelProto, strict: bool = False, held: dict | None = None
+                ) -> tuple[onnx.ModelProto, dict[str, bytes | np.ndarray]]:
+    """``infer`` for a caller that goes on in graphsurgeon: neither ``model`` nor the result gets its large weights
+    back; the result holds them as placeholders and they are returned by name (``held`` among them), for
+    ``graph_with_aside`` to import.  Putting them back costs a copy of every weight's bytes into a fresh proto
+    (0.4 s per 280 MB), once per inference of a folding loop that imports the result at once."""
+    aside = _set_aside(model, held)
+    return shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True), aside
+
+
+def graph_with_aside(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> gs.Graph | None:
+    """``model`` (an ``infer_aside`` result) in graphsurgeon with its set-aside weights as arrays (views of their
+    bytes, not copies), as importing the model with its weights would give; None when one cannot be (a dtype numpy
+    has no buffer type for, a byte count that does not match): the caller puts them back and imports."""
+    graph = gs.import_onnx(model)
+    for t in graph.tensors().values():
+        data = aside.get(t.name) if isinstance(t, gs.Constant) else None
+        if data is None:
+            continue
+        t.data_location = None  # the placeholder's external location goes with it: the bytes are the array's
+        if isinstance(data, np.ndarray):
+            t.values = data
+            continue
+        try:
+            dtype = np.dtype(t.dtype)
+            shape = tuple(int(d) for d in t.shape)
+        except (TypeError, ValueError):
+            return None
+        if dtype.hasobject or dtype.itemsize * int(np.prod(shape, dtype=np.int64)) != len(data):
+            return None
+        t.values = np.frombuffer(data, dtype=dtype).reshape(shape)
+    return graph
+
+
+def put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> onnx.ModelProto:
+    """``model``'s set-aside weights given their bytes again (``infer_aside``); returned."""
+    _put_back(model, aside)
+    return model
 
 
 def _check_aside(model: onnx.ModelProto, aside: bool) -> None:

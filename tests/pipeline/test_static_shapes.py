@@ -91,6 +91,45 @@ def test_runtime_padding_gets_static_shapes_and_builds(tmp_path):
     assert out.is_dir()
 
 
+def test_large_weights_stay_out_of_the_protos_between_folding_passes(tmp_path, monkeypatch):
+    """With weights above the set-aside size (64 channels: 147 KB a weight), the fixed-point passes keep them out
+    of the protos (graphsurgeon holds them as views of their bytes) and put them back once: the loaded model has
+    every weight's bytes, no placeholder, and computes what the export does."""
+    from parastream.rewrite import ir
+
+    put_backs = []
+    real = ir._put_back
+    monkeypatch.setattr(ir, "_put_back", lambda model, aside: (put_backs.append(len(aside)), real(model, aside)))
+    path = _save(same_pad_model(size=33, c=64), tmp_path / "same_pad.onnx")
+    passes = []
+    real_fold = model_io._fold_once_aside
+    monkeypatch.setattr(model_io, "_fold_once_aside", lambda m, aside: (passes.append(len(aside)), real_fold(m, aside))[1])
+    loaded = load_model(path)
+    assert passes and passes[0] == 1  # the 64x64x3x3 weight (the first conv's is small) set aside in the loop
+    assert len([n for n in put_backs if n]) <= 3  # once after the loop (and by the inferences before and after it)
+    assert unknown_tensors(loaded.model) == []
+    assert not any(t.data_location == onnx.TensorProto.EXTERNAL for t in loaded.model.graph.initializer)
+    x = np.random.default_rng(2).standard_normal((1, 3, 33, 33)).astype(np.float32)
+    ref = ort_reference(same_pad_model(size=33, c=64), {"x": x})["y"]
+    np.testing.assert_allclose(ort_reference(loaded.model, {"x": x})["y"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_weights_set_aside_come_back_as_views_of_their_bytes():
+    """graph_with_aside gives a set-aside weight its array back without copying it, and refuses (None) bytes that do
+    not match the declared type and shape, for the caller to put them back and import instead."""
+    from parastream.rewrite.ir import graph_with_aside, infer_aside
+
+    model = same_pad_model(size=33, c=64)
+    weight = numpy_helper.to_array(next(t for t in model.graph.initializer if t.name == "w2"))
+    inferred, aside = infer_aside(model)
+    assert set(aside) == {"w2"} and not next(t for t in inferred.graph.initializer if t.name == "w2").raw_data
+    graph = graph_with_aside(inferred, aside)
+    values = graph.tensors()["w2"].values
+    np.testing.assert_array_equal(values, weight)
+    assert np.shares_memory(values, np.frombuffer(aside["w2"], dtype=np.float32))
+    assert graph_with_aside(inferred, {"w2": aside["w2"][:-4]}) is None
+
+
 def test_static_model_does_not_take_the_fallbacks(tmp_path, monkeypatch):
     """Must not fire: a model whose shapes ONNX inference already knows never reaches the fallbacks."""
     from graphs import three_branch_model
