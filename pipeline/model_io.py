@@ -561,7 +561,7 @@ def _fold_once_aside(model: onnx.ModelProto, aside: dict) -> tuple[onnx.ModelPro
     """``_fold_once`` of an ``infer_aside`` result whose large weights are ``aside``: imported with them as arrays,
     folded, exported with the large ones held out again; returns the model, the nodes removed and what it holds
     out.  A model whose weights cannot be viewed as arrays is folded with its bytes put back, as ``_fold_once``."""
-    from parastream.rewrite.ir import _hold_large_weights, graph_with_aside, put_back
+    from parastream.rewrite.ir import graph_with_aside, hold_large_weights, put_back
 
     graph = graph_with_aside(model, aside)
     if graph is None:
@@ -570,7 +570,7 @@ def _fold_once_aside(model: onnx.ModelProto, aside: dict) -> tuple[onnx.ModelPro
     before = len(graph.nodes)
     if _fold_graph(graph) is None:
         return model, 0, aside
-    held = _hold_large_weights(graph)
+    held = hold_large_weights(graph)
     folded = _export_like(graph, model)
     return folded, before - len(folded.graph.node), held
 

@@ -140,7 +140,7 @@ def _put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> N
             t.raw_data = data.tobytes() if isinstance(data, np.ndarray) else data
 
 
-def _hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
+def hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
     """Before ``gs.export_onnx``: each large weight of ``graph`` (a copy, its own tensors) becomes a placeholder
     that exports as set-aside external data (type and dimensions, no bytes), its array returned by name.
 
@@ -527,7 +527,7 @@ def export_model(graph: gs.Graph, like: onnx.ModelProto, check: bool = True) -> 
     """``graph`` as a model with ``like``'s opsets, IR version and metadata, shapes inferred and checked."""
     graph = copy_graph(graph)
     toposort(cleanup(graph))
-    held = _hold_large_weights(graph)
+    held = hold_large_weights(graph)
     model = gs.export_onnx(graph, do_type_check=False)
     model.ClearField("opset_import")
     model.opset_import.extend(like.opset_import)

@@ -227,11 +227,11 @@ def test_export_holds_large_weights_aside_and_writes_the_same_model(monkeypatch)
 
     model, w = _matmul_relu()
     graph = import_graph(model)
-    held = ir._hold_large_weights(ir.copy_graph(graph))
+    held = ir.hold_large_weights(ir.copy_graph(graph))
     assert list(held) == ["W"] and np.array_equal(held["W"], w)
     fast = ir.export_model(graph, model)
     assert all(isinstance(t._values, np.ndarray) for t in graph.tensors().values() if isinstance(t, gs.Constant))
-    monkeypatch.setattr(ir, "_hold_large_weights", lambda g: {})
+    monkeypatch.setattr(ir, "hold_large_weights", lambda g: {})
     assert fast.SerializeToString() == ir.export_model(graph, model).SerializeToString()
 
 
@@ -252,7 +252,7 @@ def test_export_holds_nothing_where_a_node_holds_a_subgraph():
                           [numpy_helper.from_array(w, "W")])
     model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     graph = import_graph(model)
-    assert ir._hold_large_weights(ir.copy_graph(graph)) == {}
+    assert ir.hold_large_weights(ir.copy_graph(graph)) == {}
     out = ir.export_model(graph, model)
     found = [numpy_helper.to_array(t) for t in [*out.graph.initializer, *(i for b in out.graph.node[0].attribute
                                                                          for i in b.g.initializer)] if t.name == "W"]
