@@ -48,26 +48,25 @@ def opset_id() -> onnx.OperatorSetIdProto:
     return helper.make_opsetid(DOMAIN, VERSION)
 
 
+def _like_with_last_dim(ctx, like: int, last: int) -> None:
+    """Y has input ``like``'s type and shape with input ``last``'s last dimension."""
+    a, b = ctx.get_input_type(like), ctx.get_input_type(last)
+    out = onnx.TypeProto()
+    out.CopyFrom(a)
+    if a.tensor_type.HasField("shape") and b.tensor_type.HasField("shape") and b.tensor_type.shape.dim \
+            and a.tensor_type.shape.dim:
+        out.tensor_type.shape.dim[-1].CopyFrom(b.tensor_type.shape.dim[-1])
+    ctx.set_output_type(0, out)
+
+
 def _sdpa_shapes(ctx) -> None:
     """Y has Q's type and shape with V's last dimension."""
-    q, v = ctx.get_input_type(0), ctx.get_input_type(2)
-    out = onnx.TypeProto()
-    out.CopyFrom(q)
-    if q.tensor_type.HasField("shape") and v.tensor_type.HasField("shape") and v.tensor_type.shape.dim \
-            and q.tensor_type.shape.dim:
-        out.tensor_type.shape.dim[-1].CopyFrom(v.tensor_type.shape.dim[-1])
-    ctx.set_output_type(0, out)
+    _like_with_last_dim(ctx, 0, 2)
 
 
 def _gemm_activation_shapes(ctx) -> None:
     """Y has X's type and shape with W's last dimension."""
-    x, w = ctx.get_input_type(0), ctx.get_input_type(1)
-    out = onnx.TypeProto()
-    out.CopyFrom(x)
-    if x.tensor_type.HasField("shape") and w.tensor_type.HasField("shape") and w.tensor_type.shape.dim \
-            and x.tensor_type.shape.dim:
-        out.tensor_type.shape.dim[-1].CopyFrom(w.tensor_type.shape.dim[-1])
-    ctx.set_output_type(0, out)
+    _like_with_last_dim(ctx, 0, 1)
 
 
 def _register() -> None:

@@ -154,7 +154,7 @@ def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
     a backend whose engines it changes, and a depthwise convolution for it to change."""
     from parastream.launcher.engines.onnx_torch import has_depthwise_conv
 
-    return options.conv_kernels == "auto" and bool(getattr(backend, "lowers_convolutions", False)) and has_depthwise_conv(model)
+    return options.conv_kernels == "auto" and backend.lowers_convolutions and has_depthwise_conv(model)
 
 
 def has_gemm_epilogue(model: onnx.ModelProto) -> bool:

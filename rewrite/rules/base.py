@@ -91,6 +91,18 @@ def nodes_by_name(graph: gs.Graph) -> dict[str, gs.Node]:
     return {n.name: n for n in graph.nodes}
 
 
+def anchored_sites(rule: str, graph: gs.Graph, ops: tuple[str, ...], find) -> list[Site]:
+    """One site per node of an op in ``ops``: the nodes of the chain ``find(graph, node)`` recognised from it (an
+    object with ``nodes``), or the anchor alone where ``find`` returned why not (a string), for ``check`` to say."""
+    sites = []
+    for node in graph.nodes:
+        if node.op not in ops:
+            continue
+        got = find(graph, node)
+        sites.append(Site(rule, (node.name,) if isinstance(got, str) else tuple(n.name for n in got.nodes)))
+    return sites
+
+
 def site_nodes(graph: gs.Graph, site: Site) -> list[gs.Node] | None:
     by = nodes_by_name(graph)
     try:

@@ -38,7 +38,7 @@ from onnx import helper
 
 from parastream.core import fused_ops
 
-from .base import Namer, Rule, Site, const_value, detach, is_graph_output, site_nodes, static_shape
+from .base import Namer, Rule, Site, anchored_sites, const_value, detach, is_graph_output, site_nodes, static_shape
 
 HIDING_FILL = -1e30  # a Where fill at or below this hides a key exactly: x + fill == fill for any score x
 _PASS = ("Cast", "Identity")
@@ -307,14 +307,7 @@ class FuseAttention(Rule):
     backends = frozenset({"torch"})
 
     def match(self, graph: gs.Graph) -> list[Site]:
-        sites = []
-        for node in graph.nodes:
-            if node.op != "Softmax":
-                continue
-            att = find_attention(graph, node)
-            names = tuple(n.name for n in att.nodes) if isinstance(att, Attention) else (node.name,)
-            sites.append(Site(self.name, names))
-        return sites
+        return anchored_sites(self.name, graph, ("Softmax",), find_attention)
 
     def _find(self, graph: gs.Graph, site: Site) -> Attention | str:
         nodes = site_nodes(graph, site)

@@ -35,7 +35,7 @@ import onnx_graphsurgeon as gs
 
 from parastream.core import fused_ops
 
-from .base import Namer, Rule, Site, const_value, detach, is_graph_output, site_nodes, static_shape
+from .base import Namer, Rule, Site, anchored_sites, const_value, detach, is_graph_output, site_nodes, static_shape
 
 _FLOAT_TYPES = (np.float16, np.float32, np.float64)
 _TOL = 1e-5  # relative tolerance on the GELU forms' constants (exporters write them rounded to float32)
@@ -288,14 +288,7 @@ class FuseGemmEpilogue(Rule):
     backends = frozenset({"torch"})
 
     def match(self, graph: gs.Graph) -> list[Site]:
-        sites = []
-        for node in graph.nodes:
-            if node.op not in ("MatMul", "Gemm"):
-                continue
-            got = find_epilogue(graph, node)
-            names = tuple(n.name for n in got.nodes) if isinstance(got, Epilogue) else (node.name,)
-            sites.append(Site(self.name, names))
-        return sites
+        return anchored_sites(self.name, graph, ("MatMul", "Gemm"), find_epilogue)
 
     def _find(self, graph: gs.Graph, site: Site) -> Epilogue | str:
         nodes = site_nodes(graph, site)

@@ -79,6 +79,17 @@ def _rel(a, b):
     return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
+def _fused_equals_onnxruntime(model, feeds, traced: bool) -> None:
+    """``model`` converted with the fusions on (traced to FX or not) gives ONNX Runtime's outputs."""
+    module = convert(model, fuse_conv_relu=True)
+    fn = to_fx(module) if traced else module
+    ref = _ort(model, feeds)
+    with torch.no_grad():
+        outs = fn(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+    for (name, _, _), out in zip(module.output_specs, outs):
+        assert _rel(out.numpy(), ref[name]) <= 1e-5, name
+
+
 @pytest.fixture
 def reference_kernel(monkeypatch):
     """torch.cudnn_convolution_relu by its definition, so that the CPU runs the fused steps; records the calls."""
@@ -108,15 +119,7 @@ def test_fuses_only_a_conv_read_by_one_relu(reference_kernel):
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_fused_steps_compute_the_same_function(reference_kernel, traced):
-    model = conv_relu_model()
-    module = convert(model, fuse_conv_relu=True)
-    fn = to_fx(module) if traced else module
-    feeds = _feeds(3)
-    ref = _ort(model, feeds)
-    with torch.no_grad():
-        outs = fn(*[torch.from_numpy(feeds[n]) for n in module.input_names])
-    for (name, _, _), out in zip(module.output_specs, outs):
-        assert _rel(out.numpy(), ref[name]) <= 1e-5, name
+    _fused_equals_onnxruntime(conv_relu_model(), _feeds(3), traced)
     assert reference_kernel[0] == {"stride": [2, 2], "padding": [1, 1], "dilation": [1, 1], "groups": 2, "bias": True,
                                    "channels_last_weight": True}
     assert reference_kernel[1] == {"stride": [1, 1], "padding": [2, 2], "dilation": [2, 2], "groups": 1, "bias": False,
@@ -234,15 +237,7 @@ def test_fuses_only_a_conv_plus_residual_read_by_one_relu(reference_add_relu):
 
 @pytest.mark.parametrize("traced", [False, True])
 def test_fused_residual_steps_compute_the_same_function(reference_add_relu, traced):
-    model = residual_model()
-    module = convert(model, fuse_conv_relu=True)
-    fn = to_fx(module) if traced else module
-    feeds = _residual_feeds(3)
-    ref = _ort(model, feeds)
-    with torch.no_grad():
-        outs = fn(*[torch.from_numpy(feeds[n]) for n in module.input_names])
-    for (name, _, _), out in zip(module.output_specs, outs):
-        assert _rel(out.numpy(), ref[name]) <= 1e-5, name
+    _fused_equals_onnxruntime(residual_model(), _residual_feeds(3), traced)
     assert len(reference_add_relu) == 3
     assert reference_add_relu[0] == {"alpha": 1.0, "bias": True, "padding": [1, 1], "dilation": [1, 1],
                                      "channels_last_weight": True}
