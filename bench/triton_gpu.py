@@ -24,7 +24,13 @@ Writes triton_gpu_<models>.json and .md to --out ($OUT).
 ``--starts N`` does only this: N instance starts of each model (a new server each), one request checked against
 onnxruntime each, and what model.py's initialize logged (an instance start; target <= 3 s).
 
+``--gpus 0,1`` does only this (a machine with two GPUs): the bundle exported three ways, one instance on GPU 0,
+two instances on GPU 0, one instance on each of GPU 0 and GPU 1 (instance_group gpus [0, 1]); each served and
+driven by ``--clients`` gRPC client processes for ``--seconds``, every answer checked against onnxruntime once
+per client; requests/s, p50/p99 and each GPU's NVML utilisation meanwhile; the ratios to one instance on GPU 0.
+
 Usage: python3 bench/triton_gpu.py [--models inception_v3,bert] [--requests 300] [--seconds 5] [--out DIR]
+       python3 bench/triton_gpu.py --models inception_v3,bert --gpus 0,1 --clients 16 --seconds 10
        python3 bench/triton_gpu.py --models inception_v4 --starts 4 [--reuse] [--tag after]
 """
 
@@ -330,6 +336,86 @@ def instance_starts(name: str, args, work: Path, res: dict) -> dict:
     return res
 
 
+def _utilisation(gpus: list[int], stop, samples: dict) -> None:
+    """Sample each GPU's NVML utilisation every 50 ms until ``stop`` is set (a thread of the benchmark)."""
+    import pynvml
+
+    pynvml.nvmlInit()
+    try:
+        handles = {g: pynvml.nvmlDeviceGetHandleByIndex(g) for g in gpus}
+        while not stop.is_set():
+            for g, h in handles.items():
+                samples[g].append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+            time.sleep(0.05)
+    finally:
+        pynvml.nvmlShutdown()
+
+
+def several_gpus(name: str, args, work: Path, res: dict) -> dict:
+    """``--gpus``: one instance on the first GPU, two on it, one on each GPU listed; throughput of each at
+    ``--clients`` gRPC clients (one process each), answers checked, per-GPU utilisation meanwhile."""
+    import threading
+
+    from parastream.pipeline.triton import export_triton
+
+    gpus = [int(g) for g in args.gpus.split(",")]
+    bundle, feeds, ref = prepared(name, args, work, res)
+    outputs = list(ref)
+    layouts = {"1_instance_gpu_0": ([gpus[0]], 1), f"{len(gpus)}_instances_gpu_{gpus[0]}": ([gpus[0]], len(gpus)),
+               f"1_instance_each_gpu_{'_'.join(map(str, gpus))}": (gpus, 1)}
+    res["layouts"] = {}
+    for label, (on, count) in layouts.items():
+        repo = work / f"{name}.repo.{label}.{os.getpid()}"
+        export_triton(bundle, repo, name=name, instances=count, gpus=on, force=True)
+        server = TritonServer(repo, work / f"{name}.server.{label}")
+        row: dict = {"gpus": on, "instances_per_gpu": count}
+        try:
+            row["server_start_s"] = start_ready(server, name, args.start_timeout)
+            client = client_of(server, "grpc")
+            try:
+                got = infer(client, "grpc", name, make_inputs("grpc", feeds), outputs)
+                row["vs_ort"] = {o: max_err(got[o], ref[o]) for o in outputs}
+            finally:
+                client.close()
+            samples: dict = {g: [] for g in gpus}
+            stop = threading.Event()
+            sampler = threading.Thread(target=_utilisation, args=(gpus, stop, samples), daemon=True)
+            sampler.start()
+            try:
+                row["throughput"] = throughput("grpc", server, name, feeds, outputs, args.clients, args.seconds)
+            finally:
+                stop.set()
+                sampler.join()
+            row["utilisation_pct"] = {g: {"median": float(np.median(v)) if v else None, "max": max(v) if v else None}
+                                      for g, v in samples.items()}
+        finally:
+            row["server_log_errors"] = server.log().count("Traceback (most recent call last)")
+            server.stop()
+        res["layouts"][label] = row
+        print(f"{name} {label}: {row['throughput']['per_s']:.0f} req/s at {args.clients} clients, "
+              f"utilisation {row['utilisation_pct']}", flush=True)
+    base = res["layouts"]["1_instance_gpu_0"]["throughput"]["per_s"]
+    res["ratio_to_one_instance"] = {k: r["throughput"]["per_s"] / base for k, r in res["layouts"].items()}
+    errs = [v for r in res["layouts"].values() for v in r["vs_ort"].values()]
+    res["ok"] = max(errs) <= SCALE_TOL
+    return res
+
+
+def gpus_table(results: list[dict]) -> str:
+    lines = ["| model | instances | clients | req/s | p50 ms | p99 ms | GPU utilisation % (median) | ratio |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in results:
+        if "error" in r:
+            lines.append(f"| {r['model']} | error: {r['error'][:200]} | | | | | | |")
+            continue
+        for label, row in r["layouts"].items():
+            t = row["throughput"]
+            util = ", ".join(f"GPU {g}: {u['median']:.0f}" for g, u in row["utilisation_pct"].items() if u["median"] is not None)
+            lines.append(f"| {r['model']} | {label.replace('_', ' ')} | {t['clients']} | {t['per_s']:.0f} | {t['p50_ms']:.3f} | "
+                         f"{t['p99_ms']:.3f} | {util} | {r['ratio_to_one_instance'][label]:.2f} |")
+    return "\n".join(lines)
+
+
 def table(results: list[dict]) -> str:
     lines = ["| model | path | clients | p50 ms | p99 ms | req/s |", "|---|---|---|---|---|---|"]
     for r in results:
@@ -371,12 +457,16 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--starts", type=int, default=0,
                     help="only start a server this many times (one instance start each, one request checked) and "
                          "report what model.py's initialize logged")
+    ap.add_argument("--gpus", default=None,
+                    help="only compare one instance on the first GPU listed with one on each (e.g. 0,1)")
+    ap.add_argument("--clients", type=int, default=16, help="concurrent gRPC clients of --gpus's throughput")
     ap.add_argument("--tag", default="", help="a suffix for the output files")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
-    stem = "triton_gpu_" + args.models.replace(",", "_") + (f"_{args.tag}" if args.tag else "")  # one call per model keeps each call short
+    stem = ("triton_gpu_" + args.models.replace(",", "_") + ("_gpus_" + args.gpus.replace(",", "_") if args.gpus else "")
+            + (f"_{args.tag}" if args.tag else ""))  # one call per model keeps each call short
     reason = unavailable()
     print(f"python {sys.version.split()[0]} at {sys.executable}; libpython for the stub: {python_library()}", flush=True)
     if reason:
@@ -393,7 +483,7 @@ def main(argv: list[str] | None = None) -> int:
         t0 = time.perf_counter()
         r: dict = {"model": name}
         try:
-            (instance_starts if args.starts else run_model)(name, args, work, r)
+            (instance_starts if args.starts else several_gpus if args.gpus else run_model)(name, args, work, r)
         except Exception as e:  # noqa: BLE001
             traceback.print_exc()
             r["error"] = f"{type(e).__name__}: {e}"[:6000]
@@ -405,7 +495,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.starts:
         print(json.dumps([{"model": r["model"], **r.get("summary", {}), "initialize_s": r.get("initialize_s")} for r in results]))
         return 0 if all(r.get("ok") for r in results) else 1
-    md = table(results)
+    md = gpus_table(results) if args.gpus else table(results)
     (out / f"{stem}.md").write_text(md + "\n")
     print(md)
     return 0 if all(r.get("ok") for r in results) else 1

@@ -514,7 +514,13 @@ class DeviceArray:
         return torch.as_tensor(self, device=device)
 
     def __dlpack__(self, stream=None):
-        return self.torch().__dlpack__(stream=stream) if stream is not None else self.torch().__dlpack__()
+        import torch
+
+        # torch exports only from its current device: the memory's own device for the export (a consumer on
+        # another GPU, Triton's model.py for an instance there, reads it where it is)
+        with torch.cuda.device(self.device):
+            t = self.torch()
+            return t.__dlpack__(stream=stream) if stream is not None else t.__dlpack__()
 
     def __dlpack_device__(self):
         return (2, self.device)  # kDLCUDA (managed memory too: consumers take it as device memory)

@@ -268,7 +268,13 @@ def _engines_loaded(runner) -> dict:
     engines = [e for e in getattr(runner, "engines", []) if e is not None and hasattr(e, "compiled_at_load")]
     if not engines:
         return {}
-    return {"engines_loaded": len(engines), "engines_compiled_at_load": sum(bool(e.compiled_at_load) for e in engines)}
+    why: dict[str, int] = {}
+    for e in engines:
+        reason = getattr(e, "compiled_at_load_because", "") or ("unknown" if e.compiled_at_load else "")
+        if reason:
+            why[reason] = why.get(reason, 0) + 1
+    return {"engines_loaded": len(engines), "engines_compiled_at_load": sum(bool(e.compiled_at_load) for e in engines),
+            **({"compiled_at_load_because": why} if why else {})}
 
 
 def engine_options(cfg: BuildConfig, backend) -> BuildOptions:

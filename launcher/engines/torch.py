@@ -497,6 +497,28 @@ def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:
     return device == "cuda" and options.fuse_gemm_epilogue
 
 
+def _compile_at_load_reason(package, meta: dict, *, elsewhere: bool, signature, dtype: str, fuse_conv_relu: bool,
+                            options: BuildOptions) -> str:
+    """"" where an engine file's compiled artifact serves this load; else the first reason it does not."""
+    if package is None:
+        return "the engine file holds no compiled artifact"
+    if elsewhere:
+        return "Inductor's own artifact was compiled for GPU 0"
+    asked = {"signature": signature, "dtype": dtype, "fuse_conv_relu": fuse_conv_relu,
+             "fuse_attention": options.fuse_attention, "conv_kernels": conv_kernels_used(options.conv_kernels),
+             "fuse_gemm_epilogue": options.fuse_gemm_epilogue}
+    # fields an older engine file lacks were then the only choice (attention and GEMM epilogues fused), and a
+    # branch without a depthwise convolution records no conv_kernels: either choice loads it
+    absent = {"fuse_attention": True, "fuse_gemm_epilogue": True, "conv_kernels": asked["conv_kernels"]}
+    for name, want in asked.items():
+        got = meta.get(name, absent.get(name))
+        if got != want and name == "signature":
+            return "compiled for other tensor dtypes, shapes or layouts than the launcher gives it"
+        if got != want:
+            return f"compiled with {name}={got!r}, loaded with {want!r}"
+    return ""
+
+
 def _known_inductor_configs(configs: dict) -> dict:
     """The entries of ``configs`` that this torch's Inductor knows (torch 2.11 has no
     ``aot_inductor.enable_line_tables``, and an unknown key fails the whole compile)."""
@@ -1564,12 +1586,11 @@ class TorchEngine:
         # its device guards and stream lookups, and no API re-targets it: on another GPU the engine is compiled
         # again from branch.onnx, as a jit engine is (a kernels artifact is re-targeted instead: inductor_kernels)
         elsewhere = meta.get("compiled") == "inductor" and device == "cuda" and torch.cuda.current_device() != 0
-        self.compiled_at_load = elsewhere or not (package is not None and meta.get("signature") == sig
-                                                  and meta.get("dtype") == self.dtype and meta.get("fuse_conv_relu") == fuse
-                                                  and meta.get("fuse_attention", True) == options.fuse_attention
-                                                  and meta.get("conv_kernels", conv_kernels_used(options.conv_kernels))
-                                                  == conv_kernels_used(options.conv_kernels)
-                                                  and meta.get("fuse_gemm_epilogue", True) == options.fuse_gemm_epilogue)
+        #: why the engine compiles at load rather than loading its artifact ("" where it loads as built): the
+        #: first difference between what the artifact was compiled for and what this load asks
+        self.compiled_at_load_because = _compile_at_load_reason(
+            package, meta, elsewhere=elsewhere, signature=sig, dtype=self.dtype, fuse_conv_relu=fuse, options=options)
+        self.compiled_at_load = bool(self.compiled_at_load_because)
         self._runner = None
         self.module = None
         if not self.compiled_at_load and meta.get("compiled") in ("inductor", "kernels"):

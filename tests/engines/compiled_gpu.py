@@ -38,7 +38,7 @@ def assert_ships_compiled_engines_verified_as_loaded(bundle, compiled: str) -> N
     done = [e for e in engines.values() if e["compiled"] == compiled]
     assert done and len(done) >= len(engines) - sum(b.concat_axis is not None for b in bundle.plan.branches)
     v = bundle.report["verification"]
-    assert v["passed"] and v["engines_loaded"] >= len(done) and v["engines_compiled_at_load"] == 0
+    assert v["passed"] and v["engines_loaded"] >= len(done) and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
 
 
 def scaled_error(folder, bundle, x, y) -> float:

@@ -291,10 +291,11 @@ def _tiny_vit_mlp(folder):
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_build_times_the_gemm_epilogue_against_its_plain_ops(tmp_path):
-    """A torch build fuses the MLPs' first layers (Linear, tanh GELU as TorchScript writes it) in the search,
-    measured on the device against the input, times the fused engines
-    against the plain ones, keeps the faster and records it: report.json's measured_choices and manifest.json's
-    options agree, and the bundle computes what ONNX Runtime computes."""
+    """A torch build proposes the MLPs' first layers fused (Linear, tanh GELU as TorchScript writes it) and measures
+    that candidate on the device against the input; where the search keeps it, the build times the fused engines
+    against the plain ones, keeps the faster and records it (report.json's measured_choices and manifest.json's
+    options agree); where it does not, no such round is timed.  Either way the bundle computes what ONNX Runtime
+    computes.  Which one wins is the device's to say, not this test's."""
     import json
 
     import onnxruntime as ort
@@ -305,16 +306,21 @@ def test_gpu_build_times_the_gemm_epilogue_against_its_plain_ops(tmp_path):
     path, inputs = _tiny_vit_mlp(tmp_path)
     bundle = build(path, tmp_path / "out", backend="torch", precision="fp16", streams=1, measure_seconds=120)
     report = bundle.report
-    assert report["search"]["decided_by"] == "measured"
-    assert any(key.startswith("fuse_gemm_epilogue:") for key in report["search"]["rules_chosen"]), \
-        f"the search kept no fused GEMM epilogue (measured no faster than the plain ops): {report['search'].get('decision')}"
+    search = report["search"]
+    assert search["decided_by"] == "measured"
+    rewritten = [c for c in search["candidates"] if not c["input"] and c["measured_s"] is not None]
+    assert rewritten, f"no rewritten candidate was measured: {search.get('decision')}"
     choices = report["measured_choices"]
-    (timed,) = [r for r in choices["rounds"] if r["choice"] == "GEMM epilogue"]
-    labels = ("cuBLASLt GEMM with fused bias and activation", "GEMM, bias and activation as Inductor's kernels")
-    assert set(timed["timed_ms"]) == set(labels)
-    assert choices["fuse_gemm_epilogue"] is (timed["won"] == labels[0])
-    manifest = json.loads((bundle.path / "manifest.json").read_text())
-    assert manifest["options"]["fuse_gemm_epilogue"] is choices["fuse_gemm_epilogue"]
+    rounds = [r for r in choices["rounds"] if r["choice"] == "GEMM epilogue"]
+    if any(key.startswith("fuse_gemm_epilogue:") for key in search["rules_chosen"]):
+        (timed,) = rounds
+        labels = ("cuBLASLt GEMM with fused bias and activation", "GEMM, bias and activation as Inductor's kernels")
+        assert set(timed["timed_ms"]) == set(labels)
+        assert choices["fuse_gemm_epilogue"] is (timed["won"] == labels[0])
+        manifest = json.loads((bundle.path / "manifest.json").read_text())
+        assert manifest["options"]["fuse_gemm_epilogue"] is choices["fuse_gemm_epilogue"]
+    else:
+        assert not rounds, "a GEMM epilogue round was timed for a plan without a fused GEMM"
     assert report["verification"]["passed"]
     ref = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"]).run(None, inputs)[0]
     with load(bundle.path, device="cuda") as run:

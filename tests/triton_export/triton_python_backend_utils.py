@@ -83,7 +83,8 @@ class Tensor:
         else:
             import torch
 
-            t._array = torch.from_dlpack(obj)  # keeps the producer's device memory, no copy
+            with torch.cuda.device(int(device_id)):  # torch imports a capsule only on its current device
+                t._array = torch.from_dlpack(obj)  # keeps the producer's device memory, no copy
             t._device = (int(device_type), int(device_id))
             if not t._array.is_contiguous():
                 raise TritonModelException("DLPack tensor is not contiguous.")
