@@ -119,7 +119,8 @@ def throughput(protocol: str, server: TritonServer, model: str, feeds: dict, out
     total = sum(len(r["lat"]) for r in runs)
     window = max(r["ended"] for r in runs) - min(r["began"] for r in runs)  # > seconds when a client started late
     res = percentiles([v for r in runs for v in r["lat"]])
-    res.update(clients=clients, requests=total, per_s=total / window, seconds=window)
+    res.update(clients=clients, requests=total, per_s=total / window, seconds=window,
+               began=min(r["began"] for r in runs), ended=max(r["ended"] for r in runs))
     return res
 
 
@@ -345,7 +346,7 @@ def _utilisation(gpus: list[int], stop, samples: dict) -> None:
         handles = {g: pynvml.nvmlDeviceGetHandleByIndex(g) for g in gpus}
         while not stop.is_set():
             for g, h in handles.items():
-                samples[g].append(pynvml.nvmlDeviceGetUtilizationRates(h).gpu)
+                samples[g].append((time.time(), pynvml.nvmlDeviceGetUtilizationRates(h).gpu))
             time.sleep(0.05)
     finally:
         pynvml.nvmlShutdown()
@@ -386,8 +387,10 @@ def several_gpus(name: str, args, work: Path, res: dict) -> dict:
             finally:
                 stop.set()
                 sampler.join()
+            t = row["throughput"]  # the samples while every client was sending (not while they started)
+            inside = {g: [u for at, u in v if t["began"] <= at <= t["ended"]] for g, v in samples.items()}
             row["utilisation_pct"] = {g: {"median": float(np.median(v)) if v else None, "max": max(v) if v else None}
-                                      for g, v in samples.items()}
+                                      for g, v in inside.items()}
         finally:
             row["server_log_errors"] = server.log().count("Traceback (most recent call last)")
             server.stop()

@@ -190,7 +190,8 @@ class TritonPythonModel:
         if torch is None:
             raise RuntimeError(f"input {tensor.name()!r} arrived in GPU memory; reading it without a host copy "
                                "needs torch in the server's Python environment (pip install torch)")
-        x = torch.from_dlpack(tensor)
+        with torch.cuda.device(int(tensor.__dlpack_device__()[1])):  # read on the GPU that holds it (the DLPack
+            x = torch.from_dlpack(tensor)                             # stream handshake is on that GPU's stream)
         if not self.on_gpu:
             return x.cpu().numpy()
         # an input in another GPU's memory (an upstream model's output there) is copied here once, before the

@@ -63,7 +63,13 @@ class Tensor:
         return self.__dlpack__()
 
     def __dlpack__(self, stream=None):
-        return self._array.__dlpack__()
+        if isinstance(self._array, np.ndarray):
+            return self._array.__dlpack__()
+        import torch
+
+        # the real Tensor (C++) exports its memory whatever the caller's current GPU; torch only from its own
+        with torch.cuda.device(self._array.device):
+            return self._array.__dlpack__()
 
     def __dlpack_device__(self):
         return self._array.__dlpack_device__()
