@@ -21,7 +21,7 @@ backend runs as ``torch._addmm_activation`` (cuBLASLt's fused bias + ReLU/GELU e
 * attributes ``activation`` ("Relu" or "Gelu") and, for "Gelu", ``approximate`` ("none": x·Φ(x) with erf, or
   "tanh": 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), as ONNX's Gelu names them).
 
-:func:`plain_onnx` writes a model's ``MatMulBiasActivation`` nodes back as the plain ops, for ONNX Runtime.
+:func:`plain_onnx` writes a model's nodes of this domain back as the plain ops they stand for, for ONNX Runtime.
 
 Importing this module registers the ops' schemas with onnx (checker and shape inference then know it); a model
 that uses it imports the domain at :data:`VERSION` (:func:`opset_id`).
@@ -108,16 +108,32 @@ def _elem_type(graph: onnx.GraphProto, name: str) -> int:
     return onnx.TensorProto.FLOAT
 
 
+def _rank_and_dims(graph: onnx.GraphProto, name: str) -> list | None:
+    """The dimensions (ints, or None where unknown) of ``name`` as the graph records them; None if unrecorded."""
+    for v in (*graph.input, *graph.value_info, *graph.output):
+        if v.name == name and v.type.tensor_type.HasField("shape"):
+            return [d.dim_value if d.HasField("dim_value") else None for d in v.type.tensor_type.shape.dim]
+    for t in graph.initializer:
+        if t.name == name:
+            return list(t.dims)
+    return None
+
+
 def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
-    """A copy of ``model`` with each ``MatMulBiasActivation`` node replaced by the plain ops it stands for, so that
-    ONNX Runtime runs it: MatMul, Add and Relu; for a GELU, ONNX's Gelu where the model's opset is at least 20,
-    else its erf form 0.5·x·(1 + erf(x/√2)) or its tanh form 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).
+    """A copy of ``model`` with each node of this domain replaced by the plain ops it stands for, so that ONNX
+    Runtime runs it.  ``MatMulBiasActivation``: MatMul, Add and Relu; for a GELU, ONNX's Gelu where the model's
+    opset is at least 20, else its erf form 0.5·x·(1 + erf(x/√2)) or its tanh form
+    0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).  ``ScaledDotProductAttention``: Transpose of K's last two axes,
+    MatMul, Mul by the scale, the mask added (a float mask) or applied with Where (a bool mask, the type's lowest
+    elsewhere), the causal mask as a constant (its two sizes must be known), Softmax, MatMul.
     The domain's import is dropped when no node of it is left.  A model without such a node is returned as it is
     (not copied)."""
-    if not any((n.domain, n.op_type) == (DOMAIN, GEMM_ACTIVATION) for n in model.graph.node):
+    if not any(n.domain == DOMAIN and n.op_type in (GEMM_ACTIVATION, SDPA) for n in model.graph.node):
         return model
     out = onnx.ModelProto()
     out.CopyFrom(model)
+    if any((n.domain, n.op_type) == (DOMAIN, SDPA) for n in out.graph.node) and not out.graph.value_info:
+        out = onnx.shape_inference.infer_shapes(out)  # the attention's decomposition needs its inputs' ranks
     g = out.graph
     opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 1)
     taken = {n.name for n in g.node} | {t for n in g.node for t in (*n.input, *n.output)} | \
@@ -133,6 +149,9 @@ def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
 
     nodes = []
     for node in g.node:
+        if (node.domain, node.op_type) == (DOMAIN, SDPA):
+            nodes.extend(_plain_attention(g, node, fresh))
+            continue
         if (node.domain, node.op_type) != (DOMAIN, GEMM_ACTIVATION):
             nodes.append(node)
             continue
@@ -176,3 +195,44 @@ def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
         del out.opset_import[:]
         out.opset_import.extend(kept)
     return out
+
+
+def _plain_attention(g: onnx.GraphProto, node: onnx.NodeProto, fresh) -> list[onnx.NodeProto]:
+    """``ScaledDotProductAttention`` ``node`` as plain ONNX nodes (their constants appended to ``g``)."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    q, k, v = node.input[:3]
+    mask = node.input[3] if len(node.input) > 3 and node.input[3] else None
+    base = node.name or node.output[0]
+    qdims, kdims = _rank_and_dims(g, q), _rank_and_dims(g, k)
+    if kdims is None or qdims is None:
+        raise ValueError(f"{base}: the attention's decomposition needs the ranks of {q!r} and {k!r}")
+    dtype = helper.tensor_dtype_to_np_dtype(_elem_type(g, q))
+    nodes: list[onnx.NodeProto] = []
+
+    def op(kind: str, inputs: list[str], output: str | None = None, **kw) -> str:
+        output = output or fresh(f"{base}_{kind.lower()}")
+        nodes.append(helper.make_node(kind, inputs, [output], name=fresh(f"{base}_{kind.lower()}"), **kw))
+        return output
+
+    def const(tag: str, value) -> str:
+        name = fresh(f"{base}_{tag}")
+        g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
+        return name
+
+    r = len(kdims)
+    scores = op("Mul", [op("MatMul", [q, op("Transpose", [k], perm=[*range(r - 2), r - 1, r - 2])]),
+                        const("scale", np.asarray(attrs.get("scale", 1.0), dtype))])
+    lowest = np.asarray(np.finfo(dtype).min, dtype)
+    if mask is not None:
+        if _elem_type(g, mask) == onnx.TensorProto.BOOL:
+            scores = op("Where", [mask, scores, const("lowest", lowest)])
+        else:
+            scores = op("Add", [scores, mask])
+    if attrs.get("is_causal", 0):
+        sq, sk = qdims[-2], kdims[-2]
+        if sq is None or sk is None:
+            raise ValueError(f"{base}: a causal attention's decomposition needs its sequence lengths")
+        keep = np.tril(np.ones((sq, sk), dtype=bool))  # query i sees keys j <= i (torch's is_causal)
+        scores = op("Where", [const("causal", keep), scores, const("lowest", lowest)])
+    op("MatMul", [op("Softmax", [scores], axis=-1), v], node.output[0])
+    return nodes

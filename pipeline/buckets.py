@@ -251,16 +251,17 @@ def padding_input_ranges(model: onnx.ModelProto, specs, axes) -> dict[str, tuple
     """The ranges verification draws inputs from (input_value_ranges), with two changes where an axis is padded:
     a mask input is all ones (a row masked everywhere is no request, and softmax over it averages the padding
     too), and position ids stay low enough that counting on through the padding stays inside their table."""
-    from .verify import input_value_ranges
+    from .verify import input_value_ranges, is_padding_mask
 
     ranges = dict(input_value_ranges(model, specs))
+    dtypes = {s.name: s.dtype for s in specs}
     for a in axes:
         if a.exact or a.batch_like:
             continue
         for name in a.inputs:
             if name not in ranges:
                 continue
-            if "mask" in name.lower() and a.pad.get(name) == 0:
+            if is_padding_mask(name, dtypes[name]) and a.pad.get(name) == 0:
                 ranges[name] = (1, 1) if not isinstance(ranges[name][0], bool) else (True, True)
             elif a.pad.get(name) == "continue":
                 lo, hi = ranges[name]

@@ -179,6 +179,7 @@ class Verification:
     outputs: dict = field(default_factory=dict)
     scale_tol: float | None = None  # None: the elementwise criterion decides
     input_ranges: dict = field(default_factory=dict)
+    padding_masks: list = field(default_factory=list)  # inputs drawn as a tokenizer pads (TokenizerMasks)
 
     @property
     def criterion(self) -> str:
@@ -216,6 +217,8 @@ class Verification:
         return {"passed": self.passed, "status": self.status, "criterion": self.criterion, "scale_tol": self.scale_tol,
                 "rtol": self.rtol, "atol": self.atol, "iterations": self.iterations, "seed": self.seed,
                 "input_ranges": {k: [v[0], v[1]] for k, v in self.input_ranges.items()},
+                **({"padding_masks": "ones then zeros along the last axis: " + ", ".join(self.padding_masks)}
+                   if self.padding_masks else {}),
                 "outputs": self.outputs, "reference": "onnxruntime (CPU) on the original model"}
 
 
@@ -270,17 +273,69 @@ def _polygraphy_without_torch_import() -> None:
         pg_array.torch = _TorchIfImported(pg_array.torch)
 
 
+def is_padding_mask(name: str, dtype) -> bool:
+    """An integer or bool input named like a tokenizer's attention mask (``attention_mask``, ``input_mask``...):
+    1 (True) where a token is real, 0 where it is padding."""
+    return "mask" in name.lower() and np.dtype(dtype).kind in "iub"
+
+
+def padding_masks(inputs: list[TensorSpec], ranges: dict[str, tuple]) -> list[str]:
+    """The inputs verification draws as a tokenizer pads them (:class:`TokenizerMasks`): padding masks of rank
+    >= 1 drawn from {0, 1}."""
+    return [s.name for s in inputs if is_padding_mask(s.name, s.dtype) and len(s.shape) >= 1
+            and tuple(int(v) for v in ranges.get(s.name, (0, 1))) == (0, 1)]
+
+
+class TokenizerMasks:
+    """polygraphy's DataLoader with each padding mask redrawn as a tokenizer writes one: along its last axis ones
+    then zeros, at least one one, the count of ones the loader drew in that row.
+
+    Drawn 0/1 at random, a mask leaves some queries with no key to attend to (in a causal model every query
+    whose earlier tokens are all padding): such a row has no defined output.  The original in fp32 averages the
+    padding there (its mask is a large finite negative); an fp16 engine's mask is -inf and the row becomes NaN or
+    zeros.  A request never has such a row (its padding follows its tokens), so a difference there is no error
+    a user could see; the masking itself is still checked on every row that has real tokens."""
+
+    def __init__(self, loader, names: list[str]):
+        self.loader, self.names = loader, names
+
+    def _padded(self, feeds: dict) -> dict:
+        out = dict(feeds)
+        for name in self.names:
+            m = np.asarray(feeds[name])
+            kept = np.maximum(1, (m != 0).sum(axis=-1, keepdims=True))
+            out[name] = (np.arange(m.shape[-1]) < kept).astype(m.dtype)
+        return out
+
+    def __iter__(self):
+        return (self._padded(f) for f in self.loader)
+
+    def __getitem__(self, iteration):
+        return self._padded(self.loader[iteration])
+
+    @property
+    def input_metadata(self):
+        return self.loader.input_metadata
+
+    @input_metadata.setter
+    def input_metadata(self, value):
+        self.loader.input_metadata = value
+
+
 def seeded_inputs(original: onnx.ModelProto, inputs: list[TensorSpec], *, seed: int, iterations: int,
                   input_ranges: dict[str, tuple] | None = None):
-    """(polygraphy's DataLoader of the inputs :func:`verify` draws, the value ranges): iterating the loader gives
-    the same feeds, in the same order, as a verification with this seed (localization re-runs them)."""
+    """(the inputs :func:`verify` draws, the value ranges): polygraphy's DataLoader over the ranges, padding
+    masks redrawn as a tokenizer writes them (:class:`TokenizerMasks`); iterating it gives the same feeds, in the
+    same order, as a verification with this seed (localization re-runs them)."""
     from polygraphy.comparator import DataLoader
 
     meta = TensorMetadata()
     for s in inputs:
         meta.add(s.name, np.dtype(s.dtype), tuple(s.shape))
     ranges = dict(input_value_ranges(original, inputs) if input_ranges is None else input_ranges)
-    return DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges), ranges
+    loader = DataLoader(seed=seed, iterations=iterations, input_metadata=meta, val_range=ranges)
+    masks = padding_masks(inputs, ranges)
+    return (TokenizerMasks(loader, masks) if masks else loader), ranges
 
 
 def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rtol: float, atol: float,
@@ -350,7 +405,8 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
     passed = (len(per_output) > 0 and all(d["passed"] for d in per_output.values())
               and any(d["meaningful"] for d in per_output.values()))
     return Verification(passed=passed, rtol=rtol, atol=atol, iterations=iterations, seed=seed, outputs=per_output,
-                        scale_tol=scale_tol, input_ranges=ranges)
+                        scale_tol=scale_tol, input_ranges=ranges,
+                        padding_masks=list(loader.names) if isinstance(loader, TokenizerMasks) else [])
 
 
 @contextlib.contextmanager

@@ -281,3 +281,45 @@ def test_the_benchmark_compiles_the_default_attention_model():
         b = user(input_ids=ids, attention_mask=mask).last_hidden_state
     torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
     assert users_model("resnet50", exported) is exported
+
+
+# -- the plain form ONNX Runtime runs (localization) ---------------------------------------------------------------
+
+@pytest.mark.parametrize("mask", ["float", "bool", "causal", "none"])
+def test_plain_onnx_computes_what_the_fused_node_stands_for(mask):
+    """``fused_ops.plain_onnx`` writes the attention node back as plain ops: ONNX Runtime on it equals the plain
+    model (float mask), numpy's softmax(scale·Q·Kᵀ + M)·V (bool, causal, no mask), and no node of the domain stays."""
+    import onnxruntime as ort
+
+    if mask == "float":
+        fused, want = sdpa_model(fused=True), ort_reference()
+        got = ort.InferenceSession(fused_ops.plain_onnx(fused).SerializeToString(),
+                                   providers=["CPUExecutionProvider"]).run(None, feeds())[0]
+        np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+        return
+    rng = np.random.default_rng(4)
+    q, k, v = (rng.standard_normal((2, 3, 5, 4)).astype(np.float32) for _ in range(3))
+    ins = ["q", "k", "v"] + (["m"] if mask == "bool" else [])
+    node = helper.make_node(fused_ops.SDPA, ins, ["y"], name="att", domain=fused_ops.DOMAIN, scale=0.5,
+                            is_causal=int(mask == "causal"))
+    vi = [helper.make_tensor_value_info(n, TensorProto.FLOAT, [2, 3, 5, 4]) for n in "qkv"]
+    if mask == "bool":
+        vi.append(helper.make_tensor_value_info("m", TensorProto.BOOL, [2, 1, 1, 5]))
+    g = helper.make_graph([node], "att", vi, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 3, 5, 4])])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), fused_ops.opset_id()])
+    model.ir_version = 8
+    plain = fused_ops.plain_onnx(model)
+    assert not any(n.domain == fused_ops.DOMAIN for n in plain.graph.node)
+    feeds_ = {"q": q, "k": k, "v": v}
+    scores = 0.5 * q @ k.swapaxes(-1, -2)
+    if mask == "bool":
+        m = np.ones((2, 1, 1, 5), dtype=bool)
+        m[..., 3:] = False
+        feeds_["m"] = m
+        scores = np.where(m, scores, np.finfo(np.float32).min)
+    if mask == "causal":
+        scores = np.where(np.tril(np.ones((5, 5), dtype=bool)), scores, np.finfo(np.float32).min)
+    p = np.exp(scores - scores.max(-1, keepdims=True))
+    want = (p / p.sum(-1, keepdims=True)) @ v
+    got = ort.InferenceSession(plain.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds_)[0]
+    np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)

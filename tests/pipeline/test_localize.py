@@ -321,3 +321,24 @@ def test_gpu_boundaries_read_back_channels_last_and_in_place_concats(tmp_path):
     for name in names:
         assert got[name].dtype == np.float32 and got[name].shape == ref[name].shape
         assert scaled_error(got[name], ref[name]) <= 0.1, name
+
+
+def test_a_torch_bundle_with_fused_attention_localizes(tmp_path, monkeypatch):
+    """A torch bundle whose model.onnx holds parastream's attention node (ONNX Runtime has no such op): localization
+    runs it in its plain form and finds nothing (it said "not a registered function/op" and gave up)."""
+    import sys
+    from pathlib import Path
+
+    from parastream.core import fused_ops
+    from parastream.launcher.engines import torch as torch_backend
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "engines"))
+    from test_attention_fusion import sdpa_model
+
+    monkeypatch.setattr(torch_backend, "available", lambda: None)  # its engines run on the CPU too
+    path = tmp_path / "attention.onnx"
+    onnx.save(sdpa_model(fused=False), path)
+    out = build(path, tmp_path / "out", config=BuildConfig(backend="torch", precision="fp32", streams=2, compile=False))
+    assert any(n.domain == fused_ops.DOMAIN for n in onnx.load(str(out.path / "model.onnx")).graph.node)
+    found = localize(out.path)
+    assert found.status == "no divergence", found.summary()

@@ -291,3 +291,59 @@ def test_uses_simple_compare_func_not_the_deprecated_factory():
     func = _simple_compare_func(1e-3, 1e-4)
     if hasattr(comparator, "SimpleCompareFunc"):
         assert isinstance(func, comparator.SimpleCompareFunc)
+
+
+def test_padding_masks_are_drawn_as_a_tokenizer_pads():
+    """A mask input is drawn ones then zeros along its last axis (at least one one, the lengths varying), the
+    same feeds for the same seed; other integer inputs keep their draws; the report names the masks."""
+    from parastream.pipeline.verify import seeded_inputs
+
+    model = _embedding_model(vocab=1000)
+    inputs = [TensorSpec(n, "int64", [8, 64]) for n in ("ids", "type_ids", "mask")]
+    loader, _ = seeded_inputs(model, inputs, seed=3, iterations=2)
+    feeds = list(loader)
+    assert len(feeds) == 2
+    for f in feeds:
+        m = f["mask"]
+        lengths = m.sum(axis=-1)
+        assert (lengths >= 1).all() and len(set(lengths.tolist())) > 1
+        assert (m == (np.arange(64) < lengths[:, None])).all()  # ones, then zeros
+        assert f["ids"].max() > 1  # token ids still over the vocabulary
+    again = list(seeded_inputs(model, inputs, seed=3, iterations=2)[0])
+    assert all((a["mask"] == b["mask"]).all() and (a["ids"] == b["ids"]).all() for a, b in zip(feeds, again))
+    one_row = [TensorSpec(t.name, t.dtype, [1, 64]) for t in inputs]  # the model's own batch
+    result = _verify(model, lambda f: ort_reference(model, f), "fp32", inputs=one_row)
+    assert result.passed and result.to_dict()["padding_masks"].endswith(": mask")
+
+
+def _causal_attention_model(path, batch: int = 4, seq: int = 8, dim: int = 16):
+    """Causal self-attention masked as transformers writes it: scores where (causal and mask) else float32's
+    lowest, softmax; exported by torch (TorchScript)."""
+    torch = pytest.importorskip("torch")
+
+    class Causal(torch.nn.Module):
+        def forward(self, x, attention_mask):
+            scores = x @ x.transpose(-1, -2) / dim ** 0.5
+            causal = torch.ones(seq, seq, dtype=torch.bool).tril()
+            keep = causal[None] & attention_mask[:, None, :].bool()
+            scores = torch.where(keep, scores, torch.tensor(torch.finfo(torch.float32).min))
+            return torch.softmax(scores, -1) @ x
+
+    args = (torch.randn(batch, seq, dim), torch.ones(batch, seq, dtype=torch.int64))
+    torch.onnx.export(Causal(), args, str(path), input_names=["x", "attention_mask"], output_names=["y"],
+                      opset_version=17, dynamo=False)
+    return path
+
+
+def test_an_fp16_causal_model_verifies_on_requests_a_tokenizer_makes(tmp_path, monkeypatch):
+    """An fp16 build of a causal model: float32's lowest becomes -inf in fp16, so a query whose every earlier
+    token is padding gives NaN where the fp32 original averages the padding.  No request has such a row, and
+    verification draws none: the build verifies (it failed on 0/1 masks drawn at random)."""
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline import build
+
+    monkeypatch.setattr(torch_backend, "available", lambda: None)  # its engines run on the CPU too
+    path = _causal_attention_model(tmp_path / "causal.onnx")
+    bundle = build(path, tmp_path / "out", backend="torch", precision="fp16", search=False, compile=False)
+    v = bundle.report["verification"]
+    assert v["passed"] and v["padding_masks"].endswith(": attention_mask")
