@@ -988,7 +988,7 @@ def _load_params(weights: Callable[[], bytes | None], meta: dict, dev: str) -> l
     if all(p is not None for p in params):
         return params
     blob = weights()
-    on_device = None
+    missing = []  # (index, dtype, bytes, offset in weights.bin) of the weights this process does not hold yet
     for i, ((shape, stride, dtype), off) in enumerate(zip(specs, offsets)):
         if params[i] is not None:
             continue
@@ -1000,12 +1000,27 @@ def _load_params(weights: Callable[[], bytes | None], meta: dict, dev: str) -> l
         if blob is None or not isinstance(off, int) or off % _ALIGN or off < 0 or off + n > len(blob):
             raise ParastreamError(f"the engine's weights.bin does not hold weight {i} that engine.json names; "
                                   "rebuild the bundle")
-        if on_device is None:
-            with warnings.catch_warnings():  # a read-only buffer: it is only copied from
-                warnings.simplefilter("ignore", UserWarning)
-                host = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
-            on_device = host.to(dev) if dev != "cpu" else host.clone()
-        t = on_device[off:off + n].view(dt).as_strided(shape, stride)
+        missing.append((i, dt, n, off))
+    with warnings.catch_warnings():  # a read-only buffer: it is only copied from
+        warnings.simplefilter("ignore", UserWarning)
+        host = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
+    # The missing weights go to the device in one copy, and only they: the tensors are views of what was copied,
+    # so a copy of the whole of weights.bin would stay alive for the one weight another engine did not share (a
+    # grid's buckets share every matrix and differ in a few shape-sized constants: each bucket held a full copy)
+    if sum(n for _, _, n, _ in missing) < len(host):
+        starts, at = [], 0
+        for _, _, n, _ in missing:
+            starts.append(at)
+            at += -(-n // _ALIGN) * _ALIGN
+        packed = torch.empty(at, dtype=torch.uint8)
+        for (_, _, n, off), start in zip(missing, starts):
+            packed[start:start + n] = host[off:off + n]
+    else:
+        packed, starts = host, [off for _, _, _, off in missing]
+    on_device = packed.to(dev) if dev != "cpu" else packed.clone()
+    for (i, dt, n, _), start in zip(missing, starts):
+        shape, stride, _ = specs[i]
+        t = on_device[start:start + n].view(dt).as_strided(shape, stride)
         _SHARED_PARAMS[keys[i]] = params[i] = t
     return params
 

@@ -6,6 +6,7 @@ compile of a few seconds each); the GPU path is test_inductor_gpu_* below."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import shutil
@@ -498,3 +499,34 @@ def test_the_launcher_warms_engines_and_captures_in_one_thread_while_it_loads(gp
 @pytest.mark.gpu
 def test_inductor_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bundle, tmp_path):
     assert_another_architecture_is_refused_naming_the_file(gpu_bundle[1], tmp_path)
+
+
+def test_engines_that_share_most_weights_hold_only_the_new_ones():
+    """Two engines whose weights.bin share two large weights and differ in one small one (a grid's buckets: the
+    same matrices, a shape-sized constant each): the second load reuses the shared tensors and copies only its
+    own weight, so its new tensor's memory is that weight's bytes, not a second copy of weights.bin."""
+    import torch
+
+    tb._SHARED_PARAMS.clear()
+    rng = np.random.default_rng(0)
+    big = [rng.standard_normal((256, 256)).astype(np.float32) for _ in range(2)]
+
+    def engine(small):
+        arrays = [*big, small]
+        blob, offsets, at = bytearray(), [], 0
+        for a in arrays:
+            offsets.append(len(blob))
+            blob += a.tobytes() + bytes(-a.nbytes % tb._ALIGN)
+        meta = {"params": [f"p{i}" for i in range(3)], "param_offsets": offsets,
+                "param_specs": [[list(a.shape), [a.shape[1], 1], "float32"] for a in arrays],
+                "param_digests": [hashlib.sha256(a.tobytes()).hexdigest() for a in arrays]}
+        return meta, bytes(blob)
+
+    first_meta, first_blob = engine(np.ones((1, 16), np.float32))
+    first = tb._load_params(lambda: first_blob, first_meta, "cpu")
+    second_meta, second_blob = engine(np.full((1, 32), 2.0, np.float32))
+    second = tb._load_params(lambda: second_blob, second_meta, "cpu")
+    assert second[0] is first[0] and second[1] is first[1]
+    assert second[2].untyped_storage().nbytes() == 32 * 4 * 1  # 128 bytes: the one weight, no whole blob
+    assert torch.equal(second[2], torch.full((1, 32), 2.0))
+    assert all(torch.equal(p, torch.from_numpy(a)) for p, a in zip(first, [*big, np.ones((1, 16), np.float32)]))
