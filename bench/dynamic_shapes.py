@@ -20,7 +20,8 @@ synchronise; variants alternating in blocks) of the grid bundle, of the static b
 ``torch.compile(mode="reduce-overhead")`` on the PyTorch model in fp16 at that shape; the grid's outputs
 against onnxruntime (CPU, fp32) on the unpadded input (scaled error).  On a GPU, the device memory the loaded
 grid takes against one static bundle at MAX (a length of ``--lengths`` equal to ``--max-seq``).  Targets (docs/dynamic-shapes.md):
-grid / static <= 1.15 and grid <= torch.compile at every length.  Writes ``OUT/<model>_dynshapes.json``.
+grid / static <= 1.15 and grid <= torch.compile at every length.  At a length between buckets the grid call's
+steps are also timed apart (``pad_only``, ``bucket_launcher``, ``cut_only``): where the padded call's cost goes.  Writes ``OUT/<model>_dynshapes.json``.
 """
 
 from __future__ import annotations
@@ -166,9 +167,11 @@ def run_model(name: str, args, outdir: Path) -> dict:
                         c(**f)
                     torch.cuda.synchronize()
                 calls["torch_compile"] = eager
+            if bucket_key(la, length) != (length,):  # padded: the call's steps timed apart (where its cost goes)
+                calls.update(padded_steps(la, dev))
             ms = median_ms(calls, args.runs, args.warmup)
             ls.close()
-            row = {"length": length, "bucket": la.bucket_for((length,))[0], "static": "the grid's bucket" if length in exact else "built", "ms": ms, "grid_over_static": ms["grid"] / ms["static"],
+            row = {"length": length, "bucket": bucket_key(la, length)[0], "static": "the grid's bucket" if length in exact else "built", "ms": ms, "grid_over_static": ms["grid"] / ms["static"],
                    "grid_over_torch_compile": ms["grid"] / ms["torch_compile"] if "torch_compile" in ms else None,
                    "scaled_error_vs_ort_unpadded": err}
             res["lengths"].append(row)
@@ -178,6 +181,56 @@ def run_model(name: str, args, outdir: Path) -> dict:
     finally:
         la.close()
     return res
+
+
+def bucket_key(la, length: int) -> tuple:
+    return tuple(la.bucket_for((length,)))
+
+
+def padded_steps(la, feeds: dict) -> dict:
+    """A grid call's steps on ``feeds`` timed apart: padding the inputs to the bucket (``pad_only``), the bucket's
+    launcher on inputs already padded (``bucket_launcher``), cutting its outputs back (``cut_only``); each ends
+    with a synchronise, as the whole call does."""
+    from parastream.launcher.buckets import cut_axis, pad_axis
+
+    point = la.point_of(feeds)
+    key = la.bucket_for(point)
+
+    def pad():
+        padded = dict(feeds)
+        for a, size, b in zip(la.axes, point, key):
+            if size != b:
+                for name, dim in a["inputs"].items():
+                    if name in padded:
+                        padded[name] = pad_axis(padded[name], dim, b, a["pad"][name])
+        return padded
+
+    ready = pad()
+    sub = la.launchers[key]
+    outs = sub(ready)
+
+    def cut():
+        got = dict(outs)
+        for a, size, b in zip(la.axes, point, key):
+            if size != b:
+                for name, dims in (a.get("outputs") or {}).items():
+                    for dim in dims:
+                        got[name] = cut_axis(got[name], dim, size)
+        return got
+
+    sync = _synchronise()
+    return {"pad_only": lambda: (pad(), sync()), "bucket_launcher": lambda: sub(ready), "cut_only": lambda: (cut(), sync())}
+
+
+def _synchronise():
+    try:
+        import torch
+
+        if torch.cuda.is_available():
+            return torch.cuda.synchronize
+    except ImportError:
+        pass
+    return lambda: None
 
 
 def _host(v):
