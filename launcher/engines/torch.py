@@ -1006,12 +1006,13 @@ def _load_params(weights: Callable[[], bytes | None], meta: dict, dev: str) -> l
         host = torch.frombuffer(blob, dtype=torch.uint8) if blob else torch.empty(0, dtype=torch.uint8)
     # The missing weights go to the device in one copy, and only they: the tensors are views of what was copied,
     # so a copy of the whole of weights.bin would stay alive for the one weight another engine did not share (a
-    # grid's buckets share every matrix and differ in a few shape-sized constants: each bucket held a full copy)
-    if sum(n for _, _, n, _ in missing) < len(host):
-        starts, at = [], 0
-        for _, _, n, _ in missing:
-            starts.append(at)
-            at += -(-n // _ALIGN) * _ALIGN
+    # grid's buckets share every matrix and differ in a few shape-sized constants: each bucket held a full copy).
+    # Where nearly all are missing (a first load), weights.bin goes as it is, without packing it on the host.
+    starts, at = [], 0
+    for _, _, n, _ in missing:
+        starts.append(at)
+        at += -(-n // _ALIGN) * _ALIGN
+    if at < 0.9 * len(host):
         packed = torch.empty(at, dtype=torch.uint8)
         for (_, _, n, off), start in zip(missing, starts):
             packed[start:start + n] = host[off:off + n]
