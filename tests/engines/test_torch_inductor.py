@@ -108,14 +108,14 @@ def test_loads_in_a_fresh_process_with_empty_caches_without_compiling_and_matche
             assert not e.compiled_at_load
             np.save({str(tmp_path)!r} + f"/{{name}}.npy", e.run({{"x": x}})["y"])
         c = torch._dynamo.utils.counters
-        print(json.dumps({{"compiled_at_load": e.compiled_at_load, "dynamo_graphs": c["stats"]["unique_graphs"],
+        print(json.dumps({{"compiled_at_load": e.compiled_at_load, "because": e.compiled_at_load_because, "dynamo_graphs": c["stats"]["unique_graphs"],
                           "inductor": dict(c["inductor"]), "aot_autograd": dict(c["aot_autograd"])}}))
     """)
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "empty-inductor"), TRITON_CACHE_DIR=str(tmp_path / "empty-triton"))
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, env=env, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     info = json.loads(p.stdout.strip().splitlines()[-1])
-    assert info["compiled_at_load"] is False and info["dynamo_graphs"] == 0
+    assert info["compiled_at_load"] is False and info["dynamo_graphs"] == 0, info
     distinct = len({tb.unpack(built.a)[2], tb.unpack(built.b)[2]})  # equal bytes load once (_LOADED_ARTIFACTS)
     if tb.inductor_format(BuildOptions()) == "cache":  # its entries are written into the empty cache and found there
         assert info["inductor"].get("fxgraph_cache_hit") == distinct, info
@@ -438,6 +438,7 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
         warmed = sum(e.phases["warm"] > 0 for e in engines)
         print(json.dumps({{"ready_s": ready, "graph": la._exec is not None, "warmed": warmed, "artifacts": len(arts),
                           "compiled_at_load": sum(e.compiled_at_load for e in la.engines if e is not None),
+                          "because": sorted({{e.compiled_at_load_because for e in la.engines if e is not None}} - {{""}}),
                           "dynamo_graphs": c["stats"]["unique_graphs"], "inductor": dict(c["inductor"])}}))
     """)
     empty = tmp_path / "empty"
