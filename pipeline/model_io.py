@@ -451,10 +451,16 @@ def _fold_sliced_shapes(graph) -> None:
         node.op, node.attrs = "Constant", {"value": gs.Constant(node.outputs[0].name + "_value", values)}
 
 
-def _constants_to_initializers(model: onnx.ModelProto, graph=None) -> onnx.ModelProto:
+def _constants_to_initializers(model: onnx.ModelProto, graph=None, *, hold: bool = False):
     """Constant nodes that survived folding become initializers, so that no branch is a lone Constant.
-    ``graph``: ``model`` already in graphsurgeon (changed in place), else it is imported."""
+    ``graph``: ``model`` already in graphsurgeon (changed in place), else it is imported.  ``hold``: return
+    (the export with its large weights held out as placeholders, those weights by name) for an ``_infer`` to
+    put back: exporting a weight copies its bytes into a TensorProto, ``make_graph`` and ``make_model`` copy them
+    again, and inference sets them aside and puts them back (3.4 s of a BERT-base load's 5.8 s on the 2-core CPU);
+    held, they are copied once, into the inferred model."""
     import onnx_graphsurgeon as gs
+
+    from parastream.rewrite.ir import hold_large_weights
 
     graph = gs.import_onnx(model) if graph is None else graph
     for node in list(graph.nodes):
@@ -469,12 +475,15 @@ def _constants_to_initializers(model: onnx.ModelProto, graph=None) -> onnx.Model
                     continue
                 node.outputs.clear()
     graph.cleanup().toposort()
-    return _export_like(graph, model)
+    if not hold:
+        return _export_like(graph, model)
+    held = hold_large_weights(graph)  # the graph's weights become placeholders: an adopting caller reads them back
+    return _export_like(graph, model), held
 
 
 def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model"):
-    """Fold shape arithmetic and Constant nodes now that input shapes are static; return (the folded model, its
-    graph).  One graphsurgeon import: the graph that proves graphsurgeon can represent the model is the one
+    """Fold shape arithmetic and Constant nodes now that input shapes are static; return (the folded model with
+    its large weights held out, its graph, those weights by name: ``_static_shapes`` infers it and puts them back).  One graphsurgeon import: the graph that proves graphsurgeon can represent the model is the one
     folded, exported, and (``rewrite.ir.adopt_model``) carried to the plan."""
     import onnx_graphsurgeon as gs
 
@@ -491,18 +500,20 @@ def _fold_constants(model: onnx.ModelProto, path: Path | str = "the model"):
     if _fold_graph(graph) is None:
         graph = gs.import_onnx(model)  # folding failed half-way through: the unfolded model, as _fold_once does
     try:
-        return _constants_to_initializers(model, graph), graph
+        folded, held = _constants_to_initializers(model, graph, hold=True)
+        return folded, graph, held
     except Exception as e:  # noqa: BLE001
         raise unrepresentable(e) from None
 
 
-def _infer(model: onnx.ModelProto, path: Path) -> onnx.ModelProto:
+def _infer(model: onnx.ModelProto, path: Path, held: dict | None = None) -> onnx.ModelProto:
     """``model`` shape-inferred; every caller replaces ``model`` by the result, so its large weights are not put
-    back into it (``restore=False``: 0.6 s of a 350 MB model's load, per inference)."""
+    back into it (``restore=False``: 0.6 s of a 350 MB model's load, per inference).  ``held``: weights ``model``
+    holds out already (``_constants_to_initializers(hold=True)``), put into the result."""
     try:
         from parastream.rewrite.ir import infer
 
-        return infer(model, strict=True, restore=False)  # large weights set aside: inference reads only their shapes
+        return infer(model, strict=True, restore=False, held=held)  # large weights aside: inference reads only their shapes
     except Exception as e:  # noqa: BLE001 - InferenceError names the node
         raise ParastreamError(f"{path}: shape inference failed: {str(e).strip().splitlines()[0]}") from None
 
@@ -519,7 +530,8 @@ def unknown_tensors(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
     return [(n, o) for n in model.graph.node for o in n.output if o and o not in known]
 
 
-def _fold_to_fixed_point(model: onnx.ModelProto, path: Path, max_passes: int = 12) -> onnx.ModelProto:
+def _fold_to_fixed_point(model: onnx.ModelProto, path: Path, aside: dict | None = None,
+                         max_passes: int = 12) -> onnx.ModelProto:
     """Constant folding and shape inference, alternated until a pass folds nothing.
 
     Exporters compute sizes at run time (timm's "same" padding, torchvision's window partitions):
@@ -532,12 +544,12 @@ def _fold_to_fixed_point(model: onnx.ModelProto, path: Path, max_passes: int = 1
     rewrite search and would be one more dependency; this loop over graphsurgeon's folding left none in
     16 s and 21 s.  So: graphsurgeon directly, no new dependency, the exported ops kept as they are.
     """
-    from parastream.rewrite.ir import put_back
+    from parastream.rewrite.ir import graph_with_aside, put_back
 
     # Between passes the large weights stay out of the protos (``_fold_once_aside``): each pass used to copy every
     # weight's bytes back into the inferred model only for the next import to copy them out again (6.6 s of a
     # 30-pass, 280 MB model's 15 s load); they are put back once, after the loop.
-    aside: dict = {}
+    aside = dict(aside or {})  # ``model``'s weights held out already (an ``infer_aside`` result's)
     for _ in range(max_passes):
         model, aside = _infer_aside(model, path, aside)
         if not unknown_tensors(model):
@@ -545,7 +557,11 @@ def _fold_to_fixed_point(model: onnx.ModelProto, path: Path, max_passes: int = 1
         model, removed, aside = _fold_once_aside(model, aside)
         if not removed:
             break
-    return _infer(_constants_to_initializers(put_back(model, aside)), path)
+    graph = graph_with_aside(model, aside)  # the weights as arrays (views), not put back into a proto to export
+    if graph is None:
+        return _infer(_constants_to_initializers(put_back(model, aside)), path)
+    folded, held = _constants_to_initializers(model, graph, hold=True)
+    return _infer(folded, path, held)
 
 
 def _infer_aside(model: onnx.ModelProto, path: Path, held: dict) -> tuple[onnx.ModelProto, dict]:
@@ -750,10 +766,11 @@ def _record_shapes_by_running(model: onnx.ModelProto, names: list[str], path: Pa
     return model
 
 
-def _static_shapes(model: onnx.ModelProto, path: Path, graph=None):
+def _static_shapes(model: onnx.ModelProto, path: Path, graph=None, held: dict | None = None):
     """Every tensor of ``model`` (static inputs) gets a static shape and dtype, or a one-line error; return
     (the inferred model, ``graph`` when the model is still its export, else None: the fallbacks below change
-    the model, whose graph must then be imported again).
+    the model, whose graph must then be imported again).  ``held``: the large weights ``model`` holds out
+    (``_fold_constants``), put back by its first inference.
 
     In order, each step only while tensors are still unknown: ONNX shape inference (strict, with data
     propagation) -> constant folding to a fixed point -> ONNX Runtime's symbolic shape inference ->
@@ -764,10 +781,12 @@ def _static_shapes(model: onnx.ModelProto, path: Path, graph=None):
     fixed-point folding between them nor the data-dependence check with its one-line error, and it returns a
     model either way; these steps are ours so that the common case (one inference) keeps the folded graph.
     """
-    model = _infer(model, path)
+    from parastream.rewrite.ir import put_back
+
+    model, aside = _infer_aside(model, path, held or {})
     if not unknown_tensors(model):
-        return model, graph
-    model = _fold_to_fixed_point(model, path)
+        return put_back(model, aside), graph
+    model = _fold_to_fixed_point(model, path, aside)  # (the weights stay aside for its passes)
     if unknown_tensors(model):
         model = _infer(_symbolic_infer(model), path)
     unknown = unknown_tensors(model)
@@ -797,8 +816,8 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
     if shapes:
         _fix_input_shapes(original, shapes, path)
     _check_sizes(model, path)  # before anything allocates, and as declared (folding merges declarations)
-    model, graph = _fold_constants(model, path)
-    model, graph = _static_shapes(model, path, graph)
+    model, graph, held = _fold_constants(model, path)
+    model, graph = _static_shapes(model, path, graph, held)
     name_nodes(model)
     init_names = {t.name for t in model.graph.initializer}
     inputs = [_spec(vi, path, "input") for vi in model.graph.input if vi.name not in init_names]

@@ -70,7 +70,7 @@ def same_pad_model(size: int = 9, c: int = 4) -> onnx.ModelProto:
 
 def test_one_folding_pass_leaves_the_same_padding_unknown():
     """The case the fixed point is for: ONNX shape inference after one graphsurgeon pass stops at the Pad."""
-    folded, _graph = model_io._fold_constants(same_pad_model(), "same_pad.onnx")
+    folded, _graph, _held = model_io._fold_constants(same_pad_model(), "same_pad.onnx")
     one_pass = onnx.shape_inference.infer_shapes(folded, strict_mode=True,
                                                  data_prop=True)
     assert any(n.op_type == "Pad" for n, _ in unknown_tensors(one_pass))
