@@ -141,8 +141,9 @@ def _put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> N
 
 
 def hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray]:
-    """Before ``gs.export_onnx``: each large weight of ``graph`` (a copy, its own tensors) becomes a placeholder
-    that exports as set-aside external data (type and dimensions, no bytes), its array returned by name.
+    """Before ``gs.export_onnx``: each large weight of ``graph`` becomes a placeholder that exports as set-aside
+    external data (type and dimensions, no bytes), its array returned by name.  ``graph`` is a copy, or a graph
+    that ``adopt_model`` later gives the exported model's weights (the loader's): its tensors keep placeholders.
 
     Exporting copies every weight's bytes into a TensorProto and ``make_graph`` copies them again into the
     model, which ``infer`` then sets aside and puts back (0.6 s of every exported Inception-v4 candidate,
