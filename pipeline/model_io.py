@@ -530,7 +530,7 @@ def unknown_tensors(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str]]:
     return [(n, o) for n in model.graph.node for o in n.output if o and o not in known]
 
 
-def _fold_to_fixed_point(model: onnx.ModelProto, path: Path, aside: dict | None = None,
+def _fold_to_fixed_point(model: onnx.ModelProto, path: Path, aside: dict | None = None, *, inferred: bool = False,
                          max_passes: int = 12) -> onnx.ModelProto:
     """Constant folding and shape inference, alternated until a pass folds nothing.
 
@@ -550,10 +550,11 @@ def _fold_to_fixed_point(model: onnx.ModelProto, path: Path, aside: dict | None 
     # weight's bytes back into the inferred model only for the next import to copy them out again (6.6 s of a
     # 30-pass, 280 MB model's 15 s load); they are put back once, after the loop.
     aside = dict(aside or {})  # ``model``'s weights held out already (an ``infer_aside`` result's)
-    for _ in range(max_passes):
-        model, aside = _infer_aside(model, path, aside)
-        if not unknown_tensors(model):
-            break
+    for k in range(max_passes):
+        if k or not inferred:  # ``inferred``: the caller's inference (with unknown tensors left) is the first pass's
+            model, aside = _infer_aside(model, path, aside)
+            if not unknown_tensors(model):
+                break
         model, removed, aside = _fold_once_aside(model, aside)
         if not removed:
             break
@@ -786,7 +787,7 @@ def _static_shapes(model: onnx.ModelProto, path: Path, graph=None, held: dict | 
     model, aside = _infer_aside(model, path, held or {})
     if not unknown_tensors(model):
         return put_back(model, aside), graph
-    model = _fold_to_fixed_point(model, path, aside)  # (the weights stay aside for its passes)
+    model = _fold_to_fixed_point(model, path, aside, inferred=True)  # (the weights stay aside for its passes)
     if unknown_tensors(model):
         model = _infer(_symbolic_infer(model), path)
     unknown = unknown_tensors(model)

@@ -16,7 +16,7 @@ from test_batch_buckets import _reshaping_model
 from test_static_shapes import _save, same_pad_model
 
 from parastream.pipeline import build
-from parastream.pipeline.model_io import graph_of, load_model
+from parastream.pipeline.model_io import graph_of, load_model, unknown_tensors
 from parastream.rewrite import RooflineCostModel
 from parastream.rewrite.search import optimize_graph
 
@@ -108,6 +108,17 @@ def test_a_model_whose_shapes_need_the_fixed_point_is_imported_again(tmp_path, m
     lm = load_model(_save(same_pad_model(), tmp_path / "same_pad.onnx"))
     assert len(calls) > 1
     assert _described(lm.graph) == _described(graph_of(lm.model))
+
+
+def test_the_fixed_point_infers_once_per_pass(tmp_path, monkeypatch):
+    """A model that needs one folding pass after plain inference: the inference that found the unknown shapes is
+    the first pass's (it was repeated), one after the pass, one of the final model: 3 in all."""
+    calls = []
+    real = onnx.shape_inference.infer_shapes
+    monkeypatch.setattr(onnx.shape_inference, "infer_shapes", lambda *a, **k: calls.append(1) or real(*a, **k))
+    lm = load_model(_save(same_pad_model(), tmp_path / "same_pad.onnx"))
+    assert not unknown_tensors(lm.model)
+    assert len(calls) == 3  # the first, the pass's, the final model's (its Constants made initializers)
 
 
 def test_the_loaded_graph_is_the_loaded_model():
