@@ -35,6 +35,8 @@ import numpy as np
 import onnx
 from onnx import defs, helper, numpy_helper
 
+from .graph import unused_name
+
 DOMAIN = "parastream"
 VERSION = 1
 SDPA = "ScaledDotProductAttention"
@@ -138,56 +140,13 @@ def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
     opset = next((o.version for o in out.opset_import if o.domain in ("", "ai.onnx")), 1)
     taken = {n.name for n in g.node} | {t for n in g.node for t in (*n.input, *n.output)} | \
         {t.name for t in (*g.input, *g.output, *g.initializer)}
-
-    def fresh(base: str) -> str:
-        name, k = base, 0
-        while name in taken:
-            k += 1
-            name = f"{base}_{k}"
-        taken.add(name)
-        return name
-
-    nodes = []
+    nodes: list[onnx.NodeProto] = []
     for node in g.node:
-        if (node.domain, node.op_type) == (DOMAIN, SDPA):
-            nodes.extend(_plain_attention(g, node, fresh))
-            continue
-        if (node.domain, node.op_type) != (DOMAIN, GEMM_ACTIVATION):
-            nodes.append(node)
-            continue
-        attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
-        activation = attrs.get("activation", b"Relu")
-        approximate = attrs.get("approximate", b"none")
-        activation = activation.decode() if isinstance(activation, bytes) else activation
-        approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
-        dtype = helper.tensor_dtype_to_np_dtype(_elem_type(g, node.input[0]))
-        base = node.name or node.output[0]
-        x, w, b = node.input
-        y = node.output[0]
-
-        def const(tag: str, value: float) -> str:
-            name = fresh(f"{base}_{tag}")
-            g.initializer.append(numpy_helper.from_array(np.asarray(value, dtype=dtype), name))
-            return name
-
-        def op(kind: str, inputs: list[str], output: str | None = None, **kw) -> str:
-            output = output or fresh(f"{base}_{kind.lower()}")
-            nodes.append(helper.make_node(kind, inputs, [output], name=fresh(f"{base}_{kind.lower()}"), **kw))
-            return output
-
-        h = op("Add", [op("MatMul", [x, w]), b])
-        if activation == "Relu":
-            op("Relu", [h], y)
-        elif opset >= 20:
-            op("Gelu", [h], y, approximate=approximate)
+        if node.domain == DOMAIN and node.op_type in (GEMM_ACTIVATION, SDPA):
+            writer = _Writer(g, node, taken, nodes)
+            (_plain_attention if node.op_type == SDPA else _plain_gemm_activation)(writer, node, opset)
         else:
-            if approximate == "tanh":
-                cube = op("Mul", [h, op("Mul", [h, h])])
-                inner = op("Add", [h, op("Mul", [cube, const("k", 0.044715)])])
-                t = op("Tanh", [op("Mul", [inner, const("root", math.sqrt(2 / math.pi))])])
-            else:
-                t = op("Erf", [op("Div", [h, const("sqrt2", math.sqrt(2.0))])])
-            op("Mul", [op("Mul", [h, op("Add", [t, const("one", 1.0)])]), const("half", 0.5)], y)
+            nodes.append(node)
     del g.node[:]
     g.node.extend(nodes)
     if not any(n.domain == DOMAIN for n in g.node):
@@ -197,42 +156,73 @@ def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
     return out
 
 
-def _plain_attention(g: onnx.GraphProto, node: onnx.NodeProto, fresh) -> list[onnx.NodeProto]:
-    """``ScaledDotProductAttention`` ``node`` as plain ONNX nodes (their constants appended to ``g``)."""
+class _Writer:
+    """Plain nodes written for one fused node, named after it (``unused_name`` over the model's names), and
+    their constants appended to the graph's initializers, in the fused node's input type unless told."""
+
+    def __init__(self, g: onnx.GraphProto, node: onnx.NodeProto, taken: set[str], nodes: list):
+        self.g, self.taken, self.nodes = g, taken, nodes
+        self.base = node.name or node.output[0]
+        self.dtype = helper.tensor_dtype_to_np_dtype(_elem_type(g, node.input[0]))
+
+    def op(self, kind: str, inputs: list[str], output: str | None = None, **attrs) -> str:
+        output = output or unused_name(self.taken, f"{self.base}_{kind.lower()}")
+        self.nodes.append(helper.make_node(kind, inputs, [output], name=unused_name(self.taken, f"{self.base}_{kind.lower()}"),
+                                           **attrs))
+        return output
+
+    def const(self, tag: str, value, dtype=None) -> str:
+        name = unused_name(self.taken, f"{self.base}_{tag}")
+        self.g.initializer.append(numpy_helper.from_array(np.asarray(value, dtype=dtype or self.dtype), name))
+        return name
+
+
+def _plain_gemm_activation(w: _Writer, node: onnx.NodeProto, opset: int) -> None:
+    """``MatMulBiasActivation`` ``node`` as plain ONNX nodes."""
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+    activation = attrs.get("activation", b"Relu")
+    approximate = attrs.get("approximate", b"none")
+    activation = activation.decode() if isinstance(activation, bytes) else activation
+    approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
+    x, weight, b = node.input
+    y = node.output[0]
+    h = w.op("Add", [w.op("MatMul", [x, weight]), b])
+    if activation == "Relu":
+        w.op("Relu", [h], y)
+    elif opset >= 20:
+        w.op("Gelu", [h], y, approximate=approximate)
+    else:
+        if approximate == "tanh":
+            cube = w.op("Mul", [h, w.op("Mul", [h, h])])
+            inner = w.op("Add", [h, w.op("Mul", [cube, w.const("k", 0.044715)])])
+            t = w.op("Tanh", [w.op("Mul", [inner, w.const("root", math.sqrt(2 / math.pi))])])
+        else:
+            t = w.op("Erf", [w.op("Div", [h, w.const("sqrt2", math.sqrt(2.0))])])
+        w.op("Mul", [w.op("Mul", [h, w.op("Add", [t, w.const("one", 1.0)])]), w.const("half", 0.5)], y)
+
+
+def _plain_attention(w: _Writer, node: onnx.NodeProto, _opset: int) -> None:
+    """``ScaledDotProductAttention`` ``node`` as plain ONNX nodes."""
+    g = w.g
     attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
     q, k, v = node.input[:3]
     mask = node.input[3] if len(node.input) > 3 and node.input[3] else None
-    base = node.name or node.output[0]
     qdims, kdims = _rank_and_dims(g, q), _rank_and_dims(g, k)
     if kdims is None or qdims is None:
-        raise ValueError(f"{base}: the attention's decomposition needs the ranks of {q!r} and {k!r}")
-    dtype = helper.tensor_dtype_to_np_dtype(_elem_type(g, q))
-    nodes: list[onnx.NodeProto] = []
-
-    def op(kind: str, inputs: list[str], output: str | None = None, **kw) -> str:
-        output = output or fresh(f"{base}_{kind.lower()}")
-        nodes.append(helper.make_node(kind, inputs, [output], name=fresh(f"{base}_{kind.lower()}"), **kw))
-        return output
-
-    def const(tag: str, value) -> str:
-        name = fresh(f"{base}_{tag}")
-        g.initializer.append(numpy_helper.from_array(np.asarray(value), name))
-        return name
-
+        raise ValueError(f"{w.base}: the attention's decomposition needs the ranks of {q!r} and {k!r}")
     r = len(kdims)
-    scores = op("Mul", [op("MatMul", [q, op("Transpose", [k], perm=[*range(r - 2), r - 1, r - 2])]),
-                        const("scale", np.asarray(attrs.get("scale", 1.0), dtype))])
-    lowest = np.asarray(np.finfo(dtype).min, dtype)
+    scores = w.op("Mul", [w.op("MatMul", [q, w.op("Transpose", [k], perm=[*range(r - 2), r - 1, r - 2])]),
+                          w.const("scale", attrs.get("scale", 1.0))])
+    lowest = np.finfo(w.dtype).min
     if mask is not None:
         if _elem_type(g, mask) == onnx.TensorProto.BOOL:
-            scores = op("Where", [mask, scores, const("lowest", lowest)])
+            scores = w.op("Where", [mask, scores, w.const("lowest", lowest)])
         else:
-            scores = op("Add", [scores, mask])
+            scores = w.op("Add", [scores, mask])
     if attrs.get("is_causal", 0):
         sq, sk = qdims[-2], kdims[-2]
         if sq is None or sk is None:
-            raise ValueError(f"{base}: a causal attention's decomposition needs its sequence lengths")
+            raise ValueError(f"{w.base}: a causal attention's decomposition needs its sequence lengths")
         keep = np.tril(np.ones((sq, sk), dtype=bool))  # query i sees keys j <= i (torch's is_causal)
-        scores = op("Where", [const("causal", keep), scores, const("lowest", lowest)])
-    op("MatMul", [op("Softmax", [scores], axis=-1), v], node.output[0])
-    return nodes
+        scores = w.op("Where", [w.const("causal", keep, bool), scores, w.const("lowest", lowest)])
+    w.op("MatMul", [w.op("Softmax", [scores], axis=-1), v], node.output[0])

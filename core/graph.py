@@ -4,6 +4,7 @@
   index, the tensors an If/Loop/Scan body reads from the enclosing scope included (the scheduler's input).
 * :func:`static_shape` and :func:`conv_attrs`: a tensor's shape when every dimension is known, a Conv's
   attributes with ONNX's defaults filled in.
+* :func:`unused_name`: a node or tensor name not taken yet (the rules' namer, the fused ops' plain form).
 """
 
 from __future__ import annotations
@@ -16,6 +17,16 @@ import onnx_graphsurgeon as gs
 from .dataflow import producers
 
 _name = attrgetter("name")
+
+
+def unused_name(taken: set[str], base: str) -> str:
+    """``base``, or ``base_1``, ``base_2`` … whichever is not in ``taken``; added to it."""
+    name, i = base, 0
+    while name in taken:
+        i += 1
+        name = f"{base}_{i}"
+    taken.add(name)
+    return name
 
 
 def subgraph_reads(node: gs.Node) -> set[str]:

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import numpy as np
 import onnx_graphsurgeon as gs
 
-from parastream.core.graph import conv_attrs, static_shape  # noqa: F401 - the rules import them from here
+from parastream.core.graph import conv_attrs, static_shape, unused_name  # noqa: F401 - the rules import them from here
 
 from ..ir import cleanup, copy_graph, toposort
 
@@ -163,14 +163,7 @@ def taken_names(graph: gs.Graph) -> set[str]:
 
 def fresh_name(graph: gs.Graph, base: str, taken: set[str] | None = None) -> str:
     """``base``, or ``base_1``, ``base_2`` … whichever no node or tensor of ``graph`` uses yet."""
-    if taken is None:
-        taken = taken_names(graph)
-    name, i = base, 0
-    while name in taken:
-        i += 1
-        name = f"{base}_{i}"
-    taken.add(name)
-    return name
+    return unused_name(taken_names(graph) if taken is None else taken, base)
 
 
 class Namer:
