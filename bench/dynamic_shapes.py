@@ -191,35 +191,14 @@ def padded_steps(la, feeds: dict) -> dict:
     """A grid call's steps on ``feeds`` timed apart: padding the inputs to the bucket (``pad_only``), the bucket's
     launcher on inputs already padded (``bucket_launcher``), cutting its outputs back (``cut_only``); each ends
     with a synchronise, as the whole call does."""
-    from parastream.launcher.buckets import cut_axis, pad_axis
-
     point = la.point_of(feeds)
     key = la.bucket_for(point)
-
-    def pad():
-        padded = dict(feeds)
-        for a, size, b in zip(la.axes, point, key):
-            if size != b:
-                for name, dim in a["inputs"].items():
-                    if name in padded:
-                        padded[name] = pad_axis(padded[name], dim, b, a["pad"][name])
-        return padded
-
-    ready = pad()
+    ready = la.pad_to_bucket(feeds, point, key)
     sub = la.launchers[key]
     outs = sub(ready)
-
-    def cut():
-        got = dict(outs)
-        for a, size, b in zip(la.axes, point, key):
-            if size != b:
-                for name, dims in (a.get("outputs") or {}).items():
-                    for dim in dims:
-                        got[name] = cut_axis(got[name], dim, size)
-        return got
-
     sync = _synchronise()
-    return {"pad_only": lambda: (pad(), sync()), "bucket_launcher": lambda: sub(ready), "cut_only": lambda: (cut(), sync())}
+    return {"pad_only": lambda: (la.pad_to_bucket(feeds, point, key), sync()), "bucket_launcher": lambda: sub(ready),
+            "cut_only": lambda: (la.cut_to_point(dict(outs), point, key), sync())}
 
 
 def _synchronise():

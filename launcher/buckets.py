@@ -259,13 +259,21 @@ class BucketedLauncher:
     def _call_grid(self, feeds: dict) -> dict:
         point = self.point_of(feeds)
         key = self.bucket_for(point)
+        return self.cut_to_point(self.launchers[key](self.pad_to_bucket(feeds, point, key)), point, key)
+
+    def pad_to_bucket(self, feeds: dict, point: tuple, key: tuple) -> dict:
+        """A grid call's first step: ``feeds`` (at ``point``) padded along each axis to bucket ``key``'s size."""
         padded = dict(feeds)
         for a, size, bsize in zip(self.axes, point, key):
             if size != bsize:
                 for name, dim in a["inputs"].items():
                     if name in padded:
                         padded[name] = pad_axis(padded[name], dim, bsize, a["pad"][name])
-        outs = self.launchers[key](padded)
+        return padded
+
+    def cut_to_point(self, outs: dict, point: tuple, key: tuple) -> dict:
+        """A grid call's last step: bucket ``key``'s outputs cut back to ``point`` on the dimensions carrying each
+        axis."""
         for a, size, bsize in zip(self.axes, point, key):
             if size != bsize:
                 for name, dims in (a.get("outputs") or {}).items():
