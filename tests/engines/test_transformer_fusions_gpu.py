@@ -16,29 +16,23 @@ SEQ = 32
 
 
 def _export(name: str, folder) -> tuple:
-    """(path, feeds): ``name`` (12 layers, hidden 768, random weights) exported at batch 1, sequence SEQ."""
-    torch.manual_seed(0)
-    if name == "gpt2":
-        cfg = transformers.GPT2Config(n_layer=12, use_cache=False, attn_implementation="eager")
-        core = transformers.GPT2Model(cfg)
-    else:
-        cfg = transformers.BertConfig(attn_implementation="eager")
-        core = transformers.BertModel(cfg, add_pooling_layer=False)
+    """(path, feeds): ``name`` as bench/dynamic_shapes.py makes it (12 layers, hidden 768, random weights, eager
+    attention, the last hidden state out) exported at batch 1, sequence SEQ."""
+    import sys
+    from pathlib import Path
 
-    class Hidden(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = core
-
-        def forward(self, input_ids, attention_mask):
-            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        from dynamic_shapes import make
+    finally:
+        sys.path.pop(0)
+    model, vocab = make(name, tiny=False, max_seq=SEQ)
     rng = np.random.default_rng(0)
-    feeds = {"input_ids": rng.integers(0, cfg.vocab_size, (1, SEQ)).astype(np.int64),
+    feeds = {"input_ids": rng.integers(0, vocab, (1, SEQ)).astype(np.int64),
              "attention_mask": np.ones((1, SEQ), np.int64)}
     path = folder / f"{name}.onnx"
     with torch.no_grad():
-        torch.onnx.export(Hidden().eval(), tuple(torch.from_numpy(v) for v in feeds.values()), str(path),
+        torch.onnx.export(model, tuple(torch.from_numpy(v) for v in feeds.values()), str(path),
                           input_names=list(feeds), output_names=["hidden"], opset_version=17, dynamo=False)
     return path, feeds
 
