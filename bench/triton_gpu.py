@@ -208,6 +208,18 @@ def start_ready(server: TritonServer, name: str, timeout: float) -> float:
     return time.perf_counter() - t0
 
 
+def start_checked(server: TritonServer, name: str, protocol: str, feeds: dict, ref: dict, timeout: float):
+    """Start the server, wait until the model is ready and check one request against onnxruntime: (the seconds
+    to ready, each output's error)."""
+    seconds = start_ready(server, name, timeout)
+    client = client_of(server, protocol)
+    try:
+        got = infer(client, protocol, name, make_inputs(protocol, feeds), list(ref))
+        return seconds, {o: max_err(got[o], ref[o]) for o in ref}
+    finally:
+        client.close()
+
+
 def prepared(name: str, args, work: Path, res: dict):
     """The model exported (or, with ``--reuse``, the ONNX an earlier run left), its onnxruntime outputs and its
     bundle built (``--reuse``: the bundle an earlier run built): (bundle, feeds, reference outputs)."""
@@ -309,13 +321,8 @@ def instance_starts(name: str, args, work: Path, res: dict) -> dict:
         start: dict = {}
         server = TritonServer(repo, work / f"{name}.server{i}")
         try:
-            start["server_start_to_ready_s"] = start_ready(server, name, args.start_timeout)
-            client = client_of(server, "http")
-            try:
-                got = infer(client, "http", name, make_inputs("http", feeds), outputs)
-                start["http_vs_ort"] = {o: max_err(got[o], ref[o]) for o in outputs}
-            finally:
-                client.close()
+            start["server_start_to_ready_s"], start["http_vs_ort"] = start_checked(server, name, "http", feeds, ref,
+                                                                                  args.start_timeout)
         finally:
             log = server.log()
             start["initialize_lines"] = re.findall(r"parastream: \S+ ready in [^)]*\)", log)
@@ -371,13 +378,7 @@ def several_gpus(name: str, args, work: Path, res: dict) -> dict:
         server = TritonServer(repo, work / f"{name}.server.{label}")
         row: dict = {"gpus": on, "instances_per_gpu": count}
         try:
-            row["server_start_s"] = start_ready(server, name, args.start_timeout)
-            client = client_of(server, "grpc")
-            try:
-                got = infer(client, "grpc", name, make_inputs("grpc", feeds), outputs)
-                row["vs_ort"] = {o: max_err(got[o], ref[o]) for o in outputs}
-            finally:
-                client.close()
+            row["server_start_s"], row["vs_ort"] = start_checked(server, name, "grpc", feeds, ref, args.start_timeout)
             samples: dict = {g: [] for g in gpus}
             stop = threading.Event()
             sampler = threading.Thread(target=_utilisation, args=(gpus, stop, samples), daemon=True)

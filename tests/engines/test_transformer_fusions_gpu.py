@@ -6,7 +6,6 @@ so that a failed verification of a whole build is pinned to one fusion here."""
 from __future__ import annotations
 
 import numpy as np
-import onnx
 import pytest
 
 torch = pytest.importorskip("torch")
