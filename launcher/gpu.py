@@ -399,6 +399,7 @@ class GpuLauncher:
 
         def warm_up_and_capture():
             with self._memory():
+                backend.own_workspaces()  # the graph's cuBLAS workspaces from this launcher's pool
                 self._launch_all(self.origin)
                 cuda.stream_synchronize(self.origin)
                 if graph:

@@ -171,6 +171,8 @@ class Backend(Protocol):
 
     def memory_scope(self) -> Callable[[], contextlib.AbstractContextManager]: ...
 
+    def own_workspaces(self) -> None: ...
+
     def prepare_load(self, manifest: dict, report: dict | None = None) -> None: ...
 
     def start_workers(self, options: BuildOptions) -> None: ...
@@ -198,6 +200,10 @@ def describe_device() -> str | None:
 def memory_scope() -> Callable[[], contextlib.AbstractContextManager]:
     """What a GPU launcher enters around its engines' loads and runs: nothing (no private memory pool)."""
     return contextlib.nullcontext
+
+
+def own_workspaces() -> None:
+    """Nothing: no library workspace outlives a call (called in a launcher's memory scope before its capture)."""
 
 
 def prepare_load(manifest: dict, report: dict | None = None) -> None:

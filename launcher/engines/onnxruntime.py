@@ -12,7 +12,7 @@ import onnx
 
 from ..plan import TensorSpec
 from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling,  # noqa: F401
-                   describe_device, memory_scope, precompile, prepare_load, start_workers)
+                   describe_device, memory_scope, own_workspaces, precompile, prepare_load, start_workers)
 
 name = "onnxruntime"
 suffix = ".onnx"

@@ -57,7 +57,7 @@ from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import (PRECISIONS, BuilderBase, BuildOptions, background_summary, cancel_precompile,  # noqa: F401
-                   check_model, compiling, fp32_pinned, memory_scope, precompile, prepare_load, start_workers)
+                   check_model, compiling, fp32_pinned, memory_scope, own_workspaces, precompile, prepare_load, start_workers)
 
 name = "tensorrt"
 suffix = ".plan"

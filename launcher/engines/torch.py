@@ -187,6 +187,29 @@ def memory_scope():
     return scope
 
 
+def own_workspaces() -> None:
+    """Before a launcher's warm-up launch and capture, in its memory scope: the library workspaces its graph
+    will use come from its own pool.
+
+    torch keeps one cuBLAS and one cuBLASLt workspace per handle and stream for the process's life, allocated at
+    the first matrix product on that stream: for a launcher's streams, in its engines' warm-ups, which run
+    outside its pool.  A captured graph holds their addresses.  ``torch.compile(mode="reduce-overhead")`` frees
+    every workspace of the process before and after each CUDA Graph it records (its cudagraph trees'
+    ``clear_cublas_manager``), so workspaces in torch's shared pool went back to it while the launcher's graph
+    still used them.  NASNet-A Large's bundle loaded and then timed beside torch.compile of the model in one
+    process failed with an illegal address or instruction (H100, torch 2.11): its classifier's warm-up had
+    left 1 MiB and 32 MiB live on a launcher stream in the shared pool, gone after torch.compile ran
+    (bench/replay_isolation.py ``snapshot``; bench/figures/replay_isolation_h100_nasnetalarge_cublas_workspaces.json).
+    So the launcher does what cudagraph trees do: it frees the workspaces in its memory scope before its
+    warm-up launch, which allocates them again from its pool; freed again later by anyone, they go back to that
+    pool, which only the launcher's own captures allocate from (replays that never overlap)."""
+    import torch
+
+    clear = getattr(torch._C, "_cuda_clearCublasWorkspaces", None)
+    if clear is not None and torch.cuda.is_available():
+        clear()
+
+
 # -- what an engine was compiled for -------------------------------------------------------------
 def built_for(device: str) -> dict:
     """This machine as an engine compiled here records it: device kind, GPU architecture, torch and CUDA versions."""

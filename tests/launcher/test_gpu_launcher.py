@@ -185,6 +185,77 @@ def test_captured_graph_survives_other_allocations(bundles):
     la.close()
 
 
+def _matmul_branches_model(k: int = 8192, n: int = 64, branches: int = 3, op: str = "MatMul") -> onnx.ModelProto:
+    """x [16, k] through ``branches`` MatMul (or Gemm with a bias: cuBLASLt's GEMM with its epilogue) + Relu
+    branches (a long reduction: cuBLAS splits it and uses its workspace), their sum out."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(3)
+    nodes, inits, outs = [], [], []
+    for i in range(branches):
+        w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
+        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        if op == "Gemm":
+            inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), f"b{i}"))
+            nodes.append(helper.make_node("Gemm", ["x", f"w{i}", f"b{i}"], [f"m{i}"]))
+        else:
+            nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]))
+        nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
+        outs.append(f"r{i}")
+    nodes.append(helper.make_node("Sum", outs, ["y"]))
+    g = helper.make_graph(nodes, "matmul_branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, n])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+@pytest.mark.gpu
+def test_captured_graph_survives_torch_freeing_cublas_workspaces(tmp_path):
+    """torch.compile(mode="reduce-overhead") frees every cuBLAS and cuBLASLt workspace of the process around each
+    graph it records (``torch._C._cuda_clearCublasWorkspaces``).  A launcher's graph must not use a workspace in
+    torch's shared pool: NASNet-A Large's did (its warm-up, outside the launcher's pool, made them: 1 MiB and
+    32 MiB for its classifier's addmm) and failed with an illegal address beside torch.compile
+    (bench/replay_isolation.py).  The workspaces on its streams are in its own pool, and after they are freed,
+    the memory released and taken again by other tensors, the replays give the same outputs and leave those
+    tensors alone."""
+    import torch
+
+    from parastream.launcher.gpu import GpuLauncher
+    from parastream.pipeline import build
+
+    path = tmp_path / "mm.onnx"
+    onnx.save(_matmul_branches_model(op="Gemm"), path)
+    # built as a user builds: compiled engines, warmed in the launcher's warm-up thread before its capture
+    bundle = build(path, tmp_path / "b", backend="torch", streams=3, precision="fp16", search=False, measure=False)
+    assert bundle.report["verification"].get("engines_compiled_at_load", 0) == 0
+    la = GpuLauncher(bundle)
+    feeds = _feeds(bundle, 5)
+    ref = _ref(path, feeds)
+    first = la(feeds)
+    assert _rel(first["y"], ref["y"]) <= 1e-2
+    # what stays allocated on the launcher's streams (the workspaces its graph's products use) is in its own pool,
+    # not in torch's shared one (pool id (0, 0)), where a free by torch.compile would hand it to other tensors
+    streams = {la._h(s) for s in [la.origin, *la.streams]}
+    live = [(seg["segment_pool_id"], seg["active_size"]) for seg in torch.cuda.memory._snapshot()["segments"]
+            if seg["stream"] in streams and seg["active_size"] > 0]
+    assert live, "nothing allocated on the launcher's streams: the model no longer exercises cuBLAS's workspace"
+    assert all(tuple(pool) == tuple(la._scope.pool.id) for pool, _ in live), live
+    for _ in range(3):
+        torch.cuda.synchronize()
+        torch._C._cuda_clearCublasWorkspaces()
+        torch.cuda.empty_cache()
+        # the freed memory taken again by other tensors, filled with NaN
+        junk = [torch.full((1 << 22,), float("nan"), device="cuda") for _ in range(16)]  # 16 x 16 MiB
+        torch.cuda.synchronize()
+        for _ in range(5):
+            got = la(feeds)
+            assert np.array_equal(got["y"], first["y"])
+        assert all(bool(torch.isnan(j).all()) for j in junk), "a replay wrote into memory torch had handed to another tensor"
+        del junk
+    la.close()
+
+
 @pytest.mark.gpu
 def test_device_feeds_torch_and_cupy_and_zero_copy_views(bundles):
     import torch
