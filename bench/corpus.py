@@ -26,6 +26,7 @@ the table (``OUT/corpus.md`` and ``OUT/corpus.json``) is made from every row fil
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import subprocess
@@ -264,16 +265,33 @@ def export(name: str, exporter: str, path: Path) -> dict:
     out_names = [f"output_{i}" for i in range(n_out)] if n_out > 1 else ["output"]
     with torch.no_grad():
         if exporter == "torchscript":
-            # nn.MultiheadAttention's inference fast path (torchvision ViT) is one aten op the TorchScript
-            # exporter has no symbolic for; the plain path exports
-            if hasattr(torch.backends, "mha"):
-                torch.backends.mha.set_fastpath_enabled(False)
-            torch.onnx.export(w, args, str(path), input_names=list(inputs), output_names=out_names, opset_version=17,
-                              dynamo=False)
+            with mha_fastpath_off():
+                torch.onnx.export(w, args, str(path), input_names=list(inputs), output_names=out_names,
+                                  opset_version=17, dynamo=False)
         else:
             torch.onnx.export(w, args, str(path), input_names=list(inputs), output_names=out_names, dynamo=True,
                               external_data=False)
     return {"feeds": {k: v.numpy() for k, v in inputs.items()}, "outputs": out_names}
+
+
+@contextlib.contextmanager
+def mha_fastpath_off():
+    """nn.MultiheadAttention's inference fast path off for a TorchScript export, restored after: the fast path
+    (torchvision ViT in eval) is one aten op (``_native_multi_head_attention``) the exporter has no symbolic for,
+    and the plain path exports.  Restored so that torch.compile of the same model in the process runs it as its
+    users do."""
+    import torch
+
+    mha = getattr(torch.backends, "mha", None)
+    if mha is None:
+        yield
+        return
+    was = mha.get_fastpath_enabled()
+    mha.set_fastpath_enabled(False)
+    try:
+        yield
+    finally:
+        mha.set_fastpath_enabled(was)
 
 
 # -- one row --------------------------------------------------------------------------------------------------

@@ -140,7 +140,9 @@ def export(model, inputs: dict, path: Path, *, dynamic_batch: bool = False) -> l
 
     outs = ["last_hidden_state", "pooler_output"] if "input_ids" in inputs else ["logits"]
     axes = {n: {0: "N"} for n in names + outs} if dynamic_batch else None
-    with torch.no_grad():
+    import corpus
+
+    with corpus.mha_fastpath_off(), torch.no_grad():  # torchvision ViT's fast path has no ONNX export
         torch.onnx.export(Wrap(model).eval(), args, str(path), input_names=names, output_names=outs, opset_version=17,
                           dynamo=False, do_constant_folding=True, dynamic_axes=axes)
     model.eval()  # export restores the wrapper's mode; make sure nothing is left in training mode
