@@ -257,3 +257,95 @@ def test_the_measurer_plans_an_adopted_candidate_from_its_graph_without_importin
     assert len(imports) == 1 and planned[-1] is not g
     measurer.close()
     assert measurer.adopted == []
+
+
+def _fused_model(attention: bool, gemm: bool):
+    """A stand-in model holding the fused nodes asked for (only their op types and domain are read)."""
+    import onnx
+    from onnx import helper
+
+    from parastream.core import fused_ops
+
+    nodes = [helper.make_node("Relu", ["x"], ["y"])]
+    if attention:
+        nodes.append(helper.make_node(fused_ops.SDPA, ["q", "k", "v"], ["a"], domain=fused_ops.DOMAIN))
+    if gemm:
+        nodes.append(helper.make_node(fused_ops.GEMM_ACTIVATION, ["x", "w", "b"], ["g"], domain=fused_ops.DOMAIN))
+    return helper.make_model(helper.make_graph(nodes, "m", [], []), opset_imports=[helper.make_opsetid("", 17)])
+
+
+
+class _Launcher:
+    def __init__(self, v):
+        self.model, self.options, self.t_built, self.closed = v.model, v.options, 0.0, False
+
+    def close(self):
+        self.closed = True
+
+
+def _timing_measurer(monkeypatch, ms_of):
+    """A GpuMeasurer over stand-in engines, every fusion on: ``ms_of(model, options)`` is the replay time of a
+    launcher of that model built with those options; also the launchers it loaded, in order."""
+    import types
+
+    import numpy as np
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer, Variant
+
+    loaded = []
+
+    def launcher(v):
+        loaded.append(_Launcher(v))
+        return loaded[-1]
+
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, ms_of(la.model, la.options))
+                                                                   for k, la in launchers.items()})
+    monkeypatch.setattr(measure, "runs_fused_attention", lambda backend: True)
+    monkeypatch.setattr(measure, "runs_gemm_epilogue", lambda backend: True)
+    engines = types.SimpleNamespace(backend=types.SimpleNamespace(background_compiles=False), launcher=launcher)
+    input_model = _fused_model(False, False)
+    m = GpuMeasurer(engines, BuildOptions(fuse_attention=True, fuse_gemm_epilogue=True),
+                    types.SimpleNamespace(model=input_model, graph=None), streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: Variant(model, None, "plan", m.options)
+    return m, input_model, loaded
+
+
+def test_the_best_candidate_is_timed_with_a_slow_fusion_off(monkeypatch):
+    """The cost model's best candidate, slower than the input with its fused nodes on, is timed again with each
+    kind off (the build times that choice for the graph it keeps): its fastest form decides, and the log says
+    what was timed."""
+    cand = _fused_model(True, True)
+
+    def ms_of(model, o):  # the input 1.0 ms; the candidate 1.3 ms with its GEMM epilogue fused, 0.8 ms without
+        return 1.0 if model is not cand else (1.3 if o.fuse_gemm_epilogue else 0.8)
+
+    m, input_model, launchers = _timing_measurer(monkeypatch, ms_of)
+    assert m.measure(input_model) == pytest.approx(1e-3)
+    assert m.measure(cand) == pytest.approx(0.8e-3)
+    assert [(la.options.fuse_attention, la.options.fuse_gemm_epilogue) for la in launchers[1:]] == \
+        [(True, True), (False, True), (True, False)]  # as built, then each kind off
+    assert m.log[-1]["fusions_off_ms"] == {"attention as plain ops": 1.3, "GEMM epilogue as plain ops": 0.8}
+    assert all(la.closed for la in launchers[1:])
+    m.close()
+
+
+@pytest.mark.parametrize("case", ["faster", "no fused nodes", "a later candidate"])
+def test_a_candidate_is_timed_once_where_fusions_off_could_not_change_the_decision(monkeypatch, case):
+    """Not when the candidate wins as built, not when it has no fused node, and not for the search's later
+    candidates (a compile per kind each)."""
+    cand = _fused_model(case != "no fused nodes", case != "no fused nodes")
+    slow = 0.9 if case == "faster" else 1.3
+
+    def ms_of(model, o):
+        return 1.0 if model is not cand else (slow if o.fuse_gemm_epilogue else 0.8)
+
+    m, input_model, launchers = _timing_measurer(monkeypatch, ms_of)
+    m.measure(input_model)
+    if case == "a later candidate":
+        m.measure(_fused_model(False, False))  # the best candidate: the input's time, nothing to turn off
+    n = len(launchers)
+    assert m.measure(cand) == pytest.approx(slow * 1e-3)
+    assert len(launchers) == n + 1 and "fusions_off_ms" not in m.log[-1]
+    m.close()
