@@ -21,7 +21,8 @@ synchronise; variants alternating in blocks) of the grid bundle, of the static b
 against onnxruntime (CPU, fp32) on the unpadded input (scaled error).  On a GPU, the device memory the loaded
 grid takes against one static bundle at MAX (a length of ``--lengths`` equal to ``--max-seq``).  Targets (docs/dynamic-shapes.md):
 grid / static <= 1.15 and grid <= torch.compile at every length.  At a length between buckets the grid call's
-steps are also timed apart (``pad_only``, ``bucket_launcher``, ``cut_only``): where the padded call's cost goes.  Writes ``OUT/<model>_dynshapes.json``.
+steps are also timed apart (``bucket_in_place`` or ``pad_only``, ``bucket_launcher``, ``cut_only``): where the padded
+call's cost goes.  Writes ``OUT/<model>_dynshapes.json``.
 """
 
 from __future__ import annotations
@@ -188,17 +189,26 @@ def bucket_key(la, length: int) -> tuple:
 
 
 def padded_steps(la, feeds: dict) -> dict:
-    """A grid call's steps on ``feeds`` timed apart: padding the inputs to the bucket (``pad_only``), the bucket's
-    launcher on inputs already padded (``bucket_launcher``), cutting its outputs back (``cut_only``); each ends
-    with a synchronise, as the whole call does."""
+    """A grid call's steps on ``feeds`` timed apart, each ending with a synchronise as the whole call does: where
+    the call writes device feeds straight into the bucket's buffers (``BucketedLauncher.leading_parts``), the
+    bucket's launcher doing so (``bucket_in_place``) and the bucket's launcher on inputs already padded
+    (``bucket_launcher``); else padding the inputs to the bucket (``pad_only``) and that launcher; then cutting
+    its outputs back (``cut_only``)."""
     point = la.point_of(feeds)
     key = la.bucket_for(point)
     ready = la.pad_to_bucket(feeds, point, key)
     sub = la.launchers[key]
     outs = sub(ready)
     sync = _synchronise()
-    return {"pad_only": lambda: (la.pad_to_bucket(feeds, point, key), sync()), "bucket_launcher": lambda: sub(ready),
-            "cut_only": lambda: (la.cut_to_point(dict(outs), point, key), sync())}
+    steps = {"bucket_launcher": lambda: sub(ready), "cut_only": lambda: (la.cut_to_point(dict(outs), point, key), sync())}
+    parts = la.leading_parts(feeds, point, key)
+    if parts is not None:
+        shapes = {n: shape for n, (shape, _) in parts.items()}
+        fills = la._fills(key, parts)
+        steps["bucket_in_place"] = lambda: sub.run_padded(feeds, shapes, fills)
+    else:
+        steps["pad_only"] = lambda: (la.pad_to_bucket(feeds, point, key), sync())
+    return steps
 
 
 def _synchronise():

@@ -95,17 +95,36 @@ def pad_axis(x, dim: int, size: int, how):
 
 def cut_axis(x, dim: int, size: int):
     """The first ``size`` entries of ``x`` along ``dim`` (a padded run's real positions).  A DeviceArray cut along
-    its first dimension stays a view of its buffer's start; along another dimension it is copied (torch)."""
+    a dimension with only 1s before it (the first; a sequence at batch 1) stays a view of its buffer's start;
+    otherwise it is copied (torch)."""
     if int(x.shape[dim]) == size:
         return x
-    from_device = not isinstance(x, np.ndarray) and hasattr(x, "__cuda_array_interface__") and dim == 0
-    if from_device and hasattr(x, "ptr"):
-        from .cuda import DeviceArray
+    from .cuda import DeviceArray
 
-        return DeviceArray(x.ptr, (size, *x.shape[1:]), x.dtype, x.name, x._owner, device=x.device)
+    if isinstance(x, DeviceArray) and all(int(s) == 1 for s in x.shape[:dim]):
+        # the dimensions before ``dim`` are 1: the first ``size`` entries along it are the buffer's first bytes
+        return DeviceArray(x.ptr, (*x.shape[:dim], size, *x.shape[dim + 1:]), x.dtype, x.name, x._owner, device=x.device)
     xp, x = _xp(x)
     index = (slice(None),) * dim + (slice(0, size),)
     return x[index] if xp is np else x[index].contiguous()
+
+
+def _device_full(la, spec, value) -> int:
+    """A device buffer (cudaMalloc) of ``spec``'s shape and dtype holding ``value`` everywhere, on launcher
+    ``la``'s GPU, copied from pinned host memory on its origin stream."""
+    from . import cuda
+
+    arr = np.full(spec.shape, value, dtype=np.dtype(spec.dtype))
+    with cuda.on_device(la.device):
+        ptr = cuda.malloc(arr.nbytes)
+        host = cuda.malloc_host(arr.nbytes)
+        try:
+            cuda.host_array(host, spec.shape, spec.dtype)[...] = arr
+            cuda.memcpy_htod_async(ptr, host, arr.nbytes, la.origin)
+            cuda.stream_synchronize(la.origin)
+        finally:
+            cuda.free_host(host)
+    return ptr
 
 
 def axis_between(sizes: list[int], lo: int) -> int | None:
@@ -159,6 +178,7 @@ class BucketedLauncher:
         self.device = device
         self.shared = None
         self.launchers: dict[int, object] = {}
+        self._fill_buffers: dict[tuple, int] = {}  # (bucket, input) -> a device buffer of its pad value (``_fills``)
         subs = bundle.bucket_bundles()
         try:
             if device == "cuda":
@@ -259,7 +279,54 @@ class BucketedLauncher:
     def _call_grid(self, feeds: dict) -> dict:
         point = self.point_of(feeds)
         key = self.bucket_for(point)
-        return self.cut_to_point(self.launchers[key](self.pad_to_bucket(feeds, point, key)), point, key)
+        la = self.launchers[key]
+        parts = self.leading_parts(feeds, point, key) if point != key else None
+        if parts is not None:  # device feeds written into the bucket's buffers, the pad after them
+            out = la.run_padded(feeds, {n: shape for n, (shape, _) in parts.items()}, self._fills(key, parts))
+            return self.cut_to_point(out, point, key)
+        return self.cut_to_point(la(self.pad_to_bucket(feeds, point, key)), point, key)
+
+    def leading_parts(self, feeds: dict, point: tuple, key: tuple) -> dict[str, tuple] | None:
+        """Per input of ``feeds`` (at ``point``) smaller than bucket ``key``'s, (its shape, its pad value), where a
+        GPU bucket can take the feeds as they are (``GpuLauncher.run_padded``): device arrays, each smaller along
+        one axis only with only 1s before it (the feed is then the first bytes of the bucket's input and the pad
+        all the rest), padded with a number.  None where any is not (host arrays, a batch above 1 padded along
+        the sequence, a pad that repeats or counts on): the call pads them as tensors (``pad_to_bucket``)."""
+        if self.device != "cuda" or any(isinstance(x, np.ndarray) or not (hasattr(x, "__cuda_array_interface__")
+                                                                          or hasattr(x, "__dlpack__"))
+                                        for x in feeds.values()):
+            return None
+        parts: dict[str, tuple] = {}
+        for spec in self.launchers[key].plan.inputs:
+            shape = list(spec.shape)
+            padded = []
+            for a, size, bsize in zip(self.axes, point, key):
+                dim = a["inputs"].get(spec.name)
+                if dim is not None and size != bsize:
+                    shape[dim] = size
+                    padded.append((dim, a["pad"][spec.name]))
+            if not padded:
+                continue
+            if len(padded) > 1 or spec.dtype == "bfloat16":
+                return None
+            dim, how = padded[0]
+            if isinstance(how, (str, bool)) or not isinstance(how, (int, float)) or any(int(d) != 1 for d in shape[:dim]):
+                return None
+            parts[spec.name] = (tuple(shape), how)
+        return parts
+
+    def _fills(self, key: tuple, parts: dict[str, tuple]) -> dict[str, int]:
+        """Per input of ``parts``, a device buffer of bucket ``key``'s whole input holding its pad value, made at
+        the first call that needs it and kept until ``close``."""
+        la = self.launchers[key]
+        out = {}
+        for spec in la.plan.inputs:
+            if spec.name in parts:
+                ptr = self._fill_buffers.get((key, spec.name))
+                if ptr is None:
+                    ptr = self._fill_buffers[(key, spec.name)] = _device_full(la, spec, parts[spec.name][1])
+                out[spec.name] = ptr
+        return out
 
     def pad_to_bucket(self, feeds: dict, point: tuple, key: tuple) -> dict:
         """A grid call's first step: ``feeds`` (at ``point``) padded along each axis to bucket ``key``'s size."""
@@ -315,6 +382,12 @@ class BucketedLauncher:
         return v[:n]
 
     def close(self) -> None:
+        if self._fill_buffers:
+            from . import cuda
+
+            for ptr in self._fill_buffers.values():
+                cuda.free(ptr)
+            self._fill_buffers = {}
         for la in self.launchers.values():
             close = getattr(la, "close", None)
             if close:

@@ -481,8 +481,9 @@ class GpuLauncher:
         np.copyto(host, arr, casting="same_kind")
         cuda.memcpy_htod_async(self.addr[spec.name], ptr, host.nbytes, self.origin)
 
-    def _device_pointer(self, spec: TensorSpec, x) -> int:
-        """The device pointer of a CUDA array-like input, after making the origin stream wait for its producer."""
+    def _device_pointer(self, spec: TensorSpec, x, shape: tuple | None = None) -> int:
+        """The device pointer of a CUDA array-like input, after making the origin stream wait for its producer.
+        ``shape``: the shape it must have (else the spec's)."""
         cai = getattr(x, "__cuda_array_interface__", None)
         torch_stream = None
         if cai is None and hasattr(x, "__dlpack__"):
@@ -501,9 +502,11 @@ class GpuLauncher:
         if where != self.device:
             raise ParastreamError(f"input {spec.name!r} is on cuda:{where}, this launcher runs on cuda:{self.device}; move it "
                                   f"there first (x.to('cuda:{self.device}')): a replay copies nothing between GPUs")
-        shape = tuple(int(s) for s in cai["shape"])
-        if list(shape) != list(spec.shape):
-            raise ParastreamError(f"input {spec.name!r} has shape {list(shape)}, the bundle was built for {spec.shape}")
+        shape_got = tuple(int(s) for s in cai["shape"])
+        want_shape = list(spec.shape if shape is None else shape)
+        if list(shape_got) != want_shape:
+            raise ParastreamError(f"input {spec.name!r} has shape {list(shape_got)}, the bundle was built for {want_shape}")
+        shape = shape_got
         want = np.dtype(spec.dtype).str if spec.dtype != "bfloat16" else "<V2"
         if np.dtype(cai["typestr"]).str != want:
             raise ParastreamError(f"input {spec.name!r} has dtype {cai['typestr']}, the bundle takes {spec.dtype}")
@@ -603,6 +606,30 @@ class GpuLauncher:
             cuda.memcpy_dtoh_async(ptr, self.addr[spec.name], host.nbytes, self.origin)
         self.synchronize()
         return {spec.name: self._host[spec.name][1].copy() for spec in plan.outputs}
+
+    def run_padded(self, feeds: dict, shapes: dict[str, tuple], fills: dict[str, int]) -> dict:
+        """Run once on device feeds smaller than the plan's inputs, each the leading part of its input (a grid
+        bundle's request between buckets, padded along one axis whose leading dimensions are 1): its bytes are
+        copied to the start of the input's buffer and the rest of that buffer from the same offset of
+        ``fills[name]`` (a device buffer of the whole input holding the pad value), two copies per input and no
+        padded tensor made.  ``shapes``: each feed's shape.  Returns ``DeviceArray`` views of the outputs."""
+        self._check_open()
+        with cuda.on_device(self.device):
+            unknown = set(feeds) - {t.name for t in self.plan.inputs}
+            if unknown:
+                raise ParastreamError(f"unknown input(s) {sorted(unknown)}; the model takes {[t.name for t in self.plan.inputs]}")
+            for spec in self.plan.inputs:
+                if spec.name not in feeds:
+                    raise ParastreamError(f"missing input {spec.name!r}; the model takes {[t.name for t in self.plan.inputs]}")
+                shape = tuple(shapes.get(spec.name, spec.shape))
+                ptr = self._device_pointer(spec, feeds[spec.name], shape)
+                n, total = nbytes_of(shape, spec.dtype), nbytes_of(spec.shape, spec.dtype)
+                cuda.memcpy_dtod_async(self.addr[spec.name], ptr, n, self.origin)
+                if n < total:
+                    cuda.memcpy_dtod_async(self.addr[spec.name] + n, fills[spec.name] + n, total - n, self.origin)
+            self.launch()
+            self.synchronize()
+            return self.outputs()
 
     def boundaries(self) -> dict[str, np.ndarray]:
         """Every tensor in the arena after the last replay, in the plan's dtype and NCHW layout (localization:
