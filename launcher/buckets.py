@@ -109,6 +109,21 @@ def cut_axis(x, dim: int, size: int):
     return x[index] if xp is np else x[index].contiguous()
 
 
+def _c_contiguous_on_device(x) -> bool:
+    """Whether ``x`` offers the CUDA array interface over C-contiguous memory (no strides given, or the C strides)."""
+    if isinstance(x, np.ndarray):
+        return False
+    cai = getattr(x, "__cuda_array_interface__", None)
+    if cai is None:
+        return False
+    strides = cai.get("strides")
+    if strides is None:
+        return True
+    shape, itemsize = [int(d) for d in cai["shape"]], np.dtype(cai["typestr"]).itemsize
+    return tuple(int(s) for s in strides) == tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize
+                                                    for i in range(len(shape)))
+
+
 def _device_full(la, spec, value) -> int:
     """A device buffer (cudaMalloc) of ``spec``'s shape and dtype holding ``value`` everywhere, on launcher
     ``la``'s GPU, copied from pinned host memory on its origin stream."""
@@ -290,11 +305,10 @@ class BucketedLauncher:
         """Per input of ``feeds`` (at ``point``) smaller than bucket ``key``'s, (its shape, its pad value), where a
         GPU bucket can take the feeds as they are (``GpuLauncher.run_padded``): device arrays, each smaller along
         one axis only with only 1s before it (the feed is then the first bytes of the bucket's input and the pad
-        all the rest), padded with a number.  None where any is not (host arrays, a batch above 1 padded along
-        the sequence, a pad that repeats or counts on): the call pads them as tensors (``pad_to_bucket``)."""
-        if self.device != "cuda" or any(isinstance(x, np.ndarray) or not (hasattr(x, "__cuda_array_interface__")
-                                                                          or hasattr(x, "__dlpack__"))
-                                        for x in feeds.values()):
+        all the rest), padded with a number.  None where any is not (host arrays, arrays that are not
+        contiguous or offer DLPack alone, a batch above 1 padded along the sequence, a pad that repeats or counts
+        on): the call pads them as tensors (``pad_to_bucket``)."""
+        if self.device != "cuda" or not all(_c_contiguous_on_device(x) for x in feeds.values()):
             return None
         parts: dict[str, tuple] = {}
         for spec in self.launchers[key].plan.inputs:

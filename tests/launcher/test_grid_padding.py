@@ -123,16 +123,19 @@ def test_a_pad_value_other_than_zero(dev):
     np.testing.assert_array_equal(dev.view(bl.launchers[(4,)].addr["ids"], (1, 4), np.int64), [[1, 2, 3, 5]])
 
 
-@pytest.mark.parametrize("case", ["host feeds", "a pad that counts on", "batch 2", "on a bucket"])
+@pytest.mark.parametrize("case", ["host feeds", "not contiguous", "a pad that counts on", "batch 2", "on a bucket"])
 def test_leading_parts_only_where_the_feed_is_the_start_of_the_bucket_input(dev, case):
     """The tensor path stays where the feed is not the first bytes of the bucket's input or the pad is not one
-    value: host arrays, position ids that count on, a batch above 1 padded along the sequence, an exact bucket."""
+    value: host arrays, a strided device array, position ids that count on, a batch above 1 padded along the
+    sequence, an exact bucket."""
     bl = _grid(dev, {"ids": "continue" if case == "a pad that counts on" else 0, "mask": 0})
     n = 4 if case == "on a bucket" else 5
     ids = np.arange(n, dtype=np.int64)[None]
     feeds = {"ids": ids, "mask": np.ones_like(ids)}
     if case != "host feeds":
         feeds = {k: dev.array(v) for k, v in feeds.items()}
+    if case == "not contiguous":  # every other element of a longer buffer
+        feeds["ids"].__cuda_array_interface__["strides"] = (80, 16)
     point = bl.point_of(feeds)
     key = bl.bucket_for(point)
     if case == "batch 2":
