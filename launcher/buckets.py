@@ -110,18 +110,11 @@ def cut_axis(x, dim: int, size: int):
 
 
 def _c_contiguous_on_device(x) -> bool:
-    """Whether ``x`` offers the CUDA array interface over C-contiguous memory (no strides given, or the C strides)."""
-    if isinstance(x, np.ndarray):
-        return False
-    cai = getattr(x, "__cuda_array_interface__", None)
-    if cai is None:
-        return False
-    strides = cai.get("strides")
-    if strides is None:
-        return True
-    shape, itemsize = [int(d) for d in cai["shape"]], np.dtype(cai["typestr"]).itemsize
-    return tuple(int(s) for s in strides) == tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize
-                                                    for i in range(len(shape)))
+    """Whether ``x`` offers the CUDA array interface over C-contiguous memory."""
+    from .cuda import c_contiguous
+
+    cai = None if isinstance(x, np.ndarray) else getattr(x, "__cuda_array_interface__", None)
+    return cai is not None and c_contiguous(cai)
 
 
 def _device_full(la, spec, value) -> int:

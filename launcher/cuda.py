@@ -470,6 +470,16 @@ def nbytes_of(shape, dtype: str) -> int:
     return n * (2 if dtype == "bfloat16" else np.dtype(dtype).itemsize)
 
 
+def c_contiguous(cai: dict) -> bool:
+    """Whether a CUDA array interface describes C-contiguous memory: no strides given, or the C strides."""
+    strides = cai.get("strides")
+    if strides is None:
+        return True
+    shape, itemsize = [int(d) for d in cai["shape"]], np.dtype(cai["typestr"]).itemsize
+    return tuple(int(s) for s in strides) == tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize
+                                                    for i in range(len(shape)))
+
+
 class DeviceArray:
     """A view of launcher-owned device memory: ``__cuda_array_interface__`` (v3) and DLPack via torch/cupy.
 

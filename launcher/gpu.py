@@ -502,20 +502,14 @@ class GpuLauncher:
         if where != self.device:
             raise ParastreamError(f"input {spec.name!r} is on cuda:{where}, this launcher runs on cuda:{self.device}; move it "
                                   f"there first (x.to('cuda:{self.device}')): a replay copies nothing between GPUs")
-        shape_got = tuple(int(s) for s in cai["shape"])
-        want_shape = list(spec.shape if shape is None else shape)
-        if list(shape_got) != want_shape:
-            raise ParastreamError(f"input {spec.name!r} has shape {list(shape_got)}, the bundle was built for {want_shape}")
-        shape = shape_got
-        want = np.dtype(spec.dtype).str if spec.dtype != "bfloat16" else "<V2"
-        if np.dtype(cai["typestr"]).str != want:
+        got, want = [int(s) for s in cai["shape"]], list(spec.shape if shape is None else shape)
+        if got != want:
+            raise ParastreamError(f"input {spec.name!r} has shape {got}, the bundle was built for {want}")
+        typestr = np.dtype(spec.dtype).str if spec.dtype != "bfloat16" else "<V2"
+        if np.dtype(cai["typestr"]).str != typestr:
             raise ParastreamError(f"input {spec.name!r} has dtype {cai['typestr']}, the bundle takes {spec.dtype}")
-        strides = cai.get("strides")
-        if strides is not None:
-            itemsize = np.dtype(cai["typestr"]).itemsize
-            expect = tuple(int(np.prod(shape[i + 1:], dtype=np.int64)) * itemsize for i in range(len(shape)))
-            if tuple(strides) != expect:
-                raise ParastreamError(f"input {spec.name!r} is not contiguous; pass a contiguous array")
+        if not cuda.c_contiguous(cai):
+            raise ParastreamError(f"input {spec.name!r} is not contiguous; pass a contiguous array")
         producer = torch_stream if torch_stream is not None else cai.get("stream")
         if producer:
             cuda.event_record(self._producer_event, int(producer))
