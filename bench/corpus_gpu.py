@@ -167,6 +167,8 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     rep = json.loads((work / f"{stem}_bundle" / "report.json").read_text())
     row["measured_choices"] = rep.get("measured_choices")
     row["stage_seconds"] = rep.get("stage_seconds")
+    # where the measured search's seconds went, per model measured (plan, build, load, timing, fusions off)
+    row["measure_log"] = (rep.get("search") or {}).get("measure_log")
     row["nodes"] = [rep["model"]["nodes_in"], rep["model"]["nodes_out"]]
     row["peak_rss_mb"] = rep.get("peak_rss_mb")
     # the baseline's compile, once, to fill Inductor's cache for the timing process
