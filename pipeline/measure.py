@@ -29,6 +29,7 @@ import onnx_graphsurgeon as gs
 from parastream.launcher.bundle import Bundle
 from parastream.launcher.engines import BuildOptions
 from parastream.launcher.engines.base import conv_kernels_used
+from parastream.launcher.engines.onnx_torch import has_fused_attention, has_gemm_epilogue  # noqa: F401 - also used by tests
 from parastream.core.schedule import Schedule, schedule_graph
 from parastream.launcher.words import plural
 from parastream.rewrite.search import MeasureBudgetSpent
@@ -127,14 +128,6 @@ def has_conv_relu(model: onnx.ModelProto) -> bool:
         for n in model.graph.node)
 
 
-def has_fused_attention(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has an attention node (rewrite rule fuse_attention: ONNX's Attention or parastream's own)."""
-    from parastream.core import fused_ops
-
-    return any((n.domain in ("", "ai.onnx") and n.op_type == "Attention")
-               or (n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.SDPA) for n in model.graph.node)
-
-
 def runs_fused_attention(backend) -> bool:
     """Whether ``backend``'s engines run attention nodes as one kernel or decomposed (``fuse_attention``): the
     backends the rule that makes them is for."""
@@ -155,13 +148,6 @@ def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
     from parastream.launcher.engines.onnx_torch import has_depthwise_conv
 
     return options.conv_kernels == "auto" and backend.lowers_convolutions and has_depthwise_conv(model)
-
-
-def has_gemm_epilogue(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue)."""
-    from parastream.core import fused_ops
-
-    return any(n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.GEMM_ACTIVATION for n in model.graph.node)
 
 
 def runs_gemm_epilogue(backend) -> bool:

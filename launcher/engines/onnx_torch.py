@@ -447,6 +447,27 @@ def has_depthwise_conv(model: onnx.ModelProto) -> bool:
     return bool(depthwise_convs(model))
 
 
+def may_fuse_conv_relu(model: onnx.ModelProto) -> bool:
+    """Whether ``fuse_conv_relu`` can change ``model``'s engine: it has a Conv and a Relu node, which every fusion
+    ``convert`` makes (conv + ReLU, conv + residual Add + ReLU) needs.  Broader than the fusions themselves on
+    purpose: a model without both converts to the same module either way, whatever its other nodes."""
+    ops = {n.op_type for n in model.graph.node}
+    return "Conv" in ops and "Relu" in ops
+
+
+def has_fused_attention(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has an attention node (rewrite rule fuse_attention: ONNX's Attention or parastream's own):
+    the nodes ``fuse_attention`` converts one way or the other."""
+    return any((n.domain in ("", "ai.onnx") and n.op_type == "Attention")
+               or (n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.SDPA) for n in model.graph.node)
+
+
+def has_gemm_epilogue(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue): the nodes
+    ``fuse_gemm_epilogue`` converts one way or the other."""
+    return any(n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.GEMM_ACTIVATION for n in model.graph.node)
+
+
 class _ConvFn:
     """A convolution with symmetric padding; ``relu_fused()`` gives cuDNN's conv + bias + ReLU in one kernel,
     ``add_relu_fused()`` cuDNN's conv + bias + residual + ReLU."""

@@ -374,20 +374,37 @@ _PACKED: OrderedDict[str, tuple[bytes, int, dict]] = OrderedDict()
 def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: BuildOptions, fuse: bool, built: dict,
               artifact: str = "aoti", digest: str | None = None) -> str:
     """sha256 of the branch's graph (its name, which carries the branch's index, left out), the tensor layout,
-    the compute dtype, the options that change the code, what it is compiled for, and into which artifact."""
+    the compute dtype, the options that change the code, what it is compiled for, and into which artifact.
+
+    A fusion option is in the key only where it can change the branch's code (``choices_that_apply``): the
+    alternative a GPU build times with a fusion off then compiles the branches that fusion touches, and finds
+    the others compiled (nasnet_cell's searched plan: 2 of 31 branches hold a Conv and a Relu)."""
     from .onnx_torch import has_depthwise_conv
 
+    applies = choices_that_apply(branch)
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
     h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
-                         "signature": signature, "dtype": dtype, "fuse_conv_relu": fuse,
-                         **({} if options.fuse_attention else {"fuse_attention": False}),  # keys made before it stay
+                         "signature": signature, "dtype": dtype,
+                         **({"fuse_conv_relu": fuse} if applies["fuse_conv_relu"] else {}),
+                         **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
                          **({"conv_kernels": "inductor"}  # only where it changes the code
                             if options.conv_kernels == "inductor" and has_depthwise_conv(branch) else {}),
-                         **({} if options.fuse_gemm_epilogue else {"fuse_gemm_epilogue": False}),
+                         **({"fuse_gemm_epilogue": False}
+                            if applies["fuse_gemm_epilogue"] and not options.fuse_gemm_epilogue else {}),
                          **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
                          "optimization_level": int(options.optimization_level),
                          "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
     return h.hexdigest()
+
+
+def choices_that_apply(branch: onnx.ModelProto) -> dict[str, bool]:
+    """Per fusion option (``fuse_conv_relu``, ``fuse_attention``, ``fuse_gemm_epilogue``), whether it can change
+    the branch's engine: the nodes it converts are there.  Where one cannot, the engine is the same either way:
+    one cache key, and engine.json records the option as null (either choice loads it)."""
+    from .onnx_torch import has_fused_attention, has_gemm_epilogue, may_fuse_conv_relu
+
+    return {"fuse_conv_relu": may_fuse_conv_relu(branch), "fuse_attention": has_fused_attention(branch),
+            "fuse_gemm_epilogue": has_gemm_epilogue(branch)}
 
 
 def branch_digest(branch: onnx.ModelProto) -> str:
@@ -520,6 +537,10 @@ def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:
     return device == "cuda" and options.fuse_gemm_epilogue
 
 
+#: the fusion options engine.json records null where they cannot change the engine (``choices_that_apply``)
+FUSION_CHOICES = ("fuse_conv_relu", "fuse_attention", "fuse_gemm_epilogue")
+
+
 def _compile_at_load_reason(package, meta: dict, *, elsewhere: bool, signature, dtype: str, fuse_conv_relu: bool,
                             options: BuildOptions) -> str:
     """"" where an engine file's compiled artifact serves this load; else the first reason it does not."""
@@ -535,6 +556,8 @@ def _compile_at_load_reason(package, meta: dict, *, elsewhere: bool, signature, 
     absent = {"fuse_attention": True, "fuse_gemm_epilogue": True, "conv_kernels": asked["conv_kernels"]}
     for name, want in asked.items():
         got = meta.get(name, absent.get(name))
+        if got is None and name in meta and name in FUSION_CHOICES:  # recorded null: the same engine either way
+            continue
         if got != want and name == "signature":
             return "compiled for other tensor dtypes, shapes or layouts than the launcher gives it"
         if got != want:
@@ -1185,12 +1208,14 @@ class Builder(BuilderBase):
                 groups.setdefault(group, []).append(key)
             compiled_as = _COMPILED[self.artifact]
             rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
+            # a fusion the branch has no node for is recorded null, and conv_kernels left out where it has no
+            # depthwise convolution: the engine is the same either way (one cache key), and either choice loads it
+            applies = choices_that_apply(branch)
             meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
-                    "fuse_conv_relu": fuse, "fuse_attention": bool(self.options.fuse_attention),
-                    # only a branch the option changes says how its convolutions were compiled: the others' engines
-                    # are the same either way (one cache key), so either choice loads them as they are
+                    "fuse_conv_relu": fuse if applies["fuse_conv_relu"] else None,
+                    "fuse_attention": bool(self.options.fuse_attention) if applies["fuse_attention"] else None,
                     **({"conv_kernels": conv_kernels_used(self.options.conv_kernels)} if has_depthwise_conv(branch) else {}),
-                    "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue),
+                    "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue) if applies["fuse_gemm_epilogue"] else None,
                     "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}
             out.append((key, name, meta, onnx_bytes, package))
