@@ -12,6 +12,10 @@ exception would do harm; there it notes the signal and raises it as soon as the 
 * inside an ``uninterrupted()`` block: a few lines that must not stop half-way (renaming a finished folder into
   place).
 
+Where it is raised anyway in a place that Python reports and drops (``sys.unraisablehook``: a generator or
+another object finalised by the garbage collector while the signal lands; a kill trial's build finished with
+status 0 after printing ``Interrupted: 2``), it is noted again and raised, as above, once the main thread is out.
+
 Once raised, further signals are noted but do not interrupt the cleanup the first one started.
 """
 
@@ -80,6 +84,22 @@ def _raise():
     raise Interrupted(signum)
 
 
+def _unraisable(previous):
+    """``sys.unraisablehook`` while signals raise: an ``Interrupted`` that Python would print and drop (raised in a
+    finaliser the checks above do not see) is noted again, to be raised within ``RECHECK_S``; anything else goes
+    to ``previous``."""
+
+    def hook(unraisable):
+        exc = unraisable.exc_value
+        if isinstance(exc, Interrupted) and _state.installed:
+            _state.pending, _state.raised = exc.signum, False
+            signal.setitimer(signal.ITIMER_REAL, RECHECK_S)
+            return
+        previous(unraisable)
+
+    return hook
+
+
 @contextmanager
 def uninterrupted():
     """A block that a signal does not stop half-way: it is raised when the block ends."""
@@ -102,12 +122,15 @@ def signals_raise(then_ignore: bool = False):
         yield
         return
     previous = {sig: signal.signal(sig, _handler) for sig in SIGNALS + (signal.SIGALRM,)}
+    previous_hook = sys.unraisablehook
+    sys.unraisablehook = _unraisable(previous_hook)
     _state.installed, _state.pending, _state.raised, _state.depth = True, None, False, 0
     try:
         yield
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         _state.installed = False
+        sys.unraisablehook = previous_hook
         for sig, handler in previous.items():
             signal.signal(sig, signal.SIG_IGN if then_ignore and sig in SIGNALS else handler)
 

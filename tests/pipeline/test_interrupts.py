@@ -83,3 +83,32 @@ def test_an_uninterrupted_block_ends_before_the_signal_is_raised():
                 steps.append("renamed")
             steps.append("after")
     assert steps == ["renamed"]
+
+
+def test_a_signal_raised_where_python_would_drop_it_is_raised_again():
+    """A signal that lands while the garbage collector finalises a generator raises there, where Python prints the
+    exception and drops it (a build then finished with status 0 after printing ``Interrupted: 2``): it is raised
+    again once the main thread is out, and nothing is printed."""
+    import gc
+
+    from parastream.pipeline import interrupts
+
+    def closing():
+        try:
+            yield
+        finally:  # runs when the generator is finalised: the signal lands there
+            os.kill(os.getpid(), signal.SIGINT)
+
+    printed = []
+    previous, sys.unraisablehook = sys.unraisablehook, printed.append
+    try:
+        with pytest.raises(interrupts.Interrupted) as e:
+            with interrupts.signals_raise():
+                g = closing()
+                next(g)
+                del g
+                gc.collect()
+                time.sleep(2)  # raised again within RECHECK_S
+        assert e.value.signum == signal.SIGINT and printed == []
+    finally:
+        sys.unraisablehook = previous
