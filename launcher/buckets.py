@@ -119,20 +119,11 @@ def _c_contiguous_on_device(x) -> bool:
 
 def _device_full(la, spec, value) -> int:
     """A device buffer (cudaMalloc) of ``spec``'s shape and dtype holding ``value`` everywhere, on launcher
-    ``la``'s GPU, copied from pinned host memory on its origin stream."""
+    ``la``'s GPU."""
     from . import cuda
 
-    arr = np.full(spec.shape, value, dtype=np.dtype(spec.dtype))
     with cuda.on_device(la.device):
-        ptr = cuda.malloc(arr.nbytes)
-        host = cuda.malloc_host(arr.nbytes)
-        try:
-            cuda.host_array(host, spec.shape, spec.dtype)[...] = arr
-            cuda.memcpy_htod_async(ptr, host, arr.nbytes, la.origin)
-            cuda.stream_synchronize(la.origin)
-        finally:
-            cuda.free_host(host)
-    return ptr
+        return cuda.device_copy(np.full(spec.shape, value, dtype=np.dtype(spec.dtype)), la.origin)
 
 
 def axis_between(sizes: list[int], lo: int) -> int | None:

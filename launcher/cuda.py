@@ -402,6 +402,25 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream) -> None:
     check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync(DeviceToDevice)")
 
 
+def device_copy(arr: np.ndarray, stream, dtype: str | None = None) -> int:
+    """A new device buffer (cudaMalloc, the caller frees it) of ``arr.nbytes`` holding ``arr`` (as ``dtype`` where
+    given, else its own), copied through pinned host memory on ``stream`` and synchronised."""
+    arr = np.ascontiguousarray(arr)
+    ptr = malloc(arr.nbytes)
+    try:
+        host = malloc_host(arr.nbytes)
+        try:
+            host_array(host, arr.shape, dtype or arr.dtype)[...] = arr
+            memcpy_htod_async(ptr, host, arr.nbytes, stream)
+            stream_synchronize(stream)
+        finally:
+            free_host(host)
+    except BaseException:
+        free(ptr)
+        raise
+    return ptr
+
+
 def memset_async(ptr: int, value: int, nbytes: int, stream) -> None:
     check(runtime().cudaMemsetAsync(ptr, value, nbytes, stream), "cudaMemsetAsync")
 

@@ -572,15 +572,21 @@ class GpuLauncher:
         with cuda.on_device(self.device):
             return self._call(feeds)
 
+    def _check_names(self, feeds: dict) -> None:
+        """An input ``feeds`` names that the plan lacks, or one it lacks, is refused naming the plan's inputs."""
+        names = [t.name for t in self.plan.inputs]
+        unknown = set(feeds) - set(names)
+        if unknown:
+            raise ParastreamError(f"unknown input(s) {sorted(unknown)}; the model takes {names}")
+        missing = [n for n in names if n not in feeds]
+        if missing:
+            raise ParastreamError(f"missing input {missing[0]!r}; the model takes {names}")
+
     def _call(self, feeds: dict) -> dict:
         plan = self.plan
-        unknown = set(feeds) - {t.name for t in plan.inputs}
-        if unknown:
-            raise ParastreamError(f"unknown input(s) {sorted(unknown)}; the model takes {[t.name for t in plan.inputs]}")
+        self._check_names(feeds)
         on_device = False
         for spec in plan.inputs:
-            if spec.name not in feeds:
-                raise ParastreamError(f"missing input {spec.name!r}; the model takes {[t.name for t in plan.inputs]}")
             x = feeds[spec.name]
             if hasattr(x, "__cuda_array_interface__") or (hasattr(x, "__dlpack__") and not isinstance(x, np.ndarray)):
                 on_device = True
@@ -609,12 +615,8 @@ class GpuLauncher:
         padded tensor made.  ``shapes``: each feed's shape.  Returns ``DeviceArray`` views of the outputs."""
         self._check_open()
         with cuda.on_device(self.device):
-            unknown = set(feeds) - {t.name for t in self.plan.inputs}
-            if unknown:
-                raise ParastreamError(f"unknown input(s) {sorted(unknown)}; the model takes {[t.name for t in self.plan.inputs]}")
+            self._check_names(feeds)
             for spec in self.plan.inputs:
-                if spec.name not in feeds:
-                    raise ParastreamError(f"missing input {spec.name!r}; the model takes {[t.name for t in self.plan.inputs]}")
                 shape = tuple(shapes.get(spec.name, spec.shape))
                 ptr = self._device_pointer(spec, feeds[spec.name], shape)
                 n, total = nbytes_of(shape, spec.dtype), nbytes_of(spec.shape, spec.dtype)

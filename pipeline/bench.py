@@ -100,15 +100,8 @@ def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str,
     for _ in range(INPUT_SETS):
         d = {}
         for spec in plan.inputs:
-            arr = np.ascontiguousarray(random_array(spec, rng))
-            ptr = cuda.malloc(arr.nbytes)
-            owned.append(ptr)
-            host = cuda.malloc_host(arr.nbytes)
-            cuda.host_array(host, spec.shape, spec.dtype)[...] = arr
-            cuda.memcpy_htod_async(ptr, host, arr.nbytes, first.origin)
-            cuda.stream_synchronize(first.origin)
-            cuda.free_host(host)
-            d[spec.name] = ptr
+            d[spec.name] = cuda.device_copy(random_array(spec, rng), first.origin, spec.dtype)
+            owned.append(d[spec.name])
         sets.append(d)
     try:
         times = {}

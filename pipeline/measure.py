@@ -29,7 +29,7 @@ import onnx_graphsurgeon as gs
 from parastream.launcher.bundle import Bundle
 from parastream.launcher.engines import BuildOptions
 from parastream.launcher.engines.base import conv_kernels_used
-from parastream.launcher.engines.onnx_torch import has_fused_attention, has_gemm_epilogue  # noqa: F401 - also used by tests
+from parastream.launcher.engines.onnx_torch import has_conv_relu, has_fused_attention, has_gemm_epilogue  # noqa: F401 - also used by tests
 from parastream.core.schedule import Schedule, schedule_graph
 from parastream.launcher.words import plural
 from parastream.rewrite.search import MeasureBudgetSpent
@@ -109,23 +109,6 @@ def round_labels(what: str, plan) -> tuple[str, str]:
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
             "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
-
-
-def has_conv_relu(model: onnx.ModelProto) -> bool:
-    """Whether a Conv's output is read by one Relu only, or by one Add whose sum one Relu alone reads (what cuDNN's
-    fused conv + bias (+ residual) + ReLU runs)."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-
-    def only(name: str, op: str) -> onnx.NodeProto | None:
-        got = readers.get(name, [])
-        return got[0] if len(got) == 1 and got[0].op_type == op else None
-
-    return any(n.op_type == "Conv" and (only(n.output[0], "Relu") is not None or (
-        (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None))
-        for n in model.graph.node)
 
 
 def runs_fused_attention(backend) -> bool:

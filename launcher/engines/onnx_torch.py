@@ -447,10 +447,28 @@ def has_depthwise_conv(model: onnx.ModelProto) -> bool:
     return bool(depthwise_convs(model))
 
 
+def has_conv_relu(model: onnx.ModelProto) -> bool:
+    """Whether a Conv's output is read by one Relu only, or by one Add whose sum one Relu alone reads (what cuDNN's
+    fused conv + bias (+ residual) + ReLU runs)."""
+    readers: dict[str, list[onnx.NodeProto]] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def only(name: str, op: str) -> onnx.NodeProto | None:
+        got = readers.get(name, [])
+        return got[0] if len(got) == 1 and got[0].op_type == op else None
+
+    return any(n.op_type == "Conv" and (only(n.output[0], "Relu") is not None or (
+        (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None))
+        for n in model.graph.node)
+
+
 def may_fuse_conv_relu(model: onnx.ModelProto) -> bool:
     """Whether ``fuse_conv_relu`` can change ``model``'s engine: it has a Conv and a Relu node, which every fusion
-    ``convert`` makes (conv + ReLU, conv + residual Add + ReLU) needs.  Broader than the fusions themselves on
-    purpose: a model without both converts to the same module either way, whatever its other nodes."""
+    ``convert`` makes (conv + ReLU, conv + residual Add + ReLU) needs.  Broader than the fusions themselves
+    (``has_conv_relu``, the pattern a GPU build's conv+ReLU round races) on purpose: a model without both converts
+    to the same module either way, whatever its other nodes."""
     ops = {n.op_type for n in model.graph.node}
     return "Conv" in ops and "Relu" in ops
 
