@@ -578,8 +578,8 @@ def make_parser() -> argparse.ArgumentParser:
     b.add_argument("--no-search", action="store_true", help="skip the rewrite search")
     b.add_argument("--measure-seconds", type=int_in(0, 86_400), default=None, metavar="S",
                    help="GPU builds: seconds for timing the search's candidates on the device, the top-ranked first, "
-                        f"and the input's alternatives as their engines are compiled (default {BuildConfig.measure_seconds:g}; "
-                        "the input and the best candidate are always timed)")
+                        "and the input's alternatives as their engines are compiled, counted from the moment the input "
+                        f"is timed (default {BuildConfig.measure_seconds:g}; the input and the best candidate are always timed)")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")
     b.add_argument("--quiet", action="store_true", help="print nothing but errors")

@@ -77,6 +77,47 @@ def test_measurement_budget_always_leaves_the_input_and_one_rival(models, monkey
     assert closed == [1, 1]
 
 
+def test_the_measurement_budget_runs_from_the_moment_the_input_is_timed(models, monkeypatch):
+    """The input's compile and load (which the build pays anyway: it ships the input when no candidate wins) do not
+    spend the candidates' budget: a slow input still leaves the budget's seconds for candidates after it."""
+    import importlib
+    import time
+    import types
+
+    import parastream.launcher as launcher_pkg
+    import parastream.pipeline.bench as bench_mod
+    import parastream.launcher.gpu as gpu_mod
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.build import MeasureBudgetSpent
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite.cost import RooflineCostModel
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+    loaded = load_model(models / "inception_block.onnx")
+    loads = []
+
+    def launcher(bundle):
+        time.sleep(0.6 if not loads else 0.0)  # the input: a slow compile and load
+        loads.append(1)
+        return types.SimpleNamespace(close=lambda: None)
+
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", launcher)
+    monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+        k: np.array([1.0]) for k in launchers})
+    m = GpuMeasurer.for_build(Engines(gpu_backend(), RooflineCostModel(), loaded, "fp16"), BuildOptions(precision="fp16"),
+                              loaded, streams=1, max_streams=1, budget_s=0.4)
+    for _ in range(4):  # the input (0.6 s), then three candidates inside the 0.4 s that start once it is timed
+        m.measure(loaded.model)
+    time.sleep(0.45)
+    with pytest.raises(MeasureBudgetSpent):
+        m.measure(loaded.model)
+    assert len(loads) == 4
+    m.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_build_measures_candidates(models, tmp_path):
