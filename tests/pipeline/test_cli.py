@@ -253,7 +253,7 @@ def test_build_takes_the_measurement_budget_and_refuses_a_bad_one(model_path, tm
         with pytest.raises(SystemExit):
             main(["build", str(model_path), "-o", str(tmp_path / "b"), *argv])
         assert seen[-1].measure_seconds == want
-    assert build_module.BuildConfig().measure_seconds == 45.0
+    assert build_module.BuildConfig().measure_seconds == 25.0
     with pytest.raises(SystemExit) as e:
         main(["build", str(model_path), "-o", str(tmp_path / "b"), "--measure-seconds", "-5"])
     assert e.value.code == 2 and "--measure-seconds" in capsys.readouterr().err
