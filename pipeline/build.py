@@ -28,8 +28,8 @@ from parastream.launcher.words import plural
 from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised by the measurer, caught by the search
 
 from .isolate import in_child
-from .measure import (GpuMeasurer, Variant, alternative_variants, choose_cpu_alternative, compiled_for_other_choices,
-                      plan_signature, time_alternatives)
+from .measure import (GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
+                      compiled_for_other_choices, plan_signature, time_alternatives)
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
@@ -605,6 +605,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
                                                      measure=measurer, **options)
             if measurer is not None and searched is b.model:  # the input kept: its alternatives, timed meanwhile
                 b.timed_alternatives = measurer.alternatives_timed()
+            elif measurer is not None:  # a candidate kept: the input's rounds timed so far (``carried_rounds``)
+                b.timed_alternatives = measurer.rounds_timed()
         finally:
             if measurer is not None:
                 measurer.close()
@@ -654,12 +656,19 @@ def build_engines(b: _Build, tmp: Path) -> None:
     """One engine per branch, written into the staging folder."""
     with b.timed("engines"):
         task = b.bar.step(f"build {plural(len(b.plan.branches), b.backend.name + ' engine')}", total=len(b.plan.branches))
-        if b.timed_alternatives is not None and plan_signature(b.timed_alternatives["plan"]) != plan_signature(b.plan):
-            b.timed_alternatives = None  # timed for another plan than this one: timed again below
+        early = b.timed_alternatives
+        if early is not None and plan_signature(early["plan"]) != plan_signature(b.plan):
+            # timed for another plan (the input's, which a candidate replaced): the rounds it decided by a wide
+            # margin hold for this one, the others are timed again below
+            carried = carried_rounds(early.get("rounds") or [])
+            b.timed_alternatives = early = ({"partial": True, "rounds": carried, "plan": b.plan,
+                                             "timed": f"{plural(len(carried), 'round')} taken from the input's plan, "
+                                                      "the rest after the search"} if carried else None)
         shipped = Variant(b.model, b.graph, b.plan, b.options)
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
-            alternatives = [] if b.timed_alternatives is not None and not b.timed_alternatives.get("partial") else [
-                v for _, v in alternative_variants(b.engines, shipped)]
+            done = {r["choice"] for r in (early or {}).get("rounds") or []}
+            alternatives = [] if early is not None and not early.get("partial") else [
+                v for what, v in alternative_variants(b.engines, shipped) if what not in done]
             b.precompiled = b.engines.precompile([shipped] + alternatives)
         b.engines_report = b.engines.write(tmp, shipped, str(b.loaded.path), on_branch=task.advance,
                                            prebuilt=b.prebuilt)

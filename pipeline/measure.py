@@ -125,6 +125,26 @@ def runs_fused_attention(backend) -> bool:
 PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02}
 
 
+#: a round that the input's plan decided by at least this share is taken as decided for a rewritten plan that
+#: replaced the input (a candidate the search kept): its alternative is neither compiled nor timed again
+CARRY_MARGIN = 0.10
+
+
+def carried_rounds(rounds: list[dict]) -> list[dict]:
+    """The rounds timed on the input's plan that a candidate's plan takes as they are: those whose two times are
+    ``CARRY_MARGIN`` or more apart.  A candidate differs from the input in a few pieces and keeps most of its
+    branches, so a choice made by a wide margin for the whole model (Inductor's depthwise kernels or cuDNN's, the
+    boundary layout, the plan against one engine) holds for it; timing it again cost a whole-model compile per
+    round (NASNet-A Large, H100: 94 s of the build's engines stage, for the three rounds its input had decided by
+    48%, 11% and 75%).  Narrower rounds are timed again on the candidate's plan."""
+    out = []
+    for r in rounds:
+        t = sorted(float(x) for x in (r.get("timed_ms") or {}).values())
+        if len(t) == 2 and t[0] > 0 and t[1] / t[0] - 1 >= CARRY_MARGIN:
+            out.append(dict(r, timed=f"on the input's plan ({t[1] / t[0] - 1:.0%} apart), taken for the rewritten plan"))
+    return out
+
+
 def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
     """Whether the "depthwise convolutions" round races ``model``: ``conv_kernels`` left to timing ("auto"),
     a backend whose engines it changes, and a depthwise convolution for it to change."""
@@ -446,6 +466,15 @@ class GpuMeasurer:
             if won and what != "streams":
                 early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
 
+    def rounds_timed(self) -> dict | None:
+        """The input's rounds timed so far, without waiting for the rest, as {"partial": True, "rounds", "plan"}
+        (for a candidate that replaced the input: ``carried_rounds``); None when none was."""
+        early = self.early
+        if not early.get("rounds"):
+            return None
+        return {"partial": True, "rounds": list(early["rounds"]), "plan": early["plan"],
+                "timed": f"{plural(len(early['rounds']), 'round')} during the search, for the input's plan"}
+
     def alternatives_timed(self) -> dict | None:
         """``time_alternatives``'s result for the input's plan from the rounds timed during the search (the rest
         timed now), with that ``plan``; when they could not all be timed against it (a round the alternative won
@@ -485,8 +514,9 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     channels-last internal boundaries), (3) the plan against one engine
     for the whole model (when the plan has several streams).  Engines compiled for a layout
     (``compiles_for_layout``) are compiled for each alternative; others load as they are with other launcher
-    settings.  ``timed``: the first rounds, timed already against ``v``'s plan during the search
-    (``GpuMeasurer.alternatives_timed``): taken as they are, not timed again; what a round races is loaded only
+    settings.  ``timed``: rounds timed already, against ``v``'s plan during the search
+    (``GpuMeasurer.alternatives_timed``) or, decided by a wide margin, against the input's plan that ``v``'s
+    rewrite replaced (``carried_rounds``): taken as they are, not timed again; what a round races is loaded only
     when it is timed here.  Returns {"rounds": [...], "fuse_attention", "fuse_gemm_epilogue", "conv_kernels",
     "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no GPU or nothing to choose."""
     from parastream.launcher.gpu import GpuLauncher
@@ -521,7 +551,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     def round_won(what: str, make_other) -> bool:
         """Whether round ``what`` keeps its alternative: as the search timed it, else raced here."""
         if what in done:
-            rounds.append(dict(done[what], timed="during the search"))
+            rounds.append({**done[what], "timed": done[what].get("timed", "during the search")})
             won = done[what]["won"] == round_labels(what, v.plan)[1]
             if won and what != "streams":
                 while held:  # loaded for the choices before this one (none: the search's rounds come first)

@@ -346,6 +346,64 @@ def test_a_build_uses_the_alternatives_timed_during_the_search_for_the_same_plan
     assert len(timed_after) == 1 and timed_after[0].num_streams == 2  # another plan: timed after the search
 
 
+def test_rounds_the_input_decided_by_a_wide_margin_are_taken_for_a_rewritten_plan_and_not_compiled_again(tmp_path, monkeypatch):
+    """The search timed the input's rounds and then kept another plan: the rounds decided by 10% or more are taken
+    for it as they are (their alternatives neither compiled nor timed again), the narrower ones are timed on it."""
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = True
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    handed, compiled = [], []
+    monkeypatch.setattr(build_module, "time_alternatives",
+                        lambda engines, bundle, v, runs, timed=(): handed.append(list(timed)) or None)
+    monkeypatch.setattr(build_module, "alternative_variants", lambda engines, v: [
+        ("depthwise convolutions", "inductor kernels"), ("conv+ReLU", "unfused"), ("boundary layout", "contiguous")])
+    monkeypatch.setattr(build_module.Engines, "precompile", lambda self, variants, **k: compiled.append(variants[1:]))
+    one = build(SMALL_NET, tmp_path / "one", backend="onnxruntime", streams=1, search=False, measure=False)
+    wide = {"choice": "boundary layout", "won": "channels-last boundaries",
+            "timed_ms": {"channels-last boundaries": 1.0, "contiguous boundaries": 1.25}, "load_s": 0.0, "timed_s": 0.0}
+    narrow = {"choice": "conv+ReLU", "won": "cuDNN fused conv+bias+ReLU",
+              "timed_ms": {"cuDNN fused conv+bias+ReLU": 1.0, "Inductor's conv and epilogue": 1.03}, "load_s": 0.0, "timed_s": 0.0}
+
+    class FakeMeasurer(_QuietMeasurer):
+        log = []
+
+        def alternatives_timed(self):  # timed against the one-stream plan, not the build's two-stream one
+            return {"partial": True, "rounds": [narrow, wide], "plan": one.plan, "timed": "2 rounds during the search"}
+
+    monkeypatch.setattr(build_module.GpuMeasurer, "for_build", classmethod(lambda cls, *a, **k: FakeMeasurer()))
+    build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2, search_options={"rules": []})
+    assert [[r["choice"] for r in t] for t in handed] == [["boundary layout"]]
+    assert handed[0][0]["won"] == "channels-last boundaries" and "input's plan (25% apart)" in handed[0][0]["timed"]
+    assert compiled == [["inductor kernels", "unfused"]]  # the carried round's alternative is not compiled
+    handed.clear()
+    wide["timed_ms"]["contiguous boundaries"] = 1.05  # now narrow too: nothing carried, every round timed again
+    build(SMALL_NET, tmp_path / "c", backend="onnxruntime", streams=2, search_options={"rules": []})
+    assert handed == [[]]
+
+
+def test_the_measurer_hands_over_the_input_s_rounds_timed_so_far_without_waiting_for_the_rest():
+    import types
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.measure import GpuMeasurer, carried_rounds
+
+    engines = types.SimpleNamespace(backend=types.SimpleNamespace(background_compiles=False, compiling=lambda keys: 1 / 0))
+    m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None, max_streams=4,
+                    budget_s=1.0)
+    assert m.rounds_timed() is None
+    r = {"choice": "streams", "won": "4-stream plan", "timed_ms": {"4-stream plan": 1.5, "one engine for the whole model": 2.6}}
+    m.early.update(plan="input plan", rounds=[r], todo=[("boundary layout", None, ["key"])])
+    got = m.rounds_timed()  # the todo round is still compiling: not waited for (``compiling`` is never asked)
+    assert got["partial"] and got["rounds"] == [r] and got["plan"] == "input plan"
+    assert [x["choice"] for x in carried_rounds(got["rounds"])] == ["streams"]
+    assert carried_rounds([dict(r, timed_ms={"a": 1.0, "b": 1.09})]) == [] and carried_rounds([dict(r, timed_ms={})]) == []
+
+
 def test_rounds_timed_during_the_search_before_an_alternative_won_are_handed_to_the_build(tmp_path, monkeypatch):
     """The search stopped timing the input's alternatives where one won: the build times the rest from those rounds
     (``time_alternatives(..., timed=rounds)``), and compiles beforehand every alternative it may load."""
