@@ -29,7 +29,7 @@ from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised 
 
 from .isolate import in_child
 from .measure import (GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
-                      compiled_for_other_choices, plan_signature, time_alternatives)
+                      compiled_for_other_choices, plan_signature, speculative_variants, time_alternatives)
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
@@ -668,7 +668,8 @@ def build_engines(b: _Build, tmp: Path) -> None:
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
             done = {r["choice"] for r in (early or {}).get("rounds") or []}
             alternatives = [] if early is not None and not early.get("partial") else [
-                v for what, v in alternative_variants(b.engines, shipped) if what not in done]
+                v for what, v in alternative_variants(b.engines, shipped) if what not in done] + (
+                speculative_variants(b.engines, shipped) if not done else [])
             b.precompiled = b.engines.precompile([shipped] + alternatives)
         b.engines_report = b.engines.write(tmp, shipped, str(b.loaded.path), on_branch=task.advance,
                                            prebuilt=b.prebuilt)

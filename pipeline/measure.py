@@ -223,6 +223,25 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     return out
 
 
+def speculative_variants(engines: EngineMaker, v: Variant) -> list[Variant]:
+    """For a plan of one engine: each later round's alternative as it would be raced if an earlier round's
+    alternative won (``time_alternatives`` races the winner), compiled in the same batch as the others.  A
+    one-engine plan is one compile job per variant, so the compile workers are otherwise idle while the build
+    waits for its longest job: queued up front, the second-level alternative compiles beside the first instead
+    of after it (MixNet-S, H100: Inductor's depthwise kernels won the first round, and the conv+ReLU round then
+    waited 73 s for its alternative of that winner)."""
+    if len(v.plan.branches) != 1:
+        return []
+    named = alternative_variants(engines, v)
+    out = []
+    for i, (what, first) in enumerate(named):
+        if what in ("boundary layout", "streams"):  # a layout or plan alternative changes no later round's engines
+            continue
+        later = {w for w, _ in named[i + 1:]}
+        out += [alt for w, alt in alternative_variants(engines, first) if w in later]
+    return out
+
+
 def gpu_present(backend) -> bool:
     """Whether ``backend`` has GPU engines and a GPU is here to time them on."""
     if not backend.gpu:
@@ -348,6 +367,9 @@ class GpuMeasurer:
             named = alternative_variants(self.engines, variants[0])
             alt = self.engines.precompile([a for _, a in named], background=True, cancellable=False)
             keys = alt.pop("keys", None) if alt else None
+            speculative = speculative_variants(self.engines, variants[0])
+            if speculative:
+                self.engines.precompile(speculative, background=True, cancellable=False)
             if keys is not None and len(keys) == len(named) and models[0] is self.loaded.model:
                 self.early.update(plan=variants[0].plan, rounds=[],
                                   todo=[(what, a, k) for (what, a), k in zip(named, keys)])

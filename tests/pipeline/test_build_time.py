@@ -471,3 +471,50 @@ def test_engine_format_flags_are_recorded_build_options(tmp_path, capsys):
     default = build(SMALL_NET, tmp_path / "d", backend="onnxruntime", search=False, verify=False)
     assert default.engine_options("cpu").torch_artifact == "inductor"
     assert default.engine_options("cpu").conv_kernels == "auto"  # cuDNN's until a GPU build times the other
+
+
+def test_a_one_engine_plan_compiles_the_later_rounds_alternatives_of_an_earlier_winner_up_front(monkeypatch):
+    """A one-engine plan's alternatives are one compile job each: the conv+ReLU round's alternative of Inductor's
+    depthwise kernels (what that round races if they win the first round) is queued with the others, not after
+    the first round; a plan of several engines queues nothing more (its workers are busy with its branches)."""
+    import types
+    from dataclasses import replace
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+    from parastream.pipeline.measure import Variant, speculative_variants
+
+    def rounds(engines, v):
+        out = []
+        if v.options.conv_kernels == "auto":
+            out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
+        if v.options.fuse_conv_relu:
+            out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
+        if len(v.plan.branches) > 1:
+            out.append(("streams", replace(v, plan=types.SimpleNamespace(branches=[0]))))
+        return out
+
+    monkeypatch.setattr(measure, "alternative_variants", rounds)
+    one = Variant(None, None, types.SimpleNamespace(branches=[0]), BuildOptions(conv_kernels="auto", fuse_conv_relu=True))
+    got = speculative_variants(None, one)
+    assert [(x.options.conv_kernels, x.options.fuse_conv_relu) for x in got] == [("inductor", False)]
+    assert speculative_variants(None, replace(one, options=replace(one.options, conv_kernels="cudnn"))) == []  # one round
+    assert speculative_variants(None, replace(one, plan=types.SimpleNamespace(branches=[0, 1]))) == []
+
+
+def test_the_build_compiles_the_speculative_alternatives_with_the_others(tmp_path, monkeypatch):
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = True
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    compiled = []
+    monkeypatch.setattr(build_module, "time_alternatives", lambda engines, bundle, v, runs, timed=(): None)
+    monkeypatch.setattr(build_module, "alternative_variants", lambda engines, v: [("conv+ReLU", "unfused")])
+    monkeypatch.setattr(build_module, "speculative_variants", lambda engines, v: ["unfused of the winner"])
+    monkeypatch.setattr(build_module.Engines, "precompile", lambda self, variants, **k: compiled.append(variants[1:]))
+    build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=1, search=False)
+    assert compiled == [["unfused", "unfused of the winner"]]
