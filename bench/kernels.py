@@ -7,6 +7,12 @@ the slowest engines, every CUDA kernel with its median duration.  Also prints th
 the instrumented graph replay (``GpuLauncher.run_timed``) for comparison.
 
     python3 bench/kernels.py --model inception_v3 [--top 4] [--variants unfused,fused] [--out $OUT]
+    python3 bench/kernels.py --model vit_b_16 --against-compile [--search]   # beside torch.compile's kernels
+
+``--against-compile`` also profiles ``torch.compile(mode="reduce-overhead")`` of the PyTorch model as its users run
+it (bench/corpus_gpu.py's baseline) and prints both kernel lists, merged by kernel name (us per call, count), with
+their totals: where a bundle's time goes that torch.compile's does not.  ``--search`` builds with the rewrite
+search and the GPU timing of its choices, as a default build does.
 
 With several ``--variants`` it also times every build's multi-stream graph and its one-stream graph in the
 same alternating blocks (``pipeline.bench.measure``) and prints b/d for each; ``unfused`` turns off the torch
@@ -77,6 +83,61 @@ def profile(bundle, replays: int = 20) -> tuple[dict, object]:
     return out, multi
 
 
+def _by_name(kernels: dict[str, list[float]], calls: int) -> dict[str, dict]:
+    return {n: {"us_per_call": float(np.sum(v)) / calls, "per_call": len(v) / calls} for n, v in kernels.items()}
+
+
+def profile_compile(name: str, model, inputs: dict, calls: int = 20) -> dict[str, dict]:
+    """Kernels of ``torch.compile(mode="reduce-overhead")`` on the model as its users run it, per call."""
+    import torch
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile as tprofile
+
+    from corpus_gpu import HalfInput
+    from gpu import users_model
+
+    compiled = torch.compile(HalfInput(users_model(name, model).half().cuda()).eval(), mode="reduce-overhead", dynamic=False)
+    dev = [v.cuda() for v in inputs.values()]
+    with torch.no_grad():
+        for _ in range(5):
+            compiled(*dev)
+        torch.cuda.synchronize()
+        with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+            for _ in range(calls):
+                compiled(*dev)
+            torch.cuda.synchronize()
+    ks: dict[str, list[float]] = defaultdict(list)
+    for e in prof.events():
+        if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False) and not e.name.startswith("engine:"):
+            ks[e.name].append(float(e.time_range.elapsed_us()))
+    return _by_name(ks, calls)
+
+
+def bundle_kernels(res: dict) -> dict[str, dict]:
+    """``profile``'s per-engine kernels merged by name over the bundle: us and count per replay."""
+    out: dict[str, dict] = defaultdict(lambda: {"us_per_call": 0.0, "per_call": 0.0})
+    for e in res.values():
+        for n, k in e["kernels"].items():
+            out[n]["us_per_call"] += k["median_us"] * k["count_per_replay"]
+            out[n]["per_call"] += k["count_per_replay"]
+    return dict(out)
+
+
+def side_by_side(ours: dict, theirs: dict, top: int = 30) -> str:
+    """Both kernel lists by name, the costliest of either first, with their totals."""
+    names = sorted(set(ours) | set(theirs), key=lambda n: -max(ours.get(n, {}).get("us_per_call", 0),
+                                                               theirs.get(n, {}).get("us_per_call", 0)))
+    lines = [f"{'parastream us':>13} {'#':>5} {'compile us':>10} {'#':>5}  kernel"]
+    for n in names[:top]:
+        a, b = ours.get(n, {}), theirs.get(n, {})
+        lines.append(f"{a.get('us_per_call', 0):13.1f} {a.get('per_call', 0):5.0f} {b.get('us_per_call', 0):10.1f} "
+                     f"{b.get('per_call', 0):5.0f}  {n[:120]}")
+    tot = [sum(d["us_per_call"] for d in x.values()) for x in (ours, theirs)]
+    cnt = [sum(d["per_call"] for d in x.values()) for x in (ours, theirs)]
+    lines.append(f"{tot[0]:13.1f} {cnt[0]:5.0f} {tot[1]:10.1f} {cnt[1]:5.0f}  total kernel time and kernels per call")
+    return "\n".join(lines)
+
+
 def report(res: dict, top: int) -> None:
     """The ``top`` slowest engines, each with its kernels (median us per replay)."""
     def total(e):
@@ -120,6 +181,9 @@ def main(argv=None) -> int:
                     "and unfused (convolution, then Inductor's Triton bias+ReLU kernel)")
     ap.add_argument("--opt-level", type=int, default=3, help="5 compiles engines with torch max-autotune")
     ap.add_argument("--runs", type=int, default=300)
+    ap.add_argument("--against-compile", action="store_true",
+                    help="also profile torch.compile(reduce-overhead) of the PyTorch model and print both kernel lists")
+    ap.add_argument("--search", action="store_true", help="build with the rewrite search and GPU-timed choices")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kernels_out"))
     args = ap.parse_args(argv)
     from parastream.pipeline import build
@@ -141,12 +205,20 @@ def main(argv=None) -> int:
     for variant in args.variants.split(","):
         torch_backend.FUSE_CONV_RELU = variant == "fused"
         t0 = time.perf_counter()
-        bundle = build(onnx_path, work / f"{args.model}_{variant}", backend="torch", precision="fp16", search=False,
-                       measure=False, force=True, streams=args.streams, optimization_level=args.opt_level)
+        bundle = build(onnx_path, work / f"{args.model}_{variant}", backend="torch", precision="fp16", search=args.search,
+                       measure=args.search, force=True, streams=args.streams, optimization_level=args.opt_level)
         build_s = time.perf_counter() - t0
         res, multi = profile(bundle)
         (out / f"kernels_{args.model}_{variant}.json").write_text(json.dumps(res, indent=1))
         report(res, args.top)
+        if args.against_compile:
+            theirs = profile_compile(args.model, model, inputs)
+            ours = bundle_kernels(res)
+            print(side_by_side(ours, theirs), flush=True)
+            (out / f"kernels_{args.model}_{variant}_vs_compile.json").write_text(
+                json.dumps({"parastream": ours, "torch_compile": theirs,
+                            "kept": (bundle.report.get("search") or {}).get("rules_chosen_count"),
+                            "measured_choices": bundle.report.get("measured_choices")}, indent=1))
         v = bundle.report.get("verification") or {}
         summary[variant] = {"build_s": round(build_s, 1), "kernels": _summary(res), "verified": v.get("passed"),
                             "max_scaled": {k: o.get("max_scaled") for k, o in v.get("outputs", {}).items()}}

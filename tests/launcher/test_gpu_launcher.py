@@ -185,8 +185,9 @@ def test_captured_graph_survives_other_allocations(bundles):
     la.close()
 
 
-def _matmul_branches_model(k: int = 8192, n: int = 64, branches: int = 3, op: str = "MatMul") -> onnx.ModelProto:
-    """x [16, k] through ``branches`` MatMul (or Gemm with a bias: cuBLASLt's GEMM with its epilogue) + Relu
+def _matmul_branches_model(k: int = 8192, n: int = 64, branches: int = 3, op: str = "MatMul",
+                           m: int = 16) -> onnx.ModelProto:
+    """x [m, k] through ``branches`` MatMul (or Gemm with a bias: cuBLASLt's GEMM with its epilogue) + Relu
     branches (a long reduction: cuBLAS splits it and uses its workspace), their sum out."""
     from onnx import TensorProto, helper, numpy_helper
 
@@ -203,15 +204,16 @@ def _matmul_branches_model(k: int = 8192, n: int = 64, branches: int = 3, op: st
         nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
         outs.append(f"r{i}")
     nodes.append(helper.make_node("Sum", outs, ["y"]))
-    g = helper.make_graph(nodes, "matmul_branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [16, k])],
-                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [16, n])], inits)
+    g = helper.make_graph(nodes, "matmul_branches", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [m, k])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [m, n])], inits)
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     m.ir_version = 8
     return m
 
 
 @pytest.mark.gpu
-def test_captured_graph_survives_torch_freeing_cublas_workspaces(tmp_path):
+@pytest.mark.parametrize("shape", [(16, 8192, 64), (1, 4032, 1000)], ids=["split_k", "nasnet_classifier"])
+def test_captured_graph_survives_torch_freeing_cublas_workspaces(tmp_path, shape):
     """torch.compile(mode="reduce-overhead") frees every cuBLAS and cuBLASLt workspace of the process around each
     graph it records (``torch._C._cuda_clearCublasWorkspaces``).  A launcher's graph must not use a workspace in
     torch's shared pool: NASNet-A Large's did (its warm-up, outside the launcher's pool, made them: 1 MiB and
@@ -225,7 +227,8 @@ def test_captured_graph_survives_torch_freeing_cublas_workspaces(tmp_path):
     from parastream.pipeline import build
 
     path = tmp_path / "mm.onnx"
-    onnx.save(_matmul_branches_model(op="Gemm"), path)
+    m, k, n = shape  # (1, 4032, 1000): NASNet-A Large's classifier, whose addmm made the workspaces that failed
+    onnx.save(_matmul_branches_model(op="Gemm", m=m, k=k, n=n), path)
     # built as a user builds: compiled engines, warmed in the launcher's warm-up thread before its capture
     bundle = build(path, tmp_path / "b", backend="torch", streams=3, precision="fp16", search=False, measure=False)
     assert bundle.report["verification"].get("engines_compiled_at_load", 0) == 0
