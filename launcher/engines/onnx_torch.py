@@ -1291,6 +1291,48 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
             {new: ("Conv+Add+Relu" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
 
 
+#: what the converter writes for a given graph; part of a compiled engine's cache key (a cache entry holds the
+#: converted weights' layout): 2 stores a MatMul's constant weight transposed (``_linear_weights``)
+CONVERTER_VERSION = 2
+
+
+def _transposed_weight(fn):
+    """``fn(a, w, *rest)`` called with ``w`` the transpose (a view) of the weight stored transposed."""
+    def call(a, wt, *rest):
+        return fn(a, wt.t(), *rest)
+    return call
+
+
+def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[str]) -> int:
+    """MatMul X·W and the GEMM-epilogue node act(X·W + B) with a constant 2-d W [K, N]: W stored transposed,
+    [N, K] contiguous, and multiplied as the transposed view of that, which is torch's Linear layout (the weight
+    [out, in]; cuBLAS's "TN" GEMM).  Exporters fold Linear's transpose into the constant, so a model exported
+    from PyTorch reaches here as X·W with W [in, out] ("NN"), for which cuBLAS's heuristics chose far slower
+    kernels: ViT-B/16 (H100, fp16, batch 1; bench/kernels.py --against-compile) spent 1095 µs per call in its
+    GEMMs (one "384x8" kernel 70 µs per layer) where torch.compile of the PyTorch model spent ~380 µs in the
+    same products with Linear's weights.  Only a weight that no other step reads and no graph output is
+    (``keep``); returns how many were stored transposed."""
+    uses: dict[str, list[tuple[int, int]]] = {}
+    for i, st in enumerate(steps):
+        for j, a in enumerate(st.args):
+            if a is not None and a[0] == "c":
+                uses.setdefault(a[1], []).append((i, j))
+    done = 0
+    for key, where in uses.items():
+        t = consts[key]
+        if key in keep or t.dim() != 2 or not t.is_floating_point():
+            continue
+        if not all(j == 1 and op_of.get(i) in ("MatMul", fused_ops.GEMM_ACTIVATION) and steps[i].args[0] is not None
+                   and steps[i].args[0][0] == "v" for i, j in where):
+            continue
+        consts[key] = t.t().contiguous()
+        for i, _ in where:
+            st = steps[i]
+            steps[i] = Step(_transposed_weight(st.fn), st.args, st.outputs, st.node)
+        done += 1
+    return done
+
+
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn"):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
@@ -1410,6 +1452,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
     fused = residual = 0
+    linear = _linear_weights(steps, consts, op_of, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
         keep = {ref for kind, ref in output_refs if kind == "v"}
         steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, {k: v.shape for k, v in values.items()})
@@ -1417,6 +1460,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
     module.fused_conv_add_relu = residual
+    module.linear_weights = linear
     module.eval()
     module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]
     return module

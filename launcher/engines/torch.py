@@ -379,11 +379,11 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     A fusion option is in the key only where it can change the branch's code (``choices_that_apply``): the
     alternative a GPU build times with a fusion off then compiles the branches that fusion touches, and finds
     the others compiled (nasnet_cell's searched plan: 2 of 31 branches hold a Conv and a Relu)."""
-    from .onnx_torch import has_depthwise_conv
+    from .onnx_torch import CONVERTER_VERSION, has_depthwise_conv
 
     applies = choices_that_apply(branch)
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
-    h.update(json.dumps({"format": ENGINE_FORMAT, "artifact": artifact,
+    h.update(json.dumps({"format": ENGINE_FORMAT, "converter": CONVERTER_VERSION, "artifact": artifact,
                          "signature": signature, "dtype": dtype,
                          **({"fuse_conv_relu": fuse} if applies["fuse_conv_relu"] else {}),
                          **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
