@@ -203,9 +203,8 @@ class _Warmer:
     thread queues on its streams; the threads keep the plan's cross-stream order by waiting, before a branch's
     event waits are queued, until the events' records are queued (``launch``).
 
-    The warm-ups allocate outside the launcher's memory pools (the loads route the loading thread's allocations
-    there meanwhile); the warm-up launch's and the capture's allocations come from the launcher's pools: thread 0's
-    from its pool, each other thread's from a pool of its own (torch routes one thread at a time into a pool)."""
+    The warm-ups allocate outside the launcher's memory pool (the loads route the loading thread's allocations
+    there meanwhile); the warm-up launch's and the capture's allocations come from the pool in every thread."""
 
     def __init__(self, launcher: "GpuLauncher"):
         self.launcher = launcher
@@ -268,22 +267,36 @@ class _Warmer:
         """``fn()`` in warm-up thread 0, on the launcher's device; its result or its error."""
         return self._submit(0, self._on_device, fn).result()
 
-    def launch(self, per_stream: list) -> None:
+    def launch(self, per_stream: list, scope) -> None:
         """``per_stream[k]()`` for every stream k, each in stream k's warm-up thread (stream 0's in the calling
-        thread, which is warm-up thread 0); the first error is raised once all have returned (a body that fails
-        must release the others' waits: ``GpuLauncher._launch_threaded``)."""
+        thread, which is warm-up thread 0), each inside ``scope`` (the launcher's memory pool).  Every thread
+        leaves the scope only once all have returned: torch ends a pool's routing by the pool, not by the thread
+        (``use_mem_pool``'s exit), so a thread that left early could end another's.  The first error is raised
+        once all have stopped; a body that fails must release the others' waits (``GpuLauncher._launch_threaded``)."""
         assert self.parallel and len(per_stream) == len(self.threads)
-        futures = [self._submit(self._thread_of(k), self._on_device, body) for k, body in enumerate(per_stream) if k]
+        barrier = threading.Barrier(len(per_stream))
         errors: list = []
-        try:
-            per_stream[0]()
-        except BaseException as e:  # noqa: BLE001 - raised below, once every thread has stopped
-            errors.append(e)
-        for f in futures:
+
+        def in_scope(body):
             try:
-                f.result()
-            except BaseException as e:  # noqa: BLE001
+                with scope():
+                    try:
+                        body()
+                    except BaseException as e:  # noqa: BLE001 - the caller raises it
+                        errors.append(e)
+                    finally:
+                        barrier.wait()
+            except threading.BrokenBarrierError:
+                pass
+            except BaseException as e:  # noqa: BLE001 - entering or leaving the scope failed
                 errors.append(e)
+                barrier.abort()
+
+        futures = [self._submit(self._thread_of(k), self._on_device, in_scope, body)
+                   for k, body in enumerate(per_stream) if k]
+        in_scope(per_stream[0])
+        for f in futures:
+            f.result()  # in_scope keeps its errors
         if errors:
             raise errors[0]
 
@@ -437,10 +450,9 @@ class GpuLauncher:
         # warm-up on defined inputs (never captured), then capture: in the thread that warmed the engines
         self._fill_random_inputs(seed=0)
 
-        # each stream's branches launched by the warm-up thread that warmed them (their cuDNN plans are there): the
-        # first stream's by warm-up thread 0 in the launcher's pool, each other's in a private pool of its own
+        # each stream's branches launched by the warm-up thread that warmed them (their cuDNN plans are there),
+        # each thread in the pool's scope; else every branch by warm-up thread 0 (or this thread) in the scope
         threaded = warmer is not None and warmer.parallel
-        self._side_scopes = [backend.memory_scope() for _ in self.streams[1:]] if threaded else []
 
         def launch_all(origin):
             if threaded:
@@ -449,7 +461,7 @@ class GpuLauncher:
                 self._launch_all(origin)
 
         def warm_up_and_capture():
-            with self._memory():
+            with contextlib.nullcontext() if threaded else self._memory():
                 backend.own_workspaces()  # the graph's cuBLAS workspaces from this launcher's pool
                 launch_all(self.origin)
                 cuda.stream_synchronize(self.origin)
@@ -524,23 +536,20 @@ class GpuLauncher:
         def stream_body(k: int):
             s = self.streams[k]
             h = self._h(s)
-            # thread 0 runs inside the launcher's pool already (``warm_up_and_capture``)
-            scope = self._side_scopes[k - 1] if k else contextlib.nullcontext
 
             def body():
                 try:
-                    with scope():
-                        for bid in order[k]:
-                            for w in plan.branches[bid].waits:
-                                queued[w].wait()
-                                if failed.is_set():
-                                    return  # another stream's launch failed: its error is the one raised
-                                cuda.stream_wait_event(s, self._events[w])
-                            if bid not in self.elided:
-                                self.engines[bid].enqueue(h, self._branch_addrs[bid])
-                            if bid in self._events:
-                                cuda.event_record(self._events[bid], s)
-                                queued[bid].set()
+                    for bid in order[k]:
+                        for w in plan.branches[bid].waits:
+                            queued[w].wait()
+                            if failed.is_set():
+                                return  # another stream's launch failed: its error is the one raised
+                            cuda.stream_wait_event(s, self._events[w])
+                        if bid not in self.elided:
+                            self.engines[bid].enqueue(h, self._branch_addrs[bid])
+                        if bid in self._events:
+                            cuda.event_record(self._events[bid], s)
+                            queued[bid].set()
                 except BaseException:
                     failed.set()
                     for e in queued.values():  # no thread waits for a record that will not come
@@ -548,7 +557,7 @@ class GpuLauncher:
                     raise
             return body
 
-        warmer.launch([stream_body(k) for k in range(len(self.streams))])
+        warmer.launch([stream_body(k) for k in range(len(self.streams))], self._memory)
         for s, j in zip(self.streams, self._joins):
             cuda.event_record(j, s)
             cuda.stream_wait_event(origin, j)

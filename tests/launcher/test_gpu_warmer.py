@@ -152,37 +152,27 @@ class _Launched:
         self.rt.add("enqueue", handle, self.bid)
 
 
-def _threaded_launcher(rt, branches, launch_order, *, sleeps=None, fail=None, elided=(), fail_scope=None):
+def _threaded_launcher(rt, branches, launch_order, *, sleeps=None, fail=None, elided=()):
     """What ``_launch_threaded`` reads of a GpuLauncher: ``branches`` as (stream, waits)."""
     plan = SimpleNamespace(branches=[SimpleNamespace(id=i, stream=s, waits=list(w)) for i, (s, w) in enumerate(branches)],
                            launch_order=list(launch_order))
     n_streams = 1 + max(s for s, _ in branches)
     recorders = sorted({w for _, ws in branches for w in ws})
-    scopes: list = []  # (pool, thread) of every scope entered
+    scopes: list = []
 
     import contextlib
 
-    def pool(k):
-        """A private pool's scope as torch's ``use_mem_pool`` routes it: one thread at a time."""
-        holder: list = []
-
-        @contextlib.contextmanager
-        def scope():
-            if k == fail_scope:
-                raise RuntimeError(f"pool {k} refused")
-            assert not holder, "two threads route into one pool at once"
-            holder.append(threading.get_ident())
-            scopes.append((k, threading.get_ident()))
-            try:
-                yield
-            finally:
-                holder.pop()
-        return scope
+    @contextlib.contextmanager
+    def memory():
+        rt.add("scope-in", None, None)
+        scopes.append(threading.get_ident())
+        yield
+        rt.add("scope-out", None, None)
 
     la = SimpleNamespace(plan=plan, streams=[f"s{k}" for k in range(n_streams)], origin="origin", single_stream=False,
                          device=0, _fork="fork", _joins=[f"join{k}" for k in range(n_streams)],
                          _events={b: f"ev{b}" for b in recorders}, elided=set(elided), _branch_addrs=[{} for _ in branches],
-                         _h=lambda s: s, _side_scopes=[pool(k) for k in range(1, n_streams)],
+                         _h=lambda s: s, _memory=memory,
                          engines=[_Launched(rt, i, (sleeps or {}).get(i, 0.0), i == fail) for i in range(len(branches))])
     return la, scopes
 
@@ -223,11 +213,13 @@ def test_each_stream_s_branches_are_queued_by_the_thread_that_warmed_them_in_the
     for k in range(3):  # within a stream, the plan's order
         mine = [e[2] for e in log if e[0] == "enqueue" and e[1] == f"s{k}"]
         assert mine == [b for b in _ORDER if _BRANCHES[b][0] == k]
-    # the fork before everything, the joins after; each side thread in a private pool of its own (stream 0's thread
-    # is in the launcher's pool, entered by its caller)
+    # the fork before everything, the joins after; every thread in the memory scope, none out before all are done
     assert log[0][:3] == ("record", "origin", "fork")
     assert [e[:3] for e in log[-6:]] == [x for k in range(3) for x in (("record", f"s{k}", f"join{k}"), ("wait", "origin", f"join{k}"))]
-    assert sorted(scopes) == sorted((k, next(iter(warmed[k]))) for k in (1, 2))
+    assert len(set(scopes)) == 3
+    outs = [i for i, e in enumerate(log) if e[0] == "scope-out"]
+    last_work = max(i for i, e in enumerate(log) if e[0] in ("enqueue", "wait", "record") and not str(e[2]).startswith("join"))
+    assert len(outs) == 3 and min(outs) > last_work
 
 
 def test_a_branch_that_fails_in_one_stream_s_thread_is_raised_and_the_other_threads_stop(rt):
@@ -242,25 +234,6 @@ def test_a_branch_that_fails_in_one_stream_s_thread_is_raised_and_the_other_thre
     w2 = gpu._Warmer(la2)
     w2.run(lambda: gpu.GpuLauncher._launch_threaded(la2, la2.origin, w2))
     w2.close()
-
-
-def test_a_pool_that_refuses_a_thread_is_raised_and_no_thread_waits_for_ever(rt):
-    la, _ = _threaded_launcher(rt, _BRANCHES, _ORDER, fail_scope=1)  # stream 1's thread cannot enter its pool
-    w = gpu._Warmer(la)
-    done: list = []
-
-    def go():
-        try:
-            w.run(lambda: gpu.GpuLauncher._launch_threaded(la, la.origin, w))
-        except RuntimeError as e:
-            done.append(str(e))
-
-    t = threading.Thread(target=go, daemon=True)
-    t.start()
-    t.join(10)
-    w.close()
-    assert not t.is_alive() and done == ["pool 1 refused"]
-    assert not any(e[0] == "enqueue" and e[2] in (3, 4) for e in rt.log)
 
 
 def test_a_nested_launcher_s_warmer_does_not_launch_in_threads():
