@@ -34,7 +34,6 @@ through ``torch.as_tensor``/``cupy.asarray``/DLPack), then call ``launch()``.
 
 from __future__ import annotations
 
-import contextlib
 import threading
 import time
 from dataclasses import dataclass
@@ -167,66 +166,45 @@ def load_phases(launcher) -> dict[str, float]:
     return out
 
 
-#: the threads in which launchers warm their engines and capture (``_Warmer``), the process's, made when first used:
-#: thread k warms and launches the branches of stream k (thread 0 those of a one-stream plan, and captures)
-_WARM_THREADS: list = []
+#: the thread in which launchers warm their engines and capture (``_Warmer``), one per process, made when first used
+_WARM_THREAD: list = []
 _WARM_LOCK = threading.Lock()
-_WARM_PREFIX = "parastream-warm"
 
 
-def _warm_threads(n: int) -> list:
-    """The process's first ``n`` warm-up threads (one-thread executors): the same ones for every launcher, so that
-    what torch keeps per thread (cuDNN's convolution plans, cuBLAS handles) is built once per process and stream
-    number, not once per launcher (a build loads one launcher per measured candidate, per timed alternative and
-    for its verification)."""
-    from concurrent.futures import ThreadPoolExecutor
-
+def _warm_thread():
+    """The process's warm-up thread: the same one for every launcher, so that what torch keeps per thread (cuDNN's
+    convolution plans, cuBLAS handles) is built once per process, not once per launcher (a build loads one
+    launcher per measured candidate, per timed alternative and for its verification)."""
     with _WARM_LOCK:
-        while len(_WARM_THREADS) < n:
-            _WARM_THREADS.append(ThreadPoolExecutor(1, thread_name_prefix=f"{_WARM_PREFIX}-{len(_WARM_THREADS)}"))
-        return _WARM_THREADS[:n]
+        if not _WARM_THREAD:
+            from concurrent.futures import ThreadPoolExecutor
+
+            _WARM_THREAD.append(ThreadPoolExecutor(1, thread_name_prefix="parastream-warm"))
+        return _WARM_THREAD[0]
 
 
 class _Warmer:
     """Warms the engines loaded unwarmed (``warm(stream)``: a torch engine's first call, where cuDNN plans each
-    convolution and kernels load), each on its branch's stream, in load order, while the launcher loads the next
-    ones; then runs the launcher's own warm-up launch and capture (``run``), each stream's branches launched by the
-    thread that warmed them (``launch``).
+    convolution and kernels load), each on its branch's stream, in load order, in the process's warm-up thread
+    while the launcher loads the next ones; that thread then runs the launcher's own warm-up launch and capture
+    (``run``).
 
-    torch keeps cuDNN's convolution plans per thread (its cuDNN v8 plan cache is thread-local), so a plan is used
-    only by the thread that built it: engines warmed in one thread and launched for the capture by another had
-    every plan built twice (H100, fresh processes, bench/load_breakdown.py: MixNet-S's one engine 6.0 s of warm-up
-    in a thread, then 5.3 s more before its capture; NASNet-A Large 9.1 s and 5.6 s).  A plan costs 15-45 ms for a
-    grouped or depthwise convolution, 1-2 ms for a dense one.  So stream k's engines are warmed and, for the
-    warm-up launch and the capture, launched by warm-up thread k: each plan is built once, and the streams' plans
-    are built side by side (cuDNN builds them with the GIL released).  A capture in relaxed mode records what any
-    thread queues on its streams; the threads keep the plan's cross-stream order by waiting, before a branch's
-    event waits are queued, until the events' records are queued (``launch``).
-
-    The warm-ups allocate outside the launcher's memory pool (the loads route the loading thread's allocations
-    there meanwhile); the warm-up launch's and the capture's allocations come from the pool in every thread."""
+    The same thread for both because torch keeps cuDNN's convolution plans per thread (its cuDNN v8 plan cache is
+    thread-local): engines warmed in threads of their own had every plan built there and again by the launching
+    thread (H100, fresh processes, bench/load_breakdown.py: MixNet-S's one engine 6.0 s of warm-up in a thread,
+    then 5.3 s more before its capture; NASNet-A Large 9.1 s and 5.6 s).  A plan costs 15-45 ms for a grouped or
+    depthwise convolution, 1-2 ms for a dense one.  The warm-ups allocate outside the launcher's memory pool
+    (torch lets one thread at a time record into a pool, and the loads do); the capture's allocations still
+    come from the pool."""
 
     def __init__(self, launcher: "GpuLauncher"):
         self.launcher = launcher
-        n = 1 if launcher.single_stream else max(1, len(launcher.streams))
-        # a launcher made inside a warm-up thread (a nested load) does everything there: a thread it waited for
-        # could be waiting for it
-        self.inline = threading.current_thread().name.startswith(_WARM_PREFIX)
-        self.threads = [] if self.inline else _warm_threads(n)
+        self.pool = _warm_thread()
         self.futures: list = []
         self.t0 = time.perf_counter()
 
-    @property
-    def pool(self):  # the thread that runs one-stream plans, and captures
-        return self.threads[0] if self.threads else None
-
-    @property
-    def parallel(self) -> bool:
-        """Whether ``launch`` runs the streams' branches in threads of their own (a plan of several streams)."""
-        return len(self.threads) > 1
-
-    def _submit(self, k: int, fn, *args):
-        if self.inline:
+    def _submit(self, fn, *args):
+        if threading.current_thread().name.startswith("parastream-warm"):  # a launcher made in that thread: here
             from concurrent.futures import Future
 
             f: Future = Future()
@@ -235,19 +213,15 @@ class _Warmer:
             except BaseException as e:  # noqa: BLE001 - raised where the result is asked for, as from the thread
                 f.set_exception(e)
             return f
-        return self.threads[k].submit(fn, *args)
-
-    def _thread_of(self, stream: int) -> int:
-        return 0 if self.inline else stream % len(self.threads)
+        return self.pool.submit(fn, *args)
 
     def submit(self, branch, engine) -> None:
         la = self.launcher
         s = la.origin if la.single_stream else la.streams[branch.stream]
-        k = 0 if la.single_stream else self._thread_of(branch.stream)
-        self.futures.append(self._submit(k, self._on_device, engine.warm, la._h(s)))
+        self.futures.append(self._submit(self._on_device, engine.warm, la._h(s)))
 
     def _on_device(self, fn, *args):
-        """``fn(*args)`` on the launcher's device: the warm-up threads are the process's, shared by launchers on
+        """``fn(*args)`` on the launcher's device: the warm-up thread is the process's, shared by launchers on
         any GPU, and a thread's current device is its own."""
         cuda.set_device(self.launcher.device)
         return fn(*args)
@@ -264,44 +238,17 @@ class _Warmer:
         return time.perf_counter() - self.t0
 
     def run(self, fn):
-        """``fn()`` in warm-up thread 0, on the launcher's device; its result or its error."""
-        return self._submit(0, self._on_device, fn).result()
+        """``fn()`` in the warm-up thread, on the launcher's device; its result or its error."""
+        device = self.launcher.device
 
-    def launch(self, per_stream: list, scope) -> None:
-        """``per_stream[k]()`` for every stream k, each in stream k's warm-up thread (stream 0's in the calling
-        thread, which is warm-up thread 0), each inside ``scope`` (the launcher's memory pool).  Every thread
-        leaves the scope only once all have returned: torch ends a pool's routing by the pool, not by the thread
-        (``use_mem_pool``'s exit), so a thread that left early could end another's.  The first error is raised
-        once all have stopped; a body that fails must release the others' waits (``GpuLauncher._launch_threaded``)."""
-        assert self.parallel and len(per_stream) == len(self.threads)
-        barrier = threading.Barrier(len(per_stream))
-        errors: list = []
+        def call():
+            cuda.set_device(device)  # a thread's current device is its own
+            return fn()
 
-        def in_scope(body):
-            try:
-                with scope():
-                    try:
-                        body()
-                    except BaseException as e:  # noqa: BLE001 - the caller raises it
-                        errors.append(e)
-                    finally:
-                        barrier.wait()
-            except threading.BrokenBarrierError:
-                pass
-            except BaseException as e:  # noqa: BLE001 - entering or leaving the scope failed
-                errors.append(e)
-                barrier.abort()
-
-        futures = [self._submit(self._thread_of(k), self._on_device, in_scope, body)
-                   for k, body in enumerate(per_stream) if k]
-        in_scope(per_stream[0])
-        for f in futures:
-            f.result()  # in_scope keeps its errors
-        if errors:
-            raise errors[0]
+        return self._submit(call).result()
 
     def close(self) -> None:
-        """This launcher's warm-ups not begun are dropped and a running one ends (the threads stay: they are the
+        """This launcher's warm-ups not begun are dropped and a running one ends (the thread stays: it is the
         process's)."""
         for f in self.futures:
             f.cancel()
@@ -450,23 +397,13 @@ class GpuLauncher:
         # warm-up on defined inputs (never captured), then capture: in the thread that warmed the engines
         self._fill_random_inputs(seed=0)
 
-        # each stream's branches launched by the warm-up thread that warmed them (their cuDNN plans are there),
-        # each thread in the pool's scope; else every branch by warm-up thread 0 (or this thread) in the scope
-        threaded = warmer is not None and warmer.parallel
-
-        def launch_all(origin):
-            if threaded:
-                self._launch_threaded(origin, warmer)
-            else:
-                self._launch_all(origin)
-
         def warm_up_and_capture():
-            with contextlib.nullcontext() if threaded else self._memory():
+            with self._memory():
                 backend.own_workspaces()  # the graph's cuBLAS workspaces from this launcher's pool
-                launch_all(self.origin)
+                self._launch_all(self.origin)
                 cuda.stream_synchronize(self.origin)
                 if graph:
-                    self._graph, self._exec = self._capture(launch_all)
+                    self._graph, self._exec = self._capture(self._launch_all)
 
         if warmer is None:
             warm_up_and_capture()
@@ -514,50 +451,6 @@ class GpuLauncher:
                 record(timing["end"][bid], s)
             if bid in self._events:
                 cuda.event_record(self._events[bid], s)
-        for s, j in zip(self.streams, self._joins):
-            cuda.event_record(j, s)
-            cuda.stream_wait_event(origin, j)
-
-    def _launch_threaded(self, origin, warmer: _Warmer) -> None:
-        """``_launch_all`` with each stream's branches queued by that stream's warm-up thread (``_Warmer.launch``),
-        where their engines were warmed and their cuDNN plans built.  A branch's waits on another stream's events
-        are queued only once those events' records are (a thread waits for that), so the streams' order is the
-        plan's whichever thread runs ahead; the fork and the joins are queued here."""
-        plan = self.plan
-        cuda.event_record(self._fork, origin)
-        for s in self.streams:
-            cuda.stream_wait_event(s, self._fork)
-        order: list[list[int]] = [[] for _ in self.streams]
-        for bid in plan.launch_order:
-            order[plan.branches[bid].stream].append(bid)
-        queued = {b: threading.Event() for b in self._events}
-        failed = threading.Event()
-
-        def stream_body(k: int):
-            s = self.streams[k]
-            h = self._h(s)
-
-            def body():
-                try:
-                    for bid in order[k]:
-                        for w in plan.branches[bid].waits:
-                            queued[w].wait()
-                            if failed.is_set():
-                                return  # another stream's launch failed: its error is the one raised
-                            cuda.stream_wait_event(s, self._events[w])
-                        if bid not in self.elided:
-                            self.engines[bid].enqueue(h, self._branch_addrs[bid])
-                        if bid in self._events:
-                            cuda.event_record(self._events[bid], s)
-                            queued[bid].set()
-                except BaseException:
-                    failed.set()
-                    for e in queued.values():  # no thread waits for a record that will not come
-                        e.set()
-                    raise
-            return body
-
-        warmer.launch([stream_body(k) for k in range(len(self.streams))], self._memory)
         for s, j in zip(self.streams, self._joins):
             cuda.event_record(j, s)
             cuda.stream_wait_event(origin, j)

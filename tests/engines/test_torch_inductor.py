@@ -453,35 +453,28 @@ def test_inductor_gpu_bundle_loads_in_a_fresh_process_and_captures_without_compi
 
 
 @pytest.mark.gpu
-def test_the_launcher_warms_and_launches_each_stream_in_its_own_thread_while_it_loads(gpu_bundle, monkeypatch):
-    """The GPU launcher loads its torch engines unwarmed and warms them while it loads the next: every engine once,
-    on its branch's stream, in load order, stream k's engines in warm-up thread k; for the warm-up launch and the
-    capture, the same thread launches each stream's branches (torch keeps cuDNN's convolution plans per thread:
-    launched by another thread than the one that warmed them, every plan was built twice).  The replay matches
-    onnxruntime."""
+def test_the_launcher_warms_engines_and_captures_in_one_thread_while_it_loads(gpu_bundle, monkeypatch):
+    """The GPU launcher loads its torch engines unwarmed and warms them in one thread of its own while it loads the
+    next: every engine once, on its branch's stream, in load order; then that same thread launches and captures
+    the plan (torch keeps cuDNN's convolution plans per thread: warmed in other threads than the capturing one,
+    every plan was built twice).  The replay matches onnxruntime."""
     import threading
 
     from parastream.launcher.gpu import GpuLauncher
 
     folder, bundle = gpu_bundle
     calls, real = [], tb.TorchEngine.warm
-    launched, real_enqueue = [], tb.TorchEngine.enqueue
     captured, real_capture = [], GpuLauncher._capture
 
     def warm(self, stream_handle=None):
         calls.append((id(self), stream_handle, threading.current_thread().name))
         return real(self, stream_handle)
 
-    def enqueue(self, stream_handle, addresses):
-        launched.append((id(self), stream_handle, threading.current_thread().name))
-        return real_enqueue(self, stream_handle, addresses)
-
     def capture(self, body, *args):
         captured.append(threading.current_thread().name)
         return real_capture(self, body, *args)
 
     monkeypatch.setattr(tb.TorchEngine, "warm", warm)
-    monkeypatch.setattr(tb.TorchEngine, "enqueue", enqueue)
     monkeypatch.setattr(GpuLauncher, "_capture", capture)
     la = GpuLauncher(bundle)
     try:
@@ -489,21 +482,14 @@ def test_the_launcher_warms_and_launches_each_stream_in_its_own_thread_while_it_
         engines = {id(la.engines[b]): b for b in plan.launch_order if la.engines[b] is not None}
         assert sorted(engines.values()) == sorted(engines[i] for i, _, _ in calls)  # each engine once
         assert all(e.warmed for e in la.engines if e is not None)
-        streams = {plan.branches[b].stream for b in engines.values()}
-        assert len(streams) > 1
-        thread_of = {}
-        for i, handle, thread in calls:
+        threads = {thread for _, _, thread in calls}
+        assert len(threads) == 1 and threads != {threading.current_thread().name}
+        assert captured == list(threads)  # the plan captured by the thread that warmed its engines
+        assert next(iter(threads)).startswith("parastream-warm")
+        assert len({plan.branches[b].stream for b in engines.values()}) > 1
+        for i, handle, _ in calls:
             assert handle == la._h(la.streams[plan.branches[engines[i]].stream])  # on its branch's stream
-            assert thread.startswith("parastream-warm") and thread != threading.current_thread().name
-            thread_of.setdefault(plan.branches[engines[i]].stream, set()).add(thread)
-        assert all(len(t) == 1 for t in thread_of.values())  # one thread per stream ...
-        assert len({next(iter(t)) for t in thread_of.values()}) == len(thread_of)  # ... and a thread per stream
         assert [engines[i] for i, _, _ in calls] == sorted(engines[i] for i, _, _ in calls)  # in load order
-        # the warm-up launch and the capture: each branch launched by the thread that warmed it
-        assert len(launched) == 2 * len(engines)
-        for i, _, thread in launched:
-            assert {thread} == thread_of[plan.branches[engines[i]].stream]
-        assert captured and captured[0].startswith("parastream-warm")
         x = np.random.default_rng(8).standard_normal(plan.inputs[0].shape).astype(np.float32)
         y = la({plan.inputs[0].name: x})[plan.outputs[0].name]
         assert scaled_error(folder, bundle, x, y) < 2e-2
