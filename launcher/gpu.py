@@ -193,7 +193,11 @@ class _Warmer:
     thread-local): engines warmed in threads of their own had every plan built there and again by the launching
     thread (H100, fresh processes, bench/load_breakdown.py: MixNet-S's one engine 6.0 s of warm-up in a thread,
     then 5.3 s more before its capture; NASNet-A Large 9.1 s and 5.6 s).  A plan costs 15-45 ms for a grouped or
-    depthwise convolution, 1-2 ms for a dense one.  The warm-ups allocate outside the launcher's memory pool
+    depthwise convolution, 1-2 ms for a dense one.  Building them in several threads does not help: each
+    stream's engines warmed and launched by a thread of its own (the same thread for its warm-up and its part
+    of the capture, each in a private pool) loaded NASNet-A Large's 4-stream bundle in 13.0 s against 7.6 s,
+    its warm-ups summing 23.7 s in four threads against 5.2 s in one (H100, fresh processes, the same bundle,
+    bench/load_breakdown.py): cuDNN's plans are not built side by side.  The warm-ups allocate outside the launcher's memory pool
     (torch lets one thread at a time record into a pool, and the loads do); the capture's allocations still
     come from the pool."""
 
