@@ -1692,13 +1692,14 @@ class TorchEngine:
     def warm(self, stream_handle: int | None = None) -> None:
         """The engine's first call, on tensors with the launcher's shapes, dtypes and strides: JIT engines compile,
         and the libraries set up what the capture will record (cuDNN plans each convolution, kernels load).  On
-        ``stream_handle`` when given (the launcher's warm-up: each stream's engines in a thread of their own)."""
+        ``stream_handle`` when given (the launcher's warm-up: on the branch's stream, in the process's warm-up thread)."""
         import torch
 
         if self.warmed:
             return
         art = getattr(self._runner, "artifact", None)
-        # engines that share an artifact, warmed by two streams' threads: one runs it, the other finds it run
+        # engines that share an artifact, warmed by two threads (a launcher's warm-up thread, another's loading
+        # thread): one runs it, the other finds it run
         with getattr(art, "_parastream_warm_lock", None) or contextlib.nullcontext():
             if art is not None and getattr(art, "_parastream_warmed", None) == self._shapes:
                 # an artifact this process has run already for these tensors (branches of one structure, the
