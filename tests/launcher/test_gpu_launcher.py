@@ -187,18 +187,19 @@ def test_captured_graph_survives_other_allocations(bundles):
 
 def _matmul_branches_model(k: int = 8192, n: int = 64, branches: int = 3, op: str = "MatMul",
                            m: int = 16) -> onnx.ModelProto:
-    """x [m, k] through ``branches`` MatMul (or Gemm with a bias: cuBLASLt's GEMM with its epilogue) + Relu
-    branches (a long reduction: cuBLAS splits it and uses its workspace), their sum out."""
+    """x [m, k] through ``branches`` MatMul (or Gemm with a bias and transB, as an exported Linear: torch's
+    ``linear``, cuBLASLt's GEMM with its bias epilogue) + Relu branches (a long reduction: cuBLAS splits it and
+    uses its workspace), their sum out."""
     from onnx import TensorProto, helper, numpy_helper
 
     rng = np.random.default_rng(3)
     nodes, inits, outs = [], [], []
     for i in range(branches):
         w = (rng.standard_normal((k, n)) / np.sqrt(k)).astype(np.float32)
-        inits.append(numpy_helper.from_array(w, f"w{i}"))
+        inits.append(numpy_helper.from_array(w.T.copy() if op == "Gemm" else w, f"w{i}"))
         if op == "Gemm":
             inits.append(numpy_helper.from_array(rng.standard_normal(n).astype(np.float32), f"b{i}"))
-            nodes.append(helper.make_node("Gemm", ["x", f"w{i}", f"b{i}"], [f"m{i}"]))
+            nodes.append(helper.make_node("Gemm", ["x", f"w{i}", f"b{i}"], [f"m{i}"], transB=1))
         else:
             nodes.append(helper.make_node("MatMul", ["x", f"w{i}"], [f"m{i}"]))
         nodes.append(helper.make_node("Relu", [f"m{i}"], [f"r{i}"]))
