@@ -93,15 +93,10 @@ def profile_compile(name: str, model, inputs: dict, calls: int = 20) -> dict[str
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as tprofile
 
-    from corpus_gpu import HalfInput
-    from gpu import users_model
+    from corpus_gpu import users_compiled
 
-    compiled = torch.compile(HalfInput(users_model(name, model).half().cuda()).eval(), mode="reduce-overhead", dynamic=False)
-    dev = [v.cuda() for v in inputs.values()]
+    compiled, dev = users_compiled(name, model, inputs, warm=5)
     with torch.no_grad():
-        for _ in range(5):
-            compiled(*dev)
-        torch.cuda.synchronize()
         with tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
             for _ in range(calls):
                 compiled(*dev)
