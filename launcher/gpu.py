@@ -197,9 +197,9 @@ class _Warmer:
     stream's engines warmed and launched by a thread of its own (the same thread for its warm-up and its part
     of the capture, each in a private pool) loaded NASNet-A Large's 4-stream bundle in 13.0 s against 7.6 s,
     its warm-ups summing 23.7 s in four threads against 5.2 s in one (H100, fresh processes, the same bundle,
-    bench/load_breakdown.py): cuDNN's plans are not built side by side.  The warm-ups allocate outside the launcher's memory pool
-    (torch lets one thread at a time record into a pool, and the loads do); the capture's allocations still
-    come from the pool."""
+    bench/load_breakdown.py): cuDNN's plans are not built side by side.  The warm-ups allocate outside the
+    launcher's memory pool (torch lets one thread at a time record into a pool, and the loads do); the capture's
+    allocations still come from the pool."""
 
     def __init__(self, launcher: "GpuLauncher"):
         self.launcher = launcher
