@@ -26,7 +26,10 @@ empty Inductor and Triton caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR).  A
 
 With ``--profile`` one more load per (model, tree) runs under cProfile, every engine warmed in the loading thread
 (a launcher's warm-up threads would be invisible to cProfile), and keeps the top functions by cumulative and own
-time.  Each load also times 200 graph replays back to back (``replay_ms``): a load-side change must not cost latency.
+time; that load also records every convolution call (``conv_calls``): torch's cuDNN plans are cached per key
+(shapes, strides, groups, dtype, layout and each pointer's alignment), so it counts the distinct keys, the seconds
+of each key's first call (synchronized: the plan's build) against the repeats', the pointer alignments seen, and
+the keys that cost most.  Each load also times 200 graph replays back to back (``replay_ms``): a load-side change must not cost latency.
 
 Builds record their wall time, report.json's per-stage ``timings`` and the shipped formats.
 
@@ -140,6 +143,58 @@ def _timed(owner, attr: str, acc: dict, key: str, count: str | None = None, when
     setattr(owner, attr, wrapper)
 
 
+def _alignment(t) -> int:
+    """The largest power of two up to 16 dividing the tensor's address: the alignment torch's cuDNN key holds."""
+    a = t.data_ptr()
+    return next(n for n in (16, 8, 4, 2, 1) if a % n == 0)
+
+
+def _conv_recorder(torch, acc: dict):
+    """Wrap ``torch.convolution`` (what the engines' wrappers call for cuDNN's convolutions) so that every call is
+    timed (synchronized) under an approximation of torch's cuDNN cache key."""
+    fn = torch.convolution
+    seen: dict = {}
+
+    def convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
+        key = (tuple(x.shape), tuple(x.stride()), tuple(w.shape), tuple(w.stride()), tuple(stride), tuple(padding),
+               tuple(dilation), bool(transposed), int(groups), str(x.dtype), b is not None,
+               _alignment(x), _alignment(w))
+        sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        try:
+            return fn(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
+        finally:
+            sync()
+            dt = time.perf_counter() - t0
+            first = key not in seen
+            seen[key] = seen.get(key, 0.0) + dt
+            acc["calls"] = acc.get("calls", 0) + 1
+            acc["first_s" if first else "repeat_s"] = acc.get("first_s" if first else "repeat_s", 0.0) + dt
+            if first:
+                for side, t in (("x", x), ("w", w)):
+                    h = acc.setdefault(f"{side}_alignment", {})
+                    h[str(_alignment(t))] = h.get(str(_alignment(t)), 0) + 1
+                shape_only = key[:11]
+                acc.setdefault("_shapes", set()).add(shape_only)
+                dw = acc.setdefault("_depthwise", {})
+                if int(groups) > 1 and int(groups) == x.shape[1]:
+                    dw["keys"] = dw.get("keys", 0) + 1
+                    dw["s"] = dw.get("s", 0.0) + dt
+
+    torch.convolution = convolution
+
+    def summary() -> dict:
+        out = {k: v for k, v in acc.items() if not k.startswith("_")}
+        out["keys"] = len(seen)
+        out["keys_without_alignment"] = len(acc.get("_shapes", ()))
+        out["depthwise_keys"] = acc.get("_depthwise", {})
+        out["top_keys"] = [[repr(k), round(v, 4)] for k, v in sorted(seen.items(), key=lambda kv: -kv[1])[:12]]
+        return out
+
+    return summary
+
+
 def _files(d: str | None) -> int:
     return sum(len(f) for _, _, f in os.walk(d)) if d and os.path.isdir(d) else 0
 
@@ -168,6 +223,7 @@ def load_child(bundle_path: str, profile: bool) -> dict:
            when=lambda a: (a[1] or {}).get("compiled") != "kernels")
     _timed(Bundle, "open", acc, "open_s")  # (a classmethod: the wrapper calls it bound, as ``Bundle.open`` is called)
     prof = None
+    conv_acc: dict = {}
     if profile:
         import cProfile
 
@@ -178,6 +234,7 @@ def load_child(bundle_path: str, profile: bool) -> dict:
 
         if hasattr(G, "_Warming"):  # a launcher that warms engines in threads of their own
             G._Warming.submit = submit
+        conv_summary = _conv_recorder(torch, conv_acc)
         prof = cProfile.Profile()
         prof.enable()
     t1 = time.perf_counter()
@@ -234,6 +291,7 @@ def load_child(bundle_path: str, profile: bool) -> dict:
         import io
         import pstats
 
+        res["conv_calls"] = conv_summary()
         for key, n in (("cumulative", 45), ("tottime", 30)):
             s = io.StringIO()
             pstats.Stats(prof, stream=s).sort_stats(key).print_stats(n)
@@ -436,6 +494,7 @@ def main(argv=None) -> int:
         print(json.dumps(brief, default=str), flush=True)
         if profiled and "profile_cumulative" in r:
             print("\n".join(r["profile_cumulative"][:40] + r.get("profile_tottime", [])[:30]), flush=True)
+            print(json.dumps({"conv_calls": r.get("conv_calls")}), flush=True)
         save()
     save()
     print(table(doc["summary"], doc["builds"]), flush=True)
