@@ -170,6 +170,7 @@ def _summary(res: dict) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="inception_v3")
+    ap.add_argument("--batch", type=int, default=1, help="the batch exported, built and profiled (torch.compile's too)")
     ap.add_argument("--top", type=int, default=4, help="engines listed kernel by kernel (the slowest; all go to the JSON)")
     ap.add_argument("--streams", type=int, default=None)
     ap.add_argument("--variants", default="fused", help="comma list of fused (cuDNN conv+bias+ReLU, the default engines) "
@@ -187,8 +188,9 @@ def main(argv=None) -> int:
     out.mkdir(parents=True, exist_ok=True)
     work = Path("/tmp/kernels_work")
     work.mkdir(exist_ok=True)
-    model, inputs = make_model(args.model)
-    onnx_path = work / f"{args.model}.onnx"
+    model, inputs = make_model(args.model, args.batch)
+    name = args.model if args.batch == 1 else f"{args.model}_b{args.batch}"
+    onnx_path = work / f"{name}.onnx"
     export(model, inputs, onnx_path)
     from parastream.pipeline.bench import measure
     from parastream.launcher.gpu import GpuLauncher
@@ -200,17 +202,17 @@ def main(argv=None) -> int:
     for variant in args.variants.split(","):
         torch_backend.FUSE_CONV_RELU = variant == "fused"
         t0 = time.perf_counter()
-        bundle = build(onnx_path, work / f"{args.model}_{variant}", backend="torch", precision="fp16", search=args.search,
+        bundle = build(onnx_path, work / f"{name}_{variant}", backend="torch", precision="fp16", search=args.search,
                        measure=args.search, force=True, streams=args.streams, optimization_level=args.opt_level)
         build_s = time.perf_counter() - t0
         res, multi = profile(bundle)
-        (out / f"kernels_{args.model}_{variant}.json").write_text(json.dumps(res, indent=1))
+        (out / f"kernels_{name}_{variant}.json").write_text(json.dumps(res, indent=1))
         report(res, args.top)
         if args.against_compile:
             theirs = profile_compile(args.model, model, inputs)
             ours = bundle_kernels(res)
             print(side_by_side(ours, theirs), flush=True)
-            (out / f"kernels_{args.model}_{variant}_vs_compile.json").write_text(
+            (out / f"kernels_{name}_{variant}_vs_compile.json").write_text(
                 json.dumps({"parastream": ours, "torch_compile": theirs,
                             "kept": (bundle.report.get("search") or {}).get("rules_chosen_count"),
                             "measured_choices": bundle.report.get("measured_choices")}, indent=1))
@@ -238,7 +240,7 @@ def main(argv=None) -> int:
         b, d = med[f"{variant} one stream"], med[f"{variant} streams"]
         summary[variant].update(d_ms=d, b_ms=b, b_over_d=b / d)
         print(f"{variant}: b/d = {b / d:.3f}")
-    (out / f"kernels_{args.model}_summary.json").write_text(json.dumps(summary, indent=1))
+    (out / f"kernels_{name}_summary.json").write_text(json.dumps(summary, indent=1))
     return 0
 
 

@@ -283,7 +283,16 @@ def _castlike(n: NodeView):
 
 @converter("MatMul")
 def _matmul(n):
+    """X·W; with X of rank 3 or more and W 2-d, as one matrix product over X's rows (leading dimensions
+    flattened by ``reshape``), which is what torch's Linear runs.  ``torch.matmul`` folds those dimensions only
+    when they are contiguous in memory, and else broadcasts W and runs a batched product: a transposed X, as
+    ``nn.MultiheadAttention(batch_first=True)`` exports its input projection (X [L, 1, E], a view of [1, L, E]),
+    became L matrix-vector products that each read the whole weight (ViT-B/16 on the H100, fp16, batch 1: one
+    "384x8" cuBLAS kernel of 70 µs per layer, half the model's time; bench/kernels.py --against-compile)."""
     torch = _torch()
+    if n.rank(0) >= 3 and n.rank(1) == 2:
+        (k, cols), rows = n.shape(1), n.shape(0)[:-1]
+        return lambda a, b: torch.matmul(a.reshape(-1, k), b).reshape(*rows, cols)
     return lambda a, b: torch.matmul(a, b)
 
 
@@ -786,7 +795,7 @@ def _gemm_activation(n: NodeView):
                                                        use_gelu=gelu).reshape(*rows, cols)
 
     def unfused(x, w, b):
-        y = torch.matmul(x, w) + b
+        y = torch.matmul(x.reshape(-1, k), w).reshape(*rows, cols) + b  # one product over the rows (``_matmul``)
         return F.gelu(y, approximate=approximate) if gelu else torch.relu(y)
 
     return unfused
@@ -1292,8 +1301,9 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
 
 
 #: what the converter writes for a given graph; part of a compiled engine's cache key (a cache entry holds the
-#: converted weights' layout): 2 stores a MatMul's constant weight transposed (``_linear_weights``)
-CONVERTER_VERSION = 2
+#: converted weights' layout): 2 stores a MatMul's constant weight transposed (``_linear_weights``); 3 multiplies
+#: an X of rank 3 or more by a 2-d W as one product over X's rows (``_matmul``)
+CONVERTER_VERSION = 3
 
 
 def _transposed_weight(fn):

@@ -2,7 +2,9 @@
 product runs as torch's Linear does (weight [out, in], cuBLAS's "TN" GEMM), where exporters leave X·W with W
 [in, out].  Checked against ONNX Runtime on the CPU (plain MatMul, 2-d and 3-d inputs, parastream's fused GEMM
 epilogue node); and where it must not fire: a weight another step also reads, a constant left operand, a 3-d
-weight, a weight that is a graph output, an integer weight."""
+weight, a weight that is a graph output, an integer weight.  And an X of rank 3 or more times a 2-d W runs as
+one product over X's rows even where its leading dimensions are not contiguous (a transposed X), where a
+batched product stays batched."""
 
 from __future__ import annotations
 
@@ -119,3 +121,49 @@ def test_the_converter_version_is_in_the_engine_cache_key():
 
     with mock.patch.object(onnx_torch, "CONVERTER_VERSION", onnx_torch.CONVERTER_VERSION + 1):
         assert torch_backend.cache_key(model, [], "float16", BuildOptions(), True, {}) != key
+
+
+class _Products(torch.overrides.TorchFunctionMode):
+    """The operand ranks of every ``torch.matmul`` the module calls."""
+
+    def __init__(self):
+        super().__init__()
+        self.ranks: list[tuple[int, int]] = []
+
+    def __torch_function__(self, func, types, args=(), kwargs=None):
+        if func is torch.matmul:
+            self.ranks.append((args[0].dim(), args[1].dim()))
+        return func(*args, **(kwargs or {}))
+
+
+def test_a_transposed_input_runs_as_one_matrix_product():
+    """nn.MultiheadAttention(batch_first=True) exports its input projection as X [L, 1, E] (a Transpose of
+    [1, L, E]) times W [E, 3E]: its leading dimensions are not contiguous, so ``torch.matmul`` would broadcast W
+    into L matrix-vector products; the converter multiplies X's rows as one [L, E] matrix instead."""
+    rng = np.random.default_rng(5)
+    N = helper.make_node
+    nodes = [N("Transpose", ["x"], ["xt"], perm=[1, 0, 2]), N("MatMul", ["xt", "w"], ["p"]),
+             N("Add", ["p", "b"], ["y"])]
+    model = _model(nodes, [("x", [1, 9, 8])], ["y"], [_w(rng, "w", (8, 24)), _w(rng, "b", (24,))])
+    feeds = {"x": rng.standard_normal((1, 9, 8)).astype(np.float32)}
+    mod = convert(model)
+    with torch.no_grad(), _Products() as seen:
+        got = mod(torch.from_numpy(feeds["x"]))
+    assert seen.ranks == [(2, 2)]
+    assert got[0].shape == (9, 1, 24)
+    np.testing.assert_allclose(got[0].numpy(), _ort(model, feeds)[0], rtol=1e-5, atol=1e-5)
+
+
+def test_batched_products_stay_batched():
+    """Must not fire: both operands 3-d (attention's products), and a 2-d X (already one product)."""
+    rng = np.random.default_rng(6)
+    N = helper.make_node
+    model = _model([N("MatMul", ["q", "k"], ["s"]), N("MatMul", ["x", "w"], ["y"])],
+                   [("q", [2, 5, 4]), ("k", [2, 4, 5]), ("x", [5, 4])], ["s", "y"], [_w(rng, "w", (4, 3))])
+    feeds = {n: rng.standard_normal(s).astype(np.float32) for n, s in (("q", (2, 5, 4)), ("k", (2, 4, 5)), ("x", (5, 4)))}
+    mod = convert(model)
+    with torch.no_grad(), _Products() as seen:
+        got = mod(*[torch.from_numpy(feeds[n]) for n in mod.input_names])
+    assert sorted(seen.ranks) == [(2, 2), (3, 3)]
+    for g, r in zip(got, _ort(model, feeds)):
+        np.testing.assert_allclose(g.numpy(), r, rtol=1e-5, atol=1e-5)
