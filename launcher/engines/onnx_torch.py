@@ -1317,11 +1317,12 @@ def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[
     """MatMul X·W and the GEMM-epilogue node act(X·W + B) with a constant 2-d W [K, N]: W stored transposed,
     [N, K] contiguous, and multiplied as the transposed view of that, which is torch's Linear layout (the weight
     [out, in]; cuBLAS's "TN" GEMM).  Exporters fold Linear's transpose into the constant, so a model exported
-    from PyTorch reaches here as X·W with W [in, out] ("NN"), for which cuBLAS's heuristics chose far slower
-    kernels: ViT-B/16 (H100, fp16, batch 1; bench/kernels.py --against-compile) spent 1095 µs per call in its
-    GEMMs (one "384x8" kernel 70 µs per layer) where torch.compile of the PyTorch model spent ~380 µs in the
-    same products with Linear's weights.  Only a weight that no other step reads and no graph output is
-    (``keep``); returns how many were stored transposed."""
+    from PyTorch reaches here as X·W with W [in, out] ("NN"); stored this way cuBLAS gets the problem
+    torch.compile of the PyTorch model gives it (every GEMM of ViT-B/16's engine runs the same "TN" kernels as
+    torch.compile's, bench/kernels.py --against-compile).  On its own it moved ViT-B/16 little on the H100
+    (1.536 -> 1.466 ms at batch 1): its slow "384x8" kernel was the batched product ``_matmul`` now avoids.
+    Only a weight that no other step reads and no graph output is (``keep``); returns how many were stored
+    transposed."""
     uses: dict[str, list[tuple[int, int]]] = {}
     for i, st in enumerate(steps):
         for j, a in enumerate(st.args):
