@@ -42,7 +42,7 @@ def _build(onnx_path: Path, out: Path, *, rules: list | None) -> tuple:
     from parastream.pipeline import build
 
     t0 = time.perf_counter()
-    kw = {} if rules is None else {"search_options": {"rules": rules}}
+    kw = {} if rules is None else {"search_options": {"rules": [r.name for r in rules]}}
     bundle = build(onnx_path, out, backend="torch", precision="fp16", search=rules is not None, measure=False,
                    force=True, **kw)
     rep = bundle.report
@@ -63,7 +63,9 @@ def main(argv=None) -> int:
     ap.add_argument("--work", default="/tmp/rule_ablation")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/bench_out"))
     args = ap.parse_args(argv)
+    # parastream first: a BERT run that made the model (imported transformers) first found no parastream package
     from parastream.launcher import load
+    from parastream.pipeline import build  # noqa: F401
     from parastream.pipeline.bench import measure
     from parastream.rewrite.rules import rules_for
 

@@ -580,7 +580,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         return
     with b.timed("search"):
         from parastream.rewrite import optimize_graph
-        from parastream.rewrite.rules import rules_for
+        from parastream.rewrite.rules import rules_for, rules_named
 
         # the search costs candidates on the number of streams the input would get
         b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
@@ -600,6 +600,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             # the search copies the carried graph and hands back the graph of the model it returns (no import);
             # it takes the rules whose fused nodes the build's engines run
             options = {"rules": rules_for(b.backend.name), **cfg.search_options}
+            if any(isinstance(r, str) for r in options["rules"]):  # rules given by name (a recorded option stays JSON)
+                options["rules"] = rules_named(options["rules"], b.backend.name)
             searched, graph, report = optimize_graph(b.model, b.graph, cost_model=b.cost_model,
                                                      streams=b.planned[1][0].num_streams, seed=cfg.seed,
                                                      measure=measurer, **options)

@@ -51,4 +51,24 @@ ALL_RULES: list[Rule] = rules_for(None)
 
 RULES_BY_NAME: dict[str, Rule] = {r.name: r for r in EVERY_RULE}
 
-__all__ = ["ALL_RULES", "EVERY_RULE", "RULES_BY_NAME", "Rule", "Site", "rules_for"]
+
+
+def rules_named(names: list, backend: str | None) -> list[Rule]:
+    """The rules of ``names`` (rule names, or rules) that a search for ``backend``'s engines may use; a name that
+    is no rule, or a rule whose fused nodes the backend does not run, is a ParastreamError naming it."""
+    from parastream.core.errors import ParastreamError
+
+    allowed = {r.name for r in rules_for(backend)}
+    out = []
+    for n in names:
+        name = n if isinstance(n, str) else n.name
+        if name not in RULES_BY_NAME:
+            raise ParastreamError(f"search option rules: {name!r} is not a rewrite rule (the rules: "
+                                  f"{', '.join(sorted(RULES_BY_NAME))})")
+        if name not in allowed:
+            raise ParastreamError(f"search option rules: {name!r} writes nodes the {backend} backend does not run")
+        out.append(RULES_BY_NAME[name])
+    return out
+
+
+__all__ = ["ALL_RULES", "EVERY_RULE", "RULES_BY_NAME", "Rule", "Site", "rules_for", "rules_named"]

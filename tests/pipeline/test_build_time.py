@@ -518,3 +518,22 @@ def test_the_build_compiles_the_speculative_alternatives_with_the_others(tmp_pat
     monkeypatch.setattr(build_module.Engines, "precompile", lambda self, variants, **k: compiled.append(variants[1:]))
     build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=1, search=False)
     assert compiled == [["unfused", "unfused of the winner"]]
+
+
+def test_search_rules_given_by_name_are_the_search_s_rules_and_recorded(tmp_path):
+    """``search_options={"rules": [names]}`` (what bench/rule_ablation.py passes): the search takes those rules
+    alone, and the report records them as names; a name that is no rule is a one-line error and writes nothing."""
+    import pytest
+
+    from parastream.core.errors import ParastreamError
+
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=2,
+                   search_options={"rules": ["fold_bn_and_affine", "merge_parallel_conv"]})
+    assert bundle.report["search"]["rules"] == ["fold_bn_and_affine", "merge_parallel_conv"]
+    assert set(bundle.report["search"].get("rules_chosen_count") or {}) <= {"fold_bn_and_affine", "merge_parallel_conv"}
+    json.dumps(bundle.report)
+    with pytest.raises(ParastreamError, match="'no_such_rule' is not a rewrite rule"):
+        build(SMALL_NET, tmp_path / "c", backend="onnxruntime", search_options={"rules": ["no_such_rule"]})
+    assert not (tmp_path / "c").exists()
+    with pytest.raises(ParastreamError, match="'fuse_attention' writes nodes the onnxruntime backend does not run"):
+        build(SMALL_NET, tmp_path / "d", backend="onnxruntime", search_options={"rules": ["fuse_attention"]})
