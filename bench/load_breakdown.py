@@ -155,15 +155,19 @@ def _conv_recorder(torch, acc: dict):
     fn = torch.convolution
     seen: dict = {}
 
-    def convolution(x, w, b, stride, padding, dilation, transposed, output_padding, groups):
-        key = (tuple(x.shape), tuple(x.stride()), tuple(w.shape), tuple(w.stride()), tuple(stride), tuple(padding),
-               tuple(dilation), bool(transposed), int(groups), str(x.dtype), b is not None,
-               _alignment(x), _alignment(w))
+    names = ("input", "weight", "bias", "stride", "padding", "dilation", "transposed", "output_padding", "groups")
+
+    def convolution(*args, **kwargs):  # the wrappers pass some arguments by keyword
+        a = dict(zip(names, args), **kwargs)
+        x, w, b, groups = a["input"], a["weight"], a.get("bias"), a["groups"]
+        key = (tuple(x.shape), tuple(x.stride()), tuple(w.shape), tuple(w.stride()), tuple(a["stride"]),
+               tuple(a["padding"]), tuple(a["dilation"]), bool(a["transposed"]), int(groups), str(x.dtype),
+               b is not None, _alignment(x), _alignment(w))
         sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()
         try:
-            return fn(x, w, b, stride, padding, dilation, transposed, output_padding, groups)
+            return fn(*args, **kwargs)
         finally:
             sync()
             dt = time.perf_counter() - t0

@@ -524,6 +524,7 @@ class _Build:
     engines_report: dict | None = None
     measured: dict | None = None
     timed_alternatives: dict | None = None  # the input's alternatives timed during the search (``GpuMeasurer``)
+    one_engine_timed: dict | None = None  # the kept candidate ran faster as one engine in the search (its times)
     precompiled: dict | None = None  # the engines of the plan and its timed alternatives compiled in one batch
     report: dict | None = None
     manifest: dict | None = None
@@ -609,6 +610,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
                 b.timed_alternatives = measurer.alternatives_timed()
             elif measurer is not None:  # a candidate kept: the input's rounds timed so far (``carried_rounds``)
                 b.timed_alternatives = measurer.rounds_timed()
+                b.one_engine_timed = measurer.one_engine_timed(searched)
         finally:
             if measurer is not None:
                 measurer.close()
@@ -629,6 +631,10 @@ def schedule_streams(b: _Build) -> None:
             b.sched, b.streams_tried = b.planned[1]
         else:
             b.sched, b.streams_tried = plan_streams(b.graph, b.cost_model, b.cfg.streams, b.cfg.max_streams)
+            if b.one_engine_timed and b.sched.num_streams > 1:  # the search timed this graph as one engine: faster
+                b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
+                _record_measured_streams(b.streams_tried, b.sched)
+                b.streams_tried[-1]["timed_in_search"] = b.one_engine_timed
 
 
 def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:

@@ -286,8 +286,9 @@ class GpuMeasurer:
     which it ships when no candidate wins, so that cost is the build's, not the search's (NASNet-A Large on the
     H100: its input's engines were compiled, loaded and timed 39 s after the measurer was made, which spent a
     20 s budget before any candidate; each candidate after it took ~2.4 s).
-    The second, slower than the input as built, is timed again with each kind of fused node it holds as plain
-    ops (``_with_fusions_off``): its fastest form is its time.
+    The second, slower than the input as built, is timed again as one engine where its plan has streams
+    (``_as_one_engine``), and its faster form with each kind of fused node it holds as plain ops
+    (``_with_fusions_off``): its fastest form is its time.
 
     ``prepare(models)`` compiles the next candidates' engines in the background; with the input it queues the
     input's alternatives too (``alternative_variants``), timed against the reference as their engines come in
@@ -316,6 +317,7 @@ class GpuMeasurer:
         self.prepared: list[onnx.ModelProto] = []
         self.early: dict = {}  # the input's alternatives: its plan, the rounds timed, the rest (round, variant, keys)
         self.alternatives_queued = False
+        self.one_engine_won: list[tuple[onnx.ModelProto, dict]] = []  # (candidate, its times): ``_as_one_engine``
 
     @classmethod
     def for_build(cls, engines: EngineMaker, options: BuildOptions, loaded: LoadedModel, **kw) -> "GpuMeasurer | None":
@@ -401,7 +403,10 @@ class GpuMeasurer:
             la.close()
         self.log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
         if ms > self.reference[1] and self.calls == 2:
-            ms = self._with_fusions_off(v, ms)
+            one, one_ms = self._as_one_engine(v, ms)
+            if one is not v:  # the build plans it as one engine if the search keeps it (``one_engine_timed``)
+                self.one_engine_won.append((model, self.log[-1]["streams_ms"]))
+            ms = self._with_fusions_off(one, one_ms)
         return ms / 1e3
 
     def _against_reference(self, la) -> float:
@@ -413,6 +418,33 @@ class GpuMeasurer:
         times = time_replays({"reference": ref, "candidate": la}, runs=self.runs, warmup=self.warmup,
                              lock=self.options.gpu_timing_lock)
         return float(np.median(times["candidate"]) / np.median(times["reference"]) * ref_ms)
+
+    def _as_one_engine(self, v: Variant, ms: float) -> tuple[Variant, float]:
+        """The faster of ``v`` as timed (``ms``) and, when ``v``'s plan has several streams, ``v`` as one engine
+        for the whole model, timed against the reference.
+
+        Whether a plan runs on streams is the build's timed choice for the graph it keeps (``time_alternatives``'
+        "streams" round), so a candidate must not lose the search for a stream plan the build would have
+        replaced: ViT-B/16 at batch 8 (H100, fp16) kept its input, one engine, and ran 0.78x of torch.compile,
+        after its best candidate had been timed as the cost model's 2-stream plan of 145 engines, 2.40 ms
+        against the input's 1.75 ms, where the same rewrite less one reshape merge, which the cost model planned
+        as one engine, ran 1.11 ms (bench/rule_ablation.py): the stream plan cost, not a rule.
+        Only for the cost model's best candidate, as ``_with_fusions_off``: it costs a compile."""
+        if getattr(v.plan, "num_streams", 1) <= 1:
+            return v, ms
+        one = replace(v, plan=self.engines.one_engine_plan(v.graph, v.plan))
+        la = self.engines.launcher(one)
+        try:
+            t = self._against_reference(la)
+        finally:
+            la.close()
+        self.log[-1]["streams_ms"] = {"plan": round(ms, 4), "one engine": round(t, 4)}
+        return (one, t) if t < ms else (v, ms)
+
+    def one_engine_timed(self, model: onnx.ModelProto) -> dict | None:
+        """The times when ``model`` (the candidate the search kept) ran faster as one engine than as its stream
+        plan (``_as_one_engine``): the build plans it as one engine without compiling the stream plan."""
+        return next((t for m, t in self.one_engine_won if m is model), None)
 
     def _with_fusions_off(self, v: Variant, ms: float) -> float:
         """The fastest of ``v`` as timed (``ms``) and ``v`` with each kind of fused node it holds run as its plain

@@ -277,7 +277,7 @@ def _fused_model(attention: bool, gemm: bool):
 
 class _Launcher:
     def __init__(self, v):
-        self.model, self.options, self.t_built, self.closed = v.model, v.options, 0.0, False
+        self.model, self.options, self.plan, self.t_built, self.closed = v.model, v.options, v.plan, 0.0, False
 
     def close(self):
         self.closed = True
@@ -349,3 +349,81 @@ def test_a_candidate_is_timed_once_where_fusions_off_could_not_change_the_decisi
     assert m.measure(cand) == pytest.approx(slow * 1e-3)
     assert len(launchers) == n + 1 and "fusions_off_ms" not in m.log[-1]
     m.close()
+
+
+@pytest.mark.parametrize("one_engine_ms", [0.7, 1.6])
+def test_the_best_candidate_is_timed_as_one_engine_where_its_plan_has_streams(monkeypatch, one_engine_ms):
+    """The cost model's best candidate, slower than the input as its stream plan, is timed again as one engine
+    for the whole model (the build's "streams" round would make it that): the faster form is its time and the
+    one its fused nodes are then timed off in; the log says what was timed."""
+    import types
+
+    from parastream.pipeline.measure import Variant
+
+    cand = _fused_model(False, True)
+    streams, one = types.SimpleNamespace(num_streams=2), types.SimpleNamespace(num_streams=1)
+
+    def ms_of(model, o, plan):  # the input 1.0 ms; the candidate 1.3 ms on streams, one_engine_ms as one engine,
+        if model is not cand:   # and 0.1 ms faster with its GEMM epilogue off
+            return 1.0
+        return (1.3 if plan is streams else one_engine_ms) - (0.0 if o.fuse_gemm_epilogue else 0.1)
+
+    import numpy as np
+
+    m, input_model, launchers = _timing_measurer(monkeypatch, None)
+    from parastream.pipeline import bench
+
+    monkeypatch.setattr(bench, "measure", lambda ls, **kw: {k: np.full(10, ms_of(la.model, la.options, la.plan))
+                                                            for k, la in ls.items()})
+    m.variant_of = lambda model: Variant(model, None, streams if model is cand else one, m.options)
+    m.engines.one_engine_plan = lambda graph, plan: one
+    m.measure(input_model)
+    best = min(1.3, one_engine_ms)
+    assert m.measure(cand) == pytest.approx((best - 0.1) * 1e-3)
+    assert [la.plan is one for la in launchers[1:]] == [False, True, best < 1.3]  # as planned, one engine, epilogue off
+    assert m.log[-1]["streams_ms"] == {"plan": 1.3, "one engine": one_engine_ms}
+    assert all(la.closed for la in launchers[1:])
+    m.close()
+
+
+def test_the_kept_candidate_that_ran_faster_as_one_engine_is_planned_as_one(monkeypatch, tmp_path):
+    """The measurer remembers the candidate whose one-engine form won (``one_engine_timed``, by identity of the
+    model the search passed), and the build's schedule then plans it as one engine, marked measured."""
+    import types
+
+    import numpy as np
+
+    from parastream.pipeline import bench
+    from parastream.pipeline.measure import Variant
+
+    cand = _fused_model(False, False)
+    streams, one = types.SimpleNamespace(num_streams=2), types.SimpleNamespace(num_streams=1)
+    m, input_model, launchers = _timing_measurer(monkeypatch, None)
+    monkeypatch.setattr(bench, "measure", lambda ls, **kw: {
+        k: np.full(10, 1.0 if la.model is not cand else (1.3 if la.plan is streams else 0.7)) for k, la in ls.items()})
+    m.variant_of = lambda model: Variant(model, None, streams if model is cand else one, m.options)
+    m.engines.one_engine_plan = lambda graph, plan: one
+    m.measure(input_model)
+    m.measure(cand)
+    assert m.one_engine_timed(cand) == {"plan": 1.3, "one engine": 0.7}
+    assert m.one_engine_timed(input_model) is None and m.one_engine_timed(_fused_model(False, False)) is None
+    m.close()
+
+    import onnx
+
+    from parastream.pipeline.build import _Build, schedule_streams
+    from parastream.pipeline.model_io import load_model
+
+    path = tmp_path / "inception_block.onnx"
+    onnx.save(zoo.MODELS["inception_block"](), path)  # four streams by the cost model
+    b = _Build.__new__(_Build)
+    b.graph, b.planned, b.timings = load_model(path).graph, (None, None), {}
+    b.cost_model = RooflineCostModel("H100-SXM", precision="fp16")
+    b.cfg = types.SimpleNamespace(streams=None, max_streams=4)
+    b.one_engine_timed = None
+    schedule_streams(b)
+    assert b.sched.num_streams > 1  # without the search's timing: the cost model's plan
+    b.one_engine_timed = {"plan": 1.3, "one engine": 0.7}
+    schedule_streams(b)
+    assert b.sched.num_streams == 1 and b.streams_tried[-1]["measured"] and b.streams_tried[-1]["chosen"]
+    assert b.streams_tried[-1]["timed_in_search"] == {"plan": 1.3, "one engine": 0.7}
