@@ -15,7 +15,10 @@ rounds):
 and, with ``--only``, ``only R``: the search with R alone.  Every bundle passes its own verification.  Their
 launchers (one process, one GPU) are timed in alternating blocks (``pipeline.bench.measure``: CUDA events, warm-up,
 fresh random inputs, medians); with ``--against-compile`` torch.compile(mode="reduce-overhead") of the PyTorch
-model at the same batch too.  A "without R" faster than "searched" names a rule that costs at this batch.
+model at the same batch too.  A "without R" faster than "searched" names a rule that costs at this batch, unless
+the two differ in their stream plans (the cost model's, as no round is timed: the streams column): ViT-B/16 at
+batch 8 (H100) ran 2.40 ms searched, on 2 streams, and 1.11 ms without a reshape merge, on one, which is what
+led the measured search to time its best candidate as one engine too (``GpuMeasurer._as_one_engine``).
 
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/rule_ablation.py --model vit_b_16 --batch 8 [--only] [--against-compile] --out $OUT
@@ -115,10 +118,11 @@ def main(argv=None) -> int:
         la.close()
     result.write_text(json.dumps(doc, indent=1))
     base = doc["median_ms"].get("searched")
-    print(f"{'variant':<40} {'ms':>8} {'vs searched':>12}  rules chosen")
+    print(f"{'variant':<40} {'ms':>8} {'vs searched':>12} {'streams':>8}  rules chosen")
     for v, ms in sorted(doc["median_ms"].items(), key=lambda kv: kv[1]):
-        rules = ",".join(f"{k}x{n}" for k, n in sorted((doc["builds"].get(v, {}).get("rules_chosen") or {}).items()))
-        print(f"{v:<40} {ms:8.3f} {base / ms if base else float('nan'):12.3f}  {rules}")
+        info = doc["builds"].get(v, {})
+        rules = ",".join(f"{k}x{n}" for k, n in sorted((info.get("rules_chosen") or {}).items()))
+        print(f"{v:<40} {ms:8.3f} {base / ms if base else float('nan'):12.3f} {info.get('streams', '-')!s:>8}  {rules}")
     return 0
 
 
