@@ -318,6 +318,7 @@ class GpuMeasurer:
         self.early: dict = {}  # the input's alternatives: its plan, the rounds timed, the rest (round, variant, keys)
         self.alternatives_queued = False
         self.one_engine_won: list[tuple[onnx.ModelProto, dict]] = []  # (candidate, its times): ``_as_one_engine``
+        self.input_streams = 0  # the streams of the input's plan, once it is prepared
 
     @classmethod
     def for_build(cls, engines: EngineMaker, options: BuildOptions, loaded: LoadedModel, **kw) -> "GpuMeasurer | None":
@@ -352,18 +353,31 @@ class GpuMeasurer:
         """Start compiling the engines of the next models the search will measure, on every compile worker in the
         background: a candidate is measured as soon as its own engines are compiled while the workers go on with
         the next ones, and the budget's end cancels what has not started.  With the first call (the input
-        first) the alternatives the build will time if it keeps the input are queued too, and kept."""
+        first) the alternatives the build will time if it keeps the input are queued too, and kept; with the cost
+        model's best candidate, planned on streams where the input is one engine, its one-engine form."""
         models = [m for m in models if not any(m is p for p in self.prepared)]
         if not models:
             return None
+        best = not any(p is not self.loaded.model for p in self.prepared)  # the cost model's best comes next
         self.prepared.extend(models)
         variants = [self.variant_of(m) for m in models]
+        for m, v in zip(models, variants):
+            if m is self.loaded.model:
+                self.input_streams = getattr(v.plan, "num_streams", 1)
         # the input's engines are never cancelled: the search measures the input first, or measures nothing and
         # keeps it; cancelled, they were compiled again only after the alternatives queued behind them
         got = self.engines.precompile(variants, background=True,
                                       cancellable=not any(m is self.loaded.model for m in models))
         if got is not None:
             got.pop("keys", None)
+        rival = next((v for m, v in zip(models, variants) if m is not self.loaded.model), None) if best else None
+        if got is not None and rival is not None and self.input_streams == 1 and getattr(rival.plan, "num_streams", 1) > 1:
+            # the cost model's best candidate planned on streams where the input is one engine: the streams are
+            # the rewrite's (ViT-B/16's and BERT's fused attention), and as one engine it ran twice as fast
+            # (``_as_one_engine``), which the build times either way (here, or in its "streams" round if the
+            # candidate wins as planned): compiled now, beside the plan, rather than after it
+            self.engines.precompile([replace(rival, plan=self.engines.one_engine_plan(rival.graph, rival.plan))],
+                                    background=True, cancellable=True)
         if not self.alternatives_queued and got is not None and got.get("background") is True:
             self.alternatives_queued = True
             named = alternative_variants(self.engines, variants[0])

@@ -427,3 +427,31 @@ def test_the_kept_candidate_that_ran_faster_as_one_engine_is_planned_as_one(monk
     schedule_streams(b)
     assert b.sched.num_streams == 1 and b.streams_tried[-1]["measured"] and b.streams_tried[-1]["chosen"]
     assert b.streams_tried[-1]["timed_in_search"] == {"plan": 1.3, "one engine": 0.7}
+
+
+@pytest.mark.parametrize("input_streams,candidate_streams,queued", [(1, 2, True), (4, 4, False), (1, 1, False)])
+def test_the_best_candidate_s_one_engine_form_compiles_beside_its_stream_plan(monkeypatch, input_streams,
+                                                                               candidate_streams, queued):
+    """Where the input is one engine and the cost model's best candidate is planned on streams, preparing that
+    candidate also queues its one-engine form (``_as_one_engine`` or the build's "streams" round times it);
+    not where the input has streams too, nor for a one-stream candidate, nor for later candidates."""
+    import types
+
+    from parastream.pipeline.measure import Variant
+
+    cand, later = _fused_model(False, True), _fused_model(True, False)
+    one = types.SimpleNamespace(num_streams=1)
+    m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: 1.0)
+    plans = {id(input_model): types.SimpleNamespace(num_streams=input_streams),
+             id(cand): types.SimpleNamespace(num_streams=candidate_streams),
+             id(later): types.SimpleNamespace(num_streams=2)}
+    m.variant_of = lambda model: Variant(model, None, plans[id(model)], m.options)
+    compiled = []
+    m.engines.precompile = lambda variants, **kw: compiled.append([v.plan for v in variants]) or {"background": False}
+    m.engines.one_engine_plan = lambda graph, plan: one
+    m.prepare([input_model])
+    m.prepare([cand])
+    m.prepare([later])
+    expected = [[plans[id(input_model)]], [plans[id(cand)]]] + ([[one]] if queued else []) + [[plans[id(later)]]]
+    assert compiled == expected
+    m.close()
