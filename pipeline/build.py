@@ -144,8 +144,11 @@ def check_runnable(loaded: LoadedModel, backend, reference: bool) -> None:
     if reference and backend is not ort_engines:
         checks.append((ort_engines.check_model, loaded.original))
     # ONNX Runtime's checks get the model's bytes serialized here, not in the child: a forked child writing 350 MB
-    # of new memory pays a copy-on-write fault per page (2.6 s against 0.7 s for a NASNet-sized model)
-    serialized = [model.SerializeToString() if check is ort_engines.check_model else None for check, model in checks]
+    # of new memory pays a copy-on-write fault per page (2.6 s against 0.7 s for a NASNet-sized model); the
+    # original's are the verification's too (``LoadedModel.original_bytes``)
+    serialized = [None if check is not ort_engines.check_model else
+                  loaded.original_bytes() if model is loaded.original else model.SerializeToString()
+                  for check, model in checks]
 
     def run_checks():
         for (check, model), data in zip(checks, serialized):
@@ -781,7 +784,8 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
         b.model = b.graph = None  # written; only the bundle runs from here
         rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
         result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
-                                  scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle)
+                                  scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle,
+                                  original_bytes=loaded.original_bytes())
         task.advance()
     b.report["verification"] = dict(result.to_dict(), **loaded_as)
     if not result.passed:

@@ -340,13 +340,14 @@ def seeded_inputs(original: onnx.ModelProto, inputs: list[TensorSpec], *, seed: 
 
 def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rtol: float, atol: float,
            scale_tol: float | None = None, seed: int = 1, iterations: int = 2,
-           input_ranges: dict[str, tuple] | None = None, load=None) -> Verification:
+           input_ranges: dict[str, tuple] | None = None, load=None, original_bytes: bytes | None = None) -> Verification:
     """Compare ``launcher`` with ONNX Runtime on ``original`` over ``iterations`` seeded random inputs.
 
     ``scale_tol`` None judges each output elementwise by rtol/atol; a number judges it by its
     scaled error (see the module docstring), rtol/atol then only feed the recorded statistics.
     ``input_ranges`` (name -> (min, max)) defaults to :func:`input_value_ranges` of ``original``.
     ``load`` (launcher None): a function that loads the launcher, called once the reference has run.
+    ``original_bytes``: ``original`` serialized, where the caller has it (``LoadedModel.original_bytes``).
     """
     from polygraphy import config as pg_config
     from polygraphy.backend.onnxrt import OnnxrtRunner, SessionFromOnnx
@@ -357,7 +358,8 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
     pg_config.INTERNAL_CORRECTNESS_CHECKS = False
     _polygraphy_without_torch_import()
     loader, ranges = seeded_inputs(original, inputs, seed=seed, iterations=iterations, input_ranges=input_ranges)
-    reference = OnnxrtRunner(SessionFromOnnx(original.SerializeToString(), providers=["cpu"]), name="onnxruntime")
+    data = original_bytes if original_bytes is not None else original.SerializeToString()
+    reference = OnnxrtRunner(SessionFromOnnx(data, providers=["cpu"]), name="onnxruntime")
     ours = LauncherRunner(launcher, inputs, load=load)
     results = Comparator.run([reference, ours], data_loader=loader)
     if scale_tol is None:
