@@ -97,7 +97,8 @@ class LoadedModel:
         """``original`` serialized, once: what ONNX Runtime loads for the early check and for the verification's
         reference.  Where the original is the file as read (no external data, every node named, no input shape
         fixed) that is the file's bytes, already read; serializing a 340 MB ViT-B/16 took 1.7-2.9 s on a 2-core
-        machine, twice per build."""
+        machine, twice per build.  They are held as long as the LoadedModel (a build: the model file's size in
+        memory beside its parsed form, which the two serializations also took while they lived)."""
         if self.original_data is None:
             self.original_data = self.original.SerializeToString()
         return self.original_data
