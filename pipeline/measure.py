@@ -161,6 +161,15 @@ def runs_gemm_epilogue(backend) -> bool:
     return backend.name in FuseGemmEpilogue.backends
 
 
+def fusions_off_forms(backend, v: Variant) -> list[tuple[str, Variant]]:
+    """``v`` with each kind of fused node it holds (attention, GEMM epilogue) run as its plain ops instead, where
+    ``backend`` runs that kind fused and ``v`` does: (the kind, the variant)."""
+    kinds = (("attention", "fuse_attention", runs_fused_attention, has_fused_attention),
+             ("GEMM epilogue", "fuse_gemm_epilogue", runs_gemm_epilogue, has_gemm_epilogue))
+    return [(what, replace(v, options=replace(v.options, **{flag: False}))) for what, flag, runs, has in kinds
+            if getattr(v.options, flag) and runs(backend) and has(v.model)]
+
+
 def plan_signature(plan) -> tuple:
     """What makes two plans load the same engines in the same order on the same streams (not the cost model's
     per-branch estimates)."""
@@ -207,11 +216,7 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     """The engines ``time_alternatives`` will load besides ``v``'s own, by round, guessed before it runs: the
     first round's choice is unknown, so the later rounds are taken with the fusion as it is (a choice that goes
     the other way compiles its engines then)."""
-    out = []
-    if v.options.fuse_attention and runs_fused_attention(engines.backend) and has_fused_attention(v.model):
-        out.append(("attention", replace(v, options=replace(v.options, fuse_attention=False))))
-    if v.options.fuse_gemm_epilogue and runs_gemm_epilogue(engines.backend) and has_gemm_epilogue(v.model):
-        out.append(("GEMM epilogue", replace(v, options=replace(v.options, fuse_gemm_epilogue=False))))
+    out = fusions_off_forms(engines.backend, v)
     if lowers_depthwise(engines.backend, v.options, v.model):
         out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
@@ -375,8 +380,11 @@ class GpuMeasurer:
             # the cost model's best candidate planned on streams where the input is one engine: the streams are
             # the rewrite's (ViT-B/16's and BERT's fused attention), and as one engine it ran twice as fast
             # (``_as_one_engine``), which the build times either way (here, or in its "streams" round if the
-            # candidate wins as planned): compiled now, beside the plan, rather than after it
-            self.engines.precompile([replace(rival, plan=self.engines.one_engine_plan(rival.graph, rival.plan))],
+            # candidate wins as planned), as it does that form with each fusion off (``_with_fusions_off`` here,
+            # the build's rounds for the graph it keeps): compiled now, beside the plan, rather than one after
+            # another once it is timed (ViT-B/16 at batch 8: ~25 s each, 60 s of its search after the plan's time)
+            one = replace(rival, plan=self.engines.one_engine_plan(rival.graph, rival.plan))
+            self.engines.precompile([one] + [f for _, f in fusions_off_forms(self.backend, one)],
                                     background=True, cancellable=True)
         if not self.alternatives_queued and got is not None and got.get("background") is True:
             self.alternatives_queued = True
@@ -471,12 +479,8 @@ class GpuMeasurer:
         Only for the cost model's best candidate (the search's second measurement, which every measured search
         makes): it costs a compile per kind."""
         tried: dict[str, float] = {}
-        kinds = (("attention", "fuse_attention", runs_fused_attention, has_fused_attention),
-                 ("GEMM epilogue", "fuse_gemm_epilogue", runs_gemm_epilogue, has_gemm_epilogue))
-        for what, flag, runs, has in kinds:
-            if not (getattr(v.options, flag) and runs(self.backend) and has(v.model)):
-                continue
-            other = self.engines.launcher(replace(v, options=replace(v.options, **{flag: False})))
+        for what, form in fusions_off_forms(self.backend, v):
+            other = self.engines.launcher(form)
             try:
                 tried[f"{what} as plain ops"] = self._against_reference(other)
             finally:

@@ -433,8 +433,9 @@ def test_the_kept_candidate_that_ran_faster_as_one_engine_is_planned_as_one(monk
 def test_the_best_candidate_s_one_engine_form_compiles_beside_its_stream_plan(monkeypatch, input_streams,
                                                                                candidate_streams, queued):
     """Where the input is one engine and the cost model's best candidate is planned on streams, preparing that
-    candidate also queues its one-engine form (``_as_one_engine`` or the build's "streams" round times it);
-    not where the input has streams too, nor for a one-stream candidate, nor for later candidates."""
+    candidate also queues its one-engine form and that form with each of its fusions off (``_as_one_engine``
+    and ``_with_fusions_off``, or the build's rounds, time them); not where the input has streams too, nor for
+    a one-stream candidate, nor for later candidates."""
     import types
 
     from parastream.pipeline.measure import Variant
@@ -447,11 +448,14 @@ def test_the_best_candidate_s_one_engine_form_compiles_beside_its_stream_plan(mo
              id(later): types.SimpleNamespace(num_streams=2)}
     m.variant_of = lambda model: Variant(model, None, plans[id(model)], m.options)
     compiled = []
-    m.engines.precompile = lambda variants, **kw: compiled.append([v.plan for v in variants]) or {"background": False}
+    m.engines.precompile = lambda variants, **kw: compiled.append(
+        [(v.plan, v.options.fuse_gemm_epilogue) for v in variants]) or {"background": False}
     m.engines.one_engine_plan = lambda graph, plan: one
     m.prepare([input_model])
     m.prepare([cand])
     m.prepare([later])
-    expected = [[plans[id(input_model)]], [plans[id(cand)]]] + ([[one]] if queued else []) + [[plans[id(later)]]]
+    # the candidate holds a GEMM epilogue node (and no attention node): one engine, with it on and off
+    expected = [[(plans[id(input_model)], True)], [(plans[id(cand)], True)]] + (
+        [[(one, True), (one, False)]] if queued else []) + [[(plans[id(later)], True)]]
     assert compiled == expected
     m.close()
