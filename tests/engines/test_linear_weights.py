@@ -167,3 +167,21 @@ def test_batched_products_stay_batched():
     assert sorted(seen.ranks) == [(2, 2), (3, 3)]
     for g, r in zip(got, _ort(model, feeds)):
         np.testing.assert_allclose(g.numpy(), r, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_transposed_input_product_builds_and_verifies_on_the_gpu(tmp_path):
+    """The same product as an engine compiled by Inductor on the GPU (fp16, the kernels the bundle ships), at the
+    sizes of one ViT-B/16 input projection at batch 2 (X [197, 2, 768] a Transpose of [2, 197, 768], W [768, 2304]):
+    the build's own verification against ONNX Runtime passes."""
+    from parastream.pipeline import build
+
+    rng = np.random.default_rng(7)
+    N = helper.make_node
+    nodes = [N("Transpose", ["x"], ["xt"], perm=[1, 0, 2]), N("MatMul", ["xt", "w"], ["p"]), N("Add", ["p", "b"], ["y"])]
+    model = _model(nodes, [("x", [2, 197, 768])], ["y"], [_w(rng, "w", (768, 2304)), _w(rng, "b", (2304,))])
+    onnx.save(model, tmp_path / "proj.onnx")
+    bundle = build(tmp_path / "proj.onnx", tmp_path / "b", backend="torch", precision="fp16", search=False,
+                   measure=False)
+    assert bundle.report["verification"]["passed"]
+    assert bundle.report["verification"]["engines_compiled_at_load"] == 0
