@@ -243,13 +243,7 @@ class _Warmer:
 
     def run(self, fn):
         """``fn()`` in the warm-up thread, on the launcher's device; its result or its error."""
-        device = self.launcher.device
-
-        def call():
-            cuda.set_device(device)  # a thread's current device is its own
-            return fn()
-
-        return self._submit(call).result()
+        return self._submit(self._on_device, fn).result()
 
     def close(self) -> None:
         """This launcher's warm-ups not begun are dropped and a running one ends (the thread stays: it is the

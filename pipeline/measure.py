@@ -212,6 +212,11 @@ def _internal_nhwc(backend, plan) -> bool:
     return bool(engine_layouts(plan, backend, internal_nhwc=True).nhwc)
 
 
+def one_engine_form(engines: EngineMaker, v: Variant) -> Variant:
+    """``v`` with its graph as one engine for the whole model on one stream (the "streams" round's rival)."""
+    return replace(v, plan=engines.one_engine_plan(v.graph, v.plan))
+
+
 def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Variant]]:
     """The engines ``time_alternatives`` will load besides ``v``'s own, by round, guessed before it runs: the
     first round's choice is unknown, so the later rounds are taken with the fusion as it is (a choice that goes
@@ -224,7 +229,7 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
         out.append(("boundary layout", replace(v, internal_nhwc=False)))
     if v.plan.num_streams > 1:
-        out.append(("streams", replace(v, plan=engines.one_engine_plan(v.graph, v.plan))))
+        out.append(("streams", one_engine_form(engines, v)))
     return out
 
 
@@ -368,7 +373,7 @@ class GpuMeasurer:
         variants = [self.variant_of(m) for m in models]
         for m, v in zip(models, variants):
             if m is self.loaded.model:
-                self.input_streams = getattr(v.plan, "num_streams", 1)
+                self.input_streams = v.plan.num_streams
         # the input's engines are never cancelled: the search measures the input first, or measures nothing and
         # keeps it; cancelled, they were compiled again only after the alternatives queued behind them
         got = self.engines.precompile(variants, background=True,
@@ -376,14 +381,14 @@ class GpuMeasurer:
         if got is not None:
             got.pop("keys", None)
         rival = next((v for m, v in zip(models, variants) if m is not self.loaded.model), None) if best else None
-        if got is not None and rival is not None and self.input_streams == 1 and getattr(rival.plan, "num_streams", 1) > 1:
+        if got is not None and rival is not None and self.input_streams == 1 and rival.plan.num_streams > 1:
             # the cost model's best candidate planned on streams where the input is one engine: the streams are
             # the rewrite's (ViT-B/16's and BERT's fused attention), and as one engine it ran twice as fast
             # (``_as_one_engine``), which the build times either way (here, or in its "streams" round if the
             # candidate wins as planned), as it does that form with each fusion off (``_with_fusions_off`` here,
             # the build's rounds for the graph it keeps): compiled now, beside the plan, rather than one after
             # another once it is timed (ViT-B/16 at batch 8: ~25 s each, 60 s of its search after the plan's time)
-            one = replace(rival, plan=self.engines.one_engine_plan(rival.graph, rival.plan))
+            one = one_engine_form(self.engines, rival)
             self.engines.precompile([one] + [f for _, f in fusions_off_forms(self.backend, one)],
                                     background=True, cancellable=True)
         if not self.alternatives_queued and got is not None and got.get("background") is True:
@@ -452,9 +457,9 @@ class GpuMeasurer:
         against the input's 1.75 ms, where the same rewrite less one reshape merge, which the cost model planned
         as one engine, ran 1.11 ms (bench/rule_ablation.py): the stream plan cost, not a rule.
         Only for the cost model's best candidate, as ``_with_fusions_off``: it costs a compile."""
-        if getattr(v.plan, "num_streams", 1) <= 1:
+        if v.plan.num_streams <= 1:
             return v, ms
-        one = replace(v, plan=self.engines.one_engine_plan(v.graph, v.plan))
+        one = one_engine_form(self.engines, v)
         la = self.engines.launcher(one)
         try:
             t = self._against_reference(la)
@@ -657,8 +662,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 "boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False)):
             chosen["internal_nhwc"] = False
         if v.plan.num_streams > 1 and round_won("streams", lambda: engines.launcher(
-                Variant(v.model, v.graph, engines.one_engine_plan(v.graph, v.plan),
-                        replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"])))):
+                replace(one_engine_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
+                        internal_nhwc=True))):
             chosen["one_engine"] = True
     finally:
         while held:

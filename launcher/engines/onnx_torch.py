@@ -291,9 +291,15 @@ def _matmul(n):
     "384x8" cuBLAS kernel of 70 µs per layer, half the model's time; bench/kernels.py --against-compile)."""
     torch = _torch()
     if n.rank(0) >= 3 and n.rank(1) == 2:
-        (k, cols), rows = n.shape(1), n.shape(0)[:-1]
-        return lambda a, b: torch.matmul(a.reshape(-1, k), b).reshape(*rows, cols)
+        return _product_over_rows(n)
     return lambda a, b: torch.matmul(a, b)
+
+
+def _product_over_rows(n: NodeView):
+    """X·W for X [..., K] and W [K, N] as one [rows, K]·[K, N] product, reshaped back (``_matmul``)."""
+    torch = _torch()
+    (k, cols), rows = n.shape(1), n.shape(0)[:-1]
+    return lambda a, b: torch.matmul(a.reshape(-1, k), b).reshape(*rows, cols)
 
 
 @converter("Gemm")
@@ -794,8 +800,10 @@ def _gemm_activation(n: NodeView):
         return lambda x, w, b: torch._addmm_activation(b.reshape(cols), x.reshape(-1, k), w,
                                                        use_gelu=gelu).reshape(*rows, cols)
 
+    product = _product_over_rows(n)
+
     def unfused(x, w, b):
-        y = torch.matmul(x.reshape(-1, k), w).reshape(*rows, cols) + b  # one product over the rows (``_matmul``)
+        y = product(x, w) + b
         return F.gelu(y, approximate=approximate) if gelu else torch.relu(y)
 
     return unfused

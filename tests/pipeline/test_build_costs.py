@@ -308,7 +308,7 @@ def _timing_measurer(monkeypatch, ms_of):
     input_model = _fused_model(False, False)
     m = GpuMeasurer(engines, BuildOptions(fuse_attention=True, fuse_gemm_epilogue=True),
                     types.SimpleNamespace(model=input_model, graph=None), streams=None, max_streams=4, budget_s=60.0)
-    m.variant_of = lambda model: Variant(model, None, "plan", m.options)
+    m.variant_of = lambda model: Variant(model, None, types.SimpleNamespace(num_streams=1), m.options)
     return m, input_model, loaded
 
 
