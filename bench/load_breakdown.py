@@ -163,6 +163,8 @@ def _conv_recorder(torch, acc: dict):
         key = (tuple(x.shape), tuple(x.stride()), tuple(w.shape), tuple(w.stride()), tuple(a["stride"]),
                tuple(a["padding"]), tuple(a["dilation"]), bool(a["transposed"]), int(groups), str(x.dtype),
                b is not None, _alignment(x), _alignment(w))
+        if x.is_cuda and torch.cuda.is_current_stream_capturing():  # the capture's calls: no sync may run there
+            return fn(*args, **kwargs)
         sync = torch.cuda.synchronize if x.is_cuda else (lambda: None)
         sync()
         t0 = time.perf_counter()

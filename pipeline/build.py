@@ -33,6 +33,7 @@ from .measure import (GpuMeasurer, Variant, alternative_variants, carried_rounds
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
 from .outdir import check_target, staging
+from parastream.core.blocks import split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
@@ -81,6 +82,9 @@ class BuildConfig:
     torch_artifact: str = "inductor"
     inductor_format: str = "kernels"
     conv_kernels: str = "auto"  # torch engines: depthwise convolutions as cuDNN calls or Inductor kernels (timed)
+    # a plan on one stream: one engine per repeated block ("blocks": blocks of equal code compile once; core/blocks.py)
+    # or one engine for the whole model ("whole"); "auto": blocks where the backend compiles equal code once
+    engine_blocks: str = "auto"
     compile_workers: int = 0
     gpu_timing_lock: bool = True  # GPU builds take turns with other processes' timing on the same GPU
     force: bool = False
@@ -112,14 +116,26 @@ def default_device_profile(backend) -> str:
     return "H100-SXM" if backend.gpu else "CPU"
 
 
-def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
-    """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates best."""
+def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int, *,
+                 blocks: bool = False) -> tuple[Schedule, list[dict]]:
+    """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates
+    best; with ``blocks``, a one-stream schedule has one engine per repeated block (``core.blocks``) instead of one
+    for the whole model, and the chosen row of the table says so."""
     if streams:
         sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound)
         est = estimate_latency(sched)
-        return sched, [{"streams": sched.num_streams, "engines": len(sched.branches), "critical_path_s": sched.makespan,
-                        "estimated_s": est, "chosen": True, "requested": streams}]
-    return choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
+        tried = [{"streams": sched.num_streams, "engines": len(sched.branches), "critical_path_s": sched.makespan,
+                  "estimated_s": est, "chosen": True, "requested": streams}]
+    else:
+        sched, tried = choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
+    if blocks and sched.num_streams == 1:
+        split = split_schedule(sched, graph.nodes)
+        if split is not sched:
+            row = next(t for t in tried if t["chosen"])
+            row["engines"] = len(split.branches)
+            row["engines_are"] = "repeated blocks"
+            sched = split
+    return sched, tried
 
 
 def _engine_layouts(plan, backend, options: BuildOptions, internal_nhwc: bool = True):
@@ -281,6 +297,17 @@ def _engines_loaded(runner) -> dict:
             **({"compiled_at_load_because": why} if why else {})}
 
 
+def engine_blocks(cfg: BuildConfig, backend) -> bool:
+    """Whether a one-stream plan of this build has one engine per repeated block (``BuildConfig.engine_blocks``):
+    "auto" cuts where the backend compiles blocks of equal code once (torch: Inductor's artifact reused by code);
+    TensorRT and ONNX Runtime optimize a whole model best as one engine or session."""
+    if cfg.engine_blocks not in ("auto", "blocks", "whole"):
+        raise ParastreamError(f"engine_blocks={cfg.engine_blocks!r}: use auto, blocks or whole")
+    if cfg.engine_blocks == "auto":
+        return backend.compiles_repeats_once
+    return cfg.engine_blocks == "blocks"
+
+
 def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
     """The engine options of a build of ``cfg`` with ``backend`` (manifest.json records them, ``_launcher_options``)."""
     return BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
@@ -333,6 +360,7 @@ class Engines:
     loaded: LoadedModel
     precision: str
     branches: BranchCache = field(default_factory=lambda: BranchCache())
+    blocks: bool = False  # a one-stream plan has one engine per repeated block (``plan_streams``)
 
     def plan_of_schedule(self, graph: gs.Graph, sched: Schedule):
         return make_plan(graph, sched, backend=self.backend.name, precision=self.precision, suffix=self.backend.suffix,
@@ -340,11 +368,16 @@ class Engines:
 
     def plan(self, graph: gs.Graph, streams: int | None, max_streams: int):
         """``graph`` scheduled on ``streams`` (else the count ``choose_streams`` estimates best) and planned."""
-        return self.plan_of_schedule(graph, plan_streams(graph, self.cost_model, streams, max_streams)[0])
+        return self.plan_of_schedule(graph, self.schedule(graph, streams, max_streams)[0])
+
+    def schedule(self, graph: gs.Graph, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
+        """``plan_streams`` of ``graph`` with this build's engines per one-stream plan."""
+        return plan_streams(graph, self.cost_model, streams, max_streams, blocks=self.blocks)
 
     def one_engine_plan(self, graph: gs.Graph, plan):
-        """``plan``'s graph as one engine on one stream (the rival ``time_alternatives`` times a multi-stream plan against)."""
-        return make_plan(graph, plan_streams(graph, self.cost_model, 1, 1)[0], backend=plan.backend,
+        """``plan``'s graph on one stream (the rival ``time_alternatives`` times a multi-stream plan against): one
+        engine, or one per repeated block where this build cuts one-stream plans so."""
+        return make_plan(graph, self.schedule(graph, 1, 1)[0], backend=plan.backend,
                          precision=plan.precision, suffix=self.backend.suffix, inputs=plan.inputs, outputs=plan.outputs)
 
     def manifest_of(self, v: Variant) -> dict:
@@ -535,7 +568,8 @@ class _Build:
 
     def __post_init__(self):
         if self.engines is None:
-            self.engines = Engines(self.backend, self.cost_model, self.loaded, self.cfg.precision)
+            self.engines = Engines(self.backend, self.cost_model, self.loaded, self.cfg.precision,
+                                   blocks=engine_blocks(self.cfg, self.backend))
 
     @contextlib.contextmanager
     def timed(self, stage: str):
@@ -587,7 +621,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         from parastream.rewrite.rules import rules_for, rules_named
 
         # the search costs candidates on the number of streams the input would get
-        b.planned = b.graph, plan_streams(b.graph, b.cost_model, cfg.streams, cfg.max_streams)
+        b.planned = b.graph, b.engines.schedule(b.graph, cfg.streams, cfg.max_streams)
         measurer = None
         if cfg.measure and measure:
             measurer = GpuMeasurer.for_build(b.engines, b.options, b.loaded, streams=cfg.streams,
@@ -633,9 +667,9 @@ def schedule_streams(b: _Build) -> None:
         if b.planned[0] is b.graph:  # the search changed nothing: the schedule planned for its stream count is this one
             b.sched, b.streams_tried = b.planned[1]
         else:
-            b.sched, b.streams_tried = plan_streams(b.graph, b.cost_model, b.cfg.streams, b.cfg.max_streams)
-            if b.one_engine_timed and b.sched.num_streams > 1:  # the search timed this graph as one engine: faster
-                b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
+            b.sched, b.streams_tried = b.engines.schedule(b.graph, b.cfg.streams, b.cfg.max_streams)
+            if b.one_engine_timed and b.sched.num_streams > 1:  # the search timed this graph on one stream: faster
+                b.sched, _ = b.engines.schedule(b.graph, 1, 1)
                 _record_measured_streams(b.streams_tried, b.sched)
                 b.streams_tried[-1]["timed_in_search"] = b.one_engine_timed
 
@@ -719,7 +753,7 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
         if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured, attention, gemm,
                                                                                           convs)):
             if measured["one_engine"]:
-                b.sched, _ = plan_streams(b.graph, b.cost_model, 1, 1)
+                b.sched, _ = b.engines.schedule(b.graph, 1, 1)
                 _record_measured_streams(b.streams_tried, b.sched)
                 b.make_plan()
             shutil.rmtree(tmp / "engines")

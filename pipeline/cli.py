@@ -141,6 +141,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor"],
                    help="torch backend: depthwise convolutions as cuDNN calls or as Inductor kernels, which start "
                         "faster (default auto: a GPU build times both)")
+    g.add_argument("--engine-blocks", default="auto", choices=["auto", "blocks", "whole"],
+                   help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "
+                        "engine for the whole model (default auto: blocks where the backend compiles equal code once, "
+                        "the torch backend)")
     g.add_argument("--compile-workers", type=int_in(0, 1024), default=0, metavar="N",
                    help="torch backend: processes compiling engines side by side (default 0: every core but one, at most 16)")
     g.add_argument("--no-gpu-timing-lock", action="store_true",
@@ -199,7 +203,7 @@ def cmd_build(args) -> int:
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force,
                       torch_artifact=args.torch_artifact, inductor_format=args.inductor_format,
-                      conv_kernels=args.conv_kernels,
+                      conv_kernels=args.conv_kernels, engine_blocks=args.engine_blocks,
                       compile_workers=args.compile_workers, gpu_timing_lock=not args.no_gpu_timing_lock,
                       keep_fp32=parse_keep_fp32(args.keep_fp32),
                       **({} if args.measure_seconds is None else {"measure_seconds": float(args.measure_seconds)}))

@@ -14,7 +14,7 @@ def gpu_backend(**kw):
 
     flags = dict(gpu=True, name="torch", suffix=".onnx", compiles_for_layout=False, builds_side_by_side=False,
                  background_compiles=False, fuses_conv_relu=True, lowers_convolutions=True, supports_internal_nhwc=True,
-                 supports_channel_views=True, warms_after_load=True)
+                 supports_channel_views=True, warms_after_load=True, compiles_repeats_once=False)
     return types.SimpleNamespace(**dict(flags, **kw))
 
 

@@ -77,3 +77,31 @@ def ort_reference(model: onnx.ModelProto, feeds: dict) -> dict:
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     names = [o.name for o in sess.get_outputs()]
     return dict(zip(names, sess.run(names, feeds)))
+
+
+def residual_stack_model(layers: int = 4, width: int = 32, tokens: int = 16, widths: list[int] | None = None,
+                         seed: int = 0) -> onnx.ModelProto:
+    """``layers`` pre-norm residual MLP blocks (LayerNorm, MatMul, bias Add, Relu, MatMul, residual Add) and a Relu:
+    a transformer's repetition in small.  ``widths``: each block's own hidden width (blocks of unequal code)."""
+    rng = np.random.default_rng(seed)
+    nodes, inits, x = [], [], "x"
+    for i in range(layers):
+        hidden = 2 * width if widths is None else widths[i]
+        p = f"l{i}"
+        inits += [numpy_helper.from_array(np.ones(width, np.float32), f"{p}.g"),
+                  numpy_helper.from_array(np.zeros(width, np.float32), f"{p}.b"),
+                  numpy_helper.from_array((rng.standard_normal((width, hidden)) * 0.1).astype(np.float32), f"{p}.w1"),
+                  numpy_helper.from_array((rng.standard_normal(hidden) * 0.1).astype(np.float32), f"{p}.b1"),
+                  numpy_helper.from_array((rng.standard_normal((hidden, width)) * 0.1).astype(np.float32), f"{p}.w2")]
+        nodes += [helper.make_node("LayerNormalization", [x, f"{p}.g", f"{p}.b"], [f"{p}.ln"], axis=-1, name=f"{p}/ln"),
+                  helper.make_node("MatMul", [f"{p}.ln", f"{p}.w1"], [f"{p}.m1"], name=f"{p}/mm1"),
+                  helper.make_node("Add", [f"{p}.m1", f"{p}.b1"], [f"{p}.a1"], name=f"{p}/bias"),
+                  helper.make_node("Relu", [f"{p}.a1"], [f"{p}.r"], name=f"{p}/relu"),
+                  helper.make_node("MatMul", [f"{p}.r", f"{p}.w2"], [f"{p}.m2"], name=f"{p}/mm2"),
+                  helper.make_node("Add", [f"{p}.m2", x], [f"{p}.out"], name=f"{p}/residual")]
+        x = f"{p}.out"
+    nodes.append(helper.make_node("Relu", [x], ["y"], name="head"))
+    graph = helper.make_graph(nodes, "residual_stack",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, tokens, width])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, tokens, width])], inits)
+    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])

@@ -16,7 +16,9 @@ What differs between backends is said by capability flags, never by the backend'
 (``start_workers``, ``precompile(background=True)``, ``compiling``, ``cancel_precompile`` and
 ``background_summary`` do something), ``fuses_conv_relu`` (``BuildOptions.fuse_conv_relu`` changes the engines),
 ``lowers_convolutions`` (so does ``BuildOptions.conv_kernels``), ``supports_internal_nhwc`` and ``supports_channel_views`` (what ``load`` takes of the launcher's layout),
-``warms_after_load`` (``load(warm=False)`` defers the engine's first call to ``engine.warm()``).  A backend
+``warms_after_load`` (``load(warm=False)`` defers the engine's first call to ``engine.warm()``),
+``compiles_repeats_once`` (branches of equal code compile once: the build cuts a one-stream plan into one engine
+per repeated block, ``core.blocks``).  A backend
 without a capability keeps the defaults below (``BuilderBase``, ``no_precompile``, ...).
 
 A ``BranchEngine`` names its inputs and outputs and has ``run(feeds)`` on the CPU
@@ -156,6 +158,7 @@ class Backend(Protocol):
     supports_internal_nhwc: bool
     supports_channel_views: bool
     warms_after_load: bool
+    compiles_repeats_once: bool
 
     def available(self) -> str | None: ...
 

@@ -26,6 +26,7 @@ lowers_convolutions = False
 supports_internal_nhwc = False
 supports_channel_views = False
 warms_after_load = False
+compiles_repeats_once = False
 
 
 def available() -> str | None:

@@ -72,6 +72,7 @@ lowers_convolutions = False
 supports_internal_nhwc = False
 supports_channel_views = False
 warms_after_load = False
+compiles_repeats_once = False
 
 INSTALL_HINT = ("pip install tensorrt from NVIDIA's index (pip install --extra-index-url https://pypi.nvidia.com "
                 "tensorrt cuda-python), or use an NGC TensorRT/PyTorch container (see the Dockerfile)")

@@ -93,6 +93,9 @@ background_compiles = True
 fuses_conv_relu = True
 lowers_convolutions = True  # BuildOptions.conv_kernels: depthwise convolutions as Inductor kernels
 warms_after_load = True
+#: branches whose traced code is equal compile once (``_code_id``): a one-stream plan is cut into one engine per
+#: repeated block (``core.blocks``) rather than compiled as one engine, whose every block is lowered again
+compiles_repeats_once = True
 #: on the GPU, a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU (one kernel instead of
 #: a convolution and a Triton bias+ReLU kernel); set False before loading to get the unfused engines
 FUSE_CONV_RELU = True

@@ -12,7 +12,7 @@ import pytest
 from parastream.launcher.engines import BACKENDS, base, get_backend
 
 FLAGS = ("compiles_for_layout", "builds_side_by_side", "background_compiles", "fuses_conv_relu", "lowers_convolutions",
-         "supports_internal_nhwc", "supports_channel_views", "warms_after_load")
+         "supports_internal_nhwc", "supports_channel_views", "warms_after_load", "compiles_repeats_once")
 
 
 def _members(protocol) -> tuple[dict[str, object], dict[str, inspect.Signature]]:

@@ -411,7 +411,7 @@ def test_the_kept_candidate_that_ran_faster_as_one_engine_is_planned_as_one(monk
 
     import onnx
 
-    from parastream.pipeline.build import _Build, schedule_streams
+    from parastream.pipeline.build import Engines, _Build, schedule_streams
     from parastream.pipeline.model_io import load_model
 
     path = tmp_path / "inception_block.onnx"
@@ -419,6 +419,7 @@ def test_the_kept_candidate_that_ran_faster_as_one_engine_is_planned_as_one(monk
     b = _Build.__new__(_Build)
     b.graph, b.planned, b.timings = load_model(path).graph, (None, None), {}
     b.cost_model = RooflineCostModel("H100-SXM", precision="fp16")
+    b.engines = Engines(None, b.cost_model, None, "fp16")
     b.cfg = types.SimpleNamespace(streams=None, max_streams=4)
     b.one_engine_timed = None
     schedule_streams(b)
