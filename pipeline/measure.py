@@ -234,13 +234,14 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
 
 
 def speculative_variants(engines: EngineMaker, v: Variant) -> list[Variant]:
-    """For a plan of one engine: each later round's alternative as it would be raced if an earlier round's
+    """For a plan on one stream: each later round's alternative as it would be raced if an earlier round's
     alternative won (``time_alternatives`` races the winner), compiled in the same batch as the others.  A
-    one-engine plan is one compile job per variant, so the compile workers are otherwise idle while the build
+    one-stream plan is one compile job per variant, or one per distinct repeated block (``core.blocks``), so the
+    compile workers are otherwise idle while the build
     waits for its longest job: queued up front, the second-level alternative compiles beside the first instead
     of after it (MixNet-S, H100: Inductor's depthwise kernels won the first round, and the conv+ReLU round then
     waited 73 s for its alternative of that winner)."""
-    if len(v.plan.branches) != 1:
+    if v.plan.num_streams != 1:
         return []
     named = alternative_variants(engines, v)
     out = []

@@ -490,16 +490,20 @@ def test_a_one_engine_plan_compiles_the_later_rounds_alternatives_of_an_earlier_
             out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
         if v.options.fuse_conv_relu:
             out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
-        if len(v.plan.branches) > 1:
-            out.append(("streams", replace(v, plan=types.SimpleNamespace(branches=[0]))))
+        if v.plan.num_streams > 1:
+            out.append(("streams", replace(v, plan=types.SimpleNamespace(branches=[0], num_streams=1))))
         return out
 
     monkeypatch.setattr(measure, "alternative_variants", rounds)
-    one = Variant(None, None, types.SimpleNamespace(branches=[0]), BuildOptions(conv_kernels="auto", fuse_conv_relu=True))
+    one = Variant(None, None, types.SimpleNamespace(branches=[0], num_streams=1),
+                  BuildOptions(conv_kernels="auto", fuse_conv_relu=True))
     got = speculative_variants(None, one)
     assert [(x.options.conv_kernels, x.options.fuse_conv_relu) for x in got] == [("inductor", False)]
     assert speculative_variants(None, replace(one, options=replace(one.options, conv_kernels="cudnn"))) == []  # one round
-    assert speculative_variants(None, replace(one, plan=types.SimpleNamespace(branches=[0, 1]))) == []
+    # one stream cut into blocks: the same rounds; several streams: none
+    blocks = replace(one, plan=types.SimpleNamespace(branches=[0, 1, 2], num_streams=1))
+    assert [(x.options.conv_kernels, x.options.fuse_conv_relu) for x in speculative_variants(None, blocks)] == [("inductor", False)]
+    assert speculative_variants(None, replace(one, plan=types.SimpleNamespace(branches=[0, 1], num_streams=2))) == []
 
 
 def test_the_build_compiles_the_speculative_alternatives_with_the_others(tmp_path, monkeypatch):
