@@ -370,14 +370,21 @@ class Engines:
         """``graph`` scheduled on ``streams`` (else the count ``choose_streams`` estimates best) and planned."""
         return self.plan_of_schedule(graph, self.schedule(graph, streams, max_streams)[0])
 
-    def schedule(self, graph: gs.Graph, streams: int | None, max_streams: int) -> tuple[Schedule, list[dict]]:
-        """``plan_streams`` of ``graph`` with this build's engines per one-stream plan."""
-        return plan_streams(graph, self.cost_model, streams, max_streams, blocks=self.blocks)
+    def schedule(self, graph: gs.Graph, streams: int | None, max_streams: int, *,
+                 whole: bool = False) -> tuple[Schedule, list[dict]]:
+        """``plan_streams`` of ``graph`` with this build's engines per one-stream plan (``whole``: one engine for
+        the whole model, the "engine blocks" round's rival and winner)."""
+        return plan_streams(graph, self.cost_model, streams, max_streams, blocks=self.blocks and not whole)
 
-    def one_engine_plan(self, graph: gs.Graph, plan):
+    def one_stream_plan(self, graph: gs.Graph, plan):
         """``plan``'s graph on one stream (the rival ``time_alternatives`` times a multi-stream plan against): one
         engine, or one per repeated block where this build cuts one-stream plans so."""
         return make_plan(graph, self.schedule(graph, 1, 1)[0], backend=plan.backend,
+                         precision=plan.precision, suffix=self.backend.suffix, inputs=plan.inputs, outputs=plan.outputs)
+
+    def whole_engine_plan(self, graph: gs.Graph, plan):
+        """``plan``'s graph as one engine for the whole model (the rival of a plan cut into repeated blocks)."""
+        return make_plan(graph, self.schedule(graph, 1, 1, whole=True)[0], backend=plan.backend,
                          precision=plan.precision, suffix=self.backend.suffix, inputs=plan.inputs, outputs=plan.outputs)
 
     def manifest_of(self, v: Variant) -> dict:
@@ -750,10 +757,11 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
                 b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", gemm)
                 b.options.conv_kernels = measured.get("conv_kernels", convs)
         b.measured = measured
-        if measured and (measured["one_engine"] or compiled_for_other_choices(b.backend, fused, measured, attention, gemm,
-                                                                                          convs)):
-            if measured["one_engine"]:
-                b.sched, _ = b.engines.schedule(b.graph, 1, 1)
+        whole = bool(measured and measured.get("whole_engine"))
+        if measured and (measured["one_engine"] or whole
+                         or compiled_for_other_choices(b.backend, fused, measured, attention, gemm, convs)):
+            if measured["one_engine"] or whole:
+                b.sched, _ = b.engines.schedule(b.graph, 1, 1, whole=whole)
                 _record_measured_streams(b.streams_tried, b.sched)
                 b.make_plan()
             shutil.rmtree(tmp / "engines")

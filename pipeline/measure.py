@@ -63,7 +63,9 @@ class EngineMaker(Protocol):
 
     def manifest_of(self, variant: Variant) -> dict: ...
 
-    def one_engine_plan(self, graph: gs.Graph, plan: "Plan") -> "Plan": ...
+    def one_stream_plan(self, graph: gs.Graph, plan: "Plan") -> "Plan": ...
+
+    def whole_engine_plan(self, graph: gs.Graph, plan: "Plan") -> "Plan": ...
 
     def launcher(self, variant: Variant): ...
 
@@ -97,7 +99,8 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
 
 
 # -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
-ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "conv+ReLU", "boundary layout", "streams")  # time_alternatives' rounds, in the order it times them
+ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "conv+ReLU", "boundary layout", "streams",
+          "engine blocks")  # time_alternatives' rounds, in the order it times them
 
 
 def round_labels(what: str, plan) -> tuple[str, str]:
@@ -108,7 +111,8 @@ def round_labels(what: str, plan) -> tuple[str, str]:
             "depthwise convolutions": ("depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
-            "streams": (f"{plan.num_streams}-stream plan", "one engine for the whole model")}[what]
+            "streams": (f"{plan.num_streams}-stream plan", "one stream"),
+            "engine blocks": ("one engine per repeated block", "one engine for the whole model")}[what]
 
 
 def runs_fused_attention(backend) -> bool:
@@ -123,11 +127,21 @@ def runs_fused_attention(backend) -> bool:
 #: ship compiled, where cuDNN builds an execution plan per convolution at every process's first call (MixNet-S:
 #: 3.0 s against 8.0 s to a fresh process's first result, H100), so at equal speed they are the better bundle
 PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02}
+#: rounds whose alternative is kept only when it is faster by more than this share: engines per repeated block
+#: compile once per distinct block and load faster (ViT-B/16, H100: 24 s to build and 2.7 s to load against 30 s
+#: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks)
+PREFER_CURRENT_WITHIN = {"engine blocks": 0.02}
 
 
 #: a round that the input's plan decided by at least this share is taken as decided for a rewritten plan that
 #: replaced the input (a candidate the search kept): its alternative is neither compiled nor timed again
 CARRY_MARGIN = 0.10
+
+
+#: rounds taken from the input's plan for a rewritten plan whatever their margin: where a one-stream model is cut
+#: is a matter of its repeated structure, which a rewrite changes alike in every block, and its alternative is a
+#: whole-model compile (ViT-B/16: ~20 s on the H100), which the blocks exist to save
+CARRIED_ALWAYS = frozenset({"engine blocks"})
 
 
 def carried_rounds(rounds: list[dict]) -> list[dict]:
@@ -140,7 +154,7 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
     out = []
     for r in rounds:
         t = sorted(float(x) for x in (r.get("timed_ms") or {}).values())
-        if len(t) == 2 and t[0] > 0 and t[1] / t[0] - 1 >= CARRY_MARGIN:
+        if len(t) == 2 and t[0] > 0 and (t[1] / t[0] - 1 >= CARRY_MARGIN or r.get("choice") in CARRIED_ALWAYS):
             out.append(dict(r, timed=f"on the input's plan ({t[1] / t[0] - 1:.0%} apart), taken for the rewritten plan"))
     return out
 
@@ -212,9 +226,21 @@ def _internal_nhwc(backend, plan) -> bool:
     return bool(engine_layouts(plan, backend, internal_nhwc=True).nhwc)
 
 
-def one_engine_form(engines: EngineMaker, v: Variant) -> Variant:
-    """``v`` with its graph as one engine for the whole model on one stream (the "streams" round's rival)."""
-    return replace(v, plan=engines.one_engine_plan(v.graph, v.plan))
+def one_stream_form(engines: EngineMaker, v: Variant) -> Variant:
+    """``v`` with its graph on one stream (the "streams" round's rival): one engine for the whole model, or one
+    per repeated block where the build cuts one-stream plans so (``Engines.blocks``)."""
+    return replace(v, plan=engines.one_stream_plan(v.graph, v.plan))
+
+
+def cut_in_blocks(plan) -> bool:
+    """Whether ``plan`` is one stream of several engines: a one-stream schedule is one engine unless the build
+    cut it into repeated blocks (``core.blocks``)."""
+    return plan.num_streams == 1 and len(plan.branches) > 1
+
+
+def whole_engine_form(engines: EngineMaker, v: Variant) -> Variant:
+    """``v`` with its graph as one engine for the whole model (the "engine blocks" round's rival)."""
+    return replace(v, plan=engines.whole_engine_plan(v.graph, v.plan))
 
 
 def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Variant]]:
@@ -229,7 +255,9 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
         out.append(("boundary layout", replace(v, internal_nhwc=False)))
     if v.plan.num_streams > 1:
-        out.append(("streams", one_engine_form(engines, v)))
+        out.append(("streams", one_stream_form(engines, v)))
+    if cut_in_blocks(v.plan):
+        out.append(("engine blocks", whole_engine_form(engines, v)))
     return out
 
 
@@ -246,7 +274,7 @@ def speculative_variants(engines: EngineMaker, v: Variant) -> list[Variant]:
     named = alternative_variants(engines, v)
     out = []
     for i, (what, first) in enumerate(named):
-        if what in ("boundary layout", "streams"):  # a layout or plan alternative changes no later round's engines
+        if what in ("boundary layout", "streams", "engine blocks"):  # a layout or plan changes no later round's engines
             continue
         later = {w for w, _ in named[i + 1:]}
         out += [alt for w, alt in alternative_variants(engines, first) if w in later]
@@ -276,9 +304,13 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
     within = PREFER_ALTERNATIVE_WITHIN.get(what)
     if within is not None and float(np.median(times[keys[1]])) <= float(np.median(times[keys[0]])) * (1 + within):
         chosen = keys[1]
+    keep = PREFER_CURRENT_WITHIN.get(what)
+    if keep is not None and float(np.median(times[keys[0]])) <= float(np.median(times[keys[1]])) * (1 + keep):
+        chosen = keys[0]
     rounds.append({"choice": what, "timed_ms": {k: float(np.median(v)) for k, v in times.items()}, "won": chosen,
                    "load_s": round(t0 - since, 3), "timed_s": round(time.perf_counter() - t0, 3),
-                   **({"alternative_kept_within": within} if within is not None else {})})
+                   **({"alternative_kept_within": within} if within is not None else {}),
+                   **({"current_kept_within": keep} if keep is not None else {})})
     return chosen == keys[1]
 
 
@@ -389,7 +421,7 @@ class GpuMeasurer:
             # candidate wins as planned), as it does that form with each fusion off (``_with_fusions_off`` here,
             # the build's rounds for the graph it keeps): compiled now, beside the plan, rather than one after
             # another once it is timed (ViT-B/16 at batch 8: ~25 s each, 60 s of its search after the plan's time)
-            one = one_engine_form(self.engines, rival)
+            one = one_stream_form(self.engines, rival)
             self.engines.precompile([one] + [f for _, f in fusions_off_forms(self.backend, one)],
                                     background=True, cancellable=True)
         if not self.alternatives_queued and got is not None and got.get("background") is True:
@@ -460,7 +492,7 @@ class GpuMeasurer:
         Only for the cost model's best candidate, as ``_with_fusions_off``: it costs a compile."""
         if v.plan.num_streams <= 1:
             return v, ms
-        one = one_engine_form(self.engines, v)
+        one = one_stream_form(self.engines, v)
         la = self.engines.launcher(one)
         try:
             t = self._against_reference(la)
@@ -541,7 +573,7 @@ class GpuMeasurer:
                 early["stopped"] = f"{what}: {type(e).__name__}: {e}"
                 return
             early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
-            if won and what != "streams":
+            if won and what not in ("streams", "engine blocks"):
                 early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
 
     def rounds_timed(self) -> dict | None:
@@ -567,13 +599,13 @@ class GpuMeasurer:
         if early.get("todo") or early.get("stopped"):
             return {"partial": True, "rounds": early["rounds"], "plan": early["plan"],
                     "timed": f"{plural(len(early['rounds']), 'round')} during the search, the rest after it"}
-        one = any(r["choice"] == "streams" and r["won"] == round_labels("streams", early["plan"])[1]
-                  for r in early["rounds"])
+        one, whole = (any(r["choice"] == what and r["won"] == round_labels(what, early["plan"])[1]
+                          for r in early["rounds"]) for what in ("streams", "engine blocks"))
         return {"fuse_conv_relu": bool(self.options.fuse_conv_relu and self.backend.fuses_conv_relu),
                 "fuse_attention": bool(self.options.fuse_attention and runs_fused_attention(self.backend)),
                 "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue and runs_gemm_epilogue(self.backend)),
                 "conv_kernels": conv_kernels_used(self.options.conv_kernels),
-                "internal_nhwc": True, "one_engine": one, "rounds": early["rounds"], "runs": self.runs,
+                "internal_nhwc": True, "one_engine": one, "whole_engine": whole, "rounds": early["rounds"], "runs": self.runs,
                 "timed": "during the search", "plan": early["plan"]}
 
 
@@ -589,14 +621,16 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     kernels (``conv_kernels`` "auto" only; the Inductor kernels kept unless over 2% slower: they start faster),
     (1) engines with and without cuDNN's fused conv + bias
     (+ residual) + ReLU, (2) channels-last against contiguous internal boundaries (when the plan has
-    channels-last internal boundaries), (3) the plan against one engine
-    for the whole model (when the plan has several streams).  Engines compiled for a layout
+    channels-last internal boundaries), (3) the plan against the same graph on one stream (when the plan has
+    several streams), (4) one engine per repeated block against one engine for the whole model (when the plan
+    is one stream cut into blocks; the blocks kept unless over 2% slower: they compile and load faster).  Engines compiled for a layout
     (``compiles_for_layout``) are compiled for each alternative; others load as they are with other launcher
     settings.  ``timed``: rounds timed already, against ``v``'s plan during the search
     (``GpuMeasurer.alternatives_timed``) or, decided by a wide margin, against the input's plan that ``v``'s
     rewrite replaced (``carried_rounds``): taken as they are, not timed again; what a round races is loaded only
     when it is timed here.  Returns {"rounds": [...], "fuse_attention", "fuse_gemm_epilogue", "conv_kernels",
-    "fuse_conv_relu", "internal_nhwc", "one_engine"} with the faster of each round, or None when there is no GPU or nothing to choose."""
+    "fuse_conv_relu", "internal_nhwc", "one_engine", "whole_engine"} with the faster of each round, or None when there
+    is no GPU or nothing to choose."""
     from parastream.launcher.gpu import GpuLauncher
 
     backend = engines.backend
@@ -606,7 +640,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     attention = bool(v.options.fuse_attention and runs_fused_attention(backend))
     gemm = bool(v.options.fuse_gemm_epilogue and runs_gemm_epilogue(backend))
     convs = conv_kernels_used(v.options.conv_kernels)
-    chosen = {"fuse_conv_relu": fused, "internal_nhwc": True, "one_engine": False, "fuse_attention": attention,
+    chosen = {"fuse_conv_relu": fused, "internal_nhwc": True, "one_engine": False, "whole_engine": False,
+              "fuse_attention": attention,
               "fuse_gemm_epilogue": gemm, "conv_kernels": convs}
     done = {r["choice"]: r for r in timed}
     rounds: list[dict] = []
@@ -631,7 +666,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
         if what in done:
             rounds.append({**done[what], "timed": done[what].get("timed", "during the search")})
             won = done[what]["won"] == round_labels(what, v.plan)[1]
-            if won and what != "streams":
+            if won and what not in ("streams", "engine blocks"):
                 while held:  # loaded for the choices before this one (none: the search's rounds come first)
                     held.pop().close()
             return won
@@ -639,7 +674,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
         other = make_other()
         won = race(rounds, what, cur, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
         since[0] = time.perf_counter()
-        if won and what != "streams":  # the later rounds race the winner
+        if won and what not in ("streams", "engine blocks"):  # the later rounds race the winner
             held[0], other = other, cur
         other.close()
         return won
@@ -663,9 +698,13 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 "boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False)):
             chosen["internal_nhwc"] = False
         if v.plan.num_streams > 1 and round_won("streams", lambda: engines.launcher(
-                replace(one_engine_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
+                replace(one_stream_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
                         internal_nhwc=True))):
             chosen["one_engine"] = True
+        if cut_in_blocks(v.plan) and round_won("engine blocks", lambda: engines.launcher(
+                replace(whole_engine_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
+                        internal_nhwc=True))):
+            chosen["whole_engine"] = True
     finally:
         while held:
             held.pop().close()

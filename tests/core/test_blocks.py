@@ -106,3 +106,85 @@ def test_an_unknown_engine_blocks_value_is_a_one_line_error(tmp_path):
     with pytest.raises(ParastreamError, match="engine_blocks='layers'"):
         build(path, tmp_path / "out", backend="onnxruntime", engine_blocks="layers", search=False, measure=False)
     assert not (tmp_path / "out").exists()
+
+
+# -- the "engine blocks" round: the blocks against one engine for the whole model, timed on the GPU (stand-ins) --
+@pytest.mark.parametrize("blocks_ms, whole_ms, whole_kept", [(1.0, 0.9, True), (1.0, 0.99, False), (0.9, 1.0, False)])
+def test_the_round_keeps_the_blocks_unless_the_whole_engine_is_over_2_percent_faster(monkeypatch, blocks_ms, whole_ms,
+                                                                                      whole_kept):
+    import types
+
+    from gpu_build_fakes import fake_gpu, gpu_backend
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+    from parastream.pipeline.measure import Variant, time_alternatives
+
+    monkeypatch.setattr(measure, "_internal_nhwc", lambda backend, plan: False)
+    _, made = fake_gpu(monkeypatch, {("bundle", False, None): blocks_ms, ("whole", None, None): whole_ms})
+    blocked = types.SimpleNamespace(num_streams=1, branches=[0, 1, 2])
+    whole = types.SimpleNamespace(num_streams=1, branches=[0])
+
+    def launcher(v):
+        la = types.SimpleNamespace(kind=("whole", None, None) if v.plan is whole else ("blocks", None, None), closed=False)
+        la.close = lambda: setattr(la, "closed", True)
+        made.append(la)
+        return la
+
+    engines = types.SimpleNamespace(backend=gpu_backend(fuses_conv_relu=False), launcher=launcher,
+                                    whole_engine_plan=lambda graph, p: whole)
+    got = time_alternatives(engines, "bundle", Variant(residual_stack_model(3), None, blocked, BuildOptions(precision="fp16")),
+                            runs=5)
+    assert [r["choice"] for r in got["rounds"]] == ["engine blocks"]
+    assert got["whole_engine"] is whole_kept
+    assert got["rounds"][0]["current_kept_within"] == 0.02
+    assert all(la.closed for la in made)
+    # a one-engine plan, or a plan on several streams, has no such round
+    for plan in (whole, types.SimpleNamespace(num_streams=2, branches=[0, 1])):
+        assert "engine blocks" not in [w for w, _ in measure.alternative_variants(
+            types.SimpleNamespace(backend=gpu_backend(fuses_conv_relu=False), one_stream_plan=lambda g, p: whole),
+            Variant(residual_stack_model(3), None, plan, BuildOptions(precision="fp16")))]
+
+
+def test_the_input_s_engine_blocks_round_holds_for_a_rewritten_plan_whatever_its_margin():
+    from parastream.pipeline.measure import carried_rounds
+
+    rounds = [{"choice": "engine blocks", "timed_ms": {"one engine per repeated block": 1.0,
+                                                       "one engine for the whole model": 0.99}, "won": "x"},
+              {"choice": "conv+ReLU", "timed_ms": {"a": 1.0, "b": 0.99}, "won": "a"}]
+    assert [r["choice"] for r in carried_rounds(rounds)] == ["engine blocks"]
+
+
+def test_a_build_whose_whole_engine_won_ships_one_engine(tmp_path, monkeypatch):
+    """The GPU stage driven on the CPU (onnxruntime's engines under a backend that says it is a GPU backend and
+    compiles repeats once): the plan is cut into blocks, the timing picks the whole-model engine, and the build
+    writes and verifies one engine."""
+    import importlib
+    import json
+    import types
+
+    import onnx
+
+    from parastream.launcher.engines import require_backend
+    from parastream.pipeline import build
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu, gpu_like.compiles_repeats_once = True, True
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    timed = []
+
+    def whole_wins(engines, bundle, variant, runs, **rounds_timed):
+        timed.append(len(variant.plan.branches))
+        return {"one_engine": False, "whole_engine": True, "internal_nhwc": True, "fuse_conv_relu": False, "rounds": []}
+
+    monkeypatch.setattr(build_module, "time_alternatives", whole_wins)
+    path = tmp_path / "stack.onnx"
+    onnx.save(residual_stack_model(layers=5), path)
+    bundle = build(path, tmp_path / "b", backend="onnxruntime", search=False)
+    assert timed and timed[0] > 1  # the blocks were timed
+    assert len(bundle.plan.branches) == 1 and len(list((tmp_path / "b" / "engines").iterdir())) == 1
+    report = json.loads((tmp_path / "b" / "report.json").read_text())
+    assert report["measured_choices"]["whole_engine"] and report["verification"]["passed"]
+    assert report["schedule"]["streams_tried"][-1] == {"streams": 1, "engines": 1, "chosen": True, "measured": True}

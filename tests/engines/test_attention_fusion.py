@@ -125,7 +125,7 @@ def test_the_attention_round_is_planned_for_torch_engines_only(monkeypatch):
     monkeypatch.setattr(measure, "_internal_nhwc", lambda backend, plan: False)  # a one-engine plan: no layout round
 
     assert ROUNDS[0] == "attention"
-    plan = types.SimpleNamespace(num_streams=1)
+    plan = types.SimpleNamespace(num_streams=1, branches=[0])
     fused, plain = sdpa_model(fused=True), sdpa_model(fused=False)
     assert has_fused_attention(fused) and not has_fused_attention(plain)
 

@@ -131,7 +131,7 @@ def test_the_gemm_epilogue_round_is_planned_for_torch_engines_only(monkeypatch):
     monkeypatch.setattr(measure, "_internal_nhwc", lambda backend, plan: False)  # a one-engine plan: no layout round
 
     assert ROUNDS[:2] == ("attention", "GEMM epilogue")
-    plan = types.SimpleNamespace(num_streams=1)
+    plan = types.SimpleNamespace(num_streams=1, branches=[0])
     fused, plain = mlp_model(fused=True), mlp_model(fused=False)
     assert has_gemm_epilogue(fused) and not has_gemm_epilogue(plain)
 
@@ -179,8 +179,8 @@ def test_the_round_keeps_the_faster(fused_ms, plain_ms, keeps, monkeypatch):
         return la
 
     plan = types.SimpleNamespace(num_streams=2)
-    one = types.SimpleNamespace(num_streams=1)
-    engines = types.SimpleNamespace(backend=gpu_backend(), launcher=launcher, one_engine_plan=lambda graph, p: one)
+    one = types.SimpleNamespace(num_streams=1, branches=[0])
+    engines = types.SimpleNamespace(backend=gpu_backend(), launcher=launcher, one_stream_plan=lambda graph, p: one)
     got = time_alternatives(engines, "bundle", Variant(mlp_model(fused=True), None, plan, BuildOptions(precision="fp16")),
                             runs=5)
     assert [r["choice"] for r in got["rounds"]] == ["GEMM epilogue", "streams"]

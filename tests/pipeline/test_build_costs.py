@@ -65,7 +65,7 @@ def _loaded(tmp_path, name="inception_block"):
     return load_model(path)
 
 
-def test_a_one_engine_plan_queues_no_boundary_layout_alternative(tmp_path):
+def test_a_one_stream_plan_queues_no_boundary_layout_alternative(tmp_path):
     """A one-engine plan has no internal boundary: channels-last or contiguous boundaries are the same engines, so
     the alternatives a GPU build compiles and times for it leave that round out (``time_alternatives`` does)."""
     from parastream.launcher.engines import BuildOptions
@@ -78,7 +78,7 @@ def test_a_one_engine_plan_queues_no_boundary_layout_alternative(tmp_path):
     options = BuildOptions(precision="fp16", device="cuda")
     several = engines.plan(loaded.graph, None, 4)
     assert several.num_streams > 1
-    one = engines.one_engine_plan(loaded.graph, several)
+    one = engines.one_stream_plan(loaded.graph, several)
     rounds = [what for what, _ in alternative_variants(engines, Variant(loaded.model, loaded.graph, several, options))]
     assert "boundary layout" in rounds and "streams" in rounds
     assert [what for what, _ in alternative_variants(engines, Variant(loaded.model, loaded.graph, one, options))] == [
@@ -308,7 +308,7 @@ def _timing_measurer(monkeypatch, ms_of):
     input_model = _fused_model(False, False)
     m = GpuMeasurer(engines, BuildOptions(fuse_attention=True, fuse_gemm_epilogue=True),
                     types.SimpleNamespace(model=input_model, graph=None), streams=None, max_streams=4, budget_s=60.0)
-    m.variant_of = lambda model: Variant(model, None, types.SimpleNamespace(num_streams=1), m.options)
+    m.variant_of = lambda model: Variant(model, None, types.SimpleNamespace(num_streams=1, branches=[0]), m.options)
     return m, input_model, loaded
 
 
@@ -361,7 +361,7 @@ def test_the_best_candidate_is_timed_as_one_engine_where_its_plan_has_streams(mo
     from parastream.pipeline.measure import Variant
 
     cand = _fused_model(False, True)
-    streams, one = types.SimpleNamespace(num_streams=2), types.SimpleNamespace(num_streams=1)
+    streams, one = types.SimpleNamespace(num_streams=2), types.SimpleNamespace(num_streams=1, branches=[0])
 
     def ms_of(model, o, plan):  # the input 1.0 ms; the candidate 1.3 ms on streams, one_engine_ms as one engine,
         if model is not cand:   # and 0.1 ms faster with its GEMM epilogue off
@@ -376,7 +376,7 @@ def test_the_best_candidate_is_timed_as_one_engine_where_its_plan_has_streams(mo
     monkeypatch.setattr(bench, "measure", lambda ls, **kw: {k: np.full(10, ms_of(la.model, la.options, la.plan))
                                                             for k, la in ls.items()})
     m.variant_of = lambda model: Variant(model, None, streams if model is cand else one, m.options)
-    m.engines.one_engine_plan = lambda graph, plan: one
+    m.engines.one_stream_plan = lambda graph, plan: one
     m.measure(input_model)
     best = min(1.3, one_engine_ms)
     assert m.measure(cand) == pytest.approx((best - 0.1) * 1e-3)
@@ -397,12 +397,12 @@ def test_the_kept_candidate_that_ran_faster_as_one_engine_is_planned_as_one(monk
     from parastream.pipeline.measure import Variant
 
     cand = _fused_model(False, False)
-    streams, one = types.SimpleNamespace(num_streams=2), types.SimpleNamespace(num_streams=1)
+    streams, one = types.SimpleNamespace(num_streams=2), types.SimpleNamespace(num_streams=1, branches=[0])
     m, input_model, launchers = _timing_measurer(monkeypatch, None)
     monkeypatch.setattr(bench, "measure", lambda ls, **kw: {
         k: np.full(10, 1.0 if la.model is not cand else (1.3 if la.plan is streams else 0.7)) for k, la in ls.items()})
     m.variant_of = lambda model: Variant(model, None, streams if model is cand else one, m.options)
-    m.engines.one_engine_plan = lambda graph, plan: one
+    m.engines.one_stream_plan = lambda graph, plan: one
     m.measure(input_model)
     m.measure(cand)
     assert m.one_engine_timed(cand) == {"plan": 1.3, "one engine": 0.7}
@@ -431,7 +431,7 @@ def test_the_kept_candidate_that_ran_faster_as_one_engine_is_planned_as_one(monk
 
 
 @pytest.mark.parametrize("input_streams,candidate_streams,queued", [(1, 2, True), (4, 4, False), (1, 1, False)])
-def test_the_best_candidate_s_one_engine_form_compiles_beside_its_stream_plan(monkeypatch, input_streams,
+def test_the_best_candidate_s_one_stream_form_compiles_beside_its_stream_plan(monkeypatch, input_streams,
                                                                                candidate_streams, queued):
     """Where the input is one engine and the cost model's best candidate is planned on streams, preparing that
     candidate also queues its one-engine form and that form with each of its fusions off (``_as_one_engine``
@@ -442,16 +442,16 @@ def test_the_best_candidate_s_one_engine_form_compiles_beside_its_stream_plan(mo
     from parastream.pipeline.measure import Variant
 
     cand, later = _fused_model(False, True), _fused_model(True, False)
-    one = types.SimpleNamespace(num_streams=1)
+    one = types.SimpleNamespace(num_streams=1, branches=[0])
     m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: 1.0)
-    plans = {id(input_model): types.SimpleNamespace(num_streams=input_streams),
-             id(cand): types.SimpleNamespace(num_streams=candidate_streams),
+    plans = {id(input_model): types.SimpleNamespace(num_streams=input_streams, branches=[0]),
+             id(cand): types.SimpleNamespace(num_streams=candidate_streams, branches=[0]),
              id(later): types.SimpleNamespace(num_streams=2)}
     m.variant_of = lambda model: Variant(model, None, plans[id(model)], m.options)
     compiled = []
     m.engines.precompile = lambda variants, **kw: compiled.append(
         [(v.plan, v.options.fuse_gemm_epilogue) for v in variants]) or {"background": False}
-    m.engines.one_engine_plan = lambda graph, plan: one
+    m.engines.one_stream_plan = lambda graph, plan: one
     m.prepare([input_model])
     m.prepare([cand])
     m.prepare([later])

@@ -473,7 +473,7 @@ def test_engine_format_flags_are_recorded_build_options(tmp_path, capsys):
     assert default.engine_options("cpu").conv_kernels == "auto"  # cuDNN's until a GPU build times the other
 
 
-def test_a_one_engine_plan_compiles_the_later_rounds_alternatives_of_an_earlier_winner_up_front(monkeypatch):
+def test_a_one_stream_plan_compiles_the_later_rounds_alternatives_of_an_earlier_winner_up_front(monkeypatch):
     """A one-engine plan's alternatives are one compile job each: the conv+ReLU round's alternative of Inductor's
     depthwise kernels (what that round races if they win the first round) is queued with the others, not after
     the first round; a plan of several engines queues nothing more (its workers are busy with its branches)."""
