@@ -55,6 +55,8 @@ def build_child(onnx_path: str, out: str, variant: str, search: bool, result: st
         "streams_tried": (rep.get("schedule") or {}).get("streams_tried"),
         "verification": {k: (rep.get("verification") or {}).get(k) for k in ("passed", "criterion")},
         "measured_choices": rep.get("measured_choices"),
+        # where the measured search's seconds went: its stages, and per model measured its build, load and timing
+        "search": {k: (rep.get("search") or {}).get(k) for k in ("timings", "measure_log", "rules_chosen")},
     }))
 
 
