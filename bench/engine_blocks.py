@@ -117,6 +117,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--fresh-loads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=540.0, help="start no new model after this")
+    ap.add_argument("--build-timeout", type=float, default=900.0, help="seconds one build may take")
     ap.add_argument("--work", default="/tmp/engine_blocks")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/engine_blocks_out"))
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
@@ -145,7 +146,7 @@ def main(argv=None) -> int:
                 bundles = {}
                 for v in VARIANTS:
                     path = work / f"{name}_b{batch}_{v}"
-                    row[v] = build_fresh(onnx_path, path, v, args.search, timeout=max(60.0, args.seconds))
+                    row[v] = build_fresh(onnx_path, path, v, args.search, timeout=args.build_timeout)
                     if "error" not in row[v]:
                         bundles[v] = path
                 if bundles:
