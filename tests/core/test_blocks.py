@@ -188,3 +188,39 @@ def test_a_build_whose_whole_engine_won_ships_one_engine(tmp_path, monkeypatch):
     report = json.loads((tmp_path / "b" / "report.json").read_text())
     assert report["measured_choices"]["whole_engine"] and report["verification"]["passed"]
     assert report["schedule"]["streams_tried"][-1] == {"streams": 1, "engines": 1, "chosen": True, "measured": True}
+
+
+def test_an_exported_transformer_is_cut_into_its_layers(tmp_path):
+    """A real export (transformers' BERT, 6 layers, TorchScript exporter, random weights) as the loader carries
+    it: its layers are found as blocks of one code, and an ONNX Runtime build of the blocks verifies."""
+    torch = pytest.importorskip("torch")
+    tf = pytest.importorskip("transformers")
+
+    from parastream.pipeline import build
+    from parastream.pipeline.model_io import load_model
+
+    cfg = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=2, intermediate_size=64,
+                        max_position_embeddings=64, attn_implementation="eager")
+    torch.manual_seed(0)
+    model = tf.BertModel(cfg, add_pooling_layer=False).eval()
+
+    class Hidden(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.m = model
+
+        def forward(self, input_ids, attention_mask):
+            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
+
+    path = tmp_path / "bert6.onnx"
+    with torch.no_grad():
+        torch.onnx.export(Hidden(), (torch.randint(0, 64, (1, 16)), torch.ones(1, 16, dtype=torch.int64)), str(path),
+                          input_names=["input_ids", "attention_mask"], output_names=["hidden"], opset_version=17,
+                          dynamo=False)
+    nodes = list(load_model(path).graph.nodes)
+    found = repeated_blocks(nodes)
+    tok = node_tokens(nodes)
+    blocks = {tuple(tok[s:e]) for (s, e), rep in zip(found.runs, found.repeat_of) if rep >= 0}
+    assert found.repeated >= 4 and len(blocks) == 1  # the layers (less the first and last, cut at another phase)
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", engine_blocks="blocks", search=False, measure=False)
+    assert len(bundle.plan.branches) == len(found.runs) and bundle.report["verification"]["passed"]
