@@ -26,16 +26,20 @@ runs, so any cut is correct; where the cuts fall decides only speed and compile 
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 import onnx_graphsurgeon as gs
 
 from .dataflow import consumers, producers
+from .fused_ops import GEMM_ACTIVATION, SDPA
 
-#: ops that run as a library call (cuBLAS, cuDNN, fused attention): nothing is fused across them
-LIBRARY_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Attention", "MatMulBiasActivation",
-                         "ConvRelu", "ConvAddRelu", "ScaledDotProductAttention", "Einsum"})
+#: ops that run as a library call (cuBLAS, cuDNN, fused attention; parastream's own fused nodes): no compiler
+#: fuses a neighbour into them, but for their epilogue (``EPILOGUE_OPS``)
+LIBRARY_OPS = frozenset({"Conv", "ConvTranspose", "MatMul", "Gemm", "Einsum", "Attention", SDPA, GEMM_ACTIVATION})
+#: what a library call runs fused when it follows it with only constants besides: the converter's cuDNN conv +
+#: bias + ReLU, a GEMM's bias in cuBLAS's epilogue
+EPILOGUE_OPS = frozenset({"Relu", "Add"})
 #: the fewest nodes a repeated block may have (smaller repeats save no compile worth an engine boundary)
 MIN_BLOCK_NODES = 6
 #: an integer constant of at most this many elements is code (a Reshape's shape, a Slice's bounds, a Gather's
@@ -112,6 +116,11 @@ def _cut_quality(nodes: list[gs.Node]) -> tuple[np.ndarray, np.ndarray]:
             delta[p + 1] += 1  # crosses every cut in (p, last]
             delta[last + 1] -= 1
         if nodes[p].op in LIBRARY_OPS:
+            for u in users:  # its epilogue: the only activation the consumer reads is this one
+                if nodes[u].op in EPILOGUE_OPS and u > p and all(
+                        t.name == name or isinstance(t, gs.Constant) or not t.name for t in nodes[u].inputs):
+                    fused[p + 1] += 1
+                    fused[u + 1] -= 1
             continue
         for u in users:
             if u <= p or nodes[u].op in LIBRARY_OPS:
@@ -217,8 +226,6 @@ def split_schedule(sched, nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NO
     """``sched`` (a :class:`~.schedule.Schedule` on one stream, one branch: ``nodes`` in its order) with one
     branch per run of :func:`repeated_blocks`, in order on that stream; ``sched`` itself where nothing repeats.
     Each run's time is the simulated time from its first node's start to the next run's."""
-    from dataclasses import replace as _replace
-
     if sched.num_streams != 1 or len(sched.branches) != 1:
         return sched
     names = sched.branches[0]
@@ -236,7 +243,7 @@ def split_schedule(sched, nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NO
         mine = {writer[t.name] for nm in r for t in by_name[nm].inputs
                 if isinstance(t, gs.Variable) and t.name in writer and writer[t.name] != b}
         preds.append(sorted(mine))
-    return _replace(sched, branches=runs, branch_stream=[0] * len(runs), launch_order=list(range(len(runs))),
+    return replace(sched, branches=runs, branch_stream=[0] * len(runs), launch_order=list(range(len(runs))),
                     branch_bound=[sched.branch_bound[0]] * len(runs),
                     branch_time=[max(starts[b + 1] - starts[b], 0.0) for b in range(len(runs))],
                     branch_preds=preds)

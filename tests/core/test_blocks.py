@@ -224,3 +224,17 @@ def test_an_exported_transformer_is_cut_into_its_layers(tmp_path):
     assert found.repeated >= 4 and len(blocks) == 1  # the layers (less the first and last, cut at another phase)
     bundle = build(path, tmp_path / "out", backend="onnxruntime", engine_blocks="blocks", search=False, measure=False)
     assert len(bundle.plan.branches) == len(found.runs) and bundle.report["verification"]["passed"]
+
+
+def test_a_library_call_and_its_epilogue_are_never_cut_apart():
+    """Conv -> Relu is one cuDNN call in a torch engine, MatMul -> bias Add one cuBLAS call: no cut between them."""
+    from parastream.core.blocks import _cut_quality
+
+    nodes = list(gs_graph(residual_stack_model(layers=3)).nodes)
+    _, fused = _cut_quality(nodes)
+    for i, n in enumerate(nodes):
+        if n.op == "MatMul" and nodes[i + 1].op == "Add" and nodes[i + 1].name.endswith("/bias"):
+            assert fused[i + 1] > 0  # the cut right after the product
+    found = repeated_blocks(nodes)
+    for s, _ in found.runs[1:]:
+        assert not (nodes[s - 1].op == "MatMul" and nodes[s].name.endswith("/bias"))
