@@ -66,6 +66,11 @@ def test_split_schedule_chains_the_blocks_on_one_stream():
     assert all(p < b for b, ps in enumerate(split.branch_preds) for p in ps)
     assert split.branch_preds[1] == [0]
     assert sum(split.branch_time) == pytest.approx(sched.makespan)
+    # blocks that would save little of the compile (three layers: a head, one block, a tail) are not cut
+    few = gs_graph(residual_stack_model(layers=3))
+    one = schedule_graph(few, 1, lambda n: 1e-6, lambda n: False)
+    assert repeated_blocks(list(few.nodes)).compiled_nodes > 0.5 * len(few.nodes)
+    assert split_schedule(one, few.nodes) is one
     multi = schedule_graph(gs_graph(three_branch_model()), 3, lambda n: 1e-6, lambda n: False)
     assert split_schedule(multi, gs_graph(three_branch_model()).nodes) is multi  # only one-stream plans are cut
 
@@ -191,7 +196,7 @@ def test_a_build_whose_whole_engine_won_ships_one_engine(tmp_path, monkeypatch):
 
 
 def test_an_exported_transformer_is_cut_into_its_layers(tmp_path):
-    """A real export (transformers' BERT, 6 layers, TorchScript exporter, random weights) as the loader carries
+    """A real export (transformers' BERT, 10 layers, TorchScript exporter, random weights) as the loader carries
     it: its layers are found as blocks of one code, and an ONNX Runtime build of the blocks verifies."""
     torch = pytest.importorskip("torch")
     tf = pytest.importorskip("transformers")
@@ -199,7 +204,7 @@ def test_an_exported_transformer_is_cut_into_its_layers(tmp_path):
     from parastream.pipeline import build
     from parastream.pipeline.model_io import load_model
 
-    cfg = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=6, num_attention_heads=2, intermediate_size=64,
+    cfg = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=10, num_attention_heads=2, intermediate_size=64,
                         max_position_embeddings=64, attn_implementation="eager")
     torch.manual_seed(0)
     model = tf.BertModel(cfg, add_pooling_layer=False).eval()
@@ -212,7 +217,7 @@ def test_an_exported_transformer_is_cut_into_its_layers(tmp_path):
         def forward(self, input_ids, attention_mask):
             return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
 
-    path = tmp_path / "bert6.onnx"
+    path = tmp_path / "bert10.onnx"
     with torch.no_grad():
         torch.onnx.export(Hidden(), (torch.randint(0, 64, (1, 16)), torch.ones(1, 16, dtype=torch.int64)), str(path),
                           input_names=["input_ids", "attention_mask"], output_names=["hidden"], opset_version=17,
@@ -221,7 +226,8 @@ def test_an_exported_transformer_is_cut_into_its_layers(tmp_path):
     found = repeated_blocks(nodes)
     tok = node_tokens(nodes)
     blocks = {tuple(tok[s:e]) for (s, e), rep in zip(found.runs, found.repeat_of) if rep >= 0}
-    assert found.repeated >= 4 and len(blocks) == 1  # the layers (less the first and last, cut at another phase)
+    assert found.repeated >= 8 and len(blocks) == 1  # the layers (less the first and last, cut at another phase)
+    assert found.compiled_nodes < 0.4 * len(nodes)
     bundle = build(path, tmp_path / "out", backend="onnxruntime", engine_blocks="blocks", search=False, measure=False)
     assert len(bundle.plan.branches) == len(found.runs) and bundle.report["verification"]["passed"]
 
