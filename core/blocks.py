@@ -171,6 +171,10 @@ def repeated_blocks(nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES) -
     """The runs of ``nodes`` (a topological order) one engine each: one per block of every tandem repeat, one per
     stretch between them (see the module docstring)."""
     n = len(nodes)
+    if any(isinstance(v, gs.Graph) for nd in nodes for v in nd.attrs.values()):
+        # an If/Loop/Scan body reads tensors of the enclosing graph that its node does not list as inputs: a cut
+        # could leave one outside the engine that reads it, so a model with control flow is not cut
+        return Blocks(runs=[(0, n)], repeat_of=[-1], periods=[0], compiled_nodes=n)
     tok = node_tokens(nodes)
     crossing, fused = _cut_quality(nodes)
     repeats: list[tuple[int, int, int]] = []  # (start, period, copies) cut where it loses nothing

@@ -244,3 +244,21 @@ def test_a_library_call_and_its_epilogue_are_never_cut_apart():
     found = repeated_blocks(nodes)
     for s, _ in found.runs[1:]:
         assert not (nodes[s - 1].op == "MatMul" and nodes[s].name.endswith("/bias"))
+
+
+def test_a_model_with_control_flow_is_not_cut():
+    """An If's branches read tensors of the enclosing graph without listing them: no cut may separate them."""
+    from onnx import TensorProto, helper
+
+    base = residual_stack_model(layers=6)
+    then_g = helper.make_graph([helper.make_node("Identity", ["l5.out"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, [1, 16, 32])])
+    else_g = helper.make_graph([helper.make_node("Neg", ["l0.out"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, [1, 16, 32])])
+    g = base.graph
+    g.initializer.append(helper.make_tensor("cond", TensorProto.BOOL, [], [True]))
+    g.node.insert(len(g.node) - 1, helper.make_node("If", ["cond"], ["chosen"], then_branch=then_g, else_branch=else_g,
+                                                    name="if"))
+    g.node[-1].input[0] = "chosen"
+    nodes = list(gs_graph(base).nodes)
+    assert repeated_blocks(nodes).runs == [(0, len(nodes))]
