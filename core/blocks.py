@@ -17,7 +17,8 @@ reuse), and a rewrite that changes every layer alike changes one compile, not th
   them is made by a pointwise op and read after the cut by one that could have joined its kernel (an add
   followed by the next block's LayerNorm is one Inductor kernel; cutting between them costs a kernel and a
   round trip through memory).  Convolutions, matrix products and the fused ops of :mod:`.fused_ops` run as
-  library calls, which no compiler fuses into: cuts next to them are free.
+  library calls, which no compiler fuses into: cuts next to them are free, but between a call and the epilogue
+  it runs fused (a convolution's ReLU, a product's bias).
 
 What lies between repeats stays one engine.  A plan is cut only where the blocks save most of its compile
 (``MAX_COMPILED_SHARE``).  The result is only a partition of the order into consecutive
@@ -70,8 +71,6 @@ class Blocks:
 def _attr_token(v) -> object:
     if isinstance(v, gs.Tensor):
         return ("tensor",) + _input_token(v)
-    if isinstance(v, gs.Graph):
-        return ("graph", len(v.nodes))  # bodies are compared by size: a repeat must match elsewhere too
     if isinstance(v, (list, tuple)):
         return tuple(_attr_token(x) for x in v)
     if isinstance(v, np.ndarray):
