@@ -227,7 +227,7 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
     from .analysis import graph_width, op_histogram
     from parastream.launcher.engines import resolve_backend
 
-    from .build import DEFAULT_MAX_STREAMS, default_device_profile, plan_streams
+    from .build import DEFAULT_MAX_STREAMS, BuildConfig, default_device_profile, engine_blocks, plan_streams
     from .model_io import load_model
     from parastream.core.schedule import schedule_graph
 
@@ -238,11 +238,13 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
     hist = op_histogram(model)
     width, _ = graph_width(loaded.graph)
     # the device profile a default build would plan for, so that inspect reports the streams the build makes
-    profile = device or default_device_profile(resolve_backend("auto"))
+    backend = resolve_backend("auto")
+    profile = device or default_device_profile(backend)
     cm = RooflineCostModel(profile)
     cpu = get_device(profile).name == "CPU"
     graph = loaded.graph
-    sched, tried = plan_streams(graph, cm, streams, DEFAULT_MAX_STREAMS)
+    # ... and its engines: a one-stream plan cut into repeated blocks where that backend's build cuts it
+    sched, tried = plan_streams(graph, cm, streams, DEFAULT_MAX_STREAMS, blocks=engine_blocks(BuildConfig(), backend))
     one = schedule_graph(graph, 1, cm.node_cost, cm.is_memory_bound)
     k = sched.num_streams
 

@@ -262,3 +262,28 @@ def test_a_model_with_control_flow_is_not_cut():
     g.node[-1].input[0] = "chosen"
     nodes = list(gs_graph(base).nodes)
     assert repeated_blocks(nodes).runs == [(0, len(nodes))]
+
+
+def test_inspect_reports_the_engines_the_default_build_would_make(tmp_path, monkeypatch):
+    """Where the default backend compiles equal code once, inspect shows the one-stream plan cut into blocks, as the
+    build makes it; where it does not (onnxruntime here), one engine."""
+    import os
+    import types
+
+    import onnx
+    from rich.console import Console
+
+    import parastream.launcher.engines as engines
+    from parastream.pipeline.report import inspect_model
+
+    path = tmp_path / "stack.onnx"
+    onnx.save(residual_stack_model(layers=6), path)
+    quiet = Console(file=open(os.devnull, "w"))
+    assert inspect_model(path, console=quiet)["branches"] == 1
+    real = engines.resolve_backend("auto")
+    like_torch = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    like_torch.compiles_repeats_once = True
+    monkeypatch.setattr(engines, "resolve_backend", lambda name: like_torch)
+    seen = inspect_model(path, console=quiet)
+    assert seen["streams"] == 1 and seen["branches"] > 1
+    assert seen["streams_tried"][0]["engines_are"] == "repeated blocks"
