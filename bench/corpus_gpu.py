@@ -356,6 +356,8 @@ KEPT_WORDS = {"one SDPA kernel per attention": "attention fused",
               "Inductor's conv and epilogue": "conv+ReLU unfused",
               "channels-last boundaries": "NHWC boundaries",
               "contiguous boundaries": "contiguous boundaries",
+              "one stream": "one stream",
+              "one engine per repeated block": "engine per block",
               "one engine for the whole model": "one engine"}
 
 

@@ -396,7 +396,7 @@ def test_the_measurer_hands_over_the_input_s_rounds_timed_so_far_without_waiting
     m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None, max_streams=4,
                     budget_s=1.0)
     assert m.rounds_timed() is None
-    r = {"choice": "streams", "won": "4-stream plan", "timed_ms": {"4-stream plan": 1.5, "one engine for the whole model": 2.6}}
+    r = {"choice": "streams", "won": "4-stream plan", "timed_ms": {"4-stream plan": 1.5, "one stream": 2.6}}
     m.early.update(plan="input plan", rounds=[r], todo=[("boundary layout", None, ["key"])])
     got = m.rounds_timed()  # the todo round is still compiling: not waited for (``compiling`` is never asked)
     assert got["partial"] and got["rounds"] == [r] and got["plan"] == "input plan"
