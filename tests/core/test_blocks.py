@@ -287,3 +287,35 @@ def test_inspect_reports_the_engines_the_default_build_would_make(tmp_path, monk
     seen = inspect_model(path, console=quiet)
     assert seen["streams"] == 1 and seen["branches"] > 1
     assert seen["streams_tried"][0]["engines_are"] == "repeated blocks"
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("engine_blocks", ["blocks", "whole"])
+def test_torch_engines_per_block_compile_once_and_verify_on_the_gpu(tmp_path, engine_blocks):
+    """On the GPU (torch engines, fp16, the kernels the bundle ships): the stack's blocks compile once, the others
+    reuse that code with their own weights, the bundle verifies against ONNX Runtime and its outputs match the
+    one-engine bundle's."""
+    import onnx
+
+    from parastream.launcher import load
+    from parastream.pipeline import build
+
+    onnx.save(residual_stack_model(layers=8, width=64, tokens=32), tmp_path / "stack.onnx")
+    bundle = build(tmp_path / "stack.onnx", tmp_path / "b", backend="torch", precision="fp16", search=False,
+                   measure=False, engine_blocks=engine_blocks)
+    engines = [e for e in bundle.report["engines"].values() if isinstance(e, dict)]
+    assert bundle.report["verification"]["passed"]
+    assert bundle.report["verification"]["engines_compiled_at_load"] == 0
+    if engine_blocks == "blocks":
+        assert len(bundle.plan.branches) > 4 and bundle.plan.num_streams == 1
+        assert sum(bool(e.get("code_reused")) for e in engines) >= 4
+    else:
+        assert len(bundle.plan.branches) == 1
+    x = np.random.default_rng(5).standard_normal((1, 32, 64)).astype(np.float32)
+    la = load(tmp_path / "b")
+    try:
+        got = la({"x": x})["y"]
+    finally:
+        la.close()
+    ref = ort_reference(residual_stack_model(layers=8, width=64, tokens=32), {"x": x})["y"]
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
