@@ -376,16 +376,15 @@ class Engines:
         the whole model, the "engine blocks" round's rival and winner)."""
         return plan_streams(graph, self.cost_model, streams, max_streams, blocks=self.blocks and not whole)
 
-    def one_stream_plan(self, graph: gs.Graph, plan):
+    def one_stream_plan(self, graph: gs.Graph, plan, *, whole: bool = False):
         """``plan``'s graph on one stream (the rival ``time_alternatives`` times a multi-stream plan against): one
-        engine, or one per repeated block where this build cuts one-stream plans so."""
-        return make_plan(graph, self.schedule(graph, 1, 1)[0], backend=plan.backend,
+        engine, or one per repeated block where this build cuts one-stream plans so; ``whole``: one engine."""
+        return make_plan(graph, self.schedule(graph, 1, 1, whole=whole)[0], backend=plan.backend,
                          precision=plan.precision, suffix=self.backend.suffix, inputs=plan.inputs, outputs=plan.outputs)
 
     def whole_engine_plan(self, graph: gs.Graph, plan):
         """``plan``'s graph as one engine for the whole model (the rival of a plan cut into repeated blocks)."""
-        return make_plan(graph, self.schedule(graph, 1, 1, whole=True)[0], backend=plan.backend,
-                         precision=plan.precision, suffix=self.backend.suffix, inputs=plan.inputs, outputs=plan.outputs)
+        return self.one_stream_plan(graph, plan, whole=True)
 
     def manifest_of(self, v: Variant) -> dict:
         """What a launcher reads of manifest.json to load ``v``'s engines."""
