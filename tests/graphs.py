@@ -80,9 +80,10 @@ def ort_reference(model: onnx.ModelProto, feeds: dict) -> dict:
 
 
 def residual_stack_model(layers: int = 4, width: int = 32, tokens: int = 16, widths: list[int] | None = None,
-                         seed: int = 0) -> onnx.ModelProto:
-    """``layers`` pre-norm residual MLP blocks (LayerNorm, MatMul, bias Add, Relu, MatMul, residual Add) and a Relu:
-    a transformer's repetition in small.  ``widths``: each block's own hidden width (blocks of unequal code)."""
+                         seed: int = 0, final_norm: bool = False) -> onnx.ModelProto:
+    """``layers`` pre-norm residual MLP blocks (LayerNorm, MatMul, bias Add, Relu, MatMul, residual Add) and a Relu
+    (``final_norm``: a LayerNorm, as a transformer ends): a transformer's repetition in small.  ``widths``: each
+    block's own hidden width (blocks of unequal code)."""
     rng = np.random.default_rng(seed)
     nodes, inits, x = [], [], "x"
     for i in range(layers):
@@ -100,7 +101,12 @@ def residual_stack_model(layers: int = 4, width: int = 32, tokens: int = 16, wid
                   helper.make_node("MatMul", [f"{p}.r", f"{p}.w2"], [f"{p}.m2"], name=f"{p}/mm2"),
                   helper.make_node("Add", [f"{p}.m2", x], [f"{p}.out"], name=f"{p}/residual")]
         x = f"{p}.out"
-    nodes.append(helper.make_node("Relu", [x], ["y"], name="head"))
+    if final_norm:
+        inits += [numpy_helper.from_array(np.ones(width, np.float32), "final.g"),
+                  numpy_helper.from_array(np.zeros(width, np.float32), "final.b")]
+        nodes.append(helper.make_node("LayerNormalization", [x, "final.g", "final.b"], ["y"], axis=-1, name="head"))
+    else:
+        nodes.append(helper.make_node("Relu", [x], ["y"], name="head"))
     graph = helper.make_graph(nodes, "residual_stack",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, tokens, width])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, tokens, width])], inits)

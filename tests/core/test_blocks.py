@@ -319,3 +319,13 @@ def test_torch_engines_per_block_compile_once_and_verify_on_the_gpu(tmp_path, en
         la.close()
     ref = ort_reference(residual_stack_model(layers=8, width=64, tokens=32), {"x": x})["y"]
     assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
+
+
+def test_the_last_block_reaches_as_far_as_the_repeat_does():
+    """The repeat's extent is every position that matches one period back: a block that ends inside it is kept,
+    though the repeat's length is not a whole number of periods."""
+    nodes = list(gs_graph(residual_stack_model(layers=8, final_norm=True)).nodes)
+    found = repeated_blocks(nodes)
+    # the final LayerNorm matches a layer's first node: the repeat reaches one node past the eighth layer's start
+    # one period back, and the blocks cut after each LayerNorm end with it: eight blocks, the last ending the model
+    assert found.repeated == 8 and found.runs[-1][1] == len(nodes)
