@@ -652,7 +652,7 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             if measurer is not None and searched is b.model:  # the input kept: its alternatives, timed meanwhile
                 b.timed_alternatives = measurer.alternatives_timed()
             elif measurer is not None:  # a candidate kept: the input's rounds timed so far (``carried_rounds``)
-                b.timed_alternatives = measurer.rounds_timed()
+                b.timed_alternatives = measurer.rounds_timed()  # (and the engine cut's, waited for)
                 b.one_engine_timed = measurer.one_engine_timed(searched)
         finally:
             if measurer is not None:

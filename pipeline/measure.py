@@ -561,25 +561,43 @@ class GpuMeasurer:
             if not wait and self.backend.compiling(keys):
                 return
             early["todo"].pop(0)
-            t0 = time.perf_counter()
-            try:
-                other = self.engines.launcher(v)
-                try:
-                    won = race(early["rounds"], what, self.reference[0], other, early["plan"], runs=self.runs,
-                               since=t0, lock=self.options.gpu_timing_lock)
-                finally:
-                    other.close()
-            except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
-                early["stopped"] = f"{what}: {type(e).__name__}: {e}"
+            won = self._race_early(what, v)
+            if won is None:
                 return
-            early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
             if won and what not in ("streams", "engine blocks"):
                 early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
 
-    def rounds_timed(self) -> dict | None:
-        """The input's rounds timed so far, without waiting for the rest, as {"partial": True, "rounds", "plan"}
-        (for a candidate that replaced the input: ``carried_rounds``); None when none was."""
+    def _race_early(self, what: str, v: Variant) -> bool | None:
+        """One of the input's rounds raced against the reference (``race``; waits for ``v``'s compile): whether
+        the alternative won, None when it could not be timed (``early["stopped"]`` says why)."""
         early = self.early
+        t0 = time.perf_counter()
+        try:
+            other = self.engines.launcher(v)
+            try:
+                won = race(early.setdefault("rounds", []), what, self.reference[0], other, early["plan"],
+                           runs=self.runs, since=t0, lock=self.options.gpu_timing_lock)
+            finally:
+                other.close()
+        except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
+            early["stopped"] = f"{what}: {type(e).__name__}: {e}"
+            return None
+        early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
+        return won
+
+    def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
+        """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced
+        the input: ``carried_rounds``); None when none was.  The rest are not waited for, but for the rounds of
+        ``wait_for``, which a rewritten plan takes from the input whatever their margin: their alternatives have
+        compiled in the background since the search began, and timed on the candidate instead they would cost
+        that compile again (the engine blocks' rival: a whole-model compile)."""
+        early = self.early
+        for item in [x for x in early.get("todo") or [] if x[0] in wait_for]:
+            if self.reference is None:
+                break
+            early["todo"].remove(item)
+            if self._race_early(item[0], item[1]) is None:
+                break
         if not early.get("rounds"):
             return None
         return {"partial": True, "rounds": list(early["rounds"]), "plan": early["plan"],

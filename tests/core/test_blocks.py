@@ -329,3 +329,43 @@ def test_the_last_block_reaches_as_far_as_the_repeat_does():
     # the final LayerNorm matches a layer's first node: the repeat reaches one node past the eighth layer's start
     # one period back, and the blocks cut after each LayerNorm end with it: eight blocks, the last ending the model
     assert found.repeated == 8 and found.runs[-1][1] == len(nodes)
+
+
+def test_a_kept_candidate_waits_for_the_input_s_engine_blocks_round_only(monkeypatch):
+    """When the search keeps a candidate, the input's rounds still compiling are left to the build, but for the
+    engine blocks round, which the candidate takes from the input whatever its margin: it is timed then (its
+    whole-model compile waited for), and carried."""
+    import types
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+    from parastream.pipeline.measure import GpuMeasurer, carried_rounds
+
+    raced = []
+
+    def fake_race(rounds, what, current, other, plan, **kw):
+        raced.append((what, other.variant))
+        rounds.append({"choice": what, "timed_ms": {"one engine per repeated block": 1.0,
+                                                    "one engine for the whole model": 1.01},
+                       "won": "one engine per repeated block"})
+        return False
+
+    monkeypatch.setattr(measure, "race", fake_race)
+    opened = []
+
+    def launcher(v):
+        la = types.SimpleNamespace(variant=v, close=lambda: opened.remove(la))
+        opened.append(la)
+        return la
+
+    engines = types.SimpleNamespace(backend=types.SimpleNamespace(background_compiles=False, compiling=lambda keys: 1),
+                                    launcher=launcher)
+    m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None, max_streams=4,
+                    budget_s=1.0)
+    m.reference = (object(), 1.0)
+    m.early.update(plan="input plan", rounds=[], todo=[("attention", "attention off", ["a"]),
+                                                       ("engine blocks", "whole engine", ["w"])])
+    got = m.rounds_timed()
+    assert raced == [("engine blocks", "whole engine")] and not opened  # loaded, timed, closed
+    assert [t[0] for t in m.early["todo"]] == ["attention"]  # not waited for
+    assert [r["choice"] for r in carried_rounds(got["rounds"])] == ["engine blocks"]
