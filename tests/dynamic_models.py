@@ -13,13 +13,13 @@ from onnx import TensorProto, helper, numpy_helper
 VOCAB = 64
 
 
-def tiny_bert(path: Path) -> Path:
-    """BertModel, 1 layer, hidden 32, 2 heads: ``input_ids``, ``attention_mask``, ``token_type_ids`` [batch, seq]
-    -> ``hidden`` [batch, seq, 32]."""
+def tiny_bert(path: Path, layers: int = 1) -> Path:
+    """BertModel, ``layers`` layers (default 1), hidden 32, 2 heads: ``input_ids``, ``attention_mask``,
+    ``token_type_ids`` [batch, seq] -> ``hidden`` [batch, seq, 32]."""
     import torch
     import transformers as tf
 
-    cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=1, num_attention_heads=2,
+    cfg = tf.BertConfig(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=layers, num_attention_heads=2,
                         intermediate_size=64, max_position_embeddings=128, attn_implementation="eager")
     torch.manual_seed(0)
     model = tf.BertModel(cfg, add_pooling_layer=False).eval()

@@ -18,8 +18,15 @@ def gs_graph(model):
     return g
 
 
-def _ops(nodes, run):
-    return [nodes[i].op for i in range(*run)]
+def _run_bundle(path, feeds: dict) -> dict:
+    """The bundle at ``path`` loaded by ``parastream.launcher.load`` and run once on ``feeds``."""
+    from parastream.launcher import load
+
+    la = load(path)
+    try:
+        return la(feeds)
+    finally:
+        la.close()
 
 
 def test_a_stack_of_equal_blocks_is_cut_once_per_block_where_no_fusion_is_lost():
@@ -77,7 +84,6 @@ def test_split_schedule_chains_the_blocks_on_one_stream():
 
 @pytest.mark.parametrize("engine_blocks, engines", [("blocks", 5), ("whole", 1)])
 def test_a_build_with_one_engine_per_block_runs_and_verifies(tmp_path, engine_blocks, engines):
-    from parastream.launcher import load
     from parastream.pipeline import build
 
     model = residual_stack_model(layers=5)
@@ -92,11 +98,7 @@ def test_a_build_with_one_engine_per_block_runs_and_verifies(tmp_path, engine_bl
     assert bundle.report["verification"]["passed"]
     assert bundle.manifest["options"]["engine_blocks"] == engine_blocks
     x = np.random.default_rng(3).standard_normal((1, 16, 32)).astype(np.float32)
-    la = load(tmp_path / "out")
-    try:
-        got = la({"x": x})["y"]
-    finally:
-        la.close()
+    got = _run_bundle(tmp_path / "out", {"x": x})["y"]
     np.testing.assert_allclose(got, ort_reference(model, {"x": x})["y"], rtol=1e-5, atol=1e-5)
 
 
@@ -198,37 +200,23 @@ def test_a_build_whose_whole_engine_won_ships_one_engine(tmp_path, monkeypatch):
 def test_an_exported_transformer_is_cut_into_its_layers(tmp_path):
     """A real export (transformers' BERT, 10 layers, TorchScript exporter, random weights) as the loader carries
     it: its layers are found as blocks of one code, and an ONNX Runtime build of the blocks verifies."""
-    torch = pytest.importorskip("torch")
-    tf = pytest.importorskip("transformers")
+    pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    from dynamic_models import tiny_bert
 
     from parastream.pipeline import build
     from parastream.pipeline.model_io import load_model
 
-    cfg = tf.BertConfig(vocab_size=64, hidden_size=32, num_hidden_layers=10, num_attention_heads=2, intermediate_size=64,
-                        max_position_embeddings=64, attn_implementation="eager")
-    torch.manual_seed(0)
-    model = tf.BertModel(cfg, add_pooling_layer=False).eval()
-
-    class Hidden(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.m = model
-
-        def forward(self, input_ids, attention_mask):
-            return self.m(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-
-    path = tmp_path / "bert10.onnx"
-    with torch.no_grad():
-        torch.onnx.export(Hidden(), (torch.randint(0, 64, (1, 16)), torch.ones(1, 16, dtype=torch.int64)), str(path),
-                          input_names=["input_ids", "attention_mask"], output_names=["hidden"], opset_version=17,
-                          dynamo=False)
-    nodes = list(load_model(path).graph.nodes)
+    path = tiny_bert(tmp_path / "bert10.onnx", layers=10)
+    shapes = {name: [1, 16] for name in ("input_ids", "attention_mask", "token_type_ids")}
+    nodes = list(load_model(path, shapes).graph.nodes)
     found = repeated_blocks(nodes)
     tok = node_tokens(nodes)
     blocks = {tuple(tok[s:e]) for (s, e), rep in zip(found.runs, found.repeat_of) if rep >= 0}
     assert found.repeated >= 8 and len(blocks) == 1  # the layers (less the first and last, cut at another phase)
     assert found.compiled_nodes < 0.4 * len(nodes)
-    bundle = build(path, tmp_path / "out", backend="onnxruntime", engine_blocks="blocks", search=False, measure=False)
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", engine_blocks="blocks", search=False, measure=False,
+                   shapes=shapes)
     assert len(bundle.plan.branches) == len(found.runs) and bundle.report["verification"]["passed"]
 
 
@@ -297,7 +285,6 @@ def test_torch_engines_per_block_compile_once_and_verify_on_the_gpu(tmp_path, en
     one-engine bundle's."""
     import onnx
 
-    from parastream.launcher import load
     from parastream.pipeline import build
 
     onnx.save(residual_stack_model(layers=8, width=64, tokens=32), tmp_path / "stack.onnx")
@@ -312,11 +299,7 @@ def test_torch_engines_per_block_compile_once_and_verify_on_the_gpu(tmp_path, en
     else:
         assert len(bundle.plan.branches) == 1
     x = np.random.default_rng(5).standard_normal((1, 32, 64)).astype(np.float32)
-    la = load(tmp_path / "b")
-    try:
-        got = la({"x": x})["y"]
-    finally:
-        la.close()
+    got = _run_bundle(tmp_path / "b", {"x": x})["y"]
     ref = ort_reference(residual_stack_model(layers=8, width=64, tokens=32), {"x": x})["y"]
     assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
 
