@@ -114,6 +114,8 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="vit_b_16,bert,resnet50")
     ap.add_argument("--batches", default="1")
     ap.add_argument("--search", action="store_true", help="the default build (measured search, timed rounds)")
+    ap.add_argument("--variants", default=",".join(VARIANTS),
+                    help="which builds: whole, blocks or both (one alone: its build, measure log and timing)")
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--fresh-loads", type=int, default=1)
     ap.add_argument("--seconds", type=float, default=540.0, help="start no new model after this")
@@ -122,6 +124,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/engine_blocks_out"))
     ap.add_argument("--child", nargs=5, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    if set(args.variants.split(",")) - set(VARIANTS):
+        ap.error(f"--variants: each of {VARIANTS}")
     if args.child:
         onnx_path, out, variant, search, result = args.child
         build_child(onnx_path, out, variant, bool(int(search)), result)
@@ -144,7 +148,7 @@ def main(argv=None) -> int:
             try:
                 _, _, onnx_path, feeds, ref, row["export_s"] = export_with_reference(name, work, batch)
                 bundles = {}
-                for v in VARIANTS:
+                for v in args.variants.split(","):
                     path = work / f"{name}_b{batch}_{v}"
                     row[v] = build_fresh(onnx_path, path, v, args.search, timeout=args.build_timeout)
                     if "error" not in row[v]:
