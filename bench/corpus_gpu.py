@@ -217,7 +217,9 @@ def rebuild(name: str, batch: int, work: Path, args) -> dict:
         + sum(e.get("cache") == "miss" for e in engines)
     return {"build_s": log["build_s"], "stage_seconds": rep.get("stage_seconds"), "engines": len(engines),
             "compile_jobs": jobs, "code_reused": sum(bool(e.get("code_reused")) for e in engines),
-            "search_measured": len((log.get("search") or {}).get("measured") or [])}
+            "search_measured": len((log.get("search") or {}).get("measured") or []),
+            # what the rebuild took from the first build's recorded timings (pipeline/timings.py)
+            "recorded_timings": rep.get("recorded_timings")}
 
 
 def error_text(e: BaseException) -> str:

@@ -29,9 +29,12 @@ from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised 
 
 from .isolate import in_child
 from .measure import (GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
-                      compiled_for_other_choices, plan_signature, speculative_variants, time_alternatives)
+                      compiled_for_other_choices, gpu_present, plan_signature, speculative_variants,
+                      time_alternatives)
 from .model_io import LoadedModel, batch_profiles, load_model
 from .partition import extract_branch, make_plan
+from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
+from .timings import now as utc_now
 from .outdir import check_target, staging
 from parastream.core.blocks import split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
@@ -76,6 +79,9 @@ class BuildConfig:
     optimization_level: int = 3
     strongly_typed: bool = False
     cache_dir: str | None = None
+    # with cache_dir on a GPU: time again what an earlier build of the same model recorded (``timings``), and
+    # record the new result; else the recorded decisions are taken as they are
+    remeasure: bool = False
     compile: bool = True
     # torch engines: what an engine ships and how an "inductor" artifact is saved (docs/torch-engines.md), and the
     # processes that compile them side by side (0: every core but one, at most 16)
@@ -529,6 +535,7 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
         time_cpu_alternatives(b, scratch)
         with b.timed("plan"):
             partition(b)
+            take_recorded_choices(b)
         with stage() as tmp:  # build(): staging, renamed to OUT at the end of the block, removed on any error
             build_engines(b, tmp)
             scratch.close()
@@ -536,6 +543,7 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
             with b.timed("write"):
                 write_report(b, tmp)
             verify_bundle(b, tmp)
+            record_timings(b)
             return finish(b, tmp) if final else complete(b)
 
 
@@ -570,6 +578,14 @@ class _Build:
     precompiled: dict | None = None  # the engines of the plan and its timed alternatives compiled in one batch
     report: dict | None = None
     manifest: dict | None = None
+    # with --cache-dir on a GPU (``timings``): the record's file, the record read from it (None: time everything),
+    # the search's measures to record, the digest of the plan the rounds were timed on, what was taken from it
+    timings_file: Path | None = None
+    recorded: dict | None = None
+    search_measures: list | None = None
+    measured_plan: str | None = None
+    taken: dict = field(default_factory=dict)
+    timed_here: bool = False  # something was timed on the GPU by this build (and is recorded)
     engines: Engines | None = None  # plans, builds and loads engines (the bundle's and those measurement times)
 
     def __post_init__(self):
@@ -614,7 +630,19 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
                cost_model=RooflineCostModel(device_profile, precision=cfg.precision), device_profile=device_profile,
                width=graph_width(loaded.graph)[0], model=loaded.model, graph=loaded.graph, t_start=t0)
     b.timings["load"] = time.perf_counter() - t0
+    open_timings(b)
     return b
+
+
+def open_timings(b: _Build) -> None:
+    """With ``--cache-dir`` on a GPU: where this build's timings are recorded, and the record an earlier build
+    of the same model left there (``timings``; none with ``--remeasure``)."""
+    cfg = b.cfg
+    if not (cfg.cache_dir and cfg.measure and gpu_present(b.backend)):
+        return
+    key, _ = timings_key(b.loaded.model, cfg, b.backend, _versions(b.backend))
+    b.timings_file = timings_path(cfg.cache_dir, key)
+    b.recorded = None if cfg.remeasure else read_timings(b.timings_file)
 
 
 def rewrite_search(b: _Build, *, measure: bool) -> None:
@@ -629,10 +657,12 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         # the search costs candidates on the number of streams the input would get
         b.planned = b.graph, b.engines.schedule(b.graph, cfg.streams, cfg.max_streams)
         measurer = None
-        if cfg.measure and measure:
+        if cfg.measure and measure and b.recorded is not None:  # an earlier build's times, in the order it took them
+            measurer = RecordedMeasurer(b.recorded.get("search", {}).get("measures", []), source=str(b.timings_file))
+        elif cfg.measure and measure:
             measurer = GpuMeasurer.for_build(b.engines, b.options, b.loaded, streams=cfg.streams,
                                              max_streams=cfg.max_streams, budget_s=cfg.measure_seconds,
-                                             runs=cfg.measure_runs)
+                                             runs=cfg.measure_runs, record=[] if b.timings_file else None)
         before = None
         if measurer is not None:  # the search measures its input first: its engines compile while the search runs
             try:
@@ -649,11 +679,19 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             searched, graph, report = optimize_graph(b.model, b.graph, cost_model=b.cost_model,
                                                      streams=b.planned[1][0].num_streams, seed=cfg.seed,
                                                      measure=measurer, **options)
-            if measurer is not None and searched is b.model:  # the input kept: its alternatives, timed meanwhile
-                b.timed_alternatives = measurer.alternatives_timed()
-            elif measurer is not None:  # a candidate kept: the input's rounds timed so far (``carried_rounds``)
-                b.timed_alternatives = measurer.rounds_timed()  # (and the engine cut's, waited for)
+            recorded = isinstance(measurer, RecordedMeasurer)
+            if measurer is not None and searched is b.model and not recorded:  # the input kept: its alternatives,
+                b.timed_alternatives = measurer.alternatives_timed()  # timed meanwhile
+            elif measurer is not None and not recorded:  # a candidate kept: the input's rounds timed so far
+                b.timed_alternatives = measurer.rounds_timed()  # (``carried_rounds``; the engine cut's waited for)
+            if measurer is not None and searched is not b.model:
                 b.one_engine_timed = measurer.one_engine_timed(searched)
+            if measurer is not None:
+                b.search_measures = measurer.matched if recorded else getattr(measurer, "record", None)
+                b.timed_here = b.timed_here or (not recorded and getattr(measurer, "calls", 0) > 0)
+            if recorded:
+                b.taken["search"] = (f"{plural(len(measurer.matched), 'measurement')} of "
+                                     f"{len(measurer.measures)} recorded")
         finally:
             if measurer is not None:
                 measurer.close()
@@ -703,6 +741,46 @@ def partition(b: _Build) -> None:
     b.plan.cpu_threads = b.cpu_threads
 
 
+def take_recorded_choices(b: _Build) -> None:
+    """The rounds an earlier build of the same model timed (``timings``), taken as they are when this plan is
+    the one they were timed on: the engines are then compiled once, for the choices, and no alternative is
+    compiled, loaded or timed.  Another plan (the search went another way) is timed as in any build."""
+    recorded = (b.recorded or {}).get("measured_choices")
+    if not (recorded and b.backend.gpu and b.cfg.measure):
+        return
+    if b.recorded.get("plan") != plan_digest(b.plan):
+        b.taken["rounds"] = "timed again: the recorded rounds were timed on another plan"
+        return
+    b.measured_plan = b.recorded["plan"]
+    b.measured = dict(recorded, timed=f"recorded by the build of {b.recorded.get('created')} ({b.timings_file})")
+    _take_measured_options(b, b.measured)
+    if b.measured.get("one_engine") or b.measured.get("whole_engine"):
+        b.sched, _ = b.engines.schedule(b.graph, 1, 1, whole=bool(b.measured.get("whole_engine")))
+        _record_measured_streams(b.streams_tried, b.sched)
+        b.make_plan()
+    b.taken["rounds"] = plural(len(recorded.get("rounds") or []), "round")
+
+
+def _take_measured_options(b: _Build, measured: dict) -> None:
+    """The engine options the rounds chose (a round that did not run leaves its option as it is)."""
+    b.options.fuse_conv_relu = measured.get("fuse_conv_relu", b.options.fuse_conv_relu)
+    b.options.fuse_attention = measured.get("fuse_attention", b.options.fuse_attention)
+    b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", b.options.fuse_gemm_epilogue)
+    b.options.conv_kernels = measured.get("conv_kernels", conv_kernels_used(b.options.conv_kernels))
+
+
+def record_timings(b: _Build) -> None:
+    """Write what this build timed (``timings``) for the builds after it, once it is verified; a build that
+    took everything from the record leaves it as it was."""
+    if b.timings_file is None or not b.timed_here:
+        return
+    write_timings(b.timings_file, {
+        "created": utc_now(), "model": str(b.loaded.path), "build_s": round(time.perf_counter() - b.t_start, 1),
+        "search": {"measures": b.search_measures or [], "decision": b.search_report.get("decision")},
+        "plan": b.measured_plan, "measured_choices": b.measured})
+    b.taken["written"] = str(b.timings_file)
+
+
 def build_engines(b: _Build, tmp: Path) -> None:
     """One engine per branch, written into the staging folder."""
     with b.timed("engines"):
@@ -715,10 +793,10 @@ def build_engines(b: _Build, tmp: Path) -> None:
             b.timed_alternatives = early = ({"partial": True, "rounds": carried, "plan": b.plan,
                                              "timed": f"{plural(len(carried), 'round')} taken from the input's plan, "
                                                       "the rest after the search"} if carried else None)
-        shipped = Variant(b.model, b.graph, b.plan, b.options)
+        shipped = Variant(b.model, b.graph, b.plan, b.options, b.measured["internal_nhwc"] if b.measured else True)
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
             done = {r["choice"] for r in (early or {}).get("rounds") or []}
-            alternatives = [] if early is not None and not early.get("partial") else [
+            alternatives = [] if (early is not None and not early.get("partial")) or b.measured else [
                 v for what, v in alternative_variants(b.engines, shipped) if what not in done] + (
                 speculative_variants(b.engines, shipped) if not done else [])
             b.precompiled = b.engines.precompile([shipped] + alternatives)
@@ -732,29 +810,25 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
     not, depthwise convolutions as cuDNN's or Inductor's kernels, channels-last or contiguous boundaries, one engine
     for the whole model), keep each winner and rebuild the engines for it."""
     cfg = b.cfg
-    if not (cfg.measure and b.backend.gpu):
-        return
+    if not (cfg.measure and b.backend.gpu) or "rounds" in b.taken and b.measured is not None:
+        return  # (the recorded rounds were taken before the engines were written: ``take_recorded_choices``)
     with b.timed("measure_alternatives"):
         task = b.bar.step("time the plan against its alternatives on the GPU")
         fused, attention, gemm = b.options.fuse_conv_relu, b.options.fuse_attention, b.options.fuse_gemm_epilogue
         convs = conv_kernels_used(b.options.conv_kernels)
+        b.timed_here = True
+        if b.timings_file is not None:
+            b.measured_plan = plan_digest(b.plan)
         early = b.timed_alternatives or {}
         if early and not early.get("partial"):  # timed against this plan's engines during the search
             measured = {k: v for k, v in early.items() if k != "plan"}
-            b.options.fuse_conv_relu = measured["fuse_conv_relu"]
-            b.options.fuse_attention = measured.get("fuse_attention", attention)
-            b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", gemm)
-            b.options.conv_kernels = measured.get("conv_kernels", convs)
         else:  # the bundle as written, loaded from ``tmp`` (its manifest is written after this stage), from the
             # rounds the search timed on (none, or those before an alternative won)
             shipped = Variant(b.model, b.graph, b.plan, b.options)
             bundle = Bundle(path=tmp, manifest=b.engines.manifest_of(shipped), plan=b.plan, report={})
             measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs, timed=early.get("rounds", ()))
-            if measured:
-                b.options.fuse_conv_relu = measured["fuse_conv_relu"]
-                b.options.fuse_attention = measured.get("fuse_attention", attention)
-                b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", gemm)
-                b.options.conv_kernels = measured.get("conv_kernels", convs)
+        if measured:
+            _take_measured_options(b, measured)
         b.measured = measured
         whole = bool(measured and measured.get("whole_engine"))
         if measured and (measured["one_engine"] or whole
@@ -791,6 +865,7 @@ def write_report(b: _Build, tmp: Path) -> None:
         "cpu_choice": b.cpu_choice,
         "engines": b.engines_report,
         "measured_choices": b.measured,
+        "recorded_timings": dict(b.taken, file=str(b.timings_file)) if b.timings_file else None,
         "precompiled": b.precompiled,
         "background_compiles": _background_summary(b),
         "verification": None,
@@ -851,6 +926,8 @@ def complete(b: _Build) -> _Build:
     """The report's last figures: the build's total seconds, the seconds of each stage and the peak memory."""
     b.timings["total"] = time.perf_counter() - b.t_start
     b.report["stage_seconds"] = b.stage_seconds()
+    if b.timings_file is not None:
+        b.report["recorded_timings"] = dict(b.taken, file=str(b.timings_file))
     b.report["peak_rss_mb"] = _peak_rss_mb()
     return b
 

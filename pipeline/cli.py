@@ -133,7 +133,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
     g.add_argument("--keep-fp32", default=None, metavar="NODE_OR_PATTERN,...",
                    help="build the branches (TensorRT: the layers) holding these op types, node names or globs in fp32")
-    g.add_argument("--cache-dir", default=None, help="where TensorRT timing caches and compiled torch engines (the compiled-branch cache) persist across builds")
+    g.add_argument("--cache-dir", default=None, help="where TensorRT timing caches, compiled torch engines (the compiled-branch cache) and a GPU build's timed decisions persist across builds")
+    g.add_argument("--remeasure", action="store_true",
+                   help="with --cache-dir: time again on the GPU what an earlier build of the same model recorded there, and record the new result")
     g.add_argument("--torch-artifact", default="inductor", choices=["inductor", "aoti", "jit"],
                    help="torch backend: what an engine ships (docs/torch-engines.md; default inductor)")
     g.add_argument("--inductor-format", default="kernels", choices=["kernels", "bundled", "cache"],
@@ -201,7 +203,7 @@ def cmd_build(args) -> int:
                       search=not args.no_search, verify=not args.no_verify, rtol=args.rtol, atol=args.atol,
                       scale_tol=args.scale_tol, seed=args.seed,
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
-                      strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, compile=not args.eager, force=args.force,
+                      strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, remeasure=args.remeasure, compile=not args.eager, force=args.force,
                       torch_artifact=args.torch_artifact, inductor_format=args.inductor_format,
                       conv_kernels=args.conv_kernels, engine_blocks=args.engine_blocks,
                       compile_workers=args.compile_workers, gpu_timing_lock=not args.no_gpu_timing_lock,

@@ -1,0 +1,175 @@
+"""What a GPU build timed, recorded for the builds after it: TensorRT's timing cache, one level up.
+
+A GPU build decides by measurement which of the search's candidates ships (``measure.GpuMeasurer``) and each
+round of ``measure.time_alternatives`` (fusions, kernels, layouts, streams, engine blocks). Each of those
+compiles, loads and times another form of the model, and together they are most of a build's seconds. With
+``--cache-dir DIR`` the build records what it timed and what won in ``DIR/timings/KEY.json``; KEY is what the
+timings depend on (``timings_key``): the model's structure (its nodes, shapes and types, the values of integer
+and scalar-sized initializers, but not its weights), the build options that
+change what is built or timed, the device, and the versions of parastream's code, torch and the backend.
+
+A later build with the same KEY (the same model rebuilt, or rebuilt with other weights) takes the recorded
+decisions instead of timing again: its search is handed the recorded times in the order it asks for them
+(``RecordedMeasurer``: a candidate that is not the one recorded at that place ends the measurements, as a
+spent budget does), and its rounds the recorded result when its plan is the one they were timed on. The
+engines it ships are compiled (or found in ``DIR``'s compiled-branch cache) and verified as in any build;
+report.json says what was taken from which file. ``--remeasure`` times everything again and records anew.
+
+Why a file of our own rather than a library's: the decisions are parastream's (which rewrite, which fusion), and
+TensorRT's timing cache, the model for this, holds per-layer kernel timings that only its builder reads.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import hashlib
+import json
+import os
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import onnx
+
+from parastream.rewrite.search import MeasureBudgetSpent
+
+TIMINGS_VERSION = 1
+#: floating-point initializers of at most this many elements are keyed by value (scales, clip bounds and the
+#: constants a rewrite rule matches, such as GELU's); larger ones are weights, keyed by name, type and shape only.
+#: Integer initializers (shapes, axes, indices) are always keyed by value.
+SMALL_FLOAT_VALUES = 4
+#: build options that change neither what is built nor what is timed (where, how many processes, how checked)
+NOT_IN_KEY = frozenset({"force", "cache_dir", "remeasure", "compile_workers", "gpu_timing_lock", "verify", "rtol",
+                        "atol", "scale_tol"})
+_FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
+                     onnx.TensorProto.DOUBLE})
+
+
+def model_digest(model: onnx.ModelProto) -> str:
+    """sha256 of ``model``'s structure: opsets, graph inputs and outputs, every node, and each initializer's name,
+    type and shape (its values only where it is a scalar-sized float or not floating-point). Two exports of one architecture
+    with different weights have the same digest; any change of a node, shape or small constant changes it."""
+    h = hashlib.sha256()
+    g = model.graph
+    for o in model.opset_import:
+        h.update(f"opset {o.domain}:{o.version};".encode())
+    for v in list(g.input) + list(g.output):
+        h.update(v.SerializeToString(deterministic=True))
+    for t in g.initializer:
+        h.update(f"init {t.name} {t.data_type} {list(t.dims)};".encode())
+        count = 1
+        for d in t.dims:
+            count *= int(d)
+        if count <= SMALL_FLOAT_VALUES or t.data_type not in _FLOATS:
+            h.update(t.SerializeToString(deterministic=True))
+    for n in g.node:
+        h.update(n.SerializeToString(deterministic=True))
+    return h.hexdigest()
+
+
+@functools.lru_cache(maxsize=1)
+def code_digest() -> str:
+    """sha256 of parastream's own sources: a change of the search, the converter or the planner may change what a
+    build makes and times, so recorded timings hold for the code that recorded them only."""
+    root = Path(__file__).resolve().parent.parent
+    h = hashlib.sha256()
+    for sub in ("core", "launcher", "pipeline", "rewrite"):
+        for p in sorted((root / sub).rglob("*.py")):
+            h.update(str(p.relative_to(root)).encode())
+            h.update(p.read_bytes())
+    return h.hexdigest()
+
+
+def plan_digest(plan) -> str:
+    """sha256 of ``measure.plan_signature(plan)``: which engines, on which streams, with which boundaries."""
+    from .measure import plan_signature
+
+    return hashlib.sha256(json.dumps(plan_signature(plan), default=str).encode()).hexdigest()
+
+
+def timings_key(model: onnx.ModelProto, cfg, backend, versions: dict) -> tuple[str, dict]:
+    """(KEY, what it is made of) for ``model`` as loaded (its shapes set), built with ``cfg`` by ``backend``."""
+    parts = {"model": model_digest(model),
+             "options": {k: v for k, v in sorted(asdict(cfg).items()) if k not in NOT_IN_KEY},
+             "device": backend.describe_device(), "versions": versions, "code": code_digest(),
+             "format": TIMINGS_VERSION}
+    named = json.dumps(parts, sort_keys=True, default=lambda o: getattr(o, "name", None) or type(o).__name__)
+    return hashlib.sha256(named.encode()).hexdigest()[:32], parts
+
+
+def timings_path(cache_dir: str | os.PathLike, key: str) -> Path:
+    return Path(cache_dir) / "timings" / f"{key}.json"
+
+
+def read_timings(path: Path) -> dict | None:
+    """The record at ``path``, or None where there is none or it is not one this code wrote (it is then timed
+    again and written over)."""
+    try:
+        record = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return None
+    if not isinstance(record, dict) or record.get("format") != TIMINGS_VERSION:
+        return None
+    return record
+
+
+def write_timings(path: Path, record: dict) -> None:
+    """``record`` at ``path``, written atomically (another build reading the cache sees the old file or the new)."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".timings-", suffix=".json")
+    try:
+        with os.fdopen(fd, "w") as f:
+            json.dump(dict(record, format=TIMINGS_VERSION), f, indent=1, default=str)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+
+
+def now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@dataclass
+class RecordedMeasurer:
+    """The search's ``Measurer`` from a record: the i-th model the search asks for is given the i-th recorded
+    time when it is the model recorded there (``model_digest``); any other ends the measurements
+    (``MeasureBudgetSpent``), so the search decides among those that matched, as among those a budget left.
+    Nothing is compiled, loaded or timed."""
+
+    measures: list[dict]  # [{"digest", "seconds", "one_engine": the times when it ran faster as one engine}]
+    source: str = ""  # the record's file, for the log
+    lookahead: int = 1
+    log: list = field(default_factory=list)
+    matched: list = field(default_factory=list)  # the recorded measures given, in order
+    one_engine_won: list = field(default_factory=list)
+
+    def adopt(self, model: onnx.ModelProto, graph) -> None:
+        pass
+
+    def prepare(self, models: list[onnx.ModelProto]) -> dict | None:
+        return None
+
+    def measure(self, model: onnx.ModelProto) -> float:
+        i = len(self.matched)
+        if i >= len(self.measures) or self.measures[i].get("digest") != model_digest(model):
+            raise MeasureBudgetSpent(f"not timed by the recorded build ({self.source})")
+        rec = self.measures[i]
+        self.matched.append(rec)
+        if rec.get("one_engine"):
+            self.one_engine_won.append((model, rec["one_engine"]))
+        self.log.append({"recorded_s": rec["seconds"], "from": self.source})
+        return float(rec["seconds"])
+
+    def one_engine_timed(self, model: onnx.ModelProto) -> dict | None:
+        return next((t for m, t in self.one_engine_won if m is model), None)
+
+    @property
+    def calls(self) -> int:
+        return len(self.matched)
+
+    def close(self) -> None:
+        pass

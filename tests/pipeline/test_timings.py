@@ -1,0 +1,171 @@
+"""What a GPU build timed, recorded under --cache-dir for the builds after it (pipeline/timings.py)."""
+
+from __future__ import annotations
+
+import importlib
+import json
+import types
+
+import numpy as np
+import onnx
+import pytest
+from graphs import residual_stack_model
+
+from parastream.pipeline import build
+from parastream.pipeline.timings import (RecordedMeasurer, model_digest, read_timings, timings_path,
+                                          write_timings)
+from parastream.rewrite.search import MeasureBudgetSpent
+
+
+def test_the_digest_keeps_the_structure_and_leaves_the_weights_out():
+    a, b = residual_stack_model(layers=3, seed=0), residual_stack_model(layers=3, seed=1)
+    assert any(not np.array_equal(onnx.numpy_helper.to_array(x), onnx.numpy_helper.to_array(y))
+               for x, y in zip(a.graph.initializer, b.graph.initializer))
+    assert model_digest(a) == model_digest(b)  # other weights: the same timings
+    assert model_digest(a) != model_digest(residual_stack_model(layers=4))  # another node count
+    assert model_digest(a) != model_digest(residual_stack_model(layers=3, tokens=8))  # other shapes
+    c = residual_stack_model(layers=3)
+    c.graph.node[3].op_type = "Sigmoid"  # l0/relu
+    assert model_digest(a) != model_digest(c)
+    d = residual_stack_model(layers=3)  # a scalar-sized float is a constant a rule may match: keyed by value
+    d.graph.initializer.append(onnx.numpy_helper.from_array(np.array([0.5], np.float32), "half"))
+    e = residual_stack_model(layers=3)
+    e.graph.initializer.append(onnx.numpy_helper.from_array(np.array([0.25], np.float32), "half"))
+    assert model_digest(d) != model_digest(e)
+
+
+def test_the_recorded_measurer_gives_the_recorded_times_in_order_and_stops_at_another_model():
+    a, b, c = (residual_stack_model(layers=n) for n in (2, 3, 4))
+    rec = RecordedMeasurer([{"digest": model_digest(a), "seconds": 2e-3},
+                            {"digest": model_digest(b), "seconds": 1e-3, "one_engine": {"plan": 1.2, "one engine": 1.0}}],
+                           source="t.json")
+    assert rec.measure(a) == 2e-3 and rec.measure(b) == 1e-3
+    assert rec.one_engine_timed(b) == {"plan": 1.2, "one engine": 1.0} and rec.one_engine_timed(a) is None
+    with pytest.raises(MeasureBudgetSpent, match="t.json"):
+        rec.measure(c)  # past the record
+    other = RecordedMeasurer([{"digest": model_digest(a), "seconds": 2e-3}])
+    with pytest.raises(MeasureBudgetSpent):
+        other.measure(b)  # not the model recorded at that place
+    assert rec.calls == 2 and other.calls == 0
+
+
+def test_a_record_of_another_format_or_a_broken_file_is_not_read(tmp_path):
+    path = timings_path(tmp_path, "k")
+    assert read_timings(path) is None
+    write_timings(path, {"search": {"measures": []}})
+    assert read_timings(path)["search"] == {"measures": []}
+    path.write_text("{not json")
+    assert read_timings(path) is None
+    path.write_text(json.dumps({"format": 999}))
+    assert read_timings(path) is None
+
+
+def test_the_gpu_measurer_records_what_it_timed(monkeypatch):
+    """Each model measured is recorded with its digest and the seconds the search was given."""
+    import parastream.launcher as launcher_pkg
+    import parastream.launcher.gpu as gpu_mod
+    import parastream.pipeline.bench as bench_mod
+    from gpu_build_fakes import gpu_backend
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.build import Engines
+    from parastream.pipeline.measure import GpuMeasurer
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite.cost import RooflineCostModel
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+        k: np.array([2.0 if k == "candidate" else 1.0]) for k in launchers})
+    import tempfile
+    from pathlib import Path
+
+    with tempfile.TemporaryDirectory() as d:
+        onnx.save(residual_stack_model(layers=2), Path(d) / "m.onnx")
+        loaded = load_model(Path(d) / "m.onnx")
+    m = GpuMeasurer.for_build(Engines(gpu_backend(), RooflineCostModel(), loaded, "fp16"), BuildOptions(precision="fp16"),
+                              loaded, streams=1, max_streams=1, budget_s=60, record=[])
+    m.measure(loaded.model)
+    m.measure(loaded.model)
+    m.close()
+    assert [r["seconds"] for r in m.record] == pytest.approx([2e-3, 4e-3])
+    assert {r["digest"] for r in m.record} == {model_digest(loaded.model)}
+
+
+def _gpu_like_onnxruntime(monkeypatch, time_alternatives):
+    """The GPU stage driven on the CPU: onnxruntime's engines under a backend that says it is a GPU backend (and
+    compiles repeats once, so that a stack of layers is cut into blocks), with ``time_alternatives`` faked."""
+    from parastream.launcher.engines import require_backend
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu, gpu_like.compiles_repeats_once = True, True
+    gpu_like.describe_device = lambda: "cuda: a GPU of the test"
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    monkeypatch.setattr(build_module, "gpu_present", lambda backend: True)
+    monkeypatch.setattr(build_module, "time_alternatives", time_alternatives)
+
+
+def test_a_rebuild_takes_the_recorded_rounds_and_times_nothing(tmp_path, monkeypatch):
+    """The first build times its rounds and records them; a rebuild of the model with other weights takes them (the
+    whole-model engine they chose) without timing, and verifies what it ships; --remeasure times them again."""
+    timed = []
+
+    def whole_wins(engines, bundle, variant, runs, **rounds_timed):
+        timed.append(len(variant.plan.branches))
+        return {"one_engine": False, "whole_engine": True, "internal_nhwc": True, "fuse_conv_relu": False,
+                "rounds": [{"choice": "engine blocks", "won": "one engine for the whole model"}]}
+
+    _gpu_like_onnxruntime(monkeypatch, whole_wins)
+    cache = tmp_path / "cache"
+    for i, seed in enumerate((0, 1)):
+        onnx.save(residual_stack_model(layers=5, seed=seed), tmp_path / f"m{i}.onnx")
+    first = build(tmp_path / "m0.onnx", tmp_path / "b0", backend="onnxruntime", search=False, cache_dir=str(cache))
+    assert len(timed) == 1 and timed[0] > 1  # the blocks were timed against the whole engine
+    rec = first.report["recorded_timings"]
+    assert rec["written"] == rec["file"] and (cache / "timings").is_dir()
+    assert read_timings(type(cache)(rec["file"]))["measured_choices"]["whole_engine"]
+
+    again = build(tmp_path / "m1.onnx", tmp_path / "b1", backend="onnxruntime", search=False, cache_dir=str(cache))
+    assert len(timed) == 1  # nothing timed
+    assert len(again.plan.branches) == 1 and again.report["verification"]["passed"]
+    assert again.report["recorded_timings"]["rounds"] == "1 round" and "written" not in again.report["recorded_timings"]
+    assert again.report["measured_choices"]["timed"].startswith("recorded by the build of")
+    assert again.manifest["options"]["remeasure"] is False
+
+    build(tmp_path / "m1.onnx", tmp_path / "b2", backend="onnxruntime", search=False, cache_dir=str(cache),
+          remeasure=True)
+    assert len(timed) == 2
+
+
+def test_recorded_rounds_of_another_plan_are_timed_again(tmp_path, monkeypatch):
+    """A record whose rounds were timed on another plan (here: another engine cut) is not taken for this one."""
+    timed = []
+
+    def blocks_stay(engines, bundle, variant, runs, **rounds_timed):
+        timed.append(1)
+        return {"one_engine": False, "whole_engine": False, "internal_nhwc": True, "fuse_conv_relu": False,
+                "rounds": [{"choice": "engine blocks", "won": "one engine per repeated block"}]}
+
+    _gpu_like_onnxruntime(monkeypatch, blocks_stay)
+    cache = tmp_path / "cache"
+    onnx.save(residual_stack_model(layers=5), tmp_path / "m.onnx")
+    first = build(tmp_path / "m.onnx", tmp_path / "b0", backend="onnxruntime", search=False, cache_dir=str(cache))
+    path = type(cache)(first.report["recorded_timings"]["file"])
+    record = read_timings(path)
+    write_timings(path, dict(record, plan="another plan's digest"))
+    again = build(tmp_path / "m.onnx", tmp_path / "b1", backend="onnxruntime", search=False, cache_dir=str(cache))
+    assert timed == [1, 1]
+    assert again.report["recorded_timings"]["rounds"].startswith("timed again")
+    assert read_timings(path)["plan"] == record["plan"]  # recorded anew, for this plan
+
+
+def test_without_a_cache_dir_nothing_is_recorded(tmp_path, monkeypatch):
+    _gpu_like_onnxruntime(monkeypatch, lambda *a, **k: None)
+    onnx.save(residual_stack_model(layers=3), tmp_path / "m.onnx")
+    bundle = build(tmp_path / "m.onnx", tmp_path / "b", backend="onnxruntime", search=False)
+    assert bundle.report["recorded_timings"] is None
