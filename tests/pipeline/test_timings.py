@@ -169,3 +169,40 @@ def test_without_a_cache_dir_nothing_is_recorded(tmp_path, monkeypatch):
     onnx.save(residual_stack_model(layers=3), tmp_path / "m.onnx")
     bundle = build(tmp_path / "m.onnx", tmp_path / "b", backend="onnxruntime", search=False)
     assert bundle.report["recorded_timings"] is None
+
+
+def test_the_search_replayed_from_a_record_keeps_what_it_kept_when_it_timed(tmp_path):
+    """The search asks a recorded measurer for the same candidates, exported the same way, in the same order (the
+    digests match), and so decides as the timed search did; a model whose structure changed gets nothing from it."""
+    from parastream.pipeline.model_io import load_model
+    from parastream.pipeline.zoo import write_all
+    from parastream.rewrite import optimize_graph
+    from parastream.rewrite.cost import RooflineCostModel
+
+    write_all(tmp_path)
+    loaded = load_model(tmp_path / "inception_block.onnx")
+
+    class Timing:  # the GPU measurer's part that matters here: a time per model, recorded with its digest
+        lookahead, record = 2, []
+
+        def adopt(self, model, graph):
+            pass
+
+        def prepare(self, models):
+            return None
+
+        def measure(self, model):
+            seconds = 1e-3 * (1 + len(model.graph.node) % 7) / 7  # any time that differs between candidates
+            self.record.append({"digest": model_digest(model), "seconds": seconds})
+            return seconds
+
+    timing = Timing()
+    kw = dict(cost_model=RooflineCostModel(), streams=2, top_k=5)
+    timed, _, timed_report = optimize_graph(loaded.model, loaded.graph, measure=timing, **kw)
+    assert len(timing.record) >= 2, timed_report.get("decision")
+    replay = RecordedMeasurer(list(timing.record))
+    again, _, report = optimize_graph(loaded.model, loaded.graph, measure=replay, **kw)
+    assert replay.calls == len(timing.record)
+    assert sum(c.get("measured_s") is not None for c in report["candidates"]) == len(timing.record)
+    assert [c.get("measured_s") for c in report["candidates"]] == [c.get("measured_s") for c in timed_report["candidates"]]
+    assert model_digest(again) == model_digest(timed) and report["rules_chosen"] == timed_report["rules_chosen"]
