@@ -238,6 +238,26 @@ def cut_in_blocks(plan) -> bool:
     return plan.num_streams == 1 and len(plan.branches) > 1
 
 
+#: a plan cut into repeated blocks whose distinct code is at most this share of its nodes ships the blocks
+#: without racing one engine for the whole model: its rival is a compile of the whole model (ViT-B/16 and BERT-base
+#: on the H100: 30-45 s, most of a build's search waited 14-20 s for it), and at such shares the cut lost nothing
+#: (ViT-B/16, 10% compiled: blocks 0.776 against 0.799 ms whole; BERT-base: 0.601 against 0.606 ms).  ResNet-50's
+#: cut (53% compiled, not cut by default) was 4% slower.
+WHOLE_ENGINE_RACED_ABOVE = 0.25
+
+
+def races_whole_engine(v: Variant) -> bool:
+    """Whether the "engine blocks" round races ``v``'s plan (cut into blocks) against one engine for the whole
+    model: where the blocks' distinct code is over ``WHOLE_ENGINE_RACED_ABOVE`` of the nodes."""
+    if not cut_in_blocks(v.plan):
+        return False
+    from parastream.core.blocks import compiled_share
+
+    by_name = {n.name: n for n in v.graph.nodes}
+    order = [by_name[name] for b in v.plan.branches for name in b.nodes]
+    return compiled_share(order) > WHOLE_ENGINE_RACED_ABOVE
+
+
 def whole_engine_form(engines: EngineMaker, v: Variant) -> Variant:
     """``v`` with its graph as one engine for the whole model (the "engine blocks" round's rival)."""
     return replace(v, plan=engines.whole_engine_plan(v.graph, v.plan))
@@ -256,7 +276,7 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
         out.append(("boundary layout", replace(v, internal_nhwc=False)))
     if v.plan.num_streams > 1:
         out.append(("streams", one_stream_form(engines, v)))
-    if cut_in_blocks(v.plan):
+    if races_whole_engine(v):
         out.append(("engine blocks", whole_engine_form(engines, v)))
     return out
 
@@ -731,7 +751,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 replace(one_stream_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
                         internal_nhwc=True))):
             chosen["one_engine"] = True
-        if cut_in_blocks(v.plan) and round_won("engine blocks", lambda: engines.launcher(
+        if races_whole_engine(v) and round_won("engine blocks", lambda: engines.launcher(
                 replace(whole_engine_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
                         internal_nhwc=True))):
             chosen["whole_engine"] = True

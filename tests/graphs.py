@@ -7,6 +7,14 @@ import onnx
 from onnx import TensorProto, helper, numpy_helper
 
 
+
+def _model(graph: onnx.GraphProto) -> onnx.ModelProto:
+    """``graph`` at opset 17 and IR version 8, which every onnxruntime here reads (onnx's default IR version is
+    newer than the device's onnxruntime reads: "Unsupported model IR version")."""
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return model
+
 def three_branch_model(seed: int = 0, channels: int = 4, size: int = 8, batch: int | str = 1) -> onnx.ModelProto:
     """input -> {Conv1x1, Conv3x3, Conv5x5} -> Relu each -> Concat: three independent branches."""
     rng = np.random.default_rng(seed)
@@ -25,7 +33,7 @@ def three_branch_model(seed: int = 0, channels: int = 4, size: int = 8, batch: i
         [helper.make_tensor_value_info("output", TensorProto.FLOAT, [batch, 3 * channels, size, size])],
         inits,
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _model(graph)
 
 
 def two_output_model(seed: int = 0) -> onnx.ModelProto:
@@ -47,7 +55,7 @@ def two_output_model(seed: int = 0) -> onnx.ModelProto:
         [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 16]), helper.make_tensor_value_info("aux", TensorProto.FLOAT, [2, 16])],
         [w1, w2, w3],
     )
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _model(graph)
 
 
 def nested_concat_model(seed: int = 0, c: int = 8, size: int = 12) -> onnx.ModelProto:
@@ -68,7 +76,7 @@ def nested_concat_model(seed: int = 0, c: int = 8, size: int = 12) -> onnx.Model
               helper.make_node("Add", ["o1", "o2"], ["y"], name="add_out")]
     graph = helper.make_graph(nodes, "nested_concat", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, size, size])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _model(graph)
 
 
 def ort_reference(model: onnx.ModelProto, feeds: dict) -> dict:
@@ -110,4 +118,4 @@ def residual_stack_model(layers: int = 4, width: int = 32, tokens: int = 16, wid
     graph = helper.make_graph(nodes, "residual_stack",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, tokens, width])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, tokens, width])], inits)
-    return helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    return _model(graph)

@@ -116,6 +116,27 @@ def test_an_unknown_engine_blocks_value_is_a_one_line_error(tmp_path):
 
 
 # -- the "engine blocks" round: the blocks against one engine for the whole model, timed on the GPU (stand-ins) --
+def _blocks_plan(layers: int):
+    """(graph, a plan-like object of its one-stream schedule cut into blocks) of a residual stack."""
+    import types
+
+    g = gs_graph(residual_stack_model(layers=layers))
+    split = split_schedule(schedule_graph(g, 1, lambda n: 1e-6, lambda n: False), g.nodes)
+    assert len(split.branches) > 1
+    return g, types.SimpleNamespace(num_streams=1, branches=[types.SimpleNamespace(nodes=r) for r in split.branches])
+
+
+def test_the_whole_engine_is_raced_only_where_the_blocks_compile_over_a_quarter_of_the_nodes():
+    """Its rival is a whole-model compile: where the blocks' distinct code is a small share of the model (a deep
+    stack), the blocks ship untimed; where it is larger, the round races them."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.measure import WHOLE_ENGINE_RACED_ABOVE, Variant, races_whole_engine
+
+    assert WHOLE_ENGINE_RACED_ABOVE == 0.25
+    for layers, raced in ((5, True), (10, False)):
+        graph, plan = _blocks_plan(layers)
+        assert races_whole_engine(Variant(residual_stack_model(layers), graph, plan, BuildOptions())) is raced
+
 @pytest.mark.parametrize("blocks_ms, whole_ms, whole_kept", [(1.0, 0.9, True), (1.0, 0.99, False), (0.9, 1.0, False)])
 def test_the_round_keeps_the_blocks_unless_the_whole_engine_is_over_2_percent_faster(monkeypatch, blocks_ms, whole_ms,
                                                                                       whole_kept):
@@ -129,7 +150,7 @@ def test_the_round_keeps_the_blocks_unless_the_whole_engine_is_over_2_percent_fa
 
     monkeypatch.setattr(measure, "_internal_nhwc", lambda backend, plan: False)
     _, made = fake_gpu(monkeypatch, {("bundle", False, None): blocks_ms, ("whole", None, None): whole_ms})
-    blocked = types.SimpleNamespace(num_streams=1, branches=[0, 1, 2])
+    graph, blocked = _blocks_plan(5)  # 42% of the nodes compiled: raced
     whole = types.SimpleNamespace(num_streams=1, branches=[0])
 
     def launcher(v):
@@ -140,7 +161,7 @@ def test_the_round_keeps_the_blocks_unless_the_whole_engine_is_over_2_percent_fa
 
     engines = types.SimpleNamespace(backend=gpu_backend(fuses_conv_relu=False), launcher=launcher,
                                     whole_engine_plan=lambda graph, p: whole)
-    got = time_alternatives(engines, "bundle", Variant(residual_stack_model(3), None, blocked, BuildOptions(precision="fp16")),
+    got = time_alternatives(engines, "bundle", Variant(residual_stack_model(5), graph, blocked, BuildOptions(precision="fp16")),
                             runs=5)
     assert [r["choice"] for r in got["rounds"]] == ["engine blocks"]
     assert got["whole_engine"] is whole_kept

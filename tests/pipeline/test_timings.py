@@ -206,3 +206,25 @@ def test_the_search_replayed_from_a_record_keeps_what_it_kept_when_it_timed(tmp_
     assert sum(c.get("measured_s") is not None for c in report["candidates"]) == len(timing.record)
     assert [c.get("measured_s") for c in report["candidates"]] == [c.get("measured_s") for c in timed_report["candidates"]]
     assert model_digest(again) == model_digest(timed) and report["rules_chosen"] == timed_report["rules_chosen"]
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_torch_rebuild_on_the_gpu_takes_the_recorded_timings(tmp_path):
+    """A real GPU build with the search and its rounds, then the same model with other weights rebuilt from the same
+    --cache-dir: the rebuild measures nothing, ships the same plan and choices, and its bundle verifies."""
+    cache = str(tmp_path / "cache")
+    for i, seed in enumerate((0, 1)):
+        onnx.save(residual_stack_model(layers=6, width=64, tokens=32, seed=seed), tmp_path / f"m{i}.onnx")
+    kw = dict(backend="torch", precision="fp16", cache_dir=cache, measure_runs=20, search_options={"top_k": 3})
+    first = build(tmp_path / "m0.onnx", tmp_path / "b0", **kw)
+    assert first.report["recorded_timings"]["written"]
+    again = build(tmp_path / "m1.onnx", tmp_path / "b1", **kw)
+    taken = again.report["recorded_timings"]
+    assert "written" not in taken and again.report["verification"]["passed"]
+    assert all("recorded_s" in e for e in again.report["search"].get("measure_log") or [])
+    assert again.report["search"]["rules_chosen"] == first.report["search"]["rules_chosen"]
+    assert [(b.stream, b.nodes) for b in again.plan.branches] == [(b.stream, b.nodes) for b in first.plan.branches]
+    for k in ("fuse_attention", "fuse_gemm_epilogue", "internal_nhwc", "one_engine", "whole_engine"):
+        assert (again.report["measured_choices"] or {}).get(k) == (first.report["measured_choices"] or {}).get(k)
+    assert "measure_alternatives" not in again.report["stage_seconds"]
