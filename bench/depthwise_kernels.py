@@ -1,0 +1,220 @@
+#!/usr/bin/env python3
+"""Per distinct depthwise convolution of a model: what each kernel a bundle could run costs at a fresh process's
+first call and at every replay, on the device.
+
+Why: a fresh load of a depthwise-separable network spends most of its time in cuDNN building an execution plan
+for each distinct channels-last fp16 depthwise shape (NASNet-A Large: 23 keys, 4.07 of 4.26 s;
+docs/torch-engines.md, "Engines per repeated block"), and lowering every depthwise convolution to Inductor's
+kernels made its replay 35% slower.  Whether a per-shape choice can keep most of the speed and drop most of
+the plans depends on how the costs spread over the shapes, which this measures.
+
+For each timm model (random weights, fp16, batch 1, channels-last, as bench/load_breakdown.py builds it) it
+records every ``F.conv2d`` call of a forward pass whose groups equal its channels (the depthwise ones, after
+any "same" padding), and for each distinct (input shape, kernel, stride, padding, dilation):
+
+  count            calls of that shape in one forward pass
+  cudnn_first_ms   torch's convolution (cuDNN), channels-last: the first call in this process, synchronized
+                   (the plan's build; each shape is a new cuDNN key)
+  cudnn_us         its time per call in a CUDA Graph of 20 calls (median of 30 replays, CUDA events)
+  inductor_us      the converter's lowering (``onnx_torch._conv_as_kernels``: the form ``--conv-kernels
+                   inductor`` compiles) under torch.compile, the same way; compile seconds beside it
+  native_first_ms, native_us
+                   torch's own depthwise kernel (``aten._conv_depthwise2d``, NCHW; no plan to build)
+  max_err          of each against cuDNN's output (scaled by its largest magnitude)
+
+and prints, per model, the plan seconds in all and what lowering the shapes in order of plan seconds saved per
+microsecond lost would keep and lose.
+
+Run on the device after ``source bench/device_env.sh``:
+    python3 bench/depthwise_kernels.py --models nasnetalarge,mixnet_s --out $OUT
+Writes depthwise_kernels.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def depthwise_calls(name: str) -> dict:
+    """{(input shape, weight shape, stride, padding, dilation): calls} of ``name``'s depthwise ``F.conv2d`` calls
+    in one forward pass."""
+    import timm
+    import torch
+    import torch.nn.functional as F
+
+    model = timm.create_model(name, pretrained=False).eval()
+    size = model.default_cfg.get("input_size", (3, 224, 224))
+    x = torch.randn(1, *size)
+    seen: dict = {}
+    real = F.conv2d
+
+    def record(inp, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
+        c = inp.shape[1]
+        if (groups == c == weight.shape[0] and weight.shape[1] == 1 and weight.shape[2] * weight.shape[3] > 1
+                and not isinstance(padding, str)):
+            pair = lambda v: tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v), int(v))  # noqa: E731
+            key = (tuple(inp.shape), tuple(weight.shape), pair(stride), pair(padding), pair(dilation))
+            seen[key] = seen.get(key, 0) + 1
+        return real(inp, weight, bias, stride, padding, dilation, groups)
+
+    F.conv2d = record
+    try:
+        with torch.no_grad():
+            model(x)
+    finally:
+        F.conv2d = real
+    return seen
+
+
+def _graph_us(fn, reps: int = 20, replays: int = 30) -> float:
+    """Microseconds per call of ``fn()`` captured ``reps`` times in one CUDA Graph (median of ``replays``)."""
+    import numpy as np
+    import torch
+
+    s = torch.cuda.Stream()
+    s.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(s):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(s)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    for _ in range(5):
+        g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return float(np.median(times))
+
+
+def _first_ms(fn) -> float:
+    import torch
+
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    fn()
+    torch.cuda.synchronize()
+    return (time.perf_counter() - t0) * 1e3
+
+
+def measure_shape(key) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from parastream.launcher.engines.onnx_torch import _conv_as_kernels
+
+    x_shape, w_shape, stride, padding, dilation = key
+    c = x_shape[1]
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(x_shape, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+    w = (torch.randn(w_shape, device="cuda", generator=g) * 0.1).half().to(memory_format=torch.channels_last)
+    row: dict = {"x": list(x_shape), "kernel": list(w_shape[2:]), "stride": list(stride), "padding": list(padding)}
+    row["cudnn_first_ms"] = _first_ms(lambda: F.conv2d(x, w, None, stride, padding, dilation, c))
+    ref = F.conv2d(x, w, None, stride, padding, dilation, c).float()
+    scale = float(ref.abs().max()) or 1.0
+    row["cudnn_us"] = _graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, c))
+
+    lowered = _conv_as_kernels(x_shape, w_shape, list(w_shape[2:]), list(stride), list(dilation), c,
+                               list(padding), list(padding))
+    if lowered is None:
+        row["inductor_error"] = "not lowered"
+    else:
+        try:
+            t0 = time.perf_counter()
+            compiled = torch.compile(lowered, dynamic=False)
+            out = compiled(x, w)
+            torch.cuda.synchronize()
+            row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)
+            row["inductor_max_err"] = float((out.float() - ref).abs().max()) / scale
+            row["inductor_us"] = _graph_us(lambda: compiled(x, w))
+        except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
+            row["inductor_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    xn, wn = x.contiguous(), w.contiguous()
+    native = torch.ops.aten._conv_depthwise2d
+    args = (list(w_shape[2:]), None, list(stride), list(padding), list(dilation))
+    try:
+        row["native_first_ms"] = _first_ms(lambda: native(xn, wn, *args))
+        out = native(xn, wn, *args)
+        row["native_max_err"] = float((out.float() - ref).abs().max()) / scale
+        row["native_us"] = _graph_us(lambda: native(xn, wn, *args))
+    except Exception as e:  # noqa: BLE001
+        row["native_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return row
+
+
+def summary(rows: list[dict]) -> dict:
+    """The plan seconds in all, and lowering the shapes in order of plan seconds saved per microsecond lost:
+    after each, the plan seconds left and the microseconds per forward pass added."""
+    plans = sum(r["cudnn_first_ms"] for r in rows) / 1e3
+    ok = [r for r in rows if "inductor_us" in r]
+
+    def lost(r):
+        return max(0.0, (r["inductor_us"] - r["cudnn_us"]) * r["count"])
+
+    order = sorted(ok, key=lambda r: lost(r) / max(r["cudnn_first_ms"], 1e-3))
+    steps, saved, added = [], 0.0, 0.0
+    for r in order:
+        saved += r["cudnn_first_ms"] / 1e3
+        added += (r["inductor_us"] - r["cudnn_us"]) * r["count"]
+        steps.append({"x": r["x"], "kernel": r["kernel"], "stride": r["stride"], "plan_s_left": round(plans - saved, 3),
+                      "us_added": round(added, 1)})
+    cudnn_us = sum(r["cudnn_us"] * r["count"] for r in rows)
+    return {"shapes": len(rows), "calls": sum(r["count"] for r in rows), "plan_s": round(plans, 3),
+            "cudnn_us_per_pass": round(cudnn_us, 1),
+            "inductor_us_per_pass": round(sum(r.get("inductor_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
+            "native_us_per_pass": round(sum(r.get("native_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
+            "lowering_order": steps}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="nasnetalarge")
+    ap.add_argument("--seconds", type=float, default=500.0, help="measure no new shape after this")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthwise_kernels_out"))
+    args = ap.parse_args(argv)
+    import torch
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    t_start = time.perf_counter()
+    torch.backends.cudnn.benchmark = False  # as the launcher runs: cuDNN's heuristics, one plan per key
+    warm = torch.randn(1, 8, 16, 16, device="cuda").half().to(memory_format=torch.channels_last)
+    torch.nn.functional.conv2d(warm, torch.randn(8, 8, 3, 3, device="cuda").half(), None, 1, 1)  # cuDNN's own start
+    result: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+                    "cudnn": torch.backends.cudnn.version(), "models": {}}
+    for name in args.models.split(","):
+        counts = depthwise_calls(name)
+        rows = []
+        for key, n in sorted(counts.items(), key=lambda kv: -kv[1]):
+            if time.perf_counter() - t_start > args.seconds:
+                break
+            row = measure_shape(key)
+            row["count"] = n
+            rows.append(row)
+            print(json.dumps({"model": name, **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}}),
+                  flush=True)
+        result["models"][name] = {"rows": rows, "summary": summary(rows), "distinct": len(counts)}
+        (out / "depthwise_kernels.json").write_text(json.dumps(result, indent=1))
+        s = result["models"][name]["summary"]
+        print(json.dumps({"model": name, **{k: v for k, v in s.items() if k != "lowering_order"}}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
