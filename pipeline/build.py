@@ -592,10 +592,9 @@ class _Build:
     report: dict | None = None
     manifest: dict | None = None
     # with --cache-dir on a GPU (``timings``): the record's file, the record read from it (None: time everything),
-    # the search's measures to record, the digest of the plan the rounds were timed on, what was taken from it
+    # the digest of the plan the rounds were timed on, what was taken from it
     timings_file: Path | None = None
     recorded: dict | None = None
-    search_measures: list | None = None
     measured_plan: str | None = None
     taken: dict = field(default_factory=dict)
     timed_here: bool = False  # something was timed on the GPU by this build (and is recorded)
@@ -671,11 +670,13 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         b.planned = b.graph, b.engines.schedule(b.graph, cfg.streams, cfg.max_streams)
         measurer = None
         if cfg.measure and measure and b.recorded is not None:  # an earlier build's times, in the order it took them
-            measurer = RecordedMeasurer(b.recorded.get("search", {}).get("measures", []), source=str(b.timings_file))
+            recorded = b.recorded.get("search") or {}
+            measurer = RecordedMeasurer(recorded.get("measured") or [], one_engine=recorded.get("one_engine"),
+                                        source=str(b.timings_file))
         elif cfg.measure and measure:
             measurer = GpuMeasurer.for_build(b.engines, b.options, b.loaded, streams=cfg.streams,
                                              max_streams=cfg.max_streams, budget_s=cfg.measure_seconds,
-                                             runs=cfg.measure_runs, record=[] if b.timings_file else None)
+                                             runs=cfg.measure_runs)
         before = None
         if measurer is not None:  # the search measures its input first: its engines compile while the search runs
             try:
@@ -700,11 +701,10 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             if measurer is not None and searched is not b.model:
                 b.one_engine_timed = measurer.one_engine_timed(searched)
             if measurer is not None:
-                b.search_measures = measurer.matched if recorded else getattr(measurer, "record", None)
                 b.timed_here = b.timed_here or (not recorded and getattr(measurer, "calls", 0) > 0)
             if recorded:
                 b.taken["search"] = (f"{plural(len(measurer.matched), 'measurement')} of "
-                                     f"{len(measurer.measures)} recorded")
+                                     f"{len(measurer.measured)} recorded")
         finally:
             if measurer is not None:
                 measurer.close()
@@ -789,7 +789,8 @@ def record_timings(b: _Build) -> None:
         return
     write_timings(b.timings_file, {
         "created": utc_now(), "model": str(b.loaded.path), "build_s": round(time.perf_counter() - b.t_start, 1),
-        "search": {"measures": b.search_measures or [], "decision": b.search_report.get("decision")},
+        "search": {"measured": b.search_report.get("measured_in_order") or [], "one_engine": b.one_engine_timed,
+                   "decision": b.search_report.get("decision")},
         "plan": b.measured_plan, "measured_choices": b.measured})
     b.taken["written"] = str(b.timings_file)
 

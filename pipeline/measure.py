@@ -368,7 +368,6 @@ class GpuMeasurer:
     warmup: int = 10
     lookahead: int = 4  # models prepared ahead of the one measured (their compiles overlap its measurement)
     log: list = field(default_factory=list)  # per model measured: when it started (s after this was made), its steps
-    record: list | None = None  # with ``--cache-dir``: per model measured, its digest and time (``timings``)
 
     def __post_init__(self):
         self.backend = self.engines.backend
@@ -477,29 +476,18 @@ class GpuMeasurer:
             self.reference = (la, ms)
             self.deadline = time.perf_counter() + self.budget_s
             self.log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
-            self._record(model, ms)
             return ms / 1e3
         try:
             ms = self._against_reference(la)
         finally:
             la.close()
         self.log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
-        one_engine = None
         if ms > self.reference[1] and self.calls == 2:
             one, one_ms = self._as_one_engine(v, ms)
             if one is not v:  # the build plans it as one engine if the search keeps it (``one_engine_timed``)
-                one_engine = self.log[-1]["streams_ms"]
-                self.one_engine_won.append((model, one_engine))
+                self.one_engine_won.append((model, self.log[-1]["streams_ms"]))
             ms = self._with_fusions_off(one, one_ms)
-        self._record(model, ms, one_engine)
         return ms / 1e3
-
-    def _record(self, model: onnx.ModelProto, ms: float, one_engine: dict | None = None) -> None:
-        """What ``timings.RecordedMeasurer`` gives a later build of the same model in this place."""
-        if self.record is not None:
-            from .timings import model_digest
-
-            self.record.append({"digest": model_digest(model), "seconds": ms / 1e3, "one_engine": one_engine})
 
     def _against_reference(self, la) -> float:
         """``la``'s milliseconds per replay, timed in alternating blocks with the reference and scaled by the

@@ -9,9 +9,9 @@ and scalar-sized initializers, but not its weights), the build options that
 change what is built or timed, the device, and the versions of parastream's code, torch and the backend.
 
 A later build with the same KEY (the same model rebuilt, or rebuilt with other weights) takes the recorded
-decisions instead of timing again: its search is handed the recorded times in the order it asks for them
-(``RecordedMeasurer``: a candidate that is not the one recorded at that place ends the measurements, as a
-spent budget does), and its rounds the recorded result when its plan is the one they were timed on. The
+decisions instead of timing again: its search is handed the recorded times in the order it asks for them, by
+each candidate's rewrites (``RecordedMeasurer``: a candidate whose rewrites are not those recorded at that
+place ends the measurements, as a spent budget does), and its rounds the recorded result when its plan is the one they were timed on. The
 engines it ships are compiled (or found in ``DIR``'s compiled-branch cache) and verified as in any build;
 report.json says what was taken from which file. ``--remeasure`` times everything again and records anew.
 
@@ -35,7 +35,7 @@ import onnx
 
 from parastream.rewrite.search import MeasureBudgetSpent
 
-TIMINGS_VERSION = 1
+TIMINGS_VERSION = 2
 #: floating-point initializers of at most this many elements are keyed by value (scales, clip bounds and the
 #: constants a rewrite rule matches, such as GELU's); larger ones are weights, keyed by name, type and shape only.
 #: Integer initializers (shapes, axes, indices) are always keyed by value.
@@ -135,17 +135,19 @@ def now() -> str:
 
 @dataclass
 class RecordedMeasurer:
-    """The search's ``Measurer`` from a record: the i-th model the search asks for is given the i-th recorded
-    time when it is the model recorded there (``model_digest``); any other ends the measurements
-    (``MeasureBudgetSpent``), so the search decides among those that matched, as among those a budget left.
-    Nothing is compiled, loaded or timed."""
+    """The search's ``Measurer`` from a record (``by_trace``): the i-th candidate the search asks for, by its
+    rewrites, is given the i-th recorded time when its rewrites are the ones recorded there; any other ends the
+    measurements (``MeasureBudgetSpent``), so that the search decides among those that matched, as among those
+    a budget left.  The search exports none of them (the record's KEY holds the model's structure and the code,
+    so equal rewrites make equal candidates), and nothing is compiled, loaded or timed."""
 
-    measures: list[dict]  # [{"digest", "seconds", "one_engine": the times when it ran faster as one engine}]
+    measured: list[dict]  # [{"trace": the candidate's rule applications, "seconds"}], in the order measured
+    one_engine: dict | None = None  # the kept candidate ran faster as one engine: its times (``one_engine_timed``)
     source: str = ""  # the record's file, for the log
     lookahead: int = 1
+    by_trace: bool = True
     log: list = field(default_factory=list)
-    matched: list = field(default_factory=list)  # the recorded measures given, in order
-    one_engine_won: list = field(default_factory=list)
+    matched: list = field(default_factory=list)  # the recorded measurements given, in order
 
     def adopt(self, model: onnx.ModelProto, graph) -> None:
         pass
@@ -154,18 +156,20 @@ class RecordedMeasurer:
         return None
 
     def measure(self, model: onnx.ModelProto) -> float:
+        raise MeasureBudgetSpent(f"the recorded search ({self.source}) gives times by rewrites, not by model")
+
+    def measure_trace(self, trace: tuple) -> float:
         i = len(self.matched)
-        if i >= len(self.measures) or self.measures[i].get("digest") != model_digest(model):
+        if i >= len(self.measured) or tuple(self.measured[i].get("trace") or ()) != tuple(trace):
             raise MeasureBudgetSpent(f"not timed by the recorded build ({self.source})")
-        rec = self.measures[i]
+        rec = self.measured[i]
         self.matched.append(rec)
-        if rec.get("one_engine"):
-            self.one_engine_won.append((model, rec["one_engine"]))
-        self.log.append({"recorded_s": rec["seconds"], "from": self.source})
+        self.log.append({"recorded_s": rec["seconds"], "rewrites": len(trace), "from": self.source})
         return float(rec["seconds"])
 
     def one_engine_timed(self, model: onnx.ModelProto) -> dict | None:
-        return next((t for m, t in self.one_engine_won if m is model), None)
+        """The recorded build's: it kept the same candidate, from the same times."""
+        return self.one_engine
 
     @property
     def calls(self) -> int:

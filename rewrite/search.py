@@ -396,7 +396,12 @@ class Measurer(Protocol):
     measured, which models come next (a GPU build compiles their engines meanwhile) and returns what it
     started, for the report (or None); ``adopt(model, graph)`` is given, before ``prepare``, the graph of a
     candidate the search exported (the candidate's own graph with the export's names, types and shapes:
-    ``ir.adopt_model``), so that the measurer plans it without importing ``model`` again."""
+    ``ir.adopt_model``), so that the measurer plans it without importing ``model`` again.
+
+    A measurer that knows the times already, by each candidate's rewrites (a search recorded by an earlier
+    build of the same model: ``pipeline.timings.RecordedMeasurer``), says so with ``by_trace = True``: the
+    search then calls ``measure_trace(trace)`` (the candidate's rule applications, in order; the input's is
+    empty) and exports no candidate but the one it keeps."""
 
     lookahead: int
 
@@ -553,6 +558,7 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
         report["decision"] = "the input: no rewrite is estimated no costlier than the input, so nothing was measured"
     elif measure is not None:
         measurer = measure if isinstance(measure, Measurer) else TimedBy(measure)
+        by_trace = bool(getattr(measurer, "by_trace", False))
         # the input first: a budget that runs out must never leave only rewrites measured
         order = [original_entry] + [w for w in admissible if w is not original_entry]
         ahead = max(1, int(measurer.lookahead))
@@ -582,6 +588,14 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
             if spent is not None:  # the budget is spent: the rest are neither exported nor prepared
                 w["error"] = spent
                 continue
+            if by_trace:  # times known by the rewrites: nothing exported, prepared or loaded
+                try:
+                    w["measured_s"] = float(measurer.measure_trace(tuple(w["trace"])))
+                except Exception as e:  # noqa: BLE001 - as below
+                    w["error"] = f"{type(e).__name__}: {e}"
+                    if isinstance(e, MeasureBudgetSpent):
+                        spent = w["error"]
+                continue
             if not isinstance(measurer, TimedBy):
                 # ``measurer.prepare(models)``, for the next ``measurer.lookahead`` models not prepared yet, in the
                 # order they will be measured (a GPU build compiles their engines in the background meanwhile)
@@ -604,8 +618,12 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                 w["error"] = f"{type(e).__name__}: {e}"
                 if isinstance(e, MeasureBudgetSpent):
                     spent = w["error"]
-        if not isinstance(measurer, TimedBy):
+        if not isinstance(measurer, TimedBy) and not by_trace:
             report["prepared"] = prepared
+        # what was measured, in the order it was (a later build of the same model may take these times:
+        # pipeline/timings.py)
+        report["measured_in_order"] = [{"trace": list(w["trace"]), "seconds": w["measured_s"]}
+                                       for w in order if "measured_s" in w]
         measured = [w for w in admissible if "measured_s" in w]
         if measured:
             chosen = min(measured, key=lambda w: (w["measured_s"], w["cost"]["mixed_s"]))

@@ -34,19 +34,18 @@ def test_the_digest_keeps_the_structure_and_leaves_the_weights_out():
     assert model_digest(d) != model_digest(e)
 
 
-def test_the_recorded_measurer_gives_the_recorded_times_in_order_and_stops_at_another_model():
-    a, b, c = (residual_stack_model(layers=n) for n in (2, 3, 4))
-    rec = RecordedMeasurer([{"digest": model_digest(a), "seconds": 2e-3},
-                            {"digest": model_digest(b), "seconds": 1e-3, "one_engine": {"plan": 1.2, "one engine": 1.0}}],
-                           source="t.json")
-    assert rec.measure(a) == 2e-3 and rec.measure(b) == 1e-3
-    assert rec.one_engine_timed(b) == {"plan": 1.2, "one engine": 1.0} and rec.one_engine_timed(a) is None
+def test_the_recorded_measurer_gives_the_recorded_times_in_order_and_stops_at_other_rewrites():
+    rec = RecordedMeasurer([{"trace": [], "seconds": 2e-3}, {"trace": ["fuse_attention:a"], "seconds": 1e-3}],
+                           one_engine={"plan": 1.2, "one engine": 1.0}, source="t.json")
+    assert rec.by_trace
+    assert rec.measure_trace(()) == 2e-3 and rec.measure_trace(("fuse_attention:a",)) == 1e-3
     with pytest.raises(MeasureBudgetSpent, match="t.json"):
-        rec.measure(c)  # past the record
-    other = RecordedMeasurer([{"digest": model_digest(a), "seconds": 2e-3}])
+        rec.measure_trace(("fuse_attention:b",))  # past the record
+    other = RecordedMeasurer([{"trace": [], "seconds": 2e-3}])
     with pytest.raises(MeasureBudgetSpent):
-        other.measure(b)  # not the model recorded at that place
+        other.measure_trace(("merge:x",))  # not the candidate recorded at that place
     assert rec.calls == 2 and other.calls == 0
+    assert rec.one_engine_timed(None) == {"plan": 1.2, "one engine": 1.0}
 
 
 def test_a_record_of_another_format_or_a_broken_file_is_not_read(tmp_path):
@@ -58,41 +57,6 @@ def test_a_record_of_another_format_or_a_broken_file_is_not_read(tmp_path):
     assert read_timings(path) is None
     path.write_text(json.dumps({"format": 999}))
     assert read_timings(path) is None
-
-
-def test_the_gpu_measurer_records_what_it_timed(monkeypatch):
-    """Each model measured is recorded with its digest and the seconds the search was given."""
-    import parastream.launcher as launcher_pkg
-    import parastream.launcher.gpu as gpu_mod
-    import parastream.pipeline.bench as bench_mod
-    from gpu_build_fakes import gpu_backend
-
-    from parastream.launcher.engines import BuildOptions
-    from parastream.pipeline.build import Engines
-    from parastream.pipeline.measure import GpuMeasurer
-    from parastream.pipeline.model_io import load_model
-    from parastream.rewrite.cost import RooflineCostModel
-
-    build_mod = importlib.import_module("parastream.pipeline.build")
-    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
-    monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
-    monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle: types.SimpleNamespace(close=lambda: None))
-    monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
-        k: np.array([2.0 if k == "candidate" else 1.0]) for k in launchers})
-    import tempfile
-    from pathlib import Path
-
-    with tempfile.TemporaryDirectory() as d:
-        onnx.save(residual_stack_model(layers=2), Path(d) / "m.onnx")
-        loaded = load_model(Path(d) / "m.onnx")
-    m = GpuMeasurer.for_build(Engines(gpu_backend(), RooflineCostModel(), loaded, "fp16"), BuildOptions(precision="fp16"),
-                              loaded, streams=1, max_streams=1, budget_s=60, record=[])
-    m.measure(loaded.model)
-    m.measure(loaded.model)
-    m.close()
-    assert [r["seconds"] for r in m.record] == pytest.approx([2e-3, 4e-3])
-    assert {r["digest"] for r in m.record} == {model_digest(loaded.model)}
 
 
 def _gpu_like_onnxruntime(monkeypatch, time_alternatives):
@@ -172,40 +136,32 @@ def test_without_a_cache_dir_nothing_is_recorded(tmp_path, monkeypatch):
 
 
 def test_the_search_replayed_from_a_record_keeps_what_it_kept_when_it_timed(tmp_path):
-    """The search asks a recorded measurer for the same candidates, exported the same way, in the same order (the
-    digests match), and so decides as the timed search did; a model whose structure changed gets nothing from it."""
+    """The search asks a recorded measurer for the same candidates (by their rewrites) in the same order, and so
+    decides as the timed search did, exporting only the candidate it keeps."""
     from parastream.pipeline.model_io import load_model
     from parastream.pipeline.zoo import write_all
     from parastream.rewrite import optimize_graph
     from parastream.rewrite.cost import RooflineCostModel
+    from parastream.rewrite.search import TimedBy
 
     write_all(tmp_path)
     loaded = load_model(tmp_path / "inception_block.onnx")
-
-    class Timing:  # the GPU measurer's part that matters here: a time per model, recorded with its digest
-        lookahead, record = 2, []
-
-        def adopt(self, model, graph):
-            pass
-
-        def prepare(self, models):
-            return None
-
-        def measure(self, model):
-            seconds = 1e-3 * (1 + len(model.graph.node) % 7) / 7  # any time that differs between candidates
-            self.record.append({"digest": model_digest(model), "seconds": seconds})
-            return seconds
-
-    timing = Timing()
     kw = dict(cost_model=RooflineCostModel(), streams=2, top_k=5)
-    timed, _, timed_report = optimize_graph(loaded.model, loaded.graph, measure=timing, **kw)
-    assert len(timing.record) >= 2, timed_report.get("decision")
-    replay = RecordedMeasurer(list(timing.record))
+    # any time that differs between candidates and favours a rewrite
+    timed, _, timed_report = optimize_graph(loaded.model, loaded.graph, **kw, measure=TimedBy(
+        lambda model: 1e-3 * (1 + len(model.graph.node) % 7) / 7))
+    recorded = timed_report["measured_in_order"]
+    assert len(recorded) >= 2 and recorded[0]["trace"] == [], timed_report.get("decision")
+    replay = RecordedMeasurer(recorded)
     again, _, report = optimize_graph(loaded.model, loaded.graph, measure=replay, **kw)
-    assert replay.calls == len(timing.record)
-    assert sum(c.get("measured_s") is not None for c in report["candidates"]) == len(timing.record)
+    assert replay.calls == len(recorded) and report["measured_in_order"] == recorded
     assert [c.get("measured_s") for c in report["candidates"]] == [c.get("measured_s") for c in timed_report["candidates"]]
-    assert model_digest(again) == model_digest(timed) and report["rules_chosen"] == timed_report["rules_chosen"]
+    assert report["rules_chosen"] == timed_report["rules_chosen"] and model_digest(again) == model_digest(timed)
+    assert report["timings"].get("exported", 0) <= 1  # the kept candidate only
+    # a record of other rewrites at the second place: the search decides among the input alone
+    other = RecordedMeasurer([recorded[0], {"trace": ["no_such_rule:x"], "seconds": 1e-9}])
+    kept, _, report = optimize_graph(loaded.model, loaded.graph, measure=other, **kw)
+    assert kept is loaded.model and other.calls == 1
 
 
 @pytest.mark.gpu
