@@ -207,6 +207,8 @@ def main(argv=None) -> int:
             row = measure_shape(key)
             row["count"] = n
             rows.append(row)
+            result["models"][name] = {"rows": rows, "distinct": len(counts)}  # saved as it goes: a call may end
+            (out / "depthwise_kernels.json").write_text(json.dumps(result, indent=1))
             print(json.dumps({"model": name, **{k: (round(v, 3) if isinstance(v, float) else v) for k, v in row.items()}}),
                   flush=True)
         result["models"][name] = {"rows": rows, "summary": summary(rows), "distinct": len(counts)}
