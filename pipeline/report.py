@@ -112,7 +112,24 @@ def build_summary(bundle) -> dict:
         "stage_seconds": (rep.get("buckets") or {}).get("stage_seconds") or rep.get("stage_seconds"),
         "peak_rss_mb": rep.get("peak_rss_mb"),
         "buckets": _buckets_summary(rep.get("buckets")),
+        "recorded_timings": rep.get("recorded_timings"),
     }
+
+
+def _timings_line(rt: dict | None) -> str | None:
+    """The summary's line on ``--cache-dir``'s recorded timings (``pipeline/timings.py``): taken, or written."""
+    if not rt:
+        return None
+    taken = []
+    if rt.get("search"):
+        taken.append(f"the search's {rt['search']}")
+    if rt.get("rounds") and not rt["rounds"].startswith("timed again"):
+        taken.append(f"the results of {rt['rounds']}")
+    if taken:
+        return f"timings: took {' and '.join(taken)} from {rt['file']} (--remeasure times them again)"
+    if rt.get("written"):
+        return f"timings: recorded in {rt['written']} for the next build"
+    return None
 
 
 def _search_line(s: dict) -> str:
@@ -166,6 +183,9 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
                              f"{choice.get('decision', '')})"))
     elif choice:
         console.print(escape(f"  CPU: kept {choice['chosen']} ({choice.get('decision', '')})"))
+    timings = _timings_line(s["recorded_timings"])
+    if timings:
+        console.print(escape(f"  {timings}"))
     ver = s["verification"]
     if ver:
         bound = f"<= {ver['scale_tol']}" if ver["criterion"] == "scaled" else "elementwise rtol/atol"

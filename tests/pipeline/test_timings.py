@@ -101,6 +101,17 @@ def test_a_rebuild_takes_the_recorded_rounds_and_times_nothing(tmp_path, monkeyp
     assert again.report["measured_choices"]["timed"].startswith("recorded by the build of")
     assert again.manifest["options"]["remeasure"] is False
 
+    from rich.console import Console
+
+    from parastream.pipeline.report import print_build_summary
+
+    console = Console(record=True, width=400)
+    print_build_summary(again, console)
+    assert "timings: took the results of 1 round from " in console.export_text()
+    console = Console(record=True, width=400)
+    print_build_summary(first, console)
+    assert "timings: recorded in " in console.export_text()
+
     build(tmp_path / "m1.onnx", tmp_path / "b2", backend="onnxruntime", search=False, cache_dir=str(cache),
           remeasure=True)
     assert len(timed) == 2
