@@ -140,9 +140,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="torch backend: what an engine ships (docs/torch-engines.md; default inductor)")
     g.add_argument("--inductor-format", default="kernels", choices=["kernels", "bundled", "cache"],
                    help="torch backend, inductor artifacts: how they are saved (default kernels)")
-    g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor"],
-                   help="torch backend: depthwise convolutions as cuDNN calls or as Inductor kernels, which start "
-                        "faster (default auto: a GPU build times both)")
+    g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor", "native"],
+                   help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels or as torch's own "
+                        "depthwise kernel; the last two start faster (default auto: a GPU build times cuDNN's against "
+                        "Inductor's)")
     g.add_argument("--engine-blocks", default="auto", choices=["auto", "blocks", "whole"],
                    help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "
                         "engine for the whole model (default auto: blocks where the backend compiles equal code once, "

@@ -63,9 +63,11 @@ class BuildOptions:
     # kernel; off, as its matmul-softmax-matmul.  A GPU build times both and records the faster in manifest.json.
     fuse_attention: bool = True
     # torch backend: "inductor" writes depthwise convolutions as ops Inductor compiles into its own kernels (no
-    # cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "cudnn" runs
-    # every convolution through torch's convolution; "auto" (default) is "cudnn", and a GPU build of a model with
-    # depthwise convolutions times both and records the one it keeps ("inductor" unless over 2% slower).
+    # cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "native" runs
+    # them as torch's own depthwise kernel (``onnx_torch._conv_native_depthwise``: precompiled, no plan either);
+    # "cudnn" runs every convolution through torch's convolution; "auto" (default) is "cudnn", and a GPU build of
+    # a model with depthwise convolutions times cuDNN's against Inductor's and records the one it keeps
+    # ("inductor" unless over 2% slower).
     conv_kernels: str = "auto"
     # torch backend on a GPU: a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) runs as one
     # torch._addmm_activation (cuBLASLt's fused epilogue); off, as its matmul, add and activation.  A GPU build
@@ -88,12 +90,13 @@ class BuildOptions:
     keep_fp32: list[str] = field(default_factory=list)
 
 
-CONV_KERNELS = ("auto", "cudnn", "inductor")  # BuildOptions.conv_kernels
+CONV_KERNELS = ("auto", "cudnn", "inductor", "native")  # BuildOptions.conv_kernels
+LOWERED_CONV_KERNELS = ("inductor", "native")  # the values that write depthwise convolutions otherwise than cuDNN
 
 
 def conv_kernels_used(value: str) -> str:
     """What ``BuildOptions.conv_kernels`` compiles: "auto" compiles cuDNN's until a GPU build's timing says."""
-    return "inductor" if value == "inductor" else "cudnn"
+    return value if value in LOWERED_CONV_KERNELS else "cudnn"
 
 
 @runtime_checkable

@@ -376,6 +376,10 @@ def _conv(n: NodeView):
         lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if lowered is not None:
             return lowered
+    if n.conv_kernels == "native" and nd == 2:
+        native = _conv_native_depthwise(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
+        if native is not None:
+            return native
     if begin == end:
         return _ConvFn(fconv, strides, begin, dil, group, nd)
     pad = _torch_pad_arg(begin, end)
@@ -438,6 +442,64 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
         return y
 
     return depthwise_taps if taps <= MAX_SUMMED_TAPS else depthwise
+
+
+def _conv_native_depthwise(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """A 2-d depthwise convolution as torch's own CUDA depthwise kernel (``aten._conv_depthwise2d``, on NCHW
+    tensors), or None for any other convolution.
+
+    Why: torch's convolution sends a channels-last depthwise convolution to cuDNN, which builds an execution plan
+    for each shape at its first call in every process; torch's own kernel is compiled into torch and starts at
+    once.  NASNet-A Large's 23 depthwise shapes (H100, fp16, each alone in a CUDA Graph,
+    bench/depthwise_kernels.py): cuDNN's first calls 7.26 s in all, torch's 8 ms; per forward pass 1156 µs with
+    cuDNN's kernels and 1194 µs with torch's (faster on 12 of the 23 shapes).  Its input is made contiguous
+    (Inductor writes the producer's output so, where it can); its output is NCHW, and Inductor lays out what
+    reads it.  Whether a bundle is faster this way is for the timing to say (``BuildOptions.conv_kernels``)."""
+    torch = _torch()
+    F = torch.nn.functional
+    c_in = int(x_shape[1])
+    kh, kw = (int(k) for k in kernel)
+    if any(int(d) != 1 for d in dil) or not (group == c_in == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
+        return None
+    stride = [int(s) for s in strides]
+    symmetric = begin == end
+    padding = [int(p) for p in begin] if symmetric else [0, 0]
+    pad = None if symmetric else _torch_pad_arg(begin, end)
+    _depthwise_shape_function()
+    native = torch.ops.aten._conv_depthwise2d
+
+    def depthwise(x, weight, bias=None):
+        if pad is not None:
+            x = F.pad(x, pad)
+        return native(x.contiguous(), weight.contiguous(), [kh, kw], bias, stride, padding, [1, 1])
+
+    return depthwise
+
+
+_DEPTHWISE_META: list = []  # the library that holds the shape function, once registered (kept alive)
+
+
+def _depthwise_shape_function() -> None:
+    """Give ``aten._conv_depthwise2d`` the shape function torch lacks (it has a CUDA kernel and no Meta kernel),
+    so that the converter's check and Inductor's trace, which run on tensors without data, can run it; Inductor
+    then calls the op itself.  Registered once per process (the compile workers register it when they convert),
+    and not where torch has one of its own."""
+    if _DEPTHWISE_META:
+        return
+    torch = _torch()
+    if torch._C._dispatch_has_kernel_for_dispatch_key("aten::_conv_depthwise2d", "Meta"):
+        _DEPTHWISE_META.append(None)
+        return
+    lib = torch.library.Library("aten", "IMPL")
+
+    def shape(x, weight, kernel_size, bias, stride, padding, dilation):
+        n, _, h, w = x.shape
+        ho = (h + 2 * padding[0] - dilation[0] * (kernel_size[0] - 1) - 1) // stride[0] + 1
+        wo = (w + 2 * padding[1] - dilation[1] * (kernel_size[1] - 1) - 1) // stride[1] + 1
+        return x.new_empty((n, weight.shape[0], ho, wo))
+
+    lib.impl("_conv_depthwise2d", shape, "Meta")
+    _DEPTHWISE_META.append(lib)
 
 
 def depthwise_convs(model: onnx.ModelProto) -> set[int]:
@@ -1406,7 +1468,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             const_key[id(v.const)] = key
         return key
 
-    lowered = depthwise_convs(model) if conv_kernels == "inductor" else set()
+    lowered = depthwise_convs(model) if conv_kernels in ("inductor", "native") else set()
     for index, node in enumerate(g.node):
         op_key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
         if node.domain not in ("", "ai.onnx", fused_ops.DOMAIN):
@@ -1417,7 +1479,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(op_key)
         nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, fuse_gemm_epilogue=fuse_gemm_epilogue,
-                      conv_kernels="inductor" if index in lowered else "cudnn")
+                      conv_kernels=conv_kernels if index in lowered else "cudnn")
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)

@@ -72,7 +72,7 @@ import numpy as np
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
-from .base import BuilderBase, BuildOptions, check_model, conv_kernels_used, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
+from .base import LOWERED_CONV_KERNELS, BuilderBase, BuildOptions, check_model, conv_kernels_used, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
 
 if TYPE_CHECKING:
     import onnx
@@ -390,8 +390,8 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
                          "signature": signature, "dtype": dtype,
                          **({"fuse_conv_relu": fuse} if applies["fuse_conv_relu"] else {}),
                          **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
-                         **({"conv_kernels": "inductor"}  # only where it changes the code
-                            if options.conv_kernels == "inductor" and has_depthwise_conv(branch) else {}),
+                         **({"conv_kernels": options.conv_kernels}  # only where it changes the code
+                            if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
                          **({"fuse_gemm_epilogue": False}
                             if applies["fuse_gemm_epilogue"] and not options.fuse_gemm_epilogue else {}),
                          **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),

@@ -197,3 +197,81 @@ def test_only_a_branch_with_a_depthwise_convolution_is_compiled_apart():
     assert _jobs_meta(model, "auto")["key"] == kept["key"]  # "auto" compiles cuDNN's until timing says
     plain = [_jobs_meta(dense, k) for k in ("inductor", "cudnn", "auto")]
     assert len({m["key"] for m in plain}) == 1 and not any("conv_kernels" in m for m in plain)
+
+
+# -- torch's own depthwise kernel (``conv_kernels="native"``; CUDA only) -----------------------------------------
+def _native_kinds(module) -> dict[str, bool]:
+    """node name -> whether the converter wrote it as torch's own depthwise kernel."""
+    return {st.node: "_conv_native_depthwise" in getattr(st.fn, "__qualname__", "") for st in module._steps}
+
+
+def test_only_depthwise_convolutions_run_as_torchs_own_kernel():
+    """The depthwise k x k convolutions (stride, padding, "same" padding and bias included) and no other: 1x1,
+    grouped 1x1, dilated, channel-multiplier, grouped k x k, dense and 1-d convolutions stay torch's convolution."""
+    model, lowered = conv_model()
+    native = {name: low and name not in ("pw", "pw_stride2", "pw_groups2") for name, low in lowered.items()}
+    assert _native_kinds(convert(model, conv_kernels="native")) == native
+    assert sum(native.values()) == 4
+    assert not any(_native_kinds(convert(model, conv_kernels="cudnn")).values())
+
+
+def test_a_branch_with_a_depthwise_convolution_has_a_key_of_its_own_for_torchs_kernel():
+    model, _ = conv_model()
+    native, lowered, kept = (_jobs_meta(model, k) for k in ("native", "inductor", "cudnn"))
+    assert len({native["key"], lowered["key"], kept["key"]}) == 3 and native["conv_kernels"] == "native"
+
+
+@pytest.mark.gpu
+def test_torchs_own_depthwise_kernel_in_fp16_on_the_gpu_equals_onnxruntime():
+    """Every convolution of the model converted with ``conv_kernels="native"``, compiled by Inductor, fed
+    channels-last fp16 inputs as the launcher feeds an engine, against ONNX Runtime on the fp32 model."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from parastream.launcher.engines.onnx_torch import to_fx
+
+    model, _ = conv_model()
+    feeds = _feeds(5)
+    ref = _ort(model, feeds)
+    module = to_fx(convert(model, "float16", conv_kernels="native")).cuda()
+    compiled = torch.compile(module)
+    ins = [torch.from_numpy(feeds[i.name]).cuda().half() for i in model.graph.input]
+    ins[0] = ins[0].to(memory_format=torch.channels_last)
+    with torch.no_grad():
+        outs = compiled(*ins)
+    for o, t in zip(model.graph.output, outs):
+        r = ref[o.name]
+        err = float(np.abs(t.float().cpu().numpy() - r).max() / max(np.abs(r).max(), 1e-6))
+        assert err < 5e-3, (o.name, err)
+
+
+@pytest.mark.gpu
+def test_a_bundle_with_torchs_own_depthwise_kernel_builds_ships_compiled_and_verifies(tmp_path):
+    """The whole build (torch engines, fp16, the kernels artifact a default build ships) of separable convolutions
+    with ``--conv-kernels native``: Inductor compiles around the op, the engines load without compiling and the
+    bundle matches ONNX Runtime."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    import json
+
+    from parastream.pipeline import build
+
+    rng = np.random.default_rng(6)
+    N = helper.make_node
+    c = 16
+    inits = [_w(rng, "dw", (c, 1, 5, 5)), _w(rng, "b", (c,)), _w(rng, "pw", (c, c, 1, 1))]
+    nodes = [N("Relu", ["x"], ["r"], name="relu"),
+             N("Conv", ["r", "dw", "b"], ["d"], name="depthwise", pads=[2, 2, 2, 2], group=c),
+             N("Conv", ["d", "pw"], ["p"], name="pointwise"),
+             N("Relu", ["p"], ["y"], name="relu2")]
+    graph = helper.make_graph(nodes, "separable", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, 28, 28])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, c, 28, 28])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "sep.onnx")
+    bundle = build(tmp_path / "sep.onnx", tmp_path / "b", backend="torch", precision="fp16", search=False,
+                   measure=False, conv_kernels="native")
+    assert bundle.report["verification"]["passed"]
+    assert bundle.report["verification"]["engines_compiled_at_load"] == 0
+    assert bundle.manifest["options"]["conv_kernels"] == "native"
+    engines = [e for e in bundle.report["engines"].values() if isinstance(e, dict)]
+    assert all(e.get("compiled") for e in engines), json.dumps(engines)[:400]
