@@ -85,6 +85,11 @@ def test_a_rebuild_takes_the_recorded_rounds_and_times_nothing(tmp_path, monkeyp
                 "rounds": [{"choice": "engine blocks", "won": "one engine for the whole model"}]}
 
     _gpu_like_onnxruntime(monkeypatch, whole_wins)
+    build_module = importlib.import_module("parastream.pipeline.build")
+    checked = []
+    real_check = build_module.check_runnable
+    monkeypatch.setattr(build_module, "check_runnable",
+                        lambda loaded, backend, reference: checked.append(reference) or real_check(loaded, backend, reference))
     cache = tmp_path / "cache"
     for i, seed in enumerate((0, 1)):
         onnx.save(residual_stack_model(layers=5, seed=seed), tmp_path / f"m{i}.onnx")
@@ -96,6 +101,7 @@ def test_a_rebuild_takes_the_recorded_rounds_and_times_nothing(tmp_path, monkeyp
 
     again = build(tmp_path / "m1.onnx", tmp_path / "b1", backend="onnxruntime", search=False, cache_dir=str(cache))
     assert len(timed) == 1  # nothing timed
+    assert checked == [True, False]  # ONNX Runtime's up-front load of the original: the first build's only
     assert len(again.plan.branches) == 1 and again.report["verification"]["passed"]
     assert again.report["recorded_timings"]["rounds"] == "1 round" and "written" not in again.report["recorded_timings"]
     assert again.report["measured_choices"]["timed"].startswith("recorded by the build of")
