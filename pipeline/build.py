@@ -833,7 +833,6 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
         task = b.bar.step("time the plan against its alternatives on the GPU")
         fused, attention, gemm = b.options.fuse_conv_relu, b.options.fuse_attention, b.options.fuse_gemm_epilogue
         convs = conv_kernels_used(b.options.conv_kernels)
-        b.timed_here = True
         if b.timings_file is not None:
             b.measured_plan = plan_digest(b.plan)
         early = b.timed_alternatives or {}
@@ -846,6 +845,7 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
             measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs, timed=early.get("rounds", ()))
         if measured:
             _take_measured_options(b, measured)
+            b.timed_here = True
         b.measured = measured
         whole = bool(measured and measured.get("whole_engine"))
         if measured and (measured["one_engine"] or whole
