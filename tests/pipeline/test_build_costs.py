@@ -460,3 +460,26 @@ def test_the_best_candidate_s_one_stream_form_compiles_beside_its_stream_plan(mo
         [[(one, True), (one, False)]] if queued else []) + [[(plans[id(later)], True)]]
     assert compiled == expected
     m.close()
+
+
+def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_goes_on(monkeypatch):
+    """A candidate faster than the input and than every candidate before it is the one the build ships if nothing
+    beats it: its rounds' alternatives are queued for the background compiles then, not after the search."""
+    from parastream.pipeline import measure
+
+    first, second, slower = _fused_model(True, False), _fused_model(False, True), _fused_model(True, True)
+    times = {id(first): 0.9, id(second): 0.8, id(slower): 0.95}
+    m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: times.get(id(model), 1.0))
+    queued = []
+    m.backend.background_compiles, m.backend.cancel_precompile = True, lambda: 0
+    m.engines.precompile = lambda variants, background, cancellable: queued.append(
+        ([v.model for v in variants], background, cancellable)) or {"jobs": len(variants)}
+    monkeypatch.setattr(measure, "alternative_variants", lambda engines, v: [("attention", v)])
+    monkeypatch.setattr(measure, "speculative_variants", lambda engines, v: [])
+    m.measure(input_model)
+    m.measure(first)  # faster than the input: queued
+    m.measure(slower)  # slower than the best so far: not
+    m.measure(second)  # the new best: queued
+    assert queued == [([first], True, True), ([second], True, True)]
+    assert m.log[1]["rounds_queued"] == 1 and "rounds_queued" not in m.log[2]
+    m.close()
