@@ -655,8 +655,7 @@ def open_timings(cfg: BuildConfig, backend, loaded: LoadedModel) -> tuple[Path |
     of the same model left there (``timings``; none with ``--remeasure``)."""
     if not (cfg.cache_dir and cfg.measure and gpu_present(backend)):
         return None, None
-    key, _ = timings_key(loaded.model, cfg, backend, _versions(backend))
-    path = timings_path(cfg.cache_dir, key)
+    path = timings_path(cfg.cache_dir, timings_key(loaded.model, cfg, backend, _versions(backend)))
     return path, None if cfg.remeasure else read_timings(path)
 
 

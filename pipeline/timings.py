@@ -89,14 +89,15 @@ def plan_digest(plan) -> str:
     return hashlib.sha256(json.dumps(plan_signature(plan), default=str).encode()).hexdigest()
 
 
-def timings_key(model: onnx.ModelProto, cfg, backend, versions: dict) -> tuple[str, dict]:
-    """(KEY, what it is made of) for ``model`` as loaded (its shapes set), built with ``cfg`` by ``backend``."""
+def timings_key(model: onnx.ModelProto, cfg, backend, versions: dict) -> str:
+    """KEY for ``model`` as loaded (its shapes set), built with ``cfg`` by ``backend``: a digest of what the
+    timings depend on."""
     parts = {"model": model_digest(model),
              "options": {k: v for k, v in sorted(asdict(cfg).items()) if k not in NOT_IN_KEY},
              "device": backend.describe_device(), "versions": versions, "code": code_digest(),
              "format": TIMINGS_VERSION}
     named = json.dumps(parts, sort_keys=True, default=lambda o: getattr(o, "name", None) or type(o).__name__)
-    return hashlib.sha256(named.encode()).hexdigest()[:32], parts
+    return hashlib.sha256(named.encode()).hexdigest()[:32]
 
 
 def timings_path(cache_dir: str | os.PathLike, key: str) -> Path:

@@ -201,3 +201,24 @@ def test_a_torch_rebuild_on_the_gpu_takes_the_recorded_timings(tmp_path):
     for k in ("fuse_attention", "fuse_gemm_epilogue", "internal_nhwc", "one_engine", "whole_engine"):
         assert (again.report["measured_choices"] or {}).get(k) == (first.report["measured_choices"] or {}).get(k)
     assert "measure_alternatives" not in again.report["stage_seconds"]
+
+
+def test_the_key_holds_what_the_timings_depend_on_and_nothing_else():
+    from parastream.pipeline.build import BuildConfig
+    from parastream.pipeline.timings import timings_key
+
+    gpu = types.SimpleNamespace(describe_device=lambda: "cuda: one GPU")
+    versions = {"torch": "2.11.0"}
+    key = timings_key(residual_stack_model(layers=3), BuildConfig(precision="fp16"), gpu, versions)
+    assert key == timings_key(residual_stack_model(layers=3, seed=7), BuildConfig(precision="fp16"), gpu, versions)
+    # where the bundle goes, what is cached where, how many processes compile and how it is checked: no matter
+    same = BuildConfig(precision="fp16", cache_dir="/elsewhere", remeasure=True, compile_workers=3, force=True,
+                       rtol=1e-2)
+    assert timings_key(residual_stack_model(layers=3), same, gpu, versions) == key
+    for other in (timings_key(residual_stack_model(layers=3), BuildConfig(precision="fp32"), gpu, versions),
+                  timings_key(residual_stack_model(layers=3), BuildConfig(precision="fp16", measure_seconds=5), gpu, versions),
+                  timings_key(residual_stack_model(layers=3), BuildConfig(precision="fp16"),
+                              types.SimpleNamespace(describe_device=lambda: "cuda: another GPU"), versions),
+                  timings_key(residual_stack_model(layers=3), BuildConfig(precision="fp16"), gpu, {"torch": "2.12.0"}),
+                  timings_key(residual_stack_model(layers=4), BuildConfig(precision="fp16"), gpu, versions)):
+        assert other != key
