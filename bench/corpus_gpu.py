@@ -38,7 +38,9 @@ engines, measure_alternatives, verify, ...) and ``--fresh-loads`` fresh-process 
 (bench/load_breakdown.py's loader: a new Python process with empty Inductor and Triton caches timing
 ``import torch`` + ``parastream.launcher.load(bundle)``, the builds still running stopped meanwhile; the median
 and each, with the median's stages).  ``--rebuild``: each model is built with a --cache-dir and, once timed,
-built again in a fresh process with that cache warm (``rebuild``: seconds, stages, compile jobs).  ``--table FILE
+built again in a fresh process with that cache warm (``rebuild``: seconds, stages, compile jobs, what it took
+from the recorded timings); ``--changed-weight`` rebuilds a copy of the model with one weight changed instead (its
+largest floating-point initializer scaled by 1.01: the same code, other values).  ``--table FILE
 ...`` prints the table of corpus_gpu.json files written before, one table of all their rows (no GPU needed; files
 without batches are batch 1; a later file's row of the same model and batch replaces an earlier one's unless it is
 an error).
@@ -209,7 +211,10 @@ def rebuild(name: str, batch: int, work: Path, args) -> dict:
     prep = json.loads((work / f"{key}.prep.json").read_text())
     log: dict = {"handmade": False, "top_k": args.top_k}
     out = work / f"{key}_rebuild"
-    build_bundle(Path(prep["onnx_path"]), out, search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
+    src = Path(prep["onnx_path"])
+    if args.changed_weight:
+        src = with_one_weight_changed(src, work / f"{key}_changed.onnx")
+    build_bundle(src, out, search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
                  cache_dir=_cache_dir(key, work, args))
     rep = json.loads((out / "report.json").read_text())
     engines = [e for e in (rep.get("engines") or {}).values() if isinstance(e, dict)]
@@ -220,6 +225,20 @@ def rebuild(name: str, batch: int, work: Path, args) -> dict:
             "search_measured": len((log.get("search") or {}).get("measured") or []),
             # what the rebuild took from the first build's recorded timings (pipeline/timings.py)
             "recorded_timings": rep.get("recorded_timings")}
+
+
+def with_one_weight_changed(src: Path, dst: Path) -> Path:
+    """``src`` saved as ``dst`` with its largest floating-point initializer scaled by 1.01 (a fine-tuned model's
+    rebuild: the same structure and code, other values)."""
+    import onnx
+    from onnx import numpy_helper
+
+    model = onnx.load(str(src))
+    floats = [t for t in model.graph.initializer if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16)]
+    t = max(floats, key=lambda t: int(np.prod(t.dims)))
+    t.CopyFrom(numpy_helper.from_array(numpy_helper.to_array(t) * np.asarray(1.01, dtype=numpy_helper.to_array(t).dtype), t.name))
+    onnx.save(model, str(dst))
+    return dst
 
 
 def error_text(e: BaseException) -> str:
@@ -483,6 +502,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--fresh-loads", type=int, default=3,
                     help="fresh-process loads per bundle (each model and batch), empty Inductor/Triton caches (0: none)")
+    ap.add_argument("--changed-weight", action="store_true",
+                    help="with --rebuild: rebuild the model with its largest weight scaled by 1.01")
     ap.add_argument("--rebuild", action="store_true",
                     help="build each model with a --cache-dir and build it again in a fresh process (the warm rebuild)")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
@@ -565,7 +586,7 @@ def main(argv=None) -> int:
             measure_s, top_k = build_settings(batch, args)
             cmd = [sys.executable, __file__, "--rebuild-of" if again else "--prepare", model, "--batch", str(batch),
                    "--work", str(work), "--measure-seconds", str(measure_s), "--top-k", str(top_k)] \
-                + (["--rebuild"] if args.rebuild else [])
+                + (["--rebuild"] if args.rebuild else []) + (["--changed-weight"] if args.changed_weight else [])
             running[job] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True), f, time.perf_counter())
             print(f"[{elapsed:5.0f} s] {'rebuild' if again else 'build'} {model} at batch {batch}", flush=True)
         done = [j for j, (p, _, _) in running.items() if p.poll() is not None]
