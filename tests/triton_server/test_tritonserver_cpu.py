@@ -289,15 +289,23 @@ def test_dynamic_batcher_returns_each_request_its_rows(server, references, proto
     deadline = time.monotonic() + DEADLINE_S
     sent = [0] * clients
 
+    start = threading.Barrier(clients)
+
     def run(c: int) -> None:
         client = client_of(server, protocol)
         rng = np.random.default_rng(100 + c)
+        # every request and its expected rows made first, and the clients started together: the batcher groups
+        # requests that wait in its queue together, and a client computing its reference between requests (on
+        # a 2-core machine) once sent them too far apart for any to wait (72 executions for 72 requests)
+        work = []
+        for i in range(rounds):
+            feeds = random_feeds(sess, rng, batch=sizes[(c + i) % len(sizes)])
+            work.append((i, feeds, expected(sess, feeds)["output"]))
         try:
-            for i in range(rounds):
+            start.wait(timeout=DEADLINE_S)
+            for i, feeds, want in work:
                 if time.monotonic() > deadline:
                     return
-                feeds = random_feeds(sess, rng, batch=sizes[(c + i) % len(sizes)])
-                want = expected(sess, feeds)["output"]
                 try:
                     got = infer(client, protocol, model, feeds, ["output"])["output"]
                     assert got.shape == want.shape, f"shape {got.shape}, want {want.shape}"
