@@ -549,6 +549,21 @@ def export_model(graph: gs.Graph, like: onnx.ModelProto, check: bool = True) -> 
 # ---------------------------------------------------------------------------------------------
 
 
+def constant_digest(values) -> str:
+    """A constant's contents, dtype and shape as a short digest (``GraphHasher``).
+
+    sha256 over the array's own buffer: half blake2b's time where the CPU has SHA instructions (7 against 15 ms
+    for a 768x2304 weight) and no copy (``tobytes`` was 0.8 ms of it); the search hashes every new weight its
+    rules make (BERT-base: ~800, which took its search from 4.1 to 2.3-3.0 s on the 2-core machine)."""
+    arr = np.ascontiguousarray(values)
+    if arr.dtype.hasobject:  # strings: their values, not the pointers
+        h = hashlib.sha256(repr(arr.tolist()).encode())
+    else:
+        h = hashlib.sha256(arr.view(np.uint8).reshape(-1) if arr.size else b"")
+    h.update(f"{arr.dtype}{arr.shape}".encode())
+    return "c" + h.hexdigest()[:24]
+
+
 class GraphHasher:
     """Name-independent structural hashes of graphs; constant contents are hashed once per array."""
 
@@ -576,10 +591,7 @@ class GraphHasher:
                 except TypeError:
                     pass
                 return hit[1]
-        arr = np.ascontiguousarray(values)
-        h = hashlib.blake2b(arr.tobytes(), digest_size=12)
-        h.update(f"{arr.dtype}{arr.shape}".encode())
-        digest = "c" + h.hexdigest()
+        digest = constant_digest(values)
         try:
             # a weak reference: the cache must not keep every weight the search ever made alive
             self._const[id(values)] = (weakref.ref(values), digest)

@@ -18,7 +18,8 @@ from parastream.pipeline import zoo
 from parastream.rewrite import ALL_RULES, RooflineCostModel
 from parastream.core.schedule import estimate_latency, schedule_graph
 from parastream.rewrite.cost import node_key
-from parastream.rewrite.ir import GraphHasher, _attr_text, _canonical_attrs, _canonical_inputs, cleanup, copy_graph, import_graph
+from parastream.rewrite.ir import (GraphHasher, _attr_text, _canonical_attrs, _canonical_inputs, cleanup, constant_digest,
+                                   copy_graph, import_graph)
 from parastream.rewrite.rules.base import taken_names
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
@@ -99,10 +100,7 @@ def _reference_hash(graph: gs.Graph) -> str:
             if t is None or not getattr(t, "name", ""):
                 parts.append("-" if not isinstance(t, str) else t)
             elif isinstance(t, gs.Constant):
-                arr = np.ascontiguousarray(t.values)
-                h = hashlib.blake2b(arr.tobytes(), digest_size=12)
-                h.update(f"{arr.dtype}{arr.shape}".encode())
-                parts.append("c" + h.hexdigest())
+                parts.append(constant_digest(t.values))
             else:
                 parts.append(tensor_hash.get(id(t), "ext:" + t.name))
         digest = hashlib.blake2b("|".join(parts).encode(), digest_size=12).hexdigest()
