@@ -893,7 +893,7 @@ def write_report(b: _Build, tmp: Path) -> None:
                   "precision": cfg.precision,
                   "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(b.options),
                               "internal_nhwc": b.measured["internal_nhwc"] if b.measured else True},
-                  "created": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())}
+                  "created": utc_now()}
     write_manifest(tmp, b.manifest, hashed=False)  # verification loads it unchecked; hashed in finish, once
 
 

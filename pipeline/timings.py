@@ -21,18 +21,17 @@ TensorRT's timing cache, the model for this, holds per-layer kernel timings that
 
 from __future__ import annotations
 
-import contextlib
 import functools
 import hashlib
 import json
 import os
-import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 import onnx
 
+from parastream.core.files import write_atomic
 from parastream.rewrite.search import MeasureBudgetSpent
 
 TIMINGS_VERSION = 2
@@ -118,16 +117,7 @@ def read_timings(path: Path) -> dict | None:
 
 def write_timings(path: Path, record: dict) -> None:
     """``record`` at ``path``, written atomically (another build reading the cache sees the old file or the new)."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".timings-", suffix=".json")
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(dict(record, format=TIMINGS_VERSION), f, indent=1, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(tmp)
-        raise
+    write_atomic(path, json.dumps(dict(record, format=TIMINGS_VERSION), indent=1, default=str).encode())
 
 
 def now() -> str:

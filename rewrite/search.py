@@ -589,31 +589,30 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                 w["error"] = spent
                 continue
             if by_trace:  # times known by the rewrites: nothing exported, prepared or loaded
-                try:
-                    w["measured_s"] = float(measurer.measure_trace(tuple(w["trace"])))
-                except Exception as e:  # noqa: BLE001 - as below
-                    w["error"] = f"{type(e).__name__}: {e}"
-                    if isinstance(e, MeasureBudgetSpent):
-                        spent = w["error"]
-                continue
-            if not isinstance(measurer, TimedBy):
-                # ``measurer.prepare(models)``, for the next ``measurer.lookahead`` models not prepared yet, in the
-                # order they will be measured (a GPU build compiles their engines in the background meanwhile)
-                # one model per call: the first one's compiles start before the next ones are exported
-                for x in order[i:i + ahead + 1]:
-                    if id(x) in prepared_ids or not export(x):
-                        continue
-                    prepared_ids.add(id(x))
-                    t = time.perf_counter()
-                    try:
-                        prepared.append(measurer.prepare([exported[id(x)]]) or {})
-                    except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
-                        prepared.append({"error": f"{type(e).__name__}: {e}"})
-                    timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
-            if not export(w):
-                continue
+                def timed(w=w):
+                    return measurer.measure_trace(tuple(w["trace"]))
+            else:
+                if not isinstance(measurer, TimedBy):
+                    # ``measurer.prepare(models)``, for the next ``measurer.lookahead`` models not prepared yet, in
+                    # the order they will be measured (a GPU build compiles their engines in the background
+                    # meanwhile), one model per call: the first one's compiles start before the next are exported
+                    for x in order[i:i + ahead + 1]:
+                        if id(x) in prepared_ids or not export(x):
+                            continue
+                        prepared_ids.add(id(x))
+                        t = time.perf_counter()
+                        try:
+                            prepared.append(measurer.prepare([exported[id(x)]]) or {})
+                        except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
+                            prepared.append({"error": f"{type(e).__name__}: {e}"})
+                        timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
+                if not export(w):
+                    continue
+
+                def timed(w=w):
+                    return measurer.measure(exported[id(w)])
             try:
-                w["measured_s"] = float(measurer.measure(exported[id(w)]))
+                w["measured_s"] = float(timed())
             except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
                 w["error"] = f"{type(e).__name__}: {e}"
                 if isinstance(e, MeasureBudgetSpent):

@@ -55,6 +55,7 @@ import onnx
 from .. import cuda
 from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
+from parastream.core.files import write_atomic
 from ..plan import TensorSpec
 from .base import (PRECISIONS, BuilderBase, BuildOptions, background_summary, cancel_precompile,  # noqa: F401
                    check_model, compiling, fp32_pinned, memory_scope, own_workspaces, precompile, prepare_load, start_workers)
@@ -404,11 +405,7 @@ class Builder(BuilderBase):
         if self._cache is None:
             return
         try:
-            blob = memoryview(self._cache.serialize()).tobytes()
-            self.cache_path.parent.mkdir(parents=True, exist_ok=True)
-            tmp = self.cache_path.with_name(f".{self.cache_path.name}.{os.getpid()}.tmp")
-            tmp.write_bytes(blob)
-            os.replace(tmp, self.cache_path)
+            write_atomic(self.cache_path, memoryview(self._cache.serialize()).tobytes())
         except OSError as e:
             # close() runs in the pipeline's `finally`: a read-only cache folder must not hide the build's result
             warnings.warn(f"TensorRT timing cache not saved to {self.cache_path}: {e}", stacklevel=2)

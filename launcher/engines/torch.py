@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from ..errors import BackendUnavailable, ParastreamError
+from parastream.core.files import write_atomic
 from ..plan import TensorSpec
 from .base import LOWERED_CONV_KERNELS, BuilderBase, BuildOptions, check_model, conv_kernels_used, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
 
@@ -484,10 +485,7 @@ def _cache_put(key: str, data: bytes, cache_dir: str | None) -> None:
         _lru_put(_CACHE, key, data, CACHE_BYTES)
     f = _cache_file(cache_dir, key)
     if f is not None:
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_name(f".{f.name}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(data)
-        tmp.replace(f)  # atomic: a concurrent build never reads half a package
+        write_atomic(f, data)  # a concurrent build never reads half a package
 
 
 def clear_memory_cache() -> None:
@@ -791,11 +789,8 @@ def _remember_code(same: str, package: bytes, extra: dict, cache_dir: str | None
     with _CACHE_LOCK:
         _lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
     f = _code_file(cache_dir, same)
-    if f is not None:  # written by a compile worker: its process and thread name the temporary file
-        f.parent.mkdir(parents=True, exist_ok=True)
-        tmp = f.with_name(f".{f.name}.{os.getpid()}.{threading.get_ident()}.tmp")
-        tmp.write_bytes(_entry(package, kept))
-        tmp.replace(f)  # atomic: a concurrent build never reads half an artifact
+    if f is not None:  # written by a compile worker too: a concurrent build never reads half an artifact
+        write_atomic(f, _entry(package, kept))
 
 
 def compile_workers(options: BuildOptions | None = None) -> int:
