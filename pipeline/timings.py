@@ -48,8 +48,9 @@ _FLOATS = frozenset({onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.Tens
 
 def model_digest(model: onnx.ModelProto) -> str:
     """sha256 of ``model``'s structure: opsets, graph inputs and outputs, every node, and each initializer's name,
-    type and shape (its values only where it is a scalar-sized float or not floating-point). Two exports of one architecture
-    with different weights have the same digest; any change of a node, shape or small constant changes it."""
+    type and shape (its values only where it is a scalar-sized float or not floating-point). Two exports of one
+    architecture with different weights have the same digest; any change of a node, shape or small constant
+    changes it."""
     h = hashlib.sha256()
     g = model.graph
     for o in model.opset_import:
