@@ -43,8 +43,10 @@ def log(msg: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {msg}", flush=True)
 
 
-def make(name: str, tiny: bool, max_seq: int):
-    """(torch model in eval mode, its input names); outputs the last hidden state."""
+def make(name: str, tiny: bool, max_seq: int, attention: str = "eager"):
+    """(torch model in eval mode, its vocabulary size); outputs the last hidden state.  ``attention`` is
+    transformers' ``attn_implementation``: "eager" for the export (plain ONNX ops), "sdpa" (transformers'
+    default, what a user compiles) for torch.compile; the seed makes both the same weights."""
     import torch
     import transformers as tf
 
@@ -53,11 +55,11 @@ def make(name: str, tiny: bool, max_seq: int):
     if name == "bert":
         cfg = tf.BertConfig(vocab_size=30522, hidden_size=size["hidden"], num_hidden_layers=size["layers"],
                             num_attention_heads=size["heads"], intermediate_size=size["ff"],
-                            max_position_embeddings=max(512, max_seq), attn_implementation="eager")
+                            max_position_embeddings=max(512, max_seq), attn_implementation=attention)
         core = tf.BertModel(cfg, add_pooling_layer=False)
     else:
         cfg = tf.GPT2Config(vocab_size=50257, n_embd=size["hidden"], n_layer=size["layers"], n_head=size["heads"],
-                            n_positions=max(1024, max_seq), use_cache=False, attn_implementation="eager")
+                            n_positions=max(1024, max_seq), use_cache=False, attn_implementation=attention)
         core = tf.GPT2Model(cfg)
 
     class Hidden(torch.nn.Module):
@@ -123,12 +125,15 @@ def run_model(name: str, args, outdir: Path) -> dict:
     if gpu:
         common.update(measure=False)
     t0 = time.perf_counter()
-    grid = build(path, outdir / f"{name}_grid", min_shapes={"input_ids": [1, 1]}, max_shapes={"input_ids": [1, args.max_seq]},
-                 shape_buckets={("input_ids", 1): [int(v) for v in args.buckets.split(",")]} if args.buckets else {},
-                 **common)
+    buckets = {("input_ids", 1): [int(v) for v in args.buckets.split(",")]} if args.buckets else {}
+    if args.max_batch > 1:
+        buckets[("input_ids", 0)] = [int(v) for v in (args.batch_buckets or f"1,{args.max_batch}").split(",")]
+    grid = build(path, outdir / f"{name}_grid", min_shapes={"input_ids": [1, 1]},
+                 max_shapes={"input_ids": [args.max_batch, args.max_seq]}, shape_buckets=buckets, **common)
     res: dict = {"model": name, "tiny": args.tiny, "backend": args.backend, "precision": args.precision,
-                 "grid_build_s": time.perf_counter() - t0, "memory": grid.report["buckets"]["memory"],
-                 "sizes": grid.manifest["buckets"]["axes"][0]["sizes"], "lengths": []}
+                 "max_batch": args.max_batch, "grid_build_s": time.perf_counter() - t0,
+                 "memory": grid.report["buckets"]["memory"],
+                 "sizes": {ax["name"]: ax["sizes"] for ax in grid.manifest["buckets"]["axes"]}, "lengths": []}
     log(f"{name}: grid built in {res['grid_build_s']:.0f} s, buckets {res['sizes']}")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     used = device_used() if gpu else 0
@@ -136,29 +141,32 @@ def run_model(name: str, args, outdir: Path) -> dict:
     res["device_memory_bytes"] = {"grid": device_used() - used} if gpu else None
     compiled = None
     if gpu:
-        compiled = torch.compile(model.half().cuda(), mode="reduce-overhead")
+        # what a user compiles: transformers' default attention (sdpa), the same weights as the exported model
+        user, _ = make(name, args.tiny, args.max_seq, attention="sdpa")
+        user.load_state_dict(model.state_dict())
+        compiled = torch.compile(user.half().cuda(), mode="reduce-overhead")
     try:
         # a bucket below the top is a static bundle of its own (buckets/b...): built exactly as a static build at
-        # that length (the same options), so it serves as the static bundle there and saves a build
+        # that shape (the same options), so it serves as the static bundle there and saves a build
         exact = {}
         for bd in grid.bucket_bundles().values():
             shape = next(t.shape for t in bd.plan.inputs if t.name == "input_ids")
-            if bd.path.resolve() != grid.path.resolve() and list(shape[:1]) == [1]:
-                exact[int(shape[1])] = bd.path
-        for length in (int(v) for v in args.lengths.split(",")):
-            if length in exact:
-                static_path = exact[length]
+            if bd.path.resolve() != grid.path.resolve():
+                exact[(int(shape[0]), int(shape[1]))] = bd.path
+        for batch, length in (_shape(v) for v in args.lengths.split(",")):
+            if (batch, length) in exact:
+                static_path = exact[(batch, length)]
             else:
-                static_path = build(path, outdir / f"{name}_static_{length}", shapes={"input_ids": [1, length],
-                                                                                     "attention_mask": [1, length]},
+                static_path = build(path, outdir / f"{name}_static_{batch}x{length}",
+                                    shapes={"input_ids": [batch, length], "attention_mask": [batch, length]},
                                     **common).path
             used = device_used() if gpu else 0
             ls = load(static_path)
-            if gpu and length == args.max_seq:  # one static bundle at MAX against the whole grid, loaded
+            if gpu and (batch, length) == (args.max_batch, args.max_seq):  # one static bundle at MAX, loaded
                 res["device_memory_bytes"]["static_at_max"] = device_used() - used
-            rng = np.random.default_rng(length)
-            feeds = {"input_ids": rng.integers(0, vocab, (1, length)).astype(np.int64),
-                     "attention_mask": np.ones((1, length), np.int64)}
+            rng = np.random.default_rng(length * 16 + batch)
+            feeds = {"input_ids": rng.integers(0, vocab, (batch, length)).astype(np.int64),
+                     "attention_mask": np.ones((batch, length), np.int64)}
             err = scaled_error(np.asarray(_host(la(feeds)["hidden"]), np.float32), sess.run(None, feeds)[0])
             dev = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()} if gpu else feeds
             calls = {"grid": lambda: la(dev), "static": lambda: ls(dev)}
@@ -168,15 +176,18 @@ def run_model(name: str, args, outdir: Path) -> dict:
                         c(**f)
                     torch.cuda.synchronize()
                 calls["torch_compile"] = eager
-            if bucket_key(la, length) != (length,):  # padded: the call's steps timed apart (where its cost goes)
+            key = tuple(la.bucket_for(la.point_of(feeds)))
+            if key != la.point_of(feeds):  # padded: the call's steps timed apart (where its cost goes)
                 calls.update(padded_steps(la, dev))
             ms = median_ms(calls, args.runs, args.warmup)
             ls.close()
-            row = {"length": length, "bucket": bucket_key(la, length)[0], "static": "the grid's bucket" if length in exact else "built", "ms": ms, "grid_over_static": ms["grid"] / ms["static"],
+            row = {"batch": batch, "length": length, "bucket": list(key),
+                   "static": "the grid's bucket" if (batch, length) in exact else "built", "ms": ms,
+                   "grid_over_static": ms["grid"] / ms["static"],
                    "grid_over_torch_compile": ms["grid"] / ms["torch_compile"] if "torch_compile" in ms else None,
                    "scaled_error_vs_ort_unpadded": err}
             res["lengths"].append(row)
-            log(f"{name} L={length} (bucket {row['bucket']}): {json.dumps({k: round(v, 4) for k, v in ms.items()})} "
+            log(f"{name} {batch}x{length} (bucket {key}): {json.dumps({k: round(v, 4) for k, v in ms.items()})} "
                 f"grid/static {row['grid_over_static']:.3f} err {err:.2g}")
             (outdir / f"{name}_dynshapes.json").write_text(json.dumps(res, indent=2, default=str))
     finally:
@@ -184,8 +195,10 @@ def run_model(name: str, args, outdir: Path) -> dict:
     return res
 
 
-def bucket_key(la, length: int) -> tuple:
-    return tuple(la.bucket_for((length,)))
+def _shape(token: str) -> tuple[int, int]:
+    """``--lengths`` entry: ``L`` (batch 1) or ``BxL``."""
+    b, _, n = token.strip().rpartition("x")
+    return int(b or 1), int(n)
 
 
 def padded_steps(la, feeds: dict) -> dict:
@@ -237,7 +250,10 @@ def main(argv=None) -> int:
     p.add_argument("--precision", default=None, help="default fp16 on a GPU, fp32 on onnxruntime")
     p.add_argument("--max-seq", type=int, default=512)
     p.add_argument("--buckets", default=None, help="the sequence's buckets (default: powers of two, MIN and MAX)")
-    p.add_argument("--lengths", default="17,100,128,384,512")
+    p.add_argument("--lengths", default="17,100,128,384,512",
+                   help="the shapes timed: L (batch 1) or BxL, comma-separated")
+    p.add_argument("--max-batch", type=int, default=1, help="the grid's batch range 1..N (default 1: sequence only)")
+    p.add_argument("--batch-buckets", default=None, help="the batch's buckets (default: 1 and --max-batch)")
     p.add_argument("--search", action="store_true", help="run the rewrite search per bucket (off: shorter builds)")
     p.add_argument("--runs", type=int, default=100)
     p.add_argument("--warmup", type=int, default=10)
