@@ -87,7 +87,7 @@ class BuildConfig:
     # processes that compile them side by side (0: every core but one, at most 16)
     torch_artifact: str = "inductor"
     inductor_format: str = "kernels"
-    conv_kernels: str = "auto"  # torch engines: depthwise convolutions as cuDNN calls or Inductor kernels (timed)
+    conv_kernels: str = "auto"  # torch engines: depthwise convolutions as cuDNN calls, Inductor kernels or torch's own (timed)
     # a plan on one stream: one engine per repeated block ("blocks": blocks of equal code compile once; core/blocks.py)
     # or one engine for the whole model ("whole"); "auto": blocks where the backend compiles equal code once
     engine_blocks: str = "auto"

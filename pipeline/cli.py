@@ -143,7 +143,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor", "native"],
                    help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels or as torch's own "
                         "depthwise kernel; the last two start faster (default auto: a GPU build times cuDNN's against "
-                        "Inductor's)")
+                        "Inductor's, then the faster against torch's)")
     g.add_argument("--engine-blocks", default="auto", choices=["auto", "blocks", "whole"],
                    help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "
                         "engine for the whole model (default auto: blocks where the backend compiles equal code once, "

@@ -4,7 +4,7 @@ Three decisions are taken by timing rather than by the cost model:
 
 * the rewrite search's candidates, on the GPU (``GpuMeasurer.measure``, the search's ``Measurer``);
 * a GPU bundle's alternatives (``GpuMeasurer.time_alternatives``): fused attention and GEMM epilogues or their
-  plain ops, depthwise convolutions as cuDNN's or Inductor's kernels, cuDNN's fused conv + bias + ReLU or not,
+  plain ops, depthwise convolutions as cuDNN's, Inductor's or torch's own kernels, cuDNN's fused conv + bias + ReLU or not,
   channels-last or contiguous internal boundaries, the plan or one engine for the whole model;
 * a CPU build's alternatives (``choose_cpu_alternative``): plain onnxruntime, the rewritten model, the plan.
 
@@ -99,8 +99,8 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
 
 
 # -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
-ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "conv+ReLU", "boundary layout", "streams",
-          "engine blocks")  # time_alternatives' rounds, in the order it times them
+ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "depthwise kernel", "conv+ReLU", "boundary layout",
+          "streams", "engine blocks")  # time_alternatives' rounds, in the order it times them
 
 
 def round_labels(what: str, plan) -> tuple[str, str]:
@@ -109,6 +109,8 @@ def round_labels(what: str, plan) -> tuple[str, str]:
             "GEMM epilogue": ("cuBLASLt GEMM with fused bias and activation",
                               "GEMM, bias and activation as Inductor's kernels"),
             "depthwise convolutions": ("depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels"),
+            "depthwise kernel": ("depthwise convolutions as the round before chose",
+                                 "depthwise convolutions as torch's own kernel"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
             "streams": (f"{plan.num_streams}-stream plan", "one stream"),
@@ -126,7 +128,10 @@ def runs_fused_attention(backend) -> bool:
 #: rounds whose alternative is kept unless it is slower by more than this share: Inductor's depthwise kernels
 #: ship compiled, where cuDNN builds an execution plan per convolution at every process's first call (MixNet-S:
 #: 3.0 s against 8.0 s to a fresh process's first result, H100), so at equal speed they are the better bundle
-PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02}
+#: Torch's own depthwise kernel needs neither a plan nor a compile: at equal speed it too is the better bundle
+#: (MixNet-S, H200: 2.8 s to a fresh process's first result against 8.1 s with cuDNN's, and 24% faster; NASNet-A
+#: Large: 3.1 s against 7.5 s, but 69% slower, its channels-last boundaries copied to and from NCHW around each)
+PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02}
 #: rounds whose alternative is kept only when it is faster by more than this share: engines per repeated block
 #: compile once per distinct block and load faster (ViT-B/16, H100: 24 s to build and 2.7 s to load against 30 s
 #: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks)
@@ -160,8 +165,9 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
 
 
 def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
-    """Whether the "depthwise convolutions" round races ``model``: ``conv_kernels`` left to timing ("auto"),
-    a backend whose engines it changes, and a depthwise convolution for it to change."""
+    """Whether the "depthwise convolutions" and "depthwise kernel" rounds race ``model``: ``conv_kernels`` left
+    to timing ("auto"), a backend whose engines they change, and a depthwise convolution for them to change.  The
+    first races cuDNN's calls against Inductor's kernels, the second the winner against torch's own kernel."""
     from parastream.launcher.engines.onnx_torch import has_depthwise_conv
 
     return options.conv_kernels == "auto" and backend.lowers_convolutions and has_depthwise_conv(model)
@@ -270,6 +276,7 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     out = fusions_off_forms(engines.backend, v)
     if lowers_depthwise(engines.backend, v.options, v.model):
         out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
+        out.append(("depthwise kernel", replace(v, options=replace(v.options, conv_kernels="native"))))
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
         out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
     if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
@@ -673,7 +680,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     (``race``): (0) attention nodes as one SDPA kernel or decomposed (``fuse_attention``; engines compiled for
     each), (0b) matmul-bias-activation nodes as one cuBLASLt GEMM with its epilogue or as their plain ops
     (``fuse_gemm_epilogue``; engines compiled for each), (0c) depthwise convolutions as cuDNN calls or as Inductor
-    kernels (``conv_kernels`` "auto" only; the Inductor kernels kept unless over 2% slower: they start faster),
+    kernels, then the winner against torch's own depthwise kernel (``conv_kernels`` "auto" only; the alternative
+    kept unless over 2% slower: they start faster),
     (1) engines with and without cuDNN's fused conv + bias
     (+ residual) + ReLU, (2) channels-last against contiguous internal boundaries (when the plan has
     channels-last internal boundaries), (3) the plan against the same graph on one stream (when the plan has
@@ -743,10 +751,11 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 "GEMM epilogue", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_gemm_epilogue=False)))):
             chosen["fuse_gemm_epilogue"] = False
             v = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
-        if lowers_depthwise(backend, v.options, v.model) and round_won(
-                "depthwise convolutions", lambda: engines.launcher(replace(v, options=replace(v.options, conv_kernels="inductor")))):
-            chosen["conv_kernels"] = "inductor"
-            v = replace(v, options=replace(v.options, conv_kernels="inductor"))
+        if lowers_depthwise(backend, v.options, v.model):
+            for what, kernels in (("depthwise convolutions", "inductor"), ("depthwise kernel", "native")):
+                if round_won(what, lambda k=kernels: engines.launcher(replace(v, options=replace(v.options, conv_kernels=k)))):
+                    chosen["conv_kernels"] = kernels
+            v = replace(v, options=replace(v.options, conv_kernels=chosen["conv_kernels"]))
         if fused and has_conv_relu(v.model) and round_won("conv+ReLU", lambda: alternative(False)):
             chosen["fuse_conv_relu"] = False
         if _internal_nhwc(backend, v.plan) and round_won(

@@ -162,30 +162,52 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
     assert all(la.closed for la in made)
 
 
-@pytest.mark.parametrize("slower, kept", [(1.015, "inductor"), (1.03, "cudnn"), (0.9, "inductor")])
-def test_depthwise_kernels_are_kept_unless_over_2_percent_slower(models, monkeypatch, slower, kept):
+@pytest.mark.parametrize("inductor, native, kept", [
+    (1.015, 1.5, "inductor"), (1.03, 1.5, "cudnn"), (0.9, 1.5, "inductor"),   # Inductor's kept within 2%
+    (1.5, 1.015, "native"), (1.5, 1.03, "cudnn"),                             # torch's own against cuDNN's
+    (0.9, 0.915, "native"), (0.9, 0.95, "inductor")])                         # ... and against Inductor's
+def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(models, monkeypatch, inductor, native, kept):
     """small_net has a depthwise convolution: with conv_kernels "auto" its first round races cuDNN's depthwise
-    convolutions against Inductor's kernels (an alternative compiled for itself), and keeps Inductor's unless they
-    are more than 2% slower (they start faster).  "cudnn" or "inductor" given: no such round."""
+    convolutions against Inductor's kernels, the second the winner against torch's own depthwise kernel (each
+    an alternative compiled for itself); each keeps its alternative unless it is more than 2% slower (it starts
+    faster: no cuDNN plan per shape).  "cudnn", "inductor" or "native" given: neither round."""
+    import types
+
     from parastream.launcher.engines import BuildOptions
 
     class Times(dict):
         def __missing__(self, key):
             return 1.0
 
-    build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("scratch", None, None): slower}))
+    build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("inductor", None, None): inductor,
+                                                   ("native", None, None): native}))
+
+    def compiled(self, v):  # an alternative compiled for itself, timed by the depthwise kernels it runs
+        la = types.SimpleNamespace(kind=(v.options.conv_kernels if v.options.conv_kernels in ("inductor", "native")
+                                         else "scratch", None, None), nhwc={"t"}, closed=False)
+        la.close = lambda: setattr(la, "closed", True)
+        made.append(la)
+        return la
+
+    monkeypatch.setattr(build_mod.Engines, "launcher", compiled)
     model, graph, plan, cm = plan_of(models / "small_net.onnx", 1)
     got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
                             Variant(model, graph, plan, BuildOptions(precision="fp16")), runs=5)
-    first = got["rounds"][0]
+    first, second = got["rounds"][:2]
     assert first["choice"] == "depthwise convolutions" and first["alternative_kept_within"] == 0.02
     assert first["timed_ms"] == {"depthwise convolutions as cuDNN calls": 1.0,
-                                 "depthwise convolutions as Inductor kernels": slower}
+                                 "depthwise convolutions as Inductor kernels": inductor}
+    assert second["choice"] == "depthwise kernel" and second["alternative_kept_within"] == 0.02
+    winner = inductor if first["won"].endswith("Inductor kernels") else 1.0
+    assert second["timed_ms"] == {"depthwise convolutions as the round before chose": winner,
+                                  "depthwise convolutions as torch's own kernel": native}
     assert got["conv_kernels"] == kept
-    for given in ("cudnn", "inductor"):
+    assert all(la.closed for la in made)
+    for given in ("cudnn", "inductor", "native"):
         got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
                                 Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels=given)), runs=5)
-        assert "depthwise convolutions" not in [r["choice"] for r in got["rounds"]] and got["conv_kernels"] == given
+        assert not {"depthwise convolutions", "depthwise kernel"} & {r["choice"] for r in got["rounds"]}
+        assert got["conv_kernels"] == given
 
 
 def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_path):
@@ -238,10 +260,10 @@ def test_gpu_build_times_its_alternatives(models, tmp_path):
     cfg = BuildConfig(backend="torch", precision="fp16", search=False, measure_runs=30, streams=2)
     bundle = build(tmp_path / "folded.onnx", tmp_path / "out", config=cfg)
     m = bundle.report["measured_choices"]
-    assert [r["choice"] for r in m["rounds"]][:2] == ["depthwise convolutions", "conv+ReLU"]  # small_net has both
+    assert [r["choice"] for r in m["rounds"]][:3] == ["depthwise convolutions", "depthwise kernel", "conv+ReLU"]
     for r in m["rounds"]:
         current, other = r["timed_ms"].values()
-        within = r.get("alternative_kept_within", 0.0)  # the depthwise round keeps Inductor's kernels within 2%
+        within = r.get("alternative_kept_within", 0.0)  # the depthwise rounds keep their alternative within 2%
         kept_other = other <= current * (1 + within) if within else other < current
         assert r["won"] == list(r["timed_ms"])[1 if kept_other else 0]
     opts = bundle.manifest["options"]
