@@ -12,14 +12,15 @@ and on the CPU (ONNX Runtime engines, 2-layer configs) as a smoke run of the sam
 
 For each model (transformers BERT-base or GPT-2 without a KV cache, random weights; ``--tiny``: 2 layers,
 hidden 128), exported with a dynamic batch and sequence, one bundle is built with ``--min-shapes
-input_ids:1x1 --max-shapes input_ids:1xMAX`` (``--buckets`` the sequence's buckets; default the powers of two)
-and, for each length L of ``--lengths``, a static bundle built at exactly 1 x L (where L is a bucket below MAX,
-that bucket's own bundle, which is one).  At each L: the median call
-latency (host wall clock of ``launcher(feeds)``, inputs already on the device on a GPU: padding, replay,
-synchronise; variants alternating in blocks) of the grid bundle, of the static bundle and, on a GPU, of
-``torch.compile(mode="reduce-overhead")`` on the PyTorch model in fp16 at that shape; the grid's outputs
-against onnxruntime (CPU, fp32) on the unpadded input (scaled error).  On a GPU, the device memory the loaded
-grid takes against one static bundle at MAX (a length of ``--lengths`` equal to ``--max-seq``).  Targets (docs/dynamic-shapes.md):
+input_ids:1x1 --max-shapes input_ids:BxMAX`` (B: ``--max-batch``, default 1; ``--buckets`` the sequence's buckets,
+default the powers of two; ``--batch-buckets`` the batch's, default 1 and B) and, for each shape of ``--lengths``
+(L at batch 1, or BxL), a static bundle built at exactly that shape (where it is a bucket below the top, that
+bucket's own bundle, which is one).  At each shape: the median call latency (host wall clock of
+``launcher(feeds)``, inputs already on the device on a GPU: padding, replay, synchronise; variants alternating in
+blocks) of the grid bundle, of the static bundle and, on a GPU, of ``torch.compile(mode="reduce-overhead")`` on
+the PyTorch model (transformers' default attention) in fp16 at that shape; the grid's outputs against onnxruntime
+(CPU, fp32) on the unpadded input (scaled error).  On a GPU, the device memory of the grid and of one static
+bundle at MAX (built for it), each loaded alone.  Targets (docs/dynamic-shapes.md):
 grid / static <= 1.15 and grid <= torch.compile at every length.  At a length between buckets the grid call's
 steps are also timed apart (``bucket_in_place`` or ``pad_only``, ``bucket_launcher``, ``cut_only``): where the padded
 call's cost goes.  Writes ``OUT/<model>_dynshapes.json``.
@@ -94,6 +95,26 @@ def device_used() -> int:
     return int(total - free)
 
 
+def loaded_bytes(bundle: Path) -> int:
+    """Device bytes a load of ``bundle`` takes, measured alone: loaded, measured, closed and given back."""
+    import gc
+
+    import torch
+
+    from parastream.launcher import load
+
+    gc.collect()
+    torch.cuda.empty_cache()
+    used = device_used()
+    la = load(bundle)
+    got = device_used() - used
+    la.close()
+    del la
+    gc.collect()
+    torch.cuda.empty_cache()
+    return got
+
+
 def median_ms(calls: dict, runs: int, warmup: int, block: int = 10) -> dict:
     """Median wall-clock ms of each no-argument call, ``runs`` each after ``warmup``, alternating in blocks."""
     for _ in range(warmup):
@@ -136,9 +157,21 @@ def run_model(name: str, args, outdir: Path) -> dict:
                  "sizes": {ax["name"]: ax["sizes"] for ax in grid.manifest["buckets"]["axes"]}, "lengths": []}
     log(f"{name}: grid built in {res['grid_build_s']:.0f} s, buckets {res['sizes']}")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    used = device_used() if gpu else 0
+    statics: dict = {}
+
+    def static(batch: int, length: int) -> Path:
+        if (batch, length) not in statics:
+            statics[batch, length] = build(path, outdir / f"{name}_static_{batch}x{length}",
+                                           shapes={"input_ids": [batch, length], "attention_mask": [batch, length]},
+                                           **common).path
+        return statics[batch, length]
+
+    if gpu:
+        # device memory of one static bundle at MAX loaded alone, then of the whole grid loaded alone: engines of
+        # one process share equal weights, so loaded side by side the second would not count its own
+        res["device_memory_bytes"] = {"static_at_max": loaded_bytes(static(args.max_batch, args.max_seq))}
+        res["device_memory_bytes"]["grid"] = loaded_bytes(grid.path)
     la = load(grid.path)
-    res["device_memory_bytes"] = {"grid": device_used() - used} if gpu else None
     compiled = None
     if gpu:
         # what a user compiles: transformers' default attention (sdpa), the same weights as the exported model
@@ -154,16 +187,7 @@ def run_model(name: str, args, outdir: Path) -> dict:
             if bd.path.resolve() != grid.path.resolve():
                 exact[(int(shape[0]), int(shape[1]))] = bd.path
         for batch, length in (_shape(v) for v in args.lengths.split(",")):
-            if (batch, length) in exact:
-                static_path = exact[(batch, length)]
-            else:
-                static_path = build(path, outdir / f"{name}_static_{batch}x{length}",
-                                    shapes={"input_ids": [batch, length], "attention_mask": [batch, length]},
-                                    **common).path
-            used = device_used() if gpu else 0
-            ls = load(static_path)
-            if gpu and (batch, length) == (args.max_batch, args.max_seq):  # one static bundle at MAX, loaded
-                res["device_memory_bytes"]["static_at_max"] = device_used() - used
+            ls = load(exact.get((batch, length)) or static(batch, length))
             rng = np.random.default_rng(length * 16 + batch)
             feeds = {"input_ids": rng.integers(0, vocab, (batch, length)).astype(np.int64),
                      "attention_mask": np.ones((batch, length), np.int64)}
