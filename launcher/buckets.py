@@ -287,11 +287,11 @@ class BucketedLauncher:
 
     def leading_parts(self, feeds: dict, point: tuple, key: tuple) -> dict[str, tuple] | None:
         """Per input of ``feeds`` (at ``point``) smaller than bucket ``key``'s, (its shape, its pad value), where a
-        GPU bucket can take the feeds as they are (``GpuLauncher.run_padded``): device arrays, each smaller along
-        one axis only with only 1s before it (the feed is then the first bytes of the bucket's input and the pad
-        all the rest), padded with a number.  None where any is not (host arrays, arrays that are not
-        contiguous or offer DLPack alone, a batch above 1 padded along the sequence, a pad that repeats or counts
-        on): the call pads them as tensors (``pad_to_bucket``)."""
+        GPU bucket can take the feeds as they are (``GpuLauncher.run_padded``): C-contiguous device arrays, each
+        smaller along one axis only (its rows are then the first bytes of the bucket input's rows, and the pad
+        the rest of each), padded with a number.  None where any is not (host arrays, arrays that are strided or
+        offer DLPack alone, two axes padded at once, a pad that repeats or counts on): the call pads them as
+        tensors (``pad_to_bucket``)."""
         if self.device != "cuda" or not all(_c_contiguous_on_device(x) for x in feeds.values()):
             return None
         parts: dict[str, tuple] = {}
@@ -308,7 +308,7 @@ class BucketedLauncher:
             if len(padded) > 1 or spec.dtype == "bfloat16":
                 return None
             dim, how = padded[0]
-            if isinstance(how, (str, bool)) or not isinstance(how, (int, float)) or any(int(d) != 1 for d in shape[:dim]):
+            if isinstance(how, (str, bool)) or not isinstance(how, (int, float)):
                 return None
             parts[spec.name] = (tuple(shape), how)
         return parts

@@ -402,6 +402,14 @@ def memcpy_dtod_async(dst: int, src: int, nbytes: int, stream) -> None:
     check(rt.cudaMemcpyAsync(dst, src, nbytes, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream), "cudaMemcpyAsync(DeviceToDevice)")
 
 
+def memcpy2d_dtod_async(dst: int, dpitch: int, src: int, spitch: int, width: int, height: int, stream) -> None:
+    """``height`` rows of ``width`` bytes, each row ``spitch`` bytes after the last at ``src`` and ``dpitch`` at
+    ``dst`` (one copy of a block of rows, e.g. a batch of sequences into a longer bucket's buffer)."""
+    rt = runtime()
+    check(rt.cudaMemcpy2DAsync(dst, dpitch, src, spitch, width, height, rt.cudaMemcpyKind.cudaMemcpyDeviceToDevice, stream),
+          "cudaMemcpy2DAsync(DeviceToDevice)")
+
+
 def device_copy(arr: np.ndarray, stream, dtype: str | None = None) -> int:
     """A new device buffer (cudaMalloc, the caller frees it) of ``arr.nbytes`` holding ``arr`` (as ``dtype`` where
     given, else its own), copied through pinned host memory on ``stream`` and synchronised."""

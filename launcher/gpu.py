@@ -606,21 +606,31 @@ class GpuLauncher:
         return {spec.name: self._host[spec.name][1].copy() for spec in plan.outputs}
 
     def run_padded(self, feeds: dict, shapes: dict[str, tuple], fills: dict[str, int]) -> dict:
-        """Run once on device feeds smaller than the plan's inputs, each the leading part of its input (a grid
-        bundle's request between buckets, padded along one axis whose leading dimensions are 1): its bytes are
-        copied to the start of the input's buffer and the rest of that buffer from the same offset of
-        ``fills[name]`` (a device buffer of the whole input holding the pad value), two copies per input and no
-        padded tensor made.  ``shapes``: each feed's shape.  Returns ``DeviceArray`` views of the outputs."""
+        """Run once on device feeds smaller than the plan's inputs along one dimension each (a grid bundle's
+        request between buckets): each feed's rows (the dimensions before the padded one) are copied to the start
+        of their rows in the input's buffer, and the rest of each row from the same place of ``fills[name]`` (a
+        device buffer of the whole input holding the pad value): two copies per input (one row: a sequence at
+        batch 1; several: a batch of sequences, one 2-D copy each), no padded tensor made.  ``shapes``: each
+        feed's shape.  Returns ``DeviceArray`` views of the outputs."""
         self._check_open()
         with cuda.on_device(self.device):
             self._check_names(feeds)
             for spec in self.plan.inputs:
                 shape = tuple(shapes.get(spec.name, spec.shape))
                 ptr = self._device_pointer(spec, feeds[spec.name], shape)
-                n, total = nbytes_of(shape, spec.dtype), nbytes_of(spec.shape, spec.dtype)
-                cuda.memcpy_dtod_async(self.addr[spec.name], ptr, n, self.origin)
-                if n < total:
-                    cuda.memcpy_dtod_async(self.addr[spec.name] + n, fills[spec.name] + n, total - n, self.origin)
+                dst, total = self.addr[spec.name], nbytes_of(spec.shape, spec.dtype)
+                dim = next((i for i, (a, b) in enumerate(zip(shape, spec.shape)) if int(a) != int(b)), None)
+                if dim is None:
+                    cuda.memcpy_dtod_async(dst, ptr, total, self.origin)
+                    continue
+                rows = int(np.prod(shape[:dim], dtype=np.int64))
+                row, pitch = nbytes_of(shape[dim:], spec.dtype), nbytes_of(spec.shape[dim:], spec.dtype)
+                if rows == 1:  # the feed is the buffer's first bytes, the pad all the rest
+                    cuda.memcpy_dtod_async(dst, ptr, row, self.origin)
+                    cuda.memcpy_dtod_async(dst + row, fills[spec.name] + row, total - row, self.origin)
+                else:
+                    cuda.memcpy2d_dtod_async(dst, pitch, ptr, row, row, rows, self.origin)
+                    cuda.memcpy2d_dtod_async(dst + row, pitch, fills[spec.name] + row, pitch, pitch - row, rows, self.origin)
             self.launch()
             self.synchronize()
             return self.outputs()

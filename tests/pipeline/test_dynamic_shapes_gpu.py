@@ -63,13 +63,19 @@ def test_any_shape_in_range_equals_onnxruntime_unpadded(grid, n, seq):
     assert scaled_error(got, _ort(path, feeds)) <= 1e-3
 
 
-def test_device_inputs_are_padded_on_the_device(grid):
+@pytest.mark.parametrize("n", [1, 2])
+def test_device_inputs_are_padded_on_the_device(grid, n):
+    """Device feeds between buckets go straight into the bucket's buffers (one sequence, or a batch of them row
+    by row: ``GpuLauncher.run_padded``); the outputs equal onnxruntime on the unpadded input."""
     torch = pytest.importorskip("torch")
     path, bundle = grid
-    feeds = bert_feeds(1, 11, seed=11)
+    feeds = bert_feeds(n, 11, seed=11)
     with load(bundle.path) as run:
-        got = _host(run({k: torch.from_numpy(v).cuda() for k, v in feeds.items()})["hidden"])
-    assert got.shape == (1, 11, 32) and scaled_error(got, _ort(path, feeds)) <= 1e-3
+        dev = {k: torch.from_numpy(v).cuda() for k, v in feeds.items()}
+        point = run.point_of(dev)
+        assert run.leading_parts(dev, point, run.bucket_for(point)) is not None  # the in-place path, not tensors
+        got = _host(run(dev)["hidden"])
+    assert got.shape == (n, 11, 32) and scaled_error(got, _ort(path, feeds)) <= 1e-3
 
 
 def test_out_of_range_is_refused(grid):
