@@ -674,7 +674,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         if cfg.measure and measure and b.recorded is not None:  # an earlier build's times, in the order it took them
             recorded = b.recorded.get("search") or {}
             measurer = RecordedMeasurer(recorded.get("measured") or [], one_engine=recorded.get("one_engine"),
-                                        source=str(b.timings_file))
+                                        replay_pieces=recorded.get("chosen_pieces"),
+                                        decision=recorded.get("decision") or "", source=str(b.timings_file))
         elif cfg.measure and measure:
             measurer = GpuMeasurer.for_build(b.engines, b.options, b.loaded, streams=cfg.streams,
                                              max_streams=cfg.max_streams, budget_s=cfg.measure_seconds,
@@ -704,9 +705,12 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
                 b.one_engine_timed = measurer.one_engine_timed(searched)
             if measurer is not None:
                 b.timed_here = b.timed_here or (not recorded and getattr(measurer, "calls", 0) > 0)
-            if recorded:
+            if recorded and str(report.get("replay", "")).startswith("replayed"):
+                b.taken["search"] = report["replay"]
+            elif recorded:
                 b.taken["search"] = (f"{plural(len(measurer.matched), 'measurement')} of "
-                                     f"{len(measurer.measured)} recorded")
+                                     f"{len(measurer.measured)} recorded"
+                                     + (f" ({report['replay']})" if report.get("replay") else ""))
         finally:
             if measurer is not None:
                 measurer.close()
@@ -792,7 +796,7 @@ def record_timings(b: _Build) -> None:
     write_timings(b.timings_file, {
         "created": utc_now(), "model": str(b.loaded.path), "build_s": round(time.perf_counter() - b.t_start, 1),
         "search": {"measured": b.search_report.get("measured_in_order") or [], "one_engine": b.one_engine_timed,
-                   "decision": b.search_report.get("decision")},
+                   "decision": b.search_report.get("decision"), "chosen_pieces": b.search_report.get("chosen_pieces")},
         "plan": b.measured_plan, "measured_choices": b.measured})
     b.taken["written"] = str(b.timings_file)
 

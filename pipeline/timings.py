@@ -9,9 +9,11 @@ and scalar-sized initializers, but not its weights), the build options that
 change what is built or timed, the device, and the versions of parastream's code, torch and the backend.
 
 A later build with the same KEY (the same model rebuilt, or rebuilt with other weights) takes the recorded
-decisions instead of timing again: its search is handed the recorded times in the order it asks for them, by
-each candidate's rewrites (``RecordedMeasurer``: a candidate whose rewrites are not those recorded at that
-place ends the measurements, as a spent budget does), and its rounds the recorded result when its plan is the one they were timed on. The
+decisions instead of timing again: its search replays the rewrites of the candidate the recorded build kept,
+piece by piece, instead of searching (``RecordedMeasurer.replay_pieces``, ``rewrite.search.replay_piece``; where a
+rewrite does not replay, it searches and is handed the recorded times in the order it asks for them, by each
+candidate's rewrites: a candidate whose rewrites are not those recorded at that place ends the measurements, as
+a spent budget does), and its rounds the recorded result when its plan is the one they were timed on. The
 engines it ships are compiled (or found in ``DIR``'s compiled-branch cache) and verified as in any build;
 report.json says what was taken from which file. ``--remeasure`` times everything again and records anew.
 
@@ -34,7 +36,7 @@ import onnx
 from parastream.core.files import write_atomic
 from parastream.rewrite.search import MeasureBudgetSpent
 
-TIMINGS_VERSION = 2
+TIMINGS_VERSION = 3
 #: floating-point initializers of at most this many elements are keyed by value (scales, clip bounds and the
 #: constants a rewrite rule matches, such as GELU's); larger ones are weights, keyed by name, type and shape only.
 #: Integer initializers (shapes, axes, indices) are always keyed by value.
@@ -135,6 +137,8 @@ class RecordedMeasurer:
 
     measured: list[dict]  # [{"trace": the candidate's rule applications, "seconds"}], in the order measured
     one_engine: dict | None = None  # the kept candidate ran faster as one engine: its times (``one_engine_timed``)
+    replay_pieces: list | None = None  # each piece's rewrites of the candidate kept: the search replays them
+    decision: str = ""  # the recorded search's decision, as its report said it
     source: str = ""  # the record's file, for the log
     lookahead: int = 1
     by_trace: bool = True

@@ -236,6 +236,26 @@ def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], flo
     return cand
 
 
+def replay_piece(piece: gs.Graph, trace: list[str], rules: list[Rule], score: Callable[[gs.Graph], float],
+                 ) -> tuple[Candidate | None, str | None]:
+    """``piece`` with the rewrites of ``trace`` applied in order, each found by its site's key among its rule's
+    matches: (the candidate, None), or (None, why) where a site is not there or its rule refuses it.  A rebuild
+    from recorded timings replays the candidate the recorded build kept instead of searching again (the record's
+    KEY holds the model's structure, its small constants and the code, so the search would find it again)."""
+    by_name = {r.name: r for r in rules}
+    graph = piece
+    for key in trace:
+        rule = by_name.get(key.split(":", 1)[0])
+        site = next((x for x in rule.match(graph) if x.key == key), None) if rule is not None else None
+        if site is None:
+            return None, f"{key}: no such site"
+        reason = rule.check(graph, site)
+        if reason is not None:
+            return None, f"{key}: {reason}"
+        graph = rule.apply(graph, site)
+    return Candidate(score(graph), graph, tuple(trace), len(graph.nodes)), None
+
+
 def _rank(c: Candidate) -> tuple:
     return (c.cost, c.nodes, len(c.trace), c.trace)
 
@@ -501,13 +521,19 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     pieces = [extract_piece(original, piece) for piece in names]
     timings["cut_s"] = time.perf_counter() - t0
 
-    # 2. search inside each piece
+    # 2. search inside each piece (or replay the recorded choice: ``Measurer.replay_pieces``)
     t0 = time.perf_counter()
+    results: list[PieceResult] = []
+    replay = getattr(measure, "replay_pieces", None)
+    replayed = False
+    if replay is not None:
+        replayed, report["replay"] = _replay(pieces, replay, rules, score, results)
+        if not replayed:
+            results.clear()
     rng = random.Random(seed)
     hasher = GraphHasher()
-    results: list[PieceResult] = []
     total_nodes = max(1, sum(len(p) for p in names))
-    for piece_names, piece in zip(names, pieces):
+    for piece_names, piece in zip(names, pieces) if not replayed else ():
         share = max(1, min(max_candidates, round(max_candidates_total * len(piece_names) / total_nodes)))
         with _collector_paused():
             results.append(search_piece(piece, rules, score, beta=beta, max_candidates=share,
@@ -550,7 +576,12 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     t0 = time.perf_counter()
     admissible = [w for w in wholes if w["cost"]["mixed_s"] <= report["cost_before"]["mixed_s"]]
     chosen, exported = None, {}
-    if measure is not None and len(admissible) == 1:
+    if replayed:  # the recorded build measured its candidates and kept this one
+        chosen = next((w for w in wholes if w["combo"] is not None), original_entry)
+        report["decided_by"] = "measured"
+        report["decision"] = f"{report['replay']}; {measure.decision or 'measured by the recorded build'}"
+        report["measured_in_order"] = list(measure.measured)
+    elif measure is not None and len(admissible) == 1:
         # the input alone: a measurement would decide nothing, and the build times the input's plan anyway
         # (against its alternatives); measuring it here compiled and loaded it once more for no decision
         chosen = original_entry
@@ -644,6 +675,9 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                                   "(within the cost model's precision)")
             chosen = original_entry
     timings["measure_s"] = time.perf_counter() - t0
+    # each piece's rewrites of the candidate kept, for a rebuild to replay (pipeline/timings.py)
+    report["chosen_pieces"] = ([list(r.candidates[i].trace) for r, i in zip(results, chosen["combo"])]
+                               if chosen.get("combo") is not None else [[] for _ in results])
 
     result = model
     if chosen is not original_entry:
@@ -690,6 +724,21 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     chosen_graph = toposort(cleanup(chosen_graph))  # as export_model exported it (its order, its tensors)
     # (imported only if the export's node list were not the graph's: the graph the loader's graph_of would give)
     return result, adopt_model(chosen_graph, result) or toposort(gs.import_onnx(result)), report
+
+
+def _replay(pieces: list[gs.Graph], replay: list[list[str]], rules: list[Rule], score, results: list) -> tuple[bool, str]:
+    """Fill ``results`` with each piece's recorded rewrites replayed (``replay_piece``), one candidate per piece:
+    (True, what was replayed), or (False, why not) at the first piece that does not replay."""
+    if len(replay) != len(pieces):
+        return False, f"not replayed: {len(replay)} recorded pieces for {len(pieces)}"
+    for i, (piece, trace) in enumerate(zip(pieces, replay)):
+        t = time.perf_counter()
+        cand, why = replay_piece(piece, list(trace), rules, score)
+        if cand is None:
+            return False, f"not replayed: piece {i}: {why}"
+        results.append(PieceResult(base_cost=score(piece), candidates=[cand], tried=len(trace), stopped="replayed",
+                                   seconds=time.perf_counter() - t))
+    return True, f"replayed the recorded build's choice ({sum(len(t) for t in replay)} rewrites)"
 
 
 def _check_interface(before: onnx.ModelProto, after: onnx.ModelProto) -> None:

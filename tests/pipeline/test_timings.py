@@ -181,6 +181,44 @@ def test_the_search_replayed_from_a_record_keeps_what_it_kept_when_it_timed(tmp_
     assert kept is loaded.model and other.calls == 1
 
 
+def test_a_rebuild_replays_the_kept_candidates_rewrites_instead_of_searching(tmp_path):
+    """With the record's choice (each piece's rewrites of the candidate kept) the search replays those rewrites
+    instead of searching: the same model, weights included, nothing measured.  A recorded rewrite that is not
+    there falls back to the search, by the recorded times."""
+    from parastream.pipeline.model_io import load_model
+    from parastream.pipeline.zoo import write_all
+    from parastream.rewrite import optimize_graph
+    from parastream.rewrite.cost import RooflineCostModel
+    from parastream.rewrite.search import TimedBy
+
+    write_all(tmp_path)
+    loaded = load_model(tmp_path / "inception_block.onnx")
+    kw = dict(cost_model=RooflineCostModel(), streams=2, top_k=5)
+    timed, _, timed_report = optimize_graph(loaded.model, loaded.graph, **kw, measure=TimedBy(
+        lambda model: 1e-3 * (1 + len(model.graph.node) % 7) / 7))
+    pieces = timed_report["chosen_pieces"]
+    assert timed is not loaded.model and sum(map(len, pieces)) == len(timed_report["rules_chosen"]) > 0
+    recorded = timed_report["measured_in_order"]
+    replay = RecordedMeasurer(recorded, replay_pieces=pieces, decision=timed_report["decision"])
+    again, _, report = optimize_graph(loaded.model, loaded.graph, measure=replay, **kw)
+    assert report["replay"].startswith("replayed") and replay.calls == 0 and report["decided_by"] == "measured"
+    assert report["rules_chosen"] == timed_report["rules_chosen"] and report["chosen_pieces"] == pieces
+    assert again.SerializeToString(deterministic=True) == timed.SerializeToString(deterministic=True)
+    assert report["measured_in_order"] == recorded  # a record written from this report says the same
+    # a recorded choice of the input: nothing replayed, the input kept
+    kept, _, report = optimize_graph(loaded.model, loaded.graph, **kw,
+                                     measure=RecordedMeasurer(recorded, replay_pieces=[[] for _ in pieces]))
+    assert kept is loaded.model and report["replay"].startswith("replayed")
+    # a rewrite that does not replay: searched, by the recorded times, to the same choice
+    broken = [list(t) for t in pieces]
+    broken[next(i for i, t in enumerate(broken) if t)].append("no_such_rule:x")
+    fallback = RecordedMeasurer(recorded, replay_pieces=broken)
+    again, _, report = optimize_graph(loaded.model, loaded.graph, measure=fallback, **kw)
+    assert report["replay"].startswith("not replayed") and "no_such_rule:x: no such site" in report["replay"]
+    assert fallback.calls == len(recorded) and report["rules_chosen"] == timed_report["rules_chosen"]
+    assert model_digest(again) == model_digest(timed)
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_a_torch_rebuild_on_the_gpu_takes_the_recorded_timings(tmp_path):
@@ -197,6 +235,7 @@ def test_a_torch_rebuild_on_the_gpu_takes_the_recorded_timings(tmp_path):
     assert "written" not in taken and again.report["verification"]["passed"]
     assert all("recorded_s" in e for e in again.report["search"].get("measure_log") or [])
     assert again.report["search"]["rules_chosen"] == first.report["search"]["rules_chosen"]
+    assert taken["search"].startswith("replayed")  # the kept candidate's rewrites replayed: no search
     assert [(b.stream, b.nodes) for b in again.plan.branches] == [(b.stream, b.nodes) for b in first.plan.branches]
     for k in ("fuse_attention", "fuse_gemm_epilogue", "internal_nhwc", "one_engine", "whole_engine"):
         assert (again.report["measured_choices"] or {}).get(k) == (first.report["measured_choices"] or {}).get(k)
