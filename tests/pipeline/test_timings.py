@@ -14,6 +14,7 @@ from graphs import residual_stack_model
 from parastream.pipeline import build
 from parastream.pipeline.timings import (RecordedMeasurer, model_digest, read_timings, timings_path,
                                           write_timings)
+from parastream.rewrite import optimize_graph
 from parastream.rewrite.search import MeasureBudgetSpent
 
 
@@ -152,21 +153,26 @@ def test_without_a_cache_dir_nothing_is_recorded(tmp_path, monkeypatch):
     assert bundle.report["recorded_timings"] is None
 
 
-def test_the_search_replayed_from_a_record_keeps_what_it_kept_when_it_timed(tmp_path):
-    """The search asks a recorded measurer for the same candidates (by their rewrites) in the same order, and so
-    decides as the timed search did, exporting only the candidate it keeps."""
+def _searched_with_times(tmp_path):
+    """The zoo's inception block searched with measured times (any time that differs between candidates and
+    favours a rewrite): (loaded model, the search's options, the model kept, the search's report)."""
     from parastream.pipeline.model_io import load_model
     from parastream.pipeline.zoo import write_all
-    from parastream.rewrite import optimize_graph
     from parastream.rewrite.cost import RooflineCostModel
     from parastream.rewrite.search import TimedBy
 
     write_all(tmp_path)
     loaded = load_model(tmp_path / "inception_block.onnx")
     kw = dict(cost_model=RooflineCostModel(), streams=2, top_k=5)
-    # any time that differs between candidates and favours a rewrite
-    timed, _, timed_report = optimize_graph(loaded.model, loaded.graph, **kw, measure=TimedBy(
+    timed, _, report = optimize_graph(loaded.model, loaded.graph, **kw, measure=TimedBy(
         lambda model: 1e-3 * (1 + len(model.graph.node) % 7) / 7))
+    return loaded, kw, timed, report
+
+
+def test_the_search_replayed_from_a_record_keeps_what_it_kept_when_it_timed(tmp_path):
+    """The search asks a recorded measurer for the same candidates (by their rewrites) in the same order, and so
+    decides as the timed search did, exporting only the candidate it keeps."""
+    loaded, kw, timed, timed_report = _searched_with_times(tmp_path)
     recorded = timed_report["measured_in_order"]
     assert len(recorded) >= 2 and recorded[0]["trace"] == [], timed_report.get("decision")
     replay = RecordedMeasurer(recorded)
@@ -185,17 +191,7 @@ def test_a_rebuild_replays_the_kept_candidates_rewrites_instead_of_searching(tmp
     """With the record's choice (each piece's rewrites of the candidate kept) the search replays those rewrites
     instead of searching: the same model, weights included, nothing measured.  A recorded rewrite that is not
     there falls back to the search, by the recorded times."""
-    from parastream.pipeline.model_io import load_model
-    from parastream.pipeline.zoo import write_all
-    from parastream.rewrite import optimize_graph
-    from parastream.rewrite.cost import RooflineCostModel
-    from parastream.rewrite.search import TimedBy
-
-    write_all(tmp_path)
-    loaded = load_model(tmp_path / "inception_block.onnx")
-    kw = dict(cost_model=RooflineCostModel(), streams=2, top_k=5)
-    timed, _, timed_report = optimize_graph(loaded.model, loaded.graph, **kw, measure=TimedBy(
-        lambda model: 1e-3 * (1 + len(model.graph.node) % 7) / 7))
+    loaded, kw, timed, timed_report = _searched_with_times(tmp_path)
     pieces = timed_report["chosen_pieces"]
     assert timed is not loaded.model and sum(map(len, pieces)) == len(timed_report["rules_chosen"]) > 0
     recorded = timed_report["measured_in_order"]
