@@ -235,6 +235,26 @@ def test_export_holds_large_weights_aside_and_writes_the_same_model(monkeypatch)
     assert fast.SerializeToString() == ir.export_model(graph, model).SerializeToString()
 
 
+def test_an_imported_weight_not_loaded_yet_is_held_as_its_bytes(monkeypatch):
+    """A weight graphsurgeon imported lazily (``LazyValues``: the loader's import) is held as its proto's raw
+    bytes, not exported through its proto; the export is byte for byte the plain one, and the graph it was
+    given keeps its weight."""
+    from onnx_graphsurgeon.ir.tensor import LazyValues
+
+    from parastream.rewrite import ir
+
+    model, w = _matmul_relu()
+    graph = gs.import_onnx(model)
+    lazy = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues)]
+    assert [t.name for t in lazy] == ["W"]
+    held = ir.hold_large_weights(ir.copy_graph(graph))
+    assert list(held) == ["W"] and held["W"] == w.tobytes()
+    fast = ir.export_model(graph, model)
+    assert np.array_equal(graph.tensors()["W"].values, w)
+    monkeypatch.setattr(ir, "hold_large_weights", lambda g: {})
+    assert fast.SerializeToString() == ir.export_model(graph, model).SerializeToString()
+
+
 def test_export_holds_nothing_where_a_node_holds_a_subgraph():
     """A graph with an If (its branches' initializers are not the top-level list): nothing is held, the export
     is the plain one."""
