@@ -249,10 +249,13 @@ def replay_piece(piece: gs.Graph, trace: list[str], rules: list[Rule], score: Ca
         site = next((x for x in rule.match(graph) if x.key == key), None) if rule is not None else None
         if site is None:
             return None, f"{key}: no such site"
-        reason = rule.check(graph, site)
-        if reason is not None:
-            return None, f"{key}: {reason}"
-        graph = rule.apply(graph, site)
+        try:
+            reason = rule.check(graph, site)
+            if reason is not None:
+                return None, f"{key}: {reason}"
+            graph = rule.apply(graph, site)
+        except Exception as e:  # noqa: BLE001 - as in the search: a rewrite that fails is not taken
+            return None, f"{key}: the rewrite failed: {type(e).__name__}: {e}"
     return Candidate(score(graph), graph, tuple(trace), len(graph.nodes)), None
 
 
@@ -728,7 +731,10 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
 
 def _replay(pieces: list[gs.Graph], replay: list[list[str]], rules: list[Rule], score, results: list) -> tuple[bool, str]:
     """Fill ``results`` with each piece's recorded rewrites replayed (``replay_piece``), one candidate per piece:
-    (True, what was replayed), or (False, why not) at the first piece that does not replay."""
+    (True, what was replayed), or (False, why not) at the first piece that does not replay.  ``replay`` comes
+    from a file in the cache folder: anything but one list of rewrite keys per piece is not replayed."""
+    if not isinstance(replay, list) or not all(isinstance(t, list) and all(isinstance(k, str) for k in t) for t in replay):
+        return False, "not replayed: the record's choice is not one list of rewrites per piece"
     if len(replay) != len(pieces):
         return False, f"not replayed: {len(replay)} recorded pieces for {len(pieces)}"
     for i, (piece, trace) in enumerate(zip(pieces, replay)):

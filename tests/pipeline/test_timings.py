@@ -187,7 +187,7 @@ def test_the_search_replayed_from_a_record_keeps_what_it_kept_when_it_timed(tmp_
     assert kept is loaded.model and other.calls == 1
 
 
-def test_a_rebuild_replays_the_kept_candidates_rewrites_instead_of_searching(tmp_path):
+def test_a_rebuild_replays_the_kept_candidates_rewrites_instead_of_searching(tmp_path, monkeypatch):
     """With the record's choice (each piece's rewrites of the candidate kept) the search replays those rewrites
     instead of searching: the same model, weights included, nothing measured.  A recorded rewrite that is not
     there falls back to the search, by the recorded times."""
@@ -213,6 +213,20 @@ def test_a_rebuild_replays_the_kept_candidates_rewrites_instead_of_searching(tmp
     assert report["replay"].startswith("not replayed") and "no_such_rule:x: no such site" in report["replay"]
     assert fallback.calls == len(recorded) and report["rules_chosen"] == timed_report["rules_chosen"]
     assert model_digest(again) == model_digest(timed)
+    # a recorded rewrite whose rule now fails on the new weights: searched, not a failed build
+    from parastream.rewrite.rules import ALL_RULES
+
+    first = next(k for t in pieces for k in t)
+    rule = next(r for r in ALL_RULES if r.name == first.split(":", 1)[0])
+    monkeypatch.setattr(type(rule), "apply", lambda self, graph, site: (_ for _ in ()).throw(ValueError("bad weight")))
+    again, _, report = optimize_graph(loaded.model, loaded.graph, measure=RecordedMeasurer(recorded, replay_pieces=pieces), **kw)
+    assert "the rewrite failed: ValueError: bad weight" in report["replay"]
+    monkeypatch.undo()
+    # a record damaged in the cache folder: searched, as without a choice to replay
+    for junk in ("pieces", [[1, 2]] * len(pieces), {"a": 1}):
+        damaged = RecordedMeasurer(recorded, replay_pieces=junk)
+        again, _, report = optimize_graph(loaded.model, loaded.graph, measure=damaged, **kw)
+        assert report["replay"].startswith("not replayed") and report["rules_chosen"] == timed_report["rules_chosen"]
 
 
 @pytest.mark.gpu
