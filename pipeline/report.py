@@ -120,13 +120,14 @@ def _timings_line(rt: dict | None) -> str | None:
     """The summary's line on ``--cache-dir``'s recorded timings (``pipeline/timings.py``): taken, or written."""
     if not rt:
         return None
-    taken = []
-    if rt.get("search"):
-        taken.append(f"the search's {rt['search']}")
+    search = str(rt.get("search") or "")
+    replayed = search.startswith("replayed")  # "replayed the recorded build's choice (N rewrites)"
+    taken = [f"the search's {search}"] if search and not replayed else []
     if rt.get("rounds") and not rt["rounds"].startswith("timed again"):
         taken.append(f"the results of {rt['rounds']}")
-    if taken:
-        return f"timings: took {' and '.join(taken)} from {rt['file']} (--remeasure times them again)"
+    if taken or replayed:
+        did = ([search] if replayed else []) + ([f"took {' and '.join(taken)}"] if taken else [])
+        return f"timings: {' and '.join(did)} from {rt['file']} (--remeasure times them again)"
     if rt.get("written"):
         return f"timings: recorded in {rt['written']} for the next build"
     return None

@@ -66,8 +66,8 @@ class BuildOptions:
     # cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "native" runs
     # them as torch's own depthwise kernel (``onnx_torch._conv_native_depthwise``: precompiled, no plan either);
     # "cudnn" runs every convolution through torch's convolution; "auto" (default) is "cudnn", and a GPU build of
-    # a model with depthwise convolutions times cuDNN's against Inductor's and records the one it keeps
-    # ("inductor" unless over 2% slower).
+    # a model with depthwise convolutions times cuDNN's against Inductor's, then the faster against torch's own,
+    # and records the one it keeps (each alternative kept unless over 2% slower: pipeline/measure.py).
     conv_kernels: str = "auto"
     # torch backend on a GPU: a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) runs as one
     # torch._addmm_activation (cuBLASLt's fused epilogue); off, as its matmul, add and activation.  A GPU build

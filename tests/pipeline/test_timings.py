@@ -118,6 +118,11 @@ def test_a_rebuild_takes_the_recorded_rounds_and_times_nothing(tmp_path, monkeyp
     console = Console(record=True, width=400)
     print_build_summary(first, console)
     assert "timings: recorded in " in console.export_text()
+    from parastream.pipeline.report import _timings_line
+
+    replayed = {"search": "replayed the recorded build's choice (51 rewrites)", "rounds": "2 rounds", "file": "K.json"}
+    assert _timings_line(replayed) == ("timings: replayed the recorded build's choice (51 rewrites) and took the "
+                                       "results of 2 rounds from K.json (--remeasure times them again)")
 
     build(tmp_path / "m1.onnx", tmp_path / "b2", backend="onnxruntime", search=False, cache_dir=str(cache),
           remeasure=True)
