@@ -609,8 +609,8 @@ class GpuLauncher:
         """Run once on device feeds smaller than the plan's inputs along one dimension each (a grid bundle's
         request between buckets): each feed's rows (the dimensions before the padded one) are copied to the start
         of their rows in the input's buffer, and the rest of each row from the same place of ``fills[name]`` (a
-        device buffer of the whole input holding the pad value): two copies per input (one row: a sequence at
-        batch 1; several: a batch of sequences, one 2-D copy each), no padded tensor made.  ``shapes``: each
+        device buffer of the whole input holding the pad value): two 2-D copies per input (one row: a sequence at
+        batch 1; several: a batch of sequences), no padded tensor made.  ``shapes``: each
         feed's shape.  Returns ``DeviceArray`` views of the outputs."""
         self._check_open()
         with cuda.on_device(self.device):
@@ -623,14 +623,11 @@ class GpuLauncher:
                 if dim is None:
                     cuda.memcpy_dtod_async(dst, ptr, total, self.origin)
                     continue
+                # rows of ``row`` bytes (the feed's) in rows of ``pitch`` bytes (the buffer's), the pad after each
                 rows = int(np.prod(shape[:dim], dtype=np.int64))
                 row, pitch = nbytes_of(shape[dim:], spec.dtype), nbytes_of(spec.shape[dim:], spec.dtype)
-                if rows == 1:  # the feed is the buffer's first bytes, the pad all the rest
-                    cuda.memcpy_dtod_async(dst, ptr, row, self.origin)
-                    cuda.memcpy_dtod_async(dst + row, fills[spec.name] + row, total - row, self.origin)
-                else:
-                    cuda.memcpy2d_dtod_async(dst, pitch, ptr, row, row, rows, self.origin)
-                    cuda.memcpy2d_dtod_async(dst + row, pitch, fills[spec.name] + row, pitch, pitch - row, rows, self.origin)
+                cuda.memcpy2d_dtod_async(dst, pitch, ptr, row, row, rows, self.origin)
+                cuda.memcpy2d_dtod_async(dst + row, pitch, fills[spec.name] + row, pitch, pitch - row, rows, self.origin)
             self.launch()
             self.synchronize()
             return self.outputs()

@@ -827,8 +827,8 @@ def build_engines(b: _Build, tmp: Path) -> None:
 
 def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
     """GPU engines: time the bundle against its alternatives (fused attention, GEMM epilogues and conv+ReLU or
-    not, depthwise convolutions as cuDNN's or Inductor's kernels, channels-last or contiguous boundaries, one engine
-    for the whole model), keep each winner and rebuild the engines for it."""
+    not, depthwise convolutions as cuDNN's, Inductor's or torch's own kernels, channels-last or contiguous
+    boundaries, one engine for the whole model), keep each winner and rebuild the engines for it."""
     cfg = b.cfg
     if not (cfg.measure and b.backend.gpu) or "rounds" in b.taken and b.measured is not None:
         return  # (the recorded rounds were taken before the engines were written: ``take_recorded_choices``)

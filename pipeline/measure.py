@@ -164,6 +164,10 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
     return out
 
 
+#: the depthwise rounds, in order, with the ``conv_kernels`` each one's alternative compiles
+DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel", "native"))
+
+
 def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
     """Whether the "depthwise convolutions" and "depthwise kernel" rounds race ``model``: ``conv_kernels`` left
     to timing ("auto"), a backend whose engines they change, and a depthwise convolution for them to change.  The
@@ -275,8 +279,7 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     the other way compiles its engines then)."""
     out = fusions_off_forms(engines.backend, v)
     if lowers_depthwise(engines.backend, v.options, v.model):
-        out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
-        out.append(("depthwise kernel", replace(v, options=replace(v.options, conv_kernels="native"))))
+        out += [(what, replace(v, options=replace(v.options, conv_kernels=k))) for what, k in DEPTHWISE_ROUNDS]
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
         out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
     if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
@@ -752,7 +755,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
             chosen["fuse_gemm_epilogue"] = False
             v = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
         if lowers_depthwise(backend, v.options, v.model):
-            for what, kernels in (("depthwise convolutions", "inductor"), ("depthwise kernel", "native")):
+            for what, kernels in DEPTHWISE_ROUNDS:
                 if round_won(what, lambda k=kernels: engines.launcher(replace(v, options=replace(v.options, conv_kernels=k)))):
                     chosen["conv_kernels"] = kernels
             v = replace(v, options=replace(v.options, conv_kernels=chosen["conv_kernels"]))

@@ -209,6 +209,18 @@ class _Scorer:
         return mixed_cost(*self.cost_model.graph_cost(graph, self.streams), alpha=self.alpha)
 
 
+def _apply(rule: Rule, graph: gs.Graph, site) -> tuple[gs.Graph | None, str | None]:
+    """``rule`` at ``site`` of ``graph``: (the rewritten graph, None), or (None, why not): the rule's check
+    refused it, or the rewrite failed (a rule that fails on a site must not end the build)."""
+    try:
+        reason = rule.check(graph, site)
+        if reason is not None:
+            return None, reason
+        return rule.apply(graph, site), None
+    except Exception as e:  # noqa: BLE001
+        return None, f"the rewrite failed: {type(e).__name__}: {e}"
+
+
 def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], float],
              refusals: dict[tuple[str, str], str]) -> Candidate:
     """Apply the simplifying rules greedily, site after site, keeping each step the cost model does not rate worse
@@ -218,14 +230,9 @@ def simplify(cand: Candidate, rules: list[Rule], score: Callable[[gs.Graph], flo
         changed, steps = False, steps + 1
         for rule in rules:
             for site in sorted(rule.match(cand.graph), key=lambda s: s.key):
-                try:
-                    reason = rule.check(cand.graph, site)
-                    if reason is not None:
-                        refusals.setdefault((rule.name, site.key), reason)
-                        continue
-                    graph = rule.apply(cand.graph, site)
-                except Exception as e:  # noqa: BLE001
-                    refusals.setdefault((rule.name, site.key), f"the rewrite failed: {type(e).__name__}: {e}")
+                graph, reason = _apply(rule, cand.graph, site)
+                if graph is None:
+                    refusals.setdefault((rule.name, site.key), reason)
                     continue
                 cost = score(graph)
                 if cost <= cand.cost * (1 + 1e-12):
@@ -249,13 +256,9 @@ def replay_piece(piece: gs.Graph, trace: list[str], rules: list[Rule], score: Ca
         site = next((x for x in rule.match(graph) if x.key == key), None) if rule is not None else None
         if site is None:
             return None, f"{key}: no such site"
-        try:
-            reason = rule.check(graph, site)
-            if reason is not None:
-                return None, f"{key}: {reason}"
-            graph = rule.apply(graph, site)
-        except Exception as e:  # noqa: BLE001 - as in the search: a rewrite that fails is not taken
-            return None, f"{key}: the rewrite failed: {type(e).__name__}: {e}"
+        graph, reason = _apply(rule, graph, site)
+        if graph is None:
+            return None, f"{key}: {reason}"
     return Candidate(score(graph), graph, tuple(trace), len(graph.nodes)), None
 
 
@@ -292,14 +295,9 @@ def search_piece(piece: gs.Graph, rules: list[Rule], score: Callable[[gs.Graph],
         for rule, site in options:
             if tried >= max_candidates:
                 break
-            try:
-                reason = rule.check(cand.graph, site)
-                if reason is not None:
-                    refusals.setdefault((rule.name, site.key), reason)
-                    continue
-                graph = rule.apply(cand.graph, site)
-            except Exception as e:  # noqa: BLE001 - a rule that fails on a site must not end the build
-                refusals.setdefault((rule.name, site.key), f"the rewrite failed: {type(e).__name__}: {e}")
+            graph, reason = _apply(rule, cand.graph, site)
+            if graph is None:
+                refusals.setdefault((rule.name, site.key), reason)
                 continue
             h = hasher(graph)
             if h in seen:

@@ -41,6 +41,7 @@ from parastream.core import fused_ops
 from parastream.core.dataflow import consumers
 
 from ..errors import ParastreamError
+from .base import LOWERED_CONV_KERNELS
 
 
 class UnsupportedOp(ParastreamError):
@@ -503,8 +504,8 @@ def _depthwise_shape_function() -> None:
 
 
 def depthwise_convs(model: onnx.ModelProto) -> set[int]:
-    """The indices of ``model``'s nodes that ``conv_kernels="inductor"`` lowers: 2-d depthwise convolutions
-    (weight an initializer [C, 1, kh, kw] with kh*kw > 1, group C, no dilation).  The converter lowers these and
+    """The indices of ``model``'s nodes that ``conv_kernels`` "inductor" or "native" lowers: 2-d depthwise
+    convolutions (weight an initializer [C, 1, kh, kw] with kh*kw > 1, group C, no dilation).  The converter lowers these and
     no others, so that whether an engine changes with the option is read from its ONNX alone (its cache key)."""
     weights = {t.name: list(t.dims) for t in model.graph.initializer}
     found = set()
@@ -1468,7 +1469,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             const_key[id(v.const)] = key
         return key
 
-    lowered = depthwise_convs(model) if conv_kernels in ("inductor", "native") else set()
+    lowered = depthwise_convs(model) if conv_kernels in LOWERED_CONV_KERNELS else set()
     for index, node in enumerate(g.node):
         op_key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
         if node.domain not in ("", "ai.onnx", fused_ops.DOMAIN):

@@ -52,10 +52,11 @@ from pathlib import Path
 import numpy as np
 import onnx
 
+from parastream.core.files import write_atomic
+
 from .. import cuda
 from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
-from parastream.core.files import write_atomic
 from ..plan import TensorSpec
 from .base import (PRECISIONS, BuilderBase, BuildOptions, background_summary, cancel_precompile,  # noqa: F401
                    check_model, compiling, fp32_pinned, memory_scope, own_workspaces, precompile, prepare_load, start_workers)

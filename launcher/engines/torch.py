@@ -70,8 +70,9 @@ from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
-from ..errors import BackendUnavailable, ParastreamError
 from parastream.core.files import write_atomic
+
+from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import LOWERED_CONV_KERNELS, BuilderBase, BuildOptions, check_model, conv_kernels_used, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
 
