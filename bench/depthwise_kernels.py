@@ -18,8 +18,6 @@ any "same" padding), and for each distinct (input shape, kernel, stride, padding
   cudnn_us         its time per call in a CUDA Graph of 20 calls (median of 30 replays, CUDA events)
   inductor_us      the converter's lowering (``onnx_torch._conv_as_kernels``: the form ``--conv-kernels
                    inductor`` compiles) under torch.compile, the same way; compile seconds beside it
-  triton_us        parastream's channels-last Triton kernel (``--conv-kernels triton``: the op
-                   ``depthwise_kernel`` registers) under torch.compile, autotuned by Inductor; compile seconds beside it
   native_first_ms, native_us
                    torch's own depthwise kernel (``aten._conv_depthwise2d``, NCHW; no plan to build)
   max_err          of each against cuDNN's output (scaled by its largest magnitude)
@@ -150,23 +148,6 @@ def measure_shape(key) -> dict:
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
             row["inductor_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
-    # parastream's channels-last Triton kernel (``--conv-kernels triton``) under torch.compile, as an engine runs it
-    from parastream.launcher.engines.depthwise_kernel import op
-
-    kernel = op()
-    try:
-        t0 = time.perf_counter()
-        torch._dynamo.reset()
-        compiled = torch.compile(lambda a, b: kernel(a, b, None, list(stride), list(padding), list(padding)),
-                                 dynamic=False)
-        out = compiled(x, w)
-        torch.cuda.synchronize()
-        row["triton_compile_s"] = round(time.perf_counter() - t0, 2)
-        row["triton_max_err"] = float((out.float() - ref).abs().max()) / scale
-        row["triton_us"] = _graph_us(lambda: compiled(x, w))
-    except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
-        row["triton_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
-
     xn, wn = x.contiguous(), w.contiguous()
     native = torch.ops.aten._conv_depthwise2d
     args = (list(w_shape[2:]), None, list(stride), list(padding), list(dilation))
@@ -201,8 +182,6 @@ def summary(rows: list[dict]) -> dict:
             "cudnn_us_per_pass": round(cudnn_us, 1),
             "inductor_us_per_pass": round(sum(r.get("inductor_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
             "native_us_per_pass": round(sum(r.get("native_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
-            "triton_us_per_pass": round(sum(r.get("triton_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
-            "triton_failed": sum("triton_us" not in r for r in rows),
             "lowering_order": steps}
 
 

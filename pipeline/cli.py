@@ -140,9 +140,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="torch backend: what an engine ships (docs/torch-engines.md; default inductor)")
     g.add_argument("--inductor-format", default="kernels", choices=["kernels", "bundled", "cache"],
                    help="torch backend, inductor artifacts: how they are saved (default kernels)")
-    g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor", "native", "triton"],
-                   help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels, as torch's own "
-                        "depthwise kernel or as parastream's channels-last Triton kernel; all but cuDNN start faster (default auto: a GPU build times cuDNN's against "
+    g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor", "native"],
+                   help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels or as torch's own "
+                        "depthwise kernel; the last two start faster (default auto: a GPU build times cuDNN's against "
                         "Inductor's, then the faster against torch's)")
     g.add_argument("--engine-blocks", default="auto", choices=["auto", "blocks", "whole"],
                    help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "

@@ -65,7 +65,6 @@ class BuildOptions:
     # torch backend: "inductor" writes depthwise convolutions as ops Inductor compiles into its own kernels (no
     # cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "native" runs
     # them as torch's own depthwise kernel (``onnx_torch._conv_native_depthwise``: precompiled, no plan either);
-    # "triton" as parastream's channels-last Triton kernel (``depthwise_kernel``: compiled into the engine);
     # "cudnn" runs every convolution through torch's convolution; "auto" (default) is "cudnn", and a GPU build of
     # a model with depthwise convolutions times cuDNN's against Inductor's, then the faster against torch's own,
     # and records the one it keeps (each alternative kept unless over 2% slower: pipeline/measure.py).
@@ -91,8 +90,8 @@ class BuildOptions:
     keep_fp32: list[str] = field(default_factory=list)
 
 
-CONV_KERNELS = ("auto", "cudnn", "inductor", "native", "triton")  # BuildOptions.conv_kernels
-LOWERED_CONV_KERNELS = ("inductor", "native", "triton")  # the values that write depthwise convolutions otherwise than cuDNN
+CONV_KERNELS = ("auto", "cudnn", "inductor", "native")  # BuildOptions.conv_kernels
+LOWERED_CONV_KERNELS = ("inductor", "native")  # the values that write depthwise convolutions otherwise than cuDNN
 
 
 def conv_kernels_used(value: str) -> str:

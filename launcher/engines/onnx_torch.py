@@ -86,7 +86,7 @@ class NodeView:
         self.node = node
         self.fuse_attention = fuse_attention  # attention nodes: one SDPA kernel, else its matmul-softmax-matmul
         self.fuse_gemm_epilogue = fuse_gemm_epilogue  # matmul-bias-activation nodes: cuBLASLt's epilogue, else three ops
-        self.conv_kernels = conv_kernels  # how depthwise convolutions run (base.BuildOptions.conv_kernels)
+        self.conv_kernels = conv_kernels  # "inductor": depthwise convolutions as ops Inductor compiles
         self.inferred = inferred or {}
         self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
         self.op = node.op_type
@@ -381,21 +381,10 @@ def _conv(n: NodeView):
         native = _conv_native_depthwise(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if native is not None:
             return native
-    if n.conv_kernels == "triton" and nd == 2 and _is_depthwise(n.shape(0), w_shape, kernel, dil, group):
-        return _conv_triton_depthwise(strides, begin, end)
     if begin == end:
         return _ConvFn(fconv, strides, begin, dil, group, nd)
     pad = _torch_pad_arg(begin, end)
     return lambda x, w, b=None: fconv(F.pad(x, pad), w, b, strides, 0, dil, group)
-
-
-def _is_depthwise(x_shape, w_shape, kernel, dil, group) -> bool:
-    """Whether a 2-d convolution is one that ``conv_kernels`` other than "cudnn" lower: depthwise (group = input
-    channels = output channels, weight [C, 1, kh, kw]), more than one tap, no dilation (``depthwise_convs`` reads
-    the same from the ONNX)."""
-    kh, kw = (int(k) for k in kernel)
-    return (all(int(d) == 1 for d in dil) and group == int(x_shape[1]) == int(w_shape[0]) and int(w_shape[1]) == 1
-            and kh * kw > 1)
 
 
 #: the most taps a depthwise convolution is written as a sum of shifted slices for; larger kernels are written as
@@ -424,7 +413,7 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     n_in, c_in, h, w = (int(d) for d in x_shape)
     kh, kw = (int(k) for k in kernel)
     sh, sw = (int(s) for s in strides)
-    if not _is_depthwise(x_shape, w_shape, kernel, dil, group):
+    if any(int(d) != 1 for d in dil) or not (group == c_in == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
         return None
     ho = (h + begin[0] + end[0] - kh) // sh + 1
     wo = (w + begin[1] + end[1] - kw) // sw + 1
@@ -471,7 +460,7 @@ def _conv_native_depthwise(x_shape, w_shape, kernel, strides, dil, group, begin,
     F = torch.nn.functional
     c_in = int(x_shape[1])
     kh, kw = (int(k) for k in kernel)
-    if not _is_depthwise(x_shape, w_shape, kernel, dil, group):
+    if any(int(d) != 1 for d in dil) or not (group == c_in == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
         return None
     stride = [int(s) for s in strides]
     symmetric = begin == end
@@ -484,20 +473,6 @@ def _conv_native_depthwise(x_shape, w_shape, kernel, strides, dil, group, begin,
         if pad is not None:
             x = F.pad(x, pad)
         return native(x.contiguous(), weight.contiguous(), [kh, kw], bias, stride, padding, [1, 1])
-
-    return depthwise
-
-
-def _conv_triton_depthwise(strides, begin, end):
-    """A 2-d depthwise convolution as parastream's channels-last Triton kernel (``depthwise_kernel``: no plan to
-    build at load, no layout copies around it, compiled into the engine by Inductor)."""
-    from .depthwise_kernel import op
-
-    kernel = op()
-    stride, pad_begin, pad_end = [int(s) for s in strides], [int(p) for p in begin], [int(p) for p in end]
-
-    def depthwise(x, weight, bias=None):
-        return kernel(x, weight, bias, stride, pad_begin, pad_end)
 
     return depthwise
 

@@ -626,12 +626,7 @@ def _inductor_options(options: BuildOptions) -> dict:
     import torch._inductor
 
     mode = "max-autotune-no-cudagraphs" if options.optimization_level >= 5 else "default"
-    out = dict(torch._inductor.list_mode_options(mode))
-    if hasattr(torch._inductor.config, "static_launch_user_defined_triton_kernels"):
-        # parastream's own Triton kernels (``depthwise_kernel``) launched like Inductor's: a ``kernels`` artifact
-        # holds only statically launched kernels
-        out["static_launch_user_defined_triton_kernels"] = True
-    return out
+    return dict(torch._inductor.list_mode_options(mode))
 
 
 def _param_specs(params: list) -> list:

@@ -146,8 +146,7 @@ def test_which_models_the_option_changes():
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("conv_kernels, channels_last", [("inductor", False), ("native", True), ("triton", True),
-                                                         ("triton", False)])
+@pytest.mark.parametrize("conv_kernels, channels_last", [("inductor", False), ("native", True)])
 def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime(conv_kernels, channels_last):
     """Every convolution of the model converted with ``conv_kernels`` (Inductor's lowering, or torch's own
     depthwise kernel fed a channels-last input as the launcher feeds an engine), compiled by Inductor, in fp16,
@@ -229,11 +228,9 @@ def test_a_branch_with_a_depthwise_convolution_has_a_key_of_its_own_for_torchs_k
 
 
 @pytest.mark.gpu
-@pytest.mark.parametrize("conv_kernels", ["native", "triton"])
-def test_a_bundle_with_a_lowered_depthwise_kernel_builds_ships_compiled_and_verifies(tmp_path, conv_kernels):
+def test_a_bundle_with_torchs_own_depthwise_kernel_builds_ships_compiled_and_verifies(tmp_path):
     """The whole build (torch engines, fp16, the kernels artifact a default build ships) of separable convolutions
-    with ``--conv-kernels native`` or ``triton``: Inductor compiles around torch's op, or inlines parastream's
-    Triton kernel and ships it in the engine's ``kernels`` artifact; the engines load without compiling and the
+    with ``--conv-kernels native``: Inductor compiles around the op, the engines load without compiling and the
     bundle matches ONNX Runtime."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
@@ -255,90 +252,9 @@ def test_a_bundle_with_a_lowered_depthwise_kernel_builds_ships_compiled_and_veri
     model.ir_version = 8
     onnx.save(model, tmp_path / "sep.onnx")
     bundle = build(tmp_path / "sep.onnx", tmp_path / "b", backend="torch", precision="fp16", search=False,
-                   measure=False, conv_kernels=conv_kernels)
+                   measure=False, conv_kernels="native")
     assert bundle.report["verification"]["passed"]
     assert bundle.report["verification"]["engines_compiled_at_load"] == 0
-    assert bundle.manifest["options"]["conv_kernels"] == conv_kernels
+    assert bundle.manifest["options"]["conv_kernels"] == "native"
     engines = [e for e in bundle.report["engines"].values() if isinstance(e, dict)]
-    assert all(e.get("compiled") == "kernels" for e in engines), json.dumps(engines)[:400]
-
-
-# -- parastream's channels-last Triton kernel (``conv_kernels="triton"``) ------------------------------------------
-def _triton_kinds(module) -> dict[str, bool]:
-    """node name -> whether the converter wrote it as parastream's Triton depthwise kernel."""
-    return {st.node: "_conv_triton_depthwise" in getattr(st.fn, "__qualname__", "") for st in module._steps}
-
-
-def test_only_depthwise_convolutions_run_as_the_triton_kernel():
-    """The same convolutions as torch's own kernel takes (depthwise k x k, stride, padding, "same" padding and
-    bias included) and no other; off the GPU the op is torch's convolution, which equals ONNX Runtime."""
-    model, lowered = conv_model()
-    expected = {name: low and name not in ("pw", "pw_stride2", "pw_groups2") for name, low in lowered.items()}
-    module = convert(model, conv_kernels="triton")
-    assert _triton_kinds(module) == expected
-    assert not any(_triton_kinds(convert(model, conv_kernels="cudnn")).values())
-    feeds = _feeds(5)
-    ref, got = _ort(model, feeds), _run(module, model, feeds)
-    for name, r in ref.items():
-        np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
-
-
-def test_a_branch_with_a_depthwise_convolution_has_a_key_of_its_own_for_the_triton_kernel():
-    model, _ = conv_model()
-    keys = {k: _jobs_meta(model, k) for k in ("triton", "native", "inductor", "cudnn")}
-    assert len({m["key"] for m in keys.values()}) == 4 and keys["triton"]["conv_kernels"] == "triton"
-
-
-_INTERPRETED = r'''
-import json, sys
-import numpy as np, torch
-sys.path.insert(0, sys.argv[1])
-from test_conv_kernels import conv_model, _feeds, _ort, _run
-from parastream.launcher.engines import depthwise_kernel
-from parastream.launcher.engines.onnx_torch import convert
-
-model, _ = conv_model()
-feeds = _feeds(7)
-ref = _ort(model, feeds)
-got = _run(convert(model, conv_kernels="triton"), model, feeds)
-errors = {name: float(np.abs(got[name] - r).max()) for name, r in ref.items()}
-# every launch configuration the autotuner may pick, on channels-last and on contiguous inputs
-x = torch.from_numpy(feeds["x"])
-w = {t.name: torch.from_numpy(np.array(__import__("onnx").numpy_helper.to_array(t))) for t in model.graph.initializer}
-configs = {}
-for config in depthwise_kernel.CONFIGS:
-    for layout in ("channels_last", "contiguous") if config == depthwise_kernel.CONFIGS[0] else ("channels_last",):
-        xi = x.contiguous(memory_format=torch.channels_last if layout == "channels_last" else torch.contiguous_format)
-        y = torch.empty((2, 8, 15, 13)).contiguous(memory_format=torch.channels_last)
-        depthwise_kernel.launch(xi, w["dw7"], w["b8"], y, [1, 1], [3, 2], config=config)  # dw7_asym's pads
-        y2 = torch.empty((2, 8, 8, 7))
-        depthwise_kernel.launch(xi, w["dw5"], None, y2, [2, 2], [2, 2], config=config)  # dw5_stride2_nobias
-        configs[f"{config}/{layout}"] = max(float(np.abs(y.numpy() - ref["dw7_o"]).max()),
-                                            float(np.abs(y2.numpy() - ref["dw5_o"]).max()))
-print(json.dumps({"errors": errors, "configs": configs}))
-'''
-
-
-@pytest.mark.slow
-def test_the_triton_kernel_in_tritons_interpreter_equals_onnxruntime():
-    """The kernel itself (its indexing, padding masks, strides and bias), run by Triton's interpreter on the CPU:
-    the converted model's outputs, and each launch configuration the autotuner may ship on channels-last and
-    contiguous inputs (the first), against ONNX Runtime.  In a fresh process: the interpreter is chosen when Triton compiles."""
-    import importlib.util
-    import json
-    import os
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    if importlib.util.find_spec("triton") is None:
-        pytest.skip("Triton is not installed")
-    from parastream.launcher.engines.depthwise_kernel import CONFIGS
-
-    env = dict(os.environ, TRITON_INTERPRET="1")
-    run = subprocess.run([sys.executable, "-c", _INTERPRETED, str(Path(__file__).parent)], env=env,
-                         capture_output=True, text=True, timeout=600)
-    assert run.returncode == 0, run.stderr[-3000:]
-    got = json.loads(run.stdout.strip().splitlines()[-1])
-    assert all(e < 1e-4 for e in got["errors"].values()), got["errors"]
-    assert len(got["configs"]) == len(CONFIGS) + 1 and all(e < 1e-4 for e in got["configs"].values()), got["configs"]
+    assert all(e.get("compiled") for e in engines), json.dumps(engines)[:400]
