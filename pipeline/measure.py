@@ -486,7 +486,7 @@ class GpuMeasurer:
                                               lock=self.options.gpu_timing_lock)["candidate"]))
             self.reference = (la, ms)
             self.deadline = time.perf_counter() + self.budget_s
-            self.log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
+            self.log[-1].update(time_s=round(time.perf_counter() - t0, 3), median_ms=round(ms, 4))
             return ms / 1e3
         try:
             ms = self._against_reference(la)
@@ -518,13 +518,18 @@ class GpuMeasurer:
 
     def _against_reference(self, la) -> float:
         """``la``'s milliseconds per replay, timed in alternating blocks with the reference and scaled by the
-        reference's first median."""
+        reference's first median (so that candidates timed at different moments compare through the same
+        reference).  The log keeps both medians of each such timing as timed (``blocks_ms``): where the
+        reference ran slower in the blocks than alone, every scaled time is that much below the candidate's own."""
         from .bench import measure as time_replays
 
         ref, ref_ms = self.reference
         times = time_replays({"reference": ref, "candidate": la}, runs=self.runs, warmup=self.warmup,
                              lock=self.options.gpu_timing_lock)
-        return float(np.median(times["candidate"]) / np.median(times["reference"]) * ref_ms)
+        cand, against = float(np.median(times["candidate"])), float(np.median(times["reference"]))
+        if self.log:
+            self.log[-1].setdefault("blocks_ms", []).append({"reference": round(against, 4), "candidate": round(cand, 4)})
+        return cand / against * ref_ms
 
     def _as_one_engine(self, v: Variant, ms: float) -> tuple[Variant, float]:
         """The faster of ``v`` as timed (``ms``) and, when ``v``'s plan has several streams, ``v`` as one engine

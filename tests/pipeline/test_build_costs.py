@@ -327,6 +327,9 @@ def test_the_best_candidate_is_timed_with_a_slow_fusion_off(monkeypatch):
     assert [(la.options.fuse_attention, la.options.fuse_gemm_epilogue) for la in launchers[1:]] == \
         [(True, True), (False, True), (True, False)]  # as built, then each kind off
     assert m.log[-1]["fusions_off_ms"] == {"attention as plain ops": 1.3, "GEMM epilogue as plain ops": 0.8}
+    # the reference's first median, and both medians of each timing in blocks as timed, before scaling
+    assert m.log[0]["median_ms"] == 1.0
+    assert m.log[-1]["blocks_ms"] == [{"reference": 1.0, "candidate": c} for c in (1.3, 1.3, 0.8)]
     assert all(la.closed for la in launchers[1:])
     m.close()
 

@@ -9,6 +9,7 @@ import sys
 from pathlib import Path
 
 import numpy as np
+import onnx
 import onnx_graphsurgeon as gs
 
 from parastream.rewrite import RooflineCostModel
@@ -235,10 +236,10 @@ def test_export_holds_large_weights_aside_and_writes_the_same_model(monkeypatch)
     assert fast.SerializeToString() == ir.export_model(graph, model).SerializeToString()
 
 
-def test_an_imported_weight_not_loaded_yet_is_held_as_its_bytes(monkeypatch):
-    """A weight graphsurgeon imported lazily (``LazyValues``: the loader's import) is held as its proto's raw
-    bytes, not exported through its proto; the export is byte for byte the plain one, and the graph it was
-    given keeps its weight."""
+def test_an_imported_weight_not_loaded_yet_is_held_as_its_proto(monkeypatch):
+    """A weight graphsurgeon imported lazily (``LazyValues``: the loader's import) is held as its imported proto
+    (put back with one copy of its bytes), not exported through it; the export is byte for byte the plain one,
+    and the graph it was given keeps its weight."""
     from onnx_graphsurgeon.ir.tensor import LazyValues
 
     from parastream.rewrite import ir
@@ -248,11 +249,43 @@ def test_an_imported_weight_not_loaded_yet_is_held_as_its_bytes(monkeypatch):
     lazy = [t for t in graph.tensors().values() if isinstance(t, gs.Constant) and isinstance(t._values, LazyValues)]
     assert [t.name for t in lazy] == ["W"]
     held = ir.hold_large_weights(ir.copy_graph(graph))
-    assert list(held) == ["W"] and held["W"] == w.tobytes()
+    assert list(held) == ["W"] and isinstance(held["W"], onnx.TensorProto) and held["W"].raw_data == w.tobytes()
     fast = ir.export_model(graph, model)
     assert np.array_equal(graph.tensors()["W"].values, w)
     monkeypatch.setattr(ir, "hold_large_weights", lambda g: {})
     assert fast.SerializeToString() == ir.export_model(graph, model).SerializeToString()
+
+
+def test_a_branch_extracted_with_its_weights_held_is_the_plain_export(monkeypatch):
+    """``extract_branch`` holds the branch's large weights out of graphsurgeon's export and writes each once
+    into the result (an imported one from its proto, a rule-made one from its array): the branch is byte for
+    byte the plain export, and the loader's graph keeps its weights."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    from parastream.launcher.plan import Branch
+    from parastream.pipeline import partition
+
+    rng = np.random.default_rng(1)
+    w1 = rng.random((128, 256), dtype=np.float32)
+    w2 = rng.random((256, 128), dtype=np.float32)
+    nodes = [helper.make_node("MatMul", ["x", "W1"], ["h"], name="mm1"), helper.make_node("Relu", ["h"], ["r"], name="relu"),
+             helper.make_node("MatMul", ["r", "W2"], ["y"], name="mm2")]
+    graph = helper.make_graph(nodes, "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 128])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 128])],
+                              [numpy_helper.from_array(w1, "W1"), numpy_helper.from_array(w2, "W2")])
+    model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    g = gs.import_onnx(model)
+    g.tensors()["W2"].values = w2.copy()  # one weight as an array (a rule's), one still lazily imported
+    branch = Branch(id=0, name="branch_000", stream=0, nodes=["mm1", "relu"], inputs=["x"], outputs=["r"])
+    fast = partition.extract_branch(model, g, branch)
+    assert [t.name for t in fast.graph.initializer] == ["W1"]
+    assert np.array_equal(numpy_helper.to_array(fast.graph.initializer[0]), w1)
+    other = Branch(id=1, name="branch_001", stream=0, nodes=["mm2"], inputs=["r"], outputs=["y"])
+    fast_other = partition.extract_branch(model, g, other)
+    assert np.array_equal(g.tensors()["W1"].values, w1) and np.array_equal(g.tensors()["W2"].values, w2)
+    monkeypatch.setattr(partition, "hold_large_weights", lambda graph: {})
+    assert fast.SerializeToString() == partition.extract_branch(model, g, branch).SerializeToString()
+    assert fast_other.SerializeToString() == partition.extract_branch(model, g, other).SerializeToString()
 
 
 def test_export_holds_nothing_where_a_node_holds_a_subgraph():
