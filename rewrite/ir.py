@@ -58,7 +58,7 @@ def infer(model: onnx.ModelProto, strict: bool = False, restore: bool = True, ch
 def _set_aside(model: onnx.ModelProto, held: dict | None) -> dict[str, bytes | np.ndarray]:
     """The data of ``model``'s initializers above ``WEIGHTS_ASIDE_BYTES`` taken out (each left as external data at
     ``ASIDE_LOCATION``: type and dimensions, no bytes), by name, with ``held`` (set aside already)."""
-    aside: dict[str, bytes | np.ndarray] = dict(held or {})
+    aside: dict[str, bytes | np.ndarray | onnx.TensorProto] = dict(held or {})
     for t in model.graph.initializer:
         if not t.HasField("data_location") and len(t.raw_data) > WEIGHTS_ASIDE_BYTES and t.name not in aside:
             aside[t.name] = t.raw_data
@@ -78,7 +78,8 @@ def infer_aside(model: onnx.ModelProto, strict: bool = False, held: dict | None 
     return shape_inference.infer_shapes(model, strict_mode=strict, data_prop=True), aside
 
 
-def graph_with_aside(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> gs.Graph | None:
+def graph_with_aside(model: onnx.ModelProto,
+                     aside: dict[str, bytes | np.ndarray | onnx.TensorProto]) -> gs.Graph | None:
     """``model`` (an ``infer_aside`` result) in graphsurgeon with its set-aside weights as arrays (views of their
     bytes, not copies), as importing the model with its weights would give; None when one cannot be (a dtype numpy
     has no buffer type for, a byte count that does not match): the caller puts them back and imports."""
@@ -104,7 +105,7 @@ def graph_with_aside(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray
     return graph
 
 
-def put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> onnx.ModelProto:
+def put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray | onnx.TensorProto]) -> onnx.ModelProto:
     """``model``'s set-aside weights given their bytes again (``infer_aside``); returned."""
     _put_back(model, aside)
     return model
@@ -131,7 +132,7 @@ def _check_aside(model: onnx.ModelProto, aside: bool) -> None:
         onnx.checker.check_model(str(path))
 
 
-def _put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> None:
+def _put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray | onnx.TensorProto]) -> None:
     if not aside:
         return
     for t in model.graph.initializer:
@@ -147,7 +148,7 @@ def _put_back(model: onnx.ModelProto, aside: dict[str, bytes | np.ndarray]) -> N
             t.raw_data = data.tobytes() if isinstance(data, np.ndarray) else data
 
 
-def hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray | bytes]:
+def hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray | onnx.TensorProto]:
     """Before ``gs.export_onnx``: each large weight of ``graph`` becomes a placeholder that exports as set-aside
     external data (type and dimensions, no bytes), its array (or, for a weight still in its imported
     TensorProto, that proto itself) returned by name.  ``graph`` is a copy, or a graph that ``adopt_model``
@@ -158,15 +159,16 @@ def hold_large_weights(graph: gs.Graph) -> dict[str, np.ndarray | bytes]:
     170 MB each time); held here, they are written once, into the result.  An imported weight graphsurgeon has
     not loaded (``LazyValues``) is exported as its proto, which ``make_graph`` and ``make_model`` copied twice
     all the same (1.65 s of a BERT-base load's 4.6 s on the 2-core CPU, the export after folding), so it is held
-    too, as that proto (put back with one copy of its bytes, where reading ``raw_data`` into Python and writing it
-    into the result were two: 9 of the 13 s that extracting 21 BERT-base candidates' branches took).  Only weights of the top-level graph whose type the model keeps (no
+    too, as that proto: put back with one copy of its bytes (``CopyFrom``), where reading ``raw_data`` into Python
+    and writing it into the result were two (extracting 21 BERT-base candidates' branches on the 2-core CPU:
+    13.4 s held as bytes, 11.1 s as protos).  Only weights of the top-level graph whose type the model keeps (no
     ``export_dtype`` conversion), and none where a node holds a subgraph (whose initializers the result's
     top-level list would not reach)."""
     from onnx_graphsurgeon.ir.tensor import LazyValues
 
     if any(isinstance(v, gs.Graph) for n in graph.nodes for v in n.attrs.values()):
         return {}
-    held: dict[str, np.ndarray | bytes] = {}
+    held: dict[str, np.ndarray | onnx.TensorProto] = {}
     for t in graph.tensors().values():
         if (not isinstance(t, gs.Constant) or t.data_location is not None
                 or getattr(t, "export_dtype", t.dtype) != t.dtype):
