@@ -230,6 +230,8 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
                                                    "rules_chosen_count", "timings")}
             log["search"]["measured"] = [{k: c.get(k) for k in ("rank", "input", "chosen", "estimated_s", "measured_s", "error")}
                                          for c in s.get("candidates", []) if c.get("measured_s") is not None or c.get("error")]
+            # each timing as timed: the reference's first median, both medians of each timing in blocks
+            log["search"]["measure_log"] = s.get("measure_log")
         v = rep.get("verification") or {}
         log["verification"] = {"passed": v.get("passed"), "criterion": v.get("criterion"),
                                "max_scaled": {k: o.get("max_scaled") for k, o in v.get("outputs", {}).items()}}
