@@ -7,6 +7,7 @@ temporary folder beside OUT and renamed into place at the end.
 from __future__ import annotations
 
 import contextlib
+from collections import OrderedDict
 import json
 import os
 import platform
@@ -203,11 +204,40 @@ class BranchCache:
     """The branches extracted of the plans a build holds, newest last, at most ``max_bytes`` of them: a GPU
     build compiles a plan's engines in a batch before it writes them, the search prepares a candidate before it
     loads it, and the timed alternatives rebuild the same plan with other options.  An entry is found by its
-    model (the same object) and its plan's signature (``measure.plan_signature``: the same branches)."""
+    model (the same object) and its plan's signature (``measure.plan_signature``: the same branches).
+
+    Each branch is also kept by what its extraction reads (``branch_fingerprint``): a candidate's branch whose
+    nodes, tensors and weights (by identity) are those of a branch extracted before is that branch, the same
+    object, so that its bytes and cache key (``launcher.engines.torch._serialized``, by object) are not made
+    again.  The search's candidates share the weight arrays no rewrite changed (``ir.adopt_model(...,
+    keep_arrays=True)``) and most branches where a rewrite changed a few pieces (bench/CPU_NOTES.md)."""
 
     def __init__(self, max_bytes: int | None = None):
         self.max_bytes = EXTRACTED_BYTES if max_bytes is None else max_bytes
         self.entries: list[tuple[onnx.ModelProto, tuple, list[onnx.ModelProto], int]] = []
+        # fingerprint -> (the branch, the weight objects the fingerprint names by identity, kept alive, its bytes)
+        self.by_fingerprint: OrderedDict[tuple, tuple[onnx.ModelProto, list, int]] = OrderedDict()
+
+    def branch(self, model: onnx.ModelProto, graph: gs.Graph, branch, index: dict | None) -> onnx.ModelProto:
+        """``extract_branch(model, graph, branch)``, or the branch of the same fingerprint extracted before
+        (``index``: ``graph_index(graph)``)."""
+        members = branch_members(branch, index)
+        key = branch_fingerprint(model, graph, branch, members)
+        if key is not None:
+            hit = self.by_fingerprint.get(key)
+            if hit is not None:
+                self.by_fingerprint.move_to_end(key)
+                return hit[0]
+        out = extract_branch(model, graph, branch)
+        if key is not None and out is not model:
+            weights = [t._values for n in members for t in n.inputs if isinstance(t, gs.Constant)]
+            size = sum(_tensor_bytes(t) for t in out.graph.initializer)
+            if size <= self.max_bytes:
+                self.by_fingerprint[key] = (out, weights, size)
+                total = sum(e[2] for e in self.by_fingerprint.values())
+                while total > self.max_bytes:
+                    total -= self.by_fingerprint.popitem(last=False)[1][2]
+        return out
 
     def get(self, model: onnx.ModelProto, plan) -> list[onnx.ModelProto] | None:
         sig = plan_signature(plan)
@@ -228,13 +258,71 @@ class BranchCache:
             self.entries.pop(0)
 
 
+class _NoFingerprint(Exception):
+    pass
+
+
+def _attr_key(value):
+    """An attribute as its fingerprint holds it: plain values only (a tensor or graph attribute: none)."""
+    if value is None or isinstance(value, (bool, int, float, str, bytes)):
+        return (type(value).__name__, value)
+    if isinstance(value, (list, tuple)) and all(isinstance(v, (bool, int, float, str, bytes)) for v in value):
+        return ("list", tuple((type(v).__name__, v) for v in value))
+    raise _NoFingerprint
+
+
+def _tensor_key(t: gs.Tensor) -> tuple:
+    """A tensor as ``gs.export_onnx`` writes it: a weight by its values object (identity: the search's candidates
+    share the arrays of the weights no rewrite changed, and a rewrite makes new ones), a variable by its type."""
+    shape = None if t.shape is None else tuple(t.shape)
+    if isinstance(t, gs.Constant):
+        return ("C", t.name, id(t._values), str(t.dtype), shape, str(t.data_location), str(t.export_dtype))
+    if type(t) is not gs.Variable:
+        raise _NoFingerprint
+    return ("V", t.name, str(t.dtype), shape, t.type)
+
+
+def graph_index(graph: gs.Graph) -> dict[str, tuple[int, gs.Node]] | None:
+    """``graph``'s nodes by name with their positions, or None where two nodes share a name (no fingerprints)."""
+    index = {n.name: (i, n) for i, n in enumerate(graph.nodes)}
+    return index if len(index) == len(graph.nodes) else None
+
+
+def branch_members(branch, index: dict | None) -> list[gs.Node] | None:
+    """The branch's nodes in the graph's order (as ``extract_branch`` takes them), or None (a name not there)."""
+    if index is None or any(name not in index for name in branch.nodes):
+        return None
+    return [index[name][1] for name in sorted(set(branch.nodes), key=lambda name: index[name][0])]
+
+
+def branch_fingerprint(model: onnx.ModelProto, graph: gs.Graph, branch, members: list[gs.Node] | None) -> tuple | None:
+    """What ``extract_branch(model, graph, branch)`` reads, as a key: the model's IR version and opsets, the
+    graph's name and opset, the branch's name and boundary, and its nodes (``members``: in the graph's order)
+    with their types, attributes and tensors (weights by identity); None where that cannot be said (no
+    members, a tensor or subgraph attribute, local functions)."""
+    if members is None or graph.functions:
+        return None
+    try:
+        body = tuple((n.op, n.domain, n.name, tuple((k, _attr_key(v)) for k, v in n.attrs.items()),
+                      tuple(_tensor_key(t) for t in n.inputs), tuple(_tensor_key(t) for t in n.outputs))
+                     for n in members)
+    except _NoFingerprint:
+        return None
+    return (model.ir_version, tuple((o.domain, o.version) for o in model.opset_import), graph.name, graph.opset,
+            branch.name, tuple(branch.inputs), tuple(branch.outputs), body)
+
+
 def branches_of(model: onnx.ModelProto, graph: gs.Graph, plan, cache: BranchCache | None = None) -> list[onnx.ModelProto]:
-    """Each branch of ``plan`` extracted from ``model`` (``extract_branch``), once per ``cache`` (the build's).
-    Callers never change the protos they get."""
+    """Each branch of ``plan`` extracted from ``model`` (``extract_branch``), once per ``cache`` (the build's:
+    also a branch whose fingerprint it has seen, ``BranchCache.branch``).  Callers never change the protos
+    they get."""
     hit = cache.get(model, plan) if cache is not None else None
     if hit is not None:
         return hit
-    out = [extract_branch(model, graph, b) for b in plan.branches]
+    if cache is None:
+        return [extract_branch(model, graph, b) for b in plan.branches]
+    index = graph_index(graph)
+    out = [cache.branch(model, graph, b, index) for b in plan.branches]
     if cache is not None:
         cache.put(model, plan, out)
     return out
@@ -714,6 +802,9 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         finally:
             if measurer is not None:
                 measurer.close()
+            # the candidates' branches known by their weights' arrays: the graph the build goes on with reads its
+            # weights from the kept model (``ir.adopt_model``), so none of them can match again; the arrays can go
+            b.engines.branches.by_fingerprint.clear()
         b.search_report = dict(report, enabled=True)
         if measurer is not None:
             b.search_report["measure_log"] = measurer.log

@@ -215,7 +215,7 @@ def _for_rules(graph: gs.Graph) -> gs.Graph:
     return graph
 
 
-def adopt_model(graph: gs.Graph, model: onnx.ModelProto) -> gs.Graph | None:
+def adopt_model(graph: gs.Graph, model: onnx.ModelProto, keep_arrays: bool = False) -> gs.Graph | None:
     """``graph`` made what importing ``model`` would give, where ``model`` is ``graph`` exported and
     shape-inferred (the loader's folded model, the search's chosen candidate): the inferred types and shapes go
     onto its tensors the way graphsurgeon's importer reads them (a tensor's first declaration, a value_info
@@ -225,7 +225,12 @@ def adopt_model(graph: gs.Graph, model: onnx.ModelProto) -> gs.Graph | None:
     Changed in place and returned; None (``graph`` unchanged) when ``model`` has another node list: import it.
 
     Importing ``model`` again would give the same graph (every tensor, attribute and exported byte: the
-    loader's test holds them equal) at the cost of a second import of every node and weight."""
+    loader's test holds them equal) at the cost of a second import of every node and weight.
+
+    ``keep_arrays``: a weight that ``graph`` holds as an array (the one ``model``'s initializer was written from)
+    keeps it, rather than reading the initializer: the search's candidates then share the arrays of every
+    weight no rewrite changed, which is how a build knows a candidate's unchanged branches without reading their
+    bytes (``pipeline.build.BranchCache``)."""
     from onnx_graphsurgeon.importers.onnx_importer import (get_onnx_tensor_dtype, get_onnx_tensor_shape,
                                                            get_onnx_tensor_type)
     from onnx_graphsurgeon.ir.tensor import LazyValues
@@ -257,6 +262,9 @@ def adopt_model(graph: gs.Graph, model: onnx.ModelProto) -> gs.Graph | None:
         if isinstance(t, gs.Variable) and name not in declared:
             t.dtype, t.shape, t.type = None, None, "tensor_type"
         elif isinstance(t, gs.Constant) and name in inits:
+            if (keep_arrays and isinstance(t._values, np.ndarray) and t.data_location is None
+                    and getattr(t, "export_dtype", t.dtype) == t.dtype):
+                continue
             proto = inits[name]
             t.values = LazyValues(proto)
             t.data_location = int(proto.data_location) if proto.HasField("data_location") else None

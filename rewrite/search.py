@@ -608,7 +608,9 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                     if w is not original_entry and not isinstance(measurer, TimedBy):
                         # the measurer plans the candidate from its own graph, as export_model exported it, rather
                         # than importing the export (a second import of every node and weight)
-                        mine = adopt_model(toposort(cleanup(copy_graph(w["graph"]))), exported[id(w)])
+                        # (its unchanged weights the search's arrays, shared with the other candidates: the
+                        # build knows their unchanged branches by them)
+                        mine = adopt_model(toposort(cleanup(copy_graph(w["graph"]))), exported[id(w)], keep_arrays=True)
                         if mine is not None:
                             measurer.adopt(exported[id(w)], mine)
                 timings["export_s"] = timings.get("export_s", 0.0) + time.perf_counter() - t

@@ -163,6 +163,81 @@ def test_a_plans_branches_are_extracted_once_per_build(monkeypatch):
     assert len(calls) == n + len(p.branches)
 
 
+def test_a_candidates_unchanged_branches_are_the_branches_extracted_before():
+    """A candidate's graph is a copy of the input's that shares the weights no rewrite changed: each branch whose
+    nodes, tensors and weights are unchanged is the branch extracted before (the same object, so its bytes and
+    cache key are not made again), and byte for byte what extracting it would give; a branch with a weight
+    replaced (a new array, even of equal values) or an attribute changed is extracted anew."""
+    import numpy as np
+    import onnx
+    import onnx_graphsurgeon as gs
+
+    from parastream.rewrite.ir import copy_graph
+
+    cache = build_module.BranchCache()
+    loaded = load_model(SMALL_NET)
+
+    def plan(graph):
+        sched, _ = build_module.plan_streams(graph, RooflineCostModel(), 2, 8)
+        return build_module.make_plan(graph, sched, backend="onnxruntime", precision="fp32", suffix=".onnx",
+                                      inputs=loaded.inputs, outputs=loaded.outputs)
+
+    def model_object():  # each candidate has a model of its own (a plan's branches are also kept by model)
+        m = onnx.ModelProto()
+        m.CopyFrom(loaded.model)
+        return m
+
+    first = build_module.branches_of(loaded.model, loaded.graph, plan(loaded.graph), cache)
+    model, graph = model_object(), copy_graph(loaded.graph)
+    weighted = [n for n in graph.nodes if any(isinstance(t, gs.Constant) for t in n.inputs)]
+    changed_weight, changed_attr = weighted[0], next(n for n in weighted[1:] if n.attrs)
+    w = next(t for t in changed_weight.inputs if isinstance(t, gs.Constant))
+    w.values = np.array(w.values, copy=True)  # equal values, a new array: what a rewrite makes
+    p = plan(graph)
+    assert [b.nodes for b in p.branches] == [b.nodes for b in plan(loaded.graph).branches]
+    got = build_module.branches_of(model, graph, p, cache)
+    fresh = [build_module.extract_branch(model, graph, b) for b in p.branches]
+    assert [g.SerializeToString() for g in got] == [f.SerializeToString() for f in fresh]
+    touched = {i for i, b in enumerate(p.branches) if changed_weight.name in b.nodes}
+    assert touched and all((got[i] is first[i]) == (i not in touched) for i in range(len(got)))
+    # an attribute changed in a copy of that graph: that branch alone is extracted anew
+    other = copy_graph(graph)
+    key = next(iter(changed_attr.attrs))
+    node = next(n for n in other.nodes if n.name == changed_attr.name)
+    value = node.attrs[key]
+    node.attrs[key] = ([v + 1 for v in value] if isinstance(value, list) else value * 2 if isinstance(value, float)
+                       else value + 1 if isinstance(value, int) else f"{value}x")
+    mine = build_module.branches_of(model_object(), other, p, cache)
+    where = {i for i, b in enumerate(p.branches) if changed_attr.name in b.nodes}
+    assert where and all((mine[i] is got[i]) == (i not in where) for i in range(len(got)))
+    assert all(mine[i].SerializeToString() != got[i].SerializeToString() for i in where)
+    # another build's cache shares nothing
+    assert all(a is not g for a, g in zip(build_module.branches_of(model, graph, p, build_module.BranchCache()), got))
+
+
+def test_the_searchs_candidates_keep_the_weight_arrays_they_were_exported_from():
+    """``adopt_model(..., keep_arrays=True)`` (the search's candidates): a weight the graph holds as an array keeps
+    that array (shared with the graph it was copied from), and the graph exports byte for byte as the model it
+    was adopted for; without it, weights are read from the model's initializers (the loader's, the kept graph)."""
+    import onnx_graphsurgeon as gs
+
+    from parastream.rewrite.ir import adopt_model, copy_graph, export_model
+
+    loaded = load_model(SMALL_NET)
+    work = copy_graph(loaded.graph)
+    for t in work.tensors().values():
+        if isinstance(t, gs.Constant):
+            t.values = t.values  # loaded into an array, as the search's working copy holds them
+    model = export_model(work, loaded.model)
+    arrays = {t.name: t._values for t in work.tensors().values() if isinstance(t, gs.Constant)}
+    kept = adopt_model(copy_graph(work), model, keep_arrays=True)
+    read = adopt_model(copy_graph(work), model)
+    kept_w = {t.name: t._values for t in kept.tensors().values() if isinstance(t, gs.Constant)}
+    assert kept_w and all(kept_w[n] is arrays[n] for n in kept_w)
+    assert not any(t._values is arrays[t.name] for t in read.tensors().values() if isinstance(t, gs.Constant))
+    assert gs.export_onnx(kept).graph.initializer == gs.export_onnx(read).graph.initializer
+
+
 def _gpu_like_torch(monkeypatch, pending: set, calls: list):
     """onnxruntime's engines under a backend that says it runs on the GPU and compiles for the launcher's layout in
     the background, as torch's does: ``precompile`` hands back each batch's cache keys, ``compiling`` says how many
