@@ -20,6 +20,7 @@ from pathlib import Path
 import onnx
 import onnx_graphsurgeon as gs
 
+from parastream.core.lru import lru_put
 from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.engines.base import conv_kernels_used
@@ -233,10 +234,7 @@ class BranchCache:
             weights = [t._values for n in members for t in n.inputs if isinstance(t, gs.Constant)]
             size = sum(_tensor_bytes(t) for t in out.graph.initializer)
             if size <= self.max_bytes:
-                self.by_fingerprint[key] = (out, weights, size)
-                total = sum(e[2] for e in self.by_fingerprint.values())
-                while total > self.max_bytes:
-                    total -= self.by_fingerprint.popitem(last=False)[1][2]
+                lru_put(self.by_fingerprint, key, (out, weights, size), self.max_bytes, size=lambda e: e[2])
         return out
 
     def get(self, model: onnx.ModelProto, plan) -> list[onnx.ModelProto] | None:
@@ -299,7 +297,8 @@ def branch_fingerprint(model: onnx.ModelProto, graph: gs.Graph, branch, members:
     """What ``extract_branch(model, graph, branch)`` reads, as a key: the model's IR version and opsets, the
     graph's name and opset, the branch's name and boundary, and its nodes (``members``: in the graph's order)
     with their types, attributes and tensors (weights by identity); None where that cannot be said (no
-    members, a tensor or subgraph attribute, local functions)."""
+    members, a tensor or subgraph attribute, local functions).  Not ``ir.GraphHasher``'s hash: that one leaves
+    the names out (the branch's bytes hold them) and reads every weight's values, which is what this avoids."""
     if members is None or graph.functions:
         return None
     try:

@@ -528,9 +528,8 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     replay = getattr(measure, "replay_pieces", None)
     replayed = False
     if replay is not None:
-        replayed, report["replay"] = _replay(pieces, replay, rules, score, results)
-        if not replayed:
-            results.clear()
+        results, report["replay"] = _replay(pieces, replay, rules, score)
+        replayed = report["replay"].startswith("replayed")
     rng = random.Random(seed)
     hasher = GraphHasher()
     total_nodes = max(1, sum(len(p) for p in names))
@@ -729,22 +728,23 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     return result, adopt_model(chosen_graph, result) or toposort(gs.import_onnx(result)), report
 
 
-def _replay(pieces: list[gs.Graph], replay: list[list[str]], rules: list[Rule], score, results: list) -> tuple[bool, str]:
-    """Fill ``results`` with each piece's recorded rewrites replayed (``replay_piece``), one candidate per piece:
-    (True, what was replayed), or (False, why not) at the first piece that does not replay.  ``replay`` comes
-    from a file in the cache folder: anything but one list of rewrite keys per piece is not replayed."""
+def _replay(pieces: list[gs.Graph], replay: list[list[str]], rules: list[Rule], score) -> tuple[list, str]:
+    """Each piece's recorded rewrites replayed (``replay_piece``), one candidate per piece: (the pieces' results,
+    what was replayed), or ([], why not) at the first piece that does not replay.  ``replay`` comes from a file
+    in the cache folder: anything but one list of rewrite keys per piece is not replayed."""
     if not isinstance(replay, list) or not all(isinstance(t, list) and all(isinstance(k, str) for k in t) for t in replay):
-        return False, "not replayed: the record's choice is not one list of rewrites per piece"
+        return [], "not replayed: the record's choice is not one list of rewrites per piece"
     if len(replay) != len(pieces):
-        return False, f"not replayed: {len(replay)} recorded pieces for {len(pieces)}"
+        return [], f"not replayed: {len(replay)} recorded pieces for {len(pieces)}"
+    results = []
     for i, (piece, trace) in enumerate(zip(pieces, replay)):
         t = time.perf_counter()
         cand, why = replay_piece(piece, list(trace), rules, score)
         if cand is None:
-            return False, f"not replayed: piece {i}: {why}"
+            return [], f"not replayed: piece {i}: {why}"
         results.append(PieceResult(base_cost=score(piece), candidates=[cand], tried=len(trace), stopped="replayed",
                                    seconds=time.perf_counter() - t))
-    return True, f"replayed the recorded build's choice ({sum(len(t) for t in replay)} rewrites)"
+    return results, f"replayed the recorded build's choice ({sum(len(t) for t in replay)} rewrites)"
 
 
 def _check_interface(before: onnx.ModelProto, after: onnx.ModelProto) -> None:

@@ -71,6 +71,7 @@ from typing import TYPE_CHECKING, Callable
 import numpy as np
 
 from parastream.core.files import write_atomic
+from parastream.core.lru import lru_put
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
@@ -435,7 +436,7 @@ def _serialized(branch: onnx.ModelProto) -> tuple[bytes, str]:
     data = _anonymous_bytes(branch)
     digest = hashlib.sha256(data).hexdigest()
     with _CACHE_LOCK:
-        _lru_put(_SERIALIZED, id(branch), (branch, data, digest), SERIALIZED_BYTES, size=lambda v: len(v[1]))
+        lru_put(_SERIALIZED, id(branch), (branch, data, digest), SERIALIZED_BYTES, size=lambda v: len(v[1]))
     return data, digest
 
 
@@ -471,19 +472,9 @@ def cache_get(key: str, cache_dir: str | None) -> tuple[bytes | None, str]:
     return None, "miss"
 
 
-def _lru_put(cache: OrderedDict, key, value, limit: int, size=len) -> None:
-    """``cache[key] = value`` as its most recent entry, then the least recent out until the ``size`` of all is
-    within ``limit`` (the newest always stays).  The caller holds ``_CACHE_LOCK``."""
-    cache[key] = value
-    cache.move_to_end(key)
-    total = sum(size(v) for v in cache.values())
-    while total > limit and len(cache) > 1:
-        total -= size(cache.popitem(last=False)[1])
-
-
 def _cache_put(key: str, data: bytes, cache_dir: str | None) -> None:
     with _CACHE_LOCK:
-        _lru_put(_CACHE, key, data, CACHE_BYTES)
+        lru_put(_CACHE, key, data, CACHE_BYTES)
     f = _cache_file(cache_dir, key)
     if f is not None:
         write_atomic(f, data)  # a concurrent build never reads half a package
@@ -781,14 +772,14 @@ def _code_get(same: str, cache_dir: str | None) -> tuple[bytes, dict] | None:
         return None
     package, kept, _ = _split_entry(f.read_bytes())
     with _CACHE_LOCK:
-        _lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
+        lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
     return package, kept
 
 
 def _remember_code(same: str, package: bytes, extra: dict, cache_dir: str | None) -> None:
     kept = {k: v for k, v in extra.items() if k not in _WEIGHT_FIELDS}
     with _CACHE_LOCK:
-        _lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
+        lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
     f = _code_file(cache_dir, same)
     if f is not None:  # written by a compile worker too: a concurrent build never reads half an artifact
         write_atomic(f, _entry(package, kept))
@@ -1006,7 +997,7 @@ def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: d
     if art is None:
         art = _load_artifact(artifact, meta, device)
         with _CACHE_LOCK:
-            _lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS, size=lambda v: 1)
+            lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS, size=lambda v: 1)
 
     def run(*args):
         art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
@@ -1255,7 +1246,7 @@ class Builder(BuilderBase):
                            **({"code_reused": True} if reused else {})}
                 packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:
-                    _lru_put(_PACKED, key, packed, CACHE_BYTES // 2, size=lambda v: len(v[0]))
+                    lru_put(_PACKED, key, packed, CACHE_BYTES // 2, size=lambda v: len(v[0]))
             self._report[name].update(packed[2], package_bytes=packed[1])
             out[i] = packed[0]
         for item in items:  # the compile time is the batch's (its packages compile side by side)
@@ -1495,7 +1486,7 @@ class _Inflight:
             results = None if future.cancelled() else [_failure(e)] * len(self.keys)
         if results is not None and self.t_started is not None:
             with _QUEUE_LOCK:
-                _lru_put(_DONE, self.seq, (self.nodes, len(self.keys), self.t_queued, self.t_started,
+                lru_put(_DONE, self.seq, (self.nodes, len(self.keys), self.t_queued, self.t_started,
                                            time.perf_counter()), 4096, size=lambda v: 1)
         _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
         self._finish()
