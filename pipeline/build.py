@@ -33,8 +33,8 @@ from .isolate import in_child
 from .measure import (GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
                       compiled_for_other_choices, gpu_present, plan_signature, speculative_variants,
                       time_alternatives)
-from .model_io import LoadedModel, batch_profiles, load_model
-from .partition import extract_branch, make_plan
+from .model_io import LoadedModel, batch_profiles, graph_of, load_model
+from .partition import extract_branch, make_plan, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
 from .timings import now as utc_now
 from .outdir import check_target, staging
@@ -491,6 +491,18 @@ class Engines:
     def whole_engine_plan(self, graph: gs.Graph, plan):
         """``plan``'s graph as one engine for the whole model (the rival of a plan cut into repeated blocks)."""
         return self.one_stream_plan(graph, plan, whole=True)
+
+    def branch_models(self, v: Variant) -> list[onnx.ModelProto]:
+        """``v``'s branches as its engines are compiled from (``branches_of``, the build's branch cache)."""
+        return branches_of(v.model, v.graph, v.plan, self.branches)
+
+    def engine_of(self, branch: onnx.ModelProto) -> tuple[gs.Graph, object]:
+        """An extracted branch planned on its own as one engine, its boundary tensors the plan's inputs and outputs:
+        what a round times one engine of a plan alone with (``measure.depthwise_sample``)."""
+        graph = graph_of(branch)
+        return graph, make_plan(graph, self.schedule(graph, 1, 1, whole=True)[0], backend=self.backend.name,
+                                precision=self.precision, suffix=self.backend.suffix,
+                                inputs=[spec_of(t) for t in graph.inputs], outputs=[spec_of(t) for t in graph.outputs])
 
     def manifest_of(self, v: Variant) -> dict:
         """What a launcher reads of manifest.json to load ``v``'s engines."""

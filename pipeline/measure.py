@@ -67,6 +67,10 @@ class EngineMaker(Protocol):
 
     def whole_engine_plan(self, graph: gs.Graph, plan: "Plan") -> "Plan": ...
 
+    def branch_models(self, v: Variant) -> list[onnx.ModelProto]: ...
+
+    def engine_of(self, branch: onnx.ModelProto) -> tuple[gs.Graph, "Plan"]: ...
+
     def launcher(self, variant: Variant): ...
 
     def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True) -> dict | None: ...
@@ -166,6 +170,81 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
 
 #: the depthwise rounds, in order, with the ``conv_kernels`` each one's alternative compiles
 DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel", "native"))
+
+#: a plan with at least this many engines holding a depthwise convolution has its "depthwise convolutions" round
+#: timed first on a sample of those engines, each alone (``depthwise_sample``): the round's alternative is a
+#: compile of every such engine with Inductor's kernels, 25-term sums each (NASNet-A Large on the H200: 332
+#: engines, 59.6 s of its build waiting for them, for a round they lost by 42%, 2.180 against 1.533 ms)
+SAMPLE_DEPTHWISE_ENGINES = 16
+#: at most this many engines in the sample, chosen to hold as many of the plan's distinct depthwise
+#: convolutions as they can
+SAMPLE_ENGINES = 12
+#: the sample's engines slower with Inductor's kernels than as the plan has them by more than this share decide
+#: the round without the whole plan's compile; closer, or faster, the whole plan is compiled and raced as before.
+#: Each engine alone has no neighbour on another stream to hide its time behind, so the sample's ratio is the
+#: plan's at most: a wide margin only is taken as the plan's
+SAMPLE_DECIDES_BEYOND = 0.15
+
+
+def depthwise_keys(branch: onnx.ModelProto) -> set[tuple]:
+    """The distinct depthwise convolutions of an extracted branch (those ``conv_kernels`` lowers,
+    ``depthwise_convs``): each one's weight shape, strides and pads, and its input's shape."""
+    from onnx import helper
+
+    from parastream.launcher.engines.onnx_torch import depthwise_convs
+
+    found = depthwise_convs(branch)
+    if not found:
+        return set()
+    weights = {t.name: tuple(t.dims) for t in branch.graph.initializer}
+    shapes = {vi.name: tuple(d.dim_value for d in vi.type.tensor_type.shape.dim)
+              for vi in [*branch.graph.input, *branch.graph.value_info]}
+    out = set()
+    for i in found:
+        n = branch.graph.node[i]
+        attrs = tuple(sorted((a.name, repr(helper.get_attribute_value(a))) for a in n.attribute
+                             if a.name in ("strides", "pads", "auto_pad")))
+        out.add((weights[n.input[1]], attrs, shapes.get(n.input[0])))
+    return out
+
+
+@dataclass
+class DepthwiseSample:
+    """The "depthwise convolutions" round of a plan timed on some of its engines first (``depthwise_sample``)."""
+
+    full: Variant  # the round's alternative: the whole plan with Inductor's depthwise kernels
+    pairs: list[tuple[Variant, Variant]]  # per engine sampled, alone: as the plan has it, with Inductor's kernels
+    names: list[str]  # the plan's branches sampled
+    of: int  # the plan's engines with a depthwise convolution
+    convolutions: int  # the plan's distinct depthwise convolutions
+    covered: int  # of which the sample holds
+
+
+def depthwise_sample(engines: EngineMaker, v: Variant, alternative: Variant) -> DepthwiseSample | None:
+    """``v``'s "depthwise convolutions" round (against ``alternative``) as a sample of its engines, each planned
+    alone (``EngineMaker.engine_of``), as ``v`` compiles it and with Inductor's kernels; None where the plan has
+    fewer than ``SAMPLE_DEPTHWISE_ENGINES`` engines with a depthwise convolution (the whole plan's compile is
+    then a few jobs).  The engines are chosen greedily, each holding the most distinct depthwise convolutions
+    (weight, strides, pads, input shape: a cuDNN plan or an Inductor kernel each) not held by those before it,
+    at most ``SAMPLE_ENGINES``."""
+    branches = engines.branch_models(v)
+    held = [(i, k) for i, k in ((i, depthwise_keys(b)) for i, b in enumerate(branches)) if k]
+    if len(held) < SAMPLE_DEPTHWISE_ENGINES:
+        return None
+    every = set().union(*(k for _, k in held))
+    left, chosen = set(every), []
+    while left and len(chosen) < SAMPLE_ENGINES:
+        i, k = max(held, key=lambda x: (len(x[1] & left), -x[0]))
+        if not k & left:
+            break
+        chosen.append(i)
+        left -= k
+    pairs = []
+    for i in chosen:
+        graph, plan = engines.engine_of(branches[i])
+        pairs.append((Variant(branches[i], graph, plan, v.options), Variant(branches[i], graph, plan, alternative.options)))
+    return DepthwiseSample(alternative, pairs, [v.plan.branches[i].name for i in chosen], len(held), len(every),
+                           len(every) - len(left))
 
 
 def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
@@ -465,14 +544,23 @@ class GpuMeasurer:
         if not self.alternatives_queued and got is not None and got.get("background") is True:
             self.alternatives_queued = True
             named = alternative_variants(self.engines, variants[0])
-            alt = self.engines.precompile([a for _, a in named], background=True, cancellable=False)
+            if models[0] is self.loaded.model:  # the input's rounds are timed during the search: one may be sampled
+                named = [(what, (depthwise_sample(self.engines, variants[0], a) or a)
+                          if what == "depthwise convolutions" else a) for what, a in named]
+            spans, compiled = [], []  # per round, the span of ``compiled`` its engines are
+            for _, a in named:
+                more = [x for pair in a.pairs for x in pair] if isinstance(a, DepthwiseSample) else [a]
+                spans.append((len(compiled), len(compiled) + len(more)))
+                compiled += more
+            alt = self.engines.precompile(compiled, background=True, cancellable=False)
             keys = alt.pop("keys", None) if alt else None
             speculative = speculative_variants(self.engines, variants[0])
             if speculative:
                 self.engines.precompile(speculative, background=True, cancellable=False)
-            if keys is not None and len(keys) == len(named) and models[0] is self.loaded.model:
+            if keys is not None and len(keys) == len(compiled) and models[0] is self.loaded.model:
                 self.early.update(plan=variants[0].plan, rounds=[],
-                                  todo=[(what, a, k) for (what, a), k in zip(named, keys)])
+                                  todo=[(what, a, [k for ks in keys[i:j] for k in ks])
+                                        for (what, a), (i, j) in zip(named, spans)])
             got["alternatives"] = alt
         return got
 
@@ -518,7 +606,13 @@ class GpuMeasurer:
         leaves what has not started to the search's end."""
         if not self.backend.background_compiles:  # compiled when timed, as they would be after the search
             return
-        variants = [a for _, a in alternative_variants(self.engines, v)] + speculative_variants(self.engines, v)
+        # not a round the input decided by the margin a rewritten plan takes it by, nor one timed on a sample of
+        # the input's engines (its whole plan's compile is what the sample saves)
+        decided = {r["choice"] for r in carried_rounds(self.early.get("rounds") or [])}
+        decided |= {what for what, a, _ in self.early.get("todo") or [] if isinstance(a, DepthwiseSample)}
+        decided |= {r["choice"] for r in self.early.get("rounds") or [] if "sample" in r}
+        variants = [a for what, a in alternative_variants(self.engines, v) if what not in decided]
+        variants += speculative_variants(self.engines, v)
         if variants:
             got = self.engines.precompile(variants, background=True, cancellable=True)
             self.log[-1]["rounds_queued"] = (got or {}).get("jobs")
@@ -638,6 +732,8 @@ class GpuMeasurer:
         """One of the input's rounds raced against the reference (``race``; waits for ``v``'s compile): whether
         the alternative won, None when it could not be timed (``early["stopped"]`` says why)."""
         early = self.early
+        if isinstance(v, DepthwiseSample):
+            return self._race_sample(v)
         t0 = time.perf_counter()
         try:
             other = self.engines.launcher(v)
@@ -650,7 +746,50 @@ class GpuMeasurer:
             early["stopped"] = f"{what}: {type(e).__name__}: {e}"
             return None
         early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
+        if "sample" in early and what == "depthwise convolutions":
+            early["rounds"][-1]["sample"] = early.pop("sample")
         return won
+
+    def _race_sample(self, s: DepthwiseSample) -> bool | None:
+        """The "depthwise convolutions" round on the sample of the input's engines (``depthwise_sample``): each
+        engine alone, as the plan has it against Inductor's kernels, in alternating blocks.  The alternative's
+        engines slower in all by more than ``SAMPLE_DECIDES_BEYOND``: the round is decided for the plan as it is
+        (report.json's round says so, with the sample's times); else the whole plan's alternative is compiled
+        now and raced as the round was before, the sample kept beside it.  None: the sample could not be timed
+        (``early["stopped"]``)."""
+        from .bench import measure as time_replays
+
+        early = self.early
+        keys = round_labels("depthwise convolutions", early["plan"])
+        t0 = time.perf_counter()
+        each = []
+        try:
+            for current, other in s.pairs:
+                la = {keys[0]: self.engines.launcher(current), keys[1]: self.engines.launcher(other)}
+                try:
+                    times = time_replays(la, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock)
+                finally:
+                    for x in la.values():
+                        x.close()
+                each.append({k: round(float(np.median(t)), 4) for k, t in times.items()})
+        except Exception as e:  # noqa: BLE001 - the build times the round after the search, where a failure is reported
+            early["stopped"] = f"depthwise convolutions (sampled): {type(e).__name__}: {e}"
+            return None
+        total = {k: float(sum(e[k] for e in each)) for k in keys}
+        sample = {"engines": s.names, "of": s.of, "convolutions": s.convolutions, "covered": s.covered,
+                  "each_ms": each, "timed_ms": total, "timed_s": round(time.perf_counter() - t0, 3)}
+        if total[keys[1]] > total[keys[0]] * (1 + SAMPLE_DECIDES_BEYOND):
+            early["rounds"].append({
+                "choice": "depthwise convolutions", "timed_ms": total, "won": keys[0], "load_s": 0.0,
+                "timed_s": sample["timed_s"], "started_s": round(t0 - self.t_made, 3), "sample": sample,
+                "timed": f"on {plural(len(s.names), 'engine')} of the {s.of} with a depthwise convolution, each "
+                         f"alone ({s.covered} of its {s.convolutions} distinct depthwise convolutions): the "
+                         f"alternative slower by more than {SAMPLE_DECIDES_BEYOND:.0%}"})
+            return False
+        got = self.engines.precompile([s.full], background=True, cancellable=False) or {}
+        early["todo"].insert(0, ("depthwise convolutions", s.full, [k for ks in got.get("keys") or [] for k in ks]))
+        early["sample"] = sample
+        return False
 
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced

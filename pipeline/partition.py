@@ -19,7 +19,8 @@ from parastream.rewrite.ir import copy_graph, hold_large_weights, put_back
 from parastream.core.schedule import Schedule
 
 
-def _spec(t: gs.Variable) -> TensorSpec:
+def spec_of(t: gs.Variable) -> TensorSpec:
+    """``t``'s TensorSpec: its name, numpy dtype and static shape."""
     if t.dtype is None or t.shape is None or any(not isinstance(d, int) for d in t.shape):
         raise ParastreamError(f"tensor {t.name!r} has no static shape or dtype after shape inference (the loader gives every tensor one; a rewrite lost it)")
     dt = t.dtype
@@ -66,12 +67,12 @@ def make_plan(graph: gs.Graph, sched: Schedule, *, backend: str, precision: str,
                 inside = any(p.name in member_set for p in t.inputs)
                 if not inside and t.name not in b_inputs:
                     b_inputs.append(t.name)
-                    tensors.setdefault(t.name, _spec(t))
+                    tensors.setdefault(t.name, spec_of(t))
             for t in node.outputs:
                 consumed_outside = any(c.name not in member_set for c in t.outputs)
                 if (consumed_outside or t.name in graph_outputs) and t.name not in b_outputs:
                     b_outputs.append(t.name)
-                    tensors.setdefault(t.name, _spec(t))
+                    tensors.setdefault(t.name, spec_of(t))
         stream = sched.branch_stream[b]
         waits = sorted({producer_branch[t] for t in b_inputs
                         if t not in model_inputs and sched.branch_stream[producer_branch[t]] != stream})

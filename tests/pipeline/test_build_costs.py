@@ -507,3 +507,97 @@ def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_g
     assert queued == [([first], True, True), ([second], True, True)]
     assert m.log[1]["rounds_queued"] == 1 and "rounds_queued" not in m.log[2]
     m.close()
+
+
+def _nasnet_engines(tmp_path):
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline.build import Engines
+    from parastream.pipeline.measure import Variant
+
+    loaded = _loaded(tmp_path, "nasnet_cell")
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16")
+    options = BuildOptions(precision="fp16", device="cuda", conv_kernels="auto")
+    v = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, None, 4), options)
+    alt = Variant(v.model, v.graph, v.plan, BuildOptions(precision="fp16", device="cuda", conv_kernels="inductor"))
+    return engines, v, alt
+
+
+@pytest.mark.parametrize("cap", [12, 1])
+def test_a_depthwise_round_s_sample_holds_the_plan_s_distinct_depthwise_convolutions(monkeypatch, tmp_path, cap):
+    """The sample is engines of the plan, each planned alone as one engine of its own branch, as the plan
+    compiles it and with Inductor's kernels; chosen to hold every distinct depthwise convolution of the plan
+    (weight, strides, pads, input shape), at most ``SAMPLE_ENGINES``; a plan with fewer engines holding one than
+    ``SAMPLE_DEPTHWISE_ENGINES`` is not sampled."""
+    from parastream.pipeline import measure
+
+    engines, v, alt = _nasnet_engines(tmp_path)
+    branches = engines.branch_models(v)
+    held = {i: measure.depthwise_keys(b) for i, b in enumerate(branches) if measure.depthwise_keys(b)}
+    every = set().union(*held.values())
+    assert len(held) >= 2 and len(every) >= 2  # the cell's separable convolutions, on several engines
+    monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", len(held) + 1)
+    assert measure.depthwise_sample(engines, v, alt) is None
+    monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", len(held))
+    monkeypatch.setattr(measure, "SAMPLE_ENGINES", cap)
+    s = measure.depthwise_sample(engines, v, alt)
+    assert s.full is alt and s.of == len(held) and s.convolutions == len(every)
+    chosen = [next(i for i, b in enumerate(v.plan.branches) if b.name == name) for name in s.names]
+    assert len(chosen) == min(cap, len(chosen)) and len(set(chosen)) == len(chosen)
+    assert s.covered == len(set().union(*(held[i] for i in chosen)))
+    if cap > len(held):
+        assert s.covered == len(every)
+    for i, (current, other) in zip(chosen, s.pairs):
+        assert current.model is branches[i] and other.model is branches[i]
+        assert len(current.plan.branches) == 1 and current.plan is other.plan
+        assert [t.name for t in current.plan.inputs] == list(v.plan.branches[i].inputs)
+        assert current.options is v.options and other.options.conv_kernels == "inductor"
+
+
+@pytest.mark.parametrize("slower", [1.3, 1.05])
+def test_a_depthwise_round_lost_widely_on_its_sample_compiles_no_whole_plan(monkeypatch, tmp_path, slower):
+    """The input's "depthwise convolutions" round on a plan of many such engines is queued as its sample: the
+    sample's engines, not the plan's alternative, are compiled with the input.  Inductor's kernels slower on the
+    sample by more than ``SAMPLE_DECIDES_BEYOND`` decide the round for cuDNN's, and the whole plan's alternative
+    is never compiled; closer, it is compiled then and raced, and the round keeps the sample's times beside."""
+    import numpy as np
+
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines, v, alt = _nasnet_engines(tmp_path)
+    monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", 2)
+
+    def ms(la):  # each engine alone 0.1 ms with cuDNN, ``slower`` times that with Inductor's; a whole plan 1 ms
+        whole = la.plan is v.plan
+        return (1.0 if whole else 0.1) * (slower if la.options.conv_kernels == "inductor" else 1.0)
+
+    compiled, loaded = [], []
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable: compiled.append(list(variants))
+                        or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("depthwise convolutions", alt)])
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var: [])
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
+                                     "suffix": engines.backend.suffix})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    sample = m.early["todo"][0][1]
+    assert isinstance(sample, measure.DepthwiseSample)
+    assert compiled[1] == [x for pair in sample.pairs for x in pair] and alt not in compiled[1]
+    m.measure(engines.loaded.model)  # the reference, then the rounds whose engines are in
+    m.time_ready(wait=True)
+    (r,) = m.early["rounds"]
+    assert r["choice"] == "depthwise convolutions" and r["sample"]["engines"] == sample.names
+    assert r["sample"]["timed_ms"]["depthwise convolutions as Inductor kernels"] == pytest.approx(
+        0.1 * slower * len(sample.pairs))
+    whole_compiled = any(alt in batch for batch in compiled)
+    if slower > 1 + measure.SAMPLE_DECIDES_BEYOND:
+        assert not whole_compiled and "each alone" in r["timed"] and r["won"] == "depthwise convolutions as cuDNN calls"
+        assert measure.carried_rounds([r])  # decided widely: a candidate that replaces the input takes it
+    else:
+        assert whole_compiled and r["timed_ms"]["depthwise convolutions as Inductor kernels"] == pytest.approx(slower)
+    m.close()
