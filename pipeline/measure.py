@@ -621,11 +621,11 @@ class GpuMeasurer:
         """``la``'s milliseconds per replay, timed in alternating blocks with the reference and scaled by the
         reference's first median (so that candidates timed at different moments compare through the same
         reference).  A timing whose reference ran more than ``REFERENCE_DRIFT`` away from that median is timed
-        again, up to ``REFERENCE_RETRIES`` times: the scaling assumes the reference stands still, and one that
-        did not moved the candidate by as much (BERT-base on the H200: the reference ran 0.624 ms in the cost
-        model's best candidate's blocks, right after the input's rounds were timed, against 0.551 alone and in
-        every later candidate's; that candidate, 0.453 ms in its blocks, was scaled to 0.400 and kept over three
-        that ran 0.418-0.420, and the bundle ran 0.450).  The log keeps both medians of every timing (``blocks_ms``)."""
+        again, up to ``REFERENCE_RETRIES`` times, so that candidates are compared in the state the reference was
+        first timed in: on the H200 a build's timings ran in two states for whole timings at a time, the reference
+        and the candidates slower together (BERT-base: the reference 0.547 or 0.616 ms, its candidates 0.414-0.419
+        or 0.449-0.452), and a candidate's ratio to the reference differs by up to 4% between them, against 1%
+        between the candidates within one.  The log keeps both medians of every timing (``blocks_ms``)."""
         from .bench import measure as time_replays
 
         ref, ref_ms = self.reference
