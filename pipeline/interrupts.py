@@ -144,7 +144,10 @@ def exit_when_threads_linger(code: int, wait_s: float = 2.0) -> None:
     deadline = time.monotonic() + wait_s
     for t in threading.enumerate():
         if t is not threading.main_thread() and not t.daemon:
-            t.join(max(0.0, deadline - time.monotonic()))
+            try:
+                t.join(max(0.0, deadline - time.monotonic()))
+            except RuntimeError:  # still being started (``enumerate`` lists those too): nothing to wait for yet
+                pass
     if any(t.is_alive() and not t.daemon for t in threading.enumerate() if t is not threading.main_thread()):
         sys.stdout.flush()
         sys.stderr.flush()

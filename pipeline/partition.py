@@ -14,7 +14,7 @@ import onnx_graphsurgeon as gs
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import Branch, Plan, TensorSpec
 
-from parastream.rewrite.ir import copy_graph, hold_large_weights, put_back
+from parastream.rewrite.ir import copy_graph, hold_large_weights, put_back, weights_aside
 
 from parastream.core.schedule import Schedule
 
@@ -99,7 +99,15 @@ def extract_branch(model: onnx.ModelProto, graph: gs.Graph, branch: Branch) -> o
     if (len(branch.nodes) == len(model.graph.node) and set(branch.nodes) == {n.name for n in model.graph.node}
             and list(branch.outputs) == [o.name for o in model.graph.output]
             and list(branch.inputs) == [i.name for i in model.graph.input if i.name not in {t.name for t in model.graph.initializer}]):
-        return model
+        aside = weights_aside(model)
+        if not aside:
+            return model
+        # a search's candidate exported without its weights' bytes (``ir.export_model_aside``): a copy with them,
+        # from the arrays of its graph that they were left out for
+        out = onnx.ModelProto()
+        out.CopyFrom(model)
+        return put_back(out, {name: np.asarray(t.values) for name, t in graph.tensors().items()
+                              if name in aside and isinstance(t, gs.Constant)})
     # a copy of the branch's own nodes (copying the whole graph for each of dozens of branches was most of
     # the time a CPU build spent building the plans it times)
     members = set(branch.nodes)

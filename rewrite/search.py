@@ -39,7 +39,8 @@ import onnx
 import onnx_graphsurgeon as gs
 
 from .cost import DEFAULT_ALPHA, CostModel, RooflineCostModel, mixed_cost
-from .ir import GraphHasher, adopt_model, cleanup, copy_graph, export_model, import_graph, toposort, working_copy
+from .ir import (GraphHasher, adopt_model, cleanup, copy_graph, export_model, export_model_aside, import_graph,
+                 put_back, toposort, working_copy)
 from .rules import ALL_RULES, Rule
 from .rules.base import shared_copies
 
@@ -599,19 +600,27 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
         def export(w) -> bool:
             if id(w) not in exported and "error" not in w:
                 t = time.perf_counter()
+                adopts = w is not original_entry and not isinstance(measurer, TimedBy)
                 try:
-                    exported[id(w)] = model if w is original_entry else export_model(w["graph"], model)
+                    if w is original_entry:
+                        exported[id(w)] = model
+                    elif adopts:  # its weights' bytes written only if it is the one kept (``export_model_aside``)
+                        exported[id(w)], w["aside"] = export_model_aside(w["graph"], model)
+                    else:
+                        exported[id(w)] = export_model(w["graph"], model)
                 except Exception as e:  # noqa: BLE001 - a candidate that cannot be exported is not chosen
                     w["error"] = f"{type(e).__name__}: {e}"
                 else:
-                    if w is not original_entry and not isinstance(measurer, TimedBy):
+                    if adopts:
                         # the measurer plans the candidate from its own graph, as export_model exported it, rather
                         # than importing the export (a second import of every node and weight)
                         # (its unchanged weights the search's arrays, shared with the other candidates: the
-                        # build knows their unchanged branches by them)
+                        # build knows their unchanged branches by them, and extracts them from these arrays)
                         mine = adopt_model(toposort(cleanup(copy_graph(w["graph"]))), exported[id(w)], keep_arrays=True)
                         if mine is not None:
                             measurer.adopt(exported[id(w)], mine)
+                        else:  # the measurer imports it: with its weights
+                            put_back(exported[id(w)], w.pop("aside"))
                 timings["export_s"] = timings.get("export_s", 0.0) + time.perf_counter() - t
                 timings["exported"] = timings.get("exported", 0) + 1
             return id(w) in exported
@@ -684,7 +693,8 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     result = model
     if chosen is not original_entry:
         try:
-            result = exported.get(id(chosen)) or export_model(chosen["graph"], model)
+            result = exported.get(id(chosen))
+            result = put_back(result, chosen.pop("aside", {})) if result is not None else export_model(chosen["graph"], model)
             _check_interface(model, result)
         except Exception as e:  # noqa: BLE001 - an export failure is a bug in a rule; the input is still valid
             report["export_error"] = f"{type(e).__name__}: {e}"

@@ -310,3 +310,54 @@ def test_export_holds_nothing_where_a_node_holds_a_subgraph():
     found = [numpy_helper.to_array(t) for t in [*out.graph.initializer, *(i for b in out.graph.node[0].attribute
                                                                          for i in b.g.initializer)] if t.name == "W"]
     assert found and all(np.array_equal(a, w) for a in found)
+
+
+def test_a_measured_candidate_is_exported_without_its_weights_bytes_and_kept_with_them(monkeypatch, tmp_path):
+    """A measured search exports its candidates with the weights their graphs hold as arrays left out (the
+    measurer plans each from its graph and extracts its branches from those arrays): the candidate the measurer
+    is handed has placeholders for them, its branches (on streams, and the whole model as one) are byte for byte
+    those of the plain export, and the model the search returns is byte for byte the plain export of the kept
+    graph."""
+    pytest = __import__("pytest")
+    pytest.importorskip("torch")
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline import partition
+    from parastream.pipeline.build import Engines
+    from parastream.pipeline.model_io import load_model
+    from parastream.pipeline.zoo import MODELS
+    from parastream.rewrite import RooflineCostModel, ir, optimize_graph
+
+    monkeypatch.setattr(ir, "WEIGHTS_ASIDE_BYTES", 1024)  # small_net's weights: a few KB each
+    model = MODELS["small_net"]()
+    onnx.save(model, tmp_path / "m.onnx")
+    engines = Engines(torch_backend, RooflineCostModel(), load_model(tmp_path / "m.onnx"), "fp16")
+    seen = []
+
+    class Measurer:
+        lookahead = 2
+
+        def adopt(self, m, graph):
+            seen.append((m, graph))
+
+        def prepare(self, models):
+            return None
+
+        def measure(self, m):  # the input slowest, then each candidate faster than the one before
+            return 1.0 if m is model else 0.5 - 0.01 * len(seen)
+
+    out, graph, report = optimize_graph(model, measure=Measurer(), top_k=4)
+    assert report["decided_by"] == "measured" and seen
+    assert any(m is out for m, _ in seen)  # the kept candidate's own export, its weights written into it
+    for m, g in seen:
+        assert bool(ir.weights_aside(m)) == (m is not out)
+        plain = ir.export_model(g, model)
+        assert not ir.weights_aside(plain)
+        plans = [engines.plan(g, None, 4)]
+        plans.append(engines.one_stream_plan(g, plans[0], whole=True))
+        assert plans[0].num_streams > 1 and len(plans[1].branches) == 1
+        for plan in plans:
+            for b in plan.branches:
+                assert (partition.extract_branch(m, g, b).SerializeToString()
+                        == partition.extract_branch(plain, g, b).SerializeToString())
+    assert not ir.weights_aside(out)
+    assert out.SerializeToString() == ir.export_model(graph, model).SerializeToString()
