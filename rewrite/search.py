@@ -418,7 +418,9 @@ class Measurer(Protocol):
     measured, which models come next (a GPU build compiles their engines meanwhile) and returns what it
     started, for the report (or None); ``adopt(model, graph)`` is given, before ``prepare``, the graph of a
     candidate the search exported (the candidate's own graph with the export's names, types and shapes:
-    ``ir.adopt_model``), so that the measurer plans it without importing ``model`` again.
+    ``ir.adopt_model``), so that the measurer plans it without importing ``model`` again.  A model so adopted
+    holds placeholders for the weights its graph holds as arrays (``ir.export_model_aside``: their bytes are
+    in the graph, not in ``model``; ``ir.weights_aside`` names them); the model the search returns has them.
 
     A measurer that knows the times already, by each candidate's rewrites (a search recorded by an earlier
     build of the same model: ``pipeline.timings.RecordedMeasurer``), says so with ``by_trace = True``: the
