@@ -879,11 +879,17 @@ def structure_key(branch: onnx.ModelProto, signature: list) -> str:
     what a job compiles."""
     import onnx
 
+    # the copy is made without what is left out (a copy of the whole branch copied every weight's bytes first:
+    # 4.0 s of preparing 21 BERT-base candidates on the 2-core CPU)
     canon = onnx.ModelProto()
-    canon.CopyFrom(branch)
+    _copy_fields(canon, branch, skip={"graph"})
     g = canon.graph
+    _copy_fields(g, branch.graph, skip={"initializer", "value_info", "name", "doc_string"})
     g.name = g.doc_string = ""
-    del g.value_info[:]
+    floating = (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE)
+    for t in branch.graph.initializer:
+        _copy_fields(g.initializer.add(), t,
+                     skip={"raw_data", "float_data", "int32_data", "double_data"} if t.data_type in floating else set())
     names: dict[str, str] = {}
 
     def rename(n: str) -> str:
@@ -893,10 +899,6 @@ def structure_key(branch: onnx.ModelProto, signature: list) -> str:
         v.name = rename(v.name)
     for t in g.initializer:
         t.name = rename(t.name)
-        if t.data_type in (onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16,
-                           onnx.TensorProto.DOUBLE):
-            for field in ("raw_data", "float_data", "int32_data", "double_data"):
-                t.ClearField(field)
     for node in g.node:
         node.name = node.doc_string = ""
         node.input[:] = [rename(n) for n in node.input]
@@ -906,6 +908,22 @@ def structure_key(branch: onnx.ModelProto, signature: list) -> str:
     h = hashlib.sha256(canon.SerializeToString(deterministic=True))
     h.update(json.dumps([s[1:] for s in signature]).encode())
     return h.hexdigest()
+
+
+def _copy_fields(dst, src, skip: set[str]) -> None:
+    """The fields ``src`` has set copied into ``dst`` (a message of its type), but those named in ``skip``, which
+    are not read (``ListFields`` would hand out a weight's bytes as a copy)."""
+    for fd in src.DESCRIPTOR.fields:
+        if fd.name in skip:
+            continue
+        if fd.label == fd.LABEL_REPEATED:
+            if len(getattr(src, fd.name)):
+                getattr(dst, fd.name).extend(getattr(src, fd.name))
+        elif src.HasField(fd.name):
+            if fd.message_type is not None:
+                getattr(dst, fd.name).CopyFrom(getattr(src, fd.name))
+            else:
+                setattr(dst, fd.name, getattr(src, fd.name))
 
 
 def _entry(package: bytes, extra: dict, weights: bytes = b"") -> bytes:

@@ -309,6 +309,16 @@ def test_structure_key_groups_branches_that_differ_only_in_their_weights():
     shaped = branch(4)
     shaped.graph.initializer[2].dims[:] = [1]  # another shape of a weight is another graph
     assert tb.structure_key(shaped, sig) != tb.structure_key(branch(4), sig)
+    floats = [t for t in branch(4).graph.initializer if t.data_type == onnx.TensorProto.FLOAT]
+    assert floats
+    emptied = branch(4)  # the weights' values are not part of the structure, and the branch keeps them
+    for t in emptied.graph.initializer:
+        if t.data_type == onnx.TensorProto.FLOAT:
+            t.ClearField("raw_data")
+            t.ClearField("float_data")
+    kept = branch(4)
+    before = kept.SerializeToString()
+    assert tb.structure_key(emptied, sig) == tb.structure_key(kept, sig) and kept.SerializeToString() == before
 
 
 def test_spawned_workers_compile_self_contained_artifacts(monkeypatch, tmp_path):
