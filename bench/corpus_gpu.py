@@ -33,6 +33,8 @@ stops (SIGSTOP) the builds still running while it measures, so that nothing else
 timed block, and resumes them (SIGCONT) after.  Each build also compiles the torch.compile baseline once, so that
 Inductor's cache is warm when this process compiles it again.
 
+Each build starts with empty Inductor and Triton caches of its own (``build_caches``: a build machine that never
+compiled the model), so that builds side by side, or on a machine an earlier call left warm, share no kernels.
 Per model it also records the build's seconds per stage (report.json's ``stage_seconds``: load, search,
 engines, measure_alternatives, verify, ...) and ``--fresh-loads`` fresh-process loads of the bundle
 (bench/load_breakdown.py's loader: a new Python process with empty Inductor and Triton caches timing
@@ -161,8 +163,9 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     np.savez(work / f"{stem}.ref.npz", **{f"in.{k}": v for k, v in feeds.items()}, **{f"out.{k}": v for k, v in ref.items()})
     log: dict = {"handmade": False, "top_k": args.top_k}
     row["onnx_path"] = str(onnx_path)
-    build_bundle(onnx_path, work / f"{stem}_bundle", search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
-                 cache_dir=_cache_dir(stem, work, args))
+    with build_caches(stem, work, empty=True):
+        build_bundle(onnx_path, work / f"{stem}_bundle", search=True, streams=None, log=log,
+                     measure_seconds=args.measure_seconds, cache_dir=_cache_dir(stem, work, args))
     for key in ("build_s", "schedule", "search", "verification", "timings"):
         row[key] = log.get(key)
     rep = json.loads((work / f"{stem}_bundle" / "report.json").read_text())
@@ -172,7 +175,7 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     row["measure_log"] = (rep.get("search") or {}).get("measure_log")
     row["nodes"] = [rep["model"]["nodes_in"], rep["model"]["nodes_out"]]
     row["peak_rss_mb"] = rep.get("peak_rss_mb")
-    # the baseline's compile, once, to fill Inductor's cache for the timing process
+    # the baseline's compile, once, to fill Inductor's cache for the timing process (the machine's own cache)
     t0 = time.perf_counter()
     users_compiled(name, model, inputs)
     row["compile_cold_s"] = time.perf_counter() - t0
@@ -195,6 +198,32 @@ def users_compiled(name: str, model, inputs: dict, warm: int = 3):
     return compiled, dev
 
 
+@contextlib.contextmanager
+def build_caches(key: str, work: Path, *, empty: bool):
+    """Inductor's and Triton's caches of ``key``'s builds (``work/compiler-caches/KEY``; ``empty``: emptied first)
+    for what runs inside, the compile workers it starts included (they take the environment when spawned); the
+    caches before are back after.  A first build starts cold, as on a build machine that never compiled the
+    model: with the machine-wide defaults, two builds of one model side by side (two trees, one call) shared
+    their kernels, and a build on a machine kept warm from an earlier call found them compiled.  The rebuild
+    takes its build's (the same machine, again)."""
+    import shutil
+
+    d = work / "compiler-caches" / key
+    if empty:
+        shutil.rmtree(d, ignore_errors=True)
+    names = ("TORCHINDUCTOR_CACHE_DIR", "TRITON_CACHE_DIR")
+    before = {n: os.environ.get(n) for n in names}
+    os.environ.update({"TORCHINDUCTOR_CACHE_DIR": str(d / "inductor"), "TRITON_CACHE_DIR": str(d / "triton")})
+    try:
+        yield
+    finally:
+        for n, v in before.items():
+            if v is None:
+                os.environ.pop(n, None)
+            else:
+                os.environ[n] = v
+
+
 def _cache_dir(key: str, work: Path, args) -> str | None:
     """The build's --cache-dir with ``--rebuild`` (its first build fills it, the rebuild reads it), else None."""
     return str(work / "cache" / key) if args.rebuild else None
@@ -214,8 +243,9 @@ def rebuild(name: str, batch: int, work: Path, args) -> dict:
     src = Path(prep["onnx_path"])
     if args.changed_weight:
         src = with_one_weight_changed(src, work / f"{key}_changed.onnx")
-    build_bundle(src, out, search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
-                 cache_dir=_cache_dir(key, work, args))
+    with build_caches(key, work, empty=False):
+        build_bundle(src, out, search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
+                     cache_dir=_cache_dir(key, work, args))
     rep = json.loads((out / "report.json").read_text())
     engines = [e for e in (rep.get("engines") or {}).values() if isinstance(e, dict)]
     jobs = ((rep.get("background_compiles") or {}).get("branches") or 0) + ((rep.get("precompiled") or {}).get("jobs") or 0) \

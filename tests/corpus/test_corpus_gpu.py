@@ -190,3 +190,32 @@ def test_run_one_row_per_model_and_batch(tmp_path, monkeypatch, capsys):
     assert "rebuild" in rows[("resnet50", 32)]  # rebuilt too: the build was fine, its timing was not
     md = (out / "corpus_gpu.md").read_text()
     assert "batch 1: geometric mean over 1 models: 1.20x" in md and "4 of 6 rows not timed (error)" in md
+
+
+def test_a_fresh_load_row_gives_the_replay_time_of_that_process():
+    rows = [_row("bert", 1, 0.45, 0.58, fresh_load={"median_s": 3.1, "each_s": [3.1],
+                                                    "median_rep": {"replay_ms": 0.4134}}),
+            _row("vit_b_16", 1, 0.6, 0.68, fresh_load={"median_s": 2.5, "each_s": [2.5], "median_rep": {}})]
+    body = [ln for ln in corpus_gpu.table(rows).splitlines()[2:] if ln.startswith("| ")]
+    assert "| 3.1 (3.1); replays 0.413 ms |" in body[0] and "| 2.5 (2.5) |" in body[1]
+
+
+def test_each_build_starts_with_compiler_caches_of_its_own(tmp_path, monkeypatch):
+    """A build's Inductor and Triton caches are its own and empty (the same model's build of another tree, or an
+    earlier call's on the same machine, shares no kernels with it); its rebuild takes them as that build left
+    them; the caches of the process are back after either."""
+    import os
+
+    monkeypatch.setenv("TORCHINDUCTOR_CACHE_DIR", "/machine/inductor")
+    monkeypatch.delenv("TRITON_CACHE_DIR", raising=False)
+    with corpus_gpu.build_caches("bert_b1", tmp_path, empty=True):
+        inductor = Path(os.environ["TORCHINDUCTOR_CACHE_DIR"])
+        assert inductor == tmp_path / "compiler-caches" / "bert_b1" / "inductor"
+        assert Path(os.environ["TRITON_CACHE_DIR"]).parent == inductor.parent
+        inductor.mkdir(parents=True)
+        (inductor / "kernel").write_text("compiled")
+    assert os.environ["TORCHINDUCTOR_CACHE_DIR"] == "/machine/inductor" and "TRITON_CACHE_DIR" not in os.environ
+    with corpus_gpu.build_caches("bert_b1", tmp_path, empty=False):
+        assert (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "kernel").is_file()  # the rebuild: as it was left
+    with corpus_gpu.build_caches("bert_b1", tmp_path, empty=True):
+        assert not (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "kernel").exists()  # a first build: empty
