@@ -622,10 +622,11 @@ class GpuMeasurer:
         reference's first median (so that candidates timed at different moments compare through the same
         reference).  A timing whose reference ran more than ``REFERENCE_DRIFT`` away from that median is timed
         again, up to ``REFERENCE_RETRIES`` times, so that candidates are compared in the state the reference was
-        first timed in: on the H200 a build's timings ran in two states for whole timings at a time, the reference
-        and the candidates slower together (BERT-base: the reference 0.547 or 0.616 ms, its candidates 0.414-0.419
-        or 0.449-0.452), and a candidate's ratio to the reference differs by up to 4% between them, against 1%
-        between the candidates within one.  The log keeps both medians of every timing (``blocks_ms``)."""
+        first timed in: on the H200 a launcher runs at one of two speeds for whole timings at a time (BERT-base:
+        the reference 0.547 or 0.617 ms, its candidates 0.414-0.419 or 0.449-0.452; not the GPU's, since in one
+        timing the reference ran slow beside a fast candidate), and a candidate's ratio to the reference differs
+        by up to 4% between them, against 1% between the candidates within one.  The log keeps both medians of
+        every timing (``blocks_ms``)."""
         from .bench import measure as time_replays
 
         ref, ref_ms = self.reference
