@@ -7,13 +7,13 @@ temporary folder beside OUT and renamed into place at the end.
 from __future__ import annotations
 
 import contextlib
-from collections import OrderedDict
 import json
 import os
 import platform
 import shutil
 import tempfile
 import time
+from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
@@ -322,8 +322,7 @@ def branches_of(model: onnx.ModelProto, graph: gs.Graph, plan, cache: BranchCach
         return [extract_branch(model, graph, b) for b in plan.branches]
     index = graph_index(graph)
     out = [cache.branch(model, graph, b, index) for b in plan.branches]
-    if cache is not None:
-        cache.put(model, plan, out)
+    cache.put(model, plan, out)
     return out
 
 

@@ -584,9 +584,7 @@ def export_model_aside(graph: gs.Graph, like: onnx.ModelProto, check: bool = Tru
     model.metadata_props.extend(like.metadata_props)
     model.graph.name = like.graph.name
     del model.graph.value_info[:]
-    # ``model`` is this function's own: its large weights set aside for inference are not put back into it
-    aside = _set_aside(model, held)
-    out = shape_inference.infer_shapes(model, strict_mode=check, data_prop=True)
+    out, aside = infer_aside(model, strict=check, held=held)  # ``model`` is this function's own: left without them
     if check:
         _check_aside(out, bool(aside))
     later = {name: v for name, v in aside.items() if isinstance(v, np.ndarray)}  # the graph's own arrays
