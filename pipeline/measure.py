@@ -73,7 +73,8 @@ class EngineMaker(Protocol):
 
     def launcher(self, variant: Variant): ...
 
-    def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True) -> dict | None: ...
+    def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True,
+                   urgent: bool = False) -> dict | None: ...
 
     def write(self, dest: Path, variant: Variant, label: str, *, model_file: bool = True) -> dict: ...
 
@@ -245,6 +246,68 @@ def depthwise_sample(engines: EngineMaker, v: Variant, alternative: Variant) -> 
         pairs.append((Variant(branches[i], graph, plan, v.options), Variant(branches[i], graph, plan, alternative.options)))
     return DepthwiseSample(alternative, pairs, [v.plan.branches[i].name for i in chosen], len(held), len(every),
                            len(every) - len(left))
+
+
+#: the "streams" round is decided for the plan without compiling its rival when the plan runs faster than its own
+#: engines on one stream (``same_engines_on_one_stream``: nothing to compile) by more than this share.  The rival
+#: the round races, the graph as one stream of its own engines (one for the whole model, or one per repeated
+#: block), is a compile of the whole model: NASNet-A Large on the H200, 895 nodes in one worker for ~75 s, the
+#: end of its build's search.  That one engine ran 0.87x (NASNet-A Large) to 1.7x (GoogLeNet; Inception-v3
+#: 1.37x, Inception-v4 1.44x) of the plan's own engines on one stream (H100 and H200), where the plans led those
+#: engines by 1.48x to 2.0x; beyond 40% the whole-model engine would have to run under 0.71x of them to win,
+#: well below the fastest seen.  Closer, the rival is compiled then and raced as before
+STREAMS_DECIDED_BEYOND = 0.40
+
+
+@dataclass
+class StreamsRival:
+    """The "streams" round of a plan before its rival is compiled: timed first against the plan's own engines on
+    one stream (``streams_against_own_engines``); ``full``, the graph on one stream (``one_stream_form``), is
+    compiled only when that does not decide it."""
+
+    full: Variant
+
+
+def same_engines_on_one_stream(la):
+    """A launcher of ``la``'s engines (shared, nothing loaded or compiled again) with every branch on one stream in
+    launch order: what ``parastream bench`` compares a plan against."""
+    from parastream.launcher.gpu import GpuLauncher
+
+    return GpuLauncher(la.bundle, single_stream=True, engines=la.engines, device=la.device,
+                       internal_nhwc=bool(la.nhwc))
+
+
+def streams_against_own_engines(current, plan, *, runs: int, warmup: int = 10, lock: bool = True) -> dict:
+    """``current`` (a launcher of ``plan``, several streams) timed against its own engines on one stream in
+    alternating blocks: {"timed_ms": {the plan, "the same engines on one stream"}, "timed_s", "decided"}, where
+    ``decided`` says the plan led by more than ``STREAMS_DECIDED_BEYOND`` (the round is then the plan's)."""
+    from .bench import measure as time_replays
+
+    t0 = time.perf_counter()
+    serial = same_engines_on_one_stream(current)
+    try:
+        times = time_replays({"plan": current, "serial": serial}, runs=runs, warmup=warmup, lock=lock)
+    finally:
+        serial.close()
+    plan_ms, serial_ms = float(np.median(times["plan"])), float(np.median(times["serial"]))
+    return {"timed_ms": {round_labels("streams", plan)[0]: plan_ms, SERIAL_LABEL: serial_ms},
+            "timed_s": round(time.perf_counter() - t0, 3),
+            "decided": serial_ms > plan_ms * (1 + STREAMS_DECIDED_BEYOND)}
+
+
+#: what ``streams_against_own_engines`` times the plan against, in report.json's rounds
+SERIAL_LABEL = "the same engines on one stream"
+
+
+def streams_round_decided(serial: dict, plan) -> dict:
+    """The "streams" round decided for ``plan`` by its lead over its own engines on one stream (``serial``,
+    ``streams_against_own_engines``): the round as ``race`` writes one, the rival's time being those engines'."""
+    keys = round_labels("streams", plan)
+    t = serial["timed_ms"]
+    return {"choice": "streams", "timed_ms": {keys[0]: t[keys[0]], keys[1]: t[SERIAL_LABEL]}, "won": keys[0],
+            "load_s": 0.0, "timed_s": serial["timed_s"], "rival": SERIAL_LABEL,
+            "timed": f"against {SERIAL_LABEL} (nothing compiled): the plan faster by "
+                     f"{t[SERIAL_LABEL] / t[keys[0]] - 1:.0%}, more than {STREAMS_DECIDED_BEYOND:.0%}"}
 
 
 def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
@@ -544,12 +607,15 @@ class GpuMeasurer:
         if not self.alternatives_queued and got is not None and got.get("background") is True:
             self.alternatives_queued = True
             named = alternative_variants(self.engines, variants[0])
-            if models[0] is self.loaded.model:  # the input's rounds are timed during the search: one may be sampled
+            if models[0] is self.loaded.model:  # the input's rounds are timed during the search: one may be sampled,
+                # and the streams round is timed against the plan's own engines first (nothing to compile)
                 named = [(what, (depthwise_sample(self.engines, variants[0], a) or a)
-                          if what == "depthwise convolutions" else a) for what, a in named]
+                          if what == "depthwise convolutions" else StreamsRival(a) if what == "streams" else a)
+                         for what, a in named]
             spans, compiled = [], []  # per round, the span of ``compiled`` its engines are
             for _, a in named:
-                more = [x for pair in a.pairs for x in pair] if isinstance(a, DepthwiseSample) else [a]
+                more = ([x for pair in a.pairs for x in pair] if isinstance(a, DepthwiseSample)
+                        else [] if isinstance(a, StreamsRival) else [a])
                 spans.append((len(compiled), len(compiled) + len(more)))
                 compiled += more
             alt = self.engines.precompile(compiled, background=True, cancellable=False)
@@ -580,8 +646,9 @@ class GpuMeasurer:
             ms = float(np.median(time_replays({"candidate": la}, runs=self.runs, warmup=self.warmup,
                                               lock=self.options.gpu_timing_lock)["candidate"]))
             self.reference = (la, ms)
-            self.deadline = time.perf_counter() + self.budget_s
             self.log[-1].update(time_s=round(time.perf_counter() - t0, 3), median_ms=round(ms, 4))
+            self._streams_first()
+            self.deadline = time.perf_counter() + self.budget_s
             return ms / 1e3
         try:
             ms = self._against_reference(la)
@@ -609,7 +676,7 @@ class GpuMeasurer:
         # not a round the input decided by the margin a rewritten plan takes it by, nor one timed on a sample of
         # the input's engines (its whole plan's compile is what the sample saves)
         decided = {r["choice"] for r in carried_rounds(self.early.get("rounds") or [])}
-        decided |= {what for what, a, _ in self.early.get("todo") or [] if isinstance(a, DepthwiseSample)}
+        decided |= {what for what, a, _ in self.early.get("todo") or [] if isinstance(a, (DepthwiseSample, StreamsRival))}
         decided |= {r["choice"] for r in self.early.get("rounds") or [] if "sample" in r}
         variants = [a for what, a in alternative_variants(self.engines, v) if what not in decided]
         variants += speculative_variants(self.engines, v)
@@ -729,12 +796,45 @@ class GpuMeasurer:
             if won and what not in ("streams", "engine blocks"):
                 early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
 
+    def _streams_first(self) -> None:
+        """The input's "streams" round, timed as soon as the reference is (``StreamsRival``): the plan against its
+        own engines on one stream, which need no compile.  A lead over ``STREAMS_DECIDED_BEYOND`` decides the
+        round, and the graph on one stream is never compiled; closer, that compile starts now, before what is
+        queued (it is the longest the build waits for), and the round races it in its turn."""
+        early = self.early
+        at = next((i for i, (_, a, _) in enumerate(early.get("todo") or []) if isinstance(a, StreamsRival)), None)
+        if at is None or self.reference is None:
+            return
+        rival = early["todo"][at][1]
+        t0 = time.perf_counter()
+        try:
+            serial = streams_against_own_engines(self.reference[0], early["plan"], runs=self.runs,
+                                                 warmup=self.warmup, lock=self.options.gpu_timing_lock)
+        except Exception as e:  # noqa: BLE001 - the round races the compiled rival instead
+            serial = {"error": f"{type(e).__name__}: {e}", "decided": False}
+        serial["started_s"] = round(t0 - self.t_made, 3)
+        if serial["decided"]:
+            early["todo"].pop(at)
+            early["rounds"].append(dict(streams_round_decided(serial, early["plan"]), started_s=serial["started_s"]))
+            return
+        got = self.engines.precompile([rival.full], background=True, cancellable=False, urgent=True) or {}
+        early["todo"][at] = ("streams", rival.full, [k for ks in got.get("keys") or [] for k in ks])
+        early["serial"] = {k: v for k, v in serial.items() if k != "decided"}
+
     def _race_early(self, what: str, v: Variant) -> bool | None:
         """One of the input's rounds raced against the reference (``race``; waits for ``v``'s compile): whether
         the alternative won, None when it could not be timed (``early["stopped"]`` says why)."""
         early = self.early
         if isinstance(v, DepthwiseSample):
             return self._race_sample(v)
+        if isinstance(v, StreamsRival):  # not timed yet (no reference when it was queued): now, then in its turn
+            early["todo"].insert(0, (what, v, []))
+            self._streams_first()
+            if early["todo"] and early["todo"][0][1] is v:  # could not be timed
+                early["todo"].pop(0)
+                early["stopped"] = "streams: no reference to time the plan's own engines against"
+                return None
+            return False
         t0 = time.perf_counter()
         try:
             other = self.engines.launcher(v)
@@ -749,6 +849,8 @@ class GpuMeasurer:
         early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
         if "sample" in early and what == "depthwise convolutions":
             early["rounds"][-1]["sample"] = early.pop("sample")
+        if "serial" in early and what == "streams":
+            early["rounds"][-1]["serial"] = early.pop("serial")
         return won
 
     def _race_sample(self, s: DepthwiseSample) -> bool | None:
@@ -848,7 +950,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     (1) engines with and without cuDNN's fused conv + bias
     (+ residual) + ReLU, (2) channels-last against contiguous internal boundaries (when the plan has
     channels-last internal boundaries), (3) the plan against the same graph on one stream (when the plan has
-    several streams), (4) one engine per repeated block against one engine for the whole model (when the plan
+    several streams; first against its own engines on one stream, which decides a lead of more than
+    ``STREAMS_DECIDED_BEYOND`` without compiling the graph on one stream), (4) one engine per repeated block against one engine for the whole model (when the plan
     is one stream cut into blocks; the blocks kept unless over 2% slower: they compile and load faster).  Engines compiled for a layout
     (``compiles_for_layout``) are compiled for each alternative; others load as they are with other launcher
     settings.  ``timed``: rounds timed already, against ``v``'s plan during the search
@@ -905,6 +1008,26 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
         other.close()
         return won
 
+    def streams_won() -> bool:
+        """The "streams" round: the plan against its own engines on one stream first (nothing to compile), then,
+        unless that decided it, against the graph on one stream, compiled (``streams_against_own_engines``)."""
+        serial = None
+        if "streams" not in done:
+            try:
+                serial = streams_against_own_engines(current(), v.plan, runs=runs, lock=v.options.gpu_timing_lock)
+            except Exception as e:  # noqa: BLE001 - the round races the compiled rival instead
+                serial = {"error": f"{type(e).__name__}: {e}", "decided": False}
+            since[0] = time.perf_counter()
+            if serial["decided"]:
+                rounds.append(streams_round_decided(serial, v.plan))
+                return False
+        won = round_won("streams", lambda: engines.launcher(
+            replace(one_stream_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
+                    internal_nhwc=True)))
+        if serial is not None:
+            rounds[-1]["serial"] = {k: x for k, x in serial.items() if k != "decided"}
+        return won
+
     try:
         if attention and has_fused_attention(v.model) and round_won(
                 "attention", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_attention=False)))):
@@ -924,9 +1047,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
         if _internal_nhwc(backend, v.plan) and round_won(
                 "boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False)):
             chosen["internal_nhwc"] = False
-        if v.plan.num_streams > 1 and round_won("streams", lambda: engines.launcher(
-                replace(one_stream_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
-                        internal_nhwc=True))):
+        if v.plan.num_streams > 1 and streams_won():
             chosen["one_engine"] = True
         if races_whole_engine(v) and round_won("engine blocks", lambda: engines.launcher(
                 replace(whole_engine_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),

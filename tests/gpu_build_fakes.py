@@ -30,11 +30,12 @@ def fake_gpu(monkeypatch, times: dict):
     build_mod = importlib.import_module("parastream.pipeline.build")
     made = []
 
-    def launcher(bundle, fuse_conv_relu=None, internal_nhwc=None):
-        # a scratch bundle (an alternative compiled for its own layout) is built in a parastream-measure- folder
+    def launcher(bundle, fuse_conv_relu=None, internal_nhwc=None, single_stream=False, engines=None, device=0):
+        # a scratch bundle (an alternative compiled for its own layout) is built in a parastream-measure- folder;
+        # a launcher of another's engines on one stream is timed as ("serial", None, None)
         scratch = bundle == "scratch" or "parastream-measure-" in str(getattr(bundle, "path", ""))
-        la = types.SimpleNamespace(kind=("scratch" if scratch else "bundle", fuse_conv_relu, internal_nhwc),
-                                   nhwc={"t"}, closed=False)
+        kind = ("serial", None, None) if single_stream else ("scratch" if scratch else "bundle", fuse_conv_relu, internal_nhwc)
+        la = types.SimpleNamespace(kind=kind, bundle=bundle, engines=engines, device=device, nhwc={"t"}, closed=False)
         la.close = lambda: setattr(la, "closed", True)
         made.append(la)
         return la

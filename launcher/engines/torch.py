@@ -1310,7 +1310,7 @@ class Builder(BuilderBase):
 
 
 def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, dict | None]]]], *,
-               background: bool = False, cancellable: bool = True) -> dict:
+               background: bool = False, cancellable: bool = True, urgent: bool = False) -> dict:
     """Compile, in one batch over every worker, what ``builder.build_all(items)`` would compile for each
     (builder, items) pair, and keep it in the compiled-branch cache: the later ``build_all`` calls are hits.
 
@@ -1319,7 +1319,8 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
     ``background``: return at once while the workers compile, the batches' jobs queued in the order given
     (the search measures its candidates in that order: the first is compiled first, and a ``build_all`` that
     needs a branch still compiling waits for it); with one worker, nothing is compiled ahead.
-    ``cancel_precompile()`` drops the ``cancellable`` ones that have not started.  Returns {"jobs", "failed",
+    ``cancel_precompile()`` drops the ``cancellable`` ones that have not started; ``urgent`` ones start before
+    everything queued (a compile the build waits for, queued late).  Returns {"jobs", "failed",
     "s"} (``background``: jobs queued, and ``keys``: each batch's cache keys, for ``compiling``)."""
     t0 = time.perf_counter()
     todo: dict[str, tuple] = {}
@@ -1344,7 +1345,7 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         got = {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
         return dict(got, keys=batch_keys) if background else got
     if background:
-        _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options))
+        _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options), urgent=urgent)
         if first.options.device == "cuda":
             _import_runtime_in_background()
         return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3),
@@ -1548,16 +1549,16 @@ def background_summary(since: float) -> dict:
 
 
 def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool,
-            workers: int | None = None) -> None:
+            workers: int | None = None, urgent: bool = False) -> None:
     """Queue the groups (a later call's after an earlier one's, the longest of each call first).  Of what is needed
     only after the search (not ``cancellable``), the longest group starts at once: it ends the build's wait for
     its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
-    many from the search."""
+    many from the search.  ``urgent``: every group starts before what is queued."""
     order = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
     with _QUEUE_LOCK:
         for i, keys in enumerate(order):
             job = _Inflight(keys, [todo[k] for k in keys], cache_dir, cancellable, seq=next(_SEQ))
-            if not cancellable and i == 0 and len(order) > 1:
+            if urgent or (not cancellable and i == 0 and len(order) > 1):
                 job.priority = -0.5
             for k in keys:
                 _INFLIGHT[k] = job

@@ -251,6 +251,11 @@ def test_the_longest_group_needed_after_the_search_starts_at_once(monkeypatch):
     tb._submit(todo, {"gs": ["s"], "gb": ["b"]}, None, cancellable=False)
     tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
     assert [j.keys for j in tb._QUEUED] == [["b"], ["c"], ["s"]]
+    # one group alone, kept, goes behind the candidates; ``urgent``, before everything queued but an earlier urgent
+    tb._submit({"l": todo["s"]}, {"gl": ["l"]}, None, cancellable=False)
+    tb._submit({"u": todo["s"]}, {"gu": ["u"]}, None, cancellable=False, urgent=True)
+    tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
+    assert [j.keys for j in tb._QUEUED] == [["b"], ["u"], ["c"], ["s"], ["l"]]
 
 
 def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_compiling(compiles, monkeypatch):

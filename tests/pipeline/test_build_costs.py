@@ -601,3 +601,61 @@ def test_a_depthwise_round_lost_widely_on_its_sample_compiles_no_whole_plan(monk
     else:
         assert whole_compiled and r["timed_ms"]["depthwise convolutions as Inductor kernels"] == pytest.approx(slower)
     m.close()
+
+
+@pytest.mark.parametrize("serial", [2.0, 1.2])
+def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_compile(monkeypatch, tmp_path, serial):
+    """The input's "streams" round is queued without its rival's compile (the graph on one stream: a whole-model
+    compile).  Once the reference is timed, the plan is timed against its own engines on one stream: a lead over
+    ``STREAMS_DECIDED_BEYOND`` decides the round and the rival is never compiled; closer, the rival's compile is
+    queued then, ahead of what waits (``urgent``), and the round races it with the first timing kept beside."""
+    import numpy as np
+
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer, Variant
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    assert v.plan.num_streams > 1
+    one = Variant(v.model, v.graph, engines.one_stream_plan(v.graph, v.plan), v.options)
+
+    def ms(la):  # the plan 1 ms, its own engines on one stream ``serial`` ms, the graph compiled on one stream 1.1
+        return serial if getattr(la, "serial", False) else 1.0 if la.plan is v.plan else 1.1
+
+    compiled, urgent = [], []
+
+    def precompile(variants, background, cancellable, **kw):
+        compiled.append(list(variants))
+        urgent.append(kw.get("urgent", False))
+        return {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]}
+
+    def serial_launcher(la):
+        s = _Launcher(Variant(la.model, None, la.plan, la.options))
+        s.serial = True
+        return s
+
+    monkeypatch.setattr(engines, "precompile", precompile)
+    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
+    monkeypatch.setattr(measure, "same_engines_on_one_stream", serial_launcher)
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("streams", one)])
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var: [])
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
+                                     "fuses_conv_relu": True, "suffix": engines.backend.suffix})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    assert isinstance(m.early["todo"][0][1], measure.StreamsRival) and not any(one in batch for batch in compiled)
+    m.measure(engines.loaded.model)  # the reference, then the plan against its own engines on one stream
+    (first,) = m.early["rounds"] or [None]
+    m.time_ready(wait=True)
+    (r,) = m.early["rounds"]
+    assert r["choice"] == "streams" and r["won"] == f"{v.plan.num_streams}-stream plan"
+    if serial > 1 + measure.STREAMS_DECIDED_BEYOND:
+        assert first is r and r["rival"] == measure.SERIAL_LABEL and not any(one in batch for batch in compiled)
+        assert m.alternatives_timed()["one_engine"] is False
+    else:
+        assert first is None and compiled[-1] == [one] and urgent[-1] is True
+        assert r["timed_ms"]["one stream"] == pytest.approx(1.1)
+        assert r["serial"]["timed_ms"][measure.SERIAL_LABEL] == pytest.approx(serial)
+    m.close()

@@ -150,6 +150,7 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
 
     times = {("bundle", True, None): 1.0, ("bundle", False, None): 0.8,  # unfused wins round 1
              ("bundle", False, False): 0.9,                             # contiguous loses round 2
+             ("serial", None, None): 0.9,                               # its engines on one stream: close
              ("scratch", None, None): 0.7}                              # one engine wins round 3
     build_mod, made = fake_gpu(monkeypatch, times)
     model, graph, plan, cm = plan_of(models / "small_net.onnx", 2)
@@ -159,6 +160,7 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
     assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
     assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
     assert got["rounds"][0]["timed_ms"] == {"cuDNN fused conv+bias+ReLU": 1.0, "Inductor's conv and epilogue": 0.8}
+    assert got["rounds"][2]["serial"]["timed_ms"] == {"2-stream plan": 0.8, "the same engines on one stream": 0.9}
     assert all(la.closed for la in made)
 
 
@@ -215,7 +217,8 @@ def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_pa
     round is taken as it is, the bundle as built (fused) is never loaded, and the later rounds race the winner."""
     from parastream.launcher.engines import BuildOptions
 
-    times = {("bundle", False, None): 0.8, ("bundle", False, False): 0.9, ("scratch", None, None): 0.7}
+    times = {("bundle", False, None): 0.8, ("bundle", False, False): 0.9, ("serial", None, None): 0.9,
+             ("scratch", None, None): 0.7}
     build_mod, made = fake_gpu(monkeypatch, times)
     model, graph, plan, cm = plan_of(models / "small_net.onnx", 2)
     searched = {"choice": "conv+ReLU", "won": "Inductor's conv and epilogue", "load_s": 0.1, "timed_s": 0.1,
@@ -226,7 +229,37 @@ def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_pa
     assert (got["fuse_conv_relu"], got["internal_nhwc"], got["one_engine"]) == (False, True, True)
     assert [r["choice"] for r in got["rounds"]] == ["conv+ReLU", "boundary layout", "streams"]
     assert got["rounds"][0] == dict(searched, timed="during the search") and "timed" not in got["rounds"][1]
-    assert [la.kind for la in made] == [("bundle", False, None), ("bundle", False, False), ("scratch", None, None)]
+    assert [la.kind for la in made] == [("bundle", False, None), ("bundle", False, False), ("serial", None, None),
+                                        ("scratch", None, None)]
+    assert all(la.closed for la in made)
+
+
+@pytest.mark.parametrize("serial", [1.5, 1.3])
+def test_a_plan_far_ahead_of_its_own_engines_on_one_stream_compiles_no_one_stream_rival(models, monkeypatch, serial):
+    """The "streams" round first times the plan against its own engines on one stream (the same engines shared:
+    nothing compiled).  A lead over ``STREAMS_DECIDED_BEYOND`` decides the round for the plan, and the graph on
+    one stream is neither compiled nor loaded; closer, that rival is compiled and raced as before, and the round
+    keeps the first timing beside its own."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+
+    times = {("bundle", True, None): 1.0, ("bundle", False, None): 1.2, ("bundle", True, False): 1.2,
+             ("serial", None, None): serial, ("scratch", None, None): 1.1}
+    build_mod, made = fake_gpu(monkeypatch, times)
+    model, graph, plan, cm = plan_of(models / "small_net.onnx", 2)
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels="cudnn")), runs=5)
+    (r,) = [r for r in got["rounds"] if r["choice"] == "streams"]
+    assert not got["one_engine"] and r["won"] == "2-stream plan"
+    kinds = [la.kind for la in made]
+    assert ("serial", None, None) in kinds
+    if serial > 1 + measure.STREAMS_DECIDED_BEYOND:
+        assert ("scratch", None, None) not in kinds and r["rival"] == measure.SERIAL_LABEL
+        assert r["timed_ms"] == {"2-stream plan": 1.0, "one stream": serial} and "nothing compiled" in r["timed"]
+        assert measure.carried_rounds([r])  # decided widely: a candidate that replaces the input takes it
+    else:
+        assert ("scratch", None, None) in kinds and r["timed_ms"] == {"2-stream plan": 1.0, "one stream": 1.1}
+        assert r["serial"]["timed_ms"]["the same engines on one stream"] == serial
     assert all(la.closed for la in made)
 
 
