@@ -109,11 +109,7 @@ def _non_text_string(message, where: str = "model") -> str | None:
     back as ``bytes``, which onnx and every tool after it would trip over)."""
     from google.protobuf.descriptor import FieldDescriptor
 
-    def repeated(field) -> bool:
-        # protobuf 7 dropped FieldDescriptor.label (AttributeError on every model); newer ones have is_repeated
-        if hasattr(field, "is_repeated"):
-            return bool(field.is_repeated)
-        return field.label == FieldDescriptor.LABEL_REPEATED
+    from parastream.core.protos import is_repeated as repeated
 
     for field, value in message.ListFields():
         if field.type == FieldDescriptor.TYPE_STRING:

@@ -72,6 +72,7 @@ import numpy as np
 
 from parastream.core.files import write_atomic
 from parastream.core.lru import lru_put
+from parastream.core.protos import is_repeated
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
@@ -916,7 +917,7 @@ def _copy_fields(dst, src, skip: set[str]) -> None:
     for fd in src.DESCRIPTOR.fields:
         if fd.name in skip:
             continue
-        if fd.label == fd.LABEL_REPEATED:
+        if is_repeated(fd):
             if len(getattr(src, fd.name)):
                 getattr(dst, fd.name).extend(getattr(src, fd.name))
         elif src.HasField(fd.name):
