@@ -171,6 +171,9 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     rep = json.loads((work / f"{stem}_bundle" / "report.json").read_text())
     row["measured_choices"] = rep.get("measured_choices")
     row["stage_seconds"] = rep.get("stage_seconds")
+    # what the engines stage compiled itself (jobs and seconds) and what compiled in the background meanwhile
+    row["precompiled"] = rep.get("precompiled")
+    row["background_compiles"] = rep.get("background_compiles")
     # where the measured search's seconds went, per model measured (plan, build, load, timing, fusions off)
     row["measure_log"] = (rep.get("search") or {}).get("measure_log")
     row["nodes"] = [rep["model"]["nodes_in"], rep["model"]["nodes_out"]]

@@ -371,11 +371,15 @@ def _shapes_known(model: onnx.ModelProto) -> bool:
 
 
 def _internal_nhwc(backend, plan) -> bool:
-    """Whether ``plan`` has channels-last internal boundaries for ``backend`` (a one-engine plan has none: the
-    boundary-layout round would race the same engines)."""
+    """Whether ``plan`` has channels-last internal boundaries for ``backend`` whose memory differs from the
+    contiguous layout's: else the boundary-layout round races engines that read and write the same bytes.  A
+    one-engine plan has none; a boundary of one channel, or of 1x1 pixels, is the same bytes in either layout
+    (BERT-base's only 4-d boundary is its attention mask, [1, 1, 128, 128]: the round compiled every block
+    again, and its 0.04% "win" for contiguous boundaries compiled them once more for the bundle)."""
     from parastream.launcher.gpu import engine_layouts
 
-    return bool(engine_layouts(plan, backend, internal_nhwc=True).nhwc)
+    lay = engine_layouts(plan, backend, internal_nhwc=True)
+    return any(lay.specs[t].shape[1] > 1 and lay.specs[t].shape[2] * lay.specs[t].shape[3] > 1 for t in lay.nhwc)
 
 
 def one_stream_form(engines: EngineMaker, v: Variant) -> Variant:
@@ -896,17 +900,28 @@ class GpuMeasurer:
 
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced
-        the input: ``carried_rounds``); None when none was.  The rest are not waited for, but for the rounds of
-        ``wait_for``, which a rewritten plan takes from the input whatever their margin: their alternatives have
-        compiled in the background since the search began, and timed on the candidate instead they would cost
-        that compile again (the engine blocks' rival: a whole-model compile)."""
+        the input: ``carried_rounds``); None when none was.  The rounds not timed yet are timed now where their
+        alternatives are compiled already (or sampled), and the rounds of ``wait_for``, which a rewritten plan
+        takes from the input whatever their margin, are waited for: their alternatives have compiled in the
+        background since the search began, and timed on the candidate instead they would cost that compile again
+        (the engine blocks' rival: a whole-model compile).  The input's alternatives compile behind the search's
+        candidates, so on a large model most of them are ready only as the search ends: NASNet-A Large (H200)
+        kept a rewrite with its rounds untimed, and its build compiled every one of them again for the
+        candidate's plan (62 s of engines), four of the five decided by the input's margins of 11-84%."""
         early = self.early
-        for item in [x for x in early.get("todo") or [] if x[0] in wait_for]:
+        for item in list(early.get("todo") or []):
             if self.reference is None:
                 break
+            what, v, keys = item
+            ready = isinstance(v, (DepthwiseSample, StreamsRival)) or not self.backend.compiling(keys)
+            if what not in wait_for and (early.get("stopped") or not ready):
+                continue
             early["todo"].remove(item)
-            if self._race_early(item[0], item[1]) is None:
+            won = self._race_early(what, v)
+            if won is None:
                 break
+            if won and what not in ("streams", "engine blocks"):  # the later rounds would race another plan
+                early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
         if not early.get("rounds"):
             return None
         return {"partial": True, "rounds": list(early["rounds"]), "plan": early["plan"],

@@ -318,3 +318,20 @@ def test_a_timed_choice_is_the_one_row_chosen():
     assert [t["chosen"] for t in tried] == [False, True] and len(tried) == 2  # must not fire: the plan was kept
     _record_measured_streams(tried, types.SimpleNamespace(num_streams=1, branches=[0]))
     assert [t for t in tried if t["chosen"]] == [{"streams": 1, "engines": 1, "chosen": True, "measured": True}]
+
+
+@pytest.mark.parametrize("shape,raced", [([1, 1, 128, 128], False), ([1, 64, 1, 1], False), ([1, 8, 4, 4], True)])
+def test_the_boundary_layout_round_races_only_boundaries_whose_bytes_differ_between_layouts(shape, raced):
+    """A 4-d internal boundary of one channel (BERT-base's attention mask) or of 1x1 pixels holds the same bytes
+    channels-last as contiguous: the round would race the same engines, so it is not raced."""
+    import types
+
+    from parastream.launcher.plan import TensorSpec
+    from parastream.pipeline.measure import _internal_nhwc
+
+    backend = types.SimpleNamespace(supports_internal_nhwc=True, supports_channel_views=False)
+    plan = types.SimpleNamespace(precision="fp16", inputs=[TensorSpec("x", "float32", [1, 8, 4, 4])],
+                                 outputs=[TensorSpec("y", "float32", [1, 8])],
+                                 tensors={"x": TensorSpec("x", "float32", [1, 8, 4, 4]), "t": TensorSpec("t", "float32", shape),
+                                          "y": TensorSpec("y", "float32", [1, 8])})
+    assert _internal_nhwc(backend, plan) is raced

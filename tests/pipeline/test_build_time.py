@@ -254,7 +254,7 @@ def _gpu_like_torch(monkeypatch, pending: set, calls: list):
         def build(self, branch, name, layout=None):
             return super().build(branch, name)
 
-    def precompile(batches, background=False, cancellable=True):
+    def precompile(batches, background=False, cancellable=True, urgent=False):
         keys = [[f"{len(calls)}/{n}/{i}" for i in range(len(items))] for n, (_, items) in enumerate(batches)]
         calls.append((cancellable, keys))
         return {"jobs": sum(map(len, keys)), "background": True, "keys": keys}
@@ -305,31 +305,38 @@ def _measurer(backend, loaded):
 def test_the_inputs_alternatives_are_timed_during_the_search_as_their_engines_come_in(monkeypatch):
     """``GpuMeasurer`` queues the input's alternatives with the input and times each against the input's launcher
     before the next candidate once its engines are compiled (not before; in ``time_alternatives``' order); the
-    search's end waits for the rest.  The result is ``time_alternatives``' for the input's plan."""
+    search's end waits for the rest.  The result is ``time_alternatives``' for the input's plan.  The streams
+    round is timed with the input, against the plan's own engines on one stream (here twice as slow: decided,
+    and the whole-model engine is never compiled)."""
+    import types
+
     from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
     from parastream.pipeline.zoo import MODELS
 
     pending, calls = set(), []
     backend = _gpu_like_torch(monkeypatch, pending, calls)
     built = _fake_gpu(monkeypatch)
+    monkeypatch.setattr(measure, "same_engines_on_one_stream", lambda la: types.SimpleNamespace(close=lambda: None))
     path = Path(__import__("tempfile").mkdtemp()) / "inception_block.onnx"
     __import__("onnx").save(MODELS["inception_block"](), path)
     loaded = load_model(path)
     m = _measurer(backend, loaded)
     got = m.prepare([loaded.model])
     assert "keys" not in got and "keys" not in got["alternatives"]  # handed on, not reported
-    (input_cancellable, input_keys), (cancellable, (contiguous_keys, one_engine_keys)) = calls
-    assert cancellable is False and len(one_engine_keys) == 1 < len(contiguous_keys)
+    (input_cancellable, input_keys), (cancellable, (contiguous_keys,)) = calls  # no whole-model engine queued
+    assert cancellable is False and len(contiguous_keys) > 1
     assert input_cancellable is False  # needed whether the search measures it (first) or nothing (it is kept)
-    pending.update(one_engine_keys)  # the whole-model engine still compiling
-    m.measure(loaded.model)  # the input: the reference
+    pending.update(contiguous_keys)  # the contiguous boundaries' engines still compiling
+    m.measure(loaded.model)  # the input: the reference, then its streams round
     assert built == [(built[0][0], True)] and built[0][0] > 1
-    m.measure(loaded.model)  # a candidate: first the contiguous boundaries, ready; not the whole-model engine
-    assert built[1] == (built[0][0], False) and len(built) == 3  # then the candidate itself
+    assert [r["choice"] for r in m.early["rounds"]] == ["streams"]
     pending.clear()
-    timed = m.alternatives_timed()  # the rest at the search's end
-    assert built[3] == (1, True)
-    assert [r["choice"] for r in timed["rounds"]] == ["boundary layout", "streams"]
+    m.measure(loaded.model)  # a candidate: first the contiguous boundaries, now ready
+    assert built[1] == (built[0][0], False) and len(built) == 3  # then the candidate itself
+    timed = m.alternatives_timed()  # nothing left at the search's end
+    assert len(built) == 3 and len(calls) == 2
+    assert [r["choice"] for r in timed["rounds"]] == ["streams", "boundary layout"]
     assert timed["timed"] == "during the search" and not timed["one_engine"] and timed["internal_nhwc"]
     assert all(r["won"] in ("channels-last boundaries", f"{built[0][0]}-stream plan") for r in timed["rounds"])
     assert timed["rounds"][0]["started_s"] <= timed["rounds"][1]["started_s"]
@@ -477,6 +484,53 @@ def test_the_measurer_hands_over_the_input_s_rounds_timed_so_far_without_waiting
     assert got["partial"] and got["rounds"] == [r] and got["plan"] == "input plan"
     assert [x["choice"] for x in carried_rounds(got["rounds"])] == ["streams"]
     assert carried_rounds([dict(r, timed_ms={"a": 1.0, "b": 1.09})]) == [] and carried_rounds([dict(r, timed_ms={})]) == []
+
+
+def test_the_input_s_rounds_whose_alternatives_are_compiled_are_timed_when_a_candidate_replaces_it(monkeypatch):
+    """The search kept a candidate while some of the input's rounds were untimed (their alternatives compile
+    behind the candidates): those compiled by then are timed against the input as the search ends, so that the
+    build can carry the ones decided by a wide margin instead of compiling their alternatives again for the
+    candidate; one still compiling is left; after an alternative won, the later ones are left too."""
+    import types
+
+    import numpy as np
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer, carried_rounds
+
+    times = {"inductor kernels": 1.8, "unfused": 1.02, "contiguous": 1.3, "the input": 1.0}
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {
+        k: np.full(5, times[la.variant]) for k, la in launchers.items()})
+    loaded = []
+
+    def launcher(v):
+        la = types.SimpleNamespace(variant=v, close=lambda: None)
+        loaded.append(v)
+        return la
+
+    compiling = {"still"}
+    engines = types.SimpleNamespace(backend=types.SimpleNamespace(
+        background_compiles=False, compiling=lambda keys: sum(k in compiling for k in keys)), launcher=launcher)
+    m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None,
+                    max_streams=4, budget_s=1.0)
+    m.reference = (types.SimpleNamespace(variant="the input"), 1.0)
+    plan = types.SimpleNamespace(num_streams=1)
+    m.early.update(plan=plan, rounds=[], todo=[("depthwise convolutions", "inductor kernels", ["a"]),
+                                               ("conv+ReLU", "unfused", ["still"]),
+                                               ("boundary layout", "contiguous", ["b"])])
+    got = m.rounds_timed()
+    assert loaded == ["inductor kernels", "contiguous"]  # the one still compiling is not waited for
+    assert [t[0] for t in m.early["todo"]] == ["conv+ReLU"]
+    assert [r["choice"] for r in carried_rounds(got["rounds"])] == ["depthwise convolutions", "boundary layout"]
+    # an alternative that wins stops the rest: they would race another plan
+    times["inductor kernels"] = 0.5
+    loaded.clear()
+    m.early.update(rounds=[], todo=[("depthwise convolutions", "inductor kernels", ["a"]),
+                                    ("boundary layout", "contiguous", ["b"])])
+    m.early.pop("stopped", None)
+    m.rounds_timed()
+    assert loaded == ["inductor kernels"] and "the alternative won" in m.early["stopped"]
 
 
 def test_rounds_timed_during_the_search_before_an_alternative_won_are_handed_to_the_build(tmp_path, monkeypatch):
