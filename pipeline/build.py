@@ -527,7 +527,7 @@ class Engines:
         return la
 
     def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True,
-                   urgent: bool = False) -> dict | None:
+                   order: str = "auto") -> dict | None:
         """Compile the engines of several variants in one batch of the backend's compile workers (``precompile``);
         the engine writes that follow are cache hits (or wait for the branch, when ``background`` left it
         compiling).  None when the backend compiles nothing for a layout."""
@@ -539,7 +539,7 @@ class Engines:
             layouts = _engine_layouts(v.plan, self.backend, v.options, v.internal_nhwc)
             batches.append((builder, [(br, b.name, layouts(b).get("layout"))
                                       for br, b in zip(branches_of(v.model, v.graph, v.plan, self.branches), v.plan.branches)]))
-        return self.backend.precompile(batches, background=background, cancellable=cancellable, urgent=urgent)
+        return self.backend.precompile(batches, background=background, cancellable=cancellable, order=order)
 
 
 class _Progress:

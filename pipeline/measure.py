@@ -74,7 +74,7 @@ class EngineMaker(Protocol):
     def launcher(self, variant: Variant): ...
 
     def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True,
-                   urgent: bool = False) -> dict | None: ...
+                   order: str = "auto") -> dict | None: ...
 
     def write(self, dest: Path, variant: Variant, label: str, *, model_file: bool = True) -> dict: ...
 
@@ -592,9 +592,12 @@ class GpuMeasurer:
             if m is self.loaded.model:
                 self.input_streams = v.plan.num_streams
         # the input's engines are never cancelled: the search measures the input first, or measures nothing and
-        # keeps it; cancelled, they were compiled again only after the alternatives queued behind them
-        got = self.engines.precompile(variants, background=True,
-                                      cancellable=not any(m is self.loaded.model for m in models))
+        # keeps it; cancelled, they were compiled again only after the alternatives queued behind them.  They
+        # are queued with the search's candidates, before them: the candidates the search prepares while the
+        # input compiles must not go ahead of it (the reference is the first thing the search waits for)
+        with_input = any(m is self.loaded.model for m in models)
+        got = self.engines.precompile(variants, background=True, cancellable=not with_input,
+                                      order="search" if with_input else "auto")
         if got is not None:
             got.pop("keys", None)
         rival = next((v for m, v in zip(models, variants) if m is not self.loaded.model), None) if best else None
@@ -616,18 +619,29 @@ class GpuMeasurer:
                 named = [(what, (depthwise_sample(self.engines, variants[0], a) or a)
                           if what == "depthwise convolutions" else StreamsRival(a) if what == "streams" else a)
                          for what, a in named]
-            spans, compiled = [], []  # per round, the span of ``compiled`` its engines are
+            # a round's sample is compiled right after the input, with the search's candidates (its engines are
+            # few and it decides the round, which waited for them at the search's end otherwise: NASNet-A Large,
+            # H200, 22.5 s); the other alternatives after the candidates
+            sample = next((a for _, a in named if isinstance(a, DepthwiseSample)), None)
+            sampled = [x for pair in sample.pairs for x in pair] if sample is not None else []
+            spans, compiled = [], []  # per round, the span of ``sampled + compiled`` its engines are
             for _, a in named:
-                more = ([x for pair in a.pairs for x in pair] if isinstance(a, DepthwiseSample)
-                        else [] if isinstance(a, StreamsRival) else [a])
-                spans.append((len(compiled), len(compiled) + len(more)))
+                more = [] if a is sample or isinstance(a, StreamsRival) else [a]
+                at = 0 if a is sample else len(sampled) + len(compiled)
+                spans.append((at, at + (len(sampled) if a is sample else len(more))))
                 compiled += more
+            first = self.engines.precompile(sampled, background=True, cancellable=False, order="search") if sampled else None
             alt = self.engines.precompile(compiled, background=True, cancellable=False)
             keys = alt.pop("keys", None) if alt else None
+            if keys is not None and sampled:
+                first_keys = first.pop("keys", None) if first else None
+                keys = first_keys + keys if first_keys is not None else None
+                if alt is not None:
+                    alt["sampled"] = first
             speculative = speculative_variants(self.engines, variants[0])
             if speculative:
                 self.engines.precompile(speculative, background=True, cancellable=False)
-            if keys is not None and len(keys) == len(compiled) and models[0] is self.loaded.model:
+            if keys is not None and len(keys) == len(sampled) + len(compiled) and models[0] is self.loaded.model:
                 self.early.update(plan=variants[0].plan, rounds=[],
                                   todo=[(what, a, [k for ks in keys[i:j] for k in ks])
                                         for (what, a), (i, j) in zip(named, spans)])
@@ -651,7 +665,11 @@ class GpuMeasurer:
                                               lock=self.options.gpu_timing_lock)["candidate"]))
             self.reference = (la, ms)
             self.log[-1].update(time_s=round(time.perf_counter() - t0, 3), median_ms=round(ms, 4))
+            # the input's rounds that can be timed now, before the candidates' budget starts: they are timed
+            # whichever plan the build keeps (for a candidate, to carry their wide margins), and each is a load
+            # and a timing, not a candidate's measurement
             self._streams_first()
+            self.time_ready()
             self.deadline = time.perf_counter() + self.budget_s
             return ms / 1e3
         try:
@@ -821,7 +839,7 @@ class GpuMeasurer:
             early["todo"].pop(at)
             early["rounds"].append(dict(streams_round_decided(serial, early["plan"]), started_s=serial["started_s"]))
             return
-        got = self.engines.precompile([rival.full], background=True, cancellable=False, urgent=True) or {}
+        got = self.engines.precompile([rival.full], background=True, cancellable=False, order="now") or {}
         early["todo"][at] = ("streams", rival.full, [k for ks in got.get("keys") or [] for k in ks])
         early["serial"] = {k: v for k, v in serial.items() if k != "decided"}
 

@@ -184,7 +184,7 @@ class Backend(Protocol):
     def start_workers(self, options: BuildOptions) -> None: ...
 
     def precompile(self, batches: list[tuple[Builder, list[BuildItem]]], *, background: bool = False,
-                   cancellable: bool = True, urgent: bool = False) -> dict | None: ...
+                   cancellable: bool = True, order: str = "auto") -> dict | None: ...
 
     def compiling(self, keys: list[str]) -> int: ...
 
@@ -221,7 +221,7 @@ def start_workers(options: BuildOptions) -> None:
 
 
 def precompile(batches: list, *, background: bool = False, cancellable: bool = True,
-               urgent: bool = False) -> dict | None:
+               order: str = "auto") -> dict | None:
     """Nothing compiled ahead (``compiles_for_layout`` False: the build never asks)."""
     return None
 

@@ -1311,7 +1311,7 @@ class Builder(BuilderBase):
 
 
 def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, dict | None]]]], *,
-               background: bool = False, cancellable: bool = True, urgent: bool = False) -> dict:
+               background: bool = False, cancellable: bool = True, order: str = "auto") -> dict:
     """Compile, in one batch over every worker, what ``builder.build_all(items)`` would compile for each
     (builder, items) pair, and keep it in the compiled-branch cache: the later ``build_all`` calls are hits.
 
@@ -1320,8 +1320,8 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
     ``background``: return at once while the workers compile, the batches' jobs queued in the order given
     (the search measures its candidates in that order: the first is compiled first, and a ``build_all`` that
     needs a branch still compiling waits for it); with one worker, nothing is compiled ahead.
-    ``cancel_precompile()`` drops the ``cancellable`` ones that have not started; ``urgent`` ones start before
-    everything queued (a compile the build waits for, queued late).  Returns {"jobs", "failed",
+    ``cancel_precompile()`` drops the ``cancellable`` ones that have not started.  ``order`` (``_submit``): "auto",
+    "search" or "now".  Returns {"jobs", "failed",
     "s"} (``background``: jobs queued, and ``keys``: each batch's cache keys, for ``compiling``)."""
     t0 = time.perf_counter()
     todo: dict[str, tuple] = {}
@@ -1346,7 +1346,7 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         got = {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
         return dict(got, keys=batch_keys) if background else got
     if background:
-        _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options), urgent=urgent)
+        _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options), order=order)
         if first.options.device == "cuda":
             _import_runtime_in_background()
         return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3),
@@ -1550,17 +1550,23 @@ def background_summary(since: float) -> dict:
 
 
 def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool,
-            workers: int | None = None, urgent: bool = False) -> None:
+            workers: int | None = None, order: str = "auto") -> None:
     """Queue the groups (a later call's after an earlier one's, the longest of each call first).  Of what is needed
     only after the search (not ``cancellable``), the longest group starts at once: it ends the build's wait for
     its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
-    many from the search.  ``urgent``: every group starts before what is queued."""
-    order = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
+    many from the search.  That is ``order`` "auto"; "search": kept, but queued with the search's candidates, in
+    the order queued (the input, which the search measures first, and what is timed right after it); "now":
+    before everything queued (a compile the build waits for, queued late)."""
+    if order not in ("auto", "search", "now"):
+        raise ValueError(f"order={order!r}: auto, search or now")
+    groups_by_work = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
     with _QUEUE_LOCK:
-        for i, keys in enumerate(order):
+        for i, keys in enumerate(groups_by_work):
             job = _Inflight(keys, [todo[k] for k in keys], cache_dir, cancellable, seq=next(_SEQ))
-            if urgent or (not cancellable and i == 0 and len(order) > 1):
+            if order == "now" or (order == "auto" and not cancellable and i == 0 and len(groups_by_work) > 1):
                 job.priority = -0.5
+            elif order == "search":
+                job.priority = 0
             for k in keys:
                 _INFLIGHT[k] = job
             _QUEUED.append(job)

@@ -251,11 +251,14 @@ def test_the_longest_group_needed_after_the_search_starts_at_once(monkeypatch):
     tb._submit(todo, {"gs": ["s"], "gb": ["b"]}, None, cancellable=False)
     tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
     assert [j.keys for j in tb._QUEUED] == [["b"], ["c"], ["s"]]
-    # one group alone, kept, goes behind the candidates; ``urgent``, before everything queued but an earlier urgent
+    # one group alone, kept, goes behind the candidates; order "now", before everything queued but an earlier such
+    # group; order "search", with the candidates in the order queued
     tb._submit({"l": todo["s"]}, {"gl": ["l"]}, None, cancellable=False)
-    tb._submit({"u": todo["s"]}, {"gu": ["u"]}, None, cancellable=False, urgent=True)
+    tb._submit({"u": todo["s"]}, {"gu": ["u"]}, None, cancellable=False, order="now")
+    tb._submit({"w": todo["s"]}, {"gw": ["w"]}, None, cancellable=False, order="search")
     tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
-    assert [j.keys for j in tb._QUEUED] == [["b"], ["u"], ["c"], ["s"], ["l"]]
+    assert [j.keys for j in tb._QUEUED] == [["b"], ["u"], ["c"], ["w"], ["s"], ["l"]]
+    assert tb.cancel_precompile() == 1 and ["w"] in [j.keys for j in tb._QUEUED]  # "search" is kept: not cancelled
 
 
 def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_compiling(compiles, monkeypatch):

@@ -572,8 +572,9 @@ def test_a_depthwise_round_lost_widely_on_its_sample_compiles_no_whole_plan(monk
         whole = la.plan is v.plan
         return (1.0 if whole else 0.1) * (slower if la.options.conv_kernels == "inductor" else 1.0)
 
-    compiled, loaded = [], []
-    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable: compiled.append(list(variants))
+    compiled, loaded, orders = [], [], []
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto": orders.append(order)
+                        or compiled.append(list(variants))
                         or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
     monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
     monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("depthwise convolutions", alt)])
@@ -588,6 +589,7 @@ def test_a_depthwise_round_lost_widely_on_its_sample_compiles_no_whole_plan(monk
     sample = m.early["todo"][0][1]
     assert isinstance(sample, measure.DepthwiseSample)
     assert compiled[1] == [x for pair in sample.pairs for x in pair] and alt not in compiled[1]
+    assert orders[:2] == ["search", "search"]  # the input, then its sample, ahead of the search's candidates
     m.measure(engines.loaded.model)  # the reference, then the rounds whose engines are in
     m.time_ready(wait=True)
     (r,) = m.early["rounds"]
@@ -608,7 +610,7 @@ def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_c
     """The input's "streams" round is queued without its rival's compile (the graph on one stream: a whole-model
     compile).  Once the reference is timed, the plan is timed against its own engines on one stream: a lead over
     ``STREAMS_DECIDED_BEYOND`` decides the round and the rival is never compiled; closer, the rival's compile is
-    queued then, ahead of what waits (``urgent``), and the round races it with the first timing kept beside."""
+    queued then, ahead of what waits (order "now"), and the round races it with the first timing kept beside."""
     import numpy as np
 
     from parastream.pipeline import bench, measure
@@ -625,7 +627,7 @@ def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_c
 
     def precompile(variants, background, cancellable, **kw):
         compiled.append(list(variants))
-        urgent.append(kw.get("urgent", False))
+        urgent.append(kw.get("order") == "now")
         return {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]}
 
     def serial_launcher(la):
@@ -655,7 +657,7 @@ def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_c
         assert first is r and r["rival"] == measure.SERIAL_LABEL and not any(one in batch for batch in compiled)
         assert m.alternatives_timed()["one_engine"] is False
     else:
-        assert first is None and compiled[-1] == [one] and urgent[-1] is True
+        assert compiled[-1] == [one] and urgent[-1] is True  # (compiled at once here: raced with the input)
         assert r["timed_ms"]["one stream"] == pytest.approx(1.1)
         assert r["serial"]["timed_ms"][measure.SERIAL_LABEL] == pytest.approx(serial)
     m.close()
