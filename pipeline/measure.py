@@ -508,8 +508,8 @@ class GpuMeasurer:
     between measurements do not decide.  The first two models (the input and the cost model's best candidate)
     are always measured, so that a slow load can never leave the decision without a rival; after those, once
     ``budget_s`` is spent, further candidates raise MeasureBudgetSpent (the search decides among those measured).
-    The budget runs from the moment the reference is timed: before that the build compiles and loads its input,
-    which it ships when no candidate wins, so that cost is the build's, not the search's (NASNet-A Large on the
+    The budget starts once the reference is timed and the input's rounds ready by then have been timed
+    (``_streams_first``, ``time_ready``).  Before that the build compiles and loads its input, which it ships when no candidate wins, so that cost is the build's, not the search's (NASNet-A Large on the
     H100: its input's engines were compiled, loaded and timed 39 s after the measurer was made, which spent a
     20 s budget before any candidate; each candidate after it took ~2.4 s).
     The second, slower than the input as built, is timed again as one engine where its plan has streams
@@ -924,8 +924,9 @@ class GpuMeasurer:
         background since the search began, and timed on the candidate instead they would cost that compile again
         (the engine blocks' rival: a whole-model compile).  The input's alternatives compile behind the search's
         candidates, so on a large model most of them are ready only as the search ends: NASNet-A Large (H200)
-        kept a rewrite with its rounds untimed, and its build compiled every one of them again for the
-        candidate's plan (62 s of engines), four of the five decided by the input's margins of 11-84%."""
+        kept a rewrite with its input's rounds untimed, and its build compiled every alternative again for the
+        candidate's plan (an engines stage of 81 s); timed on the input as the search ended, four of the five
+        were 12-108% apart and carried (an engines stage of 2.7 s)."""
         early = self.early
         for item in list(early.get("todo") or []):
             if self.reference is None:
