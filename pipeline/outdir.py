@@ -259,5 +259,8 @@ def staging(target: Path, kind: str, install=None):
             WRITTEN.append(target)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
-        _STAGING.discard(tmp)
+        # listed until it is gone: a writer still at work in it (a child process the interrupt has not stopped
+        # yet) can leave it behind this removal, and ``remove_staging`` tries again once the children are stopped
+        if not tmp.exists():
+            _STAGING.discard(tmp)
         os.close(fd)

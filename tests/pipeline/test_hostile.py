@@ -350,3 +350,31 @@ def test_a_signal_handled_right_after_the_staging_folder_is_made_removes_it(tmp_
         with outdir.staging(tmp_path / "out", "bundle"):
             pass
     assert not list(tmp_path.glob(".out.*.partial"))
+
+
+def test_a_staging_folder_a_writer_refilled_while_it_was_removed_is_removed_after_the_interrupt(tmp_path, monkeypatch):
+    """An interrupt unwinds the staging block while something still writes into the folder (a child process the
+    CLI stops only after the unwinding): the removal leaves it, and it stays listed, so that ``remove_staging``,
+    which the CLI calls once the children are stopped, removes it (it was dropped from the list before, and a
+    ``.partial`` folder outlived an interrupted export-triton)."""
+    import shutil
+
+    from parastream.pipeline import outdir
+
+    real_rmtree = shutil.rmtree
+    calls = []
+
+    def rmtree_beside_a_writer(path, ignore_errors=False):
+        calls.append(path)
+        real_rmtree(path, ignore_errors=ignore_errors)
+        if len(calls) == 1:  # the writer puts a file back as the folder goes
+            path.mkdir()
+            (path / "engine.part").write_bytes(b"x")
+
+    monkeypatch.setattr(outdir.shutil, "rmtree", rmtree_beside_a_writer)
+    with pytest.raises(KeyboardInterrupt):
+        with outdir.staging(tmp_path / "out", "bundle"):
+            raise KeyboardInterrupt
+    (left,) = tmp_path.glob(".out.*.partial")
+    assert left in outdir._STAGING
+    assert outdir.remove_staging() == [] and not left.exists() and left not in outdir._STAGING
