@@ -57,7 +57,7 @@ def _demo(work: Path, name: str, out: str | None, backend: str, console) -> int:
     what = f"{plural(built[1], 'engine')} on {plural(built[0], 'stream')}"
     if built != (estimate["streams"], estimate["branches"]):
         what += (f", not the estimate's {plural(estimate['streams'], 'stream')} and {plural(estimate['branches'], 'branch')}"
-                 f" ({'the CPU choice' if bundle.report.get('cpu_choice') else 'the timings'} above say why)")
+                 f" ({'the CPU choice above says' if bundle.report.get('cpu_choice') else 'the timings above say'} why)")
     console.print(f"built: {what}")
 
     console.rule("run")
