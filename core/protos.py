@@ -4,8 +4,8 @@ from __future__ import annotations
 
 
 def is_repeated(field) -> bool:
-    """Whether a protobuf ``FieldDescriptor`` is repeated: ``is_repeated`` where protobuf has it (protobuf 7
-    dropped ``label``, and the upb descriptors of the GPU machine's protobuf have none), else its label."""
+    """Whether a protobuf ``FieldDescriptor`` is repeated: ``is_repeated`` where protobuf has it, else its label
+    (protobuf 7, the GPU machine's 7.36 among them, dropped ``label``)."""
     flag = getattr(field, "is_repeated", None)
     if flag is not None:
         return bool(flag)

@@ -1320,9 +1320,9 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
     ``background``: return at once while the workers compile, the batches' jobs queued in the order given
     (the search measures its candidates in that order: the first is compiled first, and a ``build_all`` that
     needs a branch still compiling waits for it); with one worker, nothing is compiled ahead.
-    ``cancel_precompile()`` drops the ``cancellable`` ones that have not started.  ``order`` (``_submit``): "auto",
-    "search" or "now".  Returns {"jobs", "failed",
-    "s"} (``background``: jobs queued, and ``keys``: each batch's cache keys, for ``compiling``)."""
+    ``cancel_precompile()`` drops the ``cancellable`` ones that have not started.  ``order`` places the jobs in the
+    queue (``_submit``: "auto", "search" or "now").  Returns {"jobs", "failed", "s"} (``background``: jobs
+    queued, and ``keys``: each batch's cache keys, for ``compiling``)."""
     t0 = time.perf_counter()
     todo: dict[str, tuple] = {}
     groups: dict[str, list[str]] = {}
