@@ -335,3 +335,26 @@ def test_the_boundary_layout_round_races_only_boundaries_whose_bytes_differ_betw
                                  tensors={"x": TensorSpec("x", "float32", [1, 8, 4, 4]), "t": TensorSpec("t", "float32", shape),
                                           "y": TensorSpec("y", "float32", [1, 8])})
     assert _internal_nhwc(backend, plan) is raced
+
+
+def test_a_streams_round_whose_first_timing_fails_races_the_compiled_rival(models, monkeypatch):
+    """The plan's own engines on one stream could not be timed (a backend whose engines cannot be shared): the
+    round races the graph on one stream, compiled, as before, and says why the first timing is missing."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+
+    times = {("bundle", True, None): 1.0, ("bundle", False, None): 1.2, ("bundle", True, False): 1.2,
+             ("scratch", None, None): 1.1}
+    build_mod, made = fake_gpu(monkeypatch, times)
+
+    def cannot_share(la):
+        raise RuntimeError("engines not shareable")
+
+    monkeypatch.setattr(measure, "same_engines_on_one_stream", cannot_share)
+    model, graph, plan, cm = plan_of(models / "small_net.onnx", 2)
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels="cudnn")), runs=5)
+    (r,) = [r for r in got["rounds"] if r["choice"] == "streams"]
+    assert r["timed_ms"] == {"2-stream plan": 1.0, "one stream": 1.1} and not got["one_engine"]
+    assert "engines not shareable" in r["serial"]["error"] and ("scratch", None, None) in [la.kind for la in made]
+    assert all(la.closed for la in made)
