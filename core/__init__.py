@@ -6,6 +6,6 @@
 * :mod:`.graph`    - over an onnx-graphsurgeon graph: the node DAG's edges, static shapes, Conv attributes;
 * :mod:`.schedule` - the one list scheduler: the search's cost and the plan's streams and branches;
 * :mod:`.accuracy` - the scaled error and its tolerance per precision;
-* :mod:`.protos`   - protobuf messages field by field across protobuf versions (``is_repeated``).
+* :mod:`.protos`   - protobuf messages field by field across protobuf versions (``is_repeated``, ``copy_fields``).
 
 Layers: core <- rewrite <- pipeline, and core <- launcher <- pipeline (tests/test_layers.py holds them)."""

@@ -10,3 +10,20 @@ def is_repeated(field) -> bool:
     if flag is not None:
         return bool(flag)
     return field.label == field.LABEL_REPEATED
+
+
+def copy_fields(dst, src, skip: set[str]) -> None:
+    """The fields ``src`` has set copied into ``dst`` (a message of its type), but those named in ``skip``, which
+    are not read (``ListFields`` would hand out a weight's bytes as a copy; the torch backend's structure key
+    copies a branch without its weights so)."""
+    for fd in src.DESCRIPTOR.fields:
+        if fd.name in skip:
+            continue
+        if is_repeated(fd):
+            if len(getattr(src, fd.name)):
+                getattr(dst, fd.name).extend(getattr(src, fd.name))
+        elif src.HasField(fd.name):
+            if fd.message_type is not None:
+                getattr(dst, fd.name).CopyFrom(getattr(src, fd.name))
+            else:
+                setattr(dst, fd.name, getattr(src, fd.name))

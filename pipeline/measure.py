@@ -268,6 +268,7 @@ class StreamsRival:
     full: Variant
 
 
+
 def same_engines_on_one_stream(la):
     """A launcher of ``la``'s engines (shared, nothing loaded or compiled again) with every branch on one stream in
     launch order: what ``parastream bench`` compares a plan against."""
@@ -811,12 +812,19 @@ class GpuMeasurer:
             what, v, keys = early["todo"][0]
             if not wait and self.backend.compiling(keys):
                 return
-            early["todo"].pop(0)
-            won = self._race_early(what, v)
-            if won is None:
+            if self._race_in_turn(early["todo"][0]) is None:
                 return
-            if won and what not in ("streams", "engine blocks"):
-                early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
+
+    def _race_in_turn(self, item: tuple) -> bool | None:
+        """``item`` (round, variant, keys) taken off the input's rounds to time and raced (``_race_early``); a
+        round the alternative won stops the rest, which would race another plan (the build times them after the
+        search, from the winner)."""
+        what, v, _ = item
+        self.early["todo"].remove(item)
+        won = self._race_early(what, v)
+        if won and what not in ("streams", "engine blocks"):
+            self.early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
+        return won
 
     def _streams_first(self) -> None:
         """The input's "streams" round, timed as soon as the reference is (``StreamsRival``): the plan against its
@@ -849,13 +857,9 @@ class GpuMeasurer:
         early = self.early
         if isinstance(v, DepthwiseSample):
             return self._race_sample(v)
-        if isinstance(v, StreamsRival):  # not timed yet (no reference when it was queued): now, then in its turn
-            early["todo"].insert(0, (what, v, []))
+        if isinstance(v, StreamsRival):  # (timed with the reference, ``_streams_first``): decided now, or its
+            early["todo"].insert(0, (what, v, []))  # compiled rival queued in its place
             self._streams_first()
-            if early["todo"] and early["todo"][0][1] is v:  # could not be timed
-                early["todo"].pop(0)
-                early["stopped"] = "streams: no reference to time the plan's own engines against"
-                return None
             return False
         t0 = time.perf_counter()
         try:
@@ -935,12 +939,8 @@ class GpuMeasurer:
             ready = isinstance(v, (DepthwiseSample, StreamsRival)) or not self.backend.compiling(keys)
             if what not in wait_for and (early.get("stopped") or not ready):
                 continue
-            early["todo"].remove(item)
-            won = self._race_early(what, v)
-            if won is None:
+            if self._race_in_turn(item) is None:
                 break
-            if won and what not in ("streams", "engine blocks"):  # the later rounds would race another plan
-                early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
         if not early.get("rounds"):
             return None
         return {"partial": True, "rounds": list(early["rounds"]), "plan": early["plan"],

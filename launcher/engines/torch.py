@@ -72,7 +72,7 @@ import numpy as np
 
 from parastream.core.files import write_atomic
 from parastream.core.lru import lru_put
-from parastream.core.protos import is_repeated
+from parastream.core.protos import copy_fields as _copy_fields
 
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
@@ -909,22 +909,6 @@ def structure_key(branch: onnx.ModelProto, signature: list) -> str:
     h = hashlib.sha256(canon.SerializeToString(deterministic=True))
     h.update(json.dumps([s[1:] for s in signature]).encode())
     return h.hexdigest()
-
-
-def _copy_fields(dst, src, skip: set[str]) -> None:
-    """The fields ``src`` has set copied into ``dst`` (a message of its type), but those named in ``skip``, which
-    are not read (``ListFields`` would hand out a weight's bytes as a copy)."""
-    for fd in src.DESCRIPTOR.fields:
-        if fd.name in skip:
-            continue
-        if is_repeated(fd):
-            if len(getattr(src, fd.name)):
-                getattr(dst, fd.name).extend(getattr(src, fd.name))
-        elif src.HasField(fd.name):
-            if fd.message_type is not None:
-                getattr(dst, fd.name).CopyFrom(getattr(src, fd.name))
-            else:
-                setattr(dst, fd.name, getattr(src, fd.name))
 
 
 def _entry(package: bytes, extra: dict, weights: bytes = b"") -> bytes:
