@@ -479,6 +479,60 @@ def graph_exec_destroy(graph_exec) -> None:
     check(runtime().cudaGraphExecDestroy(graph_exec), "cudaGraphExecDestroy")
 
 
+class StreamGate:
+    """A gate that holds a stream's work until the host opens it: the stream waits on a 32-bit counter in
+    pinned host memory mapped into the device (``cuStreamWaitValue32``, cyclic greater-or-equal), which the
+    host then raises.
+
+    Timing uses it so that a block of timed replays is all queued before the GPU starts on it (NVBench's
+    "blocking kernel", done with a stream memory operation that the driver already has rather than a kernel
+    of our own): the CUDA events then time the GPU's work only, not a launching thread that another thread
+    held at the interpreter lock or that compile workers kept off a core, which would otherwise stall the GPU
+    between a replay's start event and its graph.  A gate left closed for ``limit_s`` (the driver's queue
+    filled before the block was all queued) is opened by a timer: the block is then timed as it runs, and
+    ``opened_by_timer`` counts it.  Every driver call here releases the interpreter lock, so the timer runs
+    while the queuing thread waits in the driver."""
+
+    def __init__(self, limit_s: float = 2.0):
+        rt = runtime()
+        self.limit_s = float(limit_s)
+        self.host = handle(check(rt.cudaHostAlloc(4, rt.cudaHostAllocMapped), "cudaHostAlloc(mapped)"))
+        self.device_ptr = handle(check(rt.cudaHostGetDevicePointer(self.host, 0), "cudaHostGetDevicePointer"))
+        self._value = ctypes.c_uint32.from_address(self.host)
+        self._value.value = 0
+        self._count = 0
+        self._lock = threading.Lock()
+        self.opened_by_timer = 0
+
+    def close(self, stream) -> None:
+        """Queue, on ``stream``, a wait for the next ``open``."""
+        drv = driver()
+        self._count = (self._count + 1) & 0xFFFFFFFF
+        check_driver(drv.cuStreamWaitValue32(handle(stream), self.device_ptr, self._count,
+                                             int(drv.CUstreamWaitValue_flags.CU_STREAM_WAIT_VALUE_GEQ)),
+                     "cuStreamWaitValue32")
+        self._timer = threading.Timer(self.limit_s, self._open, args=(self._count, True))
+        self._timer.daemon = True
+        self._timer.start()
+
+    def open(self) -> None:
+        self._timer.cancel()
+        self._open(self._count, False)
+
+    def _open(self, count: int, by_timer: bool) -> None:
+        with self._lock:
+            if (self._value.value - count) & 0x80000000:  # not open yet (cyclic comparison, as the driver's)
+                self._value.value = count
+                self.opened_by_timer += by_timer
+
+    def free(self) -> None:
+        timer = getattr(self, "_timer", None)
+        if timer is not None:
+            timer.cancel()
+            self._open(self._count, False)
+        check(runtime().cudaFreeHost(self.host), "cudaFreeHost")
+
+
 def graph_num_nodes(graph) -> int:
     _, n = check(runtime().cudaGraphGetNodes(graph, 0), "cudaGraphGetNodes") or (None, 0)
     return int(n)

@@ -538,6 +538,11 @@ class GpuLauncher:
         """The stream every launch is queued on (``launch()`` work is ordered after work queued here)."""
         return self._h(self.origin)
 
+    @property
+    def captured(self) -> bool:
+        """Whether ``launch`` replays one captured CUDA Graph (else it enqueues every engine in turn)."""
+        return self._exec is not None
+
     def launch(self, stream=None) -> None:
         """Replay the plan once on the origin stream, asynchronously (no copies, no synchronisation).
 

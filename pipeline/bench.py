@@ -82,16 +82,23 @@ def gpu_timing_lock(device: int = 0, enabled: bool = True):
         os.close(fd)  # closing the descriptor releases the lock
 
 
-def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0, lock: bool = True) -> dict[str, np.ndarray]:
+def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0, lock: bool = True,
+            hold: bool = True, info: dict | None = None) -> dict[str, np.ndarray]:
     """Per-replay milliseconds of each launcher (all of one bundle), timed in alternating blocks while this
-    process holds the GPU's timing lock (``gpu_timing_lock``; ``lock`` False: without it)."""
+    process holds the GPU's timing lock (``gpu_timing_lock``; ``lock`` False: without it).
+
+    ``hold`` (default): each block of a launcher that replays a captured graph is queued whole behind a closed
+    ``cuda.StreamGate`` and then let go, so that the events time the GPU's work and not how fast this thread
+    queued it (a build times while its compile workers fill the machine's cores and other threads of its
+    process take the interpreter lock).  ``info``, when given, gets ``blocks``, ``held`` and ``opened_by_timer``."""
     first = next(iter(launchers.values()))
     device = getattr(first, "device", 0) or 0
     with gpu_timing_lock(device, enabled=lock), cuda.on_device(device):  # the input sets on the launchers' GPU
-        return _measure(launchers, runs=runs, warmup=warmup, seed=seed)
+        return _measure(launchers, runs=runs, warmup=warmup, seed=seed, hold=hold, info=info)
 
 
-def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str, np.ndarray]:
+def _measure(launchers: dict, *, runs: int, warmup: int, seed: int, hold: bool = True,
+             info: dict | None = None) -> dict[str, np.ndarray]:
     first = next(iter(launchers.values()))
     plan = first.plan
     rng = np.random.default_rng(seed)
@@ -103,7 +110,10 @@ def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str,
             d[spec.name] = cuda.device_copy(random_array(spec, rng), first.origin, spec.dtype)
             owned.append(d[spec.name])
         sets.append(d)
+    gate, counts = None, {"blocks": 0, "held": 0}
     try:
+        if hold and any(getattr(la, "captured", False) for la in launchers.values()):
+            gate = _gate(counts)
         times = {}
         events = {}
         for name, la in launchers.items():
@@ -119,8 +129,22 @@ def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str,
             n = min(BLOCK, runs - done)
             for name, la in launchers.items():
                 starts, ends = events[name]
-                _time_replays(la, sets, n, starts, ends, done)
+                held = gate is not None and getattr(la, "captured", False)
+                if held:
+                    try:
+                        gate.close(la.origin)
+                    except cuda.CudaError as e:  # a driver without stream memory operations: timed as queued
+                        counts["hold_error"] = str(e)
+                        gate.free()
+                        gate, held = None, False
+                try:
+                    _time_replays(la, sets, n, starts, ends, done)
+                finally:
+                    if held:
+                        gate.open()
                 la.synchronize()
+                counts["blocks"] += 1
+                counts["held"] += held
             done += n
         for name in launchers:
             starts, ends = events[name]
@@ -129,8 +153,21 @@ def _measure(launchers: dict, *, runs: int, warmup: int, seed: int) -> dict[str,
                 cuda.event_destroy(e)
         return times
     finally:
+        if gate is not None:
+            counts["opened_by_timer"] = gate.opened_by_timer
+            gate.free()
+        if info is not None:
+            info.update(counts)
         for ptr in owned:
             cuda.free(ptr)
+
+
+def _gate(counts: dict):
+    try:
+        return cuda.StreamGate()
+    except cuda.CudaError as e:
+        counts["hold_error"] = str(e)
+        return None
 
 
 def whole_model_options(bundle: Bundle) -> BuildOptions:
@@ -237,6 +274,10 @@ class WholeModelLauncher:
         ptr, host = self._host[spec.name]
         np.copyto(host, np.asarray(arr), casting="same_kind")
         cuda.memcpy_htod_async(self.addr[spec.name], ptr, host.nbytes, self.origin)
+
+    @property
+    def captured(self) -> bool:
+        return self._exec is not None
 
     def launch(self) -> None:
         if self._exec is not None:

@@ -562,3 +562,53 @@ def test_one_stream_plan_runs_on_the_origin_stream(tmp_path):
         ref, got = _ref(path, feeds), la(feeds)
         for name in ref:
             assert _rel(got[name], ref[name]) <= 1e-3
+
+
+@pytest.mark.gpu
+def test_stream_gate_holds_a_stream_until_opened_and_its_timer_opens_it():
+    rt = cuda.runtime()
+    stream = cuda.stream_create()
+    gate = cuda.StreamGate(limit_s=30.0)
+    ev = cuda.event_create()
+    try:
+        gate.close(stream)
+        cuda.event_record(ev, stream)
+        import time
+
+        time.sleep(0.2)
+        assert rt.cudaEventQuery(ev)[0] == rt.cudaError_t.cudaErrorNotReady  # held
+        gate.open()
+        cuda.stream_synchronize(stream)
+        assert rt.cudaEventQuery(ev)[0] == rt.cudaError_t.cudaSuccess and gate.opened_by_timer == 0
+        gate.close(stream)  # closes again for the next block
+        cuda.event_record(ev, stream)
+        time.sleep(0.1)
+        assert rt.cudaEventQuery(ev)[0] == rt.cudaError_t.cudaErrorNotReady
+        gate.open()
+        cuda.stream_synchronize(stream)
+
+        timed = cuda.StreamGate(limit_s=0.3)
+        t0 = time.perf_counter()
+        timed.close(stream)  # never opened by the host: the timer lets the stream go
+        cuda.stream_synchronize(stream)
+        assert time.perf_counter() - t0 >= 0.25 and timed.opened_by_timer == 1
+        timed.free()
+    finally:
+        gate.free()
+        cuda.event_destroy(ev)
+        cuda.stream_destroy(stream)
+
+
+@pytest.mark.gpu
+def test_measure_holds_every_block_of_a_captured_plan(bundles):
+    from parastream.launcher.gpu import GpuLauncher
+    from parastream.pipeline.bench import measure
+
+    _, bundle = bundles[("inception_block", "fp16")]
+    with GpuLauncher(bundle) as la:
+        single = GpuLauncher(bundle, single_stream=True, engines=la.engines)
+        info = {}
+        times = measure({"plan": la, "single": single}, runs=60, warmup=5, info=info)
+        assert info["held"] == info["blocks"] == 6 and info["opened_by_timer"] == 0
+        assert all(len(t) == 60 and (t > 0).all() for t in times.values())
+        single.close()

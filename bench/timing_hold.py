@@ -1,0 +1,168 @@
+#!/usr/bin/env python3
+"""Whether what else a build's process and machine run changes the build's timings, and whether queuing each timed
+block whole behind a closed gate (``pipeline.bench.measure(hold=True)``, ``cuda.StreamGate``) takes that away.
+
+A build times its candidates and alternatives while its compile workers fill the machine's cores and other
+threads of its process (result handling, loads) take the interpreter lock.  The timing thread queues, per replay,
+an input copy, a start event, the graph launch and an end event: a thread kept off the CPU between a start event
+and its launch leaves the GPU idle inside the timed interval.  With the gate closed the GPU starts a block only
+once all of it is queued.
+
+Per model (bench/gpu.py's exports, fp16, batch 1), one bundle is built without the search (``search=False``, the
+engines a default build ships); two launchers of the same engines (A, and B sharing A's engines: their times
+should be the same) are timed in alternating blocks (``measure``, 200 replays each), unheld and held, under:
+
+  quiet   nothing else running
+  cpu     one busy process per core (a build's compile workers)
+  gil     two threads of this process spinning in Python (the interpreter lock taken every switch interval)
+  both    cpu and gil
+
+each condition ``--reps`` times, in interleaved order.  Also: the CPU seconds of one ``launch()`` (a graph
+launch) measured while the stream is held, so that the GPU's queue does not push back.  Writes
+OUT/timing_hold.json: per model, condition and hold, each rep's medians, p10/p90 and A/B, and ``measure``'s
+``info`` (blocks held, opened by the gate's timer).
+
+Run on the device machine from the repository root after ``source bench/device_env.sh``:
+
+    python3 bench/timing_hold.py --models nasnetalarge,bert --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import multiprocessing
+import os
+import sys
+import threading
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+CONDITIONS = ("quiet", "cpu", "gil", "both")
+
+
+def _spin(stop) -> None:
+    x = 0
+    while not stop.is_set():
+        for _ in range(10000):
+            x += 1
+
+
+@contextlib.contextmanager
+def disturbed(condition: str):
+    """The condition's load on the machine while the block runs."""
+    procs, threads = [], []
+    stop_p = multiprocessing.Event()
+    stop_t = threading.Event()
+    if condition in ("cpu", "both"):
+        procs = [multiprocessing.Process(target=_spin, args=(stop_p,), daemon=True) for _ in range(os.cpu_count() or 2)]
+        for p in procs:
+            p.start()
+    if condition in ("gil", "both"):
+        threads = [threading.Thread(target=_spin, args=(stop_t,), daemon=True) for _ in range(2)]
+        for t in threads:
+            t.start()
+    time.sleep(0.3)
+    try:
+        yield
+    finally:
+        stop_p.set()
+        stop_t.set()
+        for p in procs:
+            p.join(5)
+        for t in threads:
+            t.join(5)
+
+
+def launch_cpu_us(la, n: int = 50) -> dict:
+    """Median wall microseconds of one ``la.launch()`` while the stream is held (nothing runs meanwhile)."""
+    from parastream.launcher import cuda
+
+    gate = cuda.StreamGate(limit_s=10.0)
+    each = []
+    try:
+        gate.close(la.origin)
+        for _ in range(n):
+            t0 = time.perf_counter()
+            la.launch()
+            each.append((time.perf_counter() - t0) * 1e6)
+        gate.open()
+        la.synchronize()
+    finally:
+        gate.free()
+    return {"median_us": round(float(np.median(each)), 1), "p90_us": round(float(np.percentile(each, 90)), 1)}
+
+
+def one_model(name: str, work: Path, args) -> dict:
+    from gpu import export_with_reference
+
+    from parastream.launcher.gpu import GpuLauncher
+    from parastream.pipeline import build
+    from parastream.pipeline.bench import measure
+
+    _, _, onnx_path, _, _, export_s = export_with_reference(name, work, 1)
+    t0 = time.perf_counter()
+    bundle = build(onnx_path, work / f"{name}_bundle", backend="torch", precision="fp16", search=False, measure=False,
+                   force=True)
+    res: dict = {"model": name, "export_s": round(export_s, 1), "build_s": round(time.perf_counter() - t0, 1),
+                 "streams": bundle.plan.num_streams, "engines": len(bundle.plan.branches), "runs": []}
+    a = GpuLauncher(bundle)
+    b = GpuLauncher(bundle, engines=a.engines)
+    try:
+        res["launch_cpu"] = launch_cpu_us(a)
+        order = [(c, h) for c in CONDITIONS for h in (False, True)]
+        for rep in range(args.reps):
+            for condition, hold in (order if rep % 2 == 0 else order[::-1]):
+                info: dict = {}
+                with disturbed(condition):
+                    times = measure({"A": a, "B": b}, runs=args.runs, warmup=20, hold=hold, info=info, seed=rep)
+                row = {"rep": rep, "condition": condition, "hold": hold, "info": info}
+                for k, t in times.items():
+                    row[k] = {"median_ms": round(float(np.median(t)), 4),
+                              "p10_p90": [round(float(np.percentile(t, 10)), 4), round(float(np.percentile(t, 90)), 4)]}
+                row["a_over_b"] = round(row["A"]["median_ms"] / row["B"]["median_ms"], 4)
+                res["runs"].append(row)
+                print(json.dumps({"model": name, **row}), flush=True)
+    finally:
+        b.close()
+        a.close()
+    summary = {}
+    for condition in CONDITIONS:
+        for hold in (False, True):
+            meds = [r["A"]["median_ms"] for r in res["runs"] if r["condition"] == condition and r["hold"] == hold]
+            summary[f"{condition}/{'held' if hold else 'queued'}"] = round(float(np.median(meds)), 4)
+    res["summary_median_ms_A"] = summary
+    print(json.dumps({"model": name, "summary": summary, "launch_cpu": res["launch_cpu"]}), flush=True)
+    return res
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--models", default="nasnetalarge,bert")
+    ap.add_argument("--runs", type=int, default=200)
+    ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--work", default="/tmp/timing_hold")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/timing_hold_out"))
+    args = ap.parse_args(argv)
+    work, out = Path(args.work), Path(args.out)
+    work.mkdir(parents=True, exist_ok=True)
+    out.mkdir(parents=True, exist_ok=True)
+    results = []
+    for name in [m for m in args.models.split(",") if m]:
+        try:
+            results.append(one_model(name, work, args))
+        except Exception as e:  # noqa: BLE001 - the next model still runs; the file says what failed
+            results.append({"model": name, "error": f"{type(e).__name__}: {e}"[:500]})
+            print(json.dumps(results[-1]), flush=True)
+        (out / "timing_hold.json").write_text(json.dumps(results, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
