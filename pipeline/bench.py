@@ -93,8 +93,25 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
     process take the interpreter lock).  ``info``, when given, gets ``blocks``, ``held`` and ``opened_by_timer``."""
     first = next(iter(launchers.values()))
     device = getattr(first, "device", 0) or 0
-    with gpu_timing_lock(device, enabled=lock), cuda.on_device(device):  # the input sets on the launchers' GPU
+    with gpu_timing_lock(device, enabled=lock), cuda.on_device(device), _gil_handed_back_promptly():
         return _measure(launchers, runs=runs, warmup=warmup, seed=seed, hold=hold, info=info)
+
+
+@contextlib.contextmanager
+def _gil_handed_back_promptly(interval_s: float = 1e-4):
+    """The interpreter's switch interval shortened while this thread times.  Each CUDA call releases the
+    interpreter lock, and a thread that comes back from one waits for it up to the switch interval (5 ms by
+    default) while another thread runs Python: a block's queuing then took seconds where the build's other
+    threads were busy (bench/timing_hold.py's "gil" condition: 16 blocks, 4 of them still unqueued after 2 s).
+    Process-wide, and restored after."""
+    import sys
+
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, interval_s))
+    try:
+        yield
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _measure(launchers: dict, *, runs: int, warmup: int, seed: int, hold: bool = True,
