@@ -8,7 +8,9 @@ is imported lazily: this module imports on a machine without it.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
 import re
 import threading
 import time
@@ -128,6 +130,47 @@ def device_count() -> int:
     except Exception:  # noqa: BLE001 - no cuda-python or no driver
         return 0
     return int(n) if err == rt.cudaError_t.cudaSuccess else 0
+
+
+_BUS_IDS: dict[int, str] = {}
+
+
+def gpu_lock_path(device: int):
+    """The file whose lock is a turn on GPU ``device`` (``gpu_turn``), named by the GPU's PCI bus id where the
+    driver gives it: processes that number their GPUs differently (each its own CUDA_VISIBLE_DEVICES) then share
+    one lock per physical GPU, and processes on two GPUs never share one.  By the ordinal elsewhere."""
+    import tempfile
+    from pathlib import Path
+
+    if device not in _BUS_IDS:
+        try:
+            bus = check(runtime().cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+            bus = (bus.decode() if isinstance(bus, bytes) else str(bus)).strip("\x00").strip()
+            _BUS_IDS[device] = re.sub(r"[^0-9A-Za-z]", "_", bus) or str(device)
+        except Exception:  # noqa: BLE001 - no cuda-python, no driver or no such device: the ordinal
+            _BUS_IDS[device] = str(device)
+    return Path(tempfile.gettempdir()) / f"parastream-gpu{_BUS_IDS[device]}-timing.lock"
+
+
+@contextlib.contextmanager
+def gpu_turn(device: int = 0, enabled: bool = True):
+    """Hold the machine-wide turn on GPU ``device`` (a flock on ``gpu_lock_path``) while the block runs.
+
+    What times the GPU (pipeline.bench's ``gpu_timing_lock``: a build's measurements, another build's on the
+    same GPU) and what would run on it meanwhile from another process (a build's compile workers, which run each
+    compiled engine and its Triton autotuning) take turns.  ``enabled`` False or ``PARASTREAM_GPU_TIMING_LOCK=0``
+    (every process of a machine that runs one build at a time) runs the block without it."""
+    if not enabled or os.environ.get("PARASTREAM_GPU_TIMING_LOCK", "1") == "0":
+        yield
+        return
+    import fcntl
+
+    fd = os.open(gpu_lock_path(device), os.O_RDWR | os.O_CREAT, 0o666)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
 
 
 def set_device(device: int) -> None:

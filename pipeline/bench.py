@@ -60,26 +60,17 @@ def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) ->
 
 @contextlib.contextmanager
 def gpu_timing_lock(device: int = 0, enabled: bool = True):
-    """Hold the machine-wide lock for timing on GPU ``device`` (a flock on a file in the temporary folder).
+    """Hold the machine-wide lock for timing on GPU ``device`` (``cuda.gpu_turn``: a flock on a file in the
+    temporary folder, one per physical GPU).
 
     Builds that run side by side on one GPU (a build machine building several models at once) compile in
-    parallel but take turns while they time: a measurement that shares the GPU with another process's
-    replays would decide a build's choices on noise.  ``enabled`` False (a build's ``--no-gpu-timing-lock``,
-    recorded in manifest.json) or ``PARASTREAM_GPU_TIMING_LOCK=0`` (an override for every process of a machine
-    that runs one build at a time) turns it off."""
-    if not enabled or os.environ.get("PARASTREAM_GPU_TIMING_LOCK", "1") == "0":
+    parallel but take turns while they time, and a build's compile workers run their engines on the GPU only
+    in turns with it: a measurement that shares the GPU with another process's work would decide a build's
+    choices on noise.  ``enabled`` False (a build's ``--no-gpu-timing-lock``, recorded in manifest.json) or
+    ``PARASTREAM_GPU_TIMING_LOCK=0`` (an override for every process of a machine that runs one build at a time)
+    turns it off."""
+    with cuda.gpu_turn(device, enabled=enabled):
         yield
-        return
-    import fcntl
-    import tempfile
-
-    path = Path(tempfile.gettempdir()) / f"parastream-gpu{device}-timing.lock"
-    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
-    try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
-    finally:
-        os.close(fd)  # closing the descriptor releases the lock
 
 
 def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0, lock: bool = True,

@@ -74,6 +74,7 @@ from parastream.core.files import write_atomic
 from parastream.core.lru import lru_put
 from parastream.core.protos import copy_fields as _copy_fields
 
+from .. import cuda
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import LOWERED_CONV_KERNELS, BuilderBase, BuildOptions, check_model, conv_kernels_used, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
@@ -720,7 +721,11 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
     extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params), **fields}
     if kernels:
         try:
-            package, info = inductor_kernels.extract(art, [*params, *args], len(outputs))
+            # the compiled graph runs here, its Triton kernels autotuning (each config timed for ~0.1 s of GPU):
+            # a compile worker takes the GPU's turn for it, so that the build's timings meanwhile do not share the
+            # GPU with it (NASNet-A Large's search: every timing 55% slow while its workers compiled, H200)
+            with cuda.gpu_turn(torch.cuda.current_device(), enabled=_IN_WORKER and options.gpu_timing_lock):
+                package, info = inductor_kernels.extract(art, [*params, *args], len(outputs))
             extra = dict(extra, compiled="kernels", kernels=info)
             _remember_code(same, package, extra, options.cache_dir)
             return package, extra, weights
@@ -810,8 +815,15 @@ _CONVERTED: dict[str, int] = {}
 _FAILED: dict[str, str] = {}
 
 
+#: True in a compile worker (``_worker_init``): its GPU runs take the GPU's turn with the build's timings
+_IN_WORKER = False
+
+
 def _worker_init() -> None:
+    global _IN_WORKER
     import torch._inductor.config as cfg
+
+    _IN_WORKER = True
     import torch._inductor.standalone_compile  # noqa: F401 - what every job needs, imported before the first one
 
     cfg.compile_threads = 1  # the workers are the parallelism; no Triton compile pool per worker (but see below)

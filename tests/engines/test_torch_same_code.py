@@ -6,6 +6,8 @@ compile jobs) cannot tell them apart.  On the CPU, as CI runs Inductor."""
 
 from __future__ import annotations
 
+import contextlib
+
 import numpy as np
 import pytest
 from onnx import numpy_helper
@@ -132,3 +134,38 @@ def test_with_a_cache_dir_a_rebuild_whose_weights_changed_compiles_nothing(compi
     assert len(compiles) == 1 and again[1].get("code_reused") and again[0] == first[0] and again[2] != first[2]
     x = np.random.default_rng(12).standard_normal(IN.shape).astype(np.float32)
     np.testing.assert_allclose(_run(*again, x), ort(changed, x), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+def test_a_compile_workers_gpu_run_takes_the_gpus_turn(monkeypatch):
+    """In a compile worker the kernels artifact's run (Inductor's autotuning included) happens inside
+    ``cuda.gpu_turn``, the lock the build's timings hold; outside a worker (a build compiling in its own
+    process, which may hold the lock itself while it times) it does not take it."""
+    from parastream.launcher import cuda
+    from parastream.launcher.engines import inductor_kernels
+
+    tb.clear_memory_cache()
+    events = []
+    real_turn, real_extract = cuda.gpu_turn, inductor_kernels.extract
+
+    @contextlib.contextmanager
+    def turn(device=0, enabled=True):
+        events.append(("turn", enabled))
+        with real_turn(device, enabled=enabled):
+            yield
+        events.append(("end", enabled))
+
+    def extract(*a, **k):
+        events.append(("extract",))
+        return real_extract(*a, **k)
+
+    monkeypatch.setattr(cuda, "gpu_turn", turn)
+    monkeypatch.setattr(inductor_kernels, "extract", extract)
+    opts = BuildOptions(device="cuda", precision="fp32")
+    for in_worker, seed in ((True, 11), (False, 12)):
+        monkeypatch.setattr(tb, "_IN_WORKER", in_worker)
+        events.clear()
+        data, extra, _ = tb.compile_inductor(branch(seed), [IN], [OUT], "cuda", "float32", set(), {}, opts)
+        assert extra.get("compiled") == "kernels", extra.get("kernels_error")
+        assert events == [("turn", in_worker), ("extract",), ("end", in_worker)]
+    tb.clear_memory_cache()

@@ -5,6 +5,7 @@ import sys
 import tempfile
 from pathlib import Path
 
+from parastream.launcher import cuda
 from parastream.pipeline.bench import gpu_timing_lock
 
 TRY_LOCK = """
@@ -18,7 +19,7 @@ except BlockingIOError:
 
 
 def _other_process_can_lock(device: int) -> bool:
-    path = Path(tempfile.gettempdir()) / f"parastream-gpu{device}-timing.lock"
+    path = cuda.gpu_lock_path(device)
     rc = subprocess.run([sys.executable, "-c", TRY_LOCK, str(path)]).returncode
     assert rc in (0, 3)
     return rc == 0
@@ -43,3 +44,36 @@ def test_the_build_option_turns_it_off(monkeypatch):
     monkeypatch.delenv("PARASTREAM_GPU_TIMING_LOCK", raising=False)
     with gpu_timing_lock(7, enabled=False):
         assert _other_process_can_lock(7)
+
+
+class _BusRuntime:
+    """cuda-python's runtime as far as the lock's name needs it: a PCI bus id per ordinal."""
+
+    class cudaError_t:
+        cudaSuccess = 0
+
+    def __init__(self, buses):
+        self.buses = buses
+
+    def cudaDeviceGetPCIBusId(self, length, device):
+        return (0, self.buses[device].encode() + b"\x00" * 3)
+
+
+def test_one_lock_per_physical_gpu(monkeypatch):
+    """Processes that number GPUs differently (each its own CUDA_VISIBLE_DEVICES) name one GPU's lock alike, and
+    two GPUs never share one: the file is named by the PCI bus id, else by the ordinal."""
+    monkeypatch.setattr(cuda, "_BUS_IDS", {})
+    monkeypatch.setattr(cuda, "runtime", lambda: _BusRuntime({0: "00000000:1A:00.0", 1: "00000000:2B:00.0"}))
+    monkeypatch.setattr(cuda, "check", lambda result, call: result[1])
+    first, second = cuda.gpu_lock_path(0), cuda.gpu_lock_path(1)
+    assert first != second and "1A_00_0" in first.name and "2B_00_0" in second.name
+    monkeypatch.setattr(cuda, "_BUS_IDS", {})
+    monkeypatch.setattr(cuda, "runtime", lambda: _BusRuntime({0: "00000000:2B:00.0"}))  # GPU 1 seen as ordinal 0
+    assert cuda.gpu_lock_path(0) == second
+
+    def no_driver():
+        raise cuda.BackendUnavailable("no cuda-python")
+
+    monkeypatch.setattr(cuda, "_BUS_IDS", {})
+    monkeypatch.setattr(cuda, "runtime", no_driver)
+    assert cuda.gpu_lock_path(3).name == "parastream-gpu3-timing.lock"
