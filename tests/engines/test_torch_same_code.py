@@ -164,6 +164,7 @@ def test_a_compile_workers_gpu_run_takes_the_gpus_turn(monkeypatch):
     opts = BuildOptions(device="cuda", precision="fp32")
     for in_worker, seed in ((True, 11), (False, 12)):
         monkeypatch.setattr(tb, "_IN_WORKER", in_worker)
+        tb.clear_memory_cache()  # the second branch is the first's code: it would reuse it and run nothing
         events.clear()
         data, extra, _ = tb.compile_inductor(branch(seed), [IN], [OUT], "cuda", "float32", set(), {}, opts)
         assert extra.get("compiled") == "kernels", extra.get("kernels_error")
