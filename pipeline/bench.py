@@ -15,7 +15,8 @@ bundle's multi-stream plan, and every branch on a single stream in launch order.
 Each is timed with CUDA events around every graph replay, after a warm-up, over
 ``runs`` replays (median), rotating several random input sets (never zeros) that
 are copied in outside the timed region.  The variants are timed in alternating blocks
-so that clock drift hits them alike.
+so that clock drift hits them alike, and each block is queued whole before the GPU starts
+on it (``measure``'s ``hold``), so that the events time the GPU's work, not the queuing.
 
 A TensorRT bundle gets a third variant (``whole_model=True``, the default): the bundle's
 model.onnx built as ONE TensorRT engine with the bundle's precision and builder options and

@@ -713,10 +713,11 @@ class GpuMeasurer:
         reference's first median (so that candidates timed at different moments compare through the same
         reference).  A timing whose reference ran more than ``REFERENCE_DRIFT`` slower than the fastest it has
         run is timed again, up to ``REFERENCE_RETRIES`` times: what else runs on the GPU meanwhile only slows a
-        timing (a build's compile workers ran their engines and Triton's autotuning on it: NASNet-A Large's
-        reference 1.50 ms in most timings, 1.85-2.41 in others, H200), so the fastest state is the undisturbed
-        one.  A reference faster than its first median is taken as it is (that first median was the disturbed
-        one: it had every later timing of one build retried twice, and six candidates measured instead of ten).
+        timing (a build's compile workers run their engines and Triton's autotuning on it; NASNet-A Large's
+        reference ran 1.50 ms in most timings of one build and 1.85-2.41 in others, H200), so the fastest state
+        is the undisturbed one.  A reference faster than its first median is taken as it is: that first median
+        was the disturbed one (2.41 ms in that build, which had every later timing retried twice and measured
+        six of its ten candidates).
         The log keeps both medians of every timing (``blocks_ms``)."""
         from .bench import measure as time_replays
 

@@ -721,9 +721,10 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
     extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params), **fields}
     if kernels:
         try:
-            # the compiled graph runs here, its Triton kernels autotuning (each config timed for ~0.1 s of GPU):
+            # the compiled graph runs here, its Triton kernels autotuning (Triton times each config on the GPU):
             # a compile worker takes the GPU's turn for it, so that the build's timings meanwhile do not share the
-            # GPU with it (NASNet-A Large's search: every timing 55% slow while its workers compiled, H200)
+            # GPU with it (NASNet-A Large's search on the H200, workers compiling: its reference 1.85-2.41 ms in
+            # some timings, 1.50 in most)
             with cuda.gpu_turn(torch.cuda.current_device(), enabled=_IN_WORKER and options.gpu_timing_lock):
                 package, info = inductor_kernels.extract(art, [*params, *args], len(outputs))
             extra = dict(extra, compiled="kernels", kernels=info)
@@ -822,9 +823,9 @@ _IN_WORKER = False
 def _worker_init() -> None:
     global _IN_WORKER
     import torch._inductor.config as cfg
+    import torch._inductor.standalone_compile  # noqa: F401 - what every job needs, imported before the first one
 
     _IN_WORKER = True
-    import torch._inductor.standalone_compile  # noqa: F401 - what every job needs, imported before the first one
 
     cfg.compile_threads = 1  # the workers are the parallelism; no Triton compile pool per worker (but see below)
     # below the build's own process: while they compile the search's next candidates in the background, the
