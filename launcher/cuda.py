@@ -153,24 +153,39 @@ def gpu_lock_path(device: int):
 
 
 @contextlib.contextmanager
-def gpu_turn(device: int = 0, enabled: bool = True):
-    """Hold the machine-wide turn on GPU ``device`` (a flock on ``gpu_lock_path``) while the block runs.
+def gpu_turn(device: int = 0, enabled: bool = True, shared: bool = False):
+    """Hold a machine-wide turn on GPU ``device`` while the block runs: file locks beside ``gpu_lock_path``.
 
     What times the GPU (pipeline.bench's ``gpu_timing_lock``: a build's measurements, another build's on the
-    same GPU) and what would run on it meanwhile from another process (a build's compile workers, which run each
-    compiled engine and its Triton autotuning) take turns.  ``enabled`` False or ``PARASTREAM_GPU_TIMING_LOCK=0``
-    (every process of a machine that runs one build at a time) runs the block without it."""
+    same GPU) takes an exclusive turn; what would run on the GPU meanwhile from another process (a build's compile
+    workers, which run each engine they compiled, its Triton autotuning included) takes a ``shared`` turn, which
+    other shared turns run beside.  An exclusive turn waits for the shared turns in progress and holds off new
+    ones (a turnstile file, which every turn passes first, is held by the exclusive turn throughout), so that a
+    timing is not kept waiting by workers whose turns overlap without end.  ``enabled`` False or
+    ``PARASTREAM_GPU_TIMING_LOCK=0`` (every process of a machine that runs one build at a time) runs the block
+    without it.  flock and two files rather than a library's lock: the turns are taken by separate processes
+    (the compile workers) that share nothing but the machine, and the kernel drops a lock with its process."""
     if not enabled or os.environ.get("PARASTREAM_GPU_TIMING_LOCK", "1") == "0":
         yield
         return
     import fcntl
 
-    fd = os.open(gpu_lock_path(device), os.O_RDWR | os.O_CREAT, 0o666)
+    path = gpu_lock_path(device)
+    gate = os.open(path.with_name(path.name + ".gate"), os.O_RDWR | os.O_CREAT, 0o666)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX)
-        yield
+        lock = os.open(path, os.O_RDWR | os.O_CREAT, 0o666)
+        try:
+            fcntl.flock(gate, fcntl.LOCK_EX)
+            if shared:
+                fcntl.flock(lock, fcntl.LOCK_SH)
+                fcntl.flock(gate, fcntl.LOCK_UN)  # through the turnstile: the next turn may come
+            else:
+                fcntl.flock(lock, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(lock)  # closing a descriptor releases its lock
     finally:
-        os.close(fd)  # closing the descriptor releases the lock
+        os.close(gate)
 
 
 def set_device(device: int) -> None:

@@ -32,6 +32,7 @@ a C++ wrapper per branch with g++ at build (docs/torch-engines.md).
 from __future__ import annotations
 
 import builtins
+import contextlib
 import importlib
 import io
 import json
@@ -406,11 +407,11 @@ def _wrapper_module(art) -> dict:
     raise ParastreamError("the compiled graph's call has no wrapper module")
 
 
-def extract(art, args: list, n_outputs: int) -> tuple[bytes, dict]:
+def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) -> tuple[bytes, dict]:
     """(kernels artifact, engine.json fields) of Inductor's compiled ``art`` for the flat ``args`` (weights,
     inputs, then ``n_outputs`` outputs): ``art`` is run on them, the artifact is loaded back as a load does and
     run on the same tensors with the outputs cleared, and every tensor must come out equal bit for bit (else
-    ParastreamError, and the caller ships ``art`` itself)."""
+    ParastreamError, and the caller ships ``art`` itself).  Each of the two runs is inside ``gpu_turn()``."""
     import torch
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
@@ -420,8 +421,9 @@ def extract(art, args: list, n_outputs: int) -> tuple[bytes, dict]:
     # them aligned again (``KernelsArtifact.__call__``); Inductor's own runtime would copy a misaligned one
     aligned = [i for i, a in enumerate(args) if a.data_ptr() % ALIGNMENT == 0]
     with torch.no_grad():
-        art(*args)  # autotuning leaves one launcher per kernel
-        torch.cuda.synchronize()
+        with gpu_turn():
+            art(*args)  # autotuning leaves one launcher per kernel
+            torch.cuda.synchronize()
         expected = [a.detach().clone() for a in args]
     scope = _wrapper_module(art)
     with open(scope["__file__"], encoding="utf-8") as f:
@@ -456,8 +458,9 @@ def extract(art, args: list, n_outputs: int) -> tuple[bytes, dict]:
     with torch.no_grad():
         for a in args[len(args) - n_outputs:]:
             a.zero_()
-        loaded(*args)
-        torch.cuda.synchronize()
+        with gpu_turn():
+            loaded(*args)
+            torch.cuda.synchronize()
     for i, (a, e) in enumerate(zip(args, expected)):
         if not torch.equal(a.nan_to_num(), e.nan_to_num()):
             raise ParastreamError(f"the loaded kernels artifact differs from Inductor's own on argument {i}")

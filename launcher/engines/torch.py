@@ -53,6 +53,7 @@
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import io
 import itertools
@@ -721,12 +722,13 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
     extra = {"params": [n.removeprefix("inner.") for n in names], "param_specs": _param_specs(params), **fields}
     if kernels:
         try:
-            # the compiled graph runs here, its Triton kernels autotuning (Triton times each config on the GPU):
-            # a compile worker takes the GPU's turn for it, so that the build's timings meanwhile do not share the
-            # GPU with it (NASNet-A Large's search on the H200, workers compiling: its reference 1.85-2.41 ms in
-            # some timings, 1.50 in most)
-            with cuda.gpu_turn(torch.cuda.current_device(), enabled=_IN_WORKER and options.gpu_timing_lock):
-                package, info = inductor_kernels.extract(art, [*params, *args], len(outputs))
+            # the compiled graph runs in extract, its Triton kernels autotuning (Triton times each config on the
+            # GPU): a compile worker runs it in a shared turn on the GPU, beside the other workers' and never
+            # during the build's timings (NASNet-A Large's search on the H200, workers compiling: its reference
+            # 1.85-2.41 ms in some timings, 1.50 in most)
+            turn = functools.partial(cuda.gpu_turn, torch.cuda.current_device(),
+                                     enabled=_IN_WORKER and options.gpu_timing_lock, shared=True)
+            package, info = inductor_kernels.extract(art, [*params, *args], len(outputs), gpu_turn=turn)
             extra = dict(extra, compiled="kernels", kernels=info)
             _remember_code(same, package, extra, options.cache_dir)
             return package, extra, weights

@@ -137,36 +137,29 @@ def test_with_a_cache_dir_a_rebuild_whose_weights_changed_compiles_nothing(compi
 
 
 @pytest.mark.gpu
-def test_a_compile_workers_gpu_run_takes_the_gpus_turn(monkeypatch):
-    """In a compile worker the kernels artifact's run (Inductor's autotuning included) happens inside
-    ``cuda.gpu_turn``, the lock the build's timings hold; outside a worker (a build compiling in its own
-    process, which may hold the lock itself while it times) it does not take it."""
+def test_a_compile_workers_gpu_runs_take_shared_turns_on_the_gpu(monkeypatch):
+    """In a compile worker the kernels artifact's two runs (Inductor's autotuning included) each happen inside a
+    shared ``cuda.gpu_turn``, which the build's timings wait for; outside a worker (a build compiling in its own
+    process, which may hold the exclusive turn itself while it times) the turns are not taken."""
     from parastream.launcher import cuda
-    from parastream.launcher.engines import inductor_kernels
 
     tb.clear_memory_cache()
-    events = []
-    real_turn, real_extract = cuda.gpu_turn, inductor_kernels.extract
+    turns = []
+    real_turn = cuda.gpu_turn
 
     @contextlib.contextmanager
-    def turn(device=0, enabled=True):
-        events.append(("turn", enabled))
-        with real_turn(device, enabled=enabled):
+    def turn(device=0, enabled=True, shared=False):
+        turns.append((enabled, shared))
+        with real_turn(device, enabled=enabled, shared=shared):
             yield
-        events.append(("end", enabled))
-
-    def extract(*a, **k):
-        events.append(("extract",))
-        return real_extract(*a, **k)
 
     monkeypatch.setattr(cuda, "gpu_turn", turn)
-    monkeypatch.setattr(inductor_kernels, "extract", extract)
     opts = BuildOptions(device="cuda", precision="fp32")
     for in_worker, seed in ((True, 11), (False, 12)):
         monkeypatch.setattr(tb, "_IN_WORKER", in_worker)
         tb.clear_memory_cache()  # the second branch is the first's code: it would reuse it and run nothing
-        events.clear()
+        turns.clear()
         data, extra, _ = tb.compile_inductor(branch(seed), [IN], [OUT], "cuda", "float32", set(), {}, opts)
         assert extra.get("compiled") == "kernels", extra.get("kernels_error")
-        assert events == [("turn", in_worker), ("extract",), ("end", in_worker)]
+        assert turns == [(in_worker, True), (in_worker, True)]
     tb.clear_memory_cache()

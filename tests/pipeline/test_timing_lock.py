@@ -2,8 +2,7 @@
 
 import subprocess
 import sys
-import tempfile
-from pathlib import Path
+import time
 
 from parastream.launcher import cuda
 from parastream.pipeline.bench import gpu_timing_lock
@@ -77,3 +76,51 @@ def test_one_lock_per_physical_gpu(monkeypatch):
     monkeypatch.setattr(cuda, "_BUS_IDS", {})
     monkeypatch.setattr(cuda, "runtime", no_driver)
     assert cuda.gpu_lock_path(3).name == "parastream-gpu3-timing.lock"
+
+
+TRY_TURN = """
+import fcntl, os, sys
+gate = os.open(sys.argv[1] + ".gate", os.O_RDWR | os.O_CREAT)
+lock = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT)
+try:
+    fcntl.flock(gate, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    fcntl.flock(lock, (fcntl.LOCK_SH if sys.argv[2] == "shared" else fcntl.LOCK_EX) | fcntl.LOCK_NB)
+except BlockingIOError:
+    sys.exit(3)
+"""
+
+HOLD_EXCLUSIVE = """
+import sys
+from parastream.launcher import cuda
+with cuda.gpu_turn(int(sys.argv[1])):
+    print("held", flush=True)
+"""
+
+
+def _other_process_gets(device: int, kind: str) -> bool:
+    rc = subprocess.run([sys.executable, "-c", TRY_TURN, str(cuda.gpu_lock_path(device)), kind]).returncode
+    assert rc in (0, 3)
+    return rc == 0
+
+
+def test_shared_turns_run_beside_each_other_and_an_exclusive_turn_waits_for_them(monkeypatch):
+    """Compile workers' GPU runs (shared turns) overlap; a timing (exclusive) waits for those in progress, and
+    while it waits no new shared turn starts (the turnstile), so that it is not kept waiting without end."""
+    monkeypatch.delenv("PARASTREAM_GPU_TIMING_LOCK", raising=False)
+    with cuda.gpu_turn(5, shared=True):
+        assert _other_process_gets(5, "shared")
+        assert not _other_process_gets(5, "exclusive")
+        waiting = subprocess.Popen([sys.executable, "-c", HOLD_EXCLUSIVE, "5"], stdout=subprocess.PIPE, text=True)
+        try:
+            deadline = time.monotonic() + 30
+            while _other_process_gets(5, "shared"):  # until the exclusive turn holds the turnstile
+                assert time.monotonic() < deadline and waiting.poll() is None
+                time.sleep(0.05)
+            assert waiting.poll() is None  # it waits for this shared turn
+        except BaseException:
+            waiting.kill()
+            raise
+    assert waiting.communicate(timeout=60)[0].strip() == "held" and waiting.returncode == 0
+    with cuda.gpu_turn(5):
+        assert not _other_process_gets(5, "shared") and not _other_process_gets(5, "exclusive")
+    assert _other_process_gets(5, "exclusive")
