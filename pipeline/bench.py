@@ -32,6 +32,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import threading
 import time
 from pathlib import Path
 
@@ -89,21 +90,32 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
         return _measure(launchers, runs=runs, warmup=warmup, seed=seed, hold=hold, info=info)
 
 
+_SWITCH = {"holders": 0, "before": None}
+_SWITCH_LOCK = threading.Lock()
+
+
 @contextlib.contextmanager
 def _gil_handed_back_promptly(interval_s: float = 1e-4):
     """The interpreter's switch interval shortened while this thread times.  Each CUDA call releases the
     interpreter lock, and a thread that comes back from one waits for it up to the switch interval (5 ms by
     default) while another thread runs Python: a block's queuing then took seconds where the build's other
     threads were busy (bench/timing_hold.py's "gil" condition: 16 blocks, 4 of them still unqueued after 2 s).
-    Process-wide, and restored after."""
+    Process-wide: the first of overlapping timings (a build run with ``--no-gpu-timing-lock`` may time in two
+    threads) shortens it and the last restores it."""
     import sys
 
-    before = sys.getswitchinterval()
-    sys.setswitchinterval(min(before, interval_s))
+    with _SWITCH_LOCK:
+        if _SWITCH["holders"] == 0:
+            _SWITCH["before"] = sys.getswitchinterval()
+            sys.setswitchinterval(min(_SWITCH["before"], interval_s))
+        _SWITCH["holders"] += 1
     try:
         yield
     finally:
-        sys.setswitchinterval(before)
+        with _SWITCH_LOCK:
+            _SWITCH["holders"] -= 1
+            if _SWITCH["holders"] == 0:
+                sys.setswitchinterval(_SWITCH["before"])
 
 
 def _measure(launchers: dict, *, runs: int, warmup: int, seed: int, hold: bool = True,

@@ -109,3 +109,26 @@ def test_a_driver_without_stream_memory_operations_times_the_blocks_as_queued(ca
     assert len(times["a"]) == 50
     assert info["held"] == 0 and "CUDA_ERROR_NOT_SUPPORTED" in info["hold_error"]
     assert sum(e[0] == "launch" for e in calls.log) == 51  # every replay still ran
+
+
+def test_the_switch_interval_is_restored_after_overlapping_timings():
+    import sys
+    import threading
+
+    before = sys.getswitchinterval()
+    inside, go = threading.Event(), threading.Event()
+
+    def other():
+        with bench._gil_handed_back_promptly():
+            inside.set()
+            go.wait(10)
+
+    t = threading.Thread(target=other)
+    with bench._gil_handed_back_promptly():
+        assert sys.getswitchinterval() == pytest.approx(1e-4)
+        t.start()
+        inside.wait(10)
+    assert sys.getswitchinterval() == pytest.approx(1e-4)  # the other timing still runs
+    go.set()
+    t.join(10)
+    assert sys.getswitchinterval() == pytest.approx(before)
