@@ -539,6 +539,7 @@ class GpuMeasurer:
         self.deadline = float("inf")  # set once the reference is timed (the budget is the candidates')
         self.calls = 0  # models asked for so far (the first two are measured whatever the budget)
         self.reference = None  # (launcher, median ms) of the first model measured
+        self.reference_fastest = float("inf")  # the fastest median the reference has run (``_against_reference``)
         self.planned: list[tuple[onnx.ModelProto, Variant]] = []  # what ``prepare`` planned for ``measure`` to load
         self.adopted: list[tuple[onnx.ModelProto, gs.Graph]] = []  # the search's candidates with their graphs
         self.prepared: list[onnx.ModelProto] = []

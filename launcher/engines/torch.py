@@ -818,7 +818,7 @@ _CONVERTED: dict[str, int] = {}
 _FAILED: dict[str, str] = {}
 
 
-#: True in a compile worker (``_worker_init``): its GPU runs take the GPU's turn with the build's timings
+#: True in a compile worker (``_worker_init``): its GPU runs take shared turns on the GPU, between the build's timings
 _IN_WORKER = False
 
 
