@@ -83,10 +83,14 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
     ``hold`` (default): each block of a launcher that replays a captured graph is queued whole behind a closed
     ``cuda.StreamGate`` and then let go, so that the events time the GPU's work and not how fast this thread
     queued it (a build times while its compile workers fill the machine's cores and other threads of its
-    process take the interpreter lock).  ``info``, when given, gets ``blocks``, ``held`` and ``opened_by_timer``."""
+    process take the interpreter lock).  ``info``, when given, gets ``lock_wait_s``, ``blocks``, ``held`` and
+    ``opened_by_timer``."""
     first = next(iter(launchers.values()))
     device = getattr(first, "device", 0) or 0
+    t0 = time.perf_counter()
     with gpu_timing_lock(device, enabled=lock), cuda.on_device(device), _gil_handed_back_promptly():
+        if info is not None:  # how long the turn took to come (other builds' timings, compile workers' runs)
+            info["lock_wait_s"] = round(time.perf_counter() - t0, 3)
         return _measure(launchers, runs=runs, warmup=warmup, seed=seed, hold=hold, info=info)
 
 

@@ -651,8 +651,6 @@ class GpuMeasurer:
         return got
 
     def measure(self, model: onnx.ModelProto) -> float:
-        from .bench import measure as time_replays
-
         t_called = time.perf_counter()
         self.time_ready()  # the input's alternatives whose engines are in, before the next candidate
         if self.calls >= 2 and time.perf_counter() > self.deadline:
@@ -663,8 +661,7 @@ class GpuMeasurer:
         la, v = self._load(model)
         t0 = time.perf_counter()
         if self.reference is None:
-            ms = float(np.median(time_replays({"candidate": la}, runs=self.runs, warmup=self.warmup,
-                                              lock=self.options.gpu_timing_lock)["candidate"]))
+            ms = float(np.median(self._time({"candidate": la})["candidate"]))
             self.reference = (la, ms)
             self.reference_fastest = ms
             self.log[-1].update(time_s=round(time.perf_counter() - t0, 3), median_ms=round(ms, 4))
@@ -720,12 +717,9 @@ class GpuMeasurer:
         was the disturbed one (2.41 ms in that build, which had every later timing retried twice and measured
         six of its ten candidates).
         The log keeps both medians of every timing (``blocks_ms``)."""
-        from .bench import measure as time_replays
-
         ref, ref_ms = self.reference
         for _ in range(REFERENCE_RETRIES + 1):
-            times = time_replays({"reference": ref, "candidate": la}, runs=self.runs, warmup=self.warmup,
-                                 lock=self.options.gpu_timing_lock)
+            times = self._time({"reference": ref, "candidate": la})
             cand, against = float(np.median(times["candidate"])), float(np.median(times["reference"]))
             if self.log:
                 self.log[-1].setdefault("blocks_ms", []).append({"reference": round(against, 4),
@@ -734,6 +728,21 @@ class GpuMeasurer:
             if against <= self.reference_fastest * (1.0 + REFERENCE_DRIFT):
                 break
         return cand / against * ref_ms
+
+    def _time(self, launchers: dict) -> dict:
+        """``bench.measure`` of ``launchers``; the log's last entry adds up how long the timings waited for the
+        GPU's turn (``lock_wait_s``) and counts blocks whose gate a timer had to open."""
+        from .bench import measure as time_replays
+
+        info: dict = {}
+        times = time_replays(launchers, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock,
+                             info=info)
+        if self.log:
+            entry = self.log[-1]
+            entry["lock_wait_s"] = round(entry.get("lock_wait_s", 0.0) + info.get("lock_wait_s", 0.0), 3)
+            if info.get("opened_by_timer"):
+                entry["gates_opened_by_timer"] = entry.get("gates_opened_by_timer", 0) + info["opened_by_timer"]
+        return times
 
     def _as_one_engine(self, v: Variant, ms: float) -> tuple[Variant, float]:
         """The faster of ``v`` as timed (``ms``) and, when ``v``'s plan has several streams, ``v`` as one engine

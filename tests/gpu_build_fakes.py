@@ -43,7 +43,7 @@ def fake_gpu(monkeypatch, times: dict):
     monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
     monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
     monkeypatch.setattr(gpu_mod, "GpuLauncher", launcher)
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True, **kw: {
         k: np.array([times[la.kind]]) for k, la in launchers.items()})
     return build_mod, made
 

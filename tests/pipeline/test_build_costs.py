@@ -358,6 +358,29 @@ def test_a_timing_whose_reference_drifted_is_taken_again(monkeypatch, reference_
     m.close()
 
 
+def test_the_search_log_adds_up_each_measurements_wait_for_the_gpus_turn(monkeypatch):
+    """Each measurement's log entry says how long its timings waited for the GPU's turn (other builds' timings,
+    compile workers' runs) and how many blocks a gate's timer had to open, summed over its retried timings."""
+    from parastream.pipeline import bench
+
+    cand = _fused_model(True, True)
+    times = iter([1.0, 1.2, 1.0])  # the reference: alone, then slow in the candidate's first timing
+    m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: 0.9 if model is cand else next(times))
+    timed = bench.measure
+
+    def with_info(launchers, **kw):
+        kw["info"].update(lock_wait_s=0.25, blocks=16, held=16, opened_by_timer=1)
+        return timed(launchers, **kw)
+
+    monkeypatch.setattr(bench, "measure", with_info)
+    m.measure(input_model)
+    assert m.log[0]["lock_wait_s"] == 0.25 and m.log[0]["gates_opened_by_timer"] == 1
+    m.measure(cand)
+    assert len(m.log[-1]["blocks_ms"]) == 2  # timed again once
+    assert m.log[-1]["lock_wait_s"] == 0.5 and m.log[-1]["gates_opened_by_timer"] == 2
+    m.close()
+
+
 @pytest.mark.parametrize("case", ["faster", "no fused nodes", "a later candidate"])
 def test_a_candidate_is_timed_once_where_fusions_off_could_not_change_the_decision(monkeypatch, case):
     """Not when the candidate wins as built, not when it has no fused node, and not for the search's later

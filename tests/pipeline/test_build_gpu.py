@@ -61,7 +61,7 @@ def test_measurement_budget_always_leaves_the_input_and_one_rival(models, monkey
     monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
     monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle: types.SimpleNamespace(close=lambda: closed.append(1)))
     monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True, **kw: {
         k: np.array([2.0 if k == "candidate" else 1.0]) for k in launchers})
     backend = gpu_backend()
     from parastream.launcher.engines import BuildOptions
@@ -105,7 +105,7 @@ def test_the_measurement_budget_runs_from_the_moment_the_input_is_timed(models, 
     monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
     monkeypatch.setattr(gpu_mod, "GpuLauncher", launcher)
     monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True, **kw: {
         k: np.array([1.0]) for k in launchers})
     m = GpuMeasurer.for_build(Engines(gpu_backend(), RooflineCostModel(), loaded, "fp16"), BuildOptions(precision="fp16"),
                               loaded, streams=1, max_streams=1, budget_s=0.4)

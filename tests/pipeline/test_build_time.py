@@ -288,7 +288,7 @@ def _fake_gpu(monkeypatch, faster: str | None = None):
     import parastream.launcher.gpu as gpu_mod
 
     monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
-    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True: {
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True, **kw: {
         k: np.array([0.5 if k == faster else 1.0 if k in ("reference", "candidate") or i == 0 else 2.0])
         for i, k in enumerate(launchers)})
     return built
