@@ -268,6 +268,9 @@ class StreamsRival:
     full: Variant
 
 
+#: what ``streams_against_own_engines`` times the plan against, in report.json's rounds
+SERIAL_LABEL = "the same engines on one stream"
+
 
 def same_engines_on_one_stream(la):
     """A launcher of ``la``'s engines (shared, nothing loaded or compiled again) with every branch on one stream in
@@ -281,23 +284,23 @@ def same_engines_on_one_stream(la):
 def streams_against_own_engines(current, plan, *, runs: int, warmup: int = 10, lock: bool = True) -> dict:
     """``current`` (a launcher of ``plan``, several streams) timed against its own engines on one stream in
     alternating blocks: {"timed_ms": {the plan, "the same engines on one stream"}, "timed_s", "decided"}, where
-    ``decided`` says the plan led by more than ``STREAMS_DECIDED_BEYOND`` (the round is then the plan's)."""
+    ``decided`` says the plan led by more than ``STREAMS_DECIDED_BEYOND`` (the round is then the plan's).  A
+    timing that fails gives {"error", "decided": False}: the round then races the compiled rival instead."""
     from .bench import measure as time_replays
 
     t0 = time.perf_counter()
-    serial = same_engines_on_one_stream(current)
     try:
-        times = time_replays({"plan": current, "serial": serial}, runs=runs, warmup=warmup, lock=lock)
-    finally:
-        serial.close()
+        serial = same_engines_on_one_stream(current)
+        try:
+            times = time_replays({"plan": current, "serial": serial}, runs=runs, warmup=warmup, lock=lock)
+        finally:
+            serial.close()
+    except Exception as e:  # noqa: BLE001 - said in the round; the compiled rival decides it
+        return {"error": f"{type(e).__name__}: {e}", "decided": False}
     plan_ms, serial_ms = float(np.median(times["plan"])), float(np.median(times["serial"]))
     return {"timed_ms": {round_labels("streams", plan)[0]: plan_ms, SERIAL_LABEL: serial_ms},
             "timed_s": round(time.perf_counter() - t0, 3),
             "decided": serial_ms > plan_ms * (1 + STREAMS_DECIDED_BEYOND)}
-
-
-#: what ``streams_against_own_engines`` times the plan against, in report.json's rounds
-SERIAL_LABEL = "the same engines on one stream"
 
 
 def streams_round_decided(serial: dict, plan) -> dict:
@@ -850,11 +853,8 @@ class GpuMeasurer:
             return
         rival = early["todo"][at][1]
         t0 = time.perf_counter()
-        try:
-            serial = streams_against_own_engines(self.reference[0], early["plan"], runs=self.runs,
-                                                 warmup=self.warmup, lock=self.options.gpu_timing_lock)
-        except Exception as e:  # noqa: BLE001 - the round races the compiled rival instead
-            serial = {"error": f"{type(e).__name__}: {e}", "decided": False}
+        serial = streams_against_own_engines(self.reference[0], early["plan"], runs=self.runs,
+                                             warmup=self.warmup, lock=self.options.gpu_timing_lock)
         serial["started_s"] = round(t0 - self.t_made, 3)
         if serial["decided"]:
             early["todo"].pop(at)
@@ -1060,10 +1060,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
         unless that decided it, against the graph on one stream, compiled (``streams_against_own_engines``)."""
         serial = None
         if "streams" not in done:
-            try:
-                serial = streams_against_own_engines(current(), v.plan, runs=runs, lock=v.options.gpu_timing_lock)
-            except Exception as e:  # noqa: BLE001 - the round races the compiled rival instead
-                serial = {"error": f"{type(e).__name__}: {e}", "decided": False}
+            serial = streams_against_own_engines(current(), v.plan, runs=runs, lock=v.options.gpu_timing_lock)
             since[0] = time.perf_counter()
             if serial["decided"]:
                 rounds.append(streams_round_decided(serial, v.plan))
