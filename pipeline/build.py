@@ -30,7 +30,7 @@ from parastream.launcher.words import plural
 from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised by the measurer, caught by the search
 
 from .isolate import in_child
-from .measure import (GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
+from .measure import (CARRIED_ALWAYS, GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
                       compiled_for_other_choices, gpu_present, plan_signature, speculative_variants,
                       time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
@@ -918,9 +918,11 @@ def build_engines(b: _Build, tmp: Path) -> None:
         shipped = Variant(b.model, b.graph, b.plan, b.options, b.measured["internal_nhwc"] if b.measured else True)
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
             done = {r["choice"] for r in (early or {}).get("rounds") or []}
+            # (the engine cut decides no fusion round: a plan whose only carried round is the cut still compiles
+            # the second-level alternatives up front)
             alternatives = [] if (early is not None and not early.get("partial")) or b.measured else [
                 v for what, v in alternative_variants(b.engines, shipped) if what not in done] + (
-                speculative_variants(b.engines, shipped) if not done else [])
+                speculative_variants(b.engines, shipped, done) if not done - CARRIED_ALWAYS else [])
             b.precompiled = b.engines.precompile([shipped] + alternatives)
         b.engines_report = b.engines.write(tmp, shipped, str(b.loaded.path), on_branch=task.advance,
                                            prebuilt=b.prebuilt)

@@ -163,6 +163,9 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
     48%, 11% and 75%).  Narrower rounds are timed again on the candidate's plan."""
     out = []
     for r in rounds:
+        if r.get("not_raced") and r.get("choice") in CARRIED_ALWAYS:  # ``blocks_not_raced``: the input's cut
+            out.append(dict(r, timed=f"not raced on the input's plan ({r['not_raced']}), taken for the rewritten plan"))
+            continue
         t = sorted(float(x) for x in (r.get("timed_ms") or {}).values())
         if len(t) == 2 and t[0] > 0 and (t[1] / t[0] - 1 >= CARRY_MARGIN or r.get("choice") in CARRIED_ALWAYS):
             out.append(dict(r, timed=f"on the input's plan ({t[1] / t[0] - 1:.0%} apart), taken for the rewritten plan"))
@@ -406,16 +409,34 @@ def cut_in_blocks(plan) -> bool:
 WHOLE_ENGINE_RACED_ABOVE = 0.25
 
 
-def races_whole_engine(v: Variant) -> bool:
-    """Whether the "engine blocks" round races ``v``'s plan (cut into blocks) against one engine for the whole
-    model: where the blocks' distinct code is over ``WHOLE_ENGINE_RACED_ABOVE`` of the nodes."""
-    if not cut_in_blocks(v.plan):
-        return False
+def _blocks_share(v: Variant) -> float:
+    """The share of ``v``'s nodes that its plan's engines per repeated block compile (``core.blocks``)."""
     from parastream.core.blocks import compiled_share
 
     by_name = {n.name: n for n in v.graph.nodes}
-    order = [by_name[name] for b in v.plan.branches for name in b.nodes]
-    return compiled_share(order) > WHOLE_ENGINE_RACED_ABOVE
+    return compiled_share([by_name[name] for b in v.plan.branches for name in b.nodes])
+
+
+def races_whole_engine(v: Variant) -> bool:
+    """Whether the "engine blocks" round races ``v``'s plan (cut into blocks) against one engine for the whole
+    model: where the blocks' distinct code is over ``WHOLE_ENGINE_RACED_ABOVE`` of the nodes."""
+    return cut_in_blocks(v.plan) and _blocks_share(v) > WHOLE_ENGINE_RACED_ABOVE
+
+
+def blocks_not_raced(v: Variant) -> dict | None:
+    """The "engine blocks" round of ``v``'s plan where it is cut into blocks and not raced (``races_whole_engine``),
+    as a round a rewritten plan carries (``carried_rounds``: ``CARRIED_ALWAYS``); None otherwise.
+
+    Why: the input's cut is judged by its repeated structure, which a rewrite changes alike in every block; but
+    a candidate's share can cross the threshold where the input's did not, because the rewrite shrank the blocks
+    more than the code that does not repeat, or the search rewrote one block's piece differently from the rest
+    (BERT-base, H200: the input compiled 18% of its nodes, the kept candidate 32%, and its round waited 24 s for
+    a whole-model compile that ran 0.4% faster than the blocks, within the 2% the blocks are kept by)."""
+    if not cut_in_blocks(v.plan) or races_whole_engine(v):
+        return None
+    return {"choice": "engine blocks", "won": round_labels("engine blocks", v.plan)[0],
+            "not_raced": f"its blocks compile {_blocks_share(v):.0%} of its nodes; raced above "
+                         f"{WHOLE_ENGINE_RACED_ABOVE:.0%}"}
 
 
 def whole_engine_form(engines: EngineMaker, v: Variant) -> Variant:
@@ -441,17 +462,18 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     return out
 
 
-def speculative_variants(engines: EngineMaker, v: Variant) -> list[Variant]:
+def speculative_variants(engines: EngineMaker, v: Variant, decided: set | frozenset = frozenset()) -> list[Variant]:
     """For a plan on one stream: each later round's alternative as it would be raced if an earlier round's
     alternative won (``time_alternatives`` races the winner), compiled in the same batch as the others.  A
     one-stream plan is one compile job per variant, or one per distinct repeated block (``core.blocks``), so the
     compile workers are otherwise idle while the build
     waits for its longest job: queued up front, the second-level alternative compiles beside the first instead
     of after it (MixNet-S, H100: Inductor's depthwise kernels won the first round, and the conv+ReLU round then
-    waited 73 s for its alternative of that winner)."""
+    waited 73 s for its alternative of that winner).  The rounds of ``decided`` (carried from the input) are
+    not raced, so no alternative is compiled for them."""
     if v.plan.num_streams != 1:
         return []
-    named = alternative_variants(engines, v)
+    named = [(what, a) for what, a in alternative_variants(engines, v) if what not in decided]
     out = []
     for i, (what, first) in enumerate(named):
         if what in ("boundary layout", "streams", "engine blocks"):  # a layout or plan changes no later round's engines
@@ -550,6 +572,8 @@ class GpuMeasurer:
         self.alternatives_queued = False
         self.one_engine_won: list[tuple[onnx.ModelProto, dict]] = []  # (candidate, its times): ``_as_one_engine``
         self.input_streams = 0  # the streams of the input's plan, once it is prepared
+        self.input_cut: dict | None = None  # the input's engine cut where it is not raced (``blocks_not_raced``)
+        self.input_plan = None
         self.best_ms = float("inf")  # the fastest candidate measured so far (``_queue_rounds_of``)
 
     @classmethod
@@ -596,6 +620,7 @@ class GpuMeasurer:
         for m, v in zip(models, variants):
             if m is self.loaded.model:
                 self.input_streams = v.plan.num_streams
+                self.input_cut, self.input_plan = blocks_not_raced(v), v.plan
         # the input's engines are never cancelled: the search measures the input first, or measures nothing and
         # keeps it; cancelled, they were compiled again only after the alternatives queued behind them.  They
         # are queued with the search's candidates, before them: the candidates the search prepares while the
@@ -700,11 +725,11 @@ class GpuMeasurer:
             return
         # not a round the input decided by the margin a rewritten plan takes it by, nor one timed on a sample of
         # the input's engines (its whole plan's compile is what the sample saves)
-        decided = {r["choice"] for r in carried_rounds(self.early.get("rounds") or [])}
+        decided = {r["choice"] for r in carried_rounds(self._input_rounds())}
         decided |= {what for what, a, _ in self.early.get("todo") or [] if isinstance(a, (DepthwiseSample, StreamsRival))}
         decided |= {r["choice"] for r in self.early.get("rounds") or [] if "sample" in r}
         variants = [a for what, a in alternative_variants(self.engines, v) if what not in decided]
-        variants += speculative_variants(self.engines, v)
+        variants += speculative_variants(self.engines, v, decided)
         if variants:
             got = self.engines.precompile(variants, background=True, cancellable=True)
             self.log[-1]["rounds_queued"] = (got or {}).get("jobs")
@@ -954,10 +979,16 @@ class GpuMeasurer:
                 continue
             if self._race_in_turn(item) is None:
                 break
-        if not early.get("rounds"):
+        rounds = self._input_rounds()
+        if not rounds:
             return None
-        return {"partial": True, "rounds": list(early["rounds"]), "plan": early["plan"],
-                "timed": f"{plural(len(early['rounds']), 'round')} during the search, for the input's plan"}
+        timed = f"{plural(len(early.get('rounds') or []), 'round')} during the search, for the input's plan"
+        return {"partial": True, "rounds": rounds, "plan": early.get("plan", self.input_plan),
+                "timed": timed + (", and its engine cut, not raced" if self.input_cut else "")}
+
+    def _input_rounds(self) -> list[dict]:
+        """The input's rounds timed so far, with its engine cut where it is not raced (``blocks_not_raced``)."""
+        return list(self.early.get("rounds") or []) + ([self.input_cut] if self.input_cut else [])
 
     def alternatives_timed(self) -> dict | None:
         """``time_alternatives``'s result for the input's plan from the rounds timed during the search (the rest

@@ -373,3 +373,59 @@ def test_a_kept_candidate_waits_for_the_input_s_engine_blocks_round_only(monkeyp
     assert raced == [("engine blocks", "whole engine")] and not opened  # loaded, timed, closed
     assert [t[0] for t in m.early["todo"]] == ["attention"]  # not waited for
     assert [r["choice"] for r in carried_rounds(got["rounds"])] == ["engine blocks"]
+
+
+def test_an_input_cut_without_a_race_holds_for_a_candidate_whose_share_crossed_the_threshold(monkeypatch):
+    """The input's plan cut into blocks and not raced (a deep stack: the blocks compile a small share) is a
+    decision a rewritten plan takes as it is, though its own share is over the threshold: the candidate's round
+    is neither queued during the search nor raced after it, and report.json says why."""
+    import types
+
+    from gpu_build_fakes import gpu_backend
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+    from parastream.pipeline.measure import (GpuMeasurer, Variant, blocks_not_raced, carried_rounds, races_whole_engine,
+                                             time_alternatives)
+
+    deep_graph, deep_plan = _blocks_plan(10)
+    shallow_graph, shallow_plan = _blocks_plan(5)
+    deep = Variant(residual_stack_model(10), deep_graph, deep_plan, BuildOptions(precision="fp16"))
+    shallow = Variant(residual_stack_model(5), shallow_graph, shallow_plan, BuildOptions(precision="fp16"))
+    cut = blocks_not_raced(deep)
+    assert not races_whole_engine(deep) and races_whole_engine(shallow)
+    assert cut["choice"] == "engine blocks" and cut["won"] == "one engine per repeated block"
+    assert "raced above 25%" in cut["not_raced"]
+    assert blocks_not_raced(shallow) is None  # raced: the round decides it
+    one = types.SimpleNamespace(num_streams=1, branches=[0])
+    assert blocks_not_raced(Variant(None, deep_graph, one, BuildOptions())) is None  # one engine: no cut to carry
+    (carried,) = carried_rounds([cut])
+    assert carried["timed"].startswith("not raced on the input's plan")
+
+    # the build's rounds for the kept candidate: taken, nothing loaded for the whole model
+    monkeypatch.setattr(measure, "_internal_nhwc", lambda backend, plan: False)
+    made = []
+    engines = types.SimpleNamespace(backend=gpu_backend(fuses_conv_relu=False), whole_engine_plan=lambda g, p: one,
+                                    launcher=lambda v: made.append(v))
+    monkeypatch.setattr(measure, "gpu_present", lambda backend: True)
+    got = time_alternatives(engines, "bundle", shallow, runs=5, timed=[carried])
+    assert [r["choice"] for r in got["rounds"]] == ["engine blocks"] and got["whole_engine"] is False
+    assert got["rounds"][0]["not_raced"] == cut["not_raced"] and made == []
+
+    # during the search: the candidate's rounds queued without the whole-model compile
+    queued = []
+    backend = types.SimpleNamespace(background_compiles=True, compiling=lambda keys: 0)
+    engines = types.SimpleNamespace(backend=backend, precompile=lambda variants, **kw: queued.extend(variants) or {"jobs": len(variants)})
+    m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None, max_streams=4,
+                    budget_s=1.0)
+    m.input_cut, m.input_plan = cut, deep_plan
+    m.log.append({})
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, v: [("engine blocks", "whole model")])
+    m._queue_rounds_of(shallow)
+    assert queued == []
+    timed = m.rounds_timed()
+    assert timed["plan"] is deep_plan and [r["choice"] for r in carried_rounds(timed["rounds"])] == ["engine blocks"]
+    assert timed["timed"].endswith("and its engine cut, not raced")
+    m.input_cut = None  # an input whose cut was raced (or not cut): the candidate's round is queued as before
+    m._queue_rounds_of(shallow)
+    assert queued == ["whole model"]

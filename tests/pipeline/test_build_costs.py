@@ -525,7 +525,7 @@ def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_g
     m.engines.precompile = lambda variants, background, cancellable: queued.append(
         ([v.model for v in variants], background, cancellable)) or {"jobs": len(variants)}
     monkeypatch.setattr(measure, "alternative_variants", lambda engines, v: [("attention", v)])
-    monkeypatch.setattr(measure, "speculative_variants", lambda engines, v: [])
+    monkeypatch.setattr(measure, "speculative_variants", lambda engines, v, decided=(): [])
     m.measure(input_model)
     m.measure(first)  # faster than the input: queued
     m.measure(slower)  # slower than the best so far: not
@@ -604,7 +604,7 @@ def test_a_depthwise_round_lost_widely_on_its_sample_compiles_no_whole_plan(monk
                         or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
     monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
     monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("depthwise convolutions", alt)])
-    monkeypatch.setattr(measure, "speculative_variants", lambda e, var: [])
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, ms(la)) for k, la in launchers.items()})
     engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
                                      "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
@@ -665,7 +665,7 @@ def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_c
     monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
     monkeypatch.setattr(measure, "same_engines_on_one_stream", serial_launcher)
     monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("streams", one)])
-    monkeypatch.setattr(measure, "speculative_variants", lambda e, var: [])
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, ms(la)) for k, la in launchers.items()})
     engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
                                      "cancel_precompile": staticmethod(lambda: 0), "name": "torch",

@@ -647,7 +647,7 @@ def test_the_build_compiles_the_speculative_alternatives_with_the_others(tmp_pat
     compiled = []
     monkeypatch.setattr(build_module, "time_alternatives", lambda engines, bundle, v, runs, timed=(): None)
     monkeypatch.setattr(build_module, "alternative_variants", lambda engines, v: [("conv+ReLU", "unfused")])
-    monkeypatch.setattr(build_module, "speculative_variants", lambda engines, v: ["unfused of the winner"])
+    monkeypatch.setattr(build_module, "speculative_variants", lambda engines, v, decided=(): ["unfused of the winner"])
     monkeypatch.setattr(build_module.Engines, "precompile", lambda self, variants, **k: compiled.append(variants[1:]))
     build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=1, search=False)
     assert compiled == [["unfused", "unfused of the winner"]]
