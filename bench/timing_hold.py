@@ -22,9 +22,18 @@ launch) measured while the stream is held, so that the GPU's queue does not push
 OUT/timing_hold.json: per model, condition and hold, each rep's medians, p10/p90 and A/B, and ``measure``'s
 ``info`` (blocks held, opened by the gate's timer).
 
+``--states N`` instead times A and B, held, in N alternating blocks of ``--runs`` replays each in a quiet
+process, with an idle pause of ``--pause`` seconds before every tenth pair, while a thread reads the GPU's
+clocks through NVML every 2 ms (nvidia-ml-py; bench/triton_wheels.sh carries it): per block its median, the SM
+and memory clocks, power and clock-event reasons NVML reported while it ran.  This is the question of a
+launcher's "second speed" (bench/NOTES.md): the same engines timed at two speeds for whole blocks at a time,
+with nothing else on the GPU.  ``--states`` also times A and B interleaved replay by replay (one block, A and B
+replays alternating on one stream), where any state of the GPU is shared by both.
+
 Run on the device machine from the repository root after ``source bench/device_env.sh``:
 
     python3 bench/timing_hold.py --models nasnetalarge,bert --out $OUT
+    python3 bench/timing_hold.py --models bert --states 40 --out $OUT
 """
 
 from __future__ import annotations
@@ -99,6 +108,119 @@ def launch_cpu_us(la, n: int = 50) -> dict:
     return {"median_us": round(float(np.median(each)), 1), "p90_us": round(float(np.percentile(each, 90)), 1)}
 
 
+class ClockSampler:
+    """A thread that reads GPU ``device``'s clocks, power and clock-event reasons through NVML every ``every_s``
+    (the physical GPU by its PCI bus id, so that CUDA_VISIBLE_DEVICES does not change which one); ``window(t0,
+    t1)`` summarises the samples taken between two ``time.perf_counter()`` readings.  No-op without NVML."""
+
+    def __init__(self, device: int = 0, every_s: float = 0.002):
+        self.samples: list = []
+        self.error = None
+        self.stop = threading.Event()
+        try:
+            import pynvml
+
+            from parastream.launcher import cuda
+
+            pynvml.nvmlInit()
+            bus = cuda.check(cuda.runtime().cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+            bus = (bus.decode() if isinstance(bus, bytes) else str(bus)).strip("\x00").strip()
+            self.nv, self.h = pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+        except Exception as e:  # noqa: BLE001 - no NVML here: the timings still run, without clocks
+            self.nv, self.error = None, f"{type(e).__name__}: {e}"
+            return
+        self.thread = threading.Thread(target=self._run, args=(every_s,), daemon=True)
+        self.thread.start()
+
+    def _run(self, every_s: float) -> None:
+        nv, h = self.nv, self.h
+        reasons = getattr(nv, "nvmlDeviceGetCurrentClocksEventReasons", None) or nv.nvmlDeviceGetCurrentClocksThrottleReasons
+        while not self.stop.is_set():
+            try:
+                self.samples.append((time.perf_counter(), nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_SM),
+                                     nv.nvmlDeviceGetClockInfo(h, nv.NVML_CLOCK_MEM), nv.nvmlDeviceGetPowerUsage(h) / 1e3,
+                                     int(reasons(h))))
+            except Exception as e:  # noqa: BLE001 - recorded once, sampling stops
+                self.error = f"{type(e).__name__}: {e}"
+                return
+            time.sleep(every_s)
+
+    def window(self, t0: float, t1: float) -> dict:
+        got = [s for s in self.samples if t0 <= s[0] <= t1]
+        if not got:
+            return {"samples": 0}
+        sm, mem, watts = (np.array([s[i] for s in got], dtype=float) for i in (1, 2, 3))
+        return {"samples": len(got), "sm_mhz": [int(sm.min()), int(np.median(sm)), int(sm.max())],
+                "mem_mhz": int(np.median(mem)), "watts": round(float(np.median(watts)), 1),
+                "reasons": sorted({hex(s[4]) for s in got})}
+
+    def close(self) -> None:
+        self.stop.set()
+        if self.nv is not None:
+            self.thread.join(1)
+
+
+def interleaved(a, b, runs: int, seed: int) -> dict:
+    """A's and B's replays alternating on A's stream in one held block (B's graph launched on A's stream through
+    its own origin: both launchers share A's engines but not their memory), each replay between its own events."""
+    from parastream.launcher import cuda
+
+    starts = {k: [cuda.event_create(timing=True) for _ in range(runs)] for k in "AB"}
+    ends = {k: [cuda.event_create(timing=True) for _ in range(runs)] for k in "AB"}
+    gate = cuda.StreamGate(limit_s=10.0)
+    try:
+        for la in (a, b):
+            la.launch()
+        a.synchronize()
+        b.synchronize()
+        gate.close(a.origin)
+        wait = cuda.event_create()
+        for i in range(runs):
+            for k, la in (("A", a), ("B", b)):
+                cuda.event_record(starts[k][i], la.origin)
+                la.launch()
+                cuda.event_record(ends[k][i], la.origin)
+                cuda.event_record(wait, la.origin)
+                cuda.stream_wait_event(b.origin if la is a else a.origin, wait)
+        gate.open()
+        a.synchronize()
+        b.synchronize()
+        cuda.event_destroy(wait)
+        return {k: round(float(np.median([cuda.event_elapsed_ms(s, e) for s, e in zip(starts[k], ends[k])])), 4) for k in "AB"}
+    finally:
+        gate.free()
+        for k in "AB":
+            for e in starts[k] + ends[k]:
+                cuda.event_destroy(e)
+
+
+def states(name: str, a, b, args) -> dict:
+    """``--states``: A and B timed held in alternating blocks with the GPU's clocks read meanwhile."""
+    from parastream.pipeline.bench import measure
+
+    sampler = ClockSampler()
+    rows = []
+    try:
+        for i in range(args.states):
+            if i % 10 == 0 and i:
+                time.sleep(args.pause)  # idle: does the next block run in another state?
+            for k, la in (("A", a), ("B", b)):
+                t0 = time.perf_counter()
+                t = measure({k: la}, runs=args.runs, warmup=5, hold=True, seed=i)[k]
+                row = {"block": i, "launcher": k, "median_ms": round(float(np.median(t)), 4),
+                       "p10_p90": [round(float(np.percentile(t, 10)), 4), round(float(np.percentile(t, 90)), 4)],
+                       "after_pause": i % 10 == 0 and i > 0, **sampler.window(t0, time.perf_counter())}
+                rows.append(row)
+                print(json.dumps({"model": name, **row}), flush=True)
+        pairs = [interleaved(a, b, args.runs, i) for i in range(5)]
+        print(json.dumps({"model": name, "interleaved": pairs}), flush=True)
+    finally:
+        sampler.close()
+    meds = np.array([r["median_ms"] for r in rows])
+    return {"blocks": rows, "interleaved": pairs, "nvml_error": sampler.error,
+            "spread": {"min_ms": float(meds.min()), "median_ms": float(np.median(meds)), "max_ms": float(meds.max())}}
+
+
 def one_model(name: str, work: Path, args) -> dict:
     from gpu import export_with_reference
 
@@ -114,6 +236,12 @@ def one_model(name: str, work: Path, args) -> dict:
                  "streams": bundle.plan.num_streams, "engines": len(bundle.plan.branches), "runs": []}
     a = GpuLauncher(bundle)
     b = GpuLauncher(bundle, engines=a.engines)
+    if args.states:
+        try:
+            return dict(res, states=states(name, a, b, args))
+        finally:
+            b.close()
+            a.close()
     try:
         res["launch_cpu"] = launch_cpu_us(a)
         order = [(c, h) for c in CONDITIONS for h in (False, True)]
@@ -147,6 +275,9 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="nasnetalarge,bert")
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--reps", type=int, default=3)
+    ap.add_argument("--states", type=int, default=0, help="time A and B held in this many alternating blocks, "
+                    "with the GPU's clocks read meanwhile, instead of the conditions")
+    ap.add_argument("--pause", type=float, default=3.0, help="--states: idle seconds before every tenth pair")
     ap.add_argument("--work", default="/tmp/timing_hold")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/timing_hold_out"))
     args = ap.parse_args(argv)

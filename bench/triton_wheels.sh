@@ -20,7 +20,8 @@ python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 -
 # parastream's own pure-Python dependencies that the device's Python lacks (bench/device_env.sh installs them all)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any -d .whl \
     onnx-graphsurgeon==0.6.1 polygraphy==0.53.6 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 networkx==3.7 \
-    pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3
+    pytest==9.2.0 pluggy==1.7.0 iniconfig==2.3.1 packaging==26.3 \
+    nvidia-ml-py==13.615.71  # NVML's bindings: bench/timing_hold.py --states reads the GPU's clocks while it times
 wheel=$(ls .whl/nvidia_pytriton-0.7.0-*.whl)
 if unzip -l "$wheel" | grep -q 'libpython3-'; then
     zip -q -d "$wheel" 'nvidia_pytriton.libs/libpython3-*' \
