@@ -28,12 +28,15 @@ clocks through NVML every 2 ms (nvidia-ml-py; bench/triton_wheels.sh carries it)
 and memory clocks, power and clock-event reasons NVML reported while it ran.  This is the question of a
 launcher's "second speed" (bench/NOTES.md): the same engines timed at two speeds for whole blocks at a time,
 with nothing else on the GPU.  ``--states`` also times A and B interleaved replay by replay (one block, A and B
-replays alternating on one stream), where any state of the GPU is shared by both.
+replays alternating on one stream), where any state of the GPU is shared by both.  With ``--in-build`` the
+bundle is a full GPU build of this process (the measured search, the timed rounds, its compile workers), as in
+a build's own timings, and the states are timed twice: with the build's compile workers alive, then after they
+are shut down.
 
 Run on the device machine from the repository root after ``source bench/device_env.sh``:
 
     python3 bench/timing_hold.py --models nasnetalarge,bert --out $OUT
-    python3 bench/timing_hold.py --models bert --states 40 --out $OUT
+    python3 bench/timing_hold.py --models bert --states 40 [--in-build] --out $OUT
 """
 
 from __future__ import annotations
@@ -230,7 +233,8 @@ def one_model(name: str, work: Path, args) -> dict:
 
     _, _, onnx_path, _, _, export_s = export_with_reference(name, work, 1)
     t0 = time.perf_counter()
-    bundle = build(onnx_path, work / f"{name}_bundle", backend="torch", precision="fp16", search=False, measure=False,
+    full = bool(args.states and args.in_build)  # the build's own process, as its measured search times
+    bundle = build(onnx_path, work / f"{name}_bundle", backend="torch", precision="fp16", search=full, measure=full,
                    force=True)
     res: dict = {"model": name, "export_s": round(export_s, 1), "build_s": round(time.perf_counter() - t0, 1),
                  "streams": bundle.plan.num_streams, "engines": len(bundle.plan.branches), "runs": []}
@@ -238,7 +242,15 @@ def one_model(name: str, work: Path, args) -> dict:
     b = GpuLauncher(bundle, engines=a.engines)
     if args.states:
         try:
-            return dict(res, states=states(name, a, b, args))
+            res["states"] = states(name, a, b, args)
+            if full:  # the same launchers once the build's compile workers are gone
+                from parastream.launcher.engines import torch as torch_engines
+
+                for pool in list(torch_engines._POOL.values()):
+                    pool.shutdown(wait=True, cancel_futures=True)
+                torch_engines._POOL.clear()
+                res["states_without_workers"] = states(name, a, b, args)
+            return res
         finally:
             b.close()
             a.close()
@@ -278,6 +290,8 @@ def main(argv=None) -> int:
     ap.add_argument("--states", type=int, default=0, help="time A and B held in this many alternating blocks, "
                     "with the GPU's clocks read meanwhile, instead of the conditions")
     ap.add_argument("--pause", type=float, default=3.0, help="--states: idle seconds before every tenth pair")
+    ap.add_argument("--in-build", action="store_true", help="--states on the bundle of a full GPU build (measured "
+                    "search, timed rounds) in this process, then again once its compile workers are shut down")
     ap.add_argument("--work", default="/tmp/timing_hold")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/timing_hold_out"))
     args = ap.parse_args(argv)
