@@ -516,9 +516,9 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
     return chosen == keys[1]
 
 
-#: how far from its first median the reference may run in a candidate's blocks before the timing is taken again
-#: (``GpuMeasurer._against_reference``), and how many times it is; two loads of one plan differ by up to ~5%,
-#: one loaded plan's medians of 100 replays by ~1%
+#: how much slower than its usual median the reference may run in a candidate's blocks before the timing is taken
+#: again (``GpuMeasurer._against_reference``), and how many times it is; two loads of one plan differ by up to
+#: ~5%, one loaded plan's medians of 100 replays by ~1%
 REFERENCE_DRIFT = 0.05
 REFERENCE_RETRIES = 2
 
@@ -564,7 +564,7 @@ class GpuMeasurer:
         self.deadline = float("inf")  # set once the reference is timed (the budget is the candidates')
         self.calls = 0  # models asked for so far (the first two are measured whatever the budget)
         self.reference = None  # (launcher, median ms) of the first model measured
-        self.reference_fastest = float("inf")  # the fastest median the reference has run (``_against_reference``)
+        self.reference_seen: list[float] = []  # every median the reference has run (``_against_reference``)
         self.planned: list[tuple[onnx.ModelProto, Variant]] = []  # what ``prepare`` planned for ``measure`` to load
         self.adopted: list[tuple[onnx.ModelProto, gs.Graph]] = []  # the search's candidates with their graphs
         self.prepared: list[onnx.ModelProto] = []
@@ -691,7 +691,7 @@ class GpuMeasurer:
         if self.reference is None:
             ms = float(np.median(self._time({"candidate": la})["candidate"]))
             self.reference = (la, ms)
-            self.reference_fastest = ms
+            self.reference_seen = [ms]
             self.log[-1].update(time_s=round(time.perf_counter() - t0, 3), median_ms=round(ms, 4))
             # the input's rounds that can be timed now, before the candidates' budget starts: they are timed
             # whichever plan the build keeps (for a candidate, to carry their wide margins), and each is a load
@@ -737,23 +737,28 @@ class GpuMeasurer:
     def _against_reference(self, la) -> float:
         """``la``'s milliseconds per replay, timed in alternating blocks with the reference and scaled by the
         reference's first median (so that candidates timed at different moments compare through the same
-        reference).  A timing whose reference ran more than ``REFERENCE_DRIFT`` slower than the fastest it has
-        run is timed again, up to ``REFERENCE_RETRIES`` times: what else runs on the GPU meanwhile only slows a
-        timing (a build's compile workers run their engines and Triton's autotuning on it; NASNet-A Large's
-        reference ran 1.50 ms in most timings of one build and 1.85-2.41 in others, H200), so the fastest state
-        is the undisturbed one.  A reference faster than its first median is taken as it is: that first median
-        was the disturbed one (2.41 ms in that build, which had every later timing retried twice and measured
-        six of its ten candidates).
+        reference).  A timing whose reference ran more than ``REFERENCE_DRIFT`` slower than its usual median
+        (the median of every median it has run) is timed again, up to ``REFERENCE_RETRIES`` times: what else
+        runs on the GPU meanwhile only slows a timing (a build's compile workers run their engines and Triton's
+        autotuning on it; NASNet-A Large's reference ran 1.50 ms in most timings of one build and 1.85-2.41 in
+        others, H200).  A reference faster than that is taken as it is (a first median taken while disturbed,
+        2.41 ms in that build, does not make every later timing "drifted").  Not its fastest median: a launcher
+        timed replay by replay also runs, now and then, a whole timing 7-12% faster than its usual (BERT-base,
+        H200: its search's reference 0.572 against 0.642 ms, the shipped bundle 0.420 against 0.454; the GPU's
+        clocks unchanged, the compile workers alive or shut down, and in a fresh process alike:
+        bench/timing_hold.py --states), and measured from that fastest, every later timing of BERT-base's search
+        was taken three times.
         The log keeps both medians of every timing (``blocks_ms``)."""
         ref, ref_ms = self.reference
         for _ in range(REFERENCE_RETRIES + 1):
+            usual = float(np.median(self.reference_seen)) if self.reference_seen else float("inf")
             times = self._time({"reference": ref, "candidate": la})
             cand, against = float(np.median(times["candidate"])), float(np.median(times["reference"]))
             if self.log:
                 self.log[-1].setdefault("blocks_ms", []).append({"reference": round(against, 4),
                                                                  "candidate": round(cand, 4)})
-            self.reference_fastest = min(self.reference_fastest, against)
-            if against <= self.reference_fastest * (1.0 + REFERENCE_DRIFT):
+            self.reference_seen.append(against)
+            if against <= usual * (1.0 + REFERENCE_DRIFT):
                 break
         return cand / against * ref_ms
 

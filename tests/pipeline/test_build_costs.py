@@ -339,7 +339,7 @@ def test_the_best_candidate_is_timed_with_a_slow_fusion_off(monkeypatch):
                                                      ([1.0, 0.9], 1.0)])
 def test_a_timing_whose_reference_drifted_is_taken_again(monkeypatch, reference_ms, expected):
     """A candidate's time is scaled by the reference's first median, which holds only if the reference ran as
-    fast in the candidate's blocks: one that ran more than 5% slower than its fastest is timed again (at most
+    fast in the candidate's blocks: one that ran more than 5% slower than its usual median is timed again (at most
     twice), and the candidate's time is then its own (the reference back at 1.0 ms: 0.9, not 0.75).  A
     reference that stays slow is taken as it is, after the retries; within 5% is not timed again; and one
     faster than its first median is taken at once (the first was the disturbed timing: 2.0 then 1.0 ms gives
@@ -355,6 +355,26 @@ def test_a_timing_whose_reference_drifted_is_taken_again(monkeypatch, reference_
     assert m.measure(cand) == pytest.approx(expected * 1e-3)
     assert [b["reference"] for b in m.log[-1]["blocks_ms"]] == reference_ms[1:]
     assert all(b["candidate"] == 0.9 for b in m.log[-1]["blocks_ms"])
+    m.close()
+
+
+def test_a_reference_whose_first_median_was_its_fastest_is_not_retried_for_ever(monkeypatch):
+    """The drift is measured from the reference's usual median, not its fastest: a reference first timed 1.0 ms
+    that then runs 1.2 ms in every timing has the first candidate's timing taken again, but the later
+    candidates' once each."""
+    cands = [_fused_model(True, True) for _ in range(3)]
+    times = iter([1.0] + [1.2] * 10)
+
+    def ms_of(model, o):  # the reference: 1.0 ms alone, 1.2 ms from then on; each candidate 0.9 ms
+        return 0.9 if any(model is c for c in cands) else next(times)
+
+    m, input_model, _ = _timing_measurer(monkeypatch, ms_of)
+    m.measure(input_model)
+    for c in cands:
+        assert m.measure(c) == pytest.approx(0.9 / 1.2 * 1e-3)
+    # the first: 1.2 against a usual 1.0, then against 1.1 (the median of 1.0 and 1.2), then taken (1.2); the rest
+    # once: 1.2 is the usual median by then (measured from the fastest, 1.0, each would have been timed three times)
+    assert [len(e["blocks_ms"]) for e in m.log[1:]] == [3, 1, 1]
     m.close()
 
 
