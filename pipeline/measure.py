@@ -430,8 +430,8 @@ def blocks_not_raced(v: Variant) -> dict | None:
     Why: the input's cut is judged by its repeated structure, which a rewrite changes alike in every block; but
     a candidate's share can cross the threshold where the input's did not, because the rewrite shrank the blocks
     more than the code that does not repeat, or the search rewrote one block's piece differently from the rest
-    (BERT-base, H200: the input's blocks compile 21% of its nodes, the kept candidate's ~32%, and its round waited 24 s for
-    a whole-model compile that ran 0.4% faster than the blocks, within the 2% the blocks are kept by)."""
+    (BERT-base, H200: the input's blocks compile 21% of its nodes, the kept candidate's ~32%, and its round
+    waited 24 s for a whole-model compile that ran 0.4% faster than the blocks, within the 2% they are kept by)."""
     if not cut_in_blocks(v.plan) or races_whole_engine(v):
         return None
     return {"choice": "engine blocks", "won": round_labels("engine blocks", v.plan)[0],
