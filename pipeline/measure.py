@@ -573,7 +573,7 @@ class GpuMeasurer:
         self.one_engine_won: list[tuple[onnx.ModelProto, dict]] = []  # (candidate, its times): ``_as_one_engine``
         self.input_streams = 0  # the streams of the input's plan, once it is prepared
         self.input_cut: dict | None = None  # the input's engine cut where it is not raced (``blocks_not_raced``)
-        self.input_plan = None
+        self.input_plan = None  # the input's plan (``rounds_timed``'s plan where no round of it was timed)
         self.best_ms = float("inf")  # the fastest candidate measured so far (``_queue_rounds_of``)
 
     @classmethod
@@ -987,9 +987,9 @@ class GpuMeasurer:
         rounds = self._input_rounds()
         if not rounds:
             return None
-        timed = f"{plural(len(early.get('rounds') or []), 'round')} during the search, for the input's plan"
-        return {"partial": True, "rounds": rounds, "plan": early.get("plan", self.input_plan),
-                "timed": timed + (", and its engine cut, not raced" if self.input_cut else "")}
+        said = ([f"{plural(len(early['rounds']), 'round')} during the search, for the input's plan"]
+                if early.get("rounds") else []) + (["the input's engine cut, not raced"] if self.input_cut else [])
+        return {"partial": True, "rounds": rounds, "plan": early.get("plan", self.input_plan), "timed": "; ".join(said)}
 
     def _input_rounds(self) -> list[dict]:
         """The input's rounds timed so far, with its engine cut where it is not raced (``blocks_not_raced``)."""
