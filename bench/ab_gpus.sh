@@ -7,7 +7,8 @@
 #     run (carry .whl and .before):
 #         source bench/device_env.sh; OUT=$OUT bash bench/ab_gpus.sh --models nasnetalarge --workers 1 --fresh-loads 1
 #
-# Each side writes its figures under $OUT/after and $OUT/before, its log beside them.
+# Each side writes its figures under $OUT/after and $OUT/before, its log beside them; both folders are then packed
+# into $OUT/ab_gpus.tgz (a device call brings back at most 8 files: a side's JSON was left behind once).
 set -u
 [ -d .before/pipeline ] || { echo "ab_gpus.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
 mkdir -p /tmp/nsb/parastream
@@ -23,3 +24,4 @@ wait $after; rc_after=$?
 wait $before; rc_before=$?
 echo "after: rc $rc_after; before: rc $rc_before"
 tail -n 25 "$out/after.log" "$out/before.log"
+(cd "$out" && tar czf ab_gpus.tgz after before && rm -rf after before)

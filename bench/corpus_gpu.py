@@ -481,8 +481,10 @@ def table(rows: list[dict]) -> str:
         fresh = (f"{fl['median_s']:.1f} ({', '.join(f'{x:.1f}' for x in fl['each_s'])})" if "median_s" in fl
                  else fl.get("error", "-")[:60])
         replay = (fl.get("median_rep") or {}).get("replay_ms")
-        if replay:  # the bundle replayed in that fresh process: the benchmark process's timings ran up to 9% slower
-            fresh += f"; replays {replay:.3f} ms"
+        if replay:  # 200 graph replays back to back in that fresh process (bench/load_breakdown.py), without the
+            # events and input copy around each that the table's columns time: a throughput, below a call's latency
+            # (BERT-base, H200: 0.413 back to back against 0.450-0.455 per call in any process; docs/torch-engines.md)
+            fresh += f"; back to back {replay:.3f} ms"
         rb = r.get("rebuild") or {}
         again = (f"{rb['build_s']:.0f} ({rb['compile_jobs']} compile jobs)" if "build_s" in rb else rb.get("error", "-")[:60])
         out.append(f"| {r['model']} | {family(r['model'])} | {batch} | {r['nodes'][0]} → {r['nodes'][1]} | "
