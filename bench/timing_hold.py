@@ -163,9 +163,10 @@ class ClockSampler:
             self.thread.join(1)
 
 
-def interleaved(a, b, runs: int, seed: int) -> dict:
-    """A's and B's replays alternating on A's stream in one held block (B's graph launched on A's stream through
-    its own origin: both launchers share A's engines but not their memory), each replay between its own events."""
+def interleaved(a, b, runs: int) -> dict:
+    """A's and B's replays one after the other, A, B, A, B, in one held block (each on its own origin stream, the
+    two chained by events; both launchers share A's engines but not their memory), each replay between its own
+    events: whatever state the GPU is in, both see it."""
     from parastream.launcher import cuda
 
     starts = {k: [cuda.event_create(timing=True) for _ in range(runs)] for k in "AB"}
@@ -177,7 +178,7 @@ def interleaved(a, b, runs: int, seed: int) -> dict:
         a.synchronize()
         b.synchronize()
         gate.close(a.origin)
-        wait = cuda.event_create()
+        wait = cuda.event_create()  # (reused: a stream waits on the event as recorded when the wait is queued)
         for i in range(runs):
             for k, la in (("A", a), ("B", b)):
                 cuda.event_record(starts[k][i], la.origin)
@@ -215,7 +216,7 @@ def states(name: str, a, b, args) -> dict:
                        "after_pause": i % 10 == 0 and i > 0, **sampler.window(t0, time.perf_counter())}
                 rows.append(row)
                 print(json.dumps({"model": name, **row}), flush=True)
-        pairs = [interleaved(a, b, args.runs, i) for i in range(5)]
+        pairs = [interleaved(a, b, args.runs) for _ in range(5)]
         print(json.dumps({"model": name, "interleaved": pairs}), flush=True)
     finally:
         sampler.close()
@@ -243,7 +244,8 @@ def one_model(name: str, work: Path, args) -> dict:
     if args.states:
         try:
             res["states"] = states(name, a, b, args)
-            if full:  # the same launchers once the build's compile workers are gone
+            if full:  # the same launchers once the build's compile workers are gone (the process's pool, which
+                # nothing outside the engine module shuts down otherwise: a diagnostic reaches into it)
                 from parastream.launcher.engines import torch as torch_engines
 
                 for pool in list(torch_engines._POOL.values()):
