@@ -416,9 +416,12 @@ def test_an_input_cut_without_a_race_holds_for_a_candidate_whose_share_crossed_t
     queued = []
     backend = types.SimpleNamespace(background_compiles=True, compiling=lambda keys: 0)
     engines = types.SimpleNamespace(backend=backend, precompile=lambda variants, **kw: queued.extend(variants) or {"jobs": len(variants)})
-    m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None, max_streams=4,
-                    budget_s=1.0)
-    m.input_cut, m.input_plan = cut, deep_plan
+    loaded = types.SimpleNamespace(model=object(), graph=None)
+    m = GpuMeasurer(engines, BuildOptions(), loaded, streams=None, max_streams=4, budget_s=1.0)
+    m.variant_of = lambda model: deep
+    m.prepare([loaded.model])  # the input prepared: its cut noted
+    assert m.input_cut == cut and m.input_plan is deep_plan
+    queued.clear()
     m.log.append({})
     monkeypatch.setattr(measure, "alternative_variants", lambda e, v: [("engine blocks", "whole model")])
     m._queue_rounds_of(shallow)
