@@ -193,11 +193,12 @@ def test_run_one_row_per_model_and_batch(tmp_path, monkeypatch, capsys):
 
 
 def test_a_fresh_load_row_gives_the_replay_time_of_that_process():
+    """Named for what it times: replays back to back, not a call's latency (the table's other columns)."""
     rows = [_row("bert", 1, 0.45, 0.58, fresh_load={"median_s": 3.1, "each_s": [3.1],
                                                     "median_rep": {"replay_ms": 0.4134}}),
             _row("vit_b_16", 1, 0.6, 0.68, fresh_load={"median_s": 2.5, "each_s": [2.5], "median_rep": {}})]
     body = [ln for ln in corpus_gpu.table(rows).splitlines()[2:] if ln.startswith("| ")]
-    assert "| 3.1 (3.1); replays 0.413 ms |" in body[0] and "| 2.5 (2.5) |" in body[1]
+    assert "| 3.1 (3.1); back to back 0.413 ms |" in body[0] and "| 2.5 (2.5) |" in body[1]
 
 
 def test_each_build_starts_with_compiler_caches_of_its_own(tmp_path, monkeypatch):
