@@ -629,6 +629,9 @@ def test_a_one_stream_plan_compiles_the_later_rounds_alternatives_of_an_earlier_
     got = speculative_variants(None, one)
     assert [(x.options.conv_kernels, x.options.fuse_conv_relu) for x in got] == [("inductor", False)]
     assert speculative_variants(None, replace(one, options=replace(one.options, conv_kernels="cudnn"))) == []  # one round
+    # a round carried from the input (``decided``) is not raced: nothing is compiled for it, at either level
+    assert speculative_variants(None, one, {"depthwise convolutions"}) == []
+    assert speculative_variants(None, one, {"conv+ReLU"}) == []
     # one stream cut into blocks: the same rounds; several streams: none
     blocks = replace(one, plan=types.SimpleNamespace(branches=[0, 1, 2], num_streams=1))
     assert [(x.options.conv_kernels, x.options.fuse_conv_relu) for x in speculative_variants(None, blocks)] == [("inductor", False)]
