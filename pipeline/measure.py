@@ -746,8 +746,8 @@ class GpuMeasurer:
         timed replay by replay also runs, now and then, a whole timing 7-12% faster than its usual (BERT-base,
         H200: its search's reference 0.572 against 0.642 ms, the shipped bundle 0.420 against 0.454; the GPU's
         clocks unchanged, the compile workers alive or shut down, and in a fresh process alike:
-        bench/timing_hold.py --states), and measured from that fastest, every later timing of BERT-base's search
-        was taken three times.
+        bench/timing_hold.py --states), and measured from that fastest, 9 of the 10 candidates' timings in one
+        BERT-base search were taken two or three times.
         The log keeps both medians of every timing (``blocks_ms``)."""
         ref, ref_ms = self.reference
         for _ in range(REFERENCE_RETRIES + 1):
