@@ -126,9 +126,7 @@ class ClockSampler:
             from parastream.launcher import cuda
 
             pynvml.nvmlInit()
-            bus = cuda.check(cuda.runtime().cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
-            bus = (bus.decode() if isinstance(bus, bytes) else str(bus)).strip("\x00").strip()
-            self.nv, self.h = pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(bus)
+            self.nv, self.h = pynvml, pynvml.nvmlDeviceGetHandleByPciBusId(cuda.pci_bus_id(device))
         except Exception as e:  # noqa: BLE001 - no NVML here: the timings still run, without clocks
             self.nv, self.error = None, f"{type(e).__name__}: {e}"
             return

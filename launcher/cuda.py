@@ -135,6 +135,13 @@ def device_count() -> int:
 _BUS_IDS: dict[int, str] = {}
 
 
+def pci_bus_id(device: int) -> str:
+    """GPU ``device``'s PCI bus id as the driver gives it ("0000:19:00.0"): the physical GPU, whatever
+    CUDA_VISIBLE_DEVICES numbers it (NVML looks GPUs up by it).  Raises where there is no driver or device."""
+    bus = check(runtime().cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
+    return (bus.decode() if isinstance(bus, bytes) else str(bus)).strip("\x00").strip()
+
+
 def gpu_lock_path(device: int):
     """The file whose lock is a turn on GPU ``device`` (``gpu_turn``), named by the GPU's PCI bus id where the
     driver gives it: processes that number their GPUs differently (each its own CUDA_VISIBLE_DEVICES) then share
@@ -144,9 +151,7 @@ def gpu_lock_path(device: int):
 
     if device not in _BUS_IDS:
         try:
-            bus = check(runtime().cudaDeviceGetPCIBusId(32, device), "cudaDeviceGetPCIBusId")
-            bus = (bus.decode() if isinstance(bus, bytes) else str(bus)).strip("\x00").strip()
-            _BUS_IDS[device] = re.sub(r"[^0-9A-Za-z]", "_", bus) or str(device)
+            _BUS_IDS[device] = re.sub(r"[^0-9A-Za-z]", "_", pci_bus_id(device)) or str(device)
         except Exception:  # noqa: BLE001 - no cuda-python, no driver or no such device: the ordinal
             _BUS_IDS[device] = str(device)
     return Path(tempfile.gettempdir()) / f"parastream-gpu{_BUS_IDS[device]}-timing.lock"
