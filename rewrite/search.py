@@ -405,6 +405,48 @@ def precheck(graph: gs.Graph, rules: list[Rule], cost_model: CostModel, min_gain
     return None, figures
 
 
+#: the fastest candidate measured is timed again while it leads the next fastest (the input included) by less
+#: than this: one timing of a launcher can catch a whole timing 7-12% faster than its usual (BERT-base, H200:
+#: a candidate timed once at 0.4212 against a reference at 0.6416 ms read as 0.373 ms, the others 0.397-0.419,
+#: and was kept; its bundle ran like theirs: bench/timing_hold.py --states), which a lead that large outruns
+CONFIRM_WITHIN = 0.15
+#: two timings of one candidate this close agree; apart, a third is taken and the median of the three is its time
+CONFIRM_AGREE = 0.03
+#: at most this many timings taken again after the candidates' measurements, in all
+CONFIRMATIONS = 3
+
+
+def confirm_fastest(measured: list[dict], original: dict, again: Callable[[dict], float]) -> list[dict]:
+    """Time the fastest of ``measured`` again (``again(entry)``: seconds) until its time stands: its timings
+    agree within ``CONFIRM_AGREE`` or number three, or it leads the next fastest by ``CONFIRM_WITHIN``, or it is
+    the input (the reference every candidate is scaled by).  Its time becomes the median of its timings
+    (``timings_s``); when that is no longer the fastest, the new fastest is confirmed in turn, up to
+    ``CONFIRMATIONS`` timings in all.  Returns what was timed again, in order, for the report."""
+    import statistics
+
+    out: list[dict] = []
+    while len(out) < CONFIRMATIONS and len(measured) > 1:
+        ranked = sorted(measured, key=lambda w: (w["measured_s"], w["cost"]["mixed_s"]))
+        best, runner_up = ranked[0], ranked[1]
+        times = best.setdefault("timings_s", [best["measured_s"]])
+        agree = len(times) >= 2 and max(times) <= min(times) * (1.0 + CONFIRM_AGREE)
+        if (best is original or agree or len(times) >= 3
+                or runner_up["measured_s"] > best["measured_s"] * (1.0 + CONFIRM_WITHIN)):
+            break
+        try:
+            t = float(again(best))
+        except Exception as e:  # noqa: BLE001 - its first time stands; the search decides on what it has
+            out.append({"trace": list(best["trace"]), "error": f"{type(e).__name__}: {e}"})
+            break
+        times.append(t)
+        best["measured_s"] = float(statistics.median(times))
+        out.append({"trace": list(best["trace"]), "seconds": t, "median_s": best["measured_s"]})
+    for w in measured:  # a single timing is not worth a list in the report
+        if len(w.get("timings_s", ())) < 2:
+            w.pop("timings_s", None)
+    return out
+
+
 class MeasureBudgetSpent(RuntimeError):
     """Raised by a measurer whose budget is spent: the search measures no further candidate."""
 
@@ -425,7 +467,10 @@ class Measurer(Protocol):
     A measurer that knows the times already, by each candidate's rewrites (a search recorded by an earlier
     build of the same model: ``pipeline.timings.RecordedMeasurer``), says so with ``by_trace = True``: the
     search then calls ``measure_trace(trace)`` (the candidate's rule applications, in order; the input's is
-    empty) and exports no candidate but the one it keeps."""
+    empty) and exports no candidate but the one it keeps.
+
+    A measurer may also ``confirm(model)``: time a model it measured again, as it measured it, and return the
+    seconds of that timing (``confirm_fastest``: the search's fastest is timed again before it decides)."""
 
     lookahead: int
 
@@ -663,11 +708,16 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                     spent = w["error"]
         if not isinstance(measurer, TimedBy) and not by_trace:
             report["prepared"] = prepared
-        # what was measured, in the order it was (a later build of the same model may take these times:
-        # pipeline/timings.py)
+        measured = [w for w in admissible if "measured_s" in w]
+        again = getattr(measurer, "confirm", None)
+        if again is not None and not by_trace:
+            confirmed = confirm_fastest(measured, original_entry, lambda w: again(exported[id(w)]))
+            if confirmed:
+                report["confirmed"] = confirmed
+        # what was measured, in the order it was, each time the median of its timings (a later build of the same
+        # model may take these times: pipeline/timings.py)
         report["measured_in_order"] = [{"trace": list(w["trace"]), "seconds": w["measured_s"]}
                                        for w in order if "measured_s" in w]
-        measured = [w for w in admissible if "measured_s" in w]
         if measured:
             chosen = min(measured, key=lambda w: (w["measured_s"], w["cost"]["mixed_s"]))
             report["decided_by"] = "measured"
@@ -704,6 +754,7 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
     report["candidates"] = [
         {"rank": i, "estimated_s": w["cost"]["mixed_s"], "critical_path_s": w["cost"]["critical_path_s"],
          "total_work_s": w["cost"]["total_work_s"], "measured_s": w.get("measured_s"), "error": w.get("error"),
+         **({"timings_s": w["timings_s"]} if "timings_s" in w else {}),
          "rewrites": len(w["trace"]), "input": w is original_entry, "chosen": w is chosen}
         for i, w in enumerate(wholes)
     ]

@@ -334,6 +334,29 @@ def test_the_best_candidate_is_timed_with_a_slow_fusion_off(monkeypatch):
     m.close()
 
 
+def test_a_candidate_is_timed_again_in_the_form_its_time_was_taken_in(monkeypatch):
+    """``confirm`` (the search's fastest timed again) loads the form the candidate's time came from, here its
+    GEMM epilogue as plain ops, times it against the reference and logs the timing as an entry of its own; a
+    model never measured cannot be confirmed."""
+    cand = _fused_model(True, True)
+
+    def ms_of(model, o):
+        return 1.0 if model is not cand else (1.3 if o.fuse_gemm_epilogue else 0.8)
+
+    m, input_model, launchers = _timing_measurer(monkeypatch, ms_of)
+    with pytest.raises(ValueError):
+        m.confirm(cand)
+    m.measure(input_model)
+    assert m.measure(cand) == pytest.approx(0.8e-3)
+    n = len(launchers)
+    assert m.confirm(cand) == pytest.approx(0.8e-3)
+    assert len(launchers) == n + 1 and not launchers[-1].options.fuse_gemm_epilogue and launchers[-1].closed
+    assert m.log[-1]["again"] and m.log[-1]["blocks_ms"] == [{"reference": 1.0, "candidate": 0.8}]
+    with pytest.raises(ValueError):
+        m.confirm(_fused_model(True, True))
+    m.close()
+
+
 @pytest.mark.parametrize("reference_ms, expected", [([1.0, 1.2, 1.0], 0.9), ([1.0, 1.2, 1.3, 1.2], 0.75),
                                                      ([1.0, 1.04], 0.9 / 1.04), ([2.0, 1.0], 1.8),
                                                      ([1.0, 0.9], 1.0)])

@@ -239,6 +239,100 @@ def test_a_rewrite_must_beat_the_input_by_the_margin(zoo_model):
     assert out is m
 
 
+def _entry(name, ms, cost=1.0):
+    return {"trace": [name], "measured_s": ms * 1e-3, "cost": {"mixed_s": cost}}
+
+
+def test_the_fastest_is_timed_again_until_its_time_stands():
+    """A candidate whose one timing caught its launcher's faster state (0.373 against its usual 0.420 ms) is timed
+    again: the two disagree, so a third is taken and the median is its time; the next fastest, now ahead, is
+    timed again and agrees: three timings in all, and the candidate kept is the one that is faster."""
+    from parastream.rewrite.search import confirm_fastest
+
+    inp, fluke, steady = _entry("input", 0.450), _entry("fluke", 0.373), _entry("steady", 0.397)
+    usual = {"fluke": iter([0.420, 0.419]), "steady": iter([0.398])}
+    asked = []
+
+    def again(w):
+        asked.append(w["trace"][0])
+        return next(usual[w["trace"][0]]) * 1e-3
+
+    out = confirm_fastest([inp, fluke, steady], inp, again)
+    assert asked == ["fluke", "fluke", "steady"]
+    assert fluke["timings_s"] == pytest.approx([0.373e-3, 0.420e-3, 0.419e-3])
+    assert fluke["measured_s"] == pytest.approx(0.419e-3)
+    assert steady["measured_s"] == pytest.approx(0.3975e-3) and len(steady["timings_s"]) == 2
+    assert "timings_s" not in inp
+    assert [o["trace"] for o in out] == [["fluke"], ["fluke"], ["steady"]]
+    assert min([inp, fluke, steady], key=lambda w: w["measured_s"]) is steady
+
+
+@pytest.mark.parametrize("times, asked", [
+    ({"input": 0.40, "a": 0.45, "b": 0.46}, []),  # the input is fastest: it is the reference, nothing to confirm
+    ({"input": 0.60, "a": 0.40, "b": 0.50}, []),  # a leads the next fastest by 25%: no fluke makes up that lead
+    ({"input": 0.60, "a": 0.40, "b": 0.42}, ["a"]),  # timed again, 0.405: the two agree within 3%
+])
+def test_a_time_that_stands_is_not_taken_again(times, asked):
+    from parastream.rewrite.search import confirm_fastest
+
+    entries = {k: _entry(k, v) for k, v in times.items()}
+    got = []
+    confirm_fastest(list(entries.values()), entries["input"], lambda w: got.append(w["trace"][0]) or 0.405e-3)
+    assert got == asked
+    assert all("timings_s" not in w for k, w in entries.items() if k not in asked)
+
+
+def test_a_failed_confirmation_leaves_the_first_time():
+    from parastream.rewrite.search import confirm_fastest
+
+    inp, a, b = _entry("input", 0.5), _entry("a", 0.40), _entry("b", 0.41)
+
+    def again(w):
+        raise RuntimeError("out of memory")
+
+    out = confirm_fastest([inp, a, b], inp, again)
+    assert out == [{"trace": ["a"], "error": "RuntimeError: out of memory"}]
+    assert a["measured_s"] == pytest.approx(0.40e-3) and "timings_s" not in a
+
+
+def test_the_search_confirms_its_fastest_before_it_decides(zoo_model):
+    """With a measurer that can time a model again (``confirm``), the search's fastest, first timed 10% faster
+    than it runs, is timed again: its median decides, the report says what was confirmed, and the times a
+    later build replays are the medians."""
+    m = zoo_model("inception_block")
+    n_in = len(m.graph.node)
+    first = {}
+
+    class Fluky:
+        lookahead = 1
+
+        def adopt(self, model, graph):
+            pass
+
+        def prepare(self, models):
+            return None
+
+        def measure(self, model):  # the input 1.0; each rewrite 0.9, and the first rewrite's first timing 0.8
+            if len(model.graph.node) == n_in:
+                return 1e-4
+            first.setdefault("model", model)
+            return 0.8e-4 if model is first["model"] else 0.9e-4
+
+        def confirm(self, model):
+            again.append(model)
+            return 0.9e-4
+
+    again = []
+    out, report = optimize(m, measure=Fluky(), top_k=5)
+    assert again[:2] == [first["model"]] * 2  # 0.8 then 0.9 disagree: a third timing, the median 0.9
+    assert report["confirmed"][1]["median_s"] == pytest.approx(0.9e-4)
+    chosen = next(c for c in report["candidates"] if c["chosen"])
+    assert not chosen["input"] and chosen["measured_s"] == pytest.approx(0.9e-4)
+    timed = [c for c in report["candidates"] if "timings_s" in c]
+    assert len(timed) == 1 and timed[0]["timings_s"][0] == pytest.approx(0.8e-4)
+    assert min(r["seconds"] for r in report["measured_in_order"]) == pytest.approx(0.9e-4)
+
+
 def test_failing_measurement_falls_back_to_the_cost_model(zoo_model):
     def measure(model):
         raise RuntimeError("no device")
