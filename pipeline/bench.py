@@ -48,16 +48,34 @@ from parastream.launcher.engines.base import BuildOptions
 
 INPUT_SETS = 4
 BLOCK = 25
-def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) -> None:
-    """Queue ``runs`` timed replays (inputs copied device-to-device before each, outside the events)."""
+#: a replay whose queuing took this long waited in the driver (its queue full behind a closed gate)
+STALLED_S = 0.25
+
+
+def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) -> int | None:
+    """Queue ``runs`` timed replays (inputs copied device-to-device before each, outside the events); returns
+    how many were queued before one waited in the driver (``STALLED_S``), or None when none did."""
     plan = launcher.plan
+    stalled = None
     for i in range(runs):
+        t0 = time.perf_counter()
         src = input_sets[(offset + i) % len(input_sets)]
         for spec in plan.inputs:
             cuda.memcpy_dtod_async(launcher.addr[spec.name], src[spec.name], cuda.nbytes_of(spec.shape, spec.dtype), launcher.origin)
         cuda.event_record(starts[offset + i], launcher.origin)
         launcher.launch()
         cuda.event_record(ends[offset + i], launcher.origin)
+        if stalled is None and time.perf_counter() - t0 > STALLED_S:
+            stalled = i
+    return stalled
+
+
+#: per GPU, how many replays a held block queues: ``BLOCK`` until a block's gate had to be opened by its timer
+#: (the driver's queue filled before the block was all queued), then fewer, learned by the process.  BERT-base at
+#: batch 32 (H200) filled it: 28 of one candidate's 32 blocks and every block of two rounds waited the timer's
+#: 2 s, ~90 s of a 150 s build, and those blocks were timed while still being queued (a candidate's block ran
+#: 2.72 ms where its others ran 1.63-2.01)
+_HELD_BLOCK: dict[int, int] = {}
 
 
 @contextlib.contextmanager
@@ -84,7 +102,8 @@ def measure(launchers: dict, *, runs: int = 200, warmup: int = 20, seed: int = 0
     ``cuda.StreamGate`` and then let go, so that the events time the GPU's work and not how fast this thread
     queued it (a build times while its compile workers fill the machine's cores and other threads of its
     process take the interpreter lock).  ``info``, when given, gets ``lock_wait_s``, ``blocks``, ``held`` and
-    ``opened_by_timer``."""
+    ``opened_by_timer``, and ``held_block`` where a block the driver could not hold whole made the blocks
+    smaller (``_HELD_BLOCK``)."""
     first = next(iter(launchers.values()))
     device = getattr(first, "device", 0) or 0
     t0 = time.perf_counter()
@@ -126,6 +145,7 @@ def _measure(launchers: dict, *, runs: int, warmup: int, seed: int, hold: bool =
              info: dict | None = None) -> dict[str, np.ndarray]:
     first = next(iter(launchers.values()))
     plan = first.plan
+    device = getattr(first, "device", 0) or 0
     rng = np.random.default_rng(seed)
     # device copies of several input sets
     sets, owned = [], []
@@ -151,7 +171,9 @@ def _measure(launchers: dict, *, runs: int, warmup: int, seed: int, hold: bool =
             la.synchronize()
         done = 0
         while done < runs:
-            n = min(BLOCK, runs - done)
+            # each launcher queues the same number in a round; a block the driver could not hold whole makes the
+            # next rounds' blocks fit (``_HELD_BLOCK``)
+            n = min(_HELD_BLOCK.get(device, BLOCK) if gate is not None else BLOCK, runs - done)
             for name, la in launchers.items():
                 starts, ends = events[name]
                 held = gate is not None and getattr(la, "captured", False)
@@ -162,12 +184,18 @@ def _measure(launchers: dict, *, runs: int, warmup: int, seed: int, hold: bool =
                         counts["hold_error"] = str(e)
                         gate.free()
                         gate, held = None, False
+                    by_timer = gate.opened_by_timer if held else 0
+                stalled = None
                 try:
-                    _time_replays(la, sets, n, starts, ends, done)
+                    stalled = _time_replays(la, sets, n, starts, ends, done)
                 finally:
                     if held:
                         gate.open()
                 la.synchronize()
+                if held and gate.opened_by_timer > by_timer:
+                    fits = max(1, (stalled if stalled is not None else n) // 2)
+                    _HELD_BLOCK[device] = min(_HELD_BLOCK.get(device, BLOCK), fits)
+                    counts["held_block"] = _HELD_BLOCK[device]
                 counts["blocks"] += 1
                 counts["held"] += held
             done += n

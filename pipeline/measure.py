@@ -798,6 +798,8 @@ class GpuMeasurer:
             entry["lock_wait_s"] = round(entry.get("lock_wait_s", 0.0) + info.get("lock_wait_s", 0.0), 3)
             if info.get("opened_by_timer"):
                 entry["gates_opened_by_timer"] = entry.get("gates_opened_by_timer", 0) + info["opened_by_timer"]
+            if info.get("held_block"):  # the replays a held block queues since (``bench._HELD_BLOCK``)
+                entry["held_block"] = info["held_block"]
         return times
 
     def _as_one_engine(self, v: Variant, ms: float) -> tuple[Variant, float]:

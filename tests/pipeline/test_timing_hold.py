@@ -132,3 +132,52 @@ def test_the_switch_interval_is_restored_after_overlapping_timings():
     go.set()
     t.join(10)
     assert sys.getswitchinterval() == pytest.approx(before)
+
+
+def test_a_block_the_driver_could_not_hold_whole_makes_the_next_blocks_fit(calls, monkeypatch):
+    """A replay that waits in the driver behind the closed gate (its queue full: the gate's timer opened it) makes
+    the next rounds' blocks half as long as what was queued before it, for every launcher and for later timings
+    on that GPU; the round it happened in keeps its length, so each launcher is timed as many times."""
+    import time
+
+    monkeypatch.setattr(bench, "_HELD_BLOCK", {})
+    monkeypatch.setattr(bench, "STALLED_S", 0.01)
+
+    class Stalling(_Launcher):
+        stall_at = 10  # the 11th launch of a block waits in the driver until the gate's timer opens the gate
+
+        def __init__(self, *a, **kw):
+            super().__init__(*a, **kw)
+            self.in_block = 0
+
+        def launch(self):
+            if self.in_block == self.stall_at:
+                time.sleep(0.03)
+                calls.Gate.opened_by_timer += 1
+            self.in_block += 1
+            super().launch()
+
+        def synchronize(self):
+            self.in_block = 0
+            super().synchronize()
+
+    la, lb = Stalling(calls, "a"), _Launcher(calls, "b")
+    info = {}
+    times = bench._measure({"a": la, "b": lb}, runs=40, warmup=0, seed=0, info=info)
+    assert len(times["a"]) == len(times["b"]) == 40
+    blocks = _blocks(calls.log, 2)
+    sizes = [sum(e[0] == "launch" for e in b) for b in blocks]
+    assert sizes == [25, 25, 5, 5, 5, 5, 5, 5]  # 10 queued before the stall: blocks of 5 from the next round
+    assert info["held_block"] == 5 and bench._HELD_BLOCK == {0: 5}
+
+    calls.log.clear()
+    bench._measure({"b": _Launcher(calls, "b")}, runs=10, warmup=0, seed=0)  # a later timing on that GPU
+    assert [sum(e[0] == "launch" for e in b) for b in _blocks(calls.log, 1)] == [5, 5]
+
+
+def test_blocks_that_fit_keep_their_length(calls, monkeypatch):
+    monkeypatch.setattr(bench, "_HELD_BLOCK", {})
+    info = {}
+    bench._measure({"a": _Launcher(calls, "a")}, runs=50, warmup=0, seed=0, info=info)
+    assert [sum(e[0] == "launch" for e in b) for b in _blocks(calls.log, 1)] == [25, 25]
+    assert "held_block" not in info and bench._HELD_BLOCK == {}
