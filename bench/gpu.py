@@ -227,8 +227,9 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
         s = rep.get("search", {})
         if s.get("enabled"):
             log["search"] = {k: s.get(k) for k in ("summary", "decided_by", "decision", "nodes_before", "nodes_after",
-                                                   "rules_chosen_count", "timings")}
-            log["search"]["measured"] = [{k: c.get(k) for k in ("rank", "input", "chosen", "estimated_s", "measured_s", "error")}
+                                                   "rules_chosen_count", "timings", "confirmed")}
+            log["search"]["measured"] = [{k: c.get(k) for k in ("rank", "input", "chosen", "estimated_s", "measured_s",
+                                                                "timings_s", "error")}
                                          for c in s.get("candidates", []) if c.get("measured_s") is not None or c.get("error")]
             # each timing as timed: the reference's first median, both medians of each timing in blocks
             log["search"]["measure_log"] = s.get("measure_log")
