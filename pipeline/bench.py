@@ -73,8 +73,8 @@ def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) ->
 #: per GPU, how many replays a held block queues: ``BLOCK`` until a block's gate had to be opened by its timer
 #: (the driver's queue filled before the block was all queued), then fewer, learned by the process.  BERT-base at
 #: batch 32 (H200) filled it: 28 of one candidate's 32 blocks and every block of two rounds waited the timer's
-#: 2 s, ~90 s of a 150 s build, and those blocks were timed while still being queued (a candidate's block ran
-#: 2.72 ms where its others ran 1.63-2.01)
+#: 2 s, and those blocks were timed while still being queued; made to fit (6 replays), that build took 59.8 s
+#: against 149.8 (search 40.5 against 99.0 s, the rounds after it 1.3 against 33.2)
 _HELD_BLOCK: dict[int, int] = {}
 
 
