@@ -138,6 +138,11 @@ class BuilderBase:
     def build_all(self, items: list[BuildItem]) -> list[bytes]:
         return [self.build(branch, name, layout) for branch, name, layout in items]
 
+    def waits_for_background(self, items: list[BuildItem]) -> bool:
+        """Whether ``build_all(items)`` would compile none of them itself and would wait for some that compile in the
+        background: each can then be built when it is needed (``pipeline.build.Engines.launcher``)."""
+        return False
+
     def report(self) -> dict:
         return {}
 

@@ -1146,6 +1146,10 @@ class Builder(BuilderBase):
     def build(self, branch: onnx.ModelProto, name: str, layout: dict | None = None) -> bytes:
         return self.build_all([(branch, name, layout)])[0]
 
+    def waits_for_background(self, items: list[tuple[onnx.ModelProto, str, dict | None]]) -> bool:
+        _, todo, _ = self._jobs(items, wait=False)
+        return not todo and any(k in _INFLIGHT for k in self.keys)
+
     def build_all(self, items: list[tuple[onnx.ModelProto, str, dict | None]]) -> list[bytes]:
         out, todo, groups = self._jobs(items)
         t0 = time.perf_counter()

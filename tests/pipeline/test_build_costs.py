@@ -730,3 +730,100 @@ def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_c
         assert r["timed_ms"]["one stream"] == pytest.approx(1.1)
         assert r["serial"]["timed_ms"][measure.SERIAL_LABEL] == pytest.approx(serial)
     m.close()
+
+
+def _lazy_backend(events, waits: bool):
+    """A backend stand-in that builds side by side, warms after load and compiles in the background, whose builder
+    says whether it would wait for background compiles (``waits``) and records each engine it builds."""
+    import types
+
+    from gpu_build_fakes import gpu_backend
+
+    class Builder:
+        def __init__(self, options):
+            self.options = options
+
+        def waits_for_background(self, items):
+            return waits
+
+        def build_all(self, items):
+            events.extend(("build", name) for _, name, _ in items)
+            return [name.encode() for _, name, _ in items]
+
+        def close(self):
+            events.append(("close",))
+
+    return gpu_backend(builds_side_by_side=True, background_compiles=True, warms_after_load=True, Builder=Builder,
+                       name="torch", **{"report": lambda: {}})
+
+
+@pytest.mark.parametrize("waits", [True, False])
+def test_a_launcher_loads_each_engine_as_it_is_built_while_the_rest_compile(tmp_path, monkeypatch, waits):
+    """Where some engines of a variant are still compiling in the background (the search's input), the launcher is
+    made at once and each engine is built (waited for) as the launcher comes to load it, so the engines built so
+    far load and warm while the rest compile; else every engine is built before the launcher is made."""
+    import types
+
+    import importlib
+
+    import parastream.launcher.gpu as gpu_mod
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.build import Engines
+    from parastream.pipeline.measure import Variant
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+    events = []
+    backend = _lazy_backend(events, waits)
+    loaded = _loaded(tmp_path, "small_net")
+    engines = Engines(backend, RooflineCostModel(), loaded, "fp16")
+    v = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, None, 4), BuildOptions(precision="fp16", device="cuda"))
+    assert len(v.plan.branches) > 2
+
+    def eager(dest, model, graph, plan, backend, options, label, sink=None, **kw):
+        b = backend.Builder(options)
+        for br in plan.branches:
+            sink[br.engine] = b.build_all([(None, br.name, None)])[0]
+        b.close()
+
+    def launcher(bundle):
+        for br in bundle.plan.branches:
+            assert bundle.engine_bytes(br) == br.name.encode()
+            events.append(("load", br.name))
+        return types.SimpleNamespace(close=lambda: None)
+
+    monkeypatch.setattr(build_mod, "_write_engines", eager)
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", launcher)
+    la = engines.launcher(v)
+    names = [br.name for br in v.plan.branches]
+    if waits:  # built one by one as loaded, then the builder closed
+        assert events == [e for n in names for e in (("build", n), ("load", n))] + [("close",)]
+    else:  # (the builder that asked is closed first)
+        assert events == [("close",)] + [("build", n) for n in names] + [("close",)] + [("load", n) for n in names]
+    assert la.t_built > 0
+
+
+def test_the_torch_builder_waits_for_background_compiles_only_where_some_are_in_flight(tmp_path, fake_compiles, monkeypatch):
+    """``waits_for_background``: False where a branch is neither compiled nor compiling (``build_all`` compiles it)
+    and where every branch is compiled already; True where none needs compiling and some compile in the
+    background."""
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline.build import Engines, _engine_layouts, branches_of
+
+    loaded = _loaded(tmp_path, "small_net")
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16")
+    options = BuildOptions(precision="fp16", device="cuda", compile_workers=1, torch_artifact="inductor")
+    plan = engines.plan(loaded.graph, None, 4)
+    lay = _engine_layouts(plan, torch_backend, options)
+    items = [(br, b.name, lay(b).get("layout")) for br, b in zip(branches_of(loaded.model, loaded.graph, plan, engines.branches), plan.branches)]
+    builder = torch_backend.Builder(options)
+    assert not builder.waits_for_background(items) and not fake_compiles  # to compile: build_all compiles them
+    keys = [k for k in builder.keys]
+    assert keys
+    monkeypatch.setitem(torch_backend._INFLIGHT, keys[0], object())  # one compiling in the background, the rest
+    monkeypatch.setattr(torch_backend, "cache_get",  # compiled
+                        lambda key, cache_dir: (None, "miss") if key == keys[0] else (b"entry", "memory"))
+    assert builder.waits_for_background(items)
+    monkeypatch.delitem(torch_backend._INFLIGHT, keys[0])
+    monkeypatch.setattr(torch_backend, "cache_get", lambda key, cache_dir: (b"entry", "memory"))
+    assert not builder.waits_for_background(items)  # all compiled: built at once, nothing to wait for
