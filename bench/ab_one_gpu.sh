@@ -1,0 +1,42 @@
+#!/usr/bin/env bash
+# Before and after in one device call on a one-GPU host: one model exported once, then `parastream build` of it
+# (torch, fp16, the build's defaults: its search measured on the GPU) with an earlier tree's parastream and then
+# with this checkout's, one after the other on GPU 0, each build with empty Inductor and Triton caches of its own.
+# What the two-GPU `ab_gpus.sh` gives side by side, for the build alone (no torch.compile, no fresh loads):
+#
+#     mkdir .before && git archive BASE core launcher pipeline rewrite | tar -x -C .before   # .before/ is ignored
+#     run (carry .whl and .before):
+#         source bench/device_env.sh; OUT=$OUT bash bench/ab_one_gpu.sh nasnetalarge [BUILD ARGS...]
+#
+# Each side's report.json and its `--json` line land in $OUT/before and $OUT/after, packed into $OUT/ab_one_gpu.tgz.
+set -u
+[ -d .before/pipeline ] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
+model=${1:?model name (bench/gpu.py make_model)}; shift
+mkdir -p /tmp/nsb/parastream
+for d in core launcher pipeline rewrite; do ln -sfn "$PWD/.before/$d" /tmp/nsb/parastream/$d; done
+out=${OUT:-/tmp/ab_one_gpu}
+work=/tmp/ab_one_gpu_work
+rm -rf "$work" && mkdir -p "$work" "$out/before" "$out/after"
+python3 - "$model" "$work" <<'PY' || exit 1
+import sys, time
+sys.path.insert(0, "bench")
+from gpu import export, make_model
+from pathlib import Path
+name, work = sys.argv[1], Path(sys.argv[2])
+model, inputs = make_model(name, 1)
+t0 = time.perf_counter()
+export(model, inputs, work / f"{name}.onnx")
+print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
+PY
+for side in before after; do
+    if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=$PYTHONPATH; fi
+    caches="$work/caches-$side"
+    t0=$(date +%s.%N)
+    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
+        python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/$side" --backend torch --precision fp16 \
+        --force --json "$@" > "$out/$side/build.json" 2> "$out/$side/build.log"
+    rc=$?
+    echo "$side: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
+    [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$out/$side/report.json"
+done
+(cd "$out" && tar czf ab_one_gpu.tgz before after && rm -rf before after)
