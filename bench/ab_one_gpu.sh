@@ -8,16 +8,19 @@
 #     run (carry .whl and .before):
 #         source bench/device_env.sh; OUT=$OUT bash bench/ab_one_gpu.sh nasnetalarge [BUILD ARGS...]
 #
+# MODEL is a name of bench/gpu.py's make_model (exported here) or an ONNX file's path (built as it is).
 # Each side's report.json and its `--json` line land in $OUT/before and $OUT/after, packed into $OUT/ab_one_gpu.tgz.
 set -u
 [ -d .before/pipeline ] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
-model=${1:?model name (bench/gpu.py make_model)}; shift
+model=${1:?model: a bench/gpu.py make_model name, or an ONNX file}; shift
 mkdir -p /tmp/nsb/parastream
 for d in core launcher pipeline rewrite; do ln -sfn "$PWD/.before/$d" /tmp/nsb/parastream/$d; done
 out=${OUT:-/tmp/ab_one_gpu}
 work=/tmp/ab_one_gpu_work
 rm -rf "$work" && mkdir -p "$work" "$out/before" "$out/after"
-python3 - "$model" "$work" <<'PY' || exit 1
+if [[ "$model" == *.onnx ]]; then
+    cp "$model" "$work/" && model=$(basename "$model" .onnx)
+else python3 - "$model" "$work" <<'PY' || exit 1
 import sys, time
 sys.path.insert(0, "bench")
 from gpu import export, make_model
@@ -28,6 +31,7 @@ t0 = time.perf_counter()
 export(model, inputs, work / f"{name}.onnx")
 print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
 PY
+fi
 for side in before after; do
     if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=$PYTHONPATH; fi
     caches="$work/caches-$side"
