@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Before and after in one device call on a one-GPU host: one model exported once, then `parastream build` of it
-# (torch, fp16, the build's defaults: its search measured on the GPU) with an earlier tree's parastream and then
-# with this checkout's, one after the other on GPU 0, each build with empty Inductor and Triton caches of its own.
+# (torch, fp16, the build's defaults: its search measured on the GPU) with this checkout's parastream and with an
+# earlier tree's, one after the other on GPU 0 (this checkout's first: a call cut short keeps it), each build
+# with empty Inductor and Triton caches of its own.
 # What the two-GPU `ab_gpus.sh` gives side by side, for the build alone (no torch.compile, no fresh loads):
 #
 #     mkdir .before && git archive BASE core launcher pipeline rewrite | tar -x -C .before   # .before/ is ignored
@@ -32,7 +33,7 @@ export(model, inputs, work / f"{name}.onnx")
 print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
 PY
 fi
-for side in before after; do
+for side in after before; do
     if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=$PYTHONPATH; fi
     caches="$work/caches-$side"
     t0=$(date +%s.%N)
