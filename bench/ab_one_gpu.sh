@@ -10,9 +10,11 @@
 #         source bench/device_env.sh; OUT=$OUT bash bench/ab_one_gpu.sh nasnetalarge [BUILD ARGS...]
 #
 # MODEL is a name of bench/gpu.py's make_model (exported here) or an ONNX file's path (built as it is).
+# SIDES="after" builds this checkout's alone (no .before/ needed).
 # Each side's report.json and its `--json` line land in $OUT/before and $OUT/after, packed into $OUT/ab_one_gpu.tgz.
 set -u
-[ -d .before/pipeline ] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
+sides=${SIDES:-after before}
+[[ "$sides" != *before* || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
 model=${1:?model: a bench/gpu.py make_model name, or an ONNX file}; shift
 mkdir -p /tmp/nsb/parastream
 for d in core launcher pipeline rewrite; do ln -sfn "$PWD/.before/$d" /tmp/nsb/parastream/$d; done
@@ -33,7 +35,7 @@ export(model, inputs, work / f"{name}.onnx")
 print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
 PY
 fi
-for side in after before; do
+for side in $sides; do
     if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=$PYTHONPATH; fi
     caches="$work/caches-$side"
     t0=$(date +%s.%N)
@@ -44,4 +46,4 @@ for side in after before; do
     echo "$side: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
     [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$out/$side/report.json"
 done
-(cd "$out" && tar czf ab_one_gpu.tgz before after && rm -rf before after)
+(cd "$out" && tar czf ab_one_gpu.tgz $sides && rm -rf before after)

@@ -827,3 +827,28 @@ def test_the_torch_builder_waits_for_background_compiles_only_where_some_are_in_
     monkeypatch.delitem(torch_backend._INFLIGHT, keys[0])
     monkeypatch.setattr(torch_backend, "cache_get", lambda key, cache_dir: (b"entry", "memory"))
     assert not builder.waits_for_background(items)  # all compiled: built at once, nothing to wait for
+
+
+@pytest.mark.parametrize("decided", [False, True])
+def test_the_best_candidate_is_not_timed_as_one_engine_where_the_inputs_streams_won_by_far(monkeypatch, decided):
+    """The cost model's best candidate, planned on streams and slower than the input, is timed as one engine for
+    the whole model (a compile of it) unless the input's "streams" round was decided against its own engines on one
+    stream (its plan faster by more than 40%): the log then says why it was not."""
+    import types
+
+    from parastream.pipeline.measure import SERIAL_LABEL, Variant
+
+    cand = _fused_model(False, False)
+    m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: 1.0 if model is input_model else 1.02)
+    input_model = m.loaded.model
+    m.variant_of = lambda model: Variant(model, None, types.SimpleNamespace(num_streams=4, branches=[0]), m.options)
+    asked = []
+    m._as_one_engine = lambda v, ms: asked.append(ms) or (v, ms)
+    m.measure(input_model)
+    if decided:
+        m.early["rounds"] = [{"choice": "streams", "rival": SERIAL_LABEL, "won": "4-stream plan",
+                              "timed": "against the same engines on one stream (nothing compiled): the plan faster by 110%"}]
+    assert m.measure(cand) == pytest.approx(1.02e-3)
+    assert len(asked) == (0 if decided else 1)
+    assert ("one_engine" in m.log[-1]) == decided and "110%" in m.log[-1].get("one_engine", "110%")
+    m.close()
