@@ -1147,6 +1147,8 @@ class Builder(BuilderBase):
         return self.build_all([(branch, name, layout)])[0]
 
     def waits_for_background(self, items: list[tuple[onnx.ModelProto, str, dict | None]]) -> bool:
+        if not _INFLIGHT:  # nothing compiles in the background: no branch keyed for that (every load asks)
+            return False
         _, todo, _ = self._jobs(items, wait=False)
         return not todo and any(k in _INFLIGHT for k in self.keys)
 

@@ -817,6 +817,8 @@ def test_the_torch_builder_waits_for_background_compiles_only_where_some_are_in_
     lay = _engine_layouts(plan, torch_backend, options)
     items = [(br, b.name, lay(b).get("layout")) for br, b in zip(branches_of(loaded.model, loaded.graph, plan, engines.branches), plan.branches)]
     builder = torch_backend.Builder(options)
+    assert not builder.waits_for_background(items) and not builder.keys  # nothing in the background: not looked at
+    monkeypatch.setitem(torch_backend._INFLIGHT, "another model's branch", object())
     assert not builder.waits_for_background(items) and not fake_compiles  # to compile: build_all compiles them
     keys = [k for k in builder.keys]
     assert keys
