@@ -539,8 +539,9 @@ class GpuMeasurer:
     H100: its input's engines were compiled, loaded and timed 39 s after the measurer was made, which spent a
     20 s budget before any candidate; each candidate after it took ~2.4 s).
     The second, slower than the input as built, is timed again as one engine where its plan has streams
-    (``_as_one_engine``), and its faster form with each kind of fused node it holds as plain ops
-    (``_with_fusions_off``): its fastest form is its time.
+    (``_as_one_engine``; not where the input's streams round was decided against its own engines on one stream,
+    ``_streams_decided_on_input``), and its faster form with each kind of fused node it holds as plain ops
+    (``_with_fusions_off``): its fastest form is its time, and the form ``confirm`` times again.
 
     ``prepare(models)`` compiles the next candidates' engines in the background; with the input it queues the
     input's alternatives too (``alternative_variants``), timed against the reference as their engines come in
