@@ -334,3 +334,32 @@ def test_compile_workers_start_before_the_first_batch_only_for_gpu_builds(monkey
     pool._parastream_started = False
     tb.start_workers(BuildOptions(device="cuda", torch_artifact="jit"))
     assert len(handed) == 3
+
+
+def test_a_builder_waits_for_background_compiles_one_branch_at_a_time(compiles, monkeypatch):
+    """``waits_for_background``: False with nothing compiling in the background or a branch left to compile, True
+    while the items' branches compile in the background; ``build_all`` of one item then waits for that branch
+    alone (what ``pipeline.build.Engines.launcher`` builds each engine with, as its launcher loads them), and no
+    branch compiles twice."""
+    gate, pool = _gated_pool(compiles, monkeypatch)
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
+    o = BuildOptions(device="cpu")
+    items = [(branch(1), "a", LAYOUT), (branch(2), "b", LAYOUT)]
+    assert not tb.Builder(o).waits_for_background(items)  # nothing in the background
+    tb.precompile([(tb.Builder(o), items[:1])], background=True, cancellable=False)
+    assert not tb.Builder(o).waits_for_background(items)  # branch 2 is nobody's: build_all would compile it
+    tb.precompile([(tb.Builder(o), items[1:])], background=True, cancellable=False)
+    builder = tb.Builder(o)
+    assert builder.waits_for_background(items)
+    got = {}
+    waiter = threading.Thread(target=lambda: got.update(a=builder.build_all(items[:1])[0]))
+    waiter.start()
+    time.sleep(0.2)
+    assert not got and waiter.is_alive()  # branch 1's compile is held at the gate: its build waits for it
+    gate.set()
+    waiter.join(30)
+    assert tb.unpack(got["a"])[0]["compiled"] == "inductor"
+    assert tb.unpack(builder.build_all(items[1:])[0])[0]["compiled"] == "inductor"
+    assert len(compiles) == 2  # each once, in the background
+    assert not tb.Builder(o).waits_for_background(items)  # all compiled: nothing to wait for
+    pool.shutdown()
