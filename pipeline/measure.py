@@ -890,6 +890,7 @@ class GpuMeasurer:
             self.reference[0].close()
             self.reference = None
         self.adopted.clear()  # the candidates' graphs: planned already, or never measured
+        self.timed_forms.clear()  # (the search confirms before it returns)
 
     # -- the input's alternatives, timed during the search -----------------------------------------------------
     def time_ready(self, wait: bool = False) -> None:
