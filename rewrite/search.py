@@ -410,7 +410,8 @@ def precheck(graph: gs.Graph, rules: list[Rule], cost_model: CostModel, min_gain
 #: a candidate timed once at 0.4212 against a reference at 0.6416 ms read as 0.373 ms, the others 0.397-0.419,
 #: and was kept; its bundle ran like theirs: bench/timing_hold.py --states), which a lead that large outruns
 CONFIRM_WITHIN = 0.15
-#: two timings of one candidate this close agree; apart, a third is taken and the median of the three is its time
+#: two timings of one candidate this close agree (the slower is its time); apart, the slower counts until a third is
+#: taken, and the median of the three is its time
 CONFIRM_AGREE = 0.03
 #: at most this many timings taken again after the candidates' measurements, in all (BERT-base, H200: the faster
 #: state came in 5 of 13 timings of one search, and the third of three confirmations met it again)
@@ -716,7 +717,7 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
             confirmed = confirm_fastest(measured, original_entry, lambda w: again(exported[id(w)]))
             if confirmed:
                 report["confirmed"] = confirmed
-        # what was measured, in the order it was, each time the median of its timings (a later build of the same
+        # what was measured, in the order it was, each time as ``confirm_fastest`` left it (a later build of the same
         # model may take these times: pipeline/timings.py)
         report["measured_in_order"] = [{"trace": list(w["trace"]), "seconds": w["measured_s"]}
                                        for w in order if "measured_s" in w]
