@@ -471,8 +471,7 @@ class _EnginesAsCompiled:
         if not (backend.builds_side_by_side and backend.warms_after_load and backend.background_compiles):
             return None
         builder = backend.Builder(v.options)
-        layouts = _engine_layouts(v.plan, backend, v.options, v.internal_nhwc)
-        items = [(br, b.name, layouts(b).get("layout")) for br, b in zip(maker.branch_models(v), v.plan.branches)]
+        items = maker.build_items(v)
         try:
             waits = builder.waits_for_background(items)
         except Exception:  # noqa: BLE001 - built all at once instead, where the failure is reported by branch
@@ -565,20 +564,20 @@ class Engines:
 
         dest = Path(tempfile.gettempdir()) / "parastream-measure-engines"  # named only: nothing is written there
         t0 = time.perf_counter()
-        engines = _EnginesAsCompiled.of(self, v)
-        if engines is None:
-            engines = {}
+        as_compiled = _EnginesAsCompiled.of(self, v)
+        engines = as_compiled if as_compiled is not None else {}
+        if as_compiled is None:
             self.write(dest, v, "candidate", sink=engines)
         bundle = _ScratchBundle(path=dest, manifest=self.manifest_of(v), plan=v.plan, report={}, engines=engines)
         t_built = time.perf_counter()
         try:
             la = GpuLauncher(bundle)
         finally:
-            if isinstance(engines, _EnginesAsCompiled):
-                engines.close()
+            if as_compiled is not None:
+                as_compiled.close()
         # when its engines were built (the search's measurement log); built as they were loaded, the seconds spent
         # building and waiting for them count as building
-        la.t_built = t0 + engines.wait_s if isinstance(engines, _EnginesAsCompiled) else t_built
+        la.t_built = t0 + as_compiled.wait_s if as_compiled is not None else t_built
         return la
 
     def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True,
@@ -588,13 +587,14 @@ class Engines:
         compiling).  None when the backend compiles nothing for a layout."""
         if not self.backend.compiles_for_layout:
             return None
-        batches = []
-        for v in variants:
-            builder = self.backend.Builder(v.options)
-            layouts = _engine_layouts(v.plan, self.backend, v.options, v.internal_nhwc)
-            batches.append((builder, [(br, b.name, layouts(b).get("layout"))
-                                      for br, b in zip(branches_of(v.model, v.graph, v.plan, self.branches), v.plan.branches)]))
+        batches = [(self.backend.Builder(v.options), self.build_items(v)) for v in variants]
         return self.backend.precompile(batches, background=background, cancellable=cancellable, order=order)
+
+    def build_items(self, v: Variant) -> list[tuple[onnx.ModelProto, str, dict | None]]:
+        """``v``'s branches as a builder's ``build_all`` takes them: (branch model, name, the launcher's layout
+        for it, where the backend compiles for one)."""
+        layouts = _engine_layouts(v.plan, self.backend, v.options, v.internal_nhwc)
+        return [(br, b.name, layouts(b).get("layout")) for br, b in zip(self.branch_models(v), v.plan.branches)]
 
 
 class _Progress:

@@ -733,16 +733,20 @@ class GpuMeasurer:
         if form is None or self.reference is None:
             raise ValueError("only a candidate measured against the reference can be timed again")
         self.log.append({"start_s": round(time.perf_counter() - self.t_made, 3), "again": True})
+        return self._form_against_reference(form, self.log[-1]) / 1e3
+
+    def _form_against_reference(self, form: Variant, entry: dict | None = None) -> float:
+        """``form`` loaded (its engines compiled or waited for), timed against the reference
+        (``_against_reference``: milliseconds) and closed; ``entry`` gets its ``load_s`` and ``time_s``."""
         t0 = time.perf_counter()
         la = self.engines.launcher(form)
-        self.log[-1]["load_s"] = round(time.perf_counter() - t0, 3)
-        t0 = time.perf_counter()
+        t1 = time.perf_counter()
         try:
-            ms = self._against_reference(la)
+            return self._against_reference(la)
         finally:
             la.close()
-        self.log[-1]["time_s"] = round(time.perf_counter() - t0, 3)
-        return ms / 1e3
+            if entry is not None:
+                entry.update(load_s=round(t1 - t0, 3), time_s=round(time.perf_counter() - t1, 3))
 
     def _queue_rounds_of(self, v: Variant) -> None:
         """Queue the compiles of the rounds' alternatives of ``v``, the fastest candidate so far and faster than
@@ -822,11 +826,7 @@ class GpuMeasurer:
         if v.plan.num_streams <= 1:
             return v, ms
         one = one_stream_form(self.engines, v)
-        la = self.engines.launcher(one)
-        try:
-            t = self._against_reference(la)
-        finally:
-            la.close()
+        t = self._form_against_reference(one)
         self.log[-1]["streams_ms"] = {"plan": round(ms, 4), "one engine": round(t, 4)}
         return (one, t) if t < ms else (v, ms)
 
@@ -859,11 +859,7 @@ class GpuMeasurer:
         tried: dict[str, float] = {}
         best = (v, ms)
         for what, form in fusions_off_forms(self.backend, v):
-            other = self.engines.launcher(form)
-            try:
-                tried[f"{what} as plain ops"] = t = self._against_reference(other)
-            finally:
-                other.close()
+            tried[f"{what} as plain ops"] = t = self._form_against_reference(form)
             if t < best[1]:
                 best = (form, t)
         if tried:
