@@ -34,7 +34,7 @@ from .measure import (CARRIED_ALWAYS, GpuMeasurer, Variant, alternative_variants
                       compiled_for_other_choices, gpu_present, plan_signature, speculative_variants,
                       time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
-from .partition import extract_branch, make_plan, spec_of
+from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
 from .timings import now as utc_now
 from .outdir import check_target, staging
@@ -534,13 +534,25 @@ class Engines:
         """``v``'s branches as its engines are compiled from (``branches_of``, the build's branch cache)."""
         return branches_of(v.model, v.graph, v.plan, self.branches)
 
-    def engine_of(self, branch: onnx.ModelProto) -> tuple[gs.Graph, object]:
-        """An extracted branch planned on its own as one engine, its boundary tensors the plan's inputs and outputs:
-        what a round times one engine of a plan alone with (``measure.depthwise_sample``)."""
-        graph = graph_of(branch)
-        return graph, make_plan(graph, self.schedule(graph, 1, 1, whole=True)[0], backend=self.backend.name,
-                                precision=self.precision, suffix=self.backend.suffix,
-                                inputs=[spec_of(t) for t in graph.inputs], outputs=[spec_of(t) for t in graph.outputs])
+    def side_by_side(self, branches: list[onnx.ModelProto]) -> tuple[onnx.ModelProto, gs.Graph, object]:
+        """Extracted branches of a plan as one model (``partition.side_by_side``), planned one engine per branch on
+        one stream in the order given, their boundary tensors the plan's inputs and outputs: what a round times a
+        sample of a plan's engines with, in one launcher (``measure.depthwise_sample``)."""
+        model = side_by_side(branches)
+        graph = graph_of(model)
+        members = [[n.name for n in b.graph.node] for b in branches]
+        produced = {o: i for i, b in enumerate(branches) for n in b.graph.node for o in n.output}
+        preds = [sorted({produced[t] for n in b.graph.node for t in n.input if produced.get(t, i) != i})
+                 for i, b in enumerate(branches)]
+        if any(p >= i for i, ps in enumerate(preds) for p in ps):
+            raise ValueError("side_by_side: a branch comes before a branch whose output it reads")
+        k = len(branches)
+        sched = Schedule(num_streams=1, node_stream={name: 0 for m in members for name in m}, branches=members,
+                         branch_stream=[0] * k, launch_order=list(range(k)), branch_bound=["compute"] * k,
+                         branch_time=[0.0] * k, makespan=0.0, total_work=0.0, branch_preds=preds)
+        return model, graph, make_plan(graph, sched, backend=self.backend.name, precision=self.precision,
+                                       suffix=self.backend.suffix, inputs=[spec_of(t) for t in graph.inputs],
+                                       outputs=[spec_of(t) for t in graph.outputs])
 
     def manifest_of(self, v: Variant) -> dict:
         """What a launcher reads of manifest.json to load ``v``'s engines."""

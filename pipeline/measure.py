@@ -69,7 +69,7 @@ class EngineMaker(Protocol):
 
     def branch_models(self, v: Variant) -> list[onnx.ModelProto]: ...
 
-    def engine_of(self, branch: onnx.ModelProto) -> tuple[gs.Graph, "Plan"]: ...
+    def side_by_side(self, branches: list[onnx.ModelProto]) -> tuple[onnx.ModelProto, gs.Graph, "Plan"]: ...
 
     def launcher(self, variant: Variant): ...
 
@@ -175,18 +175,18 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
 #: the depthwise rounds, in order, with the ``conv_kernels`` each one's alternative compiles
 DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel", "native"))
 
-#: a plan with at least this many engines holding a depthwise convolution has its "depthwise convolutions" round
-#: timed first on a sample of those engines, each alone (``depthwise_sample``): the round's alternative is a
-#: compile of every such engine with Inductor's kernels, 25-term sums each (NASNet-A Large on the H200: 332
-#: engines, 59.6 s of its build waiting for them, for a round they lost by 42%, 2.180 against 1.533 ms)
+#: a plan with at least this many engines holding a depthwise convolution has its depthwise rounds timed first
+#: on a sample of those engines (``depthwise_sample``): each round's alternative is a compile of every such engine
+#: with other kernels, Inductor's with 25-term sums each (NASNet-A Large on the H200: 332 engines, 59.6 s of its
+#: build waiting for them, for a round they lost by 42%, 2.180 against 1.533 ms)
 SAMPLE_DEPTHWISE_ENGINES = 16
 #: at most this many engines in the sample, chosen to hold as many of the plan's distinct depthwise
 #: convolutions as they can
 SAMPLE_ENGINES = 12
-#: the sample's engines slower with Inductor's kernels than as the plan has them by more than this share decide
-#: the round without the whole plan's compile; closer, or faster, the whole plan is compiled and raced as before.
-#: Each engine alone has no neighbour on another stream to hide its time behind, so the sample's ratio is the
-#: plan's at most: a wide margin only is taken as the plan's
+#: a round's kernels slower on the sample than the kernels the plan has by more than this share decide the round
+#: without the whole plan's compile; closer, or faster, the whole plan is compiled and raced as before.  The
+#: sampled engines run one after another, with no neighbour on another stream to hide their time behind, so the
+#: sample's ratio is the plan's at most: a wide margin only is taken as the plan's
 SAMPLE_DECIDES_BEYOND = 0.15
 
 
@@ -214,23 +214,39 @@ def depthwise_keys(branch: onnx.ModelProto) -> set[tuple]:
 
 @dataclass
 class DepthwiseSample:
-    """The "depthwise convolutions" round of a plan timed on some of its engines first (``depthwise_sample``)."""
+    """A plan's depthwise rounds timed first on a sample of its engines (``depthwise_sample``): the sampled engines
+    side by side as one plan of their own, as the plan compiles them and with each round's kernels, the three
+    loaded once each and timed together."""
 
-    full: Variant  # the round's alternative: the whole plan with Inductor's depthwise kernels
-    pairs: list[tuple[Variant, Variant]]  # per engine sampled, alone: as the plan has it, with Inductor's kernels
+    fulls: dict[str, Variant]  # per depthwise round, its alternative: the whole plan with that round's kernels
+    current: Variant  # the sampled engines as the plan compiles them
+    kinds: dict[str, Variant]  # per depthwise round, the sampled engines with its kernels
     names: list[str]  # the plan's branches sampled
     of: int  # the plan's engines with a depthwise convolution
     convolutions: int  # the plan's distinct depthwise convolutions
     covered: int  # of which the sample holds
 
+    def variants(self) -> list[Variant]:
+        """What the sample compiles and loads."""
+        return [self.current, *self.kinds.values()]
 
-def depthwise_sample(engines: EngineMaker, v: Variant, alternative: Variant) -> DepthwiseSample | None:
-    """``v``'s "depthwise convolutions" round (against ``alternative``) as a sample of its engines, each planned
-    alone (``EngineMaker.engine_of``), as ``v`` compiles it and with Inductor's kernels; None where the plan has
-    fewer than ``SAMPLE_DEPTHWISE_ENGINES`` engines with a depthwise convolution (the whole plan's compile is
-    then a few jobs).  The engines are chosen greedily, each holding the most distinct depthwise convolutions
-    (weight, strides, pads, input shape: a cuDNN plan or an Inductor kernel each) not held by those before it,
-    at most ``SAMPLE_ENGINES``."""
+
+@dataclass
+class SampledRound:
+    """A depthwise round after the first, queued without its alternative's compile: the first round's sample
+    (``DepthwiseSample``) times this round's kernels too, and where it decides the first round it decides this
+    one or compiles ``full`` (the whole plan's alternative) for the round to race in its turn."""
+
+    full: Variant
+
+
+def depthwise_sample(engines: EngineMaker, v: Variant, alternatives: dict[str, Variant]) -> DepthwiseSample | None:
+    """``v``'s depthwise rounds (against ``alternatives``, the whole plan's per round) as a sample of its engines
+    side by side (``EngineMaker.side_by_side``), as ``v`` compiles them and with each round's kernels; None where
+    the plan has fewer than ``SAMPLE_DEPTHWISE_ENGINES`` engines with a depthwise convolution (the whole plan's
+    compile is then a few jobs).  The engines are chosen greedily, each holding the most distinct depthwise
+    convolutions (weight, strides, pads, input shape: a cuDNN plan or a kernel each) not held by those before it,
+    at most ``SAMPLE_ENGINES``, and run in the plan's launch order."""
     branches = engines.branch_models(v)
     held = [(i, k) for i, k in ((i, depthwise_keys(b)) for i, b in enumerate(branches)) if k]
     if len(held) < SAMPLE_DEPTHWISE_ENGINES:
@@ -243,12 +259,13 @@ def depthwise_sample(engines: EngineMaker, v: Variant, alternative: Variant) -> 
             break
         chosen.append(i)
         left -= k
-    pairs = []
-    for i in chosen:
-        graph, plan = engines.engine_of(branches[i])
-        pairs.append((Variant(branches[i], graph, plan, v.options), Variant(branches[i], graph, plan, alternative.options)))
-    return DepthwiseSample(alternative, pairs, [v.plan.branches[i].name for i in chosen], len(held), len(every),
-                           len(every) - len(left))
+    launched = {b: at for at, b in enumerate(v.plan.launch_order)}
+    chosen.sort(key=lambda i: launched[i])  # a sampled branch after those it reads from (the plan's order)
+    model, graph, plan = engines.side_by_side([branches[i] for i in chosen])
+    current = Variant(model, graph, plan, v.options)
+    return DepthwiseSample(dict(alternatives), current,
+                           {what: replace(current, options=a.options) for what, a in alternatives.items()},
+                           [v.plan.branches[i].name for i in chosen], len(held), len(every), len(every) - len(left))
 
 
 #: the "streams" round is decided for the plan without compiling its rival when the plan runs faster than its own
@@ -646,19 +663,24 @@ class GpuMeasurer:
         if not self.alternatives_queued and got is not None and got.get("background") is True:
             self.alternatives_queued = True
             named = alternative_variants(self.engines, variants[0])
-            if models[0] is self.loaded.model:  # the input's rounds are timed during the search: one may be sampled,
-                # and the streams round is timed against the plan's own engines first (nothing to compile)
-                named = [(what, (depthwise_sample(self.engines, variants[0], a) or a)
-                          if what == "depthwise convolutions" else StreamsRival(a) if what == "streams" else a)
-                         for what, a in named]
+            if models[0] is self.loaded.model:  # the input's rounds are timed during the search: the depthwise ones
+                # may be sampled, and the streams round is timed against the plan's own engines first (nothing
+                # to compile)
+                rounds = dict(DEPTHWISE_ROUNDS)
+                depthwise = {w: a for w, a in named if w in rounds}
+                sample = depthwise_sample(self.engines, variants[0], depthwise) if depthwise else None
+                first_sampled = next((w for w, _ in named if w in rounds), None)
+                named = [(what, a if what not in rounds or sample is None else sample if what == first_sampled
+                          else SampledRound(a)) for what, a in named]
+                named = [(what, StreamsRival(a) if what == "streams" else a) for what, a in named]
             # a round's sample is compiled right after the input, with the search's candidates (its engines are
             # few and it decides the round, which waited for them at the search's end otherwise: NASNet-A Large,
             # H200, 22.5 s); the other alternatives after the candidates
             sample = next((a for _, a in named if isinstance(a, DepthwiseSample)), None)
-            sampled = [x for pair in sample.pairs for x in pair] if sample is not None else []
+            sampled = sample.variants() if sample is not None else []
             spans, compiled = [], []  # per round, the span of ``sampled + compiled`` its engines are
             for _, a in named:
-                more = [] if a is sample or isinstance(a, StreamsRival) else [a]
+                more = [] if a is sample or isinstance(a, (StreamsRival, SampledRound)) else [a]
                 at = 0 if a is sample else len(sampled) + len(compiled)
                 spans.append((at, at + (len(sampled) if a is sample else len(more))))
                 compiled += more
@@ -759,7 +781,8 @@ class GpuMeasurer:
         # not a round the input decided by the margin a rewritten plan takes it by, nor one timed on a sample of
         # the input's engines (its whole plan's compile is what the sample saves)
         decided = {r["choice"] for r in carried_rounds(self._input_rounds())}
-        decided |= {what for what, a, _ in self.early.get("todo") or [] if isinstance(a, (DepthwiseSample, StreamsRival))}
+        decided |= {what for what, a, _ in self.early.get("todo") or []
+                    if isinstance(a, (DepthwiseSample, SampledRound, StreamsRival))}
         decided |= {r["choice"] for r in self.early.get("rounds") or [] if "sample" in r}
         variants = [a for what, a in alternative_variants(self.engines, v) if what not in decided]
         variants += speculative_variants(self.engines, v, decided)
@@ -942,6 +965,9 @@ class GpuMeasurer:
         early = self.early
         if isinstance(v, DepthwiseSample):
             return self._race_sample(v)
+        if isinstance(v, SampledRound):  # its sample did not decide it: the whole plan's alternative, compiled now
+            self._queue_full(what, v.full)
+            return False
         if isinstance(v, StreamsRival):  # (timed with the reference, ``_streams_first``): decided now, or its
             early["todo"].insert(0, (what, v, []))  # compiled rival queued in its place
             self._streams_first()
@@ -958,52 +984,65 @@ class GpuMeasurer:
             early["stopped"] = f"{what}: {type(e).__name__}: {e}"
             return None
         early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
-        if "sample" in early and what == "depthwise convolutions":
+        if "sample" in early and what in dict(DEPTHWISE_ROUNDS):
             early["rounds"][-1]["sample"] = early.pop("sample")
         if "serial" in early and what == "streams":
             early["rounds"][-1]["serial"] = early.pop("serial")
         return won
 
     def _race_sample(self, s: DepthwiseSample) -> bool | None:
-        """The "depthwise convolutions" round on the sample of the input's engines (``depthwise_sample``): each
-        engine alone, as the plan has it against Inductor's kernels, in alternating blocks.  The alternative's
-        engines slower in all by more than ``SAMPLE_DECIDES_BEYOND``: the round is decided for the plan as it is
-        (report.json's round says so, with the sample's times); else the whole plan's alternative is compiled
-        now and raced as the round was before, the sample kept beside it.  None: the sample could not be timed
-        (``early["stopped"]``)."""
+        """The depthwise rounds on the sample of the input's engines (``depthwise_sample``): the sampled engines as
+        the plan has them and with each round's kernels, three launchers timed together in alternating blocks.
+        A round whose kernels are slower on the sample by more than ``SAMPLE_DECIDES_BEYOND`` is decided for the
+        plan as it is (report.json's round says so, with the sample's times); the first round left open has its
+        whole plan's alternative compiled now and raced as before, the sample kept beside it, and the rounds after
+        it race in their turn.  None: the sample could not be timed (``early["stopped"]``)."""
         from .bench import measure as time_replays
 
         early = self.early
-        keys = round_labels("depthwise convolutions", early["plan"])
         t0 = time.perf_counter()
-        each = []
+        labels = {what: round_labels(what, early["plan"]) for what in s.kinds}
+        here = round_labels(next(iter(s.kinds)), early["plan"])[0]  # the kernels the plan has
+        named = {here: s.current, **{labels[what][1]: v for what, v in s.kinds.items()}}
         try:
-            for current, other in s.pairs:
-                la = {keys[0]: self.engines.launcher(current), keys[1]: self.engines.launcher(other)}
-                try:
-                    times = time_replays(la, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock)
-                finally:
-                    for x in la.values():
-                        x.close()
-                each.append({k: round(float(np.median(t)), 4) for k, t in times.items()})
-        except Exception as e:  # noqa: BLE001 - the build times the round after the search, where a failure is reported
+            la = {}
+            try:
+                for label, v in named.items():
+                    la[label] = self.engines.launcher(v)
+                times = time_replays(la, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock)
+            finally:
+                for x in la.values():
+                    x.close()
+        except Exception as e:  # noqa: BLE001 - the build times the rounds after the search, where a failure is reported
             early["stopped"] = f"depthwise convolutions (sampled): {type(e).__name__}: {e}"
             return None
-        total = {k: float(sum(e[k] for e in each)) for k in keys}
+        ms = {k: float(np.median(t)) for k, t in times.items()}
         sample = {"engines": s.names, "of": s.of, "convolutions": s.convolutions, "covered": s.covered,
-                  "each_ms": each, "timed_ms": total, "timed_s": round(time.perf_counter() - t0, 3)}
-        if total[keys[1]] > total[keys[0]] * (1 + SAMPLE_DECIDES_BEYOND):
+                  "timed_ms": {k: round(t, 4) for k, t in ms.items()}, "timed_s": round(time.perf_counter() - t0, 3)}
+        first = next(iter(s.kinds))
+        for what in s.kinds:
+            other = labels[what][1]
+            if ms[other] <= ms[here] * (1 + SAMPLE_DECIDES_BEYOND):  # left open: the whole plan's alternative raced
+                at = 0 if what == first else next(i for i, item in enumerate(early["todo"]) if item[0] == what)
+                if what != first:  # its ``SampledRound``, replaced by the alternative compiled now
+                    early["todo"].pop(at)
+                self._queue_full(what, s.fulls[what], at=at)
+                early["sample"] = sample
+                return False
             early["rounds"].append({
-                "choice": "depthwise convolutions", "timed_ms": total, "won": keys[0], "load_s": 0.0,
-                "timed_s": sample["timed_s"], "started_s": round(t0 - self.t_made, 3), "sample": sample,
-                "timed": f"on {plural(len(s.names), 'engine')} of the {s.of} with a depthwise convolution, each "
-                         f"alone ({s.covered} of its {s.convolutions} distinct depthwise convolutions): the "
+                "choice": what, "timed_ms": {labels[what][0]: ms[here], other: ms[other]}, "won": labels[what][0],
+                "load_s": 0.0, "timed_s": sample["timed_s"], "started_s": round(t0 - self.t_made, 3), "sample": sample,
+                "timed": f"on {plural(len(s.names), 'engine')} of the {s.of} with a depthwise convolution, one after "
+                         f"another ({s.covered} of its {s.convolutions} distinct depthwise convolutions): the "
                          f"alternative slower by more than {SAMPLE_DECIDES_BEYOND:.0%}"})
-            return False
-        got = self.engines.precompile([s.full], background=True, cancellable=False) or {}
-        early["todo"].insert(0, ("depthwise convolutions", s.full, [k for ks in got.get("keys") or [] for k in ks]))
-        early["sample"] = sample
+            early["todo"] = [item for item in early["todo"] if item[0] != what]  # (a later round's ``SampledRound``)
         return False
+
+    def _queue_full(self, what: str, full: Variant, at: int = 0) -> None:
+        """The round ``what``, which its sample left open, raced in its turn (at ``at`` of the rounds to time)
+        against ``full``, the whole plan's alternative, queued for compiling now."""
+        got = self.engines.precompile([full], background=True, cancellable=False) or {}
+        self.early["todo"].insert(at, (what, full, [k for ks in got.get("keys") or [] for k in ks]))
 
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced
@@ -1021,7 +1060,9 @@ class GpuMeasurer:
             if self.reference is None:
                 break
             what, v, keys = item
-            ready = isinstance(v, (DepthwiseSample, StreamsRival)) or not self.backend.compiling(keys)
+            # (a sampled round whose sample left it open compiles its alternative first: not ready)
+            ready = isinstance(v, (DepthwiseSample, StreamsRival)) or (not isinstance(v, SampledRound)
+                                                                       and not self.backend.compiling(keys))
             if what not in wait_for and (early.get("stopped") or not ready):
                 continue
             if self._race_in_turn(item) is None:

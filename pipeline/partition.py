@@ -133,3 +133,35 @@ def extract_branch(model: onnx.ModelProto, graph: gs.Graph, branch: Branch) -> o
     del out.opset_import[:]
     out.opset_import.extend(model.opset_import)
     return out
+
+
+def side_by_side(branches: list[onnx.ModelProto]) -> onnx.ModelProto:
+    """Branches extracted from one plan (``extract_branch``) as one model: their nodes, weights and boundary
+    tensors together, in the order given (a branch after those whose outputs it reads).  A tensor one branch
+    writes and another reads joins them; every branch's outputs are the model's.  What a round times a sample of
+    a plan's engines with, one launcher for all of them (``measure.depthwise_sample``).
+
+    Not ``onnx.compose.merge_models``: it joins two models through an explicit output-to-input map and refuses
+    names both hold, where branches of one plan share their inputs and weights by name (one tensor each)."""
+    first = branches[0]
+    out = onnx.ModelProto()
+    out.ir_version = first.ir_version
+    out.opset_import.extend(first.opset_import)
+    g = out.graph
+    g.name = "side_by_side"
+    produced = {o for b in branches for n in b.graph.node for o in n.output}
+    seen: dict[str, set[str]] = {"input": set(), "initializer": set(), "value_info": set(), "output": set()}
+
+    def once(field: str, name: str) -> bool:
+        if name in seen[field]:
+            return False
+        seen[field].add(name)
+        return True
+
+    for b in branches:
+        g.input.extend(v for v in b.graph.input if v.name not in produced and once("input", v.name))
+        g.initializer.extend(t for t in b.graph.initializer if once("initializer", t.name))
+        g.node.extend(b.graph.node)
+        g.value_info.extend(v for v in b.graph.value_info if once("value_info", v.name))
+        g.output.extend(v for v in b.graph.output if once("output", v.name))
+    return out

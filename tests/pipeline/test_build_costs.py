@@ -592,85 +592,164 @@ def _nasnet_engines(tmp_path):
     return engines, v, alt
 
 
+def _depthwise_alternatives(v, alt):
+    """The input's two depthwise rounds' alternatives, as ``alternative_variants`` names them."""
+    from dataclasses import replace
+
+    return {"depthwise convolutions": alt,
+            "depthwise kernel": replace(v, options=replace(v.options, conv_kernels="native"))}
+
+
 @pytest.mark.parametrize("cap", [12, 1])
 def test_a_depthwise_round_s_sample_holds_the_plan_s_distinct_depthwise_convolutions(monkeypatch, tmp_path, cap):
-    """The sample is engines of the plan, each planned alone as one engine of its own branch, as the plan
-    compiles it and with Inductor's kernels; chosen to hold every distinct depthwise convolution of the plan
-    (weight, strides, pads, input shape), at most ``SAMPLE_ENGINES``; a plan with fewer engines holding one than
-    ``SAMPLE_DEPTHWISE_ENGINES`` is not sampled."""
+    """The sample is engines of the plan side by side as one plan of their own (one engine per branch, one
+    stream, the plan's launch order), as the plan compiles them and with each depthwise round's kernels; chosen
+    to hold every distinct depthwise convolution of the plan (weight, strides, pads, input shape), at most
+    ``SAMPLE_ENGINES``; a plan with fewer engines holding one than ``SAMPLE_DEPTHWISE_ENGINES`` is not sampled."""
     from parastream.pipeline import measure
 
     engines, v, alt = _nasnet_engines(tmp_path)
+    alternatives = _depthwise_alternatives(v, alt)
     branches = engines.branch_models(v)
     held = {i: measure.depthwise_keys(b) for i, b in enumerate(branches) if measure.depthwise_keys(b)}
     every = set().union(*held.values())
     assert len(held) >= 2 and len(every) >= 2  # the cell's separable convolutions, on several engines
     monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", len(held) + 1)
-    assert measure.depthwise_sample(engines, v, alt) is None
+    assert measure.depthwise_sample(engines, v, alternatives) is None
     monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", len(held))
     monkeypatch.setattr(measure, "SAMPLE_ENGINES", cap)
-    s = measure.depthwise_sample(engines, v, alt)
-    assert s.full is alt and s.of == len(held) and s.convolutions == len(every)
+    s = measure.depthwise_sample(engines, v, alternatives)
+    assert s.fulls == alternatives and s.of == len(held) and s.convolutions == len(every)
     chosen = [next(i for i, b in enumerate(v.plan.branches) if b.name == name) for name in s.names]
-    assert len(chosen) == min(cap, len(chosen)) and len(set(chosen)) == len(chosen)
+    assert 1 <= len(chosen) <= cap and len(set(chosen)) == len(chosen)
+    launched = [i for i in v.plan.launch_order if i in chosen]
+    assert chosen == launched  # run in the plan's launch order
     assert s.covered == len(set().union(*(held[i] for i in chosen)))
     if cap > len(held):
         assert s.covered == len(every)
-    for i, (current, other) in zip(chosen, s.pairs):
-        assert current.model is branches[i] and other.model is branches[i]
-        assert len(current.plan.branches) == 1 and current.plan is other.plan
-        assert [t.name for t in current.plan.inputs] == list(v.plan.branches[i].inputs)
-        assert current.options is v.options and other.options.conv_kernels == "inductor"
+    plan = s.current.plan
+    assert plan.num_streams == 1 and [b.nodes for b in plan.branches] == [v.plan.branches[i].nodes for i in chosen]
+    assert s.current.options is v.options and s.variants() == [s.current, *s.kinds.values()]
+    assert {w: k.options.conv_kernels for w, k in s.kinds.items()} == {"depthwise convolutions": "inductor",
+                                                                      "depthwise kernel": "native"}
+    assert all(k.plan is plan and k.model is s.current.model for k in s.kinds.values())
 
 
-@pytest.mark.parametrize("slower", [1.3, 1.05])
-def test_a_depthwise_round_lost_widely_on_its_sample_compiles_no_whole_plan(monkeypatch, tmp_path, slower):
-    """The input's "depthwise convolutions" round on a plan of many such engines is queued as its sample: the
-    sample's engines, not the plan's alternative, are compiled with the input.  Inductor's kernels slower on the
-    sample by more than ``SAMPLE_DECIDES_BEYOND`` decide the round for cuDNN's, and the whole plan's alternative
-    is never compiled; closer, it is compiled then and raced, and the round keeps the sample's times beside."""
+def test_branches_side_by_side_compute_what_each_branch_computes(tmp_path):
+    """``partition.side_by_side`` of a plan's branches (here every branch of NASNet's cell, some reading others'
+    outputs): ONNX Runtime runs the merged model and each branch alone to the same outputs, the branches' shared
+    inputs and weights held once, and the plan made of it has one engine per branch with the branches' nodes."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from parastream.pipeline.partition import side_by_side
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    branches = engines.branch_models(v)
+    order = list(v.plan.launch_order)
+    merged = side_by_side([branches[i] for i in order])
+    names = [i.name for i in merged.graph.input]
+    assert len(names) == len(set(names)) and len({t.name for t in merged.graph.initializer}) == len(merged.graph.initializer)
+    rng = np.random.default_rng(0)
+
+    def random_feeds(model, have):
+        from onnx import helper
+
+        feeds = {}
+        for i in model.graph.input:
+            if i.name in have:
+                feeds[i.name] = have[i.name]
+                continue
+            t = i.type.tensor_type
+            shape = [d.dim_value for d in t.shape.dim]
+            feeds[i.name] = rng.standard_normal(shape).astype(helper.tensor_dtype_to_np_dtype(t.elem_type))
+        return feeds
+
+    feeds = random_feeds(merged, {})
+    sess = ort.InferenceSession(merged.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = dict(zip([o.name for o in merged.graph.output], sess.run(None, feeds)))
+    internal = {o for b in branches for n in b.graph.node for o in n.output}
+    assert any(i.name in internal for b in branches for i in b.graph.input)  # some branch reads another's output
+    for i in order:
+        b = branches[i]
+        alone = ort.InferenceSession(b.SerializeToString(), providers=["CPUExecutionProvider"])
+        outs = alone.run(None, random_feeds(b, {**feeds, **got}))
+        for o, want in zip(b.graph.output, outs):
+            np.testing.assert_allclose(got[o.name], want, rtol=1e-5, atol=1e-5)
+    model, graph, plan = engines.side_by_side([branches[i] for i in order])
+    assert [b.nodes for b in plan.branches] == [v.plan.branches[i].nodes for i in order]
+    assert plan.num_streams == 1 and list(plan.launch_order) == list(range(len(order)))
+    with pytest.raises(ValueError, match="before a branch whose output it reads"):
+        engines.side_by_side([branches[i] for i in reversed(order)])
+
+
+@pytest.mark.parametrize("inductor,native", [(1.3, 1.3), (1.3, 1.05), (1.05, 1.3)])
+def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monkeypatch, tmp_path, inductor, native):
+    """The input's depthwise rounds on a plan of many such engines are queued as one sample: the sample's engines
+    (as the plan has them, with Inductor's kernels, with torch's own), not the plan's alternatives, are compiled
+    with the input, and timed together in one timing.  A round whose kernels are slower on the sample by more
+    than ``SAMPLE_DECIDES_BEYOND`` is decided for the plan as it is, its whole plan's alternative never
+    compiled; the first round left open compiles that alternative then and races it, the sample's times kept
+    beside, and a later round left open races its own whole plan's alternative in its turn."""
     import numpy as np
 
     from parastream.pipeline import bench, measure
     from parastream.pipeline.measure import GpuMeasurer
 
     engines, v, alt = _nasnet_engines(tmp_path)
+    alternatives = _depthwise_alternatives(v, alt)
+    nat = alternatives["depthwise kernel"]
     monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", 2)
+    slower = {"inductor": inductor, "native": native}
 
-    def ms(la):  # each engine alone 0.1 ms with cuDNN, ``slower`` times that with Inductor's; a whole plan 1 ms
+    def ms(la):  # the sample 0.5 ms as the plan has it, the whole plan 1 ms; each round's kernels that much slower
         whole = la.plan is v.plan
-        return (1.0 if whole else 0.1) * (slower if la.options.conv_kernels == "inductor" else 1.0)
+        return (1.0 if whole else 0.5) * slower.get(la.options.conv_kernels, 1.0)
 
-    compiled, loaded, orders = [], [], []
+    compiled, loaded, orders, timings = [], [], [], []
     monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto": orders.append(order)
                         or compiled.append(list(variants))
                         or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
     monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
-    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("depthwise convolutions", alt)])
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: list(alternatives.items()))
     monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
-    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
+                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
     engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
                                      "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
                                      "suffix": engines.backend.suffix})()
     m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
     m.variant_of = lambda model: v
     m.prepare([engines.loaded.model])
-    sample = m.early["todo"][0][1]
-    assert isinstance(sample, measure.DepthwiseSample)
-    assert compiled[1] == [x for pair in sample.pairs for x in pair] and alt not in compiled[1]
+    (_, sample, _), (_, second, _) = m.early["todo"]
+    assert isinstance(sample, measure.DepthwiseSample) and isinstance(second, measure.SampledRound)
+    assert compiled[1] == sample.variants() and not any(a in batch for batch in compiled for a in alternatives.values())
     assert orders[:2] == ["search", "search"]  # the input, then its sample, ahead of the search's candidates
     m.measure(engines.loaded.model)  # the reference, then the rounds whose engines are in
     m.time_ready(wait=True)
-    (r,) = m.early["rounds"]
-    assert r["choice"] == "depthwise convolutions" and r["sample"]["engines"] == sample.names
-    assert r["sample"]["timed_ms"]["depthwise convolutions as Inductor kernels"] == pytest.approx(
-        0.1 * slower * len(sample.pairs))
-    whole_compiled = any(alt in batch for batch in compiled)
-    if slower > 1 + measure.SAMPLE_DECIDES_BEYOND:
-        assert not whole_compiled and "each alone" in r["timed"] and r["won"] == "depthwise convolutions as cuDNN calls"
-        assert measure.carried_rounds([r])  # decided widely: a candidate that replaces the input takes it
+    assert timings[1] == ["depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels",
+                          "depthwise convolutions as torch's own kernel"]  # the sample: one timing of three
+    rounds = {r["choice"]: r for r in m.early["rounds"]}
+    assert set(rounds) == {"depthwise convolutions", "depthwise kernel"}
+    r = rounds["depthwise convolutions"]
+    assert r["sample"]["engines"] == sample.names
+    assert r["sample"]["timed_ms"]["depthwise convolutions as Inductor kernels"] == pytest.approx(0.5 * inductor)
+    whole = {what: any(a in batch for batch in compiled) for what, a in alternatives.items()}
+    wide = 1 + measure.SAMPLE_DECIDES_BEYOND
+    if inductor > wide:
+        assert not whole["depthwise convolutions"] and "one after another" in r["timed"]
+        assert r["won"] == "depthwise convolutions as cuDNN calls" and measure.carried_rounds([r])
     else:
-        assert whole_compiled and r["timed_ms"]["depthwise convolutions as Inductor kernels"] == pytest.approx(slower)
+        assert whole["depthwise convolutions"] and r["timed_ms"]["depthwise convolutions as Inductor kernels"] == pytest.approx(inductor)
+    k = rounds["depthwise kernel"]
+    if inductor > wide and native > wide:
+        assert not whole["depthwise kernel"] and k["sample"] is r["sample"]
+        assert k["timed_ms"] == {"depthwise convolutions as the round before chose": pytest.approx(0.5),
+                                 "depthwise convolutions as torch's own kernel": pytest.approx(0.5 * native)}
+    else:
+        assert whole["depthwise kernel"] and k["timed_ms"]["depthwise convolutions as torch's own kernel"] == pytest.approx(native)
+        assert (k.get("sample") is not None) == (inductor > wide)  # the sample that left it open, beside
+    assert nat.options.conv_kernels == "native"
     m.close()
 
 

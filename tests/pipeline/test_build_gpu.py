@@ -307,6 +307,39 @@ def test_gpu_build_times_its_alternatives(models, tmp_path):
     assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")  # what ships is what was compiled for the choices
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_build_decides_its_depthwise_rounds_on_a_sample(models, tmp_path, monkeypatch):
+    """A plan with enough engines holding a depthwise convolution (nasnet_cell's, the threshold lowered) has both
+    depthwise rounds timed during the search on a sample of those engines side by side, loaded on the GPU as the
+    plan has them, with Inductor's kernels and with torch's own, and timed together; each round is decided by
+    the sample only where its kernels lost there by more than ``SAMPLE_DECIDES_BEYOND``, else raced on the whole
+    plan, and the bundle ships and verifies the kernels decided."""
+    from parastream.pipeline import measure
+
+    monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", 2)
+    # no candidate may replace the input (a margin none reaches): the build then ships the input's rounds as timed
+    cfg = BuildConfig(backend="torch", precision="fp16", measure_runs=30, streams=2, measure_seconds=5,
+                      search_options={"measure_margin": 0.99})
+    bundle = build(models / "nasnet_cell.onnx", tmp_path / "out", config=cfg)
+    assert bundle.report["search"]["decided_by"] == "measured"  # the input measured: its rounds timed in the search
+    m = bundle.report["measured_choices"]
+    rounds = {r["choice"]: r for r in m["rounds"]}
+    sample = rounds["depthwise convolutions"]["sample"]
+    assert list(sample["timed_ms"]) == ["depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels",
+                                        "depthwise convolutions as torch's own kernel"]
+    assert all(t > 0 for t in sample["timed_ms"].values()) and sample["engines"] and sample["covered"] == sample["convolutions"]
+    for what in ("depthwise convolutions", "depthwise kernel"):
+        r = rounds[what]
+        current, other = r["timed_ms"].values()
+        if "one after another" in r.get("timed", ""):  # decided on the sample
+            assert r["sample"] is not None and other > current * (1 + measure.SAMPLE_DECIDES_BEYOND)
+            assert r["won"] == list(r["timed_ms"])[0]
+    assert bundle.manifest["options"]["conv_kernels"] == m["conv_kernels"]
+    v = bundle.report["verification"]
+    assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
+
+
 def test_a_timed_choice_is_the_one_row_chosen():
     """The stream table keeps one chosen row: the schedule timing picked (added, marked measured) or the planned one."""
     import types
