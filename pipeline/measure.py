@@ -604,6 +604,7 @@ class GpuMeasurer:
         self.input_plan = None  # the input's plan (``rounds_timed``'s plan where no round of it was timed)
         self.best_ms = float("inf")  # the fastest candidate measured so far (``_queue_rounds_of``)
         self.timed_forms: list[tuple[onnx.ModelProto, Variant]] = []  # per candidate, the form its time is of
+        self.spent = False  # the budget is spent: nothing more is measured, so nothing more is prepared
 
     @classmethod
     def for_build(cls, engines: EngineMaker, options: BuildOptions, loaded: LoadedModel, **kw) -> "GpuMeasurer | None":
@@ -686,7 +687,7 @@ class GpuMeasurer:
         first) the alternatives the build will time if it keeps the input are queued too, and kept; with the cost
         model's best candidate, planned on streams where the input is one engine, its one-engine form."""
         models = [m for m in models if not any(m is p for p in self.prepared)]
-        if not models:
+        if not models or self.spent:
             return None
         best = not any(p is not self.loaded.model for p in self.prepared)  # the cost model's best comes next
         self.prepared.extend(models)
@@ -761,6 +762,12 @@ class GpuMeasurer:
         t_called = time.perf_counter()
         self.time_ready()  # the input's alternatives whose engines are in, before the next candidate
         if self.calls >= 2 and time.perf_counter() > self.deadline:
+            if not self.spent and self.backend.background_compiles:
+                # no candidate is measured from now on: the compiles queued for those not measured go, and the
+                # input's alternatives, queued behind them, compile for its rounds after the search at once
+                # (NASNet-A Large, H200: two rounds waited 2.7 and 1.4 s for them after the budget)
+                self.backend.cancel_precompile()
+            self.spent = True
             raise MeasureBudgetSpent(f"measurement budget of {self.budget_s:.0f} s spent")
         self.calls += 1
         self.log.append({"start_s": round(time.perf_counter() - self.t_made, 3),
