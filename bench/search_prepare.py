@@ -41,10 +41,7 @@ def prepare_cost(path: str, profile: int = 0) -> dict:
 
     class Prepared(measure.GpuMeasurer):
         """The build's measurer with the GPU's timing taken out: each candidate planned as ``measure`` plans it;
-        the cost model's best (the second call) wins, and its rounds' variants are queued.  Prepared in the
-        search's thread (nothing here waits on a GPU for a second thread to use): the seconds are the work's."""
-
-        prepares_while_measuring = False
+        the cost model's best (the second call) wins, and its rounds' variants are queued."""
 
         def measure(self, model):
             self.calls += 1

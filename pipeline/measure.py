@@ -16,9 +16,7 @@ build's (``pipeline.build.Engines``, the ``EngineMaker`` below); this module dec
 
 from __future__ import annotations
 
-import contextlib
 import os
-import threading
 import time
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -565,11 +563,7 @@ class GpuMeasurer:
     ``prepare(models)`` compiles the next candidates' engines in the background; with the input it queues the
     input's alternatives too (``alternative_variants``), timed against the reference as their engines come in
     (``time_ready``) so that ``alternatives_timed`` hands the build ``time_alternatives``' result for the input's
-    plan.  ``close()`` frees the reference and cancels what no measurement needs any more.
-
-    The search exports and prepares the next candidates in a second thread while one is measured
-    (``prepares_while_measuring``): ``measure``, ``prepare`` and ``adopt`` each hold the measurer's state
-    (``_own_state``), and ``measure`` lets go of it while the GPU times (``_time``), where its thread only waits."""
+    plan.  ``close()`` frees the reference and cancels what no measurement needs any more."""
 
     engines: EngineMaker
     options: BuildOptions
@@ -582,11 +576,7 @@ class GpuMeasurer:
     lookahead: int = 4  # models prepared ahead of the one measured (their compiles overlap its measurement)
     log: list = field(default_factory=list)  # per model measured: when it started (s after this was made), its steps
 
-    #: the search may ``adopt`` and ``prepare`` from a second thread while ``measure`` runs (``_own_state``)
-    prepares_while_measuring = True
-
     def __post_init__(self):
-        self._state, self._holder = threading.Lock(), None  # ``_own_state``
         self.backend = self.engines.backend
         self.t_made = time.perf_counter()
         self.deadline = float("inf")  # set once the reference is timed (the budget is the candidates')
@@ -633,54 +623,9 @@ class GpuMeasurer:
     # -- the search's Measurer ---------------------------------------------------------------------------------
     def adopt(self, model: onnx.ModelProto, graph: gs.Graph) -> None:
         """``graph`` is ``model``'s (the search exported the candidate from it): ``variant_of`` plans it."""
-        with self._own_state():
-            self.adopted.append((model, graph))
-
-    @contextlib.contextmanager
-    def _own_state(self):
-        """This thread alone in what ``measure`` and ``prepare`` change: the measurer's plans and lists, the
-        engines' branch cache and the compile queue.  The search calls ``prepare`` from a second thread while
-        ``measure`` times (``prepares_while_measuring``); ``measure`` lets go of it only while the GPU times
-        (``_gpu_turn``).  Re-entrant in the thread that holds it."""
-        me = threading.get_ident()
-        if self._holder == me:
-            yield
-            return
-        self._state.acquire()
-        self._holder = me
-        try:
-            yield
-        finally:
-            self._holder = None
-            self._state.release()
-
-    @contextlib.contextmanager
-    def _gpu_turn(self):
-        """Around a timing on the GPU: the state (``_own_state``) left to the other thread meanwhile, taken back
-        after."""
-        me = threading.get_ident()
-        if self._holder != me:
-            yield
-            return
-        self._holder = None
-        self._state.release()
-        try:
-            yield
-        finally:
-            self._state.acquire()
-            self._holder = me
+        self.adopted.append((model, graph))
 
     def prepare(self, models: list[onnx.ModelProto]) -> dict | None:
-        """``_prepare`` with the measurer's state held (``_own_state``: the search may call this beside ``measure``)."""
-        with self._own_state():
-            return self._prepare(models)
-
-    def measure(self, model: onnx.ModelProto) -> float:
-        """``_measure`` with the measurer's state held (``_own_state``), let go while the GPU times (``_time``)."""
-        with self._own_state():
-            return self._measure(model)
-
-    def _prepare(self, models: list[onnx.ModelProto]) -> dict | None:
         """Start compiling the engines of the next models the search will measure, on every compile worker in the
         background: a candidate is measured as soon as its own engines are compiled while the workers go on with
         the next ones, and the budget's end cancels what has not started.  With the first call (the input
@@ -758,7 +703,7 @@ class GpuMeasurer:
             got["alternatives"] = alt
         return got
 
-    def _measure(self, model: onnx.ModelProto) -> float:
+    def measure(self, model: onnx.ModelProto) -> float:
         t_called = time.perf_counter()
         self.time_ready()  # the input's alternatives whose engines are in, before the next candidate
         if self.calls >= 2 and time.perf_counter() > self.deadline:
@@ -881,15 +826,13 @@ class GpuMeasurer:
         return cand / against * ref_ms
 
     def _time(self, launchers: dict) -> dict:
-        """``bench.measure`` of ``launchers``, the measurer's state let go meanwhile (``_gpu_turn``); the log's last
-        entry adds up how long the timings waited for the GPU's turn (``lock_wait_s``) and counts blocks whose gate
-        a timer had to open."""
+        """``bench.measure`` of ``launchers``; the log's last entry adds up how long the timings waited for the
+        GPU's turn (``lock_wait_s``) and counts blocks whose gate a timer had to open."""
         from .bench import measure as time_replays
 
         info: dict = {}
-        with self._gpu_turn():
-            times = time_replays(launchers, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock,
-                                 info=info)
+        times = time_replays(launchers, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock,
+                             info=info)
         if self.log:
             entry = self.log[-1]
             entry["lock_wait_s"] = round(entry.get("lock_wait_s", 0.0) + info.get("lock_wait_s", 0.0), 3)

@@ -32,7 +32,6 @@ import gc
 import heapq
 import random
 import time
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
 
@@ -474,11 +473,7 @@ class Measurer(Protocol):
     empty) and exports no candidate but the one it keeps.
 
     A measurer may also ``confirm(model)``: time a model it measured again, as it measured it, and return the
-    seconds of that timing (``confirm_fastest``: the search's fastest is timed again before it decides).
-
-    A measurer that says ``prepares_while_measuring = True`` takes ``adopt`` and ``prepare`` from a second thread
-    while ``measure`` runs (one call at a time from each): the search exports and prepares the next models
-    beside each measurement, and the measurer keeps its own state consistent between the two."""
+    seconds of that timing (``confirm_fastest``: the search's fastest is timed again before it decides)."""
 
     lookahead: int
 
@@ -680,68 +675,40 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                 timings["exported"] = timings.get("exported", 0) + 1
             return id(w) in exported
 
-        def prepare_ahead(xs: list) -> None:
-            """Export and ``measurer.prepare`` each of ``xs`` not prepared yet, one model per call and in the order
-            they will be measured: the first one's compiles start before the next are exported."""
-            for x in xs:
-                if id(x) in prepared_ids or not export(x):
-                    continue
-                prepared_ids.add(id(x))
-                t = time.perf_counter()
-                try:
-                    prepared.append(measurer.prepare([exported[id(x)]]) or {})
-                except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
-                    prepared.append({"error": f"{type(e).__name__}: {e}"})
-                timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
-
-        # a measurer that leaves this thread idle while the GPU times a model (``prepares_while_measuring``) has the
-        # next models exported and prepared in a second thread meanwhile: between two candidates a GPU build
-        # otherwise spent ~0.8 s exporting, planning and extracting the one ``lookahead`` ahead (NASNet-A Large,
-        # H200: 8 candidates measured at ~2 s each in a 25 s budget).  One such thread at a time, joined before
-        # the next model is measured, so the search's own state is only ever changed by one of the two at once
-        # (the measurer guards its own)
-        overlap = bool(getattr(measurer, "prepares_while_measuring", False)) and not by_trace
-        pending = None
-        pool = ThreadPoolExecutor(max_workers=1, thread_name_prefix="parastream-ahead") if overlap else None
         spent = None
-        try:
-            for i, w in enumerate(order):
-                if pending is not None:
-                    pending, done = None, pending
-                    done.result()
-                if spent is not None:  # the budget is spent: the rest are neither exported nor prepared
-                    w["error"] = spent
+        for i, w in enumerate(order):
+            if spent is not None:  # the budget is spent: the rest are neither exported nor prepared
+                w["error"] = spent
+                continue
+            if by_trace:  # times known by the rewrites: nothing exported, prepared or loaded
+                def timed(w=w):
+                    return measurer.measure_trace(tuple(w["trace"]))
+            else:
+                if not isinstance(measurer, TimedBy):
+                    # ``measurer.prepare(models)``, for the next ``measurer.lookahead`` models not prepared yet, in
+                    # the order they will be measured (a GPU build compiles their engines in the background
+                    # meanwhile), one model per call: the first one's compiles start before the next are exported
+                    for x in order[i:i + ahead + 1]:
+                        if id(x) in prepared_ids or not export(x):
+                            continue
+                        prepared_ids.add(id(x))
+                        t = time.perf_counter()
+                        try:
+                            prepared.append(measurer.prepare([exported[id(x)]]) or {})
+                        except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
+                            prepared.append({"error": f"{type(e).__name__}: {e}"})
+                        timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
+                if not export(w):
                     continue
-                if by_trace:  # times known by the rewrites: nothing exported, prepared or loaded
-                    def timed(w=w):
-                        return measurer.measure_trace(tuple(w["trace"]))
-                else:
-                    if not isinstance(measurer, TimedBy):
-                        # ``measurer.prepare(models)`` for the next ``measurer.lookahead`` models not prepared yet (a
-                        # GPU build compiles their engines in the background meanwhile): this one here, the rest
-                        # beside its measurement where the measurer allows
-                        # (the input's next models here too: its measurement waits for its own compiles, behind
-                        # which theirs must be queued, not once it is loaded)
-                        beside = pool is not None and i > 0
-                        prepare_ahead(order[i:i + 1] if beside else order[i:i + ahead + 1])
-                        if beside and order[i + 1:i + ahead + 1]:
-                            pending = pool.submit(prepare_ahead, order[i + 1:i + ahead + 1])
-                    if not export(w):
-                        continue
 
-                    def timed(w=w):
-                        return measurer.measure(exported[id(w)])
-                try:
-                    w["measured_s"] = float(timed())
-                except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
-                    w["error"] = f"{type(e).__name__}: {e}"
-                    if isinstance(e, MeasureBudgetSpent):
-                        spent = w["error"]
-            if pending is not None:
-                pending.result()
-        finally:
-            if pool is not None:
-                pool.shutdown(wait=True)
+                def timed(w=w):
+                    return measurer.measure(exported[id(w)])
+            try:
+                w["measured_s"] = float(timed())
+            except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
+                w["error"] = f"{type(e).__name__}: {e}"
+                if isinstance(e, MeasureBudgetSpent):
+                    spent = w["error"]
         if not isinstance(measurer, TimedBy) and not by_trace:
             report["prepared"] = prepared
         measured = [w for w in admissible if "measured_s" in w]

@@ -312,53 +312,6 @@ def _timing_measurer(monkeypatch, ms_of):
     return m, input_model, loaded
 
 
-def test_the_measurer_s_state_is_let_go_only_while_the_gpu_times(monkeypatch):
-    """The search may call ``prepare`` from a second thread while ``measure`` runs (``prepares_while_measuring``):
-    that call waits while ``measure`` loads a candidate (the measurer's plans, the engines' branch cache and the
-    compile queue are one thread's at a time) and runs while the GPU times it (``_gpu_turn``); the state is the
-    measuring thread's again after the timing."""
-    import threading
-
-    from parastream.pipeline import bench
-
-    cand = _fused_model(True, False)
-    m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: 1.0 if model is input_model else 0.9)
-    assert m.prepares_while_measuring
-    prepared, during_load, during_timing = [], [], []
-    m._prepare = lambda models: prepared.append(threading.current_thread().name) or {}
-
-    def beside(wait_s):
-        t = threading.Thread(target=m.prepare, args=([cand],), name="beside")
-        t.start()
-        t.join(wait_s)
-        return t
-
-    timed, load = bench.measure, m.engines.launcher
-
-    def timing(launchers, **kw):
-        t = beside(5.0)
-        during_timing.append(not t.is_alive())  # ran to its end while the GPU timed
-        return timed(launchers, **kw)
-
-    def launcher(v):
-        t = beside(0.2)
-        during_load.append((t, t.is_alive()))  # still waiting for the state
-        return load(v)
-
-    monkeypatch.setattr(bench, "measure", timing)
-    m.engines.launcher = launcher
-    m.measure(input_model)
-    assert m.measure(cand) == pytest.approx(0.9e-3)
-    assert during_timing and all(during_timing)
-    assert len(during_load) == 2 and all(waiting for _, waiting in during_load)
-    for t, _ in during_load:
-        t.join(5.0)
-        assert not t.is_alive()  # once the measurement let go
-    assert prepared == ["beside"] * (len(during_timing) + 2)
-    assert m._holder is None and m._state.acquire(blocking=False)  # nothing left held
-    m._state.release()
-
-
 def test_a_spent_budget_cancels_the_compiles_of_the_candidates_it_will_not_measure(monkeypatch):
     """Once the budget is spent (the first candidate refused), the compiles queued for candidates that will not
     be measured are cancelled, once, so that what the build still waits for (the input's alternatives) compiles

@@ -219,69 +219,6 @@ def test_the_measurer_is_prepared_ahead_in_the_order_it_measures(zoo_model):
     assert report["prepared"][0] == {"error": "RuntimeError: no compile workers"} and report["decided_by"] == "measured"
 
 
-def test_a_measurer_that_allows_it_is_prepared_beside_each_measurement(zoo_model):
-    """A measurer that says ``prepares_while_measuring`` has the next models exported and prepared in a second
-    thread while it measures a candidate (the input's next ones before the input's measurement, in the search's
-    thread, as for any measurer): every model is still prepared once, before it is measured, in the order of
-    measurement and at most ``lookahead`` ahead, and the search decides as it does in one thread."""
-    import threading
-
-    m = zoo_model("inception_block")
-    events = []
-
-    class Beside:
-        prepares_while_measuring = True
-        lookahead = 2
-
-        def adopt(self, model, graph):
-            events.append(("adopt", id(model), threading.current_thread().name))
-
-        def prepare(self, models):
-            events.append(("prepare", id(models[0]), threading.current_thread().name))
-            time.sleep(0.01)
-            return {"n": len(models)}
-
-        def measure(self, model):
-            events.append(("measure", id(model), threading.current_thread().name))
-            time.sleep(0.2)  # the GPU's timing: this thread waits
-            events.append(("measured", id(model), threading.current_thread().name))
-            return 1e-4 * len(model.graph.node)
-
-    class OneThread(Beside):
-        prepares_while_measuring = False
-
-    main = threading.current_thread().name
-    runs = {}
-    for kind in (OneThread, Beside):
-        events.clear()
-        out, report = optimize(m, measure=kind(), top_k=6)
-        runs[kind] = (out, report, list(events))
-    (out1, report1, _), (out, report, events) = runs[OneThread], runs[Beside]
-    assert [(c["measured_s"], c["chosen"]) for c in report["candidates"]] == \
-        [(c["measured_s"], c["chosen"]) for c in report1["candidates"]]
-    assert [n.op_type for n in out.graph.node] == [n.op_type for n in out1.graph.node]
-    prepared = [i for kind, i, _ in events if kind == "prepare"]
-    measured = [i for kind, i, _ in events if kind == "measure"]
-    assert prepared == measured and len(measured) >= 4 and prepared[0] == id(m)  # each once, in order
-    for n, (kind, i, _) in enumerate(events):
-        if kind == "measure":
-            before = [j for k, j, _ in events[:n] if k == "prepare"]
-            assert i in before and len(before) - before.index(i) <= 3  # prepared, at most lookahead (2) ahead
-    first = events.index(("measure", id(m), main))
-    assert [i for k, i, t in events[:first] if k == "prepare"] == measured[:3]  # the input's next, before it
-    assert all(t == main for k, _, t in events[:first])
-    beside = [k for n, (k, i, t) in enumerate(events) if k in ("prepare", "adopt") and t != main]
-    assert "prepare" in beside and "adopt" in beside  # the candidates' exports and preparations in the other thread
-    during = []
-    for n, (kind, i, t) in enumerate(events):
-        if kind == "prepare" and t != main:  # after a candidate's (not the input's) measurement started
-            starts = [j for k, j, _ in events[:n] if k == "measure"]
-            ends = [j for k, j, _ in events[:n] if k == "measured"]
-            assert len(starts) >= 2 and starts[-1] != id(m)
-            during.append(len(starts) == len(ends) + 1)
-    assert any(during)  # (a measurement takes 0.2 s here: the preparation beside it ends first)
-
-
 def test_a_rewrite_must_beat_the_input_by_the_margin(zoo_model):
     """Rewrites measured within 2% of the input are noise: the input stays; 5% faster is taken."""
     m = zoo_model("inception_block")
