@@ -282,6 +282,18 @@ def test_a_time_that_stands_is_not_taken_again(times, asked):
     assert all("timings_s" not in w for k, w in entries.items() if k not in asked)
 
 
+@pytest.mark.parametrize("margin, asked", [(0.02, []), (0.0, ["a"])])
+def test_no_candidate_within_the_margin_of_the_input_is_confirmed(margin, asked):
+    """A fastest candidate less than the search's margin faster than the input is not timed again: the search keeps
+    the input whatever its time (a confirmation counts the slower of two timings).  Without a margin it is."""
+    from parastream.rewrite.search import confirm_fastest
+
+    entries = {k: _entry(k, v) for k, v in {"input": 0.500, "a": 0.495, "b": 0.497}.items()}
+    got = []
+    confirm_fastest(list(entries.values()), entries["input"], lambda w: got.append(w["trace"][0]) or 0.496e-3, margin)
+    assert got == asked
+
+
 def test_a_failed_confirmation_leaves_the_first_time():
     from parastream.rewrite.search import confirm_fastest
 
