@@ -233,9 +233,9 @@ class DepthwiseSample:
 
 @dataclass
 class SampledRound:
-    """A depthwise round after the first, queued without its alternative's compile: the first round's sample
-    (``DepthwiseSample``) times this round's kernels too, and where it decides the first round it decides this
-    one or compiles ``full`` (the whole plan's alternative) for the round to race in its turn."""
+    """A depthwise round that the plan's sample (``DepthwiseSample``) decides where it can, queued without its
+    alternative's compile: where the sample leaves it open, ``full`` (the whole plan's alternative) is compiled
+    when the round comes to be raced (``time_ready``), not for a round that is never raced (``rounds_timed``)."""
 
     full: Variant
 
@@ -972,8 +972,9 @@ class GpuMeasurer:
         early = self.early
         if isinstance(v, DepthwiseSample):
             return self._race_sample(v)
-        if isinstance(v, SampledRound):  # its sample did not decide it: the whole plan's alternative, compiled now
-            self._queue_full(what, v.full)
+        if isinstance(v, SampledRound):  # its sample left it open: the whole plan's alternative, compiled now and
+            got = self.engines.precompile([v.full], background=True, cancellable=False) or {}  # raced in its turn
+            early["todo"].insert(0, (what, v.full, [k for ks in got.get("keys") or [] for k in ks]))
             return False
         if isinstance(v, StreamsRival):  # (timed with the reference, ``_streams_first``): decided now, or its
             early["todo"].insert(0, (what, v, []))  # compiled rival queued in its place
@@ -1001,9 +1002,9 @@ class GpuMeasurer:
         """The depthwise rounds on the sample of the input's engines (``depthwise_sample``): the sampled engines as
         the plan has them and with each round's kernels, three launchers timed together in alternating blocks.
         A round whose kernels are slower on the sample by more than ``SAMPLE_DECIDES_BEYOND`` is decided for the
-        plan as it is (report.json's round says so, with the sample's times); the first round left open has its
-        whole plan's alternative compiled now and raced as before, the sample kept beside it, and the rounds after
-        it race in their turn.  None: the sample could not be timed (``early["stopped"]``)."""
+        plan as it is (report.json's round says so, with the sample's times); the first round left open is raced
+        on the whole plan in its turn (``SampledRound``: its alternative compiled then), the sample kept beside it,
+        and the rounds after it race in theirs.  None: the sample could not be timed (``early["stopped"]``)."""
         from .bench import measure as time_replays
 
         early = self.early
@@ -1029,12 +1030,10 @@ class GpuMeasurer:
         first = next(iter(s.kinds))
         for what in s.kinds:
             other = labels[what][1]
-            if ms[other] <= ms[here] * (1 + SAMPLE_DECIDES_BEYOND):  # left open: the whole plan's alternative raced
-                at = 0 if what == first else next(i for i, item in enumerate(early["todo"]) if item[0] == what)
-                if what != first:  # its ``SampledRound``, replaced by the alternative compiled now
-                    early["todo"].pop(at)
-                self._queue_full(what, s.fulls[what], at=at)
-                early["sample"] = sample
+            if ms[other] <= ms[here] * (1 + SAMPLE_DECIDES_BEYOND):  # left open: raced on the whole plan in its turn
+                if what == first:  # (a later round's ``SampledRound`` is in its place already)
+                    early["todo"].insert(0, (what, SampledRound(s.fulls[what]), []))
+                early["sample"] = sample  # kept beside the round when it is raced
                 return False
             early["rounds"].append({
                 "choice": what, "timed_ms": {labels[what][0]: ms[here], other: ms[other]}, "won": labels[what][0],
@@ -1044,12 +1043,6 @@ class GpuMeasurer:
                          f"alternative slower by more than {SAMPLE_DECIDES_BEYOND:.0%}"})
             early["todo"] = [item for item in early["todo"] if item[0] != what]  # (a later round's ``SampledRound``)
         return False
-
-    def _queue_full(self, what: str, full: Variant, at: int = 0) -> None:
-        """The round ``what``, which its sample left open, raced in its turn (at ``at`` of the rounds to time)
-        against ``full``, the whole plan's alternative, queued for compiling now."""
-        got = self.engines.precompile([full], background=True, cancellable=False) or {}
-        self.early["todo"].insert(at, (what, full, [k for ks in got.get("keys") or [] for k in ks]))
 
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced

@@ -778,6 +778,42 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
     m.close()
 
 
+def test_a_sampled_round_left_open_compiles_nothing_for_a_kept_candidate(monkeypatch, tmp_path):
+    """The search kept a candidate before the input's sample was timed: ``rounds_timed`` times the sample (its
+    engines are compiled), which leaves the first round open, and queues no compile of the whole plan's
+    alternatives for rounds it will not race (the candidate's own plan is timed after the search)."""
+    import numpy as np
+
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines, v, alt = _nasnet_engines(tmp_path)
+    alternatives = _depthwise_alternatives(v, alt)
+    monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", 2)
+    compiled, busy = [], [1]
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto": compiled.append(list(variants))
+                        or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: list(alternatives.items()))
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, 1.05 if la.options.conv_kernels != "auto" else 1.0)
+                                                                   for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: busy[0] if keys else 0),
+                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
+                                     "suffix": engines.backend.suffix})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    m.measure(engines.loaded.model)  # the sample's engines still compiling: not timed yet
+    assert not m.early["rounds"]
+    busy[0] = 0
+    n = len(compiled)
+    assert m.rounds_timed() is None  # no round decided: none to carry
+    assert len(compiled) == n and "sample" in m.early  # the sample timed, nothing compiled for the open rounds
+    assert [type(a).__name__ for _, a, _ in m.early["todo"]] == ["SampledRound", "SampledRound"]
+    m.close()
+
+
 @pytest.mark.parametrize("serial", [2.0, 1.2])
 def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_compile(monkeypatch, tmp_path, serial):
     """The input's "streams" round is queued without its rival's compile (the graph on one stream: a whole-model
