@@ -594,7 +594,6 @@ class GpuMeasurer:
         self.input_plan = None  # the input's plan (``rounds_timed``'s plan where no round of it was timed)
         self.best_ms = float("inf")  # the fastest candidate measured so far (``_queue_rounds_of``)
         self.timed_forms: list[tuple[onnx.ModelProto, Variant]] = []  # per candidate, the form its time is of
-        self.spent = False  # the budget is spent: nothing more is measured, so nothing more is prepared
 
     @classmethod
     def for_build(cls, engines: EngineMaker, options: BuildOptions, loaded: LoadedModel, **kw) -> "GpuMeasurer | None":
@@ -632,7 +631,7 @@ class GpuMeasurer:
         first) the alternatives the build will time if it keeps the input are queued too, and kept; with the cost
         model's best candidate, planned on streams where the input is one engine, its one-engine form."""
         models = [m for m in models if not any(m is p for p in self.prepared)]
-        if not models or self.spent:
+        if not models:
             return None
         best = not any(p is not self.loaded.model for p in self.prepared)  # the cost model's best comes next
         self.prepared.extend(models)
@@ -667,11 +666,10 @@ class GpuMeasurer:
             if models[0] is self.loaded.model:  # the input's rounds are timed during the search: the depthwise ones
                 # may be sampled, and the streams round is timed against the plan's own engines first (nothing
                 # to compile)
-                rounds = dict(DEPTHWISE_ROUNDS)
-                depthwise = {w: a for w, a in named if w in rounds}
+                depthwise = {w: a for w, a in named if w in dict(DEPTHWISE_ROUNDS)}  # in the rounds' order
                 sample = depthwise_sample(self.engines, variants[0], depthwise) if depthwise else None
-                first_sampled = next((w for w, _ in named if w in rounds), None)
-                named = [(what, a if what not in rounds or sample is None else sample if what == first_sampled
+                first_round = next(iter(depthwise), None)
+                named = [(what, a if what not in depthwise or sample is None else sample if what == first_round
                           else SampledRound(a)) for what, a in named]
                 named = [(what, StreamsRival(a) if what == "streams" else a) for what, a in named]
             # a round's sample is compiled right after the input, with the search's candidates (its engines are
@@ -707,12 +705,6 @@ class GpuMeasurer:
         t_called = time.perf_counter()
         self.time_ready()  # the input's alternatives whose engines are in, before the next candidate
         if self.calls >= 2 and time.perf_counter() > self.deadline:
-            if not self.spent and self.backend.background_compiles:
-                # no candidate is measured from now on: the compiles queued for those not measured go, and the
-                # input's alternatives, queued behind them, compile for its rounds after the search at once
-                # (NASNet-A Large, H200: two rounds waited 2.7 and 1.4 s for them after the budget)
-                self.backend.cancel_precompile()
-            self.spent = True
             raise MeasureBudgetSpent(f"measurement budget of {self.budget_s:.0f} s spent")
         self.calls += 1
         self.log.append({"start_s": round(time.perf_counter() - self.t_made, 3),
@@ -1009,8 +1001,9 @@ class GpuMeasurer:
 
         early = self.early
         t0 = time.perf_counter()
+        first = next(iter(s.kinds))
         labels = {what: round_labels(what, early["plan"]) for what in s.kinds}
-        here = round_labels(next(iter(s.kinds)), early["plan"])[0]  # the kernels the plan has
+        here = labels[first][0]  # the kernels the plan has
         named = {here: s.current, **{labels[what][1]: v for what, v in s.kinds.items()}}
         try:
             la = {}
@@ -1027,7 +1020,6 @@ class GpuMeasurer:
         ms = {k: float(np.median(t)) for k, t in times.items()}
         sample = {"engines": s.names, "of": s.of, "convolutions": s.convolutions, "covered": s.covered,
                   "timed_ms": {k: round(t, 4) for k, t in ms.items()}, "timed_s": round(time.perf_counter() - t0, 3)}
-        first = next(iter(s.kinds))
         for what in s.kinds:
             other = labels[what][1]
             if ms[other] <= ms[here] * (1 + SAMPLE_DECIDES_BEYOND):  # left open: raced on the whole plan in its turn

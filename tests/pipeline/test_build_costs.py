@@ -312,31 +312,6 @@ def _timing_measurer(monkeypatch, ms_of):
     return m, input_model, loaded
 
 
-def test_a_spent_budget_cancels_the_compiles_of_the_candidates_it_will_not_measure(monkeypatch):
-    """Once the budget is spent (the first candidate refused), the compiles queued for candidates that will not
-    be measured are cancelled, once, so that what the build still waits for (the input's alternatives) compiles
-    at once; a candidate the search then prepares is not queued."""
-    from parastream.rewrite.search import MeasureBudgetSpent
-
-    models = [_fused_model(a, b) for a, b in ((True, False), (False, True), (True, True))]
-    m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: 1.0)
-    cancelled, queued = [], []
-    m.backend.background_compiles = True
-    m.backend.cancel_precompile = lambda: cancelled.append(1) or 0
-    m.engines.precompile = lambda variants, background, cancellable, **kw: queued.append(len(variants)) or {"jobs": 1}
-    assert m.prepare([models[0]]) == {"jobs": 1} and queued == [1]
-    m.measure(input_model)
-    m.deadline = 0.0  # the budget spent
-    m.measure(models[0])  # the cost model's best: measured whatever the budget
-    assert not cancelled
-    for cand in models[1:]:
-        with pytest.raises(MeasureBudgetSpent):
-            m.measure(cand)
-    assert cancelled == [1] and m.spent
-    assert m.prepare([models[2]]) is None and queued == [1]
-    m.close()
-
-
 def test_the_best_candidate_is_timed_with_a_slow_fusion_off(monkeypatch):
     """The cost model's best candidate, slower than the input with its fused nodes on, is timed again with each
     kind off (the build times that choice for the graph it keeps): its fastest form decides, and the log says
