@@ -672,10 +672,9 @@ class GpuMeasurer:
                 named = [(what, a if what not in depthwise or sample is None else sample if what == first_round
                           else SampledRound(a)) for what, a in named]
                 named = [(what, StreamsRival(a) if what == "streams" else a) for what, a in named]
-            # a round's sample is compiled behind the search's candidates and ahead of the other alternatives (it
-            # decides its rounds, which waited for it at the search's end behind them: NASNet-A Large, H200, 22.5 s;
-            # ahead of the candidates, its Inductor-kernel engines kept 12 workers for ~19 s as the input's compile
-            # ended, and the first candidate waited 2.5-2.7 s for its own compile, in four builds)
+            # a round's sample is compiled right after the input, with the search's candidates (its engines are
+            # few and it decides the round, which waited for them at the search's end otherwise: NASNet-A Large,
+            # H200, 22.5 s); the other alternatives after the candidates
             sample = next((a for _, a in named if isinstance(a, DepthwiseSample)), None)
             sampled = sample.variants() if sample is not None else []
             spans, compiled = [], []  # per round, the span of ``sampled + compiled`` its engines are
@@ -684,7 +683,7 @@ class GpuMeasurer:
                 at = 0 if a is sample else len(sampled) + len(compiled)
                 spans.append((at, at + (len(sampled) if a is sample else len(more))))
                 compiled += more
-            first = self.engines.precompile(sampled, background=True, cancellable=False, order="behind") if sampled else None
+            first = self.engines.precompile(sampled, background=True, cancellable=False, order="search") if sampled else None
             alt = self.engines.precompile(compiled, background=True, cancellable=False)
             keys = alt.pop("keys", None) if alt else None
             if keys is not None and sampled:

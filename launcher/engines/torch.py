@@ -1560,12 +1560,10 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
     only after the search (not ``cancellable``), the longest group starts at once: it ends the build's wait for
     its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
     many from the search.  That is ``order`` "auto"; "search": kept, but queued with the search's candidates, in
-    the order queued (the input, which the search measures first, and what is timed right after it); "behind":
-    kept, behind every candidate of the search (those queued later too) and ahead of the rest (what the search
-    times between two candidates, once no candidate's compile waits); "now": before everything queued (a compile
-    the build waits for, queued late)."""
-    if order not in ("auto", "search", "behind", "now"):
-        raise ValueError(f"order={order!r}: auto, search, behind or now")
+    the order queued (the input, which the search measures first, and what is timed right after it); "now":
+    before everything queued (a compile the build waits for, queued late)."""
+    if order not in ("auto", "search", "now"):
+        raise ValueError(f"order={order!r}: auto, search or now")
     groups_by_work = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
     with _QUEUE_LOCK:
         for i, keys in enumerate(groups_by_work):
@@ -1574,8 +1572,6 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
                 job.priority = -0.5
             elif order == "search":
                 job.priority = 0
-            elif order == "behind":
-                job.priority = 0.5
             for k in keys:
                 _INFLIGHT[k] = job
             _QUEUED.append(job)

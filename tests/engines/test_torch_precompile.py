@@ -259,14 +259,6 @@ def test_the_longest_group_needed_after_the_search_starts_at_once(monkeypatch):
     tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
     assert [j.keys for j in tb._QUEUED] == [["b"], ["u"], ["c"], ["w"], ["s"], ["l"]]
     assert tb.cancel_precompile() == 1 and ["w"] in [j.keys for j in tb._QUEUED]  # "search" is kept: not cancelled
-    # order "behind": kept, behind the candidates queued after it too, ahead of the rest
-    tb._submit({"h": todo["s"]}, {"gh": ["h"]}, None, cancellable=False, order="behind")
-    tb._submit({"d": todo["s"]}, {"gd": ["d"]}, None, cancellable=True)
-    tb._QUEUED.sort(key=lambda j: (j.priority, j.seq))
-    assert [j.keys for j in tb._QUEUED] == [["b"], ["u"], ["w"], ["d"], ["h"], ["s"], ["l"]]
-    assert tb.cancel_precompile() == 1 and ["h"] in [j.keys for j in tb._QUEUED]
-    with pytest.raises(ValueError, match="behind"):
-        tb._submit({"x": todo["s"]}, {"gx": ["x"]}, None, cancellable=False, order="later")
 
 
 def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_compiling(compiles, monkeypatch):

@@ -724,7 +724,7 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
     (_, sample, _), (_, second, _) = m.early["todo"]
     assert isinstance(sample, measure.DepthwiseSample) and isinstance(second, measure.SampledRound)
     assert compiled[1] == sample.variants() and not any(a in batch for batch in compiled for a in alternatives.values())
-    assert orders[:2] == ["search", "behind"]  # the input with the candidates, its sample behind them
+    assert orders[:2] == ["search", "search"]  # the input, then its sample, ahead of the search's candidates
     m.measure(engines.loaded.model)  # the reference, then the rounds whose engines are in
     m.time_ready(wait=True)
     assert timings[1] == ["depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels",
