@@ -422,13 +422,14 @@ def confirm_fastest(measured: list[dict], original: dict, again: Callable[[dict]
                     margin: float = 0.0) -> list[dict]:
     """Time the fastest of ``measured`` again (``again(entry)``: seconds) until its time stands: its timings
     agree within ``CONFIRM_AGREE`` or number three, or it leads the next fastest by ``CONFIRM_WITHIN``, or it is
-    the input (the reference every candidate is scaled by), or it is not ``margin`` faster than the input (the
-    search then keeps the input whatever its time: a confirmation takes the slower of two timings, so it makes no
-    candidate faster; NASNet-A Large, H200: the input kept after three and four confirmations of ~1 s each, the
-    last of which timed a candidate then 0.9% and 1.4% faster than the input).  Its time becomes the median of its timings
-    (``timings_s``), the slower of two that disagree (the faster state is the exception, and it only ever makes
-    a timing faster); when that is no longer the fastest, the new fastest is confirmed in turn, up to
-    ``CONFIRMATIONS`` timings in all.  Returns what was timed again, in order, for the report."""
+    the input (the reference every candidate is scaled by), or it is not ``margin`` faster than the input: the
+    search keeps the input then, and a confirmation would change that only by timing the candidate faster than
+    its first timing, which two agreeing timings never do (the slower counts; NASNet-A Large, H200: the input kept
+    after three and four confirmations of ~1 s each, the last of which timed a candidate then 0.9% and 1.4%
+    faster than the input).  Its time becomes the median of its timings (``timings_s``), the slower of two that
+    disagree (the faster state is the exception, and it only ever makes a timing faster); when that is no longer
+    the fastest, the new fastest is confirmed in turn, up to ``CONFIRMATIONS`` timings in all.  Returns what was
+    timed again, in order, for the report."""
     import statistics
 
     out: list[dict] = []
