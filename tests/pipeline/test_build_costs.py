@@ -698,7 +698,6 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
 
     engines, v, alt = _nasnet_engines(tmp_path)
     alternatives = _depthwise_alternatives(v, alt)
-    nat = alternatives["depthwise kernel"]
     monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", 2)
     slower = {"inductor": inductor, "native": native}
 
@@ -749,7 +748,6 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
     else:
         assert whole["depthwise kernel"] and k["timed_ms"]["depthwise convolutions as torch's own kernel"] == pytest.approx(native)
         assert (k.get("sample") is not None) == (inductor > wide)  # the sample that left it open, beside
-    assert nat.options.conv_kernels == "native"
     m.close()
 
 
