@@ -954,9 +954,14 @@ class GpuMeasurer:
             early["todo"].pop(at)
             early["rounds"].append(dict(streams_round_decided(serial, early["plan"]), started_s=serial["started_s"]))
             return
-        got = self.engines.precompile([rival.full], background=True, cancellable=False, order="now") or {}
-        early["todo"][at] = ("streams", rival.full, [k for ks in got.get("keys") or [] for k in ks])
+        early["todo"][at] = self._compiling("streams", rival.full, order="now")
         early["serial"] = {k: v for k, v in serial.items() if k != "decided"}
+
+    def _compiling(self, what: str, full: Variant, order: str = "auto") -> tuple:
+        """The round ``what`` as the rounds to time hold it, its rival ``full`` (a compile of the whole plan, kept)
+        queued now: (what, full, the cache keys ``time_ready`` waits for)."""
+        got = self.engines.precompile([full], background=True, cancellable=False, order=order) or {}
+        return what, full, [k for ks in got.get("keys") or [] for k in ks]
 
     def _race_early(self, what: str, v: Variant) -> bool | None:
         """One of the input's rounds raced against the reference (``race``; waits for ``v``'s compile): whether
@@ -965,8 +970,7 @@ class GpuMeasurer:
         if isinstance(v, DepthwiseSample):
             return self._race_sample(v)
         if isinstance(v, SampledRound):  # its sample left it open: the whole plan's alternative, compiled now and
-            got = self.engines.precompile([v.full], background=True, cancellable=False) or {}  # raced in its turn
-            early["todo"].insert(0, (what, v.full, [k for ks in got.get("keys") or [] for k in ks]))
+            early["todo"].insert(0, self._compiling(what, v.full))  # raced in its turn
             return False
         if isinstance(v, StreamsRival):  # (timed with the reference, ``_streams_first``): decided now, or its
             early["todo"].insert(0, (what, v, []))  # compiled rival queued in its place
