@@ -16,7 +16,8 @@ for p in manylinux_2_35_x86_64 manylinux_2_34_x86_64 manylinux_2_31_x86_64 manyl
 done
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp "${platforms[@]}" -d .whl \
     nvidia-pytriton==0.7.0 tritonclient==2.73.0 geventhttpclient==2.6.1 gevent==26.9.0 greenlet==3.3.2 \
-    zope.event==6.2 zope.interface==8.7 python-rapidjson==1.25 brotli==1.2.1 grpcio==1.85.1 protobuf==6.33.6
+    zope.event==6.2 zope.interface==8.7 python-rapidjson==1.25 brotli==1.2.1 grpcio==1.85.1 protobuf==6.33.6 \
+    nvidia-cudnn-frontend==1.22.1  # cuDNN's frontend: plans serialized into bundles (launcher/engines/cudnn_plans.py)
 # parastream's own pure-Python dependencies that the device's Python lacks (bench/device_env.sh installs them all)
 python3 -m pip download -q --no-deps --only-binary=:all: --python-version 3.12 --implementation cp --platform any -d .whl \
     onnx-graphsurgeon==0.6.1 polygraphy==0.53.6 rich==15.0.0 markdown-it-py==4.3.0 mdurl==0.1.2 pygments==2.21.0 networkx==3.7 \

@@ -1,0 +1,184 @@
+#!/usr/bin/env python3
+"""cuDNN plans shipped against cuDNN plans built at every start: per distinct depthwise convolution of a model,
+what a fresh process pays before its first call, and what each runs at.
+
+Why: a fresh load of a depthwise-separable network spends most of its time in cuDNN building its depthwise
+plans (runtime-compiled kernels; NASNet-A Large, H200: 3.8 of a 5.5 s load).  ``launcher/engines/cudnn_plans.py``
+builds them once through cuDNN's frontend and serializes them; this measures, for each timm model's distinct
+depthwise shapes (fp16, batch 1, channels-last, as ``bench/depthwise_kernels.py`` finds them):
+
+  torch_first_ms    torch's convolution's first call in a fresh process (cuDNN builds its plan)
+  built_ms          the frontend's plan built (``PlanCache.get``) in this process
+  loaded_ms         the same plan deserialized in a fresh process (``PlanCache.load``), and its first call
+  bytes             the serialized plan's size
+  torch_us, plan_us per call in a CUDA Graph of 20 calls (median of 30 replays), this process
+  max_err           the plan's output against torch's (scaled by its largest magnitude)
+
+and the totals per model.  Run on the device after ``source bench/device_env.sh`` (the frontend's wheel is
+carried in ``.whl/``):
+    python3 bench/cudnn_plans.py --models nasnetalarge,mixnet_s --out $OUT
+Writes cudnn_plans.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+
+
+def _tensors(key):
+    import torch
+
+    x_shape, w_shape, *_ = key
+    g = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn(x_shape, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
+    w = (torch.randn(w_shape, device="cuda", generator=g) * 0.1).half().to(memory_format=torch.channels_last)
+    return x, w
+
+
+def child_torch(keys: list) -> dict:
+    """A fresh process: torch's first call of each key (its plan built), in milliseconds."""
+    import torch
+    import torch.nn.functional as F
+
+    from depthwise_kernels import _first_ms
+
+    torch.backends.cudnn.benchmark = False
+    warm = torch.randn(1, 8, 16, 16, device="cuda").half().to(memory_format=torch.channels_last)
+    F.conv2d(warm, torch.randn(8, 8, 3, 3, device="cuda").half(), None, 1, 1)  # cuDNN's own start
+    out = []
+    for key in keys:
+        x, w = _tensors(key)
+        _, _, stride, padding, dilation = key
+        out.append(_first_ms(lambda: F.conv2d(x, w, None, stride, padding, dilation, x.shape[1])))
+    return {"torch_first_ms": out}
+
+
+def child_loaded(keys: list, plans: str) -> dict:
+    """A fresh process: the serialized plans deserialized, then each key's first call, in milliseconds."""
+    import torch
+
+    from depthwise_kernels import _first_ms
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    torch.zeros(1, device="cuda")
+    t0 = time.perf_counter()
+    got = cp.CACHE.load(Path(plans).read_bytes(), 0)
+    load_s = time.perf_counter() - t0
+    first = []
+    for key in keys:
+        x, w = _tensors(key)
+        _, _, stride, padding, dilation = key
+        first.append(_first_ms(lambda: cp.conv2d(x, w, list(stride), list(padding), list(dilation), x.shape[1])))
+    per = {k: round(p.built_s * 1e3, 3) for (_, k), p in cp.CACHE.plans.items()}
+    return {"load": got, "load_s": round(load_s, 4), "first_call_ms": first, "deserialize_ms": per,
+            "built_here": sum(1 for p in cp.CACHE.plans.values() if p.source == "built")}
+
+
+def _child(mode: str, keys: list, plans: str | None = None) -> dict:
+    env = dict(os.environ)
+    cmd = [sys.executable, __file__, "--child", mode, "--keys", json.dumps(keys)] + (["--plans", plans] if plans else [])
+    done = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600)
+    if done.returncode != 0:
+        return {"error": (done.stderr or done.stdout)[-2000:]}
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def measure_model(name: str, out: Path) -> dict:
+    import torch
+    import torch.nn.functional as F
+
+    from depthwise_kernels import _graph_us, depthwise_calls
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    counts = depthwise_calls(name)
+    keys = [[list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4])] for k in counts]
+    rows = []
+    for key, n in zip(keys, counts.values()):
+        x, w = _tensors(key)
+        _, _, stride, padding, dilation = key
+        pk = cp.plan_key("float16", x.shape, w.shape, stride, padding, dilation)
+        row = {"x": key[0], "kernel": key[1][2:], "stride": stride, "padding": padding, "count": n}
+        t0 = time.perf_counter()
+        plan = cp.CACHE.get(0, pk)
+        row["built_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
+        if plan is None:
+            row["error"] = cp.CACHE.failed.get((0, pk))
+            rows.append(row)
+            continue
+        row["workspace"] = plan.workspace
+        ref = F.conv2d(x, w, None, stride, padding, dilation, x.shape[1]).float()
+        got = cp.conv2d(x, w, stride, padding, dilation, x.shape[1]).float()
+        row["max_err"] = float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0)
+        row["torch_us"] = round(_graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, x.shape[1])), 3)
+        row["plan_us"] = round(_graph_us(lambda: cp.conv2d(x, w, stride, padding, dilation, x.shape[1])), 3)
+        rows.append(row)
+        print(json.dumps({"model": name, **row}), flush=True)
+    blob = cp.CACHE.serialize(0)
+    path = out / f"{name}_plans.npz"
+    path.write_bytes(blob)
+    fresh_torch = _child("torch", keys)
+    fresh_loaded = _child("loaded", keys, str(path))
+    for i, row in enumerate(rows):
+        if "torch_first_ms" in fresh_torch:
+            row["torch_first_ms"] = round(fresh_torch["torch_first_ms"][i], 3)
+        if "first_call_ms" in fresh_loaded:
+            row["loaded_first_call_ms"] = round(fresh_loaded["first_call_ms"][i], 3)
+    total = {
+        "shapes": len(rows), "calls": sum(r["count"] for r in rows), "plans_bytes": len(blob),
+        "built_s": round(sum(r["built_ms"] for r in rows) / 1e3, 3),
+        "torch_first_s": round(sum(r.get("torch_first_ms", 0.0) for r in rows) / 1e3, 3),
+        "loaded_s": fresh_loaded.get("load_s"), "loaded_first_calls_s":
+            round(sum(r.get("loaded_first_call_ms", 0.0) for r in rows) / 1e3, 3),
+        "built_in_loaded_process": fresh_loaded.get("built_here"),
+        "torch_us_per_pass": round(sum(r.get("torch_us", 0.0) * r["count"] for r in rows), 1),
+        "plan_us_per_pass": round(sum(r.get("plan_us", 0.0) * r["count"] for r in rows), 1),
+        "max_err": max((r.get("max_err", 0.0) for r in rows), default=0.0),
+    }
+    return {"rows": rows, "total": total, "fresh_torch": {k: v for k, v in fresh_torch.items() if k == "error"},
+            "fresh_loaded": {k: v for k, v in fresh_loaded.items() if k != "first_call_ms"}}
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--models", default="nasnetalarge")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/cudnn_plans_out"))
+    ap.add_argument("--child", choices=("torch", "loaded"))
+    ap.add_argument("--keys")
+    ap.add_argument("--plans")
+    args = ap.parse_args(argv)
+    if args.child:
+        keys = json.loads(args.keys)
+        got = child_torch(keys) if args.child == "torch" else child_loaded(keys, args.plans)
+        print(json.dumps(got))
+        return 0
+    import torch
+
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if cp.frontend() is None:
+        print("cudnn_plans: the cuDNN frontend (nvidia-cudnn-frontend) cannot be imported", file=sys.stderr)
+        return 2
+    torch.backends.cudnn.benchmark = False
+    result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "cudnn": torch.backends.cudnn.version(), "frontend_cudnn": cp.frontend().backend_version(),
+              "models": {}}
+    for name in args.models.split(","):
+        result["models"][name] = measure_model(name, out)
+        (out / "cudnn_plans.json").write_text(json.dumps(result, indent=1))
+        print(json.dumps({"model": name, **result["models"][name]["total"]}), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

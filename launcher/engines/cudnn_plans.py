@@ -1,0 +1,245 @@
+"""cuDNN execution plans for 2-d convolutions, built once and shipped with a bundle.
+
+Why: torch sends a channels-last convolution to cuDNN, which builds an execution plan for each distinct shape at
+its first call in every process, and keeps it in a cache of the calling thread only.  For a depthwise
+convolution cuDNN's plan is a kernel it compiles at run time (NVRTC): 160-820 ms per shape (H100,
+bench/depthwise_kernels.py), so that a fresh process's load of NASNet-A Large spent 3.8 of its 5.5 s building the
+plans of its 23 depthwise shapes.  cuDNN's frontend serializes a built plan, runtime-compiled kernel included
+(``pygraph.serialize`` / ``deserialize``), which is what this module keeps: a process-wide cache of plans by
+key (``PlanCache``), filled by building a plan the first time a key is seen or from a bundle's serialized plans
+(``load_plans``), and ``conv2d``, the op that runs a convolution through it (``torch.ops.parastream.cudnn_conv2d``,
+which the converter writes for the convolutions it routes here and Inductor calls as an extern kernel).
+
+The frontend is NVIDIA's ``nvidia-cudnn-frontend`` package (module ``cudnn``), which loads the libcudnn that torch
+ships.  Without it, or on a CPU tensor, the op is torch's own convolution: the same result, its plans built by
+torch as before.  A plan is built with cuDNN's heuristics (mode A, then the fallback list) and the first
+candidate that builds, as torch builds its own (``torch.backends.cudnn.benchmark`` off).
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import threading
+import time
+from dataclasses import dataclass, field
+
+#: uids of the plan's tensors in the variant pack
+_X, _W, _Y = 1, 2, 3
+
+_LOCK = threading.RLock()
+
+
+def frontend():
+    """The cuDNN frontend module, or None when it is not installed or cannot load cuDNN."""
+    if not _FRONTEND:
+        try:
+            import torch  # noqa: F401 - torch first: the frontend then finds the libcudnn torch loaded
+
+            import cudnn
+
+            cudnn.backend_version()
+            _FRONTEND.append(cudnn)
+        except Exception:  # noqa: BLE001 - not installed, or no cuDNN it can load: torch's own convolution
+            _FRONTEND.append(None)
+    return _FRONTEND[0]
+
+
+_FRONTEND: list = []
+
+
+def conv_out_shape(x_shape, w_shape, stride, padding, dilation) -> list[int]:
+    n, _, h, w = (int(v) for v in x_shape)
+    kh, kw = int(w_shape[2]), int(w_shape[3])
+    ho = (h + 2 * padding[0] - dilation[0] * (kh - 1) - 1) // stride[0] + 1
+    wo = (w + 2 * padding[1] - dilation[1] * (kw - 1) - 1) // stride[1] + 1
+    return [n, int(w_shape[0]), ho, wo]
+
+
+def _channels_last_strides(shape) -> list[int]:
+    n, c, h, w = shape
+    return [h * w * c, 1, w * c, c]
+
+
+def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation) -> str:
+    """The key of a plan: what its tensors' descriptors and the convolution hold (both tensors channels-last
+    and contiguous, as the op makes them)."""
+    return json.dumps([dtype, [int(v) for v in x_shape], [int(v) for v in w_shape], [int(v) for v in stride],
+                       [int(v) for v in padding], [int(v) for v in dilation]], separators=(",", ":"))
+
+
+def device_tag(device_index: int = 0) -> str:
+    """What a serialized plan is valid for: the GPU's name and compute capability, and cuDNN's version."""
+    import torch
+
+    cudnn = frontend()
+    p = torch.cuda.get_device_properties(device_index)
+    return f"{p.name}|sm{p.major}{p.minor}|cudnn{cudnn.backend_version() if cudnn else 0}"
+
+
+@dataclass
+class _Plan:
+    graph: object  # the frontend's pygraph, its plan built
+    workspace: int
+    built_s: float
+    source: str  # "built" or "loaded"
+
+
+@dataclass
+class PlanCache:
+    """Plans by (device index, key): one per process (``CACHE``); a plan is built for a handle of its device and
+    run with it, under the lock (a cuDNN handle is not to be used from two threads at once)."""
+
+    plans: dict = field(default_factory=dict)
+    handles: dict = field(default_factory=dict)
+    failed: dict = field(default_factory=dict)  # keys cuDNN could not plan: torch's convolution runs them
+
+    def handle(self, device_index: int):
+        h = self.handles.get(device_index)
+        if h is None:
+            import torch
+
+            with torch.cuda.device(device_index):
+                h = self.handles[device_index] = frontend().create_handle()
+        return h
+
+    def get(self, device_index: int, key: str) -> _Plan | None:
+        got = self.plans.get((device_index, key))
+        if got is not None or (device_index, key) in self.failed:
+            return got
+        try:
+            got = self.plans[(device_index, key)] = _build(self.handle(device_index), key, device_index)
+        except Exception as e:  # noqa: BLE001 - torch's convolution runs this key (cuDNN plans it in its own way)
+            self.failed[(device_index, key)] = f"{type(e).__name__}: {e}"
+        return got
+
+    def serialize(self, device_index: int, keys=None) -> bytes:
+        """The plans of ``keys`` (every plan of the device when None) as one file's bytes (``load_plans``)."""
+        import numpy as np
+
+        with _LOCK:
+            chosen = {k: p for (d, k), p in self.plans.items() if d == device_index and (keys is None or k in keys)}
+            arrays = {"__tag__": np.frombuffer(device_tag(device_index).encode(), dtype=np.uint8)}
+            for i, (k, p) in enumerate(sorted(chosen.items())):
+                arrays[f"key{i}"] = np.frombuffer(k.encode(), dtype=np.uint8)
+                arrays[f"plan{i}"] = np.asarray(p.graph.serialize(), dtype=np.uint8)
+        buf = io.BytesIO()
+        np.savez(buf, **arrays)
+        return buf.getvalue()
+
+    def load(self, data: bytes, device_index: int) -> dict:
+        """Deserialize the plans of ``data`` (``serialize``) for the device, those not held already: {"plans",
+        "loaded", "s"}, or {"skipped": why} when they were serialized for another GPU or cuDNN."""
+        import numpy as np
+
+        t0 = time.perf_counter()
+        with np.load(io.BytesIO(data)) as z:
+            tag = bytes(z["__tag__"]).decode()
+            if tag != device_tag(device_index):
+                return {"skipped": f"plans for {tag}, not {device_tag(device_index)}"}
+            n = sum(1 for name in z.files if name.startswith("key"))
+            loaded = 0
+            cudnn = frontend()
+            with _LOCK:
+                h = self.handle(device_index)
+                for i in range(n):
+                    key = bytes(z[f"key{i}"]).decode()
+                    if (device_index, key) in self.plans:
+                        continue
+                    t = time.perf_counter()
+                    g = cudnn.pygraph(handle=h)
+                    g.deserialize(h, z[f"plan{i}"].tobytes())
+                    self.plans[(device_index, key)] = _Plan(g, int(g.get_workspace_size()),
+                                                            time.perf_counter() - t, "loaded")
+                    loaded += 1
+        return {"plans": n, "loaded": loaded, "s": round(time.perf_counter() - t0, 4)}
+
+
+CACHE = PlanCache()
+
+
+def _dtype_name(dtype) -> str:
+    return str(dtype).replace("torch.", "")
+
+
+def _build(handle, key: str, device_index: int) -> _Plan:
+    """cuDNN's plan for ``key`` (``plan_key``), built with its heuristics: the first candidate that builds."""
+    import torch
+
+    cudnn = frontend()
+    dtype, x_shape, w_shape, stride, padding, dilation = json.loads(key)
+    io_type = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
+               "float32": cudnn.data_type.FLOAT}[dtype]
+    t0 = time.perf_counter()
+    with torch.cuda.device(device_index):
+        g = cudnn.pygraph(io_data_type=io_type, intermediate_data_type=cudnn.data_type.FLOAT,
+                          compute_data_type=cudnn.data_type.FLOAT, handle=handle)
+        x = g.tensor(name="X", dim=x_shape, stride=_channels_last_strides(x_shape), data_type=io_type)
+        w = g.tensor(name="W", dim=w_shape, stride=_channels_last_strides(w_shape), data_type=io_type)
+        y = g.conv_fprop(image=x, weight=w, padding=padding, stride=stride, dilation=dilation,
+                         compute_data_type=cudnn.data_type.FLOAT)
+        out = conv_out_shape(x_shape, w_shape, stride, padding, dilation)
+        y.set_output(True).set_data_type(io_type).set_dim(out).set_stride(_channels_last_strides(out))
+        x.set_uid(_X)
+        w.set_uid(_W)
+        y.set_uid(_Y)
+        g.validate()
+        g.build_operation_graph()
+        g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
+        g.check_support()
+        g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+    return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built")
+
+
+def conv2d(x, w, stride, padding, dilation, groups: int):
+    """A 2-d convolution without bias (symmetric padding), channels-last out: through a plan of ``CACHE`` on a
+    GPU with the frontend, else torch's own convolution."""
+    import torch
+
+    if x.is_cuda and x.dim() == 4 and frontend() is not None:
+        x = x.contiguous(memory_format=torch.channels_last)
+        w = w.contiguous(memory_format=torch.channels_last)
+        device = x.device.index if x.device.index is not None else torch.cuda.current_device()
+        key = plan_key(_dtype_name(x.dtype), x.shape, w.shape, stride, padding, dilation)
+        with _LOCK:
+            plan = CACHE.get(device, key)
+            if plan is not None:
+                out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
+                y = torch.empty_strided(out, _channels_last_strides(out), dtype=x.dtype, device=x.device)
+                ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=x.device)
+                h = CACHE.handle(device)
+                frontend().set_stream(h, torch.cuda.current_stream(x.device).cuda_stream)
+                plan.graph.execute({_X: x, _W: w, _Y: y}, ws, handle=h)
+                return y
+    y = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+    return y.contiguous(memory_format=torch.channels_last)
+
+
+def plans_used(device_index: int = 0) -> list[str]:
+    """The keys of the plans this process holds for the device."""
+    with _LOCK:
+        return sorted(k for d, k in CACHE.plans if d == device_index)
+
+
+_OP: list = []
+
+
+def register_op() -> None:
+    """``torch.ops.parastream.cudnn_conv2d`` (``conv2d``), with the shape function Inductor's trace needs; once per
+    process."""
+    if _OP:
+        return
+    import torch
+
+    # (the schema written out: this module's annotations are strings, which the inference cannot read)
+    @torch.library.custom_op("parastream::cudnn_conv2d", mutates_args=(),
+                             schema="(Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, int groups) -> Tensor")
+    def cudnn_conv2d(x, w, stride, padding, dilation, groups):
+        return conv2d(x, w, stride, padding, dilation, groups)
+
+    @cudnn_conv2d.register_fake
+    def _(x, w, stride, padding, dilation, groups):
+        out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
+        return x.new_empty_strided(out, _channels_last_strides(out))
+
+    _OP.append(cudnn_conv2d)
