@@ -148,7 +148,7 @@ class PlanCache:
                         continue
                     t = time.perf_counter()
                     g = cudnn.pygraph(handle=h)
-                    g.deserialize(h, z[f"plan{i}"].tobytes())
+                    g.deserialize(h, z[f"plan{i}"].tolist())  # (the binding takes the list serialize gave)
                     self.plans[(device_index, key)] = _Plan(g, int(g.get_workspace_size()),
                                                             time.perf_counter() - t, "loaded")
                     loaded += 1
