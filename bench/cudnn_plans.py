@@ -77,7 +77,7 @@ def child_loaded(keys: list, plans: str) -> dict:
     for key in keys:
         x, w = _tensors(key)
         _, _, stride, padding, dilation = key
-        first.append(_first_ms(lambda: cp.conv2d(x, w, list(stride), list(padding), list(dilation), x.shape[1])))
+        first.append(_first_ms(lambda: cp.conv2d(x, w, None, list(stride), list(padding), list(dilation), x.shape[1])))
     per = {k: round(p.built_s * 1e3, 3) for (_, k), p in cp.CACHE.plans.items()}
     return {"load": got, "load_s": round(load_s, 4), "first_call_ms": first, "deserialize_ms": per,
             "built_here": sum(1 for p in cp.CACHE.plans.values() if p.source == "built")}
@@ -116,10 +116,10 @@ def measure_model(name: str, out: Path) -> dict:
             continue
         row["workspace"] = plan.workspace
         ref = F.conv2d(x, w, None, stride, padding, dilation, x.shape[1]).float()
-        got = cp.conv2d(x, w, stride, padding, dilation, x.shape[1]).float()
+        got = cp.conv2d(x, w, None, stride, padding, dilation, x.shape[1]).float()
         row["max_err"] = float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0)
         row["torch_us"] = round(_graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, x.shape[1])), 3)
-        row["plan_us"] = round(_graph_us(lambda: cp.conv2d(x, w, stride, padding, dilation, x.shape[1])), 3)
+        row["plan_us"] = round(_graph_us(lambda: cp.conv2d(x, w, None, stride, padding, dilation, x.shape[1])), 3)
         rows.append(row)
         print(json.dumps({"model": name, **row}), flush=True)
     blob = cp.CACHE.serialize(0)

@@ -25,7 +25,7 @@ import time
 from dataclasses import dataclass, field
 
 #: uids of the plan's tensors in the variant pack
-_X, _W, _Y = 1, 2, 3
+_X, _W, _Y, _B = 1, 2, 3, 4
 
 _LOCK = threading.RLock()
 
@@ -61,11 +61,12 @@ def _channels_last_strides(shape) -> list[int]:
     return [h * w * c, 1, w * c, c]
 
 
-def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation) -> str:
-    """The key of a plan: what its tensors' descriptors and the convolution hold (both tensors channels-last
-    and contiguous, as the op makes them)."""
+def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation, bias: bool = False, relu: bool = False) -> str:
+    """The key of a plan: what its tensors' descriptors and the convolution hold (the tensors channels-last and
+    contiguous, as the op makes them), and whether a bias is added and a ReLU applied in the same kernel."""
     return json.dumps([dtype, [int(v) for v in x_shape], [int(v) for v in w_shape], [int(v) for v in stride],
-                       [int(v) for v in padding], [int(v) for v in dilation]], separators=(",", ":"))
+                       [int(v) for v in padding], [int(v) for v in dilation], int(bias), int(relu)],
+                      separators=(",", ":"))
 
 
 def device_tag(device_index: int = 0) -> str:
@@ -167,7 +168,7 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     import torch
 
     cudnn = frontend()
-    dtype, x_shape, w_shape, stride, padding, dilation = json.loads(key)
+    dtype, x_shape, w_shape, stride, padding, dilation, bias, relu = json.loads(key)
     io_type = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
                "float32": cudnn.data_type.FLOAT}[dtype]
     t0 = time.perf_counter()
@@ -178,6 +179,13 @@ def _build(handle, key: str, device_index: int) -> _Plan:
         w = g.tensor(name="W", dim=w_shape, stride=_channels_last_strides(w_shape), data_type=io_type)
         y = g.conv_fprop(image=x, weight=w, padding=padding, stride=stride, dilation=dilation,
                          compute_data_type=cudnn.data_type.FLOAT)
+        if bias:  # (what torch.cudnn_convolution_relu runs: one kernel for the convolution and its epilogue)
+            b = g.tensor(name="B", dim=[1, w_shape[0], 1, 1], stride=[w_shape[0], 1, w_shape[0], w_shape[0]],
+                         data_type=io_type)
+            b.set_uid(_B)
+            y = g.bias(input=y, bias=b, compute_data_type=cudnn.data_type.FLOAT)
+        if relu:
+            y = g.relu(input=y, compute_data_type=cudnn.data_type.FLOAT)
         out = conv_out_shape(x_shape, w_shape, stride, padding, dilation)
         y.set_output(True).set_data_type(io_type).set_dim(out).set_stride(_channels_last_strides(out))
         x.set_uid(_X)
@@ -191,28 +199,53 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built")
 
 
-def conv2d(x, w, stride, padding, dilation, groups: int):
-    """A 2-d convolution without bias (symmetric padding), channels-last out: through a plan of ``CACHE`` on a
-    GPU with the frontend, else torch's own convolution."""
+def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False):
+    """relu?(conv(x, w) + b?) for a 2-d convolution with symmetric padding, channels-last out: through a plan of
+    ``CACHE`` on a GPU with the frontend (the key noted where ``recording`` is on), else torch's own ops."""
     import torch
 
     if x.is_cuda and x.dim() == 4 and frontend() is not None:
         x = x.contiguous(memory_format=torch.channels_last)
-        w = w.contiguous(memory_format=torch.channels_last)
+        w = w.contiguous(memory_format=torch.channels_last)  # (a depthwise weight is both layouts at once)
         device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        key = plan_key(_dtype_name(x.dtype), x.shape, w.shape, stride, padding, dilation)
+        key = plan_key(_dtype_name(x.dtype), x.shape, w.shape, stride, padding, dilation, b is not None, relu)
         with _LOCK:
             plan = CACHE.get(device, key)
             if plan is not None:
+                if _RECORDING:
+                    _RECORDING[-1].add((device, key))
                 out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
                 y = torch.empty_strided(out, _channels_last_strides(out), dtype=x.dtype, device=x.device)
                 ws = torch.empty(max(plan.workspace, 1), dtype=torch.uint8, device=x.device)
                 h = CACHE.handle(device)
                 frontend().set_stream(h, torch.cuda.current_stream(x.device).cuda_stream)
-                plan.graph.execute({_X: x, _W: w, _Y: y}, ws, handle=h)
+                pack = {_X: x, _W: w, _Y: y}
+                if b is not None:
+                    pack[_B] = b.to(x.dtype).contiguous()
+                plan.graph.execute(pack, ws, handle=h)
                 return y
-    y = torch.nn.functional.conv2d(x, w, None, stride, padding, dilation, groups)
+    y = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
+    if relu:
+        y = torch.relu(y)
     return y.contiguous(memory_format=torch.channels_last)
+
+
+_RECORDING: list = []
+
+
+class recording:
+    """``with recording() as keys:`` the (device, key) of every plan ``conv2d`` runs meanwhile, in any thread
+    (a compile worker's run of the engine it compiled: the plans its artifact ships)."""
+
+    def __enter__(self) -> set:
+        keys: set = set()
+        with _LOCK:
+            _RECORDING.append(keys)
+        return keys
+
+    def __exit__(self, *exc) -> None:
+        with _LOCK:
+            _RECORDING.pop()
 
 
 def plans_used(device_index: int = 0) -> list[str]:
@@ -233,12 +266,13 @@ def register_op() -> None:
 
     # (the schema written out: this module's annotations are strings, which the inference cannot read)
     @torch.library.custom_op("parastream::cudnn_conv2d", mutates_args=(),
-                             schema="(Tensor x, Tensor w, int[] stride, int[] padding, int[] dilation, int groups) -> Tensor")
-    def cudnn_conv2d(x, w, stride, padding, dilation, groups):
-        return conv2d(x, w, stride, padding, dilation, groups)
+                             schema="(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, "
+                                    "int groups, bool relu) -> Tensor")
+    def cudnn_conv2d(x, w, b, stride, padding, dilation, groups, relu):
+        return conv2d(x, w, b, stride, padding, dilation, groups, relu)
 
     @cudnn_conv2d.register_fake
-    def _(x, w, stride, padding, dilation, groups):
+    def _(x, w, b, stride, padding, dilation, groups, relu):
         out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
         return x.new_empty_strided(out, _channels_last_strides(out))
 

@@ -51,6 +51,8 @@ ASYNC_COMPILE = "torch._inductor.async_compile.AsyncCompile"
 EXTERN_KERNELS = "torch._inductor.select_algorithm.extern_kernels"
 #: kernels.json's format
 FORMAT = 1
+#: the member holding the cuDNN plans the engine's depthwise convolutions run (``cudnn_plans``), where it has any
+PLANS = "cudnn_plans.npz"
 #: the alignment Inductor's Triton kernels may assume of a pointer argument that had it when compiled
 ALIGNMENT = 16
 
@@ -231,8 +233,25 @@ class KernelsArtifact:
         call = scope.get("call")
         if not callable(call):
             raise ParastreamError("the engine's wrapper defines no call(); rebuild the bundle")
+        self.plans = self._plans(z)
         self._call = call
         self._aligned = [int(i) for i in spec.get("aligned", [])]
+
+    def _plans(self, z: zipfile.ZipFile) -> dict | None:
+        """The cuDNN plans the engine ships (``PLANS``: those its depthwise convolutions ran when it was built),
+        deserialized into the process's plan cache (``cudnn_plans.CACHE.load``; those held already are skipped),
+        so that its first call builds none.  Without cuDNN's frontend the op is torch's convolution: nothing to
+        load.  None when the engine ships none."""
+        if PLANS not in z.namelist():
+            return None
+        from . import cudnn_plans
+
+        if cudnn_plans.frontend() is None:
+            return {"skipped": "no cuDNN frontend (nvidia-cudnn-frontend): torch's convolution runs them"}
+        try:
+            return cudnn_plans.CACHE.load(z.read(PLANS), self.device)
+        except Exception as e:  # noqa: BLE001 - a plan that cannot be read is built at its first call instead
+            return {"skipped": f"{type(e).__name__}: {e}"}
 
     def _load(self, z: zipfile.ZipFile, spec: dict, source: str, device: int, launch) -> dict:
         """The kernels loaded and the wrapper executed: the wrapper's globals."""
@@ -420,9 +439,11 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) ->
     # the arguments that were 16-byte aligned when Inductor compiled (its kernels may assume it): a load requires
     # them aligned again (``KernelsArtifact.__call__``); Inductor's own runtime would copy a misaligned one
     aligned = [i for i, a in enumerate(args) if a.data_ptr() % ALIGNMENT == 0]
-    with torch.no_grad():
+    from . import cudnn_plans
+
+    with torch.no_grad(), cudnn_plans.recording() as planned:
         with gpu_turn():
-            art(*args)  # autotuning leaves one launcher per kernel
+            art(*args)  # autotuning leaves one launcher per kernel; cuDNN's plans are built (or found)
             torch.cuda.synchronize()
         expected = [a.detach().clone() for a in args]
     scope = _wrapper_module(art)
@@ -447,10 +468,14 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) ->
     extern_torch = sorted(n for n in names if getattr(extern_kernels, n, None) is getattr(torch, n, object()))
     spec = {"format": FORMAT, "kernels": kernels, "extern_torch": extern_torch, "aligned": aligned,
             "extern_inductor": sorted(names - set(extern_torch))}
+    members = [("kernels.json", json.dumps(spec, indent=1, sort_keys=True).encode()), ("wrapper.py", source.encode()),
+               *sorted(cubins.items())]
+    device = torch.cuda.current_device()
+    if planned:  # the plans its run used, shipped with it: a load deserializes them rather than building them
+        members.append((PLANS, cudnn_plans.CACHE.serialize(device, {k for d, k in planned if d == device})))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:  # the engine file deflates it
-        for member, data in (("kernels.json", json.dumps(spec, indent=1, sort_keys=True).encode()),
-                             ("wrapper.py", source.encode()), *sorted(cubins.items())):
+        for member, data in members:
             z.writestr(zipfile.ZipInfo(member, date_time=(1980, 1, 1, 0, 0, 0)), data)
     package = buf.getvalue()
     # loaded back and run as a load does, on the same tensors with every output cleared first
@@ -465,6 +490,8 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) ->
         if not torch.equal(a.nan_to_num(), e.nan_to_num()):
             raise ParastreamError(f"the loaded kernels artifact differs from Inductor's own on argument {i}")
     info = {"kernels": len(kernels), "extern_inductor": spec["extern_inductor"]}
+    if planned:
+        info["cudnn_plans"] = len(planned)
     if loaded.imported:
         info["imports_at_run"] = sorted(set(loaded.imported))
     return package, info

@@ -381,6 +381,10 @@ def _conv(n: NodeView):
         native = _conv_native_depthwise(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if native is not None:
             return native
+    if n.conv_kernels == "planned" and nd == 2:  # cuDNN through plans a bundle ships (``cudnn_plans``)
+        if begin == end:
+            return _ConvFn(fconv, strides, begin, dil, group, nd, planned=True)
+        return _ConvFn(fconv, strides, [0, 0], dil, group, nd, planned=True, pre_pad=_torch_pad_arg(begin, end))
     if begin == end:
         return _ConvFn(fconv, strides, begin, dil, group, nd)
     pad = _torch_pad_arg(begin, end)
@@ -566,17 +570,39 @@ def has_gemm_epilogue(model: onnx.ModelProto) -> bool:
 
 class _ConvFn:
     """A convolution with symmetric padding; ``relu_fused()`` gives cuDNN's conv + bias + ReLU in one kernel,
-    ``add_relu_fused()`` cuDNN's conv + bias + residual + ReLU."""
+    ``add_relu_fused()`` cuDNN's conv + bias + residual + ReLU.  ``planned``: a 2-d convolution run through
+    ``torch.ops.parastream.cudnn_conv2d`` (cuDNN's plans built once and shipped in the engine, ``cudnn_plans``),
+    its bias added after it or, fused with a ReLU, in the same kernel."""
 
-    def __init__(self, fconv, strides, padding, dilations, group, nd):
+    def __init__(self, fconv, strides, padding, dilations, group, nd, planned: bool = False, pre_pad=None):
         self.fconv, self.strides, self.padding, self.dilations, self.group, self.nd = fconv, strides, padding, dilations, group, nd
+        self.planned, self.pre_pad = planned, pre_pad  # (pre_pad: asymmetric pads, applied first; planned only)
+        if planned:
+            from .cudnn_plans import register_op
+
+            register_op()
+
+    def _planned(self, x, w, b, relu: bool):
+        torch = _torch()
+        if self.pre_pad is not None:
+            x = torch.nn.functional.pad(x, self.pre_pad)
+        return torch.ops.parastream.cudnn_conv2d(x, w, b, self.strides, self.padding, self.dilations, self.group, relu)
 
     def __call__(self, x, w, b=None):
+        if self.planned:
+            y = self._planned(x, w, None, False)
+            return y if b is None else y + b.reshape(1, -1, 1, 1)
         return self.fconv(x, w, b, self.strides, self.padding, self.dilations, self.group)
 
     def relu_fused(self):
         torch = _torch()
         strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
+        if self.planned:
+            def fused(x, w, b=None):
+                return self._planned(x, w, b, True)
+
+            fused.planned = True
+            return fused
         return lambda x, w, b=None: torch.cudnn_convolution_relu(x, w, b, strides, padding, dilations, group)
 
     def add_relu_fused(self):
@@ -1355,7 +1381,8 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
             conv = steps[c]
             w = conv.args[1] if len(conv.args) > 1 else None
             same_shape = shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])
-            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and len(conv.outputs) == 1 and same_shape
+            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and conv.fn.pre_pad is None
+                    and len(conv.outputs) == 1 and same_shape
                     and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
                     and w is not None and w[0] == "c"):
                 continue
@@ -1416,7 +1443,8 @@ def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[
 
 
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
-            fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn"):
+            fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
+            cudnn_plans: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -1428,7 +1456,9 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
     the tanh approximation there) runs each matmul-bias-activation node as one ``torch._addmm_activation``; off,
     as the matmul, add and activation it replaced.  ``conv_kernels`` "inductor" writes depthwise convolutions as
-    ops Inductor compiles (``_conv_as_kernels``); "cudnn" runs every convolution as torch's convolution.
+    ops Inductor compiles (``_conv_as_kernels``); "cudnn" runs every convolution as torch's convolution, and with
+    ``cudnn_plans`` (CUDA engines) its depthwise ones (``depthwise_convs``) through cuDNN plans the engine ships
+    (``cudnn_plans.py``: cuDNN's runtime-compiled depthwise kernels, built once at build instead of at every start).
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -1469,7 +1499,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             const_key[id(v.const)] = key
         return key
 
-    lowered = depthwise_convs(model) if conv_kernels in LOWERED_CONV_KERNELS else set()
+    lowered = depthwise_convs(model) if conv_kernels in LOWERED_CONV_KERNELS or cudnn_plans else set()
+    depthwise_kernels = conv_kernels if conv_kernels in LOWERED_CONV_KERNELS else "planned"
     for index, node in enumerate(g.node):
         op_key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
         if node.domain not in ("", "ai.onnx", fused_ops.DOMAIN):
@@ -1480,7 +1511,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(op_key)
         nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, fuse_gemm_epilogue=fuse_gemm_epilogue,
-                      conv_kernels=conv_kernels if index in lowered else "cudnn")
+                      conv_kernels=depthwise_kernels if index in lowered else "cudnn")
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)

@@ -398,6 +398,8 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
                          **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
                          **({"conv_kernels": options.conv_kernels}  # only where it changes the code
                             if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
+                         **({"cudnn_plans": True} if _cudnn_plans(built.get("device"), options)
+                            and has_depthwise_conv(branch) else {}),
                          **({"fuse_gemm_epilogue": False}
                             if applies["fuse_gemm_epilogue"] and not options.fuse_gemm_epilogue else {}),
                          **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
@@ -527,6 +529,13 @@ def _fuse(device: str, dtype: str, options: BuildOptions) -> bool:
     return device == "cuda" and FUSE_CONV_RELU and options.fuse_conv_relu and dtype in ("float16", "float32")
 
 
+def _cudnn_plans(device: str | None, options: BuildOptions) -> bool:
+    # CUDA engines run their depthwise convolutions through cuDNN plans the engine ships (``cudnn_plans.py``)
+    # where ``conv_kernels`` leaves them to cuDNN; the engine's code does not depend on the frontend being
+    # installed (without it the op is torch's convolution), so neither does this
+    return device == "cuda" and options.conv_kernels not in LOWERED_CONV_KERNELS
+
+
 def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:
     # cuBLASLt's epilogue, whose GELU is the tanh approximation on CUDA (the converter fuses a GELU only where that
     # is what it computes); a GPU build times the bundle with and without it (options.fuse_gemm_epilogue)
@@ -587,7 +596,8 @@ def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: l
 
     module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype, options),
                      fuse_attention=options.fuse_attention, conv_kernels=options.conv_kernels,
-                     fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options)).to(device)
+                     fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options),
+                     cudnn_plans=_cudnn_plans(device, options)).to(device)
     try:
         inner = to_fx(module)  # straight-line code rather than the interpreter loop
     except Exception:  # noqa: BLE001 - the interpreter module compiles too
@@ -1098,6 +1108,11 @@ def _load_artifact(artifact: bytes, meta: dict, device: str):
     import tempfile
 
     import torch
+
+    if device == "cuda":  # what an engine's depthwise convolutions call (``cudnn_plans``): defined before its code runs
+        from .cudnn_plans import register_op
+
+        register_op()
 
     if meta.get("compiled") == "kernels":  # Inductor's wrapper and cubins, without Inductor
         from .inductor_kernels import KernelsArtifact
@@ -1700,7 +1715,8 @@ class TorchEngine:
             self.module = to_device_shared(convert(_branch_model(engine.onnx()), self.dtype, fuse_conv_relu=fuse,
                                                    fuse_attention=options.fuse_attention,
                                                    conv_kernels=options.conv_kernels,
-                                                   fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options)), device)
+                                                   fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options),
+                                                   cudnn_plans=_cudnn_plans(device, options)), device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}

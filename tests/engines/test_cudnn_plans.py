@@ -1,0 +1,199 @@
+"""Depthwise convolutions through cuDNN plans that an engine ships (``launcher/engines/cudnn_plans.py``).
+
+On the CPU (no cuDNN) the op is torch's convolution, so the conversion is checked there: which convolutions it
+routes to ``torch.ops.parastream.cudnn_conv2d`` (the depthwise k x k ones, and no 1x1, grouped, dilated, dense or
+1-d one), that the converted model equals ONNX Runtime eager and compiled by Inductor (with the ReLU fused into the
+op too), and that the compiled-branch cache key says so only where it changes the code.  On the GPU (marked): a
+plan built, serialized and loaded in a fresh process runs without building one, and a bundle's engines ship the
+plans their depthwise convolutions ran, so that a fresh load builds none.
+"""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines.onnx_torch import convert, to_fx  # noqa: E402
+
+from test_conv_kernels import _feeds, _ort, _run, _w, conv_model  # noqa: E402
+
+
+def _planned(module) -> dict[str, bool]:
+    """node name -> whether its step runs through the plans' op."""
+    return {st.node: bool(getattr(st.fn, "planned", False)) for st in module._steps}
+
+
+def test_depthwise_convolutions_and_no_others_run_through_the_plans_op():
+    model, lowered = conv_model()
+    depthwise = {name: low and name not in ("pw", "pw_stride2", "pw_groups2") for name, low in lowered.items()}
+    assert _planned(convert(model, cudnn_plans=True)) == depthwise
+    assert sum(depthwise.values()) == 4
+    assert not any(_planned(convert(model)).values())
+    # the lowerings the option names go first: their depthwise convolutions are theirs
+    assert not any(_planned(convert(model, cudnn_plans=True, conv_kernels="inductor")).values())
+
+
+def test_planned_convolutions_equal_onnxruntime_eager_and_compiled():
+    model, _ = conv_model()
+    feeds = _feeds(5)
+    ref = _ort(model, feeds)
+    module = convert(model, cudnn_plans=True)
+    for got in (_run(module, model, feeds), _run(torch.compile(to_fx(module)), model, feeds)):
+        for name, r in ref.items():
+            assert got[name].shape == r.shape, name
+            np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
+def separable_model(c: int = 16, size: int = 20, seed: int = 6) -> onnx.ModelProto:
+    """ReLU, a depthwise 5x5 with bias whose only reader is a ReLU, one with asymmetric pads, a pointwise conv."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    inits = [_w(rng, "dw", (c, 1, 5, 5)), _w(rng, "b", (c,)), _w(rng, "dw3", (c, 1, 3, 3)), _w(rng, "pw", (c, c, 1, 1))]
+    nodes = [N("Relu", ["x"], ["r"], name="relu"),
+             N("Conv", ["r", "dw", "b"], ["d"], name="depthwise", pads=[2, 2, 2, 2], group=c),
+             N("Relu", ["d"], ["dr"], name="relu_after_depthwise"),
+             N("Conv", ["dr", "dw3", "b"], ["d3"], name="depthwise_asym", pads=[1, 0, 1, 2], group=c),
+             N("Relu", ["d3"], ["d3r"], name="relu_after_asym"),
+             N("Conv", ["d3r", "pw"], ["y"], name="pointwise")]
+    graph = helper.make_graph(nodes, "separable",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_a_depthwise_convolution_and_its_relu_fuse_into_one_planned_op():
+    """With ``fuse_conv_relu`` a planned depthwise convolution whose only reader is a ReLU is one op (cuDNN's
+    conv + bias + ReLU on a GPU), asymmetric pads included; the pointwise convolution is not planned."""
+    model = separable_model()
+    module = convert(model, cudnn_plans=True, fuse_conv_relu=True)
+    assert module.fused_conv_relu == 2
+    assert _planned(module) == {"relu": False, "depthwise+relu_after_depthwise": True,
+                                "depthwise_asym+relu_after_asym": True, "pointwise": False}
+    feeds = {"x": np.random.default_rng(7).standard_normal((1, 16, 20, 20)).astype(np.float32)}
+    ref = _ort(model, feeds)["y"]
+    for m in (module, torch.compile(to_fx(module))):
+        np.testing.assert_allclose(_run(m, model, feeds)["y"], ref, rtol=1e-4, atol=1e-5)
+
+
+def test_the_cache_key_says_so_only_where_a_depthwise_convolution_is(monkeypatch):
+    """A CUDA branch with a depthwise convolution compiles apart from one converted without the plans' op (an
+    engine cached before would call torch's convolution); a branch without one keeps its key."""
+    from parastream.launcher.engines import torch as tb
+    from parastream.launcher.engines.base import BuildOptions
+
+    model, _ = conv_model()
+    dense = onnx.ModelProto()
+    dense.CopyFrom(model)
+    keep = [n for n in dense.graph.node if n.name == "dense_3x3"]
+    del dense.graph.node[:]
+    dense.graph.node.extend(keep)
+    options = BuildOptions(precision="fp16", device="cuda")
+    cuda = {"device": "cuda"}
+
+    def key(m, built):
+        return tb.cache_key(m, [], "float16", options, False, built, "kernels")
+
+    with_plans = {name: key(m, cuda) for name, m in (("depthwise", model), ("dense", dense))}
+    cpu = key(model, {"device": "cpu"})
+    monkeypatch.setattr(tb, "_cudnn_plans", lambda device, opts: False)
+    without = {name: key(m, cuda) for name, m in (("depthwise", model), ("dense", dense))}
+    assert with_plans["depthwise"] != without["depthwise"]
+    assert with_plans["dense"] == without["dense"]
+    assert key(model, {"device": "cpu"}) == cpu  # (CPU engines never route through it)
+    assert tb._cudnn_plans("cuda", BuildOptions(conv_kernels="native")) is False
+
+
+# -- on the GPU --------------------------------------------------------------------------------------------------
+def _need_frontend():
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    from parastream.launcher.engines import cudnn_plans
+
+    if cudnn_plans.frontend() is None:
+        pytest.skip("needs cuDNN's frontend (nvidia-cudnn-frontend)")
+    return cudnn_plans
+
+
+_FRESH_PLAN = """
+import json, sys
+import numpy as np
+import torch
+from parastream.launcher.engines import cudnn_plans as cp
+cp.CACHE.load(open(sys.argv[1], "rb").read(), 0)
+x = torch.from_numpy(np.load(sys.argv[2])).cuda().half().to(memory_format=torch.channels_last)
+w = torch.from_numpy(np.load(sys.argv[3])).cuda().half()
+y = cp.conv2d(x, w, None, [1, 1], [2, 2], [1, 1], x.shape[1])
+ref = torch.nn.functional.conv2d(x, w, None, 1, 2, 1, x.shape[1])
+print(json.dumps({"sources": sorted(p.source for p in cp.CACHE.plans.values()),
+                  "err": float((y.float() - ref.float()).abs().max())}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_serialized_plan_runs_in_a_fresh_process_without_being_built(tmp_path):
+    cp = _need_frontend()
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 48, 23, 23)).astype(np.float32)
+    w = (rng.standard_normal((48, 1, 5, 5)) * 0.2).astype(np.float32)
+    xt = torch.from_numpy(x).cuda().half().to(memory_format=torch.channels_last)
+    wt = torch.from_numpy(w).cuda().half()
+    with cp.recording() as keys:
+        y = cp.conv2d(xt, wt, None, [1, 1], [2, 2], [1, 1], 48)
+    ref = torch.nn.functional.conv2d(xt, wt, None, 1, 2, 1, 48)
+    assert float((y.float() - ref.float()).abs().max()) <= 1e-2 and len(keys) == 1
+    (tmp_path / "plans.npz").write_bytes(cp.CACHE.serialize(0, {k for _, k in keys}))
+    np.save(tmp_path / "x.npy", x)
+    np.save(tmp_path / "w.npy", w)
+    done = subprocess.run([sys.executable, "-c", _FRESH_PLAN, str(tmp_path / "plans.npz"), str(tmp_path / "x.npy"),
+                           str(tmp_path / "w.npy")], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["sources"] == ["loaded"] and got["err"] <= 1e-2, got
+
+
+_FRESH_BUNDLE = """
+import json, sys
+import numpy as np
+from parastream.launcher import load
+from parastream.launcher.engines import cudnn_plans as cp
+run = load(sys.argv[1])
+out = run({"x": np.load(sys.argv[2])})
+print(json.dumps({"sources": sorted(p.source for p in cp.CACHE.plans.values()), "y": np.asarray(out["y"]).tolist()}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_bundle_ships_its_depthwise_plans_and_a_fresh_load_builds_none(tmp_path):
+    """A torch fp16 build of separable convolutions: the engine's kernels artifact holds the plans its depthwise
+    convolutions ran, a fresh process loads the bundle with every plan deserialized (none built) and its output
+    matches ONNX Runtime on the fp32 model."""
+    _need_frontend()
+    from parastream.pipeline import build
+
+    model = separable_model(c=32, size=28)
+    onnx.save(model, tmp_path / "sep.onnx")
+    bundle = build(tmp_path / "sep.onnx", tmp_path / "b", backend="torch", precision="fp16", search=False,
+                   measure=False)
+    assert bundle.report["verification"]["passed"]
+    engines = [e for e in bundle.report["engines"].values() if isinstance(e, dict)]
+    assert any((e.get("kernels") or {}).get("cudnn_plans") for e in engines), json.dumps(engines)[:600]
+    x = np.random.default_rng(8).standard_normal((1, 32, 28, 28)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    done = subprocess.run([sys.executable, "-c", _FRESH_BUNDLE, str(tmp_path / "b"), str(tmp_path / "x.npy")],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert got["sources"] and set(got["sources"]) == {"loaded"}, got["sources"]
+    ref = _ort(model, {"x": x})["y"]
+    err = float(np.abs(np.asarray(got["y"]) - ref).max() / np.abs(ref).max())
+    assert err < 1e-2, err
