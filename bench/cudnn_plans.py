@@ -147,10 +147,72 @@ def measure_model(name: str, out: Path) -> dict:
             "fresh_loaded": {k: v for k, v in fresh_loaded.items() if k != "first_call_ms"}}
 
 
+def separable_block(c: int, size: int, kernel: int, seed: int = 0):
+    """ONNX of a NASNet-style separable block: ReLU, depthwise k x k, pointwise with bias, ReLU, depthwise k x k,
+    pointwise with bias (BatchNorm folded into the biases), at batch 1."""
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def w(name, shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.2).astype(np.float32), name)
+
+    N = helper.make_node
+    p = kernel // 2
+    inits = [w("dw1", (c, 1, kernel, kernel)), w("pw1", (c, c, 1, 1)), w("b1", (c,)),
+             w("dw2", (c, 1, kernel, kernel)), w("pw2", (c, c, 1, 1)), w("b2", (c,))]
+    nodes = [N("Relu", ["x"], ["r0"]), N("Conv", ["r0", "dw1"], ["d1"], pads=[p] * 4, group=c),
+             N("Conv", ["d1", "pw1", "b1"], ["p1"]), N("Relu", ["p1"], ["r1"]),
+             N("Conv", ["r1", "dw2"], ["d2"], pads=[p] * 4, group=c), N("Conv", ["d2", "pw2", "b2"], ["y"])]
+    graph = helper.make_graph(nodes, "separable", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def measure_blocks(shapes: list) -> list:
+    """Each separable block converted with and without the plans' op (``convert(cudnn_plans=...)``), compiled by
+    Inductor, timed in a CUDA Graph, with what Inductor wrote around the op (its output code's lines that name it
+    and the copies and alignment notes beside them)."""
+    import torch
+    from torch._inductor.utils import run_and_get_code
+
+    from depthwise_kernels import _graph_us
+    from parastream.launcher.engines.onnx_torch import convert, to_fx
+
+    rows = []
+    for c, size, k in shapes:
+        model = separable_block(c, size, k)
+        x = torch.randn(1, c, size, size, device="cuda").half().to(memory_format=torch.channels_last)
+        row = {"c": c, "size": size, "kernel": k}
+        outs = {}
+        for name, planned in (("torch", False), ("plans", True)):
+            torch._dynamo.reset()
+            module = to_fx(convert(model, "float16", cudnn_plans=planned)).cuda()
+            compiled = torch.compile(module)
+            with torch.no_grad():
+                out, code = run_and_get_code(compiled, x)
+                outs[name] = out[0].float()
+                row[f"{name}_us"] = round(_graph_us(lambda: compiled(x), reps=10), 3)
+            if planned:
+                lines = code[0].splitlines()
+                row["plans_code"] = [ln.strip() for ln in lines if "cudnn_conv2d" in ln or "not aligned" in ln
+                                     or "empty_strided" in ln][:24]
+        row["max_err"] = float((outs["plans"] - outs["torch"]).abs().max() / outs["torch"].abs().max())
+        rows.append(row)
+        print(json.dumps({k: v for k, v in row.items() if k != "plans_code"}), flush=True)
+    return rows
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="nasnetalarge")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/cudnn_plans_out"))
+    ap.add_argument("--blocks", action="store_true",
+                    help="instead: NASNet-style separable blocks compiled with and without the plans' op, timed")
     ap.add_argument("--child", choices=("torch", "loaded"))
     ap.add_argument("--keys")
     ap.add_argument("--plans")
@@ -170,6 +232,11 @@ def main(argv=None) -> int:
         print("cudnn_plans: the cuDNN frontend (nvidia-cudnn-frontend) cannot be imported", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = False
+    if args.blocks:
+        rows = measure_blocks([(168, 42, 3), (168, 42, 5), (336, 21, 5), (672, 11, 3), (42, 83, 7)])
+        (out / "cudnn_plans_blocks.json").write_text(json.dumps({"device": torch.cuda.get_device_name(0),
+                                                                  "rows": rows}, indent=1))
+        return 0
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "cudnn": torch.backends.cudnn.version(), "frontend_cudnn": cp.frontend().backend_version(),
               "models": {}}
