@@ -1282,7 +1282,10 @@ class Builder(BuilderBase):
                 # what shipped: "kernels", or Inductor's own artifact and why not kernels
                 shipped = {"compiled": full["compiled"], **({"kernels_error": full["kernels_error"]}
                                                             if "kernels_error" in full else {}),
-                           **({"code_reused": True} if reused else {})}
+                           **({"code_reused": True} if reused else {}),
+                           # the cuDNN plans its kernels artifact ships (``cudnn_plans``), where it has any
+                           **({"cudnn_plans": full["kernels"]["cudnn_plans"]}
+                              if (full.get("kernels") or {}).get("cudnn_plans") else {})}
                 packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:
                     lru_put(_PACKED, key, packed, CACHE_BYTES // 2, size=lambda v: len(v[0]))

@@ -129,7 +129,7 @@ import json, sys
 import numpy as np
 import torch
 from parastream.launcher.engines import cudnn_plans as cp
-cp.CACHE.load(open(sys.argv[1], "rb").read(), 0)
+cp.CACHE.load(open(sys.argv[1], "rb").read(), 0)  # offered: deserialized at the first call
 x = torch.from_numpy(np.load(sys.argv[2])).cuda().half().to(memory_format=torch.channels_last)
 w = torch.from_numpy(np.load(sys.argv[3])).cuda().half()
 y = cp.conv2d(x, w, None, [1, 1], [2, 2], [1, 1], x.shape[1])
@@ -186,7 +186,7 @@ def test_a_bundle_ships_its_depthwise_plans_and_a_fresh_load_builds_none(tmp_pat
                    measure=False)
     assert bundle.report["verification"]["passed"]
     engines = [e for e in bundle.report["engines"].values() if isinstance(e, dict)]
-    assert any((e.get("kernels") or {}).get("cudnn_plans") for e in engines), json.dumps(engines)[:600]
+    assert sum(e.get("cudnn_plans", 0) for e in engines) >= 2, json.dumps(engines)[:600]  # the two depthwise ones
     x = np.random.default_rng(8).standard_normal((1, 32, 28, 28)).astype(np.float32)
     np.save(tmp_path / "x.npy", x)
     done = subprocess.run([sys.executable, "-c", _FRESH_BUNDLE, str(tmp_path / "b"), str(tmp_path / "x.npy")],
