@@ -7,6 +7,8 @@ Inductor and Triton caches, timed from the process's start.
 Variants, each a few times, interleaved (so that a machine's drift falls on all of them):
   now        the code as it is;
   nocontext  no CUDA context made beside the hashes (torch makes it at its first call);
+  switch     the interpreter's switch interval at 0.5 ms (5 ms by default) while the launcher loads: the thread
+             that loads engines and the one that warms them take turns on the interpreter lock sooner;
   before     PARASTREAM_BEFORE (a folder holding an earlier checkout's parastream package, e.g. /tmp/ns_before) on
              sys.path first: that code's load, done the way its model.py did it.
 
@@ -53,6 +55,8 @@ def child(bundle_path: str, variant: str) -> dict:
     t_dev = time.perf_counter()
     from parastream.launcher.gpu import GpuLauncher, load_phases
 
+    if variant == "switch":
+        sys.setswitchinterval(5e-4)
     la = GpuLauncher(bundle, device=0)
     t_ready = time.perf_counter()
     res = {"variant": variant, "python_to_t0_s": t0 - T_START, "open_s": t_open - t0, "torch_ready_s": t_torch - t0,
