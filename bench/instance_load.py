@@ -9,6 +9,8 @@ Variants, each a few times, interleaved (so that a machine's drift falls on all 
   nocontext  no CUDA context made beside the hashes (torch makes it at its first call);
   switch     the interpreter's switch interval at 0.5 ms (5 ms by default) while the launcher loads: the thread
              that loads engines and the one that warms them take turns on the interpreter lock sooner;
+  serial     each torch engine warmed as it loads, in the loading thread (``warms_after_load`` off), and the
+             launcher's warm-up and capture there too: no warm-up thread beside the loads;
   before     PARASTREAM_BEFORE (a folder holding an earlier checkout's parastream package, e.g. /tmp/ns_before) on
              sys.path first: that code's load, done the way its model.py did it.
 
@@ -57,6 +59,10 @@ def child(bundle_path: str, variant: str) -> dict:
 
     if variant == "switch":
         sys.setswitchinterval(5e-4)
+    if variant == "serial":
+        from parastream.launcher.engines import torch as torch_engines
+
+        torch_engines.warms_after_load = False
     la = GpuLauncher(bundle, device=0)
     t_ready = time.perf_counter()
     res = {"variant": variant, "python_to_t0_s": t0 - T_START, "open_s": t_open - t0, "torch_ready_s": t_torch - t0,
