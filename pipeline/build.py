@@ -593,14 +593,15 @@ class Engines:
         return la
 
     def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True,
-                   order: str = "auto") -> dict | None:
+                   order: str = "auto", label: str = "") -> dict | None:
         """Compile the engines of several variants in one batch of the backend's compile workers (``precompile``);
         the engine writes that follow are cache hits (or wait for the branch, when ``background`` left it
         compiling).  None when the backend compiles nothing for a layout."""
         if not self.backend.compiles_for_layout:
             return None
         batches = [(self.backend.Builder(v.options), self.build_items(v)) for v in variants]
-        return self.backend.precompile(batches, background=background, cancellable=cancellable, order=order)
+        return self.backend.precompile(batches, background=background, cancellable=cancellable, order=order,
+                                       label=label)
 
     def build_items(self, v: Variant) -> list[tuple[onnx.ModelProto, str, dict | None]]:
         """``v``'s branches as a builder's ``build_all`` takes them: (branch model, name, the launcher's layout

@@ -74,7 +74,7 @@ class EngineMaker(Protocol):
     def launcher(self, variant: Variant): ...
 
     def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True,
-                   order: str = "auto") -> dict | None: ...
+                   order: str = "auto", label: str = "") -> dict | None: ...
 
     def write(self, dest: Path, variant: Variant, label: str, *, model_file: bool = True) -> dict: ...
 
@@ -646,7 +646,8 @@ class GpuMeasurer:
         # input compiles must not go ahead of it (the reference is the first thing the search waits for)
         with_input = any(m is self.loaded.model for m in models)
         got = self.engines.precompile(variants, background=True, cancellable=not with_input,
-                                      order="search" if with_input else "auto")
+                                      order="search" if with_input else "auto",
+                                      label="the input" if with_input else "the search's candidates")
         if got is not None:
             got.pop("keys", None)
         rival = next((v for m, v in zip(models, variants) if m is not self.loaded.model), None) if best else None
@@ -659,7 +660,7 @@ class GpuMeasurer:
             # another once it is timed (ViT-B/16 at batch 8: ~25 s each, 60 s of its search after the plan's time)
             one = one_stream_form(self.engines, rival)
             self.engines.precompile([one] + [f for _, f in fusions_off_forms(self.backend, one)],
-                                    background=True, cancellable=True)
+                                    background=True, cancellable=True, label="the best candidate's other forms")
         if not self.alternatives_queued and got is not None and got.get("background") is True:
             self.alternatives_queued = True
             named = alternative_variants(self.engines, variants[0])
@@ -683,8 +684,10 @@ class GpuMeasurer:
                 at = 0 if a is sample else len(sampled) + len(compiled)
                 spans.append((at, at + (len(sampled) if a is sample else len(more))))
                 compiled += more
-            first = self.engines.precompile(sampled, background=True, cancellable=False, order="search") if sampled else None
-            alt = self.engines.precompile(compiled, background=True, cancellable=False)
+            first = (self.engines.precompile(sampled, background=True, cancellable=False, order="search",
+                                             label="the depthwise sample") if sampled else None)
+            alt = self.engines.precompile(compiled, background=True, cancellable=False,
+                                          label="the input's alternatives")
             keys = alt.pop("keys", None) if alt else None
             if keys is not None and sampled:
                 first_keys = first.pop("keys", None) if first else None
@@ -693,7 +696,8 @@ class GpuMeasurer:
                     alt["sampled"] = first
             speculative = speculative_variants(self.engines, variants[0])
             if speculative:
-                self.engines.precompile(speculative, background=True, cancellable=False)
+                self.engines.precompile(speculative, background=True, cancellable=False,
+                                        label="alternatives of alternatives")
             if keys is not None and len(keys) == len(sampled) + len(compiled) and models[0] is self.loaded.model:
                 self.early.update(plan=variants[0].plan, rounds=[],
                                   todo=[(what, a, [k for ks in keys[i:j] for k in ks])
@@ -786,7 +790,8 @@ class GpuMeasurer:
         variants = [a for what, a in alternative_variants(self.engines, v) if what not in decided]
         variants += speculative_variants(self.engines, v, decided)
         if variants:
-            got = self.engines.precompile(variants, background=True, cancellable=True)
+            got = self.engines.precompile(variants, background=True, cancellable=True,
+                                          label="the fastest candidate's alternatives")
             self.log[-1]["rounds_queued"] = (got or {}).get("jobs")
 
     def _against_reference(self, la) -> float:
@@ -960,7 +965,8 @@ class GpuMeasurer:
     def _compiling(self, what: str, full: Variant, order: str = "auto") -> tuple:
         """The round ``what`` as the rounds to time hold it, its rival ``full`` (a compile of the whole plan, kept)
         queued now: (what, full, the cache keys ``time_ready`` waits for)."""
-        got = self.engines.precompile([full], background=True, cancellable=False, order=order) or {}
+        got = self.engines.precompile([full], background=True, cancellable=False, order=order,
+                                      label=f"the {what} round's rival") or {}
         return what, full, [k for ks in got.get("keys") or [] for k in ks]
 
     def _race_early(self, what: str, v: Variant) -> bool | None:

@@ -189,7 +189,7 @@ class Backend(Protocol):
     def start_workers(self, options: BuildOptions) -> None: ...
 
     def precompile(self, batches: list[tuple[Builder, list[BuildItem]]], *, background: bool = False,
-                   cancellable: bool = True, order: str = "auto") -> dict | None: ...
+                   cancellable: bool = True, order: str = "auto", label: str = "") -> dict | None: ...
 
     def compiling(self, keys: list[str]) -> int: ...
 
@@ -226,7 +226,7 @@ def start_workers(options: BuildOptions) -> None:
 
 
 def precompile(batches: list, *, background: bool = False, cancellable: bool = True,
-               order: str = "auto") -> dict | None:
+               order: str = "auto", label: str = "") -> dict | None:
     """Nothing compiled ahead (``compiles_for_layout`` False: the build never asks)."""
     return None
 

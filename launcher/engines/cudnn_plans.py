@@ -83,7 +83,11 @@ class _Plan:
     graph: object  # the frontend's pygraph, its plan built
     workspace: int
     built_s: float
-    source: str  # "built" or "loaded"
+    source: str  # "built", "loaded" (offered by an engine) or "shared" (``shared_dir``)
+    data: object = None  # the serialized plan it was read from (serialized again as it was)
+
+    def serialized(self):
+        return self.data if self.data is not None else self.graph.serialize()
 
 
 @dataclass
@@ -113,9 +117,15 @@ class PlanCache:
         if got is not None or (device_index, key) in self.failed:
             return got
         offered = self.pending.pop((device_index, key), None)
+        shared = _shared_path(device_index, key) if offered is None else None
+        if offered is None and shared is not None and shared.is_file():
+            import numpy as np
+
+            offered = np.frombuffer(shared.read_bytes(), dtype=np.uint8)
         if offered is not None:
             try:
-                got = self.plans[(device_index, key)] = _deserialize(self.handle(device_index), offered)
+                got = self.plans[(device_index, key)] = _deserialize(self.handle(device_index), offered,
+                                                                      "loaded" if shared is None else "shared")
                 return got
             except Exception:  # noqa: BLE001 - a plan that cannot be read back is built instead
                 pass
@@ -123,6 +133,9 @@ class PlanCache:
             got = self.plans[(device_index, key)] = _build(self.handle(device_index), key, device_index)
         except Exception as e:  # noqa: BLE001 - torch's convolution runs this key (cuDNN plans it in its own way)
             self.failed[(device_index, key)] = f"{type(e).__name__}: {e}"
+            return None
+        if shared is not None:
+            _share(shared, got)
         return got
 
     def serialize(self, device_index: int, keys=None) -> bytes:
@@ -134,7 +147,7 @@ class PlanCache:
             arrays = {"__tag__": np.frombuffer(device_tag(device_index).encode(), dtype=np.uint8)}
             for i, (k, p) in enumerate(sorted(chosen.items())):
                 arrays[f"key{i}"] = np.frombuffer(k.encode(), dtype=np.uint8)
-                arrays[f"plan{i}"] = np.asarray(p.graph.serialize(), dtype=np.uint8)
+                arrays[f"plan{i}"] = np.asarray(p.serialized(), dtype=np.uint8)
         buf = io.BytesIO()
         np.savez(buf, **arrays)
         return buf.getvalue()
@@ -174,11 +187,59 @@ def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 
 
-def _deserialize(handle, data) -> _Plan:
+def _deserialize(handle, data, source: str = "loaded") -> _Plan:
     t = time.perf_counter()
     g = frontend().pygraph(handle=handle)
     g.deserialize(handle, data.tolist())  # (the binding takes the list of byte values serialize gives)
-    return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t, "loaded")
+    return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t, source, data)
+
+
+def shared_dir():
+    """Where the processes of a build share the plans they build (each compile worker runs the engines it
+    compiled, and every worker would build the same depthwise plans again: 150-750 ms each on the H200, inside the
+    workers' turn on the GPU that the build's timings wait for): beside Inductor's cache, which those processes
+    share, and only in a process that has imported Inductor (a build's, not a bundle's load, whose plans come with
+    its engines).  Inductor's own choice of folder, written again rather than imported: its module imports its
+    compiler."""
+    import sys
+
+    if "torch._inductor" not in sys.modules:
+        return None
+    import getpass
+    import os
+    import tempfile
+    from pathlib import Path
+
+    root = os.environ.get("TORCHINDUCTOR_CACHE_DIR")
+    if not root:
+        try:
+            user = getpass.getuser()
+        except Exception:  # noqa: BLE001 - no user name (a container's uid): Inductor's own fallback
+            user = "unknown"
+        root = os.path.join(tempfile.gettempdir(), f"torchinductor_{user}")
+    return Path(root) / "parastream-cudnn-plans"
+
+
+def _shared_path(device_index: int, key: str):
+    import hashlib
+
+    folder = shared_dir()
+    if folder is None:
+        return None
+    return folder / (hashlib.sha256(f"{_device_tag_cached(device_index)}|{key}".encode()).hexdigest()[:32] + ".plan")
+
+
+def _share(path, plan: _Plan) -> None:
+    """``plan`` written where the build's other processes find it (atomically: a reader sees all of it or none)."""
+    import os
+
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_bytes(bytes(plan.serialized()))
+        os.replace(tmp, path)
+    except OSError:  # a folder it cannot write: each process builds its own, as before
+        pass
 
 
 _TAGS: dict = {}

@@ -1334,7 +1334,7 @@ class Builder(BuilderBase):
 
 
 def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, dict | None]]]], *,
-               background: bool = False, cancellable: bool = True, order: str = "auto") -> dict:
+               background: bool = False, cancellable: bool = True, order: str = "auto", label: str = "") -> dict:
     """Compile, in one batch over every worker, what ``builder.build_all(items)`` would compile for each
     (builder, items) pair, and keep it in the compiled-branch cache: the later ``build_all`` calls are hits.
 
@@ -1369,7 +1369,8 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         got = {"jobs": 0, "failed": 0, "s": round(time.perf_counter() - t0, 3)}
         return dict(got, keys=batch_keys) if background else got
     if background:
-        _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options), order=order)
+        _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options), order=order,
+                label=label)
         if first.options.device == "cuda":
             _import_runtime_in_background()
         return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3),
@@ -1506,8 +1507,9 @@ class _Inflight:
     """A group of compile jobs queued for or running in the workers: ``wait()`` returns once its results are in the
     cache (or it was cancelled before it started)."""
 
-    def __init__(self, keys: list[str], jobs: list[tuple], cache_dir: str | None, cancellable: bool, seq: int):
-        self.keys, self.jobs, self.cache_dir, self.cancellable = keys, jobs, cache_dir, cancellable
+    def __init__(self, keys: list[str], jobs: list[tuple], cache_dir: str | None, cancellable: bool, seq: int,
+                 label: str = ""):
+        self.keys, self.jobs, self.cache_dir, self.cancellable, self.label = keys, jobs, cache_dir, cancellable, label
         # the search's candidates (cancellable) before what the build needs only after the search: a candidate
         # measured next must not wait behind the alternatives' compiles; a group someone waits for goes first
         self.priority, self.seq = (0 if cancellable else 1), seq
@@ -1530,7 +1532,7 @@ class _Inflight:
         if results is not None and self.t_started is not None:
             with _QUEUE_LOCK:
                 lru_put(_DONE, self.seq, (self.nodes, len(self.keys), self.t_queued, self.t_started,
-                                           time.perf_counter()), 4096, size=lambda v: 1)
+                                           time.perf_counter(), self.label), 4096, size=lambda v: 1)
         _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
         self._finish()
         with _QUEUE_LOCK:
@@ -1554,26 +1556,40 @@ _QUEUE_LOCK = threading.RLock()
 _SEQ = itertools.count()
 
 
-#: background groups compiled, by sequence: (nodes of the largest branch, branches, queued, started, done)
+#: background groups compiled, by sequence: (nodes of the largest branch, branches, queued, started, done, what for)
 _DONE: OrderedDict = OrderedDict()
 
 
 def background_summary(since: float) -> dict:
     """The background compiles finished after ``since`` (perf_counter), for the build report: how many, the
-    longest (its seconds, branches and nodes) and when the last one ended, in seconds after ``since``."""
+    longest (its seconds, branches and nodes) and when the last one ended, in seconds after ``since``; and per
+    what they were queued for (``precompile``'s ``label``: the input, the search's candidates, a round's
+    alternatives, ...) the groups, branches, worker seconds and when the first started and the last ended, which
+    say what kept the workers busy when."""
     with _QUEUE_LOCK:
         done = [v for v in _DONE.values() if v[2] >= since]
     if not done:
         return {"groups": 0}
     longest = max(done, key=lambda v: v[4] - v[3])
+    by_label: dict = {}
+    for v in done:
+        got = by_label.setdefault(v[5] or "other", {"groups": 0, "branches": 0, "worker_s": 0.0,
+                                                   "first_started_s": v[3] - since, "last_done_s": v[4] - since})
+        got["groups"] += 1
+        got["branches"] += v[1]
+        got["worker_s"] += v[4] - v[3]
+        got["first_started_s"] = min(got["first_started_s"], v[3] - since)
+        got["last_done_s"] = max(got["last_done_s"], v[4] - since)
     return {"groups": len(done), "branches": sum(v[1] for v in done),
             "longest": {"s": round(longest[4] - longest[3], 2), "branches": longest[1], "nodes": longest[0],
                         "started_s": round(longest[3] - since, 2)},
-            "last_done_s": round(max(v[4] for v in done) - since, 2)}
+            "last_done_s": round(max(v[4] for v in done) - since, 2),
+            "by_label": {k: {n: round(x, 2) if isinstance(x, float) else x for n, x in g.items()}
+                         for k, g in by_label.items()}}
 
 
 def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool,
-            workers: int | None = None, order: str = "auto") -> None:
+            workers: int | None = None, order: str = "auto", label: str = "") -> None:
     """Queue the groups (a later call's after an earlier one's, the longest of each call first).  Of what is needed
     only after the search (not ``cancellable``), the longest group starts at once: it ends the build's wait for
     its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
@@ -1585,7 +1601,7 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
     groups_by_work = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
     with _QUEUE_LOCK:
         for i, keys in enumerate(groups_by_work):
-            job = _Inflight(keys, [todo[k] for k in keys], cache_dir, cancellable, seq=next(_SEQ))
+            job = _Inflight(keys, [todo[k] for k in keys], cache_dir, cancellable, seq=next(_SEQ), label=label)
             if order == "now" or (order == "auto" and not cancellable and i == 0 and len(groups_by_work) > 1):
                 job.priority = -0.5
             elif order == "search":

@@ -197,3 +197,35 @@ def test_a_bundle_ships_its_depthwise_plans_and_a_fresh_load_builds_none(tmp_pat
     ref = _ort(model, {"x": x})["y"]
     err = float(np.abs(np.asarray(got["y"]) - ref).max() / np.abs(ref).max())
     assert err < 1e-2, err
+
+
+_SHARED = """
+import json, sys
+import torch
+import torch._inductor  # noqa: F401 - a build's process (compile workers import Inductor)
+from parastream.launcher.engines import cudnn_plans as cp
+x = torch.randn(1, 40, 19, 19, device="cuda").half().to(memory_format=torch.channels_last)
+w = torch.randn(40, 1, 7, 7, device="cuda").half()
+y = cp.conv2d(x, w, None, [1, 1], [3, 3], [1, 1], 40)
+ref = torch.nn.functional.conv2d(x, w, None, 1, 3, 1, 40)
+print(json.dumps({"sources": [p.source for p in cp.CACHE.plans.values()],
+                  "err": float((y.float() - ref.float()).abs().max() / ref.float().abs().max())}))
+"""
+
+
+@pytest.mark.gpu
+def test_the_processes_of_a_build_share_the_plans_they_build(tmp_path):
+    """A process that has imported Inductor (a build's, a compile worker) writes each plan it builds beside
+    Inductor's cache, and the next such process deserializes it instead of building it."""
+    _need_frontend()
+    import os
+
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(tmp_path / "inductor"))
+    runs = []
+    for _ in range(2):
+        done = subprocess.run([sys.executable, "-c", _SHARED], capture_output=True, text=True, timeout=300, env=env)
+        assert done.returncode == 0, done.stderr[-2000:]
+        runs.append(json.loads(done.stdout.strip().splitlines()[-1]))
+    assert runs[0]["sources"] == ["built"] and runs[1]["sources"] == ["shared"], runs
+    assert all(r["err"] < 1e-2 for r in runs), runs
+    assert len(list((tmp_path / "inductor" / "parastream-cudnn-plans").glob("*.plan"))) == 1

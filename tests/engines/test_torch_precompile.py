@@ -269,7 +269,8 @@ def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_comp
     o = BuildOptions(device="cpu")
     since = time.perf_counter()
     got = tb.precompile([(tb.Builder(o), [(branch(1), "a", LAYOUT)]),
-                         (tb.Builder(o), [(branch(2), "b", LAYOUT), (branch(1), "c", LAYOUT)])], background=True)
+                         (tb.Builder(o), [(branch(2), "b", LAYOUT), (branch(1), "c", LAYOUT)])], background=True,
+                        label="the input")
     first, second = got["keys"]
     assert len(first) == 1 and len(second) == 2 and second[1] == first[0]  # the same branch: the same key
     assert tb.compiling(first) == 1 and tb.compiling(second) == 2
@@ -284,6 +285,9 @@ def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_comp
     groups = len({tb.structure_key(b, []) for b in (branch(1), branch(2))})  # one group per structure
     assert summary["groups"] == groups and summary["branches"] == 2 and summary["longest"]["s"] >= 0
     assert summary["last_done_s"] >= summary["longest"]["started_s"] >= 0
+    by = summary["by_label"]["the input"]  # what they were queued for, with the workers' seconds
+    assert by["groups"] == groups and by["branches"] == 2 and by["worker_s"] >= 0
+    assert by["last_done_s"] == summary["last_done_s"] and by["first_started_s"] >= 0
     assert tb.background_summary(time.perf_counter() + 1) == {"groups": 0}
     pool.shutdown()
 

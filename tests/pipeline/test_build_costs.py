@@ -565,7 +565,7 @@ def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_g
     m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: times.get(id(model), 1.0))
     queued = []
     m.backend.background_compiles, m.backend.cancel_precompile = True, lambda: 0
-    m.engines.precompile = lambda variants, background, cancellable: queued.append(
+    m.engines.precompile = lambda variants, background, cancellable, label="": queued.append(
         ([v.model for v in variants], background, cancellable)) or {"jobs": len(variants)}
     monkeypatch.setattr(measure, "alternative_variants", lambda engines, v: [("attention", v)])
     monkeypatch.setattr(measure, "speculative_variants", lambda engines, v, decided=(): [])
@@ -706,7 +706,7 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
         return (1.0 if whole else 0.5) * slower.get(la.options.conv_kernels, 1.0)
 
     compiled, loaded, orders, timings = [], [], [], []
-    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto": orders.append(order)
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="": orders.append(order)
                         or compiled.append(list(variants))
                         or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
     monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
@@ -764,7 +764,7 @@ def test_a_sampled_round_left_open_compiles_nothing_for_a_kept_candidate(monkeyp
     alternatives = _depthwise_alternatives(v, alt)
     monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", 2)
     compiled, busy = [], [1]
-    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto": compiled.append(list(variants))
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="": compiled.append(list(variants))
                         or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
     monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
     monkeypatch.setattr(measure, "alternative_variants", lambda e, var: list(alternatives.items()))

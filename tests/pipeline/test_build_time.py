@@ -254,7 +254,7 @@ def _gpu_like_torch(monkeypatch, pending: set, calls: list):
         def build(self, branch, name, layout=None):
             return super().build(branch, name)
 
-    def precompile(batches, background=False, cancellable=True, order="auto"):
+    def precompile(batches, background=False, cancellable=True, order="auto", label=""):
         keys = [[f"{len(calls)}/{n}/{i}" for i in range(len(items))] for n, (_, items) in enumerate(batches)]
         calls.append((cancellable, keys))
         return {"jobs": sum(map(len, keys)), "background": True, "keys": keys}
