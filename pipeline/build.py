@@ -27,7 +27,7 @@ from parastream.launcher.engines.base import conv_kernels_used
 from parastream.launcher.errors import ParastreamError, VerificationError
 from parastream.launcher.words import plural
 
-from parastream.rewrite.search import MeasureBudgetSpent  # noqa: F401 - raised by the measurer, caught by the search
+from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa: F401 - raised by the measurer, caught by the search
 
 from .isolate import in_child
 from .measure import (CARRIED_ALWAYS, GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
@@ -846,7 +846,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         elif cfg.measure and measure:
             measurer = GpuMeasurer.for_build(b.engines, b.options, b.loaded, streams=cfg.streams,
                                              max_streams=cfg.max_streams, budget_s=cfg.measure_seconds,
-                                             runs=cfg.measure_runs)
+                                             runs=cfg.measure_runs,
+                                             margin=cfg.search_options.get("measure_margin", MEASURE_MARGIN))
         before = None
         if measurer is not None:  # the search measures its input first: its engines compile while the search runs
             try:

@@ -515,12 +515,16 @@ def optimize(model: onnx.ModelProto, **options) -> tuple[onnx.ModelProto, dict]:
     return result, report
 
 
+#: a measured rewrite replaces the input only when it is at least this much faster on the device
+MEASURE_MARGIN = 0.02
+
+
 @shared_copies()  # one copy of a weight's slice for every candidate that cuts it, per call (rules/base.py)
 def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cost_model: CostModel | None = None,
                    streams: int = 4, alpha: float = DEFAULT_ALPHA, beta: float = 1.1, min_piece: int = 40,
                    max_piece: int = 120, top_k: int = 20, max_candidates: int = 200, max_candidates_total: int = 300,
                    seed: int = 0, measure: Measurer | Callable[[onnx.ModelProto], float] | None = None,
-                   measure_margin: float = 0.02, min_gain: float = 0.01, rules: list[Rule] | None = None
+                   measure_margin: float = MEASURE_MARGIN, min_gain: float = 0.01, rules: list[Rule] | None = None
                    ) -> tuple[onnx.ModelProto, gs.Graph, dict]:
     """Rewrite ``model`` with the rules the search finds cheapest; return (model, its graph, JSON-able report).
 

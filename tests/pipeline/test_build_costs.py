@@ -556,12 +556,14 @@ def test_the_best_candidate_s_one_stream_form_compiles_beside_its_stream_plan(mo
 
 
 def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_goes_on(monkeypatch):
-    """A candidate faster than the input and than every candidate before it is the one the build ships if nothing
-    beats it: its rounds' alternatives are queued for the background compiles then, not after the search."""
+    """A candidate faster than the input (by the search's margin) and than every candidate before it is the one the
+    build ships if nothing beats it: its rounds' alternatives are queued for the background compiles then, not
+    after the search.  One within the margin is never kept: nothing is queued for it."""
     from parastream.pipeline import measure
 
     first, second, slower = _fused_model(True, False), _fused_model(False, True), _fused_model(True, True)
-    times = {id(first): 0.9, id(second): 0.8, id(slower): 0.95}
+    close = _fused_model(False, False)
+    times = {id(first): 0.9, id(second): 0.8, id(slower): 0.95, id(close): 0.99}
     m, input_model, _ = _timing_measurer(monkeypatch, lambda model, o: times.get(id(model), 1.0))
     queued = []
     m.backend.background_compiles, m.backend.cancel_precompile = True, lambda: 0
@@ -570,11 +572,12 @@ def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_g
     monkeypatch.setattr(measure, "alternative_variants", lambda engines, v: [("attention", v)])
     monkeypatch.setattr(measure, "speculative_variants", lambda engines, v, decided=(): [])
     m.measure(input_model)
+    m.measure(close)  # the fastest so far, but 1% faster than the input: the search keeps the input, nothing queued
     m.measure(first)  # faster than the input: queued
     m.measure(slower)  # slower than the best so far: not
     m.measure(second)  # the new best: queued
     assert queued == [([first], True, True), ([second], True, True)]
-    assert m.log[1]["rounds_queued"] == 1 and "rounds_queued" not in m.log[2]
+    assert "rounds_queued" not in m.log[1] and m.log[2]["rounds_queued"] == 1 and "rounds_queued" not in m.log[3]
     m.close()
 
 
