@@ -85,6 +85,9 @@ class _Plan:
     built_s: float
     source: str  # "built", "loaded" (offered by an engine) or "shared" (``shared_dir``)
     data: object = None  # the serialized plan it was read from (serialized again as it was)
+    #: whether it may be serialized: cuDNN serializes the plans of its runtime-compiled engines only (a plan of
+    #: another engine is cheap to build, 1-2 ms, and the bytes serialize gives for one are not to be read back)
+    serializable: bool = True
 
     def serialized(self):
         return self.data if self.data is not None else self.graph.serialize()
@@ -134,16 +137,22 @@ class PlanCache:
         except Exception as e:  # noqa: BLE001 - torch's convolution runs this key (cuDNN plans it in its own way)
             self.failed[(device_index, key)] = f"{type(e).__name__}: {e}"
             return None
-        if shared is not None:
+        if shared is not None and got.serializable:
             _share(shared, got)
         return got
+
+    def serializable(self, keys, device_index: int) -> set:
+        """Those of ``keys`` whose plans this process holds and may serialize (``_Plan.serializable``)."""
+        with _LOCK:
+            return {k for k in keys if getattr(self.plans.get((device_index, k)), "serializable", False)}
 
     def serialize(self, device_index: int, keys=None) -> bytes:
         """The plans of ``keys`` (every plan of the device when None) as one file's bytes (``load_plans``)."""
         import numpy as np
 
         with _LOCK:
-            chosen = {k: p for (d, k), p in self.plans.items() if d == device_index and (keys is None or k in keys)}
+            chosen = {k: p for (d, k), p in self.plans.items() if d == device_index and p.serializable
+                      and (keys is None or k in keys)}
             arrays = {"__tag__": np.frombuffer(device_tag(device_index).encode(), dtype=np.uint8)}
             for i, (k, p) in enumerate(sorted(chosen.items())):
                 arrays[f"key{i}"] = np.frombuffer(k.encode(), dtype=np.uint8)
@@ -285,7 +294,11 @@ def _build(handle, key: str, device_index: int) -> _Plan:
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
         g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
-    return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built")
+    try:
+        runtime_compiled = cudnn.behavior_note.RUNTIME_COMPILATION in g.get_behavior_notes()
+    except Exception:  # noqa: BLE001 - notes it cannot tell: not serialized (built again where it is needed)
+        runtime_compiled = False
+    return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built", serializable=runtime_compiled)
 
 
 def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False):

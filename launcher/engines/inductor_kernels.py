@@ -471,8 +471,11 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) ->
     members = [("kernels.json", json.dumps(spec, indent=1, sort_keys=True).encode()), ("wrapper.py", source.encode()),
                *sorted(cubins.items())]
     device = torch.cuda.current_device()
-    if planned:  # the plans its run used, shipped with it: a load deserializes them rather than building them
-        members.append((PLANS, cudnn_plans.CACHE.serialize(device, {k for d, k in planned if d == device})))
+    # the plans its run used that cuDNN serializes (its runtime-compiled kernels'), shipped with it: a load
+    # deserializes them rather than building them
+    shipped = cudnn_plans.CACHE.serializable({k for d, k in planned if d == device}, device)
+    if shipped:
+        members.append((PLANS, cudnn_plans.CACHE.serialize(device, shipped)))
     buf = io.BytesIO()
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_STORED) as z:  # the engine file deflates it
         for member, data in members:
@@ -490,8 +493,8 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) ->
         if not torch.equal(a.nan_to_num(), e.nan_to_num()):
             raise ParastreamError(f"the loaded kernels artifact differs from Inductor's own on argument {i}")
     info = {"kernels": len(kernels), "extern_inductor": spec["extern_inductor"]}
-    if planned:
-        info["cudnn_plans"] = len(planned)
+    if shipped:
+        info["cudnn_plans"] = len(shipped)
     if loaded.imported:
         info["imports_at_run"] = sorted(set(loaded.imported))
     return package, info
