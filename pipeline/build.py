@@ -90,6 +90,7 @@ class BuildConfig:
     torch_artifact: str = "inductor"
     inductor_format: str = "kernels"
     conv_kernels: str = "auto"  # torch engines: depthwise convolutions as cuDNN calls, Inductor kernels or torch's own (timed)
+    cudnn_plans: bool = False  # torch engines on a GPU: depthwise convolutions through cuDNN plans each engine ships
     # a plan on one stream: one engine per repeated block ("blocks": blocks of equal code compile once; core/blocks.py)
     # or one engine for the whole model ("whole"); "auto": blocks where the backend compiles equal code once
     engine_blocks: str = "auto"
@@ -419,7 +420,7 @@ def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
                         workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
                         strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
                         profiles={}, torch_artifact=cfg.torch_artifact, inductor_format=cfg.inductor_format,
-                        conv_kernels=cfg.conv_kernels,
+                        conv_kernels=cfg.conv_kernels, cudnn_plans=cfg.cudnn_plans,
                         compile_workers=cfg.compile_workers, gpu_timing_lock=cfg.gpu_timing_lock,
                         keep_fp32=list(cfg.keep_fp32))
 
@@ -428,7 +429,7 @@ def _launcher_options(options: BuildOptions) -> dict:
     """The builder options a launcher reads back from manifest.json (``Bundle.engine_options``)."""
     return {"compile": options.compile, "optimization_level": options.optimization_level,
             "fuse_conv_relu": options.fuse_conv_relu, "fuse_attention": options.fuse_attention,
-            "conv_kernels": options.conv_kernels,
+            "conv_kernels": options.conv_kernels, "cudnn_plans": options.cudnn_plans,
             "fuse_gemm_epilogue": options.fuse_gemm_epilogue,
             "torch_artifact": options.torch_artifact,
             "inductor_format": options.inductor_format}

@@ -144,6 +144,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels or as torch's own "
                         "depthwise kernel; the last two start faster (default auto: a GPU build times cuDNN's against "
                         "Inductor's, then the faster against torch's)")
+    g.add_argument("--cudnn-plans", action="store_true",
+                   help="torch backend on a GPU: depthwise convolutions through cuDNN plans each engine ships, built "
+                        "when it compiles (needs nvidia-cudnn-frontend), so that a fresh process builds none")
     g.add_argument("--engine-blocks", default="auto", choices=["auto", "blocks", "whole"],
                    help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "
                         "engine for the whole model (default auto: blocks where the backend compiles equal code once, "
@@ -206,7 +209,7 @@ def cmd_build(args) -> int:
                       device=args.device_profile, workspace_mb=args.workspace_mb, optimization_level=args.opt_level,
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, remeasure=args.remeasure, compile=not args.eager, force=args.force,
                       torch_artifact=args.torch_artifact, inductor_format=args.inductor_format,
-                      conv_kernels=args.conv_kernels, engine_blocks=args.engine_blocks,
+                      conv_kernels=args.conv_kernels, cudnn_plans=args.cudnn_plans, engine_blocks=args.engine_blocks,
                       compile_workers=args.compile_workers, gpu_timing_lock=not args.no_gpu_timing_lock,
                       keep_fp32=parse_keep_fp32(args.keep_fp32),
                       **({} if args.measure_seconds is None else {"measure_seconds": float(args.measure_seconds)}))

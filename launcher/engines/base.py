@@ -69,6 +69,11 @@ class BuildOptions:
     # a model with depthwise convolutions times cuDNN's against Inductor's, then the faster against torch's own,
     # and records the one it keeps (each alternative kept unless over 2% slower: pipeline/measure.py).
     conv_kernels: str = "auto"
+    # torch backend on a GPU: depthwise convolutions that ``conv_kernels`` leaves to cuDNN run through cuDNN plans
+    # each engine ships (built when it compiles, deserialized at load: ``cudnn_plans.py``) rather than plans torch
+    # builds at every process's first call.  Off by default until a crash in the GPU tests is understood (a
+    # plan's deserialization in a build's verification, docs/torch-engines.md).
+    cudnn_plans: bool = False
     # torch backend on a GPU: a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) runs as one
     # torch._addmm_activation (cuBLASLt's fused epilogue); off, as its matmul, add and activation.  A GPU build
     # times both and records the faster in manifest.json.

@@ -531,9 +531,10 @@ def _fuse(device: str, dtype: str, options: BuildOptions) -> bool:
 
 def _cudnn_plans(device: str | None, options: BuildOptions) -> bool:
     # CUDA engines run their depthwise convolutions through cuDNN plans the engine ships (``cudnn_plans.py``)
-    # where ``conv_kernels`` leaves them to cuDNN; the engine's code does not depend on the frontend being
-    # installed (without it the op is torch's convolution), so neither does this
-    return device == "cuda" and options.conv_kernels not in LOWERED_CONV_KERNELS
+    # where ``conv_kernels`` leaves them to cuDNN and the build asked for it (``BuildOptions.cudnn_plans``); the
+    # engine's code does not depend on the frontend being installed (without it the op is torch's convolution),
+    # so neither does this
+    return device == "cuda" and options.cudnn_plans and options.conv_kernels not in LOWERED_CONV_KERNELS
 
 
 def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:

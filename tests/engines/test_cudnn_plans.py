@@ -97,7 +97,7 @@ def test_the_cache_key_says_so_only_where_a_depthwise_convolution_is(monkeypatch
     keep = [n for n in dense.graph.node if n.name == "dense_3x3"]
     del dense.graph.node[:]
     dense.graph.node.extend(keep)
-    options = BuildOptions(precision="fp16", device="cuda")
+    options = BuildOptions(precision="fp16", device="cuda", cudnn_plans=True)
     cuda = {"device": "cuda"}
 
     def key(m, built):
@@ -110,7 +110,8 @@ def test_the_cache_key_says_so_only_where_a_depthwise_convolution_is(monkeypatch
     assert with_plans["depthwise"] != without["depthwise"]
     assert with_plans["dense"] == without["dense"]
     assert key(model, {"device": "cpu"}) == cpu  # (CPU engines never route through it)
-    assert tb._cudnn_plans("cuda", BuildOptions(conv_kernels="native")) is False
+    assert tb._cudnn_plans("cuda", BuildOptions(conv_kernels="native", cudnn_plans=True)) is False
+    assert tb._cudnn_plans("cuda", BuildOptions()) is False  # (opt-in: off by default)
 
 
 # -- on the GPU --------------------------------------------------------------------------------------------------
@@ -183,7 +184,8 @@ def test_a_bundle_ships_its_depthwise_plans_and_a_fresh_load_builds_none(tmp_pat
     model = separable_model(c=32, size=28)
     onnx.save(model, tmp_path / "sep.onnx")
     bundle = build(tmp_path / "sep.onnx", tmp_path / "b", backend="torch", precision="fp16", search=False,
-                   measure=False)
+                   measure=False, cudnn_plans=True)
+    assert bundle.manifest["options"]["cudnn_plans"] is True
     assert bundle.report["verification"]["passed"]
     engines = [e for e in bundle.report["engines"].values() if isinstance(e, dict)]
     assert sum(e.get("cudnn_plans", 0) for e in engines) >= 2, json.dumps(engines)[:600]  # the two depthwise ones
@@ -229,3 +231,15 @@ def test_the_processes_of_a_build_share_the_plans_they_build(tmp_path):
     assert runs[0]["sources"] == ["built"] and runs[1]["sources"] == ["shared"], runs
     assert all(r["err"] < 1e-2 for r in runs), runs
     assert len(list((tmp_path / "inductor" / "parastream-cudnn-plans").glob("*.plan"))) == 1
+
+
+def test_the_option_is_recorded_and_read_back_at_load():
+    """``cudnn_plans`` is a build option that manifest.json records and a load reads back (a JIT engine compiled at
+    load converts its depthwise convolutions as the build did)."""
+    from parastream.launcher.bundle import Bundle
+    from parastream.launcher.engines.base import BuildOptions
+    from parastream.pipeline.build import _launcher_options
+
+    assert _launcher_options(BuildOptions(cudnn_plans=True))["cudnn_plans"] is True
+    assert _launcher_options(BuildOptions())["cudnn_plans"] is False
+    assert "cudnn_plans" in Bundle.LOAD_OPTIONS
