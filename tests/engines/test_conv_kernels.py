@@ -61,6 +61,18 @@ def conv_model(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, bool]]:
     return onnx.shape_inference.infer_shapes(model), lowered
 
 
+def dense_only(model: onnx.ModelProto) -> onnx.ModelProto:
+    """``conv_model``'s dense 3x3 convolution alone: a branch without a depthwise convolution."""
+    dense = onnx.ModelProto()
+    dense.CopyFrom(model)
+    nodes = [n for n in dense.graph.node if n.name == "dense_3x3"]
+    del dense.graph.node[:]
+    dense.graph.node.extend(nodes)
+    del dense.graph.output[:]
+    dense.graph.output.extend([helper.make_tensor_value_info("dense_o", TensorProto.FLOAT, [2, 8, 15, 13])])
+    return dense
+
+
 def _feeds(seed: int = 1):
     rng = np.random.default_rng(seed)
     return {"x": rng.standard_normal((2, 8, 15, 13)).astype(np.float32),
@@ -191,13 +203,7 @@ def test_only_a_branch_with_a_depthwise_convolution_is_compiled_apart():
     (a load with the other choice compiles it again); a branch without one is one engine for both choices: one
     key, nothing recorded, so either choice loads it as compiled."""
     model, _ = conv_model()
-    dense = onnx.ModelProto()
-    dense.CopyFrom(model)
-    nodes = [n for n in dense.graph.node if n.name == "dense_3x3"]
-    del dense.graph.node[:]
-    dense.graph.node.extend(nodes)
-    del dense.graph.output[:]
-    dense.graph.output.extend([helper.make_tensor_value_info("dense_o", TensorProto.FLOAT, [2, 8, 15, 13])])
+    dense = dense_only(model)
     lowered, kept = _jobs_meta(model, "inductor"), _jobs_meta(model, "cudnn")
     assert lowered["key"] != kept["key"] and (lowered["conv_kernels"], kept["conv_kernels"]) == ("inductor", "cudnn")
     assert _jobs_meta(model, "auto")["key"] == kept["key"]  # "auto" compiles cuDNN's until timing says

@@ -23,7 +23,7 @@ torch = pytest.importorskip("torch")
 
 from parastream.launcher.engines.onnx_torch import convert, to_fx  # noqa: E402
 
-from test_conv_kernels import _feeds, _ort, _run, _w, conv_model  # noqa: E402
+from test_conv_kernels import _feeds, _ort, _run, _w, conv_model, dense_only  # noqa: E402
 
 
 def _planned(module) -> dict[str, bool]:
@@ -92,11 +92,7 @@ def test_the_cache_key_says_so_only_where_a_depthwise_convolution_is(monkeypatch
     from parastream.launcher.engines.base import BuildOptions
 
     model, _ = conv_model()
-    dense = onnx.ModelProto()
-    dense.CopyFrom(model)
-    keep = [n for n in dense.graph.node if n.name == "dense_3x3"]
-    del dense.graph.node[:]
-    dense.graph.node.extend(keep)
+    dense = dense_only(model)
     options = BuildOptions(precision="fp16", device="cuda", cudnn_plans=True)
     cuda = {"device": "cuda"}
 
