@@ -4,11 +4,14 @@ Why: torch sends a channels-last convolution to cuDNN, which builds an execution
 its first call in every process, and keeps it in a cache of the calling thread only.  For a depthwise
 convolution cuDNN's plan is a kernel it compiles at run time (NVRTC): 160-820 ms per shape (H100,
 bench/depthwise_kernels.py), so that a fresh process's load of NASNet-A Large spent 3.8 of its 5.5 s building the
-plans of its 23 depthwise shapes.  cuDNN's frontend serializes a built plan, runtime-compiled kernel included
-(``pygraph.serialize`` / ``deserialize``), which is what this module keeps: a process-wide cache of plans by
-key (``PlanCache``), filled by building a plan the first time a key is seen or from a bundle's serialized plans
-(``load_plans``), and ``conv2d``, the op that runs a convolution through it (``torch.ops.parastream.cudnn_conv2d``,
-which the converter writes for the convolutions it routes here and Inductor calls as an extern kernel).
+plans of its 23 depthwise shapes.  cuDNN's frontend serializes a built plan of a runtime-compiled engine, its
+kernel included (``pygraph.serialize`` / ``deserialize``), which is what this module keeps: a process-wide cache of
+plans by key (``PlanCache``), filled from the serialized plans loaded engines offer (``PlanCache.load``), from the
+plans the other processes of a build shared (``shared_dir``), or by building a plan the first time a key is seen;
+and ``conv2d``, the op that runs a convolution through it (``torch.ops.parastream.cudnn_conv2d``, which the
+converter writes for the depthwise convolutions of a build with ``BuildOptions.cudnn_plans``, opt-in, and Inductor
+calls as an extern kernel).  A compile worker's run of the engine it compiled records the plans it used
+(``recording``), and the kernels artifact ships them (``inductor_kernels.extract``).
 
 The frontend is NVIDIA's ``nvidia-cudnn-frontend`` package (module ``cudnn``), which loads the libcudnn that torch
 ships.  Without it, or on a CPU tensor, the op is torch's own convolution: the same result, its plans built by
@@ -147,7 +150,7 @@ class PlanCache:
             return {k for k in keys if getattr(self.plans.get((device_index, k)), "serializable", False)}
 
     def serialize(self, device_index: int, keys=None) -> bytes:
-        """The plans of ``keys`` (every plan of the device when None) as one file's bytes (``load_plans``)."""
+        """The serializable plans of ``keys`` (every one of the device when None) as one file's bytes (``load``)."""
         import numpy as np
 
         with _LOCK:
@@ -348,12 +351,6 @@ class recording:
     def __exit__(self, *exc) -> None:
         with _LOCK:
             _RECORDING.pop()
-
-
-def plans_used(device_index: int = 0) -> list[str]:
-    """The keys of the plans this process holds for the device."""
-    with _LOCK:
-        return sorted(k for d, k in CACHE.plans if d == device_index)
 
 
 _OP: list = []
