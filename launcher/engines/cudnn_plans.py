@@ -201,6 +201,10 @@ def _dtype_name(dtype) -> str:
 
 def _deserialize(handle, data, source: str = "loaded") -> _Plan:
     t = time.perf_counter()
+    # the frontend's deserialize runs the plan once in a graph capture of its own (``Graph::warmup``), on the
+    # handle's stream, or on a stream it makes for the purpose where the handle has none: never on a stream a
+    # launcher set and has since closed (``conv2d`` hands the handle back without one)
+    frontend().set_stream(handle, 0)
     g = frontend().pygraph(handle=handle)
     g.deserialize(handle, data.tolist())  # (the binding takes the list of byte values serialize gives)
     return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t, source, data)
@@ -273,6 +277,7 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     io_type = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
                "float32": cudnn.data_type.FLOAT}[dtype]
     t0 = time.perf_counter()
+    cudnn.set_stream(handle, 0)  # (as ``_deserialize``: no stream a launcher may have closed)
     with torch.cuda.device(device_index):
         g = cudnn.pygraph(io_data_type=io_type, intermediate_data_type=cudnn.data_type.FLOAT,
                           compute_data_type=cudnn.data_type.FLOAT, handle=handle)
@@ -327,7 +332,10 @@ def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False):
                 pack = {_X: x, _W: w, _Y: y}
                 if b is not None:
                     pack[_B] = b.to(x.dtype).contiguous()
-                plan.graph.execute(pack, ws, handle=h)
+                try:
+                    plan.graph.execute(pack, ws, handle=h)
+                finally:  # the stream is the launcher's, which may close it: the handle keeps none
+                    frontend().set_stream(h, 0)
                 return y
     y = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
     if relu:

@@ -239,3 +239,45 @@ def test_the_option_is_recorded_and_read_back_at_load():
     assert _launcher_options(BuildOptions(cudnn_plans=True))["cudnn_plans"] is True
     assert _launcher_options(BuildOptions())["cudnn_plans"] is False
     assert "cudnn_plans" in Bundle.LOAD_OPTIONS
+
+
+_CLOSED_STREAM = """
+import json
+import torch
+from parastream.launcher.engines import cudnn_plans as cp
+def run(c, k):
+    x = torch.randn(1, c, 17, 17, device="cuda").half().to(memory_format=torch.channels_last)
+    w = torch.randn(c, 1, k, k, device="cuda").half()
+    return cp.conv2d(x, w, None, [1, 1], [k // 2, k // 2], [1, 1], c)
+# a plan built for one key and run on a stream that is then destroyed (a launcher closed)
+s = torch.cuda.Stream()
+with torch.cuda.stream(s):
+    run(24, 3)
+torch.cuda.synchronize()
+with cp.recording() as keys:
+    run(40, 5)
+blob = cp.CACHE.serialize(0, {k for _, k in keys})
+del s
+torch.cuda.synchronize()
+s2 = torch.cuda.Stream()
+with torch.cuda.stream(s2):
+    run(24, 3)  # the handle's last stream: s2, destroyed below
+del s2
+torch.cuda.synchronize()
+cp.CACHE.plans = {k: p for k, p in cp.CACHE.plans.items() if k[1] not in {k for _, k in keys}}
+cp.CACHE.load(blob, 0)  # offered again: deserialized at the next call, after the stream went
+y = run(40, 5)
+print(json.dumps({"sources": sorted(p.source for p in cp.CACHE.plans.values()), "finite": bool(torch.isfinite(y).all())}))
+"""
+
+
+@pytest.mark.gpu
+def test_a_plan_deserialized_after_the_stream_last_used_was_destroyed_runs():
+    """cuDNN's frontend runs a deserialized plan once in a capture on the handle's stream (``Graph::warmup``): a
+    stream a closed launcher destroyed must not be it (the GPU tier crashed so, a test's launcher closed before the
+    next test's build deserialized a plan)."""
+    _need_frontend()
+    done = subprocess.run([sys.executable, "-c", _CLOSED_STREAM], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
+    got = json.loads(done.stdout.strip().splitlines()[-1])
+    assert "loaded" in got["sources"] and got["finite"], got
