@@ -239,9 +239,9 @@ class KernelsArtifact:
 
     def _plans(self, z: zipfile.ZipFile) -> dict | None:
         """The cuDNN plans the engine ships (``PLANS``: those its depthwise convolutions ran when it was built),
-        deserialized into the process's plan cache (``cudnn_plans.CACHE.load``; those held already are skipped),
-        so that its first call builds none.  Without cuDNN's frontend the op is torch's convolution: nothing to
-        load.  None when the engine ships none."""
+        offered to the process's plan cache (``cudnn_plans.CACHE.load``: each deserialized at its key's first call,
+        those held already skipped), so that its first call builds none.  Without cuDNN's frontend the op is
+        torch's convolution: nothing to load.  None when the engine ships none."""
         if PLANS not in z.namelist():
             return None
         from . import cudnn_plans
