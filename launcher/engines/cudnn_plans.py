@@ -73,12 +73,19 @@ def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation, bias: bool
 
 
 def device_tag(device_index: int = 0) -> str:
-    """What a serialized plan is valid for: the GPU's name and compute capability, and cuDNN's version."""
-    import torch
+    """What a serialized plan is valid for: the GPU's name and compute capability, and cuDNN's version (once per
+    device and process)."""
+    tag = _TAGS.get(device_index)
+    if tag is None:
+        import torch
 
-    cudnn = frontend()
-    p = torch.cuda.get_device_properties(device_index)
-    return f"{p.name}|sm{p.major}{p.minor}|cudnn{cudnn.backend_version() if cudnn else 0}"
+        cudnn = frontend()
+        p = torch.cuda.get_device_properties(device_index)
+        tag = _TAGS[device_index] = f"{p.name}|sm{p.major}{p.minor}|cudnn{cudnn.backend_version() if cudnn else 0}"
+    return tag
+
+
+_TAGS: dict = {}
 
 
 @dataclass
@@ -119,6 +126,10 @@ class PlanCache:
     def get(self, device_index: int, key: str) -> _Plan | None:
         """The plan of ``key``: held, deserialized from what a loaded engine offered (~18 ms on the H200), or
         built (160-820 ms for a runtime-compiled depthwise kernel); None where cuDNN cannot plan it."""
+        with _LOCK:
+            return self._get(device_index, key)
+
+    def _get(self, device_index: int, key: str) -> _Plan | None:
         got = self.plans.get((device_index, key))
         if got is not None or (device_index, key) in self.failed:
             return got
@@ -169,15 +180,16 @@ class PlanCache:
         deserialized at its key's first call (``get``), or here with ``now``.  {"plans", "offered", "s"}, or
         {"skipped": why} when they were serialized for another GPU or cuDNN.  Deserialized where they are first
         needed, not here, because a load offers them from the thread that loads engines while another thread
-        warms and captures the engines loaded before (a plan's deserialization loads its kernel into the
-        context, which is not to run beside a capture), and engines often offer the same plans."""
+        warms and captures the engines loaded before (the frontend's deserialize loads the plan's kernel and runs
+        it once in a capture of its own, which is not to run beside another), and engines often offer the same
+        plans."""
         import numpy as np
 
         t0 = time.perf_counter()
         with np.load(io.BytesIO(data)) as z:
             tag = bytes(z["__tag__"]).decode()
-            if tag != _device_tag_cached(device_index):
-                return {"skipped": f"plans for {tag}, not {_device_tag_cached(device_index)}"}
+            if tag != device_tag(device_index):
+                return {"skipped": f"plans for {tag}, not {device_tag(device_index)}"}
             n = sum(1 for name in z.files if name.startswith("key"))
             offered = []
             with _LOCK:
@@ -242,7 +254,7 @@ def _shared_path(device_index: int, key: str):
     folder = shared_dir()
     if folder is None:
         return None
-    return folder / (hashlib.sha256(f"{_device_tag_cached(device_index)}|{key}".encode()).hexdigest()[:32] + ".plan")
+    return folder / (hashlib.sha256(f"{device_tag(device_index)}|{key}".encode()).hexdigest()[:32] + ".plan")
 
 
 def _share(path, plan: _Plan) -> None:
@@ -257,15 +269,6 @@ def _share(path, plan: _Plan) -> None:
     except OSError:  # a folder it cannot write: each process builds its own, as before
         pass
 
-
-_TAGS: dict = {}
-
-
-def _device_tag_cached(device_index: int) -> str:
-    tag = _TAGS.get(device_index)
-    if tag is None:
-        tag = _TAGS[device_index] = device_tag(device_index)
-    return tag
 
 
 def _build(handle, key: str, device_index: int) -> _Plan:
