@@ -370,20 +370,23 @@ _OP: list = []
 def register_op() -> None:
     """``torch.ops.parastream.cudnn_conv2d`` (``conv2d``), with the shape function Inductor's trace needs; once per
     process."""
-    if _OP:
-        return
-    import torch
+    with _LOCK:
+        if _OP:
+            return
+        import torch
 
-    # (the schema written out: this module's annotations are strings, which the inference cannot read)
-    @torch.library.custom_op("parastream::cudnn_conv2d", mutates_args=(),
-                             schema="(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, "
-                                    "int groups, bool relu) -> Tensor")
-    def cudnn_conv2d(x, w, b, stride, padding, dilation, groups, relu):
-        return conv2d(x, w, b, stride, padding, dilation, groups, relu)
+        # Defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter wraps its
+        # implementation in dynamo's "disable" decorator, whose first call imports torch._dynamo (800 modules,
+        # about a second of a fresh load that otherwise imports none of it); the op needs neither autograd nor
+        # dynamo, only an implementation and the fake one Inductor traces.
+        lib = torch.library.Library("parastream", "FRAGMENT")
+        lib.define("cudnn_conv2d(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, "
+                   "int groups, bool relu) -> Tensor")
+        lib.impl("cudnn_conv2d", conv2d, "CompositeExplicitAutograd")
 
-    @cudnn_conv2d.register_fake
-    def _(x, w, b, stride, padding, dilation, groups, relu):
-        out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
-        return x.new_empty_strided(out, _channels_last_strides(out))
+        def fake(x, w, b, stride, padding, dilation, groups, relu):
+            out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
+            return x.new_empty_strided(out, _channels_last_strides(out))
 
-    _OP.append(cudnn_conv2d)
+        torch.library.register_fake("parastream::cudnn_conv2d", fake, lib=lib)
+        _OP.append(lib)  # (the library keeps the op registered while it lives: for the process)
