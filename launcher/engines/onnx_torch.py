@@ -586,6 +586,10 @@ class _ConvFn:
         torch = _torch()
         if self.pre_pad is not None:
             x = torch.nn.functional.pad(x, self.pre_pad)
+        # The op's plan reads a dense channels-last tensor; asked for here, in the graph Inductor compiles, a copy
+        # (a channel slice of a mixed-kernel block's input) is written by the kernel that produces it, where the
+        # op would otherwise copy it in a kernel of its own at every call. (A no-op where x is already so.)
+        x = x.contiguous(memory_format=torch.channels_last)
         return torch.ops.parastream.cudnn_conv2d(x, w, b, self.strides, self.padding, self.dilations, self.group, relu)
 
     def __call__(self, x, w, b=None):
@@ -1400,8 +1404,9 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
 
 #: what the converter writes for a given graph; part of a compiled engine's cache key (a cache entry holds the
 #: converted weights' layout): 2 stores a MatMul's constant weight transposed (``_linear_weights``); 3 multiplies
-#: an X of rank 3 or more by a 2-d W as one product over X's rows (``_matmul``)
-CONVERTER_VERSION = 3
+#: an X of rank 3 or more by a 2-d W as one product over X's rows (``_matmul``); 4 hands a planned convolution
+#: its input channels-last and dense (``_ConvFn._planned``)
+CONVERTER_VERSION = 4
 
 
 def _transposed_weight(fn):
