@@ -90,7 +90,7 @@ class BuildConfig:
     torch_artifact: str = "inductor"
     inductor_format: str = "kernels"
     conv_kernels: str = "auto"  # torch engines: depthwise convolutions as cuDNN calls, Inductor kernels or torch's own (timed)
-    cudnn_plans: bool = False  # torch engines on a GPU: depthwise convolutions through cuDNN plans each engine ships
+    cudnn_plans: bool = True  # torch engines on a GPU: depthwise convolutions through cuDNN plans each engine ships
     # a plan on one stream: one engine per repeated block ("blocks": blocks of equal code compile once; core/blocks.py)
     # or one engine for the whole model ("whole"); "auto": blocks where the backend compiles equal code once
     engine_blocks: str = "auto"

@@ -144,9 +144,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels or as torch's own "
                         "depthwise kernel; the last two start faster (default auto: a GPU build times cuDNN's against "
                         "Inductor's, then the faster against torch's)")
-    g.add_argument("--cudnn-plans", action="store_true",
+    g.add_argument("--cudnn-plans", action=argparse.BooleanOptionalAction, default=True,
                    help="torch backend on a GPU: depthwise convolutions through cuDNN plans each engine ships, built "
-                        "when it compiles (needs nvidia-cudnn-frontend), so that a fresh process builds none")
+                        "when it compiles (needs nvidia-cudnn-frontend), so that a fresh process builds none "
+                        "(default on; --no-cudnn-plans: torch's convolution, whose plans every process builds)")
     g.add_argument("--engine-blocks", default="auto", choices=["auto", "blocks", "whole"],
                    help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "
                         "engine for the whole model (default auto: blocks where the backend compiles equal code once, "

@@ -71,9 +71,9 @@ class BuildOptions:
     conv_kernels: str = "auto"
     # torch backend on a GPU: depthwise convolutions that ``conv_kernels`` leaves to cuDNN run through cuDNN plans
     # each engine ships (built when it compiles, deserialized at load: ``cudnn_plans.py``) rather than plans torch
-    # builds at every process's first call.  Off by default until a crash in the GPU tests is understood (a
-    # plan's deserialization in a build's verification, docs/torch-engines.md).
-    cudnn_plans: bool = False
+    # builds at every process's first call.  Without cuDNN's frontend, or on another GPU or cuDNN, the op is
+    # torch's own convolution.
+    cudnn_plans: bool = True
     # torch backend on a GPU: a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) runs as one
     # torch._addmm_activation (cuBLASLt's fused epilogue); off, as its matmul, add and activation.  A GPU build
     # times both and records the faster in manifest.json.
