@@ -131,16 +131,21 @@ def runs_fused_attention(backend) -> bool:
 
 
 #: rounds whose alternative is kept unless it is slower by more than this share: Inductor's depthwise kernels
-#: ship compiled, where cuDNN builds an execution plan per convolution at every process's first call (MixNet-S:
-#: 3.0 s against 8.0 s to a fresh process's first result, H100), so at equal speed they are the better bundle
+#: ship compiled, where cuDNN's execution plans are built at every process's first call (MixNet-S: 3.0 s against
+#: 8.0 s to a fresh process's first result, H100) or, shipped (``cudnn_plans``), still deserialized (~18 ms each),
+#: so at equal speed they are the better bundle.
 #: Torch's own depthwise kernel needs neither a plan nor a compile: at equal speed it too is the better bundle
 #: (MixNet-S, H200: 2.8 s to a fresh process's first result against 8.1 s with cuDNN's, and 24% faster; NASNet-A
 #: Large: 3.1 s against 7.5 s, but 69% slower, its channels-last boundaries copied to and from NCHW around each)
 PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02}
 #: rounds whose alternative is kept only when it is faster by more than this share: engines per repeated block
 #: compile once per distinct block and load faster (ViT-B/16, H100: 24 s to build and 2.7 s to load against 30 s
-#: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks)
-PREFER_CURRENT_WITHIN = {"engine blocks": 0.02}
+#: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks).
+#: The conv+ReLU and boundary-layout rounds keep the plan's form unless the alternative is faster by more than two
+#: loaded plans' medians differ by at rest (~1%): a tie flipped to the alternative gains nothing and costs the
+#: build the later rounds timed again on it (NASNet-A Large, H200: Inductor's conv and epilogue "won" by 0.9%, where
+#: cuDNN's fused kernel had won by 1.7-2.5% in five other builds, and the build then spent 11.9 s more)
+PREFER_CURRENT_WITHIN = {"engine blocks": 0.02, "conv+ReLU": 0.01, "boundary layout": 0.01}
 
 
 #: a round that the input's plan decided by at least this share is taken as decided for a rewritten plan that

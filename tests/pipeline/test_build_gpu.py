@@ -391,3 +391,29 @@ def test_a_streams_round_whose_first_timing_fails_races_the_compiled_rival(model
     assert r["timed_ms"] == {"2-stream plan": 1.0, "one stream": 1.1} and not got["one_engine"]
     assert "engines not shareable" in r["serial"]["error"] and ("scratch", None, None) in [la.kind for la in made]
     assert all(la.closed for la in made)
+
+
+@pytest.mark.parametrize("what, alternative_ms, kept", [
+    ("conv+ReLU", 0.991, False), ("conv+ReLU", 0.98, True), ("conv+ReLU", 1.2, False),
+    ("boundary layout", 0.995, False), ("boundary layout", 0.97, True),
+    ("attention", 0.995, True),  # (no preference: the faster median)
+    ("engine blocks", 0.985, False), ("engine blocks", 0.97, True)])
+def test_a_round_keeps_the_plans_form_on_a_tie_where_its_alternative_would_cost_the_build(monkeypatch, what,
+                                                                                          alternative_ms, kept):
+    """The conv+ReLU and boundary-layout rounds take their alternative only when it is faster by more than 1% (two
+    loaded plans' medians differ by that much at rest; a flip on a tie times the later rounds again on it), the
+    engine-blocks round by more than 2%; a round without a preference keeps the faster median."""
+    import types
+
+    from parastream.pipeline import bench, measure
+
+    def timed(launchers, **kw):
+        (current, cur), (alt, _) = launchers.items()
+        return {current: np.full(9, 1.0), alt: np.full(9, alternative_ms)}
+
+    monkeypatch.setattr(bench, "measure", timed)
+    rounds: list = []
+    won = measure.race(rounds, what, object(), object(), types.SimpleNamespace(num_streams=1), runs=9, since=0.0,
+                       lock=False)
+    assert won is kept
+    assert rounds[0]["won"] == measure.round_labels(what, types.SimpleNamespace(num_streams=1))[1 if kept else 0]
