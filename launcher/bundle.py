@@ -51,6 +51,8 @@ class Bundle:
     report: dict
     #: False while model.onnx's hash and external-data check wait for its first reader (``model_path``)
     _model_checked: bool = field(default=True, init=False, repr=False, compare=False)
+    #: model.onnx's initializers by name, read at the first ``initializer`` call
+    _initializers: dict | None = field(default=None, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | Path, *, check_hashes: bool = True, loading: bool = False,
@@ -194,6 +196,17 @@ class Bundle:
             _check_no_external_data(self.path, ["model.onnx"])
             self._model_checked = True
         return path
+
+    def initializer(self, name: str):
+        """model.onnx's initializer ``name`` (a TensorProto), or None: the weights a torch engine leaves to the
+        bundle's model (``slim_engine``), for an engine compiled again at load and for ``localize``.  model.onnx is
+        read once, at the first call, after its hash is checked (``model_path``)."""
+        if self._initializers is None:
+            import onnx
+
+            model = onnx.load(str(self.model_path))
+            self._initializers = {t.name: t for t in model.graph.initializer}
+        return self._initializers.get(name)
 
     def engine_path(self, branch: Branch) -> Path:
         return inside(self.path, branch.engine, f"plan.json ({branch.name})")

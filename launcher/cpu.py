@@ -67,7 +67,8 @@ class CpuLauncher:
         for b in plan.branches:
             specs_in = [plan.tensors[t] for t in b.inputs]
             specs_out = [plan.tensors[t] for t in b.outputs]
-            self.engines.append(backend.load(bundle.engine_bytes(b), specs_in, specs_out, device="cpu", options=opts))
+            self.engines.append(backend.load(bundle.engine_bytes(b), specs_in, specs_out, device="cpu", options=opts,
+                                             model_weights=bundle.initializer))
         self._sequences = plan.stream_sequences()
         self._input_specs = _input_specs(plan)
         self._pool = ThreadPoolExecutor(max_workers=max(1, plan.num_streams), thread_name_prefix="parastream-stream")

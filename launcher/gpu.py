@@ -334,6 +334,7 @@ class GpuLauncher:
                         ins = [self.specs[t] for t in b.inputs]
                         outs = [self.specs[t] for t in b.outputs]
                         kw = {"internal_nhwc": self.nhwc} if takes_layout else {}
+                        kw["model_weights"] = bundle.initializer  # (an engine compiled again here: its weights)
                         if warmer is not None:
                             kw["warm"] = False
                         if channel_views:

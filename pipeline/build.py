@@ -336,12 +336,15 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
     launcher of this plan uses with ``internal_nhwc`` (what manifest.json will say).  ``prebuilt``:
     {branch name: (engine file, builder report)} of this same plan, built already (the CPU alternative kept).
     ``sink``: a dict that gets each engine's bytes by file name instead of ``dest`` (a scratch bundle in memory)."""
+    # what model.onnx holds for the engines stays out of them (``slim_engine``: a torch engine's ONNX weights)
+    initializers = {t.name: t for t in model.graph.initializer} if sink is None and model_file else {}
+    held = initializers.get
     if prebuilt is not None and set(prebuilt) == {b.name for b in plan.branches}:
         (dest / "engines").mkdir(exist_ok=True)
         onnx.save(model, dest / "model.onnx")
         plan.save(dest / "plan.json")
         for b in plan.branches:
-            shutil.copyfile(prebuilt[b.name][0], dest / b.engine)
+            (dest / b.engine).write_bytes(backend.slim_engine(Path(prebuilt[b.name][0]).read_bytes(), held))
             if on_branch:
                 on_branch()
         return {name: rep for name, (_, rep) in prebuilt.items() if rep is not None}
@@ -366,7 +369,7 @@ def _write_engines(dest: Path, model: onnx.ModelProto, graph: gs.Graph, plan, ba
             if sink is not None:
                 sink[b.engine] = data
             else:
-                (dest / b.engine).write_bytes(data)
+                (dest / b.engine).write_bytes(backend.slim_engine(data, held) if model_file else data)
             if on_branch:
                 on_branch()
         return builder.report()

@@ -254,7 +254,7 @@ def _branch_graph(bundle, branch, model: onnx.ModelProto) -> tuple[onnx.ModelPro
         engine = EngineFile(bundle.engine_bytes(branch))
         on = "cuda" if str(bundle.manifest.get("device", "")).startswith("cuda") else "cpu"
         dtype = "float32" if engine.meta.get("dtype") == "float32" else compute_dtype(bundle.plan.precision, on)
-        return onnx.load_from_string(engine.onnx()), dtype
+        return engine.branch_model(bundle.initializer), dtype
     from .model_io import graph_of
     from .partition import extract_branch
 

@@ -8,7 +8,10 @@ an engine and loads it again for the launcher:
 * ``Builder(options).build(branch_model, name, layout=None) -> bytes`` serialises one engine; a builder lives for
   one ``parastream build`` so it can share state between branches (TensorRT's timing cache); ``build_all``
   builds many; ``report()`` returns per-branch figures for report.json and ``close()`` persists caches.
-* ``load(data, inputs, outputs, device, options, ...) -> BranchEngine``.
+* ``load(data, inputs, outputs, device, options, ...) -> BranchEngine``; ``model_weights`` (name -> the bundle's
+  model.onnx initializer, ``Bundle.initializer``) for an engine that keeps its weights there.
+* ``slim_engine(data, held) -> bytes``: an engine file as a written bundle ships it beside its model.onnx (the
+  torch backend drops the ONNX weights a compiled engine never reads; the others keep the file as it is).
 
 What differs between backends is said by capability flags, never by the backend's name: ``compiles_for_layout``
 (engines are compiled for the GPU launcher's tensor layout: ``build`` takes ``layout``), ``builds_side_by_side``
@@ -183,7 +186,10 @@ class Backend(Protocol):
 
     def load(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu",
              options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
-             channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> BranchEngine: ...
+             channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True,
+             model_weights: Callable | None = None) -> BranchEngine: ...
+
+    def slim_engine(self, data: bytes, held: Callable) -> bytes: ...
 
     def memory_scope(self) -> Callable[[], contextlib.AbstractContextManager]: ...
 
@@ -224,6 +230,11 @@ def own_workspaces() -> None:
 
 def prepare_load(manifest: dict, report: dict | None = None) -> None:
     """Nothing to start before a bundle's hashes are checked."""
+
+
+def slim_engine(data: bytes, held: Callable) -> bytes:
+    """The engine file as it is: it holds nothing that the bundle's model.onnx holds for it."""
+    return data
 
 
 def start_workers(options: BuildOptions) -> None:

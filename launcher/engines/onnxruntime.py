@@ -12,7 +12,8 @@ import onnx
 
 from ..plan import TensorSpec
 from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling,  # noqa: F401
-                   describe_device, memory_scope, own_workspaces, precompile, prepare_load, start_workers)
+                   describe_device, memory_scope, own_workspaces, precompile, prepare_load, slim_engine,
+                   start_workers)
 
 name = "onnxruntime"
 suffix = ".onnx"
@@ -111,8 +112,10 @@ class OrtEngine:
 
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu",
          options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
-         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> OrtEngine:
-    """A session of the branch (``device`` and the launcher's layout do not apply: a CPU engine in NCHW)."""
+         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True,
+         model_weights=None) -> OrtEngine:
+    """A session of the branch (``device`` and the launcher's layout do not apply: a CPU engine in NCHW; the
+    engine is its branch's ONNX, weights included: ``model_weights`` does not apply either)."""
     return OrtEngine(data, inputs, outputs, options.threads if options else 0, options.spin if options else True)
 
 

@@ -59,7 +59,8 @@ from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import (PRECISIONS, BuilderBase, BuildOptions, background_summary, cancel_precompile,  # noqa: F401
-                   check_model, compiling, fp32_pinned, memory_scope, own_workspaces, precompile, prepare_load, start_workers)
+                   check_model, compiling, fp32_pinned, memory_scope, own_workspaces, precompile, prepare_load,
+                   slim_engine, start_workers)
 
 name = "tensorrt"
 suffix = ".plan"
@@ -644,8 +645,10 @@ class TrtWholeModelRunner(TrtEngine):
 
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cuda",
          options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
-         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True, *, memory=None) -> TrtEngine:
-    """A branch engine; ``device`` is always a GPU for TensorRT (``run`` is a host-in, host-out path over it)."""
+         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True, model_weights=None, *,
+         memory=None) -> TrtEngine:
+    """A branch engine; ``device`` is always a GPU for TensorRT (``run`` is a host-in, host-out path over it; a
+    plan holds its weights: ``model_weights`` does not apply)."""
     try:
         _trt()
     except ImportError:

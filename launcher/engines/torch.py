@@ -313,6 +313,27 @@ class EngineFile:
             raise ParastreamError("not a readable torch engine (no branch.onnx); rebuild the bundle")
         return data
 
+    def branch_model(self, model_weights: Callable[[str], "onnx.TensorProto | None"] | None = None) -> "onnx.ModelProto":
+        """branch.onnx as a model: the initializers engine.json lists in ``weights_in_model`` (``slim_engine``: a
+        written bundle's compiled engine keeps only their names) filled in from ``model_weights`` (name -> the
+        bundle's model.onnx initializer, ``Bundle.initializer``)."""
+        model = _branch_model(self.onnx())
+        named = self.meta.get("weights_in_model") or []
+        if not named:
+            return model
+        if model_weights is None:
+            raise ParastreamError("the engine keeps its weights in its bundle's model.onnx; load it from its bundle "
+                                  "(parastream.launcher.load) to compile it again")
+        held = {t.name: t for t in model.graph.initializer}
+        for name in named:
+            t, src = held.get(name), model_weights(name)
+            if t is None or src is None or list(src.dims) != list(t.dims) or src.data_type != t.data_type:
+                raise ParastreamError(f"the engine's weight {name!r} is not in its bundle's model.onnx as built; "
+                                      "rebuild the bundle")
+            t.CopyFrom(src)
+            t.name = name
+        return model
+
     def compiled(self) -> bytes | None:
         return self._read(_MEMBER.get(self.meta.get("compiled")))
 
@@ -324,6 +345,49 @@ def unpack(data: bytes) -> tuple[dict, bytes, bytes | None]:
     """(engine.json, branch.onnx, the compiled code or None: ``meta["compiled"]`` says which)."""
     f = EngineFile(data)
     return f.meta, f.onnx(), f.compiled()
+
+
+def slim_engine(data: bytes, held: Callable[[str], "onnx.TensorProto | None"]) -> bytes:
+    """A compiled engine file as a bundle ships it beside its model.onnx: branch.onnx without the data of the
+    initializers that ``held`` (name -> model.onnx's initializer) holds with equal bytes, named in engine.json's
+    ``weights_in_model``.  A compiled engine's load reads weights.bin and the compiled code only; branch.onnx is
+    read where an engine is compiled again (another layout or fusion than built) and by ``localize``, which refill
+    it from the bundle's model.onnx (``EngineFile.branch_model``).  Without it every engine carried its fp32
+    weights a second time (NASNet-A Large: 355 of its 536 MB of engines, hashed and read at every load).  An engine
+    without compiled code (compiled at every load) is left whole, as is anything this cannot read."""
+    import onnx
+
+    try:
+        f = EngineFile(data)
+    except ParastreamError:
+        return data
+    if f._zip is None or not f.meta.get("compiled") or f.meta.get("weights_in_model"):
+        return data
+    model = _branch_model(f.onnx())
+    named = []
+    for t in model.graph.initializer:
+        src = held(t.name)
+        if src is None or src.data_type != t.data_type or list(src.dims) != list(t.dims) or not _same_values(src, t):
+            continue
+        kept = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
+        t.CopyFrom(kept)
+        named.append(t.name)
+    if not named:
+        return data
+    return pack(dict(f.meta, weights_in_model=named), model.SerializeToString(), f.compiled(), f.weights())
+
+
+def _same_values(a: "onnx.TensorProto", b: "onnx.TensorProto") -> bool:
+    """Whether two initializers of one dtype and shape hold the same values (their raw bytes compared where both
+    keep them so, the common case: no copy)."""
+    if a.HasField("raw_data") and b.HasField("raw_data"):
+        return a.raw_data == b.raw_data
+    from onnx import numpy_helper
+
+    try:
+        return np.array_equal(numpy_helper.to_array(a), numpy_helper.to_array(b))
+    except Exception:  # noqa: BLE001 - not comparable here (an external or odd encoding): kept in the engine
+        return False
 
 
 def _branch_model(onnx_bytes: bytes) -> onnx.ModelProto:
@@ -1690,7 +1754,8 @@ class TorchEngine:
 
     def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str,
                  options: BuildOptions, internal_nhwc: set[str] | None = None,
-                 channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True):
+                 channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True,
+                 model_weights: Callable | None = None):
         import torch
 
         self.inputs = inputs
@@ -1732,7 +1797,7 @@ class TorchEngine:
         else:
             from .onnx_torch import convert, to_device_shared
 
-            self.module = to_device_shared(convert(_branch_model(engine.onnx()), self.dtype, fuse_conv_relu=fuse,
+            self.module = to_device_shared(convert(engine.branch_model(model_weights), self.dtype, fuse_conv_relu=fuse,
                                                    fuse_attention=options.fuse_attention,
                                                    conv_kernels=options.conv_kernels,
                                                    fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options),
@@ -1887,10 +1952,12 @@ class TorchEngine:
 
 def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], device: str = "cpu",
          options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
-         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True) -> TorchEngine:
+         channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True,
+         model_weights: Callable | None = None) -> TorchEngine:
     """One branch's engine.  A GPU engine is warmed (its first call, ``TorchEngine.warm``) unless ``warm=False`` and
     it ships a "kernels" artifact: the launcher then warms it itself, on its branch's stream, in the thread that
-    captures (torch's cuDNN plans are per thread)."""
+    captures (torch's cuDNN plans are per thread).  ``model_weights``: name -> its bundle's model.onnx initializer,
+    for an engine compiled again at this load whose weights the bundle keeps there (``slim_engine``)."""
     try:
         import torch
     except ImportError:
@@ -1899,4 +1966,5 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
     if device == "cuda":
         torch.backends.cuda.matmul.allow_tf32 = options.precision == "tf32"
         torch.backends.cudnn.allow_tf32 = options.precision == "tf32"
-    return TorchEngine(data, inputs, outputs, device, options, internal_nhwc, channel_views, warm=warm)
+    return TorchEngine(data, inputs, outputs, device, options, internal_nhwc, channel_views, warm=warm,
+                       model_weights=model_weights)

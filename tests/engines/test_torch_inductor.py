@@ -378,6 +378,81 @@ def test_a_tampered_inductor_bin_is_refused_by_the_manifest_hash(cpu_bundle, tmp
         Bundle.open(copy)
 
 
+# -- a written bundle's engines leave their ONNX weights to model.onnx (``slim_engine``) -------------------------
+def _slimmed_copy(bundle, dest, *, signature=None):
+    """``bundle`` copied to ``dest`` with each engine slimmed against its model.onnx as a build writes it (and,
+    with ``signature``, the engines claiming another signature, so that a load compiles them again)."""
+    from parastream.launcher.bundle import Bundle, write_manifest
+
+    shutil.copytree(bundle.path, dest)
+    held = {t.name: t for t in onnx.load(str(dest / "model.onnx")).graph.initializer}
+    for b in bundle.plan.branches:
+        data = tb.slim_engine((dest / b.engine).read_bytes(), held.get)
+        if signature is not None:
+            f = tb.EngineFile(data)
+            data = tb.pack(dict(f.meta, signature=signature), f.onnx(), f.compiled(), f.weights())
+        (dest / b.engine).write_bytes(data)
+    write_manifest(dest, {k: v for k, v in bundle.manifest.items() if k not in ("files", "version")})
+    return Bundle.open(dest)
+
+
+def test_a_bundle_s_compiled_engines_leave_their_onnx_weights_to_model_onnx(cpu_bundle, tmp_path):
+    """An engine slimmed for its bundle keeps branch.onnx's graph and the names of the weights model.onnx holds
+    with equal bytes (engine.json's ``weights_in_model``), not their data; its compiled code and weights.bin are
+    unchanged, and the bundle loads and runs as before without reading model.onnx."""
+    _, bundle = cpu_bundle
+    slim = _slimmed_copy(bundle, tmp_path / "slim")
+    b = bundle.plan.branches[0]
+    whole, thin = tb.EngineFile(bundle.engine_bytes(b)), tb.EngineFile(slim.engine_bytes(b))
+    assert sorted(thin.meta["weights_in_model"]) == ["b", "half", "w"]
+    assert len(slim.engine_bytes(b)) < len(bundle.engine_bytes(b))
+    assert all(not t.raw_data and not t.float_data for t in onnx.load_from_string(thin.onnx()).graph.initializer)
+    assert (thin.compiled(), thin.weights()) == (whole.compiled(), whole.weights())
+    x = np.random.default_rng(21).standard_normal(IN.shape).astype(np.float32)
+    plan = slim.plan  # (the torch backend's launcher is the GPU one: each engine loaded as it loads them)
+    e = tb.load(slim.engine_bytes(b), [plan.tensors[t] for t in b.inputs], [plan.tensors[t] for t in b.outputs],
+                device="cpu", model_weights=slim.initializer)
+    assert not e.compiled_at_load
+    np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(1), x), rtol=1e-5, atol=1e-5)
+    assert slim._initializers is None  # (model.onnx never read: a compiled engine's load needs none of it)
+    # slimmed again: the same file (nothing left to take out)
+    assert tb.slim_engine(slim.engine_bytes(b), lambda name: None) == slim.engine_bytes(b)
+
+
+def test_an_engine_compiled_again_at_load_takes_its_weights_from_the_bundle_s_model(cpu_bundle, tmp_path):
+    """A slimmed engine that a load compiles again (here: compiled for another signature) gets its weights from
+    the bundle's hash-checked model.onnx and computes as before; handed no model, it is one clear error."""
+    _, bundle = cpu_bundle
+    b = bundle.plan.branches[0]
+    slim = _slimmed_copy(bundle, tmp_path / "slim", signature=[["x", "float32", [1, 3, 9, 9], False, None]])
+    x = np.random.default_rng(22).standard_normal(IN.shape).astype(np.float32)
+    plan = slim.plan
+    ins, outs = [plan.tensors[t] for t in b.inputs], [plan.tensors[t] for t in b.outputs]
+    e = tb.load(slim.engine_bytes(b), ins, outs, device="cpu", model_weights=slim.initializer)
+    assert e.compiled_at_load and slim._initializers is not None
+    np.testing.assert_allclose(e.run({"x": x})["y"], ort(branch(1), x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(ParastreamError, match="keeps its weights in its bundle's model.onnx"):
+        tb.load(slim.engine_bytes(b), ins, outs, device="cpu")
+    wrong = onnx.helper.make_tensor("w", onnx.TensorProto.FLOAT, [4, 3, 1, 1], np.zeros(12, np.float32))
+    with pytest.raises(ParastreamError, match="weight 'w' is not in its bundle's model.onnx as built"):
+        tb.load(slim.engine_bytes(b), ins, outs, device="cpu",
+                model_weights=lambda n: wrong if n == "w" else slim.initializer(n))
+
+
+def test_only_weights_model_onnx_holds_with_equal_bytes_leave_an_engine(built):
+    """A weight whose name model.onnx holds with other values or another shape stays in the engine; an engine
+    without compiled code (compiled at every load) is left whole."""
+    held = {t.name: t for t in branch(1).graph.initializer}
+    other = {t.name: t for t in branch(2).graph.initializer}  # the same names, other values
+    mixed = {"w": held["w"], "b": other["b"], "half": held["half"]}
+    meta = tb.EngineFile(tb.slim_engine(built.a, mixed.get)).meta
+    assert sorted(meta["weights_in_model"]) == ["half", "w"]
+    assert tb.slim_engine(built.a, other.get) == built.a or \
+        tb.EngineFile(tb.slim_engine(built.a, other.get)).meta["weights_in_model"] == ["half"]  # (0.5 in both)
+    plain = tb.Builder(BuildOptions(device="cpu", compile=False)).build(branch(1), "b")
+    assert tb.slim_engine(plain, held.get) == plain
+
+
 # -- GPU: the whole bundle -------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):

@@ -43,6 +43,26 @@ def test_bundle_layout_and_manifest(model_path, tmp_path):
     assert [p.name for p in tmp_path.iterdir() if p.name.startswith(".")] == []
 
 
+def test_a_written_bundle_s_engines_are_slimmed_against_its_model_onnx(model_path, tmp_path, monkeypatch):
+    """Each engine a build writes into the bundle goes through the backend's ``slim_engine`` with model.onnx's
+    initializers (what the bundle keeps once for its engines: the torch backend's compiled engines drop their ONNX
+    weights, tests/engines/test_torch_inductor.py); the file written is what it returns, and the bundle verifies."""
+    from parastream.launcher.engines import onnxruntime as ort_backend
+
+    seen = []
+
+    def slim(data, held):
+        seen.append(data)
+        return data + b""  # (the same bytes: an ONNX Runtime engine is its branch's ONNX)
+
+    monkeypatch.setattr(ort_backend, "slim_engine", slim)
+    bundle = build(model_path, tmp_path / "out", backend="onnxruntime", search=False, streams=3)
+    written = {bundle.engine_bytes(b) for b in bundle.plan.branches}
+    assert bundle.plan.branches and written <= set(seen)
+    model = onnx.load(str(tmp_path / "out" / "model.onnx"))
+    assert bundle.report["verification"]["passed"] and model.graph.initializer
+
+
 def test_three_branches_run_on_three_streams(model_path, tmp_path):
     bundle = build(model_path, tmp_path / "out", backend="onnxruntime", search=False, streams=3)
     plan = bundle.plan
