@@ -178,6 +178,10 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     row["measure_log"] = (rep.get("search") or {}).get("measure_log")
     row["nodes"] = [rep["model"]["nodes_in"], rep["model"]["nodes_out"]]
     row["peak_rss_mb"] = rep.get("peak_rss_mb")
+    # what a Triton repository ships and every load hashes: the bundle's files, and of them its engines
+    files = [f for f in (work / f"{stem}_bundle").rglob("*") if f.is_file()]
+    row["bundle_mb"] = round(sum(f.stat().st_size for f in files) / 1e6, 1)
+    row["engines_mb"] = round(sum(f.stat().st_size for f in files if "engines" in f.parts) / 1e6, 1)
     # the baseline's compile, once, to fill Inductor's cache for the timing process (the machine's own cache)
     t0 = time.perf_counter()
     users_compiled(name, model, inputs)
@@ -451,7 +455,12 @@ def _geomean(xs: list[float]) -> float:
 
 COLUMNS = ("model", "family", "batch", "nodes in → out", "streams / engines", "parastream ms", "parastream items/s",
            "one stream ms", "torch.compile ms", "vs compile", "vs one stream", "kept (rewrites; timed choices)",
-           "max err (scale)", "build s", "build stages s", "load s", "fresh load s", "rebuild s")
+           "max err (scale)", "build s", "build stages s", "load s", "fresh load s", "rebuild s",
+           "bundle MB (engines)")
+
+
+def _sizes(r: dict) -> str:
+    return f"{r['bundle_mb']:.0f} ({r['engines_mb']:.0f})" if "bundle_mb" in r else "-"
 
 
 def table(rows: list[dict]) -> str:
@@ -490,7 +499,8 @@ def table(rows: list[dict]) -> str:
         out.append(f"| {r['model']} | {family(r['model'])} | {batch} | {r['nodes'][0]} → {r['nodes'][1]} | "
                    f"{r['streams']} / {r['engines']} | {r['parastream_ms']:.3f} | {batch * 1e3 / r['parastream_ms']:,.0f} | "
                    f"{r['one_stream_ms']:.3f} | {r['compile_ms']:.3f} | {c:.2f}x | {b:.2f}x | {kept(r)} | "
-                   f"{err:.1e} | {r.get('build_s', 0):.0f} | {_stages(r)} | {r.get('load_s', 0):.1f} | {fresh} | {again} |")
+                   f"{err:.1e} | {r.get('build_s', 0):.0f} | {_stages(r)} | {r.get('load_s', 0):.1f} | {fresh} | {again} | "
+                   f"{_sizes(r)} |")
     out.append("")
     for batch, got in sorted(by_batch.items()):
         slower = [f"{m} {c:.2f}x" for m, c, _ in got if c < 1]
