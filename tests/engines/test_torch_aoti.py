@@ -251,7 +251,7 @@ def test_build_compiles_each_branch_for_the_layout_the_gpu_launcher_gives_it(tmp
 
     backend = types.SimpleNamespace(name="torch", suffix=".zip", gpu=True, supports_internal_nhwc=True,
                                     supports_channel_views=True, compiles_for_layout=True, builds_side_by_side=False,
-                                    Builder=Recording)
+                                    Builder=Recording, slim_engine=lambda data, held: data)
     model = onnx.load(tmp_path / "ort" / "model.onnx")
     graph = gs.import_onnx(model)
     graph.toposort()
