@@ -267,6 +267,7 @@ def test_the_option_is_recorded_and_read_back_at_load():
 
 
 def test_the_command_line_turns_the_plans_off():
+    """On by default; ``--no-cudnn-plans`` builds torch's convolutions, whose plans every process builds."""
     import argparse
 
     from parastream.pipeline.cli import add_backend_args
