@@ -439,6 +439,21 @@ def test_an_engine_compiled_again_at_load_takes_its_weights_from_the_bundle_s_mo
                 model_weights=lambda n: wrong if n == "w" else slim.initializer(n))
 
 
+def test_localize_runs_a_slimmed_engine_s_branch_with_the_model_s_weights(cpu_bundle, tmp_path):
+    """``localize`` runs each engine's branch alone: from a slimmed engine, with the weights refilled from the
+    bundle's model.onnx, the same graph and values as the branch it was built from."""
+    from parastream.pipeline.localize import _branch_graph
+
+    _, bundle = cpu_bundle
+    slim = _slimmed_copy(bundle, tmp_path / "slim")
+    b = slim.plan.branches[0]
+    graph, how = _branch_graph(slim, b, None)
+    assert how == "float32"
+    got = {t.name: numpy_helper.to_array(t) for t in graph.graph.initializer}
+    want = {t.name: numpy_helper.to_array(t) for t in branch(1).graph.initializer}
+    assert got.keys() == want.keys() and all(np.array_equal(got[k], want[k]) for k in want)
+
+
 def test_only_weights_model_onnx_holds_with_equal_bytes_leave_an_engine(built):
     """A weight whose name model.onnx holds with other values or another shape stays in the engine; an engine
     without compiled code (compiled at every load) is left whole."""
