@@ -9,8 +9,8 @@ kernel included (``pygraph.serialize`` / ``deserialize``), which is what this mo
 plans by key (``PlanCache``), filled from the serialized plans loaded engines offer (``PlanCache.load``), from the
 plans the other processes of a build shared (``shared_dir``), or by building a plan the first time a key is seen;
 and ``conv2d``, the op that runs a convolution through it (``torch.ops.parastream.cudnn_conv2d``, which the
-converter writes for the depthwise convolutions of a build with ``BuildOptions.cudnn_plans``, opt-in, and Inductor
-calls as an extern kernel).  A compile worker's run of the engine it compiled records the plans it used
+converter writes for the depthwise convolutions of a CUDA engine with ``BuildOptions.cudnn_plans``, on by default,
+and Inductor calls as an extern kernel).  A compile worker's run of the engine it compiled records the plans it used
 (``recording``), and the kernels artifact ships them (``inductor_kernels.extract``).
 
 The frontend is NVIDIA's ``nvidia-cudnn-frontend`` package (module ``cudnn``), which loads the libcudnn that torch
@@ -259,13 +259,10 @@ def _shared_path(device_index: int, key: str):
 
 def _share(path, plan: _Plan) -> None:
     """``plan`` written where the build's other processes find it (atomically: a reader sees all of it or none)."""
-    import os
+    from parastream.core.files import write_atomic
 
     try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(f".{os.getpid()}.tmp")
-        tmp.write_bytes(bytes(plan.serialized()))
-        os.replace(tmp, path)
+        write_atomic(path, bytes(plan.serialized()))
     except OSError:  # a folder it cannot write: each process builds its own, as before
         pass
 

@@ -361,7 +361,7 @@ def slim_engine(data: bytes, held: Callable[[str], "onnx.TensorProto | None"]) -
         f = EngineFile(data)
     except ParastreamError:
         return data
-    if f._zip is None or not f.meta.get("compiled") or f.meta.get("weights_in_model"):
+    if not f.meta.get("compiled") or f.meta.get("weights_in_model"):  # (bare ONNX reads as not compiled)
         return data
     model = _branch_model(f.onnx())
     named = []
