@@ -640,6 +640,24 @@ def _rmtree(p: Path) -> None:
 
 
 # -- kill trials: real processes, a signal at a random moment ---------------------------------------
+def _wait_for_handlers(p: subprocess.Popen, timeout: float = 60.0) -> float:
+    """Seconds until process ``p`` catches SIGTERM and SIGHUP (the CLI's ``interrupts.signals_raise``), read from
+    the caught-signal mask in /proc/PID/status; it returns early if ``p`` ends.  Without /proc: a fixed second."""
+    t0 = time.monotonic()
+    want = (1 << (signal.SIGTERM - 1)) | (1 << (signal.SIGHUP - 1))
+    status = Path(f"/proc/{p.pid}/status")
+    while time.monotonic() - t0 < timeout and p.poll() is None:
+        try:
+            caught = next(int(line.split()[1], 16) for line in status.read_text().splitlines() if line.startswith("SigCgt:"))
+        except (OSError, StopIteration):
+            time.sleep(1.0)
+            break
+        if caught & want == want:
+            break
+        time.sleep(0.01)
+    return time.monotonic() - t0
+
+
 def kill_trials(n: int, seed: int, work: Path, timeout: float = 120.0) -> list[dict]:
     """Build an example model, send SIGKILL/SIGTERM/SIGHUP/SIGINT at a random moment, then check: OUT is absent
     or a complete bundle; nothing but OUT beside it (a SIGKILL's folder may stay until the next build, which
@@ -661,8 +679,11 @@ def kill_trials(n: int, seed: int, work: Path, timeout: float = 120.0) -> list[d
         if existing:
             subprocess.run(cmd, cwd=folder, capture_output=True, timeout=timeout)
             cmd.append("--force")
-        delay = rng.uniform(1.0, 6.0)  # after the imports (a Ctrl-C during them is Python's own traceback)
+        delay = rng.uniform(0.0, 5.0)
         p = subprocess.Popen(cmd, cwd=folder, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+        # counted from the moment the command catches the signals, not from its start: a Ctrl-C during Python's
+        # start-up and the imports is Python's own traceback, and those take from 0.3 s to over a second
+        started = _wait_for_handlers(p)
         time.sleep(delay)
         p.send_signal(sig)
         try:
@@ -694,7 +715,8 @@ def kill_trials(n: int, seed: int, work: Path, timeout: float = 120.0) -> list[d
             cleaned = not after and r.returncode == 0
             if not cleaned:
                 problems.append(f"next build left {after} (exit {r.returncode})")
-        rec = {"trial": i, "model": model.stem, "signal": sig.name, "delay_s": round(delay, 2), "replacing": existing,
+        rec = {"trial": i, "model": model.stem, "signal": sig.name, "start_s": round(started, 2),
+               "delay_s": round(delay, 2), "replacing": existing,
                "rc": p.returncode, "out_complete": out.exists(), "left_by_kill": beside, "cleaned_by_next_build": cleaned,
                "stderr": err.strip().splitlines()[-1][:200] if err.strip() else "",
                "outcome": "ok" if not problems else "; ".join(problems)}
