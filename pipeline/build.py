@@ -40,7 +40,7 @@ from .timings import now as utc_now
 from .outdir import check_target, staging
 from parastream.core.blocks import split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
-from .verify import resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
+from .verify import ReferenceRun, resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
 REPORT_VERSION = 1
 DEFAULT_MAX_STREAMS = 4
@@ -713,6 +713,12 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
     and manifest complete but not written over the staging ones (a dynamic-batch build adds its buckets to them
     and writes them once, ``buckets.build_buckets``)."""
     b = load_and_check(model_path, cfg, backend, bar, shapes)
+    with reference_ahead(b):
+        return _build_loaded(b, stage, measure_search=measure_search, final=final)
+
+
+def _build_loaded(b: "_Build", stage, *, measure_search: bool, final: bool) -> "Bundle | _Build":
+    """``build_static``'s stages after the load."""
     rewrite_search(b, measure=measure_search)
     schedule_streams(b)
     with contextlib.ExitStack() as scratch:  # the CPU alternatives' engines, until the bundle has copied the kept one's
@@ -769,6 +775,7 @@ class _Build:
     measured_plan: str | None = None
     taken: dict = field(default_factory=dict)
     timed_here: bool = False  # something was timed on the GPU by this build (and is recorded)
+    reference: ReferenceRun | None = None  # the verification's reference, running while the build goes on
     engines: Engines | None = None  # plans, builds and loads engines (the bundle's and those measurement times)
 
     def __post_init__(self):
@@ -799,9 +806,13 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     up the cost model and engine options."""
     t0 = time.perf_counter()
     options = engine_options(cfg, backend)
-    loaded: LoadedModel = load_model(model_path, shapes)
-    if backend.background_compiles:  # torch on a GPU: its compile workers start while the model is checked and planned
-        backend.start_workers(options)
+    if backend.background_compiles:  # torch on a GPU: its compile workers start while the model loads, is checked
+        backend.start_workers(options)  # and planned (each spawns and imports torch and Inductor: seconds)
+    try:
+        loaded: LoadedModel = load_model(model_path, shapes)
+    except BaseException:
+        backend.stop_workers()  # a model that does not load: its one-line error, without waiting for them
+        raise
     timings_file, recorded = open_timings(cfg, backend, loaded)
     # ONNX Runtime's load of the original is checked up front, before anything is compiled, unless an earlier
     # build of this very structure with this code recorded its timings (it loaded it then; the verification
@@ -819,6 +830,22 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     b.timings["load"] = time.perf_counter() - t0
     b.timings_file, b.recorded = timings_file, recorded
     return b
+
+
+def runs_reference_ahead(b: "_Build") -> bool:
+    """Whether the verification's reference runs during the build (``ReferenceRun``): a build that verifies, on
+    a GPU, where the build's own work is on the GPU and in compile workers.  A CPU build times its alternatives
+    on the CPU's cores, which a reference running beside them would disturb."""
+    return bool(b.cfg.verify) and gpu_present(b.backend)
+
+
+def reference_ahead(b: "_Build") -> contextlib.AbstractContextManager:
+    """``b.reference`` started where ``runs_reference_ahead``, as the block it runs during."""
+    if not runs_reference_ahead(b):
+        return contextlib.nullcontext()
+    b.reference = ReferenceRun(b.loaded.original, b.loaded.inputs, seed=b.cfg.seed + 1,
+                               original_bytes=b.loaded.original_bytes())
+    return b.reference
 
 
 def open_timings(cfg: BuildConfig, backend, loaded: LoadedModel) -> tuple[Path | None, dict | None]:
@@ -1098,7 +1125,7 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
         rtol, atol, scale_tol = resolve_tolerances(cfg.precision, cfg.rtol, cfg.atol, cfg.scale_tol)
         result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
                                   scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle,
-                                  original_bytes=loaded.original_bytes())
+                                  original_bytes=loaded.original_bytes(), reference=b.reference)
         task.advance()
     b.report["verification"] = dict(result.to_dict(), **loaded_as)
     if not result.passed:

@@ -199,6 +199,8 @@ class Backend(Protocol):
 
     def start_workers(self, options: BuildOptions) -> None: ...
 
+    def stop_workers(self) -> None: ...
+
     def precompile(self, batches: list[tuple[Builder, list[BuildItem]]], *, background: bool = False,
                    cancellable: bool = True, order: str = "auto", label: str = "") -> dict | None: ...
 
@@ -238,6 +240,10 @@ def slim_engine(data: bytes, held: Callable) -> bytes:
 
 
 def start_workers(options: BuildOptions) -> None:
+    """No compile workers."""
+
+
+def stop_workers() -> None:
     """No compile workers."""
 
 

@@ -13,7 +13,7 @@ import onnx
 from ..plan import TensorSpec
 from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling,  # noqa: F401
                    describe_device, memory_scope, own_workspaces, precompile, prepare_load, slim_engine,
-                   start_workers)
+                   start_workers, stop_workers)
 
 name = "onnxruntime"
 suffix = ".onnx"

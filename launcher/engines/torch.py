@@ -1016,8 +1016,13 @@ def _split_entry(entry: bytes) -> tuple[bytes, dict, bytes | None]:
     return entry[4 + n:end], head["extra"], entry[end:] or None
 
 
-def _ready() -> bool:
-    return True
+def _ready() -> float:
+    """When this worker was ready (its initializer done), in seconds since the epoch: the build's clock differs."""
+    return time.time()
+
+
+#: the ``_ready`` futures of the workers ``start_workers`` started (``background_summary`` says when they were ready)
+_READY: list = []
 
 
 def start_workers(options: BuildOptions) -> None:
@@ -1030,8 +1035,34 @@ def start_workers(options: BuildOptions) -> None:
     pool = _pool(workers)
     if not getattr(pool, "_parastream_started", False):
         pool._parastream_started = True
-        for _ in range(workers):  # the pool spawns a worker per task it is handed, up to its size
-            pool.submit(_ready)
+        _READY[:] = [pool.submit(_ready) for _ in range(workers)]  # the pool spawns a worker per task, up to its size
+
+
+def stop_workers() -> None:
+    """End the compile workers now, without waiting for them (a build that stopped before it handed them any
+    work, on a model that does not load): else the process's exit waits until each has imported torch and
+    Inductor.  ``ProcessPoolExecutor`` ends its processes only when they finish their task (Python 3.14's
+    ``terminate_workers`` does what this does), so they are terminated here.  The next build starts a pool again."""
+    for workers in list(_POOL):
+        pool = _POOL.pop(workers)
+        processes = list((getattr(pool, "_processes", None) or {}).values())
+        pool.shutdown(wait=False, cancel_futures=True)
+        for proc in processes:
+            try:
+                proc.terminate()
+            except (OSError, AttributeError):
+                pass
+    _READY.clear()
+
+
+def _workers_ready(since: float) -> dict | None:
+    """When the workers ``start_workers`` started were ready, in seconds after ``since`` (perf_counter): the
+    first and the last, and how many."""
+    if not _READY or not all(f.done() and not f.cancelled() and f.exception() is None for f in _READY):
+        return None
+    offset = time.time() - time.perf_counter()  # this process's epoch seconds at perf_counter 0
+    at = sorted(f.result() - offset - since for f in _READY)
+    return {"workers": len(at), "first_s": round(at[0], 2), "last_s": round(at[-1], 2)}
 
 
 def _pool(workers: int):
@@ -1633,8 +1664,9 @@ def background_summary(since: float) -> dict:
     say what kept the workers busy when."""
     with _QUEUE_LOCK:
         done = [v for v in _DONE.values() if v[2] >= since]
+    ready = _workers_ready(since)
     if not done:
-        return {"groups": 0}
+        return {"groups": 0, **({"workers_ready": ready} if ready else {})}
     longest = max(done, key=lambda v: v[4] - v[3])
     by_label: dict = {}
     for v in done:
@@ -1645,7 +1677,7 @@ def background_summary(since: float) -> dict:
         got["worker_s"] += v[4] - v[3]
         got["first_started_s"] = min(got["first_started_s"], v[3] - since)
         got["last_done_s"] = max(got["last_done_s"], v[4] - since)
-    return {"groups": len(done), "branches": sum(v[1] for v in done),
+    return {"groups": len(done), "branches": sum(v[1] for v in done), **({"workers_ready": ready} if ready else {}),
             "longest": {"s": round(longest[4] - longest[3], 2), "branches": longest[1], "nodes": longest[0],
                         "started_s": round(longest[3] - since, 2)},
             "last_done_s": round(max(v[4] for v in done) - since, 2),

@@ -328,13 +328,14 @@ def test_compile_workers_start_before_the_first_batch_only_for_gpu_builds(monkey
 
     pool = Pool()
     monkeypatch.setattr(tb, "_pool", lambda n: pool)
+    monkeypatch.setattr(tb, "_READY", [])
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "3")
     tb.start_workers(BuildOptions(device="cpu"))
     tb.start_workers(BuildOptions(device="cuda", compile=False))
     assert handed == []
     tb.start_workers(BuildOptions(device="cuda"))
     tb.start_workers(BuildOptions(device="cuda"))  # started once
-    assert handed == [tb._ready] * 3 and tb._ready() is True
+    assert handed == [tb._ready] * 3 and abs(tb._ready() - time.time()) < 1
     pool._parastream_started = False
     tb.start_workers(BuildOptions(device="cuda", torch_artifact="jit"))
     assert len(handed) == 3
@@ -367,3 +368,65 @@ def test_a_builder_waits_for_background_compiles_one_branch_at_a_time(compiles, 
     assert len(compiles) == 2  # each once, in the background
     assert not tb.Builder(o).waits_for_background(items)  # all compiled: nothing to wait for
     pool.shutdown()
+
+
+def test_the_summary_says_when_the_started_workers_were_ready(monkeypatch):
+    """``start_workers`` hands each worker a ``_ready`` task; ``background_summary`` gives when the first and the
+    last were ready, in the build's seconds (threads stand in for the worker processes)."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    pool = ThreadPoolExecutor(3)
+    monkeypatch.setattr(tb, "_pool", lambda n: pool)
+    monkeypatch.setattr(tb, "_READY", [])
+    since = time.perf_counter()
+    tb.start_workers(BuildOptions(device="cuda", compile_workers=3))
+    for f in tb._READY:
+        f.result(10)
+    got = tb.background_summary(since)["workers_ready"]
+    assert got["workers"] == 3 and 0 <= got["first_s"] <= got["last_s"] < 5
+    tb.start_workers(BuildOptions(device="cpu", compile_workers=3))  # a CPU build starts none
+    assert len(tb._READY) == 3
+    pool.shutdown()
+
+
+def _sleep(s):
+    time.sleep(s)
+
+
+def test_stop_workers_ends_the_worker_processes_without_waiting_for_their_task(monkeypatch):
+    """A build whose model does not load ends the workers it started: a process pool ends its processes only when
+    their task is done, and the process's exit would wait for that."""
+    import multiprocessing
+    from concurrent.futures import ProcessPoolExecutor
+
+    pool = ProcessPoolExecutor(2, mp_context=multiprocessing.get_context("spawn"))
+    monkeypatch.setattr(tb, "_POOL", {2: pool})
+    for _ in range(2):
+        pool.submit(_sleep, 60)
+    deadline = time.monotonic() + 60
+    while len(pool._processes) < 2 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    processes = list(pool._processes.values())
+    t0 = time.monotonic()
+    tb.stop_workers()
+    for p in processes:
+        p.join(10)
+    assert not any(p.is_alive() for p in processes) and time.monotonic() - t0 < 10
+    assert tb._POOL == {}
+
+
+def test_a_build_whose_model_does_not_load_stops_the_workers_it_started(tmp_path, monkeypatch):
+    import importlib
+
+    from parastream.launcher.errors import ParastreamError
+    from parastream.pipeline import BuildConfig
+
+    b = importlib.import_module("parastream.pipeline.build")  # (the package's ``build`` is the function)
+    started, stopped = [], []
+    monkeypatch.setattr(tb, "start_workers", lambda options: started.append(options.device))
+    monkeypatch.setattr(tb, "stop_workers", lambda: stopped.append(True))
+    bad = tmp_path / "bad.onnx"
+    bad.write_bytes(b"not a model")
+    with pytest.raises(ParastreamError, match="not an ONNX model"):
+        b.load_and_check(bad, BuildConfig(backend="torch"), tb, b._Progress(False), {})
+    assert started and stopped == [True]

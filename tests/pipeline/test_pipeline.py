@@ -121,6 +121,28 @@ def test_report_records_verification(model_path, tmp_path):
     assert bundle.report["schedule"]["graph_width"] == 3
 
 
+def test_a_build_that_runs_its_reference_ahead_verifies_as_one_that_does_not(model_path, tmp_path, monkeypatch):
+    """Where the reference runs during the build (a GPU build: ``runs_reference_ahead``), the verification's
+    figures are those of a build that runs it at the end, and a wrong launcher still fails it."""
+    from parastream.launcher import cpu
+    from parastream.launcher.errors import VerificationError
+    import importlib
+
+    build_module = importlib.import_module("parastream.pipeline.build")  # (the package's ``build`` is the function)
+
+    plain = build(model_path, tmp_path / "plain", backend="onnxruntime", search=False).report["verification"]
+    monkeypatch.setattr(build_module, "runs_reference_ahead", lambda b: True)
+    ahead = build(model_path, tmp_path / "ahead", backend="onnxruntime", search=False).report["verification"]
+    assert plain["passed"] and ahead["passed"] and "reference_ahead_s" not in plain and ahead["reference_ahead_s"] > 0
+    assert ahead["outputs"] == plain["outputs"]
+
+    real_call = cpu.CpuLauncher.__call__
+    monkeypatch.setattr(cpu.CpuLauncher, "__call__", lambda self, feeds: {k: v + 1e-2 for k, v in real_call(self, feeds).items()})
+    with pytest.raises(VerificationError):
+        build(model_path, tmp_path / "wrong", backend="onnxruntime", search=False)
+    assert not (tmp_path / "wrong").exists()
+
+
 def test_verification_failure_writes_no_bundle(model_path, tmp_path, monkeypatch):
     """A launcher that computes something else must fail verification, exit 1, and leave no OUT."""
     from parastream.launcher import cpu

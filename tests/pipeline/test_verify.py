@@ -347,3 +347,50 @@ def test_an_fp16_causal_model_verifies_on_requests_a_tokenizer_makes(tmp_path, m
     bundle = build(path, tmp_path / "out", backend="torch", precision="fp16", search=False, compile=False)
     v = bundle.report["verification"]
     assert v["passed"] and v["padding_masks"].endswith(": attention_mask")
+
+
+# -- the reference run ahead (ReferenceRun: a GPU build starts it after its load) ------------------------------
+def test_a_reference_run_ahead_gives_the_verification_it_would_have_run_itself():
+    """The same figures as the reference run in place, for a passing and a failing launcher; the result says
+    that the reference ran ahead."""
+    from parastream.pipeline.verify import ReferenceRun
+
+    model = three_branch_model()
+    for fraction, passed in ((0.03, True), (0.5, False)):
+        rtol, atol, scale_tol = resolve_tolerances("fp16")
+        plain = verify(model, NoisyLauncher(model, fraction), INPUTS, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                       seed=3, iterations=2)
+        with ReferenceRun(model, INPUTS, seed=3, iterations=2) as ahead:
+            got = verify(model, NoisyLauncher(model, fraction), INPUTS, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                         seed=3, iterations=2, reference=ahead)
+        assert plain.passed is got.passed is passed
+        assert got.outputs == plain.outputs
+        assert plain.reference_ahead_s is None and got.reference_ahead_s > 0
+        assert "reference_ahead_s" in got.to_dict() and "reference_ahead_s" not in plain.to_dict()
+
+
+def test_a_reference_run_for_other_inputs_is_not_taken():
+    from parastream.pipeline.verify import ReferenceRun
+
+    model = three_branch_model()
+    rtol, atol, scale_tol = resolve_tolerances("fp16")
+    with ReferenceRun(model, INPUTS, seed=4, iterations=2) as ahead:
+        got = verify(model, NoisyLauncher(model, 0.03), INPUTS, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                     seed=3, iterations=2, reference=ahead)
+    assert got.passed and got.reference_ahead_s is None
+
+
+def test_a_reference_that_fails_to_run_is_one_error_at_the_verification(tmp_path):
+    """ONNX Runtime's failure in the thread is raised where the verification takes the reference, as the
+    one-line error the verification gives for it in place."""
+    from parastream.pipeline.verify import ReferenceRun, run_verification
+
+    model = three_branch_model()
+    broken = onnx.ModelProto()
+    broken.CopyFrom(model)
+    broken.graph.initializer[0].dims[0] += 1  # the weights contradict the node that reads them
+    rtol, atol, scale_tol = resolve_tolerances("fp16")
+    with ReferenceRun(broken, INPUTS, seed=3, iterations=2) as ahead:
+        with pytest.raises(ParastreamError, match="model.onnx: running the model on random inputs for verification failed"):
+            run_verification("model.onnx", broken, NoisyLauncher(model, 0.0), INPUTS, rtol=rtol, atol=atol,
+                             scale_tol=scale_tol, seed=3, iterations=2, reference=ahead)
