@@ -1269,15 +1269,18 @@ class Builder(BuilderBase):
         compiled, failed = self._compile(todo, groups)
         return self._finish(items, out, compiled, failed, t0)
 
-    def _jobs(self, items: list[tuple[onnx.ModelProto, str, dict | None]], wait: bool = True
-              ) -> tuple[list, dict[str, tuple], dict[str, list[str]]]:
+    def _jobs(self, items: list[tuple[onnx.ModelProto, str, dict | None]], wait: bool = True,
+              defer_checks: bool = False) -> tuple[list, dict[str, tuple], dict[str, list[str]]]:
         """(one entry per item: its engine bytes, or what to pack once compiled; key -> compile job for each
         distinct branch that no cache holds; structure -> keys that one process compiles in turn).  A branch
         that a background ``precompile`` is compiling is waited for (``wait``) or left to it.  ``self.keys``: the
-        cache key of every compiled item, in order (``precompile`` hands them on)."""
+        cache key of every compiled item, in order (``precompile`` hands them on).  ``defer_checks``: the
+        conversion of each branch to compile (the check that the converter runs it) is left in
+        ``self.deferred_checks`` for the caller to run once the jobs are handed to the workers."""
         from .onnx_torch import convert, has_depthwise_conv
 
         self.keys = []
+        self.deferred_checks = []
         device = self.options.device
         built = built_for(device)
         out: list = []
@@ -1332,7 +1335,10 @@ class Builder(BuilderBase):
                 package, where = cache_get(key, self.options.cache_dir)
                 where = "memory (compiled in the background)" if package is not None else where
             if package is None and key not in todo and key not in _FAILED:
-                converted()
+                if defer_checks:
+                    self.deferred_checks.append(converted)
+                else:
+                    converted()
                 todo[key] = (self.artifact, onnx_bytes, inputs, outputs, device, dtype, nhwc, views, self.options)
                 if len(_NODES) > 65536:
                     _NODES.clear()
@@ -1449,13 +1455,15 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
     if background and batches and compile_workers(batches[0][0].options) <= 1:
         return {"jobs": 0, "failed": 0, "s": 0.0, "background": "one compile worker: compiled when measured"}
     batch_keys: list[list[str]] = []
+    checks: list = []
     for builder, items in batches:
         if builder.artifact == "jit" or not builder.options.compile:
             batch_keys.append([])
             continue
         first = first or builder
-        _, t, g = builder._jobs(items, wait=not background)
+        _, t, g = builder._jobs(items, wait=not background, defer_checks=background)
         batch_keys.append(builder.keys)
+        checks += builder.deferred_checks
         for k, job in t.items():
             todo.setdefault(k, job)
         for gk, keys in g.items():  # a key's group is its structure: the same in every batch
@@ -1469,6 +1477,12 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
                 label=label)
         if first.options.device == "cuda":
             _import_runtime_in_background()
+        # each branch handed to the workers is converted here only now, the check that names a branch the
+        # converter cannot run: converting NASNet-A Large's 332 (and the first conversion's imports: its meta
+        # runs import dynamo) was ~2 s of the build's main thread, which the workers waited for before their
+        # first job.  A branch that fails raises here, by name, as it did before its job was queued
+        for check in checks:
+            check()
         return {"jobs": len(todo), "groups": len(groups), "background": True, "s": round(time.perf_counter() - t0, 3),
                 "keys": batch_keys}
     _, failed = first._compile(todo, groups)

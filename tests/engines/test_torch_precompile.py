@@ -430,3 +430,43 @@ def test_a_build_whose_model_does_not_load_stops_the_workers_it_started(tmp_path
     with pytest.raises(ParastreamError, match="not an ONNX model"):
         b.load_and_check(bad, BuildConfig(backend="torch"), tb, b._Progress(False), {})
     assert started and stopped == [True]
+
+
+def test_a_background_batch_is_queued_before_its_branches_are_converted_and_a_branch_that_fails_is_named(
+        compiles, monkeypatch):
+    """``precompile(background=True)`` hands the jobs to the workers first and converts each branch (the check that
+    the converter runs it) after: the workers do not wait for the checks.  A branch the converter cannot run
+    still fails the call, by its name."""
+    from parastream.launcher.engines import onnx_torch
+    from parastream.launcher.errors import ParastreamError
+
+    events = []
+    monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "2")
+    monkeypatch.setattr(tb, "_submit", lambda todo, *a, **k: events.append(("queued", len(todo))))
+    real = onnx_torch.convert
+
+    def convert(branch, *a, **k):
+        events.append(("converted", branch.graph.name))
+        if branch.graph.node[-1].op_type == "Mul" and branch.graph.node[-1].name == "unsupported":
+            raise onnx_torch.UnsupportedOp("Mul 'unsupported': not here")
+        return real(branch, *a, **k)
+
+    monkeypatch.setattr(onnx_torch, "convert", convert)
+    tb._CONVERTED.clear()
+    got = tb.precompile([(tb.Builder(BuildOptions(device="cpu")), [(branch(5), "a", LAYOUT), (branch(6), "b", LAYOUT)])],
+                        background=True)
+    assert got["jobs"] == 2
+    assert events[0] == ("queued", 2) and [e[0] for e in events[1:]] == ["converted", "converted"]
+    events.clear()
+    bad = branch(7)
+    bad.graph.node[-1].name = "unsupported"
+    with pytest.raises(ParastreamError, match="^c: .*unsupported"):
+        tb.precompile([(tb.Builder(BuildOptions(device="cpu")), [(bad, "c", LAYOUT)])], background=True)
+    assert events[0] == ("queued", 1)
+    # without background, each branch is converted before it compiles
+    events.clear()
+    builder = tb.Builder(BuildOptions(device="cpu"))
+    builder._jobs([(branch(8), "d", LAYOUT)])
+    assert events == [("converted", branch(8).graph.name)] and builder.deferred_checks == []
+    tb._INFLIGHT.clear()
+    tb._QUEUED.clear()
