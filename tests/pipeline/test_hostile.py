@@ -77,6 +77,47 @@ def test_layernorm_with_empty_bias_does_not_crash_the_tool(tmp_path, capsys):
     assert_refused(code, err, out, "m.onnx")
 
 
+def test_the_reference_check_started_as_the_build_begins_reports_the_crash_by_the_file(tmp_path, monkeypatch):
+    """A GPU build checks that ONNX Runtime loads the original in a child started before the model loads
+    (``check_reference_early``): the crash is still one error naming the file.  The torch backend stands in for a
+    GPU build (its own check is nothing: the early child is the only check run)."""
+    import importlib
+
+    from parastream.launcher.engines import torch as tb
+    from parastream.launcher.errors import ParastreamError
+    from parastream.pipeline import BuildConfig
+
+    b = importlib.import_module("parastream.pipeline.build")  # (the package's ``build`` is the function)
+    monkeypatch.setattr(b, "in_child", lambda *a, **k: pytest.fail("checked after the load"))
+    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
+    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
+    s = numpy_helper.from_array(np.ones(8, np.float32), "s")
+    m = helper.make_model(helper.make_graph([helper.make_node("LayerNormalization", ["x", "s", ""], ["y"], name="ln")],
+                                            "g", [x], [y], [s]), opset_imports=[helper.make_opsetid("", 17)])
+    path = save(tmp_path, m)
+    with pytest.raises(ParastreamError, match=r"m\.onnx: loading the model into onnxruntime: the library crashed"):
+        b.load_and_check(path, BuildConfig(backend="torch"), tb, b._Progress(False), {})
+
+
+def test_the_early_reference_check_is_not_taken_for_an_original_other_than_the_file(tmp_path, monkeypatch):
+    """Where the original is not the file as read (two nodes of one name, which the loader makes unique), the
+    early check's result is not taken: the original is checked after the load, and the build goes on."""
+    import importlib
+
+    from parastream.launcher.engines import torch as tb
+    from parastream.pipeline import BuildConfig
+
+    b = importlib.import_module("parastream.pipeline.build")
+    m = three_branch_model()
+    for node in m.graph.node[:2]:
+        node.name = "same"
+    calls = []
+    real = b.in_child
+    monkeypatch.setattr(b, "in_child", lambda *a, **k: calls.append(k["what"]) or real(*a, **k))
+    built = b.load_and_check(save(tmp_path, m), BuildConfig(backend="torch"), tb, b._Progress(False), {})
+    assert calls == ["loading the model into onnxruntime"] and built.loaded.original.graph.node[1].name != "same"
+
+
 def test_in_child_reports_a_signal_and_an_error():
     from parastream.launcher.errors import ParastreamError
     from parastream.pipeline.isolate import in_child
