@@ -544,6 +544,8 @@ class Engines:
     precision: str
     branches: BranchCache = field(default_factory=lambda: BranchCache())
     blocks: bool = False  # a one-stream plan has one engine per repeated block (``plan_streams``)
+    # (the graph last scheduled, its schedules by arguments): ``schedule``
+    _scheduled: tuple = field(default_factory=lambda: (None, {}), repr=False, compare=False)
 
     def plan_of_schedule(self, graph: gs.Graph, sched: Schedule):
         return make_plan(graph, sched, backend=self.backend.name, precision=self.precision, suffix=self.backend.suffix,
@@ -556,8 +558,18 @@ class Engines:
     def schedule(self, graph: gs.Graph, streams: int | None, max_streams: int, *,
                  whole: bool = False) -> tuple[Schedule, list[dict]]:
         """``plan_streams`` of ``graph`` with this build's engines per one-stream plan (``whole``: one engine for
-        the whole model, the "engine blocks" round's rival and winner)."""
-        return plan_streams(graph, self.cost_model, streams, max_streams, blocks=self.blocks and not whole)
+        the whole model, the "engine blocks" round's rival and winner).  The last graph's schedules are kept: the
+        search schedules its input for the stream count it costs candidates on, and its measurement plans the same
+        graph again (NASNet-A Large: 8 stream counts tried, ~0.4 s before the input's compile could start); each
+        call gets its own copy of the rows tried, which the build annotates."""
+        key = (streams, max_streams, whole)
+        if self._scheduled[0] is not graph:
+            self._scheduled = (graph, {})
+        got = self._scheduled[1].get(key)
+        if got is None:
+            got = self._scheduled[1][key] = plan_streams(graph, self.cost_model, streams, max_streams,
+                                                         blocks=self.blocks and not whole)
+        return got[0], [dict(row) for row in got[1]]
 
     def one_stream_plan(self, graph: gs.Graph, plan, *, whole: bool = False):
         """``plan``'s graph on one stream (the rival ``time_alternatives`` times a multi-stream plan against): one

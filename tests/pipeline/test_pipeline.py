@@ -189,3 +189,29 @@ def test_python_api_mirrors_cli(model_path, tmp_path):
     assert bundle.plan.inputs[0].shape == [2, 4, 8, 8]
     out = load(bundle.path)({"input": np.ones((2, 4, 8, 8), np.float32) * 0.5})
     assert out["output"].shape == (2, 12, 8, 8)
+
+
+def test_the_build_schedules_a_graph_once_per_stream_request(model_path, monkeypatch):
+    """``Engines.schedule`` of the graph it scheduled last, with the same arguments, is the schedule it made (the
+    search's stream count and the measurement's plan of the input); each caller gets its own rows tried."""
+    import importlib
+
+    from parastream.launcher.engines import onnxruntime as ort_backend
+    from parastream.pipeline import BuildConfig
+
+    b = importlib.import_module("parastream.pipeline.build")  # (the package's ``build`` is the function)
+    state = b.load_and_check(model_path, BuildConfig(backend="onnxruntime"), ort_backend, b._Progress(False), {})
+    calls = []
+    real = b.plan_streams
+    monkeypatch.setattr(b, "plan_streams", lambda *a, **k: calls.append(a[2:4]) or real(*a, **k))
+    first, tried = state.engines.schedule(state.graph, None, 4)
+    plan = state.engines.plan(state.graph, None, 4)
+    again, tried_again = state.engines.schedule(state.graph, None, 4)
+    assert calls == [(None, 4)] and again is first and tried_again == tried and tried_again is not tried
+    assert len(plan.branches) == len(first.branches)
+    tried_again[0]["note"] = "changed by a caller"
+    assert "note" not in state.engines.schedule(state.graph, None, 4)[1][0]
+    state.engines.schedule(state.graph, 1, 1)
+    other = state.graph.copy()
+    state.engines.schedule(other, None, 4)
+    assert calls == [(None, 4), (1, 1), (None, 4)]
