@@ -374,7 +374,6 @@ class ReferenceRun:
         loader, self.ranges = seeded_inputs(original, inputs, seed=seed, iterations=iterations,
                                             input_ranges=input_ranges)
         self.key = (seed, iterations, tuple(sorted(self.ranges.items())))
-        self.masks = list(loader.names) if isinstance(loader, TokenizerMasks) else []
         self.feeds = [OrderedDict(f) for f in loader]  # both runs see these very arrays
         self._data = original_bytes if original_bytes is not None else original.SerializeToString()
         self._results = self._error = None

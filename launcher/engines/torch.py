@@ -1042,7 +1042,12 @@ def stop_workers() -> None:
     """End the compile workers now, without waiting for them (a build that stopped before it handed them any
     work, on a model that does not load): else the process's exit waits until each has imported torch and
     Inductor.  ``ProcessPoolExecutor`` ends its processes only when they finish their task (Python 3.14's
-    ``terminate_workers`` does what this does), so they are terminated here.  The next build starts a pool again."""
+    ``terminate_workers`` does what this does), so they are terminated here.  The next build starts a pool again.
+    A pool with compiles queued or running (an earlier build's, in this process) is left alone: killed, its jobs
+    would be recorded as branches that failed to compile."""
+    with _QUEUE_LOCK:
+        if _INFLIGHT or _QUEUED or _RUNNING[0]:
+            return
     for workers in list(_POOL):
         pool = _POOL.pop(workers)
         processes = list((getattr(pool, "_processes", None) or {}).values())

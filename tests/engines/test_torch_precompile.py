@@ -413,6 +413,12 @@ def test_stop_workers_ends_the_worker_processes_without_waiting_for_their_task(m
         p.join(10)
     assert not any(p.is_alive() for p in processes) and time.monotonic() - t0 < 10
     assert tb._POOL == {}
+    busy = ProcessPoolExecutor(1, mp_context=multiprocessing.get_context("spawn"))
+    monkeypatch.setattr(tb, "_POOL", {1: busy})
+    monkeypatch.setattr(tb, "_RUNNING", [1])  # a group of an earlier build still compiling: its pool stays
+    tb.stop_workers()
+    assert tb._POOL == {1: busy}
+    busy.shutdown()
 
 
 def test_a_build_whose_model_does_not_load_stops_the_workers_it_started(tmp_path, monkeypatch):
