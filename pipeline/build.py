@@ -858,14 +858,9 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     early = check_reference_early(model_path, cfg, backend, shapes)
     try:
         loaded: LoadedModel = load_model(model_path, shapes)
-    except BaseException:
-        backend.stop_workers()  # a model that does not load: its one-line error, without waiting for them
-        if early is not None:
-            early.stop()
-        raise
-    try:
         timings_file, recorded = open_timings(cfg, backend, loaded)
     except BaseException:
+        backend.stop_workers()  # a model that does not load: its one-line error, without waiting for them
         if early is not None:
             early.stop()
         raise

@@ -65,13 +65,18 @@ def conv_model(group=1, channels=4, perm=None):
 
 
 # -- the crash list -----------------------------------------------------------------------------------
-def test_layernorm_with_empty_bias_does_not_crash_the_tool(tmp_path, capsys):
-    """onnxruntime segfaults creating this session; the check runs in a child, so it is an error line."""
+def _layernorm_with_empty_bias() -> onnx.ModelProto:
+    """A model onnxruntime segfaults on while it creates the session."""
     x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
     y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
     s = numpy_helper.from_array(np.ones(8, np.float32), "s")
-    m = helper.make_model(helper.make_graph([helper.make_node("LayerNormalization", ["x", "s", ""], ["y"], name="ln")],
-                                            "g", [x], [y], [s]), opset_imports=[helper.make_opsetid("", 17)])
+    return helper.make_model(helper.make_graph([helper.make_node("LayerNormalization", ["x", "s", ""], ["y"], name="ln")],
+                                               "g", [x], [y], [s]), opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_layernorm_with_empty_bias_does_not_crash_the_tool(tmp_path, capsys):
+    """onnxruntime segfaults creating this session; the check runs in a child, so it is an error line."""
+    m = _layernorm_with_empty_bias()
     out = tmp_path / "out"
     code, err = build_cli(capsys, save(tmp_path, m), out)
     assert_refused(code, err, out, "m.onnx")
@@ -89,11 +94,7 @@ def test_the_reference_check_started_as_the_build_begins_reports_the_crash_by_th
 
     b = importlib.import_module("parastream.pipeline.build")  # (the package's ``build`` is the function)
     monkeypatch.setattr(b, "in_child", lambda *a, **k: pytest.fail("checked after the load"))
-    x = helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 8])
-    y = helper.make_tensor_value_info("y", TensorProto.FLOAT, [2, 8])
-    s = numpy_helper.from_array(np.ones(8, np.float32), "s")
-    m = helper.make_model(helper.make_graph([helper.make_node("LayerNormalization", ["x", "s", ""], ["y"], name="ln")],
-                                            "g", [x], [y], [s]), opset_imports=[helper.make_opsetid("", 17)])
+    m = _layernorm_with_empty_bias()
     path = save(tmp_path, m)
     with pytest.raises(ParastreamError, match=r"m\.onnx: loading the model into onnxruntime: the library crashed"):
         b.load_and_check(path, BuildConfig(backend="torch"), tb, b._Progress(False), {})
