@@ -790,6 +790,133 @@ def test_a_sampled_round_left_open_compiles_nothing_for_a_kept_candidate(monkeyp
     m.close()
 
 
+def test_branches_side_by_side_keep_the_tensors_they_read_internal(tmp_path):
+    """``side_by_side(..., unread_only=True)``: the model's outputs are the branches' outputs that no branch given
+    reads; a tensor one branch writes and another reads is computed between them and not an output.  ONNX
+    Runtime runs it to the same outputs as the model with every branch output kept."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from parastream.pipeline.partition import side_by_side
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    branches = engines.branch_models(v)
+    order = list(v.plan.launch_order)[:8]
+    every = side_by_side([branches[i] for i in order])
+    unread = side_by_side([branches[i] for i in order], unread_only=True)
+    read = {i for n in unread.graph.node for i in n.input}
+    outs = [o.name for o in unread.graph.output]
+    assert outs and not read & set(outs)
+    assert set(outs) < {o.name for o in every.graph.output}  # some stay between the branches
+    rng = np.random.default_rng(0)
+    feeds = {}
+    for i in unread.graph.input:
+        shape = [d.dim_value for d in i.type.tensor_type.shape.dim]
+        feeds[i.name] = rng.standard_normal(shape).astype(np.float32)
+    got = ort.InferenceSession(unread.SerializeToString(), providers=["CPUExecutionProvider"]).run(outs, feeds)
+    want = ort.InferenceSession(every.SerializeToString(), providers=["CPUExecutionProvider"]).run(outs, feeds)
+    for a, b in zip(got, want):
+        np.testing.assert_allclose(a, b, rtol=1e-6, atol=1e-6)
+
+
+def test_a_boundary_layout_sample_is_the_run_of_engines_holding_most_boundaries(monkeypatch, tmp_path):
+    """The boundary-layout round's sample is ``SAMPLE_ENGINES`` engines consecutive in the plan's launch order,
+    the run holding the most 4-d boundaries written by one of them and read by another, as one plan of its own
+    whose internal boundaries are exactly those; the sample with contiguous boundaries is the same plan.  A plan
+    with fewer engines than ``SAMPLE_LAYOUT_ENGINES`` is not sampled."""
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.launcher.gpu import engine_layouts
+    from parastream.pipeline import measure
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    full = measure.Variant(v.model, v.graph, v.plan, v.options, internal_nhwc=False)
+    n = len(v.plan.branches)
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", n + 1)
+    assert measure.layout_sample(engines, v, full) is None
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", n)
+    monkeypatch.setattr(measure, "SAMPLE_ENGINES", 4)
+    s = measure.layout_sample(engines, v, full)
+    assert s.full is full and s.of == n and len(s.names) == 4
+    names = [b.name for b in v.plan.branches]
+    at = [list(v.plan.launch_order).index(names.index(x)) for x in s.names]
+    assert at == list(range(at[0], at[0] + 4))  # consecutive in the launch order
+    nhwc = engine_layouts(v.plan, torch_backend, internal_nhwc=True).nhwc
+    by_name = {b.name: b for b in v.plan.branches}
+
+    def held(run):
+        return {t for x in run for t in by_name[x].outputs
+                if t in nhwc and any(t in by_name[y].inputs for y in run if y != x)}
+
+    order = [names[i] for i in v.plan.launch_order]
+    most = max(len(held(order[i:i + 4])) for i in range(len(order) - 3))
+    assert most > 0 and len(held(s.names)) == most
+    sample_nhwc = engine_layouts(s.current.plan, torch_backend, internal_nhwc=True).nhwc
+    assert sample_nhwc == held(s.names) and s.boundaries == len(sample_nhwc)
+    assert [b.nodes for b in s.current.plan.branches] == [by_name[x].nodes for x in s.names]
+    assert s.current.internal_nhwc and not s.other.internal_nhwc
+    assert s.other.plan is s.current.plan and s.other.options is s.current.options is v.options
+
+
+@pytest.mark.parametrize("contiguous", [1.3, 1.02])
+def test_a_boundary_layout_round_lost_widely_on_its_sample_compiles_no_whole_plan(monkeypatch, tmp_path, contiguous):
+    """The input's boundary-layout round on a plan of many engines is queued as its sample: the run of engines
+    with channels-last and with contiguous boundaries, compiled with the input, not the whole plan with
+    contiguous boundaries.  Contiguous boundaries slower on the sample by more than
+    ``LAYOUT_SAMPLE_DECIDES_BEYOND`` decide the round for the plan, the whole alternative never compiled; closer,
+    that alternative is compiled then and raced on the whole plan, the sample's times kept beside."""
+    import numpy as np
+
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    full = measure.Variant(v.model, v.graph, v.plan, v.options, internal_nhwc=False)
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", 2)
+    monkeypatch.setattr(measure, "SAMPLE_ENGINES", 4)
+
+    class Launcher(_Launcher):
+        def __init__(self, var):
+            super().__init__(var)
+            self.internal_nhwc = var.internal_nhwc
+
+    def ms(la):  # the sample 0.5 ms, the whole plan 1 ms; contiguous boundaries that much slower
+        return (1.0 if la.plan is v.plan else 0.5) * (1.0 if la.internal_nhwc else contiguous)
+
+    compiled, timings = [], []
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="": compiled.append(list(variants))
+                        or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", lambda var: Launcher(var))
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("boundary layout", full)])
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
+                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
+                                     "suffix": engines.backend.suffix, "supports_internal_nhwc": True,
+                                     "supports_channel_views": True})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    ((what, sample, _),) = m.early["todo"]
+    assert what == "boundary layout" and isinstance(sample, measure.LayoutSample)
+    assert compiled[1] == sample.variants() and not any(full in batch for batch in compiled)
+    m.measure(engines.loaded.model)
+    m.time_ready(wait=True)
+    assert ["channels-last boundaries", "contiguous boundaries"] in timings
+    (r,) = m.early["rounds"]
+    assert r["choice"] == "boundary layout" and r["won"] == "channels-last boundaries"
+    assert r["sample"]["engines"] == sample.names and r["sample"]["boundaries"] == sample.boundaries
+    assert r["sample"]["timed_ms"]["contiguous boundaries"] == pytest.approx(0.5 * contiguous)
+    if contiguous > 1 + measure.LAYOUT_SAMPLE_DECIDES_BEYOND:
+        assert not any(full in batch for batch in compiled) and "one after another" in r["timed"]
+        assert r["timed_ms"]["contiguous boundaries"] == pytest.approx(0.5 * contiguous) and measure.carried_rounds([r])
+    else:
+        assert any(full in batch for batch in compiled)
+        assert r["timed_ms"]["contiguous boundaries"] == pytest.approx(contiguous)
+    assert not m.early["todo"]
+    m.close()
+
+
 @pytest.mark.parametrize("serial", [2.0, 1.2])
 def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_compile(monkeypatch, tmp_path, serial):
     """The input's "streams" round is queued without its rival's compile (the graph on one stream: a whole-model
