@@ -311,25 +311,24 @@ class LayoutSample:
 
 def layout_sample(engines: EngineMaker, v: Variant, full: Variant) -> LayoutSample | None:
     """``v``'s boundary-layout round (against ``full``, the whole plan with contiguous boundaries) as a run of
-    ``SAMPLE_ENGINES`` engines consecutive in its launch order, the run whose boundaries that the round changes
-    (4-d, written by one engine of the run and read by another) hold the most bytes, as one plan of its own
+    ``SAMPLE_ENGINES`` engines consecutive in its launch order, the run that holds the most boundaries whose
+    layout the round changes (4-d, written by one engine of the run and read by another), as one plan of its own
     (``EngineMaker.side_by_side``, the tensors read inside the run kept internal); None where the plan has fewer
     than ``SAMPLE_LAYOUT_ENGINES`` engines (its whole alternative is a few jobs) or no run holds such a
     boundary."""
-    from parastream.launcher.cuda import nbytes_of
     from parastream.launcher.gpu import engine_layouts
 
     plan = v.plan
     if len(plan.branches) < SAMPLE_LAYOUT_ENGINES:
         return None
-    lay = engine_layouts(plan, engines.backend, internal_nhwc=True)
+    changed = engine_layouts(plan, engines.backend, internal_nhwc=True).nhwc
     order = list(plan.launch_order)
     k = min(SAMPLE_ENGINES, len(order))
 
-    def held(run: list[int]) -> int:  # the bytes of the boundaries inside the run whose layout the round changes
+    def held(run: list[int]) -> int:
         at = set(run)
-        return sum(nbytes_of(lay.specs[t].shape, lay.specs[t].dtype) for i in run for t in plan.branches[i].outputs
-                   if t in lay.nhwc and any(t in plan.branches[j].inputs for j in at if j != i))
+        return sum(1 for i in run for t in plan.branches[i].outputs
+                   if t in changed and any(t in plan.branches[j].inputs for j in at if j != i))
 
     start = max(range(len(order) - k + 1), key=lambda s: (held(order[s:s + k]), -s))
     run = order[start:start + k]
