@@ -585,13 +585,11 @@ class Engines:
         """``v``'s branches as its engines are compiled from (``branches_of``, the build's branch cache)."""
         return branches_of(v.model, v.graph, v.plan, self.branches)
 
-    def side_by_side(self, branches: list[onnx.ModelProto], *,
-                     unread_only: bool = False) -> tuple[onnx.ModelProto, gs.Graph, object]:
+    def side_by_side(self, branches: list[onnx.ModelProto]) -> tuple[onnx.ModelProto, gs.Graph, object]:
         """Extracted branches of a plan as one model (``partition.side_by_side``), planned one engine per branch on
-        one stream in the order given, their boundary tensors the plan's inputs and outputs (``unread_only``: the
-        tensors one of them reads stay internal boundaries): what a round times a sample of a plan's engines
-        with, in one launcher (``measure.depthwise_sample``, ``measure.layout_sample``)."""
-        model = side_by_side(branches, unread_only=unread_only)
+        one stream in the order given, their boundary tensors the plan's inputs and outputs: what a round times a
+        sample of a plan's engines with, in one launcher (``measure.depthwise_sample``)."""
+        model = side_by_side(branches)
         graph = graph_of(model)
         members = [[n.name for n in b.graph.node] for b in branches]
         produced = {o: i for i, b in enumerate(branches) for n in b.graph.node for o in n.output}

@@ -69,8 +69,7 @@ class EngineMaker(Protocol):
 
     def branch_models(self, v: Variant) -> list[onnx.ModelProto]: ...
 
-    def side_by_side(self, branches: list[onnx.ModelProto], *,
-                     unread_only: bool = False) -> tuple[onnx.ModelProto, gs.Graph, "Plan"]: ...
+    def side_by_side(self, branches: list[onnx.ModelProto]) -> tuple[onnx.ModelProto, gs.Graph, "Plan"]: ...
 
     def launcher(self, variant: Variant): ...
 
@@ -272,76 +271,6 @@ def depthwise_sample(engines: EngineMaker, v: Variant, alternatives: dict[str, V
     return DepthwiseSample(dict(alternatives), current,
                            {what: replace(current, options=a.options) for what, a in alternatives.items()},
                            [v.plan.branches[i].name for i in chosen], len(held), len(every), len(every) - len(left))
-
-
-#: a plan with at least this many engines has its boundary-layout round timed first on a run of its engines
-#: (``layout_sample``): the round's alternative is every engine of the plan compiled again for contiguous
-#: boundaries (NASNet-A Large on the H200: 332 engines, ~190 of the 255 worker-seconds its input's alternatives
-#: took, the last compile its build's search waited for, for a round channels-last boundaries won by 9-15% in
-#: every build, and by 39-51% on the corpus's other multi-engine CNNs)
-SAMPLE_LAYOUT_ENGINES = 16
-#: contiguous boundaries slower on the sample than channels-last ones by more than this share decide the round
-#: for the plan as it is, without the whole plan's compile; closer, or faster, the whole plan is compiled and
-#: raced as before.  The sample changes the layout only of the boundaries between its own engines (its inputs
-#: and outputs are the model's, contiguous either way), where every boundary between the plan's engines changes;
-#: but its engines run one after another, where the plan hides some of them behind other streams.  So the
-#: sample's margin is not a bound on the plan's: it is taken only where it is five times what two loaded plans'
-#: medians differ by at rest (~1%, ``PREFER_CURRENT_WITHIN``), and the round keeps the plan's layout unless the
-#: alternative wins by more than that 1% anyway.
-LAYOUT_SAMPLE_DECIDES_BEYOND = 0.05
-
-
-@dataclass
-class LayoutSample:
-    """A plan's boundary-layout round timed first on a run of its engines (``layout_sample``): the run as one plan
-    of its own, the boundaries between its engines channels-last (``current``) and contiguous (``other``), the two
-    compiled with the input and timed together."""
-
-    full: Variant  # the round's alternative: the whole plan with contiguous boundaries
-    current: Variant
-    other: Variant
-    names: list[str]  # the plan's branches sampled, in launch order
-    of: int  # the plan's engines
-    boundaries: int  # the sample's boundaries whose layout the round changes
-
-    def variants(self) -> list[Variant]:
-        """What the sample compiles and loads."""
-        return [self.current, self.other]
-
-
-def layout_sample(engines: EngineMaker, v: Variant, full: Variant) -> LayoutSample | None:
-    """``v``'s boundary-layout round (against ``full``, the whole plan with contiguous boundaries) as a run of
-    ``SAMPLE_ENGINES`` engines consecutive in its launch order, the run that holds the most boundaries whose
-    layout the round changes (4-d, written by one engine of the run and read by another), as one plan of its own
-    (``EngineMaker.side_by_side``, the tensors read inside the run kept internal); None where the plan has fewer
-    than ``SAMPLE_LAYOUT_ENGINES`` engines (its whole alternative is a few jobs) or no run holds such a
-    boundary."""
-    from parastream.launcher.gpu import engine_layouts
-
-    plan = v.plan
-    if len(plan.branches) < SAMPLE_LAYOUT_ENGINES:
-        return None
-    changed = engine_layouts(plan, engines.backend, internal_nhwc=True).nhwc
-    order = list(plan.launch_order)
-    k = min(SAMPLE_ENGINES, len(order))
-
-    def held(run: list[int]) -> int:
-        at = set(run)
-        return sum(1 for i in run for t in plan.branches[i].outputs
-                   if t in changed and any(t in plan.branches[j].inputs for j in at if j != i))
-
-    start = max(range(len(order) - k + 1), key=lambda s: (held(order[s:s + k]), -s))
-    run = order[start:start + k]
-    if not held(run):
-        return None
-    branches = engines.branch_models(v)
-    model, graph, sample_plan = engines.side_by_side([branches[i] for i in run], unread_only=True)
-    current = Variant(model, graph, sample_plan, v.options)
-    boundaries = len(engine_layouts(sample_plan, engines.backend, internal_nhwc=True).nhwc)
-    if not boundaries:
-        return None
-    return LayoutSample(full, current, replace(current, internal_nhwc=False), [plan.branches[i].name for i in run],
-                        len(plan.branches), boundaries)
 
 
 #: the "streams" round is decided for the plan without compiling its rival when the plan runs faster than its own
@@ -749,28 +678,20 @@ class GpuMeasurer:
                 first_round = next(iter(depthwise), None)
                 named = [(what, a if what not in depthwise or sample is None else sample if what == first_round
                           else SampledRound(a)) for what, a in named]
-                named = [(what, StreamsRival(a) if what == "streams" else
-                          (layout_sample(self.engines, variants[0], a) or a) if what == "boundary layout" else a)
-                         for what, a in named]
-            # the rounds' samples are compiled right after the input, with the search's candidates (their engines
-            # are few and they decide their rounds, which waited for them at the search's end otherwise: NASNet-A
-            # Large, H200, 22.5 s); the other alternatives after the candidates
-            sampled, at_sample = [], {}  # the samples' variants; per sample, its span of them
-            for _, a in named:
-                if isinstance(a, (DepthwiseSample, LayoutSample)):
-                    at_sample[id(a)] = (len(sampled), len(sampled) + len(a.variants()))
-                    sampled += a.variants()
+                named = [(what, StreamsRival(a) if what == "streams" else a) for what, a in named]
+            # a round's sample is compiled right after the input, with the search's candidates (its engines are
+            # few and it decides the round, which waited for them at the search's end otherwise: NASNet-A Large,
+            # H200, 22.5 s); the other alternatives after the candidates
+            sample = next((a for _, a in named if isinstance(a, DepthwiseSample)), None)
+            sampled = sample.variants() if sample is not None else []
             spans, compiled = [], []  # per round, the span of ``sampled + compiled`` its engines are
             for _, a in named:
-                if id(a) in at_sample:
-                    spans.append(at_sample[id(a)])
-                    continue
-                more = [] if isinstance(a, (StreamsRival, SampledRound)) else [a]
-                at = len(sampled) + len(compiled)
-                spans.append((at, at + len(more)))
+                more = [] if a is sample or isinstance(a, (StreamsRival, SampledRound)) else [a]
+                at = 0 if a is sample else len(sampled) + len(compiled)
+                spans.append((at, at + (len(sampled) if a is sample else len(more))))
                 compiled += more
             first = (self.engines.precompile(sampled, background=True, cancellable=False, order="search",
-                                             label="the rounds' samples") if sampled else None)
+                                             label="the depthwise sample") if sampled else None)
             alt = self.engines.precompile(compiled, background=True, cancellable=False,
                                           label="the input's alternatives")
             keys = alt.pop("keys", None) if alt else None
@@ -1063,8 +984,6 @@ class GpuMeasurer:
         early = self.early
         if isinstance(v, DepthwiseSample):
             return self._race_sample(v)
-        if isinstance(v, LayoutSample):
-            return self._race_layout_sample(v)
         if isinstance(v, SampledRound):  # its sample left it open: the whole plan's alternative, compiled now and
             early["todo"].insert(0, self._compiling(what, v.full))  # raced in its turn
             return False
@@ -1086,8 +1005,6 @@ class GpuMeasurer:
         early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
         if "sample" in early and what in dict(DEPTHWISE_ROUNDS):
             early["rounds"][-1]["sample"] = early.pop("sample")
-        if "layout_sample" in early and what == "boundary layout":
-            early["rounds"][-1]["sample"] = early.pop("layout_sample")
         if "serial" in early and what == "streams":
             early["rounds"][-1]["serial"] = early.pop("serial")
         return won
@@ -1138,45 +1055,6 @@ class GpuMeasurer:
             early["todo"] = [item for item in early["todo"] if item[0] != what]  # (a later round's ``SampledRound``)
         return False
 
-    def _race_layout_sample(self, s: LayoutSample) -> bool | None:
-        """The boundary-layout round on its sample (``layout_sample``): the run of engines with channels-last and
-        with contiguous boundaries between them, two launchers timed together in alternating blocks.  Contiguous
-        boundaries slower by more than ``LAYOUT_SAMPLE_DECIDES_BEYOND`` decide the round for the plan as it is
-        (report.json's round says so, with the sample's times); closer, the round is raced on the whole plan in its
-        turn (``SampledRound``: its alternative compiled then), the sample kept beside it.  None: the sample could
-        not be timed (``early["stopped"]``)."""
-        from .bench import measure as time_replays
-
-        early = self.early
-        t0 = time.perf_counter()
-        here, other = round_labels("boundary layout", early["plan"])
-        try:
-            la = {}
-            try:
-                for label, v in ((here, s.current), (other, s.other)):
-                    la[label] = self.engines.launcher(v)
-                times = time_replays(la, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock)
-            finally:
-                for x in la.values():
-                    x.close()
-        except Exception as e:  # noqa: BLE001 - the build times the rounds after the search, where a failure is reported
-            early["stopped"] = f"boundary layout (sampled): {type(e).__name__}: {e}"
-            return None
-        ms = {k: float(np.median(t)) for k, t in times.items()}
-        sample = {"engines": s.names, "of": s.of, "boundaries": s.boundaries,
-                  "timed_ms": {k: round(t, 4) for k, t in ms.items()}, "timed_s": round(time.perf_counter() - t0, 3)}
-        if ms[other] <= ms[here] * (1 + LAYOUT_SAMPLE_DECIDES_BEYOND):  # left open: raced on the whole plan
-            early["todo"].insert(0, ("boundary layout", SampledRound(s.full), []))
-            early["layout_sample"] = sample
-            return False
-        early["rounds"].append({
-            "choice": "boundary layout", "timed_ms": {here: ms[here], other: ms[other]}, "won": here, "load_s": 0.0,
-            "timed_s": sample["timed_s"], "started_s": round(t0 - self.t_made, 3), "sample": sample,
-            "timed": f"on a run of {plural(len(s.names), 'engine')} of its {s.of}, one after another, "
-                     f"{plural(s.boundaries, 'boundary', 'boundaries')} between them in each layout: the alternative "
-                     f"slower by more than {LAYOUT_SAMPLE_DECIDES_BEYOND:.0%}"})
-        return False
-
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced
         the input: ``carried_rounds``); None when none was.  The rounds not timed yet are timed now where their
@@ -1194,7 +1072,7 @@ class GpuMeasurer:
                 break
             what, v, keys = item
             # (a sampled round whose sample left it open compiles its alternative first: not ready)
-            ready = isinstance(v, (DepthwiseSample, LayoutSample, StreamsRival)) or (not isinstance(v, SampledRound)
+            ready = isinstance(v, (DepthwiseSample, StreamsRival)) or (not isinstance(v, SampledRound)
                                                                        and not self.backend.compiling(keys))
             if what not in wait_for and (early.get("stopped") or not ready):
                 continue

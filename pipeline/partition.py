@@ -135,13 +135,11 @@ def extract_branch(model: onnx.ModelProto, graph: gs.Graph, branch: Branch) -> o
     return out
 
 
-def side_by_side(branches: list[onnx.ModelProto], *, unread_only: bool = False) -> onnx.ModelProto:
+def side_by_side(branches: list[onnx.ModelProto]) -> onnx.ModelProto:
     """Branches extracted from one plan (``extract_branch``) as one model: their nodes, weights and boundary
     tensors together, in the order given (a branch after those whose outputs it reads).  A tensor one branch
-    writes and another reads joins them; every branch's outputs are the model's, or with ``unread_only`` those
-    that no branch given reads (the others stay boundaries between the branches' engines, in the layout a
-    launcher gives internal tensors).  What a round times a sample of a plan's engines with, one launcher for
-    all of them (``measure.depthwise_sample``, ``measure.layout_sample``).
+    writes and another reads joins them; every branch's outputs are the model's.  What a round times a sample of
+    a plan's engines with, one launcher for all of them (``measure.depthwise_sample``).
 
     Not ``onnx.compose.merge_models``: it joins two models through an explicit output-to-input map and refuses
     names both hold, where branches of one plan share their inputs and weights by name (one tensor each)."""
@@ -152,7 +150,6 @@ def side_by_side(branches: list[onnx.ModelProto], *, unread_only: bool = False) 
     g = out.graph
     g.name = "side_by_side"
     produced = {o for b in branches for n in b.graph.node for o in n.output}
-    read = {i for b in branches for n in b.graph.node for i in n.input}
     seen: dict[str, set[str]] = {"input": set(), "initializer": set(), "value_info": set(), "output": set()}
 
     def once(field: str, name: str) -> bool:
@@ -166,9 +163,5 @@ def side_by_side(branches: list[onnx.ModelProto], *, unread_only: bool = False) 
         g.initializer.extend(t for t in b.graph.initializer if once("initializer", t.name))
         g.node.extend(b.graph.node)
         g.value_info.extend(v for v in b.graph.value_info if once("value_info", v.name))
-        for v in b.graph.output:
-            if not (unread_only and v.name in read):
-                g.output.extend([v] if once("output", v.name) else [])
-            elif once("value_info", v.name):  # its shape and type, as the model's outputs carried them
-                g.value_info.append(v)
+        g.output.extend(v for v in b.graph.output if once("output", v.name))
     return out
