@@ -11,7 +11,11 @@
 #
 # MODEL is a name of bench/gpu.py's make_model (exported here) or an ONNX file's path (built as it is).
 # SIDES="after" builds this checkout's alone (no .before/ needed).
-# Each side's report.json and its `--json` line land in $OUT/before and $OUT/after, packed into $OUT/ab_one_gpu.tgz.
+# REPS=N builds each side N times, interleaved, the sides' order reversed every other round (after before before
+# after ...): one pair of builds is not enough, the same tree's NASNet-A Large build varied by up to 9 s between
+# machines of one kind and the first build on a fresh machine was the slowest (sixteenth session).
+# Each build's report.json and its `--json` line land in $OUT/SIDE (REPS=1) or $OUT/SIDE.ROUND, packed into
+# $OUT/ab_one_gpu.tgz; a table of every build's stages, candidates measured and compile work is printed at the end.
 set -u
 sides=${SIDES:-after before}
 [[ "$sides" != *before* || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
@@ -20,7 +24,7 @@ mkdir -p /tmp/nsb/parastream
 for d in core launcher pipeline rewrite; do ln -sfn "$PWD/.before/$d" /tmp/nsb/parastream/$d; done
 out=${OUT:-/tmp/ab_one_gpu}
 work=/tmp/ab_one_gpu_work
-rm -rf "$work" && mkdir -p "$work" "$out/before" "$out/after"
+rm -rf "$work" && mkdir -p "$work" "$out"
 if [[ "$model" == *.onnx ]]; then
     cp "$model" "$work/" && model=$(basename "$model" .onnx)
 else python3 - "$model" "$work" <<'PY' || exit 1
@@ -35,15 +39,45 @@ export(model, inputs, work / f"{name}.onnx")
 print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
 PY
 fi
-for side in $sides; do
-    if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=$PYTHONPATH; fi
-    caches="$work/caches-$side"
-    t0=$(date +%s.%N)
-    CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
-        python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/$side" --backend torch --precision fp16 \
-        --force --json "$@" > "$out/$side/build.json" 2> "$out/$side/build.log"
-    rc=$?
-    echo "$side: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
-    [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$out/$side/report.json"
+reps=${REPS:-1}
+dirs=()
+for ((rep = 1; rep <= reps; rep++)); do
+    order=$sides
+    (( rep % 2 == 0 )) && order=$(echo $sides | tr ' ' '\n' | tac | tr '\n' ' ')
+    for side in $order; do
+        name=$side; (( reps > 1 )) && name=$side.$rep
+        dirs+=("$name")
+        mkdir -p "$out/$name"
+        if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=${PYTHONPATH:-}; fi
+        caches="$work/caches-$name"
+        t0=$(date +%s.%N)
+        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
+            python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/$side" --backend torch --precision fp16 \
+            --force --json "$@" > "$out/$name/build.json" 2> "$out/$name/build.log"
+        rc=$?
+        echo "$name: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
+        [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$out/$name/report.json"
+    done
 done
-(cd "$out" && tar czf ab_one_gpu.tgz $sides && rm -rf before after)
+# one row per build, in the order built: where its time went and how much compiling it did
+python3 - "$out" "${dirs[@]}" <<'PY'
+import json, sys
+from pathlib import Path
+out = Path(sys.argv[1])
+print(f"{'build':<10} {'stages s':>8} {'load':>5} {'search':>6} {'engines':>7} {'verify':>6} {'measured':>8} "
+      f"{'worker-s':>8} {'1st job s':>9} {'last job s':>10}")
+for name in sys.argv[2:]:
+    try:
+        r = json.loads((out / name / "report.json").read_text())
+    except (OSError, ValueError):
+        print(f"{name:<10} (no report.json)")
+        continue
+    st = r.get("stage_seconds") or {}
+    bc = r.get("background_compiles") or {}
+    labels = (bc.get("by_label") or {}).values()
+    first = min((x["first_started_s"] for x in labels if "first_started_s" in x), default=float("nan"))
+    print(f"{name:<10} {sum(st.values()):8.1f} {st.get('load', 0):5.1f} {st.get('search', 0):6.1f} "
+          f"{st.get('engines', 0):7.1f} {st.get('verify', 0):6.1f} {len((r.get('search') or {}).get('measured_in_order') or []):8d} "
+          f"{sum(x.get('worker_s', 0) for x in labels):8.0f} {first:9.1f} {bc.get('last_done_s', float('nan')):10.1f}")
+PY
+(cd "$out" && tar czf ab_one_gpu.tgz "${dirs[@]}" && rm -rf "${dirs[@]}")
