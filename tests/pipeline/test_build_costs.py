@@ -555,6 +555,32 @@ def test_the_best_candidate_s_one_stream_form_compiles_beside_its_stream_plan(mo
     m.close()
 
 
+def test_a_lead_in_one_timing_is_timed_again_before_its_rounds_are_compiled(monkeypatch):
+    """A candidate ahead of the input by the search's margin is timed again against the reference before the
+    build queues its rounds' compiles: a lead that holds in both timings queues them, one that the second timing
+    does not bear out queues nothing.  Either way its time is the mean of the two, and the log keeps both."""
+    from parastream.pipeline import measure
+
+    noise, real = _fused_model(True, False), _fused_model(False, True)
+    timings = {id(noise): iter([0.965, 0.995]), id(real): iter([0.95, 0.96])}  # the input 1.0 ms, margin 2%
+    m, input_model, launchers = _timing_measurer(
+        monkeypatch, lambda model, o: next(timings[id(model)]) if id(model) in timings else 1.0)
+    queued = []
+    m.backend.background_compiles, m.backend.cancel_precompile = True, lambda: 0
+    m.engines.precompile = lambda variants, background, cancellable, label="": queued.append(
+        [v.model for v in variants]) or {"jobs": len(variants)}
+    monkeypatch.setattr(measure, "alternative_variants", lambda engines, v: [("attention", v)])
+    monkeypatch.setattr(measure, "speculative_variants", lambda engines, v, decided=(): [])
+    m.measure(input_model)
+    assert m.measure(noise) == pytest.approx(0.98e-3)  # 3.5% ahead, then 0.5%: the mean
+    assert m.log[-1]["lead_timed_again_ms"] == [0.965, 0.995] and "rounds_queued" not in m.log[-1]
+    assert len(m.log[-1]["blocks_ms"]) == 2 and launchers[-1].closed
+    assert m.measure(real) == pytest.approx(0.955e-3)  # ahead in both timings: its rounds queued
+    assert m.log[-1]["lead_timed_again_ms"] == [0.95, 0.96] and m.log[-1]["rounds_queued"] == 1
+    assert queued == [[real]]
+    m.close()
+
+
 def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_goes_on(monkeypatch):
     """A candidate faster than the input (by the search's margin) and than every candidate before it is the one the
     build ships if nothing beats it: its rounds' alternatives are queued for the background compiles then, not
