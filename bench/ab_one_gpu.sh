@@ -13,7 +13,7 @@
 # SIDES="after" builds this checkout's alone (no .before/ needed).
 # REPS=N builds each side N times, interleaved, the sides' order reversed every other round (after before before
 # after ...): one pair of builds is not enough, the same tree's NASNet-A Large build varied by up to 9 s between
-# machines of one kind and the first build on a fresh machine was the slowest (sixteenth session).
+# machines of one kind, and the first build on a fresh machine was the slowest.
 # Each build's report.json and its `--json` line land in $OUT/SIDE (REPS=1) or $OUT/SIDE.ROUND, packed into
 # $OUT/ab_one_gpu.tgz; a table of every build's stages, candidates measured and compile work is printed at the end.
 set -u
