@@ -173,7 +173,7 @@ def check_runnable(loaded: LoadedModel, backend, reference: bool, early: Child |
     if reference and backend is not ort_engines and not take_early:
         checks.append((ort_engines.check_model, loaded.original))
     if early is not None and not take_early:
-        early.stop()
+        early.stop()  # (its child's memory and core are not needed meanwhile)
     # ONNX Runtime's checks get the model's bytes serialized here, not in the child: a forked child writing 350 MB
     # of new memory pays a copy-on-write fault per page (2.6 s against 0.7 s for a NASNet-sized model); the
     # original's are the verification's too (``LoadedModel.original_bytes``)
@@ -190,16 +190,14 @@ def check_runnable(loaded: LoadedModel, backend, reference: bool, early: Child |
 
     try:
         if checks:
-            try:
-                in_child(run_checks, what="loading the model into onnxruntime")
-            except BaseException:
-                if take_early:
-                    early.stop()  # the first failure is the one reported
-                raise
+            in_child(run_checks, what="loading the model into onnxruntime")
         if take_early:
             early.wait()
     except ParastreamError as e:
         raise ParastreamError(f"{loaded.path}: {e}") from None
+    finally:
+        if early is not None:  # a failure before it was waited for: the first is the one reported (else a no-op)
+            early.stop()
 
 
 def check_reference_early(model_path, cfg, backend, shapes) -> Child | None:

@@ -798,8 +798,8 @@ class GpuMeasurer:
 
     def _queue_rounds_of(self, v: Variant) -> None:
         """Queue the compiles of the rounds' alternatives of ``v``, the fastest candidate so far and faster than
-        the input by the search's margin in both of its timings (``measure``; ``margin``: closer, the search keeps the input whatever comes, and the
-        compiles were for nothing: NASNet-A Large, H200, 71 worker-seconds for a candidate 0.9% faster, while the
+        the input by the search's margin in both of its timings (``measure``; ``margin``: closer, the search keeps
+        the input whatever comes, and the compiles were for nothing: NASNet-A Large, H200, 71 worker-seconds for a candidate 0.9% faster, while the
         input's rounds after the budget waited for theirs): the build ships it if nothing later beats it, and then
         times its rounds, whose alternatives
         it otherwise compiled only after the search (ViT-B/16 and BERT-base on the H100: 20 s of an 84-91 s

@@ -327,7 +327,7 @@ class EngineFile:
         held = {t.name: t for t in model.graph.initializer}
         for name in named:
             t, src = held.get(name), model_weights(name)
-            if t is None or src is None or list(src.dims) != list(t.dims) or src.data_type != t.data_type:
+            if t is None or not _same_kind(src, t):
                 raise ParastreamError(f"the engine's weight {name!r} is not in its bundle's model.onnx as built; "
                                       "rebuild the bundle")
             t.CopyFrom(src)
@@ -367,7 +367,7 @@ def slim_engine(data: bytes, held: Callable[[str], "onnx.TensorProto | None"]) -
     named = []
     for t in model.graph.initializer:
         src = held(t.name)
-        if src is None or src.data_type != t.data_type or list(src.dims) != list(t.dims) or not _same_values(src, t):
+        if not _same_kind(src, t) or not _same_values(src, t):
             continue
         kept = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
         t.CopyFrom(kept)
@@ -375,6 +375,12 @@ def slim_engine(data: bytes, held: Callable[[str], "onnx.TensorProto | None"]) -
     if not named:
         return data
     return pack(dict(f.meta, weights_in_model=named), model.SerializeToString(), f.compiled(), f.weights())
+
+
+def _same_kind(a: "onnx.TensorProto | None", b: "onnx.TensorProto") -> bool:
+    """Whether model.onnx's initializer ``a`` (None: not there) has ``b``'s dtype and shape: it can stand in for
+    it in an engine's branch.onnx (``slim_engine``, ``EngineFile.branch_model``)."""
+    return a is not None and a.data_type == b.data_type and list(a.dims) == list(b.dims)
 
 
 def _same_values(a: "onnx.TensorProto", b: "onnx.TensorProto") -> bool:
