@@ -555,7 +555,9 @@ class GpuMeasurer:
     alternating blocks with it, and its time is scaled by the reference's first median, so that clock changes
     between measurements do not decide.  The first two models (the input and the cost model's best candidate)
     are always measured, so that a slow load can never leave the decision without a rival; after those, once
-    ``budget_s`` is spent, further candidates raise MeasureBudgetSpent (the search decides among those measured).
+    ``budget_s`` is spent, further candidates raise MeasureBudgetSpent (the search decides among those measured),
+    unless an input's round is still compiling its rival, which the search's end waits for anyway
+    (``_rounds_compiling``).
     The budget starts once the reference is timed and the input's rounds ready by then have been timed
     (``_streams_first``, ``time_ready``).  Before that the build compiles and loads its input, which it ships when no candidate wins, so that cost is the build's, not the search's (NASNet-A Large on the
     H100: its input's engines were compiled, loaded and timed 39 s after the measurer was made, which spent a
@@ -714,11 +716,14 @@ class GpuMeasurer:
     def measure(self, model: onnx.ModelProto) -> float:
         t_called = time.perf_counter()
         self.time_ready()  # the input's alternatives whose engines are in, before the next candidate
-        if self.calls >= 2 and time.perf_counter() > self.deadline:
+        past = time.perf_counter() - self.deadline if self.calls >= 2 else 0.0
+        if past > 0 and not self._rounds_compiling():
             raise MeasureBudgetSpent(f"measurement budget of {self.budget_s:.0f} s spent")
         self.calls += 1
         self.log.append({"start_s": round(time.perf_counter() - self.t_made, 3),
                          "called_s": round(t_called - self.t_made, 3)})
+        if past > 0:  # measured while the search's end waits for an input's round anyway
+            self.log[-1]["past_budget_s"] = round(past, 3)
         la, v = self._load(model)
         t0 = time.perf_counter()
         if self.reference is None:
@@ -940,6 +945,16 @@ class GpuMeasurer:
             self.reference = None
         self.adopted.clear()  # the candidates' graphs: planned already, or never measured
         self.timed_forms.clear()  # (the search confirms before it returns)
+
+    def _rounds_compiling(self) -> bool:
+        """Whether an input's round still waits for its rival's compile.  The search's end waits for it
+        (``alternatives_timed``), so a candidate measured meanwhile costs the build no time: the budget does not
+        end the measurements while one does (NASNet-A Large, H200: the budget ended 42 s into the search with 8
+        candidates measured, and the search ended at 53 s, when the boundary-layout round's rival was compiled)."""
+        early = self.early
+        if not early.get("todo") or early.get("stopped") or not self.backend.background_compiles:
+            return False
+        return any(self.backend.compiling(keys) for _, _, keys in early["todo"])
 
     # -- the input's alternatives, timed during the search -----------------------------------------------------
     def time_ready(self, wait: bool = False) -> None:

@@ -118,6 +118,50 @@ def test_the_measurement_budget_runs_from_the_moment_the_input_is_timed(models, 
     m.close()
 
 
+def test_candidates_are_measured_past_the_budget_while_an_input_round_still_compiles(models, monkeypatch):
+    """The search's end waits for the compile of an input's round (``alternatives_timed``): while one is in
+    flight a spent budget does not end the measurements, which cost the build no time then; each such
+    measurement is logged with how far past the budget it started.  Once the round's compile is done, the next
+    candidate raises MeasureBudgetSpent."""
+    import importlib
+    import types
+
+    import parastream.launcher as launcher_pkg
+    import parastream.pipeline.bench as bench_mod
+    import parastream.launcher.gpu as gpu_mod
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline.build import MeasureBudgetSpent
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite.cost import RooflineCostModel
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+    loaded = load_model(models / "inception_block.onnx")
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(build_mod, "_write_engines", lambda *a, **k: None)
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle: types.SimpleNamespace(close=lambda: None))
+    monkeypatch.setattr(gpu_mod, "load_phases", lambda la: {})
+    monkeypatch.setattr(bench_mod, "measure", lambda launchers, runs, warmup, lock=True, **kw: {
+        k: np.array([1.0]) for k in launchers})
+    backend = gpu_backend()
+    in_flight = {"layout-key"}
+    backend.background_compiles = True
+    backend.compiling = lambda keys: sum(k in in_flight for k in keys)
+    backend.cancel_precompile = lambda: 0
+    m = GpuMeasurer.for_build(Engines(backend, RooflineCostModel(), loaded, "fp16"), BuildOptions(precision="fp16"),
+                              loaded, streams=1, max_streams=1, budget_s=0)
+    m.measure(loaded.model)  # the input, then the first rival: both measured whatever the budget
+    m.measure(loaded.model)
+    m.early.update(todo=[("boundary layout", None, ["layout-key"])], rounds=[])
+    monkeypatch.setattr(m, "time_ready", lambda wait=False: None)  # the round's rival is not timed here
+    m.measure(loaded.model)  # the budget is spent, the round's rival still compiles: measured
+    assert m.log[-1]["past_budget_s"] >= 0
+    in_flight.clear()
+    with pytest.raises(MeasureBudgetSpent):
+        m.measure(loaded.model)
+    assert "past_budget_s" not in m.log[1] and len(m.log) == 3
+    m.close()
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
 def test_gpu_build_measures_candidates(models, tmp_path):
