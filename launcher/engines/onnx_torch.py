@@ -82,8 +82,10 @@ class NodeView:
     """What a converter sees of one node: attributes, input Values, the compute dtype."""
 
     def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype, inferred=None,
-                 fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn"):
+                 fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
+                 patch_gemm: bool = False):
         self.node = node
+        self.patch_gemm = patch_gemm  # patch convolutions of few channels as one matrix product (``_conv_as_patch_gemm``)
         self.fuse_attention = fuse_attention  # attention nodes: one SDPA kernel, else its matmul-softmax-matmul
         self.fuse_gemm_epilogue = fuse_gemm_epilogue  # matmul-bias-activation nodes: cuBLASLt's epilogue, else three ops
         self.conv_kernels = conv_kernels  # "inductor": depthwise convolutions as ops Inductor compiles
@@ -373,6 +375,10 @@ def _conv(n: NodeView):
     fconv = {1: F.conv1d, 2: F.conv2d, 3: F.conv3d}.get(nd)
     if fconv is None:
         n.fail(f"{nd}-d convolution")
+    if n.patch_gemm:
+        patches = _conv_as_patch_gemm(n.shape(0), w_shape, kernel, strides, dil, group, pads)
+        if patches is not None:
+            return patches
     if n.conv_kernels == "inductor" and nd == 2:
         lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if lowered is not None:
@@ -389,6 +395,47 @@ def _conv(n: NodeView):
         return _ConvFn(fconv, strides, begin, dil, group, nd)
     pad = _torch_pad_arg(begin, end)
     return lambda x, w, b=None: fconv(F.pad(x, pad), w, b, strides, 0, dil, group)
+
+
+#: the most input channels a convolution over non-overlapping patches is run as one matrix product for
+#: (``_conv_as_patch_gemm``): an image's 3 (RGB) or 4 (RGBA) channels
+PATCH_GEMM_MAX_CHANNELS = 4
+
+
+def _conv_as_patch_gemm(x_shape, w_shape, kernel, strides, dil, group, pads):
+    """A 2-d convolution over non-overlapping patches (kernel = strides, no padding or dilation, one group) of an
+    input with at most ``PATCH_GEMM_MAX_CHANNELS`` channels, as one matrix product: the patches [N·Ho·Wo, C·kh·kw]
+    (a reshape and permute of the input; rows and columns past the last whole patch dropped, as the convolution
+    drops them) times the weight [O, C·kh·kw] transposed, plus the bias, viewed as [N, O, Ho, Wo].  None for any
+    other convolution.
+
+    This is the patch embedding of vision transformers and ConvNeXt-style stems (16x16 at stride 16, 4x4 at
+    stride 4, on an RGB image).  cuDNN runs it on a 3-channel input as an implicit GEMM with a reduction of only
+    3 channels per tap, in a kernel for unaligned channels: ViT-B/16's 16x16 patch embedding took 63.4 µs of its
+    engine's 515 µs of kernels (H200, fp16, batch 1, bench/kernels.py; torch.compile's cuDNN call 82.8 µs plus a
+    13.2 µs layout copy), the largest single kernel of the engine.  As a product its reduction is C·kh·kw = 768
+    deep, cuBLAS's shape; the patches are one copy of the input, which Inductor writes in the kernel that casts
+    the engine's input.  The weight [O, C, kh, kw] is contiguous, so its [O, C·kh·kw] form is a view (torch's
+    Linear layout, cuBLAS's "TN" product)."""
+    torch = _torch()
+    if len(kernel) != 2 or group != 1 or list(kernel) != list(strides) or any(d != 1 for d in dil) or any(pads):
+        return None
+    if len(x_shape) != 4 or any(int(d) < 1 for d in x_shape) or x_shape[1] > PATCH_GEMM_MAX_CHANNELS:
+        return None
+    n, c, h, w = (int(d) for d in x_shape)
+    kh, kw = (int(k) for k in kernel)
+    ho, wo, o, k = h // kh, w // kw, int(w_shape[0]), c * kh * kw
+    if ho < 1 or wo < 1 or int(w_shape[1]) != c:
+        return None
+
+    def patch_gemm(x, wt, b=None):
+        p = x[:, :, :ho * kh, :wo * kw].reshape(n, c, ho, kh, wo, kw).permute(0, 2, 4, 1, 3, 5).reshape(-1, k)
+        wm = wt.reshape(o, k).t()
+        y = p @ wm if b is None else torch.addmm(b, p, wm)
+        return y.reshape(n, ho, wo, o).permute(0, 3, 1, 2)
+
+    patch_gemm.patch_gemm = True
+    return patch_gemm
 
 
 #: the most taps a depthwise convolution is written as a sum of shifted slices for; larger kernels are written as
@@ -1405,8 +1452,9 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
 #: what the converter writes for a given graph; part of a compiled engine's cache key (a cache entry holds the
 #: converted weights' layout): 2 stores a MatMul's constant weight transposed (``_linear_weights``); 3 multiplies
 #: an X of rank 3 or more by a 2-d W as one product over X's rows (``_matmul``); 4 hands a planned convolution
-#: its input channels-last and dense (``_ConvFn._planned``)
-CONVERTER_VERSION = 4
+#: its input channels-last and dense (``_ConvFn._planned``); 5 runs a CUDA engine's patch embedding as a matrix
+#: product (``_conv_as_patch_gemm``)
+CONVERTER_VERSION = 5
 
 
 def _transposed_weight(fn):
@@ -1449,7 +1497,7 @@ def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[
 
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
-            cudnn_plans: bool = False):
+            cudnn_plans: bool = False, patch_gemm: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -1464,6 +1512,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ops Inductor compiles (``_conv_as_kernels``); "cudnn" runs every convolution as torch's convolution, and with
     ``cudnn_plans`` (CUDA engines) its depthwise ones (``depthwise_convs``) through cuDNN plans the engine ships
     (``cudnn_plans.py``: cuDNN's runtime-compiled depthwise kernels, built once at build instead of at every start).
+    ``patch_gemm`` (CUDA engines) runs a convolution over non-overlapping patches of an image's few channels (a
+    patch embedding) as one matrix product (``_conv_as_patch_gemm``).
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -1516,7 +1566,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(op_key)
         nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, fuse_gemm_epilogue=fuse_gemm_epilogue,
-                      conv_kernels=depthwise_kernels if index in lowered else "cudnn")
+                      conv_kernels=depthwise_kernels if index in lowered else "cudnn", patch_gemm=patch_gemm)
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)
@@ -1579,6 +1629,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     module.fused_conv_relu = fused
     module.fused_conv_add_relu = residual
     module.linear_weights = linear
+    module.patch_gemm_convs = sum(bool(getattr(st.fn, "patch_gemm", False)) for st in steps)
     module.eval()
     module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]
     return module

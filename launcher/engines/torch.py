@@ -668,7 +668,7 @@ def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: l
     module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype, options),
                      fuse_attention=options.fuse_attention, conv_kernels=options.conv_kernels,
                      fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options),
-                     cudnn_plans=_cudnn_plans(device, options)).to(device)
+                     cudnn_plans=_cudnn_plans(device, options), patch_gemm=device == "cuda").to(device)
     try:
         inner = to_fx(module)  # straight-line code rather than the interpreter loop
     except Exception:  # noqa: BLE001 - the interpreter module compiles too
@@ -1858,7 +1858,8 @@ class TorchEngine:
                                                    fuse_attention=options.fuse_attention,
                                                    conv_kernels=options.conv_kernels,
                                                    fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options),
-                                                   cudnn_plans=_cudnn_plans(device, options)), device)
+                                                   cudnn_plans=_cudnn_plans(device, options),
+                                                   patch_gemm=device == "cuda"), device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}
