@@ -74,8 +74,12 @@ def _ort(model, feeds):
     return dict(zip(names, sess.run(names, feeds)))
 
 
-def _run(module, model, feeds, device="cpu"):
-    ins = [torch.from_numpy(feeds[i.name]).to(device) for i in model.graph.input]
+def _run(module, model, feeds, device="cpu", dtype=None, channels_last=False):
+    """The module's outputs on ``feeds``, given as a launcher gives an engine its inputs: on ``device``, in the
+    engine's compute ``dtype`` (its caller casts them), 4-d ones channels-last where asked."""
+    ins = [torch.from_numpy(feeds[i.name]).to(device, dtype) for i in model.graph.input]
+    if channels_last:
+        ins = [t.contiguous(memory_format=torch.channels_last) if t.dim() == 4 else t for t in ins]
     with torch.no_grad():
         outs = module(*ins)
     return {o.name: t.float().cpu().numpy() for o, t in zip(model.graph.output, outs)}
@@ -116,13 +120,17 @@ def test_the_product_compiles_with_inductor_and_matches_onnxruntime():
 
 
 @pytest.mark.gpu
-def test_the_patch_embedding_in_fp16_on_the_gpu_matches_onnxruntime():
+@pytest.mark.parametrize("channels_last", [False, True])
+def test_the_patch_embedding_in_fp16_on_the_gpu_matches_onnxruntime(channels_last):
+    """Compiled by Inductor in fp16 on the GPU, fed contiguous or channels-last inputs (an engine's boundary in
+    either layout), against ONNX Runtime on the fp32 model."""
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     model, _ = patch_model()
     module = to_fx(convert(model, "float16", patch_gemm=True)).cuda()
     feeds = _feeds(model, seed=3)
-    want, got = _ort(model, feeds), _run(torch.compile(module), model, feeds, device="cuda")
+    want = _ort(model, feeds)
+    got = _run(torch.compile(module), model, feeds, device="cuda", dtype=torch.float16, channels_last=channels_last)
     for name in want:
         scale = float(np.max(np.abs(want[name])))
-        assert float(np.max(np.abs(got[name] - want[name]))) <= 2e-2 * scale, name
+        assert float(np.max(np.abs(got[name] - want[name]))) <= 5e-3 * scale, name
