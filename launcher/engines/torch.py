@@ -613,6 +613,15 @@ def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:
     return device == "cuda" and options.fuse_gemm_epilogue
 
 
+def converter_options(device: str, dtype: str, options: BuildOptions) -> dict:
+    """``onnx_torch.convert``'s options for an engine on ``device`` in ``dtype``: what the build option asks, where
+    that device runs it (the cuDNN and cuBLASLt kernels, and the patch embedding as one product, are CUDA's).
+    The one place both an engine's compile and its conversion at load take them from."""
+    return {"fuse_conv_relu": _fuse(device, dtype, options), "fuse_attention": options.fuse_attention,
+            "conv_kernels": options.conv_kernels, "fuse_gemm_epilogue": _fuse_gemm_epilogue(device, options),
+            "cudnn_plans": _cudnn_plans(device, options), "patch_gemm": device == "cuda"}
+
+
 #: the fusion options engine.json records null where they cannot change the engine (``choices_that_apply``)
 FUSION_CHOICES = ("fuse_conv_relu", "fuse_attention", "fuse_gemm_epilogue")
 
@@ -665,10 +674,7 @@ def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: l
 
     from .onnx_torch import convert, to_fx
 
-    module = convert(branch, dtype, fuse_conv_relu=_fuse(device, dtype, options),
-                     fuse_attention=options.fuse_attention, conv_kernels=options.conv_kernels,
-                     fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options),
-                     cudnn_plans=_cudnn_plans(device, options), patch_gemm=device == "cuda").to(device)
+    module = convert(branch, dtype, **converter_options(device, dtype, options)).to(device)
     try:
         inner = to_fx(module)  # straight-line code rather than the interpreter loop
     except Exception:  # noqa: BLE001 - the interpreter module compiles too
@@ -1854,12 +1860,8 @@ class TorchEngine:
         else:
             from .onnx_torch import convert, to_device_shared
 
-            self.module = to_device_shared(convert(engine.branch_model(model_weights), self.dtype, fuse_conv_relu=fuse,
-                                                   fuse_attention=options.fuse_attention,
-                                                   conv_kernels=options.conv_kernels,
-                                                   fuse_gemm_epilogue=_fuse_gemm_epilogue(device, options),
-                                                   cudnn_plans=_cudnn_plans(device, options),
-                                                   patch_gemm=device == "cuda"), device)
+            self.module = to_device_shared(convert(engine.branch_model(model_weights), self.dtype,
+                                                   **converter_options(device, self.dtype, options)), device)
             self._fn = self._make_fn()
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}
