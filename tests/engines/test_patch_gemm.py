@@ -13,15 +13,13 @@ from __future__ import annotations
 import numpy as np
 import onnx
 import pytest
-from onnx import TensorProto, helper, numpy_helper
+from onnx import TensorProto, helper
 
 torch = pytest.importorskip("torch")
 
+from test_conv_kernels import _ort, _w  # noqa: E402 - the same weights and reference as the other convolutions'
+
 from parastream.launcher.engines.onnx_torch import PATCH_GEMM_MAX_CHANNELS, convert, to_fx  # noqa: E402
-
-
-def _w(rng, name, shape):
-    return numpy_helper.from_array((rng.standard_normal(shape) * 0.1).astype(np.float32), name)
 
 
 def patch_model(seed: int = 0) -> tuple[onnx.ModelProto, dict[str, bool]]:
@@ -64,14 +62,6 @@ def _feeds(model, seed: int = 1):
     rng = np.random.default_rng(seed)
     return {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
             for i in model.graph.input}
-
-
-def _ort(model, feeds):
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    names = [o.name for o in sess.get_outputs()]
-    return dict(zip(names, sess.run(names, feeds)))
 
 
 def _run(module, model, feeds, device="cpu", dtype=None, channels_last=False):
