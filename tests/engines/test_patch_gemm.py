@@ -17,7 +17,7 @@ from onnx import TensorProto, helper
 
 torch = pytest.importorskip("torch")
 
-from test_conv_kernels import _ort, _w  # noqa: E402 - the same weights and reference as the other convolutions'
+from test_conv_kernels import _ort, _w  # noqa: E402 - the same weights and reference as the other convolutions
 
 from parastream.launcher.engines.onnx_torch import PATCH_GEMM_MAX_CHANNELS, convert, to_fx  # noqa: E402
 
