@@ -1058,7 +1058,7 @@ def stop_workers() -> None:
     A pool with compiles queued or running (an earlier build's, in this process) is left alone: killed, its jobs
     would be recorded as branches that failed to compile."""
     with _QUEUE_LOCK:
-        if _INFLIGHT or _QUEUED or _RUNNING[0]:
+        if _INFLIGHT or _QUEUED or _RUNNING[0] > 0:
             return
     for workers in list(_POOL):
         pool = _POOL.pop(workers)
