@@ -15,7 +15,8 @@
 # after ...): one pair of builds is not enough, the same tree's NASNet-A Large build varied by up to 9 s between
 # machines of one kind, and the first build on a fresh machine was the slowest.
 # Each build's report.json and its `--json` line land in $OUT/SIDE (REPS=1) or $OUT/SIDE.ROUND, packed into
-# $OUT/ab_one_gpu.tgz; a table of every build's stages, candidates measured and compile work is printed at the end.
+# $OUT/ab_one_gpu.tgz; a table of every build's stages, candidates measured and compile work is printed at the end,
+# and with SIDE_BY_SIDE=1 the two sides' last bundles timed side by side (bench/bundles_side_by_side.py).
 set -u
 sides=${SIDES:-after before}
 [[ "$sides" != *before* || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
@@ -80,4 +81,9 @@ for name in sys.argv[2:]:
           f"{st.get('engines', 0):7.1f} {st.get('verify', 0):6.1f} {len((r.get('search') or {}).get('measured_in_order') or []):8d} "
           f"{sum(x.get('worker_s', 0) for x in labels):8.0f} {first:9.1f} {bc.get('last_done_s', float('nan')):10.1f}")
 PY
+# SIDE_BY_SIDE=1: the last builds of both sides (those left in the work folder) loaded in one process and their
+# replays timed in alternating blocks, so that one call gives the build's and the bundle's before and after
+if [ "${SIDE_BY_SIDE:-0}" = 1 ] && [ -f "$work/after/manifest.json" ] && [ -f "$work/before/manifest.json" ]; then
+    python3 bench/bundles_side_by_side.py after="$work/after" before="$work/before" --out "$out" 2>&1 | tail -1
+fi
 (cd "$out" && tar czf ab_one_gpu.tgz "${dirs[@]}" && rm -rf "${dirs[@]}")
