@@ -51,13 +51,19 @@ def time_case(torch, backend, q, k, v, mask, causal, layers: int, runs: int) -> 
     return us / 1e3, outs[0]
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+def layer_args(doc: str, name: str, argv=None) -> argparse.Namespace:
+    """The options of a benchmark of a transformer layer's kernels (this one, bench/gemm_bias.py): the batches,
+    the layers captured in one graph, the replays timed, where the results go."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--runs", type=int, default=300)
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/sdpa_backends"))
-    args = ap.parse_args(argv)
+    ap.add_argument("--out", default=os.environ.get("OUT", f"/tmp/{name}"))
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = layer_args(__doc__, "sdpa_backends", argv)
     import torch
 
     torch.manual_seed(0)
