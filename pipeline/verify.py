@@ -349,6 +349,11 @@ def _quiet_polygraphy() -> None:
     _polygraphy_without_torch_import()
 
 
+def _reference_key(seed: int, iterations: int, ranges: dict) -> tuple:
+    """What a reference's outputs depend on besides the model: the seeded inputs' seed, count and value ranges."""
+    return seed, iterations, tuple(sorted(ranges.items()))
+
+
 class ReferenceRun:
     """ONNX Runtime's outputs on the original model for a verification's seeded inputs, computed in a thread of
     its own while a build goes on, so that the verification at its end runs only the bundle.
@@ -373,7 +378,7 @@ class ReferenceRun:
         _quiet_polygraphy()
         loader, self.ranges = seeded_inputs(original, inputs, seed=seed, iterations=iterations,
                                             input_ranges=input_ranges)
-        self.key = (seed, iterations, tuple(sorted(self.ranges.items())))
+        self.key = _reference_key(seed, iterations, self.ranges)
         self.feeds = [OrderedDict(f) for f in loader]  # both runs see these very arrays
         self._data = original_bytes if original_bytes is not None else original.SerializeToString()
         self._results = self._error = None
@@ -448,7 +453,7 @@ def verify(original: onnx.ModelProto, launcher, inputs: list[TensorSpec], *, rto
     _quiet_polygraphy()
     loader, ranges = seeded_inputs(original, inputs, seed=seed, iterations=iterations, input_ranges=input_ranges)
     ours = LauncherRunner(launcher, inputs, load=load)
-    ahead = None if reference is None else reference.results((seed, iterations, tuple(sorted(ranges.items()))))
+    ahead = None if reference is None else reference.results(_reference_key(seed, iterations, ranges))
     if ahead is not None:
         results = RunResults(list(ahead.lst) + list(Comparator.run([ours], data_loader=reference.feeds).lst))
     else:
