@@ -8,7 +8,9 @@ follows (the residual add and LayerNorm).  ViT-B/16's MLP output product (3072 -
 kernel with a reduction and a memset, 9.1 µs a layer (H200, fp16, batch 1, bench/kernels.py), where
 torch.compile's Linear, ``addmm`` with the bias in the epilogue, ran no split-K.  Whether the bias in the epilogue
 is faster as an engine runs it (the residual add and LayerNorm after it) decides whether a GEMM-epilogue node
-without activation is worth building and timing in the build's round.
+without activation is worth building and timing in the build's round (it was: rule fuse_gemm_bias).  The two
+forms without bias (a Linear whose zero bias the build folds away, as transformers initialise them) ask the same
+of a product alone against ``addmm`` with a zero bias.
 
 Each case is ``--layers`` products of one form on fresh weights (as the layers of a model read different ones),
 each followed by the residual add and LayerNorm an encoder layer has, compiled by Inductor (default mode), captured
@@ -29,7 +31,7 @@ from pathlib import Path
 #: without activation (the attention's input and output projections, the MLP's output)
 CASES = tuple((model, tokens, name, k, n) for model, tokens in (("vit_b_16", 197), ("bert", 128))
               for name, k, n in (("qkv", 768, 2304), ("attention output", 768, 768), ("mlp output", 3072, 768)))
-FORMS = ("product + add", "addmm")
+FORMS = ("product + add", "addmm", "product alone", "addmm, zero bias")
 
 
 def layer_fn(torch, form: str, layers: int):
@@ -40,7 +42,14 @@ def layer_fn(torch, form: str, layers: int):
     def f(x, r, ws, bs):
         outs = []
         for w, b in zip(ws, bs):
-            y = x @ w.t() + b if form == "product + add" else torch.addmm(b, x, w.t())
+            if form == "product + add":
+                y = x @ w.t() + b
+            elif form == "addmm":
+                y = torch.addmm(b, x, w.t())
+            elif form == "product alone":  # a Linear whose zero bias the build folded away
+                y = x @ w.t()
+            else:  # the same with a zero bias in the epilogue
+                y = torch.addmm(torch.zeros_like(b), x, w.t())
             outs.append(F.layer_norm(y + r, (y.shape[-1],)))
         return outs
 
@@ -76,16 +85,21 @@ def main(argv=None) -> int:
                 row["us"][form] = round(_graph_us(body, reps=1, replays=args.runs), 2)
                 outs[form] = got[0].float()
             row["addmm_speedup"] = round(row["us"]["product + add"] / row["us"]["addmm"], 3)
-            row["max_diff"] = float((outs["addmm"] - outs["product + add"]).abs().max())
+            row["zero_bias_addmm_speedup"] = round(row["us"]["product alone"] / row["us"]["addmm, zero bias"], 3)
+            row["max_diff"] = float(max((outs["addmm"] - outs["product + add"]).abs().max(),
+                                        (outs["addmm, zero bias"] - outs["product alone"]).abs().max()))
             rows.append(row)
             print(json.dumps(row), flush=True)
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     (out / "gemm_bias.json").write_text(json.dumps(rows, indent=1))
-    print("| model | batch | product | m x k x n | product + add µs | addmm µs | addmm speed-up |")
+    print("| model | batch | product | m x k x n | product + add µs | addmm µs | addmm speed-up | product alone µs "
+          "| addmm, zero bias µs | speed-up |")
     for r in rows:
+        us = r["us"]
         print(f"| {r['model']} | {r['batch']} | {r['product']} | {r['m']}x{r['k']}x{r['n']} | "
-              f"{r['us']['product + add']:.1f} | {r['us']['addmm']:.1f} | {r['addmm_speedup']:.3f}x |")
+              f"{us['product + add']:.1f} | {us['addmm']:.1f} | {r['addmm_speedup']:.3f}x | {us['product alone']:.1f} | "
+              f"{us['addmm, zero bias']:.1f} | {r['zero_bias_addmm_speedup']:.3f}x |")
     return 0
 
 

@@ -18,8 +18,9 @@ backend runs as ``torch._addmm_activation`` (cuBLASLt's fused bias + ReLU/GELU e
     Y = act(X·W + B)
 
 * inputs ``X`` [..., K], ``W`` [K, N], ``B`` [N] (or [1, ..., 1, N]); output ``Y`` [..., N], X's type;
-* attributes ``activation`` ("Relu" or "Gelu") and, for "Gelu", ``approximate`` ("none": x·Φ(x) with erf, or
-  "tanh": 0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))), as ONNX's Gelu names them).
+* attributes ``activation`` ("Relu", "Gelu", or "Identity": none, Y = X·W + B, what ``fuse_gemm_bias`` leaves)
+  and, for "Gelu", ``approximate`` ("none": x·Φ(x) with erf, or "tanh": 0.5·x·(1 + tanh(√(2/π)·(x +
+  0.044715·x³))), as ONNX's Gelu names them).
 
 :func:`plain_onnx` writes a model's nodes of this domain back as the plain ops they stand for, for ONNX Runtime.
 
@@ -41,7 +42,7 @@ DOMAIN = "parastream"
 VERSION = 1
 SDPA = "ScaledDotProductAttention"
 GEMM_ACTIVATION = "MatMulBiasActivation"
-ACTIVATIONS = ("Relu", "Gelu")
+ACTIVATIONS = ("Relu", "Gelu", "Identity")
 
 _FLOATS = ["tensor(float)", "tensor(float16)", "tensor(bfloat16)", "tensor(double)"]
 
@@ -91,7 +92,7 @@ def _register() -> None:
         inputs=[param("X", "T"), param("W", "T"), param("B", "T")],
         outputs=[param("Y", "T")],
         type_constraints=[("T", _FLOATS, "floating-point tensors")],
-        attributes=[attr("activation", helper.make_attribute("activation", "Relu"), "Relu or Gelu"),
+        attributes=[attr("activation", helper.make_attribute("activation", "Relu"), "Relu, Gelu or Identity"),
                     attr("approximate", helper.make_attribute("approximate", "none"), "Gelu: none (erf) or tanh")])
     schema.set_type_and_shape_inference_function(_gemm_activation_shapes)
     defs.register_schema(schema)
@@ -123,7 +124,7 @@ def _rank_and_dims(graph: onnx.GraphProto, name: str) -> list | None:
 
 def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
     """A copy of ``model`` with each node of this domain replaced by the plain ops it stands for, so that ONNX
-    Runtime runs it.  ``MatMulBiasActivation``: MatMul, Add and Relu; for a GELU, ONNX's Gelu where the model's
+    Runtime runs it.  ``MatMulBiasActivation``: MatMul, Add and Relu (no Relu for Identity); for a GELU, ONNX's Gelu where the model's
     opset is at least 20, else its erf form 0.5·x·(1 + erf(x/√2)) or its tanh form
     0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).  ``ScaledDotProductAttention``: Transpose of K's last two axes,
     MatMul, Mul by the scale, the mask added (a float mask) or applied with Where (a bool mask, the type's lowest
@@ -186,6 +187,9 @@ def _plain_gemm_activation(w: _Writer, node: onnx.NodeProto, opset: int) -> None
     approximate = approximate.decode() if isinstance(approximate, bytes) else approximate
     x, weight, b = node.input
     y = node.output[0]
+    if activation == "Identity":
+        w.op("Add", [w.op("MatMul", [x, weight]), b], y)
+        return
     h = w.op("Add", [w.op("MatMul", [x, weight]), b])
     if activation == "Relu":
         w.op("Relu", [h], y)

@@ -259,8 +259,9 @@ def _flops_bytes_tiles(node: gs.Node, float_bytes: int | None = None) -> tuple[f
                 rows = oshape[-2] if len(oshape) >= 2 else 1
                 batch = int(np.prod(oshape[:-2], dtype=np.int64)) if len(oshape) > 2 else 1
                 tiles = _gemm_tiles(rows, oshape[-1], batch)
-            if op == "MatMulBiasActivation":  # parastream's GEMM with its bias and activation as the epilogue
-                flops += float(_POINTWISE.get(str(node.attrs.get("activation", "Relu")), 1) * out_n)
+            activation = str(node.attrs.get("activation", "Relu"))
+            if op == "MatMulBiasActivation" and activation != "Identity":  # parastream's GEMM with its bias and
+                flops += float(_POINTWISE.get(activation, 1) * out_n)      # activation as the epilogue
     elif op in _POINTWISE:
         flops = float(_POINTWISE[op] * out_n)
     elif op in ("MaxPool", "AveragePool", "LpPool"):

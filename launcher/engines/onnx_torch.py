@@ -915,7 +915,7 @@ def _attention(n: NodeView):
 @converter(f"{fused_ops.DOMAIN}.{fused_ops.GEMM_ACTIVATION}")
 def _gemm_activation(n: NodeView):
     """act(X·W + B) (core/fused_ops.py) as ``torch._addmm_activation`` on X's rows (its leading dimensions
-    flattened): with ``fuse_gemm_epilogue`` (a CUDA engine's: cuBLASLt's fused bias + ReLU/GELU epilogue) where
+    flattened; ``torch.addmm`` for the identity): with ``fuse_gemm_epilogue`` (a CUDA engine's: cuBLASLt's fused bias + ReLU/GELU epilogue) where
     that kernel computes the node's activation, else as the matmul, add and activation the rule replaced (the
     GPU build times one against the other).
 
@@ -936,6 +936,8 @@ def _gemm_activation(n: NodeView):
     rows = n.shape(0)[:-1]
     gelu = activation == "Gelu"
     exact = not gelu or approximate == "tanh" or n.float_dtype in (torch.float16, torch.bfloat16)
+    if n.fuse_gemm_epilogue and activation == "Identity":  # the bias alone in the epilogue, as a Linear runs
+        return lambda x, w, b: torch.addmm(b.reshape(cols), x.reshape(-1, k), w).reshape(*rows, cols)
     if n.fuse_gemm_epilogue and exact:
         return lambda x, w, b: torch._addmm_activation(b.reshape(cols), x.reshape(-1, k), w,
                                                        use_gelu=gelu).reshape(*rows, cols)
@@ -944,6 +946,8 @@ def _gemm_activation(n: NodeView):
 
     def unfused(x, w, b):
         y = product(x, w) + b
+        if activation == "Identity":
+            return y
         return F.gelu(y, approximate=approximate) if gelu else torch.relu(y)
 
     return unfused

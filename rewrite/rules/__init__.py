@@ -12,7 +12,7 @@ from .enlarge_kernel import EnlargeKernel, ShrinkKernel
 from .fission import Fission
 from .fold_bn_and_affine import FoldBatchNormAndAffine
 from .fuse_attention import FuseAttention
-from .fuse_gemm_epilogue import FuseGemmEpilogue
+from .fuse_gemm_epilogue import FuseGemmBias, FuseGemmEpilogue
 from .merge_parallel_conv import MergeParallelConv
 from .merge_parallel_matmul import MergeParallelMatMul
 from .merge_summed import MergeSummed
@@ -37,6 +37,7 @@ EVERY_RULE: list[Rule] = [
     HoistPointwiseConcat(),
     SinkPointwiseConcat(),
     Fission(),
+    FuseGemmBias(),  # last: the other rules' sites that start at a MatMul and its bias go first
 ]
 
 

@@ -21,7 +21,8 @@ from onnx import helper, numpy_helper
 
 from parastream.core import fused_ops
 from parastream.rewrite.rules import ALL_RULES, rules_for
-from parastream.rewrite.rules.fuse_gemm_epilogue import FuseGemmEpilogue
+from parastream.rewrite.rules.fuse_gemm_epilogue import FuseGemmBias, FuseGemmEpilogue
+from parastream.rewrite.rules.merge_parallel_matmul import MergeParallelMatMul
 
 from rule_testing import apply_everywhere, assert_equivalent, model, ops, random_feeds, reasons, run, vi, weight
 
@@ -29,6 +30,7 @@ torch = pytest.importorskip("torch")
 from parastream.launcher.engines.onnx_torch import convert  # noqa: E402 - needs torch
 
 RULE = FuseGemmEpilogue()
+BIAS_RULE = FuseGemmBias()
 B, S, K, N = 2, 3, 8, 16
 GELU_TANH_VS_ERF = 4.8e-4  # max |erf GELU - tanh GELU| over the reals (4.73e-4, at x = ±2.7)
 
@@ -127,11 +129,11 @@ def _gelu_nodes(form: str, x: str, y: str) -> tuple[list, list]:
 def linear(activation: str = "relu", *, gemm: str | None = None, x_shape=(B, S, K), bias_shape=(N,),
            w_shape=(K, N), bias_first: bool = False, extra_reader: str | None = None, opset: int = 17,
            graph_output: str | None = None, bias: bool = True, reshape_to: tuple | None = None) -> onnx.ModelProto:
-    """y = act(x·W + b) as ``activation`` names it; ``gemm`` "T" or "N": a Gemm with transB 1 or 0 instead;
+    """y = act(x·W + b) as ``activation`` names it ("none": y = x·W + b); ``gemm`` "T" or "N": a Gemm with transB 1 or 0 instead;
     ``bias`` False: no bias; ``reshape_to``: the biased product reshaped to it before the activation."""
     inputs = [vi("x", list(x_shape))]
     inits = [weight("b", list(bias_shape), 1)]
-    h = "hr" if reshape_to else "h"
+    h = "hr" if reshape_to else "y" if activation == "none" else "h"
     if gemm:
         inits.append(weight("w", [N, K] if gemm == "T" else [K, N], 0))
         nodes = [helper.make_node("Gemm", ["x", "w", "b"] if bias else ["x", "w"], [h], name="fc",
@@ -146,7 +148,9 @@ def linear(activation: str = "relu", *, gemm: str | None = None, x_shape=(B, S, 
     if reshape_to:
         inits.append(numpy_helper.from_array(np.asarray(reshape_to, dtype=np.int64), "to"))
         nodes.append(helper.make_node("Reshape", ["hr", "to"], ["h"], name="unflatten"))
-    if activation == "relu":
+    if activation == "none":  # the biased product is the output
+        pass
+    elif activation == "relu":
         nodes.append(helper.make_node("Relu", ["h"], ["y"], name="relu"))
     elif activation == "sigmoid":
         nodes.append(helper.make_node("Sigmoid", ["h"], ["y"], name="sigmoid"))
@@ -384,3 +388,175 @@ def test_exported_transformers_mlps(kind, exporter, opset):
     for name in want:
         assert np.max(np.abs(got[name] - want[name])) <= 1e-5 * max(float(np.max(np.abs(want[name]))), 1e-6), name
     converter_matches_ort(m, out)  # the node as its plain ops in the converter (a CPU engine's)
+
+
+# -- the bias alone: fuse_gemm_bias --------------------------------------------------------------------------------
+
+class AddmmCalls:
+    """Counts the calls of ``torch.addmm`` (the product with its bias in the epilogue) while it is installed."""
+
+    def __init__(self, monkeypatch):
+        self.count = 0
+        real = torch.addmm
+
+        def spy(*args, **kwargs):
+            self.count += 1
+            return real(*args, **kwargs)
+
+        monkeypatch.setattr(torch, "addmm", spy)
+
+
+def assert_bias_alone_matches(original: onnx.ModelProto, fused: onnx.ModelProto, monkeypatch):
+    """ONNX Runtime on the node written back as MatMul and Add; the converter's product and add (exactly, no
+    ``torch.addmm``), and its ``torch.addmm``."""
+    plain = fused_ops.plain_onnx(fused)
+    onnx.checker.check_model(plain, full_check=True)
+    assert_equivalent(original, plain)
+    spy = AddmmCalls(monkeypatch)
+    assert_torch_matches_ort(original, fused, fuse=False)
+    assert spy.count == 0
+    assert_torch_matches_ort(original, fused, fuse=True, trials=1)
+    assert spy.count > 0
+
+
+@pytest.mark.parametrize("bias_first", [False, True])
+def test_the_bias_alone_fuses_as_identity_and_matches_onnxruntime(bias_first, monkeypatch):
+    m = linear("none", bias_first=bias_first)
+    assert apply_everywhere(RULE, m)[1] == []  # no activation: not the activation rule's
+    out, fired = apply_everywhere(BIAS_RULE, m)
+    assert fired == ["fuse_gemm_bias:fc+bias"]
+    (node,) = fused_nodes(out)
+    assert ops(out) == [fused_ops.GEMM_ACTIVATION] and attrs_of(node) == {"activation": "Identity"}
+    assert list(node.input) == ["x", "w", "b"] and list(node.output) == ["y"]
+    onnx.checker.check_model(out, full_check=True)
+    assert ops(fused_ops.plain_onnx(out)) == ["MatMul", "Add"]
+    assert_bias_alone_matches(m, out, monkeypatch)
+
+
+def test_the_bias_alone_is_priced_as_its_product_and_add():
+    """The simplifying search keeps the fusion only where the cost model does not rate it slower: it prices the
+    node as the MatMul with its Add (which it counts as the product's epilogue already)."""
+    from parastream.rewrite.cost import RooflineCostModel
+    from parastream.rewrite.ir import import_graph
+
+    m = linear("none")
+    out, _ = apply_everywhere(BIAS_RULE, m)
+    cm = RooflineCostModel()
+    fused, plain = cm.graph_cost(import_graph(out), 1)[1], cm.graph_cost(import_graph(m), 1)[1]
+    assert 0.99 * plain < fused <= plain * 1.001
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    (dict(activation="relu"), "fuse_gemm_epilogue fuses it"),  # the activation rule's chain
+    (dict(activation="erf"), "fuse_gemm_epilogue fuses it"),
+    (dict(activation="none", bias=False), "not read by the Add of a bias alone"),  # a product without bias
+    (dict(activation="none", extra_reader="mm"), "not read by the Add of a bias alone"),  # needed unbiased too
+    (dict(activation="none", graph_output="mm"), "not read by the Add of a bias alone"),
+    (dict(activation="none", bias_shape=(B, S, N)), "is not a vector"),  # a residual, not a bias
+    (dict(activation="none", w_shape=(B, K, N)), "2-d weight"),  # a batched matmul
+])
+def test_the_bias_rule_does_not_fire(kwargs, why):
+    m = linear(**kwargs)
+    assert apply_everywhere(BIAS_RULE, m)[1] == []
+    assert any(why in r for r in reasons(BIAS_RULE, m)), reasons(BIAS_RULE, m)
+
+
+def test_the_bias_rule_leaves_a_gemm_alone():
+    """A Gemm's bias already runs in its product's epilogue (the converter's ``linear``): no site at all."""
+    m = linear("none", gemm="T", x_shape=(B, K))
+    assert BIAS_RULE.match(import_graph_of(m)) == []
+    assert apply_everywhere(BIAS_RULE, m)[1] == []
+
+
+def import_graph_of(m: onnx.ModelProto):
+    from parastream.rewrite.ir import import_graph
+
+    return import_graph(m)
+
+
+def projections(n: int = 3) -> onnx.ModelProto:
+    """``n`` products of the same x, each with its bias (attention's Q, K and V), each an output."""
+    nodes, inits = [], []
+    for i in range(n):
+        inits += [weight(f"w{i}", [K, N], 10 + i), weight(f"b{i}", [N], 20 + i)]
+        nodes += [helper.make_node("MatMul", ["x", f"w{i}"], [f"mm{i}"], name=f"mm{i}"),
+                  helper.make_node("Add", [f"mm{i}", f"b{i}"], [f"y{i}"], name=f"bias{i}")]
+    return model(nodes, [vi("x", [B, S, K])], [vi(f"y{i}", None) for i in range(n)], inits)
+
+
+def test_parallel_projections_are_merged_first_then_their_bias_fused(monkeypatch):
+    """Products of one X are left to merge_parallel_matmul; the merged product's bias is fused."""
+    m = projections()
+    assert apply_everywhere(BIAS_RULE, m)[1] == []
+    assert all("merge_parallel_matmul" in r for r in reasons(BIAS_RULE, m))
+    merged, fired = apply_everywhere(MergeParallelMatMul(), m)
+    assert len(fired) == 1
+    out, fired = apply_everywhere(BIAS_RULE, merged)
+    assert len(fired) == 1
+    (node,) = fused_nodes(out)
+    w = {t.name: numpy_helper.to_array(t) for t in out.graph.initializer}[node.input[1]]
+    assert w.shape == (K, 3 * N)  # the one merged product
+    assert_bias_alone_matches(m, out, monkeypatch)
+
+
+@pytest.mark.parametrize("exporter, opset", [("torchscript", 17), ("dynamo", 18)])
+def test_an_exported_linear_without_activation(exporter, opset, monkeypatch):
+    """nn.Linear on [batch, tokens, features] as both exporters write it (MatMul and Add)."""
+    from parastream.rewrite.ir import infer
+
+    torch.manual_seed(0)
+    net = torch.nn.Linear(K, N).eval()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            try:
+                m = torch.onnx.export(net, (torch.randn(B, S, K),), dynamo=True, opset_version=opset,
+                                      input_names=["x"]).model_proto
+            except Exception as e:  # noqa: BLE001 - the dynamo exporter needs onnxscript
+                pytest.skip(f"the dynamo exporter does not run here: {type(e).__name__}: {e}")
+        else:
+            f = io.BytesIO()
+            torch.onnx.export(net, (torch.randn(B, S, K),), f, dynamo=False, opset_version=opset, input_names=["x"])
+            m = onnx.load_from_string(f.getvalue())
+    m = infer(m, strict=True)
+    out, fired = apply_everywhere(BIAS_RULE, m)
+    assert len(fired) == 1, (ops(m), reasons(BIAS_RULE, m))
+    assert_bias_alone_matches(m, out, monkeypatch)
+
+
+def test_the_search_for_the_torch_backend_merges_bert_projections_then_fuses_their_biases(tmp_path):
+    """optimize() with the torch backend's rules on BERT (one layer, its biases drawn at random: transformers
+    initialises them to zero, which fold_bn_and_affine drops) as the build loads it: Q, K and V merged into one
+    product, and the bias of every product without activation (the merged one, the attention's output, the
+    MLP's output) fused."""
+    from test_fuse_attention import _transformers_model, feeds_for
+
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite import optimize
+
+    net, args, names = _transformers_model("bert")
+    with torch.no_grad():
+        for layer in net.modules():
+            if isinstance(layer, torch.nn.Linear):
+                layer.bias.normal_()
+    path = tmp_path / "bert.onnx"
+    with warnings.catch_warnings(), torch.no_grad():
+        warnings.simplefilter("ignore")
+        torch.onnx.export(net, args, str(path), dynamo=False, opset_version=17, input_names=list(names))
+    m = load_model(path).model
+    out, report = optimize(m, rules=rules_for("torch"))
+    chosen = report["rules_chosen"]
+    assert any(k.startswith("merge_parallel_matmul:") for k in chosen), chosen
+    identity = [n for n in fused_nodes(out) if attrs_of(n)["activation"] == "Identity"]
+    assert sum(k.startswith("fuse_gemm_bias:") for k in chosen) == len(identity) == 3, chosen
+    widths = sorted(numpy_helper.to_array(next(t for t in out.graph.initializer if t.name == n.input[1])).shape[1]
+                    for n in identity)
+    assert widths[-1] == 3 * widths[0]  # the merged Q, K and V
+    feeds = feeds_for(m, 3)
+    want = run(m, feeds)
+    for fuse in (False, True):
+        module = convert(out, "float32", fuse_gemm_epilogue=fuse)
+        with torch.no_grad():
+            got = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+        for (name, ref), have in zip(want.items(), got):
+            assert np.max(np.abs(have.numpy() - ref)) <= 1e-4 * max(float(np.max(np.abs(ref))), 1e-6), name
