@@ -27,10 +27,12 @@ best remove the work of the nodes it rewrites).  Without a measurement, a rewrit
 
 from __future__ import annotations
 
+import concurrent.futures
 import contextlib
 import gc
 import heapq
 import random
+import threading
 import time
 from dataclasses import dataclass, field
 from typing import Callable, Protocol, runtime_checkable
@@ -657,6 +659,17 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
         ahead = max(1, int(measurer.lookahead))
         prepared: list[dict] = []
         prepared_ids: set[int] = set()
+        # A measurer with a ``host`` lock (GpuMeasurer) holds it while it measures, except while the GPU times:
+        # from the second model on, the next candidate is exported and prepared in a thread of this search's
+        # under that lock, beside the timing, instead of between two measurements.  The first model's (the
+        # input's) preparation and that of the candidates right behind it are done before it is measured, as
+        # without the lock: its measurement waits for the input's compile under the lock, and the candidates'
+        # compiles must be queued meanwhile.
+        host = None if isinstance(measurer, TimedBy) or by_trace else getattr(measurer, "host", None)
+        held = host if host is not None else contextlib.nullcontext()
+        ahead_pool = None
+        pending = None
+        stopping = threading.Event()
 
         def export(w) -> bool:
             if id(w) not in exported and "error" not in w:
@@ -679,47 +692,72 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                         # build knows their unchanged branches by them, and extracts them from these arrays)
                         mine = adopt_model(toposort(cleanup(copy_graph(w["graph"]))), exported[id(w)], keep_arrays=True)
                         if mine is not None:
-                            measurer.adopt(exported[id(w)], mine)
+                            with held:
+                                measurer.adopt(exported[id(w)], mine)
                         else:  # the measurer imports it: with its weights
                             put_back(exported[id(w)], w.pop("aside"))
                 timings["export_s"] = timings.get("export_s", 0.0) + time.perf_counter() - t
                 timings["exported"] = timings.get("exported", 0) + 1
             return id(w) in exported
 
-        spent = None
-        for i, w in enumerate(order):
-            if spent is not None:  # the budget is spent: the rest are neither exported nor prepared
-                w["error"] = spent
-                continue
-            if by_trace:  # times known by the rewrites: nothing exported, prepared or loaded
-                def timed(w=w):
-                    return measurer.measure_trace(tuple(w["trace"]))
-            else:
-                if not isinstance(measurer, TimedBy):
-                    # ``measurer.prepare(models)``, for the next ``measurer.lookahead`` models not prepared yet, in
-                    # the order they will be measured (a GPU build compiles their engines in the background
-                    # meanwhile), one model per call: the first one's compiles start before the next are exported
-                    for x in order[i:i + ahead + 1]:
-                        if id(x) in prepared_ids or not export(x):
-                            continue
-                        prepared_ids.add(id(x))
-                        t = time.perf_counter()
-                        try:
-                            prepared.append(measurer.prepare([exported[id(x)]]) or {})
-                        except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
-                            prepared.append({"error": f"{type(e).__name__}: {e}"})
-                        timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
-                if not export(w):
+        def prepare_ahead(ws: list) -> None:
+            """``measurer.prepare(models)`` for those of ``ws`` not prepared yet, in the order they will be
+            measured (a GPU build compiles their engines in the background meanwhile), one model per call: the
+            first one's compiles start before the next are exported."""
+            for x in ws:
+                if stopping.is_set():
+                    return
+                if id(x) in prepared_ids or not export(x) or stopping.is_set():
                     continue
+                prepared_ids.add(id(x))
+                with held:
+                    t = time.perf_counter()
+                    try:
+                        prepared.append(measurer.prepare([exported[id(x)]]) or {})
+                    except Exception as e:  # noqa: BLE001 - measuring compiles what preparing could not
+                        prepared.append({"error": f"{type(e).__name__}: {e}"})
+                    timings["prepare_s"] = timings.get("prepare_s", 0.0) + time.perf_counter() - t
 
-                def timed(w=w):
-                    return measurer.measure(exported[id(w)])
-            try:
-                w["measured_s"] = float(timed())
-            except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
-                w["error"] = f"{type(e).__name__}: {e}"
-                if isinstance(e, MeasureBudgetSpent):
-                    spent = w["error"]
+        spent = None
+        try:
+            for i, w in enumerate(order):
+                if spent is not None:  # the budget is spent: the rest are neither exported nor prepared
+                    w["error"] = spent
+                    continue
+                if by_trace:  # times known by the rewrites: nothing exported, prepared or loaded
+                    def timed(w=w):
+                        return measurer.measure_trace(tuple(w["trace"]))
+                else:
+                    if not isinstance(measurer, TimedBy):
+                        if pending is not None:  # the models ahead, prepared during the last measurement
+                            pending.result()
+                            pending = None
+                        if host is None or i == 0:
+                            prepare_ahead(order[i:i + ahead + 1])
+                        else:
+                            prepare_ahead(order[i:i + 1])  # prepared already, unless its export failed
+                            if ahead_pool is None:
+                                ahead_pool = concurrent.futures.ThreadPoolExecutor(
+                                    1, thread_name_prefix="parastream-search-ahead")
+                            pending = ahead_pool.submit(prepare_ahead, order[i + 1:i + ahead + 1])
+                    if not export(w):
+                        continue
+
+                    def timed(w=w):
+                        return measurer.measure(exported[id(w)])
+                try:
+                    w["measured_s"] = float(timed())
+                except Exception as e:  # noqa: BLE001 - a candidate that cannot be built or run is not chosen
+                    w["error"] = f"{type(e).__name__}: {e}"
+                    if isinstance(e, MeasureBudgetSpent):
+                        spent = w["error"]
+                        stopping.set()
+        finally:
+            stopping.set()
+            if pending is not None:
+                pending.result()
+            if ahead_pool is not None:
+                ahead_pool.shutdown(wait=True)
         if not isinstance(measurer, TimedBy) and not by_trace:
             report["prepared"] = prepared
         measured = [w for w in admissible if "measured_s" in w]

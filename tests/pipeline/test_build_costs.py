@@ -334,6 +334,55 @@ def test_the_best_candidate_is_timed_with_a_slow_fusion_off(monkeypatch):
     m.close()
 
 
+def test_the_host_lock_is_let_go_only_while_the_gpu_times(monkeypatch):
+    """``measure`` holds ``host`` through the load, the plan and the rounds' bookkeeping, and lets it go only
+    while the GPU times (the search prepares its next candidate then, rewrite/search.py); a thread that holds
+    it when the timing ends makes the measurement wait, and the log says how long (``host_wait_s``).  Outside
+    ``measure`` (``confirm``), the lock is neither taken nor let go."""
+    import threading
+    import time
+
+    from parastream.pipeline import bench
+
+    cand = _fused_model(True, True)
+    m, input_model, launchers = _timing_measurer(monkeypatch, lambda model, o: 1.0 if model is not cand else 0.9)
+    seen = []
+    timed, loading = bench.measure, m.engines.launcher
+
+    def other_thread_takes_the_lock():
+        taken = threading.Event()
+
+        def hold():
+            with m.host:
+                taken.set()
+                time.sleep(0.05)
+
+        threading.Thread(target=hold).start()
+        assert taken.wait(2.0)
+
+    def timing(launchers, **kw):
+        seen.append(("time", m.host.locked()))
+        if len(seen) == 4:  # the candidate's timing: another thread prepares meanwhile, past its end
+            other_thread_takes_the_lock()
+        return timed(launchers, **kw)
+
+    def load(v):
+        seen.append(("load", m.host.locked()))
+        return loading(v)
+
+    monkeypatch.setattr(bench, "measure", timing)
+    m.engines.launcher = load
+    m.measure(input_model)
+    m.measure(cand)
+    assert [kind for kind, _ in seen] == ["load", "time", "load", "time"]
+    assert all(locked == (kind == "load") for kind, locked in seen)
+    assert not m.host.locked() and m.log[-1]["host_wait_s"] >= 0.04 and "host_wait_s" not in m.log[0]
+    seen.clear()
+    m.confirm(cand)
+    assert seen == [("load", False), ("time", False)] and not m.host.locked()
+    m.close()
+
+
 def test_a_candidate_is_timed_again_in_the_form_its_time_was_taken_in(monkeypatch):
     """``confirm`` (the search's fastest timed again) loads the form the candidate's time came from, here its
     GEMM epilogue as plain ops, times it against the reference and logs the timing as an entry of its own; a

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import sys
 import time
@@ -217,6 +218,81 @@ def test_the_measurer_is_prepared_ahead_in_the_order_it_measures(zoo_model):
 
     out, report = optimize(m, measure=Recording(4, prepare_fails=True), top_k=5)  # measuring compiles what preparing could not
     assert report["prepared"][0] == {"error": "RuntimeError: no compile workers"} and report["decided_by"] == "measured"
+
+
+def test_a_measurer_with_a_host_lock_gets_the_next_candidate_prepared_while_it_times(zoo_model):
+    """A measurer with a ``host`` lock (GpuMeasurer: held while it measures, let go while the GPU times) gets,
+    from its second measurement on, the next candidate exported and prepared in another thread while it times,
+    and never while it holds the lock; the models are prepared and measured in the same order as without the
+    lock, and once the budget is spent nothing more is prepared."""
+    import threading
+
+    from parastream.rewrite.search import MeasureBudgetSpent
+
+    m = zoo_model("inception_block")
+    main = threading.get_ident()
+
+    class Timing:
+        lookahead = 2
+
+        def __init__(self, host: bool, spend_after=None):
+            if host:
+                self.host = threading.Lock()
+            self.spend_after, self.events, self.holding, self.prepared = spend_after, [], False, threading.Event()
+
+        def adopt(self, model, graph):
+            assert not self.holding, "adopted while a measurement held the lock"
+            self.events.append(("adopt", id(model)))
+
+        def prepare(self, models):
+            assert not self.holding, "prepared while a measurement held the lock"
+            self.events.append(("prepare", id(models[0]), threading.get_ident() != main))
+            self.prepared.set()
+            return {}
+
+        def measure(self, model):
+            host = getattr(self, "host", None)
+            with host if host is not None else contextlib.nullcontext():
+                self.holding = True
+                self.events.append(("measure", id(model)))
+                if self.spend_after is not None and sum(e[0] == "measure" for e in self.events) > self.spend_after:
+                    self.holding = False
+                    raise MeasureBudgetSpent("budget spent")
+                if host is not None:  # the GPU times: the lock is let go meanwhile
+                    self.prepared.clear()
+                    self.holding = False
+                    host.release()
+                    self.prepared.wait(1.0)  # the next candidate's preparation, if any, runs now
+                    host.acquire()
+                    self.holding = True
+                self.events.append(("timed", id(model)))
+                self.holding = False
+                return 1e-4 * len(model.graph.node)
+
+    serial, overlapped = Timing(host=False), Timing(host=True)
+    optimize(m, measure=serial, top_k=6)
+    out, report = optimize(m, measure=overlapped, top_k=6)
+    order = lambda t, kind: [e[1] for e in t.events if e[0] == kind]  # noqa: E731
+    ids = {i: n for n, i in enumerate(order(overlapped, "measure"))}
+    assert len(ids) >= 4 and report["decided_by"] == "measured"
+    # the same models prepared and measured in the same order (the exports are new objects each run: by rank)
+    assert [ids.get(i) for i in order(overlapped, "prepare")] == list(range(len(order(overlapped, "prepare"))))
+    assert len(order(serial, "prepare")) == len(order(overlapped, "prepare"))
+    assert len(order(serial, "measure")) == len(order(overlapped, "measure"))
+    # from the second measurement on, the model ``lookahead`` ahead is prepared in the other thread between the
+    # measurement's start and its end
+    events = overlapped.events
+    for n, i in enumerate(order(overlapped, "measure")[1:], start=1):
+        start, end = events.index(("measure", i)), events.index(("timed", i))
+        ahead = order(overlapped, "measure")[n + Timing.lookahead] if n + Timing.lookahead < len(ids) else None
+        if ahead is not None:
+            assert ("prepare", ahead, True) in events[start:end]
+    first = [e for e in events if e[0] == "prepare" and ids[e[1]] <= Timing.lookahead]
+    assert first and not any(e[2] for e in first)  # the input's and those right behind it: before it, here
+
+    spent = Timing(host=True, spend_after=2)
+    optimize(m, measure=spent, top_k=6)
+    assert len(order(spent, "measure")) == 3 and len(order(spent, "prepare")) <= 3 + Timing.lookahead
 
 
 def test_a_rewrite_must_beat_the_input_by_the_margin(zoo_model):
