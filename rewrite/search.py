@@ -510,6 +510,53 @@ class TimedBy:
         return self.fn(model)
 
 
+#: candidates measured with the next one prepared before the measurement, then as many with it prepared beside
+#: it, before the faster way is kept for the rest of the search (``_Preparation``)
+PREPARATION_TRIAL = 2
+
+
+class _Preparation:
+    """Whether the search prepares its next candidate beside a measurement (in a thread, while the GPU times) or
+    before it, decided by timing both ways: the first ``PREPARATION_TRIAL`` candidates after the input are
+    measured with it prepared before, the next as many beside, and the way whose fastest candidate, from the
+    start of its measurement to the start of the next, took less is kept.  Neither wins everywhere (H200, the
+    search's budget of 25 s): beside, NASNet-A Large measured 11-13 candidates against 7, its timings (1.5 ms
+    replays, often timed again) long enough to hide a preparation; ViT-B/16 measured 9 against 21, its timings
+    (0.5 ms replays) short, and slowed by the preparation's native calls, which hold the interpreter while the
+    timing queues its replays."""
+
+    def __init__(self, enabled: bool):
+        self.enabled = enabled
+        self.marks: list[tuple[int, bool, float]] = []  # (candidate, beside, when its measurement started)
+        self.won: str | None = None
+
+    def beside(self, i: int) -> bool:
+        """Whether candidate ``i`` (0: the input) is measured with the next one prepared beside it; called once
+        per candidate, when its measurement is about to start."""
+        if not self.enabled or i == 0:
+            return False
+        if self.won is None and i > 2 * PREPARATION_TRIAL:
+            took = self._took()
+            if took["before"] and took["beside"]:
+                self.won = "beside" if min(took["beside"]) < min(took["before"]) else "before"
+        on = self.won == "beside" if self.won is not None else i > PREPARATION_TRIAL
+        self.marks.append((i, on, time.perf_counter()))
+        return on
+
+    def _took(self) -> dict[str, list[float]]:
+        """Per way, the seconds from each trial candidate's start to the next one's."""
+        took: dict[str, list[float]] = {"before": [], "beside": []}
+        for (i, on, t), (j, _, u) in zip(self.marks, self.marks[1:]):
+            if j == i + 1 and i <= 2 * PREPARATION_TRIAL:
+                took["beside" if on else "before"].append(u - t)
+        return took
+
+    def report(self) -> dict:
+        took = self._took()
+        return {"timed_s": {k: [round(x, 3) for x in v] for k, v in took.items()},
+                "won": self.won or "not decided: the budget ended during the trial"}
+
+
 def optimize(model: onnx.ModelProto, **options) -> tuple[onnx.ModelProto, dict]:
     """Rewrite ``model`` with the rules the search finds cheapest; return (model, JSON-able report).
     ``options``: those of :func:`optimize_graph`, which this is without a graph (``model`` is imported)."""
@@ -660,16 +707,17 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
         prepared: list[dict] = []
         prepared_ids: set[int] = set()
         # A measurer with a ``host`` lock (GpuMeasurer) holds it while it measures, except while the GPU times:
-        # from the second model on, the next candidate is exported and prepared in a thread of this search's
-        # under that lock, beside the timing, instead of between two measurements.  The first model's (the
-        # input's) preparation and that of the candidates right behind it are done before it is measured, as
-        # without the lock: its measurement waits for the input's compile under the lock, and the candidates'
-        # compiles must be queued meanwhile.
+        # the next candidate can then be exported and prepared in a thread of this search's under that lock,
+        # beside the timing, instead of between two measurements; which of the two is faster is timed
+        # (``_Preparation``).  The input's preparation and that of the candidates right behind it are done before
+        # it is measured either way: its measurement waits for the input's compile under the lock, and the
+        # candidates' compiles must be queued meanwhile.
         host = None if isinstance(measurer, TimedBy) or by_trace else getattr(measurer, "host", None)
         held = host if host is not None else contextlib.nullcontext()
         ahead_pool = None
         pending = None
         stopping = threading.Event()
+        mode = _Preparation(host is not None)
 
         def export(w) -> bool:
             if id(w) not in exported and "error" not in w:
@@ -732,7 +780,7 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                         if pending is not None:  # the models ahead, prepared during the last measurement
                             pending.result()
                             pending = None
-                        if host is None or i == 0:
+                        if not mode.beside(i):
                             prepare_ahead(order[i:i + ahead + 1])
                         else:
                             prepare_ahead(order[i:i + 1])  # prepared already, unless its export failed
@@ -758,6 +806,8 @@ def optimize_graph(model: onnx.ModelProto, graph: gs.Graph | None = None, *, cos
                 pending.result()
             if ahead_pool is not None:
                 ahead_pool.shutdown(wait=True)
+        if mode.enabled:
+            report["preparation"] = mode.report()
         if not isinstance(measurer, TimedBy) and not by_trace:
             report["prepared"] = prepared
         measured = [w for w in admissible if "measured_s" in w]

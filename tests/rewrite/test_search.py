@@ -220,79 +220,103 @@ def test_the_measurer_is_prepared_ahead_in_the_order_it_measures(zoo_model):
     assert report["prepared"][0] == {"error": "RuntimeError: no compile workers"} and report["decided_by"] == "measured"
 
 
-def test_a_measurer_with_a_host_lock_gets_the_next_candidate_prepared_while_it_times(zoo_model):
-    """A measurer with a ``host`` lock (GpuMeasurer: held while it measures, let go while the GPU times) gets,
-    from its second measurement on, the next candidate exported and prepared in another thread while it times,
-    and never while it holds the lock; the models are prepared and measured in the same order as without the
-    lock, and once the budget is spent nothing more is prepared."""
-    import threading
+class _Timing:
+    """A measurer with a ``host`` lock, as GpuMeasurer holds it: through a measurement but while the GPU times
+    (``time_s``, the lock let go); a preparation takes ``prepare_s``, or ``contended_s`` in another thread (the
+    interpreter shared with the timing); it records what ran when and in which thread."""
 
-    from parastream.rewrite.search import MeasureBudgetSpent
+    lookahead = 2
+
+    def __init__(self, host=True, time_s=0.03, prepare_s=0.03, contended_s=None, spend_after=None):
+        import threading
+
+        if host:
+            self.host = threading.Lock()
+        self.main, self.events, self.holding = threading.get_ident(), [], False
+        self.time_s, self.prepare_s, self.contended_s, self.spend_after = time_s, prepare_s, contended_s, spend_after
+
+    def adopt(self, model, graph):
+        assert not self.holding, "adopted while a measurement held the lock"
+
+    def prepare(self, models):
+        import threading
+
+        assert not self.holding, "prepared while a measurement held the lock"
+        other = threading.get_ident() != self.main
+        self.events.append(("prepare", id(models[0]), other))
+        time.sleep(self.contended_s if other and self.contended_s is not None else self.prepare_s)
+        return {}
+
+    def measure(self, model):
+        from parastream.rewrite.search import MeasureBudgetSpent
+
+        host = getattr(self, "host", None)
+        with host if host is not None else contextlib.nullcontext():
+            self.holding = True
+            self.events.append(("measure", id(model)))
+            if self.spend_after is not None and sum(e[0] == "measure" for e in self.events) > self.spend_after:
+                self.holding = False
+                raise MeasureBudgetSpent("budget spent")
+            if host is not None:  # the GPU times: the lock is let go meanwhile
+                self.holding = False
+                host.release()
+                time.sleep(self.time_s)
+                host.acquire()
+                self.holding = True
+            else:
+                time.sleep(self.time_s)
+            self.events.append(("timed", id(model)))
+            self.holding = False
+            return 1e-4 * len(model.graph.node)
+
+    def order(self, kind):
+        return [e[1] for e in self.events if e[0] == kind]
+
+    def beside(self, n):
+        """Whether the model ``lookahead`` behind the ``n``-th measured was prepared in the other thread
+        during the ``n``-th measurement (None: there is none)."""
+        measured = self.order("measure")
+        if n + self.lookahead >= len(measured):
+            return None
+        start, end = self.events.index(("measure", measured[n])), self.events.index(("timed", measured[n]))
+        return ("prepare", measured[n + self.lookahead], True) in self.events[start:end]
+
+
+@pytest.mark.parametrize("contended, won", [(False, "beside"), (True, "before")])
+def test_the_next_candidate_is_prepared_beside_the_timing_where_that_was_timed_faster(zoo_model, contended, won):
+    """With a measurer's ``host`` lock, the search measures two candidates with the next one prepared before
+    the measurement, two with it prepared beside (in a thread, while the lock is let go), and keeps the faster
+    way: beside where the preparation hides behind the timing, before where it slows down beside it; the
+    models are prepared and measured in the same order either way, and never while a measurement holds the
+    lock; report.json's search says what was timed and what won."""
+    from parastream.rewrite.search import PREPARATION_TRIAL
 
     m = zoo_model("inception_block")
-    main = threading.get_ident()
-
-    class Timing:
-        lookahead = 2
-
-        def __init__(self, host: bool, spend_after=None):
-            if host:
-                self.host = threading.Lock()
-            self.spend_after, self.events, self.holding, self.prepared = spend_after, [], False, threading.Event()
-
-        def adopt(self, model, graph):
-            assert not self.holding, "adopted while a measurement held the lock"
-            self.events.append(("adopt", id(model)))
-
-        def prepare(self, models):
-            assert not self.holding, "prepared while a measurement held the lock"
-            self.events.append(("prepare", id(models[0]), threading.get_ident() != main))
-            self.prepared.set()
-            return {}
-
-        def measure(self, model):
-            host = getattr(self, "host", None)
-            with host if host is not None else contextlib.nullcontext():
-                self.holding = True
-                self.events.append(("measure", id(model)))
-                if self.spend_after is not None and sum(e[0] == "measure" for e in self.events) > self.spend_after:
-                    self.holding = False
-                    raise MeasureBudgetSpent("budget spent")
-                if host is not None:  # the GPU times: the lock is let go meanwhile
-                    self.prepared.clear()
-                    self.holding = False
-                    host.release()
-                    self.prepared.wait(1.0)  # the next candidate's preparation, if any, runs now
-                    host.acquire()
-                    self.holding = True
-                self.events.append(("timed", id(model)))
-                self.holding = False
-                return 1e-4 * len(model.graph.node)
-
-    serial, overlapped = Timing(host=False), Timing(host=True)
-    optimize(m, measure=serial, top_k=6)
-    out, report = optimize(m, measure=overlapped, top_k=6)
-    order = lambda t, kind: [e[1] for e in t.events if e[0] == kind]  # noqa: E731
-    ids = {i: n for n, i in enumerate(order(overlapped, "measure"))}
-    assert len(ids) >= 4 and report["decided_by"] == "measured"
-    # the same models prepared and measured in the same order (the exports are new objects each run: by rank)
-    assert [ids.get(i) for i in order(overlapped, "prepare")] == list(range(len(order(overlapped, "prepare"))))
-    assert len(order(serial, "prepare")) == len(order(overlapped, "prepare"))
-    assert len(order(serial, "measure")) == len(order(overlapped, "measure"))
-    # from the second measurement on, the model ``lookahead`` ahead is prepared in the other thread between the
-    # measurement's start and its end
-    events = overlapped.events
-    for n, i in enumerate(order(overlapped, "measure")[1:], start=1):
-        start, end = events.index(("measure", i)), events.index(("timed", i))
-        ahead = order(overlapped, "measure")[n + Timing.lookahead] if n + Timing.lookahead < len(ids) else None
-        if ahead is not None:
-            assert ("prepare", ahead, True) in events[start:end]
-    first = [e for e in events if e[0] == "prepare" and ids[e[1]] <= Timing.lookahead]
+    serial = _Timing(host=False)
+    optimize(m, measure=serial, top_k=12)
+    timing = _Timing(contended_s=0.2 if contended else None)
+    out, report = optimize(m, measure=timing, top_k=12)
+    measured = timing.order("measure")
+    rank = {i: n for n, i in enumerate(measured)}
+    assert len(measured) >= 2 * PREPARATION_TRIAL + 3 and report["decided_by"] == "measured"
+    assert [rank[i] for i in timing.order("prepare")] == list(range(len(timing.order("prepare"))))
+    assert len(serial.order("prepare")) == len(timing.order("prepare"))
+    assert len(serial.order("measure")) == len(measured)
+    trial = [timing.beside(n) for n in range(1, 2 * PREPARATION_TRIAL + 1)]
+    assert trial == [False] * PREPARATION_TRIAL + [True] * PREPARATION_TRIAL
+    after = [x for x in (timing.beside(n) for n in range(2 * PREPARATION_TRIAL + 1, len(measured))) if x is not None]
+    assert after and set(after) == {won == "beside"}
+    assert report["preparation"]["won"] == won
+    took = report["preparation"]["timed_s"]
+    assert len(took["before"]) == len(took["beside"]) == PREPARATION_TRIAL
+    assert (min(took["beside"]) < min(took["before"])) == (won == "beside")
+    first = [e for e in timing.events if e[0] == "prepare" and rank[e[1]] <= _Timing.lookahead]
     assert first and not any(e[2] for e in first)  # the input's and those right behind it: before it, here
 
-    spent = Timing(host=True, spend_after=2)
-    optimize(m, measure=spent, top_k=6)
-    assert len(order(spent, "measure")) == 3 and len(order(spent, "prepare")) <= 3 + Timing.lookahead
+    spent = _Timing(spend_after=2)
+    optimize(m, measure=spent, top_k=12)
+    assert len(spent.order("measure")) == 3 and len(spent.order("prepare")) <= 3 + _Timing.lookahead
+    assert "preparation" not in optimize(m, measure=_Timing(host=False), top_k=4)[1]
 
 
 def test_a_rewrite_must_beat_the_input_by_the_margin(zoo_model):
