@@ -521,7 +521,7 @@ class _Preparation:
     measured with it prepared before, the next as many beside, and the way whose fastest candidate, from the
     start of its measurement to the start of the next, took less is kept.  Neither wins everywhere (H200, the
     search's budget of 25 s): beside, NASNet-A Large measured 11-13 candidates against 7, its timings (1.5 ms
-    replays, often timed again) long enough to hide a preparation; ViT-B/16 measured 9 against 21, its timings
+    replays, often timed again) long enough to hide a preparation; ViT-B/16 measured 8 against 20, its timings
     (0.5 ms replays) short, and slowed by the preparation's native calls, which hold the interpreter while the
     timing queues its replays."""
 
