@@ -915,9 +915,9 @@ def _attention(n: NodeView):
 @converter(f"{fused_ops.DOMAIN}.{fused_ops.GEMM_ACTIVATION}")
 def _gemm_activation(n: NodeView):
     """act(X·W + B) (core/fused_ops.py) as ``torch._addmm_activation`` on X's rows (its leading dimensions
-    flattened; ``torch.addmm`` for the identity): with ``fuse_gemm_epilogue`` (a CUDA engine's: cuBLASLt's fused bias + ReLU/GELU epilogue) where
-    that kernel computes the node's activation, else as the matmul, add and activation the rule replaced (the
-    GPU build times one against the other).
+    flattened; ``torch.addmm`` for the identity): with ``fuse_gemm_epilogue`` (a CUDA engine's: cuBLASLt's fused
+    bias + ReLU/GELU epilogue) where that kernel computes the node's activation, else as the matmul, add and
+    activation the rule replaced (the GPU build times one against the other).
 
     On CUDA ``use_gelu`` is GELU's tanh approximation (cuBLASLt's GELU epilogue; torch's own decomposition of
     ``_addmm_activation`` says so: tanh on CUDA, erf on the CPU).  It differs from erf GELU by at most 4.7e-4

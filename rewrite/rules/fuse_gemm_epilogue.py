@@ -34,7 +34,7 @@ the GPU (its tanh approximation) is the converter's concern: the node keeps the 
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import numpy as np
 import onnx_graphsurgeon as gs
@@ -276,24 +276,28 @@ def _product_and_bias(graph: gs.Graph, product: gs.Node) -> Epilogue | str:
     return Epilogue(x=x, w=w, bias=bias, out=biased, activation="Identity", transpose_w=transpose_w, nodes=nodes)
 
 
+def _with_activation(graph: gs.Graph, ep: Epilogue) -> Epilogue | str:
+    """``ep`` (a product and its bias) with the activation that follows it (through a Reshape, if one is
+    between), as a new Epilogue, or the reason there is none."""
+    biased, reshape = ep.out, _only_reader(graph, ep.out)
+    if reshape is not None and reshape.op == "Reshape" and static_shape(biased) is not None \
+            and static_shape(reshape.outputs[0]) is not None:
+        biased = reshape.outputs[0]
+    else:
+        reshape = None
+    got = find_activation(graph, biased)
+    if isinstance(got, str):
+        return got
+    activation, approximate, out, act_nodes = got
+    return replace(ep, activation=activation, approximate=approximate, out=out, reshape=reshape,
+                   nodes=ep.nodes + ([reshape] if reshape is not None else []) + act_nodes)
+
+
 def find_epilogue(graph: gs.Graph, product: gs.Node) -> Epilogue | str:
     """The product-bias-activation chain that starts at ``product`` (a MatMul or a Gemm), or the reason it is
     not one this rule fuses."""
     ep = _product_and_bias(graph, product)
-    if isinstance(ep, str):
-        return ep
-    biased, reshape = ep.out, _only_reader(graph, ep.out)
-    if reshape is not None and reshape.op == "Reshape" and static_shape(biased) is not None \
-            and static_shape(reshape.outputs[0]) is not None:
-        ep.nodes.append(reshape)
-        biased = reshape.outputs[0]
-        ep.reshape = reshape
-    got = find_activation(graph, biased)
-    if isinstance(got, str):
-        return got
-    ep.activation, ep.approximate, ep.out, act_nodes = got
-    ep.nodes += act_nodes
-    return ep
+    return ep if isinstance(ep, str) else _with_activation(graph, ep)
 
 
 def _weight_matrix(node: gs.Node) -> bool:
@@ -305,11 +309,11 @@ def find_bias_epilogue(graph: gs.Graph, product: gs.Node) -> Epilogue | str:
     its bias, read by anything but an activation), or the reason they are not ones this rule fuses."""
     if product.op != "MatMul":
         return f"{product.name} is a {product.op}: the converter runs a Gemm's bias in the product's epilogue"
-    if not isinstance(find_epilogue(graph, product), str):
-        return f"an activation follows {product.name}: fuse_gemm_epilogue fuses it with the activation"
     ep = _product_and_bias(graph, product)
     if isinstance(ep, str):
         return ep
+    if not isinstance(_with_activation(graph, ep), str):
+        return f"an activation follows {product.name}: fuse_gemm_epilogue fuses it with the activation"
     if ep.bias is None:
         return f"{product.name}'s product is not read by the Add of a bias alone"
     # Products of the same X with constant weights (attention's Q, K and V) are merge_parallel_matmul's: fused
