@@ -99,6 +99,23 @@ def init_zero_linears(model) -> None:
             torch.nn.init.trunc_normal_(m.weight, std=0.02)
 
 
+def init_zero_biases(model, std: float = 0.02) -> None:
+    """Random biases for Linear layers and attention projections that their library initialises to zero
+    (transformers' BERT, torch's MultiheadAttention): a trained model's are not zero, and a build folds a zero
+    bias away (``fold_bn_and_affine``), so with them a GPU table would time a product that no trained model
+    runs (a product without its bias, where torch.compile's ``addmm`` adds one).  Used by the GPU benchmarks
+    (bench/gpu.py), where the two sides then run the same weights a trained model would have."""
+    import torch
+
+    with torch.no_grad():
+        for m in model.modules():
+            for name in ("bias", "in_proj_bias"):
+                b = getattr(m, name, None)
+                if isinstance(b, torch.Tensor) and b.is_floating_point() and b.dim() == 1 and not torch.any(b) \
+                        and isinstance(m, (torch.nn.Linear, torch.nn.MultiheadAttention)):
+                    b.normal_(0.0, std)
+
+
 def calibrate_batchnorm(model, example, batches: int = 2, batch_size: int = 4) -> None:
     """BatchNorm running statistics from random images, as training would set them.
 

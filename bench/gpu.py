@@ -56,6 +56,17 @@ def at_batch(inputs: dict, batch: int) -> dict:
 
 
 def _make_model(name: str):
+    """The model and its batch-1 inputs, every zero-initialised Linear bias drawn at random as a trained model's
+    (``corpus.init_zero_biases``)."""
+    sys.path.insert(0, str(ROOT / "bench"))
+    import corpus
+
+    model, inputs = _make_model_as_initialised(name)
+    corpus.init_zero_biases(model)
+    return model, inputs
+
+
+def _make_model_as_initialised(name: str):
     import torch
 
     torch.manual_seed(0)
@@ -72,7 +83,6 @@ def _make_model(name: str):
 
     if name not in MODELS:
         # any vision classifier of the public-model corpus (bench/corpus.py: torchvision/timm, BatchNorm calibrated)
-        sys.path.insert(0, str(ROOT / "bench"))
         import corpus
 
         spec = corpus.MODELS.get(name)
