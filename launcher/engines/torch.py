@@ -1420,12 +1420,11 @@ class Builder(BuilderBase):
 
         ``groups`` (group -> keys) are compiled one after another in one process: branches with the same
         structure, whose Inductor graphs are the same (the weights are graph inputs), so that all but the
-        first are hits in that process's Inductor caches (a large group in parts, ``split_groups``).  Returns (key -> cache entry, key -> why it failed):
+        first are hits in that process's Inductor caches.  Returns (key -> cache entry, key -> why it failed):
         a branch Inductor cannot compile does not fail the build, its engine stays ONNX compiled at load, and
         the report and verification say so."""
         if not todo:
             return {}, {}
-        groups = split_groups(groups)
         workers = min(compile_workers(self.options), len(groups))
         results: dict[str, bytes | str] = {}
         if workers > 1:
@@ -1607,29 +1606,6 @@ def prepare_load(manifest: dict, report: dict | None = None) -> None:
     _import_runtime_in_background()
 
 
-#: a structure group of more branches than this is compiled as several jobs of at most this many, each in a
-#: worker of its own.  A group's first branch compiles and the rest reuse its code in that worker (~1 s each:
-#: conversion, trace, weights), so a large group was one worker's long tail while the others idled: ViT-B/16's
-#: and BERT-base's candidates, cut into an engine per repeated block, had 33 blocks of one structure compiled
-#: one after another, 33-40 s of the build's end (H200).  Split, each job pays the first compile again (or
-#: finds it in Inductor's on-disk caches), work that idle workers do.
-GROUP_BRANCHES = 8
-
-
-def split_groups(groups: dict[str, list[str]]) -> dict[str, list[str]]:
-    """``groups`` (structure -> cache keys) with every group of more than ``GROUP_BRANCHES`` keys split into
-    near-equal parts of at most that many, in its order."""
-    out: dict[str, list[str]] = {}
-    for g, keys in groups.items():
-        parts = max(1, -(-len(keys) // GROUP_BRANCHES))
-        at = 0
-        for i in range(parts):
-            size = len(keys) // parts + (i < len(keys) % parts)
-            out[g if i == 0 else f"{g}/{i}"] = keys[at:at + size]
-            at += size
-    return out
-
-
 def _work(todo: dict[str, tuple], keys: list[str]) -> float:
     """A group's compile work, to start the longest first: its first branch's nodes (the rest of a group are mostly
     Inductor cache hits in the same worker)."""
@@ -1750,7 +1726,7 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
     before everything queued (a compile the build waits for, queued late)."""
     if order not in ("auto", "search", "now"):
         raise ValueError(f"order={order!r}: auto, search or now")
-    groups_by_work = sorted(split_groups(groups).values(), key=lambda keys: -_work(todo, keys))
+    groups_by_work = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
     with _QUEUE_LOCK:
         for i, keys in enumerate(groups_by_work):
             job = _Inflight(keys, [todo[k] for k in keys], cache_dir, cancellable, seq=next(_SEQ), label=label)

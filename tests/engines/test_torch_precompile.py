@@ -261,24 +261,6 @@ def test_the_longest_group_needed_after_the_search_starts_at_once(monkeypatch):
     assert tb.cancel_precompile() == 1 and ["w"] in [j.keys for j in tb._QUEUED]  # "search" is kept: not cancelled
 
 
-def test_a_large_structure_group_is_split_into_jobs_of_at_most_group_branches(monkeypatch):
-    """A group of more same-structure branches than ``GROUP_BRANCHES`` is queued as several jobs of near-equal
-    size, in its order, so that idle workers take its tail; smaller groups stay one job.  (``_pump`` is held.)"""
-    monkeypatch.setattr(tb, "GROUP_BRANCHES", 4)
-    assert tb.split_groups({"g": list("abcdefghij"), "h": ["x"], "e": []}) == {
-        "g": list("abcd"), "g/1": list("efg"), "g/2": list("hij"), "h": ["x"], "e": []}
-    assert tb.split_groups({"g": list("abcdefgh")}) == {"g": list("abcd"), "g/1": list("efgh")}
-    monkeypatch.setattr(tb, "_pump", lambda: None)
-    monkeypatch.setattr(tb, "_QUEUED", [])
-    monkeypatch.setattr(tb, "_INFLIGHT", {})
-    job = ("inductor", branch(1).SerializeToString())
-    keys = [f"k{i}" for i in range(9)]
-    tb._submit({k: job for k in keys}, {"blocks": keys}, None, cancellable=True)
-    assert sorted(len(j.keys) for j in tb._QUEUED) == [3, 3, 3]
-    assert sorted(k for j in tb._QUEUED for k in j.keys) == sorted(keys)
-    assert all(tb._INFLIGHT[k].keys == next(j.keys for j in tb._QUEUED if k in j.keys) for k in keys)
-
-
 def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_compiling(compiles, monkeypatch):
     """``precompile(background=True)`` returns each batch's cache keys (the build times the input's alternatives
     once ``compiling(keys)`` is 0); ``background_summary`` then reports the groups compiled, the longest first."""
