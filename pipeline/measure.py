@@ -187,8 +187,12 @@ DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel",
 #: build waiting for them, for a round they lost by 42%, 2.180 against 1.533 ms)
 SAMPLE_DEPTHWISE_ENGINES = 16
 #: at most this many engines in the sample, chosen to hold as many of the plan's distinct depthwise
-#: convolutions as they can
-SAMPLE_ENGINES = 12
+#: convolutions as they can.  The sample only decides a round by a wide margin (``SAMPLE_DECIDES_BEYOND``), and
+#: its compile is work the build waits for on a compile-bound model: NASNet-A Large's 12 engines (20 of its 23
+#: distinct depthwise convolutions, H200) took 177 of the build's 688-859 worker-seconds, its Inductor kernels
+#: ~12 s an engine, for rounds they lost by 65-80% (0.347 ms with cuDNN against 0.571-0.623); six engines
+#: hold 12 of the 23
+SAMPLE_ENGINES = 6
 #: a round's kernels slower on the sample than the kernels the plan has by more than this share decide the round
 #: without the whole plan's compile; closer, or faster, the whole plan is compiled and raced as before.  The
 #: sampled engines run one after another, with no neighbour on another stream to hide their time behind, so the
