@@ -525,8 +525,8 @@ class _Preparation:
     (0.5 ms replays) short, and slowed by the preparation's native calls, which hold the interpreter while the
     timing queues its replays."""
 
-    def __init__(self, enabled: bool):
-        self.enabled = enabled
+    def __init__(self, enabled: bool, clock=time.perf_counter):
+        self.enabled, self.clock = enabled, clock
         self.marks: list[tuple[int, bool, float]] = []  # (candidate, beside, when its measurement started)
         self.won: str | None = None
 
@@ -535,18 +535,22 @@ class _Preparation:
         per candidate, when its measurement is about to start."""
         if not self.enabled or i == 0:
             return False
+        now = self.clock()
         if self.won is None and i > 2 * PREPARATION_TRIAL:
-            took = self._took()
+            # this candidate's start ends the last trial candidate's time: decided on every trial candidate
+            took = self._took([(i, False, now)])
             if took["before"] and took["beside"]:
                 self.won = "beside" if min(took["beside"]) < min(took["before"]) else "before"
         on = self.won == "beside" if self.won is not None else i > PREPARATION_TRIAL
-        self.marks.append((i, on, time.perf_counter()))
+        self.marks.append((i, on, now))
         return on
 
-    def _took(self) -> dict[str, list[float]]:
-        """Per way, the seconds from each trial candidate's start to the next one's."""
+    def _took(self, more: list[tuple[int, bool, float]] = ()) -> dict[str, list[float]]:
+        """Per way, the seconds from each trial candidate's start to the next one's (``more``: marks not made
+        yet)."""
         took: dict[str, list[float]] = {"before": [], "beside": []}
-        for (i, on, t), (j, _, u) in zip(self.marks, self.marks[1:]):
+        marks = [*self.marks, *more]
+        for (i, on, t), (j, _, u) in zip(marks, marks[1:]):
             if j == i + 1 and i <= 2 * PREPARATION_TRIAL:
                 took["beside" if on else "before"].append(u - t)
         return took
