@@ -83,9 +83,10 @@ class NodeView:
 
     def __init__(self, node: onnx.NodeProto, inputs: list[Value | None], opset: int, float_dtype, inferred=None,
                  fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
-                 patch_gemm: bool = False):
+                 patch_gemm: bool = False, one_row_reduction: bool = False):
         self.node = node
         self.patch_gemm = patch_gemm  # patch convolutions of few channels as one matrix product (``_conv_as_patch_gemm``)
+        self.one_row_reduction = one_row_reduction  # a Linear of one row as one reduction (``one_row_linears``)
         self.fuse_attention = fuse_attention  # attention nodes: one SDPA kernel, else its matmul-softmax-matmul
         self.fuse_gemm_epilogue = fuse_gemm_epilogue  # matmul-bias-activation nodes: cuBLASLt's epilogue, else three ops
         self.conv_kernels = conv_kernels  # "inductor": depthwise convolutions as ops Inductor compiles
@@ -312,6 +313,11 @@ def _gemm(n: NodeView):
     alpha, beta = float(n.attr("alpha", 1.0)), float(n.attr("beta", 1.0))
     ta, tb = int(n.attr("transA", 0)), int(n.attr("transB", 0))
     has_c = n.has_input(2)
+    if n.one_row_reduction:  # (``one_row_linears``: alpha = beta = 1, transB = 1, A [1, K], B [N, K], C [N])
+        def reduced(a, b, c):
+            return ((a * b).sum(-1, dtype=torch.float32) + c.reshape(-1)).to(a.dtype).reshape(1, -1)
+
+        return reduced
     if alpha == 1.0 and beta == 1.0 and not ta and tb:
         return lambda a, b, c=None: F.linear(a, b, c)
 
@@ -609,10 +615,56 @@ def has_fused_attention(model: onnx.ModelProto) -> bool:
                or (n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.SDPA) for n in model.graph.node)
 
 
+def one_row_linears(model: onnx.ModelProto) -> set[int]:
+    """The indices of ``model``'s ``Gemm`` nodes that are a Linear of one row (a classifier head, a pooler at
+    batch 1): alpha = beta = 1, transA = 0, transB = 1, A of static shape [1, K], B an initializer [N, K], C an
+    initializer of N values.  A CUDA engine runs such a node with its bias in cuBLAS's epilogue (``F.linear``) or,
+    where the GEMM epilogue is off (``fuse_gemm_epilogue``; the build's "GEMM epilogue" round times the two), as
+    one Inductor reduction with the bias (``one_row_reduction``).
+
+    Why: cuBLAS runs a matrix-vector product as a GEMM whose tile covers the one row and 64 outputs, so few
+    blocks read the whole weight: ResNet-50's head ([1, 2048] x [2048, 1000], 4 MB) took 13.1 µs, where one
+    Inductor reduction took 2.0 µs (H200, fp16, bench/few_rows.py).  Which is faster depends on the shape
+    (ViT-B/16's [768, 1000] head: cuBLAS 6.7 µs, the reduction 9.4; NASNet-A Large's [4032, 1000]: 8.1 against
+    22.0), hence timed, not assumed.  The converter reduces these nodes and no others, so that whether an engine
+    changes with the option is read from its ONNX alone (its cache key)."""
+    g = model.graph
+    weights = {t.name: list(t.dims) for t in g.initializer}
+    gemms = []
+    for i, n in enumerate(g.node):
+        if n.op_type != "Gemm" or n.domain not in ("", "ai.onnx") or len(n.input) < 3:
+            continue
+        attrs = {a.name: helper.get_attribute_value(a) for a in n.attribute}
+        b, c = weights.get(n.input[1]), weights.get(n.input[2])
+        if (float(attrs.get("alpha", 1.0)) == 1.0 and float(attrs.get("beta", 1.0)) == 1.0
+                and not int(attrs.get("transA", 0)) and int(attrs.get("transB", 0)) and b is not None
+                and len(b) == 2 and c and c[-1] == b[0] and int(np.prod(c, dtype=np.int64)) == b[0]):
+            gemms.append((i, n.input[0], b[1]))
+    if not gemms:
+        return set()
+
+    def shapes(m: onnx.ModelProto) -> dict[str, list[int]]:
+        out = {}
+        for vi in [*m.graph.input, *m.graph.value_info, *m.graph.output]:
+            t = vi.type.tensor_type
+            if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
+                out[vi.name] = [int(d.dim_value) for d in t.shape.dim]
+        return out
+
+    known = shapes(model)
+    if any(a not in known for _, a, _ in gemms):
+        try:
+            known = shapes(onnx.shape_inference.infer_shapes(model))
+        except Exception:  # noqa: BLE001 - not inferable: such a node stays cuBLAS's either way
+            pass
+    return {i for i, a, k in gemms if known.get(a) == [1, k]}
+
+
 def has_gemm_epilogue(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue): the nodes
-    ``fuse_gemm_epilogue`` converts one way or the other."""
-    return any(n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.GEMM_ACTIVATION for n in model.graph.node)
+    """Whether ``model`` has a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) or a Linear of one
+    row (``one_row_linears``): the nodes ``fuse_gemm_epilogue`` converts one way or the other."""
+    return any(n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.GEMM_ACTIVATION
+               for n in model.graph.node) or bool(one_row_linears(model))
 
 
 class _ConvFn:
@@ -1501,7 +1553,7 @@ def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[
 
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
-            cudnn_plans: bool = False, patch_gemm: bool = False):
+            cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -1517,7 +1569,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``cudnn_plans`` (CUDA engines) its depthwise ones (``depthwise_convs``) through cuDNN plans the engine ships
     (``cudnn_plans.py``: cuDNN's runtime-compiled depthwise kernels, built once at build instead of at every start).
     ``patch_gemm`` (CUDA engines) runs a convolution over non-overlapping patches of an image's few channels (a
-    patch embedding) as one matrix product (``_conv_as_patch_gemm``).
+    patch embedding) as one matrix product (``_conv_as_patch_gemm``).  ``one_row_reduction`` (CUDA engines without
+    the GEMM epilogue) runs each Linear of one row (``one_row_linears``) as one reduction.
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -1560,6 +1613,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
 
     lowered = depthwise_convs(model) if conv_kernels in LOWERED_CONV_KERNELS or cudnn_plans else set()
     depthwise_kernels = conv_kernels if conv_kernels in LOWERED_CONV_KERNELS else "planned"
+    one_row = one_row_linears(model) if one_row_reduction else set()
     for index, node in enumerate(g.node):
         op_key = node.op_type if node.domain in ("", "ai.onnx") else f"{node.domain}.{node.op_type}"
         if node.domain not in ("", "ai.onnx", fused_ops.DOMAIN):
@@ -1570,7 +1624,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
                 raise UnsupportedOp(f"node {node.name!r} ({node.op_type}): input {name!r} is produced by no earlier node")
         conv = CONVERTERS.get(op_key)
         nv = NodeView(node, ins, opset, float_dtype, inferred, fuse_attention, fuse_gemm_epilogue=fuse_gemm_epilogue,
-                      conv_kernels=depthwise_kernels if index in lowered else "cudnn", patch_gemm=patch_gemm)
+                      conv_kernels=depthwise_kernels if index in lowered else "cudnn", patch_gemm=patch_gemm,
+                      one_row_reduction=index in one_row)
         if conv is None:
             nv.fail("op not supported by the torch backend (launcher/engines/onnx_torch.py lists the ops it maps)")
         fn = conv(nv)

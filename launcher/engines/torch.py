@@ -619,7 +619,9 @@ def converter_options(device: str, dtype: str, options: BuildOptions) -> dict:
     The one place both an engine's compile and its conversion at load take them from."""
     return {"fuse_conv_relu": _fuse(device, dtype, options), "fuse_attention": options.fuse_attention,
             "conv_kernels": options.conv_kernels, "fuse_gemm_epilogue": _fuse_gemm_epilogue(device, options),
-            "cudnn_plans": _cudnn_plans(device, options), "patch_gemm": device == "cuda"}
+            "cudnn_plans": _cudnn_plans(device, options), "patch_gemm": device == "cuda",
+            # GEMM, bias and activation as Inductor's kernels: a Linear of one row as one Inductor reduction
+            "one_row_reduction": device == "cuda" and not options.fuse_gemm_epilogue}
 
 
 #: the fusion options engine.json records null where they cannot change the engine (``choices_that_apply``)

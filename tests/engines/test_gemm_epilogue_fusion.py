@@ -326,3 +326,71 @@ def test_gpu_build_times_the_gemm_epilogue_against_its_plain_ops(tmp_path):
     with load(bundle.path, device="cuda") as run:
         got = run(inputs)["y"]
     assert np.max(np.abs(got - ref)) / np.max(np.abs(ref)) < 2e-2
+
+
+# -- a Linear of one row: cuBLAS's epilogue or one Inductor reduction -------------------------------------------
+def head_model(rows: int = 1, *, trans_b: int = 1, alpha: float = 1.0, bias: str = "vector",
+               shaped: bool = True) -> onnx.ModelProto:
+    """x [rows, 4, 2, 2] -> GlobalAveragePool -> Flatten -> Gemm (a classifier head, 4 -> 5 classes): the form
+    both exporters give a Linear at the end of a CNN.  ``bias`` "vector" ([5]), "row" ([1, 5]), "none" or "input" (C
+    not an initializer); ``shaped``: the Flatten's output has its shape in value_info."""
+    rng = np.random.default_rng(7)
+    w = rng.standard_normal((5, 4) if trans_b else (4, 5)).astype(np.float32)
+    inits = [numpy_helper.from_array(w, "w")]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [rows, 4, 2, 2])]
+    gemm_in = ["f", "w"]
+    if bias in ("vector", "row"):
+        inits.append(numpy_helper.from_array(rng.standard_normal((5,) if bias == "vector" else (1, 5)).astype(np.float32), "c"))
+        gemm_in.append("c")
+    elif bias == "input":
+        inputs.append(helper.make_tensor_value_info("c", TensorProto.FLOAT, [5]))
+        gemm_in.append("c")
+    nodes = [helper.make_node("GlobalAveragePool", ["x"], ["p"], name="pool"),
+             helper.make_node("Flatten", ["p"], ["f"], name="flatten"),
+             helper.make_node("Gemm", gemm_in, ["y"], name="head", transB=trans_b, alpha=alpha)]
+    g = helper.make_graph(nodes, "head", inputs, [helper.make_tensor_value_info("y", TensorProto.FLOAT, [rows, 5])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 9
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True) if shaped else m
+
+
+def test_a_linear_of_one_row_is_found_from_its_onnx_alone():
+    """``one_row_linears``: a Gemm with alpha = beta = 1, transB = 1, a constant weight and bias and a one-row A
+    (its shape inferred where the model does not hold it); not two rows, a weight not transposed, alpha 2, no bias
+    or a bias that is an input.  Such a node makes ``fuse_gemm_epilogue`` matter for the engine (its cache key)."""
+    from parastream.launcher.engines.onnx_torch import has_gemm_epilogue, one_row_linears
+
+    assert one_row_linears(head_model()) == {2} and has_gemm_epilogue(head_model())
+    assert one_row_linears(head_model(bias="row")) == {2}
+    assert one_row_linears(head_model(shaped=False)) == {2}
+    for other in (head_model(rows=2), head_model(trans_b=0), head_model(alpha=2.0), head_model(bias="none"),
+                  head_model(bias="input")):
+        assert one_row_linears(other) == set() and not has_gemm_epilogue(other)
+    key = torch_backend.cache_key
+    sig = [["x", [1, 4, 2, 2], "float16", False, None], ["y", [1, 5], "float16", False, None]]
+    assert key(head_model(), sig, "float16", BuildOptions(fuse_gemm_epilogue=True), False, {}) != \
+        key(head_model(), sig, "float16", BuildOptions(fuse_gemm_epilogue=False), False, {})
+
+
+@pytest.mark.parametrize("bias", ["vector", "row"])
+def test_a_linear_of_one_row_as_one_reduction_matches_onnxruntime(bias):
+    """The converter's reduction (``one_row_reduction``: a CUDA engine without the GEMM epilogue) against ONNX
+    Runtime on the plain model; the option reduces that node only (two rows stay ``F.linear``), and a CUDA
+    engine takes it from ``fuse_gemm_epilogue`` off, a CPU engine never."""
+    import onnxruntime as ort
+
+    from parastream.launcher.engines.onnx_torch import convert
+
+    m = head_model(bias=bias)
+    x = np.random.default_rng(5).standard_normal((1, 4, 2, 2)).astype(np.float32)
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    module = convert(m, "float32", one_row_reduction=True)
+    assert module._steps[-1].fn.__name__ == "reduced"
+    got = module(torch.from_numpy(x))[0].detach().numpy()
+    np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-5)
+    assert convert(m, "float32")._steps[-1].fn.__name__ == "<lambda>"  # F.linear
+    assert convert(head_model(rows=2), "float32", one_row_reduction=True)._steps[-1].fn.__name__ == "<lambda>"
+    cuda = torch_backend.converter_options("cuda", "float16", BuildOptions(fuse_gemm_epilogue=False))
+    assert cuda["one_row_reduction"] is True
+    assert not torch_backend.converter_options("cuda", "float16", BuildOptions())["one_row_reduction"]
+    assert not torch_backend.converter_options("cpu", "float32", BuildOptions(fuse_gemm_epilogue=False))["one_row_reduction"]
