@@ -10,7 +10,8 @@ torch.compile's Linear, ``addmm`` with the bias in the epilogue, ran no split-K.
 is faster as an engine runs it (the residual add and LayerNorm after it) decides whether a GEMM-epilogue node
 without activation is worth building and timing in the build's round (it was: rule fuse_gemm_bias).  The two
 forms without bias (a Linear whose zero bias the build folds away, as transformers initialise them) ask the same
-of a product alone against ``addmm`` with a zero bias.
+of a product alone against ``addmm`` with a zero bias.  The fifth form is ``addmm`` compiled with Inductor's GEMM
+autotuning (``AUTOTUNED``), which times cuBLAS against Inductor's Triton templates at compile time.
 
 Each case is ``--layers`` products of one form on fresh weights (as the layers of a model read different ones),
 each followed by the residual add and LayerNorm an encoder layer has, compiled by Inductor (default mode), captured
