@@ -58,7 +58,8 @@ def at_batch(inputs: dict, batch: int) -> dict:
 def _make_model(name: str):
     """The model and its batch-1 inputs, every zero-initialised Linear bias drawn at random as a trained model's
     (``corpus.init_zero_biases``)."""
-    sys.path.insert(0, str(ROOT / "bench"))
+    if str(ROOT / "bench") not in sys.path:
+        sys.path.insert(0, str(ROOT / "bench"))
     import corpus
 
     model, inputs = _make_model_as_initialised(name)
