@@ -27,9 +27,11 @@ import json
 import sys
 from pathlib import Path
 
-#: (model, product, inner, outputs): classifier heads of the GPU corpus's models and BERT-base's pooler
+#: (model, product, inner, outputs): classifier heads of the GPU corpus's models and BERT-base's pooler, one per
+#: distinct shape (Inception-v3's and Res2Net's heads are ResNet-50's, ConvNeXt-T's is ViT-B/16's)
 CASES = (("resnet50", "head", 2048, 1000), ("vit_b_16", "head", 768, 1000), ("bert", "pooler", 768, 768),
-         ("nasnetalarge", "head", 4032, 1000))
+         ("nasnetalarge", "head", 4032, 1000), ("efficientnet_b0", "head", 1280, 1000),
+         ("densenet121", "head", 1024, 1000), ("regnet_y_400mf", "head", 440, 1000))
 SPLITS = (4, 8, 16)
 FORMS = ("addmm", *(f"split {s}" for s in SPLITS), "reduction")
 

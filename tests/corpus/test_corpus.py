@@ -108,3 +108,22 @@ def test_interrupts_leave_no_temporary_folder(kind, tmp_path, bert_bundle):
 
     model, bundle = bert_bundle
     assert ten_random_moments(kind, tmp_path, bundle, None, model=model) >= 3  # the rest finished first
+
+
+def test_zero_initialised_biases_are_drawn_at_random_and_others_left_alone():
+    """``corpus.init_zero_biases`` (the GPU benchmarks' models): a Linear's and a MultiheadAttention's zero biases
+    get random values, as a trained model's have; a bias that is not zero, a Linear without bias and a
+    LayerNorm's zero bias are left as they are."""
+    torch = pytest.importorskip("torch")
+
+    torch.manual_seed(0)
+    zero, kept, none = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4), torch.nn.Linear(8, 4, bias=False)
+    torch.nn.init.zeros_(zero.bias)
+    before = kept.bias.detach().clone()
+    mha, norm = torch.nn.MultiheadAttention(8, 2), torch.nn.LayerNorm(8)
+    assert not torch.any(mha.in_proj_bias) and not torch.any(mha.out_proj.bias) and not torch.any(norm.bias)
+    model = torch.nn.ModuleList([zero, kept, none, mha, norm])
+    corpus.init_zero_biases(model)
+    assert torch.all(zero.bias != 0) and torch.equal(kept.bias, before) and none.bias is None
+    assert torch.all(mha.in_proj_bias != 0) and torch.all(mha.out_proj.bias != 0)
+    assert not torch.any(norm.bias) and 0 < float(zero.bias.abs().max()) < 0.2
