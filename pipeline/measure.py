@@ -30,7 +30,8 @@ import onnx_graphsurgeon as gs
 from parastream.launcher.bundle import Bundle
 from parastream.launcher.engines import BuildOptions
 from parastream.launcher.engines.base import conv_kernels_used
-from parastream.launcher.engines.onnx_torch import has_conv_relu, has_fused_attention, has_gemm_epilogue  # noqa: F401 - also used by tests
+from parastream.launcher.engines.onnx_torch import (  # noqa: F401 - also used by tests
+    has_conv_relu, has_fused_attention, has_fused_gemm, has_gemm_epilogue)
 from parastream.core.schedule import Schedule, schedule_graph
 from parastream.launcher.words import plural
 from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent
@@ -361,11 +362,15 @@ def runs_gemm_epilogue(backend) -> bool:
     return backend.name in FuseGemmEpilogue.backends
 
 
-def fusions_off_forms(backend, v: Variant) -> list[tuple[str, Variant]]:
+def fusions_off_forms(backend, v: Variant, rewritten_only: bool = False) -> list[tuple[str, Variant]]:
     """``v`` with each kind of fused node it holds (attention, GEMM epilogue) run as its plain ops instead, where
-    ``backend`` runs that kind fused and ``v`` does: (the kind, the variant)."""
+    ``backend`` runs that kind fused and ``v`` does: (the kind, the variant).  ``rewritten_only``: only kinds of
+    node a rewrite makes (a search's candidate timed with its fusions off, ``_with_fusions_off``), not a Linear
+    of one row, which the input has as much as any candidate: the build's round decides it for either, and
+    timing a candidate without it cost a compile, a load and a timing in the search for no decision."""
     kinds = (("attention", "fuse_attention", runs_fused_attention, has_fused_attention),
-             ("GEMM epilogue", "fuse_gemm_epilogue", runs_gemm_epilogue, has_gemm_epilogue))
+             ("GEMM epilogue", "fuse_gemm_epilogue", runs_gemm_epilogue,
+              has_fused_gemm if rewritten_only else has_gemm_epilogue))
     return [(what, replace(v, options=replace(v.options, **{flag: False}))) for what, flag, runs, has in kinds
             if getattr(v.options, flag) and runs(backend) and has(v.model)]
 
@@ -678,7 +683,7 @@ class GpuMeasurer:
             # the build's rounds for the graph it keeps): compiled now, beside the plan, rather than one after
             # another once it is timed (ViT-B/16 at batch 8: ~25 s each, 60 s of its search after the plan's time)
             one = one_stream_form(self.engines, rival)
-            self.engines.precompile([one] + [f for _, f in fusions_off_forms(self.backend, one)],
+            self.engines.precompile([one] + [f for _, f in fusions_off_forms(self.backend, one, rewritten_only=True)],
                                     background=True, cancellable=True, label="the best candidate's other forms")
         if not self.alternatives_queued and got is not None and got.get("background") is True:
             self.alternatives_queued = True
@@ -946,7 +951,7 @@ class GpuMeasurer:
         makes): it costs a compile per kind."""
         tried: dict[str, float] = {}
         best = (v, ms)
-        for what, form in fusions_off_forms(self.backend, v):
+        for what, form in fusions_off_forms(self.backend, v, rewritten_only=True):
             tried[f"{what} as plain ops"] = t = self._form_against_reference(form)
             if t < best[1]:
                 best = (form, t)

@@ -652,11 +652,15 @@ def one_row_linears(model: onnx.ModelProto) -> set[int]:
     return {i for i, a, k in gemms if known.get(a) == [1, k]}
 
 
+def has_fused_gemm(model: onnx.ModelProto) -> bool:
+    """Whether ``model`` has a matmul-bias-activation node (rewrite rules fuse_gemm_epilogue, fuse_gemm_bias)."""
+    return any(n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.GEMM_ACTIVATION for n in model.graph.node)
+
+
 def has_gemm_epilogue(model: onnx.ModelProto) -> bool:
-    """Whether ``model`` has a matmul-bias-activation node (rewrite rule fuse_gemm_epilogue) or a Linear of one
-    row (``one_row_linears``): the nodes ``fuse_gemm_epilogue`` converts one way or the other."""
-    return any(n.domain == fused_ops.DOMAIN and n.op_type == fused_ops.GEMM_ACTIVATION
-               for n in model.graph.node) or bool(one_row_linears(model))
+    """Whether ``model`` has a matmul-bias-activation node (``has_fused_gemm``) or a Linear of one row
+    (``one_row_linears``): the nodes ``fuse_gemm_epilogue`` converts one way or the other."""
+    return has_fused_gemm(model) or bool(one_row_linears(model))
 
 
 class _ConvFn:

@@ -394,3 +394,18 @@ def test_a_linear_of_one_row_as_one_reduction_matches_onnxruntime(bias):
     assert cuda["one_row_reduction"] is True
     assert not torch_backend.converter_options("cuda", "float16", BuildOptions())["one_row_reduction"]
     assert not torch_backend.converter_options("cpu", "float32", BuildOptions(fuse_gemm_epilogue=False))["one_row_reduction"]
+
+
+def test_a_candidate_is_not_timed_again_for_a_one_row_linear_the_input_has_too():
+    """``fusions_off_forms``: the build's rounds race a Linear of one row with the GEMM epilogue off (the input's
+    alternatives), but a search's candidate timed with its fusions off (``rewritten_only``) is so only for the
+    fused nodes a rewrite made: the head is the input's as much as the candidate's."""
+    from parastream.pipeline.measure import Variant, fusions_off_forms
+
+    torch_engines = get_backend("torch")
+    head = Variant(head_model(), None, None, BuildOptions(precision="fp16"))
+    assert [what for what, _ in fusions_off_forms(torch_engines, head)] == ["GEMM epilogue"]
+    assert fusions_off_forms(torch_engines, head, rewritten_only=True) == []
+    fused = Variant(mlp_model(fused=True), None, None, BuildOptions(precision="fp16"))
+    (what, off), = fusions_off_forms(torch_engines, fused, rewritten_only=True)
+    assert what == "GEMM epilogue" and off.options.fuse_gemm_epilogue is False
