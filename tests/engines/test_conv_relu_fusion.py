@@ -247,15 +247,17 @@ def test_fused_residual_steps_compute_the_same_function(reference_add_relu, trac
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("precision,tol", [("float32", 1e-3), ("float16", 1e-2)])
-def test_cudnn_fused_residual_kernel_matches_onnxruntime(precision, tol):
-    model = residual_model(seed=1)
+@pytest.mark.parametrize("shortcuts", [False, True])
+def test_cudnn_fused_residual_kernel_matches_onnxruntime(precision, tol, shortcuts):
+    """Real cuDNN (x an NCHW input: the fused steps ask for it channels-last), with the shortcuts' biases folded
+    where ``shortcuts``."""
+    model = shortcut_model(seed=1) if shortcuts else residual_model(seed=1)
     dtype = getattr(torch, precision)
     fused = convert(model, precision, fuse_conv_relu=True).cuda()
-    assert fused.fused_conv_add_relu == 3
-    feeds = _residual_feeds(5)
+    assert fused.fused_conv_add_relu == (4 if shortcuts else 3)
+    feeds = (_shortcut_feeds if shortcuts else _residual_feeds)(5)
     ref = _ort(model, feeds)
-    xs = [torch.from_numpy(feeds[n]).cuda().to(dtype).contiguous(memory_format=torch.channels_last)
-          for n in fused.input_names]
+    xs = [torch.from_numpy(feeds[n]).cuda().to(dtype) for n in fused.input_names]
     compiled = torch.compile(to_fx(fused), fullgraph=True, dynamic=False)
     with torch.no_grad():
         for outs in (fused(*xs), compiled(*xs)):
@@ -282,3 +284,110 @@ def test_the_conv_relu_round_is_planned_for_residual_blocks_too():
     assert has_conv_relu(block(False))
     assert not has_conv_relu(block(True))
     assert has_conv_relu(conv_relu_model()) and has_conv_relu(residual_model())
+
+
+# -- a projection shortcut's bias folded into the fused residual step ---------------------------------------------
+
+def shortcut_model(seed: int = 0) -> onnx.ModelProto:
+    """Residual blocks whose skip tensor is a convolution of its own (ResNet's downsampling shortcut), and those
+    whose shortcut bias must stay where it is."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    inits = ([_w(rng, f"w{k}", (8, 8, 3, 3)) for k in "abcdefgh"]
+             + [_w(rng, f"b{k}", (8,)) for k in "abdfg"])
+    nodes = [
+        # folded: both convolutions biased; one is fused, the other's bias joins the fused step's
+        N("Conv", ["x", "wa", "ba"], ["a"], name="conv_a", pads=[1, 1, 1, 1]),
+        N("Conv", ["x", "wb", "bb"], ["b"], name="conv_b", pads=[1, 1, 1, 1]),
+        N("Add", ["a", "b"], ["s1"], name="add_1"),
+        N("Relu", ["s1"], ["r1"], name="relu_1"),
+        # folded: the fused convolution has no bias; the shortcut's becomes the fused step's
+        N("Conv", ["r1", "wc"], ["c"], name="conv_c", pads=[1, 1, 1, 1]),
+        N("Conv", ["x", "wd", "bd"], ["d"], name="conv_d", pads=[1, 1, 1, 1]),
+        N("Add", ["c", "d"], ["s2"], name="add_2"),
+        N("Relu", ["s2"], ["r2"], name="relu_2"),
+        # not folded: the shortcut convolution's output is read by a second node
+        N("Conv", ["r2", "we"], ["e"], name="conv_e", pads=[1, 1, 1, 1]),
+        N("Conv", ["r2", "wf", "bf"], ["f"], name="conv_f", pads=[1, 1, 1, 1]),
+        N("Add", ["e", "f"], ["s3"], name="add_3"),
+        N("Relu", ["s3"], ["r3"], name="relu_3"),
+        N("Neg", ["f"], ["nf"], name="neg_f"),
+        # not folded: the shortcut's bias is a run-time input
+        N("Conv", ["r3", "wg", "bg"], ["g"], name="conv_g", pads=[1, 1, 1, 1]),
+        N("Conv", ["r3", "wh", "bias_in"], ["h"], name="conv_h", pads=[1, 1, 1, 1]),
+        N("Add", ["g", "h"], ["s4"], name="add_4"),
+        N("Relu", ["s4"], ["r4"], name="relu_4"),
+    ]
+    graph = helper.make_graph(nodes, "shortcuts",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 10]),
+                               helper.make_tensor_value_info("bias_in", TensorProto.FLOAT, [8])],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("r4", "nf")], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _shortcut_feeds(seed):
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((1, 8, 10, 10)).astype(np.float32),
+            "bias_in": rng.standard_normal(8).astype(np.float32)}
+
+
+def test_a_shortcut_convolutions_bias_is_folded_only_where_the_fused_add_alone_reads_it(reference_add_relu):
+    model = shortcut_model()
+    module = convert(model, fuse_conv_relu=True)
+    assert module.fused_conv_add_relu == 4
+    steps = {s.node: s for s in module._steps}
+    inits = {t.name: numpy_helper.to_array(t) for t in model.graph.initializer}
+
+    def bias_of(fused_step):  # its args: x, w, z, bias
+        return getattr(module, fused_step.args[3][1]).numpy()
+
+    fused = {n.rsplit("+", 2)[1]: s for n, s in steps.items() if n.count("+") == 2}
+    # add_1: conv_a + conv_b, both biased: the one left a conv runs without its bias, the fused step adds both
+    left = "conv_b" if "conv_b" in steps else "conv_a"
+    assert len(steps[left].args) == 2
+    np.testing.assert_allclose(bias_of(fused["add_1"]), inits["ba"] + inits["bb"], rtol=1e-6)
+    # add_2: conv_c (no bias) fused, conv_d's bias moved into the fused step
+    assert "conv_d" in steps and len(steps["conv_d"].args) == 2
+    np.testing.assert_allclose(bias_of(fused["add_2"]), inits["bd"], rtol=0)
+    # add_3: conv_f is also read by neg_f: it keeps its bias, and the fused conv_e has none to add
+    assert steps["conv_f"].args[2] is not None and fused["add_3"].args[3] is None
+    # add_4: conv_h's bias is a graph input, not a constant: it stays on conv_h
+    assert steps["conv_h"].args[2] == ("v", "bias_in")
+    np.testing.assert_allclose(bias_of(fused["add_4"]), inits["bg"], rtol=0)
+    assert convert(model).fused_conv_add_relu == 0  # off by default (the CPU engines): nothing folded either
+    onnx_args = {n.name: len(n.input) for n in model.graph.node}
+    assert all(len(s.args) == onnx_args[s.node] for s in convert(model)._steps)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_folded_shortcut_biases_compute_the_same_function(reference_add_relu, traced):
+    _fused_equals_onnxruntime(shortcut_model(), _shortcut_feeds(3), traced)
+    assert [c["bias"] for c in reference_add_relu] == [True, True, False, True]
+
+
+def test_fused_steps_ask_for_channels_last_inputs(monkeypatch):
+    """The fused kernels read channels-last: an NCHW input is made so inside the converted graph (where Inductor
+    writes it from its producer), and one already channels-last is passed as it is."""
+    seen = []
+
+    def relu_kernel(x, w, b, s, p, d, g):
+        seen.append(("relu", x.is_contiguous(memory_format=torch.channels_last)))
+        return torch.relu(torch.nn.functional.conv2d(x, w, b, s, p, d, g))
+
+    def add_relu_kernel(x, w, z, alpha, b, s, p, d, g):
+        seen.append(("add_relu", x.is_contiguous(memory_format=torch.channels_last),
+                     z.is_contiguous(memory_format=torch.channels_last)))
+        return torch.relu(torch.nn.functional.conv2d(x, w, b, s, p, d, g) + alpha * z)
+
+    monkeypatch.setattr(torch, "cudnn_convolution_relu", relu_kernel)
+    monkeypatch.setattr(torch, "cudnn_convolution_add_relu", add_relu_kernel)
+    for model, feeds in ((conv_relu_model(), _feeds(0)), (residual_model(), _residual_feeds(0))):
+        module = convert(model, fuse_conv_relu=True)
+        xs = [torch.from_numpy(feeds[n]) for n in module.input_names]  # NCHW, as graph inputs arrive
+        assert not xs[0].is_contiguous(memory_format=torch.channels_last)
+        with torch.no_grad():
+            module(*xs)
+    assert {f[0] for f in seen} == {"relu", "add_relu"}
+    assert all(all(flags[1:]) for flags in seen), seen
