@@ -74,7 +74,9 @@ def main(argv=None) -> int:
             bs = [torch.randn(n, device="cuda", dtype=torch.float16) for _ in range(args.layers)]
             row = {"model": model, "batch": batch, "product": name, "k": k, "n": n, "us": {}, "max_diff": {}}
             outs = {}
-            for form in FORMS:
+            # a split along K needs K to divide into its parts (RegNetY-400MF's 440 does not into 16)
+            forms = [f for f in FORMS if not f.startswith("split") or k % int(f.split()[1]) == 0]
+            for form in forms:
                 compiled = torch.compile(head_fn(torch, form))
                 got: list = []
 
@@ -83,9 +85,9 @@ def main(argv=None) -> int:
 
                 row["us"][form] = round(_graph_us(body, reps=1, replays=args.runs) / args.layers, 2)
                 outs[form] = torch.stack(got).float()
-            for form in FORMS[1:]:
+            for form in forms[1:]:
                 row["max_diff"][form] = float((outs[form] - outs["addmm"]).abs().max())
-            best = min(FORMS, key=row["us"].get)
+            best = min(forms, key=row["us"].get)
             row["fastest"], row["speedup"] = best, round(row["us"]["addmm"] / row["us"][best], 3)
             rows.append(row)
             print(json.dumps(row), flush=True)
@@ -95,7 +97,7 @@ def main(argv=None) -> int:
     print("| model | product | batch | k x n | " + " | ".join(f"{f} µs" for f in FORMS) + " | fastest |")
     for r in rows:
         print(f"| {r['model']} | {r['product']} | {r['batch']} | {r['k']}x{r['n']} | "
-              + " | ".join(f"{r['us'][f]:.2f}" for f in FORMS) + f" | {r['fastest']} ({r['speedup']:.2f}x) |")
+              + " | ".join(f"{r['us'][f]:.2f}" if f in r["us"] else "-" for f in FORMS) + f" | {r['fastest']} ({r['speedup']:.2f}x) |")
     return 0
 
 
