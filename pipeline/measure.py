@@ -146,8 +146,13 @@ PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel":
 #: The conv+ReLU and boundary-layout rounds keep the plan's form unless the alternative is faster by more than two
 #: loaded plans' medians differ by at rest (~1%): a tie flipped to the alternative gains nothing and costs the
 #: build the later rounds timed again on it (NASNet-A Large, H200: Inductor's conv and epilogue "won" by 0.9%, where
-#: cuDNN's fused kernel had won by 1.7-2.5% in five other builds, and the build then spent 11.9 s more)
-PREFER_CURRENT_WITHIN = {"engine blocks": 0.02, "conv+ReLU": 0.01, "boundary layout": 0.01}
+#: cuDNN's fused kernel had won by 1.7-2.5% in five other builds, and the build then spent 11.9 s more).  So do the
+#: attention and GEMM-epilogue rounds, which time first: NASNet-A Large's GEMM-epilogue round (its head, a Linear of
+#: one row) went to the alternative by 0.08% (1.5362 against 1.5374 ms, H200), and every later round was compiled
+#: and timed again after the search for that form: 216 compile jobs, a build of 93 s where the rounds' engines were
+#: compiled already
+PREFER_CURRENT_WITHIN = {"attention": 0.01, "GEMM epilogue": 0.01, "engine blocks": 0.02, "conv+ReLU": 0.01,
+                         "boundary layout": 0.01}
 
 
 #: a round that the input's plan decided by at least this share is taken as decided for a rewritten plan that

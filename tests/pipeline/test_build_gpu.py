@@ -447,13 +447,15 @@ def test_a_streams_round_whose_first_timing_fails_races_the_compiled_rival(model
 @pytest.mark.parametrize("what, alternative_ms, kept", [
     ("conv+ReLU", 0.991, False), ("conv+ReLU", 0.98, True), ("conv+ReLU", 1.2, False),
     ("boundary layout", 0.995, False), ("boundary layout", 0.97, True),
-    ("attention", 0.995, True),  # (no preference: the faster median)
+    ("attention", 0.995, False), ("attention", 0.98, True), ("GEMM epilogue", 0.995, False),
+    ("GEMM epilogue", 0.985, True), ("streams", 0.995, True),  # (no preference: the faster median)
     ("engine blocks", 0.985, False), ("engine blocks", 0.97, True)])
 def test_a_round_keeps_the_plans_form_on_a_tie_where_its_alternative_would_cost_the_build(monkeypatch, what,
                                                                                           alternative_ms, kept):
-    """The conv+ReLU and boundary-layout rounds take their alternative only when it is faster by more than 1% (two
-    loaded plans' medians differ by that much at rest; a flip on a tie times the later rounds again on it), the
-    engine-blocks round by more than 2%; a round without a preference keeps the faster median."""
+    """The attention, GEMM-epilogue, conv+ReLU and boundary-layout rounds take their alternative only when it is
+    faster by more than 1% (two loaded plans' medians differ by that much at rest; a flip on a tie times the later
+    rounds again on it), the engine-blocks round by more than 2%; a round without a preference keeps the faster
+    median."""
     import types
 
     from parastream.pipeline import bench, measure
