@@ -149,10 +149,11 @@ PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel":
 #: cuDNN's fused kernel had won by 1.7-2.5% in five other builds, and the build then spent 11.9 s more).  So do the
 #: attention and GEMM-epilogue rounds, which time first: NASNet-A Large's GEMM-epilogue round (its head, a Linear of
 #: one row) went to the alternative by 0.08% (1.5362 against 1.5374 ms, H200), and every later round was compiled
-#: and timed again after the search for that form: 216 compile jobs, a build of 93 s where the rounds' engines were
-#: compiled already
+#: and timed again after the search for that form: 216 compile jobs, a build of 93 s
 PREFER_CURRENT_WITHIN = {"attention": 0.01, "GEMM epilogue": 0.01, "engine blocks": 0.02, "conv+ReLU": 0.01,
                          "boundary layout": 0.01}
+#: the fusion rounds whose alternative (the fusion off) changes only the engines holding nodes the fusion converts
+ROUND_APPLIES = {"attention": has_fused_attention, "GEMM epilogue": has_gemm_epilogue, "conv+ReLU": has_conv_relu}
 
 
 #: a round that the input's plan decided by at least this share is taken as decided for a rewritten plan that
@@ -992,9 +993,25 @@ class GpuMeasurer:
         end the measurements while one does (NASNet-A Large, H200: the budget ended 42 s into the search with 8
         candidates measured, and the search ended at 53 s, when the boundary-layout round's rival was compiled)."""
         early = self.early
-        if not early.get("todo") or early.get("stopped") or not self.backend.background_compiles:
+        if not early.get("todo") or not self.backend.background_compiles:
             return False
-        return any(self.backend.compiling(keys) for _, _, keys in early["todo"])
+        return any(self.backend.compiling(item[2]) for item in self._raceable())
+
+    def _raceable(self) -> list[tuple]:
+        """The input's rounds still to time that can be timed against the input's plan: all of them, or, once a
+        round's alternative won (``early["stopped"]``), the depthwise sample where that round's fusion converts no
+        node of the sampled engines (``ROUND_APPLIES``): their code, and so the sample's times, are the same with
+        the fusion off, and the sample decides its rounds for the plan the build goes on with.  Timed after the
+        search instead, the depthwise rounds race the whole plan's alternatives (NASNet-A Large, H200: its
+        GEMM-epilogue round went to the alternative, and the build compiled 216 jobs, both depthwise kernels for
+        108 engines, where the sample's 18 were compiled already)."""
+        early = self.early
+        todo = early.get("todo") or []
+        if not early.get("stopped"):
+            return list(todo)
+        applies = ROUND_APPLIES.get(early.get("flipped"))
+        return [item for item in todo
+                if applies is not None and isinstance(item[1], DepthwiseSample) and not applies(item[1].current.model)]
 
     # -- the input's alternatives, timed during the search -----------------------------------------------------
     def time_ready(self, wait: bool = False) -> None:
@@ -1004,11 +1021,14 @@ class GpuMeasurer:
         compiles.  A round the alternative wins changes what the later rounds race (the bundle's fusion or
         layout); the build then times them after the search, as for a rewrite chosen."""
         early = self.early
-        while early.get("todo") and self.reference is not None and not early.get("stopped"):
-            what, v, keys = early["todo"][0]
+        while self.reference is not None:
+            raceable = self._raceable()
+            if not raceable:
+                return
+            what, v, keys = raceable[0]
             if not wait and self.backend.compiling(keys):
                 return
-            if self._race_in_turn(early["todo"][0]) is None:
+            if self._race_in_turn(raceable[0]) is None:
                 return
 
     def _race_in_turn(self, item: tuple) -> bool | None:
@@ -1020,6 +1040,7 @@ class GpuMeasurer:
         won = self._race_early(what, v)
         if won and what not in ("streams", "engine blocks"):
             self.early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
+            self.early["flipped"] = what
         return won
 
     def _streams_first(self) -> None:
@@ -1146,7 +1167,7 @@ class GpuMeasurer:
             # (a sampled round whose sample left it open compiles its alternative first: not ready)
             ready = isinstance(v, (DepthwiseSample, StreamsRival)) or (not isinstance(v, SampledRound)
                                                                        and not self.backend.compiling(keys))
-            if what not in wait_for and (early.get("stopped") or not ready):
+            if what not in wait_for and (not any(item is x for x in self._raceable()) or not ready):
                 continue
             if self._race_in_turn(item) is None:
                 break

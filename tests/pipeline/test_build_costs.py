@@ -1045,3 +1045,67 @@ def test_the_best_candidate_is_not_timed_as_one_engine_where_the_inputs_streams_
     assert len(asked) == (0 if decided else 1)
     assert ("one_engine" in m.log[-1]) == decided and "110%" in m.log[-1].get("one_engine", "110%")
     m.close()
+
+
+@pytest.mark.parametrize("sample_holds_the_fusion", [False, True])
+def test_a_fusion_round_won_by_its_alternative_still_lets_the_depthwise_sample_decide(monkeypatch, tmp_path,
+                                                                                        sample_holds_the_fusion):
+    """The input's GEMM-epilogue round goes to its alternative during the search, which stops the rounds after it
+    (they race another form of the plan).  Where the sampled engines hold no node that fusion converts, their code
+    is the same either way: the sample is still timed and decides the depthwise rounds, and no whole plan's
+    depthwise alternative is compiled.  Where they hold one, the sample is left for after the search."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines, v, alt = _nasnet_engines(tmp_path)
+    alternatives = _depthwise_alternatives(v, alt)
+    gemm_off = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+    monkeypatch.setattr(measure, "SAMPLE_DEPTHWISE_ENGINES", 2)
+    if sample_holds_the_fusion:
+        monkeypatch.setitem(measure.ROUND_APPLIES, "GEMM epilogue", lambda model: True)
+
+    def ms(la):  # the plan 1 ms, 0.9 with the GEMM epilogue off; the sample 0.5 ms, its other kernels 30% slower
+        if la.plan is v.plan:
+            return 0.9 if la.options.fuse_gemm_epilogue is False else 1.0
+        return 0.5 * (1.3 if la.options.conv_kernels in ("inductor", "native") else 1.0)
+
+    compiled, timings = [], []
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="":
+                        compiled.append(list(variants))
+                        or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
+    monkeypatch.setattr(measure, "alternative_variants",
+                        lambda e, var: [("GEMM epilogue", gemm_off), *alternatives.items()])
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
+                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
+                                     "suffix": engines.backend.suffix})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    assert [what for what, _, _ in m.early["todo"]][:2] == ["GEMM epilogue", "depthwise convolutions"]
+    sample = m.early["todo"][1][1]
+    assert isinstance(sample, measure.DepthwiseSample)
+    assert not measure.has_gemm_epilogue(sample.current.model)  # (nasnet_cell has no product at all)
+    m.measure(engines.loaded.model)
+    m.time_ready(wait=True)
+    assert "GEMM epilogue: the alternative won" in m.early["stopped"]
+    rounds = {r["choice"]: r for r in m.early["rounds"]}
+    assert rounds["GEMM epilogue"]["won"] == "GEMM, bias and activation as Inductor's kernels"
+    if sample_holds_the_fusion:
+        assert set(rounds) == {"GEMM epilogue"}  # the sample's rounds wait for the plan the build goes on with
+        assert m.rounds_timed(frozenset())["rounds"] == [rounds["GEMM epilogue"]]  # (nor at the search's end)
+    else:
+        assert set(rounds) == {"GEMM epilogue", "depthwise convolutions", "depthwise kernel"}
+        assert rounds["depthwise convolutions"]["won"] == "depthwise convolutions as cuDNN calls"
+        assert rounds["depthwise kernel"]["sample"]["engines"] == sample.names
+    assert not any(a in batch for batch in compiled for a in alternatives.values())  # no whole plan's alternative
+    done = m.alternatives_timed()
+    assert done["partial"] and {r["choice"] for r in done["rounds"]} == set(rounds)
+    m.close()
