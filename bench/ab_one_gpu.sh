@@ -14,8 +14,9 @@
 # REPS=N builds each side N times, interleaved, the sides' order reversed every other round (after before before
 # after ...): one pair of builds is not enough, the same tree's NASNet-A Large build varied by up to 9 s between
 # machines of one kind, and the first build on a fresh machine was the slowest.
-# Each build's report.json and its `--json` line land in $OUT/SIDE (REPS=1) or $OUT/SIDE.ROUND, packed into
-# $OUT/ab_one_gpu.tgz; a table of every build's stages, candidates measured and compile work is printed at the end,
+# Each build's report.json, its `--json` line and its log are packed into $OUT/SIDE.tgz (REPS=1) or
+# $OUT/SIDE.ROUND.tgz as soon as it is built, and all of them into $OUT/ab_one_gpu.tgz at the end; a table of
+# every build's stages, candidates measured and compile work is printed at the end,
 # and with SIDE_BY_SIDE=1 the two sides' last bundles timed side by side (bench/bundles_side_by_side.py).
 set -u
 sides=${SIDES:-after before}
@@ -48,20 +49,22 @@ for ((rep = 1; rep <= reps; rep++)); do
     for side in $order; do
         name=$side; (( reps > 1 )) && name=$side.$rep
         dirs+=("$name")
-        mkdir -p "$out/$name"
+        mkdir -p "$work/reports/$name"
         if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=${PYTHONPATH:-}; fi
         caches="$work/caches-$name"
         t0=$(date +%s.%N)
         CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
             python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/$side" --backend torch --precision fp16 \
-            --force --json "$@" > "$out/$name/build.json" 2> "$out/$name/build.log"
+            --force --json "$@" > "$work/reports/$name/build.json" 2> "$work/reports/$name/build.log"
         rc=$?
         echo "$name: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
-        [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$out/$name/report.json"
+        [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$work/reports/$name/report.json"
+        # packed as soon as built: a call cut short by its time limit still brings back every build's files in one
+        tar czf "$out/$name.tgz" -C "$work/reports" "$name"
     done
 done
 # one row per build, in the order built: where its time went and how much compiling it did
-python3 - "$out" "${dirs[@]}" <<'PY'
+python3 - "$work/reports" "${dirs[@]}" <<'PY'
 import json, sys
 from pathlib import Path
 out = Path(sys.argv[1])
@@ -86,4 +89,4 @@ PY
 if [ "${SIDE_BY_SIDE:-0}" = 1 ] && [ -f "$work/after/manifest.json" ] && [ -f "$work/before/manifest.json" ]; then
     python3 bench/bundles_side_by_side.py after="$work/after" before="$work/before" --out "$out" 2>&1 | tail -1
 fi
-(cd "$out" && tar czf ab_one_gpu.tgz "${dirs[@]}" && rm -rf "${dirs[@]}")
+tar czf "$out/ab_one_gpu.tgz" -C "$work/reports" "${dirs[@]}" && (cd "$out" && for d in "${dirs[@]}"; do rm -f "$d.tgz"; done)
