@@ -1019,13 +1019,13 @@ class GpuMeasurer:
         in ``time_alternatives``'s order, while the search goes on: the build then need not load and time them
         after the search, nor wait for their compiles at its end.  ``wait``: the rest too, waiting for their
         compiles.  A round the alternative wins changes what the later rounds race (the bundle's fusion or
-        layout); the build then times them after the search, as for a rewrite chosen."""
-        early = self.early
+        layout); the build then times them after the search, as for a rewrite chosen (but the depthwise sample,
+        ``_raceable``)."""
         while self.reference is not None:
             raceable = self._raceable()
             if not raceable:
                 return
-            what, v, keys = raceable[0]
+            keys = raceable[0][2]
             if not wait and self.backend.compiling(keys):
                 return
             if self._race_in_turn(raceable[0]) is None:

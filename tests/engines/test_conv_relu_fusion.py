@@ -51,14 +51,8 @@ def conv_relu_model(seed: int = 0) -> onnx.ModelProto:
         N("Conv", ["x1d", "w1d"], ["g"], name="conv_1d", pads=[1, 1]),
         N("Relu", ["g"], ["rg"], name="relu_1d"),
     ]
-    outs = ["rc", "sc", "rd", "e", "re", "tf", "rg"]
-    graph = helper.make_graph(nodes, "conv_relu",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 12, 12]),
-                               helper.make_tensor_value_info("x1d", TensorProto.FLOAT, [1, 4, 10])],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return onnx.shape_inference.infer_shapes(model)
+    return _model("conv_relu", nodes, {"x": [1, 4, 12, 12], "x1d": [1, 4, 10]}, ["rc", "sc", "rd", "e", "re", "tf", "rg"],
+                  inits)
 
 
 def _feeds(seed):
@@ -188,10 +182,13 @@ def residual_model(seed: int = 0) -> onnx.ModelProto:
         N("Add", ["g", "h"], ["sg"], name="add_g"),
         N("Relu", ["sg"], ["rg"], name="relu_g"),
     ]
-    outs = ["rc", "rd", "gd", "te", "rf", "nf", "rg"]
-    graph = helper.make_graph(nodes, "residual",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 10]),
-                               helper.make_tensor_value_info("offset", TensorProto.FLOAT, [1, 8, 1, 1])],
+    return _model("residual", nodes, {"x": [1, 8, 10, 10], "offset": [1, 8, 1, 1]},
+                  ["rc", "rd", "gd", "te", "rf", "nf", "rg"], inits)
+
+
+def _model(name: str, nodes, inputs: dict[str, list[int]], outs: list[str], inits) -> onnx.ModelProto:
+    """An opset-17 float model of ``nodes``, its shapes inferred."""
+    graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info(n, TensorProto.FLOAT, d) for n, d in inputs.items()],
                               [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in outs], inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -318,13 +315,7 @@ def shortcut_model(seed: int = 0) -> onnx.ModelProto:
         N("Add", ["g", "h"], ["s4"], name="add_4"),
         N("Relu", ["s4"], ["r4"], name="relu_4"),
     ]
-    graph = helper.make_graph(nodes, "shortcuts",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 10, 10]),
-                               helper.make_tensor_value_info("bias_in", TensorProto.FLOAT, [8])],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("r4", "nf")], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return onnx.shape_inference.infer_shapes(model)
+    return _model("shortcuts", nodes, {"x": [1, 8, 10, 10], "bias_in": [8]}, ["r4", "nf"], inits)
 
 
 def _shortcut_feeds(seed):

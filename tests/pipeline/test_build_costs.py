@@ -761,6 +761,34 @@ def test_branches_side_by_side_compute_what_each_branch_computes(tmp_path):
         engines.side_by_side([branches[i] for i in reversed(order)])
 
 
+def _prepared_measurer(monkeypatch, engines, v, alternatives: list, ms):
+    """A GpuMeasurer of ``v`` over stand-in engines whose compiles are done at once: the input's rounds race
+    ``alternatives`` ((round, variant) as ``alternative_variants`` gives them), a launcher replays in ``ms(it)``
+    ms.  Returns it prepared, and the batches compiled, the launchers loaded, the compiles' orders and the
+    launchers of each timing."""
+    import numpy as np
+
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    compiled, loaded, orders, timings = [], [], [], []
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="": orders.append(order)
+                        or compiled.append(list(variants))
+                        or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: list(alternatives))
+    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
+                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
+                                     "suffix": engines.backend.suffix})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    return m, compiled, loaded, orders, timings
+
+
 @pytest.mark.parametrize("inductor,native", [(1.3, 1.3), (1.3, 1.05), (1.05, 1.3)])
 def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monkeypatch, tmp_path, inductor, native):
     """The input's depthwise rounds on a plan of many such engines are queued as one sample: the sample's engines
@@ -769,10 +797,7 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
     than ``SAMPLE_DECIDES_BEYOND`` is decided for the plan as it is, its whole plan's alternative never
     compiled; the first round left open compiles that alternative then and races it, the sample's times kept
     beside, and a later round left open races its own whole plan's alternative in its turn."""
-    import numpy as np
-
-    from parastream.pipeline import bench, measure
-    from parastream.pipeline.measure import GpuMeasurer
+    from parastream.pipeline import measure
 
     engines, v, alt = _nasnet_engines(tmp_path)
     alternatives = _depthwise_alternatives(v, alt)
@@ -783,21 +808,7 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
         whole = la.plan is v.plan
         return (1.0 if whole else 0.5) * slower.get(la.options.conv_kernels, 1.0)
 
-    compiled, loaded, orders, timings = [], [], [], []
-    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="": orders.append(order)
-                        or compiled.append(list(variants))
-                        or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
-    monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
-    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: list(alternatives.items()))
-    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
-    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
-                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
-                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
-                                     "suffix": engines.backend.suffix})()
-    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
-    m.variant_of = lambda model: v
-    m.prepare([engines.loaded.model])
+    m, compiled, _, orders, timings = _prepared_measurer(monkeypatch, engines, v, list(alternatives.items()), ms)
     (_, sample, _), (_, second, _) = m.early["todo"]
     assert isinstance(sample, measure.DepthwiseSample) and isinstance(second, measure.SampledRound)
     assert compiled[1] == sample.variants() and not any(a in batch for batch in compiled for a in alternatives.values())
@@ -1056,10 +1067,7 @@ def test_a_fusion_round_won_by_its_alternative_still_lets_the_depthwise_sample_d
     depthwise alternative is compiled.  Where they hold one, the sample is left for after the search."""
     from dataclasses import replace
 
-    import numpy as np
-
-    from parastream.pipeline import bench, measure
-    from parastream.pipeline.measure import GpuMeasurer
+    from parastream.pipeline import measure
 
     engines, v, alt = _nasnet_engines(tmp_path)
     alternatives = _depthwise_alternatives(v, alt)
@@ -1073,22 +1081,8 @@ def test_a_fusion_round_won_by_its_alternative_still_lets_the_depthwise_sample_d
             return 0.9 if la.options.fuse_gemm_epilogue is False else 1.0
         return 0.5 * (1.3 if la.options.conv_kernels in ("inductor", "native") else 1.0)
 
-    compiled, timings = [], []
-    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="":
-                        compiled.append(list(variants))
-                        or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
-    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
-    monkeypatch.setattr(measure, "alternative_variants",
-                        lambda e, var: [("GEMM epilogue", gemm_off), *alternatives.items()])
-    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
-    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
-                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
-                                     "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
-                                     "suffix": engines.backend.suffix})()
-    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
-    m.variant_of = lambda model: v
-    m.prepare([engines.loaded.model])
+    m, compiled, _, _, _ = _prepared_measurer(monkeypatch, engines, v,
+                                              [("GEMM epilogue", gemm_off), *alternatives.items()], ms)
     assert [what for what, _, _ in m.early["todo"]][:2] == ["GEMM epilogue", "depthwise convolutions"]
     sample = m.early["todo"][1][1]
     assert isinstance(sample, measure.DepthwiseSample)
