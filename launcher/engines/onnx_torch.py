@@ -644,12 +644,18 @@ def one_row_linears(model: onnx.ModelProto) -> set[int]:
         return set()
     # A's shape as the model holds it (a build's branches carry their inferred shapes); not inferred here, which
     # would copy every weight of a large model at each call (NASNet-A Large: 1.8-4.6 s)
-    known = {}
-    for vi in [*g.input, *g.value_info, *g.output]:
+    known = static_shapes([*g.input, *g.value_info, *g.output])
+    return {i for i, a, k in gemms if known.get(a) == (1, k)}
+
+
+def static_shapes(value_infos) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of each of ``value_infos`` whose every dimension is a number."""
+    out = {}
+    for vi in value_infos:
         t = vi.type.tensor_type
         if t.HasField("shape") and all(d.HasField("dim_value") for d in t.shape.dim):
-            known[vi.name] = [int(d.dim_value) for d in t.shape.dim]
-    return {i for i, a, k in gemms if known.get(a) == [1, k]}
+            out[vi.name] = tuple(int(d.dim_value) for d in t.shape.dim)
+    return out
 
 
 def has_fused_gemm(model: onnx.ModelProto) -> bool:
@@ -1629,11 +1635,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         values[vi.name] = Value(vi.name, shape, float_dtype if dt.is_floating_point else dt)
         input_names.append(vi.name)
 
-    inferred: dict[str, tuple] = {}
-    for vi in list(g.value_info) + list(g.output):
-        dims = vi.type.tensor_type.shape.dim
-        if vi.type.tensor_type.HasField("shape") and all(d.HasField("dim_value") for d in dims):
-            inferred[vi.name] = tuple(int(d.dim_value) for d in dims)
+    inferred = static_shapes([*g.value_info, *g.output])
     steps: list[Step] = []
     op_of: dict[int, str] = {}
     consts: dict[str, object] = {}
