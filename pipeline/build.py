@@ -31,7 +31,7 @@ from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa
 
 from .isolate import Child, in_child
 from .measure import (CARRIED_ALWAYS, GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
-                      compiled_for_other_choices, gpu_present, plan_signature, speculative_variants,
+                      compiled_for_other_choices, cpu_choice_recordable, gpu_present, plan_signature, speculative_variants,
                       time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan, side_by_side, spec_of
@@ -117,7 +117,11 @@ def _device_description(backend) -> str:
         described = backend.describe_device()
     except Exception:  # noqa: BLE001 - informational only
         described = None
-    return str(described) if described else f"cpu: {platform.processor() or platform.machine()} ({platform.system()})"
+    if described:
+        return str(described)
+    from parastream.launcher.engines.base import host_cpu
+
+    return host_cpu()
 
 
 def default_device_profile(backend) -> str:
@@ -897,9 +901,10 @@ def reference_ahead(b: "_Build") -> contextlib.AbstractContextManager:
 
 
 def open_timings(cfg: BuildConfig, backend, loaded: LoadedModel) -> tuple[Path | None, dict | None]:
-    """With ``--cache-dir`` on a GPU: where this build's timings are recorded, and the record an earlier build
-    of the same model left there (``timings``; none with ``--remeasure``)."""
-    if not (cfg.cache_dir and cfg.measure and gpu_present(backend)):
+    """With ``--cache-dir`` on a GPU, or for CPU engines (their timed CPU choice): where this build's timings are
+    recorded, and the record an earlier build of the same model left there (``timings``; none with
+    ``--remeasure``)."""
+    if not (cfg.cache_dir and cfg.measure and (gpu_present(backend) or not backend.gpu)):
         return None, None
     path = timings_path(cfg.cache_dir, timings_key(loaded.model, cfg, backend, _versions(backend)))
     return path, None if cfg.remeasure else read_timings(path)
@@ -917,7 +922,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
         # the search costs candidates on the number of streams the input would get
         b.planned = b.graph, b.engines.schedule(b.graph, cfg.streams, cfg.max_streams)
         measurer = None
-        if cfg.measure and measure and b.recorded is not None:  # an earlier build's times, in the order it took them
+        if cfg.measure and measure and b.backend.gpu and b.recorded is not None:  # an earlier build's times, in
+            # the order it took them (a CPU build's record holds its CPU choice only: its search measures nothing)
             recorded = b.recorded.get("search") or {}
             measurer = RecordedMeasurer(recorded.get("measured") or [], one_engine=recorded.get("one_engine"),
                                         replay_pieces=recorded.get("chosen_pieces"),
@@ -993,13 +999,23 @@ def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
     if b.backend.gpu or not b.cfg.measure:
         return
     with b.timed("cpu_choice"):
-        task = b.bar.step("time the CPU alternatives")
+        recorded = (b.recorded or {}).get("cpu_choice")
+        if not (isinstance(recorded, dict) and isinstance(recorded.get("chosen"), str)):
+            recorded = None  # none, or not one this code wrote: timed again and written over
+        if recorded:
+            recorded = dict(recorded, recorded_by=f"the build of {b.recorded.get('created')} ({b.timings_file})")
+        task = b.bar.step("the CPU choice recorded by an earlier build" if recorded else "time the CPU alternatives")
         folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="parastream-cpu-")))
         with running_errors(b.loaded.path, b.loaded.model, "to time the CPU alternatives"):
             b.model, b.graph, b.sched, b.cpu_threads, b.cpu_choice, b.prebuilt = choose_cpu_alternative(
                 b.engines, b.loaded, b.model, b.graph, b.sched, b.options, b.cost_model, streams=b.cfg.streams,
                 runs=b.cfg.cpu_runs, seed=b.cfg.seed, verify=b.cfg.verify, scratch=folder,
-                rewritten=bool(b.search_report.get("rules_chosen")))
+                rewritten=bool(b.search_report.get("rules_chosen")), recorded=recorded)
+        if b.cpu_choice.get("recorded_by"):
+            b.taken["cpu_choice"] = b.cpu_choice["chosen"]
+        elif recorded:
+            b.taken["cpu_choice"] = "timed again: " + b.cpu_choice.get("recorded_not_taken", "")
+        b.timed_here = b.timed_here or cpu_choice_recordable(b.cpu_choice)
         _record_measured_streams(b.streams_tried, b.sched)
         task.advance()
 
@@ -1042,6 +1058,11 @@ def record_timings(b: _Build) -> None:
     """Write what this build timed (``timings``) for the builds after it, once it is verified; a build that
     took everything from the record leaves it as it was."""
     if b.timings_file is None or not b.timed_here:
+        return
+    if not b.backend.gpu:  # CPU engines: the CPU choice is all a CPU build times
+        write_timings(b.timings_file, {"created": utc_now(), "model": str(b.loaded.path),
+                                       "build_s": round(time.perf_counter() - b.t_start, 1), "cpu_choice": b.cpu_choice})
+        b.taken["written"] = str(b.timings_file)
         return
     write_timings(b.timings_file, {
         "created": utc_now(), "model": str(b.loaded.path), "build_s": round(time.perf_counter() - b.t_start, 1),

@@ -133,9 +133,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
     g.add_argument("--keep-fp32", default=None, metavar="NODE_OR_PATTERN,...",
                    help="build the branches (TensorRT: the layers) holding these op types, node names or globs in fp32")
-    g.add_argument("--cache-dir", default=None, help="where TensorRT timing caches, compiled torch engines (the compiled-branch cache) and a GPU build's timed decisions persist across builds")
+    g.add_argument("--cache-dir", default=None, help="where TensorRT timing caches, compiled torch engines (the compiled-branch cache) and a build's timed decisions (a GPU build's, a CPU build's choice) persist across builds")
     g.add_argument("--remeasure", action="store_true",
-                   help="with --cache-dir: time again on the GPU what an earlier build of the same model recorded there, and record the new result")
+                   help="with --cache-dir: time again (on the GPU, or the CPU alternatives) what an earlier build of the same model recorded there, and record the new result")
     g.add_argument("--torch-artifact", default="inductor", choices=["inductor", "aoti", "jit"],
                    help="torch backend: what an engine ships (docs/torch-engines.md; default inductor)")
     g.add_argument("--inductor-format", default="kernels", choices=["kernels", "bundled", "cache"],

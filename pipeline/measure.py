@@ -1370,9 +1370,17 @@ def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Grap
     return whole[::-1] + plans
 
 
+def cpu_choice_recordable(report: dict) -> bool:
+    """Whether ``choose_cpu_alternative``'s ``report`` is a choice for later builds to take (``timings``): the
+    alternatives were timed here, on a machine that other processes left to the build.  The default kept
+    untimed or against a loaded machine's timings is not: the next build times them again."""
+    share = report.get("others_cpu_share")
+    return bool(report.get("timed")) and not report.get("recorded_by") and share is not None and share <= CPU_BUSY_SHARE
+
+
 def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph,
                            sched: Schedule, options: BuildOptions, cost_model, *, streams: int | None, runs: int,
-                           seed: int, verify: bool, scratch: Path, rewritten: bool = True):
+                           seed: int, verify: bool, scratch: Path, rewritten: bool = True, recorded: dict | None = None):
     """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
     candidates, and keep the default (plain onnxruntime) unless another is faster beyond the noise
     (``decide_by_timing``) on a machine that other processes left to the build (``OthersLoad``: at most
@@ -1386,6 +1394,10 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
     is built once, in ``scratch`` (the caller's folder; the plan's two thread counts share their engines), and the
     engines of the one kept are handed back as files there, so that the bundle copies rather than builds them.
 
+    ``recorded``: the report of an earlier build of the same model on this machine with this code
+    (``pipeline.timings``, its ``recorded_by`` saying which): the alternative it chose is built alone and kept,
+    nothing timed, where it is one of this build's alternatives; else they are timed, and the report says why.
+
     Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (file, builder report)}).
     """
     from parastream.core.tensors import random_feeds
@@ -1398,6 +1410,15 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
     report = {"runs": runs, "cores": cores, "default": alternatives[0].name, "timed": []}
     built: dict[tuple, tuple[Bundle, dict]] = {}
     busy_before = None
+    taken = None
+    if recorded:
+        taken = next((a for a in alternatives if a.name == recorded.get("chosen")), None)
+        if taken is None:
+            report["recorded_not_taken"] = (f"the recorded choice ({recorded.get('chosen')}) is not one of this "
+                                            "build's alternatives")
+        else:
+            report = {k: v for k, v in recorded.items() if k != "recorded_not_taken"}
+            alternatives = [taken]
     if len(alternatives) > 1:
         # a machine that others keep busy now cannot replace the default by timing (below): not built, not timed
         with bench.OthersLoad() as probe:
@@ -1419,6 +1440,8 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
         report.update(chosen=chosen, others_cpu_share=busy_before,
                       decision=(f"the default, not timed: other processes used {busy_before:.0%} of the cores (more than "
                                 f"{CPU_BUSY_SHARE:.0%}); a loaded machine's timings do not replace it"))
+    elif taken is not None:
+        chosen = taken.name
     elif len(alternatives) == 1:
         chosen = alternatives[0].name
         report.update(chosen=chosen, decision="one alternative: nothing to time")

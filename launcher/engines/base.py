@@ -217,8 +217,26 @@ def check_model(model: onnx.ModelProto) -> None:
 
 
 def describe_device() -> str | None:
-    """None: the build describes the host's CPU."""
+    """None: the build describes the host's CPU (``host_cpu``)."""
     return None
+
+
+def host_cpu() -> str:
+    """This machine's CPU as a build records it: its model and its cores, which a CPU build's timed choice
+    depends on (``pipeline.timings`` keys the choice by it).  /proc/cpuinfo's "model name" on Linux, where
+    ``platform.processor()`` says only "x86_64"; a library for this (py-cpuinfo) would be a dependency for
+    one line of a file."""
+    import os
+    import platform
+
+    name = ""
+    try:
+        with open("/proc/cpuinfo", encoding="utf-8", errors="replace") as f:
+            name = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        pass
+    name = name or platform.processor() or platform.machine() or "unknown"
+    return f"cpu: {name}, {os.cpu_count() or 1} cores ({platform.system()})"
 
 
 def memory_scope() -> Callable[[], contextlib.AbstractContextManager]:

@@ -12,8 +12,8 @@ import onnx
 
 from ..plan import TensorSpec
 from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling,  # noqa: F401
-                   describe_device, memory_scope, own_workspaces, precompile, prepare_load, slim_engine,
-                   start_workers, stop_workers)
+                   host_cpu, memory_scope, own_workspaces, precompile, prepare_load, slim_engine, start_workers,
+                   stop_workers)
 
 name = "onnxruntime"
 suffix = ".onnx"
@@ -28,6 +28,13 @@ supports_internal_nhwc = False
 supports_channel_views = False
 warms_after_load = False
 compiles_repeats_once = False
+
+
+def describe_device() -> str:
+    """The host's CPU and onnxruntime's version: what a CPU build's timings hold for."""
+    import onnxruntime
+
+    return f"{host_cpu()}, onnxruntime {onnxruntime.__version__}"
 
 
 def available() -> str | None:

@@ -368,3 +368,106 @@ def test_shape_inference_sets_large_weights_aside():
     assert ours.SerializeToString(deterministic=True) == shape_inference.infer_shapes(m, strict_mode=True, data_prop=True).SerializeToString(deterministic=True)
     assert m.SerializeToString(deterministic=True) == before
     assert [d.dim_value for d in ours.graph.output[0].type.tensor_type.shape.dim] == [1, 64]
+
+
+def _scratch_builds(monkeypatch) -> list:
+    """The alternatives' engines each CPU build builds (``measure._cpu_scratch_bundle``), by name, as it builds them."""
+    from parastream.pipeline import measure
+
+    real, built = measure._cpu_scratch_bundle, []
+    monkeypatch.setattr(measure, "_cpu_scratch_bundle", lambda engines, dest, alt, *a, **kw: built.append(alt.name)
+                        or real(engines, dest, alt, *a, **kw))
+    return built
+
+
+def test_a_cpu_rebuild_with_a_cache_dir_takes_the_recorded_choice(model_path, tmp_path, monkeypatch):
+    """With --cache-dir the CPU choice timed on a quiet machine is recorded; a rebuild of the model with other
+    weights builds the alternative it chose (the plan, not the default) alone, times nothing, and verifies what
+    it ships; --remeasure times the alternatives again and records anew."""
+    import parastream.pipeline.bench as bench
+    from parastream.pipeline.timings import read_timings
+
+    calls, built = [], _scratch_builds(monkeypatch)
+    fake = _injected({"plan": 5.0, "original": 10.0}, spread=0.01)
+    monkeypatch.setattr(bench, "race_calls", lambda *a, **kw: calls.append(1) or fake(*a, **kw))
+    cache = tmp_path / "cache"
+    first = build(model_path, tmp_path / "first", backend="onnxruntime", cpu_runs=10, search=False, cache_dir=str(cache))
+    chosen = first.report["cpu_choice"]["chosen"]
+    assert calls and chosen.startswith("plan: ") and len(built) > 1
+    record = read_timings(type(cache)(first.report["recorded_timings"]["written"]))
+    assert record["cpu_choice"]["chosen"] == chosen and "search" not in record
+
+    other = tmp_path / "other.onnx"
+    onnx.save(three_branch_model(seed=5, channels=8, size=16), other)
+    calls.clear(), built.clear()
+    again = build(other, tmp_path / "again", backend="onnxruntime", cpu_runs=10, search=False, cache_dir=str(cache))
+    choice = again.report["cpu_choice"]
+    assert not calls and built == [chosen]  # the recorded alternative alone, nothing timed
+    assert choice["chosen"] == chosen and str(cache) in choice["recorded_by"]
+    assert choice["timed"] == first.report["cpu_choice"]["timed"]  # what was timed, and when, as recorded
+    assert again.report["recorded_timings"]["cpu_choice"] == chosen and "written" not in again.report["recorded_timings"]
+    assert (again.plan.num_streams, again.plan.cpu_threads) == (first.plan.num_streams, first.plan.cpu_threads)
+    assert again.report["verification"]["passed"]
+    _check_outputs(again.path, other)
+
+    calls.clear(), built.clear()
+    remeasured = build(other, tmp_path / "remeasured", backend="onnxruntime", cpu_runs=10, search=False,
+                       cache_dir=str(cache), remeasure=True)
+    assert calls and len(built) > 1 and "recorded_by" not in remeasured.report["cpu_choice"]
+    assert remeasured.report["recorded_timings"]["written"] == first.report["recorded_timings"]["written"]
+
+
+def test_a_cpu_choice_made_on_a_loaded_machine_is_not_recorded(model_path, tmp_path, monkeypatch):
+    """The default kept because other processes loaded the machine (untimed, or timed while they did) is no
+    choice for later builds: nothing is recorded, and the next build on a quiet machine times the alternatives."""
+    import parastream.pipeline.bench as bench
+
+    calls = []
+    fake = _injected({"plan": 5.0, "original": 10.0}, spread=0.01)
+    monkeypatch.setattr(bench, "race_calls", lambda *a, **kw: calls.append(1) or fake(*a, **kw))
+    cache = tmp_path / "cache"
+    for share in ((0.9,), (0.0, 0.9)):  # busy when the build looks; quiet then, busy while timing
+        _quiet(monkeypatch, *share)
+        busy = build(model_path, tmp_path / f"busy{len(share)}", backend="onnxruntime", cpu_runs=10, search=False,
+                     cache_dir=str(cache))
+        assert busy.report["cpu_choice"]["chosen"] == "original model, one session"
+        assert "written" not in busy.report["recorded_timings"]
+    assert not (cache / "timings").exists() or not list((cache / "timings").iterdir())
+    _quiet(monkeypatch)
+    calls.clear()
+    quiet = build(model_path, tmp_path / "quiet", backend="onnxruntime", cpu_runs=10, search=False, cache_dir=str(cache))
+    assert calls and quiet.report["cpu_choice"]["chosen"].startswith("plan: ") and quiet.report["recorded_timings"]["written"]
+
+
+def test_a_recorded_cpu_choice_that_is_not_an_alternative_is_timed_again(model_path, tmp_path, monkeypatch):
+    """A record whose choice this build does not offer (here, edited to a plan of nine streams) is not taken:
+    the alternatives are timed, the report says why, and the record is written anew."""
+    import parastream.pipeline.bench as bench
+    from parastream.pipeline.timings import read_timings, write_timings
+
+    monkeypatch.setattr(bench, "race_calls", _injected({"plan": 5.0, "original": 10.0}, spread=0.01))
+    cache = tmp_path / "cache"
+    first = build(model_path, tmp_path / "first", backend="onnxruntime", cpu_runs=10, search=False, cache_dir=str(cache))
+    path = type(cache)(first.report["recorded_timings"]["written"])
+    record = read_timings(path)
+    record["cpu_choice"]["chosen"] = "plan: 9 streams, 9 sessions, 1 thread each"
+    write_timings(path, record)
+    built = _scratch_builds(monkeypatch)
+    again = build(model_path, tmp_path / "again", backend="onnxruntime", cpu_runs=10, search=False, cache_dir=str(cache))
+    taken = again.report["recorded_timings"]
+    assert len(built) > 1 and "recorded_by" not in again.report["cpu_choice"]
+    assert taken["cpu_choice"].startswith("timed again: the recorded choice (plan: 9 streams")
+    assert taken["written"] == str(path) and read_timings(path)["cpu_choice"]["chosen"] == first.report["cpu_choice"]["chosen"]
+
+
+def test_a_cpu_builds_device_is_the_hosts_cpu_and_its_cores():
+    """The device a CPU build's record is keyed by (and its manifest names): the CPU's model, not just its
+    architecture, and the cores the choice was timed with."""
+    from parastream.launcher.engines import onnxruntime as ort_engines
+    from parastream.launcher.engines.base import host_cpu
+
+    described = ort_engines.describe_device()
+    assert described.startswith(host_cpu()) and f"{os.cpu_count()} cores" in described and "onnxruntime" in described
+    if os.path.exists("/proc/cpuinfo"):
+        names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
+        assert not names or names[0] in described
