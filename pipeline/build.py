@@ -30,9 +30,9 @@ from parastream.launcher.words import plural
 from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa: F401 - raised by the measurer, caught by the search
 
 from .isolate import Child, in_child
-from .measure import (CARRIED_ALWAYS, GpuMeasurer, Variant, alternative_variants, carried_rounds, choose_cpu_alternative,
-                      compiled_for_other_choices, cpu_choice_recordable, gpu_present, plan_signature, speculative_variants,
-                      time_alternatives)
+from .measure import (CARRIED_ALWAYS, ORIGINAL_ONE_SESSION, GpuMeasurer, Variant, alternative_variants, carried_rounds,
+                      choose_cpu_alternative, compiled_for_other_choices, cpu_choice_recordable, gpu_present,
+                      plan_signature, speculative_variants, time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
@@ -915,6 +915,12 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
     cfg = b.cfg
     if not cfg.search:
         return
+    recorded = _recorded_cpu_choice(b) if cfg.measure else None
+    if recorded and recorded["chosen"] == ORIGINAL_ONE_SESSION:
+        # a CPU rebuild whose recorded choice ships the loaded model as it is: what the search would propose is
+        # neither timed nor shipped (NASNet-A Large: 4 s of a 22 s rebuild on 2 cores)
+        b.search_report = {"enabled": False, "skipped": f"{recorded['recorded_by']} chose the {ORIGINAL_ONE_SESSION}"}
+        return
     with b.timed("search"):
         from parastream.rewrite import optimize_graph
         from parastream.rewrite.rules import rules_for, rules_named
@@ -993,17 +999,22 @@ def schedule_streams(b: _Build) -> None:
                 b.streams_tried[-1]["timed_in_search"] = b.one_engine_timed
 
 
+def _recorded_cpu_choice(b: _Build) -> dict | None:
+    """The CPU choice an earlier build of this model recorded (``timings``), with ``recorded_by`` saying which;
+    None where there is none, or not one this code wrote (it is then timed again and written over)."""
+    recorded = None if b.backend.gpu else (b.recorded or {}).get("cpu_choice")
+    if not (isinstance(recorded, dict) and isinstance(recorded.get("chosen"), str)):
+        return None
+    return dict(recorded, recorded_by=f"the build of {b.recorded.get('created')} ({b.timings_file})")
+
+
 def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
     """CPU engines: time the plan against one full-threaded session (of the rewritten and the original model) and
     keep the fastest; the kept alternative's engines are built in a scratch folder that ``scratch`` removes."""
     if b.backend.gpu or not b.cfg.measure:
         return
     with b.timed("cpu_choice"):
-        recorded = (b.recorded or {}).get("cpu_choice")
-        if not (isinstance(recorded, dict) and isinstance(recorded.get("chosen"), str)):
-            recorded = None  # none, or not one this code wrote: timed again and written over
-        if recorded:
-            recorded = dict(recorded, recorded_by=f"the build of {b.recorded.get('created')} ({b.timings_file})")
+        recorded = _recorded_cpu_choice(b)
         task = b.bar.step("the CPU choice recorded by an earlier build" if recorded else "time the CPU alternatives")
         folder = Path(scratch.enter_context(tempfile.TemporaryDirectory(prefix="parastream-cpu-")))
         with running_errors(b.loaded.path, b.loaded.model, "to time the CPU alternatives"):

@@ -1335,6 +1335,10 @@ CPU_LOAD_PROBE_S = 0.3  # how long the CPU build looks at the machine's load bef
 CPU_INTERLEAVE_BYTES = 256 << 20  # alternatives whose sessions' engines together are larger are timed one at a time
 
 
+#: the CPU builds' default alternative: plain onnxruntime, the loaded model as one session with every core
+ORIGINAL_ONE_SESSION = "original model, one session"
+
+
 @dataclass
 class CpuAlternative:
     name: str
@@ -1361,7 +1365,7 @@ def cpu_alternatives(loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Grap
                                         f"{plural(threads or cores, 'thread')} each", model, graph, sched, threads))
     whole: list[CpuAlternative] = []
     if not streams:
-        for name, m in (("rewritten model, one session", model), ("original model, one session", loaded.model)):
+        for name, m in (("rewritten model, one session", model), (ORIGINAL_ONE_SESSION, loaded.model)):
             if name.startswith("rewritten") and (m is loaded.model or not rewritten):
                 continue
             g = graph if m is model else loaded.graph  # the loader's graph of the loaded model

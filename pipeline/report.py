@@ -59,7 +59,7 @@ def verification_table(ver: dict, title: str) -> Table:
 def _search_text(search: dict) -> str:
     """What the rewrite search proposed, in words (the search's own summary, its counts agreeing in number)."""
     if not search.get("enabled"):
-        return "skipped"
+        return "skipped" + (f": {search['skipped']}" if search.get("skipped") else "")
     try:
         before, after = search["cost_before"]["mixed_s"], search["cost_after"]["mixed_s"]
         if search.get("decided_by") == "unchanged":
@@ -125,6 +125,8 @@ def _timings_line(rt: dict | None) -> str | None:
     taken = [f"the search's {search}"] if search and not replayed else []
     if rt.get("rounds") and not rt["rounds"].startswith("timed again"):
         taken.append(f"the results of {rt['rounds']}")
+    if rt.get("cpu_choice") and not rt["cpu_choice"].startswith("timed again"):
+        taken.append(f"the CPU choice ({rt['cpu_choice']})")
     if taken or replayed:
         did = ([search] if replayed else []) + ([f"took {' and '.join(taken)}"] if taken else [])
         return f"timings: {' and '.join(did)} from {rt['file']} (--remeasure times them again)"
@@ -136,7 +138,7 @@ def _timings_line(rt: dict | None) -> str | None:
 def _search_line(s: dict) -> str:
     """The summary's line on the rewrite search: what shipped, and what the search proposed where that differs."""
     if s["rewrites_proposed"] is None:
-        return "rewrite search: skipped (--no-search)"
+        return f"rewrite search: {s['search']}" if s["search"] != "skipped" else "rewrite search: skipped (--no-search)"
     if s["rewrites"] == s["rewrites_proposed"]:
         return f"rewrite search: {s['search']}"
     return (f"rewrite search: proposed {s['search']}; not shipped: the CPU choice below kept the original model "

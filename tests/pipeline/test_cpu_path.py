@@ -471,3 +471,38 @@ def test_a_cpu_builds_device_is_the_hosts_cpu_and_its_cores():
     if os.path.exists("/proc/cpuinfo"):
         names = [line.split(":", 1)[1].strip() for line in open("/proc/cpuinfo") if line.startswith("model name")]
         assert not names or names[0] in described
+
+
+@pytest.mark.parametrize("winner", ["original", "plan"])
+def test_a_cpu_rebuild_searches_only_where_its_recorded_choice_ships_a_rewrite(model_path, tmp_path, monkeypatch,
+                                                                                winner):
+    """Where the recorded CPU choice is plain onnxruntime on the loaded model, what the search would propose is
+    neither timed nor shipped: the rebuild does not search, and its report and summary say why; where it is the
+    plan (of the searched model), the rebuild searches as the first build did."""
+    import parastream.pipeline.bench as bench
+    from parastream.pipeline.report import build_summary, print_build_summary
+
+    medians = {"plan": 5.0, "original": 10.0, "rewritten": 10.0}
+    medians[winner] = 2.0
+    monkeypatch.setattr(bench, "race_calls", _injected(medians, spread=0.01))
+    cache = str(tmp_path / "cache")
+    first = build(model_path, tmp_path / "first", backend="onnxruntime", cpu_runs=10, cache_dir=cache)
+    assert first.report["search"]["enabled"] and first.report["cpu_choice"]["chosen"].startswith(winner)
+    again = build(model_path, tmp_path / "again", backend="onnxruntime", cpu_runs=10, cache_dir=cache)
+    assert again.report["cpu_choice"]["chosen"] == first.report["cpu_choice"]["chosen"]
+    summary = build_summary(again)
+    if winner == "original":
+        assert not again.report["search"]["enabled"] and "search" not in again.report["stage_seconds"]
+        assert again.report["search"]["skipped"].endswith("chose the original model, one session")
+        assert summary["search"].startswith("skipped: the build of ") and summary["rewrites_proposed"] is None
+    else:
+        assert again.report["search"]["enabled"] and "search" in again.report["stage_seconds"]
+        assert again.report["search"]["rules_chosen"] == first.report["search"]["rules_chosen"]
+    from rich.console import Console
+
+    console = Console(record=True, width=300)
+    print_build_summary(again, console)
+    text = console.export_text()
+    assert f"took the CPU choice ({first.report['cpu_choice']['chosen']})" in text
+    assert ("rewrite search: skipped: the build of " in text) == (winner == "original")
+    _check_outputs(again.path, model_path)
