@@ -387,22 +387,29 @@ def test_a_cpu_rebuild_with_a_cache_dir_takes_the_recorded_choice(model_path, tm
     import parastream.pipeline.bench as bench
     from parastream.pipeline.timings import read_timings
 
-    calls, built = [], _scratch_builds(monkeypatch)
+    import importlib
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+    calls, built, checked = [], _scratch_builds(monkeypatch), []
     fake = _injected({"plan": 5.0, "original": 10.0}, spread=0.01)
     monkeypatch.setattr(bench, "race_calls", lambda *a, **kw: calls.append(1) or fake(*a, **kw))
+    real_child = build_module.in_child
+    monkeypatch.setattr(build_module, "in_child", lambda fn, what: checked.append(what) or real_child(fn, what=what))
     cache = tmp_path / "cache"
     first = build(model_path, tmp_path / "first", backend="onnxruntime", cpu_runs=10, search=False, cache_dir=str(cache))
     chosen = first.report["cpu_choice"]["chosen"]
     assert calls and chosen.startswith("plan: ") and len(built) > 1
+    assert checked == ["loading the model into onnxruntime"]  # onnxruntime's engines' own check, up front
     record = read_timings(type(cache)(first.report["recorded_timings"]["written"]))
     assert record["cpu_choice"]["chosen"] == chosen and "search" not in record
 
     other = tmp_path / "other.onnx"
     onnx.save(three_branch_model(seed=5, channels=8, size=16), other)
-    calls.clear(), built.clear()
+    calls.clear(), built.clear(), checked.clear()
     again = build(other, tmp_path / "again", backend="onnxruntime", cpu_runs=10, search=False, cache_dir=str(cache))
     choice = again.report["cpu_choice"]
     assert not calls and built == [chosen]  # the recorded alternative alone, nothing timed
+    assert not checked  # this structure's engines loaded in the recording build; the verification loads these
     assert choice["chosen"] == chosen and str(cache) in choice["recorded_by"]
     assert choice["timed"] == first.report["cpu_choice"]["timed"]  # what was timed, and when, as recorded
     assert again.report["recorded_timings"]["cpu_choice"] == chosen and "written" not in again.report["recorded_timings"]

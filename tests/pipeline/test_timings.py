@@ -90,8 +90,8 @@ def test_a_rebuild_takes_the_recorded_rounds_and_times_nothing(tmp_path, monkeyp
     checked = []
     real_check = build_module.check_runnable
     monkeypatch.setattr(build_module, "check_runnable",
-                        lambda loaded, backend, reference, *a: checked.append(reference) or real_check(loaded, backend,
-                                                                                                   reference, *a))
+                        lambda loaded, backend, reference, *a, **kw: checked.append(reference)
+                        or real_check(loaded, backend, reference, *a, **kw))
     cache = tmp_path / "cache"
     for i, seed in enumerate((0, 1)):
         onnx.save(residual_stack_model(layers=5, seed=seed), tmp_path / f"m{i}.onnx")
