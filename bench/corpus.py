@@ -18,6 +18,7 @@ Usage (full corpus: torchvision + timm + transformers must import; a CUDA build 
     python3 bench/corpus.py --models resnet50,bert --exporters torchscript
     python3 bench/corpus.py --ci --out /tmp/corpus               # the subset that CI runs (transformers only)
     python3 bench/corpus.py --list
+    python3 bench/corpus.py --models resnet50,nasnetalarge --exporters torchscript --rebuild   # and a rebuild each
 
 Each (model, exporter) runs in its own process (--timeout seconds) and leaves ``OUT/rows/<model>__<exporter>.json``;
 the table (``OUT/corpus.md`` and ``OUT/corpus.json``) is made from every row file in OUT/rows, so runs can be split.
@@ -373,9 +374,10 @@ def ort_self_difference(onnx_path: Path, feeds: dict) -> dict:
     return res
 
 
-def build_with_cli(onnx_path: Path, out: Path) -> tuple[int, str, str]:
-    """``parastream build ONNX -o OUT --backend onnxruntime --force --json`` in this process, as a build step runs
-    it: (its exit status, its stdout, its error line without the "parastream build: error: " prefix, or '')."""
+def build_with_cli(onnx_path: Path, out: Path, *extra: str) -> tuple[int, str, str]:
+    """``parastream build ONNX -o OUT --backend onnxruntime --force --json [EXTRA]`` in this process, as a build
+    step runs it: (its exit status, its stdout, its error line without the "parastream build: error: " prefix, or
+    '')."""
     import contextlib
     import io
 
@@ -383,16 +385,19 @@ def build_with_cli(onnx_path: Path, out: Path) -> tuple[int, str, str]:
 
     stdout, stderr = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(stdout), contextlib.redirect_stderr(stderr):
-        code = cli(["build", str(onnx_path), "-o", str(out), "--backend", "onnxruntime", "--force", "--json"])
+        code = cli(["build", str(onnx_path), "-o", str(out), "--backend", "onnxruntime", "--force", "--json", *extra])
     if code > 128:  # interrupted: the corpus stops too
         raise KeyboardInterrupt(stderr.getvalue().strip())
     lines = [x for x in stderr.getvalue().splitlines() if x.startswith("parastream build: error: ")]
     return code, stdout.getvalue(), lines[-1].split(": error: ", 1)[1] if lines else ""
 
 
-def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, reuse: bool = False) -> dict:
+def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, reuse: bool = False,
+            rebuild: bool = False) -> dict:
     """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there (and with
-    ``reuse``, an export kept there by an earlier run is taken instead of exporting again)."""
+    ``reuse``, an export kept there by an earlier run is taken instead of exporting again).  ``rebuild``: the
+    build is given a ``--cache-dir`` and run again from it (the row's ``rebuild``: its seconds, per stage, and
+    what it took from the record)."""
     spec = MODELS[name]
     row: dict = {"model": name, "exporter": exporter, "family": spec.family, "source": spec.source}
     onnx_path = (keep or workdir) / f"{name}__{exporter}.onnx"
@@ -419,7 +424,8 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
     out = workdir / f"{name}__{exporter}.bundle"
     try:
         # the command a user runs: its stdout (one JSON line) is kept for the tests to check against the bundle
-        code, stdout, error = build_with_cli(onnx_path, out)
+        cache = ("--cache-dir", str(workdir / "cache")) if rebuild else ()
+        code, stdout, error = build_with_cli(onnx_path, out, *cache)
         row.update(bundle=str(out), build_stdout=stdout)
         if code == 0:
             rep = Bundle.open(out).report
@@ -440,6 +446,12 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
         row.update(build_ok=False, exit="crash", build_error=f"{type(e).__name__}: {_first_line(e)}",
                    traceback=traceback.format_exc()[-2000:])
     row["build_s"] = round(time.perf_counter() - t0, 2)
+    if rebuild and row.get("build_ok"):
+        again = build_with_cli(onnx_path, workdir / f"{name}__{exporter}.rebuild", *cache)
+        summary = json.loads(again[1]) if again[0] == 0 else {}
+        row["rebuild"] = {"exit": again[0], "error": again[2], "build_s": summary.get("build_s"),
+                          "stage_seconds": summary.get("stage_seconds"),
+                          "taken": {k: v for k, v in (summary.get("recorded_timings") or {}).items() if k != "file"}}
 
     try:
         loaded = load_model(onnx_path)
@@ -470,6 +482,17 @@ def _peak(r: dict) -> str:
     if r.get("peak_rss_mb") is None:
         return ""
     return f"{r['peak_rss_mb']:.0f}" + ("" if r.get("export_reused") else "*")
+
+
+def _rebuild(r: dict) -> str:
+    """The rebuild from ``--cache-dir`` (``--rebuild``): its seconds and what it took from the record; '' without."""
+    rb = r.get("rebuild")
+    if not rb:
+        return ""
+    if rb.get("exit") != 0:
+        return f"exit {rb.get('exit')}"
+    taken = ", ".join(f"{k}: {v}" for k, v in (rb.get("taken") or {}).items()) or "nothing taken"
+    return f"{_fmt(rb.get('build_s'), '.1f')} ({taken})".replace("|", "/")
 
 
 def summarize(rows: list[dict]) -> dict:
@@ -524,12 +547,12 @@ def write_table(out: Path) -> dict:
              f"The torch converter converts {summary['torch_converts']} of {summary['exported']}.", "",
              *_grid(rows), "",
              "| model | family | exporter | export | build (exit) | nodes in→out | streams | verification (max abs / max scaled) "
-             "| torch converter (ops missing; max scaled err) | build s | peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| torch converter (ops missing; max scaled err) | build s | rebuild s | peak MiB |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("export_ok"):
             err = _first_line(Exception(r.get("export_error", ""))).replace("|", "/")
-            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | | | |")
             continue
         if r.get("build_ok"):
             v = r.get("verification") or {}
@@ -551,7 +574,7 @@ def write_table(out: Path) -> dict:
             tcell = f"missing: {missing}; " if missing else ""
             tcell += (t.get("convert_error") or "")[:160].replace("|", "/")
         lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | ok | {build} | {nodes} | {streams} | {ver} | {tcell} "
-                     f"| {_fmt(r.get('build_s'), '.1f')} | {_peak(r)} |")
+                     f"| {_fmt(r.get('build_s'), '.1f')} | {_rebuild(r)} | {_peak(r)} |")
     (out / "corpus.md").write_text("\n".join(lines) + "\n")
     return summary
 
@@ -581,6 +604,7 @@ def main(argv=None) -> int:
     ap.add_argument("--table-only", action="store_true", help="only remake the table from OUT/rows")
     ap.add_argument("--keep", help="keep the exports (.onnx + .npz inputs) in this folder")
     ap.add_argument("--reuse-exports", action="store_true", help="take the exports kept in --keep instead of exporting again")
+    ap.add_argument("--rebuild", action="store_true", help="build each export again from the first build's --cache-dir")
     ap.add_argument("--recheck-torch", action="store_true", help="redo only the torch-converter column from --keep")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "EXPORTER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
@@ -617,7 +641,7 @@ def main(argv=None) -> int:
     if args.one:
         name, exporter = args.one
         with tempfile.TemporaryDirectory(prefix="parastream-corpus-") as tmp:
-            row = run_one(name, exporter, Path(tmp), keep, reuse=args.reuse_exports)
+            row = run_one(name, exporter, Path(tmp), keep, reuse=args.reuse_exports, rebuild=args.rebuild)
         row["env"] = _env()
         (out / "rows").mkdir(parents=True, exist_ok=True)
         (out / "rows" / f"{name}__{exporter}.json").write_text(json.dumps(row, indent=1, default=str))
@@ -634,6 +658,7 @@ def main(argv=None) -> int:
                 t0 = time.perf_counter()
                 cmd = [sys.executable, __file__, "--one", name, exporter, "--out", str(out)] + (["--keep", str(keep)] if keep else [])
                 cmd += ["--reuse-exports"] if args.reuse_exports else []
+                cmd += ["--rebuild"] if args.rebuild else []
                 try:
                     p = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout)
                     status = "ok" if p.returncode == 0 else f"process exit {p.returncode}: {p.stderr.strip().splitlines()[-1:] }"

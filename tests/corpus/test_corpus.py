@@ -11,6 +11,8 @@ export must build and verify with the same summary checks, or stop with a one-li
 
 from __future__ import annotations
 
+import json
+
 import sys
 from pathlib import Path
 
@@ -69,6 +71,29 @@ def test_ci_subset_builds_verifies_and_converts(name, exporter, tmp_path):
     assert t["missing_ops"] == [], t
     assert t["converts"], t.get("convert_error")
     assert t["torch_scaled_err"] <= 1e-4, t
+
+
+@pytest.mark.slow
+def test_a_row_with_rebuild_builds_again_from_the_first_builds_cache_dir(tmp_path):
+    """``--rebuild``: the export is built with a ``--cache-dir`` and again from it; the row says what the rebuild
+    took, which is the CPU choice exactly where the first build recorded one (a machine others loaded while it
+    timed records none), and the table gives the rebuild's seconds."""
+    from parastream.launcher.bundle import Bundle
+
+    _needs("transformers")
+    row = corpus.run_one("bert", "torchscript", tmp_path, rebuild=True)
+    assert row["build_ok"] and row["verification"]["passed"], row.get("build_error")
+    rb = row["rebuild"]
+    assert rb["exit"] == 0 and rb["build_s"] > 0 and "load" in rb["stage_seconds"], rb
+    first = Bundle.open(row["bundle"]).report
+    recorded = "written" in (first["recorded_timings"] or {})
+    assert (rb["taken"].get("cpu_choice") == first["cpu_choice"]["chosen"]) == recorded, (rb, first["recorded_timings"])
+    assert "written" not in rb["taken"] or not recorded
+    (tmp_path / "out" / "rows").mkdir(parents=True)
+    (tmp_path / "out" / "rows" / "bert__torchscript.json").write_text(json.dumps(row, default=str))
+    corpus.write_table(tmp_path / "out")
+    line = next(x for x in (tmp_path / "out" / "corpus.md").read_text().splitlines() if x.startswith("| bert | ") and " ok |" in x)
+    assert f"| {rb['build_s']:.1f} (" in line
 
 
 @pytest.mark.corpus
