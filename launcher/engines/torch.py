@@ -458,24 +458,45 @@ def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: Bui
     A fusion option is in the key only where it can change the branch's code (``choices_that_apply``): the
     alternative a GPU build times with a fusion off then compiles the branches that fusion touches, and finds
     the others compiled (nasnet_cell's searched plan: 2 of 31 branches hold a Conv and a Relu)."""
+    h = hashlib.sha256((digest or branch_digest(branch)).encode())
+    h.update(code_choices(branch, signature, dtype, options, fuse, built, artifact).encode())
+    return h.hexdigest()
+
+
+def code_choices(branch: onnx.ModelProto, signature: list, dtype: str, options: BuildOptions, fuse: bool,
+                 built: dict, artifact: str = "aoti") -> str:
+    """What, besides the branch's graph, makes its compiled code (``cache_key``), as sorted JSON: the tensor
+    layout, the compute dtype, the options that change the code (a fusion only where it can), what it is compiled
+    for and into which artifact."""
     from .onnx_torch import CONVERTER_VERSION, has_depthwise_conv
 
     applies = choices_that_apply(branch)
-    h = hashlib.sha256((digest or branch_digest(branch)).encode())
-    h.update(json.dumps({"format": ENGINE_FORMAT, "converter": CONVERTER_VERSION, "artifact": artifact,
-                         "signature": signature, "dtype": dtype,
-                         **({"fuse_conv_relu": fuse} if applies["fuse_conv_relu"] else {}),
-                         **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
-                         **({"conv_kernels": options.conv_kernels}  # only where it changes the code
-                            if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
-                         **({"cudnn_plans": True} if _cudnn_plans(built.get("device"), options)
-                            and has_depthwise_conv(branch) else {}),
-                         **({"fuse_gemm_epilogue": False}
-                            if applies["fuse_gemm_epilogue"] and not options.fuse_gemm_epilogue else {}),
-                         **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
-                         "optimization_level": int(options.optimization_level),
-                         "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True).encode())
-    return h.hexdigest()
+    return json.dumps({"format": ENGINE_FORMAT, "converter": CONVERTER_VERSION, "artifact": artifact,
+                       "signature": signature, "dtype": dtype,
+                       **({"fuse_conv_relu": fuse} if applies["fuse_conv_relu"] else {}),
+                       **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
+                       **({"conv_kernels": options.conv_kernels}  # only where it changes the code
+                          if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
+                       **({"cudnn_plans": True} if _cudnn_plans(built.get("device"), options)
+                          and has_depthwise_conv(branch) else {}),
+                       **({"fuse_gemm_epilogue": False}
+                          if applies["fuse_gemm_epilogue"] and not options.fuse_gemm_epilogue else {}),
+                       **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
+                       "optimization_level": int(options.optimization_level),
+                       "built_for": {k: built.get(k) for k in _MUST_MATCH}}, sort_keys=True)
+
+
+def compile_group(branch: onnx.ModelProto, signature: list, choices: str) -> str:
+    """The group of compile jobs one worker compiles in turn (``Builder._compile``): branches of one structure
+    (``structure_key``: they differ only in names and weights) compiled with the same ``code_choices``, whose
+    Inductor graphs are one graph, so that all but the first are hits in that worker's caches.  The same
+    structure with other choices (a fusion off, depthwise convolutions as Inductor's kernels) is another graph:
+    in a group of its own, it compiles in another worker at the same time rather than after it in the same one.
+    Grouped by structure alone, a one-engine model's alternatives were one group of whole-model compiles in one
+    worker while the others idled (H200: EfficientNet-B0's three 71.8 worker-seconds, DenseNet-121's two 73.9,
+    the end of their builds at 76-82 s), and NASNet-A Large's depthwise sample six groups of three, each with
+    Inductor's depthwise kernels (~12 s an engine), that the search's end waited for."""
+    return structure_key(branch, signature) + ":" + hashlib.sha256(choices.encode()).hexdigest()[:16]
 
 
 def choices_that_apply(branch: onnx.ModelProto) -> dict[str, bool]:
@@ -1344,6 +1365,7 @@ class Builder(BuilderBase):
                 continue
             inputs, outputs = list(layout["inputs"]), list(layout["outputs"])
             nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
+            choices = code_choices(branch, sig, dtype, self.options, fuse, built, self.artifact)
             key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact, digest=digest)
             self.keys.append(key)
             package, where = cache_get(key, self.options.cache_dir)
@@ -1363,7 +1385,7 @@ class Builder(BuilderBase):
                     _NODES.clear()
                 _NODES[key] = len(branch.graph.node)
                 # an AOTInductor package embeds its weights: nothing to share, every job its own group
-                group = structure_key(branch, sig) if self.artifact == "inductor" else key
+                group = compile_group(branch, sig, choices) if self.artifact == "inductor" else key
                 groups.setdefault(group, []).append(key)
             compiled_as = _COMPILED[self.artifact]
             rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
@@ -1420,9 +1442,9 @@ class Builder(BuilderBase):
     def _compile(self, todo: dict[str, tuple], groups: dict[str, list[str]]) -> tuple[dict[str, bytes], dict[str, str]]:
         """Compile the jobs (in worker processes when there are several and workers to spare); cache each package.
 
-        ``groups`` (group -> keys) are compiled one after another in one process: branches with the same
-        structure, whose Inductor graphs are the same (the weights are graph inputs), so that all but the
-        first are hits in that process's Inductor caches.  Returns (key -> cache entry, key -> why it failed):
+        ``groups`` (group -> keys, ``compile_group``) are compiled one after another in one process: branches
+        with the same structure and code choices, whose Inductor graphs are the same (the weights are graph
+        inputs), so that all but the first are hits in that process's Inductor caches.  Returns (key -> cache entry, key -> why it failed):
         a branch Inductor cannot compile does not fail the build, its engine stays ONNX compiled at load, and
         the report and verification say so."""
         if not todo:
@@ -1485,7 +1507,7 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         checks += builder.deferred_checks
         for k, job in t.items():
             todo.setdefault(k, job)
-        for gk, keys in g.items():  # a key's group is its structure: the same in every batch
+        for gk, keys in g.items():  # a key's group is its structure and code choices: the same in every batch
             into = groups.setdefault(gk, [])
             into.extend(k for k in keys if k not in into)
     if first is None or not todo:

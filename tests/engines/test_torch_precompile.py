@@ -486,3 +486,31 @@ def test_a_background_batch_is_queued_before_its_branches_are_converted_and_a_br
     assert events == [("converted", branch(8).graph.name)] and builder.deferred_checks == []
     tb._INFLIGHT.clear()
     tb._QUEUED.clear()
+
+
+def test_one_structure_with_other_code_choices_is_a_compile_group_of_its_own(compiles, monkeypatch):
+    """Branches that differ only in their weights, compiled with the same code choices, are one group (one worker
+    compiles them in turn, all but the first hits in its caches); the same branches with a choice that changes
+    their code (here another optimization level; on a GPU a fusion off, depthwise convolutions as Inductor's
+    kernels) are a group of their own, which another worker compiles at the same time.  A choice that cannot
+    change a branch's code (a GEMM-epilogue fusion where it has no GEMM) leaves it in its group, one job."""
+    seen = []
+    real = tb.Builder._compile
+    monkeypatch.setattr(tb.Builder, "_compile", lambda self, todo, groups: seen.append(
+        {g: list(ks) for g, ks in groups.items()}) or real(self, todo, groups))
+    o3, o5 = BuildOptions(device="cpu"), BuildOptions(device="cpu", optimization_level=5)
+    no_gemm = BuildOptions(device="cpu", fuse_gemm_epilogue=False)
+    got = tb.precompile([(tb.Builder(o3), [(branch(1), "a", LAYOUT), (branch(2), "b", LAYOUT)]),
+                         (tb.Builder(o5), [(branch(1), "c", LAYOUT), (branch(2), "d", LAYOUT)]),
+                         (tb.Builder(no_gemm), [(branch(1), "e", LAYOUT)])])
+    assert got["jobs"] == 4 and len(compiles) == 4
+    (groups,) = seen
+    assert sorted(len(ks) for ks in groups.values()) == [2, 2]  # per optimization level, both weights
+    assert len({g.split(":")[0] for g in groups}) == 1  # one structure: the groups differ in their code choices
+    by_level = {}
+    for o in (o3, o5):
+        builder = tb.Builder(o)
+        builder.build_all([(branch(1), "x", LAYOUT), (branch(2), "y", LAYOUT)])
+        by_level[o.optimization_level] = {builder.report()[n]["key"] for n in ("x", "y")}
+    for ks in groups.values():  # each group holds the keys of one level
+        assert any(set(k[:16] for k in ks) == level for level in by_level.values())
