@@ -37,7 +37,7 @@ from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
 from .timings import now as utc_now
-from .outdir import check_target, staging
+from .outdir import check_target, check_writable_folder, staging
 from parastream.core.blocks import split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import ReferenceRun, resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
@@ -724,6 +724,8 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
             raise TypeError(f"build() got an unexpected option {k!r}")
         setattr(cfg, k, v)
     out = check_target(out_dir, kind="bundle", force=cfg.force, protect=(model_path,), option="-o")
+    if cfg.cache_dir:
+        check_writable_folder(cfg.cache_dir, "--cache-dir")
     if cfg.streams is not None and cfg.streams < 1:
         raise ParastreamError(f"--streams {cfg.streams}: must be at least 1")
     ranged = bool(cfg.min_shapes or cfg.opt_shapes or cfg.max_shapes)

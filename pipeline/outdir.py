@@ -34,6 +34,25 @@ KINDS = {"bundle": "a parastream bundle (manifest.json)", "run": "an output fold
          "triton": "a model folder of `parastream export-triton`"}
 
 
+def check_writable_folder(path: str | Path, option: str) -> Path:
+    """Refuse ``path`` (a folder the command writes into, such as --cache-dir) with a one-line error naming
+    ``option`` unless it is a writable folder or can be made one (its nearest existing ancestor a writable
+    folder): checked before anything runs, rather than after a build's work when its first file is written.
+    Nothing is created here."""
+    path = Path(path)
+    probe = path
+    while not probe.exists() and probe != probe.parent:
+        if probe.is_symlink():  # a dangling link: nothing can be made there
+            raise ParastreamError(f"{option} {path}: {probe} is a symbolic link to nothing")
+        probe = probe.parent
+    if not probe.is_dir():
+        where = "" if probe == path else f" ({probe} is not a folder)"
+        raise ParastreamError(f"{option} {path}: not a folder{where}")
+    if not os.access(probe, os.W_OK | os.X_OK):
+        raise ParastreamError(f"{option} {path}: {'not writable' if probe == path else f'cannot be made in {probe}'}")
+    return path
+
+
 def write_marker(folder: Path, written_by: str) -> None:
     """Record in ``folder`` that parastream wrote it, with every file it holds (call it last)."""
     files = sorted(p.relative_to(folder).as_posix() for p in folder.rglob("*")

@@ -154,3 +154,25 @@ def test_commands_on_a_missing_bundle(tmp_path, capsys, argv, monkeypatch):
     code = main(argv)
     err = capsys.readouterr().err.strip()
     assert code == 2 and "nowhere" in err and len(err.splitlines()) == 1
+
+
+def test_a_cache_dir_that_cannot_be_a_folder_is_refused_before_the_build(tmp_path, capsys, monkeypatch):
+    """--cache-dir that is a file, or lies under one, is refused up front with a one-line error naming the option
+    (before, a CPU build ran to its end and then failed writing its record); one that does not exist yet is
+    made by the build."""
+    import importlib
+
+    p = tmp_path / "m.onnx"
+    onnx.save(three_branch_model(), p)
+    (tmp_path / "afile").write_text("x")
+    build_module = importlib.import_module("parastream.pipeline.build")
+    loads = []
+    real = build_module.load_and_check
+    monkeypatch.setattr(build_module, "load_and_check", lambda *a, **kw: loads.append(1) or real(*a, **kw))
+    for cache, needle in ((tmp_path / "afile", "not a folder"), (tmp_path / "afile" / "sub", "is not a folder")):
+        out = tmp_path / "out"
+        code, err = run_build(capsys, p, out, "--cache-dir", str(cache))
+        assert_refused(code, err, out, "--cache-dir", str(cache), needle)
+    assert not loads  # refused before the model was loaded
+    code, err = run_build(capsys, p, tmp_path / "built", "--cache-dir", str(tmp_path / "new" / "cache"))
+    assert code == 0, err
