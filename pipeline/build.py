@@ -1077,16 +1077,19 @@ def record_timings(b: _Build) -> None:
     took everything from the record leaves it as it was."""
     if b.timings_file is None or not b.timed_here:
         return
+    record = {"created": utc_now(), "model": str(b.loaded.path), "build_s": round(time.perf_counter() - b.t_start, 1)}
     if not b.backend.gpu:  # CPU engines: the CPU choice is all a CPU build times
-        write_timings(b.timings_file, {"created": utc_now(), "model": str(b.loaded.path),
-                                       "build_s": round(time.perf_counter() - b.t_start, 1), "cpu_choice": b.cpu_choice})
-        b.taken["written"] = str(b.timings_file)
+        record["cpu_choice"] = b.cpu_choice
+    else:
+        record.update(search={"measured": b.search_report.get("measured_in_order") or [],
+                              "one_engine": b.one_engine_timed, "decision": b.search_report.get("decision"),
+                              "chosen_pieces": b.search_report.get("chosen_pieces")},
+                      plan=b.measured_plan, measured_choices=b.measured)
+    try:
+        write_timings(b.timings_file, record)
+    except OSError as e:  # the record only spares later builds their timing: the verified bundle still ships
+        b.taken["not_written"] = f"{b.timings_file}: {e.strerror or type(e).__name__}"
         return
-    write_timings(b.timings_file, {
-        "created": utc_now(), "model": str(b.loaded.path), "build_s": round(time.perf_counter() - b.t_start, 1),
-        "search": {"measured": b.search_report.get("measured_in_order") or [], "one_engine": b.one_engine_timed,
-                   "decision": b.search_report.get("decision"), "chosen_pieces": b.search_report.get("chosen_pieces")},
-        "plan": b.measured_plan, "measured_choices": b.measured})
     b.taken["written"] = str(b.timings_file)
 
 

@@ -132,6 +132,8 @@ def _timings_line(rt: dict | None) -> str | None:
         return f"timings: {' and '.join(did)} from {rt['file']} (--remeasure times them again)"
     if rt.get("written"):
         return f"timings: recorded in {rt['written']} for the next build"
+    if rt.get("not_written"):
+        return f"timings: not recorded ({rt['not_written']}); the next build times them again"
     return None
 
 

@@ -513,3 +513,33 @@ def test_a_cpu_rebuild_searches_only_where_its_recorded_choice_ships_a_rewrite(m
     assert f"took the CPU choice ({first.report['cpu_choice']['chosen']})" in text
     assert ("rewrite search: skipped: the build of " in text) == (winner == "original")
     _check_outputs(again.path, model_path)
+
+
+def test_a_record_that_cannot_be_written_leaves_the_verified_bundle_shipped(model_path, tmp_path, monkeypatch):
+    """Writing the record fails (a full disk, a folder made read-only meanwhile): the bundle, verified, ships;
+    the report and the summary say the record was not written."""
+    import errno
+
+    import parastream.pipeline.bench as bench
+    from parastream.pipeline import timings
+
+    monkeypatch.setattr(bench, "race_calls", _injected({"plan": 5.0, "original": 10.0}, spread=0.01))
+
+    def full(path, record):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    build_module = __import__("importlib").import_module("parastream.pipeline.build")
+    monkeypatch.setattr(build_module, "write_timings", full)
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=10, search=False,
+                   cache_dir=str(tmp_path / "cache"))
+    rt = bundle.report["recorded_timings"]
+    assert "written" not in rt and rt["not_written"].endswith("No space left on device")
+    assert bundle.report["verification"]["passed"] and timings.read_timings(type(tmp_path)(rt["file"])) is None
+    from rich.console import Console
+
+    from parastream.pipeline.report import print_build_summary
+
+    console = Console(record=True, width=300)
+    print_build_summary(bundle, console)
+    assert "timings: not recorded (" in console.export_text()
+    _check_outputs(bundle.path, model_path)
