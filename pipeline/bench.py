@@ -606,11 +606,12 @@ def time_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 3, block:
 
 
 def race_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 1, block: int = 5,
-               behind: float = 0.10) -> dict[str, np.ndarray]:
+               behind: float = 0.10, lead_s: float | None = None) -> dict[str, np.ndarray]:
     """Seconds per call of each runner, timed in alternating blocks of ``block`` calls (as :func:`time_calls`),
     with a sequential stop: after each round, a runner whose FASTEST call so far is slower than the current
     leader's median by more than ``behind`` is clearly behind and is not called again (its calls so far are
-    returned).  At most ``runs`` calls each; at least one block each."""
+    returned).  ``lead_s``: the median of a runner timed before these (runners too large to load together are
+    raced one at a time), which leads where it is faster.  At most ``runs`` calls each; at least one block each."""
     _warm_each(runners, feeds, warmup)
     times: dict[str, list[float]] = {name: [] for name in runners}
     active = list(runners)
@@ -618,7 +619,7 @@ def race_calls(runners: dict, feeds: dict, *, runs: int, warmup: int = 1, block:
         for name in active:
             times[name] += _timed_calls(runners[name], feeds, min(block, runs - len(times[name])))
         medians = {n: float(np.median(times[n])) for n in active}
-        lead = min(medians.values())
+        lead = min([*medians.values(), *([lead_s] if lead_s else [])])
         active = [n for n in active if min(times[n]) <= lead * (1.0 + behind)]
     return {name: np.asarray(t) for name, t in times.items()}
 

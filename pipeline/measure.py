@@ -1462,8 +1462,10 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
             try:
                 for alt in group:
                     runners[alt.name] = CpuLauncher(built[key(alt)][0], threads_per_engine=alt.threads)
+                # one at a time: an alternative clearly behind those timed before it stops as it would beside them
+                lead = min((float(np.median(t)) for t in times.values()), default=None)
                 with bench.OthersLoad() as others:
-                    times.update(bench.race_calls(runners, feeds, runs=runs, behind=2 * CPU_MARGIN))
+                    times.update(bench.race_calls(runners, feeds, runs=runs, behind=2 * CPU_MARGIN, lead_s=lead))
                 shares.append(others.share)
             finally:
                 for r in runners.values():

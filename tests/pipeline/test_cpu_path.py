@@ -216,6 +216,9 @@ def test_race_calls_stops_a_clearly_slower_runner_early():
     times = race_calls({"fast": runner("fast", 0.0005), "slow": runner("slow", 0.01)}, {}, runs=20, warmup=1, block=5)
     assert len(times["fast"]) == 20 and len(times["slow"]) == 5  # one block, then clearly behind
     assert calls == {"fast": 21, "slow": 6}
+    # raced alone after a faster one (alternatives too large to load together): its median leads
+    assert len(race_calls({"slow": runner("slow", 0.01)}, {}, runs=20, warmup=0, block=5, lead_s=0.0005)["slow"]) == 5
+    assert len(race_calls({"fast": runner("fast", 0.0005)}, {}, runs=20, warmup=0, block=5, lead_s=0.01)["fast"]) == 20
 
 
 def test_explicit_streams_only_compare_thread_counts(model_path, tmp_path):
@@ -347,6 +350,28 @@ def test_large_alternatives_are_timed_one_at_a_time(model_path, tmp_path, monkey
     assert choice["loaded"].startswith("one at a time") and len(seen) == len(choice["timed"]) > 1
     assert all(len(names) == 1 for names in seen)
     _check_outputs(bundle.path, model_path)
+
+
+def test_alternatives_timed_one_at_a_time_stop_where_clearly_behind_those_before(model_path, tmp_path, monkeypatch):
+    """One at a time, an alternative clearly slower than the fastest timed before it stops after its first
+    block, as it would beside it; one that is not runs every call."""
+    import sys
+
+    import parastream.pipeline.bench as bench
+
+    measure_module = sys.modules["parastream.pipeline.measure"]
+    monkeypatch.setattr(measure_module, "CPU_INTERLEAVE_BYTES", 0)
+    real = bench.race_calls
+
+    def slowed(runners, feeds, **kw):  # the plans' sessions 3x slower than the default's, whatever the machine
+        slow = {n: (lambda f, r=r: [r(f) for _ in range(3)]) if n.startswith("plan") else r for n, r in runners.items()}
+        return real(slow, feeds, **kw)
+
+    monkeypatch.setattr(bench, "race_calls", slowed)
+    bundle = build(model_path, tmp_path / "b", backend="onnxruntime", cpu_runs=10, search=False)
+    calls = {t["alternative"]: t["calls"] for t in bundle.report["cpu_choice"]["timed"]}
+    assert calls.pop("original model, one session") == 10
+    assert calls and all(n.startswith("plan") and c == 5 for n, c in calls.items())
 
 
 def test_shape_inference_sets_large_weights_aside():
