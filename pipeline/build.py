@@ -826,7 +826,8 @@ class _Build:
     recorded: dict | None = None
     measured_plan: str | None = None
     taken: dict = field(default_factory=dict)
-    timed_here: bool = False  # something was timed on the GPU by this build (and is recorded)
+    timed_here: bool = False  # something was timed on the GPU by this build, or decided on the CPU (and is recorded)
+    search_kept_input: bool = False  # a CPU build's search kept the loaded model (recorded: a rebuild need not search)
     reference: ReferenceRun | None = None  # the verification's reference, running while the build goes on
     engines: Engines | None = None  # plans, builds and loads engines (the bundle's and those measurement times)
 
@@ -922,11 +923,12 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
     cfg = b.cfg
     if not cfg.search:
         return
-    recorded = _recorded_cpu_choice(b) if cfg.measure else None
-    if recorded and recorded["chosen"] == ORIGINAL_ONE_SESSION:
-        # a CPU rebuild whose recorded choice ships the loaded model as it is: what the search would propose is
-        # neither timed nor shipped (NASNet-A Large: 4 s of a 22 s rebuild on 2 cores)
-        b.search_report = {"enabled": False, "skipped": f"{recorded['recorded_by']} chose the {ORIGINAL_ONE_SESSION}"}
+    skipped = _search_not_needed(b) if cfg.measure else None
+    if skipped:
+        b.search_report = {"enabled": False, "skipped": skipped}
+        b.search_kept_input = (b.recorded or {}).get("search_kept_input") is True  # as recorded, recorded again
+        if b.search_kept_input:
+            b.taken["search"] = "decision to keep the input"
         return
     with b.timed("search"):
         from parastream.rewrite import optimize_graph
@@ -990,6 +992,8 @@ def rewrite_search(b: _Build, *, measure: bool) -> None:
             b.search_report["alternatives_timed"] = ((b.timed_alternatives or {}).get("timed")
                                                      or "after the search")
         b.model, b.graph = searched, graph
+        # a CPU build records that its search (the cost model's, which the record's key determines) kept the input
+        b.search_kept_input = searched is b.loaded.model and not b.backend.gpu
         task.advance()
 
 
@@ -1004,6 +1008,20 @@ def schedule_streams(b: _Build) -> None:
                 b.sched, _ = b.engines.schedule(b.graph, 1, 1)
                 _record_measured_streams(b.streams_tried, b.sched)
                 b.streams_tried[-1]["timed_in_search"] = b.one_engine_timed
+
+
+def _search_not_needed(b: _Build) -> str | None:
+    """Why a CPU rebuild need not search (``timings``), or None: the record's CPU choice ships the loaded model
+    as it is, so that what the search would propose is neither timed nor shipped (NASNet-A Large: 4 s of a 22 s
+    rebuild on 2 cores), or the recorded build's search kept the input (its cost model decides the same again:
+    the same structure, options, CPU and code)."""
+    recorded = _recorded_cpu_choice(b)
+    if recorded and recorded["chosen"] == ORIGINAL_ONE_SESSION:
+        return f"{recorded['recorded_by']} chose the {ORIGINAL_ONE_SESSION}"
+    if not b.backend.gpu and (b.recorded or {}).get("search_kept_input") is True:
+        return (f"the build of {b.recorded.get('created')} ({b.timings_file}) searched this model and kept it as "
+                "it is")
+    return None
 
 
 def _recorded_cpu_choice(b: _Build) -> dict | None:
@@ -1033,7 +1051,9 @@ def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
             b.taken["cpu_choice"] = b.cpu_choice["chosen"]
         elif recorded:
             b.taken["cpu_choice"] = "timed again: " + b.cpu_choice.get("recorded_not_taken", "")
-        b.timed_here = b.timed_here or cpu_choice_recordable(b.cpu_choice)
+        # recorded: a choice timed here, or a search run here that kept the input (one taken is left as it was)
+        b.timed_here = (b.timed_here or cpu_choice_recordable(b.cpu_choice)
+                        or (b.search_kept_input and bool(b.search_report.get("enabled"))))
         _record_measured_streams(b.streams_tried, b.sched)
         task.advance()
 
@@ -1078,8 +1098,9 @@ def record_timings(b: _Build) -> None:
     if b.timings_file is None or not b.timed_here:
         return
     record = {"created": utc_now(), "model": str(b.loaded.path), "build_s": round(time.perf_counter() - b.t_start, 1)}
-    if not b.backend.gpu:  # CPU engines: the CPU choice is all a CPU build times
-        record["cpu_choice"] = b.cpu_choice
+    if not b.backend.gpu:  # CPU engines: the CPU choice (where it was timed), and whether the search kept the input
+        record.update(cpu_choice=b.cpu_choice if cpu_choice_recordable(b.cpu_choice) else None,
+                      search_kept_input=b.search_kept_input)
     else:
         record.update(search={"measured": b.search_report.get("measured_in_order") or [],
                               "one_engine": b.one_engine_timed, "decision": b.search_report.get("decision"),

@@ -20,9 +20,10 @@ report.json says what was taken from which file. ``--remeasure`` times everythin
 A CPU build (onnxruntime's engines) times one thing: which of plain onnxruntime, the rewritten model and the
 plan ships (``measure.choose_cpu_alternative``; NASNet-A Large: 33 s of a 53 s build on a 2-core machine, four
 alternatives of 340 MB each built and timed). Its record holds that choice, made on a machine other processes
-left to it (``measure.cpu_choice_recordable``); the device in its KEY is the host's CPU model and core count
-with onnxruntime's version (``engines.onnxruntime.describe_device``), and a rebuild builds the recorded
-alternative alone.
+left to it (``measure.cpu_choice_recordable``), and whether its search (the cost model's, which the KEY
+determines) kept the input; the device in its KEY is the host's CPU model and core count with onnxruntime's
+version (``engines.onnxruntime.describe_device``). A rebuild builds the recorded alternative alone, and does not
+search where the search kept the input or the choice ships the loaded model as it is.
 
 Why a file of our own rather than a library's: the decisions are parastream's (which rewrite, which fusion), and
 TensorRT's timing cache, the model for this, holds per-layer kernel timings that only its builder reads.

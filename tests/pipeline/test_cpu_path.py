@@ -568,3 +568,45 @@ def test_a_record_that_cannot_be_written_leaves_the_verified_bundle_shipped(mode
     print_build_summary(bundle, console)
     assert "timings: not recorded (" in console.export_text()
     _check_outputs(bundle.path, model_path)
+
+
+def test_a_cpu_rebuild_takes_a_search_that_kept_the_input(tmp_path, monkeypatch):
+    """A model the search leaves as it is, on one stream (one alternative: nothing timed): the record says the
+    search kept the input, and a rebuild neither searches nor checks the model up front, and verifies what it
+    ships; a model the search rewrites records no such thing, and its rebuild searches."""
+    import importlib
+
+    from graphs import residual_stack_model, two_output_model
+
+    from parastream.pipeline.timings import read_timings
+
+    build_module = importlib.import_module("parastream.pipeline.build")
+    checked = []
+    real_child = build_module.in_child
+    monkeypatch.setattr(build_module, "in_child", lambda fn, what: checked.append(what) or real_child(fn, what=what))
+    cache = str(tmp_path / "cache")
+    kept, rewritten = tmp_path / "kept.onnx", tmp_path / "rewritten.onnx"
+    onnx.save(residual_stack_model(layers=3), kept)
+    onnx.save(two_output_model(), rewritten)
+
+    first = build(kept, tmp_path / "k1", backend="onnxruntime", cache_dir=cache)
+    assert first.report["search"]["enabled"] and not first.report["search"]["rules_chosen"]
+    assert first.report["cpu_choice"]["timed"] == []  # one alternative: nothing timed
+    record = read_timings(type(tmp_path)(first.report["recorded_timings"]["written"]))
+    assert record["search_kept_input"] is True and record["cpu_choice"] is None
+    checked.clear()
+    again = build(kept, tmp_path / "k2", backend="onnxruntime", cache_dir=cache)
+    assert not again.report["search"]["enabled"] and "kept it as it is" in again.report["search"]["skipped"]
+    assert "search" not in again.report["stage_seconds"] and not checked
+    assert again.report["recorded_timings"]["search"] == "decision to keep the input"
+    assert "written" not in again.report["recorded_timings"] and again.report["verification"]["passed"]
+
+    import parastream.pipeline.bench as bench
+
+    monkeypatch.setattr(bench, "race_calls", _injected({"rewritten": 2.0, "original": 10.0, "plan": 10.0}))
+    first = build(rewritten, tmp_path / "r1", backend="onnxruntime", cache_dir=cache)
+    assert first.report["search"]["rules_chosen"] and first.report["cpu_choice"]["chosen"].startswith("rewritten")
+    assert read_timings(type(tmp_path)(first.report["recorded_timings"]["written"]))["search_kept_input"] is False
+    again = build(rewritten, tmp_path / "r2", backend="onnxruntime", cache_dir=cache)
+    assert again.report["search"]["enabled"] and again.report["search"]["rules_chosen"] == first.report["search"]["rules_chosen"]
+    assert again.report["cpu_choice"]["recorded_by"]
