@@ -1054,6 +1054,8 @@ def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
         # recorded: a choice timed here, or a search run here that kept the input (one taken is left as it was)
         b.timed_here = (b.timed_here or cpu_choice_recordable(b.cpu_choice)
                         or (b.search_kept_input and bool(b.search_report.get("enabled"))))
+        if b.prebuilt is None and b.cfg.verify:  # built by the engines stage: the verification loads every engine,
+            b.options = replace(b.options, check=False)  # as the timing's launchers loaded the scratch ones
         _record_measured_streams(b.streams_tried, b.sched)
         task.advance()
 

@@ -1402,7 +1402,8 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
     (``pipeline.timings``, its ``recorded_by`` saying which): the alternative it chose is built alone and kept,
     nothing timed, where it is one of this build's alternatives; else they are timed, and the report says why.
 
-    Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (file, builder report)}).
+    Returns (model, graph, schedule, threads per engine, report, engines: {branch name: (file, builder report)},
+    None where one alternative was left, which is then not built here).
     """
     from parastream.core.tensors import random_feeds
     from parastream.launcher.cpu import CpuLauncher
@@ -1435,10 +1436,10 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
         return (next(i for i, a in enumerate(alternatives) if a.model is alt.model),
                 alt.sched.num_streams, tuple(map(tuple, alt.sched.branches)))
 
-    for alt in alternatives:
-        if key(alt) not in built:  # checked by the builder only when no launcher loads it (to time or verify it)
+    for alt in alternatives if len(alternatives) > 1 else ():  # one alternative: nothing to time, nothing built
+        if key(alt) not in built:  # (here: the bundle's engines stage builds it, once, where it is written)
             built[key(alt)] = _cpu_scratch_bundle(engines, scratch / str(len(built)), alt, options, loaded,
-                                                  check=len(alternatives) == 1 and not verify)
+                                                  check=False)  # the launcher that times it loads it next
     if busy_before is not None:
         chosen = alternatives[0].name
         report.update(chosen=chosen, others_cpu_share=busy_before,
@@ -1491,6 +1492,8 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
                       loaded=("together, alternating blocks" if together else
                               f"one at a time (their engines {size / 2**20:.0f} MiB together, above {CPU_INTERLEAVE_BYTES >> 20} MiB)"))
     best = next(a for a in alternatives if a.name == chosen)
+    if key(best) not in built:
+        return best.model, best.graph, best.sched, best.threads, report, None
     kept, best_report = built[key(best)]
     files = {b.name: (kept.engine_path(b), best_report.get(b.name)) for b in kept.plan.branches}
     return best.model, best.graph, best.sched, best.threads, report, files
