@@ -1019,9 +1019,13 @@ def _search_not_needed(b: _Build) -> str | None:
     if recorded and recorded["chosen"] == ORIGINAL_ONE_SESSION:
         return f"{recorded['recorded_by']} chose the {ORIGINAL_ONE_SESSION}"
     if not b.backend.gpu and (b.recorded or {}).get("search_kept_input") is True:
-        return (f"the build of {b.recorded.get('created')} ({b.timings_file}) searched this model and kept it as "
-                "it is")
+        return f"{_recorded_by(b)} searched this model and kept it as it is"
     return None
+
+
+def _recorded_by(b: _Build) -> str:
+    """Which build's record this build takes from (``b.recorded``), in words."""
+    return f"the build of {b.recorded.get('created')} ({b.timings_file})"
 
 
 def _recorded_cpu_choice(b: _Build) -> dict | None:
@@ -1030,12 +1034,13 @@ def _recorded_cpu_choice(b: _Build) -> dict | None:
     recorded = None if b.backend.gpu else (b.recorded or {}).get("cpu_choice")
     if not (isinstance(recorded, dict) and isinstance(recorded.get("chosen"), str)):
         return None
-    return dict(recorded, recorded_by=f"the build of {b.recorded.get('created')} ({b.timings_file})")
+    return dict(recorded, recorded_by=_recorded_by(b))
 
 
 def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
     """CPU engines: time the plan against one full-threaded session (of the rewritten and the original model) and
-    keep the fastest; the kept alternative's engines are built in a scratch folder that ``scratch`` removes."""
+    keep the fastest, or take the choice an earlier build recorded; the timed alternatives' engines are built in a
+    scratch folder that ``scratch`` removes (one alternative left is built by the engines stage)."""
     if b.backend.gpu or not b.cfg.measure:
         return
     with b.timed("cpu_choice"):
@@ -1045,7 +1050,7 @@ def time_cpu_alternatives(b: _Build, scratch: contextlib.ExitStack) -> None:
         with running_errors(b.loaded.path, b.loaded.model, "to time the CPU alternatives"):
             b.model, b.graph, b.sched, b.cpu_threads, b.cpu_choice, b.prebuilt = choose_cpu_alternative(
                 b.engines, b.loaded, b.model, b.graph, b.sched, b.options, b.cost_model, streams=b.cfg.streams,
-                runs=b.cfg.cpu_runs, seed=b.cfg.seed, verify=b.cfg.verify, scratch=folder,
+                runs=b.cfg.cpu_runs, seed=b.cfg.seed, scratch=folder,
                 rewritten=bool(b.search_report.get("rules_chosen")), recorded=recorded)
         if b.cpu_choice.get("recorded_by"):
             b.taken["cpu_choice"] = b.cpu_choice["chosen"]
@@ -1077,7 +1082,7 @@ def take_recorded_choices(b: _Build) -> None:
         b.taken["rounds"] = "timed again: the recorded rounds were timed on another plan"
         return
     b.measured_plan = b.recorded["plan"]
-    b.measured = dict(recorded, timed=f"recorded by the build of {b.recorded.get('created')} ({b.timings_file})")
+    b.measured = dict(recorded, timed=f"recorded by {_recorded_by(b)}")
     _take_measured_options(b, b.measured)
     if b.measured.get("one_engine") or b.measured.get("whole_engine"):
         b.sched, _ = b.engines.schedule(b.graph, 1, 1, whole=bool(b.measured.get("whole_engine")))

@@ -1384,7 +1384,7 @@ def cpu_choice_recordable(report: dict) -> bool:
 
 def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onnx.ModelProto, graph: gs.Graph,
                            sched: Schedule, options: BuildOptions, cost_model, *, streams: int | None, runs: int,
-                           seed: int, verify: bool, scratch: Path, rewritten: bool = True, recorded: dict | None = None):
+                           seed: int, scratch: Path, rewritten: bool = True, recorded: dict | None = None):
     """CPU builds: time the alternatives (``cpu_alternatives``) on this machine, as the GPU build measures its
     candidates, and keep the default (plain onnxruntime) unless another is faster beyond the noise
     (``decide_by_timing``) on a machine that other processes left to the build (``OthersLoad``: at most
@@ -1438,8 +1438,7 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
 
     for alt in alternatives if len(alternatives) > 1 else ():  # one alternative: nothing to time, nothing built
         if key(alt) not in built:  # (here: the bundle's engines stage builds it, once, where it is written)
-            built[key(alt)] = _cpu_scratch_bundle(engines, scratch / str(len(built)), alt, options, loaded,
-                                                  check=False)  # the launcher that times it loads it next
+            built[key(alt)] = _cpu_scratch_bundle(engines, scratch / str(len(built)), alt, options, loaded)
     if busy_before is not None:
         chosen = alternatives[0].name
         report.update(chosen=chosen, others_cpu_share=busy_before,
@@ -1500,12 +1499,12 @@ def choose_cpu_alternative(engines: EngineMaker, loaded: LoadedModel, model: onn
 
 
 def _cpu_scratch_bundle(engines: EngineMaker, dest: Path, alt: CpuAlternative, options: BuildOptions,
-                        loaded: LoadedModel, check: bool) -> tuple[Bundle, dict]:
+                        loaded: LoadedModel) -> tuple[Bundle, dict]:
     """The engines of ``alt`` in ``dest``, opened as a bundle to time, with its builder's report (per branch).
     No model.onnx, report or hashed manifest: only the launcher reads it, and only its plan and engines."""
     dest.mkdir()
     plan = engines.plan_of_schedule(alt.graph, alt.sched)
-    # check False: the launcher that times it loads every engine next (its errors name the node there)
-    v = Variant(alt.model, alt.graph, plan, replace(options, check=check))
+    # unchecked: the launcher that times it loads every engine next (its errors name the node there)
+    v = Variant(alt.model, alt.graph, plan, replace(options, check=False))
     rep = engines.write(dest, v, "candidate", model_file=False)
     return Bundle(path=dest, manifest=engines.manifest_of(v), plan=plan, report={}), rep
