@@ -1532,13 +1532,12 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
     if not (isinstance(st.fn, _ConvFn) and z is not None and z not in keep and readers.get(z) == [add]
             and b_s is not None and b_s[0] == "c"):
         return bias
+    if bias is not None and consts[bias[1]].shape != consts[b_s[1]].shape:  # both Conv's 1-d bias [M], else left
+        return bias
     unbiased[p] = Step(st.fn, st.args[:2], st.outputs, st.node)
     if bias is None:
         return b_s
     a, b = consts[bias[1]], consts[b_s[1]]
-    if a.shape != b.shape:  # both are Conv's 1-d bias [M]; anything else is left as it is
-        del unbiased[p]
-        return bias
     key = f"c{len(consts)}"
     while key in consts:
         key += "_"

@@ -451,15 +451,16 @@ _PACKED: OrderedDict[str, tuple[bytes, int, dict]] = OrderedDict()
 
 
 def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: BuildOptions, fuse: bool, built: dict,
-              artifact: str = "aoti", digest: str | None = None) -> str:
+              artifact: str = "aoti", digest: str | None = None, choices: str | None = None) -> str:
     """sha256 of the branch's graph (its name, which carries the branch's index, left out), the tensor layout,
-    the compute dtype, the options that change the code, what it is compiled for, and into which artifact.
+    the compute dtype, the options that change the code, what it is compiled for, and into which artifact
+    (``code_choices``; ``choices``: those, made already for these arguments).
 
     A fusion option is in the key only where it can change the branch's code (``choices_that_apply``): the
     alternative a GPU build times with a fusion off then compiles the branches that fusion touches, and finds
     the others compiled (nasnet_cell's searched plan: 2 of 31 branches hold a Conv and a Relu)."""
     h = hashlib.sha256((digest or branch_digest(branch)).encode())
-    h.update(code_choices(branch, signature, dtype, options, fuse, built, artifact).encode())
+    h.update((choices or code_choices(branch, signature, dtype, options, fuse, built, artifact)).encode())
     return h.hexdigest()
 
 
@@ -1366,7 +1367,7 @@ class Builder(BuilderBase):
             inputs, outputs = list(layout["inputs"]), list(layout["outputs"])
             nhwc, views, sig = _layout(inputs, outputs, device, layout.get("internal_nhwc"), layout.get("channel_views"))
             choices = code_choices(branch, sig, dtype, self.options, fuse, built, self.artifact)
-            key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact, digest=digest)
+            key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact, digest=digest, choices=choices)
             self.keys.append(key)
             package, where = cache_get(key, self.options.cache_dir)
             if package is None and key in _INFLIGHT:
