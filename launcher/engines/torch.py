@@ -497,7 +497,12 @@ def compile_group(branch: onnx.ModelProto, signature: list, choices: str) -> str
     worker while the others idled (H200: EfficientNet-B0's three 71.8 worker-seconds, DenseNet-121's two 73.9,
     the end of their builds at 76-82 s), and NASNet-A Large's depthwise sample six groups of three, each with
     Inductor's depthwise kernels (~12 s an engine), that the search's end waited for."""
-    return structure_key(branch, signature) + ":" + hashlib.sha256(choices.encode()).hexdigest()[:16]
+    # the choices without the signature, which names the branch's tensors (every branch a group of its own:
+    # NASNet-A Large's input compiled as 332 groups where 83 structures reuse their first compile's kernels);
+    # ``structure_key`` holds the signature without its names
+    unnamed = {k: v for k, v in json.loads(choices).items() if k != "signature"}
+    return structure_key(branch, signature) + ":" + hashlib.sha256(
+        json.dumps(unnamed, sort_keys=True).encode()).hexdigest()[:16]
 
 
 def choices_that_apply(branch: onnx.ModelProto) -> dict[str, bool]:
