@@ -163,6 +163,10 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     np.savez(work / f"{stem}.ref.npz", **{f"in.{k}": v for k, v in feeds.items()}, **{f"out.{k}": v for k, v in ref.items()})
     log: dict = {"handmade": False, "top_k": args.top_k}
     row["onnx_path"] = str(onnx_path)
+    if args.rebuild:  # the first build starts with its --cache-dir empty too (a warm machine's earlier call filled it)
+        import shutil
+
+        shutil.rmtree(_cache_dir(stem, work, args), ignore_errors=True)
     with build_caches(stem, work, empty=True):
         build_bundle(onnx_path, work / f"{stem}_bundle", search=True, streams=None, log=log,
                      measure_seconds=args.measure_seconds, cache_dir=_cache_dir(stem, work, args))
