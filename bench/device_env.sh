@@ -1,6 +1,8 @@
 # Source on the device machine from the repository root: installs carried wheels (.whl/) and makes
 # `parastream.*` importable from this checkout without building it.
 python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl || return 1
+# wheels carried as their installed tree in an xz tar (bench/triton_wheels.sh: nvidia-pytriton's, too large as a zip)
+for t in .whl/*.tar.xz; do [ -f "$t" ] && { tar -C /tmp/site -xJf "$t" || return 1; }; done
 mkdir -p /tmp/ns/parastream
 for d in core launcher pipeline rewrite; do ln -sfn "$PWD/$d" /tmp/ns/parastream/$d; done
 export PYTHONPATH=/tmp/ns:/tmp/site${PYTHONPATH:+:$PYTHONPATH}
