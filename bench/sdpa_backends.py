@@ -51,10 +51,12 @@ def time_case(torch, backend, q, k, v, mask, causal, layers: int, runs: int) -> 
     return us / 1e3, outs[0]
 
 
-def layer_args(doc: str, name: str, argv=None) -> argparse.Namespace:
+def layer_args(doc: str, name: str, argv=None, extra=None) -> argparse.Namespace:
     """The options of a benchmark of a transformer layer's kernels (this one, bench/gemm_bias.py): the batches,
-    the layers captured in one graph, the replays timed, where the results go."""
+    the layers captured in one graph, the replays timed, where the results go (``extra(parser)`` adds its own)."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    if extra is not None:
+        extra(ap)
     ap.add_argument("--batches", default="1,8,32")
     ap.add_argument("--layers", type=int, default=12)
     ap.add_argument("--runs", type=int, default=300)
