@@ -247,7 +247,9 @@ def _branch_graph(bundle, branch, model: onnx.ModelProto) -> tuple[onnx.ModelPro
     """The branch as its engine computes it, as ONNX, and how it runs here ("onnxruntime" or a torch dtype)."""
     backend = bundle.plan.backend
     if backend == "onnxruntime":
-        return onnx.load_from_string(bundle.engine_bytes(branch)), "onnxruntime"
+        from parastream.launcher.engines.onnxruntime import branch_model
+
+        return branch_model(bundle.engine_bytes(branch), bundle.initializer), "onnxruntime"
     if backend == "torch":
         from parastream.launcher.engines.torch import EngineFile, compute_dtype
 

@@ -11,7 +11,8 @@ an engine and loads it again for the launcher:
 * ``load(data, inputs, outputs, device, options, ...) -> BranchEngine``; ``model_weights`` (name -> the bundle's
   model.onnx initializer, ``Bundle.initializer``) for an engine that keeps its weights there.
 * ``slim_engine(data, held) -> bytes``: an engine file as a written bundle ships it beside its model.onnx (the
-  torch backend drops the ONNX weights a compiled engine never reads; the others keep the file as it is).
+  torch backend drops the ONNX weights a compiled engine never reads, onnxruntime those its session takes from
+  model.onnx at load: ``slim_initializers``, ``refill_initializers``; TensorRT keeps its plan as it is).
 
 What differs between backends is said by capability flags, never by the backend's name: ``compiles_for_layout``
 (engines are compiled for the GPU launcher's tensor layout: ``build`` takes ``layout``), ``builds_side_by_side``
@@ -255,6 +256,61 @@ def prepare_load(manifest: dict, report: dict | None = None) -> None:
 def slim_engine(data: bytes, held: Callable) -> bytes:
     """The engine file as it is: it holds nothing that the bundle's model.onnx holds for it."""
     return data
+
+
+def slim_initializers(model: "onnx.ModelProto", held: Callable[[str], "onnx.TensorProto | None"]) -> list[str]:
+    """Drop, in ``model`` (an engine's ONNX), the data of each initializer that ``held`` (name -> the bundle's
+    model.onnx initializer) holds with the same dtype, shape and values, keeping its name, dtype and shape; return
+    their names, for the engine to record (``refill_initializers`` puts the data back at load).  A backend's
+    ``slim_engine`` does this where its engine file carries its branch's ONNX weights."""
+    import onnx
+
+    named = []
+    for t in model.graph.initializer:
+        src = held(t.name)
+        if not same_kind(src, t) or not _same_values(src, t):
+            continue
+        t.CopyFrom(onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims))
+        named.append(t.name)
+    return named
+
+
+def refill_initializers(model: "onnx.ModelProto", named: list[str],
+                        model_weights: Callable[[str], "onnx.TensorProto | None"] | None) -> None:
+    """Put back into ``model`` the data of the initializers ``named`` (``slim_initializers``) from ``model_weights``
+    (name -> the bundle's model.onnx initializer, ``Bundle.initializer``, whose hash the bundle's open checked)."""
+    from ..errors import ParastreamError
+
+    if model_weights is None:
+        raise ParastreamError("the engine keeps its weights in its bundle's model.onnx; load it from its bundle "
+                              "(parastream.launcher.load)")
+    held = {t.name: t for t in model.graph.initializer}
+    for name in named:
+        t, src = held.get(name), model_weights(name)
+        if t is None or not same_kind(src, t):
+            raise ParastreamError(f"the engine's weight {name!r} is not in its bundle's model.onnx as built; "
+                                  "rebuild the bundle")
+        t.CopyFrom(src)
+        t.name = name
+
+
+def same_kind(a: "onnx.TensorProto | None", b: "onnx.TensorProto") -> bool:
+    """Whether model.onnx's initializer ``a`` (None: not there) has ``b``'s dtype and shape: it can stand in for
+    it in an engine's ONNX (``slim_initializers``, ``refill_initializers``)."""
+    return a is not None and a.data_type == b.data_type and list(a.dims) == list(b.dims)
+
+
+def _same_values(a: "onnx.TensorProto", b: "onnx.TensorProto") -> bool:
+    """Whether two initializers of one dtype and shape hold the same values (their raw bytes compared where both
+    keep them so, the common case: no copy)."""
+    if a.HasField("raw_data") and b.HasField("raw_data"):
+        return a.raw_data == b.raw_data
+    from onnx import numpy_helper
+
+    try:
+        return np.array_equal(numpy_helper.to_array(a), numpy_helper.to_array(b))
+    except Exception:  # noqa: BLE001 - not comparable here (an external or odd encoding): kept in the engine
+        return False
 
 
 def start_workers(options: BuildOptions) -> None:

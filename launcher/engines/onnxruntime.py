@@ -3,17 +3,21 @@
 An engine is the branch's ONNX model itself (serialised ModelProto); loading it
 creates one InferenceSession.  Sessions release the GIL while they run, so the
 CPU launcher's one-thread-per-stream schedule really runs branches side by side.
+A written bundle's engine leaves the weights its model.onnx holds to it (``slim_engine``).
 """
 
 from __future__ import annotations
+
+import json
+from typing import Callable
 
 import numpy as np
 import onnx
 
 from ..plan import TensorSpec
 from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling,  # noqa: F401
-                   host_cpu, memory_scope, own_workspaces, precompile, prepare_load, slim_engine, start_workers,
-                   stop_workers)
+                   host_cpu, memory_scope, own_workspaces, precompile, prepare_load, refill_initializers,
+                   slim_initializers, start_workers, stop_workers)
 
 name = "onnxruntime"
 suffix = ".onnx"
@@ -103,6 +107,40 @@ class Builder(BuilderBase):
         pass
 
 
+#: the engine ONNX's metadata key that names, as a JSON list, the initializers whose data its bundle's model.onnx
+#: holds (``slim_engine``)
+WEIGHTS_IN_MODEL = "parastream.weights_in_model"
+
+
+def slim_engine(data: bytes, held: Callable[[str], "onnx.TensorProto | None"]) -> bytes:
+    """The engine as a written bundle ships it beside its model.onnx: its ONNX without the data of the
+    initializers that model.onnx holds with the same values (``slim_initializers``), named in its metadata
+    (``WEIGHTS_IN_MODEL``); ``load`` puts them back from the bundle's hash-checked model.onnx.  Whole, a
+    one-session engine of the loaded model was a second copy of model.onnx (ViT-B/16: 340 MB written twice, and
+    hashed twice at every open), and a plan's sessions together another."""
+    model = onnx.load_from_string(data)
+    if any(p.key == WEIGHTS_IN_MODEL for p in model.metadata_props):
+        return data
+    named = slim_initializers(model, held)
+    if not named:
+        return data
+    model.metadata_props.add(key=WEIGHTS_IN_MODEL, value=json.dumps(named))
+    return model.SerializeToString()
+
+
+def branch_model(data: bytes, model_weights: Callable[[str], "onnx.TensorProto | None"] | None = None) -> onnx.ModelProto:
+    """The engine's ONNX whole: the initializers a written bundle left to its model.onnx (``slim_engine``) filled in
+    from ``model_weights`` (name -> the bundle's model.onnx initializer, ``Bundle.initializer``)."""
+    model = onnx.load_from_string(data)
+    for i, p in enumerate(model.metadata_props):
+        if p.key == WEIGHTS_IN_MODEL:
+            named = json.loads(p.value)
+            del model.metadata_props[i]
+            refill_initializers(model, named, model_weights)
+            break
+    return model
+
+
 class OrtEngine:
     def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], threads: int = 0, spin: bool = True):
         import onnxruntime as ort
@@ -121,8 +159,10 @@ def load(data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], devic
          options: BuildOptions | None = None, internal_nhwc: set[str] | None = None,
          channel_views: dict[str, tuple[int, int]] | None = None, warm: bool = True,
          model_weights=None) -> OrtEngine:
-    """A session of the branch (``device`` and the launcher's layout do not apply: a CPU engine in NCHW; the
-    engine is its branch's ONNX, weights included: ``model_weights`` does not apply either)."""
+    """A session of the branch (``device`` and the launcher's layout do not apply: a CPU engine in NCHW), its
+    weights from ``model_weights`` where the engine leaves them to its bundle's model.onnx (``slim_engine``)."""
+    if WEIGHTS_IN_MODEL.encode() in data:  # a slim engine (a whole one is not parsed here: ORT reads it as it is)
+        data = branch_model(data, model_weights).SerializeToString()
     return OrtEngine(data, inputs, outputs, options.threads if options else 0, options.spin if options else True)
 
 

@@ -79,6 +79,7 @@ from .. import cuda
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import LOWERED_CONV_KERNELS, BuilderBase, BuildOptions, check_model, conv_kernels_used, fp32_pinned  # noqa: F401 - check_model: the builder's conversion checks
+from .base import refill_initializers, slim_initializers
 
 if TYPE_CHECKING:
     import onnx
@@ -319,19 +320,8 @@ class EngineFile:
         bundle's model.onnx initializer, ``Bundle.initializer``)."""
         model = _branch_model(self.onnx())
         named = self.meta.get("weights_in_model") or []
-        if not named:
-            return model
-        if model_weights is None:
-            raise ParastreamError("the engine keeps its weights in its bundle's model.onnx; load it from its bundle "
-                                  "(parastream.launcher.load) to compile it again")
-        held = {t.name: t for t in model.graph.initializer}
-        for name in named:
-            t, src = held.get(name), model_weights(name)
-            if t is None or not _same_kind(src, t):
-                raise ParastreamError(f"the engine's weight {name!r} is not in its bundle's model.onnx as built; "
-                                      "rebuild the bundle")
-            t.CopyFrom(src)
-            t.name = name
+        if named:
+            refill_initializers(model, named, model_weights)
         return model
 
     def compiled(self) -> bytes | None:
@@ -364,36 +354,10 @@ def slim_engine(data: bytes, held: Callable[[str], "onnx.TensorProto | None"]) -
     if not f.meta.get("compiled") or f.meta.get("weights_in_model"):  # (bare ONNX reads as not compiled)
         return data
     model = _branch_model(f.onnx())
-    named = []
-    for t in model.graph.initializer:
-        src = held(t.name)
-        if not _same_kind(src, t) or not _same_values(src, t):
-            continue
-        kept = onnx.TensorProto(name=t.name, data_type=t.data_type, dims=t.dims)
-        t.CopyFrom(kept)
-        named.append(t.name)
+    named = slim_initializers(model, held)
     if not named:
         return data
     return pack(dict(f.meta, weights_in_model=named), model.SerializeToString(), f.compiled(), f.weights())
-
-
-def _same_kind(a: "onnx.TensorProto | None", b: "onnx.TensorProto") -> bool:
-    """Whether model.onnx's initializer ``a`` (None: not there) has ``b``'s dtype and shape: it can stand in for
-    it in an engine's branch.onnx (``slim_engine``, ``EngineFile.branch_model``)."""
-    return a is not None and a.data_type == b.data_type and list(a.dims) == list(b.dims)
-
-
-def _same_values(a: "onnx.TensorProto", b: "onnx.TensorProto") -> bool:
-    """Whether two initializers of one dtype and shape hold the same values (their raw bytes compared where both
-    keep them so, the common case: no copy)."""
-    if a.HasField("raw_data") and b.HasField("raw_data"):
-        return a.raw_data == b.raw_data
-    from onnx import numpy_helper
-
-    try:
-        return np.array_equal(numpy_helper.to_array(a), numpy_helper.to_array(b))
-    except Exception:  # noqa: BLE001 - not comparable here (an external or odd encoding): kept in the engine
-        return False
 
 
 def _branch_model(onnx_bytes: bytes) -> onnx.ModelProto:

@@ -17,6 +17,7 @@ from onnx import TensorProto, helper, numpy_helper
 
 from parastream.launcher import load
 from parastream.launcher.bundle import Bundle, write_manifest
+from parastream.launcher.engines.onnxruntime import branch_model
 from parastream.launcher.errors import ParastreamError
 from parastream.pipeline import build
 from parastream.pipeline.cli import main
@@ -118,9 +119,10 @@ def test_manifest_naming_a_file_outside(bundle, tmp_path, capsys):
 
 def test_engine_with_external_data(bundle, tmp_path, capsys):
     """An engine whose weights live 'in an external file' could read any file: refused."""
-    plan = Bundle.open(bundle).plan
-    engine = bundle / plan.branches[0].engine
-    m = onnx.load(str(engine))
+    opened = Bundle.open(bundle)
+    engine = bundle / opened.plan.branches[0].engine
+    # the engine whole (a written one leaves its weights to model.onnx: onnxruntime.slim_engine)
+    m = branch_model(engine.read_bytes(), opened.initializer)
     (tmp_path / "w.bin").write_bytes(os.urandom(4096))
     for t in m.graph.initializer:
         onnx.external_data_helper.set_external_data(t, location="../../w.bin")
@@ -135,8 +137,9 @@ def test_engine_with_external_data(bundle, tmp_path, capsys):
 
 def test_model_onnx_with_external_data_is_refused_by_its_readers_not_by_a_load(bundle, tmp_path, capsys):
     """model.onnx naming an external file, or changed: a plain open and ``model_path`` (what its readers take)
-    refuse it; a load (``Bundle.open(loading=True)``, ``run``) reads the engines alone and leaves model.onnx's
-    checks to its readers, so it runs and reads nothing outside the bundle."""
+    refuse it; a load (``Bundle.open(loading=True)``) leaves model.onnx's checks to its readers, here the
+    onnxruntime engines, which take their weights from it (``slim_engine``): ``run`` refuses it, naming
+    model.onnx, and reads nothing outside the bundle."""
     m = onnx.load(str(bundle / "model.onnx"))
     (tmp_path / "w.bin").write_bytes(os.urandom(4096))
     t = m.graph.initializer[0]
@@ -157,7 +160,8 @@ def test_model_onnx_with_external_data_is_refused_by_its_readers_not_by_a_load(b
         Bundle.open(bundle, loading=True).model_path
     x = tmp_path / "x.npy"
     np.save(x, np.zeros((1, 4, 8, 8), np.float32))
-    assert main(["run", str(bundle), "--input", f"input={x}", "--output-dir", str(tmp_path / "res")]) == 0
+    assert main(["run", str(bundle), "--input", f"input={x}", "--output-dir", str(tmp_path / "res")]) == 2
+    assert "model.onnx" in capsys.readouterr().err and not (tmp_path / "res").exists()
 
 
 def test_validate_triton_and_model_py_refuse_an_escaping_bundle(bundle, tmp_path, capsys):

@@ -1,0 +1,87 @@
+"""A written onnxruntime bundle's engines leave the weights its model.onnx holds to it (``onnxruntime.slim_engine``):
+the engines carry the weights' names, the load puts the data back from the hash-checked model.onnx, and the
+bundle runs as the model does."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from graphs import three_branch_model
+
+from parastream.launcher import load
+from parastream.launcher.bundle import Bundle
+from parastream.launcher.engines import onnxruntime as orb
+from parastream.launcher.errors import ParastreamError
+from parastream.pipeline import build
+
+
+@pytest.fixture(params=[1, 3], ids=["one session", "three streams"])
+def built(request, tmp_path):
+    model = three_branch_model(seed=4, channels=16)
+    onnx.save(model, tmp_path / "m.onnx")
+    return model, build(tmp_path / "m.onnx", tmp_path / "b", backend="onnxruntime", search=False,
+                        streams=request.param).path
+
+
+def test_the_engines_hold_no_weight_of_model_onnx_and_the_bundle_runs_as_the_model(built):
+    model, path = built
+    opened = Bundle.open(path)
+    weights = {t.name: t for t in onnx.load(str(path / "model.onnx")).graph.initializer}
+    slimmed = set()
+    for b in opened.plan.branches:
+        engine = onnx.load_from_string(opened.engine_bytes(b))
+        for t in engine.graph.initializer:
+            if t.name in weights:  # its data left to model.onnx, its dtype and shape kept
+                assert not t.raw_data and not t.float_data and list(t.dims) == list(weights[t.name].dims)
+                slimmed.add(t.name)
+        whole = orb.branch_model(opened.engine_bytes(b), opened.initializer)
+        assert not any(p.key == orb.WEIGHTS_IN_MODEL for p in whole.metadata_props)
+        for t in whole.graph.initializer:
+            if t.name in weights:
+                assert t.raw_data == weights[t.name].raw_data
+    assert slimmed == set(weights) and {"w0", "w1", "w2"} <= slimmed
+    assert sum(opened.engine_path(b).stat().st_size for b in opened.plan.branches) < (path / "model.onnx").stat().st_size / 10
+
+    x = np.random.default_rng(0).standard_normal((1, 16, 8, 8)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
+    got = load(path)({"input": x})
+    np.testing.assert_allclose(next(iter(got.values())), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_a_slim_engine_loaded_without_its_bundle_or_with_another_model_onnx_is_refused_by_name(built):
+    _, path = built
+    opened = Bundle.open(path)
+    b = opened.plan.branches[0]
+    data = opened.engine_bytes(b)
+    spec = opened.plan.tensors
+    ins, outs = [spec[t] for t in b.inputs], [spec[t] for t in b.outputs]
+    with pytest.raises(ParastreamError, match="load it from its bundle"):
+        orb.load(data, ins, outs)
+    with pytest.raises(ParastreamError, match="not in its bundle's model.onnx as built"):
+        orb.load(data, ins, outs, model_weights=lambda name: None)
+
+    def other_shape(name):
+        t = opened.initializer(name)
+        return onnx.helper.make_tensor(name, t.data_type, [1], [0.0]) if t is not None else None
+
+    with pytest.raises(ParastreamError, match="not in its bundle's model.onnx as built"):
+        orb.load(data, ins, outs, model_weights=other_shape)
+    assert orb.load(data, ins, outs, model_weights=opened.initializer).run(
+        {t.name: np.zeros(t.shape, np.float32) for t in ins})
+
+
+def test_an_engine_whose_weights_model_onnx_does_not_hold_keeps_them():
+    """Must not fire: a weight model.onnx lacks, or holds with other values, stays in the engine, and an engine
+    with none of its weights in model.onnx is written as it came."""
+    model = three_branch_model(seed=1)
+    data = model.SerializeToString()
+    held = {t.name: t for t in model.graph.initializer}
+    assert orb.slim_engine(data, lambda name: None) == data
+    changed = onnx.numpy_helper.from_array(onnx.numpy_helper.to_array(held["w1"]) * 2, "w1")
+    slim = onnx.load_from_string(orb.slim_engine(data, lambda name: changed if name == "w1" else held.get(name)))
+    kept = {t.name: t for t in slim.graph.initializer}
+    assert kept["w1"].raw_data == held["w1"].raw_data  # other values in model.onnx: kept
+    assert not kept["w0"].raw_data and not kept["w2"].raw_data
+    assert orb.slim_engine(slim.SerializeToString(), held.get) == slim.SerializeToString()  # slimmed once
