@@ -392,6 +392,27 @@ def build_with_cli(onnx_path: Path, out: Path, *extra: str) -> tuple[int, str, s
     return code, stdout.getvalue(), lines[-1].split(": error: ", 1)[1] if lines else ""
 
 
+#: what a fresh process runs to time a bundle's load (``fresh_load``): the launcher's import and the load, with one
+#: call, as an instance start does; it prints the seconds
+_FRESH_LOAD = """
+import sys, time
+t0 = time.perf_counter()
+from parastream.launcher import load
+launcher = load(sys.argv[1])
+print(round(time.perf_counter() - t0, 3))
+"""
+
+
+def fresh_load(bundle: Path) -> dict:
+    """The bundle's size in MB (every file under it) and its load in a new Python process (``_FRESH_LOAD``:
+    import and load, the interpreter's own start not counted), what an instance start pays on the CPU."""
+    size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
+    got = subprocess.run([sys.executable, "-c", _FRESH_LOAD, str(bundle)], capture_output=True, text=True, timeout=600)
+    load_s = float(got.stdout.split()[-1]) if got.returncode == 0 and got.stdout.split() else None
+    return {"bundle_mb": round(size / 1e6, 1), "load_s": load_s,
+            **({"load_error": _first_line(Exception(got.stderr.strip() or "no output"))} if load_s is None else {})}
+
+
 def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, reuse: bool = False,
             rebuild: bool = False) -> dict:
     """One row; with ``keep``, the export (.onnx) and its example inputs (.npz) are kept there (and with
@@ -438,6 +459,7 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
                        rules=(rep.get("search") or {}).get("rules_chosen_count"),
                        # the build's peak resident memory (this process's: with a reused export nothing else ran in it yet)
                        peak_rss_mb=rep.get("peak_rss_mb"), cpu_choice=(rep.get("cpu_choice") or {}).get("chosen"))
+            row.update(fresh_load(out))
         else:  # the CLI's one-line error and exit status (2: bad input, 1: verification failed)
             row.update(build_ok=False, exit=code, build_error=_first_line(Exception(error)), peak_rss_mb=_peak_rss_mb())
             if code == 1:  # verification: how far ONNX Runtime is from itself on this model
@@ -547,12 +569,12 @@ def write_table(out: Path) -> dict:
              f"The torch converter converts {summary['torch_converts']} of {summary['exported']}.", "",
              *_grid(rows), "",
              "| model | family | exporter | export | build (exit) | nodes in→out | streams | verification (max abs / max scaled) "
-             "| torch converter (ops missing; max scaled err) | build s | rebuild s | peak MiB |",
-             "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+             "| torch converter (ops missing; max scaled err) | build s | rebuild s | peak MiB | bundle MB | fresh load s |",
+             "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("export_ok"):
             err = _first_line(Exception(r.get("export_error", ""))).replace("|", "/")
-            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | | | |")
+            lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | failed: {err[:160]} | | | | | | | | | | |")
             continue
         if r.get("build_ok"):
             v = r.get("verification") or {}
@@ -574,7 +596,8 @@ def write_table(out: Path) -> dict:
             tcell = f"missing: {missing}; " if missing else ""
             tcell += (t.get("convert_error") or "")[:160].replace("|", "/")
         lines.append(f"| {r['model']} | {r['family']} | {r['exporter']} | ok | {build} | {nodes} | {streams} | {ver} | {tcell} "
-                     f"| {_fmt(r.get('build_s'), '.1f')} | {_rebuild(r)} | {_peak(r)} |")
+                     f"| {_fmt(r.get('build_s'), '.1f')} | {_rebuild(r)} | {_peak(r)} | {_fmt(r.get('bundle_mb'), '.1f')} "
+                     f"| {_fmt(r.get('load_s'), '.2f') or (r.get('load_error') or '')[:80].replace('|', '/')} |")
     (out / "corpus.md").write_text("\n".join(lines) + "\n")
     return summary
 

@@ -66,6 +66,8 @@ def test_ci_subset_builds_verifies_and_converts(name, exporter, tmp_path):
     assert row["build_ok"], row.get("build_error")
     assert row["verification"]["passed"], row["verification"]
     assert row["nodes_out"] >= 1 and row["streams"] >= 1
+    assert row["load_s"] is not None and row["load_s"] > 0, row.get("load_error")  # a fresh process loaded it
+    assert row["bundle_mb"] > 0
     _check_summary(row)
     t = row["torch"]
     assert t["missing_ops"] == [], t
