@@ -85,3 +85,35 @@ def test_an_engine_whose_weights_model_onnx_does_not_hold_keeps_them():
     assert kept["w1"].raw_data == held["w1"].raw_data  # other values in model.onnx: kept
     assert not kept["w0"].raw_data and not kept["w2"].raw_data
     assert orb.slim_engine(slim.SerializeToString(), held.get) == slim.SerializeToString()  # slimmed once
+
+
+def test_large_weights_are_handed_to_the_session_and_small_constants_stay_in_its_onnx(tmp_path):
+    """A weight of ``BESIDE_ELEMENTS`` or more is handed to the session beside its ONNX (not copied into it); a
+    Reshape's shape, which onnxruntime's shape inference reads while it loads the graph, is filled into the ONNX
+    (handed beside it, the session could not load: "Cannot parse data from external tensors")."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+    w = rng.standard_normal((64, 128)).astype(np.float32)
+    small = rng.standard_normal((128, 2)).astype(np.float32)
+    g = helper.make_graph(
+        [helper.make_node("Reshape", ["input", "shape"], ["flat"]), helper.make_node("MatMul", ["flat", "w"], ["h"]),
+         helper.make_node("MatMul", ["h", "small"], ["out"])],
+        "g", [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 4, 4, 4])],
+        [helper.make_tensor_value_info("out", TensorProto.FLOAT, [1, 2])],
+        [numpy_helper.from_array(np.array([1, 64], np.int64), "shape"), numpy_helper.from_array(w, "w"),
+         numpy_helper.from_array(small, "small")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    onnx.save(model, tmp_path / "m.onnx")
+    path = build(tmp_path / "m.onnx", tmp_path / "b", backend="onnxruntime", search=False, streams=1).path
+    opened = Bundle.open(path, loading=True)
+    (b,) = opened.plan.branches
+    engine = onnx.load_from_string(opened.engine_bytes(b))
+    assert not any(t.raw_data for t in engine.graph.initializer)  # all three left to model.onnx
+    spec = opened.plan.tensors
+    session = orb.load(opened.engine_bytes(b), [spec[t] for t in b.inputs], [spec[t] for t in b.outputs],
+                       model_weights=opened.initializer)
+    assert list(session._beside) == ["w"]  # small (2x128) and the shape went into the ONNX
+    x = rng.standard_normal((1, 4, 4, 4)).astype(np.float32)
+    np.testing.assert_allclose(session.run({"input": x})["out"], x.reshape(1, 64) @ w @ small, rtol=1e-4, atol=1e-4)
