@@ -218,6 +218,11 @@ class Bundle:
             self._initializers = {t.name: t for t in model.graph.initializer}
         return self._initializers.get(name)
 
+    def drop_weights(self) -> None:
+        """Forget model.onnx's weights that ``initializer`` read (a launcher, once its engines are loaded: they
+        hold what they took, and a serving process keeps its launcher, and so this bundle, for its lifetime)."""
+        self._initializers = None
+
     def engine_path(self, branch: Branch) -> Path:
         return inside(self.path, branch.engine, f"plan.json ({branch.name})")
 

@@ -186,18 +186,19 @@ def _weights_beside(data: bytes, model_weights: Callable[[str], "onnx.TensorProt
 class OrtEngine:
     def __init__(self, data: bytes, inputs: list[TensorSpec], outputs: list[TensorSpec], threads: int = 0, spin: bool = True,
                  beside: dict[str, np.ndarray] | None = None):
-        """``beside``: weights handed to the session beside its ONNX, which marks them external (``_weights_beside``);
-        kept here, since the session reads them where they are."""
+        """``beside``: weights handed to the session beside its ONNX, which marks them external (``_weights_beside``).
+        onnxruntime copies them into its graph before it optimizes it, and lets go of them once the session is made
+        (``AddExternalInitializers``): they are not kept."""
         import onnxruntime as ort
 
         self.inputs = inputs
         self.outputs = outputs
         so = session_options(threads, spin)
-        self._beside = beside or {}
-        if self._beside:
-            so.add_external_initializers(list(self._beside),
-                                         [ort.OrtValue.ortvalue_from_numpy(a) for a in self._beside.values()])
+        self.beside = list(beside or ())  # their names, for the report and the tests
+        if beside:
+            so.add_external_initializers(list(beside), [ort.OrtValue.ortvalue_from_numpy(a) for a in beside.values()])
         self._sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
+        del so, beside
         self._out_names = [t.name for t in outputs]
 
     def run(self, feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:

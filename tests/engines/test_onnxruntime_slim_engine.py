@@ -46,7 +46,9 @@ def test_the_engines_hold_no_weight_of_model_onnx_and_the_bundle_runs_as_the_mod
 
     x = np.random.default_rng(0).standard_normal((1, 16, 8, 8)).astype(np.float32)
     ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"input": x})[0]
-    got = load(path)({"input": x})
+    launcher = load(path)
+    assert launcher.bundle._initializers is None  # model.onnx's weights not kept beside the sessions' own
+    got = launcher({"input": x})
     np.testing.assert_allclose(next(iter(got.values())), ref, rtol=1e-5, atol=1e-5)
 
 
@@ -114,6 +116,6 @@ def test_large_weights_are_handed_to_the_session_and_small_constants_stay_in_its
     spec = opened.plan.tensors
     session = orb.load(opened.engine_bytes(b), [spec[t] for t in b.inputs], [spec[t] for t in b.outputs],
                        model_weights=opened.initializer)
-    assert list(session._beside) == ["w"]  # small (2x128) and the shape went into the ONNX
+    assert session.beside == ["w"]  # small (2x128) and the shape went into the ONNX
     x = rng.standard_normal((1, 4, 4, 4)).astype(np.float32)
     np.testing.assert_allclose(session.run({"input": x})["out"], x.reshape(1, 64) @ w @ small, rtol=1e-4, atol=1e-4)
