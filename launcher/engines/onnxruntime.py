@@ -133,13 +133,20 @@ def branch_model(data: bytes, model_weights: Callable[[str], "onnx.TensorProto |
     """The engine's ONNX whole: the initializers a written bundle left to its model.onnx (``slim_engine``) filled in
     from ``model_weights`` (name -> the bundle's model.onnx initializer, ``Bundle.initializer``)."""
     model = onnx.load_from_string(data)
+    named = _take_named(model)
+    if named:
+        refill_initializers(model, named, model_weights)
+    return model
+
+
+def _take_named(model: onnx.ModelProto) -> list[str]:
+    """The weights a slim engine leaves to model.onnx (its ``WEIGHTS_IN_MODEL`` metadata, removed from ``model``)."""
     for i, p in enumerate(model.metadata_props):
         if p.key == WEIGHTS_IN_MODEL:
             named = json.loads(p.value)
             del model.metadata_props[i]
-            refill_initializers(model, named, model_weights)
-            break
-    return model
+            return named
+    return []
 
 
 #: weights of at least this many elements are handed to a session beside its ONNX (``_weights_beside``)
@@ -159,12 +166,7 @@ def _weights_beside(data: bytes, model_weights: Callable[[str], "onnx.TensorProt
     from onnx import numpy_helper
 
     model = onnx.load_from_string(data)
-    named: list[str] = []
-    for i, p in enumerate(model.metadata_props):
-        if p.key == WEIGHTS_IN_MODEL:
-            named = json.loads(p.value)
-            del model.metadata_props[i]
-            break
+    named = _take_named(model)
     if not named:
         return data, {}
     if model_weights is None:
@@ -194,7 +196,7 @@ class OrtEngine:
         self.inputs = inputs
         self.outputs = outputs
         so = session_options(threads, spin)
-        self.beside = list(beside or ())  # their names, for the report and the tests
+        self.beside = list(beside or ())  # their names (what was handed beside, for a reader of the engine)
         if beside:
             so.add_external_initializers(list(beside), [ort.OrtValue.ortvalue_from_numpy(a) for a in beside.values()])
         self._sess = ort.InferenceSession(data, so, providers=["CPUExecutionProvider"])
