@@ -191,8 +191,7 @@ class Bundle:
         (``loading``)."""
         path = self.path / "model.onnx"
         if not self._model_checked:
-            if sha256_file(path) != self.manifest["files"].get("model.onnx"):
-                raise ParastreamError(f"{path}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
+            self._check_model_digest(sha256_file(path))
             _check_no_external_data(self.path, ["model.onnx"])
             self._model_checked = True
         return path
@@ -210,13 +209,17 @@ class Bundle:
             else:  # read once for its hash, its check and its weights (``model_path`` reads it twice: 0.7 s of
                 # a 340 MB model's 3.3 s load, ViT-B/16's onnxruntime bundle on the 2-core CPU machine)
                 data = path.read_bytes()
-                if hashlib.sha256(data).hexdigest() != self.manifest["files"].get("model.onnx"):
-                    raise ParastreamError(f"{path}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
+                self._check_model_digest(hashlib.sha256(data).hexdigest())
                 model = _readable(path, lambda: onnx.load_from_string(data))
                 _refuse_external_data(model, path)
                 self._model_checked = True
             self._initializers = {t.name: t for t in model.graph.initializer}
         return self._initializers.get(name)
+
+    def _check_model_digest(self, digest: str) -> None:
+        if digest != self.manifest["files"].get("model.onnx"):
+            raise ParastreamError(f"{self.path / 'model.onnx'}: sha256 differs from manifest.json; the bundle was "
+                                  "modified or is corrupt")
 
     def drop_weights(self) -> None:
         """Forget model.onnx's weights that ``initializer`` read (a launcher, once its engines are loaded: they
