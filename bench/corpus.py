@@ -405,7 +405,9 @@ print(round(time.perf_counter() - t0, 3))
 
 def fresh_load(bundle: Path) -> dict:
     """The bundle's size in MB (every file under it) and its load in a new Python process (``_FRESH_LOAD``:
-    import and load, the interpreter's own start not counted), what an instance start pays on the CPU."""
+    import and load, the interpreter's own start not counted), what an instance start pays on the CPU.  Not
+    bench/load_breakdown.py's loader (corpus_gpu.py's): that one imports torch first and hooks Inductor's and the
+    GPU launcher's stages, none of which a CPU bundle's load runs."""
     size = sum(f.stat().st_size for f in bundle.rglob("*") if f.is_file())
     got = subprocess.run([sys.executable, "-c", _FRESH_LOAD, str(bundle)], capture_output=True, text=True, timeout=600)
     load_s = float(got.stdout.split()[-1]) if got.returncode == 0 and got.stdout.split() else None

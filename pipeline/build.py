@@ -876,8 +876,8 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
     # the backend's own check (onnxruntime's engines: the loaded model in a session; NASNet-A Large's CPU
     # rebuild, 2.5 s of 11.5 s): the recording build's engines of this structure loaded, and this one's are
     # loaded by its verification
-    unchecked = cfg.verify and recorded is not None
-    check_runnable(loaded, backend, not unchecked and cfg.verify, early, own=not unchecked)
+    loaded_before = cfg.verify and recorded is not None
+    check_runnable(loaded, backend, cfg.verify and not loaded_before, early, own=not loaded_before)
     bar.step("load and check").advance()
     from parastream.rewrite.cost import RooflineCostModel
 
