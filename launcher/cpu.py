@@ -83,8 +83,11 @@ class CpuLauncher:
             for b in plan.branches:
                 specs_in = [plan.tensors[t] for t in b.inputs]
                 specs_out = [plan.tensors[t] for t in b.outputs]
-                self.engines.append(backend.load(bundle.engine_bytes(b), specs_in, specs_out, device="cpu", options=opts,
-                                                 model_weights=bundle.initializer))
+                try:
+                    self.engines.append(backend.load(bundle.engine_bytes(b), specs_in, specs_out, device="cpu",
+                                                     options=opts, model_weights=bundle.initializer))
+                except ParastreamError as e:  # name the engine's file, as the GPU launcher does
+                    raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None
         finally:
             bundle.drop_weights()  # the sessions hold the weights they took
             _return_freed_memory()

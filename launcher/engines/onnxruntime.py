@@ -143,7 +143,14 @@ def _take_named(model: onnx.ModelProto) -> list[str]:
     """The weights a slim engine leaves to model.onnx (its ``WEIGHTS_IN_MODEL`` metadata, removed from ``model``)."""
     for i, p in enumerate(model.metadata_props):
         if p.key == WEIGHTS_IN_MODEL:
-            named = json.loads(p.value)
+            try:
+                named = json.loads(p.value)
+            except ValueError:
+                named = None
+            if not (isinstance(named, list) and all(isinstance(n, str) for n in named)):
+                from ..errors import ParastreamError
+
+                raise ParastreamError(f"the engine's {WEIGHTS_IN_MODEL} is not a list of weight names; rebuild the bundle")
             del model.metadata_props[i]
             return named
     return []

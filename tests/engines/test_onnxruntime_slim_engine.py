@@ -119,3 +119,25 @@ def test_large_weights_are_handed_to_the_session_and_small_constants_stay_in_its
     assert session.beside == ["w"]  # small (2x128) and the shape went into the ONNX
     x = rng.standard_normal((1, 4, 4, 4)).astype(np.float32)
     np.testing.assert_allclose(session.run({"input": x})["out"], x.reshape(1, 64) @ w @ small, rtol=1e-4, atol=1e-4)
+
+
+def test_a_slim_engine_with_a_mangled_list_of_weights_gets_a_one_line_error(built, tmp_path, capsys):
+    """A rehashed bundle whose engine's list of weights left to model.onnx is not a list of names: ``run`` refuses
+    it in one line (exit 2), naming the engine, and writes nothing."""
+    from parastream.launcher.bundle import write_manifest
+    from parastream.pipeline.cli import main
+    import json
+
+    _, path = built
+    opened = Bundle.open(path)
+    b = opened.plan.branches[0]
+    engine = onnx.load_from_string(opened.engine_bytes(b))
+    next(p for p in engine.metadata_props if p.key == orb.WEIGHTS_IN_MODEL).value = "{not json"
+    opened.engine_path(b).write_bytes(engine.SerializeToString())
+    manifest = json.loads((path / "manifest.json").read_text())
+    write_manifest(path, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+    x = tmp_path / "x.npy"
+    np.save(x, np.zeros((1, 16, 8, 8), np.float32))
+    assert main(["run", str(path), "--input", f"input={x}", "--output-dir", str(tmp_path / "res")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and orb.WEIGHTS_IN_MODEL in err[0] and b.engine in err[0] and not (tmp_path / "res").exists()
