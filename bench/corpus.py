@@ -19,6 +19,7 @@ Usage (full corpus: torchvision + timm + transformers must import; a CUDA build 
     python3 bench/corpus.py --ci --out /tmp/corpus               # the subset that CI runs (transformers only)
     python3 bench/corpus.py --list
     python3 bench/corpus.py --models resnet50,nasnetalarge --exporters torchscript --rebuild   # and a rebuild each
+    python3 bench/corpus.py --models timm:dla34,torchvision:mnasnet1_0   # image classifiers outside the corpus
 
 Each (model, exporter) runs in its own process (--timeout seconds) and leaves ``OUT/rows/<model>__<exporter>.json``;
 the table (``OUT/corpus.md`` and ``OUT/corpus.json``) is made from every row file in OUT/rows, so runs can be split.
@@ -85,6 +86,18 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
     _tv("deeplabv3_mobilenet_v3_large", "segmentation"),
     _tv("fcos_resnet50_fpn", "detection"), _tv("retinanet_resnet50_fpn", "detection"),
 ]}
+
+
+def spec_of(name: str) -> Spec:
+    """The corpus's spec of ``name``, or, for a model outside the corpus named as ``timm:NAME`` or
+    ``torchvision:NAME`` (an image classifier of that library, at its default input size), a spec of family
+    "unlisted": a sweep over models nobody here tuned on (the row keeps the name as given)."""
+    if name in MODELS:
+        return MODELS[name]
+    source, _, bare = name.partition(":")
+    if source in ("timm", "torchvision") and bare:
+        return Spec(bare, "unlisted", source)
+    raise KeyError(name)
 
 
 # -- models -------------------------------------------------------------------------------------------------
@@ -189,13 +202,13 @@ def make_model(name: str):
     import torch
 
     torch.manual_seed(0)
-    spec = MODELS[name]
+    spec = spec_of(name)
     if spec.source == "transformers":
         model, inputs = _hf_small(name)
     elif spec.source == "timm":
         import timm
 
-        model = timm.create_model(name, pretrained=False)
+        model = timm.create_model(spec.name, pretrained=False)
         size = model.default_cfg.get("input_size", (3, 224, 224))
         inputs = {"x": torch.randn(1, *size)}
     else:
@@ -219,7 +232,7 @@ def make_model(name: str):
         elif spec.family == "segmentation":
             model = getattr(tvm.segmentation, name)(**kw)
         else:
-            model = getattr(tvm, name)(**kw)
+            model = getattr(tvm, spec.name)(**kw)
         inputs = {"x": torch.randn(1, 3, size, size)}
     if spec.source != "transformers":
         init_zero_linears(model)
@@ -276,7 +289,7 @@ def export(name: str, exporter: str, path: Path) -> dict:
     import torch
 
     model, inputs = make_model(name)
-    w = wrap(model, MODELS[name], list(inputs))
+    w = wrap(model, spec_of(name), list(inputs))
     args = tuple(inputs.values())
     with torch.no_grad():
         n_out = len(w(*args))
@@ -421,7 +434,7 @@ def run_one(name: str, exporter: str, workdir: Path, keep: Path | None = None, r
     ``reuse``, an export kept there by an earlier run is taken instead of exporting again).  ``rebuild``: the
     build is given a ``--cache-dir`` and run again from it (the row's ``rebuild``: its seconds, per stage, and
     what it took from the record)."""
-    spec = MODELS[name]
+    spec = spec_of(name)
     row: dict = {"model": name, "exporter": exporter, "family": spec.family, "source": spec.source}
     onnx_path = (keep or workdir) / f"{name}__{exporter}.onnx"
     t0 = time.perf_counter()
@@ -673,9 +686,10 @@ def main(argv=None) -> int:
         return 0
     if not args.table_only:
         names = args.models.split(",") if args.models else [n for n, s in MODELS.items() if s.ci or not args.ci]
-        unknown = [n for n in names if n not in MODELS]
+        unknown = [n for n in names if n not in MODELS and not n.startswith(("timm:", "torchvision:"))]
         if unknown:
-            ap.error(f"unknown models {unknown}; see --list")
+            ap.error(f"unknown models {unknown}; see --list, or name one outside the corpus as timm:NAME or "
+                     "torchvision:NAME")
         exporters = args.exporters.split(",")
         (out / "rows").mkdir(parents=True, exist_ok=True)
         for name in names:
@@ -691,7 +705,7 @@ def main(argv=None) -> int:
                     status = f"timed out after {args.timeout:.0f} s"
                 row_file = out / "rows" / f"{name}__{exporter}.json"
                 if status != "ok" or not row_file.exists():
-                    spec = MODELS[name]
+                    spec = spec_of(name)
                     row_file.write_text(json.dumps({"model": name, "exporter": exporter, "family": spec.family,
                                                     "source": spec.source, "export_ok": False,
                                                     "export_error": f"corpus runner: {status}"}))

@@ -158,3 +158,17 @@ def test_zero_initialised_biases_are_drawn_at_random_and_others_left_alone():
     assert torch.all(zero.bias != 0) and torch.equal(kept.bias, before) and none.bias is None
     assert torch.all(mha.in_proj_bias != 0) and torch.all(mha.out_proj.bias != 0)
     assert not torch.any(norm.bias) and 0 < float(zero.bias.abs().max()) < 0.2
+
+
+def test_a_model_outside_the_corpus_is_named_by_its_library():
+    """``timm:NAME`` and ``torchvision:NAME`` reach image classifiers the corpus does not list (a sweep over models
+    nobody here tuned on); a bare unknown name, or another library, is refused with the accepted forms."""
+    assert corpus.spec_of("timm:dla34") == corpus.Spec("dla34", "unlisted", "timm")
+    assert corpus.spec_of("torchvision:mnasnet1_0") == corpus.Spec("mnasnet1_0", "unlisted", "torchvision")
+    assert corpus.spec_of("bert") is corpus.MODELS["bert"]
+    for bad in ("dla34", "keras:dla34", "timm:"):
+        with pytest.raises(KeyError):
+            corpus.spec_of(bad)
+    with pytest.raises(SystemExit) as e:
+        corpus.main(["--models", "dla34", "--out", "/nonexistent-parastream-corpus"])
+    assert e.value.code == 2
