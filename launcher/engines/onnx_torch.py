@@ -1354,27 +1354,75 @@ def _einsum(n: NodeView):
     return lambda *xs: torch.einsum(eq, *xs)
 
 
+#: ONNX Resize's (mode, coordinate_transformation_mode, nearest_mode) -> F.interpolate's mode, for nearest: the
+#: pairs whose index arithmetic is torch's (floor(x / scale); round-half-up of the half-pixel coordinate)
+_NEAREST = {("asymmetric", "floor"): "nearest", ("half_pixel", "round_prefer_ceil"): "nearest-exact"}
+_INTERPOLATING = {("linear", 1): "linear", ("linear", 2): "bilinear", ("linear", 3): "trilinear", ("cubic", 2): "bicubic"}
+
+
 @converter("Resize")
 def _resize(n: NodeView):
+    """Resize (opset 11+) as ``F.interpolate`` where torch computes the same samples: nearest (the two index
+    rules of ``_NEAREST``), linear over 1-3 spatial axes and cubic over 2 (torch's bicubic is Keys' with
+    a = -0.75, ONNX's default), with half_pixel, pytorch_half_pixel or align_corners coordinates.  Given scales
+    are passed as scales (``recompute_scale_factor=False``): ONNX maps coordinates by the scale, not by the
+    ratio of the sizes, which differ where in * scale is not whole.  Everything else is refused, naming the
+    node: antialiasing, exclude_outside, another cubic coefficient, a resized batch or channel axis, aspect-ratio
+    policies, other coordinate modes."""
     F = _torch().nn.functional
-    mode = n.attr("mode", "nearest")
-    out_size = None
     in_shape = n.shape(0)
+    rank = len(in_shape)
+    if n.opset < 11:
+        n.fail("Resize of opset 10 (scales as its second input) is not mapped; export with opset >= 11")
+    mode = n.attr("mode", "nearest")
+    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
+    for key, default in (("antialias", 0), ("exclude_outside", 0)):
+        if int(n.attr(key, default)):
+            n.fail(f"{key}=1 is not mapped")
+    if n.attr("keep_aspect_ratio_policy", "stretch") != "stretch":
+        n.fail(f"keep_aspect_ratio_policy {n.attr('keep_aspect_ratio_policy')!r} is not mapped")
+    axes = [int(a) % rank for a in n.attr("axes", list(range(rank)))]
+    out, scales = list(in_shape), None
     if n.has_input(3) and n.const(3).numel():
-        out_size = n.ints(3)[2:]
+        for a, v in zip(axes, n.ints(3)):
+            out[a] = v
     elif n.has_input(2) and n.const(2).numel():
-        scales = [float(s) for s in n.const(2).reshape(-1).tolist()]
-        out_size = [int(math.floor(d * s)) for d, s in zip(in_shape[2:], scales[2:])]
+        scales = [1.0] * rank
+        for a, v in zip(axes, n.const(2).reshape(-1).tolist()):
+            scales[a] = float(v)
+        out = [int(math.floor(d * s)) for d, s in zip(in_shape, scales)]
     else:
         n.fail("no sizes or scales")
-    ctm = n.attr("coordinate_transformation_mode", "half_pixel")
-    if mode == "nearest" and ctm == "asymmetric" and n.attr("nearest_mode", "round_prefer_floor") == "floor":
-        return lambda x, *rest: F.interpolate(x, size=out_size, mode="nearest")
-    if mode == "linear" and ctm in ("half_pixel", "pytorch_half_pixel", "align_corners"):
-        tmode = {3: "linear", 4: "bilinear", 5: "trilinear"}[len(in_shape)]
-        ac = ctm == "align_corners"
-        return lambda x, *rest: F.interpolate(x, size=out_size, mode=tmode, align_corners=ac)
-    n.fail(f"mode {mode!r} with coordinate_transformation_mode {ctm!r}")
+    if rank < 3 or out[:2] != list(in_shape[:2]) or (scales is not None and scales[:2] != [1.0, 1.0]):
+        n.fail("resizes the batch or channel axis (torch resizes the axes after the first two only)")
+    if mode == "nearest":
+        tmode = _NEAREST.get((ctm, n.attr("nearest_mode", "round_prefer_floor")))
+        if tmode is None:
+            n.fail(f"nearest with coordinate_transformation_mode {ctm!r} and nearest_mode "
+                   f"{n.attr('nearest_mode', 'round_prefer_floor')!r} is not mapped")
+        align = None
+    else:
+        tmode = _INTERPOLATING.get((mode, rank - 2))
+        if tmode is None or ctm not in ("half_pixel", "pytorch_half_pixel", "align_corners"):
+            n.fail(f"mode {mode!r} over {rank - 2} axes with coordinate_transformation_mode {ctm!r} is not mapped")
+        if mode == "cubic" and float(n.attr("cubic_coeff_a", -0.75)) != -0.75:
+            n.fail(f"cubic_coeff_a {n.attr('cubic_coeff_a')} (torch's bicubic is -0.75)")
+        align = ctm == "align_corners"
+    # pytorch_half_pixel samples index 0 along an axis resized to length 1 (torch's half-pixel would sample
+    # its middle): that axis is cut to its first element, and left alone by the interpolation
+    first = [a for a in range(2, rank) if ctm == "pytorch_half_pixel" and out[a] == 1 and in_shape[a] != 1]
+    if scales is not None:
+        factors = [1.0 if a in first else scales[a] for a in range(2, rank)]
+        kw = {"scale_factor": factors, "recompute_scale_factor": False}
+    else:
+        kw = {"size": out[2:]}
+
+    def resize(x, *rest):
+        for a in first:
+            x = x.narrow(a, 0, 1)
+        return F.interpolate(x, mode=tmode, align_corners=align, **kw)
+
+    return resize
 
 
 # -- the module ------------------------------------------------------------------

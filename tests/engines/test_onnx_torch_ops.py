@@ -267,3 +267,82 @@ def test_attention_traces_to_fx(case):
         module = convert(m, fuse_attention=fuse)
         with torch.no_grad():
             np.testing.assert_allclose(to_fx(module)(*feeds)[0].numpy(), module(*feeds)[0].numpy(), rtol=1e-6, atol=1e-6)
+
+
+def resize(in_shape, *, sizes=None, scales=None, opset=17, **attrs):
+    """A Resize of ``x`` (no roi) by constant ``sizes`` or ``scales``, with its output shape inferred."""
+    ins, inits = ["x", "", ""], []
+    if scales is not None:
+        ins[2] = "scales"
+        inits.append(numpy_helper.from_array(np.asarray(scales, dtype=np.float32), "scales"))
+    if sizes is not None:
+        ins.append("sizes")
+        inits.append(numpy_helper.from_array(np.asarray(sizes, dtype=np.int64), "sizes"))
+    node = helper.make_node("Resize", ins, ["y"], name="the_Resize", **attrs)
+    g = helper.make_graph([node], "resize", [helper.make_tensor_value_info("x", F, list(in_shape))],
+                          [helper.make_tensor_value_info("y", F, None)], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True)
+
+
+RESIZES = [  # (mode, coordinate mode, nearest_mode, input shape, sizes or scales)
+    ("nearest", "asymmetric", "floor", (1, 2, 7, 9), {"sizes": [1, 2, 14, 18]}),
+    ("nearest", "asymmetric", "floor", (1, 2, 7, 5), {"scales": [1, 1, 1.5, 1.7]}),
+    ("nearest", "half_pixel", "round_prefer_ceil", (1, 2, 16, 15), {"sizes": [1, 2, 7, 5]}),
+    ("nearest", "half_pixel", "round_prefer_ceil", (1, 2, 7, 5), {"scales": [1, 1, 1.5, 1.7]}),
+    ("nearest", "asymmetric", "floor", (2, 3, 5, 4, 6), {"scales": [1, 1, 2, 2, 2]}),
+    ("linear", "half_pixel", None, (1, 2, 7, 9), {"sizes": [1, 2, 14, 18]}),
+    ("linear", "half_pixel", None, (1, 2, 7, 5), {"scales": [1, 1, 1.5, 1.7]}),
+    ("linear", "pytorch_half_pixel", None, (1, 2, 5, 6), {"sizes": [1, 2, 1, 3]}),
+    ("linear", "align_corners", None, (1, 2, 16, 15), {"sizes": [1, 2, 7, 5]}),
+    ("linear", "half_pixel", None, (1, 3, 10), {"sizes": [1, 3, 17]}),
+    ("linear", "half_pixel", None, (1, 2, 3, 4, 5), {"scales": [1, 1, 2, 1.5, 0.6]}),
+    ("cubic", "half_pixel", None, (1, 2, 7, 9), {"sizes": [1, 2, 14, 18]}),
+    ("cubic", "half_pixel", None, (1, 3, 24, 24), {"sizes": [1, 3, 20, 20]}),
+    ("cubic", "half_pixel", None, (1, 2, 7, 5), {"scales": [1, 1, 1.5, 1.7]}),
+    ("cubic", "pytorch_half_pixel", None, (1, 2, 5, 6), {"sizes": [1, 2, 1, 3]}),
+    ("cubic", "align_corners", None, (1, 2, 5, 5), {"sizes": [1, 2, 11, 3]}),
+]
+
+
+@pytest.mark.parametrize("mode,ctm,nearest,shape,target", RESIZES,
+                         ids=[f"{m}-{c}-{'x'.join(map(str, s))}-{next(iter(t))}" for m, c, _, s, t in RESIZES])
+def test_resize(mode, ctm, nearest, shape, target):
+    """Scales are passed as scales: where in * scale is not whole, ONNX maps coordinates by the scale (sizes
+    recomputed from the output gave errors of 0.6-2.2 here); pytorch_half_pixel samples index 0 along an axis
+    resized to 1 (torch's half-pixel samples its middle)."""
+    attrs = {"mode": mode, "coordinate_transformation_mode": ctm} | ({"nearest_mode": nearest} if nearest else {})
+    m = resize(shape, **target, **attrs)
+    # cubic's weights come from coordinates that ONNX Runtime computes from the scale output/input and torch
+    # from input/output: a few ulps apart, times the image's slope
+    check(m, {"x": rng.standard_normal(shape).astype(np.float32)}, rtol=1e-5, atol=5e-5 if mode == "cubic" else 1e-6)
+
+
+def test_resize_of_the_listed_axes_only():
+    """opset 18's ``axes``: sizes for the named axes, the others kept."""
+    m = resize((1, 2, 7, 9), sizes=[14, 18], opset=18, axes=[2, 3], mode="linear")
+    check(m, {"x": rng.standard_normal((1, 2, 7, 9)).astype(np.float32)})
+
+
+@pytest.mark.parametrize("opset,shape,target,attrs,why", [
+    (17, (1, 2, 7, 9), {"sizes": [1, 2, 14, 18]}, {"mode": "nearest", "coordinate_transformation_mode": "half_pixel"},
+     "nearest_mode 'round_prefer_floor'"),
+    (17, (1, 2, 7, 9), {"sizes": [1, 2, 14, 18]}, {"mode": "cubic", "cubic_coeff_a": -0.5}, "cubic_coeff_a"),
+    (17, (1, 2, 7, 9), {"sizes": [1, 2, 14, 18]}, {"mode": "cubic", "exclude_outside": 1}, "exclude_outside=1"),
+    (18, (1, 2, 16, 16), {"sizes": [1, 2, 7, 7]}, {"mode": "linear", "antialias": 1}, "antialias=1"),
+    (18, (1, 2, 16, 12), {"sizes": [1, 2, 8, 8]}, {"mode": "linear", "keep_aspect_ratio_policy": "not_larger"},
+     "keep_aspect_ratio_policy"),
+    (17, (1, 2, 7, 9), {"sizes": [1, 4, 14, 18]}, {"mode": "linear"}, "batch or channel axis"),
+    (17, (1, 2, 7, 9), {"scales": [2, 1, 1, 1]}, {"mode": "nearest", "coordinate_transformation_mode": "asymmetric",
+                                                   "nearest_mode": "floor"}, "batch or channel axis"),
+    (17, (1, 2, 3, 7, 9), {"sizes": [1, 2, 6, 14, 18]}, {"mode": "cubic"}, "over 3 axes"),
+    (17, (1, 2, 7, 9), {"sizes": [1, 2, 14, 18]}, {"mode": "linear", "coordinate_transformation_mode": "asymmetric"},
+     "'asymmetric'"),
+])
+def test_resize_refused_where_torch_samples_elsewhere(opset, shape, target, attrs, why):
+    """Each of these would convert to an ``F.interpolate`` that samples other points than ONNX's: refused,
+    naming the node and the reason."""
+    m = resize(shape, opset=opset, **target, **attrs)
+    with pytest.raises(UnsupportedOp, match=rf"the_Resize.*{why}"):
+        convert(m)
