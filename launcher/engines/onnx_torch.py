@@ -1425,6 +1425,108 @@ def _resize(n: NodeView):
     return resize
 
 
+# -- recurrent layers ------------------------------------------------------------
+
+#: ONNX's recurrent activations that torch has as one function (the spec's names; no alpha or beta)
+_RNN_ACTIVATIONS = {"Sigmoid": "sigmoid", "Tanh": "tanh", "Relu": "relu"}
+#: gates per layer, their order in W, R and B, and the default activations of one direction
+_RNN_KINDS = {"LSTM": (4, ("Sigmoid", "Tanh", "Tanh")), "GRU": (3, ("Sigmoid", "Tanh")), "RNN": (1, ("Tanh",))}
+
+
+@converter("LSTM", "GRU", "RNN")
+def _recurrent(n: NodeView):
+    """LSTM, GRU and RNN as their equations, one time step after another (the sequence length is static), each
+    direction's input products for every step as one matrix product first.  Written out rather than torch's
+    ``lstm``/``gru`` ops: those are cuDNN calls that Inductor does not compile into a branch's kernels, and their
+    gate order and biases differ from ONNX's (ONNX: LSTM i, o, f, c; GRU z, r, h; one bias for W and one for R).
+    Refused by name: activations outside ``_RNN_ACTIVATIONS`` or with alpha/beta, LSTM's input_forget, and
+    sequence lengths that are not the full length for every sequence (padding, which this does not mask)."""
+    torch = _torch()
+    gates, default_acts = _RNN_KINDS[n.op]
+    direction = n.attr("direction", "forward")
+    if direction not in ("forward", "reverse", "bidirectional"):
+        n.fail(f"direction {direction!r}")
+    dirs = 2 if direction == "bidirectional" else 1
+    layout = int(n.attr("layout", 0))
+    w_shape = n.shape(1)
+    hidden = int(n.attr("hidden_size", w_shape[1] // gates))
+    x_shape = n.shape(0)
+    seq = x_shape[1] if layout else x_shape[0]
+    if n.attr("activation_alpha") or n.attr("activation_beta"):
+        n.fail("activation_alpha/activation_beta are not mapped")
+    names = [a.decode() if isinstance(a, bytes) else a for a in (n.attr("activations") or list(default_acts) * dirs)]
+    if len(names) != len(default_acts) * dirs or any(a not in _RNN_ACTIVATIONS for a in names):
+        n.fail(f"activations {names} (mapped: {sorted(_RNN_ACTIVATIONS)}, {len(default_acts)} per direction)")
+    acts = [[getattr(torch, _RNN_ACTIVATIONS[a]) for a in names[d * len(default_acts):(d + 1) * len(default_acts)]]
+            for d in range(dirs)]
+    if n.op == "LSTM" and int(n.attr("input_forget", 0)):
+        n.fail("input_forget=1 is not mapped")
+    if n.has_input(4):
+        lens = n.const(4).reshape(-1).tolist() if n.inputs[4].is_const else None
+        if lens is None or any(int(v) != seq for v in lens):
+            n.fail(f"sequence_lens other than the full length {seq} for every sequence (constant) are not mapped")
+    clip = n.attr("clip")
+    before_reset = int(n.attr("linear_before_reset", 0))
+
+    def squash(f, v):
+        return f(v.clamp(-clip, clip) if clip is not None else v)
+
+    def step(d, xw_t, h, c, rt, rb, p):
+        f = acts[d]
+        if n.op == "RNN":
+            return squash(f[0], xw_t + h @ rt + rb), None
+        if n.op == "GRU":
+            z_r = xw_t[..., :2 * hidden] + h @ rt[:, :2 * hidden] + rb[:2 * hidden]
+            z, r = squash(f[0], z_r[..., :hidden]), squash(f[0], z_r[..., hidden:])
+            if before_reset:
+                cand = xw_t[..., 2 * hidden:] + r * (h @ rt[:, 2 * hidden:] + rb[2 * hidden:])
+            else:
+                cand = xw_t[..., 2 * hidden:] + (r * h) @ rt[:, 2 * hidden:] + rb[2 * hidden:]
+            cand = squash(f[1], cand)
+            return (1 - z) * cand + z * h, None
+        g = xw_t + h @ rt + rb
+        i, o, fg, cc = g[..., :hidden], g[..., hidden:2 * hidden], g[..., 2 * hidden:3 * hidden], g[..., 3 * hidden:]
+        if p is not None:
+            i, fg = i + p[:hidden] * c, fg + p[2 * hidden:] * c
+        i, fg, cc = squash(f[0], i), squash(f[0], fg), squash(f[1], cc)
+        c = fg * c + i * cc
+        if p is not None:
+            o = o + p[hidden:2 * hidden] * c
+        return squash(f[0], o) * f[2](c), c
+
+    def run(x, w, r, b=None, _lens=None, h0=None, c0=None, p=None):
+        if layout:  # [batch, seq, input] and states [batch, directions, hidden]
+            x = x.transpose(0, 1)
+            h0 = h0.transpose(0, 1) if h0 is not None else None
+            c0 = c0.transpose(0, 1) if c0 is not None else None
+        batch = x.shape[1]
+        ys, hs, cs = [], [], []
+        for d in range(dirs):
+            xw = x @ w[d].t()
+            rb = x.new_zeros(gates * hidden)
+            if b is not None:
+                xw, rb = xw + b[d, :gates * hidden], b[d, gates * hidden:]
+            h = h0[d] if h0 is not None else x.new_zeros(batch, hidden)
+            c = (c0[d] if c0 is not None else x.new_zeros(batch, hidden)) if n.op == "LSTM" else None
+            rt, pd = r[d].t(), (p[d] if p is not None else None)
+            out = [None] * seq
+            backward = direction == "reverse" or d == 1
+            for t in (range(seq - 1, -1, -1) if backward else range(seq)):
+                h, c = step(d, xw[t], h, c, rt, rb, pd)
+                out[t] = h
+            ys.append(torch.stack(out))
+            hs.append(h)
+            cs.append(c)
+        y, yh = torch.stack(ys, 1), torch.stack(hs)  # [seq, directions, batch, hidden], [directions, batch, hidden]
+        yc = torch.stack(cs) if n.op == "LSTM" else None
+        if layout:
+            y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
+            yc = yc.transpose(0, 1) if yc is not None else None
+        return (y, yh, yc) if n.op == "LSTM" else (y, yh)
+
+    return run
+
+
 # -- the module ------------------------------------------------------------------
 
 @dataclass

@@ -346,3 +346,103 @@ def test_resize_refused_where_torch_samples_elsewhere(opset, shape, target, attr
     m = resize(shape, opset=opset, **target, **attrs)
     with pytest.raises(UnsupportedOp, match=rf"the_Resize.*{why}"):
         convert(m)
+
+
+def recurrent(op, *, seq=5, batch=3, inp=4, hidden=6, direction="forward", layout=0, bias=True, states=False,
+              peepholes=False, lens=None, **attrs):
+    """One LSTM, GRU or RNN node with random constant weights; returns (model, feeds)."""
+    gates = {"LSTM": 4, "GRU": 3, "RNN": 1}[op]
+    dirs = 2 if direction == "bidirectional" else 1
+    x_shape = [batch, seq, inp] if layout else [seq, batch, inp]
+    state = [batch, dirs, hidden] if layout else [dirs, batch, hidden]
+    consts = {"W": rng.standard_normal((dirs, gates * hidden, inp)).astype(np.float32) * 0.5,
+              "R": rng.standard_normal((dirs, gates * hidden, hidden)).astype(np.float32) * 0.5}
+    if bias:
+        consts["B"] = rng.standard_normal((dirs, 2 * gates * hidden)).astype(np.float32) * 0.5
+    if lens is not None:
+        consts["lens"] = np.asarray(lens, dtype=np.int32)
+    names = ["x", "W", "R", "B" if bias else "", "lens" if lens is not None else ""]
+    graph_inputs, feeds = [helper.make_tensor_value_info("x", F, x_shape)], {}
+    feeds["x"] = rng.standard_normal(x_shape).astype(np.float32)
+    for s in (["h0", "c0"] if op == "LSTM" else ["h0"]):
+        if states:
+            graph_inputs.append(helper.make_tensor_value_info(s, F, state))
+            feeds[s] = rng.standard_normal(state).astype(np.float32)
+        names.append(s if states else "")
+    if peepholes:
+        consts["P"] = rng.standard_normal((dirs, 3 * hidden)).astype(np.float32) * 0.5
+        names.append("P")
+    while names and not names[-1]:
+        names.pop()
+    outs = ["Y", "Y_h", "Y_c"][:3 if op == "LSTM" else 2]
+    node = helper.make_node(op, names, outs, name=f"the_{op}", hidden_size=hidden, direction=direction,
+                            **({"layout": layout} if layout else {}), **attrs)
+    g = helper.make_graph([node], op, graph_inputs, [helper.make_tensor_value_info(o, F, None) for o in outs],
+                          [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 14)])
+    m.ir_version = 8
+    return onnx.shape_inference.infer_shapes(m, strict_mode=True), feeds
+
+
+RECURRENT = [
+    ("LSTM", {}), ("LSTM", {"direction": "reverse"}), ("LSTM", {"direction": "bidirectional", "states": True}),
+    ("LSTM", {"layout": 1, "direction": "bidirectional", "states": True}), ("LSTM", {"bias": False}),
+    ("LSTM", {"peepholes": True, "states": True}), ("LSTM", {"clip": 0.7}), ("LSTM", {"lens": [5, 5, 5]}),
+    ("LSTM", {"direction": "bidirectional", "activations": ["Sigmoid", "Relu", "Tanh", "Sigmoid", "Tanh", "Relu"]}),
+    ("GRU", {}), ("GRU", {"linear_before_reset": 1, "direction": "bidirectional", "states": True}),
+    ("GRU", {"layout": 1, "states": True}), ("GRU", {"states": True, "clip": 0.5}),
+    ("GRU", {"direction": "reverse", "bias": False}),
+    ("RNN", {}), ("RNN", {"direction": "bidirectional", "activations": ["Relu", "Tanh"], "states": True}),
+]
+
+
+@pytest.mark.parametrize("op,kw", RECURRENT, ids=[f"{op}-{'-'.join(f'{k}={v}' for k, v in kw.items()) or 'plain'}"
+                                                   for op, kw in RECURRENT])
+def test_recurrent(op, kw):
+    """Against ONNX Runtime; layout 1 (batch first), which ONNX Runtime's CPU kernels refuse, against the ONNX
+    reference evaluator (whose GRU ignores ``clip``: clipped cases run on layout 0)."""
+    m, feeds = recurrent(op, **kw)
+    if not kw.get("layout"):
+        check(m, feeds, rtol=1e-5, atol=1e-5)
+        return
+    from onnx.reference import ReferenceEvaluator
+
+    module = convert(m)
+    with torch.no_grad():
+        outs = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+    for o, r in zip(outs, ReferenceEvaluator(m).run(None, feeds), strict=True):
+        np.testing.assert_allclose(o.numpy(), r, rtol=1e-5, atol=1e-5)
+
+
+def test_lstm_as_torch_exports_it():
+    """nn.LSTM (two layers, bidirectional, batch-first; timm's Sequencer uses it so) through torch's exporter, which
+    reorders the gates and writes each layer as an ONNX LSTM between Transposes and Reshapes: the converter's
+    module against the nn.LSTM itself."""
+    import io
+
+    lstm = torch.nn.LSTM(8, 5, num_layers=2, bidirectional=True, batch_first=True).eval()
+    x = torch.randn(3, 7, 8)
+    buf = io.BytesIO()
+    torch.onnx.export(lstm, (x,), buf, input_names=["x"], output_names=["y", "h", "c"], opset_version=17, dynamo=False)
+    m = onnx.shape_inference.infer_shapes(onnx.load_from_string(buf.getvalue()), strict_mode=True)
+    assert sum(n.op_type == "LSTM" for n in m.graph.node) == 2
+    with torch.no_grad():
+        want = lstm(x)
+        got = convert(m)(x)
+    for g, w in zip(got, [want[0], *want[1]]):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("op,kw,why", [
+    ("LSTM", {"activations": ["Sigmoid", "LeakyRelu", "Tanh"]}, "activations"),
+    ("LSTM", {"activations": ["Sigmoid", "Tanh", "Tanh"], "activation_alpha": [0.1, 0.1, 0.1]}, "activation_alpha"),
+    ("LSTM", {"input_forget": 1}, "input_forget=1"),
+    ("LSTM", {"lens": [5, 3, 5]}, "sequence_lens"),
+    ("GRU", {"lens": [2, 2, 2]}, "sequence_lens"),
+])
+def test_recurrent_refused_where_it_would_compute_otherwise(op, kw, why):
+    """Padded sequences (a sequence_lens short of the length) and activations torch has no function for are
+    refused by name, never run as if the sequence were whole."""
+    m, _ = recurrent(op, **kw)
+    with pytest.raises(UnsupportedOp, match=rf"the_{op}.*{why}"):
+        convert(m)
