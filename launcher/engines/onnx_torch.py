@@ -1425,6 +1425,21 @@ def _resize(n: NodeView):
     return resize
 
 
+@converter("Col2Im")
+def _col2im(n: NodeView):
+    """Col2Im (opset 18) as ``F.fold``, which sums each column's block into a 2-d image as ONNX does; refused
+    where fold cannot say it: other than 2-d images, or pads that differ between an axis's two ends."""
+    F = _torch().nn.functional
+    image, block = n.ints(1), n.ints(2)
+    if len(image) != 2 or len(block) != 2:
+        n.fail(f"a {len(image)}-d image (F.fold folds 2-d images)")
+    pads = list(n.attr("pads", [0, 0, 0, 0]))
+    if pads[:2] != pads[2:]:
+        n.fail(f"pads {pads} differ between an axis's begin and end")
+    kw = {"dilation": list(n.attr("dilations", [1, 1])), "padding": pads[:2], "stride": list(n.attr("strides", [1, 1]))}
+    return lambda x, *rest: F.fold(x, output_size=image, kernel_size=block, **kw)
+
+
 # -- recurrent layers ------------------------------------------------------------
 
 #: ONNX's recurrent activations that torch has as one function (the spec's names; no alpha or beta)
@@ -1522,8 +1537,10 @@ def _recurrent(n: NodeView):
         if layout:
             y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
             yc = yc.transpose(0, 1) if yc is not None else None
-        return (y, yh, yc) if n.op == "LSTM" else (y, yh)
+        outs = ((y, yh, yc) if n.op == "LSTM" else (y, yh))[:count]
+        return outs[0] if count == 1 else outs  # a one-output step's value is its fn's result as it is
 
+    count = len(n.node.output)
     return run
 
 

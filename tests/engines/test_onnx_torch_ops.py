@@ -446,3 +446,40 @@ def test_recurrent_refused_where_it_would_compute_otherwise(op, kw, why):
     m, _ = recurrent(op, **kw)
     with pytest.raises(UnsupportedOp, match=rf"the_{op}.*{why}"):
         convert(m)
+
+
+def test_lstm_of_one_output():
+    """An LSTM whose graph reads its Y alone (the dynamo exporter writes it so): the step's value is Y itself,
+    which the next node reads."""
+    m, feeds = recurrent("LSTM", direction="bidirectional")
+    node = m.graph.node[0]
+    del node.output[1:]
+    t = helper.make_node("Transpose", ["Y"], ["Z"], perm=[2, 0, 1, 3])
+    m.graph.node.append(t)
+    del m.graph.output[:]
+    m.graph.output.append(helper.make_tensor_value_info("Z", F, None))
+    check(onnx.shape_inference.infer_shapes(m, strict_mode=True), feeds, rtol=1e-5, atol=1e-5)
+
+
+def col2im(image, block, cols, opset=18, **attrs):
+    consts = {"image": np.asarray(image, dtype=np.int64), "block": np.asarray(block, dtype=np.int64)}
+    n_out = [1, cols[1] // int(np.prod(block)), *image]
+    return one_node("Col2Im", [("x", F, list(cols))], [("y", F, n_out)], consts, opset=opset, **attrs)
+
+
+@pytest.mark.parametrize("attrs", [{}, {"strides": [2, 2]}, {"pads": [1, 1, 1, 1], "strides": [2, 2]},
+                                   {"dilations": [2, 1], "pads": [2, 0, 2, 0]}])
+def test_col2im(attrs):
+    """VOLO's outlook attention folds its patches back with Col2Im (opset 18, the dynamo exporter)."""
+    H = W = 8
+    k, s = 3, attrs.get("strides", [1, 1])
+    d, p = attrs.get("dilations", [1, 1]), attrs.get("pads", [0, 0, 0, 0])
+    blocks = [(n + 2 * pp - dd * (k - 1) - 1) // ss + 1 for n, pp, dd, ss in zip((H, W), p[:2], d, s)]
+    cols = (1, 2 * k * k, blocks[0] * blocks[1])
+    check(col2im([H, W], [k, k], cols, **attrs), {"x": rng.standard_normal(cols).astype(np.float32)}, atol=1e-5)
+
+
+def test_col2im_with_uneven_pads_is_refused():
+    m = col2im([8, 8], [3, 3], (1, 18, 36), pads=[1, 1, 0, 0])
+    with pytest.raises(UnsupportedOp, match="the_Col2Im.*pads"):
+        convert(m)
