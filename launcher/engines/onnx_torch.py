@@ -1537,10 +1537,8 @@ def _recurrent(n: NodeView):
         if layout:
             y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
             yc = yc.transpose(0, 1) if yc is not None else None
-        outs = ((y, yh, yc) if n.op == "LSTM" else (y, yh))[:count]
-        return outs[0] if count == 1 else outs  # a one-output step's value is its fn's result as it is
+        return (y, yh, yc) if n.op == "LSTM" else (y, yh)
 
-    count = len(n.node.output)
     return run
 
 
@@ -1552,6 +1550,13 @@ class Step:
     args: list  # per input: ("v", name) run-time value, ("c", buffer) constant, None
     outputs: list[str]
     node: str
+
+
+def _first_of(fn: Callable) -> Callable:
+    def first(*args):
+        return fn(*args)[0]
+
+    return first
 
 
 def _np_to_torch(arr: np.ndarray):
@@ -1861,6 +1866,10 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         except Exception as e:  # noqa: BLE001 - report the node
             first = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise UnsupportedOp(f"node {nv.name!r} ({node.op_type}): torch cannot run it as converted: {first}") from None
+        if isinstance(res, (tuple, list)) and len(outs) == 1:
+            # a converter that returns every output the op can have, of a node that lists one: the step's value
+            # is that one (the module's forward keeps a one-output step's result as it is)
+            fn = _first_of(fn)
         res = res if isinstance(res, (tuple, list)) else (res,)
         args = []
         for v in ins:

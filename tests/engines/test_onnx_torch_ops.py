@@ -483,3 +483,14 @@ def test_col2im_with_uneven_pads_is_refused():
     m = col2im([8, 8], [3, 3], (1, 18, 36), pads=[1, 1, 0, 0])
     with pytest.raises(UnsupportedOp, match="the_Col2Im.*pads"):
         convert(m)
+
+
+def test_a_split_of_one_output_gives_that_output():
+    """Any converter that returns a tuple for a node of one output (here Split into one part): the next node reads
+    the tensor, not the tuple."""
+    m = one_node("Split", [("x", F, [4, 6])], [("y", F, [4, 6])], axis=1, num_outputs=1, opset=18)
+    t = helper.make_node("Transpose", ["y"], ["z"], perm=[1, 0])
+    m.graph.node.append(t)
+    del m.graph.output[:]
+    m.graph.output.append(helper.make_tensor_value_info("z", F, [6, 4]))
+    check(m, {"x": rng.standard_normal((4, 6)).astype(np.float32)})
