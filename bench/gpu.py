@@ -86,9 +86,13 @@ def _make_model_as_initialised(name: str):
         # any vision classifier of the public-model corpus (bench/corpus.py: torchvision/timm, BatchNorm calibrated)
         import corpus
 
-        spec = corpus.MODELS.get(name)
+        try:
+            spec = corpus.spec_of(name)  # a corpus model, or timm:NAME / torchvision:NAME outside it
+        except KeyError:
+            spec = None
         if spec is None or spec.source == "transformers" or spec.family in ("detection", "segmentation"):
-            raise SystemExit(f"unknown model {name}: {', '.join(MODELS)} or a torchvision/timm classifier of bench/corpus.py")
+            raise SystemExit(f"unknown model {name}: {', '.join(MODELS)}, a torchvision/timm classifier of "
+                             "bench/corpus.py, or one outside it as timm:NAME or torchvision:NAME")
         model, inputs = corpus.make_model(name)
         return model, {"x": inputs["x"]}
     if name == "inception_v3":
