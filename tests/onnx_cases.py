@@ -152,6 +152,33 @@ def misc_ops(seed=0):
                   [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
 
 
+def sequence_ops(seed=0):
+    """Resize (cubic, downscaling), a bidirectional LSTM over the pixels, a GRU (linear_before_reset, as torch
+    exports nn.GRU) and Col2Im folding its states back into an image (opset 18): the recurrent and resampling ops
+    of the timm exports that needed them (Sequencer, CrossViT, VOLO)."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    inits = [_i64("sizes", [1, 4, 4, 4]), _i64("to_seq", [1, 4, 16]), _i64("to_gru", [16, 1, 10]),
+             _i64("to_cols", [1, 8, 16]), _i64("image", [5, 5]), _i64("block", [2, 2]),
+             _init(rng, "lw", (2, 20, 4), 0.5), _init(rng, "lr", (2, 20, 5), 0.5), _init(rng, "lb", (2, 40), 0.5),
+             _init(rng, "gw", (1, 24, 10), 0.5), _init(rng, "gr", (1, 24, 8), 0.5), _init(rng, "gb", (1, 48), 0.5)]
+    nodes = [
+        N("Resize", ["x", "", "", "sizes"], ["r"], name="resize_cubic", mode="cubic"),
+        N("Reshape", ["r", "to_seq"], ["rs"], name="to_seq"),
+        N("Transpose", ["rs"], ["seq"], name="seq_first", perm=[2, 0, 1]),
+        N("LSTM", ["seq", "lw", "lr", "lb"], ["ly"], name="lstm", hidden_size=5, direction="bidirectional"),
+        N("Transpose", ["ly"], ["lt"], name="dirs_last", perm=[0, 2, 1, 3]),
+        N("Reshape", ["lt", "to_gru"], ["gin"], name="to_gru"),
+        N("GRU", ["gin", "gw", "gr", "gb"], ["gy", "gh"], name="gru", hidden_size=8, linear_before_reset=1),
+        N("Transpose", ["gy"], ["gt"], name="states_first", perm=[1, 2, 3, 0]),
+        N("Reshape", ["gt", "to_cols"], ["cols"], name="to_cols"),
+        N("Col2Im", ["cols", "image", "block"], ["y"], name="col2im"),
+    ]
+    return _model(nodes, "sequence_ops", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, None),
+                   helper.make_tensor_value_info("gh", TensorProto.FLOAT, None)], inits, opset=18)
+
+
 def feeds_for(model: onnx.ModelProto, seed: int = 1) -> dict[str, np.ndarray]:
     rng = np.random.default_rng(seed)
     feeds = {}

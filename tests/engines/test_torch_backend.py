@@ -14,9 +14,10 @@ from parastream.launcher.engines import torch as torch_backend  # noqa: E402
 from parastream.launcher.engines.onnx_torch import UnsupportedOp, convert, supported_ops, to_fx  # noqa: E402
 from parastream.launcher.plan import TensorSpec  # noqa: E402
 
-from onnx_cases import attention_layer, feeds_for, inception_block, misc_ops  # noqa: E402
+from onnx_cases import attention_layer, feeds_for, inception_block, misc_ops, sequence_ops  # noqa: E402
 
-CASES = {"inception_block": inception_block, "attention_layer": attention_layer, "misc_ops": misc_ops}
+CASES = {"inception_block": inception_block, "attention_layer": attention_layer, "misc_ops": misc_ops,
+         "sequence_ops": sequence_ops}
 
 
 def ort_run(model: onnx.ModelProto, feeds: dict) -> dict:
