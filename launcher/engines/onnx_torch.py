@@ -161,9 +161,26 @@ for _op, _fn in {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "e
     CONVERTERS[_op] = _unary(_fn)
 
 
-@converter("Identity", "Dropout")
+@converter("Identity")
 def _identity(n):
     return lambda x, *rest: x
+
+
+@converter("Dropout")
+def _dropout(n: NodeView):
+    """Dropout at inference: the identity, and its mask all true (ONNX Runtime's, opset 12+).  Refused where it
+    drops (training_mode true or computed at run time: ONNX Runtime's output is random then), and the mask of
+    opsets before 12 (ONNX Runtime gives it all false there, not what the spec's inference mode says)."""
+    torch = _torch()
+    if n.has_input(2):
+        t = n.inputs[2]
+        if not t.is_const or bool(t.const.reshape(-1)[0]):
+            n.fail("training_mode true or computed at run time (a random dropout) is not mapped")
+    if len(n.node.output) < 2 or not n.node.output[1]:
+        return lambda x, *rest: x
+    if n.opset < 12:
+        n.fail(f"the mask output of opset {n.opset} is not mapped")
+    return lambda x, *rest: (x, torch.ones_like(x, dtype=torch.bool))
 
 
 @converter("Add", "Sub", "Mul", "Pow", "Equal", "Less", "Greater", "LessOrEqual", "GreaterOrEqual", "And", "Or", "Xor", "Mod")
@@ -176,6 +193,12 @@ def _binary(n: NodeView):
          "Or": torch.logical_or, "Xor": torch.logical_xor, "Mod": torch.remainder}[n.op]
     if n.op == "Pow":
         b = n.inputs[1]
+        if b.is_const and b.const.numel() == 1 and not n.inputs[0].dtype.is_floating_point:
+            # an integer base keeps its dtype (ONNX: the output is the base's type); an integral exponent as an int,
+            # so that torch computes in integers, not in float32 (which rounds past 2**24)
+            e = b.const.reshape(-1)[0].item()
+            e = int(e) if float(e).is_integer() else float(e)
+            return lambda a, _b: torch.pow(a, e).to(a.dtype)
         if b.is_const and b.const.numel() == 1:
             e = float(b.const.reshape(-1)[0])
             if e == 2.0:
@@ -257,8 +280,10 @@ def _clip(n: NodeView):
     if n.opset < 11:
         lo, hi = n.attr("min", None), n.attr("max", None)
     else:
-        lo = float(n.const(1).reshape(-1)[0]) if n.has_input(1) else None
-        hi = float(n.const(2).reshape(-1)[0]) if n.has_input(2) else None
+        # bounds as Python numbers of the input's kind: a float bound would promote an integer input to float
+        num = float if n.inputs[0].dtype.is_floating_point else int
+        lo = num(n.const(1).reshape(-1)[0].item()) if n.has_input(1) else None
+        hi = num(n.const(2).reshape(-1)[0].item()) if n.has_input(2) else None
     return lambda x, *rest: torch.clamp(x, lo, hi)
 
 
@@ -271,6 +296,8 @@ def _where(n):
 @converter("Cast")
 def _cast(n: NodeView):
     to = int(n.attr("to"))
+    if to not in ONNX_TO_TORCH_DTYPE:  # strings, float8 (and their saturate), 4-bit, complex, unsigned 16-64
+        n.fail(f"Cast to {onnx.TensorProto.DataType.Name(to)} is not mapped")
     dt = torch_dtype(to)
     if dt.is_floating_point:
         dt = n.float_dtype
@@ -767,7 +794,20 @@ def _ln(n: NodeView):
     axis = int(n.attr("axis", -1)) % r
     eps = float(n.attr("epsilon", 1e-5))
     norm_shape = list(n.shape(0)[axis:])
-    return lambda x, s, b=None: F.layer_norm(x, norm_shape, s, b, eps)
+    if not any(n.node.output[1:]):
+        return lambda x, s, b=None: F.layer_norm(x, norm_shape, s, b, eps)
+    if int(n.attr("stash_type", 1)) != 1:
+        n.fail(f"stash_type {n.attr('stash_type')} with the Mean/InvStdDev outputs is not mapped")
+    torch = _torch()
+    dims = tuple(range(axis, r))
+
+    def with_stats(x, s, b=None):
+        """The optional outputs too: the mean and 1/sqrt(var + epsilon) over the normalized axes, kept as axes of
+        one, in float32 (stash_type 1)."""
+        var, mean = torch.var_mean(x.float(), dim=dims, correction=0, keepdim=True)
+        return F.layer_norm(x, norm_shape, s, b, eps), mean, torch.rsqrt(var + eps)
+
+    return with_stats
 
 
 # -- pooling -------------------------------------------------------------------
@@ -788,6 +828,19 @@ def _pool_params(n: NodeView):
     return nd, kernel, strides, dil, begin, end, bool(n.attr("ceil_mode", 0))
 
 
+def _ceil_crop(n: NodeView, kernel, strides, dil, begin, end, ceil):
+    """The index that cuts a pooling of an input padded by ``F.pad`` to ONNX's output size.  With ceil_mode, ONNX
+    (and torch) drop a last window that would start in the end padding; torch, handed the pads as input, keeps
+    it (a window of -inf, or of zeros averaged).  None where nothing is cut (no ceil_mode)."""
+    if not ceil:
+        return None
+    out = []
+    for i, k, s, d, b, e in zip(n.shape(0)[2:], kernel, strides, dil, begin, end):
+        o = -(-(i + b + e - (k - 1) * d - 1) // s) + 1
+        out.append(o - 1 if (o - 1) * s >= i + b else o)
+    return (slice(None), slice(None), *(slice(0, o) for o in out))
+
+
 @converter("MaxPool")
 def _maxpool(n: NodeView):
     F = _torch().nn.functional
@@ -798,7 +851,12 @@ def _maxpool(n: NodeView):
     if begin == end and all(2 * p <= k for p, k in zip(begin, kernel)):
         return lambda x: fpool(x, kernel, strides, begin, dil, ceil)
     pad = _torch_pad_arg(begin, end)
-    return lambda x: fpool(F.pad(x, pad, value=float("-inf")), kernel, strides, 0, dil, ceil)
+    crop = _ceil_crop(n, kernel, strides, dil, begin, end, ceil)
+    dt = n.inputs[0].dtype  # pads that never win the max: -inf, or an integer type's least value
+    low = float("-inf") if dt.is_floating_point else _torch().iinfo(dt).min
+    if crop is None:
+        return lambda x: fpool(F.pad(x, pad, value=low), kernel, strides, 0, dil, ceil)
+    return lambda x: fpool(F.pad(x, pad, value=low), kernel, strides, 0, dil, ceil)[crop]
 
 
 @converter("AveragePool")
@@ -816,7 +874,10 @@ def _avgpool(n: NodeView):
     if not cip:
         n.fail("asymmetric pads with count_include_pad=0")
     pad = _torch_pad_arg(begin, end)
-    return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)
+    crop = _ceil_crop(n, kernel, strides, dil, begin, end, ceil)
+    if crop is None:
+        return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)
+    return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)[crop]
 
 
 @converter("GlobalAveragePool", "GlobalMaxPool")
@@ -871,7 +932,8 @@ def _reshape(n: NodeView):
 @converter("Flatten")
 def _flatten(n: NodeView):
     shp = n.shape(0)
-    axis = int(n.attr("axis", 1)) % (len(shp) + 1) if len(shp) else 0
+    axis = int(n.attr("axis", 1))
+    axis = axis + len(shp) if axis < 0 else axis  # ONNX's axis is in [-r, r]; a negative one counts from r
     outer = int(np.prod(shp[:axis], dtype=np.int64))
     return lambda x: x.reshape(outer, -1)
 
@@ -1111,8 +1173,10 @@ def _gather(n: NodeView):
 @converter("GatherElements")
 def _gather_el(n: NodeView):
     torch = _torch()
-    axis = int(n.attr("axis", 0))
-    return lambda x, i: torch.gather(x, axis, i)
+    axis = int(n.attr("axis", 0)) % n.rank(0)
+    dim = n.shape(0)[axis]
+    # ONNX's indices may be negative (counted from the end); torch.gather's may not
+    return lambda x, i: torch.gather(x, axis, torch.where(i < 0, i + dim, i).to(torch.int64))
 
 
 @converter("GatherND")
@@ -1174,10 +1238,17 @@ def _scatter_nd(n: NodeView):
 @converter("TopK")
 def _topk(n: NodeView):
     torch = _torch()
-    k = n.ints(1)[0]
+    k = int(n.attr("k")) if n.opset < 10 else n.ints(1)[0]  # (before opset 10, k is an attribute)
     axis = int(n.attr("axis", -1))
-    largest, sorted_ = bool(n.attr("largest", 1)), bool(n.attr("sorted", 1))
-    return lambda x, _k: tuple(torch.topk(x, k, dim=axis, largest=largest, sorted=sorted_))
+    largest = bool(n.attr("largest", 1))
+    # ONNX orders equal values by index, the lower first; torch.topk does not say (its CPU kernel does not), a
+    # stable sort does.  With sorted=0 ONNX leaves the order to the runtime: sorted is one such order.
+
+    def topk(x, *_k):
+        v, i = torch.sort(x, dim=axis, descending=largest, stable=True)
+        return v.narrow(axis, 0, k), i.narrow(axis, 0, k)
+
+    return topk
 
 
 @converter("Trilu")
@@ -1243,8 +1314,9 @@ def _slice(n: NodeView):
             e = min(max(e + d if e < 0 else e, 0), d)
             index[a] = slice(s, e, st)
         else:
-            # negative steps: torch slicing has none; flip, then slice forward
-            s = min(max(s + d if s < 0 else s, -1), d - 1)
+            # negative steps: torch slicing has none; flip, then slice forward (ONNX clamps the start to
+            # [0, d - 1] and the end to [-1, d - 1])
+            s = min(max(s + d if s < 0 else s, 0), d - 1)
             e = min(max(e + d if e < 0 else e, -1), d - 1)
             fs, fe = d - 1 - s, d - 1 - e
             flips.append(a)
@@ -1322,8 +1394,9 @@ def _reduce(n: NodeView):
     torch = _torch()
     axes = _reduce_axes(n)
     keep = bool(n.attr("keepdims", 1))
-    if axes is None:
-        return lambda x, *rest: x
+    if axes is None:  # no reduction, but ONNX Runtime still applies ReduceSumSquare's square and ReduceL2's |x|
+        return {"ReduceSumSquare": lambda x, *rest: x * x, "ReduceL2": lambda x, *rest: torch.abs(x)}.get(
+            n.op, lambda x, *rest: x)
     f = {"ReduceMean": lambda x: torch.mean(x, dim=axes, keepdim=keep),
          "ReduceSum": lambda x: torch.sum(x, dim=axes, keepdim=keep),
          "ReduceMax": lambda x: torch.amax(x, dim=axes, keepdim=keep),
@@ -1341,9 +1414,12 @@ def _reduce(n: NodeView):
 @converter("ArgMax", "ArgMin")
 def _argmax(n: NodeView):
     torch = _torch()
-    axis = int(n.attr("axis", 0))
+    axis = int(n.attr("axis", 0)) % n.rank(0)
     keep = bool(n.attr("keepdims", 1))
     f = torch.argmax if n.op == "ArgMax" else torch.argmin
+    if int(n.attr("select_last_index", 0)):  # ties to the last index: torch's first of the flipped axis
+        last = n.shape(0)[axis] - 1
+        return lambda x: last - f(torch.flip(x, (axis,)), dim=axis, keepdim=keep)
     return lambda x: f(x, dim=axis, keepdim=keep)
 
 
@@ -1722,8 +1798,10 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: an X of rank 3 or more by a 2-d W as one product over X's rows (``_matmul``); 4 hands a planned convolution
 #: its input channels-last and dense (``_ConvFn._planned``); 5 runs a CUDA engine's patch embedding as a matrix
 #: product (``_conv_as_patch_gemm``); 6 folds a projection shortcut's bias into the fused residual step
-#: (``_fold_shortcut_bias``) and asks for the fused steps' inputs channels-last (``_ConvFn.relu_fused``)
-CONVERTER_VERSION = 6
+#: (``_fold_shortcut_bias``) and asks for the fused steps' inputs channels-last (``_ConvFn.relu_fused``); 7
+#: computes what ONNX does where 6 did not (Resize by scales, pools with ceil_mode cropped, TopK's ties, Flatten's
+#: negative axis, Slice's clamped start, ...): a cached engine of 6 may hold the old results
+CONVERTER_VERSION = 7
 
 
 def _transposed_weight(fn):
