@@ -20,6 +20,7 @@ Usage (full corpus: torchvision + timm + transformers must import; a CUDA build 
     python3 bench/corpus.py --list
     python3 bench/corpus.py --models resnet50,nasnetalarge --exporters torchscript --rebuild   # and a rebuild each
     python3 bench/corpus.py --models timm:dla34,torchvision:mnasnet1_0   # image classifiers outside the corpus
+    python3 bench/corpus.py --models keras:ResNet50 --exporters tf2onnx --keep K --reuse-exports   # bench/keras_export.py's
 
 Each (model, exporter) runs in its own process (--timeout seconds) and leaves ``OUT/rows/<model>__<exporter>.json``;
 the table (``OUT/corpus.md`` and ``OUT/corpus.json``) is made from every row file in OUT/rows, so runs can be split.
@@ -43,6 +44,9 @@ import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
 EXPORTERS = ("torchscript", "dynamo")
+#: every exporter a row can name: tf2onnx's rows are Keras models that bench/keras_export.py exported under a
+#: TensorFlow interpreter (this one needs none), taken from --keep with --reuse-exports
+ALL_EXPORTERS = EXPORTERS + ("tf2onnx",)
 
 
 @dataclass(frozen=True)
@@ -89,13 +93,14 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
 
 
 def spec_of(name: str) -> Spec:
-    """The corpus's spec of ``name``, or, for a model outside the corpus named as ``timm:NAME`` or
-    ``torchvision:NAME`` (an image classifier of that library, at its default input size), a spec of family
-    "unlisted": a sweep over models nobody here tuned on (the row keeps the name as given)."""
+    """The corpus's spec of ``name``, or, for a model outside the corpus named as ``timm:NAME``,
+    ``torchvision:NAME`` (an image classifier of that library, at its default input size) or ``keras:NAME`` (a
+    ``tf.keras.applications`` model, exported by bench/keras_export.py), a spec of family "unlisted": a sweep over
+    models nobody here tuned on (the row keeps the name as given)."""
     if name in MODELS:
         return MODELS[name]
     source, _, bare = name.partition(":")
-    if source in ("timm", "torchvision") and bare:
+    if source in ("timm", "torchvision", "keras") and bare:
         return Spec(bare, "unlisted", source)
     raise KeyError(name)
 
@@ -286,6 +291,10 @@ def wrap(model, spec: Spec, names: list[str]):
 
 def export(name: str, exporter: str, path: Path) -> dict:
     """Export ``name`` with ``exporter`` to ``path``; return the example feeds (numpy) and the output names."""
+    if spec_of(name).source == "keras" or exporter == "tf2onnx":
+        raise RuntimeError(f"{name} with {exporter}: Keras models are exported with tf2onnx by bench/keras_export.py "
+                           "under a TensorFlow interpreter (--keep DIR), then taken from there (--keep DIR "
+                           "--reuse-exports); PyTorch models with torchscript or dynamo")
     import torch
 
     model, inputs = make_model(name)
@@ -559,20 +568,24 @@ def _status(r: dict | None) -> str:
 
 
 def _grid(rows: list[dict]) -> list[str]:
-    """One line per model: the outcome of each exporter."""
+    """One line per model (in the rows' order: the corpus's, then the others), the outcome of each exporter that
+    any row used."""
     by = {(r["model"], r["exporter"]): r for r in rows}
-    lines = ["| model | family | source | " + " | ".join(EXPORTERS) + " |", "|---|---|---|" + "---|" * len(EXPORTERS)]
-    for name, spec in MODELS.items():
-        if not any((name, e) in by for e in EXPORTERS):
-            continue
-        lines.append(f"| {name} | {spec.family} | {spec.source} | " + " | ".join(_status(by.get((name, e))) for e in EXPORTERS) + " |")
+    exporters = [e for e in ALL_EXPORTERS if any(r["exporter"] == e for r in rows)]
+    lines = ["| model | family | source | " + " | ".join(exporters) + " |", "|---|---|---|" + "---|" * len(exporters)]
+    for name in dict.fromkeys(r["model"] for r in rows):
+        try:
+            spec = spec_of(name)
+        except KeyError:  # a row of a name this corpus no longer knows
+            spec = Spec(name, "?", "?")
+        lines.append(f"| {name} | {spec.family} | {spec.source} | " + " | ".join(_status(by.get((name, e))) for e in exporters) + " |")
     return lines
 
 
 def write_table(out: Path) -> dict:
     rows = [json.loads(p.read_text()) for p in sorted((out / "rows").glob("*.json"))]
     order = {n: i for i, n in enumerate(MODELS)}
-    rows.sort(key=lambda r: (order.get(r["model"], 999), EXPORTERS.index(r["exporter"]) if r["exporter"] in EXPORTERS else 9))
+    rows.sort(key=lambda r: (order.get(r["model"], 999), ALL_EXPORTERS.index(r["exporter"]) if r["exporter"] in ALL_EXPORTERS else 9))
     summary = summarize(rows)
     env = rows[0].get("env", {}) if rows else {}
     (out / "corpus.json").write_text(json.dumps({"summary": summary, "env": env, "rows": rows}, indent=1, default=str))
@@ -686,11 +699,13 @@ def main(argv=None) -> int:
         return 0
     if not args.table_only:
         names = args.models.split(",") if args.models else [n for n, s in MODELS.items() if s.ci or not args.ci]
-        unknown = [n for n in names if n not in MODELS and not n.startswith(("timm:", "torchvision:"))]
+        unknown = [n for n in names if n not in MODELS and not n.startswith(("timm:", "torchvision:", "keras:"))]
         if unknown:
-            ap.error(f"unknown models {unknown}; see --list, or name one outside the corpus as timm:NAME or "
-                     "torchvision:NAME")
+            ap.error(f"unknown models {unknown}; see --list, or name one outside the corpus as timm:NAME, "
+                     "torchvision:NAME or keras:NAME")
         exporters = args.exporters.split(",")
+        if set(exporters) - set(ALL_EXPORTERS):
+            ap.error(f"--exporters {args.exporters}: each of {', '.join(ALL_EXPORTERS)}")
         (out / "rows").mkdir(parents=True, exist_ok=True)
         for name in names:
             for exporter in exporters:

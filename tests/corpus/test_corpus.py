@@ -165,10 +165,20 @@ def test_a_model_outside_the_corpus_is_named_by_its_library():
     nobody here tuned on); a bare unknown name, or another library, is refused with the accepted forms."""
     assert corpus.spec_of("timm:dla34") == corpus.Spec("dla34", "unlisted", "timm")
     assert corpus.spec_of("torchvision:mnasnet1_0") == corpus.Spec("mnasnet1_0", "unlisted", "torchvision")
+    assert corpus.spec_of("keras:ResNet50") == corpus.Spec("ResNet50", "unlisted", "keras")
     assert corpus.spec_of("bert") is corpus.MODELS["bert"]
-    for bad in ("dla34", "keras:dla34", "timm:"):
+    for bad in ("dla34", "jax:dla34", "timm:"):
         with pytest.raises(KeyError):
             corpus.spec_of(bad)
-    with pytest.raises(SystemExit) as e:
-        corpus.main(["--models", "dla34", "--out", "/nonexistent-parastream-corpus"])
-    assert e.value.code == 2
+    for argv in (["--models", "dla34"], ["--models", "timm:dla34", "--exporters", "tf2onxx"]):
+        with pytest.raises(SystemExit) as e:
+            corpus.main([*argv, "--out", "/nonexistent-parastream-corpus"])
+        assert e.value.code == 2
+
+
+def test_a_keras_model_is_taken_from_its_kept_export_only(tmp_path):
+    """Keras models are exported by bench/keras_export.py under a TensorFlow interpreter: without a kept export
+    the row says so (its export failed, naming the script), and a PyTorch model is not exported with tf2onnx."""
+    for name, exporter in (("keras:ResNet50", "tf2onnx"), ("timm:dla34", "tf2onnx")):
+        row = corpus.run_one(name, exporter, tmp_path)
+        assert row["export_ok"] is False and "bench/keras_export.py" in row["export_error"], row
