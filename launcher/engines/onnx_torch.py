@@ -274,6 +274,50 @@ def _softplus(n):
     return lambda x: F.softplus(x)
 
 
+@converter("Selu")
+def _selu(n):
+    """gamma·x above 0, gamma·alpha·(exp(x) - 1) at or below: Elu's curve scaled by gamma."""
+    F = _torch().nn.functional
+    a, g = float(n.attr("alpha", 1.67326319217681884765625)), float(n.attr("gamma", 1.05070102214813232421875))
+    return lambda x: F.elu(x, a) * g
+
+
+@converter("Celu")
+def _celu(n):
+    F = _torch().nn.functional
+    a = float(n.attr("alpha", 1.0))
+    return lambda x: F.celu(x, a)
+
+
+@converter("ThresholdedRelu")
+def _thresholded_relu(n):
+    """x where x > alpha, else 0 (``F.threshold``'s rule)."""
+    F = _torch().nn.functional
+    a = float(n.attr("alpha", 1.0))
+    return lambda x: F.threshold(x, a, 0.0)
+
+
+@converter("Shrink")
+def _shrink(n):
+    """x + bias below -lambd, x - bias above lambd, 0 between; an integer input keeps its dtype (the float bias
+    computed, then cast back as ONNX Runtime does)."""
+    torch = _torch()
+    lambd, b = float(n.attr("lambd", 0.5)), float(n.attr("bias", 0.0))
+    return lambda x: torch.where(x < -lambd, x + b, torch.where(x > lambd, x - b, torch.zeros_like(x))).to(x.dtype)
+
+
+@converter("Mish")
+def _mish(n):
+    F = _torch().nn.functional
+    return lambda x: F.mish(x)
+
+
+@converter("Softsign")
+def _softsign(n):
+    F = _torch().nn.functional
+    return lambda x: F.softsign(x)
+
+
 @converter("Clip")
 def _clip(n: NodeView):
     torch = _torch()
@@ -810,6 +854,30 @@ def _ln(n: NodeView):
     return with_stats
 
 
+@converter("GroupNormalization")
+def _gn(n: NodeView):
+    """Statistics per instance per group of channels.  Opset 18 scales and shifts per group (scale and bias of
+    shape [num_groups], repeated over each group's channels; ONNX deprecated that form); opset 21 per channel,
+    the normalization computed in ``stash_type`` (float32 by default; float64 too) and cast back before the
+    scale and shift.  A half-precision stash_type is refused: ONNX rounds every step of its statistics there."""
+    torch = _torch()
+    F = torch.nn.functional
+    g = int(n.attr("num_groups"))
+    eps = float(n.attr("epsilon", 1e-5))
+    if n.opset < 21:
+        reps = n.shape(0)[1] // g
+        return lambda x, s, b: F.group_norm(x, g, s.repeat_interleave(reps), b.repeat_interleave(reps), eps)
+    stash = int(n.attr("stash_type", 1))
+    sdt = {1: torch.float32, 11: torch.float64}.get(stash)
+    if sdt is None:
+        n.fail(f"stash_type {stash} is not mapped (float32 and float64 statistics are)")
+    if n.inputs[0].dtype == sdt:
+        return lambda x, s, b: F.group_norm(x, g, s, b, eps)
+    per_channel = [-1] + [1] * (n.rank(0) - 2)
+    return lambda x, s, b: (F.group_norm(x.to(sdt), g, None, None, eps).to(x.dtype) * s.reshape(per_channel)
+                            + b.reshape(per_channel))
+
+
 # -- pooling -------------------------------------------------------------------
 
 def _pool_params(n: NodeView):
@@ -844,11 +912,12 @@ def _ceil_crop(n: NodeView, kernel, strides, dil, begin, end, ceil):
 @converter("MaxPool")
 def _maxpool(n: NodeView):
     F = _torch().nn.functional
-    if len(n.node.output) > 1 and n.node.output[1]:
-        n.fail("the Indices output")
     nd, kernel, strides, dil, begin, end, ceil = _pool_params(n)
     fpool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
-    if begin == end and all(2 * p <= k for p, k in zip(begin, kernel)):
+    own_pads = begin == end and all(2 * p <= k for p, k in zip(begin, kernel))
+    if len(n.node.output) > 1 and n.node.output[1]:
+        return _maxpool_indices(n, fpool, kernel, strides, dil, begin, ceil, own_pads)
+    if own_pads:
         return lambda x: fpool(x, kernel, strides, begin, dil, ceil)
     pad = _torch_pad_arg(begin, end)
     crop = _ceil_crop(n, kernel, strides, dil, begin, end, ceil)
@@ -857,6 +926,27 @@ def _maxpool(n: NodeView):
     if crop is None:
         return lambda x: fpool(F.pad(x, pad, value=low), kernel, strides, 0, dil, ceil)
     return lambda x: fpool(F.pad(x, pad, value=low), kernel, strides, 0, dil, ceil)[crop]
+
+
+def _maxpool_indices(n: NodeView, fpool, kernel, strides, dil, pads, ceil, own_pads):
+    """MaxPool with its Indices output: ONNX's index is into the whole input as one flat array (N and C offsets
+    included, padding not counted), torch's into the input's (n, c) plane, so each plane's offset is added.  Only
+    where torch takes the pads itself (symmetric, at most half the kernel): behind ``F.pad`` its indices would
+    count the padding.  storage_order=1 (column-major indices) is refused."""
+    torch = _torch()
+    if int(n.attr("storage_order", 0)):
+        n.fail("the Indices output with storage_order=1 (column-major) is not mapped")
+    if not own_pads:
+        n.fail("the Indices output with pads torch cannot take itself (asymmetric, or more than half the kernel)")
+    shp = n.shape(0)
+    planes, plane = shp[0] * shp[1], int(np.prod(shp[2:], dtype=np.int64))
+    offset_shape = [shp[0], shp[1]] + [1] * (len(shp) - 2)
+
+    def with_indices(x):
+        y, i = fpool(x, kernel, strides, pads, dil, ceil, return_indices=True)
+        return y, i + (torch.arange(planes, dtype=torch.int64, device=i.device) * plane).reshape(offset_shape)
+
+    return with_indices
 
 
 @converter("AveragePool")
@@ -871,10 +961,20 @@ def _avgpool(n: NodeView):
         if nd == 1:
             return lambda x: fpool(x, kernel, strides, begin, ceil, cip)
         return lambda x: fpool(x, kernel, strides, begin, ceil, cip, None)
-    if not cip:
-        n.fail("asymmetric pads with count_include_pad=0")
     pad = _torch_pad_arg(begin, end)
     crop = _ceil_crop(n, kernel, strides, dil, begin, end, ceil)
+    if not cip:
+        # pads torch cannot take (tf2onnx's "SAME"): the pooled sum of the zero-padded input over the pooled count
+        # of a zero-padded ones-mask, the mean of each window's input elements; both divided by the same window
+        # size (torch's, clipped at the end with ceil_mode), which cancels
+        mask_shape = [1, 1, *n.shape(0)[2:]]
+
+        def mean_of_input(x):
+            y = fpool(F.pad(x, pad), kernel, strides, 0, ceil, True) / fpool(F.pad(x.new_ones(mask_shape), pad),
+                                                                            kernel, strides, 0, ceil, True)
+            return y if crop is None else y[crop]
+
+        return mean_of_input
     if crop is None:
         return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)
     return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)[crop]
@@ -945,6 +1045,38 @@ def _transpose(n: NodeView):
     return lambda x: x.permute(perm)
 
 
+@converter("DepthToSpace")
+def _depth_to_space(n: NodeView):
+    """Channels into blocks of pixels: DCR (the default, and the only mode before opset 11) reads the channel axis
+    as [b, b, C/b²], CRD as [C/b², b, b] (``F.pixel_shuffle``'s order).  A reshape, permute and reshape: any dtype."""
+    if n.rank(0) != 4:
+        n.fail(f"a rank-{n.rank(0)} input (ONNX defines rank 4)")
+    b = int(n.attr("blocksize"))
+    mode = n.attr("mode", "DCR")
+    N, C, H, W = n.shape(0)
+    c = C // (b * b)
+    if mode == "DCR":
+        split, perm = [N, b, b, c, H, W], [0, 3, 4, 1, 5, 2]
+    elif mode == "CRD":
+        split, perm = [N, c, b, b, H, W], [0, 1, 4, 2, 5, 3]
+    else:
+        n.fail(f"mode {mode!r} is not mapped")
+    out = [N, c, H * b, W * b]
+    return lambda x: x.reshape(split).permute(perm).reshape(out)
+
+
+@converter("SpaceToDepth")
+def _space_to_depth(n: NodeView):
+    """Blocks of pixels into channels, block offsets outermost (DepthToSpace's DCR inverse; ``F.pixel_unshuffle``
+    puts the channel outermost instead)."""
+    if n.rank(0) != 4:
+        n.fail(f"a rank-{n.rank(0)} input (ONNX defines rank 4)")
+    b = int(n.attr("blocksize"))
+    N, C, H, W = n.shape(0)
+    split, out = [N, C, H // b, b, W // b, b], [N, C * b * b, H // b, W // b]
+    return lambda x: x.reshape(split).permute(0, 3, 5, 1, 2, 4).reshape(out)
+
+
 @converter("Squeeze")
 def _squeeze(n: NodeView):
     shp = n.shape(0)
@@ -980,6 +1112,24 @@ def _softmax(n: NodeView):
     shp = n.shape(0)
     flat = [int(np.prod(shp[:axis], dtype=np.int64)), -1]
     return lambda x: f(x.reshape(flat), dim=1).reshape(shp)
+
+
+@converter("Hardmax")
+def _hardmax(n: NodeView):
+    """1 at the first maximum along ``axis``, 0 elsewhere; before opset 13 over the input seen as 2-d at ``axis``
+    (default 1), as ``_softmax`` does."""
+    torch = _torch()
+    r = n.rank(0)
+    axis = int(n.attr("axis", -1 if n.opset >= 13 else 1)) % r
+
+    def hard(x, dim):
+        return torch.zeros_like(x).scatter(dim, x.argmax(dim, keepdim=True), 1)
+
+    if n.opset >= 13 or axis == r - 1:
+        return lambda x: hard(x, axis)
+    shp = n.shape(0)
+    flat = [int(np.prod(shp[:axis], dtype=np.int64)), -1]
+    return lambda x: hard(x.reshape(flat), 1).reshape(shp)
 
 
 @converter("Attention", f"{fused_ops.DOMAIN}.{fused_ops.SDPA}")
@@ -1262,10 +1412,22 @@ def _trilu(n: NodeView):
 @converter("CumSum")
 def _cumsum(n: NodeView):
     torch = _torch()
-    axis = n.ints(1)[0]
-    if n.attr("exclusive", 0) or n.attr("reverse", 0):
-        n.fail("exclusive or reverse CumSum")
-    return lambda x, _a: torch.cumsum(x, dim=axis).to(x.dtype)
+    axis = n.ints(1)[0] % n.rank(0)
+    exclusive, reverse = int(n.attr("exclusive", 0)), int(n.attr("reverse", 0))
+    if not exclusive and not reverse:
+        return lambda x, _a: torch.cumsum(x, dim=axis).to(x.dtype)
+    length = n.shape(0)[axis]
+
+    def cumsum(x, _a):
+        """reverse: the sums of a flipped axis, flipped back; exclusive: the inclusive sums shifted one along the
+        axis behind a zero (not the sums less x, which rounds)."""
+        x = x.flip(axis) if reverse else x
+        y = torch.cumsum(x, dim=axis).to(x.dtype)
+        if exclusive and length:
+            y = torch.cat([torch.zeros_like(y.narrow(axis, 0, 1)), y.narrow(axis, 0, length - 1)], dim=axis)
+        return y.flip(axis) if reverse else y
+
+    return cumsum
 
 
 @converter("IsInf")

@@ -129,13 +129,6 @@ def test_cumsum_int64_keeps_its_dtype():
     check(one_node("CumSum", [("x", I64, [2, 6])], [("y", I64, [2, 6])], consts={"a": np.array(1, np.int64)}), {"x": x})
 
 
-@pytest.mark.parametrize("attr", ["exclusive", "reverse"])
-def test_cumsum_exclusive_or_reverse_is_refused(attr):
-    m = one_node("CumSum", [("x", F, [3, 5])], [("y", F, [3, 5])], consts={"a": np.array(1, np.int64)}, **{attr: 1})
-    with pytest.raises(UnsupportedOp, match="the_CumSum"):
-        convert(m)
-
-
 @pytest.mark.parametrize("pos,neg", [(1, 1), (1, 0), (0, 1)])
 def test_isinf(pos, neg):
     x = np.array([[1.0, np.inf, -np.inf, np.nan, 0.0]], dtype=np.float32)
