@@ -146,11 +146,16 @@ def converter(*ops):
 
 # -- elementwise ---------------------------------------------------------------
 
-def _unary(name):
+def _unary(name, functional: bool = False, attr: str | None = None, default: float = 0.0):
+    """An op that is one torch function (``torch.NAME``, or ``torch.nn.functional.NAME``), of at most one float
+    attribute passed as its second argument."""
     def conv(n: NodeView):
         torch = _torch()
-        f = getattr(torch, name)
-        return lambda x: f(x)
+        f = getattr(torch.nn.functional if functional else torch, name)
+        if attr is None:
+            return lambda x: f(x)
+        a = float(n.attr(attr, default))
+        return lambda x: f(x, a)
     return conv
 
 
@@ -159,6 +164,11 @@ for _op, _fn in {"Relu": "relu", "Sigmoid": "sigmoid", "Tanh": "tanh", "Erf": "e
                  "Ceil": "ceil", "Not": "logical_not", "Sign": "sign", "Sin": "sin", "Cos": "cos",
                  "Round": "round", "IsNaN": "isnan"}.items():
     CONVERTERS[_op] = _unary(_fn)
+for _op, (_fn, _attr, _default) in {"LeakyRelu": ("leaky_relu", "alpha", 0.01), "Elu": ("elu", "alpha", 1.0),
+                                     "Celu": ("celu", "alpha", 1.0), "HardSwish": ("hardswish", None, 0.0),
+                                     "Softplus": ("softplus", None, 0.0), "Mish": ("mish", None, 0.0),
+                                     "Softsign": ("softsign", None, 0.0)}.items():
+    CONVERTERS[_op] = _unary(_fn, functional=True, attr=_attr, default=_default)
 
 
 @converter("Identity")
@@ -241,37 +251,11 @@ def _gelu(n: NodeView):
     return lambda x: F.gelu(x, approximate=approx)
 
 
-@converter("LeakyRelu")
-def _leaky(n):
-    F = _torch().nn.functional
-    a = float(n.attr("alpha", 0.01))
-    return lambda x: F.leaky_relu(x, a)
-
-
-@converter("Elu")
-def _elu(n):
-    F = _torch().nn.functional
-    a = float(n.attr("alpha", 1.0))
-    return lambda x: F.elu(x, a)
-
-
 @converter("HardSigmoid")
 def _hsig(n):
     torch = _torch()
     a, b = float(n.attr("alpha", 0.2)), float(n.attr("beta", 0.5))
     return lambda x: torch.clamp(x * a + b, 0.0, 1.0)
-
-
-@converter("HardSwish")
-def _hswish(n):
-    F = _torch().nn.functional
-    return lambda x: F.hardswish(x)
-
-
-@converter("Softplus")
-def _softplus(n):
-    F = _torch().nn.functional
-    return lambda x: F.softplus(x)
 
 
 @converter("Selu")
@@ -280,13 +264,6 @@ def _selu(n):
     F = _torch().nn.functional
     a, g = float(n.attr("alpha", 1.67326319217681884765625)), float(n.attr("gamma", 1.05070102214813232421875))
     return lambda x: F.elu(x, a) * g
-
-
-@converter("Celu")
-def _celu(n):
-    F = _torch().nn.functional
-    a = float(n.attr("alpha", 1.0))
-    return lambda x: F.celu(x, a)
 
 
 @converter("ThresholdedRelu")
@@ -304,18 +281,6 @@ def _shrink(n):
     torch = _torch()
     lambd, b = float(n.attr("lambd", 0.5)), float(n.attr("bias", 0.0))
     return lambda x: torch.where(x < -lambd, x + b, torch.where(x > lambd, x - b, torch.zeros_like(x))).to(x.dtype)
-
-
-@converter("Mish")
-def _mish(n):
-    F = _torch().nn.functional
-    return lambda x: F.mish(x)
-
-
-@converter("Softsign")
-def _softsign(n):
-    F = _torch().nn.functional
-    return lambda x: F.softsign(x)
 
 
 @converter("Clip")

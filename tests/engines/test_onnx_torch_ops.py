@@ -12,6 +12,8 @@ torch = pytest.importorskip("torch")
 
 from parastream.launcher.engines.onnx_torch import UnsupportedOp, convert  # noqa: E402
 
+from test_onnx_torch_attributes import check  # noqa: E402  (shapes, dtypes and values against ONNX Runtime)
+
 F, I64 = TensorProto.FLOAT, TensorProto.INT64
 
 
@@ -33,20 +35,6 @@ def reorder(model, order):
     del node.input[:]
     node.input.extend(order)
     return model
-
-
-def check(model, feeds, rtol=1e-6, atol=1e-6):
-    import onnxruntime as ort
-
-    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
-    ref = sess.run(None, feeds)
-    module = convert(model)
-    with torch.no_grad():
-        outs = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])
-    assert len(outs) == len(ref)
-    for o, r in zip(outs, ref):
-        assert tuple(o.shape) == r.shape
-        np.testing.assert_allclose(o.numpy(), r, rtol=rtol, atol=atol)
 
 
 rng = np.random.default_rng(0)
