@@ -699,7 +699,12 @@ def main(argv=None) -> int:
         return 0
     if not args.table_only:
         names = args.models.split(",") if args.models else [n for n, s in MODELS.items() if s.ci or not args.ci]
-        unknown = [n for n in names if n not in MODELS and not n.startswith(("timm:", "torchvision:", "keras:"))]
+        unknown = []
+        for n in names:
+            try:
+                spec_of(n)
+            except KeyError:
+                unknown.append(n)
         if unknown:
             ap.error(f"unknown models {unknown}; see --list, or name one outside the corpus as timm:NAME, "
                      "torchvision:NAME or keras:NAME")

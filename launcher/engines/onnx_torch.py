@@ -861,6 +861,18 @@ def _pool_params(n: NodeView):
     return nd, kernel, strides, dil, begin, end, bool(n.attr("ceil_mode", 0))
 
 
+def _torch_takes_pads(begin, end, kernel) -> bool:
+    """Whether torch's pooling takes these pads itself: symmetric, and at most half the kernel."""
+    return begin == end and all(2 * p <= k for p, k in zip(begin, kernel))
+
+
+def _cropped(pool: Callable, crop) -> Callable:
+    """``pool`` whose output is cut by ``crop`` (``_ceil_crop``; None: as it is)."""
+    if crop is None:
+        return pool
+    return lambda x: pool(x)[crop]
+
+
 def _ceil_crop(n: NodeView, kernel, strides, dil, begin, end, ceil):
     """The index that cuts a pooling of an input padded by ``F.pad`` to ONNX's output size.  With ceil_mode, ONNX
     (and torch) drop a last window that would start in the end padding; torch, handed the pads as input, keeps
@@ -879,18 +891,16 @@ def _maxpool(n: NodeView):
     F = _torch().nn.functional
     nd, kernel, strides, dil, begin, end, ceil = _pool_params(n)
     fpool = {1: F.max_pool1d, 2: F.max_pool2d, 3: F.max_pool3d}[nd]
-    own_pads = begin == end and all(2 * p <= k for p, k in zip(begin, kernel))
+    own_pads = _torch_takes_pads(begin, end, kernel)
     if len(n.node.output) > 1 and n.node.output[1]:
         return _maxpool_indices(n, fpool, kernel, strides, dil, begin, ceil, own_pads)
     if own_pads:
         return lambda x: fpool(x, kernel, strides, begin, dil, ceil)
     pad = _torch_pad_arg(begin, end)
-    crop = _ceil_crop(n, kernel, strides, dil, begin, end, ceil)
     dt = n.inputs[0].dtype  # pads that never win the max: -inf, or an integer type's least value
     low = float("-inf") if dt.is_floating_point else _torch().iinfo(dt).min
-    if crop is None:
-        return lambda x: fpool(F.pad(x, pad, value=low), kernel, strides, 0, dil, ceil)
-    return lambda x: fpool(F.pad(x, pad, value=low), kernel, strides, 0, dil, ceil)[crop]
+    return _cropped(lambda x: fpool(F.pad(x, pad, value=low), kernel, strides, 0, dil, ceil),
+                    _ceil_crop(n, kernel, strides, dil, begin, end, ceil))
 
 
 def _maxpool_indices(n: NodeView, fpool, kernel, strides, dil, pads, ceil, own_pads):
@@ -922,7 +932,7 @@ def _avgpool(n: NodeView):
         n.fail("dilations")
     cip = bool(n.attr("count_include_pad", 0))
     fpool = {1: F.avg_pool1d, 2: F.avg_pool2d, 3: F.avg_pool3d}[nd]
-    if begin == end and all(2 * p <= k for p, k in zip(begin, kernel)):
+    if _torch_takes_pads(begin, end, kernel):
         if nd == 1:
             return lambda x: fpool(x, kernel, strides, begin, ceil, cip)
         return lambda x: fpool(x, kernel, strides, begin, ceil, cip, None)
@@ -935,14 +945,11 @@ def _avgpool(n: NodeView):
         mask_shape = [1, 1, *n.shape(0)[2:]]
 
         def mean_of_input(x):
-            y = fpool(F.pad(x, pad), kernel, strides, 0, ceil, True) / fpool(F.pad(x.new_ones(mask_shape), pad),
-                                                                            kernel, strides, 0, ceil, True)
-            return y if crop is None else y[crop]
+            return fpool(F.pad(x, pad), kernel, strides, 0, ceil, True) / fpool(F.pad(x.new_ones(mask_shape), pad),
+                                                                               kernel, strides, 0, ceil, True)
 
-        return mean_of_input
-    if crop is None:
-        return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)
-    return lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True)[crop]
+        return _cropped(mean_of_input, crop)
+    return _cropped(lambda x: fpool(F.pad(x, pad), kernel, strides, 0, ceil, True), crop)
 
 
 @converter("GlobalAveragePool", "GlobalMaxPool")
