@@ -45,7 +45,8 @@ from the recorded timings); ``--changed-weight`` rebuilds a copy of the model wi
 largest floating-point initializer scaled by 1.01: the same code, other values).  ``--table FILE
 ...`` prints the table of corpus_gpu.json files written before, one table of all their rows (no GPU needed; files
 without batches are batch 1; a later file's row of the same model and batch replaces an earlier one's unless it is
-an error).
+an error).  ``--costs`` times no torch.compile baseline (the bundle against its own engines on one stream): the
+build, load and rebuild costs of many models in one call.
 
 Writes corpus_gpu.json (one row per model and batch) and corpus_gpu.md under --out.
 """
@@ -186,10 +187,10 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     files = [f for f in (work / f"{stem}_bundle").rglob("*") if f.is_file()]
     row["bundle_mb"] = round(sum(f.stat().st_size for f in files) / 1e6, 1)
     row["engines_mb"] = round(sum(f.stat().st_size for f in files if "engines" in f.parts) / 1e6, 1)
-    # the baseline's compile, once, to fill Inductor's cache for the timing process (the machine's own cache)
-    t0 = time.perf_counter()
-    users_compiled(name, model, inputs)
-    row["compile_cold_s"] = time.perf_counter() - t0
+    if not args.costs:  # the baseline's compile, once, to fill Inductor's cache for the timing process
+        t0 = time.perf_counter()
+        users_compiled(name, model, inputs)
+        row["compile_cold_s"] = time.perf_counter() - t0
     return row
 
 
@@ -336,6 +337,12 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         single = GpuLauncher(bundle, single_stream=True, engines=la.engines)
         got = la(feeds)
         row["maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
+        row["streams"], row["engines"] = bundle.plan.num_streams, len(bundle.plan.branches)
+        if args.costs:  # the bundle against its own engines on one stream; no baseline compiled
+            with quiet_gpu(children):
+                times = _measure({"parastream": la, "one_stream": single}, runs=args.runs, warmup=50, seed=7)
+            _medians(row, times)
+            return row
         model = users_model(name, make_model(name)[0])  # as its users run it (BERT: transformers' default attention)
         t0 = time.perf_counter()
         # static shapes: this process compiles the same model at each batch, and dynamo would otherwise compile
@@ -351,10 +358,7 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         row["maxerr_compile"] = max_err(runner.out.float().cpu().numpy(), ref[first])
         with quiet_gpu(children):
             times = _measure({"parastream": la, "one_stream": single, "compile": runner}, runs=args.runs, warmup=50, seed=7)
-        for k, t in times.items():
-            row[f"{k}_ms"] = float(np.median(t))
-            row[f"{k}_p10_p90"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
-        row["streams"], row["engines"] = bundle.plan.num_streams, len(bundle.plan.branches)
+        _medians(row, times)
         return row
     finally:
         for launcher in (la, single):
@@ -365,6 +369,13 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         la = single = compiled = runner = model = None
         with contextlib.suppress(Exception):  # never in place of the error that ended the timing
             free_gpu()
+
+
+def _medians(row: dict, times: dict) -> None:
+    """Each timed runner's median and 10th-90th percentiles into ``row`` (``parastream_ms``, ...)."""
+    for k, t in times.items():
+        row[f"{k}_ms"] = float(np.median(t))
+        row[f"{k}_p10_p90"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
 
 
 def free_gpu() -> None:
@@ -467,6 +478,14 @@ def _sizes(r: dict) -> str:
     return f"{r['bundle_mb']:.0f} ({r['engines_mb']:.0f})" if "bundle_mb" in r else "-"
 
 
+def _ms(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def _ratio(x) -> str:
+    return "-" if x is None else f"{x:.2f}x"
+
+
 def table(rows: list[dict]) -> str:
     """The markdown table of ``rows`` (each model's batches together, in the order the models first appear), then
     per batch the geometric mean of the ratios and the models slower than torch.compile."""
@@ -487,8 +506,10 @@ def table(rows: list[dict]) -> str:
             out.append(f"| {r['model']} | {family(r['model'])} | {batch} | error: {str(r.get('error', '?'))[:120]} |"
                        + " |" * (len(COLUMNS) - 4))
             continue
-        c, b = r["compile_ms"] / r["parastream_ms"], r["one_stream_ms"] / r["parastream_ms"]
-        by_batch.setdefault(batch, []).append((r["model"], c, b))
+        b = r["one_stream_ms"] / r["parastream_ms"]
+        c = r["compile_ms"] / r["parastream_ms"] if "compile_ms" in r else None  # --costs rows time no baseline
+        if c is not None:
+            by_batch.setdefault(batch, []).append((r["model"], c, b))
         err = max(r["maxerr"].values())
         fl = r.get("fresh_load") or {}
         fresh = (f"{fl['median_s']:.1f} ({', '.join(f'{x:.1f}' for x in fl['each_s'])})" if "median_s" in fl
@@ -502,7 +523,7 @@ def table(rows: list[dict]) -> str:
         again = (f"{rb['build_s']:.0f} ({rb['compile_jobs']} compile jobs)" if "build_s" in rb else rb.get("error", "-")[:60])
         out.append(f"| {r['model']} | {family(r['model'])} | {batch} | {r['nodes'][0]} → {r['nodes'][1]} | "
                    f"{r['streams']} / {r['engines']} | {r['parastream_ms']:.3f} | {batch * 1e3 / r['parastream_ms']:,.0f} | "
-                   f"{r['one_stream_ms']:.3f} | {r['compile_ms']:.3f} | {c:.2f}x | {b:.2f}x | {kept(r)} | "
+                   f"{r['one_stream_ms']:.3f} | {_ms(r.get('compile_ms'))} | {_ratio(c)} | {b:.2f}x | {kept(r)} | "
                    f"{err:.1e} | {r.get('build_s', 0):.0f} | {_stages(r)} | {r.get('load_s', 0):.1f} | {fresh} | {again} | "
                    f"{_sizes(r)} |")
     out.append("")
@@ -558,6 +579,9 @@ def parse_args(argv=None) -> argparse.Namespace:
                     help="with --rebuild: rebuild the model with its largest weight scaled by 1.01")
     ap.add_argument("--rebuild", action="store_true",
                     help="build each model with a --cache-dir and build it again in a fresh process (the warm rebuild)")
+    ap.add_argument("--costs", action="store_true",
+                    help="build, load and rebuild costs: the bundle timed against its own engines on one stream, no "
+                         "torch.compile baseline compiled or timed (saves each model the baseline's two compiles)")
     ap.add_argument("--table", nargs="+", default=None, metavar="JSON",
                     help="print the table of corpus_gpu.json files (their rows together; rows without a batch are "
                          "batch 1) and exit")
@@ -638,7 +662,8 @@ def main(argv=None) -> int:
             measure_s, top_k = build_settings(batch, args)
             cmd = [sys.executable, __file__, "--rebuild-of" if again else "--prepare", model, "--batch", str(batch),
                    "--work", str(work), "--measure-seconds", str(measure_s), "--top-k", str(top_k)] \
-                + (["--rebuild"] if args.rebuild else []) + (["--changed-weight"] if args.changed_weight else [])
+                + (["--rebuild"] if args.rebuild else []) + (["--changed-weight"] if args.changed_weight else []) \
+                + (["--costs"] if args.costs else [])
             running[job] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True), f, time.perf_counter())
             print(f"[{elapsed:5.0f} s] {'rebuild' if again else 'build'} {model} at batch {batch}", flush=True)
         done = [j for j, (p, _, _) in running.items() if p.poll() is not None]

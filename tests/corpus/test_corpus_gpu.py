@@ -220,3 +220,32 @@ def test_each_build_starts_with_compiler_caches_of_its_own(tmp_path, monkeypatch
         assert (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "kernel").is_file()  # the rebuild: as it was left
     with corpus_gpu.build_caches("bert_b1", tmp_path, empty=True):
         assert not (Path(os.environ["TORCHINDUCTOR_CACHE_DIR"]) / "kernel").exists()  # a first build: empty
+
+
+def test_a_costs_row_has_no_baseline_and_stays_out_of_the_geometric_mean():
+    """``--costs`` rows time the bundle against its own engines only: no torch.compile column, no ratio to it."""
+    costs = _row("nasnetalarge", 1, 1.5, 0.0, fresh_load={"median_s": 2.8, "each_s": [2.8, 2.9, 2.7]},
+                 rebuild={"build_s": 9.0, "compile_jobs": 0})
+    del costs["compile_ms"]
+    text = corpus_gpu.table([costs, _row("resnet50", 1, 0.3, 0.45)])
+    body = [ln for ln in text.splitlines()[2:] if ln.startswith("| ")]
+    cells = [c.strip() for c in body[0].strip("|").split("|")]
+    header = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
+    assert cells[header.index("torch.compile ms")] == "-" and cells[header.index("vs compile")] == "-"
+    assert cells[header.index("vs one stream")] == "1.10x"
+    assert cells[header.index("fresh load s")].startswith("2.8 (2.8, 2.9, 2.7)")
+    assert cells[header.index("rebuild s")] == "9 (0 compile jobs)"
+    assert "batch 1: geometric mean over 1 models: 1.50x" in text  # resnet50 alone
+
+
+def test_costs_reaches_every_build_process(tmp_path, monkeypatch, capsys):
+    torch = pytest.importorskip("torch")
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "fake GPU")
+    monkeypatch.setattr(corpus_gpu.subprocess, "Popen", _FakeBuild)
+    monkeypatch.setattr(corpus_gpu, "time_model", _fake_timing)
+    monkeypatch.setattr(corpus_gpu, "free_gpu", lambda: None)
+    _FakeBuild.launched = []
+    assert corpus_gpu.main(["--models", "resnet50", "--costs", "--rebuild", "--fresh-loads", "0", "--workers", "1",
+                            "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 0
+    capsys.readouterr()
+    assert len(_FakeBuild.launched) == 2 and all("--costs" in c for c in _FakeBuild.launched)
