@@ -4,6 +4,7 @@ nothing whose code did not change.  On the CPU: the device is a stand-in, compil
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 
 from parastream.pipeline import zoo
@@ -428,6 +429,36 @@ def test_a_timing_whose_reference_drifted_is_taken_again(monkeypatch, reference_
     assert [b["reference"] for b in m.log[-1]["blocks_ms"]] == reference_ms[1:]
     assert all(b["candidate"] == 0.9 for b in m.log[-1]["blocks_ms"])
     m.close()
+
+
+@pytest.mark.parametrize("current_ms, won, tries", [
+    ([1.25, 1.0], False, 2),  # slow in the first try (25% over its usual 1.0): taken again, the plan's form kept
+    ([1.25, 1.3, 1.26], True, 3),  # slow in every try: after the retries the round goes by what was timed
+    ([1.04], False, 1),  # within the drift: timed once
+])
+def test_a_round_raced_while_its_reference_ran_slow_is_taken_again(monkeypatch, current_ms, won, tries):
+    """An input's round raced against the search's reference is timed again, as a candidate's timing is, when the
+    reference ran more than 5% slower than its usual median: otherwise a slow state of the reference's launcher
+    hands the round to its alternative (the alternative runs 1.1 ms here, 10% slower than the plan at rest)."""
+    import types
+
+    from parastream.pipeline import bench, measure
+
+    cur_iter = iter(current_ms)
+
+    def timed(launchers, **kw):
+        (current, _), (alt, _) = launchers.items()
+        return {current: np.full(9, next(cur_iter)), alt: np.full(9, 1.1)}
+
+    monkeypatch.setattr(bench, "measure", timed)
+    rounds: list = []
+    seen = [1.0, 1.01, 0.99]  # the reference's medians in the search so far
+    got = measure.race(rounds, "conv+ReLU", object(), object(), types.SimpleNamespace(num_streams=1), runs=9,
+                       since=0.0, lock=False, seen=seen)
+    assert got is won
+    assert len(rounds) == 1 and len(rounds[0].get("tries_ms", [None])) == tries
+    assert seen[3:] == current_ms  # each try's median joins the reference's record
+    assert rounds[0]["timed_ms"]["cuDNN fused conv+bias+ReLU"] == pytest.approx(current_ms[-1])
 
 
 def test_a_reference_whose_first_median_was_its_fastest_is_not_retried_for_ever(monkeypatch):
