@@ -1068,7 +1068,7 @@ def test_the_torch_builder_waits_for_background_compiles_only_where_some_are_in_
 def test_the_best_candidate_is_not_timed_as_one_engine_where_the_inputs_streams_won_by_far(monkeypatch, decided):
     """The cost model's best candidate, planned on streams and slower than the input, is timed as one engine for
     the whole model (a compile of it) unless the input's "streams" round was decided against its own engines on one
-    stream (its plan faster by more than 40%): the log then says why it was not."""
+    stream (its plan faster by more than ``STREAMS_DECIDED_BEYOND``): the log then says why it was not."""
     import types
 
     from parastream.pipeline.measure import SERIAL_LABEL, Variant
