@@ -306,6 +306,13 @@ INIT_RE = (r"parastream: {name}\S* ready in ([\d.]+) s \(imports and bundle open
            r"([\d.]+) s, )?\d+ branches loaded and captured ([\d.]+) s(?:; ([\d.]+) s since the stub process started)?\)")
 
 
+def logged_load_phases(log: str) -> list[dict]:
+    """model.py's load-phase lines in a server's ``log`` (its second line after ``ready in``: the launcher's engine
+    loads by phase, ``launcher.gpu.load_phases``), one {phase: seconds} per instance start logged."""
+    return [{k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", m)}
+            for m in re.findall(r"parastream: \S+ load phases \(s, summed over engines\): ([^\n]*)", log)]
+
+
 def instance_starts(name: str, args, work: Path, res: dict) -> dict:
     """``--starts N``: the model's bundle served N times, each by a new server (a new stub process: a Triton
     instance start as a deployment sees it), one HTTP request checked against onnxruntime each time; what each
@@ -329,6 +336,7 @@ def instance_starts(name: str, args, work: Path, res: dict) -> dict:
             start["initialize"] = [{"initialize_s": float(a), "open_s": float(b), "torch_at_s": float(c) if c else None,
                                     "load_capture_s": float(d), "stub_age_s": float(e) if e else None}
                                    for a, b, c, d, e in re.findall(INIT_RE.format(name=re.escape(name)), log)]
+            start["load_phases"] = logged_load_phases(log)
             start["tracebacks"] = log.count("Traceback (most recent call last)")
             server.stop()
         print(json.dumps(start), flush=True)

@@ -4,6 +4,7 @@ CPU with onnxruntime bundles, against ONNX Runtime on the original model (max re
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -63,6 +64,31 @@ def test_initialize_logs_how_long_the_instance_took_to_be_ready(bundles, tmp_pat
     assert f"{len(model.plan.branches)} branches loaded" in ready[0]
     age = re.search(r"; ([\d.]+) s since the stub process started\)$", ready[0])  # this test process's age, here
     assert age and float(age.group(1)) >= model.initialize_s, ready[0]
+
+
+def test_a_gpu_launchers_load_phases_are_what_the_second_line_logs(bundles, tmp_path, pb_utils):
+    """model.py's load-phase line takes the launcher's phases where its engines record them (torch engines on the
+    GPU) and nothing else; bench/triton_gpu.py reads the line back as numbers.  A CPU instance logs no such line."""
+    import sys
+    import types
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    import triton_gpu
+
+    pb_utils.Logger.messages.clear()
+    model_dir = export_triton(bundles["three"][0], tmp_path / "repo", name="m")
+    module = load_model_py(model_dir)
+    module.TritonPythonModel().initialize(initialize_args(model_dir))
+    assert [m for _, m in pb_utils.Logger.messages if "ready in" in m]
+    assert not [m for _, m in pb_utils.Logger.messages if "load phases" in m]  # CPU: none
+    engines = [types.SimpleNamespace(phases={"unpack": 0.25, "warm": 0.5}), types.SimpleNamespace(phases={"warm": 0.25})]
+    runner = types.SimpleNamespace(engines=engines, load_s=1.5, warm_s=0.8, ready_s=2.0)
+    got = module._load_phases(runner)
+    assert got == {"unpack": 0.25, "warm": 0.75, "engines": 1.5, "warm_wall": 0.8, "ready": 2.0}
+    assert module._load_phases(types.SimpleNamespace(engines=[types.SimpleNamespace()], load_s=1.0)) == {}
+    line = "parastream: m_0_0 load phases (s, summed over engines): " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
+    log = f"I1130 model.py:199] parastream: m_0_0 ready in 2.00 s (...)\nI1130 model.py:202] {line}\nnext line\n"
+    assert triton_gpu.logged_load_phases(log) == [got]
 
 
 def test_two_outputs(bundles, tmp_path, pb_utils):
