@@ -156,6 +156,15 @@ PREFER_CURRENT_WITHIN = {"attention": 0.01, "GEMM epilogue": 0.01, "engine block
 ROUND_APPLIES = {"attention": has_fused_attention, "GEMM epilogue": has_gemm_epilogue, "conv+ReLU": has_conv_relu}
 
 
+def round_changes(what: str):
+    """Whether an engine (its branch's model) holds a node that round ``what``'s alternative changes: the fusion
+    rounds' nodes (``ROUND_APPLIES``) or a depthwise convolution; None for the rounds that change every engine
+    (boundary layout, streams, engine blocks)."""
+    if what in dict(DEPTHWISE_ROUNDS):
+        return lambda b: bool(depthwise_keys(b))
+    return ROUND_APPLIES.get(what)
+
+
 #: a round that the input's plan decided by at least this share is taken as decided for a rewritten plan that
 #: replaced the input (a candidate the search kept): its alternative is neither compiled nor timed again
 CARRY_MARGIN = 0.10
@@ -632,6 +641,7 @@ class GpuMeasurer:
         self.adopted: list[tuple[onnx.ModelProto, gs.Graph]] = []  # the search's candidates with their graphs
         self.prepared: list[onnx.ModelProto] = []
         self.early: dict = {}  # the input's alternatives: its plan, the rounds timed, the rest (round, variant, keys)
+        self._apart_seen: dict = {}  # ``_apart``'s answers, by (flipped round, round)
         self.alternatives_queued = False
         self.one_engine_won: list[tuple[onnx.ModelProto, dict]] = []  # (candidate, its times): ``_as_one_engine``
         self.input_streams = 0  # the streams of the input's plan, once it is prepared
@@ -750,7 +760,7 @@ class GpuMeasurer:
                 self.engines.precompile(speculative, background=True, cancellable=False,
                                         label="alternatives of alternatives")
             if keys is not None and len(keys) == len(sampled) + len(compiled) and models[0] is self.loaded.model:
-                self.early.update(plan=variants[0].plan, rounds=[],
+                self.early.update(plan=variants[0].plan, variant=variants[0], rounds=[],
                                   todo=[(what, a, [k for ks in keys[i:j] for k in ks])
                                         for (what, a), (i, j) in zip(named, spans)])
             got["alternatives"] = alt
@@ -1020,7 +1030,8 @@ class GpuMeasurer:
 
     def _raceable(self) -> list[tuple]:
         """The input's rounds still to time that can be timed against the input's plan: all of them, or, once a
-        round's alternative won (``early["stopped"]``), the depthwise sample where that round's fusion converts no
+        round's alternative won (``early["flips"]``), the rounds whose alternative changes no engine holding a
+        node that fusion converts (``_apart``), and the depthwise sample where that round's fusion converts no
         node of the sampled engines (``ROUND_APPLIES``): their code, and so the sample's times, are the same with
         the fusion off, and the sample decides its rounds for the plan the build goes on with.  Timed after the
         search instead, the depthwise rounds race the whole plan's alternatives (NASNet-A Large, H200: its
@@ -1030,9 +1041,31 @@ class GpuMeasurer:
         todo = early.get("todo") or []
         if not early.get("stopped"):
             return list(todo)
-        applies = ROUND_APPLIES.get(early.get("flipped"))
-        return [item for item in todo
-                if applies is not None and isinstance(item[1], DepthwiseSample) and not applies(item[1].current.model)]
+        flips = early.get("flips") or []
+        if not flips:  # stopped by a round that could not be timed: the build times the rest after the search
+            return []
+
+        def raceable(what: str, a) -> bool:
+            if isinstance(a, DepthwiseSample):
+                return all(ROUND_APPLIES.get(f) is not None and not ROUND_APPLIES[f](a.current.model) for f in flips)
+            return all(self._apart(f, what) for f in flips)
+
+        return [item for item in todo if raceable(item[0], item[1])]
+
+    def _apart(self, flipped: str, what: str) -> bool:
+        """Whether round ``what``'s alternative changes only engines of the input's plan that hold no node the
+        ``flipped`` round's fusion converts (``round_changes``, per engine): those engines are the same code in
+        the flipped plan, so ``what`` raced against the input's plan decides it for the flipped one too, and the
+        build need not load and time it again after the search (NASNet-A Large, H200: its head's GEMM-epilogue
+        round flipped, and the conv+ReLU and boundary-layout rounds were timed again on the flipped plan, 10 s; the
+        head holds no convolution).  Rounds that change every engine (boundary layout, streams, engine blocks)
+        never are."""
+        key = (flipped, what)
+        if key not in self._apart_seen:
+            flip, other, v = round_changes(flipped), round_changes(what), self.early.get("variant")
+            self._apart_seen[key] = bool(flip and other and v is not None) and not any(
+                flip(b) and other(b) for b in self.engines.branch_models(v))
+        return self._apart_seen[key]
 
     # -- the input's alternatives, timed during the search -----------------------------------------------------
     def time_ready(self, wait: bool = False) -> None:
@@ -1060,8 +1093,8 @@ class GpuMeasurer:
         self.early["todo"].remove(item)
         won = self._race_early(what, v)
         if won and what not in ("streams", "engine blocks"):
-            self.early["stopped"] = f"{what}: the alternative won; the rest are timed after the search"
-            self.early["flipped"] = what
+            self.early.setdefault("stopped", f"{what}: the alternative won; the rest are timed after the search")
+            self.early.setdefault("flips", []).append(what)
         return won
 
     def _streams_first(self) -> None:
@@ -1117,6 +1150,10 @@ class GpuMeasurer:
             early["stopped"] = f"{what}: {type(e).__name__}: {e}"
             return None
         early["rounds"][-1]["started_s"] = round(t0 - self.t_made, 3)
+        if early.get("flips"):
+            early["rounds"][-1]["timed"] = (f"during the search, against the input's plan after its "
+                                            f"{' and '.join(early['flips'])} round went to the alternative: no engine "
+                                            "holds nodes of both")
         if "sample" in early and what in dict(DEPTHWISE_ROUNDS):
             early["rounds"][-1]["sample"] = early.pop("sample")
         if "serial" in early and what == "streams":

@@ -907,6 +907,54 @@ def test_a_sampled_round_left_open_compiles_nothing_for_a_kept_candidate(monkeyp
     m.close()
 
 
+@pytest.mark.parametrize("head_holds_a_conv", [False, True])
+def test_a_round_apart_from_the_flipped_one_is_still_raced_against_the_input(monkeypatch, head_holds_a_conv):
+    """The input's GEMM-epilogue round goes to its alternative during the search.  The conv+ReLU round changes only
+    engines holding a conv+ReLU; where none of them holds a node the GEMM epilogue converts (a classifier head
+    apart from the convolutions), its race against the input's plan decides it for the flipped plan too, so it is
+    still timed during the search; where one engine holds both, it is left for after the search, as the boundary
+    layout (every engine) always is.  Its round says why it was timed against the input."""
+    import types
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    times = {"gemm off": 0.9, "unfused": 1.2, "contiguous": 1.3, "the input": 1.0}
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {
+        k: np.full(5, times[la.variant]) for k, la in launchers.items()})
+    monkeypatch.setitem(measure.ROUND_APPLIES, "GEMM epilogue", lambda b: "gemm" in b)
+    monkeypatch.setitem(measure.ROUND_APPLIES, "conv+ReLU", lambda b: "conv" in b)
+    branches = [{"conv"}, {"conv"}, {"gemm", "conv"} if head_holds_a_conv else {"gemm"}]
+    loaded = []
+
+    def launcher(v):
+        loaded.append(v)
+        return types.SimpleNamespace(variant=v, close=lambda: None)
+
+    engines = types.SimpleNamespace(backend=types.SimpleNamespace(background_compiles=False, compiling=lambda keys: 0),
+                                    launcher=launcher, branch_models=lambda v: branches)
+    m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None,
+                    max_streams=4, budget_s=1.0)
+    m.reference = (types.SimpleNamespace(variant="the input"), 1.0)
+    m.early.update(plan=types.SimpleNamespace(num_streams=1), variant="the input's variant", rounds=[],
+                   todo=[("GEMM epilogue", "gemm off", ["a"]), ("conv+ReLU", "unfused", ["b"]),
+                         ("boundary layout", "contiguous", ["c"])])
+    m.time_ready(wait=True)
+    assert "GEMM epilogue: the alternative won" in m.early["stopped"] and m.early["flips"] == ["GEMM epilogue"]
+    rounds = {r["choice"]: r for r in m.early["rounds"]}
+    if head_holds_a_conv:
+        assert loaded == ["gemm off"] and set(rounds) == {"GEMM epilogue"}
+        assert [t[0] for t in m.early["todo"]] == ["conv+ReLU", "boundary layout"]
+    else:
+        assert loaded == ["gemm off", "unfused"] and set(rounds) == {"GEMM epilogue", "conv+ReLU"}
+        assert rounds["conv+ReLU"]["won"] == "cuDNN fused conv+bias+ReLU"
+        assert "after its GEMM epilogue round went to the alternative" in rounds["conv+ReLU"]["timed"]
+        assert [t[0] for t in m.early["todo"]] == ["boundary layout"]
+    done = m.alternatives_timed()
+    assert done["partial"] and [r["choice"] for r in done["rounds"]] == list(rounds)
+
+
 @pytest.mark.parametrize("serial", [2.0, 1.2])
 def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_compile(monkeypatch, tmp_path, serial):
     """The input's "streams" round is queued without its rival's compile (the graph on one stream: a whole-model
