@@ -163,13 +163,18 @@ def _fake_timing(name, batch, work, row, args, children):
                 streams=1, engines=1, load_s=0.5)
 
 
-def test_run_one_row_per_model_and_batch(tmp_path, monkeypatch, capsys):
+@pytest.fixture
+def fake_run(monkeypatch):
+    """``main``'s run with its builds as ``_FakeBuild`` processes (each launch recorded) and ``_fake_timing``."""
     torch = pytest.importorskip("torch")
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "fake GPU")
     monkeypatch.setattr(corpus_gpu.subprocess, "Popen", _FakeBuild)
     monkeypatch.setattr(corpus_gpu, "time_model", _fake_timing)
     monkeypatch.setattr(corpus_gpu, "free_gpu", lambda: None)
     _FakeBuild.launched = []
+
+
+def test_run_one_row_per_model_and_batch(tmp_path, fake_run, capsys):
     out = tmp_path / "out"
     assert corpus_gpu.main(["--models", "resnet50,broken", "--batches", "1,8,32", "--search-batches", "1",
                             "--measure-seconds", "25", "--top-k", "7", "--fresh-loads", "0", "--rebuild",
@@ -238,13 +243,7 @@ def test_a_costs_row_has_no_baseline_and_stays_out_of_the_geometric_mean():
     assert "batch 1: geometric mean over 1 models: 1.50x" in text  # resnet50 alone
 
 
-def test_costs_reaches_every_build_process(tmp_path, monkeypatch, capsys):
-    torch = pytest.importorskip("torch")
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *_: "fake GPU")
-    monkeypatch.setattr(corpus_gpu.subprocess, "Popen", _FakeBuild)
-    monkeypatch.setattr(corpus_gpu, "time_model", _fake_timing)
-    monkeypatch.setattr(corpus_gpu, "free_gpu", lambda: None)
-    _FakeBuild.launched = []
+def test_costs_reaches_every_build_process(tmp_path, fake_run, capsys):
     assert corpus_gpu.main(["--models", "resnet50", "--costs", "--rebuild", "--fresh-loads", "0", "--workers", "1",
                             "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 0
     capsys.readouterr()
