@@ -1658,12 +1658,16 @@ _RNN_ACTIVATIONS = {"Sigmoid": "sigmoid", "Tanh": "tanh", "Relu": "relu"}
 _RNN_KINDS = {"LSTM": (4, ("Sigmoid", "Tanh", "Tanh")), "GRU": (3, ("Sigmoid", "Tanh")), "RNN": (1, ("Tanh",))}
 
 
+#: per kind, where ONNX's gates (LSTM i, o, f, c; GRU z, r, h) are in torch's order (LSTM i, f, g, o; GRU r, z, n)
+_TORCH_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN": (0,)}
 @converter("LSTM", "GRU", "RNN")
 def _recurrent(n: NodeView):
-    """LSTM, GRU and RNN as their equations, one time step after another (the sequence length is static), each
-    direction's input products for every step as one matrix product first.  Written out rather than torch's
-    ``lstm``/``gru`` ops: those are cuDNN calls that Inductor does not compile into a branch's kernels, and their
-    gate order and biases differ from ONNX's (ONNX: LSTM i, o, f, c; GRU z, r, h; one bias for W and one for R).
+    """LSTM, GRU and RNN.  Where torch's own layer computes what ONNX's does (the default activations, or Relu
+    throughout for an RNN; no clip, no peepholes, no input_forget; a GRU's linear_before_reset, which torch's GRU
+    always does), one call of ``torch.ops.parastream.rnn`` (``recurrent_op``) with the weights in torch's gate
+    order (``_TORCH_GATES``; ONNX has one bias for W and one for R, as torch does); a reverse direction runs
+    forward on the time-reversed sequence.  Otherwise written out as the equations, one time step after another
+    (the sequence length is static), each direction's input products for every step as one matrix product first.
     Refused by name: activations outside ``_RNN_ACTIVATIONS`` or with alpha/beta, LSTM's input_forget, and
     sequence lengths that are not the full length for every sequence (padding, which this does not mask)."""
     torch = _torch()
@@ -1692,6 +1696,12 @@ def _recurrent(n: NodeView):
             n.fail(f"sequence_lens other than the full length {seq} for every sequence (constant) are not mapped")
     clip = n.attr("clip")
     before_reset = int(n.attr("linear_before_reset", 0))
+    if clip is None and not n.has_input(7) and (n.op != "GRU" or before_reset):
+        per = len(default_acts)
+        if n.op == "RNN" and len(set(names)) == 1 and names[0] in ("Tanh", "Relu"):  # torch's RNN: tanh or relu, alike in both directions
+            return _torch_rnn(n, f"RNN_{names[0].upper()}", gates, hidden, dirs, direction, layout, seq)
+        if n.op != "RNN" and all(tuple(names[d * per:(d + 1) * per]) == default_acts for d in range(dirs)):
+            return _torch_rnn(n, n.op, gates, hidden, dirs, direction, layout, seq)
 
     def squash(f, v):
         return f(v.clamp(-clip, clip) if clip is not None else v)
@@ -1747,6 +1757,46 @@ def _recurrent(n: NodeView):
         if layout:
             y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
             yc = yc.transpose(0, 1) if yc is not None else None
+        return (y, yh, yc) if n.op == "LSTM" else (y, yh)
+
+    return run
+
+
+def _torch_rnn(n: NodeView, kind: str, gates: int, hidden: int, dirs: int, direction: str, layout: int, seq: int):
+    """``_recurrent``'s step as one ``torch.ops.parastream.rnn`` call (``kind``: LSTM, GRU, RNN_TANH or
+    RNN_RELU): the inputs and states in ONNX's layout, the outputs too (Y [seq, directions, batch, hidden])."""
+    from .recurrent_op import register_rnn_op
+
+    torch = _torch()
+    register_rnn_op()
+    order = _TORCH_GATES[n.op]
+
+    def torch_order(t):  # gate blocks along the first axis, ONNX's order to torch's
+        return torch.cat([t[g * hidden:(g + 1) * hidden] for g in order]) if len(order) > 1 else t
+
+    def run(x, w, r, b=None, _lens=None, h0=None, c0=None, p=None):
+        if layout:  # [batch, seq, input] and states [batch, directions, hidden]
+            x = x.transpose(0, 1)
+            h0 = h0.transpose(0, 1) if h0 is not None else None
+            c0 = c0.transpose(0, 1) if c0 is not None else None
+        batch = x.shape[1]
+        if direction == "reverse":
+            x = x.flip(0)
+        weights = []
+        for d in range(dirs):
+            bias = b[d] if b is not None else x.new_zeros(2 * gates * hidden)
+            weights += [torch_order(w[d]), torch_order(r[d]), torch_order(bias[:gates * hidden]),
+                        torch_order(bias[gates * hidden:])]
+        h = h0.contiguous() if h0 is not None else x.new_zeros(dirs, batch, hidden)
+        c = (c0.contiguous() if c0 is not None else x.new_zeros(dirs, batch, hidden)) if n.op == "LSTM" else None
+        y, yh, yc = torch.ops.parastream.rnn(kind, x.contiguous(), weights, h, c, dirs == 2)
+        y = y.view(seq, batch, dirs, hidden)
+        if direction == "reverse":
+            y = y.flip(0)
+        y = y.permute(0, 2, 1, 3)  # [seq, directions, batch, hidden]
+        if layout:
+            y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
+            yc = yc.transpose(0, 1) if n.op == "LSTM" else yc
         return (y, yh, yc) if n.op == "LSTM" else (y, yh)
 
     return run
@@ -1934,8 +1984,9 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: product (``_conv_as_patch_gemm``); 6 folds a projection shortcut's bias into the fused residual step
 #: (``_fold_shortcut_bias``) and asks for the fused steps' inputs channels-last (``_ConvFn.relu_fused``); 7
 #: computes what ONNX does where 6 did not (Resize by scales, pools with ceil_mode cropped, TopK's ties, Flatten's
-#: negative axis, Slice's clamped start, ...): a cached engine of 6 may hold the old results
-CONVERTER_VERSION = 7
+#: negative axis, Slice's clamped start, ...): a cached engine of 6 may hold the old results; 8 runs LSTM, GRU and
+#: RNN layers as torch's own where it computes the same (``recurrent_op``)
+CONVERTER_VERSION = 8
 
 
 def _transposed_weight(fn):

@@ -1219,6 +1219,9 @@ def _load_artifact(artifact: bytes, meta: dict, device: str):
         from .cudnn_plans import register_op
 
         register_op()
+    from .recurrent_op import register_rnn_op  # what an engine's LSTM, GRU and RNN layers call, likewise
+
+    register_rnn_op()
 
     if meta.get("compiled") == "kernels":  # Inductor's wrapper and cubins, without Inductor
         from .inductor_kernels import KernelsArtifact

@@ -475,3 +475,68 @@ def test_a_split_of_one_output_gives_that_output():
     del m.graph.output[:]
     m.graph.output.append(helper.make_tensor_value_info("z", F, [6, 4]))
     check(m, {"x": rng.standard_normal((4, 6)).astype(np.float32)})
+
+
+TORCH_LAYER = [("LSTM", {}), ("LSTM", {"direction": "reverse"}), ("LSTM", {"layout": 1, "direction": "bidirectional",
+               "states": True}), ("LSTM", {"bias": False}), ("GRU", {"linear_before_reset": 1, "direction": "bidirectional",
+               "states": True}), ("RNN", {}), ("RNN", {"activations": ["Relu", "Relu"], "direction": "bidirectional"})]
+WRITTEN_OUT = [("LSTM", {"peepholes": True}), ("LSTM", {"clip": 0.7}), ("GRU", {}),
+               ("LSTM", {"activations": ["Sigmoid", "Relu", "Tanh"]}), ("RNN", {"activations": ["Relu", "Tanh"],
+               "direction": "bidirectional"}), ("RNN", {"activations": ["Sigmoid"]})]
+
+
+@pytest.mark.parametrize("op,kw,as_torch", [(o, k, True) for o, k in TORCH_LAYER] + [(o, k, False) for o, k in WRITTEN_OUT])
+def test_recurrent_runs_as_torchs_own_layer_where_that_computes_the_same(monkeypatch, op, kw, as_torch):
+    """Where torch's layer computes what ONNX's node does (default activations, no clip, no peepholes, a GRU's
+    linear_before_reset), the node is one ``torch.ops.parastream.rnn`` call; otherwise it is written out step by
+    step.  Either way against ONNX Runtime (Relu RNNs and unrolled GRUs included)."""
+    from parastream.launcher.engines import onnx_torch
+
+    used = []
+    real = onnx_torch._torch_rnn
+    monkeypatch.setattr(onnx_torch, "_torch_rnn", lambda n, kind, *a: used.append(kind) or real(n, kind, *a))
+    m, feeds = recurrent(op, **kw)
+    if kw.get("layout"):
+        from onnx.reference import ReferenceEvaluator
+
+        module = convert(m)
+        with torch.no_grad():
+            outs = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+        for o, r in zip(outs, ReferenceEvaluator(m).run(None, feeds), strict=True):
+            np.testing.assert_allclose(o.numpy(), r, rtol=1e-5, atol=1e-5)
+    else:
+        check(m, feeds, rtol=1e-5, atol=1e-5)
+    assert bool(used) is as_torch
+    if as_torch:
+        assert used[0] == (op if op != "RNN" else f"RNN_{(kw.get('activations') or ['Tanh'])[0].upper()}")
+
+
+def test_torchs_recurrent_layer_compiles_as_one_call():
+    """torch.compile takes the converted LSTM whole (``fullgraph``: no graph break) with the layer an extern call,
+    not one set of kernels per time step, and computes what the module does eagerly."""
+    m, feeds = recurrent("LSTM", seq=12, direction="bidirectional", states=True)
+    module = convert(m)
+    args = [torch.from_numpy(feeds[n]) for n in module.input_names]
+    with torch.no_grad():
+        want = module(*args)
+        got = torch.compile(module, fullgraph=True, backend="aot_eager")(*args)
+    for g, w in zip(got, want, strict=True):
+        np.testing.assert_allclose(g.numpy(), w.numpy(), rtol=1e-6, atol=1e-6)
+
+
+def test_an_engines_load_defines_the_recurrent_op_before_its_code_runs(monkeypatch):
+    """A bundle's engine whose code calls ``torch.ops.parastream.rnn`` loads in a process that never converted a
+    model: the artifact's load defines the op first (``recurrent_op``), for every artifact format and device."""
+    from parastream.launcher.engines import inductor_kernels, recurrent_op
+    from parastream.launcher.engines import torch as tb
+
+    order = []
+    monkeypatch.setattr(recurrent_op, "register_rnn_op", lambda: order.append("op defined"))
+    monkeypatch.setattr(inductor_kernels, "KernelsArtifact", lambda *a: order.append("code loaded") or "artifact")
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    assert tb._load_artifact(b"wrapper and cubins", {"compiled": "kernels"}, "cpu") == "artifact"
+    assert order == ["op defined", "code loaded"]
+    monkeypatch.undo()  # the real one, twice: defined once per process
+    recurrent_op.register_rnn_op()
+    recurrent_op.register_rnn_op()
+    assert hasattr(torch.ops.parastream, "rnn") and len(recurrent_op._RNN_OP) == 1

@@ -1,0 +1,117 @@
+#!/usr/bin/env python3
+"""What a recurrent layer costs a build: the torch converter's two forms of an ONNX LSTM (or GRU), compiled by
+Inductor and timed, side by side in one process.
+
+  torch layer   one ``torch.ops.parastream.rnn`` call (torch's own layer: cuDNN's kernel on the GPU), which
+                Inductor leaves an extern call (what the converter builds wherever torch's layer computes what
+                ONNX's node does)
+  written out   the layer's equations one time step after another (the converter's form for what torch's layer
+                cannot say: peepholes, clip, other activations), forced here by a clip no value reaches (1e30:
+                the same values)
+
+Per sequence length of ``--seqs``: ``torch.compile`` (Inductor, ``fullgraph``) seconds to the first result, then
+the compiled module's median seconds per call over ``--runs`` calls after warm-up (CUDA events on the GPU), and
+the two forms' largest difference.  Each form and length compiles in a fresh Inductor cache.
+
+    python3 bench/recurrent_compile.py [--device cuda] [--op LSTM] [--seqs 16,64] [--hidden 192] [--out DIR]
+
+Writes recurrent_compile.json under --out.  Sequencer2D-S (timm) holds 36 bidirectional LSTMs of 16 and 32 steps
+(hidden 48-96): ~1400 written-out steps, whose ``torch.compile`` took 294 s on the 2-core CPU.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE.parent / "tests" / "engines"))
+sys.path.insert(0, str(HERE.parent / "tests"))
+
+
+def layer(op: str, seq: int, hidden: int, batch: int, written_out: bool):
+    """(ONNX model, feeds): one bidirectional ``op`` node with its states as inputs (tests' ``recurrent``)."""
+    from onnx import helper
+    from test_onnx_torch_ops import recurrent
+
+    kw = {"linear_before_reset": 1} if op == "GRU" else {}
+    m, feeds = recurrent(op, seq=seq, batch=batch, inp=hidden, hidden=hidden, direction="bidirectional",
+                         states=True, **kw)
+    if written_out:
+        m.graph.node[0].attribute.append(helper.make_attribute("clip", 1e30))
+    return m, feeds
+
+
+def timed(fn, args, device: str, runs: int) -> float:
+    import torch
+
+    for _ in range(5):
+        fn(*args)
+    if device == "cuda":
+        torch.cuda.synchronize()
+        out = []
+        for _ in range(runs):
+            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+            a.record()
+            fn(*args)
+            b.record()
+            b.synchronize()
+            out.append(a.elapsed_time(b) / 1e3)
+        return statistics.median(out)
+    out = []
+    for _ in range(runs):
+        t = time.perf_counter()
+        fn(*args)
+        out.append(time.perf_counter() - t)
+    return statistics.median(out)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
+    ap.add_argument("--op", default="LSTM", choices=("LSTM", "GRU"))
+    ap.add_argument("--seqs", default="16,32")
+    ap.add_argument("--hidden", type=int, default=96)
+    ap.add_argument("--batch", type=int, default=14)
+    ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/recurrent_compile"))
+    args = ap.parse_args(argv)
+    import torch
+    from parastream.launcher.engines.onnx_torch import convert
+
+    rows = []
+    for seq in [int(s) for s in args.seqs.split(",")]:
+        row: dict = {"op": args.op, "seq": seq, "hidden": args.hidden, "batch": args.batch, "device": args.device}
+        outs = {}
+        for form in ("torch layer", "written out"):
+            m, feeds = layer(args.op, seq, args.hidden, args.batch, form == "written out")
+            module = convert(m).to(args.device)
+            xs = [torch.from_numpy(feeds[n]).to(args.device) for n in module.input_names]
+            with tempfile.TemporaryDirectory(prefix="recurrent-compile-") as d, torch.no_grad():
+                os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
+                torch._dynamo.reset()
+                t = time.perf_counter()
+                compiled = torch.compile(module, fullgraph=True)
+                outs[form] = [o.float().cpu().numpy() for o in compiled(*xs)]
+                row[f"{form} compile s"] = round(time.perf_counter() - t, 2)
+                row[f"{form} ms per call"] = round(timed(compiled, xs, args.device, args.runs) * 1e3, 4)
+        row["max diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(outs["torch layer"], outs["written out"]))
+        row["compile speed-up"] = round(row["written out compile s"] / row["torch layer compile s"], 2)
+        print(json.dumps(row), flush=True)
+        rows.append(row)
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    (out / "recurrent_compile.json").write_text(json.dumps(rows, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
