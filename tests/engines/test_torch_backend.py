@@ -189,3 +189,25 @@ def test_engine_enqueue_on_gpu_matches_onnxruntime(case, precision, tol, compile
         assert not np.isnan(got).any()
         assert rel_err(got, ref[t.name]) <= tol, (t.name, rel_err(got, ref[t.name]))
     cuda.stream_destroy(stream)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("precision,tol", [("fp32", 1e-3), ("fp16", 1e-2)])
+def test_recurrent_layers_replay_in_a_captured_graph(tmp_path, precision, tol):
+    """sequence_ops' LSTM and GRU run as torch's own layers (cuDNN's recurrent kernels, ``recurrent_op``) in a
+    bundle's engines, captured into the launcher's CUDA Graph and replayed on fresh inputs against onnxruntime."""
+    from handmade_bundles import make_bundle
+
+    from parastream.launcher.gpu import GpuLauncher
+
+    model = sequence_ops()
+    path = tmp_path / "sequence_ops.onnx"
+    onnx.save(model, str(path))
+    bundle = make_bundle(path, tmp_path / "bundle", backend="torch", streams=2, precision=precision)
+    with GpuLauncher(bundle, graph=True) as la:
+        for seed in (1, 2):
+            feeds = feeds_for(model, seed=seed)
+            ref = ort_run(model, feeds)
+            got = la(feeds)
+            for name in ref:
+                assert rel_err(got[name], ref[name]) <= tol, (name, rel_err(got[name], ref[name]))
