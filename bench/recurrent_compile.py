@@ -14,6 +14,7 @@ the compiled module's median seconds per call over ``--runs`` calls after warm-u
 the two forms' largest difference.  Each form and length compiles in a fresh Inductor cache.
 
     python3 bench/recurrent_compile.py [--device cuda] [--op LSTM] [--seqs 16,64] [--hidden 192] [--out DIR]
+    python3 bench/recurrent_compile.py --onnx sequencer2d_s.onnx [--device cuda] [--runs 10]   (a whole model)
 
 Writes recurrent_compile.json under --out.  Sequencer2D-S (timm) holds 36 bidirectional LSTMs of 16 and 32 steps
 (hidden 48-96): ~1400 written-out steps, whose ``torch.compile`` took 294 s on the 2-core CPU.
@@ -37,17 +38,48 @@ sys.path.insert(0, str(HERE.parent / "tests" / "engines"))
 sys.path.insert(0, str(HERE.parent / "tests"))
 
 
-def layer(op: str, seq: int, hidden: int, batch: int, written_out: bool):
-    """(ONNX model, feeds): one bidirectional ``op`` node with its states as inputs (tests' ``recurrent``)."""
+def layer(op: str, seq: int, hidden: int, batch: int):
+    """({form: ONNX model}, feeds): one bidirectional ``op`` node with its states as inputs (tests' ``recurrent``,
+    random weights), as it is ("torch layer") and with a clip no value reaches ("written out"): the same weights
+    and inputs for both."""
+    import onnx
     from onnx import helper
     from test_onnx_torch_ops import recurrent
 
     kw = {"linear_before_reset": 1} if op == "GRU" else {}
     m, feeds = recurrent(op, seq=seq, batch=batch, inp=hidden, hidden=hidden, direction="bidirectional",
                          states=True, **kw)
-    if written_out:
-        m.graph.node[0].attribute.append(helper.make_attribute("clip", 1e30))
-    return m, feeds
+    clipped = onnx.ModelProto()
+    clipped.CopyFrom(m)
+    clipped.graph.node[0].attribute.append(helper.make_attribute("clip", 1e30))
+    return {"torch layer": m, "written out": clipped}, feeds
+
+
+def model_forms(path: str) -> tuple[dict, dict]:
+    """({form: ONNX model}, feeds) of a whole exported model (``--onnx``): as it is, and with every LSTM, GRU and
+    RNN node given a clip no value reaches ("written out"); random inputs of its input shapes (float inputs
+    standard normal)."""
+    import onnx
+    from onnx import helper, numpy_helper  # noqa: F401
+
+    m = onnx.load(path)
+    clipped = onnx.ModelProto()
+    clipped.CopyFrom(m)
+    nodes = [n for n in clipped.graph.node if n.op_type in ("LSTM", "GRU", "RNN")]
+    if not nodes:
+        raise SystemExit(f"--onnx {path}: no LSTM, GRU or RNN node")
+    for n in nodes:
+        n.attribute.append(helper.make_attribute("clip", 1e30))
+    rng = np.random.default_rng(0)
+    init = {t.name for t in m.graph.initializer}
+    feeds = {}
+    for i in m.graph.input:
+        if i.name in init:
+            continue
+        shape = [d.dim_value or 1 for d in i.type.tensor_type.shape.dim]
+        dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
+        feeds[i.name] = rng.standard_normal(shape).astype(dtype)
+    return {"torch layer": m, "written out": clipped}, feeds
 
 
 def timed(fn, args, device: str, runs: int) -> float:
@@ -82,17 +114,26 @@ def main(argv=None) -> int:
     ap.add_argument("--hidden", type=int, default=96)
     ap.add_argument("--batch", type=int, default=14)
     ap.add_argument("--runs", type=int, default=50)
+    ap.add_argument("--onnx", default=None, help="a whole exported model instead of one layer (its every recurrent node)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/recurrent_compile"))
     args = ap.parse_args(argv)
     import torch
     from parastream.launcher.engines.onnx_torch import convert
 
+    # the process's first compile pays for importing and setting up dynamo and Inductor: paid here, untimed, so that
+    # neither form's seconds hold it
+    with torch.no_grad():
+        torch.compile(lambda x: (x * 2).sum(), fullgraph=True)(torch.ones(4, device=args.device))
     rows = []
-    for seq in [int(s) for s in args.seqs.split(",")]:
-        row: dict = {"op": args.op, "seq": seq, "hidden": args.hidden, "batch": args.batch, "device": args.device}
+    for seq in ([None] if args.onnx else [int(s) for s in args.seqs.split(",")]):
+        if args.onnx:
+            row: dict = {"model": args.onnx, "device": args.device}
+            models, feeds = model_forms(args.onnx)
+        else:
+            row = {"op": args.op, "seq": seq, "hidden": args.hidden, "batch": args.batch, "device": args.device}
+            models, feeds = layer(args.op, seq, args.hidden, args.batch)
         outs = {}
-        for form in ("torch layer", "written out"):
-            m, feeds = layer(args.op, seq, args.hidden, args.batch, form == "written out")
+        for form, m in models.items():
             module = convert(m).to(args.device)
             xs = [torch.from_numpy(feeds[n]).to(args.device) for n in module.input_names]
             with tempfile.TemporaryDirectory(prefix="recurrent-compile-") as d, torch.no_grad():
@@ -100,7 +141,8 @@ def main(argv=None) -> int:
                 torch._dynamo.reset()
                 t = time.perf_counter()
                 compiled = torch.compile(module, fullgraph=True)
-                outs[form] = [o.float().cpu().numpy() for o in compiled(*xs)]
+                got = compiled(*xs)
+                outs[form] = [o.float().cpu().numpy() for o in (got if isinstance(got, (tuple, list)) else [got])]
                 row[f"{form} compile s"] = round(time.perf_counter() - t, 2)
                 row[f"{form} ms per call"] = round(timed(compiled, xs, args.device, args.runs) * 1e3, 4)
         row["max diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(outs["torch layer"], outs["written out"]))
