@@ -21,8 +21,16 @@ def register_rnn_op() -> None:
     with _RNN_LOCK:
         if _RNN_OP:
             return
+        import warnings
+
         import torch
 
+        # cuDNN's recurrent call warns once per process that the weights "are not part of single contiguous chunk of
+        # memory" and tells the reader to call an nn.Module's flatten_parameters(): this op has no module, and its
+        # weights are an engine's inputs in ONNX's layout, reordered at each call (inside the captured graph), which
+        # the call then packs; the advice does not apply to a bundle's user
+        warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk",
+                                category=UserWarning)
         lib = torch.library.Library("parastream", "FRAGMENT")
         lib.define("rnn(str kind, Tensor x, Tensor[] weights, Tensor h0, Tensor? c0, bool bidirectional) "
                    "-> (Tensor, Tensor, Tensor)")
