@@ -25,22 +25,22 @@ def register_rnn_op() -> None:
 
         import torch
 
-        # cuDNN's recurrent call warns once per process that the weights "are not part of single contiguous chunk of
-        # memory" and tells the reader to call an nn.Module's flatten_parameters(): this op has no module, and its
-        # weights are an engine's inputs in ONNX's layout, reordered at each call (inside the captured graph), which
-        # the call then packs; the advice does not apply to a bundle's user
-        warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous chunk",
-                                category=UserWarning)
         lib = torch.library.Library("parastream", "FRAGMENT")
         lib.define("rnn(str kind, Tensor x, Tensor[] weights, Tensor h0, Tensor? c0, bool bidirectional) "
                    "-> (Tensor, Tensor, Tensor)")
 
         def impl(kind, x, weights, h0, c0, bidirectional):
             vf = torch._VF
-            if kind == "LSTM":
-                return tuple(vf.lstm(x, (h0, c0), weights, True, 1, 0.0, False, bidirectional, False))
-            fn = {"GRU": vf.gru, "RNN_TANH": vf.rnn_tanh, "RNN_RELU": vf.rnn_relu}[kind]
-            y, h = fn(x, h0, weights, True, 1, 0.0, False, bidirectional, False)
+            # cuDNN's call warns that the weights "are not part of single contiguous chunk of memory" and advises an
+            # nn.Module's flatten_parameters(): this op has no module, and its weights are an engine's inputs in
+            # ONNX's layout, reordered at each call, which cuDNN then packs.  Silenced around this call only (it runs
+            # at an engine's warm-up and capture, not at a graph's replays), not for the process's own modules
+            with warnings.catch_warnings():
+                warnings.filterwarnings("ignore", message="RNN module weights are not part of single contiguous")
+                if kind == "LSTM":
+                    return tuple(vf.lstm(x, (h0, c0), weights, True, 1, 0.0, False, bidirectional, False))
+                fn = {"GRU": vf.gru, "RNN_TANH": vf.rnn_tanh, "RNN_RELU": vf.rnn_relu}[kind]
+                y, h = fn(x, h0, weights, True, 1, 0.0, False, bidirectional, False)
             return y, h, h.new_empty(0)
 
         def fake(kind, x, weights, h0, c0, bidirectional):
