@@ -60,7 +60,7 @@ def model_forms(path: str) -> tuple[dict, dict]:
     RNN node given a clip no value reaches ("written out"); random inputs of its input shapes (float inputs
     standard normal)."""
     import onnx
-    from onnx import helper, numpy_helper  # noqa: F401
+    from onnx import helper
 
     m = onnx.load(path)
     clipped = onnx.ModelProto()

@@ -1660,6 +1660,8 @@ _RNN_KINDS = {"LSTM": (4, ("Sigmoid", "Tanh", "Tanh")), "GRU": (3, ("Sigmoid", "
 
 #: per kind, where ONNX's gates (LSTM i, o, f, c; GRU z, r, h) are in torch's order (LSTM i, f, g, o; GRU r, z, n)
 _TORCH_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN": (0,)}
+
+
 @converter("LSTM", "GRU", "RNN")
 def _recurrent(n: NodeView):
     """LSTM, GRU and RNN.  Where torch's own layer computes what ONNX's does (the default activations, or Relu
@@ -1698,7 +1700,8 @@ def _recurrent(n: NodeView):
     before_reset = int(n.attr("linear_before_reset", 0))
     if clip is None and not n.has_input(7) and (n.op != "GRU" or before_reset):
         per = len(default_acts)
-        if n.op == "RNN" and len(set(names)) == 1 and names[0] in ("Tanh", "Relu"):  # torch's RNN: tanh or relu, alike in both directions
+        # torch's RNN: tanh or relu, the same in both directions
+        if n.op == "RNN" and len(set(names)) == 1 and names[0] in ("Tanh", "Relu"):
             return _torch_rnn(n, f"RNN_{names[0].upper()}", gates, hidden, dirs, direction, layout, seq)
         if n.op != "RNN" and all(tuple(names[d * per:(d + 1) * per]) == default_acts for d in range(dirs)):
             return _torch_rnn(n, n.op, gates, hidden, dirs, direction, layout, seq)
