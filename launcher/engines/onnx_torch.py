@@ -1767,41 +1767,57 @@ def _recurrent(n: NodeView):
 
 def _torch_rnn(n: NodeView, kind: str, gates: int, hidden: int, dirs: int, direction: str, layout: int, seq: int):
     """``_recurrent``'s step as one ``torch.ops.parastream.rnn`` call (``kind``: LSTM, GRU, RNN_TANH or
-    RNN_RELU): the inputs and states in ONNX's layout, the outputs too (Y [seq, directions, batch, hidden])."""
+    RNN_RELU): the inputs and states in ONNX's layout, the outputs too (Y [seq, directions, batch, hidden]).  The
+    step reorders W, R and B into torch's gate order at each call; ``run.ordered`` is the same step for weights
+    stored in that order already, and ``run.torch_gate_order`` stores them so (``_recurrent_weights``)."""
     from .recurrent_op import register_rnn_op
 
     torch = _torch()
     register_rnn_op()
     order = _TORCH_GATES[n.op]
 
-    def torch_order(t):  # gate blocks along the first axis, ONNX's order to torch's
-        return torch.cat([t[g * hidden:(g + 1) * hidden] for g in order]) if len(order) > 1 else t
+    def torch_order(t, axis=0):  # gate blocks along ``axis``, ONNX's order to torch's
+        if len(order) == 1:
+            return t
+        return torch.cat([t.narrow(axis, g * hidden, hidden) for g in order], dim=axis)
 
-    def run(x, w, r, b=None, _lens=None, h0=None, c0=None, p=None):
-        if layout:  # [batch, seq, input] and states [batch, directions, hidden]
-            x = x.transpose(0, 1)
-            h0 = h0.transpose(0, 1) if h0 is not None else None
-            c0 = c0.transpose(0, 1) if c0 is not None else None
-        batch = x.shape[1]
-        if direction == "reverse":
-            x = x.flip(0)
-        weights = []
-        for d in range(dirs):
-            bias = b[d] if b is not None else x.new_zeros(2 * gates * hidden)
-            weights += [torch_order(w[d]), torch_order(r[d]), torch_order(bias[:gates * hidden]),
-                        torch_order(bias[gates * hidden:])]
-        h = h0.contiguous() if h0 is not None else x.new_zeros(dirs, batch, hidden)
-        c = (c0.contiguous() if c0 is not None else x.new_zeros(dirs, batch, hidden)) if n.op == "LSTM" else None
-        y, yh, yc = torch.ops.parastream.rnn(kind, x.contiguous(), weights, h, c, dirs == 2)
-        y = y.view(seq, batch, dirs, hidden)
-        if direction == "reverse":
-            y = y.flip(0)
-        y = y.permute(0, 2, 1, 3)  # [seq, directions, batch, hidden]
-        if layout:
-            y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
-            yc = yc.transpose(0, 1) if n.op == "LSTM" else yc
-        return (y, yh, yc) if n.op == "LSTM" else (y, yh)
+    def stored_in_torch_order(t, bias: bool):  # a constant W or R [dirs, G*H, ...], or B [dirs, 2*G*H]
+        if not bias:
+            return torch_order(t, 1).contiguous()
+        return torch.cat([torch_order(t[:, :gates * hidden], 1), torch_order(t[:, gates * hidden:], 1)], 1).contiguous()
 
+    def make(ordered: bool):
+        def arrange(t):
+            return t if ordered else torch_order(t)
+
+        def run(x, w, r, b=None, _lens=None, h0=None, c0=None, p=None):
+            if layout:  # [batch, seq, input] and states [batch, directions, hidden]
+                x = x.transpose(0, 1)
+                h0 = h0.transpose(0, 1) if h0 is not None else None
+                c0 = c0.transpose(0, 1) if c0 is not None else None
+            batch = x.shape[1]
+            if direction == "reverse":
+                x = x.flip(0)
+            weights = []
+            for d in range(dirs):
+                bias = b[d] if b is not None else x.new_zeros(2 * gates * hidden)
+                weights += [arrange(w[d]), arrange(r[d]), arrange(bias[:gates * hidden]), arrange(bias[gates * hidden:])]
+            h = h0.contiguous() if h0 is not None else x.new_zeros(dirs, batch, hidden)
+            c = (c0.contiguous() if c0 is not None else x.new_zeros(dirs, batch, hidden)) if n.op == "LSTM" else None
+            y, yh, yc = torch.ops.parastream.rnn(kind, x.contiguous(), weights, h, c, dirs == 2)
+            y = y.view(seq, batch, dirs, hidden)
+            if direction == "reverse":
+                y = y.flip(0)
+            y = y.permute(0, 2, 1, 3)  # [seq, directions, batch, hidden]
+            if layout:
+                y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
+                yc = yc.transpose(0, 1) if n.op == "LSTM" else yc
+            return (y, yh, yc) if n.op == "LSTM" else (y, yh)
+
+        return run
+
+    run = make(False)
+    run.ordered, run.torch_gate_order = make(True), stored_in_torch_order
     return run
 
 
@@ -2030,6 +2046,35 @@ def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[
     return done
 
 
+def _recurrent_weights(steps: list, consts: dict, keep: set[str]) -> int:
+    """The constant W, R and B of each recurrent layer run as torch's own (``_torch_rnn``) stored in torch's gate
+    order, and its step the one that takes them so: otherwise every call reorders them, a copy per weight in the
+    captured graph at each replay (Sequencer2D-S: 36 layers, two directions each).  Only constants that no other
+    step reads and no graph output is (``keep``); returns how many layers take their weights so."""
+    uses: dict[str, int] = {}
+    for st in steps:
+        for a in st.args:
+            if a is not None and a[0] == "c":
+                uses[a[1]] = uses.get(a[1], 0) + 1
+    done = 0
+    for i, st in enumerate(steps):
+        to_torch = getattr(st.fn, "torch_gate_order", None)
+        if to_torch is None:
+            continue
+        w, r, b = (list(st.args) + [None] * 4)[1:4]
+        if not (w and w[0] == "c" and r and r[0] == "c") or (b is not None and b[0] != "c"):  # W, R (and B) constant
+            continue
+        refs = [w[1], r[1], b[1] if b is not None else None]
+        if any(k is not None and (k in keep or uses[k] != 1) for k in refs):
+            continue
+        for j, k in enumerate(refs):
+            if k is not None:
+                consts[k] = to_torch(consts[k], bias=j == 2)
+        steps[i] = Step(st.fn.ordered, st.args, st.outputs, st.node)
+        done += 1
+    return done
+
+
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
             cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False):
@@ -2159,6 +2204,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
     fused = residual = 0
     linear = _linear_weights(steps, consts, op_of, {ref for kind, ref in output_refs if kind == "c"})
+    recurrent = _recurrent_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
         keep = {ref for kind, ref in output_refs if kind == "v"}
         steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, {k: v.shape for k, v in values.items()})
@@ -2167,6 +2213,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     module.fused_conv_relu = fused
     module.fused_conv_add_relu = residual
     module.linear_weights = linear
+    module.recurrent_weights = recurrent
     module.patch_gemm_convs = sum(bool(getattr(st.fn, "patch_gemm", False)) for st in steps)
     module.eval()
     module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]

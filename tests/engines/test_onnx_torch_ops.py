@@ -507,6 +507,7 @@ def test_recurrent_runs_as_torchs_own_layer_where_that_computes_the_same(monkeyp
     else:
         check(m, feeds, rtol=1e-5, atol=1e-5)
     assert bool(used) is as_torch
+    assert convert(m).recurrent_weights == int(as_torch)  # the constant weights stored in torch's gate order
     if as_torch:
         assert used[0] == (op if op != "RNN" else f"RNN_{(kw.get('activations') or ['Tanh'])[0].upper()}")
 
@@ -540,3 +541,18 @@ def test_an_engines_load_defines_the_recurrent_op_before_its_code_runs(monkeypat
     recurrent_op.register_rnn_op()
     recurrent_op.register_rnn_op()
     assert hasattr(torch.ops.parastream, "rnn") and len(recurrent_op._RNN_OP) == 1
+
+
+@pytest.mark.parametrize("op", ["LSTM", "GRU"])
+def test_recurrent_weights_that_arrive_at_run_time_are_put_in_torchs_order_at_each_call(op):
+    """W and R as graph inputs (no constant to store reordered): the layer reorders them at each call, and
+    computes what ONNX Runtime does."""
+    kw = {"linear_before_reset": 1} if op == "GRU" else {}
+    m, feeds = recurrent(op, direction="bidirectional", states=True, **kw)
+    for name in ("W", "R"):
+        t = next(t for t in m.graph.initializer if t.name == name)
+        feeds[name] = numpy_helper.to_array(t)
+        m.graph.input.append(helper.make_tensor_value_info(name, TensorProto.FLOAT, list(t.dims)))
+        m.graph.initializer.remove(t)
+    assert convert(m).recurrent_weights == 0
+    check(m, feeds, rtol=1e-5, atol=1e-5)
