@@ -409,8 +409,8 @@ def fresh_loads(bundle: Path, n: int, children) -> dict:
         return {"error": errors[0].get("error") if errors else "no load"}
     mid = sorted(reps, key=lambda r: r["total_s"])[(len(reps) - 1) // 2]
     return {"median_s": statistics.median(r["total_s"] for r in reps), "each_s": [round(r["total_s"], 3) for r in reps],
-            "median_rep": {k: mid.get(k) for k in ("import_torch_s", "load_s", "open_s", "phases", "engines",
-                                                   "cache_files", "replay_ms")},
+            "median_rep": {k: mid.get(k) for k in ("import_torch_s", "load_s", "open_s", "phases", "cudnn_plans",
+                                                   "engines", "cache_files", "replay_ms")},
             **({"errors": [e.get("error") for e in errors]} if errors else {})}
 
 

@@ -252,6 +252,9 @@ def load_child(bundle_path: str, profile: bool) -> dict:
            "total_s": t2 - t0, "process_to_ready_s": _age_at_start() + t2 - T_START,
            "probes": {k: round(v, 4) if isinstance(v, float) else v for k, v in acc.items()},
            "phases": G.load_phases(la)}
+    plans = sys.modules.get("parastream.launcher.engines.cudnn_plans")
+    if plans is not None:  # the engines' cuDNN plans: shipped and deserialized, or built in this process
+        res["cudnn_plans"] = plans.plan_sources()
     res["open_s"] = acc.get("open_s")
     formats: dict = {}
     errors: dict = {}
@@ -496,7 +499,8 @@ def main(argv=None) -> int:
         r.update(model=m, tree=t, rep=rep, profiled=profiled)
         doc["loads"].append(r)
         brief = {k: r.get(k) for k in ("model", "tree", "rep", "profiled", "total_s", "load_s", "import_torch_s",
-                                       "open_s", "phases", "probes", "engines", "imported", "cache_files", "error")}
+                                       "open_s", "phases", "cudnn_plans", "probes", "engines", "imported", "cache_files",
+                                       "error")}
         print(json.dumps(brief, default=str), flush=True)
         if profiled and "profile_cumulative" in r:
             print("\n".join(r["profile_cumulative"][:40] + r.get("profile_tottime", [])[:30]), flush=True)

@@ -207,6 +207,23 @@ class PlanCache:
 CACHE = PlanCache()
 
 
+def plan_sources() -> dict:
+    """Where this process's plans came from, for a load's log (Triton's model.py) and the benchmarks: how many were
+    deserialized from what engines shipped (``loaded``), read from a build's shared folder (``shared``) or built
+    here (``built``, and the seconds that took), keys cuDNN could not plan (``failed``, torch's convolution runs
+    them), plans offered but not yet used (``pending``), and whether the cuDNN frontend loaded at all
+    (``frontend``: 1, 0, or absent where nothing asked for it yet; without it every planned convolution is torch's,
+    whose cuDNN plans are built at each process's first calls)."""
+    with _LOCK:
+        plans = list(CACHE.plans.values())
+        out = {f"plans_{k}": sum(p.source == k for p in plans) for k in ("loaded", "shared", "built")}
+        out["plans_built_s"] = round(sum(p.built_s for p in plans if p.source == "built"), 3)
+        out["plans_failed"], out["plans_pending"] = len(CACHE.failed), len(CACHE.pending)
+        if _FRONTEND:
+            out["frontend"] = int(_FRONTEND[0] is not None)
+        return out
+
+
 def _dtype_name(dtype) -> str:
     return str(dtype).replace("torch.", "")
 

@@ -342,3 +342,22 @@ def test_a_plan_deserialized_after_the_stream_last_used_was_destroyed_runs():
     assert done.returncode == 0, (done.returncode, done.stderr[-2000:])
     got = json.loads(done.stdout.strip().splitlines()[-1])
     assert "loaded" in got["sources"] and got["finite"], got
+
+
+def test_plan_sources_count_where_the_processes_plans_came_from(monkeypatch):
+    """``plan_sources`` (what a load's log and the benchmarks report): the plans by source, the seconds the built
+    ones took, the keys cuDNN could not plan, the offered plans not yet used, and whether the frontend loaded."""
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    cache = cp.PlanCache()
+    for i, (source, s) in enumerate([("loaded", 0.02), ("loaded", 0.02), ("built", 0.4), ("built", 0.25), ("shared", 0.0)]):
+        cache.plans[(0, f"k{i}")] = cp._Plan(None, 0, s, source)
+    cache.failed[(0, "odd")] = "no engine"
+    cache.pending[(0, "later")] = b"plan"
+    monkeypatch.setattr(cp, "CACHE", cache)
+    monkeypatch.setattr(cp, "_FRONTEND", [])
+    got = cp.plan_sources()
+    assert got == {"plans_loaded": 2, "plans_shared": 1, "plans_built": 2, "plans_built_s": 0.65, "plans_failed": 1,
+                   "plans_pending": 1}
+    monkeypatch.setattr(cp, "_FRONTEND", [None])  # tried, not loaded: torch's convolutions build their own plans
+    assert cp.plan_sources()["frontend"] == 0

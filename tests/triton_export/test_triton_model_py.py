@@ -66,9 +66,10 @@ def test_initialize_logs_how_long_the_instance_took_to_be_ready(bundles, tmp_pat
     assert age and float(age.group(1)) >= model.initialize_s, ready[0]
 
 
-def test_a_gpu_launchers_load_phases_are_what_the_second_line_logs(bundles, tmp_path, pb_utils):
+def test_a_gpu_launchers_load_phases_are_what_the_second_line_logs(bundles, tmp_path, pb_utils, monkeypatch):
     """model.py's load-phase line takes the launcher's phases where its engines record them (torch engines on the
-    GPU) and nothing else; bench/triton_gpu.py reads the line back as numbers.  A CPU instance logs no such line."""
+    GPU), with where their cuDNN plans came from where those were used, and nothing else; bench/triton_gpu.py
+    reads the line back as numbers.  A CPU instance logs no such line."""
     import sys
     import types
 
@@ -83,8 +84,12 @@ def test_a_gpu_launchers_load_phases_are_what_the_second_line_logs(bundles, tmp_
     assert not [m for _, m in pb_utils.Logger.messages if "load phases" in m]  # CPU: none
     engines = [types.SimpleNamespace(phases={"unpack": 0.25, "warm": 0.5}), types.SimpleNamespace(phases={"warm": 0.25})]
     runner = types.SimpleNamespace(engines=engines, load_s=1.5, warm_s=0.8, ready_s=2.0)
+    monkeypatch.delitem(sys.modules, "parastream.launcher.engines.cudnn_plans", raising=False)  # no plans used
     got = module._load_phases(runner)
     assert got == {"unpack": 0.25, "warm": 0.75, "engines": 1.5, "warm_wall": 0.8, "ready": 2.0}
+    plans = types.SimpleNamespace(plan_sources=lambda: {"plans_loaded": 108, "plans_built": 0, "frontend": 1})
+    monkeypatch.setitem(sys.modules, "parastream.launcher.engines.cudnn_plans", plans)  # (a torch engine's load)
+    assert module._load_phases(runner) == {**got, "plans_loaded": 108, "plans_built": 0, "frontend": 1}
     assert module._load_phases(types.SimpleNamespace(engines=[types.SimpleNamespace()], load_s=1.0)) == {}
     line = "parastream: m_0_0 load phases (s, summed over engines): " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
     log = f"I1130 model.py:199] parastream: m_0_0 ready in 2.00 s (...)\nI1130 model.py:202] {line}\nnext line\n"
