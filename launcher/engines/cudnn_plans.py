@@ -387,20 +387,11 @@ def register_op() -> None:
     with _LOCK:
         if _OP:
             return
-        import torch
-
-        # Defined with ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter wraps its
-        # implementation in dynamo's "disable" decorator, whose first call imports torch._dynamo (800 modules,
-        # about a second of a fresh load that otherwise imports none of it); the op needs neither autograd nor
-        # dynamo, only an implementation and the fake one Inductor traces.
-        lib = torch.library.Library("parastream", "FRAGMENT")
-        lib.define("cudnn_conv2d(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, int[] dilation, "
-                   "int groups, bool relu) -> Tensor")
-        lib.impl("cudnn_conv2d", conv2d, "CompositeExplicitAutograd")
+        from .base import define_op
 
         def fake(x, w, b, stride, padding, dilation, groups, relu):
             out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
             return x.new_empty_strided(out, _channels_last_strides(out))
 
-        torch.library.register_fake("parastream::cudnn_conv2d", fake, lib=lib)
-        _OP.append(lib)  # (the library keeps the op registered while it lives: for the process)
+        _OP.append(define_op("cudnn_conv2d(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, "
+                             "int[] dilation, int groups, bool relu) -> Tensor", conv2d, fake))

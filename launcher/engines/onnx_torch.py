@@ -1662,6 +1662,17 @@ _RNN_KINDS = {"LSTM": (4, ("Sigmoid", "Tanh", "Tanh")), "GRU": (3, ("Sigmoid", "
 _TORCH_GATES = {"LSTM": (0, 2, 3, 1), "GRU": (1, 0, 2), "RNN": (0,)}
 
 
+def _seq_first(x, h0, c0):
+    """Layout 1's input [batch, seq, input] and states [batch, directions, hidden] in layout 0's order."""
+    return x.transpose(0, 1), *(s.transpose(0, 1) if s is not None else None for s in (h0, c0))
+
+
+def _batch_first(y, yh, yc):
+    """Layout 0's outputs (Y [seq, directions, batch, hidden], Y_h and Y_c [directions, batch, hidden]) in layout
+    1's order ([batch, seq, directions, hidden], [batch, directions, hidden])."""
+    return y.permute(2, 0, 1, 3), yh.transpose(0, 1), yc.transpose(0, 1) if yc is not None else None
+
+
 @converter("LSTM", "GRU", "RNN")
 def _recurrent(n: NodeView):
     """LSTM, GRU and RNN.  Where torch's own layer computes what ONNX's does (the default activations, or Relu
@@ -1733,10 +1744,8 @@ def _recurrent(n: NodeView):
         return squash(f[0], o) * f[2](c), c
 
     def run(x, w, r, b=None, _lens=None, h0=None, c0=None, p=None):
-        if layout:  # [batch, seq, input] and states [batch, directions, hidden]
-            x = x.transpose(0, 1)
-            h0 = h0.transpose(0, 1) if h0 is not None else None
-            c0 = c0.transpose(0, 1) if c0 is not None else None
+        if layout:
+            x, h0, c0 = _seq_first(x, h0, c0)
         batch = x.shape[1]
         ys, hs, cs = [], [], []
         for d in range(dirs):
@@ -1758,8 +1767,7 @@ def _recurrent(n: NodeView):
         y, yh = torch.stack(ys, 1), torch.stack(hs)  # [seq, directions, batch, hidden], [directions, batch, hidden]
         yc = torch.stack(cs) if n.op == "LSTM" else None
         if layout:
-            y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
-            yc = yc.transpose(0, 1) if yc is not None else None
+            y, yh, yc = _batch_first(y, yh, yc)
         return (y, yh, yc) if n.op == "LSTM" else (y, yh)
 
     return run
@@ -1791,10 +1799,8 @@ def _torch_rnn(n: NodeView, kind: str, gates: int, hidden: int, dirs: int, direc
             return t if ordered else torch_order(t)
 
         def run(x, w, r, b=None, _lens=None, h0=None, c0=None, p=None):
-            if layout:  # [batch, seq, input] and states [batch, directions, hidden]
-                x = x.transpose(0, 1)
-                h0 = h0.transpose(0, 1) if h0 is not None else None
-                c0 = c0.transpose(0, 1) if c0 is not None else None
+            if layout:
+                x, h0, c0 = _seq_first(x, h0, c0)
             batch = x.shape[1]
             if direction == "reverse":
                 x = x.flip(0)
@@ -1810,8 +1816,7 @@ def _torch_rnn(n: NodeView, kind: str, gates: int, hidden: int, dirs: int, direc
                 y = y.flip(0)
             y = y.permute(0, 2, 1, 3)  # [seq, directions, batch, hidden]
             if layout:
-                y, yh = y.permute(2, 0, 1, 3), yh.transpose(0, 1)
-                yc = yc.transpose(0, 1) if n.op == "LSTM" else yc
+                y, yh, yc = _batch_first(y, yh, yc if n.op == "LSTM" else None)
             return (y, yh, yc) if n.op == "LSTM" else (y, yh)
 
         return run

@@ -15,9 +15,8 @@ def register_rnn_op() -> None:
     (``torch._VF``: cuDNN's kernel on the GPU), for the torch converter's LSTM, GRU and RNN
     (``onnx_torch._recurrent``).  Inductor leaves the op an extern call, as it does ``cudnn_plans``' convolution,
     where a recurrence written out step by step compiles each step's kernels: Sequencer2D-S's ~1400 steps took
-    ``torch.compile`` 294 s on a 2-core CPU.  Defined with
-    ``torch.library.Library`` for the reason ``cudnn_plans.register_op`` gives; once per process, before any
-    engine's code that calls it runs (``torch._load_artifact``)."""
+    ``torch.compile`` 294 s on a 2-core CPU.  Defined (``base.define_op``) once per process, before any engine's
+    code that calls it runs (``torch._load_artifact``)."""
     with _RNN_LOCK:
         if _RNN_OP:
             return
@@ -25,9 +24,7 @@ def register_rnn_op() -> None:
 
         import torch
 
-        lib = torch.library.Library("parastream", "FRAGMENT")
-        lib.define("rnn(str kind, Tensor x, Tensor[] weights, Tensor h0, Tensor? c0, bool bidirectional) "
-                   "-> (Tensor, Tensor, Tensor)")
+        from .base import define_op
 
         def impl(kind, x, weights, h0, c0, bidirectional):
             vf = torch._VF
@@ -49,6 +46,5 @@ def register_rnn_op() -> None:
             return (x.new_empty(x.shape[0], x.shape[1], dirs * hidden), h,
                     h.new_empty(h.shape) if kind == "LSTM" else h.new_empty(0))
 
-        lib.impl("rnn", impl, "CompositeExplicitAutograd")
-        torch.library.register_fake("parastream::rnn", fake, lib=lib)
-        _RNN_OP.append(lib)
+        _RNN_OP.append(define_op("rnn(str kind, Tensor x, Tensor[] weights, Tensor h0, Tensor? c0, "
+                                 "bool bidirectional) -> (Tensor, Tensor, Tensor)", impl, fake))
