@@ -10,8 +10,9 @@ Inductor and timed, side by side in one process.
                 the same values)
 
 Per sequence length of ``--seqs``: ``torch.compile`` (Inductor, ``fullgraph``) seconds to the first result, then
-the compiled module's median seconds per call over ``--runs`` calls after warm-up (CUDA events on the GPU), and
-the two forms' largest difference.  Each form and length compiles in a fresh Inductor cache.
+both compiled modules' median milliseconds per call over ``--runs`` calls each, timed side by side in alternating
+blocks after warm-up (``pipeline.bench.time_calls``; on the GPU each call waited for), and the two forms' largest
+difference.  Each form and length compiles in a fresh Inductor cache.
 
     python3 bench/recurrent_compile.py [--device cuda] [--op LSTM] [--seqs 16,64] [--hidden 192] [--out DIR]
     python3 bench/recurrent_compile.py --onnx sequencer2d_s.onnx [--device cuda] [--runs 10]   (a whole model)
@@ -25,7 +26,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import sys
 import tempfile
 import time
@@ -56,54 +56,35 @@ def layer(op: str, seq: int, hidden: int, batch: int):
 
 
 def model_forms(path: str) -> tuple[dict, dict]:
-    """({form: ONNX model}, feeds) of a whole exported model (``--onnx``): as it is, and with every LSTM, GRU and
-    RNN node given a clip no value reaches ("written out"); random inputs of its input shapes (float inputs
-    standard normal)."""
+    """({form: ONNX model}, feeds) of a whole exported model (``--onnx``), loaded as a build loads it
+    (``load_model``): as it is, and with every LSTM, GRU and RNN node given a clip no value reaches ("written
+    out"); the inputs parastream's own generator draws (``random_feeds``).  ValueError where it has no such node."""
     import onnx
     from onnx import helper
+    from parastream.core.tensors import random_feeds
+    from parastream.pipeline.model_io import load_model
 
-    m = onnx.load(path)
+    loaded = load_model(path)
     clipped = onnx.ModelProto()
-    clipped.CopyFrom(m)
+    clipped.CopyFrom(loaded.model)
     nodes = [n for n in clipped.graph.node if n.op_type in ("LSTM", "GRU", "RNN")]
     if not nodes:
-        raise SystemExit(f"--onnx {path}: no LSTM, GRU or RNN node")
+        raise ValueError(f"--onnx {path}: no LSTM, GRU or RNN node")
     for n in nodes:
         n.attribute.append(helper.make_attribute("clip", 1e30))
-    rng = np.random.default_rng(0)
-    init = {t.name for t in m.graph.initializer}
-    feeds = {}
-    for i in m.graph.input:
-        if i.name in init:
-            continue
-        shape = [d.dim_value or 1 for d in i.type.tensor_type.shape.dim]
-        dtype = onnx.helper.tensor_dtype_to_np_dtype(i.type.tensor_type.elem_type)
-        feeds[i.name] = rng.standard_normal(shape).astype(dtype)
-    return {"torch layer": m, "written out": clipped}, feeds
+    return {"torch layer": loaded.model, "written out": clipped}, random_feeds(loaded.inputs)
 
 
-def timed(fn, args, device: str, runs: int) -> float:
+def called(compiled, xs: list, device: str):
+    """A runner for ``time_calls``: one call of ``compiled`` on ``xs``, waited for on the GPU."""
     import torch
 
-    for _ in range(5):
-        fn(*args)
-    if device == "cuda":
-        torch.cuda.synchronize()
-        out = []
-        for _ in range(runs):
-            a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-            a.record()
-            fn(*args)
-            b.record()
-            b.synchronize()
-            out.append(a.elapsed_time(b) / 1e3)
-        return statistics.median(out)
-    out = []
-    for _ in range(runs):
-        t = time.perf_counter()
-        fn(*args)
-        out.append(time.perf_counter() - t)
-    return statistics.median(out)
+    def run(_feeds):
+        compiled(*xs)
+        if device == "cuda":
+            torch.cuda.synchronize()
+
+    return run
 
 
 def main(argv=None) -> int:
@@ -118,7 +99,9 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/recurrent_compile"))
     args = ap.parse_args(argv)
     import torch
+    from parastream.core.errors import ParastreamError
     from parastream.launcher.engines.onnx_torch import convert
+    from parastream.pipeline.bench import time_calls
 
     # the process's first compile pays for importing and setting up dynamo and Inductor: paid here, untimed, so that
     # neither form's seconds hold it
@@ -128,23 +111,30 @@ def main(argv=None) -> int:
     for seq in ([None] if args.onnx else [int(s) for s in args.seqs.split(",")]):
         if args.onnx:
             row: dict = {"model": args.onnx, "device": args.device}
-            models, feeds = model_forms(args.onnx)
+            try:
+                models, feeds = model_forms(args.onnx)
+            except (ValueError, ParastreamError) as e:
+                ap.error(str(e))
         else:
             row = {"op": args.op, "seq": seq, "hidden": args.hidden, "batch": args.batch, "device": args.device}
             models, feeds = layer(args.op, seq, args.hidden, args.batch)
-        outs = {}
+        outs, calls = {}, {}
         for form, m in models.items():
             module = convert(m).to(args.device)
             xs = [torch.from_numpy(feeds[n]).to(args.device) for n in module.input_names]
             with tempfile.TemporaryDirectory(prefix="recurrent-compile-") as d, torch.no_grad():
                 os.environ["TORCHINDUCTOR_CACHE_DIR"] = d
-                torch._dynamo.reset()
                 t = time.perf_counter()
                 compiled = torch.compile(module, fullgraph=True)
                 got = compiled(*xs)
                 outs[form] = [o.float().cpu().numpy() for o in (got if isinstance(got, (tuple, list)) else [got])]
                 row[f"{form} compile s"] = round(time.perf_counter() - t, 2)
-                row[f"{form} ms per call"] = round(timed(compiled, xs, args.device, args.runs) * 1e3, 4)
+            calls[form] = called(compiled, xs, args.device)
+        # both forms side by side in alternating blocks (pipeline.bench's timer), each call waited for on the GPU
+        with torch.no_grad():
+            times = time_calls(calls, {}, runs=args.runs, warmup=5)
+        for form, t in times.items():
+            row[f"{form} ms per call"] = round(float(np.median(t)) * 1e3, 4)
         row["max diff"] = max(float(np.max(np.abs(a - b))) for a, b in zip(outs["torch layer"], outs["written out"]))
         row["compile speed-up"] = round(row["written out compile s"] / row["torch layer compile s"], 2)
         print(json.dumps(row), flush=True)

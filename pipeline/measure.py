@@ -548,6 +548,23 @@ REFERENCE_DRIFT = 0.05
 REFERENCE_RETRIES = 2
 
 
+def timed_while_drifted(time_once, reference: str, seen: list[float] | None) -> list[dict]:
+    """``time_once()`` ({runner: times}) taken again, up to ``REFERENCE_RETRIES`` times, while its ``reference``
+    runner ran more than ``REFERENCE_DRIFT`` slower than the median of ``seen`` (every median that runner has run;
+    each try's is added); every try's times, the last the one to go by.  ``seen`` None: timed once.  The rule of a
+    candidate's timing (``GpuMeasurer._against_reference``) and of an input's round (``race``)."""
+    tries = []
+    for _ in range(REFERENCE_RETRIES + 1):
+        usual = float(np.median(seen)) if seen else float("inf")
+        tries.append(time_once())
+        if seen is None:
+            break
+        seen.append(float(np.median(tries[-1][reference])))
+        if seen[-1] <= usual * (1.0 + REFERENCE_DRIFT):
+            break
+    return tries
+
+
 def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, since: float, lock: bool = True,
          seen: list[float] | None = None) -> bool:
     """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
@@ -566,16 +583,9 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
 
     keys = round_labels(what, plan)
     t0 = time.perf_counter()
-    tries = []
-    for _ in range(REFERENCE_RETRIES + 1):
-        usual = float(np.median(seen)) if seen else float("inf")
-        times = time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10, lock=lock)
-        tries.append({k: round(float(np.median(v)), 4) for k, v in times.items()})
-        if seen is None:
-            break
-        seen.append(float(np.median(times[keys[0]])))
-        if seen[-1] <= usual * (1.0 + REFERENCE_DRIFT):
-            break
+    tries = timed_while_drifted(lambda: time_replays({keys[0]: current, keys[1]: other}, runs=runs, warmup=10,
+                                                    lock=lock), keys[0], seen)
+    times = tries[-1]
     chosen, _ = decide_by_timing(times, list(keys), floor=0.0, spread=False)
     within = PREFER_ALTERNATIVE_WITHIN.get(what)
     if within is not None and float(np.median(times[keys[1]])) <= float(np.median(times[keys[0]])) * (1 + within):
@@ -587,7 +597,8 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
                    "load_s": round(t0 - since, 3), "timed_s": round(time.perf_counter() - t0, 3),
                    **({"alternative_kept_within": within} if within is not None else {}),
                    **({"current_kept_within": keep} if keep is not None else {}),
-                   **({"tries_ms": tries} if len(tries) > 1 else {})})
+                   **({"tries_ms": [{k: round(float(np.median(v)), 4) for k, v in t.items()} for t in tries]}
+                      if len(tries) > 1 else {})})
     return chosen == keys[1]
 
 
@@ -902,16 +913,13 @@ class GpuMeasurer:
         BERT-base search were taken two or three times.
         The log keeps both medians of every timing (``blocks_ms``)."""
         ref, ref_ms = self.reference
-        for _ in range(REFERENCE_RETRIES + 1):
-            usual = float(np.median(self.reference_seen)) if self.reference_seen else float("inf")
-            times = self._time({"reference": ref, "candidate": la})
+        tries = timed_while_drifted(lambda: self._time({"reference": ref, "candidate": la}), "reference",
+                                    self.reference_seen)
+        for times in tries:
             cand, against = float(np.median(times["candidate"])), float(np.median(times["reference"]))
             if self.log:
                 self.log[-1].setdefault("blocks_ms", []).append({"reference": round(against, 4),
                                                                  "candidate": round(cand, 4)})
-            self.reference_seen.append(against)
-            if against <= usual * (1.0 + REFERENCE_DRIFT):
-                break
         return cand / against * ref_ms
 
     def _time(self, launchers: dict) -> dict:
