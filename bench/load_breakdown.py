@@ -255,6 +255,7 @@ def load_child(bundle_path: str, profile: bool) -> dict:
     plans = sys.modules.get("parastream.launcher.engines.cudnn_plans")
     if plans is not None:  # the engines' cuDNN plans: shipped and deserialized, or built in this process
         res["cudnn_plans"] = plans.plan_sources()
+        res["cudnn_plans_refused"] = plans.plans_refused()
     res["open_s"] = acc.get("open_s")
     formats: dict = {}
     errors: dict = {}
@@ -499,8 +500,8 @@ def main(argv=None) -> int:
         r.update(model=m, tree=t, rep=rep, profiled=profiled)
         doc["loads"].append(r)
         brief = {k: r.get(k) for k in ("model", "tree", "rep", "profiled", "total_s", "load_s", "import_torch_s",
-                                       "open_s", "phases", "cudnn_plans", "probes", "engines", "imported", "cache_files",
-                                       "error")}
+                                       "open_s", "phases", "cudnn_plans", "cudnn_plans_refused", "probes", "engines",
+                                       "imported", "cache_files", "error")}
         print(json.dumps(brief, default=str), flush=True)
         if profiled and "profile_cumulative" in r:
             print("\n".join(r["profile_cumulative"][:40] + r.get("profile_tottime", [])[:30]), flush=True)

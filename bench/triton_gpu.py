@@ -313,6 +313,12 @@ def logged_load_phases(log: str) -> list[dict]:
             for m in re.findall(r"parastream: \S+ load phases \(s, summed over engines\): ([^\n]*)", log)]
 
 
+def logged_plans_refused(log: str) -> list[str]:
+    """model.py's line, per instance start that logged one, naming the shipped cuDNN plans its load built again
+    and why (``cudnn_plans.plans_refused``)."""
+    return re.findall(r"parastream: \S+ cuDNN plans not used as shipped: ([^\n]*)", log)
+
+
 def instance_starts(name: str, args, work: Path, res: dict) -> dict:
     """``--starts N``: the model's bundle served N times, each by a new server (a new stub process: a Triton
     instance start as a deployment sees it), one HTTP request checked against onnxruntime each time; what each
@@ -337,6 +343,7 @@ def instance_starts(name: str, args, work: Path, res: dict) -> dict:
                                     "load_capture_s": float(d), "stub_age_s": float(e) if e else None}
                                    for a, b, c, d, e in re.findall(INIT_RE.format(name=re.escape(name)), log)]
             start["load_phases"] = logged_load_phases(log)
+            start["plans_refused"] = logged_plans_refused(log)
             start["tracebacks"] = log.count("Traceback (most recent call last)")
             server.stop()
         print(json.dumps(start), flush=True)

@@ -119,3 +119,19 @@ def residual_stack_model(layers: int = 4, width: int = 32, tokens: int = 16, wid
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, tokens, width])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, tokens, width])], inits)
     return _model(graph)
+
+
+def separable_as_nasnet(c: int = 40, size: int = 17, seed: int = 9) -> onnx.ModelProto:
+    """NASNet's separable convolution: ReLU, a depthwise 5x5 without bias, a pointwise conv. At 40 channels and
+    17x17 in fp16, a shape for which cuDNN (9.19, H200) compiles its kernel at run time: the plans it serializes."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    nodes = [N("Relu", ["x"], ["r"], name="relu"),
+             N("Conv", ["r", "dw"], ["d"], name="depthwise", pads=[2, 2, 2, 2], group=c),
+             N("Conv", ["d", "pw"], ["y"], name="pointwise")]
+    graph = helper.make_graph(nodes, "separable_as_nasnet",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                              [numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+                               for name, shape in (("dw", (c, 1, 5, 5)), ("pw", (c, c, 1, 1)))])
+    return onnx.shape_inference.infer_shapes(_model(graph))

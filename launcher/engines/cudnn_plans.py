@@ -113,6 +113,9 @@ class PlanCache:
     failed: dict = field(default_factory=dict)  # keys cuDNN could not plan: torch's convolution runs them
     #: serialized plans offered by loaded engines (``load``), deserialized at their key's first call
     pending: dict = field(default_factory=dict)
+    #: why plans were not used as shipped, by reason: offers refused (``load``: serialized for another GPU or
+    #: cuDNN) and offered plans that could not be read back (built instead), for a load's log
+    refused: dict = field(default_factory=dict)
 
     def handle(self, device_index: int):
         h = self.handles.get(device_index)
@@ -144,8 +147,8 @@ class PlanCache:
                 got = self.plans[(device_index, key)] = _deserialize(self.handle(device_index), offered,
                                                                       "loaded" if shared is None else "shared")
                 return got
-            except Exception:  # noqa: BLE001 - a plan that cannot be read back is built instead
-                pass
+            except Exception as e:  # noqa: BLE001 - a plan that cannot be read back is built instead
+                self.refuse(f"not read back ({type(e).__name__}: {str(e)[:200]})")
         try:
             got = self.plans[(device_index, key)] = _build(self.handle(device_index), key, device_index)
         except Exception as e:  # noqa: BLE001 - torch's convolution runs this key (cuDNN plans it in its own way)
@@ -154,6 +157,12 @@ class PlanCache:
         if shared is not None and got.serializable:
             _share(shared, got)
         return got
+
+    def refuse(self, why: str) -> str:
+        """Note a shipped plan (or an engine's file of them) not used as shipped, and why (``plans_refused``)."""
+        with _LOCK:
+            self.refused[why] = self.refused.get(why, 0) + 1
+        return why
 
     def serializable(self, keys, device_index: int) -> set:
         """Those of ``keys`` whose plans this process holds and may serialize (``_Plan.serializable``)."""
@@ -189,7 +198,7 @@ class PlanCache:
         with np.load(io.BytesIO(data)) as z:
             tag = bytes(z["__tag__"]).decode()
             if tag != device_tag(device_index):
-                return {"skipped": f"plans for {tag}, not {device_tag(device_index)}"}
+                return {"skipped": self.refuse(f"plans for {tag}, not {device_tag(device_index)}")}
             n = sum(1 for name in z.files if name.startswith("key"))
             offered = []
             with _LOCK:
@@ -218,10 +227,19 @@ def plan_sources() -> dict:
         plans = list(CACHE.plans.values())
         out = {f"plans_{k}": sum(p.source == k for p in plans) for k in ("loaded", "shared", "built")}
         out["plans_built_s"] = round(sum(p.built_s for p in plans if p.source == "built"), 3)
+        # of those built, the runtime-compiled kernels (the costly ones, 160-820 ms each, that a bundle ships)
+        out["plans_built_compiled"] = sum(p.source == "built" and p.serializable for p in plans)
         out["plans_failed"], out["plans_pending"] = len(CACHE.failed), len(CACHE.pending)
         if _FRONTEND:
             out["frontend"] = int(_FRONTEND[0] is not None)
         return out
+
+
+def plans_refused() -> dict:
+    """{reason: count} of the shipped plans this process did not use as shipped (``PlanCache.refused``): what a
+    load's log says beside ``plan_sources`` when plans were built that engines had shipped."""
+    with _LOCK:
+        return dict(CACHE.refused)
 
 
 def _dtype_name(dtype) -> str:

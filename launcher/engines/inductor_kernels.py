@@ -251,7 +251,7 @@ class KernelsArtifact:
         try:
             return cudnn_plans.CACHE.load(z.read(PLANS), self.device)
         except Exception as e:  # noqa: BLE001 - a plan that cannot be read is built at its first call instead
-            return {"skipped": f"{type(e).__name__}: {e}"}
+            return {"skipped": cudnn_plans.CACHE.refuse(f"{PLANS} not read ({type(e).__name__}: {str(e)[:200]})")}
 
     def _load(self, z: zipfile.ZipFile, spec: dict, source: str, device: int, launch) -> dict:
         """The kernels loaded and the wrapper executed: the wrapper's globals."""

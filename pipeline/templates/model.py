@@ -152,6 +152,39 @@ def _load_phases(runner) -> dict:
         return {}
 
 
+def _plans_refused() -> dict:
+    """{reason: count} of the cuDNN plans the engines shipped that this process did not use as shipped
+    (``cudnn_plans.plans_refused``), or {}."""
+    try:
+        import sys
+
+        plans = sys.modules.get("parastream.launcher.engines.cudnn_plans")
+        return plans.plans_refused() if plans is not None else {}
+    except Exception:  # noqa: BLE001 - a figure for the log only: never the instance's failure
+        return {}
+
+
+def _cudnn_mismatch() -> str | None:
+    """torch's own complaint, in one line, where the cuDNN this process loaded is not the one torch was built
+    against (a library path that put the system's cuDNN first), or None."""
+    try:
+        import torch
+
+        torch.backends.cudnn.version()  # (raises RuntimeError naming both versions when they do not fit)
+        return None
+    except RuntimeError as e:
+        return str(e).splitlines()[0] if str(e) else type(e).__name__
+    except Exception:  # noqa: BLE001 - a figure for the log only: never the instance's failure
+        return None
+
+
+def _refused_line(instance: str, refused: dict) -> str | None:
+    """The log line naming the shipped cuDNN plans this start built again and why, or None where there were none."""
+    if not refused:
+        return None
+    return f"parastream: {instance} cuDNN plans not used as shipped: " + "; ".join(f"{n}x {why}" for why, n in refused.items())
+
+
 class TritonPythonModel:
     def initialize(self, args):
         t0 = time.perf_counter()
@@ -208,6 +241,14 @@ class TritonPythonModel:
             if phases:
                 logger.log_info(f"parastream: {args.get('model_instance_name') or args.get('model_name', '')} load "
                                 "phases (s, summed over engines): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+            mismatch = _cudnn_mismatch() if self.on_gpu else None
+            if mismatch:  # a library path that put another cuDNN before torch's own (docs/triton.md)
+                getattr(logger, "log_warn", logger.log_info)(
+                    f"parastream: {args.get('model_instance_name') or args.get('model_name', '')}: {mismatch}")
+            refused = _refused_line(args.get('model_instance_name') or args.get('model_name', ''),
+                                    _plans_refused() if self.on_gpu else {})
+            if refused:  # shipped cuDNN plans this start built again, and why: a start slower than the bundle's own
+                logger.log_info(refused)
 
     # -- requests ---------------------------------------------------------------------------------
     def _read_input(self, tensor):

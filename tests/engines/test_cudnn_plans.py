@@ -23,6 +23,7 @@ torch = pytest.importorskip("torch")
 
 from parastream.launcher.engines.onnx_torch import convert, to_fx  # noqa: E402
 
+from graphs import separable_as_nasnet  # noqa: E402
 from test_conv_kernels import _feeds, _ort, _run, _w, conv_model, dense_only  # noqa: E402
 
 
@@ -66,23 +67,6 @@ def separable_model(c: int = 16, size: int = 20, seed: int = 6) -> onnx.ModelPro
     graph = helper.make_graph(nodes, "separable",
                               [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
                               [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
-    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
-    model.ir_version = 8
-    return onnx.shape_inference.infer_shapes(model)
-
-
-def separable_as_nasnet(c: int = 40, size: int = 17, seed: int = 9) -> onnx.ModelProto:
-    """NASNet's separable convolution: ReLU, a depthwise 5x5 without bias, a pointwise conv. At 40 channels and
-    17x17 in fp16, a shape for which cuDNN (9.19, H200) compiles its kernel at run time: the plans it serializes."""
-    rng = np.random.default_rng(seed)
-    N = helper.make_node
-    nodes = [N("Relu", ["x"], ["r"], name="relu"),
-             N("Conv", ["r", "dw"], ["d"], name="depthwise", pads=[2, 2, 2, 2], group=c),
-             N("Conv", ["d", "pw"], ["y"], name="pointwise")]
-    graph = helper.make_graph(nodes, "separable_as_nasnet",
-                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, c, size, size])],
-                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                              [_w(rng, "dw", (c, 1, 5, 5)), _w(rng, "pw", (c, c, 1, 1))])
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
     return onnx.shape_inference.infer_shapes(model)
@@ -346,18 +330,57 @@ def test_a_plan_deserialized_after_the_stream_last_used_was_destroyed_runs():
 
 def test_plan_sources_count_where_the_processes_plans_came_from(monkeypatch):
     """``plan_sources`` (what a load's log and the benchmarks report): the plans by source, the seconds the built
-    ones took, the keys cuDNN could not plan, the offered plans not yet used, and whether the frontend loaded."""
+    ones took and how many of those were runtime-compiled kernels (the costly ones a bundle ships), the keys cuDNN
+    could not plan, the offered plans not yet used, and whether the frontend loaded."""
     from parastream.launcher.engines import cudnn_plans as cp
 
     cache = cp.PlanCache()
-    for i, (source, s) in enumerate([("loaded", 0.02), ("loaded", 0.02), ("built", 0.4), ("built", 0.25), ("shared", 0.0)]):
-        cache.plans[(0, f"k{i}")] = cp._Plan(None, 0, s, source)
+    plans = [("loaded", 0.02, True), ("loaded", 0.02, True), ("built", 0.4, True), ("built", 0.25, False),
+             ("shared", 0.0, True)]
+    for i, (source, s, compiled) in enumerate(plans):
+        cache.plans[(0, f"k{i}")] = cp._Plan(None, 0, s, source, serializable=compiled)
     cache.failed[(0, "odd")] = "no engine"
     cache.pending[(0, "later")] = b"plan"
     monkeypatch.setattr(cp, "CACHE", cache)
     monkeypatch.setattr(cp, "_FRONTEND", [])
     got = cp.plan_sources()
-    assert got == {"plans_loaded": 2, "plans_shared": 1, "plans_built": 2, "plans_built_s": 0.65, "plans_failed": 1,
-                   "plans_pending": 1}
+    assert got == {"plans_loaded": 2, "plans_shared": 1, "plans_built": 2, "plans_built_s": 0.65,
+                   "plans_built_compiled": 1, "plans_failed": 1, "plans_pending": 1}
     monkeypatch.setattr(cp, "_FRONTEND", [None])  # tried, not loaded: torch's convolutions build their own plans
     assert cp.plan_sources()["frontend"] == 0
+
+
+def test_plans_not_used_as_shipped_are_counted_with_the_reason(monkeypatch):
+    """Shipped plans a process builds again say why (``plans_refused``, the line a Triton start logs after its load
+    phases): a file serialized for another GPU or cuDNN is refused whole, and an offered plan that cannot be read
+    back is built at its key's first call, the reader's error named; with no reason, nothing is said."""
+    import io
+
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    cache = cp.PlanCache()
+    monkeypatch.setattr(cp, "CACHE", cache)
+    monkeypatch.setattr(cp, "_TAGS", {0: "NVIDIA H200|sm90|cudnn91900"})
+    assert cp.plans_refused() == {}
+    buf = io.BytesIO()
+    np.savez(buf, __tag__=np.frombuffer(b"NVIDIA H100|sm90|cudnn91000", dtype=np.uint8),
+             key0=np.frombuffer(b"k", dtype=np.uint8), plan0=np.zeros(4, dtype=np.uint8))
+    got = cache.load(buf.getvalue(), 0)
+    assert got["skipped"] == "plans for NVIDIA H100|sm90|cudnn91000, not NVIDIA H200|sm90|cudnn91900"
+    assert cache.pending == {}
+
+    def unreadable(handle, data, source="loaded"):
+        raise RuntimeError("cudnnGraphNotSupportedError: deserialize failed")
+
+    def built(handle, key, device_index):
+        return cp._Plan(None, 0, 0.5, "built", serializable=True)
+
+    monkeypatch.setattr(cp, "_deserialize", unreadable)
+    monkeypatch.setattr(cp, "_build", built)
+    monkeypatch.setattr(cache, "handle", lambda device_index: None)
+    cache.pending[(0, "k")] = np.zeros(4, dtype=np.uint8)
+    assert cache.get(0, "k").source == "built"
+    assert cp.plans_refused() == {
+        "plans for NVIDIA H100|sm90|cudnn91000, not NVIDIA H200|sm90|cudnn91900": 1,
+        "not read back (RuntimeError: cudnnGraphNotSupportedError: deserialize failed)": 1}
+    assert cp.plan_sources()["plans_built_compiled"] == 1

@@ -94,6 +94,29 @@ def test_a_gpu_launchers_load_phases_are_what_the_second_line_logs(bundles, tmp_
     line = "parastream: m_0_0 load phases (s, summed over engines): " + ", ".join(f"{k} {v:.2f}" for k, v in got.items())
     log = f"I1130 model.py:199] parastream: m_0_0 ready in 2.00 s (...)\nI1130 model.py:202] {line}\nnext line\n"
     assert triton_gpu.logged_load_phases(log) == [got]
+    # shipped plans built again at the start: a third line says why, which the benchmark keeps
+    assert module._plans_refused() == {}  # (this stand-in module has no plans_refused: nothing said)
+    why = {"not read back (RuntimeError: x)": 3}
+    monkeypatch.setitem(sys.modules, "parastream.launcher.engines.cudnn_plans",
+                        types.SimpleNamespace(plans_refused=lambda: why))
+    assert module._plans_refused() == why
+    line = module._refused_line("m_0_0", why)
+    assert line == "parastream: m_0_0 cuDNN plans not used as shipped: 3x not read back (RuntimeError: x)"
+    assert triton_gpu.logged_plans_refused(f"I1130 model.py:210] {line}\nnext line\n") == [
+        "3x not read back (RuntimeError: x)"]
+    assert module._refused_line("m_0_0", {}) is None
+
+    # a cuDNN other than torch's own in the process (the library path): torch's complaint, in one line
+    import torch
+
+    assert module._cudnn_mismatch() is None
+
+    def wrong():
+        raise RuntimeError("cuDNN version incompatibility: PyTorch was compiled  against (9, 19, 0) but found runtime "
+                           "version (9, 14, 0).\nmore")
+
+    monkeypatch.setattr(torch.backends.cudnn, "version", wrong)
+    assert module._cudnn_mismatch().startswith("cuDNN version incompatibility: PyTorch was compiled  against (9, 19")
 
 
 def test_two_outputs(bundles, tmp_path, pb_utils):

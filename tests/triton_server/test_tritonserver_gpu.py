@@ -15,6 +15,7 @@ import pytest
 from triton_clients import PROTOCOLS, client_of, expected, infer, make_inputs, random_feeds
 from tritonserver_process import TritonServer
 
+from graphs import separable_as_nasnet
 from parastream.pipeline import build
 from parastream.pipeline.triton import export_triton, read_config
 from parastream.pipeline.verify import DEFAULT_TOLERANCES
@@ -84,6 +85,52 @@ def test_gpu_input_through_cuda_shared_memory(gpu_server, reference):
         client.unregister_cuda_shared_memory()
         cudashm.destroy_shared_memory_region(handle)
         client.close()
+
+
+def test_an_instance_start_deserializes_the_cudnn_plans_its_engines_ship(tmp_path):
+    """An fp16 bundle of NASNet's separable convolution, whose depthwise convolution runs a kernel cuDNN compiles at
+    run time: its engine ships that plan, and a Triton instance's start deserializes it rather than compiling it
+    again (model.py's load-phase line: plans loaded as many as shipped, none of the compiled ones built; where
+    not, its next line says why).  NASNet-A Large's starts built its 23 plans in the stub, 4-6 s of an 8-10 s
+    initialize, where a plain process loaded them.  The answer equals onnxruntime on the fp32 model."""
+    import re
+
+    from parastream.launcher.engines import cudnn_plans
+
+    if cudnn_plans.frontend() is None:
+        pytest.skip("no cuDNN frontend (nvidia-cudnn-frontend): depthwise convolutions are torch's own")
+    model_path = tmp_path / "separable.onnx"
+    import onnx
+
+    onnx.save(separable_as_nasnet(), model_path)
+    bundle = build(model_path, tmp_path / "b", backend="torch", precision="fp16", search=False, measure=False,
+                   cudnn_plans=True)
+    shipped = sum(e.get("cudnn_plans", 0) for e in bundle.report["engines"].values() if isinstance(e, dict))
+    if not shipped:
+        pytest.skip("cuDNN compiled no kernel at run time for this shape on this GPU: no plan to ship")
+    export_triton(bundle, tmp_path / "repo", name="separable")
+    srv = TritonServer(tmp_path / "repo", tmp_path / "server")
+    sess = ort.InferenceSession(str(model_path), providers=["CPUExecutionProvider"])
+    feeds = random_feeds(sess, np.random.default_rng(13))
+    want = expected(sess, feeds)
+    try:
+        srv.start(timeout=420)
+        client = client_of(srv, "http")
+        try:
+            got = infer(client, "http", "separable", make_inputs("http", feeds), list(want))
+        finally:
+            client.close()
+        log = srv.log()
+    finally:
+        srv.stop()
+    rtol, atol = DEFAULT_TOLERANCES["fp16"]
+    for name, ref in want.items():
+        np.testing.assert_allclose(got[name], ref, rtol=rtol, atol=atol)
+    lines = re.findall(r"parastream: separable\S* load phases \(s, summed over engines\): ([^\n]*)", log)
+    assert lines, log[-3000:]
+    phases = {k: float(v) for k, v in re.findall(r"(\w+) ([\d.]+)", lines[-1])}
+    refused = re.findall(r"cuDNN plans not used as shipped: ([^\n]*)", log)
+    assert phases.get("plans_loaded") == shipped and phases.get("plans_built_compiled") == 0, (phases, refused)
 
 
 # -- two GPUs: one repository, an instance on each GPU -------------------------------------------------------------

@@ -14,11 +14,15 @@ step it leaves to luck:
 
 * the stub built for this Python version is copied into a backend folder of our own
   (``backends/python/triton_python_backend_stub`` beside a copy of ``libtriton_python.so``);
-* ``LD_LIBRARY_PATH`` starts with the folder of *this* interpreter's libpython (``sysconfig``'s
-  LIBDIR).  Without it the stub loads whichever libpython3.X the dynamic linker finds first: on
-  a build machine with Debian's /lib/x86_64-linux-gnu/libpython3.11.so (3.11.2) under a pyenv 3.11.7
-  venv, a second interpreter reading the first one's standard library.  Then the wheel's own
-  libraries (``nvidia_pytriton.libs``), which the copied stub no longer finds through its RPATH;
+* ``LD_LIBRARY_PATH`` starts with a folder that holds *this* interpreter's libpython and nothing else
+  (a link to ``sysconfig``'s LIBDIR/INSTSONAME, beside the stub).  Without it the stub loads whichever
+  libpython3.X the dynamic linker finds first: on a build machine with Debian's
+  /lib/x86_64-linux-gnu/libpython3.11.so (3.11.2) under a pyenv 3.11.7 venv, a second interpreter
+  reading the first one's standard library.  Not LIBDIR itself: where LIBDIR is the system's library
+  folder (/usr/lib/x86_64-linux-gnu for Ubuntu's python3.12), every library there would come before
+  the ones a package ships, and on the device torch then ran the system's cuDNN 9.14 in the stub
+  rather than its own 9.19 (and refused the cuDNN plans a bundle shipped for 9.19).  Then the wheel's
+  own libraries (``nvidia_pytriton.libs``), which the copied stub no longer finds through its RPATH;
 * ``PATH`` starts with this interpreter's bin folder: the embedded Python finds its prefix, and a
   venv's ``pyvenv.cfg`` with its site-packages, from ``python3`` on PATH (pytriton's method).
   PYTHONPATH passes through unchanged.
@@ -122,21 +126,36 @@ def free_ports(n: int) -> list[int]:
 
 
 def backend_folder(dist: Distribution, where: Path) -> Path:
-    """A ``--backend-directory`` whose Python backend has this interpreter's stub (pytriton copies it the same way)."""
+    """A ``--backend-directory`` whose Python backend has this interpreter's stub (pytriton copies it the same way),
+    and beside it ``libpython/``, a folder holding only a link to this interpreter's libpython (``libpython_folder``)."""
     python = where / "python"
     python.mkdir(parents=True, exist_ok=True)
     for f in ("libtriton_python.so", "triton_python_backend_utils.py"):
         shutil.copy2(dist.python_backend / f, python / f)
     shutil.copy2(dist.stub(), python / "triton_python_backend_stub")
+    libpython = python_library()
+    if libpython is not None:
+        folder = libpython_folder(where)
+        folder.mkdir(exist_ok=True)
+        link = folder / libpython.name
+        if not link.is_symlink():
+            link.symlink_to(libpython)
     return where
 
 
-def server_environment(dist: Distribution, base: dict | None = None, python_bin: Path | None = None) -> dict:
+def libpython_folder(backends: Path) -> Path:
+    """The folder of ``backends`` (``backend_folder``) that puts this interpreter's libpython first on the stub's
+    library path, and nothing else: not LIBDIR, which may be the system's library folder (module docstring)."""
+    return backends / "libpython"
+
+
+def server_environment(dist: Distribution, base: dict | None = None, python_bin: Path | None = None,
+                       backends: Path | None = None) -> dict:
     """The server's environment; ``python_bin``: the bin folder of a venv of this interpreter whose
-    site-packages the stubs use (default: this interpreter's)."""
+    site-packages the stubs use (default: this interpreter's); ``backends``: the server's backend folder
+    (``backend_folder``), whose ``libpython/`` leads the library path."""
     env = dict(os.environ if base is None else base)
-    libpython = python_library()
-    lib_path = [str(libpython.parent)] if libpython else []
+    lib_path = [str(libpython_folder(backends))] if backends is not None and python_library() else []
     lib_path.append(str(dist.libs))
     if env.get("LD_LIBRARY_PATH"):
         lib_path.append(env["LD_LIBRARY_PATH"])
@@ -230,7 +249,8 @@ class TritonServer:
                 log.write(f"--- parastream: start {attempt + 1}: {' '.join(self.command())}\n".encode())
                 log.flush()
                 self.proc = subprocess.Popen(self.command(), stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                             env=server_environment(self.dist, python_bin=self.python_bin), start_new_session=True,
+                                             env=server_environment(self.dist, python_bin=self.python_bin, backends=self.backends),
+                                             start_new_session=True,
                                              preexec_fn=_die_with_parent)
             try:
                 self._wait_live(timeout)
