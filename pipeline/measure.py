@@ -768,7 +768,8 @@ class GpuMeasurer:
                     alt["sampled"] = first
             speculative = speculative_variants(self.engines, variants[0])
             if speculative:
-                self.engines.precompile(speculative, background=True, cancellable=False,
+                # spare: needed only where a round of the input flips, and then waited for (which starts them)
+                self.engines.precompile(speculative, background=True, cancellable=False, order="spare",
                                         label="alternatives of alternatives")
             if keys is not None and len(keys) == len(sampled) + len(compiled) and models[0] is self.loaded.model:
                 self.early.update(plan=variants[0].plan, variant=variants[0], rounds=[],

@@ -1720,9 +1720,11 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
     its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
     many from the search.  That is ``order`` "auto"; "search": kept, but queued with the search's candidates, in
     the order queued (the input, which the search measures first, and what is timed right after it); "now":
-    before everything queued (a compile the build waits for, queued late)."""
-    if order not in ("auto", "search", "now"):
-        raise ValueError(f"order={order!r}: auto, search or now")
+    before everything queued (a compile the build waits for, queued late); "spare": after everything, and started
+    only while at most half the workers are busy (``SPARE``: what the build may never need, such as the rounds'
+    alternatives for a round that has not flipped), until someone waits for it."""
+    if order not in ("auto", "search", "now", "spare"):
+        raise ValueError(f"order={order!r}: auto, search, now or spare")
     groups_by_work = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
     with _QUEUE_LOCK:
         for i, keys in enumerate(groups_by_work):
@@ -1731,6 +1733,8 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
                 job.priority = -0.5
             elif order == "search":
                 job.priority = 0
+            elif order == "spare":
+                job.priority = SPARE
             for k in keys:
                 _INFLIGHT[k] = job
             _QUEUED.append(job)
@@ -1742,12 +1746,23 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
 _WORKERS = [1]
 
 
+#: the priority of a group queued with ``order="spare"``: after every other, and only into spare workers (``_pump``)
+SPARE = 2
+
+
 def _pump() -> None:
-    """Hand queued groups to the workers, the most urgent first, while a worker is free."""
+    """Hand queued groups to the workers, the most urgent first, while a worker is free; a spare group (``SPARE``)
+    only while at most half the workers are busy.  Why: the workers share the host's cores, and a whole-model
+    compile runs Inductor's own compile pool besides (``_compile_job``), so that every group started makes the
+    others slower.  ConvNeXt-T's one-engine build (H200, 16 cores) compiled its input's second-level alternatives
+    (245 worker-seconds, none of them used) beside the search's candidates, which took 22 s each against 11 s for
+    the input compiled before them, and the search measured 1 of its candidates in its budget."""
     with _QUEUE_LOCK:
         workers = _WORKERS[0]
         while _QUEUED and _RUNNING[0] < workers:
             _QUEUED.sort(key=lambda j: (j.priority, j.seq))
+            if _QUEUED[0].priority >= SPARE and _RUNNING[0] >= max(1, workers // 2):
+                break
             job = _QUEUED.pop(0)
             job.t_started = time.perf_counter()  # handed to a free worker: it starts now
             _RUNNING[0] += 1

@@ -538,3 +538,43 @@ def test_branches_of_one_structure_with_other_tensor_names_are_one_group(compile
     assert got["jobs"] == 2 and len(compiles) == 2
     (groups,) = seen
     assert len(groups) == 1 and len(next(iter(groups.values()))) == 2
+
+
+def test_spare_groups_start_only_into_spare_workers_unless_waited_for(monkeypatch):
+    """``order="spare"`` (the rounds' second-level alternatives, which the build may never need): queued after every
+    other group, and handed to a worker only while at most half the workers are busy; once someone waits for it,
+    at once.  (The pool is a stand-in that records what it is handed.)"""
+    handed = []
+
+    class Pool:
+        def submit(self, fn, jobs):
+            handed.append(jobs)
+            return type("F", (), {"add_done_callback": lambda self, cb: None})()
+
+    monkeypatch.setattr(tb, "_pool", lambda n: Pool())
+    monkeypatch.setattr(tb, "_QUEUED", [])
+    monkeypatch.setattr(tb, "_INFLIGHT", {})
+    monkeypatch.setattr(tb, "_RUNNING", [2])  # two of four workers busy
+    monkeypatch.setattr(tb, "_WORKERS", [1])
+    job = ("inductor", branch(1).SerializeToString())
+    tb._submit({"s": job}, {"gs": ["s"]}, None, cancellable=False, workers=4, order="spare")
+    assert handed == [] and [j.keys for j in tb._QUEUED] == [["s"]]
+    tb._submit({"c": job}, {"gc": ["c"]}, None, cancellable=True, workers=4)  # a candidate: goes into a free worker
+    assert handed == [[job]] and [j.keys for j in tb._QUEUED] == [["s"]] and tb._RUNNING[0] == 3
+    spare = tb._QUEUED[0]
+    tb._RUNNING[0] = 1  # workers freed: at most half busy, the spare group starts
+    tb._pump()
+    assert len(handed) == 2 and tb._QUEUED == [] and spare.t_started is not None
+    with pytest.raises(ValueError, match="spare"):
+        tb._submit({"x": job}, {"gx": ["x"]}, None, cancellable=False, order="later")
+    # waited for: it starts whatever the workers' load
+    tb._RUNNING[0] = 3
+    tb._submit({"w": job}, {"gw": ["w"]}, None, cancellable=False, workers=4, order="spare")
+    waited = tb._QUEUED[0]
+    assert len(handed) == 2
+    threading.Thread(target=waited.wait, daemon=True).start()
+    deadline = time.monotonic() + 10
+    while len(handed) < 3 and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert len(handed) == 3 and tb._QUEUED == []
+    waited.done.set()  # (the stand-in pool never finishes it)
