@@ -520,6 +520,12 @@ def speculative_variants(engines: EngineMaker, v: Variant, decided: set | frozen
     of after it (MixNet-S, H100: Inductor's depthwise kernels won the first round, and the conv+ReLU round then
     waited 73 s for its alternative of that winner).  The rounds of ``decided`` (carried from the input) are
     not raced, so no alternative is compiled for them."""
+    return [alt for _, alts in speculative_by_round(engines, v, decided) for alt in alts]
+
+
+def speculative_by_round(engines: EngineMaker, v: Variant,
+                         decided: set | frozenset = frozenset()) -> list[tuple[str, list[Variant]]]:
+    """``speculative_variants`` by the round whose alternative winning makes them the ones raced next."""
     if v.plan.num_streams != 1:
         return []
     named = [(what, a) for what, a in alternative_variants(engines, v) if what not in decided]
@@ -528,7 +534,9 @@ def speculative_variants(engines: EngineMaker, v: Variant, decided: set | frozen
         if what in ("boundary layout", "streams", "engine blocks"):  # a layout or plan changes no later round's engines
             continue
         later = {w for w, _ in named[i + 1:]}
-        out += [alt for w, alt in alternative_variants(engines, first) if w in later]
+        alts = [alt for w, alt in alternative_variants(engines, first) if w in later]
+        if alts:
+            out.append((what, alts))
     return out
 
 
@@ -766,11 +774,12 @@ class GpuMeasurer:
                 keys = first_keys + keys if first_keys is not None else None
                 if alt is not None:
                     alt["sampled"] = first
-            speculative = speculative_variants(self.engines, variants[0])
-            if speculative:
-                # spare: needed only where a round of the input flips, and then waited for (which starts them)
-                self.engines.precompile(speculative, background=True, cancellable=False, order="spare",
-                                        label="alternatives of alternatives")
+            # spare work, each round's apart: needed only where that round of the input flips, when they are
+            # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search
+            for what, alts in speculative_by_round(self.engines, variants[0]):
+                queued = self.engines.precompile(alts, background=True, cancellable=False, order="spare",
+                                                 label="alternatives of alternatives")
+                self.early.setdefault("spare", {})[what] = [k for ks in (queued or {}).get("keys") or [] for k in ks]
             if keys is not None and len(keys) == len(sampled) + len(compiled) and models[0] is self.loaded.model:
                 self.early.update(plan=variants[0].plan, variant=variants[0], rounds=[],
                                   todo=[(what, a, [k for ks in keys[i:j] for k in ks])
@@ -1104,6 +1113,8 @@ class GpuMeasurer:
         if won and what not in ("streams", "engine blocks"):
             self.early.setdefault("stopped", f"{what}: the alternative won; the rest are timed after the search")
             self.early.setdefault("flips", []).append(what)
+            # the later rounds now race this round's alternative: their forms of it, queued as spare, are needed
+            self.backend.hasten((self.early.get("spare") or {}).get(what) or [])
         return won
 
     def _streams_first(self) -> None:

@@ -1770,6 +1770,19 @@ def _pump() -> None:
             job.future.add_done_callback(job.store)
 
 
+def hasten(keys: list[str]) -> int:
+    """The spare groups (``order="spare"``) that hold any of ``keys``, queued as needed after the search instead
+    (the build will race them: a round they follow went the other way); returns how many."""
+    wanted, n = set(keys), 0
+    with _QUEUE_LOCK:
+        for job in _QUEUED:
+            if job.priority >= SPARE and wanted.intersection(job.keys):
+                job.priority, n = 1, n + 1
+    if n:
+        _pump()
+    return n
+
+
 def compiling(keys: list[str]) -> int:
     """How many of these cache keys a background ``precompile`` is still compiling (queued or running)."""
     with _QUEUE_LOCK:

@@ -50,7 +50,7 @@ def test_the_contract_names_every_capability_flag():
     data, methods = _members(base.Backend)
     assert set(FLAGS) <= set(data) and {"name", "suffix", "gpu"} <= set(data)
     assert {"available", "check_model", "describe_device", "Builder", "load", "slim_engine", "memory_scope", "own_workspaces", "prepare_load",
-            "start_workers", "stop_workers", "precompile", "compiling", "cancel_precompile", "background_summary"} == set(methods)
+            "start_workers", "stop_workers", "precompile", "compiling", "hasten", "cancel_precompile", "background_summary"} == set(methods)
 
 
 @pytest.mark.parametrize("name", BACKENDS)

@@ -540,10 +540,10 @@ def test_branches_of_one_structure_with_other_tensor_names_are_one_group(compile
     assert len(groups) == 1 and len(next(iter(groups.values()))) == 2
 
 
-def test_spare_groups_start_only_into_spare_workers_unless_waited_for(monkeypatch):
+def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastened(monkeypatch):
     """``order="spare"`` (the rounds' second-level alternatives, which the build may never need): queued after every
     other group, and handed to a worker only while at most half the workers are busy; once someone waits for it,
-    at once.  (The pool is a stand-in that records what it is handed.)"""
+    at once; once hastened (``hasten``: a round they follow flipped), as any group needed after the search.  (The pool is a stand-in that records what it is handed.)"""
     handed = []
 
     class Pool:
@@ -578,3 +578,9 @@ def test_spare_groups_start_only_into_spare_workers_unless_waited_for(monkeypatc
         time.sleep(0.01)
     assert len(handed) == 3 and tb._QUEUED == []
     waited.done.set()  # (the stand-in pool never finishes it)
+    # hastened (a round it follows flipped): queued as needed after the search, into any free worker
+    tb._submit({"h": job}, {"gh": ["h"]}, None, cancellable=False, workers=4, order="spare")
+    tb._submit({"o": job}, {"go": ["o"]}, None, cancellable=False, workers=4, order="spare")
+    assert len(handed) == 3 and tb.hasten(["z"]) == 0
+    tb._RUNNING[0] = 3
+    assert tb.hasten(["h"]) == 1 and len(handed) == 4 and [j.keys for j in tb._QUEUED] == [["o"]]

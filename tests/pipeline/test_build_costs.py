@@ -650,7 +650,7 @@ def test_a_lead_in_one_timing_is_timed_again_before_its_rounds_are_compiled(monk
     m.engines.precompile = lambda variants, background, cancellable, label="": queued.append(
         [v.model for v in variants]) or {"jobs": len(variants)}
     monkeypatch.setattr(measure, "alternative_variants", lambda engines, v: [("attention", v)])
-    monkeypatch.setattr(measure, "speculative_variants", lambda engines, v, decided=(): [])
+    monkeypatch.setattr(measure, "speculative_by_round", lambda engines, v, decided=(): [])
     m.measure(input_model)
     assert m.measure(noise) == pytest.approx(0.98e-3)  # 3.5% ahead, then 0.5%: the mean
     assert m.log[-1]["lead_timed_again_ms"] == [0.965, 0.995] and "rounds_queued" not in m.log[-1]
@@ -676,7 +676,7 @@ def test_the_fastest_candidate_so_far_has_its_rounds_compiled_while_the_search_g
     m.engines.precompile = lambda variants, background, cancellable, label="": queued.append(
         ([v.model for v in variants], background, cancellable)) or {"jobs": len(variants)}
     monkeypatch.setattr(measure, "alternative_variants", lambda engines, v: [("attention", v)])
-    monkeypatch.setattr(measure, "speculative_variants", lambda engines, v, decided=(): [])
+    monkeypatch.setattr(measure, "speculative_by_round", lambda engines, v, decided=(): [])
     m.measure(input_model)
     m.measure(close)  # the fastest so far, but 1% faster than the input: the search keeps the input, nothing queued
     m.measure(first)  # faster than the input: queued
@@ -808,10 +808,11 @@ def _prepared_measurer(monkeypatch, engines, v, alternatives: list, ms):
                         or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
     monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
     monkeypatch.setattr(measure, "alternative_variants", lambda e, var: list(alternatives))
-    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
+    monkeypatch.setattr(measure, "speculative_by_round", lambda e, var, decided=(): [])
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
                         or {k: np.full(10, ms(la)) for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
+    engines.backend = type("B", (), {"background_compiles": True, "hasten": staticmethod(lambda keys: 0),
+                                     "compiling": staticmethod(lambda keys: 0),
                                      "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
                                      "suffix": engines.backend.suffix})()
     m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
@@ -888,10 +889,11 @@ def test_a_sampled_round_left_open_compiles_nothing_for_a_kept_candidate(monkeyp
                         or {"jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
     monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
     monkeypatch.setattr(measure, "alternative_variants", lambda e, var: list(alternatives.items()))
-    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
+    monkeypatch.setattr(measure, "speculative_by_round", lambda e, var, decided=(): [])
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, 1.05 if la.options.conv_kernels != "auto" else 1.0)
                                                                    for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: busy[0] if keys else 0),
+    engines.backend = type("B", (), {"background_compiles": True, "hasten": staticmethod(lambda keys: 0),
+                                     "compiling": staticmethod(lambda keys: busy[0] if keys else 0),
                                      "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
                                      "suffix": engines.backend.suffix})()
     m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
@@ -932,16 +934,21 @@ def test_a_round_apart_from_the_flipped_one_is_still_raced_against_the_input(mon
         loaded.append(v)
         return types.SimpleNamespace(variant=v, close=lambda: None)
 
-    engines = types.SimpleNamespace(backend=types.SimpleNamespace(background_compiles=False, compiling=lambda keys: 0),
+    hastened = []
+    engines = types.SimpleNamespace(backend=types.SimpleNamespace(background_compiles=False, compiling=lambda keys: 0,
+                                                                  hasten=hastened.append),
                                     launcher=launcher, branch_models=lambda v: branches)
     m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None,
                     max_streams=4, budget_s=1.0)
     m.reference = (types.SimpleNamespace(variant="the input"), 1.0)
     m.early.update(plan=types.SimpleNamespace(num_streams=1), variant="the input's variant", rounds=[],
                    todo=[("GEMM epilogue", "gemm off", ["a"]), ("conv+ReLU", "unfused", ["b"]),
-                         ("boundary layout", "contiguous", ["c"])])
+                         ("boundary layout", "contiguous", ["c"])],
+                   spare={"GEMM epilogue": ["gemm off, unfused"], "conv+ReLU": ["unfused, contiguous"]})
     m.time_ready(wait=True)
     assert "GEMM epilogue: the alternative won" in m.early["stopped"] and m.early["flips"] == ["GEMM epilogue"]
+    # the later rounds' forms of the flipped round's alternative (queued as spare work) are hastened, no others
+    assert hastened == [["gemm off, unfused"]]
     rounds = {r["choice"]: r for r in m.early["rounds"]}
     if head_holds_a_conv:
         assert loaded == ["gemm off"] and set(rounds) == {"GEMM epilogue"}
@@ -989,9 +996,10 @@ def test_the_input_s_streams_round_is_timed_against_its_own_engines_before_any_c
     monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
     monkeypatch.setattr(measure, "same_engines_on_one_stream", serial_launcher)
     monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("streams", one)])
-    monkeypatch.setattr(measure, "speculative_variants", lambda e, var, decided=(): [])
+    monkeypatch.setattr(measure, "speculative_by_round", lambda e, var, decided=(): [])
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {k: np.full(10, ms(la)) for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "compiling": staticmethod(lambda keys: 0),
+    engines.backend = type("B", (), {"background_compiles": True, "hasten": staticmethod(lambda keys: 0),
+                                     "compiling": staticmethod(lambda keys: 0),
                                      "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
                                      "fuses_conv_relu": True, "suffix": engines.backend.suffix})()
     m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)

@@ -264,6 +264,7 @@ def _gpu_like_torch(monkeypatch, pending: set, calls: list):
     gpu_like.supports_internal_nhwc = True  # channels-last internal boundaries: a boundary-layout round
     gpu_like.precompile = precompile
     gpu_like.compiling = lambda keys: sum(k in pending for k in keys)
+    gpu_like.hasten = lambda keys: 0
     gpu_like.cancel_precompile = lambda: 0
     return gpu_like
 
@@ -511,7 +512,8 @@ def test_the_input_s_rounds_whose_alternatives_are_compiled_are_timed_when_a_can
 
     compiling = {"still"}
     engines = types.SimpleNamespace(backend=types.SimpleNamespace(
-        background_compiles=False, compiling=lambda keys: sum(k in compiling for k in keys)), launcher=launcher)
+        background_compiles=False, compiling=lambda keys: sum(k in compiling for k in keys), hasten=lambda keys: 0),
+        launcher=launcher)
     m = GpuMeasurer(engines, BuildOptions(), types.SimpleNamespace(model=None, graph=None), streams=None,
                     max_streams=4, budget_s=1.0)
     m.reference = (types.SimpleNamespace(variant="the input"), 1.0)
