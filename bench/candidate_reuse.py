@@ -46,14 +46,17 @@ def candidates(model_path: Path, device: str, top_k: int):
 def reuse(model_path: Path, device: str, top_k: int) -> dict:
     from parastream.launcher.engines import get_backend
     from parastream.launcher.engines.torch import branch_digest
-    from parastream.pipeline.build import Engines, branches_of
+    from parastream.pipeline.build import BuildConfig, Engines, branches_of, engine_blocks
     from parastream.pipeline.model_io import graph_of
     from parastream.rewrite.cost import RooflineCostModel
 
     t0 = time.perf_counter()
     loaded, models = candidates(model_path, device, top_k)
     search_s = time.perf_counter() - t0
-    engines = Engines(get_backend("torch"), RooflineCostModel(device=device, precision="fp16"), loaded, "fp16")
+    backend = get_backend("torch")
+    # a one-stream plan cut into repeated blocks, as a default torch build cuts it (``engine_blocks``)
+    engines = Engines(backend, RooflineCostModel(device=device, precision="fp16"), loaded, "fp16",
+                      blocks=engine_blocks(BuildConfig(), backend))
     known: set[str] = set()
     rows = []
     for i, m in enumerate(models):

@@ -245,17 +245,19 @@ def compiled_share(order: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES) ->
     return found.compiled_nodes / len(order) if found.repeated and order else 1.0
 
 
-def split_schedule(sched, nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES):
+def split_schedule(sched, nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES,
+                   max_share: float = MAX_COMPILED_SHARE):
     """``sched`` (a :class:`~.schedule.Schedule` on one stream, one branch: ``nodes`` in its order) with one
-    branch per run of :func:`repeated_blocks`, in order on that stream; ``sched`` itself where nothing repeats.
-    Each run's time is the simulated time from its first node's start to the next run's."""
+    branch per run of :func:`repeated_blocks`, in order on that stream; ``sched`` itself where nothing repeats or
+    the runs of distinct code hold more than ``max_share`` of the nodes.  Each run's time is the simulated time
+    from its first node's start to the next run's."""
     if sched.num_streams != 1 or len(sched.branches) != 1:
         return sched
     names = sched.branches[0]
     by_name = {n.name: n for n in nodes}
     order = [by_name[nm] for nm in names]
     found = repeated_blocks(order, min_block=min_block)
-    if found.repeated == 0 or found.compiled_nodes > MAX_COMPILED_SHARE * len(order):
+    if found.repeated == 0 or found.compiled_nodes > max_share * len(order):
         return sched
     runs = [names[s:e] for s, e in found.runs]
     starts = [sched.node_start.get(r[0], 0.0) for r in runs] + [sched.makespan]

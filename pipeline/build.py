@@ -38,7 +38,7 @@ from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
 from .timings import now as utc_now
 from .outdir import check_target, check_writable_folder, staging
-from parastream.core.blocks import split_schedule
+from parastream.core.blocks import MAX_COMPILED_SHARE, split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import ReferenceRun, resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
@@ -130,10 +130,11 @@ def default_device_profile(backend) -> str:
 
 
 def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int, *,
-                 blocks: bool = False) -> tuple[Schedule, list[dict]]:
+                 blocks: bool = False, max_share: float = MAX_COMPILED_SHARE) -> tuple[Schedule, list[dict]]:
     """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates
     best; with ``blocks``, a one-stream schedule has one engine per repeated block (``core.blocks``) instead of one
-    for the whole model, and the chosen row of the table says so."""
+    for the whole model where its blocks' distinct code is at most ``max_share`` of its nodes, and the chosen row
+    of the table says so."""
     if streams:
         sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound)
         est = estimate_latency(sched)
@@ -142,7 +143,7 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
     else:
         sched, tried = choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
     if blocks and sched.num_streams == 1:
-        split = split_schedule(sched, graph.nodes)
+        split = split_schedule(sched, graph.nodes, max_share=max_share)
         if split is not sched:
             row = next(t for t in tried if t["chosen"])
             row["engines"] = len(split.branches)
@@ -549,6 +550,7 @@ class Engines:
     blocks: bool = False  # a one-stream plan has one engine per repeated block (``plan_streams``)
     # (the graph last scheduled, its schedules by arguments): ``schedule``
     _scheduled: tuple = field(default_factory=lambda: (None, {}), repr=False, compare=False)
+    _input_cut: list = field(default_factory=list, repr=False, compare=False)  # ``input_cut_in_blocks``, once
 
     def plan_of_schedule(self, graph: gs.Graph, sched: Schedule):
         return make_plan(graph, sched, backend=self.backend.name, precision=self.precision, suffix=self.backend.suffix,
@@ -566,13 +568,34 @@ class Engines:
         graph again (NASNet-A Large: 8 stream counts tried, ~0.4 s before the input's compile could start); each
         call gets its own copy of the rows tried, which the build annotates."""
         key = (streams, max_streams, whole)
+        cut = self.blocks and not whole
+        # a rewritten graph is cut as its input is: where the input's one-stream plan is cut into blocks, so is
+        # the rewritten graph's wherever its blocks repeat, whatever share of its nodes their code is
+        share = 1.0 if cut and graph is not self.loaded.graph and self.input_cut_in_blocks() else MAX_COMPILED_SHARE
         if self._scheduled[0] is not graph:
             self._scheduled = (graph, {})
         got = self._scheduled[1].get(key)
         if got is None:
             got = self._scheduled[1][key] = plan_streams(graph, self.cost_model, streams, max_streams,
-                                                         blocks=self.blocks and not whole)
+                                                         blocks=cut, max_share=share)
         return got[0], [dict(row) for row in got[1]]
+
+    def input_cut_in_blocks(self) -> bool:
+        """Whether the input's graph on one stream is cut into repeated blocks (``core.blocks.split_schedule``).
+
+        Why a rewritten graph follows it: a rewrite changes every block of a repeat alike, but it can shrink the
+        blocks more than the code that does not repeat, so that the blocks' share of the nodes crosses
+        ``MAX_COMPILED_SHARE`` where the input's did not.  ConvNeXt-T's input (292 nodes) is cut into 19 engines,
+        its blocks' distinct code 49% of its nodes; each of the search's candidates (GEMM epilogues fused, 166-170
+        nodes) holds 52-53% and was planned as one engine, so that every candidate measured was a whole-model
+        compile (9-24 s each on the H200 host, the compile workers busy) where its blocks compile once and the
+        blocks no rewrite changed are the input's.  The "engine blocks" round then races the kept candidate's
+        blocks against one engine for the whole model (``measure.races_whole_engine``), as it does the input's."""
+        if not self._input_cut:
+            graph = self.loaded.graph
+            self._input_cut.append(graph is not None
+                                   and len(plan_streams(graph, self.cost_model, 1, 1, blocks=True)[0].branches) > 1)
+        return self._input_cut[0]
 
     def one_stream_plan(self, graph: gs.Graph, plan, *, whole: bool = False):
         """``plan``'s graph on one stream (the rival ``time_alternatives`` times a multi-stream plan against): one

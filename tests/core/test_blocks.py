@@ -432,3 +432,35 @@ def test_an_input_cut_without_a_race_holds_for_a_candidate_whose_share_crossed_t
     m.input_cut = None  # an input whose cut was raced (or not cut): the candidate's round is queued as before
     m._queue_rounds_of(shallow)
     assert queued == ["whole model"]
+
+
+@pytest.mark.parametrize("input_layers", [10, 4])
+def test_a_rewritten_graph_is_cut_into_blocks_where_its_input_is(tmp_path, input_layers):
+    """A rewrite can shrink a model's blocks more than what does not repeat, so that the blocks' distinct code
+    crosses ``MAX_COMPILED_SHARE`` of the nodes where the input's did not (ConvNeXt-T: 49% against 52-53%).  A
+    build plans such a graph (a search's candidate: any graph but its input's) cut into blocks wherever its input's
+    one-stream plan is cut, so that its measurement compiles blocks rather than the whole model; where the input
+    is not cut, by its own share, as before."""
+    import onnx
+
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline.build import Engines, plan_streams
+    from parastream.pipeline.model_io import graph_of, load_model
+    from parastream.rewrite import RooflineCostModel
+
+    onnx.save(residual_stack_model(input_layers), tmp_path / "input.onnx")
+    loaded = load_model(tmp_path / "input.onnx")
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16", blocks=True)
+    candidate = graph_of(shape_inference.infer_shapes(residual_stack_model(4, seed=3)))  # 52% distinct code
+    alone, _ = plan_streams(candidate, engines.cost_model, 1, 1, blocks=True)
+    assert len(alone.branches) == 1  # by its own share: one engine
+    input_plan = engines.plan(loaded.graph, 1, 1)
+    assert engines.input_cut_in_blocks() is (input_layers == 10)
+    assert (len(input_plan.branches) > 1) is (input_layers == 10)
+    got = engines.plan(candidate, 1, 1)
+    if input_layers == 10:
+        assert got.num_streams == 1 and len(got.branches) > 1
+        assert len(engines.whole_engine_plan(candidate, got).branches) == 1  # the "engine blocks" round's rival
+    else:
+        assert len(got.branches) == 1
+    assert len(Engines(torch_backend, RooflineCostModel(), loaded, "fp16", blocks=False).plan(candidate, 1, 1).branches) == 1
