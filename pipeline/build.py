@@ -13,14 +13,13 @@ import platform
 import shutil
 import tempfile
 import time
-from collections import OrderedDict
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 
 import onnx
 import onnx_graphsurgeon as gs
 
-from parastream.core.lru import lru_put
+from parastream.core.lru import SizedLRU, lru_put
 from parastream.launcher.bundle import Bundle, write_manifest
 from parastream.launcher.engines import BuildOptions, resolve_backend
 from parastream.launcher.engines.base import conv_kernels_used
@@ -257,7 +256,7 @@ class BranchCache:
         self.max_bytes = EXTRACTED_BYTES if max_bytes is None else max_bytes
         self.entries: list[tuple[onnx.ModelProto, tuple, list[onnx.ModelProto], int]] = []
         # fingerprint -> (the branch, the weight objects the fingerprint names by identity, kept alive, its bytes)
-        self.by_fingerprint: OrderedDict[tuple, tuple[onnx.ModelProto, list, int]] = OrderedDict()
+        self.by_fingerprint: SizedLRU = SizedLRU(size=lambda e: e[2])
 
     def branch(self, model: onnx.ModelProto, graph: gs.Graph, branch, index: dict | None) -> onnx.ModelProto:
         """``extract_branch(model, graph, branch)``, or the branch of the same fingerprint extracted before
@@ -274,7 +273,7 @@ class BranchCache:
             weights = [t._values for n in members for t in n.inputs if isinstance(t, gs.Constant)]
             size = sum(_tensor_bytes(t) for t in out.graph.initializer)
             if size <= self.max_bytes:
-                lru_put(self.by_fingerprint, key, (out, weights, size), self.max_bytes, size=lambda e: e[2])
+                lru_put(self.by_fingerprint, key, (out, weights, size), self.max_bytes)
         return out
 
     def get(self, model: onnx.ModelProto, plan) -> list[onnx.ModelProto] | None:

@@ -65,14 +65,13 @@ import time
 import warnings
 import weakref
 import zipfile
-from collections import OrderedDict
 from pathlib import Path
 from typing import TYPE_CHECKING, Callable
 
 import numpy as np
 
 from parastream.core.files import write_atomic
-from parastream.core.lru import lru_put
+from parastream.core.lru import SizedLRU, lru_put
 from parastream.core.protos import copy_fields as _copy_fields
 
 from .. import cuda
@@ -407,11 +406,11 @@ def _tensor(spec: TensorSpec, nhwc: bool, view: tuple[int, int] | None, device: 
 
 
 # -- the compiled-branch cache ---------------------------------------------------------------------
-_CACHE: OrderedDict[str, bytes] = OrderedDict()
+_CACHE: SizedLRU = SizedLRU()
 _CACHE_LOCK = threading.Lock()
 #: cache key -> (engine file, artifact bytes): the search's candidates and the build's alternatives pack each
 #: unchanged branch's engine once (zipping 100 engines of an Inception-v4 was ~0.5 s per candidate)
-_PACKED: OrderedDict[str, tuple[bytes, int, dict]] = OrderedDict()
+_PACKED: SizedLRU = SizedLRU(size=lambda v: len(v[0]))
 
 
 def cache_key(branch: onnx.ModelProto, signature: list, dtype: str, options: BuildOptions, fuse: bool, built: dict,
@@ -485,7 +484,7 @@ def branch_digest(branch: onnx.ModelProto) -> str:
 
 
 #: id(branch) -> (the branch, its ``_anonymous_bytes``, their sha256): ``_serialized``
-_SERIALIZED: OrderedDict[int, tuple] = OrderedDict()
+_SERIALIZED: SizedLRU = SizedLRU(size=lambda v: len(v[1]))
 SERIALIZED_BYTES = 1 << 30
 
 
@@ -502,7 +501,7 @@ def _serialized(branch: onnx.ModelProto) -> tuple[bytes, str]:
     data = _anonymous_bytes(branch)
     digest = hashlib.sha256(data).hexdigest()
     with _CACHE_LOCK:
-        lru_put(_SERIALIZED, id(branch), (branch, data, digest), SERIALIZED_BYTES, size=lambda v: len(v[1]))
+        lru_put(_SERIALIZED, id(branch), (branch, data, digest), SERIALIZED_BYTES)
     return data, digest
 
 
@@ -827,7 +826,7 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
 #: A compile worker keeps it across its jobs (structure groups are compiled in one worker in turn); with
 #: ``--cache-dir`` it is also kept in DIR/torch-code/, so that a rebuild of a model whose weights changed compiles
 #: nothing whose code did not (the compiled-branch cache, keyed by the branch with its weights, misses there)
-_SAME_CODE: OrderedDict = OrderedDict()
+_SAME_CODE: SizedLRU = SizedLRU(size=lambda v: len(v[0]))
 SAME_CODE_BYTES = 1 << 30
 _WEIGHT_FIELDS = ("params", "param_specs", "param_offsets", "param_digests")
 
@@ -861,14 +860,14 @@ def _code_get(same: str, cache_dir: str | None) -> tuple[bytes, dict] | None:
         return None
     package, kept, _ = _split_entry(f.read_bytes())
     with _CACHE_LOCK:
-        lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
+        lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES)
     return package, kept
 
 
 def _remember_code(same: str, package: bytes, extra: dict, cache_dir: str | None) -> None:
     kept = {k: v for k, v in extra.items() if k not in _WEIGHT_FIELDS}
     with _CACHE_LOCK:
-        lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES, size=lambda v: len(v[0]))
+        lru_put(_SAME_CODE, same, (package, kept), SAME_CODE_BYTES)
     f = _code_file(cache_dir, same)
     if f is not None:  # written by a compile worker too: a concurrent build never reads half an artifact
         write_atomic(f, _entry(package, kept))
@@ -1131,7 +1130,7 @@ def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: d
     if art is None:
         art = _load_artifact(artifact, meta, device)
         with _CACHE_LOCK:
-            lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS, size=lambda v: 1)
+            lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS)
 
     def run(*args):
         art(*params, *args)  # writes the outputs in place (their copy_ is in the compiled graph)
@@ -1206,7 +1205,7 @@ _SHARED_PARAMS: "weakref.WeakValueDictionary" = weakref.WeakValueDictionary()
 #: candidates reload every unchanged branch; branches of one structure can compile to the same code), and a build
 #: loads the same artifacts for its measured candidates, its timed alternatives and its verification (kept while
 #: no engine held them, each was loaded again: ~1.5 s per load of an Inception-v4 on the H100).
-_LOADED_ARTIFACTS: OrderedDict = OrderedDict()
+_LOADED_ARTIFACTS: SizedLRU = SizedLRU(size=lambda v: 1)
 LOADED_ARTIFACTS = 512
 
 
@@ -1404,7 +1403,7 @@ class Builder(BuilderBase):
                               if (full.get("kernels") or {}).get("cudnn_plans") else {})}
                 packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:
-                    lru_put(_PACKED, key, packed, CACHE_BYTES // 2, size=lambda v: len(v[0]))
+                    lru_put(_PACKED, key, packed, CACHE_BYTES // 2)
             self._report[name].update(packed[2], package_bytes=packed[1])
             out[i] = packed[0]
         for item in items:  # the compile time is the batch's (its packages compile side by side)
@@ -1656,7 +1655,7 @@ class _Inflight:
         if results is not None and self.t_started is not None:
             with _QUEUE_LOCK:
                 lru_put(_DONE, self.seq, (self.nodes, len(self.keys), self.t_queued, self.t_started,
-                                           time.perf_counter(), self.label), 4096, size=lambda v: 1)
+                                           time.perf_counter(), self.label), 4096)
         _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
         self._finish()
         with _QUEUE_LOCK:
@@ -1681,7 +1680,7 @@ _SEQ = itertools.count()
 
 
 #: background groups compiled, by sequence: (nodes of the largest branch, branches, queued, started, done, what for)
-_DONE: OrderedDict = OrderedDict()
+_DONE: SizedLRU = SizedLRU(size=lambda v: 1)
 
 
 def background_summary(since: float) -> dict:
