@@ -1789,10 +1789,13 @@ def compiling(keys: list[str]) -> int:
 
 
 def cancel_precompile() -> int:
-    """Drop the background compiles that have not started (the search's budget is spent); returns how many."""
+    """Drop the background compiles that have not started (the search's budget is spent), the search's candidates
+    and the spare groups no one hastened or waited for (``order="spare"``: the build queues again, with its
+    engines, the alternatives its own rounds will race, rather than leave them to start when the workers idle,
+    after the build has no use for them and before its process can exit); returns how many."""
     n = 0
     with _QUEUE_LOCK:
-        for job in [j for j in _QUEUED if j.cancellable]:
+        for job in [j for j in _QUEUED if j.cancellable or j.priority >= SPARE]:
             _QUEUED.remove(job)
             job._finish()
             n += 1

@@ -549,7 +549,7 @@ def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastene
     class Pool:
         def submit(self, fn, jobs):
             handed.append(jobs)
-            return type("F", (), {"add_done_callback": lambda self, cb: None})()
+            return type("F", (), {"add_done_callback": lambda self, cb: None, "cancel": lambda self: False})()
 
     monkeypatch.setattr(tb, "_pool", lambda n: Pool())
     monkeypatch.setattr(tb, "_QUEUED", [])
@@ -584,3 +584,10 @@ def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastene
     assert len(handed) == 3 and tb.hasten(["z"]) == 0
     tb._RUNNING[0] = 3
     assert tb.hasten(["h"]) == 1 and len(handed) == 4 and [j.keys for j in tb._QUEUED] == [["o"]]
+    # the search's end drops the spare groups no one hastened or waited for, and the search's candidates
+    tb._submit({"k": job}, {"gk": ["k"]}, None, cancellable=False, workers=4)
+    tb._RUNNING[0] = 4
+    tb._submit({"c2": job}, {"gc2": ["c2"]}, None, cancellable=True, workers=4)
+    assert sorted(j.keys[0] for j in tb._QUEUED) == ["c2", "k", "o"]
+    assert tb.cancel_precompile() == 2 and [j.keys for j in tb._QUEUED] == [["k"]]
+    assert tb.compiling(["o", "c2"]) == 0 and tb.compiling(["k"]) == 1
