@@ -549,7 +549,7 @@ class Engines:
     blocks: bool = False  # a one-stream plan has one engine per repeated block (``plan_streams``)
     # (the graph last scheduled, its schedules by arguments): ``schedule``
     _scheduled: tuple = field(default_factory=lambda: (None, {}), repr=False, compare=False)
-    _input_cut: list = field(default_factory=list, repr=False, compare=False)  # ``input_cut_in_blocks``, once
+    _input_cut: bool | None = field(default=None, repr=False, compare=False)  # ``input_cut_in_blocks``, once
 
     def plan_of_schedule(self, graph: gs.Graph, sched: Schedule):
         return make_plan(graph, sched, backend=self.backend.name, precision=self.precision, suffix=self.backend.suffix,
@@ -590,11 +590,11 @@ class Engines:
         compile (9-24 s each on the H200 host, the compile workers busy) where its blocks compile once and the
         blocks no rewrite changed are the input's.  The "engine blocks" round then races the kept candidate's
         blocks against one engine for the whole model (``measure.races_whole_engine``), as it does the input's."""
-        if not self._input_cut:
+        if self._input_cut is None:
             graph = self.loaded.graph
-            self._input_cut.append(graph is not None
-                                   and len(plan_streams(graph, self.cost_model, 1, 1, blocks=True)[0].branches) > 1)
-        return self._input_cut[0]
+            self._input_cut = (graph is not None
+                               and len(plan_streams(graph, self.cost_model, 1, 1, blocks=True)[0].branches) > 1)
+        return self._input_cut
 
     def one_stream_plan(self, graph: gs.Graph, plan, *, whole: bool = False):
         """``plan``'s graph on one stream (the rival ``time_alternatives`` times a multi-stream plan against): one

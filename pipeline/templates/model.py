@@ -133,18 +133,16 @@ def _load_phases(runner) -> dict:
     """A GPU launcher's engine loads by phase (``parastream.launcher.gpu.load_phases``: unpack, weights, artifact,
     prepare, warm, summed over the engines that record them, and the launcher's totals), or {} where its engines
     record none, with where the engines' cuDNN plans came from (``cudnn_plans.plan_sources``): what an instance's
-    start spent where, beside the same bundle's load in a plain process (bench/load_breakdown.py).  NASNet-A
-    Large's 332 engines loaded and captured in ~5 s in the stub, against 1.6-1.8 s in a fresh Python process
-    (H200); on the CPU a bundle of 359 onnxruntime sessions loads in 1.7 s in both."""
+    start spent where, beside the same bundle's load in a plain process (bench/load_breakdown.py).  It showed
+    NASNet-A Large's starts building the 23 plans their engines shipped (4-6 s of an 8-10 s initialize, H200),
+    which a plain process loaded: the stub ran another cuDNN (``_refused_line`` says so; docs/triton.md)."""
     try:
-        import sys
-
         from parastream.launcher.gpu import load_phases
 
         got = load_phases(runner)
         if not set(got) - {"engines", "warm_wall", "ready"}:
             return {}
-        plans = sys.modules.get("parastream.launcher.engines.cudnn_plans")  # (imported by a torch engine's load)
+        plans = _cudnn_plans()
         if plans is not None:  # where the engines' cuDNN plans came from: shipped, or built at this start
             got.update(plans.plan_sources())
         return got
@@ -152,13 +150,19 @@ def _load_phases(runner) -> dict:
         return {}
 
 
+def _cudnn_plans():
+    """``parastream.launcher.engines.cudnn_plans`` where a torch engine's load imported it, else None (nothing
+    planned: not imported here for a figure)."""
+    import sys
+
+    return sys.modules.get("parastream.launcher.engines.cudnn_plans")
+
+
 def _plans_refused() -> dict:
     """{reason: count} of the cuDNN plans the engines shipped that this process did not use as shipped
     (``cudnn_plans.plans_refused``), or {}."""
     try:
-        import sys
-
-        plans = sys.modules.get("parastream.launcher.engines.cudnn_plans")
+        plans = _cudnn_plans()
         return plans.plans_refused() if plans is not None else {}
     except Exception:  # noqa: BLE001 - a figure for the log only: never the instance's failure
         return {}
@@ -232,21 +236,20 @@ class TritonPythonModel:
         started = _process_age()
         logger = getattr(pb_utils, "Logger", None)
         if logger is not None:
-            logger.log_info(f"parastream: {args.get('model_instance_name') or args.get('model_name', '')} ready in "
+            instance = args.get("model_instance_name") or args.get("model_name", "")
+            logger.log_info(f"parastream: {instance} ready in "
                             f"{self.initialize_s:.2f} s (imports and bundle opened {t_open - t0:.2f} s, "
                             + (f"torch imported at {t_torch - t0:.2f} s, " if t_torch is not None else "")
                             + f"{len(self.plan.branches)} branches loaded and captured {time.perf_counter() - t_open:.2f} s"
                             + (f"; {started:.2f} s since the stub process started" if started is not None else "") + ")")
             phases = _load_phases(self.runner) if self.on_gpu else {}
             if phases:
-                logger.log_info(f"parastream: {args.get('model_instance_name') or args.get('model_name', '')} load "
-                                "phases (s, summed over engines): " + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
+                logger.log_info(f"parastream: {instance} load phases (s, summed over engines): "
+                                + ", ".join(f"{k} {v:.2f}" for k, v in phases.items()))
             mismatch = _cudnn_mismatch() if self.on_gpu else None
             if mismatch:  # a library path that put another cuDNN before torch's own (docs/triton.md)
-                getattr(logger, "log_warn", logger.log_info)(
-                    f"parastream: {args.get('model_instance_name') or args.get('model_name', '')}: {mismatch}")
-            refused = _refused_line(args.get('model_instance_name') or args.get('model_name', ''),
-                                    _plans_refused() if self.on_gpu else {})
+                getattr(logger, "log_warn", logger.log_info)(f"parastream: {instance}: {mismatch}")
+            refused = _refused_line(instance, _plans_refused() if self.on_gpu else {})
             if refused:  # shipped cuDNN plans this start built again, and why: a start slower than the bundle's own
                 logger.log_info(refused)
 
