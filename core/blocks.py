@@ -21,10 +21,7 @@ reuse), and a rewrite that changes every layer alike changes one compile, not th
   it runs fused (a convolution's ReLU, a product's bias).
 
 What lies between repeats stays one engine.  A plan is cut only where the blocks save most of its compile
-(``MAX_COMPILED_SHARE``).  Where a build times its choices on the GPU it may also cut a plan into *pieces*
-(:func:`pieces`): consecutive runs of about ``PIECE_NODES`` nodes, cut where nothing is fused across, so that an
-alternative it times (a fusion off, other convolution kernels, a rewrite of a few nodes) compiles only the pieces
-whose code it changes; the plan is then raced against one engine for the whole model, which ships where faster.  The result is only a partition of the order into consecutive
+(``MAX_COMPILED_SHARE``).  The result is only a partition of the order into consecutive
 runs, so any cut is correct; where the cuts fall decides only speed and compile time, which the build measures.
 """
 
@@ -52,10 +49,6 @@ MIN_BLOCK_NODES = 6
 #: them distinct: 13.8 against 15.0 s of build and 4% slower on the H100; it holds 0.53 of its nodes in distinct
 #: runs now; ViT-B/16: 0.10, 11% faster)
 MAX_COMPILED_SHARE = 0.5
-#: the nodes of a piece (``pieces``), about: a piece is one compile job, and a job costs about a second beyond
-#: its nodes' lowering, so pieces much smaller would spend the compile in overhead, and much larger would leave
-#: the compile workers idle while a few of them lower most of the model
-PIECE_NODES = 32
 #: an integer constant of at most this many elements is code (a Reshape's shape, a Slice's bounds, a Gather's
 #: indices); of float constants only scalars are (a Clip's bound, a scale): a bias, however small, is a weight
 SMALL_CONSTANT = 64
@@ -252,59 +245,21 @@ def compiled_share(order: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES) ->
     return found.compiled_nodes / len(order) if found.repeated and order else 1.0
 
 
-def pieces(nodes: list[gs.Node], lo: int = 0, hi: int | None = None, *, size: int = PIECE_NODES) -> list[tuple[int, int]]:
-    """``nodes[lo:hi]`` (a stretch of a topological order) as consecutive runs of about ``size`` nodes, cut only
-    where no fusion is lost (``_cut_quality``: nothing fused across the cut), at the cut of fewest activations
-    crossing within half a piece of each ``size`` step (the nearest to it on ties); one run where no such cut
-    exists, or the stretch is shorter than two pieces.  A model with control flow is not cut (as in
-    ``repeated_blocks``)."""
-    hi = len(nodes) if hi is None else hi
-    if hi - lo < 2 * size or any(isinstance(v, gs.Graph) for nd in nodes for v in nd.attrs.values()):
-        return [(lo, hi)]
-    crossing, fused = _cut_quality(nodes)
-    runs, at = [], lo
-    while hi - at >= 2 * size:
-        target = at + size
-        window = range(max(at + 1, target - size // 2), min(hi - size // 2, target + size // 2) + 1)
-        clean = [(int(crossing[c]), abs(c - target), c) for c in window if fused[c] == 0]
-        if not clean:  # no lossless cut near: look a piece further on
-            nxt = next((c for c in range(target + size // 2 + 1, hi - size // 2 + 1) if fused[c] == 0), None)
-            if nxt is None:
-                break
-            clean = [(0, 0, nxt)]
-        c = min(clean)[2]
-        runs.append((at, c))
-        at = c
-    runs.append((at, hi))
-    return runs
-
-
 def split_schedule(sched, nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES,
-                   max_share: float = MAX_COMPILED_SHARE, piece_nodes: int | None = None):
+                   max_share: float = MAX_COMPILED_SHARE):
     """``sched`` (a :class:`~.schedule.Schedule` on one stream, one branch: ``nodes`` in its order) with one
     branch per run of :func:`repeated_blocks`, in order on that stream; ``sched`` itself where nothing repeats or
-    the runs of distinct code hold more than ``max_share`` of the nodes.  ``piece_nodes``: the stretches between
-    repeats, or the whole order where it is not cut into blocks, are cut into :func:`pieces` of about that many
-    nodes.  Each run's time is the simulated time from its first node's start to the next run's.  Returns the
-    schedule and what its branches are ("repeated blocks", "pieces", or None where it is ``sched``)."""
+    the runs of distinct code hold more than ``max_share`` of the nodes.  Each run's time is the simulated time
+    from its first node's start to the next run's."""
     if sched.num_streams != 1 or len(sched.branches) != 1:
-        return sched, None
+        return sched
     names = sched.branches[0]
     by_name = {n.name: n for n in nodes}
     order = [by_name[nm] for nm in names]
     found = repeated_blocks(order, min_block=min_block)
-    blocks = bool(found.repeated) and found.compiled_nodes <= max_share * len(order)
-    if not blocks and not piece_nodes:
-        return sched, None
-    # in pieces, the repeats are still cut as blocks: their code compiles once
-    bounds = found.runs if found.repeated else [(0, len(order))]
-    if piece_nodes:
-        bounds = [r for (s, e), of in zip(bounds, found.repeat_of if found.repeated else [-1])
-                  for r in ([(s, e)] if of >= 0 else pieces(order, s, e, size=piece_nodes))]
-    kind = "repeated blocks" if blocks else "pieces"
-    if len(bounds) < 2:
-        return sched, None
-    runs = [names[s:e] for s, e in bounds]
+    if found.repeated == 0 or found.compiled_nodes > max_share * len(order):
+        return sched
+    runs = [names[s:e] for s, e in found.runs]
     starts = [sched.node_start.get(r[0], 0.0) for r in runs] + [sched.makespan]
     branch_of = {nm: b for b, r in enumerate(runs) for nm in r}
     writer = {t.name: branch_of[n.name] for n in order for t in n.outputs}
@@ -314,6 +269,6 @@ def split_schedule(sched, nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NO
                 if isinstance(t, gs.Variable) and t.name in writer and writer[t.name] != b}
         preds.append(sorted(mine))
     return replace(sched, branches=runs, branch_stream=[0] * len(runs), launch_order=list(range(len(runs))),
-                   branch_bound=[sched.branch_bound[0]] * len(runs),
-                   branch_time=[max(starts[b + 1] - starts[b], 0.0) for b in range(len(runs))],
-                   branch_preds=preds), kind
+                    branch_bound=[sched.branch_bound[0]] * len(runs),
+                    branch_time=[max(starts[b + 1] - starts[b], 0.0) for b in range(len(runs))],
+                    branch_preds=preds)

@@ -37,7 +37,7 @@ from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
 from .timings import now as utc_now
 from .outdir import check_target, check_writable_folder, staging
-from parastream.core.blocks import MAX_COMPILED_SHARE, PIECE_NODES, split_schedule
+from parastream.core.blocks import MAX_COMPILED_SHARE, split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import ReferenceRun, resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
@@ -129,12 +129,11 @@ def default_device_profile(backend) -> str:
 
 
 def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int, *,
-                 blocks: bool = False, max_share: float = MAX_COMPILED_SHARE,
-                 pieces: bool = False) -> tuple[Schedule, list[dict]]:
+                 blocks: bool = False, max_share: float = MAX_COMPILED_SHARE) -> tuple[Schedule, list[dict]]:
     """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates
     best; with ``blocks``, a one-stream schedule has one engine per repeated block (``core.blocks``) instead of one
-    for the whole model where its blocks' distinct code is at most ``max_share`` of its nodes, and with ``pieces``
-    what is not cut into blocks is cut into pieces (``core.blocks.pieces``); the chosen row of the table says so."""
+    for the whole model where its blocks' distinct code is at most ``max_share`` of its nodes, and the chosen row
+    of the table says so."""
     if streams:
         sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound)
         est = estimate_latency(sched)
@@ -143,12 +142,11 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
     else:
         sched, tried = choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
     if blocks and sched.num_streams == 1:
-        split, kind = split_schedule(sched, graph.nodes, max_share=max_share,
-                                     piece_nodes=PIECE_NODES if pieces else None)
-        if kind is not None:
+        split = split_schedule(sched, graph.nodes, max_share=max_share)
+        if split is not sched:
             row = next(t for t in tried if t["chosen"])
             row["engines"] = len(split.branches)
-            row["engines_are"] = kind
+            row["engines_are"] = "repeated blocks"
             sched = split
     return sched, tried
 
@@ -457,18 +455,6 @@ def engine_blocks(cfg: BuildConfig, backend) -> bool:
     return cfg.engine_blocks == "blocks"
 
 
-def pieces_for(cfg: BuildConfig, backend) -> bool:
-    """Whether a one-stream plan of this build is cut into pieces where no block repeats (``core.blocks.pieces``):
-    where the build races its choices on the GPU ("auto" engine blocks, ``measure``, GPU engines), so that each
-    choice's alternative compiles only the pieces whose code it changes, and the "engine blocks" round races the
-    pieces against one engine for the whole model, which ships where faster.  As one engine, every alternative
-    was a compile of the whole model: MixNet-S on the H200 waited 122 s for ten of them side by side (its input,
-    four alternatives and five alternatives of alternatives), where its pieces change 1-12 of ~12 per round.
-    Not with ``--engine-blocks blocks`` (blocks only) or ``whole``, nor where nothing is timed (the pieces would
-    ship unraced)."""
-    return cfg.engine_blocks == "auto" and bool(cfg.measure) and bool(backend.gpu)
-
-
 def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
     """The engine options of a build of ``cfg`` with ``backend`` (manifest.json records them, ``_launcher_options``)."""
     return BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
@@ -561,9 +547,6 @@ class Engines:
     precision: str
     branches: BranchCache = field(default_factory=lambda: BranchCache())
     blocks: bool = False  # a one-stream plan has one engine per repeated block (``plan_streams``)
-    # ... and what no block holds is cut into pieces: where the build races its choices on the GPU, against one
-    # engine for the whole model among them (``pieces_for``)
-    pieces: bool = False
     # (the graph last scheduled, its schedules by arguments): ``schedule``
     _scheduled: tuple = field(default_factory=lambda: (None, {}), repr=False, compare=False)
     _input_cut: bool | None = field(default=None, repr=False, compare=False)  # ``input_cut_in_blocks``, once
@@ -593,7 +576,7 @@ class Engines:
         got = self._scheduled[1].get(key)
         if got is None:
             got = self._scheduled[1][key] = plan_streams(graph, self.cost_model, streams, max_streams,
-                                                         blocks=cut, max_share=share, pieces=cut and self.pieces)
+                                                         blocks=cut, max_share=share)
         return got[0], [dict(row) for row in got[1]]
 
     def input_cut_in_blocks(self) -> bool:
@@ -610,8 +593,7 @@ class Engines:
         if self._input_cut is None:
             graph = self.loaded.graph
             self._input_cut = (graph is not None
-                               and len(plan_streams(graph, self.cost_model, 1, 1, blocks=True,
-                                                    pieces=self.pieces)[0].branches) > 1)
+                               and len(plan_streams(graph, self.cost_model, 1, 1, blocks=True)[0].branches) > 1)
         return self._input_cut
 
     def one_stream_plan(self, graph: gs.Graph, plan, *, whole: bool = False):
@@ -873,9 +855,8 @@ class _Build:
 
     def __post_init__(self):
         if self.engines is None:
-            blocks = engine_blocks(self.cfg, self.backend)
-            self.engines = Engines(self.backend, self.cost_model, self.loaded, self.cfg.precision, blocks=blocks,
-                                   pieces=blocks and pieces_for(self.cfg, self.backend))
+            self.engines = Engines(self.backend, self.cost_model, self.loaded, self.cfg.precision,
+                                   blocks=engine_blocks(self.cfg, self.backend))
 
     @contextlib.contextmanager
     def timed(self, stage: str):

@@ -151,9 +151,7 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--engine-blocks", default="auto", choices=["auto", "blocks", "whole"],
                    help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "
                         "engine for the whole model (default auto: blocks where the backend compiles equal code once, "
-                        "the torch backend, and on a GPU build that times its choices the rest cut into pieces, "
-                        "so that each choice timed compiles only what it changes; the pieces are raced against "
-                        "one engine for the whole model)")
+                        "the torch backend)")
     g.add_argument("--compile-workers", type=int_in(0, 1024), default=0, metavar="N",
                    help="torch backend: processes compiling engines side by side (default 0: every core but one, at most 16)")
     g.add_argument("--no-gpu-timing-lock", action="store_true",

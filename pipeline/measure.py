@@ -466,19 +466,6 @@ def _blocks_share(v: Variant) -> float:
     return compiled_share([by_name[name] for b in v.plan.branches for name in b.nodes])
 
 
-def kept_within(what: str, v: Variant | None) -> float | None:
-    """The share by which round ``what`` keeps ``v``'s form against a faster alternative (``PREFER_CURRENT_WITHIN``).
-    The "engine blocks" round keeps the blocks only where their code is at most
-    ``core.blocks.MAX_COMPILED_SHARE`` of the nodes (the compile and load they save is what the share buys); a
-    plan cut into pieces, nothing repeating (``core.blocks.pieces``), or into blocks of more distinct code, ships
-    the whole engine where it is faster at all."""
-    from parastream.core.blocks import MAX_COMPILED_SHARE
-
-    if what == "engine blocks" and v is not None and _blocks_share(v) > MAX_COMPILED_SHARE:
-        return None
-    return PREFER_CURRENT_WITHIN.get(what)
-
-
 def races_whole_engine(v: Variant) -> bool:
     """Whether the "engine blocks" round races ``v``'s plan (cut into blocks) against one engine for the whole
     model: where the blocks' distinct code is over ``WHOLE_ENGINE_RACED_ABOVE`` of the nodes."""
@@ -587,11 +574,10 @@ def timed_while_drifted(time_once, reference: str, seen: list[float] | None) -> 
 
 
 def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, since: float, lock: bool = True,
-         seen: list[float] | None = None, keep: float | None | str = "table") -> bool:
+         seen: list[float] | None = None) -> bool:
     """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
     replays, the faster median kept (``decide_by_timing`` without a margin; a round of ``PREFER_ALTERNATIVE_WITHIN``
-    keeps ``other`` unless it is slower by more than its share; ``keep``: the share ``current`` is kept within,
-    else ``PREFER_CURRENT_WITHIN``'s); the round goes into ``rounds`` (``load_s``: the
+    keeps ``other`` unless it is slower by more than its share); the round goes into ``rounds`` (``load_s``: the
     seconds since ``since``, building and loading ``other``); True when ``other`` was kept.
 
     ``seen``: every median ``current`` has run before (the search's reference, ``GpuMeasurer.reference_seen``).
@@ -612,7 +598,7 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
     within = PREFER_ALTERNATIVE_WITHIN.get(what)
     if within is not None and float(np.median(times[keys[1]])) <= float(np.median(times[keys[0]])) * (1 + within):
         chosen = keys[1]
-    keep = PREFER_CURRENT_WITHIN.get(what) if keep == "table" else keep
+    keep = PREFER_CURRENT_WITHIN.get(what)
     if keep is not None and float(np.median(times[keys[0]])) <= float(np.median(times[keys[1]])) * (1 + keep):
         chosen = keys[0]
     rounds.append({"choice": what, "timed_ms": {k: float(np.median(v)) for k, v in times.items()}, "won": chosen,
@@ -1177,8 +1163,7 @@ class GpuMeasurer:
             other = self.engines.launcher(v)
             try:
                 won = race(early.setdefault("rounds", []), what, self.reference[0], other, early["plan"],
-                           runs=self.runs, since=t0, lock=self.options.gpu_timing_lock, seen=self.reference_seen,
-                           keep=kept_within(what, early.get("variant")))
+                           runs=self.runs, since=t0, lock=self.options.gpu_timing_lock, seen=self.reference_seen)
             finally:
                 other.close()
         except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
@@ -1364,8 +1349,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
             return won
         cur = current()
         other = make_other()
-        won = race(rounds, what, cur, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock,
-                   keep=kept_within(what, v))
+        won = race(rounds, what, cur, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
         since[0] = time.perf_counter()
         if won and what not in ("streams", "engine blocks"):  # the later rounds race the winner
             held[0], other = other, cur

@@ -66,8 +66,7 @@ def test_split_schedule_chains_the_blocks_on_one_stream():
     g = gs_graph(residual_stack_model(layers=5))
     sched = schedule_graph(g, 1, lambda n: 1e-6, lambda n: False)
     assert len(sched.branches) == 1
-    split, kind = split_schedule(sched, g.nodes)
-    assert kind == "repeated blocks"
+    split = split_schedule(sched, g.nodes)
     assert len(split.branches) > 1 and split.num_streams == 1
     assert [n for b in split.branches for n in b] == sched.branches[0]
     assert split.launch_order == list(range(len(split.branches)))
@@ -78,9 +77,9 @@ def test_split_schedule_chains_the_blocks_on_one_stream():
     few = gs_graph(residual_stack_model(layers=3))
     one = schedule_graph(few, 1, lambda n: 1e-6, lambda n: False)
     assert repeated_blocks(list(few.nodes)).compiled_nodes > 0.5 * len(few.nodes)
-    assert split_schedule(one, few.nodes) == (one, None)
+    assert split_schedule(one, few.nodes) is one
     multi = schedule_graph(gs_graph(three_branch_model()), 3, lambda n: 1e-6, lambda n: False)
-    assert split_schedule(multi, gs_graph(three_branch_model()).nodes) == (multi, None)  # only one-stream plans are cut
+    assert split_schedule(multi, gs_graph(three_branch_model()).nodes) is multi  # only one-stream plans are cut
 
 
 @pytest.mark.parametrize("engine_blocks, engines", [("blocks", 5), ("whole", 1)])
@@ -122,7 +121,7 @@ def _blocks_plan(layers: int):
     import types
 
     g = gs_graph(residual_stack_model(layers=layers))
-    split, _ = split_schedule(schedule_graph(g, 1, lambda n: 1e-6, lambda n: False), g.nodes)
+    split = split_schedule(schedule_graph(g, 1, lambda n: 1e-6, lambda n: False), g.nodes)
     assert len(split.branches) > 1
     return g, types.SimpleNamespace(num_streams=1, branches=[types.SimpleNamespace(nodes=r) for r in split.branches])
 
@@ -465,146 +464,3 @@ def test_a_rewritten_graph_is_cut_into_blocks_where_its_input_is(tmp_path, input
     else:
         assert len(got.branches) == 1
     assert len(Engines(torch_backend, RooflineCostModel(), loaded, "fp16", blocks=False).plan(candidate, 1, 1).branches) == 1
-
-
-# -- pieces: a one-stream plan cut where nothing is fused across, so that a timed choice compiles what it changes --
-def _unequal_stack(layers: int = 12):
-    """A residual stack whose blocks all differ (each its own hidden width): nothing repeats."""
-    return residual_stack_model(layers=layers, widths=[40 + 8 * i for i in range(layers)])
-
-
-def test_a_model_without_repeats_is_cut_into_pieces_of_about_the_size_asked_where_nothing_is_fused_across():
-    from parastream.core.blocks import _cut_quality, pieces
-
-    nodes = list(gs_graph(_unequal_stack(12)).nodes)
-    assert repeated_blocks(nodes).repeated == 0
-    _, fused = _cut_quality(nodes)
-    runs = pieces(nodes, size=12)
-    assert len(runs) >= 4
-    assert runs[0][0] == 0 and runs[-1][1] == len(nodes)
-    assert all(a[1] == b[0] for a, b in zip(runs, runs[1:]))  # consecutive, the whole order
-    assert all(fused[s] == 0 for s, _ in runs[1:])  # no fusion lost at a cut
-    assert all(6 <= e - s <= 24 for s, e in runs[:-1])  # within half a piece of the size
-    assert pieces(nodes, size=40) == [(0, len(nodes))]  # shorter than two pieces: one
-    assert pieces(nodes, 10, 20, size=4) [0][0] == 10 and pieces(nodes, 10, 20, size=4)[-1][1] == 20
-
-
-def test_split_schedule_in_pieces_keeps_the_repeats_as_blocks_and_cuts_the_rest():
-    """A stack that repeats only in its middle (unequal blocks, then equal ones, then unequal): cut into pieces,
-    the repeats stay one engine per block (their code compiles once) and what lies around them is cut into
-    pieces; without ``piece_nodes`` the same plan is one engine (its blocks save too little of the compile)."""
-    from parastream.core.blocks import MAX_COMPILED_SHARE
-
-    widths = [40, 48, 56, 64, 72, 64, 64, 64, 80, 88, 96, 104, 112]
-    g = gs_graph(residual_stack_model(layers=len(widths), widths=widths))
-    sched = schedule_graph(g, 1, lambda n: 1e-6, lambda n: False)
-    found = repeated_blocks(list(g.nodes))
-    assert found.repeated and found.compiled_nodes > MAX_COMPILED_SHARE * len(g.nodes)
-    assert split_schedule(sched, g.nodes) == (sched, None)
-    split, kind = split_schedule(sched, g.nodes, piece_nodes=12)
-    assert kind == "pieces" and len(split.branches) > found.repeated
-    assert [n for b in split.branches for n in b] == sched.branches[0]
-    block_runs = {tuple(sched.branches[0][s:e]) for (s, e), of in zip(found.runs, found.repeat_of) if of >= 0}
-    assert block_runs <= {tuple(b) for b in split.branches}  # each repeated block is an engine of its own
-    assert all(p < b for b, ps in enumerate(split.branch_preds) for p in ps)
-    # a model without any repeat is cut into pieces alone
-    plain = gs_graph(_unequal_stack(12))
-    one = schedule_graph(plain, 1, lambda n: 1e-6, lambda n: False)
-    assert split_schedule(one, plain.nodes) == (one, None)
-    cut, kind = split_schedule(one, plain.nodes, piece_nodes=12)
-    assert kind == "pieces" and len(cut.branches) >= 4
-
-
-def test_pieces_are_cut_only_where_a_gpu_build_times_its_choices():
-    import types
-
-    from parastream.pipeline.build import BuildConfig, pieces_for
-
-    gpu, cpu = types.SimpleNamespace(gpu=True), types.SimpleNamespace(gpu=False)
-    assert pieces_for(BuildConfig(), gpu)
-    assert not pieces_for(BuildConfig(), cpu)  # nothing raced on the CPU: pieces would ship unraced
-    assert not pieces_for(BuildConfig(measure=False), gpu)
-    assert not pieces_for(BuildConfig(engine_blocks="blocks"), gpu)
-    assert not pieces_for(BuildConfig(engine_blocks="whole"), gpu)
-
-
-@pytest.mark.parametrize("share_blocks, whole_kept", [(True, False), (False, True)])
-def test_pieces_ship_only_where_faster_than_the_whole_engine(monkeypatch, share_blocks, whole_kept):
-    """The "engine blocks" round keeps blocks that save most of the compile within 2% of one engine for the whole
-    model; pieces (nothing repeats) have no such allowance: a whole engine 1% faster ships."""
-    import types
-
-    from gpu_build_fakes import fake_gpu, gpu_backend
-
-    from parastream.launcher.engines import BuildOptions
-    from parastream.pipeline import measure
-    from parastream.pipeline.measure import Variant, time_alternatives
-
-    monkeypatch.setattr(measure, "_internal_nhwc", lambda backend, plan: False)
-    _, made = fake_gpu(monkeypatch, {("bundle", False, None): 1.0, ("whole", None, None): 0.99})
-    if share_blocks:
-        model = residual_stack_model(5)
-        graph, cut = _blocks_plan(5)
-    else:
-        model = _unequal_stack(12)
-        graph = gs_graph(model)
-        split, _ = split_schedule(schedule_graph(graph, 1, lambda n: 1e-6, lambda n: False), graph.nodes, piece_nodes=12)
-        cut = types.SimpleNamespace(num_streams=1, branches=[types.SimpleNamespace(nodes=r) for r in split.branches])
-    whole = types.SimpleNamespace(num_streams=1, branches=[0])
-
-    def launcher(v):
-        la = types.SimpleNamespace(kind=("whole", None, None) if v.plan is whole else ("blocks", None, None), closed=False)
-        la.close = lambda: setattr(la, "closed", True)
-        made.append(la)
-        return la
-
-    engines = types.SimpleNamespace(backend=gpu_backend(fuses_conv_relu=False), launcher=launcher,
-                                    whole_engine_plan=lambda graph, p: whole)
-    got = time_alternatives(engines, "bundle", Variant(model, graph, cut, BuildOptions(precision="fp16")), runs=5)
-    assert [r["choice"] for r in got["rounds"]] == ["engine blocks"]
-    assert got["whole_engine"] is whole_kept
-    assert ("current_kept_within" in got["rounds"][0]) is share_blocks
-
-
-@pytest.mark.parametrize("whole_wins", [True, False])
-def test_a_gpu_build_of_a_model_without_repeats_times_its_pieces_and_ships_the_faster(tmp_path, monkeypatch, whole_wins):
-    """The GPU stage driven on the CPU (onnxruntime's engines under a backend that says it is a GPU backend and
-    compiles repeats once): a model in which nothing repeats is planned in pieces, its choices are timed on them,
-    and the build ships one engine or the pieces as the timing says, verified either way."""
-    import importlib
-    import json
-    import types
-
-    import onnx
-
-    from parastream.core import blocks
-    from parastream.launcher.engines import require_backend
-    from parastream.pipeline import build
-
-    build_module = importlib.import_module("parastream.pipeline.build")
-    monkeypatch.setattr(build_module, "PIECE_NODES", 12)
-    real = require_backend("onnxruntime")
-    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
-    gpu_like.gpu, gpu_like.compiles_repeats_once = True, True
-    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
-    timed = []
-
-    def timing(engines, bundle, variant, runs, **rounds_timed):
-        timed.append(len(variant.plan.branches))
-        return {"one_engine": False, "whole_engine": whole_wins, "internal_nhwc": True, "fuse_conv_relu": False,
-                "rounds": []}
-
-    monkeypatch.setattr(build_module, "time_alternatives", timing)
-    model = _unequal_stack(12)
-    path = tmp_path / "plain.onnx"
-    onnx.save(model, path)
-    bundle = build(path, tmp_path / "b", backend="onnxruntime", search=False)
-    pieces = len(blocks.pieces(list(gs_graph(model).nodes), size=12))
-    assert timed == [pieces] and pieces > 1  # the pieces were timed
-    assert len(bundle.plan.branches) == (1 if whole_wins else pieces)
-    report = json.loads((tmp_path / "b" / "report.json").read_text())
-    assert report["verification"]["passed"]
-    assert report["schedule"]["streams_tried"][0]["engines_are"] == "pieces"
-    x = np.random.default_rng(5).standard_normal((1, 16, 32)).astype(np.float32)
-    np.testing.assert_allclose(_run_bundle(tmp_path / "b", {"x": x})["y"], ort_reference(model, {"x": x})["y"],
-                               rtol=1e-4, atol=1e-4)
