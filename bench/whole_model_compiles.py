@@ -1,0 +1,125 @@
+"""What a one-engine model's round alternatives cost to compile, one after another, each alone on the machine.
+
+A GPU build of a one-stream model (MixNet-S, EfficientNet-B0, DenseNet-121) times its choices (GEMM epilogue,
+depthwise kernels, conv+ReLU) on whole-model compiles: its input and every alternative is one Inductor compile of
+the whole model, and a build runs up to ten of them side by side (bench/NOTES.md, "Open questions").  Two things
+decide what would make them cheaper, and this measures both:
+
+* how long one whole-model compile takes alone, cold (empty Inductor and Triton caches) and after the input's
+  compile filled the caches (the alternatives share most of the input's kernels: a GEMM epilogue off changes the
+  classifier's kernels only);
+* whether those shared kernels are found in the caches: Inductor names each Triton kernel with a running index
+  (``triton_poi_fused_add_12``), so a kernel after the first changed node differs in name, and so in Triton's
+  cache key, even where its code is the same.  ``TORCHINDUCTOR_UNIQUE_KERNEL_NAMES=0`` names every kernel
+  ``triton_`` instead (Inductor's own setting for caching).
+
+Each compile runs in a fresh process (as a compile worker does: ``Engines.precompile`` with one worker), the
+sequence sharing one pair of cache folders per mode, with ``--modes`` the kernel-name settings to run.  Prints and
+writes per compile its seconds, whether it failed, and the Triton cache's entries before and after.
+
+    python3 bench/whole_model_compiles.py --model mixnet_s --out $OUT          # on the device
+    python3 bench/whole_model_compiles.py --onnx M.onnx --device cpu --out /tmp/wmc   # the plumbing only: a CPU
+                                                                      # engine is not compiled at build (jobs 0)
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+#: the alternatives, as a build's rounds make them (``pipeline.measure.alternative_variants``): engine options
+VARIANTS = {"input": {}, "GEMM epilogue off": {"fuse_gemm_epilogue": False},
+            "depthwise as Inductor kernels": {"conv_kernels": "inductor"},
+            "conv+ReLU off": {"fuse_conv_relu": False}}
+
+
+def child(onnx_path: str, variant: str, device: str) -> dict:
+    """One compile of ``onnx_path`` as one engine with ``variant``'s options, in this (fresh) process."""
+    from dataclasses import replace
+
+    from parastream.launcher.engines import get_backend, require_backend
+    from parastream.pipeline.build import BuildConfig, Engines, engine_options
+    from parastream.pipeline.measure import Variant
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite.cost import RooflineCostModel
+
+    # (on a CPU, the torch backend's CPU compile: ``require_backend`` refuses it, as a build does)
+    backend = require_backend("torch") if device == "cuda" else get_backend("torch")
+    loaded = load_model(onnx_path)
+    options = replace(engine_options(BuildConfig(precision="fp16" if device == "cuda" else "fp32"), backend),
+                      device=device, compile_workers=1, **VARIANTS[variant])
+    engines = Engines(backend, RooflineCostModel(), loaded, options.precision, blocks=False)
+    plan = engines.plan(loaded.graph, 1, 1)
+    v = Variant(loaded.model, loaded.graph, plan, options)
+    t0 = time.perf_counter()
+    got = engines.precompile([v])
+    return {"variant": variant, "compile_s": round(time.perf_counter() - t0, 2), "jobs": got.get("jobs"),
+            "failed": got.get("failed"), "engines": len(plan.branches)}
+
+
+def _entries(folder: Path) -> int:
+    return sum(1 for p in folder.rglob("*") if p.is_file()) if folder.exists() else 0
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--child"]:  # one compile, in the fresh process the sequence started for it
+        onnx_path, variant, device = sys.argv[2:5]
+        print("RESULT " + json.dumps(child(onnx_path, variant, device)), flush=True)
+        return
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    src = ap.add_mutually_exclusive_group(required=True)
+    src.add_argument("--model", help="a bench/gpu.py make_model name, exported here")
+    src.add_argument("--onnx", help="an ONNX file")
+    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of: " + ", ".join(VARIANTS))
+    ap.add_argument("--modes", default="1,0", help="TORCHINDUCTOR_UNIQUE_KERNEL_NAMES settings, one sequence each")
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--timeout", type=float, default=120.0, help="seconds one compile may take")
+    ap.add_argument("--out", default="/tmp/whole_model_compiles")
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.model:
+        sys.path.insert(0, str(Path(__file__).parent))
+        from gpu import export, make_model
+
+        model, inputs = make_model(a.model, 1)
+        onnx_path = str(out / f"{a.model}.onnx")
+        export(model, inputs, onnx_path)
+    else:
+        onnx_path = a.onnx
+    variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+    unknown = [v for v in variants if v not in VARIANTS]
+    if unknown:
+        raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+    rows = []
+    for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
+        caches = Path(tempfile.mkdtemp(prefix=f"wmc-{mode}-", dir=out))
+        env = dict(os.environ, TORCHINDUCTOR_UNIQUE_KERNEL_NAMES=mode, TORCHINDUCTOR_CACHE_DIR=str(caches / "inductor"),
+                   TRITON_CACHE_DIR=str(caches / "triton"), PARASTREAM_COMPILE_WORKERS="1")
+        for variant in variants:
+            before = _entries(caches / "triton")
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run([sys.executable, __file__, "--child", onnx_path, variant, a.device],
+                                   env=env, capture_output=True, text=True, timeout=a.timeout)
+                got = next((json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")), None)
+                row = got or {"variant": variant, "error": (p.stderr.strip().splitlines() or ["no result"])[-1][:400]}
+            except subprocess.TimeoutExpired as e:
+                tail = (e.stderr or b"").decode(errors="replace").strip().splitlines()[-5:] if e.stderr else []
+                row = {"variant": variant, "error": f"over {a.timeout:.0f} s", "stderr_tail": tail}
+            row.update(mode=mode, process_s=round(time.perf_counter() - t0, 2), triton_entries_before=before,
+                       triton_entries_after=_entries(caches / "triton"))
+            rows.append(row)
+            print(json.dumps(row), flush=True)
+            (out / "whole_model_compiles.json").write_text(json.dumps({"onnx": onnx_path, "device": a.device,
+                                                                       "rows": rows}, indent=1))
+
+
+if __name__ == "__main__":
+    main()
