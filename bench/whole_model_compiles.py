@@ -13,8 +13,10 @@ decide what would make them cheaper, and this measures both:
   cache key, even where its code is the same.  ``TORCHINDUCTOR_UNIQUE_KERNEL_NAMES=0`` names every kernel
   ``triton_`` instead (Inductor's own setting for caching).
 
-Each compile runs in a fresh process (as a compile worker does: ``Engines.precompile`` with one worker), the
-sequence sharing one pair of cache folders per mode, with ``--modes`` the kernel-name settings to run.  Prints and
+Each compile runs in a fresh process of its own through the build's compile job (``Engines.precompile``: one
+job compiles in the calling process, with Inductor's compile threads as a worker gives a large branch,
+``large_compile_threads``), the sequence sharing one pair of cache folders per mode, with ``--modes`` the
+kernel-name settings to run.  Prints and
 writes per compile its seconds, whether it failed, and the Triton cache's entries before and after.
 
     python3 bench/whole_model_compiles.py --model mixnet_s --out $OUT          # on the device
