@@ -35,19 +35,18 @@ import tempfile
 import time
 from pathlib import Path
 
-#: the alternatives, as a build's rounds make them (``pipeline.measure.alternative_variants``): engine options
-VARIANTS = {"input": {}, "GEMM epilogue off": {"fuse_gemm_epilogue": False},
-            "depthwise as Inductor kernels": {"conv_kernels": "inductor"},
-            "conv+ReLU off": {"fuse_conv_relu": False}}
+#: what ``--variants`` compiles by default: the input, then the alternatives of these rounds
+DEFAULT_VARIANTS = "input,GEMM epilogue,depthwise convolutions,conv+ReLU"
 
 
 def child(onnx_path: str, variant: str, device: str) -> dict:
-    """One compile of ``onnx_path`` as one engine with ``variant``'s options, in this (fresh) process."""
+    """One compile of ``onnx_path`` as one engine, in this (fresh) process: the input, or the alternative the
+    build's round ``variant`` races (``pipeline.measure.alternative_variants``, the build's own forms)."""
     from dataclasses import replace
 
     from parastream.launcher.engines import get_backend, require_backend
     from parastream.pipeline.build import BuildConfig, Engines, engine_options
-    from parastream.pipeline.measure import Variant
+    from parastream.pipeline.measure import Variant, alternative_variants
     from parastream.pipeline.model_io import load_model
     from parastream.rewrite.cost import RooflineCostModel
 
@@ -55,14 +54,18 @@ def child(onnx_path: str, variant: str, device: str) -> dict:
     backend = require_backend("torch") if device == "cuda" else get_backend("torch")
     loaded = load_model(onnx_path)
     options = replace(engine_options(BuildConfig(precision="fp16" if device == "cuda" else "fp32"), backend),
-                      device=device, compile_workers=1, **VARIANTS[variant])
+                      device=device, compile_workers=1)
     engines = Engines(backend, RooflineCostModel(), loaded, options.precision, blocks=False)
-    plan = engines.plan(loaded.graph, 1, 1)
-    v = Variant(loaded.model, loaded.graph, plan, options)
+    v = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, 1, 1), options)
+    if variant != "input":
+        rounds = dict(alternative_variants(engines, v))
+        if variant not in rounds:
+            return {"variant": variant, "error": f"no such round for this model; its rounds: {sorted(rounds)}"}
+        v = rounds[variant]
     t0 = time.perf_counter()
     got = engines.precompile([v])
     return {"variant": variant, "compile_s": round(time.perf_counter() - t0, 2), "jobs": got.get("jobs"),
-            "failed": got.get("failed"), "engines": len(plan.branches)}
+            "failed": got.get("failed"), "engines": len(v.plan.branches)}
 
 
 def _entries(folder: Path) -> int:
@@ -78,7 +81,8 @@ def main() -> None:
     src = ap.add_mutually_exclusive_group(required=True)
     src.add_argument("--model", help="a bench/gpu.py make_model name, exported here")
     src.add_argument("--onnx", help="an ONNX file")
-    ap.add_argument("--variants", default=",".join(VARIANTS), help="which of: " + ", ".join(VARIANTS))
+    ap.add_argument("--variants", default=DEFAULT_VARIANTS,
+                    help="input, and the rounds whose alternatives to compile (pipeline.measure.ROUNDS)")
     ap.add_argument("--modes", default="1,0", help="TORCHINDUCTOR_UNIQUE_KERNEL_NAMES settings, one sequence each")
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one compile may take")
@@ -95,10 +99,12 @@ def main() -> None:
         export(model, inputs, onnx_path)
     else:
         onnx_path = a.onnx
+    from parastream.pipeline.measure import ROUNDS
+
     variants = [v.strip() for v in a.variants.split(",") if v.strip()]
-    unknown = [v for v in variants if v not in VARIANTS]
+    unknown = [v for v in variants if v != "input" and v not in ROUNDS]
     if unknown:
-        raise SystemExit(f"--variants: unknown {unknown}; choose from {list(VARIANTS)}")
+        ap.error(f"--variants: unknown {unknown}; choose from input, {', '.join(ROUNDS)}")
     rows = []
     for mode in [m.strip() for m in a.modes.split(",") if m.strip()]:
         caches = Path(tempfile.mkdtemp(prefix=f"wmc-{mode}-", dir=out))

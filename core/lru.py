@@ -43,17 +43,11 @@ class SizedLRU(OrderedDict):
         self.total = 0
 
 
-def lru_put(cache: OrderedDict, key, value, limit: int, size=len) -> None:
-    """``cache[key] = value`` as its most recent entry, then the least recent out until the ``size`` of all is
-    within ``limit`` (the newest always stays).  A ``SizedLRU`` sizes its entries itself (its ``size``; ``size``
-    here is for a plain ``OrderedDict``, whose sizes are added up at each put).  Not thread-safe: a caller shared
-    between threads holds its lock."""
+def lru_put(cache: SizedLRU, key, value, limit: int) -> None:
+    """``cache[key] = value`` as its most recent entry, then the least recent out until the sizes of all
+    (``cache.total``) are within ``limit`` (the newest always stays).  Not thread-safe: a caller shared between
+    threads holds its lock."""
     cache[key] = value
     cache.move_to_end(key)
-    if isinstance(cache, SizedLRU):
-        while cache.total > limit and len(cache) > 1:
-            cache.popitem(last=False)
-        return
-    total = sum(size(v) for v in cache.values())
-    while total > limit and len(cache) > 1:
-        total -= size(cache.popitem(last=False)[1])
+    while cache.total > limit and len(cache) > 1:
+        cache.popitem(last=False)
