@@ -31,7 +31,7 @@ from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa
 from .isolate import Child, in_child
 from .measure import (CARRIED_ALWAYS, ORIGINAL_ONE_SESSION, GpuMeasurer, Variant, alternative_variants, carried_rounds,
                       choose_cpu_alternative, compiled_for_other_choices, cpu_choice_recordable, gpu_present,
-                      plan_signature, speculative_variants, time_alternatives)
+                      QueuedRivals, plan_signature, speculative_by_round, time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
@@ -840,6 +840,7 @@ class _Build:
     timed_alternatives: dict | None = None  # the input's alternatives timed during the search (``GpuMeasurer``)
     one_engine_timed: dict | None = None  # the kept candidate ran faster as one engine in the search (its times)
     precompiled: dict | None = None  # the engines of the plan and its timed alternatives compiled in one batch
+    rivals: QueuedRivals | None = None  # or those alternatives queued in the background, round by round
     report: dict | None = None
     manifest: dict | None = None
     # with --cache-dir on a GPU (``timings``): the record's file, the record read from it (None: time everything),
@@ -1160,10 +1161,23 @@ def build_engines(b: _Build, tmp: Path) -> None:
             done = {r["choice"] for r in (early or {}).get("rounds") or []}
             # (the engine cut decides no fusion round: a plan whose only carried round is the cut still compiles
             # the second-level alternatives up front)
-            alternatives = [] if (early is not None and not early.get("partial")) or b.measured else [
-                v for what, v in alternative_variants(b.engines, shipped) if what not in done] + (
-                speculative_variants(b.engines, shipped, done) if not done - CARRIED_ALWAYS else [])
-            b.precompiled = b.engines.precompile([shipped] + alternatives)
+            timed_all = (early is not None and not early.get("partial")) or b.measured
+            rivals = [] if timed_all else [(what, v) for what, v in alternative_variants(b.engines, shipped)
+                                           if what not in done]
+            speculative = [] if timed_all or done - CARRIED_ALWAYS else speculative_by_round(b.engines, shipped, done)
+            if rivals and b.backend.background_compiles:
+                # the plan first, then its rounds' rivals in the background: the rounds start as soon as their own
+                # rival is in (``QueuedRivals``), not once the slowest of them is
+                b.precompiled = b.engines.precompile([shipped], background=True, cancellable=False, order="now",
+                                                     label="the plan")
+                b.rivals = QueuedRivals(b.engines)
+                b.rivals.queue(shipped, done, rivals, speculative)
+                if b.precompiled is not None:
+                    b.precompiled = {**{k: x for k, x in b.precompiled.items() if k != "keys"},
+                                     "rivals": b.rivals.queued}
+            else:
+                b.precompiled = b.engines.precompile([shipped] + [v for _, v in rivals]
+                                                     + [a for _, alts in speculative for a in alts])
         b.engines_report = b.engines.write(tmp, shipped, str(b.loaded.path), on_branch=task.advance,
                                            prebuilt=b.prebuilt)
         b.prebuilt = None
@@ -1189,7 +1203,8 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
             # rounds the search timed on (none, or those before an alternative won)
             shipped = Variant(b.model, b.graph, b.plan, b.options)
             bundle = Bundle(path=tmp, manifest=b.engines.manifest_of(shipped), plan=b.plan, report={})
-            measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs, timed=early.get("rounds", ()))
+            measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs, timed=early.get("rounds", ()),
+                                         rivals=b.rivals)
         if measured:
             _take_measured_options(b, measured)
             b.timed_here = True

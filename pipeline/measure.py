@@ -540,6 +540,69 @@ def speculative_by_round(engines: EngineMaker, v: Variant,
     return out
 
 
+class QueuedRivals:
+    """The rivals ``time_alternatives`` races, compiled in the background as it goes rather than in one batch
+    that the build waits for before its first round.  Each round waits for its own rival only (a launcher of a
+    variant whose engines compile in the background waits for them); once a round is decided, what it made
+    moot is dropped from the queue (``drop``: the rivals of the form it did not keep), and where the alternative
+    won, the later rounds' rivals of that form, queued as spare work (``speculative_by_round``), are hastened
+    and the level after them queued as spare in their place: the build always compiles one round ahead.
+
+    Why: MixNet-S's one-engine build (H200, 16 cores) waited 118 s for such a batch, then 50 s for the conv+ReLU
+    round's rival of the two rounds that had flipped before it.  That batch's depthwise rivals were queued only
+    when the search ended, behind the alternatives it waited for first, and the third-level rival only when the
+    round before it flipped."""
+
+    def __init__(self, engines: EngineMaker):
+        self.engines = engines
+        self.backend = engines.backend
+        self.rivals: dict[str, list[str]] = {}  # round -> its rival's cache keys, of the form kept so far
+        self.if_flipped: dict[str, list[str]] = {}  # round -> the later rounds' rivals should its alternative win
+        self.queued: dict | None = None  # what the first ``queue`` call queued (the build's report)
+
+    def _queue(self, variants: list[Variant], order: str, label: str) -> list[list[str]] | None:
+        got = self.engines.precompile(variants, background=True, cancellable=False, order=order, label=label)
+        if self.queued is None and got is not None:
+            self.queued = {k: x for k, x in got.items() if k != "keys"}
+        return (got or {}).get("keys")
+
+    def queue(self, v: Variant, decided: set | frozenset = frozenset(), rivals: list[tuple[str, Variant]] | None = None,
+              speculative: list[tuple[str, list[Variant]]] | None = None) -> None:
+        """Queue the rivals of the rounds not ``decided`` yet, as ``v`` (the form kept so far) races them
+        (``rivals``: given, else ``alternative_variants``), and the rivals of the rounds after each should it
+        flip, as spare work (``speculative``: given, else ``speculative_by_round``); drop what was queued before
+        and is neither."""
+        if rivals is None:
+            rivals = [(what, a) for what, a in alternative_variants(self.engines, v) if what not in decided]
+        if speculative is None:
+            speculative = speculative_by_round(self.engines, v, decided)
+        before = {k for ks in (*self.rivals.values(), *self.if_flipped.values()) for k in ks}
+        keys = self._queue([a for _, a in rivals], "auto", "the plan's alternatives") if rivals else []
+        self.rivals = {what: ks for (what, _), ks in zip(rivals, keys or [])}
+        self.backend.hasten([k for ks in self.rivals.values() for k in ks])  # queued as spare before: needed now
+        self.if_flipped = {}
+        for what, alts in speculative:
+            got = self._queue(alts, "spare", "alternatives of alternatives")
+            if got is not None:
+                self.if_flipped[what] = [k for ks in got for k in ks]
+        now = {k for ks in (*self.rivals.values(), *self.if_flipped.values()) for k in ks}
+        self.backend.drop(sorted(before - now))
+
+    def decided(self, what: str, flipped: bool, v: Variant, decided: set) -> None:
+        """Round ``what`` is decided (``flipped``: its alternative won, and ``v`` is the form the later rounds now
+        race); ``decided``: every round decided so far, this one included."""
+        self.rivals.pop(what, None)
+        if flipped and what not in ("streams", "engine blocks"):  # (a plan's rounds come last: nothing races after)
+            self.queue(v, decided)
+        else:
+            self.backend.drop(self.if_flipped.pop(what, []))
+
+    def close(self) -> None:
+        """Every round is decided: what is still queued is dropped."""
+        self.backend.drop([k for ks in (*self.rivals.values(), *self.if_flipped.values()) for k in ks])
+        self.rivals, self.if_flipped = {}, {}
+
+
 def gpu_present(backend) -> bool:
     """Whether ``backend`` has GPU engines and a GPU is here to time them on."""
     if not backend.gpu:
@@ -1285,7 +1348,7 @@ class GpuMeasurer:
 
 
 def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs: int,
-                      timed: list[dict] | tuple = ()) -> dict | None:
+                      timed: list[dict] | tuple = (), rivals: QueuedRivals | None = None) -> dict | None:
     """Decide by measurement what the cost model and the converter's rules chose (GPU builds only).
 
     ``bundle`` (``v``'s engines as written) is timed on the GPU against what the build could have shipped
@@ -1305,7 +1368,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     settings.  ``timed``: rounds timed already, against ``v``'s plan during the search
     (``GpuMeasurer.alternatives_timed``) or, decided by a wide margin, against the input's plan that ``v``'s
     rewrite replaced (``carried_rounds``): taken as they are, not timed again; what a round races is loaded only
-    when it is timed here.  Returns {"rounds": [...], "fuse_attention", "fuse_gemm_epilogue", "conv_kernels",
+    when it is timed here.  ``rivals``: what the build queued to compile in the background for these rounds, told
+    of each decision (``QueuedRivals``).  Returns {"rounds": [...], "fuse_attention", "fuse_gemm_epilogue", "conv_kernels",
     "fuse_conv_relu", "internal_nhwc", "one_engine", "whole_engine"} with the faster of each round, or None when there
     is no GPU or nothing to choose."""
     from parastream.launcher.gpu import GpuLauncher
@@ -1373,34 +1437,53 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
             rounds[-1]["serial"] = {k: x for k, x in serial.items() if k != "decided"}
         return won
 
+    def decided(what: str, won: bool) -> bool:
+        """Tell ``rivals`` (the form the later rounds race: ``v`` with the conv+ReLU choice so far); ``won``."""
+        if rivals is not None:
+            rivals.decided(what, won, replace(v, options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"])),
+                           {r["choice"] for r in rounds})
+        return won
+
     try:
-        if attention and has_fused_attention(v.model) and round_won(
-                "attention", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_attention=False)))):
-            chosen["fuse_attention"] = False
-            v = replace(v, options=replace(v.options, fuse_attention=False))  # what the later rounds' alternatives run
-        if gemm and has_gemm_epilogue(v.model) and round_won(
-                "GEMM epilogue", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_gemm_epilogue=False)))):
-            chosen["fuse_gemm_epilogue"] = False
-            v = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+        if attention and has_fused_attention(v.model):
+            won = round_won("attention", lambda: engines.launcher(replace(v, options=replace(v.options, fuse_attention=False))))
+            if won:
+                chosen["fuse_attention"] = False
+                v = replace(v, options=replace(v.options, fuse_attention=False))  # what the later rounds' alternatives run
+            decided("attention", won)
+        if gemm and has_gemm_epilogue(v.model):
+            won = round_won("GEMM epilogue",
+                            lambda: engines.launcher(replace(v, options=replace(v.options, fuse_gemm_epilogue=False))))
+            if won:
+                chosen["fuse_gemm_epilogue"] = False
+                v = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+            decided("GEMM epilogue", won)
         if lowers_depthwise(backend, v.options, v.model):
-            for what, kernels in DEPTHWISE_ROUNDS:
-                if round_won(what, lambda k=kernels: engines.launcher(replace(v, options=replace(v.options, conv_kernels=k)))):
+            for what, kernels in DEPTHWISE_ROUNDS:  # the second races the first's winner against its own kernels
+                won = round_won(what, lambda k=kernels: engines.launcher(replace(v, options=replace(v.options, conv_kernels=k))))
+                if won:
                     chosen["conv_kernels"] = kernels
-            v = replace(v, options=replace(v.options, conv_kernels=chosen["conv_kernels"]))
-        if fused and has_conv_relu(v.model) and round_won("conv+ReLU", lambda: alternative(False)):
-            chosen["fuse_conv_relu"] = False
-        if _internal_nhwc(backend, v.plan) and round_won(
-                "boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False)):
-            chosen["internal_nhwc"] = False
-        if v.plan.num_streams > 1 and streams_won():
+                v = replace(v, options=replace(v.options, conv_kernels=chosen["conv_kernels"]))
+                decided(what, won)
+        if fused and has_conv_relu(v.model):
+            won = round_won("conv+ReLU", lambda: alternative(False))
+            chosen["fuse_conv_relu"] = not won
+            decided("conv+ReLU", won)
+        if _internal_nhwc(backend, v.plan):
+            won = round_won("boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False))
+            chosen["internal_nhwc"] = not won
+            decided("boundary layout", won)
+        if v.plan.num_streams > 1 and decided("streams", streams_won()):
             chosen["one_engine"] = True
-        if races_whole_engine(v) and round_won("engine blocks", lambda: engines.launcher(
+        if races_whole_engine(v) and decided("engine blocks", round_won("engine blocks", lambda: engines.launcher(
                 replace(whole_engine_form(engines, v), options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"]),
-                        internal_nhwc=True))):
+                        internal_nhwc=True)))):
             chosen["whole_engine"] = True
     finally:
         while held:
             held.pop().close()
+        if rivals is not None:
+            rivals.close()
     if not rounds:
         return None
     return dict(chosen, rounds=rounds, runs=runs)

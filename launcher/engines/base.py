@@ -17,7 +17,7 @@ an engine and loads it again for the launcher:
 What differs between backends is said by capability flags, never by the backend's name: ``compiles_for_layout``
 (engines are compiled for the GPU launcher's tensor layout: ``build`` takes ``layout``), ``builds_side_by_side``
 (``build_all`` compiles in parallel: the build hands it every branch at once), ``background_compiles``
-(``start_workers``, ``precompile(background=True)``, ``compiling``, ``hasten``, ``cancel_precompile`` and
+(``start_workers``, ``precompile(background=True)``, ``compiling``, ``hasten``, ``drop``, ``cancel_precompile`` and
 ``background_summary`` do something), ``fuses_conv_relu`` (``BuildOptions.fuse_conv_relu`` changes the engines),
 ``lowers_convolutions`` (so does ``BuildOptions.conv_kernels``), ``supports_internal_nhwc`` and ``supports_channel_views`` (what ``load`` takes of the launcher's layout),
 ``warms_after_load`` (``load(warm=False)`` defers the engine's first call to ``engine.warm()``),
@@ -209,6 +209,8 @@ class Backend(Protocol):
 
     def hasten(self, keys: list[str]) -> int: ...
 
+    def drop(self, keys: list[str]) -> int: ...
+
     def cancel_precompile(self) -> int: ...
 
     def background_summary(self, since: float) -> dict | None: ...
@@ -334,6 +336,10 @@ def compiling(keys: list[str]) -> int:
 
 
 def hasten(keys: list[str]) -> int:
+    return 0
+
+
+def drop(keys: list[str]) -> int:
     return 0
 
 

@@ -16,7 +16,7 @@ import numpy as np
 import onnx
 
 from ..plan import TensorSpec
-from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling, hasten,  # noqa: F401
+from .base import (BuilderBase, BuildOptions, background_summary, cancel_precompile, compiling, drop, hasten,  # noqa: F401
                    host_cpu, memory_scope, own_workspaces, precompile, prepare_load, refill_initializers,
                    same_kind, slim_initializers, start_workers, stop_workers)
 

@@ -59,7 +59,7 @@ from ..cuda import handle, nbytes_of
 from ..errors import BackendUnavailable, ParastreamError
 from ..plan import TensorSpec
 from .base import (PRECISIONS, BuilderBase, BuildOptions, background_summary, cancel_precompile,  # noqa: F401
-                   check_model, compiling, hasten, fp32_pinned, memory_scope, own_workspaces, precompile, prepare_load,
+                   check_model, compiling, drop, hasten, fp32_pinned, memory_scope, own_workspaces, precompile, prepare_load,
                    slim_engine, start_workers, stop_workers)
 
 name = "tensorrt"

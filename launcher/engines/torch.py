@@ -1782,6 +1782,20 @@ def hasten(keys: list[str]) -> int:
     return n
 
 
+def drop(keys: list[str]) -> int:
+    """Drop the queued groups (not started, no one waiting for them) whose every cache key is one of ``keys``: the
+    rivals of a GPU build's rounds that a decided round made moot (``pipeline.measure.QueuedRivals``), which would
+    otherwise take workers from the rivals still needed.  A group that also compiles a key not given is kept (the
+    same engine in a plan still raced).  Returns how many were dropped; one started runs to its end."""
+    unwanted, n = set(keys), 0
+    with _QUEUE_LOCK:
+        for job in [j for j in _QUEUED if j.priority > -1 and unwanted.issuperset(j.keys)]:
+            _QUEUED.remove(job)
+            job._finish()
+            n += 1
+    return n
+
+
 def compiling(keys: list[str]) -> int:
     """How many of these cache keys a background ``precompile`` is still compiling (queued or running)."""
     with _QUEUE_LOCK:

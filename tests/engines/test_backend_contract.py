@@ -50,7 +50,7 @@ def test_the_contract_names_every_capability_flag():
     data, methods = _members(base.Backend)
     assert set(FLAGS) <= set(data) and {"name", "suffix", "gpu"} <= set(data)
     assert {"available", "check_model", "describe_device", "Builder", "load", "slim_engine", "memory_scope", "own_workspaces", "prepare_load",
-            "start_workers", "stop_workers", "precompile", "compiling", "hasten", "cancel_precompile", "background_summary"} == set(methods)
+            "start_workers", "stop_workers", "precompile", "compiling", "hasten", "drop", "cancel_precompile", "background_summary"} == set(methods)
 
 
 @pytest.mark.parametrize("name", BACKENDS)
@@ -82,7 +82,7 @@ def test_a_backend_without_background_compiles_does_nothing_in_the_background(na
     mod = get_backend(name)
     if mod.background_compiles:
         pytest.skip("compiles in the background")
-    assert mod.compiling(["k"]) == 0 and mod.cancel_precompile() == 0 and mod.background_summary(0.0) is None
+    assert mod.compiling(["k"]) == 0 and mod.drop(["k"]) == 0 and mod.cancel_precompile() == 0 and mod.background_summary(0.0) is None
     assert mod.precompile([]) is None and not mod.compiles_for_layout  # the build never precompiles for it
 
 

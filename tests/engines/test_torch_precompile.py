@@ -540,6 +540,36 @@ def test_branches_of_one_structure_with_other_tensor_names_are_one_group(compile
     assert len(groups) == 1 and len(next(iter(groups.values()))) == 2
 
 
+def test_drop_removes_only_queued_groups_wholly_of_the_keys_given(monkeypatch):
+    """``drop`` (a decided round's moot rivals): a queued group every key of which is given is dropped and no longer
+    compiling; a group that also holds a key not given, one someone waits for, and one already running stay."""
+    handed = []
+
+    class Pool:
+        def submit(self, fn, jobs):
+            handed.append(jobs)
+            return type("F", (), {"add_done_callback": lambda self, cb: None, "cancel": lambda self: False})()
+
+    monkeypatch.setattr(tb, "_pool", lambda n: Pool())
+    monkeypatch.setattr(tb, "_QUEUED", [])
+    monkeypatch.setattr(tb, "_INFLIGHT", {})
+    monkeypatch.setattr(tb, "_RUNNING", [0])
+    monkeypatch.setattr(tb, "_WORKERS", [1])
+    job = ("inductor", branch(1).SerializeToString())
+    tb._submit({"r": job}, {"gr": ["r"]}, None, cancellable=False, workers=1)  # runs: the one worker
+    tb._submit({"a": job}, {"ga": ["a"]}, None, cancellable=False, workers=1)
+    tb._submit({"b": job, "c": job}, {"gbc": ["b", "c"]}, None, cancellable=False, workers=1)
+    tb._submit({"w": job}, {"gw": ["w"]}, None, cancellable=False, workers=1)
+    waited = next(j for j in tb._QUEUED if j.keys == ["w"])
+    waited.priority = -1  # (as ``wait`` marks it)
+    assert len(handed) == 1 and sorted(j.keys[0] for j in tb._QUEUED) == ["a", "b", "w"]
+    assert tb.drop(["r", "a", "b", "w"]) == 1  # "a" only: "r" runs, "b" shares its group with "c", "w" is waited for
+    assert tb.compiling(["a"]) == 0 and tb.compiling(["r", "b", "c", "w"]) == 4
+    assert sorted(j.keys[0] for j in tb._QUEUED) == ["b", "w"]
+    assert tb.drop(["b", "c"]) == 1 and tb.compiling(["b", "c"]) == 0
+    assert tb.drop([]) == 0
+
+
 def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastened(monkeypatch):
     """``order="spare"`` (the rounds' second-level alternatives, which the build may never need): queued after every
     other group, and handed to a worker only while at most half the workers are busy; once someone waits for it,

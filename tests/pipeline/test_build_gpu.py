@@ -261,6 +261,44 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
         assert got["conv_kernels"] == given
 
 
+def test_each_round_s_decision_is_told_to_the_queued_rivals_with_the_form_the_later_rounds_race(models, monkeypatch):
+    """``time_alternatives(..., rivals=...)``: after each round, the rivals queued in the background hear whether its
+    alternative won and which form the rounds after it race (the winner's depthwise kernels for the conv+ReLU
+    round's rival), and are closed at the end."""
+    import types
+
+    from parastream.launcher.engines import BuildOptions
+
+    class Times(dict):
+        def __missing__(self, key):
+            return 1.0
+
+    build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("inductor", None, None): 0.9,
+                                                   ("native", None, None): 1.5}))
+
+    def compiled(self, v):
+        la = types.SimpleNamespace(kind=(v.options.conv_kernels if v.options.conv_kernels in ("inductor", "native")
+                                         else "scratch", None, None), nhwc={"t"}, closed=False)
+        la.close = lambda: setattr(la, "closed", True)
+        made.append(la)
+        return la
+
+    monkeypatch.setattr(build_mod.Engines, "launcher", compiled)
+    told = []
+    rivals = types.SimpleNamespace(
+        decided=lambda what, won, v, decided: told.append((what, won, v.options.conv_kernels, v.options.fuse_conv_relu,
+                                                           sorted(decided))),
+        close=lambda: told.append("closed"))
+    model, graph, plan, cm = plan_of(models / "small_net.onnx", 1)
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", **NO_GEMM_ROUND)), runs=5,
+                            rivals=rivals)
+    assert got["conv_kernels"] == "inductor"
+    assert told[:2] == [("depthwise convolutions", True, "inductor", True, ["depthwise convolutions"]),
+                        ("depthwise kernel", False, "inductor", True, ["depthwise convolutions", "depthwise kernel"])]
+    assert [t[0] for t in told[2:-1]] == [r["choice"] for r in got["rounds"][2:]] and told[-1] == "closed"
+
+
 def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_path):
     """The search timed the first round against the input's plan (the alternative won, so it stopped there): that
     round is taken as it is, the bundle as built (fused) is never loaded, and the later rounds race the winner."""

@@ -442,7 +442,7 @@ def test_rounds_the_input_decided_by_a_wide_margin_are_taken_for_a_rewritten_pla
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
     handed, compiled = [], []
     monkeypatch.setattr(build_module, "time_alternatives",
-                        lambda engines, bundle, v, runs, timed=(): handed.append(list(timed)) or None)
+                        lambda engines, bundle, v, runs, timed=(), rivals=None: handed.append(list(timed)) or None)
     monkeypatch.setattr(build_module, "alternative_variants", lambda engines, v: [
         ("depthwise convolutions", "inductor kernels"), ("conv+ReLU", "unfused"), ("boundary layout", "contiguous")])
     monkeypatch.setattr(build_module.Engines, "precompile", lambda self, variants, **k: compiled.append(variants[1:]))
@@ -550,7 +550,7 @@ def test_rounds_timed_during_the_search_before_an_alternative_won_are_handed_to_
     rounds = [{"choice": "boundary layout", "won": "contiguous boundaries", "timed_ms": {}, "load_s": 0.0, "timed_s": 0.0}]
     handed = []
     monkeypatch.setattr(build_module, "time_alternatives",
-                        lambda engines, bundle, v, runs, timed=(): handed.append(list(timed)) or None)
+                        lambda engines, bundle, v, runs, timed=(), rivals=None: handed.append(list(timed)) or None)
 
     class FakeMeasurer(_QuietMeasurer):
         log = []
@@ -640,6 +640,63 @@ def test_a_one_stream_plan_compiles_the_later_rounds_alternatives_of_an_earlier_
     assert speculative_variants(None, replace(one, plan=types.SimpleNamespace(branches=[0, 1], num_streams=2))) == []
 
 
+def test_queued_rivals_follow_each_round_s_decision(monkeypatch):
+    """``QueuedRivals``: a round that keeps its form drops the rivals queued for its alternative's sake; a round
+    whose alternative wins hastens the later rounds' rivals of that form, drops those of the form it replaced,
+    and queues the level after as spare work; the end drops what is left."""
+    import types
+    from dataclasses import replace
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+    from parastream.pipeline.measure import QueuedRivals, Variant
+
+    def rounds(engines, v):
+        out = []
+        if v.options.conv_kernels == "auto":
+            out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
+        if v.options.fuse_conv_relu:
+            out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
+        if v.internal_nhwc:
+            out.append(("boundary layout", replace(v, internal_nhwc=False)))
+        return out
+
+    def key(v):
+        return f"{v.options.conv_kernels}/{'fused' if v.options.fuse_conv_relu else 'unfused'}/{'nhwc' if v.internal_nhwc else 'nchw'}"
+
+    monkeypatch.setattr(measure, "alternative_variants", rounds)
+    log = []
+    backend = types.SimpleNamespace(hasten=lambda keys: log.append(("hasten", sorted(keys))) or 0,
+                                    drop=lambda keys: log.append(("drop", sorted(keys))) or 0)
+    engines = types.SimpleNamespace(backend=backend, precompile=lambda variants, order, **k: log.append(
+        (order, [key(v) for v in variants])) or {"jobs": len(variants), "keys": [[key(v)] for v in variants]})
+    one = Variant(None, None, types.SimpleNamespace(branches=[0], num_streams=1),
+                  BuildOptions(conv_kernels="auto", fuse_conv_relu=True))
+
+    q = QueuedRivals(engines)
+    q.queue(one)
+    assert log[0] == ("auto", ["inductor/fused/nhwc", "auto/unfused/nhwc", "auto/fused/nchw"])
+    assert ("spare", ["inductor/unfused/nhwc", "inductor/fused/nchw"]) in log  # should depthwise flip
+    assert ("spare", ["auto/unfused/nchw"]) in log  # should conv+ReLU flip
+    assert q.queued == {"jobs": 3}
+    log.clear()
+    # the depthwise round flips: its form's later rivals are needed (hastened), the plain form's are moot
+    won = replace(one, options=replace(one.options, conv_kernels="inductor"))
+    q.decided("depthwise convolutions", True, won, {"depthwise convolutions"})
+    assert log[0] == ("auto", ["inductor/unfused/nhwc", "inductor/fused/nchw"])
+    assert ("hasten", ["inductor/fused/nchw", "inductor/unfused/nhwc"]) in log
+    assert ("spare", ["inductor/unfused/nchw"]) in log  # one level further, should conv+ReLU flip again
+    # (its own rival is the form now kept: never dropped)
+    assert log[-1] == ("drop", ["auto/fused/nchw", "auto/unfused/nchw", "auto/unfused/nhwc"])
+    log.clear()
+    # conv+ReLU keeps its form: what its flip would have needed is dropped, nothing queued
+    q.decided("conv+ReLU", False, won, {"depthwise convolutions", "conv+ReLU"})
+    assert log == [("drop", ["inductor/unfused/nchw"])]
+    log.clear()
+    q.close()
+    assert log == [("drop", ["inductor/fused/nchw"])] and q.rivals == {} and q.if_flipped == {}
+
+
 def test_the_build_compiles_the_speculative_alternatives_with_the_others(tmp_path, monkeypatch):
     import types
 
@@ -650,12 +707,45 @@ def test_the_build_compiles_the_speculative_alternatives_with_the_others(tmp_pat
     gpu_like.gpu = True
     monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
     compiled = []
-    monkeypatch.setattr(build_module, "time_alternatives", lambda engines, bundle, v, runs, timed=(): None)
+    monkeypatch.setattr(build_module, "time_alternatives", lambda engines, bundle, v, runs, timed=(), rivals=None: None)
     monkeypatch.setattr(build_module, "alternative_variants", lambda engines, v: [("conv+ReLU", "unfused")])
-    monkeypatch.setattr(build_module, "speculative_variants", lambda engines, v, decided=(): ["unfused of the winner"])
+    monkeypatch.setattr(build_module, "speculative_by_round",
+                        lambda engines, v, decided=(): [("conv+ReLU", ["unfused of the winner"])])
     monkeypatch.setattr(build_module.Engines, "precompile", lambda self, variants, **k: compiled.append(variants[1:]))
     build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=1, search=False)
     assert compiled == [["unfused", "unfused of the winner"]]
+
+
+def test_with_background_compiles_the_build_queues_its_rounds_rivals_and_waits_for_none_of_them(tmp_path, monkeypatch):
+    """A backend that compiles in the background (torch on a GPU): the plan is queued first, then its rounds'
+    rivals and, as spare work, the rivals of an earlier winner; nothing is compiled in a batch the build waits
+    for, and the rounds are handed what was queued (``QueuedRivals``), to wait each for its own rival."""
+    import types
+
+    from parastream.launcher.engines import require_backend
+
+    real = require_backend("onnxruntime")
+    gpu_like = types.SimpleNamespace(**{k: getattr(real, k) for k in dir(real) if not k.startswith("__")})
+    gpu_like.gpu = gpu_like.background_compiles = True
+    monkeypatch.setattr(build_module, "resolve_backend", lambda name: gpu_like)
+    calls, handed = [], []
+
+    def precompile(self, variants, background=False, order="auto", **k):
+        calls.append((background, order, [v if isinstance(v, str) else "the plan" for v in variants]))
+        return {"jobs": len(variants), "background": True, "keys": [[f"key of {v}"] for v in variants]}
+
+    monkeypatch.setattr(build_module, "time_alternatives",
+                        lambda engines, bundle, v, runs, timed=(), rivals=None: handed.append(rivals))
+    monkeypatch.setattr(build_module, "alternative_variants", lambda engines, v: [("conv+ReLU", "unfused")])
+    monkeypatch.setattr(build_module, "speculative_by_round",
+                        lambda engines, v, decided=(): [("conv+ReLU", ["unfused of the winner"])])
+    monkeypatch.setattr(build_module.Engines, "precompile", precompile)
+    bundle = build(SMALL_NET, tmp_path / "b", backend="onnxruntime", streams=1, search=False)
+    assert calls == [(True, "now", ["the plan"]), (True, "auto", ["unfused"]), (True, "spare", ["unfused of the winner"])]
+    (rivals,) = handed
+    assert rivals.rivals == {"conv+ReLU": ["key of unfused"]}
+    assert rivals.if_flipped == {"conv+ReLU": ["key of unfused of the winner"]}
+    assert bundle.report["precompiled"]["rivals"] == {"jobs": 1, "background": True}
 
 
 def test_search_rules_given_by_name_are_the_search_s_rules_and_recorded(tmp_path):
