@@ -17,7 +17,9 @@ Each compile runs in a fresh process of its own through the build's compile job 
 job compiles in the calling process, with Inductor's compile threads as a worker gives a large branch,
 ``large_compile_threads``), the sequence sharing one pair of cache folders per mode, with ``--modes`` the
 kernel-name settings to run.  Prints and
-writes per compile its seconds, whether it failed, and the Triton cache's entries before and after.
+writes per compile its seconds, whether it failed, the Triton cache's entries before and after, and the phases
+torch times itself (``torch_phases``: lowering, scheduling, code generation, the wait for its kernels); with
+``--profile``, Python's profile of the compile as well.
 
     python3 bench/whole_model_compiles.py --model mixnet_s --out $OUT          # on the device
     python3 bench/whole_model_compiles.py --onnx M.onnx --device cpu --out /tmp/wmc   # the plumbing only: a CPU
@@ -39,7 +41,7 @@ from pathlib import Path
 DEFAULT_VARIANTS = "input,GEMM epilogue,depthwise convolutions,conv+ReLU"
 
 
-def child(onnx_path: str, variant: str, device: str) -> dict:
+def child(onnx_path: str, variant: str, device: str, profile: str = "") -> dict:
     """One compile of ``onnx_path`` as one engine, in this (fresh) process: the input, or the alternative the
     build's round ``variant`` races (``pipeline.measure.alternative_variants``, the build's own forms)."""
     from dataclasses import replace
@@ -62,10 +64,34 @@ def child(onnx_path: str, variant: str, device: str) -> dict:
         if variant not in rounds:
             return {"variant": variant, "error": f"no such round for this model; its rounds: {sorted(rounds)}"}
         v = rounds[variant]
+    prof = None
+    if profile:  # Python's profiler around the compile (Inductor's own compile threads are processes it cannot see)
+        import cProfile
+
+        prof = cProfile.Profile()
+        prof.enable()
     t0 = time.perf_counter()
     got = engines.precompile([v])
-    return {"variant": variant, "compile_s": round(time.perf_counter() - t0, 2), "jobs": got.get("jobs"),
-            "failed": got.get("failed"), "engines": len(v.plan.branches)}
+    row = {"variant": variant, "compile_s": round(time.perf_counter() - t0, 2), "jobs": got.get("jobs"),
+           "failed": got.get("failed"), "engines": len(v.plan.branches)}
+    if prof is not None:
+        import io
+        import pstats
+
+        prof.disable()
+        prof.dump_stats(profile)
+        for sort in ("cumulative", "tottime"):
+            text = io.StringIO()
+            pstats.Stats(prof, stream=text).sort_stats(sort).print_stats(25)
+            row[f"profile_{sort}"] = [line for line in text.getvalue().splitlines() if line.strip()][-27:]
+    # the phases torch times itself (``dynamo_timed``: lowering, scheduling, code generation, waiting for kernels)
+    try:
+        from torch._dynamo.utils import compile_times
+
+        row["torch_phases"] = compile_times(repr="str", aggregate=True)
+    except Exception as e:  # noqa: BLE001 - another torch: the row goes without
+        row["torch_phases"] = f"{type(e).__name__}: {e}"
+    return row
 
 
 def _entries(folder: Path) -> int:
@@ -74,8 +100,8 @@ def _entries(folder: Path) -> int:
 
 def main() -> None:
     if sys.argv[1:2] == ["--child"]:  # one compile, in the fresh process the sequence started for it
-        onnx_path, variant, device = sys.argv[2:5]
-        print("RESULT " + json.dumps(child(onnx_path, variant, device)), flush=True)
+        onnx_path, variant, device, profile = sys.argv[2:6]
+        print("RESULT " + json.dumps(child(onnx_path, variant, device, profile)), flush=True)
         return
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     src = ap.add_mutually_exclusive_group(required=True)
@@ -87,6 +113,8 @@ def main() -> None:
     ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
     ap.add_argument("--timeout", type=float, default=120.0, help="seconds one compile may take")
     ap.add_argument("--out", default="/tmp/whole_model_compiles")
+    ap.add_argument("--profile", action="store_true",
+                    help="each compile under cProfile: its top entries in the row, its stats in OUT/<mode>-<variant>.prof")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -114,7 +142,8 @@ def main() -> None:
             before = _entries(caches / "triton")
             t0 = time.perf_counter()
             try:
-                p = subprocess.run([sys.executable, __file__, "--child", onnx_path, variant, a.device],
+                prof = str(out / f"{mode}-{variant.replace(' ', '_').replace('+', '_')}.prof") if a.profile else ""
+                p = subprocess.run([sys.executable, __file__, "--child", onnx_path, variant, a.device, prof],
                                    env=env, capture_output=True, text=True, timeout=a.timeout)
                 got = next((json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")), None)
                 row = got or {"variant": variant, "error": (p.stderr.strip().splitlines() or ["no result"])[-1][:400]}
