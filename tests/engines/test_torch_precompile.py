@@ -540,9 +540,8 @@ def test_branches_of_one_structure_with_other_tensor_names_are_one_group(compile
     assert len(groups) == 1 and len(next(iter(groups.values()))) == 2
 
 
-def test_drop_removes_only_queued_groups_wholly_of_the_keys_given(monkeypatch):
-    """``drop`` (a decided round's moot rivals): a queued group every key of which is given is dropped and no longer
-    compiling; a group that also holds a key not given, one someone waits for, and one already running stay."""
+def _stand_in_queue(monkeypatch) -> list:
+    """The background queue with empty state and a stand-in pool that records what it is handed (and never runs it)."""
     handed = []
 
     class Pool:
@@ -553,6 +552,13 @@ def test_drop_removes_only_queued_groups_wholly_of_the_keys_given(monkeypatch):
     monkeypatch.setattr(tb, "_pool", lambda n: Pool())
     monkeypatch.setattr(tb, "_QUEUED", [])
     monkeypatch.setattr(tb, "_INFLIGHT", {})
+    return handed
+
+
+def test_drop_removes_only_queued_groups_wholly_of_the_keys_given(monkeypatch):
+    """``drop`` (a decided round's moot rivals): a queued group every key of which is given is dropped and no longer
+    compiling; a group that also holds a key not given, one someone waits for, and one already running stay."""
+    handed = _stand_in_queue(monkeypatch)
     monkeypatch.setattr(tb, "_RUNNING", [0])
     monkeypatch.setattr(tb, "_WORKERS", [1])
     job = ("inductor", branch(1).SerializeToString())
@@ -574,16 +580,7 @@ def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastene
     """``order="spare"`` (the rounds' second-level alternatives, which the build may never need): queued after every
     other group, and handed to a worker only while at most half the workers are busy; once someone waits for it,
     at once; once hastened (``hasten``: a round they follow flipped), as any group needed after the search.  (The pool is a stand-in that records what it is handed.)"""
-    handed = []
-
-    class Pool:
-        def submit(self, fn, jobs):
-            handed.append(jobs)
-            return type("F", (), {"add_done_callback": lambda self, cb: None, "cancel": lambda self: False})()
-
-    monkeypatch.setattr(tb, "_pool", lambda n: Pool())
-    monkeypatch.setattr(tb, "_QUEUED", [])
-    monkeypatch.setattr(tb, "_INFLIGHT", {})
+    handed = _stand_in_queue(monkeypatch)
     monkeypatch.setattr(tb, "_RUNNING", [2])  # two of four workers busy
     monkeypatch.setattr(tb, "_WORKERS", [1])
     job = ("inductor", branch(1).SerializeToString())

@@ -213,6 +213,21 @@ def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_pa
     assert all(la.closed for la in made)
 
 
+def _by_depthwise_kernels(made: list):
+    """``Engines.launcher`` for ``fake_gpu``: an alternative compiled for itself, timed by the depthwise kernels it
+    runs (``made`` gets each launcher)."""
+    import types
+
+    def compiled(self, v):
+        la = types.SimpleNamespace(kind=(v.options.conv_kernels if v.options.conv_kernels in ("inductor", "native")
+                                         else "scratch", None, None), nhwc={"t"}, closed=False)
+        la.close = lambda: setattr(la, "closed", True)
+        made.append(la)
+        return la
+
+    return compiled
+
+
 @pytest.mark.parametrize("inductor, native, kept", [
     (1.015, 1.5, "inductor"), (1.03, 1.5, "cudnn"), (0.9, 1.5, "inductor"),   # Inductor's kept within 2%
     (1.5, 1.015, "native"), (1.5, 1.03, "cudnn"),                             # torch's own against cuDNN's
@@ -222,8 +237,6 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
     convolutions against Inductor's kernels, the second the winner against torch's own depthwise kernel (each
     an alternative compiled for itself); each keeps its alternative unless it is more than 2% slower (it starts
     faster: no cuDNN plan per shape).  "cudnn", "inductor" or "native" given: neither round."""
-    import types
-
     from parastream.launcher.engines import BuildOptions
 
     class Times(dict):
@@ -233,14 +246,7 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
     build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("inductor", None, None): inductor,
                                                    ("native", None, None): native}))
 
-    def compiled(self, v):  # an alternative compiled for itself, timed by the depthwise kernels it runs
-        la = types.SimpleNamespace(kind=(v.options.conv_kernels if v.options.conv_kernels in ("inductor", "native")
-                                         else "scratch", None, None), nhwc={"t"}, closed=False)
-        la.close = lambda: setattr(la, "closed", True)
-        made.append(la)
-        return la
-
-    monkeypatch.setattr(build_mod.Engines, "launcher", compiled)
+    monkeypatch.setattr(build_mod.Engines, "launcher", _by_depthwise_kernels(made))
     model, graph, plan, cm = plan_of(models / "small_net.onnx", 1)
     got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
                             Variant(model, graph, plan, BuildOptions(precision="fp16", **NO_GEMM_ROUND)), runs=5)
@@ -276,14 +282,7 @@ def test_each_round_s_decision_is_told_to_the_queued_rivals_with_the_form_the_la
     build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("inductor", None, None): 0.9,
                                                    ("native", None, None): 1.5}))
 
-    def compiled(self, v):
-        la = types.SimpleNamespace(kind=(v.options.conv_kernels if v.options.conv_kernels in ("inductor", "native")
-                                         else "scratch", None, None), nhwc={"t"}, closed=False)
-        la.close = lambda: setattr(la, "closed", True)
-        made.append(la)
-        return la
-
-    monkeypatch.setattr(build_mod.Engines, "launcher", compiled)
+    monkeypatch.setattr(build_mod.Engines, "launcher", _by_depthwise_kernels(made))
     told = []
     rivals = types.SimpleNamespace(
         decided=lambda what, won, v, decided: told.append((what, won, v.options.conv_kernels, v.options.fuse_conv_relu,

@@ -604,6 +604,28 @@ def test_engine_format_flags_are_recorded_build_options(tmp_path, capsys):
     assert default.engine_options("cpu").conv_kernels == "auto"  # cuDNN's until a GPU build times the other
 
 
+def _rounds_of(streams: bool = False, layout: bool = False):
+    """A stand-in for ``measure.alternative_variants``: the depthwise round while its kernels are "auto", the
+    conv+ReLU round while fused, and (as asked) the streams round of a plan on streams or the boundary-layout
+    round while the boundaries are channels-last."""
+    import types
+    from dataclasses import replace
+
+    def rounds(engines, v):
+        out = []
+        if v.options.conv_kernels == "auto":
+            out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
+        if v.options.fuse_conv_relu:
+            out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
+        if streams and v.plan.num_streams > 1:
+            out.append(("streams", replace(v, plan=types.SimpleNamespace(branches=[0], num_streams=1))))
+        if layout and v.internal_nhwc:
+            out.append(("boundary layout", replace(v, internal_nhwc=False)))
+        return out
+
+    return rounds
+
+
 def test_a_one_stream_plan_compiles_the_later_rounds_alternatives_of_an_earlier_winner_up_front(monkeypatch):
     """A one-engine plan's alternatives are one compile job each: the conv+ReLU round's alternative of Inductor's
     depthwise kernels (what that round races if they win the first round) is queued with the others, not after
@@ -615,17 +637,7 @@ def test_a_one_stream_plan_compiles_the_later_rounds_alternatives_of_an_earlier_
     from parastream.pipeline import measure
     from parastream.pipeline.measure import Variant, speculative_variants
 
-    def rounds(engines, v):
-        out = []
-        if v.options.conv_kernels == "auto":
-            out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
-        if v.options.fuse_conv_relu:
-            out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
-        if v.plan.num_streams > 1:
-            out.append(("streams", replace(v, plan=types.SimpleNamespace(branches=[0], num_streams=1))))
-        return out
-
-    monkeypatch.setattr(measure, "alternative_variants", rounds)
+    monkeypatch.setattr(measure, "alternative_variants", _rounds_of(streams=True))
     one = Variant(None, None, types.SimpleNamespace(branches=[0], num_streams=1),
                   BuildOptions(conv_kernels="auto", fuse_conv_relu=True))
     got = speculative_variants(None, one)
@@ -651,15 +663,7 @@ def test_queued_rivals_follow_each_round_s_decision(monkeypatch):
     from parastream.pipeline import measure
     from parastream.pipeline.measure import QueuedRivals, Variant
 
-    def rounds(engines, v):
-        out = []
-        if v.options.conv_kernels == "auto":
-            out.append(("depthwise convolutions", replace(v, options=replace(v.options, conv_kernels="inductor"))))
-        if v.options.fuse_conv_relu:
-            out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
-        if v.internal_nhwc:
-            out.append(("boundary layout", replace(v, internal_nhwc=False)))
-        return out
+    rounds = _rounds_of(layout=True)
 
     def key(v):
         return f"{v.options.conv_kernels}/{'fused' if v.options.fuse_conv_relu else 'unfused'}/{'nhwc' if v.internal_nhwc else 'nchw'}"
