@@ -1438,10 +1438,11 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
         return won
 
     def decided(what: str, won: bool) -> bool:
-        """Tell ``rivals`` (the form the later rounds race: ``v`` with the conv+ReLU choice so far); ``won``."""
+        """Tell ``rivals`` (the form the later rounds race: ``v`` with the conv+ReLU choice so far; the rounds not
+        to race: those decided here so far and those taken as ``timed``); ``won``."""
         if rivals is not None:
             rivals.decided(what, won, replace(v, options=replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"])),
-                           {r["choice"] for r in rounds})
+                           {r["choice"] for r in rounds} | set(done))
         return won
 
     try:

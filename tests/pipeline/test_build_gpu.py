@@ -296,6 +296,15 @@ def test_each_round_s_decision_is_told_to_the_queued_rivals_with_the_form_the_la
     assert told[:2] == [("depthwise convolutions", True, "inductor", True, ["depthwise convolutions"]),
                         ("depthwise kernel", False, "inductor", True, ["depthwise convolutions", "depthwise kernel"])]
     assert [t[0] for t in told[2:-1]] == [r["choice"] for r in got["rounds"][2:]] and told[-1] == "closed"
+    # a round taken as the search timed it is never raced here: no decision queues a rival for it
+    told.clear()
+    carried = {"choice": "boundary layout", "won": "channels-last boundaries", "load_s": 0.0, "timed_s": 0.0,
+               "timed_ms": {"channels-last boundaries": 1.0, "contiguous boundaries": 1.2}}
+    plan2 = plan_of(models / "small_net.onnx", 2)[2]
+    time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                      Variant(model, graph, plan2, BuildOptions(precision="fp16", **NO_GEMM_ROUND)), runs=5,
+                      timed=[carried], rivals=rivals)
+    assert told[0][0] == "depthwise convolutions" and "boundary layout" in told[0][4]
 
 
 def test_rounds_the_search_timed_are_not_timed_again(models, monkeypatch, tmp_path):
