@@ -839,8 +839,10 @@ class _Build:
     measured: dict | None = None
     timed_alternatives: dict | None = None  # the input's alternatives timed during the search (``GpuMeasurer``)
     one_engine_timed: dict | None = None  # the kept candidate ran faster as one engine in the search (its times)
-    precompiled: dict | None = None  # the engines of the plan and its timed alternatives compiled in one batch
-    rivals: QueuedRivals | None = None  # or those alternatives queued in the background, round by round
+    # the engines of the plan and its timed alternatives, compiled in one batch or (with background compiles) the
+    # plan queued first and the alternatives after it, round by round (``rivals``: "rivals" in the report's entry)
+    precompiled: dict | None = None
+    rivals: QueuedRivals | None = None
     report: dict | None = None
     manifest: dict | None = None
     # with --cache-dir on a GPU (``timings``): the record's file, the record read from it (None: time everything),
