@@ -1341,10 +1341,11 @@ class Builder(BuilderBase):
             key = cache_key(branch, sig, dtype, self.options, fuse, built, self.artifact, digest=digest, choices=choices)
             self.keys.append(key)
             package, where = cache_get(key, self.options.cache_dir)
-            if package is None and key in _INFLIGHT:
+            job = _INFLIGHT.get(key)  # (read once: a worker's callback or ``drop`` may remove it meanwhile)
+            if package is None and job is not None:
                 if not wait:
                     continue
-                _INFLIGHT[key].wait()  # compiled by a worker already on it (a cancelled one leaves it to us)
+                job.wait()  # compiled by a worker already on it (a cancelled or dropped one leaves it to us)
                 package, where = cache_get(key, self.options.cache_dir)
                 where = "memory (compiled in the background)" if package is not None else where
             if package is None and key not in todo and key not in _FAILED:
