@@ -1,0 +1,320 @@
+#!/usr/bin/env python3
+"""What each way of writing a depthwise convolution for Inductor costs to compile and to run, on whole models.
+
+A GPU build races a depthwise-separable network's depthwise convolutions as cuDNN calls against the same
+convolutions as ops Inductor compiles into its own kernels (``onnx_torch._conv_as_kernels``), and on MixNet-S the
+Inductor form wins by ~28% but its whole-model compile (45-60 s alone, cold) bounds the build (bench/NOTES.md,
+"Open questions").  Inductor's own Python work (tracing, lowering, fusion, code generation) grows with the ops it
+is given, and the form in use writes a k x k convolution as a sum of k*k shifted slices.  This compiles the
+model's depthwise-as-Inductor engine once per form, each in a fresh process with the same warm start (caches a
+compile of the model's cuDNN form filled, so that what differs is the depthwise kernels' compile), and in that
+process times the form's engine against the cuDNN form's side by side (``pipeline.bench.measure``) and compares
+their outputs.
+
+Forms (``FORMS``):
+  summed    the converter's own: a sum of shifted slices up to ``MAX_SUMMED_TAPS`` taps, else ``unfold``
+  unfold    one reduction over the taps of ``F.unfold``'s columns, for every kernel
+  windows   one reduction over the taps of the input's windows as a view (``Tensor.unfold`` twice, no copy)
+  rows      a sum over the kernel's columns of one reduction each over its rows (windows of rows only)
+
+Run on the device after ``source bench/device_env.sh``:
+    python3 bench/depthwise_forms.py --models mixnet_s --forms summed,windows,rows,unfold --out $OUT
+On the CPU, ``--check`` compares every form with ``F.conv2d`` on strided and asymmetrically padded shapes.
+Writes depthwise_forms.json under --out.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def _checked(x_shape, w_shape, kernel, strides, dil, group):
+    c = int(x_shape[1])
+    kh, kw = (int(k) for k in kernel)
+    if any(int(d) != 1 for d in dil) or not (group == c == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
+        return None
+    return c, kh, kw
+
+
+def windows_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """(x, weight, bias) -> y: one reduction over the k*k taps of the padded input's windows as a view."""
+    import torch.nn.functional as F
+
+    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+
+    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
+    if got is None:
+        return None
+    c, kh, kw = got
+    sh, sw = (int(s) for s in strides)
+    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
+
+    def depthwise(x, weight, bias=None):
+        if pad is not None:
+            x = F.pad(x, pad)
+        win = x.unfold(2, kh, sh).unfold(3, kw, sw)  # [n, c, ho, wo, kh, kw], a view
+        y = (win * weight.view(1, c, 1, 1, kh, kw)).sum((4, 5))
+        return y if bias is None else y + bias.view(1, c, 1, 1)
+
+    return depthwise
+
+
+def strided_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """``windows_form`` with the padded input a buffer of its own (``as_strided`` needs one): what produces the
+    input runs once per element, not once per tap."""
+    import torch.nn.functional as F
+
+    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+
+    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
+    if got is None:
+        return None
+    c, kh, kw = got
+    n = int(x_shape[0])
+    sh, sw = (int(s) for s in strides)
+    h, w = int(x_shape[2]) + int(begin[0]) + int(end[0]), int(x_shape[3]) + int(begin[1]) + int(end[1])
+    ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
+    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
+
+    def depthwise(x, weight, bias=None):
+        import torch
+
+        if pad is not None:
+            x = F.pad(x, pad)
+        # a channels-last buffer (the layout a GPU engine's convolutions run in), whose strides the view takes
+        x = x.contiguous(memory_format=torch.channels_last)
+        s0, s1, s2, s3 = h * w * c, 1, w * c, c
+        win = x.as_strided((n, c, ho, wo, kh, kw), (s0, s1, sh * s2, sw * s3, s2, s3))
+        y = (win * weight.view(1, c, 1, 1, kh, kw)).sum((4, 5))
+        return y if bias is None else y + bias.view(1, c, 1, 1)
+
+    return depthwise
+
+
+def rows_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """(x, weight, bias) -> y: the sum over the kernel's kw columns of one reduction each over its kh rows."""
+    import torch.nn.functional as F
+
+    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+
+    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
+    if got is None:
+        return None
+    c, kh, kw = got
+    sh, sw = (int(s) for s in strides)
+    h, w = int(x_shape[2]) + int(begin[0]) + int(end[0]), int(x_shape[3]) + int(begin[1]) + int(end[1])
+    wo = (w - kw) // sw + 1
+    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
+
+    def depthwise(x, weight, bias=None):
+        if pad is not None:
+            x = F.pad(x, pad)
+        rows = x.unfold(2, kh, sh)  # [n, c, ho, w, kh], a view
+        y = None
+        for j in range(kw):
+            t = (rows[:, :, :, j:j + (wo - 1) * sw + 1:sw] * weight[:, :, :, j].reshape(1, c, 1, 1, kh)).sum(4)
+            y = t if y is None else y + t
+        return y if bias is None else y + bias.view(1, c, 1, 1)
+
+    return depthwise
+
+
+def unfold_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """The converter's reduction over ``F.unfold``'s columns, for every kernel size."""
+    from parastream.launcher.engines import onnx_torch
+
+    keep = onnx_torch.MAX_SUMMED_TAPS
+    onnx_torch.MAX_SUMMED_TAPS = 0
+    try:
+        return _converters_own()(x_shape, w_shape, kernel, strides, dil, group, begin, end)
+    finally:
+        onnx_torch.MAX_SUMMED_TAPS = keep
+
+
+FORMS = {"summed": None, "unfold": unfold_form, "windows": windows_form, "strided": strided_form, "rows": rows_form,
+         "windows_unrolled": windows_form}
+#: forms compiled with Inductor's small reductions written out as sums up to this many taps (its
+#: ``unroll_reductions_threshold``, 8 by default): the reduction's kernel as the summed form's, from fewer ops
+UNROLLED = {"windows_unrolled": 26}  # (a reduction of fewer taps than this)
+_OWN: list = []
+
+
+def _converters_own():
+    """The converter's own lowering (``onnx_torch._conv_as_kernels`` before ``use_form`` replaced it)."""
+    if not _OWN:
+        from parastream.launcher.engines import onnx_torch
+
+        _OWN.append(onnx_torch._conv_as_kernels)
+    return _OWN[0]
+
+
+def use_form(name: str) -> None:
+    """Make the converter lower depthwise convolutions with form ``name`` in this process."""
+    from parastream.launcher.engines import onnx_torch
+
+    own = _converters_own()  # kept before it is replaced
+    onnx_torch._conv_as_kernels = FORMS[name] or own
+
+
+def check(device: str = "cpu") -> list[dict]:
+    """Every form against ``F.conv2d`` on depthwise shapes with strides and asymmetric pads."""
+    import torch
+    import torch.nn.functional as F
+
+    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+
+    rows = []
+    g = torch.Generator().manual_seed(0)
+    for (c, h, w, k, s, begin, end) in [(8, 9, 11, 3, 1, (1, 1), (1, 1)), (6, 10, 10, 5, 2, (1, 2), (2, 1)),
+                                        (4, 13, 12, 7, 1, (3, 3), (3, 3)), (5, 8, 9, 3, 2, (0, 0), (1, 1)),
+                                        (3, 12, 12, 9, 2, (4, 4), (4, 4)), (4, 7, 7, 3, 1, (0, 0), (0, 0))]:
+        x = torch.randn(1, c, h, w, generator=g).to(device)
+        wt = torch.randn(c, 1, k, k, generator=g).to(device)
+        b = torch.randn(c, generator=g).to(device)
+        ref = F.conv2d(F.pad(x, _torch_pad_arg(begin, end)), wt, b, s, 0, 1, c)
+        for name, form in FORMS.items():
+            fn = (form or _converters_own())(x.shape, wt.shape, (k, k), (s, s), (1, 1), c, list(begin), list(end))
+            y = fn(x, wt, b)
+            err = float((y - ref).abs().max() / ref.abs().max())
+            rows.append({"form": name, "c": c, "hw": [h, w], "k": k, "stride": s, "pads": [begin, end],
+                         "shape_ok": list(y.shape) == list(ref.shape), "max_err": err})
+    return rows
+
+
+def child(onnx_path: str, form: str, device: str) -> dict:
+    """In this fresh process: the model's engine with depthwise convolutions as ``form`` compiled (timed), then
+    the cuDNN form's (its compile in the warm caches), both timed side by side and their outputs compared."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    from parastream.launcher.engines import get_backend, require_backend
+    from parastream.pipeline.bench import measure
+    from parastream.pipeline.build import BuildConfig, Engines, engine_options
+    from parastream.pipeline.measure import Variant
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite.cost import RooflineCostModel
+
+    warm_up = form == "-"  # the cuDNN form alone, to fill the caches every form's process starts from
+    if not warm_up:
+        use_form(form)
+        if form in UNROLLED:
+            import torch._inductor.config as inductor_config
+
+            inductor_config.unroll_reductions_threshold = UNROLLED[form]
+    backend = require_backend("torch") if device == "cuda" else get_backend("torch")
+    loaded = load_model(onnx_path)
+    base = replace(engine_options(BuildConfig(precision="fp16" if device == "cuda" else "fp32"), backend),
+                   device=device, compile_workers=1)
+    row: dict = {"form": form}
+    launchers = {}
+    for label, kernels in ([] if warm_up else [(form, "inductor")]) + [("cudnn", "cudnn")]:
+        options = replace(base, conv_kernels=kernels)
+        engines = Engines(backend, RooflineCostModel(), loaded, options.precision, blocks=False)
+        v = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, 1, 1), options)
+        t0 = time.perf_counter()
+        got = engines.precompile([v])
+        row[f"{label}_compile_s"] = round(time.perf_counter() - t0, 2)
+        row[f"{label}_jobs"] = got.get("jobs")
+        if label == form:
+            try:
+                from torch._dynamo.utils import compile_times
+
+                row["torch_phases"] = compile_times(repr="str", aggregate=True)
+            except Exception as e:  # noqa: BLE001 - another torch: the row goes without
+                row["torch_phases"] = f"{type(e).__name__}: {e}"
+        launchers[label] = engines.launcher(v)
+    if device != "cuda" or warm_up:
+        return row
+    rng = np.random.default_rng(1)
+    first = launchers[form]
+    feeds = {s.name: rng.standard_normal(s.shape).astype(s.dtype) for s in first.plan.inputs}
+    outs = {k: la(feeds) for k, la in launchers.items()}
+    errs = []
+    for name, ref in outs["cudnn"].items():
+        a, b = np.asarray(outs[form][name], np.float32), np.asarray(ref, np.float32)
+        errs.append(float(np.abs(a - b).max() / max(float(np.abs(b).max()), 1e-6)))
+    row["max_err_vs_cudnn"] = max(errs)
+    reps = []
+    for rep in range(3):
+        times = measure(launchers, runs=200, seed=rep)
+        reps.append({k: float(np.median(t)) for k, t in times.items()})
+    row["median_ms"] = {k: round(float(np.median([r[k] for r in reps])), 4) for k in launchers}
+    row["vs_cudnn"] = round(row["median_ms"][form] / row["median_ms"]["cudnn"], 4)
+    for la in launchers.values():
+        la.close()
+    return row
+
+
+def main() -> int:
+    if sys.argv[1:2] == ["--child"]:
+        onnx_path, form, device = sys.argv[2:5]
+        print("RESULT " + json.dumps(child(onnx_path, form, device)), flush=True)
+        return 0
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--models", default="mixnet_s", help="bench/gpu.py make_model names, or ONNX files")
+    ap.add_argument("--forms", default=",".join(FORMS))
+    ap.add_argument("--device", default="cuda", choices=["cuda", "cpu"])
+    ap.add_argument("--timeout", type=float, default=150.0, help="seconds one form's process may take")
+    ap.add_argument("--check", action="store_true", help="only compare the forms with F.conv2d (CPU)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthwise_forms"))
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    if a.check:
+        rows = check()
+        for r in rows:
+            print(json.dumps(r))
+        bad = [r for r in rows if not r["shape_ok"] or r["max_err"] > 1e-5]
+        print(f"{len(rows)} cases, {len(bad)} wrong")
+        return 1 if bad else 0
+    forms = [f.strip() for f in a.forms.split(",") if f.strip()]
+    unknown = [f for f in forms if f not in FORMS]
+    if unknown:
+        ap.error(f"--forms: unknown {unknown}; choose from {', '.join(FORMS)}")
+    result = {"device": a.device, "models": {}}
+    for model in [m.strip() for m in a.models.split(",") if m.strip()]:
+        if model.endswith(".onnx"):
+            onnx_path = model
+        else:
+            sys.path.insert(0, str(Path(__file__).parent))
+            from gpu import export, make_model
+
+            m, inputs = make_model(model, 1)
+            onnx_path = str(out / f"{model}.onnx")
+            export(m, inputs, onnx_path)
+        # the warm start every form's process copies: the caches a compile of the cuDNN form filled
+        warm = out / f"{Path(onnx_path).stem}-warm"
+        rows = []
+        for i, form in enumerate(["-"] + forms):
+            caches = out / f"{Path(onnx_path).stem}-{i}"
+            if i:
+                shutil.copytree(warm, caches)
+            env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str((warm if not i else caches) / "inductor"),
+                       TRITON_CACHE_DIR=str((warm if not i else caches) / "triton"), PARASTREAM_COMPILE_WORKERS="1")
+            t0 = time.perf_counter()
+            try:
+                p = subprocess.run([sys.executable, __file__, "--child", onnx_path, form, a.device], env=env, capture_output=True, text=True, timeout=a.timeout)
+                row = next((json.loads(line[7:]) for line in p.stdout.splitlines() if line.startswith("RESULT ")),
+                           None) or {"form": form, "error": (p.stderr.strip().splitlines() or ["no result"])[-1][:400]}
+            except subprocess.TimeoutExpired:
+                row = {"form": form, "error": f"over {a.timeout:.0f} s"}
+            row.update(process_s=round(time.perf_counter() - t0, 2), warm_up=not i)
+            rows.append(row)
+            result["models"][model] = rows
+            (out / "depthwise_forms.json").write_text(json.dumps(result, indent=1))
+            print(json.dumps({"model": model, **row}), flush=True)
+            if i:
+                shutil.rmtree(caches, ignore_errors=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
