@@ -3,22 +3,24 @@
 
 A GPU build races a depthwise-separable network's depthwise convolutions as cuDNN calls against the same
 convolutions as ops Inductor compiles into its own kernels (``onnx_torch._conv_as_kernels``), and on MixNet-S the
-Inductor form wins by ~28% but its whole-model compile (45-60 s alone, cold) bounds the build (bench/NOTES.md,
-"Open questions").  Inductor's own Python work (tracing, lowering, fusion, code generation) grows with the ops it
-is given, and the form in use writes a k x k convolution as a sum of k*k shifted slices.  This compiles the
-model's depthwise-as-Inductor engine once per form, each in a fresh process with the same warm start (caches a
-compile of the model's cuDNN form filled, so that what differs is the depthwise kernels' compile), and in that
-process times the form's engine against the cuDNN form's side by side (``pipeline.bench.measure``) and compares
-their outputs.
+Inductor form wins by ~28% and its whole-model compile bounds the build (bench/NOTES.md, "Open questions").
+Inductor's own Python work (tracing, lowering, fusion, code generation) grows with the ops it is given.  This
+compiles the model's depthwise-as-Inductor engine once per form, each in a fresh process with the same warm start
+(caches a compile of the model's cuDNN form filled, so that what differs is the depthwise kernels' compile), and
+in that process times the form's engine against the cuDNN form's side by side (``pipeline.bench.measure``) and
+compares their outputs.
 
 Forms (``FORMS``):
-  summed    the converter's own: a sum of shifted slices up to ``MAX_SUMMED_TAPS`` taps, else ``unfold``
-  unfold    one reduction over the taps of ``F.unfold``'s columns, for every kernel
-  windows   one reduction over the taps of the input's windows as a view (``Tensor.unfold`` twice, no copy)
-  rows      a sum over the kernel's columns of one reduction each over its rows (windows of rows only)
+  converter  the converter's own: one reduction over the taps of the input's windows (a view), written out as a
+             sum by Inductor up to ``onnx_torch.UNROLLED_TAPS`` taps (the engines' ``_inductor_options``)
+  windows    the same ops with Inductor's defaults (every reduction over 8 or more taps a loop)
+  summed     the form before it: a sum of the k*k shifted slices up to 25 taps, ``unfold`` beyond
+  unfold     one reduction over the taps of ``F.unfold``'s columns, for every kernel
+  strided    ``windows`` with the padded input a channels-last buffer of its own (``as_strided``)
+Every form but the converter's compiles with Inductor's default reductions.
 
 Run on the device after ``source bench/device_env.sh``:
-    python3 bench/depthwise_forms.py --models mixnet_s --forms summed,windows,rows,unfold --out $OUT
+    python3 bench/depthwise_forms.py --models mixnet_s,efficientnet_b0 --out $OUT
 On the CPU, ``--check`` compares every form with ``F.conv2d`` on strided and asymmetrically padded shapes.
 Writes depthwise_forms.json under --out.
 """
@@ -43,32 +45,18 @@ def _checked(x_shape, w_shape, kernel, strides, dil, group):
     return c, kh, kw
 
 
-def windows_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """(x, weight, bias) -> y: one reduction over the k*k taps of the padded input's windows as a view."""
-    import torch.nn.functional as F
-
-    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
-
-    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
-    if got is None:
-        return None
-    c, kh, kw = got
+def _padded(x_shape, kernel, strides, begin, end):
+    """(padded height, width, output height, width)."""
+    kh, kw = (int(k) for k in kernel)
     sh, sw = (int(s) for s in strides)
-    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
-
-    def depthwise(x, weight, bias=None):
-        if pad is not None:
-            x = F.pad(x, pad)
-        win = x.unfold(2, kh, sh).unfold(3, kw, sw)  # [n, c, ho, wo, kh, kw], a view
-        y = (win * weight.view(1, c, 1, 1, kh, kw)).sum((4, 5))
-        return y if bias is None else y + bias.view(1, c, 1, 1)
-
-    return depthwise
+    h, w = int(x_shape[2]) + int(begin[0]) + int(end[0]), int(x_shape[3]) + int(begin[1]) + int(end[1])
+    return h, w, (h - kh) // sh + 1, (w - kw) // sw + 1
 
 
 def strided_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """``windows_form`` with the padded input a buffer of its own (``as_strided`` needs one): what produces the
-    input runs once per element, not once per tap."""
+    """The converter's windows over a padded input made a channels-last buffer of its own (``as_strided`` needs
+    one): what produces the input then runs once per element, not once per tap."""
+    import torch
     import torch.nn.functional as F
 
     from parastream.launcher.engines.onnx_torch import _torch_pad_arg
@@ -79,18 +67,14 @@ def strided_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     c, kh, kw = got
     n = int(x_shape[0])
     sh, sw = (int(s) for s in strides)
-    h, w = int(x_shape[2]) + int(begin[0]) + int(end[0]), int(x_shape[3]) + int(begin[1]) + int(end[1])
-    ho, wo = (h - kh) // sh + 1, (w - kw) // sw + 1
+    h, w, ho, wo = _padded(x_shape, kernel, strides, begin, end)
     pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
 
     def depthwise(x, weight, bias=None):
-        import torch
-
         if pad is not None:
             x = F.pad(x, pad)
-        # a channels-last buffer (the layout a GPU engine's convolutions run in), whose strides the view takes
         x = x.contiguous(memory_format=torch.channels_last)
-        s0, s1, s2, s3 = h * w * c, 1, w * c, c
+        s0, s1, s2, s3 = h * w * c, 1, w * c, c  # that buffer's strides, which the view takes
         win = x.as_strided((n, c, ho, wo, kh, kw), (s0, s1, sh * s2, sw * s3, s2, s3))
         y = (win * weight.view(1, c, 1, 1, kh, kw)).sum((4, 5))
         return y if bias is None else y + bias.view(1, c, 1, 1)
@@ -98,8 +82,8 @@ def strided_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise
 
 
-def rows_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """(x, weight, bias) -> y: the sum over the kernel's kw columns of one reduction each over its kh rows."""
+def unfold_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """One reduction over the taps of ``F.unfold``'s columns."""
     import torch.nn.functional as F
 
     from parastream.launcher.engines.onnx_torch import _torch_pad_arg
@@ -108,41 +92,55 @@ def rows_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     if got is None:
         return None
     c, kh, kw = got
+    n = int(x_shape[0])
     sh, sw = (int(s) for s in strides)
-    h, w = int(x_shape[2]) + int(begin[0]) + int(end[0]), int(x_shape[3]) + int(begin[1]) + int(end[1])
-    wo = (w - kw) // sw + 1
+    _, _, ho, wo = _padded(x_shape, kernel, strides, begin, end)
+    symmetric = list(begin) == list(end)
+    pad = _torch_pad_arg(begin, end)
+
+    def depthwise(x, weight, bias=None):
+        if not symmetric:
+            x = F.pad(x, pad)
+        cols = F.unfold(x, (kh, kw), 1, tuple(begin) if symmetric else 0, (sh, sw)).view(n, c, kh * kw, ho * wo)
+        y = (cols * weight.reshape(1, c, kh * kw, 1)).sum(2)
+        if bias is not None:
+            y = y + bias.reshape(1, c, 1)
+        return y.view(n, c, ho, wo)
+
+    return depthwise
+
+
+def summed_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """The sum of the k*k shifted slices up to 25 taps, ``unfold_form`` beyond."""
+    import torch.nn.functional as F
+
+    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+
+    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
+    if got is None:
+        return None
+    c, kh, kw = got
+    if kh * kw > 25:
+        return unfold_form(x_shape, w_shape, kernel, strides, dil, group, begin, end)
+    sh, sw = (int(s) for s in strides)
+    _, _, ho, wo = _padded(x_shape, kernel, strides, begin, end)
     pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
 
     def depthwise(x, weight, bias=None):
         if pad is not None:
             x = F.pad(x, pad)
-        rows = x.unfold(2, kh, sh)  # [n, c, ho, w, kh], a view
         y = None
-        for j in range(kw):
-            t = (rows[:, :, :, j:j + (wo - 1) * sw + 1:sw] * weight[:, :, :, j].reshape(1, c, 1, 1, kh)).sum(4)
-            y = t if y is None else y + t
-        return y if bias is None else y + bias.view(1, c, 1, 1)
+        for i in range(kh):
+            for j in range(kw):
+                t = x[:, :, i:i + (ho - 1) * sh + 1:sh, j:j + (wo - 1) * sw + 1:sw] * weight[:, :, i, j].reshape(1, c, 1, 1)
+                y = t if y is None else y + t
+        return y if bias is None else y + bias.reshape(1, c, 1, 1)
 
     return depthwise
 
 
-def unfold_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """The converter's reduction over ``F.unfold``'s columns, for every kernel size."""
-    from parastream.launcher.engines import onnx_torch
-
-    keep = onnx_torch.MAX_SUMMED_TAPS
-    onnx_torch.MAX_SUMMED_TAPS = 0
-    try:
-        return _converters_own()(x_shape, w_shape, kernel, strides, dil, group, begin, end)
-    finally:
-        onnx_torch.MAX_SUMMED_TAPS = keep
-
-
-FORMS = {"summed": None, "unfold": unfold_form, "windows": windows_form, "strided": strided_form, "rows": rows_form,
-         "windows_unrolled": windows_form}
-#: forms compiled with Inductor's small reductions written out as sums up to this many taps (its
-#: ``unroll_reductions_threshold``, 8 by default): the reduction's kernel as the summed form's, from fewer ops
-UNROLLED = {"windows_unrolled": 26}  # (a reduction of fewer taps than this)
+#: form -> its lowering (None: the converter's own)
+FORMS = {"converter": None, "windows": None, "summed": summed_form, "unfold": unfold_form, "strided": strided_form}
 _OWN: list = []
 
 
@@ -156,11 +154,20 @@ def _converters_own():
 
 
 def use_form(name: str) -> None:
-    """Make the converter lower depthwise convolutions with form ``name`` in this process."""
+    """Make the converter lower depthwise convolutions with form ``name``, and the engines compile with the
+    Inductor configuration that goes with it, in this process."""
     from parastream.launcher.engines import onnx_torch
+    from parastream.launcher.engines import torch as torch_backend
 
     own = _converters_own()  # kept before it is replaced
     onnx_torch._conv_as_kernels = FORMS[name] or own
+    if name != "converter":
+        engines_own = torch_backend._inductor_options
+
+        def defaults(options):
+            return {k: v for k, v in engines_own(options).items() if k != "unroll_reductions_threshold"}
+
+        torch_backend._inductor_options = defaults
 
 
 def check(device: str = "cpu") -> list[dict]:
@@ -205,10 +212,6 @@ def child(onnx_path: str, form: str, device: str) -> dict:
     warm_up = form == "-"  # the cuDNN form alone, to fill the caches every form's process starts from
     if not warm_up:
         use_form(form)
-        if form in UNROLLED:
-            import torch._inductor.config as inductor_config
-
-            inductor_config.unroll_reductions_threshold = UNROLLED[form]
     backend = require_backend("torch") if device == "cuda" else get_backend("torch")
     loaded = load_model(onnx_path)
     base = replace(engine_options(BuildConfig(precision="fp16" if device == "cuda" else "fp32"), backend),

@@ -139,7 +139,12 @@ def measure_shape(key) -> dict:
             # every shape's lowering is the same Python function: without a reset Dynamo stops recompiling it
             # after its recompile limit (8) and runs the later shapes uncompiled (the first run's 9 last shapes)
             torch._dynamo.reset()
-            compiled = torch.compile(lowered, dynamic=False)
+            # in the configuration an engine that lowers depthwise convolutions is compiled with
+            from parastream.launcher.engines.base import BuildOptions
+            from parastream.launcher.engines.torch import _inductor_options
+
+            compiled = torch.compile(lowered, dynamic=False,
+                                     options=_inductor_options(BuildOptions(precision="fp16", conv_kernels="inductor")))
             out = compiled(x, w)
             torch.cuda.synchronize()
             row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)

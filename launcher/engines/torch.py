@@ -683,7 +683,8 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
     from torch._inductor import aoti_compile_and_package
 
     wrapper, args = _engine_module(branch, inputs, outputs, device, dtype, nhwc, views, options)
-    configs = _known_inductor_configs({"max_autotune": options.optimization_level >= 5,
+    unrolled = {k: v for k, v in _inductor_options(options).items() if k == "unroll_reductions_threshold"}
+    configs = _known_inductor_configs({**unrolled, "max_autotune": options.optimization_level >= 5,
                                        # the wrapper's C++ runs once per capture, never in a replay: compile it quickly
                                        "aot_inductor.compile_wrapper_opt_level": "O0",
                                        "aot_inductor.enable_line_tables": False})
@@ -695,11 +696,18 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
 
 
 def _inductor_options(options: BuildOptions) -> dict:
-    """The Inductor configuration torch.compile uses at load for a JIT engine (``TorchEngine._make_fn``'s mode)."""
+    """The Inductor configuration an engine is compiled with, at build and by torch.compile at load for a JIT
+    engine: the mode's, and where depthwise convolutions are Inductor's own kernels, their reductions over up to
+    ``onnx_torch.UNROLLED_TAPS`` taps written out as sums (Inductor's default writes out fewer than 8)."""
     import torch._inductor
 
+    from .onnx_torch import UNROLLED_TAPS
+
     mode = "max-autotune-no-cudagraphs" if options.optimization_level >= 5 else "default"
-    return dict(torch._inductor.list_mode_options(mode))
+    configs = dict(torch._inductor.list_mode_options(mode))
+    if conv_kernels_used(options.conv_kernels) == "inductor":
+        configs["unroll_reductions_threshold"] = UNROLLED_TAPS + 1  # Inductor writes out reductions below it
+    return configs
 
 
 def _param_specs(params: list) -> list:
@@ -1988,8 +1996,7 @@ class TorchEngine:
         for key in ("recompile_limit", "cache_size_limit", "accumulated_recompile_limit", "accumulated_cache_size_limit"):
             if hasattr(cfg, key):
                 setattr(cfg, key, max(getattr(cfg, key), 1 << 16))
-        mode = "max-autotune-no-cudagraphs" if self.options.optimization_level >= 5 else None
-        return torch.compile(run_into, fullgraph=True, dynamic=False, mode=mode)
+        return torch.compile(run_into, fullgraph=True, dynamic=False, options=_inductor_options(self.options))
 
     def _args(self, fill: bool = True) -> list:
         return [_tensor(t, t.name in self.nhwc, self.channel_views.get(t.name), self.device, fill=fill)

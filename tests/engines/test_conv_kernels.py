@@ -1,7 +1,8 @@
 """Depthwise convolutions written as ops Inductor compiles (``BuildOptions.conv_kernels="inductor"``).
 
-Both lowered forms (a sum of shifted slices up to 5x5, one reduction over the taps beyond) against ONNX Runtime
-(eager and compiled by Inductor on the CPU), and the convolutions that must stay torch's convolution (cuDNN on a
+The lowered form (one reduction over the taps of the input's windows, which Inductor writes out as a sum up to
+5x5 in the engines' configuration and runs as a loop otherwise) against ONNX Runtime (eager, and compiled by
+Inductor on the CPU both ways), and the convolutions that must stay torch's convolution (cuDNN on a
 GPU): 1x1, dilated, channel-multiplier depthwise, grouped k x k, dense, 1-d.  Which one a convolution became is read from the converted module's steps.  On the GPU (marked) a
 converted module is compiled and compared in fp16.
 """
@@ -115,13 +116,21 @@ def test_lowered_convolutions_equal_onnxruntime():
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_lowered_convolutions_compiled_by_inductor_equal_onnxruntime():
-    from parastream.launcher.engines.onnx_torch import to_fx
+@pytest.mark.parametrize("written_out", [True, False])
+def test_lowered_convolutions_compiled_by_inductor_equal_onnxruntime(written_out):
+    """Compiled as an engine is (``_inductor_options``: reductions over up to 25 taps written out as sums), and
+    with Inductor's defaults (every reduction over 8 or more taps a loop)."""
+    from parastream.launcher.engines.base import BuildOptions
+    from parastream.launcher.engines.onnx_torch import UNROLLED_TAPS, to_fx
+    from parastream.launcher.engines.torch import _inductor_options
 
+    options = _inductor_options(BuildOptions(precision="fp32", device="cpu", conv_kernels="inductor"))
+    assert options["unroll_reductions_threshold"] == UNROLLED_TAPS + 1
     model, _ = conv_model()
     feeds = _feeds(2)
     ref = _ort(model, feeds)
-    compiled = torch.compile(to_fx(convert(model, conv_kernels="inductor")))
+    torch._dynamo.reset()
+    compiled = torch.compile(to_fx(convert(model, conv_kernels="inductor")), options=options if written_out else {})
     got = _run(compiled, model, feeds)
     for name, r in ref.items():
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
@@ -143,6 +152,18 @@ def test_a_depthwise_weight_computed_in_the_graph_is_not_lowered():
     assert not any(_kinds(module).values())
     feeds = {"x": rng.standard_normal((1, 8, 9, 9)).astype(np.float32)}
     np.testing.assert_allclose(_run(module, model, feeds)["y"], _ort(model, feeds)["y"], rtol=1e-4, atol=1e-5)
+
+
+def test_only_engines_that_lower_depthwise_convolutions_write_out_their_reductions():
+    """Inductor's threshold for writing reductions out is raised for the engines whose depthwise convolutions
+    are its kernels, and left at its default for every other engine (cuDNN's, torch's own depthwise kernel, and
+    "auto" until a GPU build's timing chose)."""
+    from parastream.launcher.engines.base import BuildOptions
+    from parastream.launcher.engines.torch import _inductor_options
+
+    assert "unroll_reductions_threshold" in _inductor_options(BuildOptions(conv_kernels="inductor"))
+    for kernels in ("cudnn", "native", "auto"):
+        assert "unroll_reductions_threshold" not in _inductor_options(BuildOptions(conv_kernels=kernels)), kernels
 
 
 def test_which_models_the_option_changes():
@@ -171,7 +192,10 @@ def test_lowered_convolutions_in_fp16_on_the_gpu_equal_onnxruntime(conv_kernels,
     feeds = _feeds(3)
     ref = _ort(model, feeds)
     module = to_fx(convert(model, "float16", conv_kernels=conv_kernels)).cuda()
-    compiled = torch.compile(module)
+    from parastream.launcher.engines.base import BuildOptions
+    from parastream.launcher.engines.torch import _inductor_options
+
+    compiled = torch.compile(module, options=_inductor_options(BuildOptions(precision="fp16", conv_kernels=conv_kernels)))
     ins = [torch.from_numpy(feeds[i.name]).cuda().half() for i in model.graph.input]
     if channels_last:
         ins[0] = ins[0].to(memory_format=torch.channels_last)
