@@ -17,7 +17,9 @@ Forms (``FORMS``):
   summed     the form before it: a sum of the k*k shifted slices up to 25 taps, ``unfold`` beyond
   unfold     one reduction over the taps of ``F.unfold``'s columns, for every kernel
   strided    ``windows`` with the padded input a channels-last buffer of its own (``as_strided``)
-Every form but the converter's compiles with Inductor's default reductions.
+  unfold_beyond  the converter's up to ``UNROLLED_TAPS`` taps, ``unfold``'s loop beyond
+``converter`` and ``unfold_beyond`` compile with the engines' Inductor configuration, the others with Inductor's
+defaults.
 
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/depthwise_forms.py --models mixnet_s,efficientnet_b0 --out $OUT
@@ -139,8 +141,20 @@ def summed_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise
 
 
+def unfold_beyond_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """The converter's own up to ``onnx_torch.UNROLLED_TAPS`` taps (written out), ``unfold_form`` beyond."""
+    from parastream.launcher.engines.onnx_torch import UNROLLED_TAPS
+
+    taps = int(kernel[0]) * int(kernel[1])
+    form = _converters_own() if taps <= UNROLLED_TAPS else unfold_form
+    return form(x_shape, w_shape, kernel, strides, dil, group, begin, end)
+
+
 #: form -> its lowering (None: the converter's own)
-FORMS = {"converter": None, "windows": None, "summed": summed_form, "unfold": unfold_form, "strided": strided_form}
+FORMS = {"converter": None, "windows": None, "summed": summed_form, "unfold": unfold_form, "strided": strided_form,
+         "unfold_beyond": unfold_beyond_form}
+#: the forms compiled with the engines' own Inductor configuration (the others with Inductor's defaults)
+ENGINES_CONFIG = {"converter", "unfold_beyond"}
 _OWN: list = []
 
 
@@ -161,7 +175,7 @@ def use_form(name: str) -> None:
 
     own = _converters_own()  # kept before it is replaced
     onnx_torch._conv_as_kernels = FORMS[name] or own
-    if name != "converter":
+    if name not in ENGINES_CONFIG:
         engines_own = torch_backend._inductor_options
 
         def defaults(options):
