@@ -12,13 +12,14 @@ compares their outputs.
 
 Forms (``FORMS``):
   converter  the converter's own: one reduction over the taps of the input's windows (a view), written out as a
-             sum by Inductor up to ``onnx_torch.UNROLLED_TAPS`` taps (the engines' ``_inductor_options``)
-  windows    the same ops with Inductor's defaults (every reduction over 8 or more taps a loop)
+             sum by Inductor up to ``onnx_torch.UNROLLED_TAPS`` taps (the engines' ``_inductor_options``), and
+             beyond, a loop over ``F.unfold``'s columns
+  windows_beyond  the windows for every kernel (a loop beyond ``UNROLLED_TAPS``)
+  windows    the windows for every kernel with Inductor's defaults (every reduction over 8 or more taps a loop)
   summed     the form before it: a sum of the k*k shifted slices up to 25 taps, ``unfold`` beyond
   unfold     one reduction over the taps of ``F.unfold``'s columns, for every kernel
   strided    ``windows`` with the padded input a channels-last buffer of its own (``as_strided``)
-  unfold_beyond  the converter's up to ``UNROLLED_TAPS`` taps, ``unfold``'s loop beyond
-``converter`` and ``unfold_beyond`` compile with the engines' Inductor configuration, the others with Inductor's
+``converter`` and ``windows_beyond`` compile with the engines' Inductor configuration, the others with Inductor's
 defaults.
 
 Run on the device after ``source bench/device_env.sh``:
@@ -141,20 +142,35 @@ def summed_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise
 
 
-def unfold_beyond_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """The converter's own up to ``onnx_torch.UNROLLED_TAPS`` taps (written out), ``unfold_form`` beyond."""
-    from parastream.launcher.engines.onnx_torch import UNROLLED_TAPS
+def windows_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """One reduction over the taps of the padded input's windows (a view), for every kernel: the converter's own
+    form up to ``onnx_torch.UNROLLED_TAPS`` taps."""
+    import torch.nn.functional as F
 
-    taps = int(kernel[0]) * int(kernel[1])
-    form = _converters_own() if taps <= UNROLLED_TAPS else unfold_form
-    return form(x_shape, w_shape, kernel, strides, dil, group, begin, end)
+    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+
+    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
+    if got is None:
+        return None
+    c, kh, kw = got
+    sh, sw = (int(s) for s in strides)
+    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
+
+    def depthwise(x, weight, bias=None):
+        if pad is not None:
+            x = F.pad(x, pad)
+        win = x.unfold(2, kh, sh).unfold(3, kw, sw)  # [n, c, ho, wo, kh, kw]
+        y = (win * weight.view(1, c, 1, 1, kh, kw)).sum((4, 5))
+        return y if bias is None else y + bias.view(1, c, 1, 1)
+
+    return depthwise
 
 
 #: form -> its lowering (None: the converter's own)
-FORMS = {"converter": None, "windows": None, "summed": summed_form, "unfold": unfold_form, "strided": strided_form,
-         "unfold_beyond": unfold_beyond_form}
+FORMS = {"converter": None, "windows_beyond": windows_form, "windows": windows_form, "summed": summed_form,
+         "unfold": unfold_form, "strided": strided_form}
 #: the forms compiled with the engines' own Inductor configuration (the others with Inductor's defaults)
-ENGINES_CONFIG = {"converter", "unfold_beyond"}
+ENGINES_CONFIG = {"converter", "windows_beyond"}
 _OWN: list = []
 
 

@@ -480,12 +480,13 @@ def _conv_as_patch_gemm(x_shape, w_shape, kernel, strides, dil, group, pads):
     return patch_gemm
 
 
-#: depthwise kernels of up to this many taps run as a sum of their taps written out in one Inductor kernel, larger
-#: ones as a loop over them: the engines that lower depthwise convolutions are compiled with Inductor's
-#: ``unroll_reductions_threshold`` one above it (``torch._inductor_options``), which writes out each such
-#: convolution's reduction over its taps.  Measured on the H200 (fp16, batch 1, bench/depthwise_forms.py, each
-#: form's engine timed against the cuDNN form's in one process): written out, MixNet-S ran 0.716 of its cuDNN
-#: form and EfficientNet-B0 1.048, against 0.734 and 1.134 as loops.
+#: depthwise kernels of up to this many taps run as a sum of their taps written out in one Inductor kernel: the
+#: engines that lower depthwise convolutions are compiled with Inductor's ``unroll_reductions_threshold`` one
+#: above it (``torch._inductor_options``), which writes out each such convolution's reduction over its taps.
+#: Larger kernels run as a loop over ``F.unfold``'s columns.  Measured on the H200 (fp16, batch 1,
+#: bench/depthwise_forms.py, each form's engine timed against the cuDNN form's in one process): written out,
+#: MixNet-S ran 0.716 of its cuDNN form and EfficientNet-B0 1.048, against 0.734 and 1.134 as loops over the
+#: windows; beyond, ConvNeXt-T's 7x7 kernels ran 1.107 as ``F.unfold``'s loop and 1.150 as the windows'.
 UNROLLED_TAPS = 25
 
 
@@ -496,34 +497,48 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     Why: torch runs every convolution through cuDNN, which builds an execution plan for each convolution shape at
     its first call in every process (15-45 ms for a depthwise one, against ~4 ms for a dense 3x3:
     docs/torch-engines.md, "Fresh-process load"), so a bundle of a depthwise-separable network spends seconds of
-    every instance start building plans.  Written as one reduction over the taps of the padded input's windows (a
-    view: ``Tensor.unfold`` on both spatial dimensions), a depthwise convolution is one Triton kernel with the bias
-    and whatever follows as its epilogue, shipped compiled; up to ``UNROLLED_TAPS`` taps Inductor writes the
-    reduction out as a sum.  A few ops per convolution, whatever its kernel: the sum of k*k shifted slices this form
-    replaced gave Inductor ~7 ops per tap to trace, lower, fuse and generate, and MixNet-S's engine took 50.6 s to
-    compile against 28.3 s this way (alone, in caches its cuDNN form's compile had filled), and ran 2% slower
-    (H200, bench/depthwise_forms.py).
+    every instance start building plans.  Written as one reduction over its taps, a depthwise convolution is one
+    Triton kernel with the bias and whatever follows as its epilogue, shipped compiled: up to ``UNROLLED_TAPS``
+    taps a reduction over the padded input's windows (a view: ``Tensor.unfold`` on both spatial dimensions),
+    which Inductor writes out as a sum, and beyond, over ``F.unfold``'s columns (which Inductor fuses into the
+    reduction's loads).  A few ops per convolution, whatever its kernel: the sum of k*k shifted slices the
+    windows replaced gave Inductor ~7 ops per tap to trace, lower, fuse and generate, and MixNet-S's engine took
+    50.6 s to compile against 28.3 s this way (alone, in caches its cuDNN form's compile had filled), and ran 2%
+    slower (H200, bench/depthwise_forms.py).
     1x1 convolutions stay cuDNN's: as matrix products they saved no load time and ran slower (NASNet-A Large 2.4
     against 1.5 ms).  Whether a bundle is faster this way or with cuDNN is timed on the GPU
     (``BuildOptions.conv_kernels``).
     """
     torch = _torch()
     F = torch.nn.functional
-    c = int(x_shape[1])
+    n, c, h, w = (int(d) for d in x_shape)
     kh, kw = (int(k) for k in kernel)
     sh, sw = (int(s) for s in strides)
     if any(int(d) != 1 for d in dil) or not (group == c == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
         return None
-    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
+    ho = (h + begin[0] + end[0] - kh) // sh + 1
+    wo = (w + begin[1] + end[1] - kw) // sw + 1
+    pad = _torch_pad_arg(begin, end)
+    padded = any(begin) or any(end)
+    symmetric = begin == end
 
-    def depthwise(x, weight, bias=None):
-        if pad is not None:
+    def depthwise_windows(x, weight, bias=None):
+        if padded:
             x = F.pad(x, pad)
         windows = x.unfold(2, kh, sh).unfold(3, kw, sw)  # [n, c, ho, wo, kh, kw]
         y = (windows * weight.view(1, c, 1, 1, kh, kw)).sum((4, 5))
         return y if bias is None else y + bias.view(1, c, 1, 1)
 
-    return depthwise
+    def depthwise_columns(x, weight, bias=None):
+        if not symmetric:
+            x = F.pad(x, pad)
+        cols = F.unfold(x, (kh, kw), 1, tuple(begin) if symmetric else 0, (sh, sw)).view(n, c, kh * kw, ho * wo)
+        y = (cols * weight.reshape(1, c, kh * kw, 1)).sum(2)
+        if bias is not None:
+            y = y + bias.reshape(1, c, 1)
+        return y.view(n, c, ho, wo)
+
+    return depthwise_windows if kh * kw <= UNROLLED_TAPS else depthwise_columns
 
 
 def _conv_native_depthwise(x_shape, w_shape, kernel, strides, dil, group, begin, end):

@@ -1,8 +1,8 @@
 """Depthwise convolutions written as ops Inductor compiles (``BuildOptions.conv_kernels="inductor"``).
 
-The lowered form (one reduction over the taps of the input's windows, which Inductor writes out as a sum up to
-5x5 in the engines' configuration and runs as a loop otherwise) against ONNX Runtime (eager, and compiled by
-Inductor on the CPU both ways), and the convolutions that must stay torch's convolution (cuDNN on a
+Both lowered forms (up to 5x5 one reduction over the taps of the input's windows, which Inductor writes out as a
+sum in the engines' configuration and runs as a loop otherwise; beyond, one over ``F.unfold``'s columns) against
+ONNX Runtime (eager, and compiled by Inductor on the CPU both ways), and the convolutions that must stay torch's convolution (cuDNN on a
 GPU): 1x1, dilated, channel-multiplier depthwise, grouped k x k, dense, 1-d.  Which one a convolution became is read from the converted module's steps.  On the GPU (marked) a
 converted module is compiled and compared in fp16.
 """
