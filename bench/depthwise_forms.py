@@ -40,38 +40,32 @@ import time
 from pathlib import Path
 
 
-def _checked(x_shape, w_shape, kernel, strides, dil, group):
+def _geometry(x_shape, w_shape, kernel, strides, dil, group, begin, end):
+    """(channels, kh, kw, sh, sw, padded h, padded w, output h, output w, F.pad's argument or None) of a 2-d
+    depthwise convolution, or None for any other (the converter lowers the same ones)."""
+    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+
     c = int(x_shape[1])
     kh, kw = (int(k) for k in kernel)
     if any(int(d) != 1 for d in dil) or not (group == c == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
         return None
-    return c, kh, kw
-
-
-def _padded(x_shape, kernel, strides, begin, end):
-    """(padded height, width, output height, width)."""
-    kh, kw = (int(k) for k in kernel)
     sh, sw = (int(s) for s in strides)
     h, w = int(x_shape[2]) + int(begin[0]) + int(end[0]), int(x_shape[3]) + int(begin[1]) + int(end[1])
-    return h, w, (h - kh) // sh + 1, (w - kw) // sw + 1
+    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
+    return c, kh, kw, sh, sw, h, w, (h - kh) // sh + 1, (w - kw) // sw + 1, pad
 
 
 def strided_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """The converter's windows over a padded input made a channels-last buffer of its own (``as_strided`` needs
-    one): what produces the input then runs once per element, not once per tap."""
+    """The windows over a padded input made a channels-last buffer of its own (``as_strided`` needs one): what
+    produces the input then runs once per element, not once per tap."""
     import torch
     import torch.nn.functional as F
 
-    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
-
-    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
+    got = _geometry(x_shape, w_shape, kernel, strides, dil, group, begin, end)
     if got is None:
         return None
-    c, kh, kw = got
+    c, kh, kw, sh, sw, h, w, ho, wo, pad = got
     n = int(x_shape[0])
-    sh, sw = (int(s) for s in strides)
-    h, w, ho, wo = _padded(x_shape, kernel, strides, begin, end)
-    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
 
     def depthwise(x, weight, bias=None):
         if pad is not None:
@@ -85,49 +79,16 @@ def strided_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise
 
 
-def unfold_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """One reduction over the taps of ``F.unfold``'s columns."""
-    import torch.nn.functional as F
-
-    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
-
-    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
-    if got is None:
-        return None
-    c, kh, kw = got
-    n = int(x_shape[0])
-    sh, sw = (int(s) for s in strides)
-    _, _, ho, wo = _padded(x_shape, kernel, strides, begin, end)
-    symmetric = list(begin) == list(end)
-    pad = _torch_pad_arg(begin, end)
-
-    def depthwise(x, weight, bias=None):
-        if not symmetric:
-            x = F.pad(x, pad)
-        cols = F.unfold(x, (kh, kw), 1, tuple(begin) if symmetric else 0, (sh, sw)).view(n, c, kh * kw, ho * wo)
-        y = (cols * weight.reshape(1, c, kh * kw, 1)).sum(2)
-        if bias is not None:
-            y = y + bias.reshape(1, c, 1)
-        return y.view(n, c, ho, wo)
-
-    return depthwise
-
-
 def summed_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     """The sum of the k*k shifted slices up to 25 taps, ``unfold_form`` beyond."""
     import torch.nn.functional as F
 
-    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
-
-    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
+    got = _geometry(x_shape, w_shape, kernel, strides, dil, group, begin, end)
     if got is None:
         return None
-    c, kh, kw = got
+    c, kh, kw, sh, sw, _, _, ho, wo, pad = got
     if kh * kw > 25:
         return unfold_form(x_shape, w_shape, kernel, strides, dil, group, begin, end)
-    sh, sw = (int(s) for s in strides)
-    _, _, ho, wo = _padded(x_shape, kernel, strides, begin, end)
-    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
 
     def depthwise(x, weight, bias=None):
         if pad is not None:
@@ -142,28 +103,25 @@ def summed_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise
 
 
-def windows_form(x_shape, w_shape, kernel, strides, dil, group, begin, end):
-    """One reduction over the taps of the padded input's windows (a view), for every kernel: the converter's own
-    form up to ``onnx_torch.UNROLLED_TAPS`` taps."""
-    import torch.nn.functional as F
+def _converters_with(taps: int):
+    """The converter's own lowering with ``onnx_torch.UNROLLED_TAPS`` at ``taps`` while it converts: 0 gives
+    ``F.unfold``'s columns for every kernel, a large number the windows for every kernel (the Inductor
+    configuration the engines compile with is left as it is)."""
+    def form(*args):
+        from parastream.launcher.engines import onnx_torch
 
-    from parastream.launcher.engines.onnx_torch import _torch_pad_arg
+        keep = onnx_torch.UNROLLED_TAPS
+        onnx_torch.UNROLLED_TAPS = taps
+        try:
+            return _converters_own()(*args)
+        finally:
+            onnx_torch.UNROLLED_TAPS = keep
 
-    got = _checked(x_shape, w_shape, kernel, strides, dil, group)
-    if got is None:
-        return None
-    c, kh, kw = got
-    sh, sw = (int(s) for s in strides)
-    pad = _torch_pad_arg(begin, end) if any(begin) or any(end) else None
+    return form
 
-    def depthwise(x, weight, bias=None):
-        if pad is not None:
-            x = F.pad(x, pad)
-        win = x.unfold(2, kh, sh).unfold(3, kw, sw)  # [n, c, ho, wo, kh, kw]
-        y = (win * weight.view(1, c, 1, 1, kh, kw)).sum((4, 5))
-        return y if bias is None else y + bias.view(1, c, 1, 1)
 
-    return depthwise
+windows_form = _converters_with(1 << 30)
+unfold_form = _converters_with(0)
 
 
 #: form -> its lowering (None: the converter's own)
