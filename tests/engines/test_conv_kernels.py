@@ -288,3 +288,28 @@ def test_a_bundle_with_torchs_own_depthwise_kernel_builds_ships_compiled_and_ver
     assert bundle.manifest["options"]["conv_kernels"] == "native"
     engines = [e for e in bundle.report["engines"].values() if isinstance(e, dict)]
     assert all(e.get("compiled") for e in engines), json.dumps(engines)[:400]
+
+
+def test_the_depthwise_forms_benchmark_races_forms_that_equal_torchs_convolution():
+    """bench/depthwise_forms.py times the converter's form against others on the device: each of them (the
+    converter's, its windows and ``F.unfold``'s loop for every kernel, the shifted slices before them, an
+    ``as_strided`` buffer) must compute the convolution, strided and asymmetrically padded, 3x3 to 9x9; and
+    which form is the converter's must follow ``onnx_torch.UNROLLED_TAPS`` while the others stay themselves."""
+    import importlib.util
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[2] / "bench" / "depthwise_forms.py"
+    spec = importlib.util.spec_from_file_location("depthwise_forms", path)
+    forms = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(forms)
+    rows = forms.check()
+    assert {r["form"] for r in rows} == set(forms.FORMS)
+    assert {r["k"] for r in rows} >= {3, 5, 7, 9}
+    bad = [r for r in rows if not r["shape_ok"] or r["max_err"] > 1e-5]
+    assert not bad, bad[:3]
+    from parastream.launcher.engines import onnx_torch
+
+    args = ((1, 4, 12, 12), (4, 1, 7, 7), (7, 7), (1, 1), (1, 1), 4, [3, 3], [3, 3])
+    assert onnx_torch._conv_as_kernels(*args).__name__ == "depthwise_columns"  # 49 taps: F.unfold's loop
+    assert forms.windows_form(*args).__name__ == "depthwise_windows"
+    assert onnx_torch._conv_as_kernels(*args).__name__ == "depthwise_columns"  # the converter's own, restored
