@@ -486,7 +486,9 @@ def _conv_as_patch_gemm(x_shape, w_shape, kernel, strides, dil, group, pads):
 #: Larger kernels run as a loop over ``F.unfold``'s columns.  Measured on the H200 (fp16, batch 1,
 #: bench/depthwise_forms.py, each form's engine timed against the cuDNN form's in one process): written out,
 #: MixNet-S ran 0.716 of its cuDNN form and EfficientNet-B0 1.048, against 0.734 and 1.134 as loops over the
-#: windows; beyond, ConvNeXt-T's 7x7 kernels ran 1.107 as ``F.unfold``'s loop and 1.150 as the windows'.
+#: windows; beyond, ConvNeXt-T's 7x7 kernels ran 1.107 as ``F.unfold``'s loop and 1.150 as the windows'.  No more
+#: taps are written out because Inductor's compile grows steeply with a sum's terms: NASNet-A Large's 7x7 kernels
+#: as 49-term sums (of shifted slices, the form before) took its build from 76 s to 237 s.
 UNROLLED_TAPS = 25
 
 
