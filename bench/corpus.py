@@ -345,7 +345,8 @@ def _first_line(e: BaseException) -> str:
 
 def torch_converter_check(loaded_model, feeds: dict) -> dict:
     """The torch backend's converter on the loaded (folded, shape-inferred) model: the op types it has no
-    converter for, and, when it converts, the eager CPU result against ONNX Runtime (max|out-ref|/max|ref|)."""
+    converter for, and, when it converts, the eager CPU result against ONNX Runtime (max|out-ref|/max|ref|); for a
+    model with depthwise convolutions, that result again with them lowered for Inductor (``depthwise_lowered``)."""
     from parastream.launcher.engines import onnx_torch
 
     ops = sorted({n.op_type for n in loaded_model.graph.node})
@@ -368,6 +369,14 @@ def torch_converter_check(loaded_model, feeds: dict) -> dict:
         res["torch_scaled_err"] = max(scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r)
                                       for o, r in zip(outs, ref))
         res["converts"] = True
+        lowered = onnx_torch.depthwise_convs(loaded_model)
+        if lowered:  # and with its depthwise convolutions as Inductor's kernels write them (``--conv-kernels inductor``)
+            module = onnx_torch.convert(loaded_model, "float32", conv_kernels="inductor")
+            with torch.no_grad():
+                outs = module(*[torch.from_numpy(np.asarray(feeds[n])) for n in module.input_names])
+            res["depthwise_lowered"] = len(lowered)
+            res["depthwise_lowered_scaled_err"] = max(
+                scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r) for o, r in zip(outs, ref))
     except Exception as e:  # noqa: BLE001 - recorded in the table
         res["converts"] = False
         res["convert_error"] = _first_line(e)

@@ -182,3 +182,30 @@ def test_a_keras_model_is_taken_from_its_kept_export_only(tmp_path):
     for name, exporter in (("keras:ResNet50", "tf2onnx"), ("timm:dla34", "tf2onnx")):
         row = corpus.run_one(name, exporter, tmp_path)
         assert row["export_ok"] is False and "bench/keras_export.py" in row["export_error"], row
+
+
+def test_the_torch_converter_column_checks_lowered_depthwise_convolutions_only_where_a_model_has_them():
+    """``torch_converter_check`` runs a model with a depthwise convolution a second time with it lowered for
+    Inductor (``--conv-kernels inductor``), against ONNX Runtime; a model without one gets no such figure."""
+    pytest.importorskip("torch")
+    import numpy as np
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(0)
+
+    def model(group: int) -> onnx.ModelProto:
+        w = numpy_helper.from_array((rng.standard_normal((4, 4 // group, 5, 5)) * 0.3).astype(np.float32), "w")
+        node = helper.make_node("Conv", ["x", "w"], ["y"], pads=[2, 2, 2, 2], group=group)
+        graph = helper.make_graph([node], "g", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 9, 9])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 4, 9, 9])], [w])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        return m
+
+    feeds = {"x": rng.standard_normal((1, 4, 9, 9)).astype(np.float32)}
+    depthwise = corpus.torch_converter_check(model(4), feeds)
+    assert depthwise["converts"] and depthwise["depthwise_lowered"] == 1
+    assert depthwise["depthwise_lowered_scaled_err"] < 1e-5
+    dense = corpus.torch_converter_check(model(1), feeds)
+    assert dense["converts"] and "depthwise_lowered" not in dense
