@@ -12,7 +12,7 @@ compares their outputs.
 
 Forms (``FORMS``):
   converter  the converter's own: one reduction over the taps of the input's windows (a view), written out as a
-             sum by Inductor up to ``onnx_torch.UNROLLED_TAPS`` taps (the engines' ``_inductor_options``), and
+             sum by Inductor up to ``onnx_torch.UNROLLED_TAPS`` taps (the engines' ``_lowering_configs``), and
              beyond, a loop over ``F.unfold``'s columns
   windows_beyond  the windows for every kernel (a loop beyond ``UNROLLED_TAPS``)
   windows    the windows for every kernel with Inductor's defaults (every reduction over 8 or more taps a loop)
@@ -150,12 +150,7 @@ def use_form(name: str) -> None:
     own = _converters_own()  # kept before it is replaced
     onnx_torch._conv_as_kernels = FORMS[name] or own
     if name not in ENGINES_CONFIG:
-        engines_own = torch_backend._inductor_options
-
-        def defaults(options):
-            return {k: v for k, v in engines_own(options).items() if k != "unroll_reductions_threshold"}
-
-        torch_backend._inductor_options = defaults
+        torch_backend._lowering_configs = lambda options: {}  # Inductor's own defaults
 
 
 def check(device: str = "cpu") -> list[dict]:

@@ -482,7 +482,7 @@ def _conv_as_patch_gemm(x_shape, w_shape, kernel, strides, dil, group, pads):
 
 #: depthwise kernels of up to this many taps run as a sum of their taps written out in one Inductor kernel: the
 #: engines that lower depthwise convolutions are compiled with Inductor's ``unroll_reductions_threshold`` one
-#: above it (``torch._inductor_options``), which writes out each such convolution's reduction over its taps.
+#: above it (``torch._lowering_configs``), which writes out each such convolution's reduction over its taps.
 #: Larger kernels run as a loop over ``F.unfold``'s columns.  Measured on the H200 (fp16, batch 1,
 #: bench/depthwise_forms.py, each form's engine timed against the cuDNN form's in one process): written out,
 #: MixNet-S ran 0.716 of its cuDNN form and EfficientNet-B0 1.048, against 0.734 and 1.134 as loops over the

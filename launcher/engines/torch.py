@@ -683,8 +683,7 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
     from torch._inductor import aoti_compile_and_package
 
     wrapper, args = _engine_module(branch, inputs, outputs, device, dtype, nhwc, views, options)
-    unrolled = {k: v for k, v in _inductor_options(options).items() if k == "unroll_reductions_threshold"}
-    configs = _known_inductor_configs({**unrolled, "max_autotune": options.optimization_level >= 5,
+    configs = _known_inductor_configs({**_lowering_configs(options), "max_autotune": options.optimization_level >= 5,
                                        # the wrapper's C++ runs once per capture, never in a replay: compile it quickly
                                        "aot_inductor.compile_wrapper_opt_level": "O0",
                                        "aot_inductor.enable_line_tables": False})
@@ -695,19 +694,24 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
     return buf.getvalue(), {}, b""  # the package holds its weights
 
 
-def _inductor_options(options: BuildOptions) -> dict:
-    """The Inductor configuration an engine is compiled with, at build and by torch.compile at load for a JIT
-    engine: the mode's, and where depthwise convolutions are Inductor's own kernels, their reductions over up to
-    ``onnx_torch.UNROLLED_TAPS`` taps written out as sums (Inductor's default writes out fewer than 8)."""
-    import torch._inductor
-
+def _lowering_configs(options: BuildOptions) -> dict:
+    """The Inductor settings the converter's forms ask for, whichever artifact is compiled: where depthwise
+    convolutions are Inductor's own kernels, their reductions over up to ``onnx_torch.UNROLLED_TAPS`` taps written
+    out as sums (Inductor's default writes out reductions of fewer than 8)."""
     from .onnx_torch import UNROLLED_TAPS
 
-    mode = "max-autotune-no-cudagraphs" if options.optimization_level >= 5 else "default"
-    configs = dict(torch._inductor.list_mode_options(mode))
     if conv_kernels_used(options.conv_kernels) == "inductor":
-        configs["unroll_reductions_threshold"] = UNROLLED_TAPS + 1  # Inductor writes out reductions below it
-    return configs
+        return {"unroll_reductions_threshold": UNROLLED_TAPS + 1}  # Inductor writes out reductions below it
+    return {}
+
+
+def _inductor_options(options: BuildOptions) -> dict:
+    """The Inductor configuration an engine is compiled with, at build and by torch.compile at load for a JIT
+    engine: the mode's, and the converter's (``_lowering_configs``)."""
+    import torch._inductor
+
+    mode = "max-autotune-no-cudagraphs" if options.optimization_level >= 5 else "default"
+    return {**torch._inductor.list_mode_options(mode), **_lowering_configs(options)}
 
 
 def _param_specs(params: list) -> list:
@@ -1792,10 +1796,11 @@ def hasten(keys: list[str]) -> int:
 
 
 def drop(keys: list[str]) -> int:
-    """Drop the queued groups (not started, no one waiting for them) whose every cache key is one of ``keys``: the
+    """Drop the queued groups (not started) whose every cache key is one of ``keys``: the
     rivals of a GPU build's rounds that a decided round made moot (``pipeline.measure.QueuedRivals``), which would
     otherwise take workers from the rivals still needed.  A group that also compiles a key not given is kept (the
-    same engine in a plan still raced).  Returns how many were dropped; one started runs to its end."""
+    same engine in a plan still raced), and a ``build_all`` waiting for a dropped one compiles it itself.  Returns
+    how many were dropped; one started runs to its end."""
     unwanted, n = set(keys), 0
     with _QUEUE_LOCK:
         for job in [j for j in _QUEUED if j.priority > -1 and unwanted.issuperset(j.keys)]:
