@@ -1652,7 +1652,7 @@ class _Inflight:
         self.done = threading.Event()
         self.future = None
         self.nodes = max((_NODES.get(k, 0) for k in keys), default=0)
-        self.t_queued, self.t_started = time.perf_counter(), None
+        self.t_queued, self.t_started, self.started_spare = time.perf_counter(), None, False
 
     def wait(self) -> None:
         with _QUEUE_LOCK:
@@ -1668,7 +1668,7 @@ class _Inflight:
         if results is not None and self.t_started is not None:
             with _QUEUE_LOCK:
                 lru_put(_DONE, self.seq, (self.nodes, len(self.keys), self.t_queued, self.t_started,
-                                           time.perf_counter(), self.label), 4096)
+                                           time.perf_counter(), self.label, self.started_spare), 4096)
         _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
         self._finish()
         with _QUEUE_LOCK:
@@ -1692,8 +1692,12 @@ _QUEUE_LOCK = threading.RLock()
 _SEQ = itertools.count()
 
 
-#: background groups compiled, by sequence: (nodes of the largest branch, branches, queued, started, done, what for)
+#: background groups compiled, by sequence: (nodes of the largest branch, branches, queued, started, done, what for,
+#: whether it started as spare work)
 _DONE: SizedLRU = SizedLRU(size=lambda v: 1)
+#: a build of at most this many background groups (one-engine models: each group a whole-model compile) reports
+#: each one's queueing, start and end (``background_summary``'s ``timeline``): what its rounds waited for
+TIMELINE_GROUPS = 40
 
 
 def background_summary(since: float) -> dict:
@@ -1722,7 +1726,11 @@ def background_summary(since: float) -> dict:
                         "started_s": round(longest[3] - since, 2)},
             "last_done_s": round(max(v[4] for v in done) - since, 2),
             "by_label": {k: {n: round(x, 2) if isinstance(x, float) else x for n, x in g.items()}
-                         for k, g in by_label.items()}}
+                         for k, g in by_label.items()},
+            **({"timeline": [{"label": v[5] or "other", "branches": v[1], "nodes": v[0],
+                              "queued_s": round(v[2] - since, 2), "started_s": round(v[3] - since, 2),
+                              "done_s": round(v[4] - since, 2), "spare": bool(v[6])}
+                             for v in sorted(done, key=lambda v: v[3])]} if len(done) <= TIMELINE_GROUPS else {})}
 
 
 def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str | None, cancellable: bool,
@@ -1777,6 +1785,7 @@ def _pump() -> None:
                 break
             job = _QUEUED.pop(0)
             job.t_started = time.perf_counter()  # handed to a free worker: it starts now
+            job.started_spare = job.priority >= SPARE
             _RUNNING[0] += 1
             job.future = _pool(workers).submit(_compile_group, job.jobs)
             job.future.add_done_callback(job.store)

@@ -288,6 +288,13 @@ def test_background_precompile_hands_on_each_batch_s_keys_and_what_is_still_comp
     by = summary["by_label"]["the input"]  # what they were queued for, with the workers' seconds
     assert by["groups"] == groups and by["branches"] == 2 and by["worker_s"] >= 0
     assert by["last_done_s"] == summary["last_done_s"] and by["first_started_s"] >= 0
+    # few groups: each one's times, in the order they started (what a one-engine build's rounds waited for)
+    timeline = summary["timeline"]
+    assert len(timeline) == groups and all(g["label"] == "the input" and not g["spare"] for g in timeline)
+    assert all(g["queued_s"] <= g["started_s"] <= g["done_s"] <= summary["last_done_s"] for g in timeline)
+    assert [g["started_s"] for g in timeline] == sorted(g["started_s"] for g in timeline)
+    monkeypatch.setattr(tb, "TIMELINE_GROUPS", groups - 1)
+    assert "timeline" not in tb.background_summary(since)  # many groups: by label only
     assert tb.background_summary(time.perf_counter() + 1) == {"groups": 0}
     pool.shutdown()
 
