@@ -909,9 +909,6 @@ _CONVERTED: dict[str, int] = {}
 _FAILED: dict[str, str] = {}
 
 
-#: how much lower the compile workers' CPU priority is than the build's own process (``os.nice``)
-WORKER_NICE = 10
-
 #: True in a compile worker (``_worker_init``): its GPU runs take shared turns on the GPU, between the build's timings
 _IN_WORKER = False
 
@@ -927,38 +924,9 @@ def _worker_init() -> None:
     # below the build's own process: while they compile the search's next candidates in the background, the
     # build loads and times the current one on the GPU, and a descheduled launch thread would skew its timing
     try:
-        os.nice(WORKER_NICE)
+        os.nice(10)
     except OSError:  # not permitted here: the same priority, as before
         pass
-
-
-#: the niceness of the spare pool's workers (``_spare_worker_init``): the lowest priority Linux gives
-SPARE_NICE = 19
-#: where a spare worker says which group it started (``_compile_spare_group``): (group's seq, the worker's pid)
-_SPARE_STARTS: list = []
-
-
-def _spare_worker_init(starts) -> None:
-    """A worker of the spare pool (``_pool(spare=True)``): as any worker, then at the lowest CPU priority, so that
-    what the build may never need compiles on the cores the other workers leave idle."""
-    _worker_init()
-    _SPARE_STARTS[:] = [starts]
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, SPARE_NICE)
-    except OSError:  # not permitted here: the workers' priority
-        pass
-
-
-def _compile_spare_group(jobs: list[tuple], seq: int) -> list[bytes | str]:
-    """``_compile_group`` in a spare worker: at the lowest priority again (the build may have raised this worker's
-    for the group before, ``_raise_priority``: a process may always lower its own), and said to the build first."""
-    try:
-        os.setpriority(os.PRIO_PROCESS, 0, SPARE_NICE)
-    except OSError:
-        pass
-    if _SPARE_STARTS:
-        _SPARE_STARTS[0].put((seq, os.getpid()))
-    return _compile_group(jobs)
 
 
 #: artifact -> the function that compiles it (looked up by name when called, so that tests can count the calls)
@@ -1084,9 +1052,6 @@ def start_workers(options: BuildOptions) -> None:
     if not getattr(pool, "_parastream_started", False):
         pool._parastream_started = True
         _READY[:] = [pool.submit(_ready) for _ in range(workers)]  # the pool spawns a worker per task, up to its size
-        spare = _pool(workers, spare=True)  # its workers import torch at their low priority beside the others
-        for _ in range(spare_workers(workers)):
-            spare.submit(_ready)
 
 
 def stop_workers() -> None:
@@ -1097,10 +1062,10 @@ def stop_workers() -> None:
     A pool with compiles queued or running (an earlier build's, in this process) is left alone: killed, its jobs
     would be recorded as branches that failed to compile."""
     with _QUEUE_LOCK:
-        if _INFLIGHT or _QUEUED or _RUNNING[0] > 0 or _RUNNING_SPARE[0] > 0:
+        if _INFLIGHT or _QUEUED or _RUNNING[0] > 0:
             return
-    for key in list(_POOL):
-        pool = _POOL.pop(key)
+    for workers in list(_POOL):
+        pool = _POOL.pop(workers)
         processes = list((getattr(pool, "_processes", None) or {}).values())
         pool.shutdown(wait=False, cancel_futures=True)
         for proc in processes:
@@ -1121,57 +1086,18 @@ def _workers_ready(since: float) -> dict | None:
     return {"workers": len(at), "first_s": round(at[0], 2), "last_s": round(at[-1], 2)}
 
 
-def spare_workers(workers: int) -> int:
-    """The spare pool's processes beside ``workers`` compile workers: half as many (each holds torch and Inductor)."""
-    return max(1, workers // 2)
-
-
-def _pool(workers: int, spare: bool = False):
-    """A process pool that lives as long as this process (the search's candidates reuse it); ``spare``: the pool
-    of ``spare_workers(workers)`` processes at the lowest CPU priority that compiles the spare groups (``_pump``)."""
+def _pool(workers: int):
+    """A process pool that lives as long as this process (the search's candidates reuse it)."""
     import atexit
     import multiprocessing
     from concurrent.futures import ProcessPoolExecutor
 
-    key = ("spare", workers) if spare else workers
-    pool = _POOL.get(key)
+    pool = _POOL.get(workers)
     if pool is None:
-        ctx = multiprocessing.get_context("spawn")
-        if spare:
-            starts = _SPARE_STARTS[0] if _SPARE_STARTS else ctx.SimpleQueue()
-            _SPARE_STARTS[:] = [starts]
-            pool = ProcessPoolExecutor(spare_workers(workers), mp_context=ctx, initializer=_spare_worker_init,
-                                       initargs=(starts,))
-        else:
-            pool = ProcessPoolExecutor(workers, mp_context=ctx, initializer=_worker_init)
-        _POOL[key] = pool
+        pool = ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn"), initializer=_worker_init)
+        _POOL[workers] = pool
         atexit.register(pool.shutdown, wait=False, cancel_futures=True)
     return pool
-
-
-#: a spare group's seq -> the pid of the worker that runs it (drained from ``_SPARE_STARTS`` when needed)
-_SPARE_PIDS: dict[int, int] = {}
-
-
-def _raise_priority(job) -> None:
-    """A spare group that runs and is needed now (hastened, waited for): its worker at the other workers' priority
-    where this process may raise it (root; else it runs on at the lowest, on the cores the others leave idle)."""
-    if not job.started_spare or not _SPARE_STARTS:
-        return
-    starts = _SPARE_STARTS[0]
-    try:
-        while not starts.empty():
-            seq, pid = starts.get()
-            _SPARE_PIDS[seq] = pid
-    except (OSError, EOFError, ValueError):
-        return
-    pid = _SPARE_PIDS.get(job.seq)
-    if pid is None:  # (not started in its worker yet: it will be at the lowest priority)
-        return
-    try:
-        os.setpriority(os.PRIO_PROCESS, pid, min(19, os.getpriority(os.PRIO_PROCESS, 0) + WORKER_NICE))
-    except OSError:  # not permitted (raising a priority takes root), or the worker is gone
-        pass
 
 
 def _load_package(package: bytes, device_index: int):
@@ -1731,8 +1657,6 @@ class _Inflight:
     def wait(self) -> None:
         with _QUEUE_LOCK:
             self.priority = -1
-            if self.t_started is not None:
-                _raise_priority(self)
         _pump()
         self.done.wait()
 
@@ -1748,7 +1672,8 @@ class _Inflight:
         _store_results(dict(zip(self.keys, results or [])), self.cache_dir)
         self._finish()
         with _QUEUE_LOCK:
-            (_RUNNING_SPARE if self.started_spare else _RUNNING)[0] -= 1
+            _RUNNING[0] -= 1
+            _RUNNING_CANDIDATES[0] -= self.cancellable and self.t_started is not None
         _pump()
 
     def _finish(self) -> None:
@@ -1816,9 +1741,9 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
     its compiles (a whole-model engine compiles for most of a minute in one worker), and it takes one worker of
     many from the search.  That is ``order`` "auto"; "search": kept, but queued with the search's candidates, in
     the order queued (the input, which the search measures first, and what is timed right after it); "now":
-    before everything queued (a compile the build waits for, queued late); "spare": after everything, in the spare pool
-    at the lowest CPU priority (``SPARE``: what the build may never need, such as the rounds' alternatives for a
-    round that has not flipped), until someone waits for it or hastens it."""
+    before everything queued (a compile the build waits for, queued late); "spare": after everything, and started
+    only while at most half the workers are busy (``SPARE``: what the build may never need, such as the rounds'
+    alternatives for a round that has not flipped), until someone waits for it."""
     if order not in ("auto", "search", "now", "spare"):
         raise ValueError(f"order={order!r}: auto, search, now or spare")
     groups_by_work = sorted(groups.values(), key=lambda keys: -_work(todo, keys))
@@ -1842,55 +1767,53 @@ def _submit(todo: dict[str, tuple], groups: dict[str, list[str]], cache_dir: str
 _WORKERS = [1]
 
 
-#: the priority of a group queued with ``order="spare"``: after every other, into the spare pool (``_pump``)
+#: the priority of a group queued with ``order="spare"``: after every other, and only into spare workers (``_pump``)
 SPARE = 2
-#: spare groups handed to the spare pool's workers and not done
-_RUNNING_SPARE = [0]
+#: the search's candidates' groups (``cancellable``) handed to a worker and not done
+_RUNNING_CANDIDATES = [0]
+
+
+def _candidates_compiling() -> bool:
+    """Whether a group of the search's candidates is queued or running (under ``_QUEUE_LOCK``)."""
+    return _RUNNING_CANDIDATES[0] > 0 or any(j.cancellable for j in _QUEUED)
+
 
 
 def _pump() -> None:
-    """Hand queued groups to the workers, the most urgent first, while a worker is free; a spare group (``SPARE``)
-    to the spare pool (``_pool(spare=True)``: half as many workers, at the lowest CPU priority).  Why: the
-    workers share the host's cores, and a whole-model compile runs Inductor's own compile pool besides
-    (``_compile_job``), so that every group started makes the others slower.  ConvNeXt-T's one-engine build
-    (H200, 16 cores) compiled its input's second-level alternatives (245 worker-seconds, none of them used) beside
-    the search's candidates, which took 22 s each against 11 s for the input compiled before them, and the search
-    measured 1 of its candidates in its budget.  Started only into spare workers of the one pool instead (at most
-    half the workers busy), MixNet-S's conv+ReLU rival of its depthwise round's winner, queued at 7 s, waited for
-    one until 31 s and was compiled at 65 s, the build's last wait; started into the same pool as soon as queued,
-    ten whole-model compiles side by side, the input's took 40-49 s against 31-34 s (H200).  At the lowest
-    priority, the spare groups start at once and take what the others leave of the cores."""
+    """Hand queued groups to the workers, the most urgent first, while a worker is free; a spare group (``SPARE``),
+    while the search's candidates compile (``_candidates_compiling``), only while at most half the workers are
+    busy.  Why: the workers share the host's cores, and a whole-model compile runs Inductor's own compile pool
+    besides (``_compile_job``), so that every group started makes the others slower.  ConvNeXt-T's one-engine
+    build (H200, 16 cores) compiled its input's second-level alternatives (245 worker-seconds, none of them used)
+    beside the search's candidates, which took 22 s each against 11 s for the input compiled before them, and
+    the search measured 1 of its candidates in its budget.  With no candidate to slow, the spare groups are the
+    rounds' own next level, which a round that flips waits for: MixNet-S's search measured nothing, and its
+    conv+ReLU round's rival of the depthwise round's winner, queued at 7 s, waited for a spare worker until 31 s
+    and was compiled at 65 s (H200), the build's last wait."""
     with _QUEUE_LOCK:
         workers = _WORKERS[0]
-        while _QUEUED:
+        while _QUEUED and _RUNNING[0] < workers:
             _QUEUED.sort(key=lambda j: (j.priority, j.seq))
-            job = next((j for j in _QUEUED if (_RUNNING_SPARE[0] < spare_workers(workers) if j.priority >= SPARE
-                                               else _RUNNING[0] < workers)), None)
-            if job is None:
+            if (_QUEUED[0].priority >= SPARE and _RUNNING[0] >= max(1, workers // 2)
+                    and _candidates_compiling()):
                 break
-            _QUEUED.remove(job)
+            job = _QUEUED.pop(0)
             job.t_started = time.perf_counter()  # handed to a free worker: it starts now
             job.started_spare = job.priority >= SPARE
-            if job.started_spare:
-                _RUNNING_SPARE[0] += 1
-                job.future = _pool(workers, spare=True).submit(_compile_spare_group, job.jobs, job.seq)
-            else:
-                _RUNNING[0] += 1
-                job.future = _pool(workers).submit(_compile_group, job.jobs)
+            _RUNNING[0] += 1
+            _RUNNING_CANDIDATES[0] += job.cancellable
+            job.future = _pool(workers).submit(_compile_group, job.jobs)
             job.future.add_done_callback(job.store)
 
 
 def hasten(keys: list[str]) -> int:
     """The spare groups (``order="spare"``) that hold any of ``keys``, queued as needed after the search instead
-    (the build will race them: a round they follow went the other way); returns how many.  One that runs already
-    in the spare pool runs on there, at the other workers' priority where this process may raise it."""
+    (the build will race them: a round they follow went the other way); returns how many."""
     wanted, n = set(keys), 0
     with _QUEUE_LOCK:
         for job in _QUEUED:
             if job.priority >= SPARE and wanted.intersection(job.keys):
                 job.priority, n = 1, n + 1
-        for job in {id(j): j for k in wanted if (j := _INFLIGHT.get(k)) is not None and j.t_started}.values():
-            _raise_priority(job)  # started as spare work: needed now
     if n:
         _pump()
     return n

@@ -106,7 +106,7 @@ def _gated_pool(compiles: list, monkeypatch):
         return fake(br, *a, **k)
 
     monkeypatch.setattr(tb, "compile_inductor", gated)
-    monkeypatch.setattr(tb, "_pool", lambda n, spare=False: pool)
+    monkeypatch.setattr(tb, "_pool", lambda n: pool)
     return gate, pool
 
 
@@ -330,14 +330,11 @@ def test_compile_workers_start_before_the_first_batch_only_for_gpu_builds(monkey
     handed = []
 
     class Pool:
-        def __init__(self, spare):
-            self.spare = spare
-
         def submit(self, fn):
-            handed.append((fn, self.spare))
+            handed.append(fn)
 
-    pools = {False: Pool(False), True: Pool(True)}
-    monkeypatch.setattr(tb, "_pool", lambda n, spare=False: pools[spare])
+    pool = Pool()
+    monkeypatch.setattr(tb, "_pool", lambda n: pool)
     monkeypatch.setattr(tb, "_READY", [])
     monkeypatch.setenv("PARASTREAM_COMPILE_WORKERS", "3")
     tb.start_workers(BuildOptions(device="cpu"))
@@ -345,12 +342,10 @@ def test_compile_workers_start_before_the_first_batch_only_for_gpu_builds(monkey
     assert handed == []
     tb.start_workers(BuildOptions(device="cuda"))
     tb.start_workers(BuildOptions(device="cuda"))  # started once
-    # the workers, and the spare pool's (half as many, at the lowest priority) beside them
-    assert handed == [(tb._ready, False)] * 3 + [(tb._ready, True)] * tb.spare_workers(3)
-    assert abs(tb._ready() - time.time()) < 1
-    pools[False]._parastream_started = False
+    assert handed == [tb._ready] * 3 and abs(tb._ready() - time.time()) < 1
+    pool._parastream_started = False
     tb.start_workers(BuildOptions(device="cuda", torch_artifact="jit"))
-    assert len(handed) == 3 + tb.spare_workers(3)
+    assert len(handed) == 3
 
 
 def test_a_builder_waits_for_background_compiles_one_branch_at_a_time(compiles, monkeypatch):
@@ -388,7 +383,7 @@ def test_the_summary_says_when_the_started_workers_were_ready(monkeypatch):
     from concurrent.futures import ThreadPoolExecutor
 
     pool = ThreadPoolExecutor(3)
-    monkeypatch.setattr(tb, "_pool", lambda n, spare=False: pool)
+    monkeypatch.setattr(tb, "_pool", lambda n: pool)
     monkeypatch.setattr(tb, "_READY", [])
     since = time.perf_counter()
     tb.start_workers(BuildOptions(device="cuda", compile_workers=3))
@@ -553,27 +548,17 @@ def test_branches_of_one_structure_with_other_tensor_names_are_one_group(compile
 
 
 def _stand_in_queue(monkeypatch) -> list:
-    """The background queue with empty state and stand-in pools that record what they are handed (and never run
-    it); what the spare pool is handed is also in ``handed.spare``."""
-
-    class Handed(list):
-        spare: list
-
-    handed = Handed()
-    handed.spare = []
+    """The background queue with empty state and a stand-in pool that records what it is handed (and never runs it)."""
+    handed = []
 
     class Pool:
-        def __init__(self, spare):
-            self.spare = spare
-
-        def submit(self, fn, jobs, *args):
-            (handed.spare if self.spare else handed).append(jobs)
+        def submit(self, fn, jobs):
+            handed.append(jobs)
             return type("F", (), {"add_done_callback": lambda self, cb: None, "cancel": lambda self: False})()
 
-    pools = {False: Pool(False), True: Pool(True)}
-    monkeypatch.setattr(tb, "_pool", lambda n, spare=False: pools[spare])
+    monkeypatch.setattr(tb, "_pool", lambda n: Pool())
     monkeypatch.setattr(tb, "_QUEUED", [])
-    monkeypatch.setattr(tb, "_RUNNING_SPARE", [0])
+    monkeypatch.setattr(tb, "_RUNNING_CANDIDATES", [0])
     monkeypatch.setattr(tb, "_INFLIGHT", {})
     return handed
 
@@ -599,48 +584,45 @@ def test_drop_removes_only_queued_groups_wholly_of_the_keys_given(monkeypatch):
     assert tb.drop([]) == 0
 
 
-def test_spare_groups_go_to_the_spare_pool_unless_waited_for_or_hastened(monkeypatch):
+def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastened(monkeypatch):
     """``order="spare"`` (the rounds' second-level alternatives, which the build may never need): queued after every
-    other group and handed to the spare pool (half as many workers, at the lowest priority) while one of its
-    workers is free, whatever the other workers' load; once someone waits for it or hastens it before it started,
-    to the workers as any group needed after the search; the search's end drops those not started.  (The pools
-    are stand-ins that record what they are handed.)"""
+    other group, and, while the search's candidates compile, handed to a worker only while at most half the
+    workers are busy; once someone waits for it, at once; once hastened (``hasten``: a round they follow
+    flipped), as any group needed after the search; with no candidate compiling, into any free worker.  (The pool
+    is a stand-in that records what it is handed.)"""
     handed = _stand_in_queue(monkeypatch)
-    monkeypatch.setattr(tb, "_RUNNING", [4])  # all four workers busy
+    monkeypatch.setattr(tb, "_RUNNING", [1])  # one of four workers busy
     monkeypatch.setattr(tb, "_WORKERS", [1])
-    assert tb.spare_workers(4) == 2 and tb.spare_workers(1) == 1
     job = ("inductor", branch(1).SerializeToString())
+    tb._submit({"c": job}, {"gc": ["c"]}, None, cancellable=True, workers=4)  # a candidate: goes into a free worker
+    assert handed == [[job]] and tb._RUNNING[0] == 2 and tb._RUNNING_CANDIDATES[0] == 1
     tb._submit({"s": job}, {"gs": ["s"]}, None, cancellable=False, workers=4, order="spare")
-    tb._submit({"c": job}, {"gc": ["c"]}, None, cancellable=True, workers=4)  # a candidate: waits for a worker
-    assert handed == [] and handed.spare == [[job]] and tb._RUNNING_SPARE[0] == 1
-    assert [j.keys for j in tb._QUEUED] == [["c"]] and tb._INFLIGHT["s"].started_spare
-    tb._submit({"t": job}, {"gt": ["t"]}, None, cancellable=False, workers=4, order="spare")
-    tb._submit({"u": job}, {"gu": ["u"]}, None, cancellable=False, workers=4, order="spare")
-    assert len(handed.spare) == 2 and sorted(j.keys[0] for j in tb._QUEUED) == ["c", "u"]  # the spare pool is full
-    tb._RUNNING[0] = 3  # a worker freed: the candidate first, not the spare group
+    tb._RUNNING[0] = 3
     tb._pump()
-    assert handed == [[job]] and [j.keys for j in tb._QUEUED] == [["u"]] and not tb._INFLIGHT["c"].started_spare
+    assert handed == [[job]] and [j.keys for j in tb._QUEUED] == [["s"]]  # a candidate compiles: half the workers
+    spare = tb._QUEUED[0]
+    tb._RUNNING[0] = 1  # workers freed: at most half busy, the spare group starts
+    tb._pump()
+    assert len(handed) == 2 and tb._QUEUED == [] and spare.t_started is not None
     with pytest.raises(ValueError, match="spare"):
         tb._submit({"x": job}, {"gx": ["x"]}, None, cancellable=False, order="later")
-    # waited for before it started: to the next free worker (not the spare pool)
-    tb._RUNNING[0] = 4
+    # waited for: it starts whatever the workers' load
+    tb._RUNNING[0] = 3
+    tb._submit({"w": job}, {"gw": ["w"]}, None, cancellable=False, workers=4, order="spare")
     waited = tb._QUEUED[0]
+    assert len(handed) == 2
     threading.Thread(target=waited.wait, daemon=True).start()
     deadline = time.monotonic() + 10
-    while waited.priority != -1 and time.monotonic() < deadline:
+    while len(handed) < 3 and time.monotonic() < deadline:
         time.sleep(0.01)
-    assert len(handed) == 1 and [j.keys for j in tb._QUEUED] == [["u"]]
-    tb._RUNNING[0] = 3
-    tb._pump()
-    assert len(handed) == 2 and len(handed.spare) == 2 and tb._QUEUED == [] and not waited.started_spare
+    assert len(handed) == 3 and tb._QUEUED == []
     waited.done.set()  # (the stand-in pool never finishes it)
-    # hastened (a round it follows flipped) before it started: queued as needed after the search
+    # hastened (a round it follows flipped): queued as needed after the search, into any free worker
     tb._submit({"h": job}, {"gh": ["h"]}, None, cancellable=False, workers=4, order="spare")
     tb._submit({"o": job}, {"go": ["o"]}, None, cancellable=False, workers=4, order="spare")
-    assert len(handed) == 2 and tb.hasten(["z"]) == 0
+    assert len(handed) == 3 and tb.hasten(["z"]) == 0
     tb._RUNNING[0] = 3
-    assert tb.hasten(["h"]) == 1 and len(handed) == 3 and len(handed.spare) == 2
-    assert [j.keys for j in tb._QUEUED] == [["o"]]
+    assert tb.hasten(["h"]) == 1 and len(handed) == 4 and [j.keys for j in tb._QUEUED] == [["o"]]
     # the search's end drops the spare groups no one hastened or waited for, and the search's candidates
     tb._submit({"k": job}, {"gk": ["k"]}, None, cancellable=False, workers=4)
     tb._RUNNING[0] = 4
@@ -648,37 +630,11 @@ def test_spare_groups_go_to_the_spare_pool_unless_waited_for_or_hastened(monkeyp
     assert sorted(j.keys[0] for j in tb._QUEUED) == ["c2", "k", "o"]
     assert tb.cancel_precompile() == 2 and [j.keys for j in tb._QUEUED] == [["k"]]
     assert tb.compiling(["o", "c2"]) == 0 and tb.compiling(["k"]) == 1
-
-
-def test_the_spare_pool_compiles_at_the_lowest_priority_and_a_needed_group_s_worker_is_raised(monkeypatch):
-    """The spare pool's workers (real processes) run at ``SPARE_NICE`` and say which group each started; a spare
-    group needed while it runs (``_raise_priority``, from ``hasten`` or ``wait``) gets its worker back to the other
-    workers' priority where this process may raise it (root), and the worker lowers itself again for its next
-    group."""
-    import os
-
-    monkeypatch.setattr(tb, "_POOL", {})
-    monkeypatch.setattr(tb, "_SPARE_STARTS", [])
-    monkeypatch.setattr(tb, "_SPARE_PIDS", {})
-    pool = tb._pool(2, spare=True)
-    assert tb.spare_workers(2) == 1
-    try:
-        assert pool.submit(tb._compile_spare_group, [], 7).result(120) == []
-        (starts,) = tb._SPARE_STARTS
-        seq, pid = starts.get()
-        assert seq == 7 and pid != os.getpid()
-        assert os.getpriority(os.PRIO_PROCESS, pid) == tb.SPARE_NICE
-        job = type("Job", (), {"started_spare": True, "seq": 7})()
-        starts.put((7, pid))  # (as the worker said it; read above)
-        tb._raise_priority(job)
-        assert tb._SPARE_PIDS == {7: pid}
-        mine = os.getpriority(os.PRIO_PROCESS, 0)
-        raised = min(19, mine + tb.WORKER_NICE) if os.geteuid() == 0 else tb.SPARE_NICE
-        assert os.getpriority(os.PRIO_PROCESS, pid) == raised
-        tb._raise_priority(type("Job", (), {"started_spare": False, "seq": 7})())  # not spare: left alone
-        # its next group at the lowest priority again
-        assert pool.submit(tb._compile_spare_group, [], 8).result(120) == []
-        assert starts.get() == (8, pid)  # (one worker: spare_workers(2))
-        assert os.getpriority(os.PRIO_PROCESS, pid) == tb.SPARE_NICE
-    finally:
-        pool.shutdown(wait=True)
+    # no candidate queued or running (the search is over, or measures nothing): a spare group takes any free worker
+    tb._QUEUED.clear()
+    tb._RUNNING[0] = 3
+    tb._submit({"n": job}, {"gn": ["n"]}, None, cancellable=False, workers=4, order="spare")
+    assert len(handed) == 4 and [j.keys for j in tb._QUEUED] == [["n"]]  # (candidate "c" is still running)
+    tb._RUNNING_CANDIDATES[0] = 0  # ... and done
+    tb._pump()
+    assert len(handed) == 5 and tb._QUEUED == [] and tb._RUNNING[0] == 4
