@@ -1673,7 +1673,6 @@ class _Inflight:
         self._finish()
         with _QUEUE_LOCK:
             _RUNNING[0] -= 1
-            _RUNNING_CANDIDATES[0] -= self.cancellable and self.t_started is not None
         _pump()
 
     def _finish(self) -> None:
@@ -1769,39 +1768,25 @@ _WORKERS = [1]
 
 #: the priority of a group queued with ``order="spare"``: after every other, and only into spare workers (``_pump``)
 SPARE = 2
-#: the search's candidates' groups (``cancellable``) handed to a worker and not done
-_RUNNING_CANDIDATES = [0]
-
-
-def _candidates_compiling() -> bool:
-    """Whether a group of the search's candidates is queued or running (under ``_QUEUE_LOCK``)."""
-    return _RUNNING_CANDIDATES[0] > 0 or any(j.cancellable for j in _QUEUED)
-
 
 
 def _pump() -> None:
-    """Hand queued groups to the workers, the most urgent first, while a worker is free; a spare group (``SPARE``),
-    while the search's candidates compile (``_candidates_compiling``), only while at most half the workers are
-    busy.  Why: the workers share the host's cores, and a whole-model compile runs Inductor's own compile pool
-    besides (``_compile_job``), so that every group started makes the others slower.  ConvNeXt-T's one-engine
-    build (H200, 16 cores) compiled its input's second-level alternatives (245 worker-seconds, none of them used)
-    beside the search's candidates, which took 22 s each against 11 s for the input compiled before them, and
-    the search measured 1 of its candidates in its budget.  With no candidate to slow, the spare groups are the
-    rounds' own next level, which a round that flips waits for: MixNet-S's search measured nothing, and its
-    conv+ReLU round's rival of the depthwise round's winner, queued at 7 s, waited for a spare worker until 31 s
-    and was compiled at 65 s (H200), the build's last wait."""
+    """Hand queued groups to the workers, the most urgent first, while a worker is free; a spare group (``SPARE``)
+    only while at most half the workers are busy.  Why: the workers share the host's cores, and a whole-model
+    compile runs Inductor's own compile pool besides (``_compile_job``), so that every group started makes the
+    others slower.  ConvNeXt-T's one-engine build (H200, 16 cores) compiled its input's second-level alternatives
+    (245 worker-seconds, none of them used) beside the search's candidates, which took 22 s each against 11 s for
+    the input compiled before them, and the search measured 1 of its candidates in its budget."""
     with _QUEUE_LOCK:
         workers = _WORKERS[0]
         while _QUEUED and _RUNNING[0] < workers:
             _QUEUED.sort(key=lambda j: (j.priority, j.seq))
-            if (_QUEUED[0].priority >= SPARE and _RUNNING[0] >= max(1, workers // 2)
-                    and _candidates_compiling()):
+            if _QUEUED[0].priority >= SPARE and _RUNNING[0] >= max(1, workers // 2):
                 break
             job = _QUEUED.pop(0)
             job.t_started = time.perf_counter()  # handed to a free worker: it starts now
             job.started_spare = job.priority >= SPARE
             _RUNNING[0] += 1
-            _RUNNING_CANDIDATES[0] += job.cancellable
             job.future = _pool(workers).submit(_compile_group, job.jobs)
             job.future.add_done_callback(job.store)
 

@@ -558,7 +558,6 @@ def _stand_in_queue(monkeypatch) -> list:
 
     monkeypatch.setattr(tb, "_pool", lambda n: Pool())
     monkeypatch.setattr(tb, "_QUEUED", [])
-    monkeypatch.setattr(tb, "_RUNNING_CANDIDATES", [0])
     monkeypatch.setattr(tb, "_INFLIGHT", {})
     return handed
 
@@ -586,20 +585,16 @@ def test_drop_removes_only_queued_groups_wholly_of_the_keys_given(monkeypatch):
 
 def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastened(monkeypatch):
     """``order="spare"`` (the rounds' second-level alternatives, which the build may never need): queued after every
-    other group, and, while the search's candidates compile, handed to a worker only while at most half the
-    workers are busy; once someone waits for it, at once; once hastened (``hasten``: a round they follow
-    flipped), as any group needed after the search; with no candidate compiling, into any free worker.  (The pool
-    is a stand-in that records what it is handed.)"""
+    other group, and handed to a worker only while at most half the workers are busy; once someone waits for it,
+    at once; once hastened (``hasten``: a round they follow flipped), as any group needed after the search.  (The pool is a stand-in that records what it is handed.)"""
     handed = _stand_in_queue(monkeypatch)
-    monkeypatch.setattr(tb, "_RUNNING", [1])  # one of four workers busy
+    monkeypatch.setattr(tb, "_RUNNING", [2])  # two of four workers busy
     monkeypatch.setattr(tb, "_WORKERS", [1])
     job = ("inductor", branch(1).SerializeToString())
-    tb._submit({"c": job}, {"gc": ["c"]}, None, cancellable=True, workers=4)  # a candidate: goes into a free worker
-    assert handed == [[job]] and tb._RUNNING[0] == 2 and tb._RUNNING_CANDIDATES[0] == 1
     tb._submit({"s": job}, {"gs": ["s"]}, None, cancellable=False, workers=4, order="spare")
-    tb._RUNNING[0] = 3
-    tb._pump()
-    assert handed == [[job]] and [j.keys for j in tb._QUEUED] == [["s"]]  # a candidate compiles: half the workers
+    assert handed == [] and [j.keys for j in tb._QUEUED] == [["s"]]
+    tb._submit({"c": job}, {"gc": ["c"]}, None, cancellable=True, workers=4)  # a candidate: goes into a free worker
+    assert handed == [[job]] and [j.keys for j in tb._QUEUED] == [["s"]] and tb._RUNNING[0] == 3
     spare = tb._QUEUED[0]
     tb._RUNNING[0] = 1  # workers freed: at most half busy, the spare group starts
     tb._pump()
@@ -630,11 +625,3 @@ def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastene
     assert sorted(j.keys[0] for j in tb._QUEUED) == ["c2", "k", "o"]
     assert tb.cancel_precompile() == 2 and [j.keys for j in tb._QUEUED] == [["k"]]
     assert tb.compiling(["o", "c2"]) == 0 and tb.compiling(["k"]) == 1
-    # no candidate queued or running (the search is over, or measures nothing): a spare group takes any free worker
-    tb._QUEUED.clear()
-    tb._RUNNING[0] = 3
-    tb._submit({"n": job}, {"gn": ["n"]}, None, cancellable=False, workers=4, order="spare")
-    assert len(handed) == 4 and [j.keys for j in tb._QUEUED] == [["n"]]  # (candidate "c" is still running)
-    tb._RUNNING_CANDIDATES[0] = 0  # ... and done
-    tb._pump()
-    assert len(handed) == 5 and tb._QUEUED == [] and tb._RUNNING[0] == 4
