@@ -49,6 +49,11 @@ MIN_BLOCK_NODES = 6
 #: them distinct: 13.8 against 15.0 s of build and 4% slower on the H100; it holds 0.53 of its nodes in distinct
 #: runs now; ViT-B/16: 0.10, 11% faster)
 MAX_COMPILED_SHARE = 0.5
+#: matrix products: where every one of a one-stream order's lies in its last ``HEAD_NODES`` nodes, the first of
+#: them begins its head (``head_start``)
+MATMUL_OPS = frozenset({"Gemm", "MatMul", "Einsum", GEMM_ACTIVATION})
+#: the most nodes a classifier head may have (a Linear, its bias and activation, a Softmax)
+HEAD_NODES = 8
 #: an integer constant of at most this many elements is code (a Reshape's shape, a Slice's bounds, a Gather's
 #: indices); of float constants only scalars are (a Clip's bound, a scale): a bias, however small, is a weight
 SMALL_CONSTANT = 64
@@ -238,6 +243,31 @@ def repeated_blocks(nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES) -
     return Blocks(runs=runs, repeat_of=repeat_of, periods=periods, compiled_nodes=sum(distinct.values()))
 
 
+def head_start(nodes: list[gs.Node]) -> int | None:
+    """Where the classifier head of a one-stream order (a topological order) begins: at its first matrix product,
+    where every matrix product of the order lies in its last ``HEAD_NODES`` nodes and no other library call does
+    (a CNN's Linear after its global pooling), the cut before it loses no fusion and one activation crosses it;
+    None otherwise (no product, or products elsewhere: a transformer's, whose GEMM epilogues are in every block).
+
+    Why a head of its own (``--head-engine``): a GPU build races each fusion's alternative as the model's engines
+    compiled with it, and a one-engine model's every alternative, and every combination of round outcomes that the
+    rounds go on to race, is a compile of the whole model.  The GEMM-epilogue round changes only the head: cut off,
+    its rivals compile the head alone, and the other rounds' rivals the body alone, whatever the GEMM round chose
+    (each engine's compile is reused by its code).  MixNet-S's builds ran 10-12 whole-model compiles, 4 of them
+    the GEMM round's (H200)."""
+    n = len(nodes)
+    at = [i for i, nd in enumerate(nodes) if nd.op in MATMUL_OPS]
+    if not at or at[0] < max(1, n - HEAD_NODES):
+        return None
+    if any(nd.op in LIBRARY_OPS - MATMUL_OPS for nd in nodes[at[0]:]):
+        return None  # a convolution or attention after the first product: not a classifier's head
+    if any(isinstance(v, gs.Graph) for nd in nodes for v in nd.attrs.values()):
+        return None  # (control flow reads tensors its node does not list: not cut, as ``repeated_blocks``)
+    crossing, fused = _cut_quality(nodes)
+    c = at[0]
+    return c if fused[c] == 0 and crossing[c] == 1 else None
+
+
 def compiled_share(order: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES) -> float:
     """The share of ``order``'s nodes that one engine per repeated block compiles (``Blocks.compiled_nodes``: the
     runs of distinct code), 1.0 where nothing repeats."""
@@ -246,20 +276,26 @@ def compiled_share(order: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES) ->
 
 
 def split_schedule(sched, nodes: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES,
-                   max_share: float = MAX_COMPILED_SHARE):
+                   max_share: float = MAX_COMPILED_SHARE, head: bool = False):
     """``sched`` (a :class:`~.schedule.Schedule` on one stream, one branch: ``nodes`` in its order) with one
-    branch per run of :func:`repeated_blocks`, in order on that stream; ``sched`` itself where nothing repeats or
-    the runs of distinct code hold more than ``max_share`` of the nodes.  Each run's time is the simulated time
-    from its first node's start to the next run's."""
+    branch per run of :func:`repeated_blocks`, in order on that stream, unless nothing repeats or the runs of
+    distinct code hold more than ``max_share`` of the nodes; with ``head``, its head (``head_start``) a branch of
+    its own as well; ``sched`` itself where nothing is cut.  Each run's time is the simulated time from its first
+    node's start to the next run's."""
     if sched.num_streams != 1 or len(sched.branches) != 1:
         return sched
     names = sched.branches[0]
     by_name = {n.name: n for n in nodes}
     order = [by_name[nm] for nm in names]
     found = repeated_blocks(order, min_block=min_block)
-    if found.repeated == 0 or found.compiled_nodes > max_share * len(order):
+    cut = found.repeated > 0 and found.compiled_nodes <= max_share * len(order)
+    runs = [names[s:e] for s, e in found.runs] if cut else [list(names)]
+    c = head_start(order) if head else None
+    last = len(names) - len(runs[-1])  # where the last run begins (the head lies in it, after every repeat)
+    if c is not None and c > last:
+        runs[-1:] = [names[last:c], names[c:]]
+    if len(runs) == 1:
         return sched
-    runs = [names[s:e] for s, e in found.runs]
     starts = [sched.node_start.get(r[0], 0.0) for r in runs] + [sched.makespan]
     branch_of = {nm: b for b, r in enumerate(runs) for nm in r}
     writer = {t.name: branch_of[n.name] for n in order for t in n.outputs}

@@ -93,6 +93,9 @@ class BuildConfig:
     # a plan on one stream: one engine per repeated block ("blocks": blocks of equal code compile once; core/blocks.py)
     # or one engine for the whole model ("whole"); "auto": blocks where the backend compiles equal code once
     engine_blocks: str = "auto"
+    # where a one-stream plan is cut (``engine_blocks``): its classifier head an engine of its own as well
+    # (``core.blocks.head_start``), so that the GEMM-epilogue round's rivals compile the head alone
+    head_engine: bool = False
     compile_workers: int = 0
     gpu_timing_lock: bool = True  # GPU builds take turns with other processes' timing on the same GPU
     force: bool = False
@@ -129,11 +132,12 @@ def default_device_profile(backend) -> str:
 
 
 def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: int, *,
-                 blocks: bool = False, max_share: float = MAX_COMPILED_SHARE) -> tuple[Schedule, list[dict]]:
+                 blocks: bool = False, max_share: float = MAX_COMPILED_SHARE,
+                 head: bool = False) -> tuple[Schedule, list[dict]]:
     """The schedule of ``graph``: on ``streams`` streams when given, else the number ``choose_streams`` estimates
     best; with ``blocks``, a one-stream schedule has one engine per repeated block (``core.blocks``) instead of one
-    for the whole model where its blocks' distinct code is at most ``max_share`` of its nodes, and the chosen row
-    of the table says so."""
+    for the whole model where its blocks' distinct code is at most ``max_share`` of its nodes, and with ``head``
+    its classifier head one of its own (``core.blocks.head_start``); the chosen row of the table says so."""
     if streams:
         sched = schedule_graph(graph, streams, cost_model.node_cost, cost_model.is_memory_bound)
         est = estimate_latency(sched)
@@ -142,11 +146,14 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
     else:
         sched, tried = choose_streams(graph, max_streams, cost_model.node_cost, cost_model.is_memory_bound)
     if blocks and sched.num_streams == 1:
-        split = split_schedule(sched, graph.nodes, max_share=max_share)
+        split = split_schedule(sched, graph.nodes, max_share=max_share, head=head)
         if split is not sched:
             row = next(t for t in tried if t["chosen"])
             row["engines"] = len(split.branches)
-            row["engines_are"] = "repeated blocks"
+            blocks_only = split_schedule(sched, graph.nodes, max_share=max_share) if head else split
+            headed = len(split.branches) > len(blocks_only.branches)
+            row["engines_are"] = ("repeated blocks" if blocks_only is not sched else "the body") + (
+                " and the head" if headed else "")
             sched = split
     return sched, tried
 
@@ -547,6 +554,7 @@ class Engines:
     precision: str
     branches: BranchCache = field(default_factory=lambda: BranchCache())
     blocks: bool = False  # a one-stream plan has one engine per repeated block (``plan_streams``)
+    head: bool = False  # ... and one for its classifier head (``BuildConfig.head_engine``)
     # (the graph last scheduled, its schedules by arguments): ``schedule``
     _scheduled: tuple = field(default_factory=lambda: (None, {}), repr=False, compare=False)
     _input_cut: bool | None = field(default=None, repr=False, compare=False)  # ``input_cut_in_blocks``, once
@@ -576,7 +584,7 @@ class Engines:
         got = self._scheduled[1].get(key)
         if got is None:
             got = self._scheduled[1][key] = plan_streams(graph, self.cost_model, streams, max_streams,
-                                                         blocks=cut, max_share=share)
+                                                         blocks=cut, max_share=share, head=cut and self.head)
         return got[0], [dict(row) for row in got[1]]
 
     def input_cut_in_blocks(self) -> bool:
@@ -859,7 +867,7 @@ class _Build:
     def __post_init__(self):
         if self.engines is None:
             self.engines = Engines(self.backend, self.cost_model, self.loaded, self.cfg.precision,
-                                   blocks=engine_blocks(self.cfg, self.backend))
+                                   blocks=engine_blocks(self.cfg, self.backend), head=self.cfg.head_engine)
 
     @contextlib.contextmanager
     def timed(self, stage: str):

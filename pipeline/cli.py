@@ -152,6 +152,10 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="a plan on one stream: one engine per repeated block, whose equal code compiles once, or one "
                         "engine for the whole model (default auto: blocks where the backend compiles equal code once, "
                         "the torch backend)")
+    g.add_argument("--head-engine", action="store_true",
+                   help="a plan on one stream cut by --engine-blocks: its classifier head (a CNN's Linear after the "
+                        "global pooling) an engine of its own, so that a GPU build's GEMM-epilogue round compiles "
+                        "the head alone (default off: one engine with the rest)")
     g.add_argument("--compile-workers", type=int_in(0, 1024), default=0, metavar="N",
                    help="torch backend: processes compiling engines side by side (default 0: every core but one, at most 16)")
     g.add_argument("--no-gpu-timing-lock", action="store_true",
@@ -211,7 +215,8 @@ def cmd_build(args) -> int:
                       strongly_typed=args.strongly_typed, cache_dir=args.cache_dir, remeasure=args.remeasure, compile=not args.eager, force=args.force,
                       torch_artifact=args.torch_artifact, inductor_format=args.inductor_format,
                       conv_kernels=args.conv_kernels, cudnn_plans=args.cudnn_plans, engine_blocks=args.engine_blocks,
-                      compile_workers=args.compile_workers, gpu_timing_lock=not args.no_gpu_timing_lock,
+                      head_engine=args.head_engine, compile_workers=args.compile_workers,
+                      gpu_timing_lock=not args.no_gpu_timing_lock,
                       keep_fp32=parse_keep_fp32(args.keep_fp32),
                       **({} if args.measure_seconds is None else {"measure_seconds": float(args.measure_seconds)}))
     triton_name = args.triton_name or Path(args.model).stem

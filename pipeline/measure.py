@@ -466,10 +466,23 @@ def _blocks_share(v: Variant) -> float:
     return compiled_share([by_name[name] for b in v.plan.branches for name in b.nodes])
 
 
+def cut_at_head_only(v: Variant) -> bool:
+    """Whether ``v``'s plan is one stream of two engines, the body and its head (``core.blocks.head_start``,
+    ``--head-engine``)."""
+    from parastream.core.blocks import head_start
+
+    if v.plan.num_streams != 1 or len(v.plan.branches) != 2:
+        return False
+    by_name = {n.name: n for n in v.graph.nodes}
+    return head_start([by_name[name] for b in v.plan.branches for name in b.nodes]) == len(v.plan.branches[0].nodes)
+
+
 def races_whole_engine(v: Variant) -> bool:
     """Whether the "engine blocks" round races ``v``'s plan (cut into blocks) against one engine for the whole
-    model: where the blocks' distinct code is over ``WHOLE_ENGINE_RACED_ABOVE`` of the nodes."""
-    return cut_in_blocks(v.plan) and _blocks_share(v) > WHOLE_ENGINE_RACED_ABOVE
+    model: where the blocks' distinct code is over ``WHOLE_ENGINE_RACED_ABOVE`` of the nodes, and not where the
+    only cut is before the head (``--head-engine``: the cut is for the rounds' compiles, which a whole-model rival
+    would add back)."""
+    return cut_in_blocks(v.plan) and not cut_at_head_only(v) and _blocks_share(v) > WHOLE_ENGINE_RACED_ABOVE
 
 
 def blocks_not_raced(v: Variant) -> dict | None:
@@ -483,6 +496,9 @@ def blocks_not_raced(v: Variant) -> dict | None:
     waited 24 s for a whole-model compile that ran 0.4% faster than the blocks, within the 2% they are kept by)."""
     if not cut_in_blocks(v.plan) or races_whole_engine(v):
         return None
+    if cut_at_head_only(v):
+        return {"choice": "engine blocks", "won": "the body and its head, an engine each",
+                "not_raced": "cut before its head only (--head-engine)"}
     return {"choice": "engine blocks", "won": round_labels("engine blocks", v.plan)[0],
             "not_raced": f"its blocks compile {_blocks_share(v):.0%} of its nodes; raced above "
                          f"{WHOLE_ENGINE_RACED_ABOVE:.0%}"}

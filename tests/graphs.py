@@ -135,3 +135,39 @@ def separable_as_nasnet(c: int = 40, size: int = 17, seed: int = 9) -> onnx.Mode
                               [numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
                                for name, shape in (("dw", (c, 1, 5, 5)), ("pw", (c, c, 1, 1)))])
     return onnx.shape_inference.infer_shapes(_model(graph))
+
+
+def classifier_cnn_model(seed: int = 0, channels: int = 8, size: int = 8, classes: int = 10, *,
+                         tail: int = 0, matmul_in_body: bool = False) -> onnx.ModelProto:
+    """A CNN with a classifier head: Conv -> Relu -> Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm, then
+    ``tail`` Sigmoids after the Gemm (a head longer than a classifier's); ``matmul_in_body``: a 1x1 mixing of the
+    channels as a MatMul between the convolutions (a matrix product outside the head)."""
+    rng = np.random.default_rng(seed)
+    c = channels
+    inits = [numpy_helper.from_array((rng.standard_normal((c, 3, 3, 3)) * 0.3).astype(np.float32), "w0"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b0"),
+             numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) * 0.2).astype(np.float32), "w1"),
+             numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b1"),
+             numpy_helper.from_array((rng.standard_normal((classes, c)) * 0.3).astype(np.float32), "fc_w"),
+             numpy_helper.from_array(rng.standard_normal(classes).astype(np.float32), "fc_b")]
+    nodes = [helper.make_node("Conv", ["input", "w0", "b0"], ["c0"], name="conv0", pads=[1] * 4),
+             helper.make_node("Relu", ["c0"], ["r0"], name="relu0")]
+    body = "r0"
+    if matmul_in_body:
+        inits += [numpy_helper.from_array((rng.standard_normal((size, size)) * 0.3).astype(np.float32), "mix")]
+        nodes.append(helper.make_node("MatMul", ["r0", "mix"], ["m0"], name="mix"))
+        body = "m0"
+    nodes += [helper.make_node("Conv", [body, "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+              helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
+              helper.make_node("GlobalAveragePool", ["r1"], ["pool"], name="pool"),
+              helper.make_node("Flatten", ["pool"], ["flat"], name="flatten"),
+              helper.make_node("Gemm", ["flat", "fc_w", "fc_b"], ["logits" if tail == 0 else "t0"], name="fc", transB=1)]
+    for i in range(tail):
+        nodes.append(helper.make_node("Sigmoid", [f"t{i}"], ["logits" if i == tail - 1 else f"t{i + 1}"], name=f"tail{i}"))
+    graph = helper.make_graph(
+        nodes, "classifier_cnn",
+        [helper.make_tensor_value_info("input", TensorProto.FLOAT, [1, 3, size, size])],
+        [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [1, classes])],
+        inits,
+    )
+    return _model(graph)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import numpy as np
 import onnx_graphsurgeon as gs
 import pytest
-from graphs import ort_reference, residual_stack_model, three_branch_model
+from graphs import classifier_cnn_model, ort_reference, residual_stack_model, three_branch_model
 from onnx import shape_inference
 
 from parastream.core.blocks import node_tokens, repeated_blocks, split_schedule
@@ -464,3 +464,116 @@ def test_a_rewritten_graph_is_cut_into_blocks_where_its_input_is(tmp_path, input
     else:
         assert len(got.branches) == 1
     assert len(Engines(torch_backend, RooflineCostModel(), loaded, "fp16", blocks=False).plan(candidate, 1, 1).branches) == 1
+
+
+# -- the classifier head as an engine of its own (--head-engine) ------------------------------------------------
+def test_a_cnn_s_head_begins_at_its_only_matrix_product():
+    from parastream.core.blocks import head_start
+
+    nodes = list(gs_graph(classifier_cnn_model()).nodes)
+    c = head_start(nodes)
+    assert c is not None and nodes[c].op == "Gemm" and [n.op for n in nodes[c - 2:c]] == ["GlobalAveragePool", "Flatten"]
+
+
+@pytest.mark.parametrize("kwargs, why", [
+    ({"matmul_in_body": True}, "a matrix product outside the head"),
+    ({"tail": 9}, "a head longer than HEAD_NODES"),
+])
+def test_no_head_is_cut_where_it_is_not_a_classifier_s(kwargs, why):
+    from parastream.core.blocks import HEAD_NODES, head_start
+
+    assert HEAD_NODES == 8
+    assert head_start(list(gs_graph(classifier_cnn_model(**kwargs)).nodes)) is None, why
+    assert head_start(list(gs_graph(classifier_cnn_model(tail=HEAD_NODES - 2)).nodes)) is not None  # (within)
+    assert head_start(list(gs_graph(three_branch_model()).nodes)) is None  # no matrix product
+    # a transformer's products are in every layer
+    assert head_start(list(gs_graph(residual_stack_model(layers=3)).nodes)) is None
+
+
+def test_a_head_that_reads_two_of_the_body_s_activations_is_not_cut():
+    """The head's product and, after it, an add of another activation of the body (the pooled features flattened
+    again): two activations cross the cut, not a classifier's head.  One activation read twice is (the add of the
+    product's own input)."""
+    import onnx
+
+    from parastream.core.blocks import head_start
+
+    def with_skip(source: str) -> onnx.ModelProto:
+        m = classifier_cnn_model(classes=8)
+        g = m.graph
+        if source == "flat2":
+            g.node.append(onnx.helper.make_node("Flatten", ["pool"], ["flat2"], name="flatten2"))
+        g.node.append(onnx.helper.make_node("Add", ["logits", source], ["both"], name="skip"))
+        g.output[0].name = "both"
+        return m
+
+    assert head_start(list(gs_graph(with_skip("flat2")).nodes)) is None
+    assert head_start(list(gs_graph(with_skip("flat")).nodes)) is not None
+
+
+def test_split_schedule_cuts_the_head_only_when_asked():
+    g = gs_graph(classifier_cnn_model())
+    sched = schedule_graph(g, 1, lambda n: 1e-6, lambda n: False)
+    assert split_schedule(sched, g.nodes) is sched  # nothing repeats: one engine
+    split = split_schedule(sched, g.nodes, head=True)
+    assert len(split.branches) == 2 and split.branch_preds == [[], [0]]
+    assert split.branches[1] == ["fc"] and [n for b in split.branches for n in b] == sched.branches[0]
+    assert sum(split.branch_time) == pytest.approx(sched.makespan)
+    # cut into repeated blocks too: the head after the last of them
+    stack = gs_graph(residual_stack_model(layers=5))
+    one = schedule_graph(stack, 1, lambda n: 1e-6, lambda n: False)
+    assert split_schedule(one, stack.nodes, head=True).branches == split_schedule(one, stack.nodes).branches
+
+
+def test_a_build_with_the_head_an_engine_of_its_own_runs_and_verifies(tmp_path):
+    """The body and the head, two engines on one stream, match ONNX Runtime on the original model; the plan's row
+    says so, the option is recorded, and the "engine blocks" round would not race one engine for the whole
+    model (the cut is for the rounds' compiles)."""
+    import onnx
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import build
+    from parastream.pipeline.measure import Variant, blocks_not_raced, cut_at_head_only, races_whole_engine
+
+    model = classifier_cnn_model()
+    onnx.save(model, tmp_path / "cnn.onnx")
+    bundle = build(tmp_path / "cnn.onnx", tmp_path / "out", backend="onnxruntime", engine_blocks="blocks",
+                   head_engine=True, search=False, measure=False)
+    assert len(bundle.plan.branches) == 2 and bundle.plan.num_streams == 1
+    assert bundle.report["verification"]["passed"] and bundle.manifest["options"]["head_engine"] is True
+    chosen = next(r for r in bundle.report["schedule"]["streams_tried"] if r.get("chosen"))
+    assert chosen["engines_are"] == "the body and the head"
+    x = np.random.default_rng(4).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    got = _run_bundle(tmp_path / "out", {"input": x})["logits"]
+    np.testing.assert_allclose(got, ort_reference(model, {"input": x})["logits"], rtol=1e-5, atol=1e-5)
+    g = gs_graph(model)
+    import types
+
+    plan = types.SimpleNamespace(num_streams=1, branches=[types.SimpleNamespace(nodes=b.nodes) for b in bundle.plan.branches])
+    v = Variant(model, g, plan, BuildOptions())
+    assert cut_at_head_only(v) and not races_whole_engine(v)
+    assert blocks_not_raced(v)["not_raced"] == "cut before its head only (--head-engine)"
+    # without the option: one engine
+    plain = build(tmp_path / "cnn.onnx", tmp_path / "plain", backend="onnxruntime", engine_blocks="blocks",
+                  search=False, measure=False)
+    assert len(plain.plan.branches) == 1
+
+
+@pytest.mark.gpu
+def test_torch_engines_with_the_head_of_its_own_verify_on_the_gpu(tmp_path):
+    """On the GPU (torch engines, fp16, the build's rounds timed): with ``--head-engine`` the classifier is two
+    engines, compiled as built, that verify against ONNX Runtime and match it."""
+    import onnx
+
+    from parastream.pipeline import build
+
+    model = classifier_cnn_model(channels=32, size=16, classes=64)
+    onnx.save(model, tmp_path / "cnn.onnx")
+    bundle = build(tmp_path / "cnn.onnx", tmp_path / "b", backend="torch", precision="fp16", search=False,
+                   head_engine=True)
+    assert bundle.report["verification"]["passed"] and len(bundle.plan.branches) == 2
+    assert bundle.report["verification"]["engines_compiled_at_load"] == 0
+    x = np.random.default_rng(6).standard_normal((1, 3, 16, 16)).astype(np.float32)
+    got = _run_bundle(tmp_path / "b", {"input": x})["logits"]
+    ref = ort_reference(model, {"input": x})["logits"]
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
