@@ -11,6 +11,9 @@
 #
 # MODEL is a name of bench/gpu.py's make_model (exported here) or an ONNX file's path (built as it is).
 # SIDES="after" builds this checkout's alone (no .before/ needed).
+# BEFORE=. builds the before side from this checkout too (no .before/ needed), and AFTER_ARGS / BEFORE_ARGS add
+# build arguments to one side: a build option timed against the default on one tree, e.g.
+#     BEFORE=. AFTER_ARGS=--head-engine REPS=2 SIDE_BY_SIDE=1 OUT=$OUT bash bench/ab_one_gpu.sh mixnet_s
 # REPS=N builds each side N times, interleaved, the sides' order reversed every other round (after before before
 # after ...): one pair of builds is not enough, the same tree's NASNet-A Large build varied by up to 9 s between
 # machines of one kind, and the first build on a fresh machine was the slowest.
@@ -20,7 +23,7 @@
 # and with SIDE_BY_SIDE=1 the two sides' last bundles timed side by side (bench/bundles_side_by_side.py).
 set -u
 sides=${SIDES:-after before}
-[[ "$sides" != *before* || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
+[[ "$sides" != *before* || "${BEFORE:-}" = . || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
 model=${1:?model: a bench/gpu.py make_model name, or an ONNX file}; shift
 mkdir -p /tmp/nsb/parastream
 for d in core launcher pipeline rewrite; do ln -sfn "$PWD/.before/$d" /tmp/nsb/parastream/$d; done
@@ -50,12 +53,13 @@ for ((rep = 1; rep <= reps; rep++)); do
         name=$side; (( reps > 1 )) && name=$side.$rep
         dirs+=("$name")
         mkdir -p "$work/reports/$name"
-        if [ "$side" = before ]; then path=/tmp/nsb:/tmp/site; else path=${PYTHONPATH:-}; fi
+        if [ "$side" = before ] && [ "${BEFORE:-}" != . ]; then path=/tmp/nsb:/tmp/site; else path=${PYTHONPATH:-}; fi
+        if [ "$side" = before ]; then side_args=${BEFORE_ARGS:-}; else side_args=${AFTER_ARGS:-}; fi
         caches="$work/caches-$name"
         t0=$(date +%s.%N)
         CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
             python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/$side" --backend torch --precision fp16 \
-            --force --json "$@" > "$work/reports/$name/build.json" 2> "$work/reports/$name/build.log"
+            --force --json $side_args "$@" > "$work/reports/$name/build.json" 2> "$work/reports/$name/build.log"
         rc=$?
         echo "$name: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
         [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$work/reports/$name/report.json"
