@@ -138,15 +138,16 @@ def separable_as_nasnet(c: int = 40, size: int = 17, seed: int = 9) -> onnx.Mode
 
 
 def classifier_cnn_model(seed: int = 0, channels: int = 8, size: int = 8, classes: int = 10, *,
-                         tail: int = 0, matmul_in_body: bool = False) -> onnx.ModelProto:
+                         tail: int = 0, matmul_in_body: bool = False, depthwise: bool = False) -> onnx.ModelProto:
     """A CNN with a classifier head: Conv -> Relu -> Conv -> Relu -> GlobalAveragePool -> Flatten -> Gemm, then
     ``tail`` Sigmoids after the Gemm (a head longer than a classifier's); ``matmul_in_body``: a 1x1 mixing of the
-    channels as a MatMul between the convolutions (a matrix product outside the head)."""
+    channels as a MatMul between the convolutions (a matrix product outside the head); ``depthwise``: the second
+    convolution depthwise (one group per channel)."""
     rng = np.random.default_rng(seed)
     c = channels
     inits = [numpy_helper.from_array((rng.standard_normal((c, 3, 3, 3)) * 0.3).astype(np.float32), "w0"),
              numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b0"),
-             numpy_helper.from_array((rng.standard_normal((c, c, 3, 3)) * 0.2).astype(np.float32), "w1"),
+             numpy_helper.from_array((rng.standard_normal((c, 1 if depthwise else c, 3, 3)) * 0.2).astype(np.float32), "w1"),
              numpy_helper.from_array(rng.standard_normal(c).astype(np.float32), "b1"),
              numpy_helper.from_array((rng.standard_normal((classes, c)) * 0.3).astype(np.float32), "fc_w"),
              numpy_helper.from_array(rng.standard_normal(classes).astype(np.float32), "fc_b")]
@@ -157,7 +158,7 @@ def classifier_cnn_model(seed: int = 0, channels: int = 8, size: int = 8, classe
         inits += [numpy_helper.from_array((rng.standard_normal((size, size)) * 0.3).astype(np.float32), "mix")]
         nodes.append(helper.make_node("MatMul", ["r0", "mix"], ["m0"], name="mix"))
         body = "m0"
-    nodes += [helper.make_node("Conv", [body, "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4),
+    nodes += [helper.make_node("Conv", [body, "w1", "b1"], ["c1"], name="conv1", pads=[1] * 4, group=c if depthwise else 1),
               helper.make_node("Relu", ["c1"], ["r1"], name="relu1"),
               helper.make_node("GlobalAveragePool", ["r1"], ["pool"], name="pool"),
               helper.make_node("Flatten", ["pool"], ["flat"], name="flatten"),

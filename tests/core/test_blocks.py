@@ -577,3 +577,38 @@ def test_torch_engines_with_the_head_of_its_own_verify_on_the_gpu(tmp_path):
     got = _run_bundle(tmp_path / "b", {"input": x})["logits"]
     ref = ort_reference(model, {"input": x})["logits"]
     assert np.abs(got - ref).max() / np.abs(ref).max() < 2e-2
+
+
+@pytest.mark.parametrize("option, value", [("fuse_gemm_epilogue", False), ("conv_kernels", "inductor"),
+                                           ("fuse_conv_relu", False)])
+def test_with_the_head_of_its_own_each_round_s_rival_changes_one_engine_s_cache_key(tmp_path, option, value):
+    """Why the cut saves compiles: a compiled engine's cache key holds a fusion option only where the branch has
+    nodes it converts.  With the head apart, the GEMM-epilogue round's rival changes the head's key alone and the
+    conv rounds' rivals the body's alone (the other engine is found compiled); as one engine, every rival is a
+    new key for the whole model."""
+    import dataclasses
+
+    import onnx
+
+    pytest.importorskip("torch")
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as tb
+    from parastream.pipeline import build
+    from parastream.pipeline.build import branches_of
+
+    model = classifier_cnn_model(channels=16, size=8, depthwise=True)
+    onnx.save(model, tmp_path / "cnn.onnx")
+    keys = {}
+    for head in (True, False):
+        b = build(tmp_path / "cnn.onnx", tmp_path / f"out{head}", backend="onnxruntime", engine_blocks="blocks",
+                  head_engine=head, search=False, measure=False, verify=False)
+        inferred = shape_inference.infer_shapes(model)  # (a build's branches carry their inferred shapes)
+        branches = branches_of(inferred, gs_graph(model), b.plan)
+        assert len(branches) == (2 if head else 1)
+        base = BuildOptions(device="cuda", precision="fp16", conv_kernels="cudnn")
+        for name, opts in (("input", base), ("rival", dataclasses.replace(base, **{option: value}))):
+            keys[head, name] = [tb.cache_key(br, [], "float16", opts, opts.fuse_conv_relu, {"device": "cuda"},
+                                             artifact="inductor") for br in branches]
+    changed = [a != b for a, b in zip(keys[True, "input"], keys[True, "rival"])]
+    assert changed == ([False, True] if option == "fuse_gemm_epilogue" else [True, False])  # one engine of two
+    assert keys[False, "input"] != keys[False, "rival"]  # as one engine: the whole model compiled again
