@@ -268,6 +268,13 @@ def head_start(nodes: list[gs.Node]) -> int | None:
     return c if fused[c] == 0 and crossing[c] == 1 else None
 
 
+def ends_in_head(runs: list[list[gs.Node]]) -> bool:
+    """Whether the last of ``runs`` (consecutive runs of a one-stream order, its engines) is the order's head
+    (``head_start``): a plan that ``split_schedule`` cut with ``head``."""
+    order = [nd for run in runs for nd in run]
+    return len(runs) > 1 and head_start(order) == len(order) - len(runs[-1])
+
+
 def compiled_share(order: list[gs.Node], *, min_block: int = MIN_BLOCK_NODES) -> float:
     """The share of ``order``'s nodes that one engine per repeated block compiles (``Blocks.compiled_nodes``: the
     runs of distinct code), 1.0 where nothing repeats."""

@@ -37,7 +37,7 @@ from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
 from .timings import now as utc_now
 from .outdir import check_target, check_writable_folder, staging
-from parastream.core.blocks import MAX_COMPILED_SHARE, split_schedule
+from parastream.core.blocks import MAX_COMPILED_SHARE, ends_in_head, split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
 from .verify import ReferenceRun, resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
@@ -150,9 +150,9 @@ def plan_streams(graph: gs.Graph, cost_model, streams: int | None, max_streams: 
         if split is not sched:
             row = next(t for t in tried if t["chosen"])
             row["engines"] = len(split.branches)
-            blocks_only = split_schedule(sched, graph.nodes, max_share=max_share) if head else split
-            headed = len(split.branches) > len(blocks_only.branches)
-            row["engines_are"] = ("repeated blocks" if blocks_only is not sched else "the body") + (
+            by_name = {n.name: n for n in graph.nodes}
+            headed = head and ends_in_head([[by_name[nm] for nm in b] for b in split.branches])
+            row["engines_are"] = ("repeated blocks" if len(split.branches) > 1 + headed else "the body") + (
                 " and the head" if headed else "")
             sched = split
     return sched, tried

@@ -469,12 +469,12 @@ def _blocks_share(v: Variant) -> float:
 def cut_at_head_only(v: Variant) -> bool:
     """Whether ``v``'s plan is one stream of two engines, the body and its head (``core.blocks.head_start``,
     ``--head-engine``)."""
-    from parastream.core.blocks import head_start
+    from parastream.core.blocks import ends_in_head
 
     if v.plan.num_streams != 1 or len(v.plan.branches) != 2:
         return False
     by_name = {n.name: n for n in v.graph.nodes}
-    return head_start([by_name[name] for b in v.plan.branches for name in b.nodes]) == len(v.plan.branches[0].nodes)
+    return ends_in_head([[by_name[name] for name in b.nodes] for b in v.plan.branches])
 
 
 def races_whole_engine(v: Variant) -> bool:
