@@ -20,7 +20,7 @@
 # Each build's report.json, its `--json` line and its log are packed into $OUT/SIDE.tgz (REPS=1) or
 # $OUT/SIDE.ROUND.tgz as soon as it is built, and all of them into $OUT/ab_one_gpu.tgz at the end; a table of
 # every build's stages, candidates measured and compile work is printed at the end,
-# and with SIDE_BY_SIDE=1 the two sides' last bundles timed side by side (bench/bundles_side_by_side.py).
+# and with SIDE_BY_SIDE=1 every build's bundle timed side by side (bench/bundles_side_by_side.py).
 set -u
 sides=${SIDES:-after before}
 [[ "$sides" != *before* || "${BEFORE:-}" = . || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
@@ -58,11 +58,11 @@ for ((rep = 1; rep <= reps; rep++)); do
         caches="$work/caches-$name"
         t0=$(date +%s.%N)
         CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
-            python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/$side" --backend torch --precision fp16 \
+            python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/bundles/$name" --backend torch --precision fp16 \
             --force --json $side_args "$@" > "$work/reports/$name/build.json" 2> "$work/reports/$name/build.log"
         rc=$?
         echo "$name: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
-        [ -f "$work/$side/report.json" ] && cp "$work/$side/report.json" "$work/reports/$name/report.json"
+        [ -f "$work/bundles/$name/report.json" ] && cp "$work/bundles/$name/report.json" "$work/reports/$name/report.json"
         # packed as soon as built: a call cut short by its time limit still brings back every build's files in one
         tar czf "$out/$name.tgz" -C "$work/reports" "$name"
     done
@@ -87,10 +87,17 @@ for name in sys.argv[2:]:
     print(f"{name:<10} {sum(st.values()):8.1f} {st.get('load', 0):5.1f} {st.get('search', 0):6.1f} "
           f"{st.get('engines', 0):7.1f} {st.get('verify', 0):6.1f} {len((r.get('search') or {}).get('measured_in_order') or []):8d} "
           f"{sum(x.get('worker_s', 0) for x in labels):8.0f} {first:9.1f} {bc.get('last_done_s', float('nan')):10.1f}")
+    # what each timed round kept: builds whose rounds kept the same are the pairs to compare bundles by
+    print(" " * 11 + "; ".join(f"{c.get('choice')}: {c.get('won')}" for c in r.get("measured_choices") or []
+                                if isinstance(c, dict) and "won" in c))
 PY
-# SIDE_BY_SIDE=1: the last builds of both sides (those left in the work folder) loaded in one process and their
-# replays timed in alternating blocks, so that one call gives the build's and the bundle's before and after
-if [ "${SIDE_BY_SIDE:-0}" = 1 ] && [ -f "$work/after/manifest.json" ] && [ -f "$work/before/manifest.json" ]; then
-    python3 bench/bundles_side_by_side.py after="$work/after" before="$work/before" --out "$out" 2>&1 | tail -1
+# SIDE_BY_SIDE=1: every build's bundle loaded in one process and their replays timed in alternating blocks, so
+# that one call gives the build's and the bundle's before and after. Every build, not one a side: two builds of
+# one tree can take different decisions (a round whose rivals lie within its 1%), and a pair of builds that took
+# the same decisions is the one that shows what the change itself costs.
+if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
+    named=()
+    for d in "${dirs[@]}"; do [ -f "$work/bundles/$d/manifest.json" ] && named+=("$d=$work/bundles/$d"); done
+    (( ${#named[@]} >= 2 )) && python3 bench/bundles_side_by_side.py "${named[@]}" --out "$out" 2>&1 | tail -1
 fi
 tar czf "$out/ab_one_gpu.tgz" -C "$work/reports" "${dirs[@]}" && (cd "$out" && for d in "${dirs[@]}"; do rm -f "$d.tgz"; done)
