@@ -266,6 +266,53 @@ class SampledRound:
     full: Variant
 
 
+@dataclass
+class GemmSample:
+    """The "GEMM epilogue" round of a plan whose only nodes that round changes are Linears of one row (a CNN's
+    classifier head, a pooler at batch 1: ``one_row_linears``), decided on those nodes alone: each one extracted
+    as an engine of its own, side by side as one plan, compiled with the epilogue (cuBLAS's GEMM with its bias)
+    and without it (one Inductor reduction), the two timed together (``GpuMeasurer._race_gemm_sample``).
+
+    Why: the round's two forms differ in those nodes only, by a few microseconds (ResNet-50's head 13.1 against
+    2.0 µs, H200), where a whole plan's two loads differ by ~1% (6-9 µs on a 0.6-0.9 ms CNN): raced on the whole
+    plan it went either way by 0.7-1.3% on one model (MixNet-S, five builds), and each side it went to had the
+    later rounds' rivals compiled for it, three whole-model compiles of the ten MixNet-S's build ran.  On the
+    nodes alone the difference is timed to a fraction of a microsecond, with two compiles of one node."""
+
+    full: Variant  # the whole plan's alternative (queued with the input's others: the form a flip goes on with)
+    current: Variant  # the plan's Linears of one row side by side, as the plan compiles them
+    alternative: Variant  # the same with the GEMM epilogue off
+    names: list[str]  # the Gemm nodes sampled
+    full_keys: list[str] = field(default_factory=list)  # ``full``'s cache keys once queued (dropped if moot)
+
+    def variants(self) -> list[Variant]:
+        """What the sample compiles and loads."""
+        return [self.current, self.alternative]
+
+
+def gemm_sample(engines: EngineMaker, v: Variant, full: Variant) -> GemmSample | None:
+    """``v``'s "GEMM epilogue" round (against ``full``, the whole plan with the epilogue off) as a sample of its
+    Linears of one row (``GemmSample``); None where the round changes other nodes too (a rewrite's fused
+    matmul-bias-activation nodes, whose epilogue fusion interacts with their neighbours') or none."""
+    from parastream.launcher.engines.onnx_torch import one_row_linears
+    from parastream.launcher.plan import Branch
+
+    from .partition import extract_branch
+
+    if has_fused_gemm(v.model):
+        return None
+    at = sorted(one_row_linears(v.model))
+    if not at:
+        return None
+    nodes = [v.model.graph.node[i] for i in at]
+    one = [extract_branch(v.model, v.graph, Branch(id=k, name=f"linear_{k:03d}", stream=0, nodes=[n.name],
+                                                   inputs=[n.input[0]], outputs=[n.output[0]]))
+           for k, n in enumerate(nodes)]
+    model, graph, plan = engines.side_by_side(one)
+    current = Variant(model, graph, plan, v.options)
+    return GemmSample(full, current, replace(current, options=full.options), [n.name for n in nodes])
+
+
 def depthwise_sample(engines: EngineMaker, v: Variant, alternatives: dict[str, Variant]) -> DepthwiseSample | None:
     """``v``'s depthwise rounds (against ``alternatives``, the whole plan's per round) as a sample of its engines
     side by side (``EngineMaker.side_by_side``), as ``v`` compiles them and with each round's kernels; None where
@@ -831,20 +878,29 @@ class GpuMeasurer:
                 first_round = next(iter(depthwise), None)
                 named = [(what, a if what not in depthwise or sample is None else sample if what == first_round
                           else SampledRound(a)) for what, a in named]
-                named = [(what, StreamsRival(a) if what == "streams" else a) for what, a in named]
+                named = [(what, StreamsRival(a) if what == "streams" else
+                          gemm_sample(self.engines, variants[0], a) or a if what == "GEMM epilogue" else a)
+                         for what, a in named]
             # a round's sample is compiled right after the input, with the search's candidates (its engines are
             # few and it decides the round, which waited for them at the search's end otherwise: NASNet-A Large,
             # H200, 22.5 s); the other alternatives after the candidates
-            sample = next((a for _, a in named if isinstance(a, DepthwiseSample)), None)
-            sampled = sample.variants() if sample is not None else []
-            spans, compiled = [], []  # per round, the span of ``sampled + compiled`` its engines are
+            samples = [a for _, a in named if isinstance(a, (DepthwiseSample, GemmSample))]
+            sampled = [x for a in samples for x in a.variants()]
+            spans, compiled, at = [], [], 0  # per round, the span of ``sampled + compiled`` its engines are
             for _, a in named:
-                more = [] if a is sample or isinstance(a, (StreamsRival, SampledRound)) else [a]
-                at = 0 if a is sample else len(sampled) + len(compiled)
-                spans.append((at, at + (len(sampled) if a is sample else len(more))))
-                compiled += more
+                if isinstance(a, (DepthwiseSample, GemmSample)):
+                    spans.append((at, at + len(a.variants())))
+                    at += len(a.variants())
+                if isinstance(a, GemmSample):
+                    a.full_keys = [len(sampled) + len(compiled)]  # (its place: the keys are known once queued)
+                    compiled.append(a.full)
+                elif not isinstance(a, (DepthwiseSample, StreamsRival, SampledRound)):
+                    spans.append((len(sampled) + len(compiled), len(sampled) + len(compiled) + 1))
+                    compiled.append(a)
+                elif not isinstance(a, DepthwiseSample):
+                    spans.append((0, 0))
             first = (self.engines.precompile(sampled, background=True, cancellable=False, order="search",
-                                             label="the depthwise sample") if sampled else None)
+                                             label="the rounds' samples") if sampled else None)
             alt = self.engines.precompile(compiled, background=True, cancellable=False,
                                           label="the input's alternatives")
             keys = alt.pop("keys", None) if alt else None
@@ -853,9 +909,19 @@ class GpuMeasurer:
                 keys = first_keys + keys if first_keys is not None else None
                 if alt is not None:
                     alt["sampled"] = first
+            for a in samples:
+                if isinstance(a, GemmSample):
+                    a.full_keys = list(keys[a.full_keys[0]]) if keys is not None else []
             # spare work, each round's apart: needed only where that round of the input flips, when they are
-            # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search
-            for what, alts in speculative_by_round(self.engines, variants[0]):
+            # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search.  A sampled
+            # GEMM-epilogue round's come last: it is decided on its sample as soon as the reference is timed, and
+            # kept (the usual end) it drops those not started, which took workers from the rounds after it
+            # otherwise (MixNet-S, H200: the conv+ReLU rival of the depthwise round's winner, the build's last
+            # wait, queued at 7 s and started at 30 s behind them)
+            spare = speculative_by_round(self.engines, variants[0])
+            if any(isinstance(a, GemmSample) for a in samples):
+                spare = ([x for x in spare if x[0] != "GEMM epilogue"] + [x for x in spare if x[0] == "GEMM epilogue"])
+            for what, alts in spare:
                 queued = self.engines.precompile(alts, background=True, cancellable=False, order="spare",
                                                  label="alternatives of alternatives")
                 self.early.setdefault("spare", {})[what] = [k for ks in (queued or {}).get("keys") or [] for k in ks]
@@ -977,7 +1043,7 @@ class GpuMeasurer:
         # the input's engines (its whole plan's compile is what the sample saves)
         decided = {r["choice"] for r in carried_rounds(self._input_rounds())}
         decided |= {what for what, a, _ in self.early.get("todo") or []
-                    if isinstance(a, (DepthwiseSample, SampledRound, StreamsRival))}
+                    if isinstance(a, (DepthwiseSample, GemmSample, SampledRound, StreamsRival))}
         decided |= {r["choice"] for r in self.early.get("rounds") or [] if "sample" in r}
         variants = [a for what, a in alternative_variants(self.engines, v) if what not in decided]
         variants += speculative_variants(self.engines, v, decided)
@@ -1143,7 +1209,7 @@ class GpuMeasurer:
             return []
 
         def raceable(what: str, a) -> bool:
-            if isinstance(a, DepthwiseSample):
+            if isinstance(a, (DepthwiseSample, GemmSample)):
                 return all(ROUND_APPLIES.get(f) is not None and not ROUND_APPLIES[f](a.current.model) for f in flips)
             return all(self._apart(f, what) for f in flips)
 
@@ -1230,6 +1296,8 @@ class GpuMeasurer:
         early = self.early
         if isinstance(v, DepthwiseSample):
             return self._race_sample(v)
+        if isinstance(v, GemmSample):
+            return self._race_gemm_sample(v)
         if isinstance(v, SampledRound):  # its sample left it open: the whole plan's alternative, compiled now and
             early["todo"].insert(0, self._compiling(what, v.full))  # raced in its turn
             return False
@@ -1305,6 +1373,47 @@ class GpuMeasurer:
             early["todo"] = [item for item in early["todo"] if item[0] != what]  # (a later round's ``SampledRound``)
         return False
 
+    def _race_gemm_sample(self, s: GemmSample) -> bool | None:
+        """The "GEMM epilogue" round on its sample (``GemmSample``): the plan's Linears of one row with the
+        epilogue and without it, timed together in alternating blocks.  The alternative is kept where it saves
+        more than the round's ``PREFER_CURRENT_WITHIN`` share of the plan's time (the reference's median), the
+        share a whole-plan race keeps the plan's form within; report.json's round gives the plan's time and that
+        time less the saving, with the sample's own times beside.  Kept, the whole plan's alternative and the
+        later rounds' rivals of it are dropped where they have not started.  None: the sample could not be timed
+        (``early["stopped"]``)."""
+        from .bench import measure as time_replays
+
+        early, what = self.early, "GEMM epilogue"
+        t0 = time.perf_counter()
+        keys = round_labels(what, early["plan"])
+        try:
+            la = {}
+            try:
+                la[keys[0]] = self.engines.launcher(s.current)
+                la[keys[1]] = self.engines.launcher(s.alternative)
+                times = time_replays(la, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock)
+            finally:
+                for x in la.values():
+                    x.close()
+        except Exception as e:  # noqa: BLE001 - the build times the rounds after the search, where a failure is reported
+            early["stopped"] = f"{what} (sampled): {type(e).__name__}: {e}"
+            return None
+        ms = {k: float(np.median(t)) for k, t in times.items()}
+        plan_ms, saved = self.reference[1], ms[keys[0]] - ms[keys[1]]
+        within = PREFER_CURRENT_WITHIN[what]
+        won = keys[1] if saved > within * plan_ms else keys[0]
+        early["rounds"].append({
+            "choice": what, "timed_ms": {keys[0]: plan_ms, keys[1]: plan_ms - saved}, "won": won,
+            "load_s": 0.0, "timed_s": round(time.perf_counter() - t0, 3), "started_s": round(t0 - self.t_made, 3),
+            "current_kept_within": within,
+            "sample": {"nodes": s.names, "timed_ms": {k: round(t, 4) for k, t in ms.items()}},
+            "timed": f"on its {plural(len(s.names), 'Linear')} of one row alone: the alternative "
+                     f"{'saves' if saved >= 0 else 'costs'} {abs(saved) * 1e3:.1f} µs of the plan's {plan_ms:.3f} ms, "
+                     f"kept beyond {within:.0%}"})
+        if won == keys[0]:
+            self.backend.drop([*s.full_keys, *((early.get("spare") or {}).pop(what, None) or [])])
+        return won == keys[1]
+
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced
         the input: ``carried_rounds``); None when none was.  The rounds not timed yet are timed now where their
@@ -1322,7 +1431,7 @@ class GpuMeasurer:
                 break
             what, v, keys = item
             # (a sampled round whose sample left it open compiles its alternative first: not ready)
-            ready = isinstance(v, (DepthwiseSample, StreamsRival)) or (not isinstance(v, SampledRound)
+            ready = isinstance(v, (DepthwiseSample, GemmSample, StreamsRival)) or (not isinstance(v, SampledRound)
                                                                        and not self.backend.compiling(keys))
             if what not in wait_for and (not any(item is x for x in self._raceable()) or not ready):
                 continue

@@ -872,6 +872,143 @@ def test_depthwise_rounds_lost_widely_on_their_sample_compile_no_whole_plan(monk
     m.close()
 
 
+def _classifier_engines(tmp_path, model=None):
+    """Engines and the plan of a small CNN with a classifier head (its Gemm a Linear of one row), fp16 on a GPU,
+    and the "GEMM epilogue" round's alternative (the whole plan with the epilogue off)."""
+    from dataclasses import replace
+
+    import onnx
+    from graphs import classifier_cnn_model
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline.build import Engines
+    from parastream.pipeline.measure import Variant
+    from parastream.pipeline.model_io import load_model
+
+    path = tmp_path / "classifier.onnx"
+    onnx.save(model if model is not None else classifier_cnn_model(channels=16, classes=24), path)
+    loaded = load_model(path)
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16")
+    v = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, None, 4),
+                BuildOptions(precision="fp16", device="cuda", conv_kernels="auto"))
+    return engines, v, replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+
+
+def test_a_gemm_round_on_linears_of_one_row_is_sampled_on_those_nodes_alone(tmp_path):
+    """``gemm_sample``: where the round's only nodes are Linears of one row, the sample is those nodes extracted
+    as engines of their own, side by side, as the plan compiles them and with the epilogue off; ONNX Runtime runs
+    it to the Gemm's own result.  Not sampled: a model whose matmul-bias-activation nodes the round changes too
+    (a rewrite's), or one with no Linear of one row."""
+    import onnx
+    from graphs import ort_reference
+
+    from parastream.launcher.engines.onnx_torch import one_row_linears
+    from parastream.pipeline import measure
+    from parastream.core import fused_ops
+
+    engines, v, full = _classifier_engines(tmp_path)
+    s = measure.gemm_sample(engines, v, full)
+    assert s is not None and s.names == ["fc"] and s.full is full
+    assert [b.nodes for b in s.current.plan.branches] == [["fc"]] and s.current.plan.num_streams == 1
+    assert s.current.options is v.options and s.alternative.options is full.options
+    assert s.alternative.plan is s.current.plan and s.variants() == [s.current, s.alternative]
+    assert one_row_linears(s.current.model) == {0}  # compiled as a Linear of one row, both ways
+    rng = np.random.default_rng(0)
+    x = rng.standard_normal((1, 3, 8, 8)).astype(np.float32)
+    probe = onnx.ModelProto()  # the model with the Gemm's input an output too
+    probe.CopyFrom(v.model)
+    probe.graph.output.extend(vi for vi in v.model.graph.value_info if vi.name == "flat")
+    got = ort_reference(probe, {"input": x})
+    alone = ort_reference(s.current.model, {"flat": got["flat"]})
+    np.testing.assert_allclose(alone["logits"], got["logits"], rtol=1e-6, atol=1e-6)
+
+    # must not sample: a fused matmul-bias-activation node besides (the round changes it too)
+    fused = onnx.ModelProto()
+    fused.CopyFrom(v.model)
+    fused.graph.node.append(onnx.helper.make_node(fused_ops.GEMM_ACTIVATION, ["flat", "fc_w", "fc_b"], ["unused"],
+                                                  domain=fused_ops.DOMAIN, name="fused"))
+    assert measure.gemm_sample(engines, measure.Variant(fused, v.graph, v.plan, v.options), full) is None
+    # nor a model without a Linear of one row
+    engines2, v2, _ = _nasnet_engines(tmp_path)
+    assert not one_row_linears(v2.model) and measure.gemm_sample(engines2, v2, v2) is None
+
+
+@pytest.mark.parametrize("saved", [0.004, -0.002, 0.02])
+def test_a_sampled_gemm_round_is_decided_on_its_sample_by_the_round_s_share_of_the_plan(monkeypatch, tmp_path, saved):
+    """The input's "GEMM epilogue" round over Linears of one row: their sample compiled with the input (ahead of
+    the search's candidates), the whole plan's alternative with the input's alternatives, and the round's
+    speculative rivals queued as spare after every other round's.  Timed as soon as the reference is: the
+    alternative is kept only where it saves more than the round's ``PREFER_CURRENT_WITHIN`` share of the plan's
+    time; kept, the plan's form drops the whole plan's alternative and those spare rivals where not started, and
+    the alternative winning hastens them.  report.json's round gives the plan's time and that time less the
+    saving, the sample's times beside."""
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines, v, full = _classifier_engines(tmp_path)
+    other_round = replace_options(v, fuse_conv_relu=False)
+    compiled, orders, labels, timings, dropped, hastened = [], [], [], [], [], []
+
+    def precompile(variants, background, cancellable, order="auto", label=""):
+        compiled.append(list(variants)), orders.append(order), labels.append(label)
+        return {"jobs": len(variants), "background": True,
+                "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]}
+
+    monkeypatch.setattr(engines, "precompile", precompile)
+    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
+    monkeypatch.setattr(measure, "alternative_variants",
+                        lambda e, var: [("GEMM epilogue", full), ("conv+ReLU", other_round)])
+    spec_gemm, spec_conv = replace_options(full, fuse_conv_relu=False), replace_options(other_round, conv_kernels="native")
+    monkeypatch.setattr(measure, "speculative_by_round",
+                        lambda e, var, decided=(): [("GEMM epilogue", [spec_gemm]), ("conv+ReLU", [spec_conv])])
+
+    def ms(la):  # the whole plan 1 ms; the sample 0.013 ms with the epilogue, ``saved`` ms less without it
+        if la.plan is v.plan:
+            return 1.0
+        return 0.013 - (saved if not la.options.fuse_gemm_epilogue else 0.0)
+
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
+                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "name": "torch", "suffix": engines.backend.suffix,
+                                     "hasten": staticmethod(lambda keys: hastened.append(list(keys)) or 0),
+                                     "drop": staticmethod(lambda keys: dropped.append(list(keys)) or 0),
+                                     "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0)})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    (what, sample, sample_keys), (_, conv, _) = m.early["todo"]
+    assert what == "GEMM epilogue" and isinstance(sample, measure.GemmSample) and conv is other_round
+    assert compiled[1] == sample.variants() and orders[1] == "search"  # with the input, ahead of the candidates
+    assert compiled[2] == [full, other_round] and sample.full_keys == ["k3.0"]
+    assert sample_keys == ["k2.0", "k2.1"]
+    assert [c for c, lb in zip(compiled, labels) if lb == "alternatives of alternatives"] == [[spec_conv], [spec_gemm]]
+    spare = m.early["spare"]["GEMM epilogue"]
+    m.measure(engines.loaded.model)  # the reference, then the rounds whose engines are in
+    m.time_ready(wait=True)
+    labels_ = measure.round_labels("GEMM epilogue", v.plan)
+    assert timings[1] == list(labels_)  # the sample: its two forms in one timing
+    r = next(r for r in m.early["rounds"] if r["choice"] == "GEMM epilogue")
+    assert r["timed_ms"][labels_[0]] == pytest.approx(1.0) and r["timed_ms"][labels_[1]] == pytest.approx(1.0 - saved)
+    assert r["sample"] == {"nodes": ["fc"], "timed_ms": {labels_[0]: 0.013, labels_[1]: round(0.013 - saved, 4)}}
+    assert "one row alone" in r["timed"] and not measure.carried_rounds([r])  # a rewritten plan times it again
+    kept = saved <= measure.PREFER_CURRENT_WITHIN["GEMM epilogue"] * 1.0
+    assert r["won"] == labels_[0 if kept else 1]
+    if kept:
+        assert dropped[0] == ["k3.0", *spare] and not m.early.get("flips")
+        assert any(x["choice"] == "conv+ReLU" for x in m.early["rounds"])  # the later rounds race on as before
+    else:
+        assert not dropped and m.early["flips"] == ["GEMM epilogue"] and spare in hastened
+    m.close()
+
+
+def replace_options(v, **kw):
+    from dataclasses import replace
+
+    return replace(v, options=replace(v.options, **kw))
+
+
 def test_a_sampled_round_left_open_compiles_nothing_for_a_kept_candidate(monkeypatch, tmp_path):
     """The search kept a candidate before the input's sample was timed: ``rounds_timed`` times the sample (its
     engines are compiled), which leaves the first round open, and queues no compile of the whole plan's
