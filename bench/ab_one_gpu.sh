@@ -88,8 +88,8 @@ for name in sys.argv[2:]:
           f"{st.get('engines', 0):7.1f} {st.get('verify', 0):6.1f} {len((r.get('search') or {}).get('measured_in_order') or []):8d} "
           f"{sum(x.get('worker_s', 0) for x in labels):8.0f} {first:9.1f} {bc.get('last_done_s', float('nan')):10.1f}")
     # what each timed round kept: builds whose rounds kept the same are the pairs to compare bundles by
-    print(" " * 11 + "; ".join(f"{c.get('choice')}: {c.get('won')}" for c in r.get("measured_choices") or []
-                                if isinstance(c, dict) and "won" in c))
+    print(" " * 11 + "; ".join(f"{c.get('choice')}: {c.get('won')}{' (sampled)' if 'sample' in c else ''}"
+                                for c in (r.get("measured_choices") or {}).get("rounds") or []))
 PY
 # SIDE_BY_SIDE=1: every build's bundle loaded in one process and their replays timed in alternating blocks, so
 # that one call gives the build's and the bundle's before and after. Every build, not one a side: two builds of

@@ -313,6 +313,39 @@ def gemm_sample(engines: EngineMaker, v: Variant, full: Variant) -> GemmSample |
     return GemmSample(full, current, replace(current, options=full.options), [n.name for n in nodes])
 
 
+def gemm_sample_round(engines: EngineMaker, s: GemmSample, plan, plan_ms: float, *, runs: int, warmup: int = 10,
+                      lock: bool = True) -> dict:
+    """The "GEMM epilogue" round decided on its sample (``GemmSample``): the plan's Linears of one row with the
+    epilogue and without it, timed together in alternating blocks.  The alternative is kept where it saves more
+    than the round's ``PREFER_CURRENT_WITHIN`` share of ``plan_ms`` (the plan's own median), the share a
+    whole-plan race keeps the plan's form within.  The round as ``race`` writes one: ``timed_ms`` gives the
+    plan's time and that time less the saving, the sample's own times beside (``sample``).  Raises what loading
+    or timing the sample raised."""
+    from .bench import measure as time_replays
+
+    what = "GEMM epilogue"
+    keys = round_labels(what, plan)
+    t0 = time.perf_counter()
+    la = {}
+    try:
+        la[keys[0]] = engines.launcher(s.current)
+        la[keys[1]] = engines.launcher(s.alternative)
+        times = time_replays(la, runs=runs, warmup=warmup, lock=lock)
+    finally:
+        for x in la.values():
+            x.close()
+    ms = {k: float(np.median(t)) for k, t in times.items()}
+    saved = ms[keys[0]] - ms[keys[1]]
+    within = PREFER_CURRENT_WITHIN[what]
+    return {"choice": what, "timed_ms": {keys[0]: plan_ms, keys[1]: plan_ms - saved},
+            "won": keys[1] if saved > within * plan_ms else keys[0],
+            "load_s": 0.0, "timed_s": round(time.perf_counter() - t0, 3), "current_kept_within": within,
+            "sample": {"nodes": s.names, "timed_ms": {k: round(t, 4) for k, t in ms.items()}},
+            "timed": f"on its {plural(len(s.names), 'Linear')} of one row alone: the alternative "
+                     f"{'saves' if saved >= 0 else 'costs'} {abs(saved) * 1e3:.1f} µs of the plan's {plan_ms:.3f} ms, "
+                     f"kept beyond {within:.0%}"}
+
+
 def depthwise_sample(engines: EngineMaker, v: Variant, alternatives: dict[str, Variant]) -> DepthwiseSample | None:
     """``v``'s depthwise rounds (against ``alternatives``, the whole plan's per round) as a sample of its engines
     side by side (``EngineMaker.side_by_side``), as ``v`` compiles them and with each round's kernels; None where
@@ -653,12 +686,13 @@ class QueuedRivals:
 
     def decided(self, what: str, flipped: bool, v: Variant, decided: set) -> None:
         """Round ``what`` is decided (``flipped``: its alternative won, and ``v`` is the form the later rounds now
-        race); ``decided``: every round decided so far, this one included."""
-        self.rivals.pop(what, None)
+        race); ``decided``: every round decided so far, this one included.  Kept, the round's own rival is
+        dropped too where it has not started (a round decided on a sample never loads it: ``GemmSample``)."""
+        rival = self.rivals.pop(what, None) or []
         if flipped and what not in ("streams", "engine blocks"):  # (a plan's rounds come last: nothing races after)
             self.queue(v, decided)
         else:
-            self.backend.drop(self.if_flipped.pop(what, []))
+            self.backend.drop([*rival, *self.if_flipped.pop(what, [])])
 
     def close(self) -> None:
         """Every round is decided: what is still queued is dropped."""
@@ -1374,45 +1408,22 @@ class GpuMeasurer:
         return False
 
     def _race_gemm_sample(self, s: GemmSample) -> bool | None:
-        """The "GEMM epilogue" round on its sample (``GemmSample``): the plan's Linears of one row with the
-        epilogue and without it, timed together in alternating blocks.  The alternative is kept where it saves
-        more than the round's ``PREFER_CURRENT_WITHIN`` share of the plan's time (the reference's median), the
-        share a whole-plan race keeps the plan's form within; report.json's round gives the plan's time and that
-        time less the saving, with the sample's own times beside.  Kept, the whole plan's alternative and the
-        later rounds' rivals of it are dropped where they have not started.  None: the sample could not be timed
-        (``early["stopped"]``)."""
-        from .bench import measure as time_replays
-
+        """The "GEMM epilogue" round on its sample (``gemm_sample_round``), against the reference's median as the
+        plan's time.  Kept, the whole plan's alternative and the later rounds' rivals of it are dropped where
+        they have not started.  None: the sample could not be timed (``early["stopped"]``)."""
         early, what = self.early, "GEMM epilogue"
         t0 = time.perf_counter()
-        keys = round_labels(what, early["plan"])
         try:
-            la = {}
-            try:
-                la[keys[0]] = self.engines.launcher(s.current)
-                la[keys[1]] = self.engines.launcher(s.alternative)
-                times = time_replays(la, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock)
-            finally:
-                for x in la.values():
-                    x.close()
+            r = gemm_sample_round(self.engines, s, early["plan"], self.reference[1], runs=self.runs,
+                                  warmup=self.warmup, lock=self.options.gpu_timing_lock)
         except Exception as e:  # noqa: BLE001 - the build times the rounds after the search, where a failure is reported
             early["stopped"] = f"{what} (sampled): {type(e).__name__}: {e}"
             return None
-        ms = {k: float(np.median(t)) for k, t in times.items()}
-        plan_ms, saved = self.reference[1], ms[keys[0]] - ms[keys[1]]
-        within = PREFER_CURRENT_WITHIN[what]
-        won = keys[1] if saved > within * plan_ms else keys[0]
-        early["rounds"].append({
-            "choice": what, "timed_ms": {keys[0]: plan_ms, keys[1]: plan_ms - saved}, "won": won,
-            "load_s": 0.0, "timed_s": round(time.perf_counter() - t0, 3), "started_s": round(t0 - self.t_made, 3),
-            "current_kept_within": within,
-            "sample": {"nodes": s.names, "timed_ms": {k: round(t, 4) for k, t in ms.items()}},
-            "timed": f"on its {plural(len(s.names), 'Linear')} of one row alone: the alternative "
-                     f"{'saves' if saved >= 0 else 'costs'} {abs(saved) * 1e3:.1f} µs of the plan's {plan_ms:.3f} ms, "
-                     f"kept beyond {within:.0%}"})
-        if won == keys[0]:
+        early["rounds"].append(dict(r, started_s=round(t0 - self.t_made, 3)))
+        won = r["won"] == round_labels(what, early["plan"])[1]
+        if not won:
             self.backend.drop([*s.full_keys, *((early.get("spare") or {}).pop(what, None) or [])])
-        return won == keys[1]
+        return won
 
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced
@@ -1578,11 +1589,27 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 v = replace(v, options=replace(v.options, fuse_attention=False))  # what the later rounds' alternatives run
             decided("attention", won)
         if gemm and has_gemm_epilogue(v.model):
-            won = round_won("GEMM epilogue",
-                            lambda: engines.launcher(replace(v, options=replace(v.options, fuse_gemm_epilogue=False))))
+            off = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+            sample = gemm_sample(engines, v, off) if "GEMM epilogue" not in done else None
+            if sample is not None:  # decided on its Linears of one row, against the plan's own median
+                from .bench import measure as time_replays
+
+                plan_ms = float(np.median(time_replays({"plan": current()}, runs=runs, warmup=10,
+                                                       lock=v.options.gpu_timing_lock)["plan"]))
+                rounds.append(dict(gemm_sample_round(engines, sample, v.plan, plan_ms, runs=runs,
+                                                     lock=v.options.gpu_timing_lock),
+                                   load_s=round(time.perf_counter() - since[0], 3)))
+                since[0] = time.perf_counter()
+                won = rounds[-1]["won"] == round_labels("GEMM epilogue", v.plan)[1]
+                while won and held:  # the later rounds race the alternative's whole plan: loaded in its place
+                    held.pop().close()
+                if won:
+                    held.append(engines.launcher(off))
+            else:
+                won = round_won("GEMM epilogue", lambda: engines.launcher(off))
             if won:
                 chosen["fuse_gemm_epilogue"] = False
-                v = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+                v = off
             decided("GEMM epilogue", won)
         if lowers_depthwise(backend, v.options, v.model):
             for what, kernels in DEPTHWISE_ROUNDS:  # the second races the first's winner against its own kernels

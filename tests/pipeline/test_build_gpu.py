@@ -267,6 +267,55 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
         assert got["conv_kernels"] == given
 
 
+@pytest.mark.parametrize("saved", [0.004, 0.03])
+def test_the_gemm_round_over_a_one_row_head_is_decided_on_its_sample_after_the_search(models, monkeypatch, saved):
+    """``time_alternatives`` of a plan whose GEMM-epilogue round changes only a Linear of one row (small_net's
+    head): the round is decided on the head alone (``gemm_sample``: two one-node engines timed together) against
+    the plan's own median, its whole-plan alternative never loaded; the alternative is kept only where it saves
+    more than the round's 1% of the plan's time, and the later rounds then race the alternative's plan.  The
+    queued rivals hear the decision."""
+    import types
+
+    from parastream.launcher.engines import BuildOptions
+    from parastream.pipeline import measure
+
+    class Times(dict):
+        def __missing__(self, key):
+            return 1.05
+
+    build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("sample", True): 0.013,
+                                                   ("sample", False): 0.013 - saved}))
+    loaded = []
+
+    def launcher(self, v):  # the sample's engines by their GEMM form, a whole plan compiled for itself as "scratch"
+        one_node = [b.nodes for b in v.plan.branches] == [[v.model.graph.node[0].name]]
+        la = types.SimpleNamespace(kind=("sample", v.options.fuse_gemm_epilogue) if one_node else ("scratch", None, None),
+                                   options=v.options, one_node=one_node, closed=False)
+        la.close = lambda: setattr(la, "closed", True)
+        made.append(la), loaded.append(la)
+        return la
+
+    monkeypatch.setattr(build_mod.Engines, "launcher", launcher)
+    told = []
+    rivals = types.SimpleNamespace(decided=lambda what, won, v, decided: told.append((what, won)),
+                                   close=lambda: told.append("closed"))
+    model, graph, plan, cm = plan_of(models / "small_net.onnx", 1)
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels="cudnn")), runs=5,
+                            rivals=rivals)
+    r = got["rounds"][0]
+    labels = measure.round_labels("GEMM epilogue", plan)
+    assert r["choice"] == "GEMM epilogue" and r["sample"]["timed_ms"] == {labels[0]: 0.013, labels[1]: round(0.013 - saved, 4)}
+    assert r["timed_ms"] == {labels[0]: 1.0, labels[1]: pytest.approx(1.0 - saved)}
+    flipped = saved > measure.PREFER_CURRENT_WITHIN["GEMM epilogue"] * 1.0
+    assert r["won"] == labels[1 if flipped else 0] and got["fuse_gemm_epilogue"] is (not flipped)
+    assert told[0] == ("GEMM epilogue", flipped) and told[-1] == "closed"
+    whole_off = [la for la in loaded if not la.one_node and not la.options.fuse_gemm_epilogue]
+    assert bool(whole_off) == flipped  # the alternative's whole plan loaded only for the later rounds after a flip
+    assert [x["choice"] for x in got["rounds"][1:]] == ["conv+ReLU"]
+    assert all(la.closed for la in made)
+
+
 def test_each_round_s_decision_is_told_to_the_queued_rivals_with_the_form_the_later_rounds_race(models, monkeypatch):
     """``time_alternatives(..., rivals=...)``: after each round, the rivals queued in the background hear whether its
     alternative won and which form the rounds after it race (the winner's depthwise kernels for the conv+ReLU

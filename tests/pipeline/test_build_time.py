@@ -653,7 +653,8 @@ def test_a_one_stream_plan_compiles_the_later_rounds_alternatives_of_an_earlier_
 
 
 def test_queued_rivals_follow_each_round_s_decision(monkeypatch):
-    """``QueuedRivals``: a round that keeps its form drops the rivals queued for its alternative's sake; a round
+    """``QueuedRivals``: a round that keeps its form drops its rival and the rivals queued for its alternative's
+    sake; a round
     whose alternative wins hastens the later rounds' rivals of that form, drops those of the form it replaced,
     and queues the level after as spare work; the end drops what is left."""
     import types
@@ -693,9 +694,10 @@ def test_queued_rivals_follow_each_round_s_decision(monkeypatch):
     # (its own rival is the form now kept: never dropped)
     assert log[-1] == ("drop", ["auto/fused/nchw", "auto/unfused/nchw", "auto/unfused/nhwc"])
     log.clear()
-    # conv+ReLU keeps its form: what its flip would have needed is dropped, nothing queued
+    # conv+ReLU keeps its form: what its flip would have needed is dropped, and its own rival where it has not
+    # started (a round decided without loading it), nothing queued
     q.decided("conv+ReLU", False, won, {"depthwise convolutions", "conv+ReLU"})
-    assert log == [("drop", ["inductor/unfused/nchw"])]
+    assert log == [("drop", ["inductor/unfused/nchw", "inductor/unfused/nhwc"])]
     log.clear()
     q.close()
     assert log == [("drop", ["inductor/fused/nchw"])] and q.rivals == {} and q.if_flipped == {}
