@@ -273,11 +273,13 @@ class GemmSample:
     as an engine of its own, side by side as one plan, compiled with the epilogue (cuBLAS's GEMM with its bias)
     and without it (one Inductor reduction), the two timed together (``GpuMeasurer._race_gemm_sample``).
 
-    Why: the round's two forms differ in those nodes only, by a few microseconds (ResNet-50's head 13.1 against
-    2.0 µs, H200), where a whole plan's two loads differ by ~1% (6-9 µs on a 0.6-0.9 ms CNN): raced on the whole
-    plan it went either way by 0.7-1.3% on one model (MixNet-S, five builds), and each side it went to had the
-    later rounds' rivals compiled for it, three whole-model compiles of the ten MixNet-S's build ran.  On the
-    nodes alone the difference is timed to a fraction of a microsecond, with two compiles of one node."""
+    Why: the round's two forms differ in those nodes only, by a few microseconds, where one loaded plan's
+    medians differ by ~1% (6-9 µs on a 0.6-0.9 ms CNN): raced on the whole plan, MixNet-S's round went either way
+    (the alternative ahead by 0.6-1.4% in eight builds, the plan's form kept in five, H200), and a flip then took the later rounds'
+    rivals of the other form.  On the nodes alone, with two compiles of one node, a head's saving is timed to
+    a fraction of a microsecond: cuBLAS 15.0 against 5.2 µs for the reduction on
+    MixNet-S's head, 13.9 against 5.3 on EfficientNet-B0's, 17.3 against 5.4 on ResNet-50's (H200, a replay of
+    the one-node plan each, its launch included; bench/figures/ab_one_gpu_h200_gemm_sample_*.json)."""
 
     full: Variant  # the whole plan's alternative (queued with the input's others: the form a flip goes on with)
     current: Variant  # the plan's Linears of one row side by side, as the plan compiles them
@@ -947,14 +949,10 @@ class GpuMeasurer:
                 if isinstance(a, GemmSample):
                     a.full_keys = list(keys[a.full_keys[0]]) if keys is not None else []
             # spare work, each round's apart: needed only where that round of the input flips, when they are
-            # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search.  A sampled
-            # GEMM-epilogue round's come last: it is decided on its sample as soon as the reference is timed, and
-            # kept (the usual end) it drops those not started, which took workers from the rounds after it
-            # otherwise (MixNet-S, H200: the conv+ReLU rival of the depthwise round's winner, the build's last
-            # wait, queued at 7 s and started at 30 s behind them)
+            # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search.  (Not the
+            # GEMM-epilogue round's last where its sample decides it: MixNet-S's sample flips it, by 9.8 µs of a
+            # 0.877 ms plan, H200, and its rivals queued behind the others' took that build from 60-78 s to 90.)
             spare = speculative_by_round(self.engines, variants[0])
-            if any(isinstance(a, GemmSample) for a in samples):
-                spare = ([x for x in spare if x[0] != "GEMM epilogue"] + [x for x in spare if x[0] == "GEMM epilogue"])
             for what, alts in spare:
                 queued = self.engines.precompile(alts, background=True, cancellable=False, order="spare",
                                                  label="alternatives of alternatives")
