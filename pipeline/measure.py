@@ -185,6 +185,8 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
     48%, 11% and 75%).  Narrower rounds are timed again on the candidate's plan."""
     out = []
     for r in rounds:
+        if r.get("choice") == "GEMM epilogue" and "sample" in r:  # its sample held the input's Linears of one row
+            continue  # only, where a rewrite adds fused matmul-bias-activation nodes the round changes too
         if r.get("not_raced") and r.get("choice") in CARRIED_ALWAYS:  # ``blocks_not_raced``: the input's cut
             out.append(dict(r, timed=f"not raced on the input's plan ({r['not_raced']}), taken for the rewritten plan"))
             continue

@@ -993,6 +993,8 @@ def test_a_sampled_gemm_round_is_decided_on_its_sample_by_the_round_s_share_of_t
     assert r["timed_ms"][labels_[0]] == pytest.approx(1.0) and r["timed_ms"][labels_[1]] == pytest.approx(1.0 - saved)
     assert r["sample"] == {"nodes": ["fc"], "timed_ms": {labels_[0]: 0.013, labels_[1]: round(0.013 - saved, 4)}}
     assert "one row alone" in r["timed"] and not measure.carried_rounds([r])  # a rewritten plan times it again
+    wide = dict(r, timed_ms={k: t * (1 + 2 * i) for i, (k, t) in enumerate(r["timed_ms"].items())})
+    assert not measure.carried_rounds([wide])  # by any margin: a rewrite's fused nodes are not in its sample
     kept = saved <= measure.PREFER_CURRENT_WITHIN["GEMM epilogue"] * 1.0
     assert r["won"] == labels_[0 if kept else 1]
     if kept:
