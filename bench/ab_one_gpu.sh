@@ -20,7 +20,8 @@
 # Each build's report.json, its `--json` line and its log are packed into $OUT/SIDE.tgz (REPS=1) or
 # $OUT/SIDE.ROUND.tgz as soon as it is built, and all of them into $OUT/ab_one_gpu.tgz at the end; a table of
 # every build's stages, candidates measured and compile work is printed at the end,
-# and with SIDE_BY_SIDE=1 every build's bundle timed side by side (bench/bundles_side_by_side.py).
+# and with SIDE_BY_SIDE=1 every build's bundle timed side by side (bench/bundles_side_by_side.py; LOADS=N loads
+# each N times, two loads of one plan differing by up to ~5%).
 set -u
 sides=${SIDES:-after before}
 [[ "$sides" != *before* || "${BEFORE:-}" = . || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
@@ -98,6 +99,6 @@ PY
 if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
     named=()
     for d in "${dirs[@]}"; do [ -f "$work/bundles/$d/manifest.json" ] && named+=("$d=$work/bundles/$d"); done
-    (( ${#named[@]} >= 2 )) && python3 bench/bundles_side_by_side.py "${named[@]}" --out "$out" 2>&1 | tail -1
+    (( ${#named[@]} >= 2 )) && python3 bench/bundles_side_by_side.py "${named[@]}" --loads "${LOADS:-1}" --out "$out" 2>&1 | tail -1
 fi
 tar czf "$out/ab_one_gpu.tgz" -C "$work/reports" "${dirs[@]}" && (cd "$out" && for d in "${dirs[@]}"; do rm -f "$d.tgz"; done)
