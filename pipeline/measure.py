@@ -309,10 +309,13 @@ def gemm_sample(engines: EngineMaker, v: Variant, full: Variant) -> GemmSample |
     if not at:
         return None
     nodes = [v.model.graph.node[i] for i in at]
-    one = [extract_branch(v.model, v.graph, Branch(id=k, name=f"linear_{k:03d}", stream=0, nodes=[n.name],
-                                                   inputs=[n.input[0]], outputs=[n.output[0]]))
-           for k, n in enumerate(nodes)]
-    model, graph, plan = engines.side_by_side(one)
+    try:
+        one = [extract_branch(v.model, v.graph, Branch(id=k, name=f"linear_{k:03d}", stream=0, nodes=[n.name],
+                                                       inputs=[n.input[0]], outputs=[n.output[0]]))
+               for k, n in enumerate(nodes)]
+        model, graph, plan = engines.side_by_side(one)
+    except Exception:  # noqa: BLE001 - a sample that cannot be cut leaves the round to the whole plan's race
+        return None
     current = Variant(model, graph, plan, v.options)
     return GemmSample(full, current, replace(current, options=full.options), [n.name for n in nodes])
 
@@ -1589,17 +1592,22 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 v = replace(v, options=replace(v.options, fuse_attention=False))  # what the later rounds' alternatives run
             decided("attention", won)
         if gemm and has_gemm_epilogue(v.model):
-            off = replace(v, options=replace(v.options, fuse_gemm_epilogue=False))
+            off, sample_error = replace(v, options=replace(v.options, fuse_gemm_epilogue=False)), None
             sample = gemm_sample(engines, v, off) if "GEMM epilogue" not in done else None
             if sample is not None:  # decided on its Linears of one row, against the plan's own median
                 from .bench import measure as time_replays
 
-                plan_ms = float(np.median(time_replays({"plan": current()}, runs=runs, warmup=10,
-                                                       lock=v.options.gpu_timing_lock)["plan"]))
-                rounds.append(dict(gemm_sample_round(engines, sample, v.plan, plan_ms, runs=runs,
-                                                     lock=v.options.gpu_timing_lock),
-                                   load_s=round(time.perf_counter() - since[0], 3)))
-                since[0] = time.perf_counter()
+                try:
+                    plan_ms = float(np.median(time_replays({"plan": current()}, runs=runs, warmup=10,
+                                                           lock=v.options.gpu_timing_lock)["plan"]))
+                    r = gemm_sample_round(engines, sample, v.plan, plan_ms, runs=runs, lock=v.options.gpu_timing_lock)
+                except Exception as e:  # noqa: BLE001 - the sample is not the plan: the round is raced on it instead
+                    sample_error = f"{type(e).__name__}: {e}"
+                    sample = None
+                else:
+                    rounds.append(dict(r, load_s=round(time.perf_counter() - since[0], 3)))
+                    since[0] = time.perf_counter()
+            if sample is not None:
                 won = rounds[-1]["won"] == round_labels("GEMM epilogue", v.plan)[1]
                 while won and held:  # the later rounds race the alternative's whole plan: loaded in its place
                     held.pop().close()
@@ -1607,6 +1615,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                     held.append(engines.launcher(off))
             else:
                 won = round_won("GEMM epilogue", lambda: engines.launcher(off))
+                if sample_error:
+                    rounds[-1]["sample_error"] = sample_error
             if won:
                 chosen["fuse_gemm_epilogue"] = False
                 v = off

@@ -267,13 +267,14 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
         assert got["conv_kernels"] == given
 
 
-@pytest.mark.parametrize("saved", [0.004, 0.03])
+@pytest.mark.parametrize("saved", [0.004, 0.03, "broken"])
 def test_the_gemm_round_over_a_one_row_head_is_decided_on_its_sample_after_the_search(models, monkeypatch, saved):
     """``time_alternatives`` of a plan whose GEMM-epilogue round changes only a Linear of one row (small_net's
     head): the round is decided on the head alone (``gemm_sample``: two one-node engines timed together) against
     the plan's own median, its whole-plan alternative never loaded; the alternative is kept only where it saves
     more than the round's 1% of the plan's time, and the later rounds then race the alternative's plan.  The
-    queued rivals hear the decision."""
+    queued rivals hear the decision.  A sample that cannot be timed leaves the round to the whole plan's race,
+    which says why."""
     import types
 
     from parastream.launcher.engines import BuildOptions
@@ -283,6 +284,13 @@ def test_the_gemm_round_over_a_one_row_head_is_decided_on_its_sample_after_the_s
         def __missing__(self, key):
             return 1.05
 
+    broken = saved == "broken"
+    if broken:  # (the whole plan's alternative, "scratch", is then raced: 1.05 against the plan's 1.0)
+        def fails(*a, **k):
+            raise RuntimeError("no sample here")
+
+        monkeypatch.setattr(measure, "gemm_sample_round", fails)
+        saved = 0.0
     build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("sample", True): 0.013,
                                                    ("sample", False): 0.013 - saved}))
     loaded = []
@@ -305,6 +313,11 @@ def test_the_gemm_round_over_a_one_row_head_is_decided_on_its_sample_after_the_s
                             rivals=rivals)
     r = got["rounds"][0]
     labels = measure.round_labels("GEMM epilogue", plan)
+    if broken:
+        assert r["choice"] == "GEMM epilogue" and "sample" not in r and "no sample here" in r["sample_error"]
+        assert r["timed_ms"] == {labels[0]: 1.0, labels[1]: 1.05} and got["fuse_gemm_epilogue"] is True
+        assert all(la.closed for la in made)
+        return
     assert r["choice"] == "GEMM epilogue" and r["sample"]["timed_ms"] == {labels[0]: 0.013, labels[1]: round(0.013 - saved, 4)}
     assert r["timed_ms"] == {labels[0]: 1.0, labels[1]: pytest.approx(1.0 - saved)}
     flipped = saved > measure.PREFER_CURRENT_WITHIN["GEMM epilogue"] * 1.0
