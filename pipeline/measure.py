@@ -276,10 +276,10 @@ class GemmSample:
     and without it (one Inductor reduction), the two timed together (``GpuMeasurer._race_gemm_sample``).
 
     Why: the round's two forms differ in those nodes only, by a few microseconds, where one loaded plan's
-    medians differ by ~1% (6-9 µs on a 0.6-0.9 ms CNN): raced on the whole plan, MixNet-S's round went either way
-    (the alternative ahead by 0.6-1.4% in eight builds, the plan's form kept in five, H200), and a flip then took the later rounds'
-    rivals of the other form.  On the nodes alone, with two compiles of one node, a head's saving is timed to
-    a fraction of a microsecond: cuBLAS 15.0 against 5.2 µs for the reduction on
+    medians differ by ~1% (6-9 µs on a 0.6-0.9 ms CNN): raced on the whole plan, MixNet-S's round went either
+    way (the alternative ahead by 0.6-1.4% in eight builds, the plan's form kept in five, H200), and a flip then
+    took the later rounds' rivals of the other form.  On the nodes alone, with two compiles of one node, a
+    head's saving is timed to a fraction of a microsecond: cuBLAS 15.0 against 5.2 µs for the reduction on
     MixNet-S's head, 13.9 against 5.3 on EfficientNet-B0's, 17.3 against 5.4 on ResNet-50's (H200, a replay of
     the one-node plan each, its launch included; bench/figures/ab_one_gpu_h200_gemm_sample_*.json)."""
 
@@ -287,7 +287,7 @@ class GemmSample:
     current: Variant  # the plan's Linears of one row side by side, as the plan compiles them
     alternative: Variant  # the same with the GEMM epilogue off
     names: list[str]  # the Gemm nodes sampled
-    full_keys: list[str] = field(default_factory=list)  # ``full``'s cache keys once queued (dropped if moot)
+    full_keys: list[str] = field(default_factory=list)  # ``full``'s cache keys, once queued (dropped when moot)
 
     def variants(self) -> list[Variant]:
         """What the sample compiles and loads."""
@@ -927,19 +927,21 @@ class GpuMeasurer:
             # H200, 22.5 s); the other alternatives after the candidates
             samples = [a for _, a in named if isinstance(a, (DepthwiseSample, GemmSample))]
             sampled = [x for a in samples for x in a.variants()]
-            spans, compiled, at = [], [], 0  # per round, the span of ``sampled + compiled`` its engines are
+            # per round, the span of ``sampled + compiled`` whose keys its turn waits for: a sample's engines, or
+            # the round's alternative (a sampled GEMM round's is compiled too, for a flip to go on with: at ``fulls``)
+            spans, compiled, fulls, at = [], [], {}, 0
             for _, a in named:
                 if isinstance(a, (DepthwiseSample, GemmSample)):
                     spans.append((at, at + len(a.variants())))
                     at += len(a.variants())
-                if isinstance(a, GemmSample):
-                    a.full_keys = [len(sampled) + len(compiled)]  # (its place: the keys are known once queued)
-                    compiled.append(a.full)
-                elif not isinstance(a, (DepthwiseSample, StreamsRival, SampledRound)):
+                    if isinstance(a, GemmSample):
+                        fulls[id(a)] = len(sampled) + len(compiled)
+                        compiled.append(a.full)
+                elif isinstance(a, (StreamsRival, SampledRound)):
+                    spans.append((0, 0))  # (nothing compiled for it yet)
+                else:
                     spans.append((len(sampled) + len(compiled), len(sampled) + len(compiled) + 1))
                     compiled.append(a)
-                elif not isinstance(a, DepthwiseSample):
-                    spans.append((0, 0))
             first = (self.engines.precompile(sampled, background=True, cancellable=False, order="search",
                                              label="the rounds' samples") if sampled else None)
             alt = self.engines.precompile(compiled, background=True, cancellable=False,
@@ -951,14 +953,14 @@ class GpuMeasurer:
                 if alt is not None:
                     alt["sampled"] = first
             for a in samples:
-                if isinstance(a, GemmSample):
-                    a.full_keys = list(keys[a.full_keys[0]]) if keys is not None else []
+                if isinstance(a, GemmSample) and keys is not None:
+                    a.full_keys = list(keys[fulls[id(a)]])
             # spare work, each round's apart: needed only where that round of the input flips, when they are
-            # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search.  (Not the
-            # GEMM-epilogue round's last where its sample decides it: MixNet-S's sample flips it, by 9.8 µs of a
-            # 0.877 ms plan, H200, and its rivals queued behind the others' took that build from 60-78 s to 90.)
-            spare = speculative_by_round(self.engines, variants[0])
-            for what, alts in spare:
+            # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search.  In the
+            # rounds' order, a sampled GEMM-epilogue round's too: queued after the others', on the guess that its
+            # sample keeps the plan's form, they started at 33-38 s in a MixNet-S build whose sample flipped the
+            # round (9.8 µs of a 0.877 ms plan), which then took 90 s against 60-78 (H200)
+            for what, alts in speculative_by_round(self.engines, variants[0]):
                 queued = self.engines.precompile(alts, background=True, cancellable=False, order="spare",
                                                  label="alternatives of alternatives")
                 self.early.setdefault("spare", {})[what] = [k for ks in (queued or {}).get("keys") or [] for k in ks]
