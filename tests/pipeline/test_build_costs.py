@@ -934,6 +934,38 @@ def test_a_gemm_round_on_linears_of_one_row_is_sampled_on_those_nodes_alone(tmp_
     assert not one_row_linears(v2.model) and measure.gemm_sample(engines2, v2, v2) is None
 
 
+def test_a_head_of_two_linears_is_sampled_as_two_engines_each_reading_what_it_reads_in_the_model(tmp_path):
+    """A head of two Linears of one row with an activation between (MobileNet-V3-Small's: Gemm, HardSwish, Gemm):
+    the sample holds both, each an engine of its own in the model's order, the second reading the activation's
+    output as an input of the sample; ONNX Runtime runs each to the model's own values."""
+    import onnx
+    from graphs import classifier_cnn_model, ort_reference
+    from onnx import helper, numpy_helper
+
+    from parastream.pipeline import measure
+
+    m = classifier_cnn_model(channels=16, classes=24)
+    rng = np.random.default_rng(1)
+    m.graph.node.extend([helper.make_node("HardSwish", ["logits"], ["act"], name="act"),
+                         helper.make_node("Gemm", ["act", "fc2_w", "fc2_b"], ["out"], name="fc2", transB=1)])
+    m.graph.initializer.extend([numpy_helper.from_array(rng.standard_normal((7, 24)).astype(np.float32), "fc2_w"),
+                                numpy_helper.from_array(rng.standard_normal(7).astype(np.float32), "fc2_b")])
+    m.graph.output[0].CopyFrom(helper.make_tensor_value_info("out", onnx.TensorProto.FLOAT, [1, 7]))
+    engines, v, full = _classifier_engines(tmp_path, m)
+    s = measure.gemm_sample(engines, v, full)
+    assert s.names == ["fc", "fc2"] and [b.nodes for b in s.current.plan.branches] == [["fc"], ["fc2"]]
+    assert sorted(i.name for i in s.current.model.graph.input if i.name not in
+                  {t.name for t in s.current.model.graph.initializer}) == ["act", "flat"]
+    x = np.random.default_rng(0).standard_normal((1, 3, 8, 8)).astype(np.float32)
+    probe = onnx.ModelProto()  # the model with the Linears' inputs and the first one's output as outputs too
+    probe.CopyFrom(v.model)
+    probe.graph.output.extend(vi for vi in v.model.graph.value_info if vi.name in ("flat", "act", "logits"))
+    got = ort_reference(probe, {"input": x})
+    alone = ort_reference(s.current.model, {"flat": got["flat"], "act": got["act"]})
+    for name in ("logits", "out"):
+        np.testing.assert_allclose(alone[name], got[name], rtol=1e-6, atol=1e-6)
+
+
 @pytest.mark.parametrize("saved", [0.004, -0.002, 0.02])
 def test_a_sampled_gemm_round_is_decided_on_its_sample_by_the_round_s_share_of_the_plan(monkeypatch, tmp_path, saved):
     """The input's "GEMM epilogue" round over Linears of one row: their sample compiled with the input (ahead of
