@@ -320,6 +320,23 @@ def gemm_sample(engines: EngineMaker, v: Variant, full: Variant) -> GemmSample |
     return GemmSample(full, current, replace(current, options=full.options), [n.name for n in nodes])
 
 
+def sample_medians(engines: EngineMaker, named: dict[str, Variant], *, runs: int, warmup: int = 10,
+                   lock: bool = True) -> dict[str, float]:
+    """Each of ``named``'s variants (one plan: a round's sample in its forms) loaded and timed together in
+    alternating blocks: label -> median ms.  The launchers are closed after; raises what loading or timing raised."""
+    from .bench import measure as time_replays
+
+    la = {}
+    try:
+        for label, v in named.items():
+            la[label] = engines.launcher(v)
+        times = time_replays(la, runs=runs, warmup=warmup, lock=lock)
+    finally:
+        for x in la.values():
+            x.close()
+    return {k: float(np.median(t)) for k, t in times.items()}
+
+
 def gemm_sample_round(engines: EngineMaker, s: GemmSample, plan, plan_ms: float, *, runs: int, warmup: int = 10,
                       lock: bool = True) -> dict:
     """The "GEMM epilogue" round decided on its sample (``GemmSample``): the plan's Linears of one row with the
@@ -328,20 +345,10 @@ def gemm_sample_round(engines: EngineMaker, s: GemmSample, plan, plan_ms: float,
     whole-plan race keeps the plan's form within.  The round as ``race`` writes one: ``timed_ms`` gives the
     plan's time and that time less the saving, the sample's own times beside (``sample``).  Raises what loading
     or timing the sample raised."""
-    from .bench import measure as time_replays
-
     what = "GEMM epilogue"
     keys = round_labels(what, plan)
     t0 = time.perf_counter()
-    la = {}
-    try:
-        la[keys[0]] = engines.launcher(s.current)
-        la[keys[1]] = engines.launcher(s.alternative)
-        times = time_replays(la, runs=runs, warmup=warmup, lock=lock)
-    finally:
-        for x in la.values():
-            x.close()
-    ms = {k: float(np.median(t)) for k, t in times.items()}
+    ms = sample_medians(engines, {keys[0]: s.current, keys[1]: s.alternative}, runs=runs, warmup=warmup, lock=lock)
     saved = ms[keys[0]] - ms[keys[1]]
     within = PREFER_CURRENT_WITHIN[what]
     return {"choice": what, "timed_ms": {keys[0]: plan_ms, keys[1]: plan_ms - saved},
@@ -1373,8 +1380,6 @@ class GpuMeasurer:
         plan as it is (report.json's round says so, with the sample's times); the first round left open is raced
         on the whole plan in its turn (``SampledRound``: its alternative compiled then), the sample kept beside it,
         and the rounds after it race in theirs.  None: the sample could not be timed (``early["stopped"]``)."""
-        from .bench import measure as time_replays
-
         early = self.early
         t0 = time.perf_counter()
         first = next(iter(s.kinds))
@@ -1382,18 +1387,11 @@ class GpuMeasurer:
         here = labels[first][0]  # the kernels the plan has
         named = {here: s.current, **{labels[what][1]: v for what, v in s.kinds.items()}}
         try:
-            la = {}
-            try:
-                for label, v in named.items():
-                    la[label] = self.engines.launcher(v)
-                times = time_replays(la, runs=self.runs, warmup=self.warmup, lock=self.options.gpu_timing_lock)
-            finally:
-                for x in la.values():
-                    x.close()
+            ms = sample_medians(self.engines, named, runs=self.runs, warmup=self.warmup,
+                                lock=self.options.gpu_timing_lock)
         except Exception as e:  # noqa: BLE001 - the build times the rounds after the search, where a failure is reported
             early["stopped"] = f"depthwise convolutions (sampled): {type(e).__name__}: {e}"
             return None
-        ms = {k: float(np.median(t)) for k, t in times.items()}
         sample = {"engines": s.names, "of": s.of, "convolutions": s.convolutions, "covered": s.covered,
                   "timed_ms": {k: round(t, 4) for k, t in ms.items()}, "timed_s": round(time.perf_counter() - t0, 3)}
         for what in s.kinds:
