@@ -31,7 +31,8 @@ from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa
 from .isolate import Child, in_child
 from .measure import (CARRIED_ALWAYS, ORIGINAL_ONE_SESSION, GpuMeasurer, Variant, alternative_variants, carried_rounds,
                       choose_cpu_alternative, compiled_for_other_choices, cpu_choice_recordable, gpu_present,
-                      QueuedRivals, plan_signature, speculative_by_round, time_alternatives)
+                      QueuedRivals, decided_form, plan_signature, speculative_by_round,
+                      time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
@@ -1168,20 +1169,27 @@ def build_engines(b: _Build, tmp: Path) -> None:
                                                       "the rest after the search"} if carried else None)
         shipped = Variant(b.model, b.graph, b.plan, b.options, b.measured["internal_nhwc"] if b.measured else True)
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
-            done = {r["choice"] for r in (early or {}).get("rounds") or []}
-            # (the engine cut decides no fusion round: a plan whose only carried round is the cut still compiles
-            # the second-level alternatives up front)
+            decided = (early or {}).get("rounds") or []
+            done = {r["choice"] for r in decided}
+            # the rounds still to race race the form the decided ones chose (a one-engine plan's GEMM round,
+            # decided on its sample before its rivals were queued, ``GpuMeasurer._gemm_sample_first``): their
+            # rivals, and the next level's as spare, are compiled for that form.  (The engine cut decides no fusion
+            # round: a plan whose only carried round is the cut still compiles the second-level alternatives up
+            # front; nor does the GEMM round decided first, whose next level was queued for its form.)
+            form = decided_form(shipped, decided)
+            first = {r["choice"] for r in decided if r.get("decided_first")}
             timed_all = (early is not None and not early.get("partial")) or b.measured
-            rivals = [] if timed_all else [(what, v) for what, v in alternative_variants(b.engines, shipped)
+            rivals = [] if timed_all else [(what, v) for what, v in alternative_variants(b.engines, form)
                                            if what not in done]
-            speculative = [] if timed_all or done - CARRIED_ALWAYS else speculative_by_round(b.engines, shipped, done)
+            speculative = ([] if timed_all or done - CARRIED_ALWAYS - first
+                           else speculative_by_round(b.engines, form, done))
             if rivals and b.backend.background_compiles:
                 # the plan first, then its rounds' rivals in the background: the rounds start as soon as their own
                 # rival is in (``QueuedRivals``), not once the slowest of them is
                 b.precompiled = b.engines.precompile([shipped], background=True, cancellable=False, order="now",
                                                      label="the plan")
                 b.rivals = QueuedRivals(b.engines)
-                b.rivals.queue(shipped, done, rivals, speculative)
+                b.rivals.queue(form, done, rivals, speculative)
                 if b.precompiled is not None:
                     b.precompiled = {**{k: x for k, x in b.precompiled.items() if k != "keys"},
                                      "rivals": b.rivals.queued}

@@ -216,6 +216,13 @@ SAMPLE_ENGINES = 6
 #: sampled engines run one after another, with no neighbour on another stream to hide their time behind, so the
 #: sample's ratio is the plan's at most: a wide margin only is taken as the plan's
 SAMPLE_DECIDES_BEYOND = 0.15
+#: a one-engine plan's "GEMM epilogue" round decided on its sample before the rivals of the later rounds are
+#: queued (``GpuMeasurer._gemm_sample_first``) keeps the alternative where the sample with the epilogue runs slower
+#: than it by more than this share.  Decided first, the round costs nothing either way: the later rounds' rivals
+#: are compiled for the form it keeps only, so the plan's 1% (``PREFER_CURRENT_WITHIN``), which prices the later
+#: rounds timed again after a flip, does not apply; what is left is the sample's own noise, a few percent of a
+#: replay of one or two nodes (H200: cuBLAS 13.9-17.3 µs against 5.2-5.4 for Inductor's reduction on three heads)
+GEMM_SAMPLE_DECIDES_BEYOND = 0.10
 
 
 def depthwise_keys(branch: onnx.ModelProto) -> set[tuple]:
@@ -337,25 +344,38 @@ def sample_medians(engines: EngineMaker, named: dict[str, Variant], *, runs: int
     return {k: float(np.median(t)) for k, t in times.items()}
 
 
-def gemm_sample_round(engines: EngineMaker, s: GemmSample, plan, plan_ms: float, *, runs: int, warmup: int = 10,
-                      lock: bool = True) -> dict:
+def gemm_sample_round(engines: EngineMaker, s: GemmSample, plan, plan_ms: float | None, *, runs: int,
+                      warmup: int = 10, lock: bool = True) -> dict:
     """The "GEMM epilogue" round decided on its sample (``GemmSample``): the plan's Linears of one row with the
-    epilogue and without it, timed together in alternating blocks.  The alternative is kept where it saves more
-    than the round's ``PREFER_CURRENT_WITHIN`` share of ``plan_ms`` (the plan's own median), the share a
-    whole-plan race keeps the plan's form within.  The round as ``race`` writes one: ``timed_ms`` gives the
-    plan's time and that time less the saving, the sample's own times beside (``sample``).  Raises what loading
-    or timing the sample raised."""
+    epilogue and without it, timed together in alternating blocks.  With ``plan_ms`` (the plan's own median: the
+    round decided after other rounds raced the plan's form) the alternative is kept where it saves more than the
+    round's ``PREFER_CURRENT_WITHIN`` share of it, the share a whole-plan race keeps the plan's form within, and
+    the round as ``race`` writes one gives the plan's time and that time less the saving in ``timed_ms``.
+    Without it (the round decided first, before any rival of a later round is compiled:
+    ``GpuMeasurer._gemm_sample_first``) the sample's form with the epilogue is kept unless it runs slower than the
+    alternative by more than ``GEMM_SAMPLE_DECIDES_BEYOND`` (as ``race`` keeps a plan's form), and ``timed_ms`` gives the sample's times.  The sample's own times are in
+    ``sample`` either way.  Raises what loading or timing the sample raised."""
     what = "GEMM epilogue"
     keys = round_labels(what, plan)
     t0 = time.perf_counter()
     ms = sample_medians(engines, {keys[0]: s.current, keys[1]: s.alternative}, runs=runs, warmup=warmup, lock=lock)
     saved = ms[keys[0]] - ms[keys[1]]
+    sample = {"nodes": s.names, "timed_ms": {k: round(t, 4) for k, t in ms.items()}}
+    linears = plural(len(s.names), "Linear")
+    if plan_ms is None:
+        beyond = GEMM_SAMPLE_DECIDES_BEYOND
+        return {"choice": what, "timed_ms": dict(ms), "won": keys[1] if ms[keys[0]] > ms[keys[1]] * (1 + beyond) else keys[0],
+                "load_s": 0.0, "timed_s": round(time.perf_counter() - t0, 3), "current_kept_within": beyond,
+                "sample": sample,
+                "timed": f"on its {linears} of one row alone, before any later round's rival was compiled: the "
+                         f"alternative {'saves' if saved >= 0 else 'costs'} {abs(saved) * 1e3:.1f} µs, kept beyond "
+                         f"{beyond:.0%}"}
     within = PREFER_CURRENT_WITHIN[what]
     return {"choice": what, "timed_ms": {keys[0]: plan_ms, keys[1]: plan_ms - saved},
             "won": keys[1] if saved > within * plan_ms else keys[0],
             "load_s": 0.0, "timed_s": round(time.perf_counter() - t0, 3), "current_kept_within": within,
-            "sample": {"nodes": s.names, "timed_ms": {k: round(t, 4) for k, t in ms.items()}},
-            "timed": f"on its {plural(len(s.names), 'Linear')} of one row alone: the alternative "
+            "sample": sample,
+            "timed": f"on its {linears} of one row alone: the alternative "
                      f"{'saves' if saved >= 0 else 'costs'} {abs(saved) * 1e3:.1f} µs of the plan's {plan_ms:.3f} ms, "
                      f"kept beyond {within:.0%}"}
 
@@ -596,6 +616,36 @@ def blocks_not_raced(v: Variant) -> dict | None:
     return {"choice": "engine blocks", "won": round_labels("engine blocks", v.plan)[0],
             "not_raced": f"its blocks compile {_blocks_share(v):.0%} of its nodes; raced above "
                          f"{WHOLE_ENGINE_RACED_ABOVE:.0%}"}
+
+
+def gemm_decided_first(plan) -> bool:
+    """Whether a plan's sampled "GEMM epilogue" round is decided before its other rounds' rivals are queued
+    (``GpuMeasurer._gemm_sample_first``): a plan of one engine, which the round's form changes for every later
+    rival.  In a plan of several engines the head's is one engine of many, and the other rounds' rivals are the
+    same compiles for either form (cache keys per engine)."""
+    return len(plan.branches) == 1
+
+
+def decided_form(v: Variant, rounds: list[dict]) -> Variant:
+    """``v`` with what ``rounds`` (decided already) chose applied where a round went to its alternative: the form
+    the rounds still to race race (``time_alternatives`` applies each winner as it goes), and so the form whose
+    rivals the build compiles for them.  The plan's rounds (streams, engine blocks) change no later round's form."""
+    o, nhwc = v.options, v.internal_nhwc
+    for r in rounds:
+        what = r.get("choice")
+        if what not in ROUND_OPTION and what != "boundary layout" or r.get("won") != round_labels(what, v.plan)[1]:
+            continue
+        if what == "boundary layout":
+            nhwc = False
+        else:
+            o = replace(o, **{ROUND_OPTION[what][0]: ROUND_OPTION[what][1]})
+    return v if (o, nhwc) == (v.options, v.internal_nhwc) else replace(v, options=o, internal_nhwc=nhwc)
+
+
+#: the build option each fusion or kernel round's alternative sets, and its value there
+ROUND_OPTION = {"attention": ("fuse_attention", False), "GEMM epilogue": ("fuse_gemm_epilogue", False),
+                "conv+ReLU": ("fuse_conv_relu", False),
+                **{what: ("conv_kernels", k) for what, k in DEPTHWISE_ROUNDS}}
 
 
 def whole_engine_form(engines: EngineMaker, v: Variant) -> Variant:
@@ -929,6 +979,7 @@ class GpuMeasurer:
                 named = [(what, StreamsRival(a) if what == "streams" else
                           gemm_sample(self.engines, variants[0], a) or a if what == "GEMM epilogue" else a)
                          for what, a in named]
+            named, base, first_round = self._gemm_sample_first(named, variants[0])
             # a round's sample is compiled right after the input, with the search's candidates (its engines are
             # few and it decides the round, which waited for them at the search's end otherwise: NASNet-A Large,
             # H200, 22.5 s); the other alternatives after the candidates
@@ -967,14 +1018,20 @@ class GpuMeasurer:
             # rounds' order, a sampled GEMM-epilogue round's too: queued after the others', on the guess that its
             # sample keeps the plan's form, they started at 33-38 s in a MixNet-S build whose sample flipped the
             # round (9.8 µs of a 0.877 ms plan), which then took 90 s against 60-78 (H200)
-            for what, alts in speculative_by_round(self.engines, variants[0]):
+            decided = {first_round["choice"]} if first_round else set()
+            for what, alts in speculative_by_round(self.engines, base, decided):
                 queued = self.engines.precompile(alts, background=True, cancellable=False, order="spare",
                                                  label="alternatives of alternatives")
                 self.early.setdefault("spare", {})[what] = [k for ks in (queued or {}).get("keys") or [] for k in ks]
             if keys is not None and len(keys) == len(sampled) + len(compiled) and models[0] is self.loaded.model:
-                self.early.update(plan=variants[0].plan, variant=variants[0], rounds=[],
+                self.early.update(plan=variants[0].plan, variant=variants[0], rounds=[first_round] if first_round else [],
                                   todo=[(what, a, [k for ks in keys[i:j] for k in ks])
                                         for (what, a), (i, j) in zip(named, spans)])
+                if base is not variants[0]:  # the GEMM round went to the alternative: the later rounds race that
+                    # form, whose rivals are compiled, not the input's plan (the build times them after the search)
+                    self.early.update(todo=[], flips=["GEMM epilogue"],
+                                      stopped="GEMM epilogue: the alternative won on its sample; the rest are timed "
+                                              "after the search, on its form")
             got["alternatives"] = alt
         return got
 
@@ -1073,6 +1130,39 @@ class GpuMeasurer:
         """Whether a candidate timed at ``ms`` is one the search can keep: faster than the input by the search's
         margin and than every candidate before it."""
         return ms < min(self.reference[1] * (1.0 - self.margin), self.best_ms)
+
+    def _gemm_sample_first(self, named: list[tuple], v: Variant) -> tuple[list[tuple], Variant, dict | None]:
+        """The input's rounds (``named``, as ``prepare`` queues them) with a one-engine plan's "GEMM epilogue"
+        round decided first, on its sample (``GemmSample``) alone, before any other round's rival is queued:
+        (the rounds to queue, the form the later rounds race, the GEMM round decided, or None).  Kept, the rounds
+        are the others, of ``v``; gone to the alternative, they are that form (the round's own whole-plan
+        alternative, first) and its rounds' rivals.  Elsewhere ``named`` and ``v`` as they are.
+
+        Why: in one engine the GEMM round's form is every later rival's form, and decided after the plan was
+        compiled, the rivals of both forms were compiled: MixNet-S (H200) compiled 14 whole-model groups, ~400
+        worker-seconds, its input's rivals for a form its sample then dropped, and the rivals of the form it
+        kept were queued 37 s into a 78 s build.  The sample compiles in a few seconds (two one-node engines),
+        which the search waits for here: it waits for the input's compile before it measures anything.  A
+        sample that fails leaves the round to the whole plan's race."""
+        at = next((i for i, (_, a) in enumerate(named) if isinstance(a, GemmSample)), None)
+        if at is None or not gemm_decided_first(v.plan):
+            return named, v, None
+        s = named[at][1]
+        t0 = time.perf_counter()
+        self.engines.precompile(s.variants(), background=True, cancellable=False, order="search",
+                                label="the rounds' samples")
+        try:
+            r = gemm_sample_round(self.engines, s, v.plan, None, runs=self.runs, warmup=self.warmup,
+                                  lock=self.options.gpu_timing_lock)
+        except Exception as e:  # noqa: BLE001 - the sample is not the plan: its round is raced on the plan instead
+            self.early["sample_error"] = f"GEMM epilogue (sampled): {type(e).__name__}: {e}"
+            return [(what, s.full if a is s else a) for what, a in named], v, None
+        r.update(started_s=round(t0 - self.t_made, 3), decided_first=True)
+        others = [(what, a) for what, a in named if a is not s]
+        if r["won"] != round_labels("GEMM epilogue", v.plan)[1]:
+            return others, v, r
+        return ([("GEMM epilogue", s.full)] + [(what, a) for what, a in alternative_variants(self.engines, s.full)
+                                              if what != "GEMM epilogue"], s.full, r)
 
     def _queue_rounds_of(self, v: Variant) -> None:
         """Queue the compiles of the rounds' alternatives of ``v``, the fastest candidate so far and faster than
@@ -1369,6 +1459,8 @@ class GpuMeasurer:
                                             "holds nodes of both")
         if "sample" in early and what in dict(DEPTHWISE_ROUNDS):
             early["rounds"][-1]["sample"] = early.pop("sample")
+        if "sample_error" in early and what == "GEMM epilogue":  # (``_gemm_sample_first``)
+            early["rounds"][-1]["sample_error"] = early.pop("sample_error")
         if "serial" in early and what == "streams":
             early["rounds"][-1]["serial"] = early.pop("serial")
         return won

@@ -979,6 +979,7 @@ def test_a_sampled_gemm_round_is_decided_on_its_sample_by_the_round_s_share_of_t
     from parastream.pipeline.measure import GpuMeasurer
 
     engines, v, full = _classifier_engines(tmp_path)
+    monkeypatch.setattr(measure, "gemm_decided_first", lambda plan: False)  # as in a plan of several engines
     other_round = replace_options(v, fuse_conv_relu=False)
     compiled, orders, labels, timings, dropped, hastened = [], [], [], [], [], []
 
@@ -1035,6 +1036,137 @@ def test_a_sampled_gemm_round_is_decided_on_its_sample_by_the_round_s_share_of_t
     else:
         assert not dropped and m.early["flips"] == ["GEMM epilogue"] and spare in hastened
     m.close()
+
+
+@pytest.mark.parametrize("saved", [0.0005, -0.002, 0.004])
+def test_a_one_engine_plan_s_gemm_round_is_decided_on_its_sample_before_any_other_rival_is_queued(
+        monkeypatch, tmp_path, saved):
+    """A one-engine plan's "GEMM epilogue" round over its Linears of one row is decided as soon as its sample is
+    compiled, before the measurer has a reference: the alternative kept only where the sample with the epilogue
+    runs slower than it by more than ``GEMM_SAMPLE_DECIDES_BEYOND``.  Kept, the input's other rounds are queued and raced as before, and
+    neither the round's whole-plan alternative nor the rivals of that form are compiled; gone to the alternative,
+    that form is compiled with its own rounds' rivals, its next level queued as spare, nothing of the input's form,
+    and the rounds are left to after the search (raced on that form)."""
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines, v, full = _classifier_engines(tmp_path)
+    assert len(v.plan.branches) == 1 and measure.gemm_decided_first(v.plan)
+    conv_of = {id(v): replace_options(v, fuse_conv_relu=False), id(full): replace_options(full, fuse_conv_relu=False)}
+    spec = {id(v): [replace_options(v, conv_kernels="native")], id(full): [replace_options(full, conv_kernels="native")]}
+    compiled, orders, labels, timings, spare_of = [], [], [], [], []
+
+    def precompile(variants, background, cancellable, order="auto", label=""):
+        compiled.append(list(variants)), orders.append(order), labels.append(label)
+        return {"jobs": len(variants), "background": True,
+                "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]}
+
+    def alternatives(e, var):
+        gemm = [("GEMM epilogue", full)] if var.options.fuse_gemm_epilogue else []
+        return gemm + [("conv+ReLU", conv_of[id(var)])]
+
+    def speculative(e, var, decided=()):
+        spare_of.append((var, set(decided)))
+        gemm = [("GEMM epilogue", [conv_of[id(full)]])] if "GEMM epilogue" not in decided and var is v else []
+        return gemm + [("conv+ReLU", spec[id(var)])]
+
+    monkeypatch.setattr(engines, "precompile", precompile)
+    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
+    monkeypatch.setattr(measure, "alternative_variants", alternatives)
+    monkeypatch.setattr(measure, "speculative_by_round", speculative)
+    def ms(la):  # the sample 0.013 ms with the epilogue, ``saved`` ms less without it
+        return 1.0 if la.plan is v.plan else 0.013 - (saved if not la.options.fuse_gemm_epilogue else 0.0)
+
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
+                        or {k: np.full(10, ms(la)) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "name": "torch", "suffix": engines.backend.suffix,
+                                     "hasten": staticmethod(lambda keys: 0), "drop": staticmethod(lambda keys: 0),
+                                     "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0)})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    labels_ = measure.round_labels("GEMM epilogue", v.plan)
+    assert m.reference is None and timings[0] == list(labels_)  # timed before the input's plan was
+    assert compiled[0] == [v] and labels[1] == "the rounds' samples" and orders[1] == "search"
+    (r,) = m.early["rounds"]
+    assert r["choice"] == "GEMM epilogue" and r["decided_first"] and r["sample"]["nodes"] == ["fc"]
+    assert r["timed_ms"] == {labels_[0]: pytest.approx(0.013), labels_[1]: pytest.approx(0.013 - saved)}
+    kept = 0.013 <= (0.013 - saved) * (1 + measure.GEMM_SAMPLE_DECIDES_BEYOND)
+    assert r["won"] == labels_[0 if kept else 1]
+    flat = [x for batch in compiled for x in batch]
+    if kept:
+        assert full not in flat and conv_of[id(full)] not in flat  # nothing of the alternative's form
+        assert compiled[2] == [conv_of[id(v)]] and spare_of[-1] == (v, {"GEMM epilogue"})
+        assert [w for w, _, _ in m.early["todo"]] == ["conv+ReLU"] and not m.early.get("flips")
+        m.measure(engines.loaded.model)  # the reference, then the conv+ReLU round against it
+        m.time_ready(wait=True)
+        assert [x["choice"] for x in m.early["rounds"]] == ["GEMM epilogue", "conv+ReLU"]
+    else:
+        assert compiled[2] == [full, conv_of[id(full)]] and conv_of[id(v)] not in flat  # the alternative's form only
+        assert compiled[3] == spec[id(full)] and spare_of[-1] == (full, {"GEMM epilogue"})
+        assert m.early["todo"] == [] and m.early["flips"] == ["GEMM epilogue"]
+        assert m.alternatives_timed()["partial"]  # the conv+ReLU round left to after the search, on that form
+    assert (measure.decided_form(v, m.early["rounds"]) is v) == kept  # the form the build queues the rivals of
+    assert measure.decided_form(v, [r]).options.fuse_gemm_epilogue is kept
+    m.close()
+
+
+def test_a_gemm_sample_that_fails_leaves_a_one_engine_plan_s_round_to_the_whole_plan(monkeypatch, tmp_path):
+    """Must not decide first: the sample fails to load; its round is raced on the whole plan's alternative in its
+    turn, against the reference, and the round says why its sample was not used."""
+    from parastream.pipeline import bench, measure
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines, v, full = _classifier_engines(tmp_path)
+    compiled = []
+
+    def launcher(var):
+        if var.plan is not v.plan:
+            raise RuntimeError("sample failed to load")
+        return _Launcher(var)
+
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="":
+                        compiled.append(list(variants)) or {"jobs": len(variants), "background": True,
+                                                             "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", launcher)
+    monkeypatch.setattr(measure, "alternative_variants", lambda e, var: [("GEMM epilogue", full)])
+    monkeypatch.setattr(measure, "speculative_by_round", lambda e, var, decided=(): [])
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {
+        k: np.full(10, 1.0 if la.options.fuse_gemm_epilogue else 0.95) for k, la in launchers.items()})
+    engines.backend = type("B", (), {"background_compiles": True, "name": "torch", "suffix": engines.backend.suffix,
+                                     "hasten": staticmethod(lambda keys: 0), "drop": staticmethod(lambda keys: 0),
+                                     "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0)})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    assert not m.early["rounds"] and [(w, a) for w, a, _ in m.early["todo"]] == [("GEMM epilogue", full)]
+    assert [full] in compiled
+    m.measure(engines.loaded.model)
+    m.time_ready(wait=True)
+    (r,) = m.early["rounds"]
+    assert "sample" not in r and "sample failed to load" in r["sample_error"]
+    assert r["won"] == measure.round_labels("GEMM epilogue", v.plan)[1]  # 5% faster on the whole plan
+    m.close()
+
+
+def test_decided_form_applies_the_rounds_that_went_to_their_alternative(tmp_path):
+    """``decided_form``: each fusion or kernel round won by its alternative sets that option, the boundary layout
+    round the contiguous boundaries; a round the plan's form won, or a plan round (streams, engine blocks),
+    changes nothing."""
+    from parastream.pipeline import measure
+
+    _, v, _ = _classifier_engines(tmp_path)
+    alt = lambda what: {"choice": what, "won": measure.round_labels(what, v.plan)[1]}  # noqa: E731
+    kept = lambda what: {"choice": what, "won": measure.round_labels(what, v.plan)[0]}  # noqa: E731
+    assert measure.decided_form(v, [kept("GEMM epilogue"), kept("conv+ReLU"), alt("engine blocks")]) is v
+    got = measure.decided_form(v, [alt("GEMM epilogue"), alt("depthwise convolutions"), kept("depthwise kernel"),
+                                   alt("conv+ReLU"), alt("boundary layout"), alt("attention")])
+    o = got.options
+    assert (o.fuse_gemm_epilogue, o.conv_kernels, o.fuse_conv_relu, o.fuse_attention, got.internal_nhwc) == \
+        (False, "inductor", False, False, False)
+    assert got.model is v.model and got.plan is v.plan and v.options.fuse_gemm_epilogue
 
 
 def replace_options(v, **kw):

@@ -471,6 +471,32 @@ def test_gpu_build_times_its_alternatives(models, tmp_path):
 
 @pytest.mark.gpu
 @pytest.mark.slow
+def test_a_one_engine_gpu_build_decides_its_gemm_round_first_on_its_head(models, tmp_path):
+    """small_net on one stream is one engine whose head is a Linear of one row: its GEMM-epilogue round is decided
+    on the head alone before any other round's rival is compiled (``GpuMeasurer._gemm_sample_first``), the later
+    rounds race the form it kept, and the bundle ships it, verified."""
+    import onnx
+
+    model, _, _, _ = plan_of(models / "small_net.onnx", 1)
+    onnx.save(model, tmp_path / "folded.onnx")
+    cfg = BuildConfig(backend="torch", precision="fp16", measure_runs=30, streams=1)
+    bundle = build(tmp_path / "folded.onnx", tmp_path / "out", config=cfg)
+    assert len(bundle.plan.branches) == 1
+    m = bundle.report["measured_choices"]
+    r = m["rounds"][0]
+    assert r["choice"] == "GEMM epilogue" and r["decided_first"] and r["sample"]["nodes"]
+    current, other = r["timed_ms"].values()
+    assert r["timed_ms"] == r["sample"]["timed_ms"]
+    assert r["won"] == list(r["timed_ms"])[1 if current > other * (1 + r["current_kept_within"]) else 0]
+    assert m["fuse_gemm_epilogue"] is (r["won"] == list(r["timed_ms"])[0])
+    assert bundle.manifest["options"]["fuse_gemm_epilogue"] == m["fuse_gemm_epilogue"]
+    assert [x["choice"] for x in m["rounds"]].count("GEMM epilogue") == 1
+    v = bundle.report["verification"]
+    assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
 def test_gpu_build_decides_its_depthwise_rounds_on_a_sample(models, tmp_path, monkeypatch):
     """A plan with enough engines holding a depthwise convolution (nasnet_cell's, the threshold lowered) has both
     depthwise rounds timed during the search on a sample of those engines side by side, loaded on the GPU as the
