@@ -31,7 +31,7 @@ from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa
 from .isolate import Child, in_child
 from .measure import (CARRIED_ALWAYS, ORIGINAL_ONE_SESSION, GpuMeasurer, Variant, alternative_variants, carried_rounds,
                       choose_cpu_alternative, compiled_for_other_choices, cpu_choice_recordable, gpu_present,
-                      QueuedRivals, decided_form, plan_signature, speculative_by_round,
+                      QueuedRivals, decided_form, gemm_round_first, plan_signature, speculative_by_round,
                       time_alternatives)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model
 from .partition import extract_branch, make_plan, side_by_side, spec_of
@@ -1169,6 +1169,15 @@ def build_engines(b: _Build, tmp: Path) -> None:
                                                       "the rest after the search"} if carried else None)
         shipped = Variant(b.model, b.graph, b.plan, b.options, b.measured["internal_nhwc"] if b.measured else True)
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
+            if early is None and not b.measured and b.backend.background_compiles and gpu_present(b.backend):
+                try:  # (the search timed none of the input's rounds: a one-engine plan's GEMM round decided first)
+                    first = gemm_round_first(b.engines, shipped, runs=b.cfg.measure_runs,
+                                             lock=b.options.gpu_timing_lock)
+                except Exception:  # noqa: BLE001 - the sample is not the plan: ``time_alternatives`` races the round
+                    first = None
+                if first is not None:
+                    b.timed_alternatives = early = {"partial": True, "rounds": [first], "plan": b.plan,
+                                                    "timed": "the GEMM epilogue round on its sample, before the engines"}
             decided = (early or {}).get("rounds") or []
             done = {r["choice"] for r in decided}
             # the rounds still to race race the form the decided ones chose (a one-engine plan's GEMM round,

@@ -626,6 +626,23 @@ def gemm_decided_first(plan) -> bool:
     return len(plan.branches) == 1
 
 
+def gemm_round_first(engines: EngineMaker, v: Variant, *, runs: int, warmup: int = 10, lock: bool = True) -> dict | None:
+    """``v``'s "GEMM epilogue" round decided first on its sample (``gemm_sample_round`` without the plan's time),
+    its two one-node engines compiled now: for a build whose search timed none of the input's rounds (nothing to
+    rank), before the engines stage queues the later rounds' rivals, as ``GpuMeasurer._gemm_sample_first`` does
+    where the search measures (the same why).  None where the round is not decided first (``gemm_decided_first``)
+    or has no sample; raises what compiling, loading or timing the sample raised."""
+    backend = engines.backend
+    if not (v.options.fuse_gemm_epilogue and runs_gemm_epilogue(backend) and has_gemm_epilogue(v.model)
+            and gemm_decided_first(v.plan)):
+        return None
+    s = gemm_sample(engines, v, replace(v, options=replace(v.options, fuse_gemm_epilogue=False)))
+    if s is None:
+        return None
+    engines.precompile(s.variants(), background=True, cancellable=False, order="now", label="the rounds' samples")
+    return dict(gemm_sample_round(engines, s, v.plan, None, runs=runs, warmup=warmup, lock=lock), decided_first=True)
+
+
 def decided_form(v: Variant, rounds: list[dict]) -> Variant:
     """``v`` with what ``rounds`` (decided already) chose applied where a round went to its alternative: the form
     the rounds still to race race (``time_alternatives`` applies each winner as it goes), and so the form whose

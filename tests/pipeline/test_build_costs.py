@@ -1151,6 +1151,39 @@ def test_a_gemm_sample_that_fails_leaves_a_one_engine_plan_s_round_to_the_whole_
     m.close()
 
 
+@pytest.mark.parametrize("case", ["faster", "close", "several engines", "epilogue off"])
+def test_a_build_whose_search_timed_nothing_decides_a_one_engine_gemm_round_first(monkeypatch, tmp_path, case):
+    """``gemm_round_first`` (the engines stage, where the search timed none of the input's rounds): a one-engine
+    plan's GEMM round over its head decided on the head's sample, compiled first, by the sample's margin.  Must
+    not decide: a plan of several engines, or one built with the epilogue off (no round)."""
+    import types
+    from dataclasses import replace
+
+    from parastream.pipeline import bench, measure
+
+    engines, v, _ = _classifier_engines(tmp_path)
+    if case == "several engines":
+        v = replace(v, plan=types.SimpleNamespace(branches=[0, 1], num_streams=1))
+    if case == "epilogue off":
+        v = replace_options(v, fuse_gemm_epilogue=False)
+    compiled = []
+    monkeypatch.setattr(measure, "runs_gemm_epilogue", lambda backend: True)
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="":
+                        compiled.append((list(variants), order)) or {"jobs": len(variants), "background": True})
+    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
+    off_ms = 0.005 if case == "faster" else 0.0125
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {
+        k: np.full(10, 0.013 if la.options.fuse_gemm_epilogue else off_ms) for k, la in launchers.items()})
+    r = measure.gemm_round_first(engines, v, runs=10)
+    if case in ("several engines", "epilogue off"):
+        assert r is None and not compiled
+        return
+    labels = measure.round_labels("GEMM epilogue", v.plan)
+    assert compiled[0][1] == "now" and [x.plan for x in compiled[0][0]] == [compiled[0][0][0].plan] * 2
+    assert r["decided_first"] and r["sample"]["nodes"] == ["fc"]
+    assert r["won"] == labels[1 if case == "faster" else 0]  # 0.013 against 0.0125: within the sample's 10%
+
+
 def test_decided_form_applies_the_rounds_that_went_to_their_alternative(tmp_path):
     """``decided_form``: each fusion or kernel round won by its alternative sets that option, the boundary layout
     round the contiguous boundaries; a round the plan's form won, or a plan round (streams, engine blocks),
