@@ -1184,6 +1184,66 @@ def test_a_build_whose_search_timed_nothing_decides_a_one_engine_gemm_round_firs
     assert r["won"] == labels[1 if case == "faster" else 0]  # 0.013 against 0.0125: within the sample's 10%
 
 
+@pytest.mark.parametrize("flips", [True, False])
+def test_the_engines_stage_queues_the_rivals_of_the_form_the_gemm_round_decided_first_kept(monkeypatch, tmp_path, flips):
+    """``build_engines`` of a one-engine plan whose search timed none of its rounds: the GEMM round is decided
+    first on its head (``gemm_round_first``) and handed on as a round timed, and the rounds' rivals, with their
+    next level as spare, are queued for the form it kept (``decided_form``), the GEMM round not among them; the
+    plan compiled is the input's, as written."""
+    import contextlib
+    import importlib
+    import types
+
+    from parastream.pipeline import bench, measure
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+
+    engines, v, full = _classifier_engines(tmp_path)
+    forms, compiled = [], []
+    monkeypatch.setattr(measure, "runs_gemm_epilogue", lambda backend: True)
+    monkeypatch.setattr(build_mod, "gpu_present", lambda backend: True)
+    monkeypatch.setattr(engines, "precompile", lambda variants, background=False, cancellable=True, order="auto",
+                        label="": compiled.append((label, list(variants))) or {
+                            "jobs": len(variants), "background": True, "keys": [[f"k{len(compiled)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", lambda var: _Launcher(var))
+    monkeypatch.setattr(engines, "write", lambda tmp, shipped, path, **kw: {"written": shipped})
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {
+        k: np.full(10, 0.013 if la.options.fuse_gemm_epilogue else (0.005 if flips else 0.0129))
+        for k, la in launchers.items()})
+
+    def alternatives(e, var):
+        forms.append(("rivals", var.options.fuse_gemm_epilogue))
+        return ([("GEMM epilogue", replace_options(var, fuse_gemm_epilogue=False))] if var.options.fuse_gemm_epilogue
+                else []) + [("conv+ReLU", replace_options(var, fuse_conv_relu=False))]
+
+    def speculative(e, var, decided=()):
+        forms.append(("spare", var.options.fuse_gemm_epilogue, frozenset(decided)))
+        return [("conv+ReLU", [replace_options(var, fuse_conv_relu=False, conv_kernels="native")])]
+
+    monkeypatch.setattr(build_mod, "alternative_variants", alternatives)
+    monkeypatch.setattr(build_mod, "speculative_by_round", speculative)
+    monkeypatch.setattr(measure, "alternative_variants", alternatives)
+    monkeypatch.setattr(measure, "speculative_by_round", speculative)
+    engines.backend = type("B", (), {"background_compiles": True, "gpu": True, "name": "torch",
+                                     "suffix": engines.backend.suffix, "hasten": staticmethod(lambda keys: 0),
+                                     "drop": staticmethod(lambda keys: 0)})()
+    b = types.SimpleNamespace(
+        timed=lambda stage: contextlib.nullcontext(), bar=types.SimpleNamespace(step=lambda *a, **k: types.SimpleNamespace(advance=None)),
+        timed_alternatives=None, model=v.model, graph=v.graph, plan=v.plan, options=v.options, measured=None,
+        cfg=types.SimpleNamespace(measure=True, measure_runs=10), backend=engines.backend, prebuilt=None,
+        engines=engines, loaded=types.SimpleNamespace(path=tmp_path / "classifier.onnx"), rivals=None, precompiled=None)
+    build_mod.build_engines(b, tmp_path)
+    (r,) = b.timed_alternatives["rounds"]
+    assert b.timed_alternatives["partial"] and r["choice"] == "GEMM epilogue" and r["decided_first"]
+    assert compiled[0][0] == "the rounds' samples"
+    assert compiled[1] == ("the plan", [measure.Variant(v.model, v.graph, v.plan, v.options)])  # the input, as written
+    assert forms == [("rivals", not flips), ("spare", not flips, frozenset({"GEMM epilogue"}))]
+    rivals = [x for label, batch in compiled if label == "the plan's alternatives" for x in batch]
+    assert [x.options.fuse_gemm_epilogue for x in rivals] == [not flips] and not rivals[0].options.fuse_conv_relu
+    assert b.engines_report["written"].options is v.options
+    b.rivals.close()
+
+
 def test_decided_form_applies_the_rounds_that_went_to_their_alternative(tmp_path):
     """``decided_form``: each fusion or kernel round won by its alternative sets that option, the boundary layout
     round the contiguous boundaries; a round the plan's form won, or a plan round (streams, engine blocks),
