@@ -140,6 +140,18 @@ def runs_fused_attention(backend) -> bool:
 #: (MixNet-S, H200: 2.8 s to a fresh process's first result against 8.1 s with cuDNN's, and 24% faster; NASNet-A
 #: Large: 3.1 s against 7.5 s, but 69% slower, its channels-last boundaries copied to and from NCHW around each)
 PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02}
+
+
+def alternative_kept_within(what: str, current_kernels: str | None = None) -> float | None:
+    """The share round ``what`` keeps its alternative within (``PREFER_ALTERNATIVE_WITHIN``).  The "depthwise
+    kernel" round's edge, torch's kernel needing no plan, is over cuDNN's plans only: it applies where the
+    kernels it races torch's against (``current_kernels``, the ``conv_kernels`` of the form raced) are cuDNN's.
+    Against Inductor's, compiled and loaded as fast, the faster median wins: a MixNet-S build (H200) whose
+    Inductor-kernel plan ran one timing in a slow state (0.689 ms against 0.60-0.64 in three other builds) kept
+    torch's kernel at 0.702, within the 2%, and its bundle ran 0.7067 ms beside the others' 0.63."""
+    if what == "depthwise kernel" and conv_kernels_used(current_kernels or "auto") != "cudnn":
+        return None
+    return PREFER_ALTERNATIVE_WITHIN.get(what)
 #: rounds whose alternative is kept only when it is faster by more than this share: engines per repeated block
 #: compile once per distinct block and load faster (ViT-B/16, H100: 24 s to build and 2.7 s to load against 30 s
 #: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks).
@@ -815,10 +827,11 @@ def timed_while_drifted(time_once, reference: str, seen: list[float] | None) -> 
 
 
 def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, since: float, lock: bool = True,
-         seen: list[float] | None = None) -> bool:
+         seen: list[float] | None = None, current_kernels: str | None = None) -> bool:
     """One round of ``time_alternatives``: ``current`` against ``other`` in alternating blocks of CUDA-event timed
     replays, the faster median kept (``decide_by_timing`` without a margin; a round of ``PREFER_ALTERNATIVE_WITHIN``
-    keeps ``other`` unless it is slower by more than its share); the round goes into ``rounds`` (``load_s``: the
+    keeps ``other`` unless it is slower by more than its share, ``alternative_kept_within`` given
+    ``current_kernels``, the depthwise kernels ``current`` runs); the round goes into ``rounds`` (``load_s``: the
     seconds since ``since``, building and loading ``other``); True when ``other`` was kept.
 
     ``seen``: every median ``current`` has run before (the search's reference, ``GpuMeasurer.reference_seen``).
@@ -836,7 +849,7 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
                                                     lock=lock), keys[0], seen)
     times = tries[-1]
     chosen, _ = decide_by_timing(times, list(keys), floor=0.0, spread=False)
-    within = PREFER_ALTERNATIVE_WITHIN.get(what)
+    within = alternative_kept_within(what, current_kernels)
     if within is not None and float(np.median(times[keys[1]])) <= float(np.median(times[keys[0]])) * (1 + within):
         chosen = keys[1]
     keep = PREFER_CURRENT_WITHIN.get(what)
@@ -1463,7 +1476,8 @@ class GpuMeasurer:
             other = self.engines.launcher(v)
             try:
                 won = race(early.setdefault("rounds", []), what, self.reference[0], other, early["plan"],
-                           runs=self.runs, since=t0, lock=self.options.gpu_timing_lock, seen=self.reference_seen)
+                           runs=self.runs, since=t0, lock=self.options.gpu_timing_lock, seen=self.reference_seen,
+                           current_kernels=self.options.conv_kernels)
             finally:
                 other.close()
         except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
@@ -1605,7 +1619,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     each), (0b) matmul-bias-activation nodes as one cuBLASLt GEMM with its epilogue or as their plain ops
     (``fuse_gemm_epilogue``; engines compiled for each), (0c) depthwise convolutions as cuDNN calls or as Inductor
     kernels, then the winner against torch's own depthwise kernel (``conv_kernels`` "auto" only; the alternative
-    kept unless over 2% slower: they start faster),
+    kept unless over 2% slower against cuDNN's calls, whose plans start slower: ``alternative_kept_within``),
     (1) engines with and without cuDNN's fused conv + bias
     (+ residual) + ReLU, (2) channels-last against contiguous internal boundaries (when the plan has
     channels-last internal boundaries), (3) the plan against the same graph on one stream (when the plan has
@@ -1661,7 +1675,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
             return won
         cur = current()
         other = make_other()
-        won = race(rounds, what, cur, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock)
+        won = race(rounds, what, cur, other, v.plan, runs=runs, since=since[0], lock=v.options.gpu_timing_lock,
+                   current_kernels=v.options.conv_kernels)
         since[0] = time.perf_counter()
         if won and what not in ("streams", "engine blocks"):  # the later rounds race the winner
             held[0], other = other, cur
