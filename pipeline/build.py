@@ -1171,12 +1171,12 @@ def build_engines(b: _Build, tmp: Path) -> None:
         if b.cfg.measure and b.backend.gpu and b.prebuilt is None:  # the engines the GPU alternatives load: one batch
             if early is None and not b.measured and b.backend.background_compiles and gpu_present(b.backend):
                 try:  # (the search timed none of the input's rounds: a one-engine plan's GEMM round decided first)
-                    first = gemm_round_first(b.engines, shipped, runs=b.cfg.measure_runs,
-                                             lock=b.options.gpu_timing_lock)
+                    gemm_first = gemm_round_first(b.engines, shipped, runs=b.cfg.measure_runs,
+                                                  lock=b.options.gpu_timing_lock)
                 except Exception:  # noqa: BLE001 - the sample is not the plan: ``time_alternatives`` races the round
-                    first = None
-                if first is not None:
-                    b.timed_alternatives = early = {"partial": True, "rounds": [first], "plan": b.plan,
+                    gemm_first = None
+                if gemm_first is not None:
+                    b.timed_alternatives = early = {"partial": True, "rounds": [gemm_first], "plan": b.plan,
                                                     "timed": "the GEMM epilogue round on its sample, before the engines"}
             decided = (early or {}).get("rounds") or []
             done = {r["choice"] for r in decided}
@@ -1186,11 +1186,11 @@ def build_engines(b: _Build, tmp: Path) -> None:
             # round: a plan whose only carried round is the cut still compiles the second-level alternatives up
             # front; nor does the GEMM round decided first, whose next level was queued for its form.)
             form = decided_form(shipped, decided)
-            first = {r["choice"] for r in decided if r.get("decided_first")}
+            decided_first = {r["choice"] for r in decided if r.get("decided_first")}
             timed_all = (early is not None and not early.get("partial")) or b.measured
             rivals = [] if timed_all else [(what, v) for what, v in alternative_variants(b.engines, form)
                                            if what not in done]
-            speculative = ([] if timed_all or done - CARRIED_ALWAYS - first
+            speculative = ([] if timed_all or done - CARRIED_ALWAYS - decided_first
                            else speculative_by_round(b.engines, form, done))
             if rivals and b.backend.background_compiles:
                 # the plan first, then its rounds' rivals in the background: the rounds start as soon as their own

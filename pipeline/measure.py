@@ -140,18 +140,6 @@ def runs_fused_attention(backend) -> bool:
 #: (MixNet-S, H200: 2.8 s to a fresh process's first result against 8.1 s with cuDNN's, and 24% faster; NASNet-A
 #: Large: 3.1 s against 7.5 s, but 69% slower, its channels-last boundaries copied to and from NCHW around each)
 PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02}
-
-
-def alternative_kept_within(what: str, current_kernels: str | None = None) -> float | None:
-    """The share round ``what`` keeps its alternative within (``PREFER_ALTERNATIVE_WITHIN``).  The "depthwise
-    kernel" round's edge, torch's kernel needing no plan, is over cuDNN's plans only: it applies where the
-    kernels it races torch's against (``current_kernels``, the ``conv_kernels`` of the form raced) are cuDNN's.
-    Against Inductor's, compiled and loaded as fast, the faster median wins: a MixNet-S build (H200) whose
-    Inductor-kernel plan ran one timing in a slow state (0.689 ms against 0.60-0.64 in three other builds) kept
-    torch's kernel at 0.702, within the 2%, and its bundle ran 0.7067 ms beside the others' 0.63."""
-    if what == "depthwise kernel" and conv_kernels_used(current_kernels or "auto") != "cudnn":
-        return None
-    return PREFER_ALTERNATIVE_WITHIN.get(what)
 #: rounds whose alternative is kept only when it is faster by more than this share: engines per repeated block
 #: compile once per distinct block and load faster (ViT-B/16, H100: 24 s to build and 2.7 s to load against 30 s
 #: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks).
@@ -166,6 +154,18 @@ PREFER_CURRENT_WITHIN = {"attention": 0.01, "GEMM epilogue": 0.01, "engine block
                          "boundary layout": 0.01}
 #: the fusion rounds whose alternative (the fusion off) changes only the engines holding nodes the fusion converts
 ROUND_APPLIES = {"attention": has_fused_attention, "GEMM epilogue": has_gemm_epilogue, "conv+ReLU": has_conv_relu}
+
+
+def alternative_kept_within(what: str, current_kernels: str | None = None) -> float | None:
+    """The share round ``what`` keeps its alternative within (``PREFER_ALTERNATIVE_WITHIN``).  The "depthwise
+    kernel" round's edge, torch's kernel needing no plan, is over cuDNN's plans only: it applies where the
+    kernels it races torch's against (``current_kernels``, the ``conv_kernels`` of the form raced) are cuDNN's.
+    Against Inductor's, compiled and loaded as fast, the faster median wins: a MixNet-S build (H200) whose
+    Inductor-kernel plan ran one timing in a slow state (0.689 ms against 0.60-0.64 in three other builds) kept
+    torch's kernel at 0.702, within the 2%, and its bundle ran 0.7067 ms beside the others' 0.63."""
+    if what == "depthwise kernel" and conv_kernels_used(current_kernels or "auto") != "cudnn":
+        return None
+    return PREFER_ALTERNATIVE_WITHIN.get(what)
 
 
 def round_changes(what: str):
@@ -365,8 +365,8 @@ def gemm_sample_round(engines: EngineMaker, s: GemmSample, plan, plan_ms: float 
     the round as ``race`` writes one gives the plan's time and that time less the saving in ``timed_ms``.
     Without it (the round decided first, before any rival of a later round is compiled:
     ``GpuMeasurer._gemm_sample_first``) the sample's form with the epilogue is kept unless it runs slower than the
-    alternative by more than ``GEMM_SAMPLE_DECIDES_BEYOND`` (as ``race`` keeps a plan's form), and ``timed_ms`` gives the sample's times.  The sample's own times are in
-    ``sample`` either way.  Raises what loading or timing the sample raised."""
+    alternative by more than ``GEMM_SAMPLE_DECIDES_BEYOND`` (as ``race`` keeps a plan's form), and ``timed_ms``
+    gives the sample's times.  The sample's own times are in ``sample`` either way.  Raises what loading or timing the sample raised."""
     what = "GEMM epilogue"
     keys = round_labels(what, plan)
     t0 = time.perf_counter()
@@ -376,7 +376,8 @@ def gemm_sample_round(engines: EngineMaker, s: GemmSample, plan, plan_ms: float 
     linears = plural(len(s.names), "Linear")
     if plan_ms is None:
         beyond = GEMM_SAMPLE_DECIDES_BEYOND
-        return {"choice": what, "timed_ms": dict(ms), "won": keys[1] if ms[keys[0]] > ms[keys[1]] * (1 + beyond) else keys[0],
+        won = keys[1] if ms[keys[0]] > ms[keys[1]] * (1 + beyond) else keys[0]
+        return {"choice": what, "timed_ms": dict(ms), "won": won,
                 "load_s": 0.0, "timed_s": round(time.perf_counter() - t0, 3), "current_kept_within": beyond,
                 "sample": sample,
                 "timed": f"on its {linears} of one row alone, before any later round's rival was compiled: the "
@@ -638,7 +639,8 @@ def gemm_decided_first(plan) -> bool:
     return len(plan.branches) == 1
 
 
-def gemm_round_first(engines: EngineMaker, v: Variant, *, runs: int, warmup: int = 10, lock: bool = True) -> dict | None:
+def gemm_round_first(engines: EngineMaker, v: Variant, *, runs: int, warmup: int = 10,
+                     lock: bool = True) -> dict | None:
     """``v``'s "GEMM epilogue" round decided first on its sample (``gemm_sample_round`` without the plan's time),
     its two one-node engines compiled now: for a build whose search timed none of the input's rounds (nothing to
     rank), before the engines stage queues the later rounds' rivals, as ``GpuMeasurer._gemm_sample_first`` does
@@ -1054,7 +1056,8 @@ class GpuMeasurer:
                                                  label="alternatives of alternatives")
                 self.early.setdefault("spare", {})[what] = [k for ks in (queued or {}).get("keys") or [] for k in ks]
             if keys is not None and len(keys) == len(sampled) + len(compiled) and models[0] is self.loaded.model:
-                self.early.update(plan=variants[0].plan, variant=variants[0], rounds=[first_round] if first_round else [],
+                self.early.update(plan=variants[0].plan, variant=variants[0],
+                                  rounds=[first_round] if first_round else [],
                                   todo=[(what, a, [k for ks in keys[i:j] for k in ks])
                                         for (what, a), (i, j) in zip(named, spans)])
                 if base is not variants[0]:  # the GEMM round went to the alternative: the later rounds race that
