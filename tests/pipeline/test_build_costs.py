@@ -1038,6 +1038,21 @@ def test_a_sampled_gemm_round_is_decided_on_its_sample_by_the_round_s_share_of_t
     m.close()
 
 
+def _prepared_on_quiet_backend(engines, v):
+    """A GpuMeasurer of ``v`` prepared over a stand-in backend that compiles in the background, has nothing in
+    flight and hastens or drops nothing."""
+    from parastream.pipeline.measure import GpuMeasurer
+
+    engines.backend = type("B", (), {"background_compiles": True, "name": "torch", "suffix": engines.backend.suffix,
+                                     "hasten": staticmethod(lambda keys: 0), "drop": staticmethod(lambda keys: 0),
+                                     "compiling": staticmethod(lambda keys: 0),
+                                     "cancel_precompile": staticmethod(lambda: 0)})()
+    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
+    m.variant_of = lambda model: v
+    m.prepare([engines.loaded.model])
+    return m
+
+
 @pytest.mark.parametrize("saved", [0.0005, -0.002, 0.004])
 def test_a_one_engine_plan_s_gemm_round_is_decided_on_its_sample_before_any_other_rival_is_queued(
         monkeypatch, tmp_path, saved):
@@ -1048,7 +1063,6 @@ def test_a_one_engine_plan_s_gemm_round_is_decided_on_its_sample_before_any_othe
     that form is compiled with its own rounds' rivals, its next level queued as spare, nothing of the input's form,
     and the rounds are left to after the search (raced on that form)."""
     from parastream.pipeline import bench, measure
-    from parastream.pipeline.measure import GpuMeasurer
 
     engines, v, full = _classifier_engines(tmp_path)
     assert len(v.plan.branches) == 1 and measure.gemm_decided_first(v.plan)
@@ -1079,13 +1093,7 @@ def test_a_one_engine_plan_s_gemm_round_is_decided_on_its_sample_before_any_othe
 
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
                         or {k: np.full(10, ms(la)) for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "name": "torch", "suffix": engines.backend.suffix,
-                                     "hasten": staticmethod(lambda keys: 0), "drop": staticmethod(lambda keys: 0),
-                                     "compiling": staticmethod(lambda keys: 0),
-                                     "cancel_precompile": staticmethod(lambda: 0)})()
-    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
-    m.variant_of = lambda model: v
-    m.prepare([engines.loaded.model])
+    m = _prepared_on_quiet_backend(engines, v)
     labels_ = measure.round_labels("GEMM epilogue", v.plan)
     assert m.reference is None and timings[0] == list(labels_)  # timed before the input's plan was
     assert compiled[0] == [v] and labels[1] == "the rounds' samples" and orders[1] == "search"
@@ -1116,7 +1124,6 @@ def test_a_gemm_sample_that_fails_leaves_a_one_engine_plan_s_round_to_the_whole_
     """Must not decide first: the sample fails to load; its round is raced on the whole plan's alternative in its
     turn, against the reference, and the round says why its sample was not used."""
     from parastream.pipeline import bench, measure
-    from parastream.pipeline.measure import GpuMeasurer
 
     engines, v, full = _classifier_engines(tmp_path)
     compiled = []
@@ -1134,13 +1141,7 @@ def test_a_gemm_sample_that_fails_leaves_a_one_engine_plan_s_round_to_the_whole_
     monkeypatch.setattr(measure, "speculative_by_round", lambda e, var, decided=(): [])
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {
         k: np.full(10, 1.0 if la.options.fuse_gemm_epilogue else 0.95) for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "name": "torch", "suffix": engines.backend.suffix,
-                                     "hasten": staticmethod(lambda keys: 0), "drop": staticmethod(lambda keys: 0),
-                                     "compiling": staticmethod(lambda keys: 0),
-                                     "cancel_precompile": staticmethod(lambda: 0)})()
-    m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
-    m.variant_of = lambda model: v
-    m.prepare([engines.loaded.model])
+    m = _prepared_on_quiet_backend(engines, v)
     assert not m.early["rounds"] and [(w, a) for w, a, _ in m.early["todo"]] == [("GEMM epilogue", full)]
     assert [full] in compiled
     m.measure(engines.loaded.model)
