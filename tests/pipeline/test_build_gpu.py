@@ -16,6 +16,7 @@ from parastream.pipeline.build import BuildConfig, Engines
 from parastream.pipeline.measure import GpuMeasurer, Variant
 from parastream.pipeline.measure import has_conv_relu, time_alternatives
 from parastream.pipeline.zoo import write_all
+from parastream.rewrite.search import MEASURE_MARGIN
 
 
 @pytest.fixture(scope="module")
@@ -174,7 +175,15 @@ def test_gpu_build_measures_candidates(models, tmp_path):
     assert any(c["input"] for c in measured), "the input itself is always measured"
     chosen = [c for c in search["candidates"] if c["chosen"]]
     said = json.dumps({k: search.get(k) for k in ("decision", "candidates")})[:2000]  # what a failure reports
-    assert len(chosen) == 1 and chosen[0]["measured_s"] == min(c["measured_s"] for c in measured), said
+    fastest = min(c["measured_s"] for c in measured)
+    (original,) = [c for c in measured if c["input"]]
+    assert len(chosen) == 1, said
+    # the fastest measured, or the input where no rewrite beat it by the search's margin (a rewrite a little faster
+    # than the input is not kept: ``optimize_graph``'s ``measure_margin``)
+    if chosen[0]["input"]:
+        assert fastest > original["measured_s"] * (1 - MEASURE_MARGIN), said
+    else:
+        assert chosen[0]["measured_s"] == fastest, said
     assert bundle.report["verification"]["passed"], bundle.report["verification"]
 
     from parastream.launcher import load
