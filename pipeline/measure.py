@@ -658,19 +658,17 @@ def gemm_round_first(engines: EngineMaker, v: Variant, *, runs: int, warmup: int
 
 
 def decided_form(v: Variant, rounds: list[dict]) -> Variant:
-    """``v`` with what ``rounds`` (decided already) chose applied where a round went to its alternative: the form
-    the rounds still to race race (``time_alternatives`` applies each winner as it goes), and so the form whose
-    rivals the build compiles for them.  The plan's rounds (streams, engine blocks) change no later round's form."""
-    o, nhwc = v.options, v.internal_nhwc
+    """``v`` with the build options ``rounds`` (decided already) chose applied where a fusion or kernel round went
+    to its alternative: the form the rounds still to race race (``time_alternatives`` applies each winner as it
+    goes), and so the form whose rivals the build compiles for them.  The boundary layout is left as it is: the
+    rounds after it (streams, engine blocks) race rivals with channels-last boundaries whatever it chose, and the
+    plan's rounds change no later round's form."""
+    o = v.options
     for r in rounds:
         what = r.get("choice")
-        if what not in ROUND_OPTION and what != "boundary layout" or r.get("won") != round_labels(what, v.plan)[1]:
-            continue
-        if what == "boundary layout":
-            nhwc = False
-        else:
+        if what in ROUND_OPTION and r.get("won") == round_labels(what, v.plan)[1]:
             o = replace(o, **{ROUND_OPTION[what][0]: ROUND_OPTION[what][1]})
-    return v if (o, nhwc) == (v.options, v.internal_nhwc) else replace(v, options=o, internal_nhwc=nhwc)
+    return v if o == v.options else replace(v, options=o)
 
 
 #: the build option each fusion or kernel round's alternative sets, and its value there

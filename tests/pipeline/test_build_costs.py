@@ -1246,20 +1246,21 @@ def test_the_engines_stage_queues_the_rivals_of_the_form_the_gemm_round_decided_
 
 
 def test_decided_form_applies_the_rounds_that_went_to_their_alternative(tmp_path):
-    """``decided_form``: each fusion or kernel round won by its alternative sets that option, the boundary layout
-    round the contiguous boundaries; a round the plan's form won, or a plan round (streams, engine blocks),
-    changes nothing."""
+    """``decided_form``: each fusion or kernel round won by its alternative sets that option; a round the plan's
+    form won, the boundary layout (the plan rounds after it race channels-last rivals whatever it chose) or a plan
+    round (streams, engine blocks) changes nothing."""
     from parastream.pipeline import measure
 
     _, v, _ = _classifier_engines(tmp_path)
     alt = lambda what: {"choice": what, "won": measure.round_labels(what, v.plan)[1]}  # noqa: E731
     kept = lambda what: {"choice": what, "won": measure.round_labels(what, v.plan)[0]}  # noqa: E731
-    assert measure.decided_form(v, [kept("GEMM epilogue"), kept("conv+ReLU"), alt("engine blocks")]) is v
+    assert measure.decided_form(v, [kept("GEMM epilogue"), kept("conv+ReLU"), alt("engine blocks"),
+                                    alt("boundary layout"), alt("streams")]) is v
     got = measure.decided_form(v, [alt("GEMM epilogue"), alt("depthwise convolutions"), kept("depthwise kernel"),
                                    alt("conv+ReLU"), alt("boundary layout"), alt("attention")])
     o = got.options
     assert (o.fuse_gemm_epilogue, o.conv_kernels, o.fuse_conv_relu, o.fuse_attention, got.internal_nhwc) == \
-        (False, "inductor", False, False, False)
+        (False, "inductor", False, False, True)
     assert got.model is v.model and got.plan is v.plan and v.options.fuse_gemm_epilogue
 
 
