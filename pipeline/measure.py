@@ -210,6 +210,16 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
 
 #: the depthwise rounds, in order, with the ``conv_kernels`` each one's alternative compiles
 DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel", "native"))
+#: the build option each fusion or kernel round's alternative sets, and its value there (``round_alternative``)
+ROUND_OPTION = {"attention": ("fuse_attention", False), "GEMM epilogue": ("fuse_gemm_epilogue", False),
+                "conv+ReLU": ("fuse_conv_relu", False),
+                **{what: ("conv_kernels", k) for what, k in DEPTHWISE_ROUNDS}}
+
+
+def round_alternative(v: Variant, what: str) -> Variant:
+    """``v`` built as fusion or kernel round ``what``'s alternative (``ROUND_OPTION``)."""
+    flag, value = ROUND_OPTION[what]
+    return replace(v, options=replace(v.options, **{flag: value}))
 
 #: a plan with at least this many engines holding a depthwise convolution has its depthwise rounds timed first
 #: on a sample of those engines (``depthwise_sample``): each round's alternative is a compile of every such engine
@@ -512,11 +522,10 @@ def fusions_off_forms(backend, v: Variant, rewritten_only: bool = False) -> list
     node a rewrite makes (a search's candidate timed with its fusions off, ``_with_fusions_off``), not a Linear
     of one row, which the input has as much as any candidate: the build's round decides it for either, and
     timing a candidate without it cost a compile, a load and a timing in the search for no decision."""
-    kinds = (("attention", "fuse_attention", runs_fused_attention, has_fused_attention),
-             ("GEMM epilogue", "fuse_gemm_epilogue", runs_gemm_epilogue,
-              has_fused_gemm if rewritten_only else has_gemm_epilogue))
-    return [(what, replace(v, options=replace(v.options, **{flag: False}))) for what, flag, runs, has in kinds
-            if getattr(v.options, flag) and runs(backend) and has(v.model)]
+    kinds = (("attention", runs_fused_attention, has_fused_attention),
+             ("GEMM epilogue", runs_gemm_epilogue, has_fused_gemm if rewritten_only else has_gemm_epilogue))
+    return [(what, round_alternative(v, what)) for what, runs, has in kinds
+            if getattr(v.options, ROUND_OPTION[what][0]) and runs(backend) and has(v.model)]
 
 
 def plan_signature(plan) -> tuple:
@@ -650,11 +659,18 @@ def gemm_round_first(engines: EngineMaker, v: Variant, *, runs: int, warmup: int
     if not (v.options.fuse_gemm_epilogue and runs_gemm_epilogue(backend) and has_gemm_epilogue(v.model)
             and gemm_decided_first(v.plan)):
         return None
-    s = gemm_sample(engines, v, replace(v, options=replace(v.options, fuse_gemm_epilogue=False)))
-    if s is None:
-        return None
-    engines.precompile(s.variants(), background=True, cancellable=False, order="now", label="the rounds' samples")
-    return dict(gemm_sample_round(engines, s, v.plan, None, runs=runs, warmup=warmup, lock=lock), decided_first=True)
+    s = gemm_sample(engines, v, round_alternative(v, "GEMM epilogue"))
+    return None if s is None else gemm_sample_first_round(engines, s, v.plan, runs=runs, warmup=warmup, lock=lock,
+                                                          order="now")
+
+
+def gemm_sample_first_round(engines: EngineMaker, s: GemmSample, plan, *, runs: int, warmup: int = 10,
+                            lock: bool = True, order: str = "now") -> dict:
+    """The "GEMM epilogue" round decided first on sample ``s``: its two one-node engines queued to compile
+    (``order``) and timed as they come in (``gemm_sample_round`` without the plan's time), the round marked
+    ``decided_first``.  Raises what compiling, loading or timing the sample raised."""
+    engines.precompile(s.variants(), background=True, cancellable=False, order=order, label="the rounds' samples")
+    return dict(gemm_sample_round(engines, s, plan, None, runs=runs, warmup=warmup, lock=lock), decided_first=True)
 
 
 def decided_form(v: Variant, rounds: list[dict]) -> Variant:
@@ -663,18 +679,13 @@ def decided_form(v: Variant, rounds: list[dict]) -> Variant:
     goes), and so the form whose rivals the build compiles for them.  The boundary layout is left as it is: the
     rounds after it (streams, engine blocks) race rivals with channels-last boundaries whatever it chose, and the
     plan's rounds change no later round's form."""
-    o = v.options
+    out = v
     for r in rounds:
         what = r.get("choice")
         if what in ROUND_OPTION and r.get("won") == round_labels(what, v.plan)[1]:
-            o = replace(o, **{ROUND_OPTION[what][0]: ROUND_OPTION[what][1]})
-    return v if o == v.options else replace(v, options=o)
+            out = round_alternative(out, what)
+    return out
 
-
-#: the build option each fusion or kernel round's alternative sets, and its value there
-ROUND_OPTION = {"attention": ("fuse_attention", False), "GEMM epilogue": ("fuse_gemm_epilogue", False),
-                "conv+ReLU": ("fuse_conv_relu", False),
-                **{what: ("conv_kernels", k) for what, k in DEPTHWISE_ROUNDS}}
 
 
 def whole_engine_form(engines: EngineMaker, v: Variant) -> Variant:
@@ -688,9 +699,9 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     the other way compiles its engines then)."""
     out = fusions_off_forms(engines.backend, v)
     if lowers_depthwise(engines.backend, v.options, v.model):
-        out += [(what, replace(v, options=replace(v.options, conv_kernels=k))) for what, k in DEPTHWISE_ROUNDS]
+        out += [(what, round_alternative(v, what)) for what, _ in DEPTHWISE_ROUNDS]
     if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
-        out.append(("conv+ReLU", replace(v, options=replace(v.options, fuse_conv_relu=False))))
+        out.append(("conv+ReLU", round_alternative(v, "conv+ReLU")))
     if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
         out.append(("boundary layout", replace(v, internal_nhwc=False)))
     if v.plan.num_streams > 1:
@@ -1180,15 +1191,13 @@ class GpuMeasurer:
             return named, v, None
         s = named[at][1]
         t0 = time.perf_counter()
-        self.engines.precompile(s.variants(), background=True, cancellable=False, order="search",
-                                label="the rounds' samples")
         try:
-            r = gemm_sample_round(self.engines, s, v.plan, None, runs=self.runs, warmup=self.warmup,
-                                  lock=self.options.gpu_timing_lock)
+            r = gemm_sample_first_round(self.engines, s, v.plan, runs=self.runs, warmup=self.warmup,
+                                        lock=self.options.gpu_timing_lock, order="search")
         except Exception as e:  # noqa: BLE001 - the sample is not the plan: its round is raced on the plan instead
             self.early["sample_error"] = f"GEMM epilogue (sampled): {type(e).__name__}: {e}"
             return [(what, s.full if a is s else a) for what, a in named], v, None
-        r.update(started_s=round(t0 - self.t_made, 3), decided_first=True)
+        r["started_s"] = round(t0 - self.t_made, 3)
         others = [(what, a) for what, a in named if a is not s]
         if r["won"] != round_labels("GEMM epilogue", v.plan)[1]:
             return others, v, r
