@@ -639,6 +639,38 @@ class Engines:
                                        suffix=self.backend.suffix, inputs=[spec_of(t) for t in graph.inputs],
                                        outputs=[spec_of(t) for t in graph.outputs])
 
+    def window(self, v: Variant, ids: list[int]) -> tuple[onnx.ModelProto, gs.Graph, object]:
+        """Branches ``ids`` of ``v``'s plan (consecutive in its launch order) as a plan of their own: their engines
+        on the plan's streams, in its launch order, a tensor one of them writes and only they read an internal
+        boundary, the rest (read from before the window, or after it) the window's inputs and outputs.  What the
+        "boundary layout" round times a sample with (``measure.layout_sample``): unlike ``side_by_side``'s, its
+        boundaries between engines are laid out as the plan's are."""
+        plan = v.plan
+        at = {b: k for k, b in enumerate(plan.launch_order)}
+        ids = sorted(ids, key=at.__getitem__)
+        every = self.branch_models(v)
+        branches = [every[i] for i in ids]
+        inside = set(ids)
+        read_outside = {t for b in plan.branches if b.id not in inside for t in b.inputs} | {t.name for t in plan.outputs}
+        produced = {o: k for k, b in enumerate(branches) for n in b.graph.node for o in n.output}
+        kept = {o.name for b in branches for o in b.graph.output if o.name in read_outside}
+        model = side_by_side(branches, outputs=kept)
+        graph = graph_of(model)
+        streams = list(dict.fromkeys(plan.branches[i].stream for i in ids))  # renumbered in order of first use
+        members = [list(plan.branches[i].nodes) for i in ids]
+        stream_of = [streams.index(plan.branches[i].stream) for i in ids]
+        preds = [sorted({produced[t] for n in b.graph.node for t in n.input if produced.get(t, k) != k})
+                 for k, b in enumerate(branches)]
+        k = len(ids)
+        sched = Schedule(num_streams=len(streams), node_stream={n: s for m, s in zip(members, stream_of) for n in m},
+                         branches=members, branch_stream=stream_of, launch_order=list(range(k)),
+                         branch_bound=[plan.branches[i].bound for i in ids],
+                         branch_time=[plan.branches[i].est_time for i in ids], makespan=0.0, total_work=0.0,
+                         branch_preds=preds)
+        return model, graph, make_plan(graph, sched, backend=self.backend.name, precision=self.precision,
+                                       suffix=self.backend.suffix, inputs=[spec_of(t) for t in graph.inputs],
+                                       outputs=[spec_of(t) for t in graph.outputs])
+
     def manifest_of(self, v: Variant) -> dict:
         """What a launcher reads of manifest.json to load ``v``'s engines."""
         return {"backend": self.backend.name, "precision": v.plan.precision,

@@ -73,6 +73,8 @@ class EngineMaker(Protocol):
 
     def side_by_side(self, branches: list[onnx.ModelProto]) -> tuple[onnx.ModelProto, gs.Graph, "Plan"]: ...
 
+    def window(self, v: Variant, ids: list[int]) -> tuple[onnx.ModelProto, gs.Graph, "Plan"]: ...
+
     def launcher(self, variant: Variant): ...
 
     def precompile(self, variants: list[Variant], background: bool = False, cancellable: bool = True,
@@ -199,6 +201,9 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
     for r in rounds:
         if r.get("choice") == "GEMM epilogue" and "sample" in r:  # its sample held the input's Linears of one row
             continue  # only, where a rewrite adds fused matmul-bias-activation nodes the round changes too
+        if r.get("decided_on_sample") and r.get("choice") == "boundary layout":  # (``layout_sample``) by its margin
+            out.append(dict(r, timed="on a window of the input's plan, taken for the rewritten plan"))
+            continue
         if r.get("not_raced") and r.get("choice") in CARRIED_ALWAYS:  # ``blocks_not_raced``: the input's cut
             out.append(dict(r, timed=f"not raced on the input's plan ({r['not_raced']}), taken for the rewritten plan"))
             continue
@@ -431,6 +436,80 @@ def depthwise_sample(engines: EngineMaker, v: Variant, alternatives: dict[str, V
                            [v.plan.branches[i].name for i in chosen], len(held), len(every), len(every) - len(left))
 
 
+#: a plan with at least this many engines has its "boundary layout" round timed first on a window of them
+#: (``layout_sample``): the round's rival is every engine compiled again for contiguous boundaries (NASNet-A Large
+#: on the H200: 332 engines, ~210 of its input's 287 alternative worker-seconds, the search's end waiting for them
+#: at 55-58 s), for a round channels-last won in 81 of the 90 times on record, by 3-51% (NASNet-A Large: 9-14%)
+SAMPLE_LAYOUT_ENGINES = 160
+#: the window: this many engines consecutive in the plan's launch order, from its middle, on the plan's streams.
+#: Its own inputs and outputs stay contiguous in both forms, so the share of its boundaries that the layout
+#: changes, and its ratio with them, are below the plan's: a run of 12 of NASNet-A Large's engines on one stream
+#: (H200) had contiguous boundaries 2.0-3.9% slower where the whole plan had them 11.4-11.7% slower; a NASNet cell's
+#: branches all read the cell's two inputs, so a window must span cells for most of its boundaries to be inside it
+LAYOUT_WINDOW = 64
+#: contiguous boundaries slower on the window than channels-last by more than this share decide the round for
+#: channels-last without the whole plan's compile; closer, or faster, the whole plan's rival (queued as spare work
+#: meanwhile) is raced as before.  The window understates the plan's ratio (above), so a margin three times the
+#: round's own on the whole plan (``PREFER_CURRENT_WITHIN``) is taken as the plan's
+LAYOUT_SAMPLE_DECIDES_BEYOND = 0.03
+
+
+@dataclass
+class LayoutSample:
+    """A plan's "boundary layout" round timed first on a window of its engines (``layout_sample``): the window as
+    a plan of its own (``EngineMaker.window``), loaded with channels-last internal boundaries and with contiguous
+    ones, the two timed together (``GpuMeasurer._race_layout_sample``)."""
+
+    full: Variant  # the whole plan with contiguous boundaries (compiled only where the window leaves the round open)
+    current: Variant  # the window as the plan has it: channels-last internal boundaries
+    alternative: Variant  # the window with contiguous ones
+    names: list[str]  # the plan's branches in the window
+    of: int  # the plan's engines
+    boundaries: int  # the window's internal boundaries whose bytes the layout changes
+    full_keys: list[str] = field(default_factory=list)  # ``full``'s cache keys, once queued as spare work
+
+    def variants(self) -> list[Variant]:
+        """What the sample compiles and loads."""
+        return [self.current, self.alternative]
+
+
+#: the rounds' samples: a round timed first on a few of the plan's engines, its whole plan's rival compiled only
+#: where the sample leaves it open
+SAMPLES = (DepthwiseSample, GemmSample, LayoutSample)
+
+
+def _nhwc_boundaries(backend, plan) -> int:
+    """How many of ``plan``'s internal boundaries are laid out channels-last with other bytes than contiguous
+    (``_internal_nhwc``)."""
+    from parastream.launcher.gpu import engine_layouts
+
+    lay = engine_layouts(plan, backend, internal_nhwc=True)
+    return sum(lay.specs[t].shape[1] > 1 and lay.specs[t].shape[2] * lay.specs[t].shape[3] > 1 for t in lay.nhwc)
+
+
+def layout_sample(engines: EngineMaker, v: Variant, full: Variant) -> LayoutSample | None:
+    """``v``'s "boundary layout" round (against ``full``, the whole plan with contiguous boundaries) as a window
+    of its engines (``LayoutSample``): ``LAYOUT_WINDOW`` engines consecutive in the plan's launch order, from
+    its middle (a deep network's repeated cells, not its stem or head), on the plan's streams.  None where the
+    plan has fewer than ``SAMPLE_LAYOUT_ENGINES`` engines (the whole plan's compile is then a few jobs), or where
+    the window has no internal boundary that the layout changes, or cannot be cut."""
+    n = len(v.plan.branches)
+    if n < SAMPLE_LAYOUT_ENGINES or not v.internal_nhwc:
+        return None
+    start = (n - LAYOUT_WINDOW) // 2
+    ids = list(v.plan.launch_order[start:start + LAYOUT_WINDOW])
+    try:
+        model, graph, plan = engines.window(v, ids)
+    except Exception:  # noqa: BLE001 - a window that cannot be cut leaves the round to the whole plan's race
+        return None
+    boundaries = _nhwc_boundaries(engines.backend, plan)
+    if not boundaries:
+        return None
+    current = Variant(model, graph, plan, v.options)
+    return LayoutSample(full, current, replace(current, internal_nhwc=False), [v.plan.branches[i].name for i in ids],
+                        n, boundaries)
+
+
 #: the "streams" round is decided for the plan without compiling its rival when the plan runs faster than its own
 #: engines on one stream (``same_engines_on_one_stream``: nothing to compile) by more than this share.  The rival
 #: the round races, the graph as one stream of its own engines (one for the whole model, or one per repeated
@@ -568,10 +647,7 @@ def _internal_nhwc(backend, plan) -> bool:
     one-engine plan has none; a boundary of one channel, or of 1x1 pixels, is the same bytes in either layout
     (BERT-base's only 4-d boundary is its attention mask, [1, 1, 128, 128]: the round compiled every block
     again, and its 0.04% "win" for contiguous boundaries compiled them once more for the bundle)."""
-    from parastream.launcher.gpu import engine_layouts
-
-    lay = engine_layouts(plan, backend, internal_nhwc=True)
-    return any(lay.specs[t].shape[1] > 1 and lay.specs[t].shape[2] * lay.specs[t].shape[3] > 1 for t in lay.nhwc)
+    return _nhwc_boundaries(backend, plan) > 0
 
 
 def one_stream_form(engines: EngineMaker, v: Variant) -> Variant:
@@ -1018,19 +1094,20 @@ class GpuMeasurer:
                 named = [(what, a if what not in depthwise or sample is None else sample if what == first_round
                           else SampledRound(a)) for what, a in named]
                 named = [(what, StreamsRival(a) if what == "streams" else
-                          gemm_sample(self.engines, variants[0], a) or a if what == "GEMM epilogue" else a)
+                          gemm_sample(self.engines, variants[0], a) or a if what == "GEMM epilogue" else
+                          layout_sample(self.engines, variants[0], a) or a if what == "boundary layout" else a)
                          for what, a in named]
             named, base, first_round = self._gemm_sample_first(named, variants[0])
             # a round's sample is compiled right after the input, with the search's candidates (its engines are
             # few and it decides the round, which waited for them at the search's end otherwise: NASNet-A Large,
             # H200, 22.5 s); the other alternatives after the candidates
-            samples = [a for _, a in named if isinstance(a, (DepthwiseSample, GemmSample))]
+            samples = [a for _, a in named if isinstance(a, SAMPLES)]
             sampled = [x for a in samples for x in a.variants()]
             # per round, the span of ``sampled + compiled`` whose keys its turn waits for: a sample's engines, or
             # the round's alternative (a sampled GEMM round's is compiled too, for a flip to go on with: at ``fulls``)
             spans, compiled, fulls, at = [], [], {}, 0
             for _, a in named:
-                if isinstance(a, (DepthwiseSample, GemmSample)):
+                if isinstance(a, SAMPLES):
                     spans.append((at, at + len(a.variants())))
                     at += len(a.variants())
                     if isinstance(a, GemmSample):
@@ -1054,6 +1131,11 @@ class GpuMeasurer:
             for a in samples:
                 if isinstance(a, GemmSample) and keys is not None:
                     a.full_keys = list(keys[fulls[id(a)]])
+                if isinstance(a, LayoutSample):  # raced only where its window leaves the round open: spare work,
+                    # hastened then, dropped where the window decides (``_race_layout_sample``)
+                    queued = self.engines.precompile([a.full], background=True, cancellable=False, order="spare",
+                                                     label="the boundary layout round's rival")
+                    a.full_keys = [k for ks in (queued or {}).get("keys") or [] for k in ks]
             # spare work, each round's apart: needed only where that round of the input flips, when they are
             # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search.  In the
             # rounds' order, a sampled GEMM-epilogue round's too: queued after the others', on the guess that its
@@ -1219,7 +1301,7 @@ class GpuMeasurer:
         # the input's engines (its whole plan's compile is what the sample saves)
         decided = {r["choice"] for r in carried_rounds(self._input_rounds())}
         decided |= {what for what, a, _ in self.early.get("todo") or []
-                    if isinstance(a, (DepthwiseSample, GemmSample, SampledRound, StreamsRival))}
+                    if isinstance(a, (*SAMPLES, SampledRound, StreamsRival))}
         decided |= {r["choice"] for r in self.early.get("rounds") or [] if "sample" in r}
         variants = [a for what, a in alternative_variants(self.engines, v) if what not in decided]
         variants += speculative_variants(self.engines, v, decided)
@@ -1385,7 +1467,7 @@ class GpuMeasurer:
             return []
 
         def raceable(what: str, a) -> bool:
-            if isinstance(a, (DepthwiseSample, GemmSample)):
+            if isinstance(a, SAMPLES):
                 return all(ROUND_APPLIES.get(f) is not None and not ROUND_APPLIES[f](a.current.model) for f in flips)
             return all(self._apart(f, what) for f in flips)
 
@@ -1474,6 +1556,8 @@ class GpuMeasurer:
             return self._race_sample(v)
         if isinstance(v, GemmSample):
             return self._race_gemm_sample(v)
+        if isinstance(v, LayoutSample):
+            return self._race_layout_sample(v)
         if isinstance(v, SampledRound):  # its sample left it open: the whole plan's alternative, compiled now and
             early["todo"].insert(0, self._compiling(what, v.full))  # raced in its turn
             return False
@@ -1498,7 +1582,7 @@ class GpuMeasurer:
             early["rounds"][-1]["timed"] = (f"during the search, against the input's plan after its "
                                             f"{' and '.join(early['flips'])} round went to the alternative: no engine "
                                             "holds nodes of both")
-        if "sample" in early and what in dict(DEPTHWISE_ROUNDS):
+        if "sample" in early and (what in dict(DEPTHWISE_ROUNDS) or what == "boundary layout"):
             early["rounds"][-1]["sample"] = early.pop("sample")
         if "sample_error" in early and what == "GEMM epilogue":  # (``_gemm_sample_first``)
             early["rounds"][-1]["sample_error"] = early.pop("sample_error")
@@ -1561,6 +1645,41 @@ class GpuMeasurer:
             self.backend.drop([*s.full_keys, *((early.get("spare") or {}).pop(what, None) or [])])
         return won
 
+    def _race_layout_sample(self, s: LayoutSample) -> bool | None:
+        """The "boundary layout" round on its window (``layout_sample``): the window with channels-last internal
+        boundaries and with contiguous ones, timed together in alternating blocks.  Contiguous boundaries slower by
+        more than ``LAYOUT_SAMPLE_DECIDES_BEYOND`` decide the round for the plan as it is (report.json's round
+        says so, with the window's times), and the whole plan's rival, queued as spare work, is dropped where it
+        has not started; closer, that rival is hastened (or compiled now) and raced in its turn, the window's
+        times kept beside it.  None: the window could not be timed (``early["stopped"]``)."""
+        early, what = self.early, "boundary layout"
+        here, other = round_labels(what, early["plan"])
+        t0 = time.perf_counter()
+        try:
+            ms = sample_medians(self.engines, {here: s.current, other: s.alternative}, runs=self.runs,
+                                warmup=self.warmup, lock=self.options.gpu_timing_lock)
+        except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
+            early["stopped"] = f"{what} (sampled): {type(e).__name__}: {e}"
+            return None
+        sample = {"engines": s.names, "of": s.of, "boundaries": s.boundaries,
+                  "timed_ms": {k: round(t, 4) for k, t in ms.items()}, "timed_s": round(time.perf_counter() - t0, 3)}
+        if ms[other] > ms[here] * (1 + LAYOUT_SAMPLE_DECIDES_BEYOND):
+            self.backend.drop(s.full_keys)
+            early["rounds"].append({
+                "choice": what, "timed_ms": dict(ms), "won": here, "load_s": 0.0, "timed_s": sample["timed_s"],
+                "started_s": round(t0 - self.t_made, 3), "sample": sample, "decided_on_sample": True,
+                "timed": f"on a window of {len(s.names)} of the plan's {s.of} engines, consecutive in its launch order on "
+                         f"its streams ({plural(s.boundaries, 'internal boundary', 'internal boundaries')}): "
+                         f"contiguous boundaries slower by more than {LAYOUT_SAMPLE_DECIDES_BEYOND:.0%}"})
+            return False
+        if s.full_keys:  # the whole plan's rival, queued as spare work: needed now, raced in its turn
+            self.backend.hasten(s.full_keys)
+            early["todo"].insert(0, (what, s.full, list(s.full_keys)))
+        else:
+            early["todo"].insert(0, self._compiling(what, s.full, order="now"))
+        early["sample"] = sample  # kept beside the round when it is raced
+        return False
+
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
         """The input's rounds timed so far, as {"partial": True, "rounds", "plan"} (for a candidate that replaced
         the input: ``carried_rounds``); None when none was.  The rounds not timed yet are timed now where their
@@ -1578,7 +1697,7 @@ class GpuMeasurer:
                 break
             what, v, keys = item
             # (a sampled round whose sample left it open compiles its alternative first: not ready)
-            ready = isinstance(v, (DepthwiseSample, GemmSample, StreamsRival)) or (not isinstance(v, SampledRound)
+            ready = isinstance(v, (*SAMPLES, StreamsRival)) or (not isinstance(v, SampledRound)
                                                                        and not self.backend.compiling(keys))
             if what not in wait_for and (not any(item is x for x in self._raceable()) or not ready):
                 continue

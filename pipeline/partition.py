@@ -135,11 +135,13 @@ def extract_branch(model: onnx.ModelProto, graph: gs.Graph, branch: Branch) -> o
     return out
 
 
-def side_by_side(branches: list[onnx.ModelProto]) -> onnx.ModelProto:
+def side_by_side(branches: list[onnx.ModelProto], outputs: set[str] | None = None) -> onnx.ModelProto:
     """Branches extracted from one plan (``extract_branch``) as one model: their nodes, weights and boundary
     tensors together, in the order given (a branch after those whose outputs it reads).  A tensor one branch
-    writes and another reads joins them; every branch's outputs are the model's.  What a round times a sample of
-    a plan's engines with, one launcher for all of them (``measure.depthwise_sample``).
+    writes and another reads joins them; every branch's outputs are the model's, or those of ``outputs`` only
+    (the others then join branches inside the model alone: internal boundaries of its plan).  What a round times
+    a sample of a plan's engines with, one launcher for all of them (``measure.depthwise_sample``,
+    ``measure.layout_sample``).
 
     Not ``onnx.compose.merge_models``: it joins two models through an explicit output-to-input map and refuses
     names both hold, where branches of one plan share their inputs and weights by name (one tensor each)."""
@@ -163,5 +165,8 @@ def side_by_side(branches: list[onnx.ModelProto]) -> onnx.ModelProto:
         g.initializer.extend(t for t in b.graph.initializer if once("initializer", t.name))
         g.node.extend(b.graph.node)
         g.value_info.extend(v for v in b.graph.value_info if once("value_info", v.name))
-        g.output.extend(v for v in b.graph.output if once("output", v.name))
+        g.output.extend(v for v in b.graph.output if (outputs is None or v.name in outputs) and once("output", v.name))
+        # an output not kept keeps its type and shape as an inner tensor's
+        g.value_info.extend(v for v in b.graph.output if outputs is not None and v.name not in outputs
+                            and once("value_info", v.name))
     return out

@@ -279,6 +279,7 @@ def _fused_model(attention: bool, gemm: bool):
 class _Launcher:
     def __init__(self, v):
         self.model, self.options, self.plan, self.t_built, self.closed = v.model, v.options, v.plan, 0.0, False
+        self.internal_nhwc = v.internal_nhwc
 
     def close(self):
         self.closed = True
@@ -792,6 +793,128 @@ def test_branches_side_by_side_compute_what_each_branch_computes(tmp_path):
         engines.side_by_side([branches[i] for i in reversed(order)])
 
 
+def _every_value(model, feeds):
+    """Every tensor of ``model`` that its nodes write, as ONNX Runtime computes it from ``feeds``."""
+    import onnx
+    import onnxruntime as ort
+
+    m = onnx.ModelProto()
+    m.CopyFrom(model)
+    have = {o.name for o in m.graph.output}
+    m.graph.output.extend(v for v in m.graph.value_info if v.name not in have)
+    sess = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"])
+    return dict(zip([o.name for o in m.graph.output], sess.run(None, feeds)))
+
+
+def test_a_window_of_a_plan_computes_what_its_branches_compute_with_its_boundaries_inside(tmp_path):
+    """``Engines.window``: branches consecutive in a plan's launch order as a plan of their own.  ONNX Runtime runs
+    the window's model to the values the whole model gives those tensors; a tensor that only the window's branches
+    read is a boundary inside it (neither input nor output), what it reads from before it its inputs, what later
+    branches or the model read its outputs; its engines keep the plan's nodes, launch order and streams (the
+    same branches share one), the streams numbered in order of first use."""
+    import numpy as np
+    import onnxruntime as ort
+
+    from parastream.pipeline import measure
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    plan = v.plan
+    ids = list(plan.launch_order[5:25])
+    model, graph, wp = engines.window(v, ids)
+    assert [b.nodes for b in wp.branches] == [plan.branches[i].nodes for i in ids]
+    assert list(wp.launch_order) == list(range(len(ids)))
+    same = [[plan.branches[i].stream == plan.branches[j].stream for j in ids] for i in ids]
+    assert [[a.stream == b.stream for b in wp.branches] for a in wp.branches] == same
+    assert wp.num_streams == len({plan.branches[i].stream for i in ids}) > 1
+    assert [b.stream for b in wp.branches][0] == 0 and max(b.stream for b in wp.branches) == wp.num_streams - 1
+    inside = set(ids)
+    written = {t for i in ids for t in plan.branches[i].outputs}
+    read_later = {t for b in plan.branches if b.id not in inside for t in b.inputs} | {t.name for t in plan.outputs}
+    assert {o.name for o in model.graph.output} == written & read_later
+    assert {i.name for i in model.graph.input} == {t for i in ids for t in plan.branches[i].inputs} - written
+    assert measure._nhwc_boundaries(engines.backend, wp) > 0  # boundaries between its engines, laid out as the plan's
+
+    rng = np.random.default_rng(0)
+    feeds = {i.name: rng.standard_normal([d.dim_value for d in i.type.tensor_type.shape.dim]).astype(np.float32)
+             for i in v.model.graph.input}
+    values = _every_value(v.model, feeds)
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    got = sess.run(None, {i.name: values[i.name] for i in model.graph.input})
+    for o, x in zip(model.graph.output, got):
+        np.testing.assert_allclose(x, values[o.name], rtol=1e-4, atol=1e-4)
+
+
+def test_a_boundary_layout_round_s_sample_is_a_window_from_the_middle_of_the_launch_order(monkeypatch, tmp_path):
+    """``layout_sample``: ``LAYOUT_WINDOW`` engines consecutive in the plan's launch order, from its middle, with
+    channels-last internal boundaries and with contiguous ones; none for a plan of fewer engines than
+    ``SAMPLE_LAYOUT_ENGINES``, nor for a window with no boundary inside it that the layout changes."""
+    from dataclasses import replace
+
+    from parastream.pipeline import measure
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    full = replace(v, internal_nhwc=False)
+    n = len(v.plan.branches)
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", n + 1)
+    assert measure.layout_sample(engines, v, full) is None
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", n)
+    monkeypatch.setattr(measure, "LAYOUT_WINDOW", 20)
+    s = measure.layout_sample(engines, v, full)
+    start = (n - 20) // 2
+    assert s.names == [v.plan.branches[i].name for i in v.plan.launch_order[start:start + 20]] and s.of == n
+    assert s.boundaries == measure._nhwc_boundaries(engines.backend, s.current.plan) > 0
+    assert s.full is full and s.variants() == [s.current, s.alternative]
+    assert s.current.internal_nhwc and not s.alternative.internal_nhwc
+    assert s.alternative.plan is s.current.plan and s.current.options is v.options
+    monkeypatch.setattr(measure, "LAYOUT_WINDOW", 1)  # one engine: no boundary inside
+    assert measure.layout_sample(engines, v, full) is None
+
+
+@pytest.mark.parametrize("contiguous", [1.10, 1.02])
+def test_a_boundary_layout_round_lost_widely_on_its_window_compiles_no_whole_plan(monkeypatch, tmp_path, contiguous):
+    """The input's "boundary layout" round on a plan of many engines is queued as its window: the window's two
+    layouts are compiled with the input and timed together, and the whole plan with contiguous boundaries is
+    queued as spare work only.  Contiguous boundaries slower on the window by more than
+    ``LAYOUT_SAMPLE_DECIDES_BEYOND`` decide the round for channels-last (carried to a rewritten plan), and the
+    whole plan's rival is dropped; closer, that rival is hastened and raced on the whole plan, the window's times
+    kept beside."""
+    from dataclasses import replace
+
+    from parastream.pipeline import measure
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    full = replace(v, internal_nhwc=False)
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", 2)
+    monkeypatch.setattr(measure, "LAYOUT_WINDOW", 20)
+
+    def ms(la):  # the window 0.5 ms with channels-last boundaries, the whole plan 1 ms; contiguous that much slower
+        return (1.0 if la.plan is v.plan else 0.5) * (1.0 if la.internal_nhwc else contiguous)
+
+    m, compiled, _, orders, timings = _prepared_measurer(monkeypatch, engines, v, [("boundary layout", full)], ms)
+    ((_, sample, _),) = m.early["todo"]
+    assert isinstance(sample, measure.LayoutSample)
+    assert compiled[1] == sample.variants() and orders[:2] == ["search", "search"]  # the input, then the window
+    at = next(i for i, batch in enumerate(compiled) if full in batch)
+    assert compiled[at] == [full] and orders[at] == "spare" and sample.full_keys  # the whole plan's, as spare work
+    m.measure(engines.loaded.model)
+    m.time_ready(wait=True)
+    assert timings[1] == ["channels-last boundaries", "contiguous boundaries"]  # the window, one timing of both
+    ((r),) = m.early["rounds"]
+    assert r["choice"] == "boundary layout" and r["won"] == "channels-last boundaries"
+    assert r["sample"]["engines"] == sample.names
+    assert r["sample"]["timed_ms"]["contiguous boundaries"] == pytest.approx(0.5 * contiguous)
+    if contiguous > 1 + measure.LAYOUT_SAMPLE_DECIDES_BEYOND:
+        assert r["decided_on_sample"] and "window" in r["timed"]
+        assert m.backend.dropped == [sample.full_keys] and not m.backend.hastened
+        assert len(timings) == 2  # the whole plan's rival never loaded
+        assert measure.carried_rounds([r])  # taken for a rewritten plan, whatever the window's margin
+    else:
+        assert not r.get("decided_on_sample") and m.backend.hastened == [sample.full_keys] and not m.backend.dropped
+        assert r["timed_ms"]["contiguous boundaries"] == pytest.approx(contiguous)  # raced on the whole plan
+        assert not measure.carried_rounds([r])
+    m.close()
+
+
 def _prepared_measurer(monkeypatch, engines, v, alternatives: list, ms):
     """A GpuMeasurer of ``v`` over stand-in engines whose compiles are done at once: the input's rounds race
     ``alternatives`` ((round, variant) as ``alternative_variants`` gives them), a launcher replays in ``ms(it)``
@@ -811,10 +934,16 @@ def _prepared_measurer(monkeypatch, engines, v, alternatives: list, ms):
     monkeypatch.setattr(measure, "speculative_by_round", lambda e, var, decided=(): [])
     monkeypatch.setattr(bench, "measure", lambda launchers, **kw: timings.append(list(launchers))
                         or {k: np.full(10, ms(la)) for k, la in launchers.items()})
-    engines.backend = type("B", (), {"background_compiles": True, "hasten": staticmethod(lambda keys: 0),
+    hastened, dropped = [], []
+    engines.backend = type("B", (), {"background_compiles": True,
+                                     "hasten": staticmethod(lambda keys: hastened.append(list(keys)) or 0),
+                                     "drop": staticmethod(lambda keys: dropped.append(list(keys)) or 0),
+                                     "hastened": hastened, "dropped": dropped,
                                      "compiling": staticmethod(lambda keys: 0),
                                      "cancel_precompile": staticmethod(lambda: 0), "name": "torch",
-                                     "suffix": engines.backend.suffix})()
+                                     "suffix": engines.backend.suffix,
+                                     "supports_internal_nhwc": engines.backend.supports_internal_nhwc,
+                                     "supports_channel_views": engines.backend.supports_channel_views})()
     m = GpuMeasurer(engines, v.options, engines.loaded, streams=None, max_streams=4, budget_s=60.0)
     m.variant_of = lambda model: v
     m.prepare([engines.loaded.model])

@@ -540,6 +540,38 @@ def test_gpu_build_decides_its_depthwise_rounds_on_a_sample(models, tmp_path, mo
     assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_build_times_its_boundary_layout_round_on_a_window(models, tmp_path, monkeypatch):
+    """A plan of many engines (nasnet_cell's, the threshold lowered) has its "boundary layout" round timed during
+    the search on a window of its engines, consecutive in its launch order on its streams, loaded on the GPU with
+    channels-last internal boundaries and with contiguous ones and timed together; the round is decided by the
+    window only where contiguous boundaries lost there by more than ``LAYOUT_SAMPLE_DECIDES_BEYOND``, else raced
+    on the whole plan, and the bundle ships and verifies the layout decided."""
+    from parastream.pipeline import measure
+
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", 2)
+    monkeypatch.setattr(measure, "LAYOUT_WINDOW", 20)
+    cfg = BuildConfig(backend="torch", precision="fp16", measure_runs=30, streams=2, measure_seconds=5,
+                      search_options={"measure_margin": 0.99})  # the input ships: its rounds as timed in the search
+    bundle = build(models / "nasnet_cell.onnx", tmp_path / "out", config=cfg)
+    assert bundle.report["search"]["decided_by"] == "measured"
+    m = bundle.report["measured_choices"]
+    r = next(x for x in m["rounds"] if x["choice"] == "boundary layout")
+    sample = r["sample"]
+    assert list(sample["timed_ms"]) == ["channels-last boundaries", "contiguous boundaries"]
+    assert all(t > 0 for t in sample["timed_ms"].values()) and len(sample["engines"]) == 20 and sample["boundaries"] > 0
+    current, other = r["timed_ms"].values()
+    if r.get("decided_on_sample"):
+        assert other > current * (1 + measure.LAYOUT_SAMPLE_DECIDES_BEYOND) and r["won"] == "channels-last boundaries"
+    else:
+        here, there = sample["timed_ms"].values()
+        assert there <= here * (1 + measure.LAYOUT_SAMPLE_DECIDES_BEYOND) + 1e-4  # left open: raced on the plan
+    assert bundle.manifest["options"]["internal_nhwc"] == m["internal_nhwc"] == (r["won"] == "channels-last boundaries")
+    v = bundle.report["verification"]
+    assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
+
+
 def test_a_timed_choice_is_the_one_row_chosen():
     """The stream table keeps one chosen row: the schedule timing picked (added, marked measured) or the planned one."""
     import types
