@@ -552,12 +552,18 @@ def test_gpu_build_times_its_boundary_layout_round_on_a_window(models, tmp_path,
 
     monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", 2)
     monkeypatch.setattr(measure, "LAYOUT_WINDOW", 20)
+    # the fusion rounds before it keep the plan's form (a round won by its alternative leaves the rest, the layout
+    # round too, to be timed after the search on the whole plan), and the depthwise convolutions are cuDNN's
+    monkeypatch.setitem(measure.PREFER_CURRENT_WITHIN, "GEMM epilogue", 0.99)
+    monkeypatch.setitem(measure.PREFER_CURRENT_WITHIN, "conv+ReLU", 0.99)
     cfg = BuildConfig(backend="torch", precision="fp16", measure_runs=30, streams=2, measure_seconds=5,
+                      conv_kernels="cudnn",
                       search_options={"measure_margin": 0.99})  # the input ships: its rounds as timed in the search
     bundle = build(models / "nasnet_cell.onnx", tmp_path / "out", config=cfg)
     assert bundle.report["search"]["decided_by"] == "measured"
     m = bundle.report["measured_choices"]
     r = next(x for x in m["rounds"] if x["choice"] == "boundary layout")
+    assert "sample" in r, m["rounds"]
     sample = r["sample"]
     assert list(sample["timed_ms"]) == ["channels-last boundaries", "contiguous boundaries"]
     assert all(t > 0 for t in sample["timed_ms"].values()) and len(sample["engines"]) == 20 and sample["boundaries"] > 0
