@@ -1502,7 +1502,7 @@ def precompile(batches: list[tuple["Builder", list[tuple[onnx.ModelProto, str, d
         _submit(todo, groups, first.options.cache_dir, cancellable, compile_workers(first.options), order=order,
                 label=label)
         if first.options.device == "cuda":
-            _import_runtime_in_background()
+            _import_runtime_in_background(caller_converts=True)
         # each branch handed to the workers is converted here only now, the check that names a branch the
         # converter cannot run: converting NASNet-A Large's 332 (and the first conversion's imports: its meta
         # runs import dynamo) was ~2 s of the build's main thread, which the workers waited for before their
@@ -1520,7 +1520,7 @@ _RUNTIME_IMPORT: list = []
 RUNTIME_IMPORT_TIMES: dict[str, tuple[float, float]] = {}
 
 
-def _import_runtime_in_background() -> None:
+def _import_runtime_in_background(caller_converts: bool = False) -> None:
     """Import what loading an Inductor artifact imports (Inductor's code cache, AOTAutograd's cache, the Triton
     kernel wrappers and templates) in one thread, and hash Triton (its sources and libtriton, the key of its
     caches and of Inductor's autotuning) in another, once per process.  Both were ~2.5 s of a fresh process's
@@ -1529,7 +1529,20 @@ def _import_runtime_in_background() -> None:
     the bundle's files (``prepare_load``), a GPU build while it waits for its compile workers.  The hash reads and
     digests ~0.5 GB and waits for ptxas and the C compiler, so it runs beside the imports rather than after them;
     imports take Python's import lock, so a load that needs a module being imported waits for it rather than
-    importing it twice."""
+    importing it twice.
+
+    ``caller_converts``: the calling thread converts branches next (a build's checks, ``precompile``), and imports
+    ``torch._dynamo`` itself first.  A conversion's meta run imports dynamo, whose import imports Inductor's
+    modules, while the imports here go from Inductor's modules to dynamo: two threads entering that cycle from
+    opposite ends leave one of them with a partially initialized module (Python breaks the deadlock so), and a
+    branch failed its check, "torch cannot run it as converted: ... partially initialized module" (a fresh
+    process's first build of a NASNet cell: twice running on the H200, 2 of 3 on the CPU).  The conversions import
+    dynamo anyway; what runs here beside them is then the rest, and Triton's hash."""
+    if caller_converts:
+        try:
+            import torch._dynamo  # noqa: F401
+        except Exception:  # noqa: BLE001 - another torch: the conversion reports what it lacks itself
+            pass
     if any(t.name == "parastream-import-inductor" for t in _RUNTIME_IMPORT):
         return
 

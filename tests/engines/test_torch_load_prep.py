@@ -159,3 +159,31 @@ def test_the_gpu_load_path_imports_no_onnx():
     p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
     assert p.returncode == 0, p.stderr[-2000:]
     assert p.stdout.strip() == "[]"
+
+
+def test_a_build_s_branch_checks_beside_the_runtime_imports_find_every_module_whole():
+    """A GPU build's ``precompile`` starts the runtime imports in a thread and then converts the branches it
+    queued in its own (the check that names a branch the converter cannot run).  A conversion imports
+    ``torch._dynamo``, which imports Inductor's modules, while the thread imports Inductor's modules, which import
+    dynamo: the caller imports dynamo itself first (``caller_converts``), else one of the two threads got a
+    partially initialized module and a branch failed its check (on this 2-core CPU, about one fresh process in
+    three; on the H200, a NASNet cell's first GPU build in a test process, twice in two).  Fresh processes, five:
+    the race is a process's first import of dynamo."""
+    import subprocess
+    import sys
+    import textwrap
+
+    script = textwrap.dedent("""
+        import sys
+        from onnx import shape_inference
+        from parastream.launcher.engines import torch as tb
+        from parastream.launcher.engines.onnx_torch import convert
+        from parastream.pipeline.zoo import MODELS
+        assert "torch._dynamo" not in sys.modules
+        model = shape_inference.infer_shapes(MODELS["nasnet_cell"]())
+        tb._import_runtime_in_background(caller_converts=True)
+        print("steps", len(convert(model, "float32")._steps))
+    """)
+    for _ in range(5):
+        r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
+        assert r.returncode == 0 and "steps" in r.stdout, r.stderr[-2000:]
