@@ -1536,7 +1536,8 @@ def _import_runtime_in_background(caller_converts: bool = False) -> None:
     modules, while the imports here go from Inductor's modules to dynamo: two threads entering that cycle from
     opposite ends leave one of them with a partially initialized module (Python breaks the deadlock so), and a
     branch failed its check, "torch cannot run it as converted: ... partially initialized module" (a fresh
-    process's first build of a NASNet cell: twice running on the H200, 2 of 3 on the CPU).  The conversions import
+    process's first GPU build of a NASNet cell, twice in two on the H200; on a 2-core CPU about one fresh process
+    in three).  The conversions import
     dynamo anyway; what runs here beside them is then the rest, and Triton's hash."""
     if caller_converts:
         try:
