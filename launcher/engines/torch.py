@@ -1537,8 +1537,8 @@ def _import_runtime_in_background(caller_converts: bool = False) -> None:
     opposite ends leave one of them with a partially initialized module (Python breaks the deadlock so), and a
     branch failed its check, "torch cannot run it as converted: ... partially initialized module" (a fresh
     process's first GPU build of a NASNet cell, twice in two on the H200; on a 2-core CPU about one fresh process
-    in three).  The conversions import
-    dynamo anyway; what runs here beside them is then the rest, and Triton's hash."""
+    in three).  The conversions import dynamo anyway; what runs here beside them is then the rest, and Triton's
+    hash."""
     if caller_converts:
         try:
             import torch._dynamo  # noqa: F401
