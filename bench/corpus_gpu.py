@@ -341,7 +341,8 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         if args.costs:  # the bundle against its own engines on one stream; no baseline compiled
             with quiet_gpu(children):
                 times = _measure({"parastream": la, "one_stream": single}, runs=args.runs, warmup=50, seed=7)
-            _medians(row, times)
+                _medians(row, times)
+                _bound(row, bundle.plan, single)
             return row
         model = users_model(name, make_model(name)[0])  # as its users run it (BERT: transformers' default attention)
         t0 = time.perf_counter()
@@ -358,7 +359,8 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         row["maxerr_compile"] = max_err(runner.out.float().cpu().numpy(), ref[first])
         with quiet_gpu(children):
             times = _measure({"parastream": la, "one_stream": single, "compile": runner}, runs=args.runs, warmup=50, seed=7)
-        _medians(row, times)
+            _medians(row, times)
+            _bound(row, bundle.plan, single)
         return row
     finally:
         for launcher in (la, single):
@@ -369,6 +371,21 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         la = single = compiled = runner = model = None
         with contextlib.suppress(Exception):  # never in place of the error that ended the timing
             free_gpu()
+
+
+def _bound(row: dict, plan, single) -> None:
+    """A plan with streams: its critical-path bound (``pipeline.bench.critical_path_bound``: its engines timed alone,
+    on one stream with events around each, summed along the longest dependent chain) and its time over it."""
+    from parastream.pipeline.bench import critical_path_bound, engines_alone_ms
+
+    if plan.num_streams < 2:
+        return
+    try:
+        cp = critical_path_bound(plan, engines_alone_ms(single))
+    except Exception as e:  # noqa: BLE001 - the row's timings stand without it
+        row["bound_error"] = f"{type(e).__name__}: {e}"
+        return
+    row["bound_ms"], row["bound_chain"], row["alone_sum_ms"] = cp["bound_ms"], len(cp["chain"]), cp["alone_sum_ms"]
 
 
 def _medians(row: dict, times: dict) -> None:
@@ -469,9 +486,16 @@ def _geomean(xs: list[float]) -> float:
 
 
 COLUMNS = ("model", "family", "batch", "nodes in → out", "streams / engines", "parastream ms", "parastream items/s",
-           "one stream ms", "torch.compile ms", "vs compile", "vs one stream", "kept (rewrites; timed choices)",
+           "one stream ms", "critical-path bound ms (over it)", "torch.compile ms", "vs compile", "vs one stream",
+           "kept (rewrites; timed choices)",
            "max err (scale)", "build s", "build stages s", "load s", "fresh load s", "rebuild s",
            "bundle MB (engines)")
+
+
+def _over_bound(r: dict) -> str:
+    if r.get("bound_ms"):
+        return f"{r['bound_ms']:.3f} ({r['parastream_ms'] / r['bound_ms']:.2f}x)"
+    return "-" if "bound_error" not in r else "error"
 
 
 def _sizes(r: dict) -> str:
@@ -523,7 +547,8 @@ def table(rows: list[dict]) -> str:
         again = (f"{rb['build_s']:.0f} ({rb['compile_jobs']} compile jobs)" if "build_s" in rb else rb.get("error", "-")[:60])
         out.append(f"| {r['model']} | {family(r['model'])} | {batch} | {r['nodes'][0]} → {r['nodes'][1]} | "
                    f"{r['streams']} / {r['engines']} | {r['parastream_ms']:.3f} | {batch * 1e3 / r['parastream_ms']:,.0f} | "
-                   f"{r['one_stream_ms']:.3f} | {_ms(r.get('compile_ms'))} | {_ratio(c)} | {b:.2f}x | {kept(r)} | "
+                   f"{r['one_stream_ms']:.3f} | {_over_bound(r)} | {_ms(r.get('compile_ms'))} | {_ratio(c)} | {b:.2f}x | "
+                   f"{kept(r)} | "
                    f"{err:.1e} | {r.get('build_s', 0):.0f} | {_stages(r)} | {r.get('load_s', 0):.1f} | {fresh} | {again} | "
                    f"{_sizes(r)} |")
     out.append("")

@@ -397,6 +397,36 @@ def _whole_model_reason(bundle: Bundle) -> str | None:
     return None
 
 
+def engines_alone_ms(single, *, replays: int = 50) -> dict[int, float]:
+    """Each engine's milliseconds with nothing beside it, by branch id: ``single`` (a launcher of the plan's engines
+    on one stream, in launch order) replayed with timing events around every engine (``GpuLauncher.run_timed``),
+    each engine's median over ``replays`` replays."""
+    return {s["branch"]: max(0.0, float(s["end_ms"]) - float(s["start_ms"])) for s in single.run_timed(replays=replays)}
+
+
+def critical_path_bound(plan, alone_ms: dict[int, float]) -> dict:
+    """``plan``'s critical-path bound: its engines' times alone (``engines_alone_ms``) summed along the longest
+    chain of engines each reading an output of the one before (the DAG of the plan's data dependencies; its stream
+    order is the plan's choice, not a dependency).  No schedule of these engines on any number of streams ends
+    sooner, as long as an engine runs no faster beside others than alone; a plan's time over it is what its
+    launches, event waits and the engines sharing the GPU cost.  networkx finds the path (``dag_longest_path``).
+    Returns {"bound_ms", "chain": the engines along it, "alone_sum_ms": every engine's time alone, summed}."""
+    import networkx as nx
+
+    producer = {t: b.id for b in plan.branches for t in b.outputs}
+    by_id = {b.id: b for b in plan.branches}
+    g = nx.DiGraph()
+    for b in plan.branches:
+        g.add_edge("start", b.id, ms=alone_ms[b.id])  # (a chain may start at any engine)
+        for t in b.inputs:
+            p = producer.get(t)
+            if p is not None and p != b.id:
+                g.add_edge(p, b.id, ms=alone_ms[b.id])
+    chain = nx.dag_longest_path(g, weight="ms")[1:]
+    return {"bound_ms": float(sum(alone_ms[i] for i in chain)), "chain": [by_id[i].name for i in chain],
+            "alone_sum_ms": float(sum(alone_ms.values()))}
+
+
 def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, timeline: str | Path | None = None, console=None,
                  launcher=None, whole_model: bool = True, graph: bool | None = None, concat_ablation: bool = False,
                  gpu: int = 0, original: str | Path | None = None) -> dict:
@@ -477,6 +507,15 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
             result["tensorrt_whole_model_ms"] = float(np.median(t))
             result["tensorrt_whole_model_p10_p90_ms"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
             result["speedup_vs_whole_model"] = result["tensorrt_whole_model_ms"] / result["parastream_ms"]
+        if bundle.plan.num_streams > 1:  # the distance to the limit: the engines timed alone, along the longest chain
+            try:
+                cp = critical_path_bound(bundle.plan, engines_alone_ms(single))
+            except Exception as e:  # noqa: BLE001 - the bound is beside the timings, which stand without it
+                result["critical_path_bound_error"] = f"{type(e).__name__}: {e}"
+            else:
+                result.update(critical_path_bound_ms=cp["bound_ms"], critical_path_engines=len(cp["chain"]),
+                              engines_alone_sum_ms=cp["alone_sum_ms"],
+                              over_bound=result["parastream_ms"] / cp["bound_ms"] if cp["bound_ms"] > 0 else None)
         if timeline is not None:
             spans = multi.run_timed()
             result["timeline"] = str(timeline)
@@ -765,6 +804,14 @@ def print_bench(result: dict, console) -> None:
     if not result.get("graph", True):
         console.print("graph=False: every time includes the host-side enqueue of its engines")
     console.print(f"speedup from streams: {result['speedup']:.2f}x over {result['runs']} replays each")
+    if result.get("over_bound"):
+        console.print(f"critical-path bound: {result['critical_path_bound_ms']:.3f} ms (each engine timed alone, summed "
+                      f"along the longest chain of {result['critical_path_engines']} dependent engines; all of them "
+                      f"{result['engines_alone_sum_ms']:.3f} ms): parastream at {result['over_bound']:.2f}x of it")
+    elif "critical_path_bound_error" in result:
+        from rich.markup import escape
+
+        console.print(f"critical-path bound: none ({escape(result['critical_path_bound_error'])})")
     if "speedup_vs_whole_model" in result:
         console.print(f"against TensorRT's own multi-stream (whole-model engine, built in {result['tensorrt_whole_model_build_s']:.1f} s): "
                       f"{result['speedup_vs_whole_model']:.2f}x")

@@ -109,6 +109,16 @@ def test_table_rows_per_batch_and_summary_per_batch():
     assert "1 of 5 rows not timed (error)" in text
 
 
+def test_a_row_with_streams_gives_its_critical_path_bound_and_its_time_over_it():
+    """A plan with streams: the bound (its engines timed alone, along the longest dependent chain) and parastream's
+    time over it in one column; a one-stream row has none, and a bound that could not be timed says so."""
+    rows = [_row("inception_v3", 1, 0.5, 0.8, bound_ms=0.4, bound_chain=12, alone_sum_ms=0.9),
+            _row("resnet50", 1, 0.3, 0.45), _row("googlenet", 1, 0.2, 0.4, bound_error="CudaError: x")]
+    body = [ln for ln in corpus_gpu.table(rows).splitlines()[2:] if ln.startswith("| ")]
+    assert "| 0.400 (1.25x) |" in body[0]
+    assert body[1].split(" | ")[8] == "-" and body[2].split(" | ")[8] == "error"
+
+
 def test_table_of_old_and_new_files(tmp_path, capsys):
     old = [_row("resnet50", None, 0.3, 0.45), _row("bert", None, 0.5, 0.6),
            {"model": "googlenet", "error": "not started (time)"}]

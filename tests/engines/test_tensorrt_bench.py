@@ -70,6 +70,19 @@ class FakeLauncher:
     def __call__(self, feeds):
         return ort_reference(self.model, feeds)
 
+    def run_timed(self, *, replays: int = 5):
+        """The engines one after another in launch order, engine ``i`` taking ``alone_ms(i)`` ms."""
+        spans, at = [], 0.0
+        for i in self.plan.launch_order:
+            b = self.plan.branches[i]
+            spans.append({"branch": b.id, "name": b.name, "stream": 0, "start_ms": at, "end_ms": at + self.alone_ms(b.id)})
+            at += self.alone_ms(b.id)
+        return spans
+
+    @staticmethod
+    def alone_ms(i: int) -> float:
+        return 0.1 * (i + 1)
+
     def close(self):
         self.closed = True
 
@@ -386,3 +399,53 @@ def test_bench_against_the_real_whole_model_engine_in_a_cuda_graph(tmp_path):
         for _ in range(3):
             np.testing.assert_allclose(whole({"input": x})["output"], ort_reference(three_branch_model(channels=32, size=56), {"input": x})["output"],
                                        rtol=1e-3, atol=1e-3)
+
+
+def _chains(plan):
+    """Every chain of engines each reading an output of the one before, enumerated (no library)."""
+    producer = {t: b.id for b in plan.branches for t in b.outputs}
+    preds = {b.id: {producer[t] for t in b.inputs if t in producer and producer[t] != b.id} for b in plan.branches}
+    succs = {b.id: [c.id for c in plan.branches if b.id in preds[c.id]] for b in plan.branches}
+
+    def walk(path):
+        yield path
+        for n in succs[path[-1]]:
+            yield from walk(path + [n])
+
+    for b in plan.branches:
+        yield from walk([b.id])
+
+
+def test_the_critical_path_bound_is_the_longest_dependent_chain_of_engines_timed_alone(trt, tmp_path):
+    """``critical_path_bound``: the engines' times alone summed along the longest chain of data dependencies,
+    every chain enumerated here; the plan's stream order adds no edge (engines on one stream that do not read each
+    other are not a chain)."""
+    bundle = make_trt_bundle(tmp_path, streams=3)
+    plan = bundle.plan
+    for alone in ({b.id: 0.1 * (b.id + 1) for b in plan.branches}, {b.id: 1.0 / (b.id + 1) for b in plan.branches}):
+        got = bench.critical_path_bound(plan, alone)
+        best = max(_chains(plan), key=lambda c: sum(alone[i] for i in c))
+        assert got["bound_ms"] == pytest.approx(sum(alone[i] for i in best))
+        ids = [next(b.id for b in plan.branches if b.name == n) for n in got["chain"]]
+        assert ids in list(_chains(plan))  # a chain of dependencies, not of launch order
+        assert got["alone_sum_ms"] == pytest.approx(sum(alone.values()))
+        assert got["alone_sum_ms"] > got["bound_ms"]
+    # three independent branches side by side: the longest one alone is not a chain through the others
+    assert len(plan.branches) > len(max(_chains(plan), key=len))
+
+
+def test_bench_gives_a_multi_stream_plan_s_distance_to_its_critical_path_bound(trt, gpu_stand_ins, tmp_path):
+    """``parastream bench`` of a plan with streams times its engines alone on one stream (events around each) and
+    gives the bound and the plan's time over it; a one-stream plan has no bound to give."""
+    bundle = make_trt_bundle(tmp_path, streams=3)
+    con = console()
+    res = bench.bench_bundle(bundle, runs=5, warmup=1, whole_model=False, console=con)
+    want = bench.critical_path_bound(bundle.plan, {b.id: FakeLauncher.alone_ms(b.id) for b in bundle.plan.branches})
+    assert res["critical_path_bound_ms"] == pytest.approx(want["bound_ms"])
+    assert res["over_bound"] == pytest.approx(res["parastream_ms"] / want["bound_ms"])
+    assert res["critical_path_engines"] == len(want["chain"])
+    assert f"parastream at {res['over_bound']:.2f}x of it" in con.file.getvalue()
+    (tmp_path / "one").mkdir()
+    one = make_trt_bundle(tmp_path / "one", streams=1)
+    res = bench.bench_bundle(one, runs=5, warmup=1, whole_model=False)
+    assert "critical_path_bound_ms" not in res and "critical_path_bound_error" not in res
