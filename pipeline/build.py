@@ -1264,6 +1264,8 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
             bundle = Bundle(path=tmp, manifest=b.engines.manifest_of(shipped), plan=b.plan, report={})
             measured = time_alternatives(b.engines, bundle, shipped, runs=cfg.measure_runs, timed=early.get("rounds", ()),
                                          rivals=b.rivals)
+            if measured and early.get("stopped"):  # why the search's rounds left the rest to this stage
+                measured["stopped_in_search"] = early["stopped"]
         if measured:
             _take_measured_options(b, measured)
             b.timed_here = True

@@ -1727,7 +1727,8 @@ class GpuMeasurer:
             return None
         if early.get("todo") or early.get("stopped"):
             return {"partial": True, "rounds": early["rounds"], "plan": early["plan"],
-                    "timed": f"{plural(len(early['rounds']), 'round')} during the search, the rest after it"}
+                    "timed": f"{plural(len(early['rounds']), 'round')} during the search, the rest after it",
+                    **({"stopped": early["stopped"]} if early.get("stopped") else {})}
         one, whole = (any(r["choice"] == what and r["won"] == round_labels(what, early["plan"])[1]
                           for r in early["rounds"]) for what in ("streams", "engine blocks"))
         return {"fuse_conv_relu": bool(self.options.fuse_conv_relu and self.backend.fuses_conv_relu),

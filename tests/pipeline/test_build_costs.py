@@ -915,6 +915,34 @@ def test_a_boundary_layout_round_lost_widely_on_its_window_compiles_no_whole_pla
     m.close()
 
 
+def test_a_window_that_cannot_be_timed_leaves_its_round_to_the_engines_stage_and_says_why(monkeypatch, tmp_path):
+    """A layout window whose timing fails stops the input's rounds in the search: what the search hands the build
+    is partial (the build times the round after the search, on the whole plan) and says why."""
+    from dataclasses import replace
+
+    from parastream.pipeline import measure
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    full = replace(v, internal_nhwc=False)
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", 2)
+    monkeypatch.setattr(measure, "LAYOUT_WINDOW", 20)
+
+    def ms(la):
+        if la.plan is not v.plan:
+            raise RuntimeError("the window's graph would not capture")
+        return 1.0
+
+    m, *_ = _prepared_measurer(monkeypatch, engines, v, [("boundary layout", full)], ms)
+    m.measure(engines.loaded.model)
+    got = m.alternatives_timed()
+    assert got is None or got["partial"]  # (None: no round timed; the build times them all after the search)
+    assert "boundary layout (sampled): RuntimeError: the window's graph would not capture" in m.early["stopped"]
+    m.early["rounds"].append({"choice": "streams"})  # a round timed before it: the search hands on the reason
+    got = m.alternatives_timed()
+    assert got["partial"] and got["stopped"] == m.early["stopped"]
+    m.close()
+
+
 def _prepared_measurer(monkeypatch, engines, v, alternatives: list, ms):
     """A GpuMeasurer of ``v`` over stand-in engines whose compiles are done at once: the input's rounds race
     ``alternatives`` ((round, variant) as ``alternative_variants`` gives them), a launcher replays in ``ms(it)``
