@@ -563,6 +563,7 @@ def test_gpu_build_times_its_boundary_layout_round_on_a_window(models, tmp_path,
     m = bundle.report["measured_choices"]
     said = {"decided_by": bundle.report["search"]["decided_by"], "rounds": m and m["rounds"],
             "stopped_in_search": m and m.get("stopped_in_search"),
+            "prepare_errors": [p["error"] for p in bundle.report["search"].get("prepared") or [] if "error" in p],
             "manifest": bundle.manifest["options"], "verification": bundle.report["verification"]}
     assert bundle.report["search"]["decided_by"] == "measured", said
     r = next(x for x in m["rounds"] if x["choice"] == "boundary layout")
