@@ -1532,19 +1532,23 @@ def _import_runtime_in_background(caller_converts: bool = False) -> None:
     importing it twice.
 
     ``caller_converts``: the calling thread converts branches next (a build's checks, ``precompile``), and imports
-    ``torch._dynamo`` itself first.  A conversion's meta run imports dynamo, whose import imports Inductor's
+    ``torch._dynamo`` itself first (or, where the imports here started before, waits for them).  A conversion's meta run imports dynamo, whose import imports Inductor's
     modules, while the imports here go from Inductor's modules to dynamo: two threads entering that cycle from
     opposite ends leave one of them with a partially initialized module (Python breaks the deadlock so), and a
     branch failed its check, "torch cannot run it as converted: ... partially initialized module" (a fresh
     process's first GPU build of a NASNet cell, twice in two on the H200; on a 2-core CPU about one fresh process
     in three).  The conversions import dynamo anyway; what runs here beside them is then the rest, and Triton's
     hash."""
+    running = next((t for t in _RUNTIME_IMPORT if t.name == "parastream-import-inductor"), None)
     if caller_converts:
-        try:
-            import torch._dynamo  # noqa: F401
-        except Exception:  # noqa: BLE001 - another torch: the conversion reports what it lacks itself
-            pass
-    if any(t.name == "parastream-import-inductor" for t in _RUNTIME_IMPORT):
+        if running is not None:  # started before (a load's, an earlier batch's): its imports whole, first
+            running.join()
+        else:
+            try:
+                import torch._dynamo  # noqa: F401
+            except Exception:  # noqa: BLE001 - another torch: the conversion reports what it lacks itself
+                pass
+    if running is not None:
         return
 
     def imports():

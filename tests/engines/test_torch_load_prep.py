@@ -161,13 +161,15 @@ def test_the_gpu_load_path_imports_no_onnx():
     assert p.stdout.strip() == "[]"
 
 
-def test_a_build_s_branch_checks_beside_the_runtime_imports_find_every_module_whole():
+@pytest.mark.parametrize("started_before", [False, True])
+def test_a_build_s_branch_checks_beside_the_runtime_imports_find_every_module_whole(started_before):
     """A GPU build's ``precompile`` starts the runtime imports in a thread and then converts the branches it
     queued in its own (the check that names a branch the converter cannot run).  A conversion imports
     ``torch._dynamo``, which imports Inductor's modules, while the thread imports Inductor's modules, which import
     dynamo: the caller imports dynamo itself first (``caller_converts``), else one of the two threads got a
     partially initialized module and a branch failed its check (on this 2-core CPU, about one fresh process in
-    three; on the H200, a NASNet cell's first GPU build in a test process, twice in two).  Fresh processes, five:
+    three; on the H200, a NASNet cell's first GPU build in a test process, twice in two).  Where the imports were
+    started before (a load's, ``started_before``), the caller waits for them instead.  Fresh processes, five:
     the race is a process's first import of dynamo."""
     import subprocess
     import sys
@@ -181,9 +183,11 @@ def test_a_build_s_branch_checks_beside_the_runtime_imports_find_every_module_wh
         from parastream.pipeline.zoo import MODELS
         assert "torch._dynamo" not in sys.modules
         model = shape_inference.infer_shapes(MODELS["nasnet_cell"]())
+        if STARTED_BEFORE:
+            tb._import_runtime_in_background()
         tb._import_runtime_in_background(caller_converts=True)
         print("steps", len(convert(model, "float32")._steps))
-    """)
+    """).replace("STARTED_BEFORE", str(started_before))
     for _ in range(5):
         r = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=300)
         assert r.returncode == 0 and "steps" in r.stdout, r.stderr[-2000:]
