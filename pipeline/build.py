@@ -623,7 +623,12 @@ class Engines:
         """Extracted branches of a plan as one model (``partition.side_by_side``), planned one engine per branch on
         one stream in the order given, their boundary tensors the plan's inputs and outputs: what a round times a
         sample of a plan's engines with, in one launcher (``measure.depthwise_sample``)."""
-        model = side_by_side(branches)
+        return self._own_plan(branches, side_by_side(branches), [0] * len(branches))
+
+    def _own_plan(self, branches: list[onnx.ModelProto], model: onnx.ModelProto, streams: list[int],
+                  bound: list[str] | None = None, times: list[float] | None = None) -> tuple[onnx.ModelProto, gs.Graph, object]:
+        """``model`` (``branches`` put together, in launch order) planned one engine per branch, branch ``k`` on
+        stream ``streams[k]`` (numbered from 0 in order of first use), its inputs and outputs the plan's."""
         graph = graph_of(model)
         members = [[n.name for n in b.graph.node] for b in branches]
         produced = {o: i for i, b in enumerate(branches) for n in b.graph.node for o in n.output}
@@ -632,9 +637,10 @@ class Engines:
         if any(p >= i for i, ps in enumerate(preds) for p in ps):
             raise ValueError("side_by_side: a branch comes before a branch whose output it reads")
         k = len(branches)
-        sched = Schedule(num_streams=1, node_stream={name: 0 for m in members for name in m}, branches=members,
-                         branch_stream=[0] * k, launch_order=list(range(k)), branch_bound=["compute"] * k,
-                         branch_time=[0.0] * k, makespan=0.0, total_work=0.0, branch_preds=preds)
+        sched = Schedule(num_streams=len(set(streams)), node_stream={n: s for m, s in zip(members, streams) for n in m},
+                         branches=members, branch_stream=list(streams), launch_order=list(range(k)),
+                         branch_bound=bound or ["compute"] * k, branch_time=times or [0.0] * k, makespan=0.0,
+                         total_work=0.0, branch_preds=preds)
         return model, graph, make_plan(graph, sched, backend=self.backend.name, precision=self.precision,
                                        suffix=self.backend.suffix, inputs=[spec_of(t) for t in graph.inputs],
                                        outputs=[spec_of(t) for t in graph.outputs])
@@ -652,24 +658,11 @@ class Engines:
         branches = [every[i] for i in ids]
         inside = set(ids)
         read_outside = {t for b in plan.branches if b.id not in inside for t in b.inputs} | {t.name for t in plan.outputs}
-        produced = {o: k for k, b in enumerate(branches) for n in b.graph.node for o in n.output}
         kept = {o.name for b in branches for o in b.graph.output if o.name in read_outside}
-        model = side_by_side(branches, outputs=kept)
-        graph = graph_of(model)
         streams = list(dict.fromkeys(plan.branches[i].stream for i in ids))  # renumbered in order of first use
-        members = [list(plan.branches[i].nodes) for i in ids]
-        stream_of = [streams.index(plan.branches[i].stream) for i in ids]
-        preds = [sorted({produced[t] for n in b.graph.node for t in n.input if produced.get(t, k) != k})
-                 for k, b in enumerate(branches)]
-        k = len(ids)
-        sched = Schedule(num_streams=len(streams), node_stream={n: s for m, s in zip(members, stream_of) for n in m},
-                         branches=members, branch_stream=stream_of, launch_order=list(range(k)),
-                         branch_bound=[plan.branches[i].bound for i in ids],
-                         branch_time=[plan.branches[i].est_time for i in ids], makespan=0.0, total_work=0.0,
-                         branch_preds=preds)
-        return model, graph, make_plan(graph, sched, backend=self.backend.name, precision=self.precision,
-                                       suffix=self.backend.suffix, inputs=[spec_of(t) for t in graph.inputs],
-                                       outputs=[spec_of(t) for t in graph.outputs])
+        return self._own_plan(branches, side_by_side(branches, outputs=kept),
+                              [streams.index(plan.branches[i].stream) for i in ids],
+                              [plan.branches[i].bound for i in ids], [plan.branches[i].est_time for i in ids])
 
     def manifest_of(self, v: Variant) -> dict:
         """What a launcher reads of manifest.json to load ``v``'s engines."""

@@ -1532,8 +1532,9 @@ def _import_runtime_in_background(caller_converts: bool = False) -> None:
     importing it twice.
 
     ``caller_converts``: the calling thread converts branches next (a build's checks, ``precompile``), and imports
-    ``torch._dynamo`` itself first (or, where the imports here started before, waits for them).  A conversion's meta run imports dynamo, whose import imports Inductor's
-    modules, while the imports here go from Inductor's modules to dynamo: two threads entering that cycle from
+    ``torch._dynamo`` itself first (or, where the imports here started before, waits for them).  A conversion's
+    meta run imports dynamo, whose import imports Inductor's modules, while the imports here go from Inductor's
+    modules to dynamo: two threads entering that cycle from
     opposite ends leave one of them with a partially initialized module (Python breaks the deadlock so), and a
     branch failed its check, "torch cannot run it as converted: ... partially initialized module" (a fresh
     process's first GPU build of a NASNet cell, twice in two on the H200; on a 2-core CPU about one fresh process
