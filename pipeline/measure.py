@@ -510,6 +510,28 @@ def layout_sample(engines: EngineMaker, v: Variant, full: Variant) -> LayoutSamp
                         n, boundaries)
 
 
+def layout_window_round(engines: EngineMaker, s: LayoutSample, plan, *, runs: int, warmup: int = 10,
+                        lock: bool = True) -> dict:
+    """The "boundary layout" round on its window (``layout_sample``): the window with channels-last internal
+    boundaries and with contiguous ones, timed together in alternating blocks.  Contiguous boundaries slower by
+    more than ``LAYOUT_SAMPLE_DECIDES_BEYOND`` decide the round for the plan as it is: the round as ``race``
+    writes one, with the window's times, ``sample`` and ``decided_on_sample``; closer, only {"sample": the
+    window's times}, the round left to the whole plan's race.  Raises what loading or timing the window raised."""
+    what = "boundary layout"
+    here, other = round_labels(what, plan)
+    t0 = time.perf_counter()
+    ms = sample_medians(engines, {here: s.current, other: s.alternative}, runs=runs, warmup=warmup, lock=lock)
+    sample = {"engines": s.names, "of": s.of, "boundaries": s.boundaries,
+              "timed_ms": {k: round(t, 4) for k, t in ms.items()}, "timed_s": round(time.perf_counter() - t0, 3)}
+    if ms[other] <= ms[here] * (1 + LAYOUT_SAMPLE_DECIDES_BEYOND):
+        return {"sample": sample}
+    return {"choice": what, "timed_ms": dict(ms), "won": here, "load_s": 0.0, "timed_s": sample["timed_s"],
+            "sample": sample, "decided_on_sample": True,
+            "timed": f"on a window of {len(s.names)} of the plan's {s.of} engines, consecutive in its launch order on "
+                     f"its streams ({plural(s.boundaries, 'internal boundary', 'internal boundaries')}): "
+                     f"contiguous boundaries slower by more than {LAYOUT_SAMPLE_DECIDES_BEYOND:.0%}"}
+
+
 #: the "streams" round is decided for the plan without compiling its rival when the plan runs faster than its own
 #: engines on one stream (``same_engines_on_one_stream``: nothing to compile) by more than this share.  The rival
 #: the round races, the graph as one stream of its own engines (one for the whole model, or one per repeated
@@ -835,6 +857,7 @@ class QueuedRivals:
         self.rivals: dict[str, list[str]] = {}  # round -> its rival's cache keys, of the form kept so far
         self.if_flipped: dict[str, list[str]] = {}  # round -> the later rounds' rivals should its alternative win
         self.queued: dict | None = None  # what the first ``queue`` call queued (the build's report)
+        self.window: LayoutSample | None = None  # the "boundary layout" round's window, of the form queued last
 
     def _queue(self, variants: list[Variant], order: str, label: str) -> list[list[str]] | None:
         got = self.engines.precompile(variants, background=True, cancellable=False, order=order, label=label)
@@ -853,9 +876,18 @@ class QueuedRivals:
         if speculative is None:
             speculative = speculative_by_round(self.engines, v, decided)
         before = {k for ks in (*self.rivals.values(), *self.if_flipped.values()) for k in ks}
-        keys = self._queue([a for _, a in rivals], "auto", "the plan's alternatives") if rivals else []
-        self.rivals = {what: ks for (what, _), ks in zip(rivals, keys or [])}
+        # a plan of many engines races its "boundary layout" round on a window first (``layout_sample``): the
+        # window's two forms are queued with the rivals, the whole plan's rival as spare work
+        self.window = next((w for what, a in rivals if what == "boundary layout"
+                            for w in [layout_sample(self.engines, v, a)] if w is not None), None)
+        plain = [(what, a) for what, a in rivals if self.window is None or what != "boundary layout"]
+        batch = [a for _, a in plain] + (self.window.variants() if self.window is not None else [])
+        keys = self._queue(batch, "auto", "the plan's alternatives") if batch else []
+        self.rivals = {what: ks for (what, _), ks in zip(plain, keys or [])}
         self.backend.hasten([k for ks in self.rivals.values() for k in ks])  # queued as spare before: needed now
+        if self.window is not None:
+            got = self._queue([self.window.full], "spare", "the boundary layout round's rival")
+            self.window.full_keys = self.rivals["boundary layout"] = [k for ks in got or [] for k in ks]
         self.if_flipped = {}
         for what, alts in speculative:
             got = self._queue(alts, "spare", "alternatives of alternatives")
@@ -1646,38 +1678,28 @@ class GpuMeasurer:
         return won
 
     def _race_layout_sample(self, s: LayoutSample) -> bool | None:
-        """The "boundary layout" round on its window (``layout_sample``): the window with channels-last internal
-        boundaries and with contiguous ones, timed together in alternating blocks.  Contiguous boundaries slower by
-        more than ``LAYOUT_SAMPLE_DECIDES_BEYOND`` decide the round for the plan as it is (report.json's round
-        says so, with the window's times), and the whole plan's rival, queued as spare work, is dropped where it
-        has not started; closer, that rival is hastened (or compiled now) and raced in its turn, the window's
-        times kept beside it.  None: the window could not be timed (``early["stopped"]``)."""
+        """The "boundary layout" round on its window (``layout_window_round``).  Decided there, the whole plan's
+        rival, queued as spare work, is dropped where it has not started; left open, that rival is hastened (or
+        compiled now) and raced in its turn, the window's times kept beside it.  None: the window could not be
+        timed (``early["stopped"]``)."""
         early, what = self.early, "boundary layout"
-        here, other = round_labels(what, early["plan"])
         t0 = time.perf_counter()
         try:
-            ms = sample_medians(self.engines, {here: s.current, other: s.alternative}, runs=self.runs,
-                                warmup=self.warmup, lock=self.options.gpu_timing_lock)
+            r = layout_window_round(self.engines, s, early["plan"], runs=self.runs, warmup=self.warmup,
+                                    lock=self.options.gpu_timing_lock)
         except Exception as e:  # noqa: BLE001 - the build times it after the search, where a failure is reported
             early["stopped"] = f"{what} (sampled): {type(e).__name__}: {e}"
             return None
-        sample = {"engines": s.names, "of": s.of, "boundaries": s.boundaries,
-                  "timed_ms": {k: round(t, 4) for k, t in ms.items()}, "timed_s": round(time.perf_counter() - t0, 3)}
-        if ms[other] > ms[here] * (1 + LAYOUT_SAMPLE_DECIDES_BEYOND):
+        if r.get("decided_on_sample"):
             self.backend.drop(s.full_keys)
-            early["rounds"].append({
-                "choice": what, "timed_ms": dict(ms), "won": here, "load_s": 0.0, "timed_s": sample["timed_s"],
-                "started_s": round(t0 - self.t_made, 3), "sample": sample, "decided_on_sample": True,
-                "timed": f"on a window of {len(s.names)} of the plan's {s.of} engines, consecutive in its launch order on "
-                         f"its streams ({plural(s.boundaries, 'internal boundary', 'internal boundaries')}): "
-                         f"contiguous boundaries slower by more than {LAYOUT_SAMPLE_DECIDES_BEYOND:.0%}"})
+            early["rounds"].append(dict(r, started_s=round(t0 - self.t_made, 3)))
             return False
         if s.full_keys:  # the whole plan's rival, queued as spare work: needed now, raced in its turn
             self.backend.hasten(s.full_keys)
             early["todo"].insert(0, (what, s.full, list(s.full_keys)))
         else:
             early["todo"].insert(0, self._compiling(what, s.full, order="now"))
-        early["sample"] = sample  # kept beside the round when it is raced
+        early["sample"] = r["sample"]  # kept beside the round when it is raced
         return False
 
     def rounds_timed(self, wait_for: frozenset = CARRIED_ALWAYS) -> dict | None:
@@ -1752,7 +1774,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     kept unless over 2% slower against cuDNN's calls, whose plans start slower: ``alternative_kept_within``),
     (1) engines with and without cuDNN's fused conv + bias
     (+ residual) + ReLU, (2) channels-last against contiguous internal boundaries (when the plan has
-    channels-last internal boundaries), (3) the plan against the same graph on one stream (when the plan has
+    channels-last internal boundaries; first on the window ``rivals`` queued for a plan of many engines,
+    ``layout_window_round``), (3) the plan against the same graph on one stream (when the plan has
     several streams; first against its own engines on one stream, which decides a lead of more than
     ``STREAMS_DECIDED_BEYOND`` without compiling the graph on one stream), (4) one engine per repeated block against one engine for the whole model (when the plan
     is one stream cut into blocks; the blocks kept unless over 2% slower: they compile and load faster).  Engines compiled for a layout
@@ -1830,6 +1853,31 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
             rounds[-1]["serial"] = {k: x for k, x in serial.items() if k != "decided"}
         return won
 
+    def layout_round_won() -> bool:
+        """The "boundary layout" round: first on the window ``rivals`` queued for the form it races
+        (``layout_window_round``), where there is one; decided there, or else raced on the whole plan, its rival
+        (spare work until then) hastened, the window's times kept beside the round."""
+        what = "boundary layout"
+        window = getattr(rivals, "window", None)
+        form = replace(v.options, fuse_conv_relu=chosen["fuse_conv_relu"])
+        sample = None
+        if what not in done and window is not None and window.current.options == form:
+            try:
+                r = layout_window_round(engines, window, v.plan, runs=runs, lock=v.options.gpu_timing_lock)
+            except Exception as e:  # noqa: BLE001 - the window is not the plan: the round is raced on the plan
+                sample = {"error": f"{type(e).__name__}: {e}"}
+            else:
+                if r.get("decided_on_sample"):
+                    rounds.append(dict(r, load_s=round(time.perf_counter() - since[0], 3)))
+                    since[0] = time.perf_counter()
+                    return False
+                sample = r["sample"]
+            backend.hasten(window.full_keys)
+        won = round_won(what, lambda: alternative(chosen["fuse_conv_relu"], False))
+        if sample is not None:
+            rounds[-1]["sample"] = sample
+        return won
+
     def decided(what: str, won: bool) -> bool:
         """Tell ``rivals`` (the form the later rounds race: ``v`` with the conv+ReLU choice so far; the rounds not
         to race: those decided here so far and those taken as ``timed``); ``won``."""
@@ -1887,7 +1935,7 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
             chosen["fuse_conv_relu"] = not won
             decided("conv+ReLU", won)
         if _internal_nhwc(backend, v.plan):
-            won = round_won("boundary layout", lambda: alternative(chosen["fuse_conv_relu"], False))
+            won = layout_round_won()
             chosen["internal_nhwc"] = not won
             decided("boundary layout", won)
         if v.plan.num_streams > 1 and decided("streams", streams_won()):

@@ -943,6 +943,58 @@ def test_a_window_that_cannot_be_timed_leaves_its_round_to_the_engines_stage_and
     m.close()
 
 
+@pytest.mark.parametrize("contiguous", [1.10, 1.02])
+def test_the_engines_stage_times_the_boundary_layout_round_on_the_window_its_rivals_queued(monkeypatch, tmp_path,
+                                                                                         contiguous):
+    """Where the search timed none of the rounds, the engines stage queues the "boundary layout" round's window
+    with the rivals (the whole plan's rival as spare work) and times the round on it first: decided there, the
+    whole plan's rival is dropped and never loaded; left open, it is hastened and raced, the window's times kept."""
+    from dataclasses import replace
+
+    import numpy as np
+
+    import parastream.launcher as launcher_pkg
+    import parastream.launcher.gpu as gpu_mod
+    from parastream.pipeline import bench, measure
+
+    engines, v, _ = _nasnet_engines(tmp_path)
+    v = replace(v, options=replace(v.options, conv_kernels="cudnn", fuse_conv_relu=False))
+    full = replace(v, internal_nhwc=False)
+    monkeypatch.setattr(measure, "SAMPLE_LAYOUT_ENGINES", 2)
+    monkeypatch.setattr(measure, "LAYOUT_WINDOW", 20)
+    queued, loaded, hastened, dropped = [], [], [], []
+    monkeypatch.setattr(engines, "precompile", lambda variants, background, cancellable, order="auto", label="":
+                        queued.append((order, list(variants)))
+                        or {"jobs": len(variants), "background": True,
+                            "keys": [[f"k{len(queued)}.{i}"] for i, _ in enumerate(variants)]})
+    monkeypatch.setattr(engines, "launcher", lambda var: loaded.append(_Launcher(var)) or loaded[-1])
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle, **kw: _Launcher(v))  # the bundle as written
+    monkeypatch.setattr(measure, "streams_against_own_engines",
+                        lambda la, plan, **kw: {"decided": True, "plan_ms": 1.0, "serial_ms": 2.0})
+    monkeypatch.setattr(measure, "streams_round_decided", lambda serial, plan: {"choice": "streams", "won": "plan"})
+    monkeypatch.setattr(bench, "measure", lambda launchers, **kw: {
+        k: np.full(10, (1.0 if la.plan is v.plan else 0.5) * (1.0 if la.internal_nhwc else contiguous))
+        for k, la in launchers.items()})
+    monkeypatch.setattr(engines.backend, "hasten", lambda keys: hastened.append(list(keys)) or 0)
+    monkeypatch.setattr(engines.backend, "drop", lambda keys: dropped.append(list(keys)) or 0)
+    rivals = measure.QueuedRivals(engines)
+    rivals.queue(v, set(), [("boundary layout", full)], [])
+    window = rivals.window
+    assert isinstance(window, measure.LayoutSample) and window.full is full
+    assert queued[0] == ("auto", window.variants()) and queued[1] == ("spare", [full])
+    got = measure.time_alternatives(engines, "bundle", v, runs=5, rivals=rivals)
+    r = next(x for x in got["rounds"] if x["choice"] == "boundary layout")
+    assert r["sample"]["timed_ms"]["contiguous boundaries"] == pytest.approx(0.5 * contiguous)
+    whole_rival_loaded = any(la.plan is v.plan and not la.internal_nhwc for la in loaded)
+    if contiguous > 1 + measure.LAYOUT_SAMPLE_DECIDES_BEYOND:
+        assert r["decided_on_sample"] and got["internal_nhwc"] and not whole_rival_loaded
+        assert window.full_keys in dropped and window.full_keys not in hastened
+    else:
+        assert not r.get("decided_on_sample") and whole_rival_loaded and window.full_keys in hastened
+        assert r["timed_ms"]["contiguous boundaries"] == pytest.approx(contiguous)
+
+
 def _prepared_measurer(monkeypatch, engines, v, alternatives: list, ms):
     """A GpuMeasurer of ``v`` over stand-in engines whose compiles are done at once: the input's rounds race
     ``alternatives`` ((round, variant) as ``alternative_variants`` gives them), a launcher replays in ``ms(it)``
