@@ -374,18 +374,15 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
 
 
 def _bound(row: dict, plan, single) -> None:
-    """A plan with streams: its critical-path bound (``pipeline.bench.critical_path_bound``: its engines timed alone,
+    """A plan with streams: its critical-path bound (``pipeline.bench.measured_bound``: its engines timed alone,
     on one stream with events around each, summed along the longest dependent chain) and its time over it."""
-    from parastream.pipeline.bench import critical_path_bound, engines_alone_ms
+    from parastream.pipeline.bench import measured_bound
 
-    if plan.num_streams < 2:
-        return
-    try:
-        cp = critical_path_bound(plan, engines_alone_ms(single))
-    except Exception as e:  # noqa: BLE001 - the row's timings stand without it
-        row["bound_error"] = f"{type(e).__name__}: {e}"
-        return
-    row["bound_ms"], row["bound_chain"], row["alone_sum_ms"] = cp["bound_ms"], len(cp["chain"]), cp["alone_sum_ms"]
+    cp = measured_bound(plan, single)
+    if cp is not None and "error" in cp:
+        row["bound_error"] = cp["error"]
+    elif cp is not None:
+        row["bound_ms"], row["bound_chain"], row["alone_sum_ms"] = cp["bound_ms"], len(cp["chain"]), cp["alone_sum_ms"]
 
 
 def _medians(row: dict, times: dict) -> None:

@@ -427,6 +427,17 @@ def critical_path_bound(plan, alone_ms: dict[int, float]) -> dict:
             "alone_sum_ms": float(sum(alone_ms.values()))}
 
 
+def measured_bound(plan, single) -> dict | None:
+    """A plan with streams: ``critical_path_bound`` of its engines timed alone on ``single`` (``engines_alone_ms``),
+    or {"error": why} where they could not be timed; None for a plan of one stream (no bound to give)."""
+    if plan.num_streams < 2:
+        return None
+    try:
+        return critical_path_bound(plan, engines_alone_ms(single))
+    except Exception as e:  # noqa: BLE001 - the bound is beside the timings, which stand without it
+        return {"error": f"{type(e).__name__}: {e}"}
+
+
 def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, timeline: str | Path | None = None, console=None,
                  launcher=None, whole_model: bool = True, graph: bool | None = None, concat_ablation: bool = False,
                  gpu: int = 0, original: str | Path | None = None) -> dict:
@@ -507,15 +518,13 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
             result["tensorrt_whole_model_ms"] = float(np.median(t))
             result["tensorrt_whole_model_p10_p90_ms"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
             result["speedup_vs_whole_model"] = result["tensorrt_whole_model_ms"] / result["parastream_ms"]
-        if bundle.plan.num_streams > 1:  # the distance to the limit: the engines timed alone, along the longest chain
-            try:
-                cp = critical_path_bound(bundle.plan, engines_alone_ms(single))
-            except Exception as e:  # noqa: BLE001 - the bound is beside the timings, which stand without it
-                result["critical_path_bound_error"] = f"{type(e).__name__}: {e}"
-            else:
-                result.update(critical_path_bound_ms=cp["bound_ms"], critical_path_engines=len(cp["chain"]),
-                              engines_alone_sum_ms=cp["alone_sum_ms"],
-                              over_bound=result["parastream_ms"] / cp["bound_ms"] if cp["bound_ms"] > 0 else None)
+        cp = measured_bound(bundle.plan, single)  # the distance to the limit
+        if cp is not None and "error" in cp:
+            result["critical_path_bound_error"] = cp["error"]
+        elif cp is not None:
+            result.update(critical_path_bound_ms=cp["bound_ms"], critical_path_engines=len(cp["chain"]),
+                          engines_alone_sum_ms=cp["alone_sum_ms"],
+                          over_bound=result["parastream_ms"] / cp["bound_ms"] if cp["bound_ms"] > 0 else None)
         if timeline is not None:
             spans = multi.run_timed()
             result["timeline"] = str(timeline)

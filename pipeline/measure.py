@@ -472,6 +472,14 @@ class LayoutSample:
         """What the sample compiles and loads."""
         return [self.current, self.alternative]
 
+    def queue_rival(self, engines: EngineMaker) -> list[str]:
+        """``full`` queued to compile as spare work (raced only where the window leaves the round open: hastened
+        then, dropped where the window decides); its cache keys, kept in ``full_keys``."""
+        got = engines.precompile([self.full], background=True, cancellable=False, order="spare",
+                                 label="the boundary layout round's rival")
+        self.full_keys = [k for ks in (got or {}).get("keys") or [] for k in ks]
+        return self.full_keys
+
 
 #: the rounds' samples: a round timed first on a few of the plan's engines, its whole plan's rival compiled only
 #: where the sample leaves it open
@@ -785,7 +793,6 @@ def decided_form(v: Variant, rounds: list[dict]) -> Variant:
     return out
 
 
-
 def whole_engine_form(engines: EngineMaker, v: Variant) -> Variant:
     """``v`` with its graph as one engine for the whole model (the "engine blocks" round's rival)."""
     return replace(v, plan=engines.whole_engine_plan(v.graph, v.plan))
@@ -885,9 +892,8 @@ class QueuedRivals:
         keys = self._queue(batch, "auto", "the plan's alternatives") if batch else []
         self.rivals = {what: ks for (what, _), ks in zip(plain, keys or [])}
         self.backend.hasten([k for ks in self.rivals.values() for k in ks])  # queued as spare before: needed now
-        if self.window is not None:
-            got = self._queue([self.window.full], "spare", "the boundary layout round's rival")
-            self.window.full_keys = self.rivals["boundary layout"] = [k for ks in got or [] for k in ks]
+        if self.window is not None:  # (``decided`` drops it with the round's rival where the window decides)
+            self.rivals["boundary layout"] = self.window.queue_rival(self.engines)
         self.if_flipped = {}
         for what, alts in speculative:
             got = self._queue(alts, "spare", "alternatives of alternatives")
@@ -1163,11 +1169,8 @@ class GpuMeasurer:
             for a in samples:
                 if isinstance(a, GemmSample) and keys is not None:
                     a.full_keys = list(keys[fulls[id(a)]])
-                if isinstance(a, LayoutSample):  # raced only where its window leaves the round open: spare work,
-                    # hastened then, dropped where the window decides (``_race_layout_sample``)
-                    queued = self.engines.precompile([a.full], background=True, cancellable=False, order="spare",
-                                                     label="the boundary layout round's rival")
-                    a.full_keys = [k for ks in (queued or {}).get("keys") or [] for k in ks]
+                if isinstance(a, LayoutSample):  # (``_race_layout_sample`` hastens or drops it)
+                    a.queue_rival(self.engines)
             # spare work, each round's apart: needed only where that round of the input flips, when they are
             # hastened (``_race_in_turn``), or waited for by the build's own rounds after the search.  In the
             # rounds' order, a sampled GEMM-epilogue round's too: queued after the others', on the guess that its
