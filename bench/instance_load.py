@@ -9,6 +9,11 @@ Variants, each a few times, interleaved (so that a machine's drift falls on all 
   nocontext  no CUDA context made beside the hashes (torch makes it at its first call);
   switch     the interpreter's switch interval at 0.5 ms (5 ms by default) while the launcher loads: the thread
              that loads engines and the one that warms them take turns on the interpreter lock sooner;
+  torchfirst torch imported first, alone, and then the same (what a plain process's ``import torch; load(...)``
+             does): whether the threads beside torch's import gain or lose;
+  torchinit  torch's import started in a thread of its own before the open, and torch's CUDA start
+             (``torch.cuda.init``: the context, torch.sparse's Triton kernels registered) run there after it, rather
+             than at the load's first CUDA call in the loading thread;
   serial     each torch engine warmed as it loads, in the loading thread (``warms_after_load`` off), and the
              launcher's warm-up and capture there too: no warm-up thread beside the loads;
   before     PARASTREAM_BEFORE (a folder holding an earlier checkout's parastream package, e.g. /tmp/ns_before) on
@@ -39,6 +44,17 @@ def child(bundle_path: str, variant: str) -> dict:
     if variant == "before":
         sys.path.insert(0, os.environ["PARASTREAM_BEFORE"])
     t0 = time.perf_counter()
+    if variant == "torchfirst":
+        import torch  # noqa: F401
+    if variant == "torchinit":
+        import threading
+
+        def init():
+            import torch
+
+            torch.cuda.init()
+
+        threading.Thread(target=init, name="torch-cuda-init", daemon=True).start()
     from parastream.launcher.bundle import Bundle
 
     if variant == "nocontext":
@@ -65,7 +81,8 @@ def child(bundle_path: str, variant: str) -> dict:
         torch_engines.warms_after_load = False
     la = GpuLauncher(bundle, device=0)
     t_ready = time.perf_counter()
-    res = {"variant": variant, "python_to_t0_s": t0 - T_START, "open_s": t_open - t0, "torch_ready_s": t_torch - t0,
+    cpu = os.times()
+    res = {"cpu_s": cpu.user + cpu.system, "variant": variant, "python_to_t0_s": t0 - T_START, "open_s": t_open - t0, "torch_ready_s": t_torch - t0,
            "set_device_s": t_dev - t_torch, "launcher_s": t_ready - t_dev, "initialize_s": t_ready - t0,
            "process_to_ready_s": t_ready - T_START + _age_at_start(), "phases": load_phases(la)}
     from parastream.launcher.engines import torch as tb
@@ -127,7 +144,7 @@ def main(argv=None) -> int:
     for v in variants:
         ok = [r for r in rows if r["variant"] == v and "error" not in r]
         summary[v] = {k: round(float(np.median([r[k] for r in ok])), 3) for k in
-                      ("initialize_s", "process_to_ready_s", "open_s", "torch_ready_s", "set_device_s", "launcher_s")} if ok else None
+                      ("initialize_s", "process_to_ready_s", "cpu_s", "open_s", "torch_ready_s", "set_device_s", "launcher_s")} if ok else None
         if ok:
             summary[v]["warm_wall_s"] = round(float(np.median([r["phases"].get("warm_wall", 0.0) for r in ok])), 3)
             summary[v]["initialize_all_s"] = [round(r["initialize_s"], 2) for r in ok]

@@ -15,7 +15,9 @@ empty Inductor and Triton caches (TORCHINDUCTOR_CACHE_DIR, TRITON_CACHE_DIR).  A
   phases                                 the launcher's (``launcher.gpu.load_phases``): unpack, weights, artifact,
                                          warm (summed over engines), engines (the loading loop), warm_wall, ready
   probes                                 kernels artifacts: cubin module loads (s, count), the artifact's whole
-                                         load (cubins + wrapper executed); Inductor's own artifacts' loads
+                                         load (cubins + wrapper executed); Inductor's own artifacts' loads;
+                                         torch's CUDA start (``torch.cuda._lazy_init``'s ``_cuda_init`` and
+                                         ``_register_triton_kernels``)
   engines                                per format shipped (``compiled``: kernels / inductor / none) and each
                                          ``kernels_error`` with its count; engines compiled at load; Triton
                                          kernels; imports the wrappers made at run
@@ -228,6 +230,11 @@ def load_child(bundle_path: str, profile: bool) -> dict:
     _timed(tb, "_load_artifact", acc, "inductor_artifact_load_s", "inductor_artifacts",
            when=lambda a: (a[1] or {}).get("compiled") != "kernels")
     _timed(Bundle, "open", acc, "open_s")  # (a classmethod: the wrapper calls it bound, as ``Bundle.open`` is called)
+    # torch's own CUDA start, where the load's first CUDA call makes it (``torch.cuda._lazy_init``, called at every
+    # CUDA call and so not wrapped: its context start and, in torch 2.x, its registration of torch.sparse's Triton
+    # kernels, which it runs in the calling thread)
+    _timed(torch.cuda, "_register_triton_kernels", acc, "torch_register_triton_kernels_s")
+    _timed(torch._C, "_cuda_init", acc, "torch_cuda_init_s")
     prof = None
     conv_acc: dict = {}
     if profile:
@@ -248,7 +255,8 @@ def load_child(bundle_path: str, profile: bool) -> dict:
     t2 = time.perf_counter()
     if prof is not None:
         prof.disable()
-    res = {"import_torch_s": t_torch - t0, "import_parastream_s": t_ps - t_torch, "load_s": t2 - t1,
+    cpu = os.times()  # the process's CPU seconds by then, every thread: against total_s, what ran and what waited
+    res = {"cpu_s": cpu.user + cpu.system, "import_torch_s": t_torch - t0, "import_parastream_s": t_ps - t_torch, "load_s": t2 - t1,
            "total_s": t2 - t0, "process_to_ready_s": _age_at_start() + t2 - T_START,
            "probes": {k: round(v, 4) if isinstance(v, float) else v for k, v in acc.items()},
            "phases": G.load_phases(la)}

@@ -303,7 +303,8 @@ def run_model(name: str, args, work: Path, res: dict) -> dict:
 
 
 INIT_RE = (r"parastream: {name}\S* ready in ([\d.]+) s \(imports and bundle opened ([\d.]+) s, (?:torch imported at "
-           r"([\d.]+) s, )?\d+ branches loaded and captured ([\d.]+) s(?:; ([\d.]+) s since the stub process started)?\)")
+           r"([\d.]+) s, )?\d+ branches loaded and captured ([\d.]+) s(?:, the process's CPU ([\d.]+) s)?"
+           r"(?:; ([\d.]+) s since the stub process started)?\)")
 
 
 def logged_load_phases(log: str) -> list[dict]:
@@ -340,8 +341,9 @@ def instance_starts(name: str, args, work: Path, res: dict) -> dict:
             log = server.log()
             start["initialize_lines"] = re.findall(r"parastream: \S+ ready in [^)]*\)", log)
             start["initialize"] = [{"initialize_s": float(a), "open_s": float(b), "torch_at_s": float(c) if c else None,
-                                    "load_capture_s": float(d), "stub_age_s": float(e) if e else None}
-                                   for a, b, c, d, e in re.findall(INIT_RE.format(name=re.escape(name)), log)]
+                                    "load_capture_s": float(d), "cpu_s": float(u) if u else None,
+                                    "stub_age_s": float(e) if e else None}
+                                   for a, b, c, d, u, e in re.findall(INIT_RE.format(name=re.escape(name)), log)]
             start["load_phases"] = logged_load_phases(log)
             start["plans_refused"] = logged_plans_refused(log)
             start["tracebacks"] = log.count("Traceback (most recent call last)")

@@ -53,6 +53,11 @@ class Bundle:
     _model_checked: bool = field(default=True, init=False, repr=False, compare=False)
     #: model.onnx's initializers by name, read at the first ``initializer`` call
     _initializers: dict | None = field(default=None, init=False, repr=False, compare=False)
+    #: the engine files' paths as ``open`` resolved and checked them (plan.json's name -> real path): a load
+    #: reads each without resolving it again (``engine_bytes``)
+    _engines: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: every file manifest.json lists, resolved and checked by ``open`` (its name -> real path), for the hashes
+    _real: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | Path, *, check_hashes: bool = True, loading: bool = False,
@@ -90,19 +95,24 @@ class Bundle:
         files = manifest.get("files")
         if not isinstance(files, dict) or not files or not all(isinstance(v, str) for v in files.values()):
             raise ParastreamError(f"{path / 'manifest.json'}: lists no files, so this is not a parastream bundle; rebuild it")
-        for rel in files:
-            inside(path, rel, "manifest.json")
+        # each name resolved once (a 332-engine bundle's paths, resolved component by component at the open and
+        # again at every engine's read, were 0.4 s of a profiled fresh load): the manifest's files, then the
+        # engines plan.json names, which are among them
+        real = {rel: inside(path, rel, "manifest.json", real_root=root) for rel in files}
         present = _files_under(path)
         unlisted = sorted(present - set(files) - {"manifest.json"})
         if unlisted:
             raise ParastreamError(f"{path / unlisted[0]}: not listed in manifest.json; the bundle was modified, rebuild it")
+        engines = {}
         for b in plan.branches:
             if not isinstance(b.engine, str) or not b.engine:
                 raise ParastreamError(f"{path / 'plan.json'}: {b.name} names no engine file")
-            rel = inside(path, b.engine, f"plan.json ({b.name})").relative_to(root).as_posix()
-            if rel not in files:
+            f = real.get(b.engine) or inside(path, b.engine, f"plan.json ({b.name})", real_root=root)
+            if f.relative_to(root).as_posix() not in files:
                 raise ParastreamError(f"{path / 'plan.json'}: {b.name}'s engine {b.engine!r} is not listed in manifest.json")
+            engines[b.engine] = f
         bundle = cls(path=path, manifest=manifest, plan=plan, report=report)
+        bundle._engines, bundle._real = engines, real
         if loading:
             if device is not None and str(manifest.get("device", "")).startswith("cuda"):
                 from .cuda import initialize_in_background
@@ -141,7 +151,7 @@ class Bundle:
         for rel, digest in self.manifest.get("files", {}).items():
             if rel in skip:
                 continue
-            f = inside(self.path, rel, "manifest.json")
+            f = self._real.get(rel) or inside(self.path, rel, "manifest.json")
             if not f.is_file():
                 raise ParastreamError(f"{self.path / rel}: listed in manifest.json but missing; rebuild the bundle")
             files.append((rel, f, digest))
@@ -227,10 +237,21 @@ class Bundle:
         self._initializers = None
 
     def engine_path(self, branch: Branch) -> Path:
-        return inside(self.path, branch.engine, f"plan.json ({branch.name})")
+        f = self._engines.get(branch.engine)
+        return f if f is not None else inside(self.path, branch.engine, f"plan.json ({branch.name})")
 
     def engine_bytes(self, branch: Branch) -> bytes:
-        return self.engine_path(branch).read_bytes()
+        """The engine file's bytes, from the path ``open`` resolved inside the bundle: opened without following a
+        link in its last component, so a file replaced by a link since the open is refused, not followed."""
+        f = self.engine_path(branch)
+        try:
+            fd = os.open(f, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+        except OSError as e:
+            if f.is_symlink():
+                raise ParastreamError(f"{f}: became a symbolic link after the bundle was opened; the bundle is refused") from None
+            raise ParastreamError(f"{f}: unreadable engine file ({e.strerror}); rebuild the bundle") from None
+        with os.fdopen(fd, "rb") as fh:
+            return fh.read()
 
     def backend(self) -> ModuleType:
         from .engines import require_backend
@@ -251,14 +272,15 @@ class Bundle:
         return BuildOptions(**dict(kw, precision=self.plan.precision, device=device, **overrides))
 
 
-def inside(root: Path, rel: str, named_in: str) -> Path:
-    """``root / rel`` resolved, refused unless it stays inside ``root`` (relative, no ``..``, no link leaving it)."""
+def inside(root: Path, rel: str, named_in: str, *, real_root: Path | None = None) -> Path:
+    """``root / rel`` resolved, refused unless it stays inside ``root`` (relative, no ``..``, no link leaving it).
+    ``real_root``: ``root`` resolved already (a caller checking many names)."""
     if not isinstance(rel, str) or not rel or "\\" in rel or "\x00" in rel:
         raise ParastreamError(f"{root}: {named_in} names the path {rel!r}, which is not a file of the bundle")
     p = PurePosixPath(rel)
     if p.is_absolute() or ".." in p.parts:
         raise ParastreamError(f"{root}: {named_in} names {rel!r}, a path outside the bundle; the bundle is refused")
-    real_root = Path(root).resolve()
+    real_root = real_root or Path(root).resolve()
     real = (real_root / p).resolve()
     if real_root not in real.parents:
         raise ParastreamError(f"{root}: {named_in} names {rel!r}, which resolves outside the bundle (a symbolic link); "

@@ -83,8 +83,9 @@ class CpuLauncher:
             for b in plan.branches:
                 specs_in = [plan.tensors[t] for t in b.inputs]
                 specs_out = [plan.tensors[t] for t in b.outputs]
+                data = bundle.engine_bytes(b)  # (its errors name the file)
                 try:
-                    self.engines.append(backend.load(bundle.engine_bytes(b), specs_in, specs_out, device="cpu",
+                    self.engines.append(backend.load(data, specs_in, specs_out, device="cpu",
                                                      options=opts, model_weights=bundle.initializer))
                 except ParastreamError as e:  # name the engine's file, as the GPU launcher does
                     raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None

@@ -339,8 +339,9 @@ class GpuLauncher:
                             kw["warm"] = False
                         if channel_views:
                             kw["channel_views"] = branch_views[b.id]
+                        data = bundle.engine_bytes(b)  # (its errors name the file)
                         try:
-                            engines.append(backend.load(bundle.engine_bytes(b), ins, outs, device="cuda", options=opts, **kw))
+                            engines.append(backend.load(data, ins, outs, device="cuda", options=opts, **kw))
                         except ParastreamError as e:  # e.g. an engine compiled for another GPU: name the file
                             raise ParastreamError(f"{bundle.engine_path(b)}: {e}") from None
                         if warmer is not None:

@@ -119,6 +119,18 @@ def _process_age():
         return None
 
 
+def _process_cpu():
+    """CPU seconds this process has used so far, all its threads (user and system), or None: beside the start's wall
+    time, whether a slow start ran more code or waited (for the CPU, the interpreter lock, the GPU)."""
+    try:
+        import os
+
+        t = os.times()
+        return t.user + t.system
+    except (OSError, AttributeError):
+        return None
+
+
 def _fits(shape, wire) -> bool:
     """A request's dims against the config's: equal, -1 taking any size (a grid bundle's dynamic axes)."""
     return len(shape) == len(wire) and all(w == -1 or s == w for s, w in zip(shape, wire))
@@ -234,6 +246,7 @@ class TritonPythonModel:
         # import of this file come before, and for a GPU bundle torch's import begins there), and the stub's age
         self.initialize_s = time.perf_counter() - t0
         started = _process_age()
+        cpu = _process_cpu()
         logger = getattr(pb_utils, "Logger", None)
         if logger is not None:
             instance = args.get("model_instance_name") or args.get("model_name", "")
@@ -241,6 +254,7 @@ class TritonPythonModel:
                             f"{self.initialize_s:.2f} s (imports and bundle opened {t_open - t0:.2f} s, "
                             + (f"torch imported at {t_torch - t0:.2f} s, " if t_torch is not None else "")
                             + f"{len(self.plan.branches)} branches loaded and captured {time.perf_counter() - t_open:.2f} s"
+                            + (f", the process's CPU {cpu:.2f} s" if cpu is not None else "")
                             + (f"; {started:.2f} s since the stub process started" if started is not None else "") + ")")
             phases = _load_phases(self.runner) if self.on_gpu else {}
             if phases:

@@ -95,6 +95,28 @@ def test_engine_symlink_leaving_the_bundle(bundle, tmp_path, capsys):
     assert_all_refused(capsys, bundle, tmp_path, "resolves outside the bundle")
 
 
+def test_an_engine_replaced_by_a_link_after_the_open_is_refused_at_its_read(bundle, tmp_path):
+    """A load reads each engine from the path the open resolved inside the bundle, without resolving it again: a
+    file swapped for a link since the open (to a copy outside, its bytes the same) is refused, not followed; the
+    engines left as opened read as their files."""
+    opened = Bundle.open(bundle, loading=True)
+    first, second = opened.plan.branches[:2]
+    assert opened.engine_bytes(second) == (bundle / second.engine).read_bytes()  # must not fire
+    engine = bundle / first.engine
+    outside = tmp_path / "outside.onnx"
+    shutil.copyfile(engine, outside)
+    engine.unlink()
+    engine.symlink_to(outside)
+    with pytest.raises(ParastreamError, match="became a symbolic link after the bundle was opened"):
+        opened.engine_bytes(first)
+    with pytest.raises(ParastreamError, match="became a symbolic link") as e:  # the launcher names the file once
+        load(opened, device="cpu")
+    assert str(e.value).count(str(engine.name)) == 1, e.value
+    engine.unlink()
+    with pytest.raises(ParastreamError, match="unreadable engine file"):
+        opened.engine_bytes(first)
+
+
 def test_manifest_without_files_is_not_a_bundle(bundle, tmp_path, capsys):
     manifest = json.loads((bundle / "manifest.json").read_text())
     del manifest["files"]
