@@ -64,6 +64,9 @@ def test_initialize_logs_how_long_the_instance_took_to_be_ready(bundles, tmp_pat
     assert f"{len(model.plan.branches)} branches loaded" in ready[0]
     age = re.search(r"; ([\d.]+) s since the stub process started\)$", ready[0])  # this test process's age, here
     assert age and float(age.group(1)) >= model.initialize_s, ready[0]
+    # the process's CPU seconds by then, every thread's (this test process's here)
+    cpu = re.search(r", the process's CPU ([\d.]+) s;", ready[0])
+    assert cpu and 0 < float(cpu.group(1)), ready[0]
 
 
 def test_a_gpu_launchers_load_phases_are_what_the_second_line_logs(bundles, tmp_path, pb_utils, monkeypatch):
