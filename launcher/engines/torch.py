@@ -267,6 +267,8 @@ def pack(meta: dict, branch_onnx: bytes, package: bytes | None, weights: bytes |
     member = _MEMBER.get(meta.get("compiled")) if package is not None else None
     if package is not None and member is None:
         raise ValueError(f"a compiled torch engine needs compiled in {sorted(_MEMBER)}, not {meta.get('compiled')!r}")
+    if package is not None:  # a load finds an artifact it loaded already by this, without inflating it (_load_inductor)
+        meta = dict(meta, artifact_sha256=hashlib.sha256(package).hexdigest())
     with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED, compresslevel=1) as z:
         for name, data in (("engine.json", json.dumps(meta, indent=1).encode()), ("branch.onnx", branch_onnx),
                            (member, package), (WEIGHTS_MEMBER, weights)):
@@ -290,6 +292,7 @@ class EngineFile:
             self.meta, self._onnx = {"format": 0, "compiled": None}, data
             return
         try:
+            self._data = data
             self._zip = zipfile.ZipFile(io.BytesIO(data))
             self._names = set(self._zip.namelist())
             self.meta = json.loads(self._zip.read("engine.json"))
@@ -326,8 +329,35 @@ class EngineFile:
     def compiled(self) -> bytes | None:
         return self._read(_MEMBER.get(self.meta.get("compiled")))
 
+    def has_compiled(self) -> bool:
+        """Whether the file holds compiled code (``compiled()`` is not None), without reading it."""
+        return self._zip is not None and _MEMBER.get(self.meta.get("compiled")) in self._names
+
     def weights(self) -> bytes | None:
         return self._read(WEIGHTS_MEMBER)
+
+    def weights_view(self) -> "bytes | memoryview | None":
+        """weights.bin for a load: where it is stored (``pack`` stores it), a view of the engine file's bytes, not
+        a copy, and without zipfile's CRC pass over it; else as ``weights``.  A load's engine file comes from a
+        bundle whose files' sha256 ``Bundle.open`` checked (or from the build writing it), so the CRC would check
+        the same bytes again:
+        for NASNet-A Large's 178 MB of weights it was a second pass over them, and a copy, in the loading thread
+        that bounds the load.  zipfile reads no member without both, so the member's place is read from its local
+        header here (APPNOTE 4.3.7: 30 bytes, then the name and the extra field)."""
+        if self._zip is None or WEIGHTS_MEMBER not in self._names:
+            return None
+        info = self._zip.getinfo(WEIGHTS_MEMBER)
+        if info.compress_type != zipfile.ZIP_STORED or info.flag_bits & 0x1:  # compressed or encrypted: zipfile's way
+            return self.weights()
+        view = memoryview(self._data)
+        head = view[info.header_offset:info.header_offset + 30]
+        if len(head) < 30 or bytes(head[:4]) != b"PK\x03\x04":
+            raise ParastreamError(f"not a readable torch engine ({WEIGHTS_MEMBER}: no local header); rebuild the bundle")
+        start = info.header_offset + 30 + int.from_bytes(head[26:28], "little") + int.from_bytes(head[28:30], "little")
+        end = start + info.compress_size
+        if end > len(view) or info.compress_size != info.file_size:
+            raise ParastreamError(f"not a readable torch engine ({WEIGHTS_MEMBER} runs past the file); rebuild the bundle")
+        return view[start:end]
 
 
 def unpack(data: bytes) -> tuple[dict, bytes, bytes | None]:
@@ -1124,23 +1154,38 @@ def _load_package(package: bytes, device_index: int):
         return loader(f.name, "model", False, 1, device_index)
 
 
-def _load_inductor(artifact: bytes, weights: Callable[[], bytes | None], meta: dict, device: str):
+def _load_inductor(artifact: "bytes | Callable[[], bytes]", weights: Callable[[], bytes | None], meta: dict,
+                   device: str):
     """``run(*inputs, *outputs)``: the engine's Inductor artifact loaded (``CompiledArtifact.load``: no dynamo,
     no AOTAutograd trace, no Inductor codegen; on the GPU its Triton kernels come from the artifact) and called
-    with its weights, read from weights.bin (``weights()``) unless this process holds them already."""
+    with its weights, read from weights.bin (``weights()``) unless this process holds them already.
+
+    ``artifact``: its bytes, or a function that reads them, called only where this process has not loaded the
+    artifact of engine.json's ``artifact_sha256`` already (an engine file that predates it is read and hashed)."""
     import torch
 
     t0 = time.perf_counter()
     dev = f"cuda:{torch.cuda.current_device()}" if device == "cuda" else device
     params = _load_params(weights, meta, dev)
-    key = (hashlib.sha256(artifact).hexdigest(), dev)
+    read = artifact if callable(artifact) else (lambda: artifact)
+    data = None
+    digest = meta.get("artifact_sha256")
+    if not isinstance(digest, str):
+        data = read()
+        digest = hashlib.sha256(data).hexdigest()
+    key = (digest, dev)
     t1 = time.perf_counter()
     with _CACHE_LOCK:
         art = _LOADED_ARTIFACTS.get(key)
         if art is not None:
             _LOADED_ARTIFACTS.move_to_end(key)
     if art is None:
-        art = _load_artifact(artifact, meta, device)
+        if data is None:
+            data = read()
+            if hashlib.sha256(data).hexdigest() != digest:
+                raise ParastreamError("the engine's compiled code is not the one engine.json's artifact_sha256 names; "
+                                      "rebuild the bundle")
+        art = _load_artifact(data, meta, device)
         with _CACHE_LOCK:
             lru_put(_LOADED_ARTIFACTS, key, art, LOADED_ARTIFACTS)
 
@@ -1917,7 +1962,9 @@ class TorchEngine:
         # a branch pinned to fp32 (--keep-fp32) records its dtype; the others compute in the precision's
         self.dtype = "float32" if meta.get("dtype") == "float32" else compute_dtype(options.precision, device)
         self._tdtype = getattr(torch, self.dtype)
-        package = engine.compiled()
+        # the compiled code is read (inflated) when it is loaded, and not where this process holds its artifact
+        # loaded already (engines of one structure, a candidate's unchanged branches: 249 of NASNet-A Large's 332)
+        package = engine.compiled if engine.has_compiled() else None
         self.phases["unpack"] = time.perf_counter() - t0
         if package is not None:
             check_built_for(meta.get("built_for", {}), device)
@@ -1934,11 +1981,11 @@ class TorchEngine:
         self._runner = None
         self.module = None
         if not self.compiled_at_load and meta.get("compiled") in ("inductor", "kernels"):
-            self._runner = _load_inductor(package, engine.weights, meta, device)
+            self._runner = _load_inductor(package, engine.weights_view, meta, device)
             self._fn = self._runner
             self.phases.update(self._runner.phases)
         elif not self.compiled_at_load:
-            self._runner = _load_package(package, torch.cuda.current_device() if device == "cuda" else -1)
+            self._runner = _load_package(package(), torch.cuda.current_device() if device == "cuda" else -1)
             self._fn = self._run_package
         else:
             from .onnx_torch import convert, to_device_shared

@@ -138,17 +138,62 @@ def test_an_engine_loaded_again_in_a_process_reads_no_weights_and_shares_them(bu
     x = np.random.default_rng(9).standard_normal(IN.shape).astype(np.float32)
     first = tb.load(built.a, [IN], [OUT], device="cpu")
     reads = []
-    real = tb.EngineFile.weights
-    monkeypatch.setattr(tb.EngineFile, "weights", lambda self: reads.append(1) or real(self))
+    real = tb.EngineFile.weights_view
+    monkeypatch.setattr(tb.EngineFile, "weights_view", lambda self: reads.append(1) or real(self))
+    code_reads = []
+    real_code = tb.EngineFile.compiled
+    monkeypatch.setattr(tb.EngineFile, "compiled", lambda self: code_reads.append(1) or real_code(self))
     again = tb.load(built.a, [IN], [OUT], device="cpu")
     assert not reads
     assert all(p is q for p, q in zip(again._runner.params, first._runner.params))
     assert again._runner.artifact is first._runner.artifact
     other = tb.load(built.b, [IN], [OUT], device="cpu")
     assert reads == [1]
+    assert not code_reads  # the artifact loaded already, found by engine.json's artifact_sha256: its code not read
     assert not all(p is q for p, q in zip(other._runner.params, first._runner.params))
     np.testing.assert_array_equal(again.run({"x": x})["y"], first.run({"x": x})["y"])
     np.testing.assert_allclose(other.run({"x": x})["y"], ort(branch(2), x), rtol=1e-5, atol=1e-5)
+
+
+def test_an_engine_file_without_the_artifact_s_digest_is_read_and_hashed_and_shares_the_artifact(built):
+    """Must not fire: an engine file written before engine.json named its artifact's sha256 loads as before (its
+    compiled code read and hashed) and finds the artifact another engine of the same code loaded."""
+    f = tb.EngineFile(built.a)
+    assert f.meta["artifact_sha256"] == hashlib.sha256(f.compiled()).hexdigest()  # what pack records
+    first = tb.load(built.a, [IN], [OUT], device="cpu")
+    older = _without_digest(built.a)
+    assert "artifact_sha256" not in tb.EngineFile(older).meta
+    again = tb.load(older, [IN], [OUT], device="cpu")
+    assert again._runner.artifact is first._runner.artifact
+    x = np.random.default_rng(7).standard_normal(IN.shape).astype(np.float32)
+    np.testing.assert_array_equal(again.run({"x": x})["y"], first.run({"x": x})["y"])
+
+
+def test_compiled_code_that_is_not_the_one_engine_json_names_is_one_clear_error(built):
+    tb._LOADED_ARTIFACTS.clear()  # a miss: the code is read, and checked against the digest
+    f = tb.EngineFile(built.a)
+    damaged = _with_meta(built.a, dict(f.meta, artifact_sha256="0" * 64))
+    with pytest.raises(ParastreamError, match="artifact_sha256"):
+        tb.load(damaged, [IN], [OUT], device="cpu")
+
+
+def _with_meta(data: bytes, meta: dict) -> bytes:
+    """The engine file with engine.json replaced by ``meta``, every other member as it was (not through ``pack``,
+    which names the artifact's digest itself)."""
+    import io
+
+    src = zipfile.ZipFile(io.BytesIO(data))
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for info in src.infolist():
+            body = json.dumps(meta, indent=1).encode() if info.filename == "engine.json" else src.read(info)
+            z.writestr(info, body)
+    return buf.getvalue()
+
+
+def _without_digest(data: bytes) -> bytes:
+    meta = tb.EngineFile(data).meta
+    return _with_meta(data, {k: v for k, v in meta.items() if k != "artifact_sha256"})
 
 
 def test_the_other_branch_computes_with_its_own_weights(built):
