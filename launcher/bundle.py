@@ -29,6 +29,8 @@ MANIFEST_VERSION = 1
 BUNDLE_FILES = ("manifest.json", "model.onnx", "plan.json", "report.json")
 #: the most files hashed at once when a bundle is opened (``Bundle.check_hashes``)
 HASH_THREADS = 8
+#: the most engine-file bytes a loading open keeps from its hashes for the load to take (``Bundle.engine_bytes``)
+KEEP_HASHED_BYTES = 512 << 20
 
 
 def sha256_file(path: Path) -> str:
@@ -41,6 +43,13 @@ def sha256_file(path: Path) -> str:
         for chunk in iter(lambda: f.read(1 << 24), b""):
             h.update(chunk)
     return h.hexdigest()
+
+
+def _sha256_kept(path: Path) -> tuple[str, bytes]:
+    """The file's sha256 and its bytes, read in one piece (the read and the hash each let other threads run)."""
+    with open(path, "rb") as f:
+        data = f.read()
+    return hashlib.sha256(data).hexdigest(), data
 
 
 @dataclass
@@ -58,6 +67,9 @@ class Bundle:
     _engines: dict = field(default_factory=dict, init=False, repr=False, compare=False)
     #: every file manifest.json lists, resolved and checked by ``open`` (its name -> real path), for the hashes
     _real: dict = field(default_factory=dict, init=False, repr=False, compare=False)
+    #: engine files' bytes as a loading open hashed them (plan.json's name -> bytes), each taken by its first
+    #: ``engine_bytes``: the load reads the bytes that were checked, once
+    _hashed: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     @classmethod
     def open(cls, path: str | Path, *, check_hashes: bool = True, loading: bool = False,
@@ -137,16 +149,36 @@ class Bundle:
             onnx_files = [rel for rel in files if rel.endswith(".onnx") and rel not in later]
             with ThreadPoolExecutor(1, thread_name_prefix="parastream-onnx-check") as pool:
                 external = pool.submit(_check_no_external_data, path, onnx_files)
-                bundle.check_hashes(skip=later)
+                bundle.check_hashes(skip=later, keep=bundle._engines_to_keep() if loading else ())
                 external.result()
             bundle._model_checked = not loading
         return bundle
 
-    def check_hashes(self, skip: tuple[str, ...] = ()) -> None:
+    def _engines_to_keep(self) -> dict[str, str]:
+        """{manifest name: plan.json's name} of the engine files a loading open keeps from its hashes, in plan
+        order while their sizes sum to at most ``KEEP_HASHED_BYTES`` (a larger bundle's others are read again)."""
+        root = self.path.resolve()
+        keep, total = {}, 0
+        for name, f in self._engines.items():
+            try:
+                size = f.stat().st_size
+            except OSError:
+                continue  # (check_hashes names it)
+            if total + size > KEEP_HASHED_BYTES:
+                break
+            total += size
+            keep[f.relative_to(root).as_posix()] = name
+        return keep
+
+    def check_hashes(self, skip: tuple[str, ...] = (), keep: "dict[str, str] | tuple" = ()) -> None:
         """Compare every file the manifest lists (but ``skip``) with its sha256, several files at a time: hashlib
         and file reads let go of the interpreter lock for large pieces, so threads hash in parallel (a 412 MB
         Inception-v4 bundle, model.onnx and 52 engine files: 0.8 s in one thread on the H100 host).  The first
-        file in the manifest's order that differs is the one named, whichever thread found it."""
+        file in the manifest's order that differs is the one named, whichever thread found it.
+
+        ``keep`` ({manifest name: plan.json's engine name}, a loading open's): those files' bytes, read whole and
+        hashed, are kept for ``engine_bytes``, so that the load reads each engine once, in these threads while
+        torch is imported, and runs the very bytes whose hash was checked."""
         files = []
         for rel, digest in self.manifest.get("files", {}).items():
             if rel in skip:
@@ -157,12 +189,21 @@ class Bundle:
             files.append((rel, f, digest))
         from concurrent.futures import ThreadPoolExecutor
 
+        def hashed(item):
+            rel, f, _ = item
+            if rel in keep:
+                return _sha256_kept(f)
+            return sha256_file(f), None
+
         workers = max(1, min(HASH_THREADS, len(files), os.cpu_count() or 1))
         with ThreadPoolExecutor(workers, thread_name_prefix="parastream-hash") as pool:
-            found = list(pool.map(lambda f: sha256_file(f[1]), files))  # in the manifest's order
-        for (rel, _, digest), got in zip(files, found):
+            found = list(pool.map(hashed, files))  # in the manifest's order
+        for (rel, _, digest), (got, _) in zip(files, found):
             if got != digest:
                 raise ParastreamError(f"{self.path / rel}: sha256 differs from manifest.json; the bundle was modified or is corrupt")
+        for (rel, _, _), (_, data) in zip(files, found):
+            if data is not None:
+                self._hashed[keep[rel]] = data
 
     def bucket_bundles(self) -> dict[int, "Bundle"]:
         """A dynamic-batch bundle's buckets, batch size -> Bundle (the largest is this bundle itself; the others
@@ -233,16 +274,22 @@ class Bundle:
 
     def drop_weights(self) -> None:
         """Forget model.onnx's weights that ``initializer`` read (a launcher, once its engines are loaded: they
-        hold what they took, and a serving process keeps its launcher, and so this bundle, for its lifetime)."""
+        hold what they took, and a serving process keeps its launcher, and so this bundle, for its lifetime), and
+        the engine files' bytes the open kept that no load took."""
         self._initializers = None
+        self._hashed.clear()
 
     def engine_path(self, branch: Branch) -> Path:
         f = self._engines.get(branch.engine)
         return f if f is not None else inside(self.path, branch.engine, f"plan.json ({branch.name})")
 
     def engine_bytes(self, branch: Branch) -> bytes:
-        """The engine file's bytes, from the path ``open`` resolved inside the bundle: opened without following a
-        link in its last component, so a file replaced by a link since the open is refused, not followed."""
+        """The engine file's bytes: those a loading open hashed (taken once), else read from the path ``open``
+        resolved inside the bundle, opened without following a link in its last component, so a file replaced by
+        a link since the open is refused, not followed."""
+        kept = self._hashed.pop(branch.engine, None)
+        if kept is not None:
+            return kept
         f = self.engine_path(branch)
         try:
             fd = os.open(f, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))

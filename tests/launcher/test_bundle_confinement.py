@@ -99,7 +99,7 @@ def test_an_engine_replaced_by_a_link_after_the_open_is_refused_at_its_read(bund
     """A load reads each engine from the path the open resolved inside the bundle, without resolving it again: a
     file swapped for a link since the open (to a copy outside, its bytes the same) is refused, not followed; the
     engines left as opened read as their files."""
-    opened = Bundle.open(bundle, loading=True)
+    opened = Bundle.open(bundle)  # (a loading open keeps the bytes it hashed: below)
     first, second = opened.plan.branches[:2]
     assert opened.engine_bytes(second) == (bundle / second.engine).read_bytes()  # must not fire
     engine = bundle / first.engine
@@ -115,6 +115,27 @@ def test_an_engine_replaced_by_a_link_after_the_open_is_refused_at_its_read(bund
     engine.unlink()
     with pytest.raises(ParastreamError, match="unreadable engine file"):
         opened.engine_bytes(first)
+
+
+def test_a_loading_open_hands_the_load_the_engine_bytes_it_hashed(bundle, monkeypatch):
+    """The artifact that runs is the one verified: a loading open keeps each engine file's bytes as it hashed them,
+    and the load takes those, once (a file changed after the open changes nothing; a second read is the file's).
+    Must not fire: an open that is not a load's keeps none, nor beyond KEEP_HASHED_BYTES."""
+    from parastream.launcher import bundle as bundle_module
+
+    opened = Bundle.open(bundle, loading=True)
+    first = opened.plan.branches[0]
+    hashed = (bundle / first.engine).read_bytes()
+    (bundle / first.engine).write_bytes(b"changed after the open")
+    assert opened.engine_bytes(first) == hashed
+    assert opened.engine_bytes(first) == b"changed after the open"  # taken once: then read
+    (bundle / first.engine).write_bytes(hashed)
+    assert not Bundle.open(bundle)._hashed
+    monkeypatch.setattr(bundle_module, "KEEP_HASHED_BYTES", len(hashed))  # room for one engine file at most
+    assert len(Bundle.open(bundle, loading=True)._hashed) <= 1
+    kept = Bundle.open(bundle, loading=True)
+    kept.drop_weights()  # a launcher's, after its load: what no engine took goes
+    assert not kept._hashed
 
 
 def test_manifest_without_files_is_not_a_bundle(bundle, tmp_path, capsys):
