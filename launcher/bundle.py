@@ -277,6 +277,11 @@ class Bundle:
         hold what they took, and a serving process keeps its launcher, and so this bundle, for its lifetime), and
         the engine files' bytes the open kept that no load took."""
         self._initializers = None
+        self.drop_kept_engines()
+
+    def drop_kept_engines(self) -> None:
+        """Forget the engine files' bytes a loading open kept from its hashes that no ``engine_bytes`` took (an
+        elided branch's engine): a launcher, once its engines are loaded."""
         self._hashed.clear()
 
     def engine_path(self, branch: Branch) -> Path:

@@ -352,9 +352,7 @@ class GpuLauncher:
                 self._destroy_streams()  # (close() has nothing to release until the launcher is open)
                 raise
             self.load_s = time.perf_counter() - t0
-            # the engines hold what they took: model.onnx's weights read for an engine compiled here, and the
-            # engine files' bytes the open kept from its hashes that no engine took (an elided branch's)
-            bundle.drop_weights()
+            bundle.drop_kept_engines()  # the engine files' bytes the open kept that no engine took (an elided branch's)
             if warmer is not None:
                 try:
                     self.warm_s = warmer.wait()  # the first engine's error, if any, is raised here

@@ -134,7 +134,11 @@ def test_a_loading_open_hands_the_load_the_engine_bytes_it_hashed(bundle, monkey
     monkeypatch.setattr(bundle_module, "KEEP_HASHED_BYTES", len(hashed))  # room for one engine file at most
     assert len(Bundle.open(bundle, loading=True)._hashed) <= 1
     kept = Bundle.open(bundle, loading=True)
-    kept.drop_weights()  # a launcher's, after its load: what no engine took goes
+    assert kept._hashed
+    kept.drop_kept_engines()  # a launcher's, after its load: what no engine took goes
+    assert not kept._hashed
+    kept = Bundle.open(bundle, loading=True)
+    load(kept, device="cpu")  # the CPU launcher takes them all, then drops model.onnx's weights and what is left
     assert not kept._hashed
 
 
