@@ -149,15 +149,15 @@ class Bundle:
             onnx_files = [rel for rel in files if rel.endswith(".onnx") and rel not in later]
             with ThreadPoolExecutor(1, thread_name_prefix="parastream-onnx-check") as pool:
                 external = pool.submit(_check_no_external_data, path, onnx_files)
-                bundle.check_hashes(skip=later, keep=bundle._engines_to_keep() if loading else ())
+                bundle.check_hashes(skip=later, keep=bundle._engines_to_keep(root) if loading else None)
                 external.result()
             bundle._model_checked = not loading
         return bundle
 
-    def _engines_to_keep(self) -> dict[str, str]:
+    def _engines_to_keep(self, root: Path) -> dict[str, str]:
         """{manifest name: plan.json's name} of the engine files a loading open keeps from its hashes, in plan
-        order while their sizes sum to at most ``KEEP_HASHED_BYTES`` (a larger bundle's others are read again)."""
-        root = self.path.resolve()
+        order while their sizes sum to at most ``KEEP_HASHED_BYTES`` (a larger bundle's others are read again);
+        ``root``: the bundle's folder resolved."""
         keep, total = {}, 0
         for name, f in self._engines.items():
             try:
@@ -170,7 +170,7 @@ class Bundle:
             keep[f.relative_to(root).as_posix()] = name
         return keep
 
-    def check_hashes(self, skip: tuple[str, ...] = (), keep: "dict[str, str] | tuple" = ()) -> None:
+    def check_hashes(self, skip: tuple[str, ...] = (), keep: dict[str, str] | None = None) -> None:
         """Compare every file the manifest lists (but ``skip``) with its sha256, several files at a time: hashlib
         and file reads let go of the interpreter lock for large pieces, so threads hash in parallel (a 412 MB
         Inception-v4 bundle, model.onnx and 52 engine files: 0.8 s in one thread on the H100 host).  The first
@@ -179,6 +179,7 @@ class Bundle:
         ``keep`` ({manifest name: plan.json's engine name}, a loading open's): those files' bytes, read whole and
         hashed, are kept for ``engine_bytes``, so that the load reads each engine once, in these threads while
         torch is imported, and runs the very bytes whose hash was checked."""
+        keep = keep or {}
         files = []
         for rel, digest in self.manifest.get("files", {}).items():
             if rel in skip:

@@ -340,9 +340,8 @@ class EngineFile:
         """weights.bin for a load: where it is stored (``pack`` stores it), a view of the engine file's bytes, not
         a copy, and without zipfile's CRC pass over it; else as ``weights``.  A load's engine file comes from a
         bundle whose files' sha256 ``Bundle.open`` checked (or from the build writing it), so the CRC would check
-        the same bytes again:
-        for NASNet-A Large's 178 MB of weights it was a second pass over them, and a copy, in the loading thread
-        that bounds the load.  zipfile reads no member without both, so the member's place is read from its local
+        the same bytes again: for NASNet-A Large's ~178 MB of weights it was a second pass over them, and a copy,
+        in the loading thread that bounds the load.  zipfile reads no member without both, so the member's place is read from its local
         header here (APPNOTE 4.3.7: 30 bytes, then the name and the extra field)."""
         if self._zip is None or WEIGHTS_MEMBER not in self._names:
             return None
