@@ -1129,6 +1129,20 @@ def _pool(workers: int):
     return pool
 
 
+def register_engine_ops(device: str) -> None:
+    """The operators of parastream's own that compiled engines call, defined before any engine's code is loaded
+    (an AOTInductor package looks each one's schema up as it loads; Inductor's and the kernels artifacts' code
+    calls them by name): on the GPU the depthwise convolutions' cuDNN plans (``cudnn_plans``), everywhere the
+    LSTM, GRU and RNN layers (``recurrent_op``).  Each defines itself once per process."""
+    if device == "cuda":
+        from .cudnn_plans import register_op
+
+        register_op()
+    from .recurrent_op import register_rnn_op
+
+    register_rnn_op()
+
+
 def _load_package(package: bytes, device_index: int):
     """The package's runner (``AOTIModelPackageLoader``), loaded without compiling anything.
 
@@ -1142,6 +1156,7 @@ def _load_package(package: bytes, device_index: int):
 
     import torch
 
+    register_engine_ops("cuda" if device_index >= 0 else "cpu")  # the package's calls of them resolve as it loads
     loader = getattr(getattr(torch._C, "_aoti", None), "AOTIModelPackageLoader", None)
     with tempfile.NamedTemporaryFile(suffix=".pt2") as f:  # the loader reads a file and extracts it
         f.write(package)
@@ -1270,14 +1285,7 @@ def _load_artifact(artifact: bytes, meta: dict, device: str):
 
     import torch
 
-    if device == "cuda":  # what an engine's depthwise convolutions call (``cudnn_plans``): defined before its code runs
-        from .cudnn_plans import register_op
-
-        register_op()
-    from .recurrent_op import register_rnn_op  # what an engine's LSTM, GRU and RNN layers call, likewise
-
-    register_rnn_op()
-
+    register_engine_ops(device)
     if meta.get("compiled") == "kernels":  # Inductor's wrapper and cubins, without Inductor
         from .inductor_kernels import KernelsArtifact
 

@@ -132,6 +132,27 @@ def test_loads_in_a_fresh_process_without_compiling_and_matches_onnxruntime(buil
     np.testing.assert_allclose(y, ort(branch(1), x), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("device_index, defined", [(-1, ["rnn"]), (0, ["cudnn_conv2d", "rnn"])])
+def test_a_package_loads_only_after_the_ops_its_code_calls_are_defined(monkeypatch, device_index, defined):
+    """An AOTInductor package looks each operator's schema up as it loads: parastream's own (a depthwise
+    convolution's cuDNN plan on the GPU, an LSTM layer anywhere) must be defined first, also in a process that
+    has loaded no other engine (a GPU build's alternatives: "Could not find schema for parastream::cudnn_conv2d")."""
+    from parastream.launcher.engines import cudnn_plans, recurrent_op
+
+    order = []
+    monkeypatch.setattr(cudnn_plans, "register_op", lambda: order.append("cudnn_conv2d"))
+    monkeypatch.setattr(recurrent_op, "register_rnn_op", lambda: order.append("rnn"))
+
+    class Loader:
+        def __init__(self, path, name, *args):
+            assert open(path, "rb").read() == b"package"
+            order.append("load")
+
+    monkeypatch.setattr(torch._C._aoti, "AOTIModelPackageLoader", Loader)
+    tb._load_package(b"package", device_index)
+    assert order == defined + ["load"]
+
+
 def test_the_other_branch_computes_its_own_weights(built):
     x = np.random.default_rng(8).standard_normal(IN.shape).astype(np.float32)
     e = tb.load(built.b, [IN], [OUT], device="cpu")
