@@ -33,9 +33,12 @@ from __future__ import annotations
 
 import builtins
 import contextlib
+import functools
 import importlib
+import importlib.util
 import io
 import json
+import marshal
 import os
 import re
 import tempfile
@@ -53,6 +56,9 @@ EXTERN_KERNELS = "torch._inductor.select_algorithm.extern_kernels"
 FORMAT = 1
 #: the member holding the cuDNN plans the engine's depthwise convolutions run (``cudnn_plans``), where it has any
 PLANS = "cudnn_plans.npz"
+#: the member holding the wrapper compiled to Python bytecode for the GPU the build ran it on (``wrapper_code``),
+#: which a load on that GPU by the same Python runs instead of compiling wrapper.py again
+WRAPPER_CODE = "wrapper.code"
 #: the alignment Inductor's Triton kernels may assume of a pointer argument that had it when compiled
 ALIGNMENT = 16
 
@@ -165,6 +171,45 @@ def on_device(source: str, device: int) -> str:
     return _DEVICE_CALL.sub(lambda m: f"{m.group(1)}({int(device)})", source)
 
 
+def _compile_wrapper(source: str):
+    """wrapper.py's code object; the build (``wrapper_code``) and the load compile it by this one call, so
+    that the bytecode shipped is what the load would compile."""
+    return compile(source, "<parastream wrapper>", "exec")
+
+
+@functools.lru_cache(maxsize=64)
+def wrapper_code(source: str, device: int) -> bytes:
+    """The ``WRAPPER_CODE`` member: this Python's bytecode magic, ``device``, and the marshalled code of the wrapper
+    as loaded on that GPU (``on_device``).  Compiling each wrapper was the largest share of a fresh load's Python
+    that holds the interpreter lock (NASNet-A Large: 83 wrappers, ~0.2 s of its load on the H200, profiled); a
+    marshalled code object loads in a fraction of that.  Another Python (its magic differs) or another GPU
+    compiles wrapper.py as before.  Cached by source: branches of one structure, compiled one after another in one
+    worker, get the same bytes (marshal's output can depend on reference counts), so that their artifacts stay
+    one artifact by sha256 (``_load_inductor`` loads it once)."""
+    return (importlib.util.MAGIC_NUMBER + int(device).to_bytes(4, "little")
+            + marshal.dumps(_compile_wrapper(on_device(source, device))))
+
+
+def _shipped_code(blob: bytes | None, device: int):
+    """The wrapper's code object from its ``WRAPPER_CODE`` member where it was compiled by this Python for
+    ``device``; else None (then wrapper.py is compiled)."""
+    magic = importlib.util.MAGIC_NUMBER
+    if not blob or blob[:len(magic)] != magic or int.from_bytes(blob[len(magic):len(magic) + 4], "little") != device:
+        return None
+    try:
+        code = marshal.loads(blob[len(magic) + 4:])
+    except (EOFError, ValueError, TypeError):  # damaged: the bundle's hashes would have said so; compile instead
+        return None
+    return code if isinstance(code, type(_compile_wrapper.__code__)) else None
+
+
+@functools.lru_cache(maxsize=4096)
+def _launcher_code(source: str):
+    """A launcher's code object, by its source: kernels of one shape and grid have the same launcher, and a
+    bundle's engines share many (compiled once per process rather than once per kernel)."""
+    return compile(source, "<parastream launcher>", "exec")
+
+
 def launcher_source(spec: dict) -> str:
     """The launcher Inductor generated for a statically launched kernel (``_gen_launcher_code``), from what
     ``record_launcher`` kept: ``launcher(*args, stream)`` computes the grid and calls ``runner``."""
@@ -203,7 +248,7 @@ class _Kernel:
             launch(function, grid_0, grid_1, grid_2, num_warps, shared, arg_tys, (*args, *extra), stream)
 
         scope = {"runner": runner}
-        exec(compile(launcher_source(spec), f"<parastream launcher {self.name}>", "exec"), scope)  # noqa: S102
+        exec(_launcher_code(launcher_source(spec)), scope)  # noqa: S102 - generated from kernels.json's names
         self.run = scope["launcher"]
 
 
@@ -225,7 +270,7 @@ class KernelsArtifact:
         self.imported: list[str] = []
         self.device = int(device)
         try:
-            scope = self._load(z, spec, on_device(source, self.device), device, launch)
+            scope = self._load(z, spec, source, self.device, launch)
         except ParastreamError:
             raise
         except Exception as e:  # noqa: BLE001 - a damaged kernels.json, cubin or wrapper: one line, not a traceback
@@ -254,7 +299,8 @@ class KernelsArtifact:
             return {"skipped": cudnn_plans.CACHE.refuse(f"{PLANS} not read ({type(e).__name__}: {str(e)[:200]})")}
 
     def _load(self, z: zipfile.ZipFile, spec: dict, source: str, device: int, launch) -> dict:
-        """The kernels loaded and the wrapper executed: the wrapper's globals."""
+        """The kernels loaded and the wrapper (``source`` as the build wrote it) executed on ``device``: the
+        wrapper's globals."""
         kernels = {}
         # the static launcher loads a cubin from a file: each one is written, loaded and removed
         with tempfile.TemporaryDirectory(prefix="parastream-cubins-") as d:
@@ -266,7 +312,10 @@ class KernelsArtifact:
         self.kernels = kernels
         known = {ASYNC_COMPILE: _async_compile(kernels), EXTERN_KERNELS: _Externs(spec["extern_torch"], self.imported)}
         scope = {"__name__": "parastream_wrapper", "__builtins__": dict(vars(builtins), __import__=_importer(known, self.imported))}
-        exec(compile(source, "<parastream wrapper>", "exec"), scope)  # noqa: S102 - the bundle's own code, hashed
+        code = _shipped_code(z.read(WRAPPER_CODE) if WRAPPER_CODE in z.namelist() else None, device)
+        if code is None:
+            code = _compile_wrapper(on_device(source, device))
+        exec(code, scope)  # noqa: S102 - the bundle's own code, hashed
         return scope
 
     def __call__(self, *args):
@@ -468,9 +517,9 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) ->
     extern_torch = sorted(n for n in names if getattr(extern_kernels, n, None) is getattr(torch, n, object()))
     spec = {"format": FORMAT, "kernels": kernels, "extern_torch": extern_torch, "aligned": aligned,
             "extern_inductor": sorted(names - set(extern_torch))}
-    members = [("kernels.json", json.dumps(spec, indent=1, sort_keys=True).encode()), ("wrapper.py", source.encode()),
-               *sorted(cubins.items())]
     device = torch.cuda.current_device()
+    members = [("kernels.json", json.dumps(spec, indent=1, sort_keys=True).encode()), ("wrapper.py", source.encode()),
+               (WRAPPER_CODE, wrapper_code(source, device)), *sorted(cubins.items())]
     # the plans its run used that cuDNN serializes (its runtime-compiled kernels'), shipped with it: a load
     # deserializes them rather than building them
     shipped = cudnn_plans.CACHE.serializable({k for d, k in planned if d == device}, device)

@@ -88,6 +88,16 @@ def package(source: str = WRAPPER, kernels: dict | None = None, extern_torch=("m
     return buf.getvalue()
 
 
+def with_member(data: bytes, member: str, blob: bytes) -> bytes:
+    """The zip ``data`` with one member more."""
+    src, buf = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
+    with zipfile.ZipFile(buf, "w") as z:
+        for name in src.namelist():
+            z.writestr(name, src.read(name))
+        z.writestr(member, blob)
+    return buf.getvalue()
+
+
 def without(data: bytes, member: str) -> bytes:
     """The zip ``data`` less one member."""
     src, buf = zipfile.ZipFile(io.BytesIO(data)), io.BytesIO()
@@ -218,3 +228,33 @@ def test_the_wrapper_module_is_found_inside_inductor_s_compiled_artifact(tmp_pat
     scope = ik._wrapper_module(art)
     assert callable(scope["call"]) and "def call" in open(scope["__file__"]).read()
     assert torch.allclose(scope["call"](list(args))[0], f(*args))
+
+
+#: the wrapper with one line more in ``call``, so that which of the two ran is seen in its output
+MARKED = WRAPPER.replace("    return ()", "    out_mark.append('shipped')\n    return ()").replace(
+    "aten = torch.ops.aten", "aten = torch.ops.aten\nout_mark = []")
+
+
+@pytest.mark.parametrize("blob, device, runs", [
+    (lambda: ik.wrapper_code(MARKED, 0), 0, "shipped"),  # this Python, this GPU: the shipped code, not wrapper.py
+    (lambda: ik.wrapper_code(MARKED, 0), 1, "source"),  # built on GPU 0, loaded on GPU 1: wrapper.py on GPU 1
+    (lambda: b"\0\0\0\0" + ik.wrapper_code(MARKED, 0)[4:], 0, "source"),  # another Python's bytecode
+    (lambda: ik.wrapper_code(MARKED, 0)[:-7], 0, "source"),  # cut short
+    (lambda: ik.wrapper_code(MARKED, 0)[:8] + b"\xff garbage", 0, "source"),
+])
+def test_the_wrapper_s_shipped_bytecode_runs_only_where_it_was_compiled_for(blob, device, runs):
+    art = ik.KernelsArtifact(with_member(package(), ik.WRAPPER_CODE, blob()), device=device, launch=add_one_launch([]))
+    a, b, out = torch.randn(4, 4), torch.randn(4, 4), torch.zeros(4, 4)
+    art(a, b, out)
+    assert torch.allclose(out, a @ b + 1)
+    marks = art._call.__globals__.get("out_mark")
+    assert (marks == ["shipped"]) if runs == "shipped" else marks is None
+
+
+def test_the_shipped_bytecode_is_the_wrapper_compiled_for_its_gpu_and_the_same_bytes_each_time():
+    source = WRAPPER.replace("def call(args):", "def call(args):\n    torch.cuda.set_device(0)")
+    code = ik.wrapper_code(source, 3)
+    assert code == ik.wrapper_code(source, 3)  # one structure's branches ship one artifact
+    shipped = ik._shipped_code(code, 3)
+    assert shipped is not None and 3 in [c for f in shipped.co_consts if hasattr(f, "co_consts") for c in f.co_consts]
+    assert ik._shipped_code(code, 0) is None
