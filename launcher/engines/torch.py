@@ -622,8 +622,11 @@ def _cudnn_plans(device: str | None, options: BuildOptions) -> bool:
     # CUDA engines run their depthwise convolutions through cuDNN plans the engine ships (``cudnn_plans.py``)
     # where ``conv_kernels`` leaves them to cuDNN and the build asked for it (``BuildOptions.cudnn_plans``); the
     # engine's code does not depend on the frontend being installed (without it the op is torch's convolution),
-    # so neither does this
-    return device == "cuda" and options.cudnn_plans and options.conv_kernels not in LOWERED_CONV_KERNELS
+    # so neither does this.  Only the Python artifacts call the op: an AOTInductor package ships no plans, so the
+    # op would build them at every process's first call anyway, through a Python callback from the package's C++
+    # (AOTInductor's proxy executor); torch's convolution AOTInductor calls natively.
+    return (device == "cuda" and options.cudnn_plans and options.conv_kernels not in LOWERED_CONV_KERNELS
+            and options.torch_artifact != "aoti")
 
 
 def _fuse_gemm_epilogue(device: str, options: BuildOptions) -> bool:

@@ -293,6 +293,36 @@ def test_build_compiles_each_branch_for_the_layout_the_gpu_launcher_gives_it(tmp
     assert set(seen.values()) == {None}
 
 
+def depthwise_branch() -> onnx.ModelProto:
+    """A NASNet separable convolution: depthwise 3x3 (group 8) -> Relu -> pointwise 1x1, on [1, 8, 16, 16]."""
+    rng = np.random.default_rng(3)
+    inits = [numpy_helper.from_array(rng.standard_normal((8, 1, 3, 3)).astype(np.float32), "dw"),
+             numpy_helper.from_array(rng.standard_normal(8).astype(np.float32), "db"),
+             numpy_helper.from_array((rng.standard_normal((8, 8, 1, 1)) / 3).astype(np.float32), "pw")]
+    nodes = [helper.make_node("Conv", ["x", "dw", "db"], ["d"], pads=[1, 1, 1, 1], group=8, name="depthwise"),
+             helper.make_node("Relu", ["d"], ["r"], name="relu"),
+             helper.make_node("Conv", ["r", "pw"], ["y"], name="pointwise")]
+    g = helper.make_graph(nodes, "separable", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 8, 16, 16])], inits)
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    m.ir_version = 8
+    return m
+
+
+def test_an_aoti_engine_runs_depthwise_convolutions_as_torch_s_convolution():
+    """Depthwise convolutions go through the cuDNN-plan operator (``cudnn_plans``) only in the Python artifacts:
+    an AOTInductor package would call it through AOTInductor's proxy executor, and ships no plans."""
+    from parastream.launcher.engines import onnx_torch
+
+    def planned(artifact):  # per convolution of the converted branch, whether it runs the cuDNN-plan operator
+        opts = tb.converter_options("cuda", "float16", BuildOptions(torch_artifact=artifact, device="cuda"))
+        module = onnx_torch.convert(depthwise_branch(), "float32", **dict(opts, fuse_conv_relu=False))
+        return [s.fn.planned for s in module._steps if isinstance(s.fn, onnx_torch._ConvFn)]
+
+    assert planned("aoti") == [False, False]
+    assert planned("inductor") == [True, False]  # the depthwise one; the pointwise is cuDNN's through torch
+
+
 # -- GPU: the whole bundle ---------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def gpu_bundle(tmp_path_factory):
@@ -429,3 +459,40 @@ def test_an_engine_whose_branch_names_an_external_file_is_refused(tmp_path):
     data = tb.pack({"format": tb.ENGINE_FORMAT, "compiled": None}, m.SerializeToString(), None)
     with pytest.raises(ParastreamError, match="external file"):
         tb.load(data, [IN], [OUT], device="cpu")
+
+
+@pytest.mark.gpu
+def test_gpu_aoti_engine_with_a_depthwise_convolution_matches_onnxruntime(tmp_path):
+    """One branch with a separable convolution, compiled as an AOTInductor package for the GPU in fp16, loaded
+    without compiling and enqueued on a stream of ours: onnxruntime's result (its depthwise convolution is torch's,
+    which AOTInductor lowers natively).  In a child process: torch 2.11's package loader has crashed the process
+    on the GPU (docs/torch-engines.md), which must fail this test, not end the test run."""
+    x = np.random.default_rng(5).uniform(-1, 1, (1, 8, 16, 16)).astype(np.float32)
+    np.save(tmp_path / "x.npy", x)
+    onnx.save(depthwise_branch(), tmp_path / "branch.onnx")
+    script = textwrap.dedent(f"""
+        import json, numpy as np, onnx, torch
+        from parastream.launcher import cuda
+        from parastream.launcher.engines import BuildOptions, torch as tb
+        from parastream.launcher.plan import TensorSpec
+        ins, outs = [TensorSpec("x", "float32", [1, 8, 16, 16])], [TensorSpec("y", "float32", [1, 8, 16, 16])]
+        opts = BuildOptions(precision="fp16", device="cuda", torch_artifact="aoti")
+        data = tb.Builder(opts).build(onnx.load({str(tmp_path / "branch.onnx")!r}), "separable",
+                                      {{"inputs": ins, "outputs": outs}})
+        engine = tb.load(data, ins, outs, device="cuda", options=opts)
+        x = torch.from_numpy(np.load({str(tmp_path / "x.npy")!r})).cuda()
+        y = torch.full((1, 8, 16, 16), float("nan"), device="cuda")  # poison: every element must be written
+        torch.cuda.synchronize()
+        stream = cuda.stream_create()
+        engine.enqueue(cuda.handle(stream), {{"x": x.data_ptr(), "y": y.data_ptr()}})
+        cuda.stream_synchronize(stream)
+        np.save({str(tmp_path / "y.npy")!r}, y.cpu().numpy())
+        print(json.dumps({{"compiled": tb.unpack(data)[0]["compiled"], "at_load": engine.compiled_at_load_because}}))
+    """)
+    p = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, (p.returncode, p.stderr[-2000:])
+    info = json.loads(p.stdout.strip().splitlines()[-1])
+    assert info == {"compiled": "aotinductor", "at_load": ""}
+    got, ref = np.load(tmp_path / "y.npy"), ort(depthwise_branch(), x)
+    assert not np.isnan(got).any()
+    assert np.abs(got - ref).max() / np.abs(ref).max() < 1e-2
