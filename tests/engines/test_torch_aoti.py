@@ -62,6 +62,13 @@ def ort(model: onnx.ModelProto, x: np.ndarray) -> np.ndarray:
 
 LAYOUT = {"inputs": [IN], "outputs": [OUT]}
 
+#: the GPU tests of ``aoti`` on torch 2.11, where AOTInductor packages on the GPU are known not to work
+#: (docs/torch-engines.md: a segmentation fault in the package loader, and small_net's fp16 build refused by its
+#: verification; last run on the H200, 2026-11-30): not run there (each would spend ~3 minutes of the GPU tier
+#: building small_net to fail), run and asserted on any other torch
+AOTI_ON_THE_GPU = pytest.mark.xfail(torch.__version__.startswith("2.11"), run=False, strict=True,
+                                    reason="AOTInductor packages on the GPU fail on torch 2.11 (docs/torch-engines.md)")
+
 
 @pytest.fixture(scope="module")
 def built(tmp_path_factory):
@@ -330,11 +337,13 @@ def gpu_bundle(tmp_path_factory):
 
 
 @pytest.mark.gpu
+@AOTI_ON_THE_GPU
 def test_gpu_bundle_ships_compiled_engines_verified_as_loaded(gpu_bundle):
     assert_ships_compiled_engines_verified_as_loaded(gpu_bundle[1], "aotinductor")
 
 
 @pytest.mark.gpu
+@AOTI_ON_THE_GPU
 def test_gpu_bundle_loads_in_a_fresh_process_without_compiling(gpu_bundle, tmp_path):
     folder, bundle = gpu_bundle
     x = np.random.default_rng(5).standard_normal(bundle.plan.inputs[0].shape).astype(np.float32)
@@ -360,6 +369,7 @@ def test_gpu_bundle_loads_in_a_fresh_process_without_compiling(gpu_bundle, tmp_p
 
 
 @pytest.mark.gpu
+@AOTI_ON_THE_GPU
 def test_gpu_ablation_layouts_compile_at_load_and_stay_right(gpu_bundle):
     from parastream.launcher.gpu import GpuLauncher
 
@@ -375,6 +385,7 @@ def test_gpu_ablation_layouts_compile_at_load_and_stay_right(gpu_bundle):
 
 
 @pytest.mark.gpu
+@AOTI_ON_THE_GPU
 def test_gpu_engine_for_another_architecture_is_refused_naming_the_file(gpu_bundle, tmp_path):
     assert_another_architecture_is_refused_naming_the_file(gpu_bundle[1], tmp_path)
 
@@ -462,6 +473,7 @@ def test_an_engine_whose_branch_names_an_external_file_is_refused(tmp_path):
 
 
 @pytest.mark.gpu
+@AOTI_ON_THE_GPU
 def test_gpu_aoti_engine_with_a_depthwise_convolution_matches_onnxruntime(tmp_path):
     """One branch with a separable convolution, compiled as an AOTInductor package for the GPU in fp16, loaded
     without compiling and enqueued on a stream of ours: onnxruntime's result (its depthwise convolution is torch's,
