@@ -64,8 +64,8 @@ LAYOUT = {"inputs": [IN], "outputs": [OUT]}
 
 #: the GPU tests of ``aoti`` on torch 2.11, where AOTInductor packages on the GPU are known not to work
 #: (docs/torch-engines.md: a segmentation fault in the package loader, and small_net's fp16 build refused by its
-#: verification; last run on the H200, 2026-11-30): not run there (each would spend ~3 minutes of the GPU tier
-#: building small_net to fail), run and asserted on any other torch
+#: verification; last run on the H200, 2026-11-30): not run there (their small_net build alone took ~3.5 minutes of
+#: the GPU tier, to fail), run and asserted on any other torch
 AOTI_ON_THE_GPU = pytest.mark.xfail(torch.__version__.startswith("2.11"), run=False, strict=True,
                                     reason="AOTInductor packages on the GPU fail on torch 2.11 (docs/torch-engines.md)")
 
