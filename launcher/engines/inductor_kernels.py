@@ -43,6 +43,7 @@ import os
 import re
 import tempfile
 import threading
+import types
 import zipfile
 
 from ..errors import ParastreamError
@@ -200,7 +201,7 @@ def _shipped_code(blob: bytes | None, device: int):
         code = marshal.loads(blob[len(magic) + 4:])
     except (EOFError, ValueError, TypeError):  # damaged: the bundle's hashes would have said so; compile instead
         return None
-    return code if isinstance(code, type(_compile_wrapper.__code__)) else None
+    return code if isinstance(code, types.CodeType) else None
 
 
 @functools.lru_cache(maxsize=4096)
