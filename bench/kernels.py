@@ -167,6 +167,26 @@ def _summary(res: dict) -> dict:
     return {k: {"us": round(v, 1), "kernels": round(count[k])} for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
 
 
+def write_wrappers(bundle, folder: Path) -> None:
+    """Each engine's Inductor output code (a kernels artifact's wrapper.py) as ``folder/BRANCH.py``: the extern
+    calls (cuDNN, cuBLAS), the strides of the tensors they get and the Triton kernels between them."""
+    import io
+    import zipfile
+
+    from parastream.launcher.engines.torch import EngineFile
+
+    folder.mkdir(parents=True, exist_ok=True)
+    for b in bundle.plan.branches:
+        package = EngineFile(bundle.engine_bytes(b)).compiled()
+        if package is None:
+            continue
+        try:
+            source = zipfile.ZipFile(io.BytesIO(package)).read("wrapper.py")
+        except (zipfile.BadZipFile, KeyError):  # not a kernels artifact
+            continue
+        (folder / f"{b.name}.py").write_bytes(source)
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--model", default="inception_v3")
@@ -180,6 +200,8 @@ def main(argv=None) -> int:
     ap.add_argument("--against-compile", action="store_true",
                     help="also profile torch.compile(reduce-overhead) of the PyTorch model and print both kernel lists")
     ap.add_argument("--search", action="store_true", help="build with the rewrite search and GPU-timed choices")
+    ap.add_argument("--wrappers", action="store_true",
+                    help="also write each compiled engine's Inductor output code (wrapper.py) under OUT/wrappers/VARIANT")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/kernels_out"))
     args = ap.parse_args(argv)
     from parastream.pipeline import build
@@ -205,6 +227,8 @@ def main(argv=None) -> int:
         bundle = build(onnx_path, work / f"{name}_{variant}", backend="torch", precision="fp16", search=args.search,
                        measure=args.search, force=True, streams=args.streams, optimization_level=args.opt_level)
         build_s = time.perf_counter() - t0
+        if args.wrappers:
+            write_wrappers(bundle, out / "wrappers" / variant)
         res, multi = profile(bundle)
         (out / f"kernels_{name}_{variant}.json").write_text(json.dumps(res, indent=1))
         report(res, args.top)

@@ -363,9 +363,9 @@ def fp32_pinned(branch: "onnx.ModelProto", patterns: list[str] | tuple[str, ...]
             if any(fnmatchcase(n.op_type, p) or fnmatchcase(n.name, p) for p in patterns)]
 
 
-def define_op(schema: str, impl: Callable, fake: Callable):
-    """``torch.ops.parastream.<name>`` defined from ``schema`` ("name(args) -> results") with ``impl`` and the fake
-    (shape) function Inductor traces; returns the library, which keeps the op defined while it lives (the caller
+def define_op(schema: str, impl: Callable, fake: Callable, tags: tuple = ()):
+    """``torch.ops.parastream.<name>`` defined from ``schema`` ("name(args) -> results") with ``impl``, the fake
+    (shape) function Inductor traces and ``tags`` (``torch.Tag``: a layout constraint); returns the library, which keeps the op defined while it lives (the caller
     holds it for the process).  ``torch.library.Library`` rather than ``torch.library.custom_op``: the latter wraps
     its implementation in dynamo's "disable" decorator, whose first call imports torch._dynamo (800 modules, about a
     second of a fresh load that otherwise imports none of it); these ops need neither autograd nor dynamo."""
@@ -373,7 +373,7 @@ def define_op(schema: str, impl: Callable, fake: Callable):
 
     name = schema.split("(", 1)[0]
     lib = torch.library.Library("parastream", "FRAGMENT")
-    lib.define(schema)
+    lib.define(schema, tags=tuple(tags))
     lib.impl(name, impl, "CompositeExplicitAutograd")
     torch.library.register_fake(f"parastream::{name}", fake, lib=lib)
     return lib

@@ -752,9 +752,11 @@ class _ConvFn:
         # x asked for channels-last, the layout the fused kernel reads with its channels-last weight, in the graph
         # Inductor compiles: where x is not (a graph's NCHW input, cast to the compute dtype), the producing kernel
         # writes it so, where the op would copy it in an aten kernel of its own (ResNet-50's stem: the cast 1.5 µs
-        # and that copy 2.7 µs, H200).  A no-op where x already is channels-last.
-        return lambda x, w, b=None: torch.cudnn_convolution_relu(x.contiguous(memory_format=torch.channels_last),
-                                                                 w, b, strides, padding, dilations, group)
+        # and that copy 2.7 µs, H200).  A no-op where x already is channels-last.  The op is parastream's
+        # (``cudnn_fused``), whose layout Inductor keeps: torch's own it lays out as it likes.
+        _register_fused_conv_ops()
+        return lambda x, w, b=None: torch.ops.parastream.conv2d_relu(
+            x.contiguous(memory_format=torch.channels_last), w, b, strides, padding, dilations, group)
 
     def add_relu_fused(self):
         """relu(conv(x, w) + z + b) as one cuDNN call (``torch.cudnn_convolution_add_relu``, alpha 1 on z); x and
@@ -762,9 +764,16 @@ class _ConvFn:
         torch = _torch()
         strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
         last = torch.channels_last
-        return lambda x, w, z, b=None: torch.cudnn_convolution_add_relu(
-            x.contiguous(memory_format=last), w, z.contiguous(memory_format=last), 1.0, b, strides, padding,
-            dilations, group)
+        _register_fused_conv_ops()
+        return lambda x, w, z, b=None: torch.ops.parastream.conv2d_add_relu(
+            x.contiguous(memory_format=last), w, z.contiguous(memory_format=last), b, strides, padding, dilations,
+            group)
+
+
+def _register_fused_conv_ops() -> None:
+    from .cudnn_fused import register_ops
+
+    register_ops()
 
 
 @converter("ConvTranspose")

@@ -1135,12 +1135,15 @@ def _pool(workers: int):
 def register_engine_ops(device: str) -> None:
     """The operators of parastream's own that compiled engines call, defined before any engine's code is loaded
     (an AOTInductor package looks each one's schema up as it loads; Inductor's and the kernels artifacts' code
-    calls them by name): on the GPU the depthwise convolutions' cuDNN plans (``cudnn_plans``), everywhere the
+    calls them by name): on the GPU the depthwise convolutions' cuDNN plans (``cudnn_plans``) and the fused
+    convolution epilogues (``cudnn_fused``), everywhere the
     LSTM, GRU and RNN layers (``recurrent_op``).  Each defines itself once per process."""
     if device == "cuda":
+        from .cudnn_fused import register_ops
         from .cudnn_plans import register_op
 
         register_op()
+        register_ops()
     from .recurrent_op import register_rnn_op
 
     register_rnn_op()

@@ -382,3 +382,100 @@ def test_fused_steps_ask_for_channels_last_inputs(monkeypatch):
             module(*xs)
     assert {f[0] for f in seen} == {"relu", "add_relu"}
     assert all(all(flags[1:]) for flags in seen), seen
+
+
+# -- the fused steps as parastream's operators, whose layout Inductor keeps (cudnn_fused) ----------------------------
+def test_fused_steps_are_parastream_operators_with_a_layout_constraint():
+    """Inductor lays out the inputs of torch's own cudnn_convolution_relu as it likes (no lowering, no constraint),
+    which made SqueezeNet's fire modules run NCHW through cuDNN's transposes; the converter's steps call
+    parastream's operators, which carry a stride constraint Inductor keeps."""
+    from parastream.launcher.engines.cudnn_fused import register_ops
+
+    register_ops()
+    constraints = {"needs_exact_strides", "needs_fixed_stride_order"}
+    for op in (torch.ops.parastream.conv2d_relu.default, torch.ops.parastream.conv2d_add_relu.default):
+        assert {str(t).split(".")[-1] for t in op.tags} & constraints, op
+    targets = {str(n.target) for m in (conv_relu_model(), residual_model())
+               for n in to_fx(convert(m, fuse_conv_relu=True)).graph.nodes if n.op == "call_function"}
+    assert {"parastream.conv2d_relu", "parastream.conv2d_add_relu"} <= {t.removesuffix(".default") for t in targets}
+    assert not {t for t in targets if "cudnn_convolution" in t}
+
+
+@pytest.mark.parametrize("shape,weight", [((1, 8, 10, 10), (6, 8, 3, 3)), ((1, 8, 1, 1), (6, 8, 1, 1)),
+                                          ((2, 16, 7, 5), (4, 16, 1, 1))])
+def test_fused_operators_fake_strides_are_the_real_ones(reference_add_relu, shape, weight):
+    """The shape function Inductor traces gives the strides the operator returns (a 1x1 output, whose layout the
+    kernel leaves ambiguous, included): checked by torch.library.opcheck on the CPU definitions."""
+    from parastream.launcher.engines.cudnn_fused import register_ops
+
+    register_ops()
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(shape, generator=g).contiguous(memory_format=torch.channels_last)
+    w = torch.randn(weight, generator=g).contiguous(memory_format=torch.channels_last)
+    b = torch.randn(weight[0], generator=g)
+    pad = [weight[2] // 2, weight[3] // 2]
+    y = torch.ops.parastream.conv2d_relu(x, w, b, [1, 1], pad, [1, 1], 1)
+    z = torch.randn(y.shape, generator=g).contiguous(memory_format=torch.channels_last)
+    for op, args in ((torch.ops.parastream.conv2d_relu.default, (x, w, b, [1, 1], pad, [1, 1], 1)),
+                     (torch.ops.parastream.conv2d_add_relu.default, (x, w, z, b, [1, 1], pad, [1, 1], 1)),
+                     (torch.ops.parastream.conv2d_relu.default, (x.contiguous(), w, None, [1, 1], pad, [1, 1], 1))):
+        torch.library.opcheck(op, args, test_utils=("test_schema", "test_faketensor"))
+        out = op(*args)
+        n, c, h, wd = out.shape
+        assert out.stride() == (h * wd * c, 1, wd * c, c)
+    ref = torch.relu(torch.nn.functional.conv2d(x, w, b, 1, pad) + z)
+    torch.testing.assert_close(torch.ops.parastream.conv2d_add_relu(x, w, z, b, [1, 1], pad, [1, 1], 1), ref)
+
+
+def fire_model(seed: int = 0, fires: int = 3) -> onnx.ModelProto:
+    """SqueezeNet's fire modules: a 1x1 squeeze conv + ReLU read by a 1x1 and a 3x3 expand conv + ReLU, their
+    outputs concatenated, ``fires`` times; a max pool after the first."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    nodes, inits, x, c = [], [], "x", 16
+    for i in range(fires):
+        s, e = 8 + 4 * i, 16 + 8 * i
+        inits += [_w(rng, f"ws{i}", (s, c, 1, 1)), _w(rng, f"bs{i}", (s,)), _w(rng, f"we{i}", (e, s, 1, 1)),
+                  _w(rng, f"be{i}", (e,)), _w(rng, f"wt{i}", (e, s, 3, 3)), _w(rng, f"bt{i}", (e,))]
+        nodes += [N("Conv", [x, f"ws{i}", f"bs{i}"], [f"s{i}"], name=f"squeeze_{i}"),
+                  N("Relu", [f"s{i}"], [f"sr{i}"], name=f"squeeze_relu_{i}"),
+                  N("Conv", [f"sr{i}", f"we{i}", f"be{i}"], [f"e{i}"], name=f"expand1_{i}"),
+                  N("Relu", [f"e{i}"], [f"er{i}"], name=f"expand1_relu_{i}"),
+                  N("Conv", [f"sr{i}", f"wt{i}", f"bt{i}"], [f"t{i}"], name=f"expand3_{i}", pads=[1, 1, 1, 1]),
+                  N("Relu", [f"t{i}"], [f"tr{i}"], name=f"expand3_relu_{i}"),
+                  N("Concat", [f"er{i}", f"tr{i}"], [f"c{i}"], name=f"cat_{i}", axis=1)]
+        x, c = f"c{i}", 2 * e
+        if i == 0:
+            nodes.append(N("MaxPool", [x], ["p0"], name="pool_0", kernel_shape=[3, 3], strides=[2, 2]))
+            x = "p0"
+    g = helper.make_graph(nodes, "fire", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 27, 27])],
+                          [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, c, 13, 13])], inits)
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+@pytest.mark.gpu
+def test_fire_modules_run_channels_last_without_cudnn_transposes():
+    """SqueezeNet's pattern compiled by Inductor: every fused convolution reads and writes channels-last, so cuDNN
+    runs no NCHW<->NHWC transpose (27 of them in SqueezeNet's engine when its Concats were written NCHW), and the
+    result matches ONNX Runtime."""
+    from torch.profiler import ProfilerActivity, profile
+
+    model = fire_model()
+    module = convert(model, "float16", fuse_conv_relu=True).cuda()
+    assert module.fused_conv_relu == 9
+    feeds = {"x": np.random.default_rng(1).standard_normal((1, 16, 27, 27)).astype(np.float32)}
+    ref = _ort(model, feeds)
+    x = torch.from_numpy(feeds["x"]).cuda().half()
+    compiled = torch.compile(to_fx(module), fullgraph=True, dynamic=False)
+    with torch.no_grad():
+        for _ in range(2):
+            out = compiled(x)
+        torch.cuda.synchronize()
+        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+            out = compiled(x)
+            torch.cuda.synchronize()
+    names = [e.name for e in prof.events() if e.device_type.name == "CUDA"]
+    assert names, "no kernel profiled"
+    transposes = [n for n in names if "nchwToNhwc" in n or "nhwcToNchw" in n]
+    assert not transposes, transposes
+    assert _rel(out[0].float().cpu().numpy(), next(iter(ref.values()))) <= 1e-2
