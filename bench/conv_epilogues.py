@@ -42,6 +42,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
+from depthwise_kernels import _graph_us  # noqa: E402 - the same timing: fn captured `reps` times, replays' median
+
 
 def conv_epilogue_shapes(model_proto) -> dict:
     """{(kind, x shape, w shape, strides, pads, dilations, group): count} of ``model_proto``'s fusable convolutions
@@ -97,34 +99,6 @@ def conv_epilogue_shapes(model_proto) -> dict:
     return found
 
 
-def _graph_us(fn, chain: int, replays: int) -> float:
-    """Microseconds per call of ``fn()`` captured ``chain`` times in one CUDA Graph (median of ``replays``)."""
-    import numpy as np
-    import torch
-
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(chain):
-            fn()
-    for _ in range(5):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / chain)
-    return float(np.median(times))
-
-
 _EPILOGUES: dict = {}
 
 
@@ -169,7 +143,7 @@ def measure_shape(key, chain: int, replays: int) -> dict:
     with torch.no_grad():
         a, c = fused().float(), unfused().float()
         err = float((a - c).abs().max() / max(c.abs().max(), 1e-6))
-        f_us = _graph_us(fused, chain, replays)
+        f_us = _graph_us(fused, chain, replays)  # (depthwise_kernels.py's: captured, replayed, medians)
         u_us = _graph_us(unfused, chain, replays)
     return {"kind": kind, "x": list(xs), "w": list(ws), "strides": list(strides), "pads": list(pads),
             "dilations": list(dil), "group": group, "fused_us": round(f_us, 3), "unfused_us": round(u_us, 3),
