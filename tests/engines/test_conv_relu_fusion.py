@@ -450,7 +450,9 @@ def fire_model(seed: int = 0, fires: int = 3) -> onnx.ModelProto:
             x = "p0"
     g = helper.make_graph(nodes, "fire", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 27, 27])],
                           [helper.make_tensor_value_info(x, TensorProto.FLOAT, [1, c, 13, 13])], inits)
-    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8  # (what an onnxruntime older than this onnx reads)
+    return model
 
 
 @pytest.mark.gpu
