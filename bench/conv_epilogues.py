@@ -11,7 +11,9 @@ measures.
 For each model (bench/gpu.py's ``make_model``: random weights, BatchNorm calibrated; exported as a build receives
 it, opset 17, BatchNorm folded into the convolutions), every 2-d Conv that is not depthwise and whose output only a
 Relu reads (``relu``), or only an Add whose other input has its shape and whose output only a Relu reads
-(``add_relu``), grouped by (kind, input shape, weight shape, strides, pads, dilations, group):
+(``add_relu``), grouped by (kind, input shape, weight shape, strides, pads, dilations, group): the shapes a GPU build
+times itself (``cudnn_fused.fused_conv_keys``; ``pipeline.measure.time_conv_shapes``, whose unfused form is eager
+ops rather than Inductor's kernel, so that it favours the fused call):
 
   count        convolutions of that shape in the model
   fused_us     the converter's fused step (``torch.cudnn_convolution_relu`` / ``cudnn_convolution_add_relu``),
@@ -45,60 +47,6 @@ sys.path.insert(0, str(HERE))
 from depthwise_kernels import _graph_us  # noqa: E402 - the same timing: fn captured `reps` times, replays' median
 
 
-def conv_epilogue_shapes(model_proto) -> dict:
-    """{(kind, x shape, w shape, strides, pads, dilations, group): count} of ``model_proto``'s fusable convolutions
-    (see the module's docstring), from ONNX's shape inference."""
-    import onnx
-    from onnx import numpy_helper, shape_inference
-
-    m = shape_inference.infer_shapes(model_proto)
-    g = m.graph
-    shapes = {}
-    for vi in list(g.input) + list(g.value_info) + list(g.output):
-        dims = [d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim]
-        shapes[vi.name] = tuple(dims)
-    inits = {t.name: numpy_helper.to_array(t) for t in g.initializer}
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-    outputs = {o.name for o in g.output}
-    found: dict = {}
-    for n in g.node:
-        if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in inits:
-            continue
-        x, w = shapes.get(n.input[0]), tuple(inits[n.input[1]].shape)
-        if x is None or None in x or len(x) != 4 or len(w) != 4:
-            continue
-        a = {at.name: onnx.helper.get_attribute_value(at) for at in n.attribute}
-        group = int(a.get("group", 1))
-        if group > 1 and group == x[1] == w[0]:
-            continue  # depthwise: planned kernels and their own round, not this fusion
-        pads = [int(p) for p in a.get("pads", [0, 0, 0, 0])]
-        if pads[:2] != pads[2:] or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
-            continue
-        y = n.output[0]
-        r = readers.get(y, [])
-        if y in outputs or len(r) != 1:
-            continue
-        kind = None
-        if r[0].op_type == "Relu":
-            kind = "relu"
-        elif r[0].op_type == "Add":
-            other = [i for i in r[0].input if i != y]
-            after = readers.get(r[0].output[0], [])
-            if (len(other) == 1 and shapes.get(other[0]) == shapes.get(y) and len(after) == 1
-                    and after[0].op_type == "Relu" and r[0].output[0] not in outputs):
-                kind = "add_relu"
-        if kind is None:
-            continue
-        key = (kind, tuple(int(v) for v in x), tuple(int(v) for v in w),
-               tuple(int(v) for v in a.get("strides", [1, 1])), tuple(pads[:2]),
-               tuple(int(v) for v in a.get("dilations", [1, 1])), group)
-        found[key] = found.get(key, 0) + 1
-    return found
-
-
 _EPILOGUES: dict = {}
 
 
@@ -117,10 +65,14 @@ def _epilogue(kind: str):
     return _EPILOGUES[kind]
 
 
-def measure_shape(key, chain: int, replays: int) -> dict:
+def measure_shape(key: str, batch: int, chain: int, replays: int) -> dict:
+    """``key`` (``cudnn_fused.conv_key``) at ``batch``: both forms timed, and their outputs compared."""
     import torch
 
-    kind, xs, ws, strides, pads, dil, group = key
+    from parastream.launcher.engines.cudnn_fused import parse_key
+
+    kind, xs, ws, strides, pads, dil, group = parse_key(key)
+    xs = [batch, *xs]
     cl = torch.channels_last
     x = torch.randn(xs, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
     w = (torch.randn(ws, device="cuda", dtype=torch.float16) / (ws[1] * ws[2] * ws[3]) ** 0.5).contiguous(memory_format=cl)
@@ -174,6 +126,8 @@ def main(argv=None) -> int:
     import torch
     from gpu import export, make_model
 
+    from parastream.launcher.engines.cudnn_fused import fused_conv_keys, parse_key
+
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start = time.perf_counter()
@@ -188,12 +142,13 @@ def main(argv=None) -> int:
         model, inputs = make_model(name, args.batch)
         path = out / f"{name}.onnx"
         export(model, inputs, path)
-        found = conv_epilogue_shapes(onnx.load(str(path)))
+        found = fused_conv_keys(onnx.load(str(path)))  # the shapes a build times (pipeline.measure.time_conv_shapes)
         rows = []
-        for key, count in sorted(found.items(), key=lambda kv: -kv[1]):
-            row = {"count": count, "kind": key[0], "x": list(key[1]), "w": list(key[2])}
+        for key, count in sorted(found.items(), key=lambda kv: (-kv[1], kv[0])):
+            kind, x, w = parse_key(key)[:3]
+            row = {"count": count, "key": key, "kind": kind, "x": [args.batch, *x], "w": w}
             if not args.shapes_only:
-                row.update(measure_shape(key, args.chain, args.replays))
+                row.update(measure_shape(key, args.batch, args.chain, args.replays))
             rows.append(row)
         res = {"rows": rows}
         if not args.shapes_only:

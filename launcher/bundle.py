@@ -313,7 +313,8 @@ class Bundle:
 
     #: the build options a launcher loads engines with, as manifest.json's options record them
     LOAD_OPTIONS = ("compile", "optimization_level", "fuse_conv_relu", "fuse_attention", "fuse_gemm_epilogue",
-                    "conv_kernels", "cudnn_plans", "torch_artifact", "inductor_format")
+                    "conv_kernels", "cudnn_plans", "torch_artifact", "inductor_format",
+                    "conv_relu_unfused")
 
     def engine_options(self, device: str, **overrides) -> "BuildOptions":
         """The options to load this bundle's engines on ``device`` with: the build's (``LOAD_OPTIONS`` of

@@ -477,7 +477,8 @@ def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
 def _launcher_options(options: BuildOptions) -> dict:
     """The builder options a launcher reads back from manifest.json (``Bundle.engine_options``)."""
     return {"compile": options.compile, "optimization_level": options.optimization_level,
-            "fuse_conv_relu": options.fuse_conv_relu, "fuse_attention": options.fuse_attention,
+            "fuse_conv_relu": options.fuse_conv_relu, "conv_relu_unfused": list(options.conv_relu_unfused),
+            "fuse_attention": options.fuse_attention,
             "conv_kernels": options.conv_kernels, "cudnn_plans": options.cudnn_plans,
             "fuse_gemm_epilogue": options.fuse_gemm_epilogue,
             "torch_artifact": options.torch_artifact,
@@ -827,6 +828,7 @@ def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, l
 
 def _build_loaded(b: "_Build", stage, *, measure_search: bool, final: bool) -> "Bundle | _Build":
     """``build_static``'s stages after the load."""
+    time_fused_conv_shapes(b)
     rewrite_search(b, measure=measure_search)
     schedule_streams(b)
     with contextlib.ExitStack() as scratch:  # the CPU alternatives' engines, until the bundle has copied the kept one's
@@ -871,6 +873,7 @@ class _Build:
     plan: object = None
     engines_report: dict | None = None
     measured: dict | None = None
+    conv_shapes: dict | None = None  # the fused convolutions' shapes timed alone (``time_conv_shapes``)
     timed_alternatives: dict | None = None  # the input's alternatives timed during the search (``GpuMeasurer``)
     one_engine_timed: dict | None = None  # the kept candidate ran faster as one engine in the search (its times)
     # the engines of the plan and its timed alternatives, compiled in one batch or (with background compiles) the
@@ -975,6 +978,33 @@ def open_timings(cfg: BuildConfig, backend, loaded: LoadedModel) -> tuple[Path |
         return None, None
     path = timings_path(cfg.cache_dir, timings_key(loaded.model, cfg, backend, _versions(backend)))
     return path, None if cfg.remeasure else read_timings(path)
+
+
+def time_fused_conv_shapes(b: _Build) -> None:
+    """A GPU build that times its choices times each convolution shape the conv+ReLU fusion takes, alone, and
+    leaves to Inductor's form those cuDNN's fused call runs slower (``BuildOptions.conv_relu_unfused``), before
+    anything is compiled: every engine of the search and of the rounds is compiled with that list, and the
+    conv+ReLU round races the mix against Inductor's form.  A rebuild takes the list from its record."""
+    if not (b.cfg.measure and b.backend.gpu and getattr(b.backend, "fuses_conv_relu", False)
+            and b.options.fuse_conv_relu):
+        return
+    if b.recorded is not None and isinstance(b.recorded.get("conv_shapes"), dict):
+        b.conv_shapes = dict(b.recorded["conv_shapes"], timed_here=False)
+        b.options.conv_relu_unfused = list(b.conv_shapes.get("unfused") or [])
+        return
+    if not gpu_present(b.backend):
+        return
+    from .measure import time_conv_shapes
+
+    with b.timed("conv_shapes"):
+        try:
+            b.conv_shapes = time_conv_shapes(b.model, b.options, lock=b.options.gpu_timing_lock)
+        except Exception as e:  # noqa: BLE001 - the timing only refines the fusion: the round still decides it
+            b.conv_shapes = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
+    if b.conv_shapes and b.conv_shapes.get("unfused"):
+        b.options.conv_relu_unfused = list(b.conv_shapes["unfused"])
+    if b.conv_shapes and "error" not in b.conv_shapes:
+        b.timed_here = True
 
 
 def rewrite_search(b: _Build, *, measure: bool) -> None:
@@ -1171,7 +1201,8 @@ def record_timings(b: _Build) -> None:
         record.update(search={"measured": b.search_report.get("measured_in_order") or [],
                               "one_engine": b.one_engine_timed, "decision": b.search_report.get("decision"),
                               "chosen_pieces": b.search_report.get("chosen_pieces")},
-                      plan=b.measured_plan, measured_choices=b.measured)
+                      plan=b.measured_plan, measured_choices=b.measured,
+                      **({"conv_shapes": b.conv_shapes} if b.conv_shapes and "error" not in b.conv_shapes else {}))
     try:
         write_timings(b.timings_file, record)
     except OSError as e:  # the record only spares later builds their timing: the verified bundle still ships
@@ -1298,6 +1329,7 @@ def write_report(b: _Build, tmp: Path) -> None:
         "cpu_choice": b.cpu_choice,
         "engines": b.engines_report,
         "measured_choices": b.measured,
+        "conv_shapes": b.conv_shapes,
         "recorded_timings": dict(b.taken, file=str(b.timings_file)) if b.timings_file else None,
         "precompiled": b.precompiled,
         "background_compiles": _background_summary(b),

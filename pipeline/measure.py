@@ -927,6 +927,49 @@ def gpu_present(backend) -> bool:
     return cuda_device_count() > 0
 
 
+#: a fused convolution shape is left to Inductor's form where cuDNN's fused call alone runs slower than torch's
+#: convolution and the eager epilogue after it by more than this (``time_conv_shapes``); at most this many shapes
+#: are timed, the most frequent first
+CONV_SHAPE_MARGIN = 0.05
+CONV_SHAPES_AT_MOST = 64
+
+
+def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: bool = True) -> dict | None:
+    """Each convolution shape the conv+ReLU fusion takes in ``model`` (``cudnn_fused.fused_conv_keys``) timed
+    alone on the GPU, fused against unfused (``cudnn_fused.time_shape``), and those whose fused call is slower by
+    more than ``CONV_SHAPE_MARGIN`` listed for ``BuildOptions.conv_relu_unfused``.  Why per shape: the conv+ReLU
+    round decides for every convolution of the plan at once, and one model's shapes can disagree (H200,
+    Res2Net-50: four of its 24 shapes 0.34-0.93x fused, the rest 1.1-1.4x, so that the round kept Inductor's form
+    for all of them; bench/conv_epilogues.py).  The round then races this mix against Inductor's form.  None where
+    the model has no such convolution or its precision is not one the fusion runs in.  {"shapes", "timed",
+    "unfused", "us": {key: [fused, unfused]}, "s"}."""
+    from parastream.launcher.engines.cudnn_fused import fused_conv_keys, time_shape
+
+    dtype_name = {"fp16": "float16", "fp32": "float32"}.get(options.precision)
+    if dtype_name is None:
+        return None
+    keys = fused_conv_keys(model)
+    if not keys:
+        return None
+    import torch
+
+    from .bench import gpu_timing_lock
+
+    batch = next((d.dim_value for vi in model.graph.input for d in vi.type.tensor_type.shape.dim[:1]
+                  if d.HasField("dim_value")), 1) or 1
+    t0 = time.perf_counter()
+    chosen = sorted(keys, key=lambda k: (-keys[k], k))[:CONV_SHAPES_AT_MOST]
+    us: dict[str, list[float]] = {}
+    device = torch.cuda.current_device()
+    with gpu_timing_lock(device, enabled=lock):
+        for key in chosen:
+            fused, unfused = time_shape(key, batch, getattr(torch, dtype_name))
+            us[key] = [round(fused, 3), round(unfused, 3)]
+    return {"shapes": len(keys), "timed": len(us),
+            "unfused": sorted(k for k, (f, u) in us.items() if f > u * (1 + CONV_SHAPE_MARGIN)),
+            "us": us, "s": round(time.perf_counter() - t0, 3)}
+
+
 #: how much slower than its usual median the reference may run in a candidate's blocks before the timing is taken
 #: again (``GpuMeasurer._against_reference``), and how many times it is; two loads of one plan differ by up to
 #: ~5%, one loaded plan's medians of 100 replays by ~1%

@@ -63,6 +63,9 @@ class BuildOptions:
     # torch backend on a GPU: a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU.
     # A GPU build times the bundle with and without it and records the faster in manifest.json.
     fuse_conv_relu: bool = True
+    # with it, the fused convolutions left to Inductor's convolution and epilogue (``cudnn_fused.conv_key``s): a
+    # GPU build times each shape alone and lists those cuDNN's fused kernel runs slower (``time_conv_shapes``)
+    conv_relu_unfused: list[str] = field(default_factory=list)
     # torch backend: an attention node (rewrite rule fuse_attention) runs as one scaled_dot_product_attention
     # kernel; off, as its matmul-softmax-matmul.  A GPU build times both and records the faster in manifest.json.
     fuse_attention: bool = True

@@ -80,3 +80,133 @@ def register_ops() -> None:
             "int groups) -> Tensor", conv2d_add_relu,
             lambda x, w, z, b, stride, padding, dilation, groups: _fake(x, w, stride, padding, dilation),
             tags=(tag,)))
+
+
+def conv_key(kind: str, x_shape, w_shape, strides, padding, dilations, group: int) -> str:
+    """What identifies a fusable convolution for ``BuildOptions.conv_relu_unfused``: the fusion's kind ("relu" or
+    "add_relu"), its input's shape but the batch, its weight's shape, strides, (symmetric) padding, dilations and
+    groups.  The converter and the build's timing (``fused_conv_keys``) write it alike."""
+    return "|".join([kind, ",".join(str(int(v)) for v in list(x_shape)[1:]), ",".join(str(int(v)) for v in w_shape),
+                     ",".join(str(int(v)) for v in strides), ",".join(str(int(v)) for v in padding),
+                     ",".join(str(int(v)) for v in dilations), str(int(group))])
+
+
+def fused_conv_keys(model) -> dict[str, int]:
+    """{``conv_key``: count} of the convolutions of ``model`` (ONNX, static shapes) that the converter's conv+ReLU
+    fusion takes: 2-d, not depthwise (those run through ``cudnn_plans``), symmetric padding, a constant weight, the
+    output read only by a Relu (``relu``) or only by an Add of a tensor of its shape whose sum only a Relu reads
+    (``add_relu``), none of them a graph output."""
+    import onnx
+    from onnx import shape_inference
+
+    inferred = shape_inference.infer_shapes(model)
+    g = inferred.graph
+    shapes = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        dims = vi.type.tensor_type.shape.dim
+        shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
+    weights = {t.name: tuple(t.dims) for t in g.initializer}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    outputs = {o.name for o in g.output}
+    found: dict[str, int] = {}
+    for n in g.node:
+        if n.op_type != "Conv" or n.domain not in ("", "ai.onnx") or len(n.input) < 2 or n.input[1] not in weights:
+            continue
+        x, w = shapes.get(n.input[0]), weights[n.input[1]]
+        if x is None or len(x) != 4 or None in x or len(w) != 4:
+            continue
+        a = {at.name: onnx.helper.get_attribute_value(at) for at in n.attribute}
+        group = int(a.get("group", 1))
+        if group > 1 and group == x[1] == w[0]:
+            continue
+        pads = [int(p) for p in a.get("pads", [0, 0, 0, 0])]
+        if pads[:2] != pads[2:] or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            continue
+        y = n.output[0]
+        r = readers.get(y, [])
+        if y in outputs or len(r) != 1:
+            continue
+        kind = None
+        if r[0].op_type == "Relu":
+            kind = "relu"
+        elif r[0].op_type == "Add" and len(r[0].input) == 2 and r[0].output[0] not in outputs:
+            other = [i for i in r[0].input if i != y]
+            after = readers.get(r[0].output[0], [])
+            if (len(other) == 1 and shapes.get(other[0]) == shapes.get(y) and len(after) == 1
+                    and after[0].op_type == "Relu"):
+                kind = "add_relu"
+        if kind is not None:
+            key = conv_key(kind, x, w, a.get("strides", [1, 1]), pads[:2], a.get("dilations", [1, 1]), group)
+            found[key] = found.get(key, 0) + 1
+    return found
+
+
+def parse_key(key: str) -> tuple:
+    """``conv_key``'s fields back: (kind, input shape without the batch, weight shape, strides, padding,
+    dilations, groups)."""
+    kind, x, w, s, p, d, g = key.split("|")
+
+    def ints(t):
+        return [int(v) for v in t.split(",")]
+
+    return kind, ints(x), ints(w), ints(s), ints(p), ints(d), int(g)
+
+
+def time_shape(key: str, batch: int, dtype, chain: int = 10, replays: int = 20) -> tuple[float, float]:
+    """Microseconds per call of the fused operator for ``key`` (``conv_key``) at ``batch`` in ``dtype``, and of
+    torch's convolution without its bias followed by the epilogue as eager ops (bias, residual, ReLU: two or three
+    kernels where Inductor's form runs one, so that this favours the fused call), each captured ``chain`` times
+    in one CUDA Graph on the current GPU (medians of ``replays``; random channels-last inputs)."""
+    import numpy as np
+    import torch
+
+    kind, x_shape, w_shape, strides, padding, dilations, group = parse_key(key)
+    register_ops()
+    cl = torch.channels_last
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn([batch, *x_shape], device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=cl)
+    fan_in = max(1, w_shape[1] * w_shape[2] * w_shape[3])
+    w = (torch.randn(w_shape, device="cuda", dtype=dtype, generator=gen) / fan_in ** 0.5).contiguous(memory_format=cl)
+    b = torch.randn(w_shape[0], device="cuda", dtype=dtype, generator=gen)
+    bias = b.view(1, -1, 1, 1)
+    with torch.no_grad():
+        z = torch.convolution(x, w, None, strides, padding, dilations, False, [0, 0], group)
+        z = torch.randn_like(z).contiguous(memory_format=cl)
+        if kind == "relu":
+            def fused():
+                torch.ops.parastream.conv2d_relu(x, w, b, strides, padding, dilations, group)
+
+            def unfused():
+                torch.convolution(x, w, None, strides, padding, dilations, False, [0, 0], group).add_(bias).relu_()
+        else:
+            def fused():
+                torch.ops.parastream.conv2d_add_relu(x, w, z, b, strides, padding, dilations, group)
+
+            def unfused():
+                torch.convolution(x, w, None, strides, padding, dilations, False, [0, 0], group).add_(z).add_(bias).relu_()
+        out = []
+        for fn in (fused, unfused):
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                fn()  # (cuDNN's plan built outside the capture)
+            torch.cuda.current_stream().wait_stream(side)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                for _ in range(chain):
+                    fn()
+            g.replay()
+            times = []
+            for _ in range(replays):
+                s, e = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+                s.record()
+                g.replay()
+                e.record()
+                e.synchronize()
+                times.append(s.elapsed_time(e) * 1e3 / chain)
+            out.append(float(np.median(times)))
+            del g
+    return out[0], out[1]

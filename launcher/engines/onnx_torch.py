@@ -1910,8 +1910,23 @@ def _module_class():
     return OnnxModule
 
 
-def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str]) -> tuple[list, int]:
-    """Conv (2-d, symmetric pads) whose output only a Relu reads -> one cuDNN conv + bias + ReLU step.
+def _unfused_here(kind: str, conv: Step, shapes: dict | None, consts: dict, unfused: frozenset) -> bool:
+    """Whether ``conv``'s fusion of ``kind`` is one ``unfused`` lists (``cudnn_fused.conv_key``)."""
+    if not unfused or shapes is None:
+        return False
+    from .cudnn_fused import conv_key
+
+    x, fn = shapes.get(conv.args[0][1]) if conv.args[0] is not None else None, conv.fn
+    if x is None or len(x) != 4:
+        return False
+    return conv_key(kind, x, tuple(consts[conv.args[1][1]].shape), fn.strides, fn.padding, fn.dilations,
+                    fn.group) in unfused
+
+
+def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict | None = None,
+                    unfused: frozenset = frozenset()) -> tuple[list, int]:
+    """Conv (2-d, symmetric pads) whose output only a Relu reads -> one cuDNN conv + bias + ReLU step, but where
+    its shape is one ``unfused`` lists (``_unfused_here``; ``shapes``: the values' shapes).
 
     ``keep``: names that must stay visible (graph outputs).  The weights of fused steps are stored
     channels-last, the layout cuDNN's fused kernels read without a transform.  Returns the new steps
@@ -1929,7 +1944,8 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
         if isinstance(fn, _ConvFn) and fn.nd == 2 and len(st.outputs) == 1 and st.outputs[0] not in keep:
             r = readers.get(st.outputs[0], [])
             w = st.args[1] if len(st.args) > 1 else None
-            if len(r) == 1 and op_of.get(r[0]) == "Relu" and w is not None and w[0] == "c":
+            if (len(r) == 1 and op_of.get(r[0]) == "Relu" and w is not None and w[0] == "c"
+                    and not _unfused_here("relu", st, shapes, consts, unfused)):
                 relu = steps[r[0]]
                 consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
                 out.append(Step(fn.relu_fused(), st.args, relu.outputs, f"{st.node}+{relu.node}"))
@@ -1941,7 +1957,7 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
 
 
 def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str],
-                        shapes: dict[str, tuple]) -> tuple[list, int, dict[int, str]]:
+                        shapes: dict[str, tuple], unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
     """Conv (2-d, symmetric pads, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual:
     no broadcasting) + Relu, each output read only by the next and none a graph output (``keep``) -> one cuDNN
     conv + bias + residual + ReLU step, relu(conv(x, w) + z + b), in the Relu's place (where x and z are both
@@ -1972,7 +1988,7 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
             if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and conv.fn.pre_pad is None
                     and len(conv.outputs) == 1 and same_shape
                     and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
-                    and w is not None and w[0] == "c"):
+                    and w is not None and w[0] == "c" and not _unfused_here("add_relu", conv, shapes, consts, unfused)):
                 continue
             relu = steps[after[0]]
             consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
@@ -2096,14 +2112,16 @@ def _recurrent_weights(steps: list, consts: dict, keep: set[str]) -> int:
 
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
-            cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False):
+            cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False,
+            conv_relu_unfused=()):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
     ``forward``'s first consumers (callers do that; see ``TorchEngine``).  Raises
     ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
     only: cuDNN's fused kernels) turns each 2-d Conv whose only reader is a Relu into one step, and each
-    2-d Conv + residual Add + Relu into one ``torch.cudnn_convolution_add_relu`` step.
+    2-d Conv + residual Add + Relu into one ``torch.cudnn_convolution_add_relu`` step, but those whose
+    ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused).
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
     matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
     the tanh approximation there) runs each matmul-bias-activation node as one ``torch._addmm_activation``; off,
@@ -2226,8 +2244,10 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     recurrent = _recurrent_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
         keep = {ref for kind, ref in output_refs if kind == "v"}
-        steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, {k: v.shape for k, v in values.items()})
-        steps, fused = _fuse_conv_relu(steps, keep, consts, op_of)
+        shapes = {k: v.shape for k, v in values.items()}
+        unfused = frozenset(conv_relu_unfused)
+        steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, shapes, unfused)
+        steps, fused = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
     module.fused_conv_add_relu = residual

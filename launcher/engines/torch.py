@@ -467,6 +467,8 @@ def code_choices(branch: onnx.ModelProto, signature: list, dtype: str, options: 
     return json.dumps({"format": ENGINE_FORMAT, "converter": CONVERTER_VERSION, "artifact": artifact,
                        "signature": signature, "dtype": dtype,
                        **({"fuse_conv_relu": fuse} if applies["fuse_conv_relu"] else {}),
+                       **({"conv_relu_unfused": unfused} if applies["fuse_conv_relu"] and fuse
+                          and (unfused := conv_relu_unfused_in(branch, options)) else {}),
                        **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
                        **({"conv_kernels": options.conv_kernels}  # only where it changes the code
                           if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
@@ -495,6 +497,16 @@ def compile_group(branch: onnx.ModelProto, signature: list, choices: str) -> str
     unnamed = {k: v for k, v in json.loads(choices).items() if k != "signature"}
     return structure_key(branch, signature) + ":" + hashlib.sha256(
         json.dumps(unnamed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def conv_relu_unfused_in(branch: onnx.ModelProto, options: BuildOptions) -> list[str]:
+    """The shapes of ``options.conv_relu_unfused`` that ``branch`` has (``cudnn_fused.fused_conv_keys``): what of
+    that list changes the branch's code, so that a branch without them keeps its cache key."""
+    if not options.conv_relu_unfused:
+        return []
+    from .cudnn_fused import fused_conv_keys
+
+    return sorted(set(options.conv_relu_unfused) & set(fused_conv_keys(branch)))
 
 
 def choices_that_apply(branch: onnx.ModelProto) -> dict[str, bool]:
@@ -642,6 +654,7 @@ def converter_options(device: str, dtype: str, options: BuildOptions) -> dict:
     return {"fuse_conv_relu": _fuse(device, dtype, options), "fuse_attention": options.fuse_attention,
             "conv_kernels": options.conv_kernels, "fuse_gemm_epilogue": _fuse_gemm_epilogue(device, options),
             "cudnn_plans": _cudnn_plans(device, options), "patch_gemm": device == "cuda",
+            "conv_relu_unfused": tuple(options.conv_relu_unfused),
             # GEMM, bias and activation as Inductor's kernels: a Linear of one row as one Inductor reduction
             "one_row_reduction": device == "cuda" and not options.fuse_gemm_epilogue}
 
@@ -663,6 +676,9 @@ def _compile_at_load_reason(package, meta: dict, *, elsewhere: bool, signature, 
     # fields an older engine file lacks were then the only choice (attention and GEMM epilogues fused), and a
     # branch without a depthwise convolution records no conv_kernels: either choice loads it
     absent = {"fuse_attention": True, "fuse_gemm_epilogue": True, "conv_kernels": asked["conv_kernels"]}
+    left = set(meta.get("conv_relu_unfused") or ()) - set(options.conv_relu_unfused or ())
+    if fuse_conv_relu and left:  # (the branch's own part of the list: the load's holds every branch's)
+        return f"compiled with {sorted(left)[0]!r} unfused, which the load's conv_relu_unfused does not list"
     for name, want in asked.items():
         got = meta.get(name, absent.get(name))
         if got is None and name in meta and name in FUSION_CHOICES:  # recorded null: the same engine either way
@@ -1437,6 +1453,8 @@ class Builder(BuilderBase):
             applies = choices_that_apply(branch)
             meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
                     "fuse_conv_relu": fuse if applies["fuse_conv_relu"] else None,
+                    **({"conv_relu_unfused": unfused} if applies["fuse_conv_relu"] and fuse
+                       and (unfused := conv_relu_unfused_in(branch, self.options)) else {}),
                     "fuse_attention": bool(self.options.fuse_attention) if applies["fuse_attention"] else None,
                     **({"conv_kernels": conv_kernels_used(self.options.conv_kernels)} if has_depthwise_conv(branch) else {}),
                     "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue) if applies["fuse_gemm_epilogue"] else None,

@@ -1,0 +1,189 @@
+"""The conv+ReLU fusion chosen per convolution shape: a GPU build times each shape the fusion takes alone
+(``pipeline.measure.time_conv_shapes``), and the shapes cuDNN's fused call runs slower are left to Inductor's form
+(``BuildOptions.conv_relu_unfused``), in the converter, the engines' cache keys and what a load asks of them.
+
+On the CPU the fused kernels are replaced by their definitions (test_conv_relu_fusion.py's fixtures) and the
+timing by a table; on the GPU (marked) the timing itself runs."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines.base import BuildOptions  # noqa: E402
+from parastream.launcher.engines.cudnn_fused import conv_key, fused_conv_keys, parse_key  # noqa: E402
+from parastream.launcher.engines.onnx_torch import convert  # noqa: E402
+
+from test_conv_relu_fusion import (_feeds, _ort, _rel, _residual_feeds, conv_relu_model, reference_add_relu,  # noqa: E402,F401
+                                   reference_kernel, residual_model)
+
+
+def test_fused_conv_keys_are_the_convolutions_the_converter_fuses():
+    keys = fused_conv_keys(conv_relu_model())
+    # conv_a (groups 2, stride 2) and conv_b (dilation 2); not conv_c (read twice), conv_d (asymmetric pads),
+    # conv_e (a graph output), conv_f (Tanh) or the 1-d one
+    assert keys == {conv_key("relu", [1, 4, 12, 12], [8, 2, 3, 3], [2, 2], [1, 1], [1, 1], 2): 1,
+                    conv_key("relu", [1, 8, 6, 6], [8, 8, 3, 3], [1, 1], [2, 2], [2, 2], 1): 1}
+    residual = fused_conv_keys(residual_model())
+    assert {k.split("|")[0] for k in residual} == {"add_relu"}
+    # conv_a, conv_b, and both convs of the projection shortcut (either may be the one fused)
+    assert sum(residual.values()) == 4
+    kind, x, w, s, p, d, g = parse_key(next(iter(keys)))
+    assert kind == "relu" and x == [4, 12, 12] and w == [8, 2, 3, 3] and (s, p, d, g) == ([2, 2], [1, 1], [1, 1], 2)
+
+
+def test_fused_conv_keys_leave_depthwise_convolutions_to_their_plans():
+    from onnx import TensorProto, helper, numpy_helper
+
+    w = numpy_helper.from_array(np.ones((4, 1, 3, 3), np.float32), "w")
+    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], group=4, pads=[1, 1, 1, 1]),
+                           helper.make_node("Relu", ["y"], ["r"])], "dw",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 8, 8])], [w])
+    assert fused_conv_keys(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])) == {}
+
+
+@pytest.mark.parametrize("model_of,feeds_of", [(conv_relu_model, _feeds), (residual_model, _residual_feeds)])
+def test_a_shape_listed_unfused_stays_two_steps_and_the_function_is_the_same(reference_add_relu, model_of, feeds_of):
+    model = model_of()
+    keys = sorted(fused_conv_keys(model))
+    every = convert(model, fuse_conv_relu=True)
+    total = every.fused_conv_relu + every.fused_conv_add_relu
+    one = convert(model, fuse_conv_relu=True, conv_relu_unfused=[keys[0]])
+    left = one.fused_conv_relu + one.fused_conv_add_relu
+    # conv_relu_model's shapes are one convolution each; residual_model's first key is three convolutions
+    # (conv_a and the projection shortcut's two, of which one fuses), its other conv_b
+    assert left == (total - 1 if model_of is conv_relu_model else total - 2)
+    none = convert(model, fuse_conv_relu=True, conv_relu_unfused=keys)
+    assert none.fused_conv_relu + none.fused_conv_add_relu == 0
+    feeds = feeds_of(4)
+    ref = _ort(model, feeds)
+    for module in (one, none):
+        with torch.no_grad():
+            outs = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+        for (name, _, _), out in zip(module.output_specs, outs):
+            assert _rel(out.numpy(), ref[name]) <= 1e-5, name
+
+
+def test_the_list_changes_the_cache_key_of_a_branch_that_has_the_shape_only():
+    from parastream.launcher.engines.torch import code_choices
+
+    model, other = conv_relu_model(), residual_model()
+    listed = sorted(fused_conv_keys(model))[:1]
+    plain, with_list = BuildOptions(), BuildOptions(conv_relu_unfused=listed)
+    built = {"device": "cuda"}
+    for branch, changes in ((model, True), (other, False)):
+        a = code_choices(branch, [], "float16", plain, True, built, "inductor")
+        b = code_choices(branch, [], "float16", with_list, True, built, "inductor")
+        assert (a != b) == changes
+        if changes:
+            assert json.loads(b)["conv_relu_unfused"] == listed
+    # with the fusion off the list changes nothing
+    assert (code_choices(model, [], "float16", plain, False, built, "inductor")
+            == code_choices(model, [], "float16", with_list, False, built, "inductor"))
+
+
+def test_a_load_refuses_an_artifact_compiled_with_a_shape_unfused_that_it_does_not_list():
+    from parastream.launcher.engines.torch import _compile_at_load_reason
+
+    key = sorted(fused_conv_keys(conv_relu_model()))[0]
+    meta = {"signature": [], "dtype": "float16", "fuse_conv_relu": True, "conv_relu_unfused": [key]}
+    kw = dict(elsewhere=False, signature=[], dtype="float16", fuse_conv_relu=True)
+    assert _compile_at_load_reason(b"x", meta, options=BuildOptions(conv_relu_unfused=[key]), **kw) == ""
+    assert "unfused" in _compile_at_load_reason(b"x", meta, options=BuildOptions(), **kw)
+    # an artifact compiled before the list existed loads with an empty one
+    old = {k: v for k, v in meta.items() if k != "conv_relu_unfused"}
+    assert _compile_at_load_reason(b"x", old, options=BuildOptions(), **kw) == ""
+
+
+def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
+    from parastream.launcher.engines import cudnn_fused
+    from parastream.pipeline import measure
+
+    model = conv_relu_model()
+    keys = sorted(fused_conv_keys(model))
+    table = {keys[0]: (10.0, 8.0), keys[1]: (10.0, 9.7)}  # slower by 25%; slower within the 5% margin
+    asked = []
+
+    def timed(key, batch, dtype, chain=10, replays=20):
+        asked.append((key, batch, dtype))
+        return table.get(key, (1.0, 2.0))
+
+    monkeypatch.setattr(cudnn_fused, "time_shape", timed)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    res = measure.time_conv_shapes(model, BuildOptions(precision="fp16"), lock=False)
+    assert res["unfused"] == [keys[0]]
+    assert res["shapes"] == len(keys) == res["timed"]
+    assert res["us"][keys[0]] == [10.0, 8.0]
+    assert {a[1] for a in asked} == {1} and {a[2] for a in asked} == {torch.float16}
+    assert measure.time_conv_shapes(model, BuildOptions(precision="bf16"), lock=False) is None  # not fused in bf16
+    faster = measure.time_conv_shapes(residual_model(), BuildOptions(precision="fp32"), lock=False)  # (1 < 2 µs)
+    assert faster["unfused"] == [] and faster["timed"] == 2
+
+
+def test_a_build_times_the_shapes_first_and_compiles_with_the_list(monkeypatch):
+    """The build step sets the option before the search (so every engine is compiled with it), records what it
+    timed in report.json, and a rebuild from the record takes the list without timing."""
+    from types import SimpleNamespace
+
+    import importlib
+
+    from parastream.pipeline import measure
+
+    build_mod = importlib.import_module("parastream.pipeline.build")  # (the package's ``build`` is the function)
+    key = sorted(fused_conv_keys(conv_relu_model()))[0]
+    calls = []
+
+    def timed(model, options, lock=True):
+        calls.append(options.precision)
+        return {"shapes": 2, "timed": 2, "unfused": [key], "us": {key: [3.0, 2.0]}, "s": 0.1}
+
+    monkeypatch.setattr(measure, "time_conv_shapes", timed)
+    monkeypatch.setattr(build_mod, "gpu_present", lambda backend: True)
+
+    def fake_build(recorded=None, measure_on=True, fuse=True):
+        b = SimpleNamespace(cfg=SimpleNamespace(measure=measure_on), backend=SimpleNamespace(gpu=True, fuses_conv_relu=True),
+                            options=BuildOptions(precision="fp16", fuse_conv_relu=fuse), recorded=recorded,
+                            conv_shapes=None, timed_here=False, model=conv_relu_model(), timings={})
+        b.timed = lambda stage: _timed(b, stage)
+        return b
+
+    b = fake_build()
+    build_mod.time_fused_conv_shapes(b)
+    assert b.options.conv_relu_unfused == [key] and b.conv_shapes["unfused"] == [key] and b.timed_here
+    assert "conv_shapes" in b.timings and calls == ["fp16"]
+    again = fake_build(recorded={"conv_shapes": b.conv_shapes})
+    build_mod.time_fused_conv_shapes(again)
+    assert again.options.conv_relu_unfused == [key] and calls == ["fp16"]  # taken, not timed
+    for off in (fake_build(measure_on=False), fake_build(fuse=False)):
+        build_mod.time_fused_conv_shapes(off)
+        assert off.options.conv_relu_unfused == [] and off.conv_shapes is None
+
+
+class _timed:
+    def __init__(self, b, stage):
+        self.b, self.stage = b, stage
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.b.timings[self.stage] = 0.0
+        return False
+
+
+@pytest.mark.gpu
+def test_the_shapes_are_timed_on_the_gpu():
+    """Both forms of each shape run and are timed (positive microseconds), in fp16, for a plain and a residual
+    fusion."""
+    from parastream.pipeline.measure import time_conv_shapes
+
+    for model in (conv_relu_model(), residual_model()):
+        res = time_conv_shapes(model, BuildOptions(precision="fp16"), lock=False)
+        assert res["timed"] == res["shapes"] == len(fused_conv_keys(model))
+        assert all(f > 0 and u > 0 for f, u in res["us"].values())
+        assert set(res["unfused"]) <= set(res["us"])
