@@ -929,9 +929,11 @@ def gpu_present(backend) -> bool:
 
 #: a fused convolution shape is left to Inductor's form where cuDNN's fused call alone runs slower than torch's
 #: convolution and the eager epilogue after it by more than this (``time_conv_shapes``); at most this many shapes
-#: are timed, the most frequent first
+#: are timed, the most frequent first, and none started after ``CONV_SHAPES_SECONDS`` (each shape's first calls
+#: build cuDNN's plans for both forms: ~70 ms a shape on the H200, bench/conv_epilogues.py's ten models)
 CONV_SHAPE_MARGIN = 0.05
 CONV_SHAPES_AT_MOST = 64
+CONV_SHAPES_SECONDS = 5.0
 
 
 def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: bool = True) -> dict | None:
@@ -963,6 +965,8 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
     device = torch.cuda.current_device()
     with gpu_timing_lock(device, enabled=lock):
         for key in chosen:
+            if time.perf_counter() - t0 > CONV_SHAPES_SECONDS:
+                break
             fused, unfused = time_shape(key, batch, getattr(torch, dtype_name))
             us[key] = [round(fused, 3), round(unfused, 3)]
     return {"shapes": len(keys), "timed": len(us),

@@ -123,6 +123,8 @@ def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
     assert measure.time_conv_shapes(model, BuildOptions(precision="bf16"), lock=False) is None  # not fused in bf16
     faster = measure.time_conv_shapes(residual_model(), BuildOptions(precision="fp32"), lock=False)  # (1 < 2 µs)
     assert faster["unfused"] == [] and faster["timed"] == 2
+    monkeypatch.setattr(measure, "CONV_SHAPES_SECONDS", 0.0)  # the budget spent: no shape started after it
+    assert measure.time_conv_shapes(model, BuildOptions(precision="fp16"), lock=False)["timed"] == 0
 
 
 def test_a_build_times_the_shapes_first_and_compiles_with_the_list(monkeypatch):
