@@ -99,13 +99,22 @@ def fused_conv_keys(model) -> dict[str, int]:
     import onnx
     from onnx import shape_inference
 
-    inferred = shape_inference.infer_shapes(model)
-    g = inferred.graph
-    shapes = {}
-    for vi in list(g.input) + list(g.value_info) + list(g.output):
-        dims = vi.type.tensor_type.shape.dim
-        shapes[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None for d in dims)
+    def shapes_of(g):
+        out = {}
+        for vi in list(g.input) + list(g.value_info) + list(g.output):
+            if vi.type.tensor_type.HasField("shape"):
+                out[vi.name] = tuple(d.dim_value if d.HasField("dim_value") else None
+                                     for d in vi.type.tensor_type.shape.dim)
+        return out
+
+    g = model.graph
     weights = {t.name: tuple(t.dims) for t in g.initializer}
+    shapes = shapes_of(g)
+    if any(n.op_type == "Conv" and n.input[0] not in shapes for n in g.node):
+        # (a build's model and its branches carry their shapes already: inferred here only where they do not,
+        # which copies the model with its weights)
+        g = shape_inference.infer_shapes(model).graph
+        shapes = shapes_of(g)
     readers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
