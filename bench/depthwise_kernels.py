@@ -75,31 +75,12 @@ def depthwise_calls(name: str) -> dict:
 
 
 def _graph_us(fn, reps: int = 20, replays: int = 30) -> float:
-    """Microseconds per call of ``fn()`` captured ``reps`` times in one CUDA Graph (median of ``replays``)."""
-    import numpy as np
-    import torch
+    """Microseconds per call of ``fn()`` captured ``reps`` times in one CUDA Graph (median of ``replays``): the
+    build's own per-shape timing (``pipeline.bench.captured_us``), which the other per-shape benchmarks import
+    from here."""
+    from parastream.pipeline.bench import captured_us
 
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for _ in range(3):
-            fn()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    for _ in range(5):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / reps)
-    return float(np.median(times))
+    return captured_us(fn, reps, replays)
 
 
 def _first_ms(fn) -> float:

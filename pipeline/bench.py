@@ -78,6 +78,36 @@ def _time_replays(launcher, input_sets, runs: int, starts, ends, offset: int) ->
 _HELD_BLOCK: dict[int, int] = {}
 
 
+def captured_us(fn, reps: int = 20, replays: int = 30) -> float:
+    """Microseconds per call of ``fn()`` captured ``reps`` times in one CUDA Graph on the current stream's device,
+    the median of ``replays`` replays timed with CUDA events (three warm-up calls on a side stream first, outside
+    the capture: cuDNN's plans and cuBLAS's handles are made there).  One op's or one small block's time, for the
+    build's per-shape choices (``measure.time_conv_shapes``) and the benchmarks' per-shape tables."""
+    import torch
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for _ in range(3):
+            fn()
+    torch.cuda.current_stream().wait_stream(side)
+    g = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(g):
+        for _ in range(reps):
+            fn()
+    for _ in range(5):
+        g.replay()
+    times = []
+    for _ in range(replays):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        g.replay()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b) * 1e3 / reps)
+    return float(np.median(times))
+
+
 @contextlib.contextmanager
 def gpu_timing_lock(device: int = 0, enabled: bool = True):
     """Hold the machine-wide lock for timing on GPU ``device`` (``cuda.gpu_turn``: a flock on a file in the

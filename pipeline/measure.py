@@ -936,16 +936,53 @@ CONV_SHAPES_AT_MOST = 64
 CONV_SHAPES_SECONDS = 5.0
 
 
+def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 20) -> tuple[float, float]:
+    """Microseconds per call of the fused operator for ``key`` (``cudnn_fused.conv_key``) at ``batch`` in
+    ``dtype``, and of torch's convolution without its bias followed by the epilogue as eager ops (bias, residual,
+    ReLU: two or three kernels where Inductor's form runs one, so that this favours the fused call), each timed
+    by ``bench.captured_us`` on the current GPU with random channels-last inputs."""
+    import torch
+
+    from parastream.launcher.engines.cudnn_fused import parse_key, register_ops
+
+    from .bench import captured_us
+
+    kind, x_shape, w_shape, strides, padding, dilations, group = parse_key(key)
+    register_ops()
+    cl = torch.channels_last
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    x = torch.randn([batch, *x_shape], device="cuda", dtype=dtype, generator=gen).contiguous(memory_format=cl)
+    fan_in = max(1, w_shape[1] * w_shape[2] * w_shape[3])
+    w = (torch.randn(w_shape, device="cuda", dtype=dtype, generator=gen) / fan_in ** 0.5).contiguous(memory_format=cl)
+    b = torch.randn(w_shape[0], device="cuda", dtype=dtype, generator=gen)
+    bias = b.view(1, -1, 1, 1)
+    with torch.no_grad():
+        z = torch.convolution(x, w, None, strides, padding, dilations, False, [0, 0], group)
+        z = torch.randn_like(z).contiguous(memory_format=cl)
+
+        def conv():
+            return torch.convolution(x, w, None, strides, padding, dilations, False, [0, 0], group)
+
+        if kind == "relu":
+            forms = (lambda: torch.ops.parastream.conv2d_relu(x, w, b, strides, padding, dilations, group),
+                     lambda: conv().add_(bias).relu_())
+        else:
+            forms = (lambda: torch.ops.parastream.conv2d_add_relu(x, w, z, b, strides, padding, dilations, group),
+                     lambda: conv().add_(z).add_(bias).relu_())
+        fused, unfused = (captured_us(f, reps, replays) for f in forms)
+    return fused, unfused
+
+
 def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: bool = True) -> dict | None:
     """Each convolution shape the conv+ReLU fusion takes in ``model`` (``cudnn_fused.fused_conv_keys``) timed
-    alone on the GPU, fused against unfused (``cudnn_fused.time_shape``), and those whose fused call is slower by
+    alone on the GPU, fused against unfused (``time_conv_shape``), and those whose fused call is slower by
     more than ``CONV_SHAPE_MARGIN`` listed for ``BuildOptions.conv_relu_unfused``.  Why per shape: the conv+ReLU
     round decides for every convolution of the plan at once, and one model's shapes can disagree (H200,
     Res2Net-50: four of its 24 shapes 0.34-0.93x fused, the rest 1.1-1.4x, so that the round kept Inductor's form
     for all of them; bench/conv_epilogues.py).  The round then races this mix against Inductor's form.  None where
     the model has no such convolution or its precision is not one the fusion runs in.  {"shapes", "timed",
     "unfused", "us": {key: [fused, unfused]}, "s"}."""
-    from parastream.launcher.engines.cudnn_fused import fused_conv_keys, time_shape
+    from parastream.launcher.engines.cudnn_fused import fused_conv_keys
 
     dtype_name = {"fp16": "float16", "fp32": "float32"}.get(options.precision)
     if dtype_name is None:
@@ -967,7 +1004,7 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
         for key in chosen:
             if time.perf_counter() - t0 > CONV_SHAPES_SECONDS:
                 break
-            fused, unfused = time_shape(key, batch, getattr(torch, dtype_name))
+            fused, unfused = time_conv_shape(key, batch, getattr(torch, dtype_name))
             us[key] = [round(fused, 3), round(unfused, 3)]
     return {"shapes": len(keys), "timed": len(us),
             "unfused": sorted(k for k, (f, u) in us.items() if f > u * (1 + CONV_SHAPE_MARGIN)),

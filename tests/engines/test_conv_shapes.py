@@ -101,7 +101,6 @@ def test_a_load_refuses_an_artifact_compiled_with_a_shape_unfused_that_it_does_n
 
 
 def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
-    from parastream.launcher.engines import cudnn_fused
     from parastream.pipeline import measure
 
     model = conv_relu_model()
@@ -109,11 +108,11 @@ def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
     table = {keys[0]: (10.0, 8.0), keys[1]: (10.0, 9.7)}  # slower by 25%; slower within the 5% margin
     asked = []
 
-    def timed(key, batch, dtype, chain=10, replays=20):
+    def timed(key, batch, dtype, reps=10, replays=20):
         asked.append((key, batch, dtype))
         return table.get(key, (1.0, 2.0))
 
-    monkeypatch.setattr(cudnn_fused, "time_shape", timed)
+    monkeypatch.setattr(measure, "time_conv_shape", timed)
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     res = measure.time_conv_shapes(model, BuildOptions(precision="fp16"), lock=False)
     assert res["unfused"] == [keys[0]]
