@@ -14,6 +14,10 @@ and Inductor keeps them (``needs_exact_strides``): the kernel that produces an i
 ``conv2d_relu(x, w, b, stride, padding, dilation, groups)`` = relu(conv(x, w) + b) and ``conv2d_add_relu(x, w, z,
 b, ...)`` = relu(conv(x, w) + z + b), each torch's own cuDNN call, its output channels-last (as the fake function
 says: a result whose layout cuDNN left ambiguous, a 1x1 output, is given those strides; any other is copied).
+
+``conv_key`` names one fusable convolution shape and ``fused_conv_keys`` lists a model's: a GPU build times each
+alone and leaves those cuDNN's fused call runs slower to Inductor's form (``BuildOptions.conv_relu_unfused``,
+``pipeline.measure.time_conv_shapes``).
 """
 
 from __future__ import annotations
