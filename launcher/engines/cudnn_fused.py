@@ -31,8 +31,9 @@ _LIBS: list = []
 def _channels_last(y):
     import torch
 
-    n, c, h, w = y.shape
-    want = (h * w * c, 1, w * c, c)
+    from .cudnn_plans import _channels_last_strides
+
+    want = tuple(_channels_last_strides(y.shape))
     if tuple(y.stride()) == want:
         return y
     if y.is_contiguous(memory_format=torch.channels_last):  # the same memory, strides of size-1 dimensions differ
@@ -117,8 +118,11 @@ def fused_conv_keys(model) -> dict[str, int]:
     if any(n.op_type == "Conv" and n.input[0] not in shapes for n in g.node):
         # (a build's model and its branches carry their shapes already: inferred here only where they do not,
         # which copies the model with its weights)
-        g = shape_inference.infer_shapes(model).graph
-        shapes = shapes_of(g)
+        try:
+            g = shape_inference.infer_shapes(model).graph
+            shapes = shapes_of(g)
+        except Exception:  # noqa: BLE001 - onnx cannot infer them: the convolutions without a shape are left out
+            pass
     readers: dict[str, list] = {}
     for n in g.node:
         for i in n.input:
