@@ -323,6 +323,10 @@ class Bundle:
 
         built = self.manifest.get("options", {}) or {}
         kw = {k: built[k] for k in self.LOAD_OPTIONS if built.get(k) is not None}
+        unfused = kw.get("conv_relu_unfused", [])
+        if not (isinstance(unfused, list) and all(isinstance(k, str) for k in unfused)):
+            raise ParastreamError(f"{self.path / 'manifest.json'}: options.conv_relu_unfused is not a list of "
+                                  "convolution shapes; rebuild the bundle")
         return BuildOptions(**dict(kw, precision=self.plan.precision, device=device, **overrides))
 
 

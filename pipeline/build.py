@@ -988,9 +988,11 @@ def time_fused_conv_shapes(b: _Build) -> None:
     if not (b.cfg.measure and b.backend.gpu and getattr(b.backend, "fuses_conv_relu", False)
             and b.options.fuse_conv_relu):
         return
-    if b.recorded is not None and isinstance(b.recorded.get("conv_shapes"), dict):
-        b.conv_shapes = dict(b.recorded["conv_shapes"], timed_here=False)
-        b.options.conv_relu_unfused = list(b.conv_shapes.get("unfused") or [])
+    recorded = (b.recorded or {}).get("conv_shapes")
+    listed = recorded.get("unfused", []) if isinstance(recorded, dict) else None
+    if isinstance(listed, list) and all(isinstance(k, str) for k in listed):  # (else timed again, as a bad record is)
+        b.conv_shapes = dict(recorded, timed_here=False)
+        b.options.conv_relu_unfused = list(listed)
         return
     if not gpu_present(b.backend):
         return

@@ -160,6 +160,9 @@ def test_a_build_times_the_shapes_first_and_compiles_with_the_list(monkeypatch):
     again = fake_build(recorded={"conv_shapes": b.conv_shapes})
     build_mod.time_fused_conv_shapes(again)
     assert again.options.conv_relu_unfused == [key] and calls == ["fp16"]  # taken, not timed
+    broken = fake_build(recorded={"conv_shapes": {"unfused": "not a list"}})
+    build_mod.time_fused_conv_shapes(broken)
+    assert broken.options.conv_relu_unfused == [key] and calls == ["fp16", "fp16"]  # a bad record: timed again
     for off in (fake_build(measure_on=False), fake_build(fuse=False)):
         build_mod.time_fused_conv_shapes(off)
         assert off.options.conv_relu_unfused == [] and off.conv_shapes is None
@@ -188,3 +191,19 @@ def test_the_shapes_are_timed_on_the_gpu():
         assert res["timed"] == res["shapes"] == len(fused_conv_keys(model))
         assert all(f > 0 and u > 0 for f, u in res["us"].values())
         assert set(res["unfused"]) <= set(res["us"])
+
+
+def test_a_manifest_whose_unfused_list_is_not_one_is_refused_in_one_line(tmp_path):
+    from parastream.launcher.bundle import Bundle
+    from parastream.launcher.errors import ParastreamError
+
+    for bad in (5, "relu|1", [1, 2]):
+        bundle = Bundle.__new__(Bundle)
+        bundle.path, bundle.manifest = tmp_path, {"options": {"conv_relu_unfused": bad}}
+        bundle.plan = type("P", (), {"precision": "fp16"})()
+        with pytest.raises(ParastreamError, match=r"manifest\.json: options\.conv_relu_unfused is not a list"):
+            bundle.engine_options("cuda")
+    bundle.manifest = {"options": {"conv_relu_unfused": ["relu|4,12,12|8,2,3,3|2,2|1,1|1,1|2"]}}
+    assert bundle.engine_options("cuda").conv_relu_unfused == ["relu|4,12,12|8,2,3,3|2,2|1,1|1,1|2"]
+    bundle.manifest = {"options": {}}  # a bundle built before the option: none unfused
+    assert bundle.engine_options("cuda").conv_relu_unfused == []
