@@ -175,6 +175,7 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
         row[key] = log.get(key)
     rep = json.loads((work / f"{stem}_bundle" / "report.json").read_text())
     row["measured_choices"] = rep.get("measured_choices")
+    row["conv_shapes"] = rep.get("conv_shapes")  # the convolution shapes timed alone, and those left unfused
     row["stage_seconds"] = rep.get("stage_seconds")
     # what the engines stage compiled itself (jobs and seconds) and what compiled in the background meanwhile
     row["precompiled"] = rep.get("precompiled")
@@ -451,15 +452,19 @@ KEPT_WORDS = {"one SDPA kernel per attention": "attention fused",
 def kept(r: dict) -> str:
     """What the row's build kept: the search's rewrites (rule ×sites, report.json's ``search.rules_chosen_count``),
     then each round its build timed on the device (``measured_choices.rounds``: the fusion, boundary layout or plan
-    that was faster); "search by cost model" where the build's search measured only the input and its best
+    that was faster; a fused conv+ReLU names the shapes that ``conv_shapes`` left unfused); "search by cost model" where the build's search measured only the input and its best
     candidate (``--search-batches``)."""
     parts = []
     counts = (r.get("search") or {}).get("rules_chosen_count") or {}
     if counts:
         parts.append("rewrites " + ", ".join(f"{k} ×{v}" for k, v in counts.items()))
+    unfused = len((r.get("conv_shapes") or {}).get("unfused") or [])
     for rnd in (r.get("measured_choices") or {}).get("rounds") or []:
         won = str(rnd.get("won"))
-        parts.append(KEPT_WORDS.get(won, won))
+        words = KEPT_WORDS.get(won, won)
+        if won == "cuDNN fused conv+bias+ReLU" and unfused:  # the fused form, less the shapes timed slower fused
+            words += f" but {unfused} shape{'s' * (unfused > 1)}"
+        parts.append(words)
     if r.get("search_mode") == "cost model":
         parts.append("search by cost model")
     return "; ".join(parts) or "-"

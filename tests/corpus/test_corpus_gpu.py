@@ -85,7 +85,9 @@ def test_table_rows_per_batch_and_summary_per_batch():
         _row("resnet50", 8, 1.0, 1.5, measured_choices={"rounds": [_conv_relu_round("Inductor's conv and epilogue")]},
              search_mode="cost model"),
         _row("bert", 1, 0.5, 0.6, search={"rules_chosen_count": {"fuse_attention": 12}}),
-        _row("resnet50", 1, 0.3, 0.45, measured_choices={"rounds": [_conv_relu_round("cuDNN fused conv+bias+ReLU")]}),
+        _row("resnet50", 1, 0.3, 0.45, measured_choices={"rounds": [_conv_relu_round("cuDNN fused conv+bias+ReLU")]},
+             conv_shapes={"shapes": 23, "unfused": ["relu|256,56,56|104,256,1,1|1,1|0,0|1,1|1",
+                                                     "relu|52,28,28|52,52,3,3|1,1|1,1|1,1|1"]}),
         _row("bert", 8, 2.0, 1.6),
         {"model": "bert", "batch": 32, "error": "timing: OutOfMemoryError: CUDA out of memory. Tried to allocate 2 GiB"},
     ]
@@ -101,7 +103,7 @@ def test_table_rows_per_batch_and_summary_per_batch():
     r8 = body[1]
     assert "| 1.50x |" in r8 and "| 8,000 |" in r8  # ratio and items/s (8 items in 1 ms)
     assert "conv+ReLU unfused; search by cost model" in r8
-    assert "conv+ReLU fused" in body[0] and "rewrites fuse_attention ×12" in body[2]
+    assert "conv+ReLU fused but 2 shapes" in body[0] and "rewrites fuse_attention ×12" in body[2]
     assert "OutOfMemoryError" in body[4]
     assert "batch 1: geometric mean over 2 models: 1.34x vs torch.compile" in text
     assert "batch 8: geometric mean over 2 models: 1.10x vs torch.compile" in text
