@@ -660,6 +660,14 @@ def main(argv=None) -> int:
 
     import torch
 
+    try:  # what the timing imports, here before any build starts: a process that cannot time is told in seconds,
+        # not after its builds (a device command whose PYTHONPATH reached only the builds lost a whole call)
+        import parastream.launcher.gpu  # noqa: F401
+        import parastream.pipeline.bench  # noqa: F401
+    except ImportError as e:
+        print(f"corpus_gpu.py: this process cannot import parastream ({e}); source bench/device_env.sh first",
+              file=sys.stderr)
+        return 2
     t_start = time.perf_counter()
     names = list(filter(None, args.models.split(",")))  # started in this order: long builds first pay off
     # a job: (model, batch, a rebuild of it); each model's batches one after the other

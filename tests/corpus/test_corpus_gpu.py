@@ -186,6 +186,14 @@ def fake_run(monkeypatch):
     _FakeBuild.launched = []
 
 
+def test_a_run_that_cannot_import_parastream_stops_before_any_build(tmp_path, fake_run, monkeypatch, capsys):
+    monkeypatch.setitem(sys.modules, "parastream.pipeline.bench", None)  # as if parastream were not on its path
+    assert corpus_gpu.main(["--models", "resnet50", "--work", str(tmp_path / "work"), "--out", str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert "cannot import parastream" in err and "device_env.sh" in err and len(err.strip().splitlines()) == 1
+    assert _FakeBuild.launched == []
+
+
 def test_run_one_row_per_model_and_batch(tmp_path, fake_run, capsys):
     out = tmp_path / "out"
     assert corpus_gpu.main(["--models", "resnet50,broken", "--batches", "1,8,32", "--search-batches", "1",
