@@ -55,6 +55,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import importlib
 import json
 import os
 import signal
@@ -662,8 +663,8 @@ def main(argv=None) -> int:
 
     try:  # what the timing imports, here before any build starts: a process that cannot time is told in seconds,
         # not after its builds (a device command whose PYTHONPATH reached only the builds lost a whole call)
-        import parastream.launcher.gpu  # noqa: F401
-        import parastream.pipeline.bench  # noqa: F401
+        for module in ("parastream.launcher.gpu", "parastream.pipeline.bench"):
+            importlib.import_module(module)
     except ImportError as e:
         print(f"corpus_gpu.py: this process cannot import parastream ({e}); source bench/device_env.sh first",
               file=sys.stderr)
