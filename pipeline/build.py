@@ -560,6 +560,9 @@ class Engines:
     # (the graph last scheduled, its schedules by arguments): ``schedule``
     _scheduled: tuple = field(default_factory=lambda: (None, {}), repr=False, compare=False)
     _input_cut: bool | None = field(default=None, repr=False, compare=False)  # ``input_cut_in_blocks``, once
+    # rounds of ``time_alternatives`` decided before anything compiled (``measure.decided_first``): the conv+ReLU
+    # round on the shapes timed alone (``time_fused_conv_shapes``), its rival never compiled
+    decided_first: dict = field(default_factory=dict, repr=False, compare=False)
 
     def plan_of_schedule(self, graph: gs.Graph, sched: Schedule):
         return make_plan(graph, sched, backend=self.backend.name, precision=self.precision, suffix=self.backend.suffix,
@@ -993,6 +996,7 @@ def time_fused_conv_shapes(b: _Build) -> None:
     if isinstance(listed, list) and all(isinstance(k, str) for k in listed):  # (else timed again, as a bad record is)
         b.conv_shapes = dict(recorded, timed_here=False)
         b.options.conv_relu_unfused = list(listed)
+        _decide_conv_relu_on_shapes(b)
         return
     if not gpu_present(b.backend):
         return
@@ -1007,6 +1011,18 @@ def time_fused_conv_shapes(b: _Build) -> None:
         b.options.conv_relu_unfused = list(b.conv_shapes["unfused"])
     if b.conv_shapes and "error" not in b.conv_shapes:
         b.timed_here = True
+    _decide_conv_relu_on_shapes(b)
+
+
+def _decide_conv_relu_on_shapes(b: _Build) -> None:
+    """The conv+ReLU round taken on the shapes alone where they decide it (``measure.conv_relu_decided_on_shapes``):
+    no engine of the fusion's rival form is compiled, and report.json's ``conv_shapes`` says so."""
+    from .measure import conv_relu_decided_on_shapes
+
+    decided = conv_relu_decided_on_shapes(b.conv_shapes)
+    if decided is not None and getattr(b, "engines", None) is not None:
+        b.engines.decided_first["conv+ReLU"] = decided
+        b.conv_shapes = dict(b.conv_shapes, decides_round=True)
 
 
 def rewrite_search(b: _Build, *, measure: bool) -> None:

@@ -122,7 +122,7 @@ def round_labels(what: str, plan) -> tuple[str, str]:
                                  "depthwise convolutions as torch's own kernel"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
-            "streams": (f"{plan.num_streams}-stream plan", "one stream"),
+            "streams": (f"{plan.num_streams if plan is not None else 'N'}-stream plan", "one stream"),
             "engine blocks": ("one engine per repeated block", "one engine for the whole model")}[what]
 
 
@@ -805,7 +805,8 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     out = fusions_off_forms(engines.backend, v)
     if lowers_depthwise(engines.backend, v.options, v.model):
         out += [(what, round_alternative(v, what)) for what, _ in DEPTHWISE_ROUNDS]
-    if v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model):
+    if (v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model)
+            and "conv+ReLU" not in decided_first(engines)):
         out.append(("conv+ReLU", round_alternative(v, "conv+ReLU")))
     if _internal_nhwc(engines.backend, v.plan):  # else both layouts are the same engines (``time_alternatives``)
         out.append(("boundary layout", replace(v, internal_nhwc=False)))
@@ -1008,7 +1009,48 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
             us[key] = [round(fused, 3), round(unfused, 3)]
     return {"shapes": len(keys), "timed": len(us),
             "unfused": sorted(k for k, (f, u) in us.items() if f > u * (1 + CONV_SHAPE_MARGIN)),
-            "us": us, "s": round(time.perf_counter() - t0, 3)}
+            "us": us, "counts": {k: keys[k] for k in us}, "s": round(time.perf_counter() - t0, 3)}
+
+
+#: the conv+ReLU round is taken for the fused form on the shapes timed alone (``time_conv_shapes``), its whole
+#: plan's rival never compiled, where every shape of the model was timed, none was listed slower fused, and the
+#: fused calls, each shape counted as often as the model has it, take at least this share less time than the
+#: convolutions and their epilogues.  Why: on a one-engine plan that rival is a whole-model compile the round
+#: waits for (RegNetY-400MF, H200: 32 s of a 48 s build), and on the nine of ten corpus models whose shapes all
+#: ran faster fused, by 20-32% of their time, the whole-model round kept the fused form every time, by 5.7-31%
+#: (bench/NOTES.md, "Open questions"); Res2Net-50, whose shapes disagree, still races the whole plan
+CONV_SHAPES_DECIDE_BEYOND = 0.15
+
+
+def conv_relu_decided_on_shapes(conv_shapes: dict | None) -> dict | None:
+    """The conv+ReLU round decided on ``conv_shapes`` (``time_conv_shapes``' result, or a build's record of it)
+    alone, as ``time_alternatives`` takes a round timed already, or None where it is the whole plan's to decide
+    (``CONV_SHAPES_DECIDE_BEYOND``; a result without counts, an older record's, decides nothing)."""
+    if not isinstance(conv_shapes, dict) or "error" in conv_shapes or conv_shapes.get("unfused"):
+        return None
+    us, counts = conv_shapes.get("us"), conv_shapes.get("counts")
+    try:
+        if not us or conv_shapes.get("timed") != conv_shapes.get("shapes") or set(us) != set(counts):
+            return None
+        fused = sum(int(counts[k]) * float(us[k][0]) for k in us)
+        unfused = sum(int(counts[k]) * float(us[k][1]) for k in us)
+    except (TypeError, ValueError, IndexError, KeyError):  # a malformed record: the whole plan decides
+        return None
+    if not unfused > 0 or 1.0 - fused / unfused < CONV_SHAPES_DECIDE_BEYOND:
+        return None
+    saves = 1.0 - fused / unfused
+    convs = sum(int(counts[k]) for k in us)
+    return {"choice": "conv+ReLU", "won": round_labels("conv+ReLU", None)[0],
+            "decided_on_shapes": {"shapes": len(us), "convolutions": convs, "fused_us": round(fused, 3),
+                                  "unfused_us": round(unfused, 3), "saves": round(saves, 4)},
+            "timed": f"on its {len(us)} convolution shapes alone, before anything compiled: fused, the {convs} "
+                     f"convolutions take {saves:.0%} less time; the whole plan's rival not compiled"}
+
+
+def decided_first(engines) -> dict:
+    """The rounds the build decided before anything compiled, by name (``Engines.decided_first``): their rivals
+    are not compiled, and ``time_alternatives`` takes them as timed already."""
+    return getattr(engines, "decided_first", None) or {}
 
 
 #: how much slower than its usual median the reference may run in a candidate's blocks before the timing is taken
@@ -1887,6 +1929,8 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
               "fuse_attention": attention,
               "fuse_gemm_epilogue": gemm, "conv_kernels": convs}
     done = {r["choice"]: r for r in timed}
+    for what, r in decided_first(engines).items():  # decided before anything compiled: nothing to race
+        done.setdefault(what, r)
     rounds: list[dict] = []
     since = [time.perf_counter()]  # a round's load_s: building and loading its alternative (the first: the bundle too)
     held: list = []  # the launcher of the choices so far, once a round timed here has loaded it

@@ -149,7 +149,8 @@ def test_a_build_times_the_shapes_first_and_compiles_with_the_list(monkeypatch):
     def fake_build(recorded=None, measure_on=True, fuse=True):
         b = SimpleNamespace(cfg=SimpleNamespace(measure=measure_on), backend=SimpleNamespace(gpu=True, fuses_conv_relu=True),
                             options=BuildOptions(precision="fp16", fuse_conv_relu=fuse), recorded=recorded,
-                            conv_shapes=None, timed_here=False, model=conv_relu_model(), timings={})
+                            conv_shapes=None, timed_here=False, model=conv_relu_model(), timings={},
+                            engines=SimpleNamespace(decided_first={}))
         b.timed = lambda stage: _timed(b, stage)
         return b
 
@@ -160,12 +161,111 @@ def test_a_build_times_the_shapes_first_and_compiles_with_the_list(monkeypatch):
     again = fake_build(recorded={"conv_shapes": b.conv_shapes})
     build_mod.time_fused_conv_shapes(again)
     assert again.options.conv_relu_unfused == [key] and calls == ["fp16"]  # taken, not timed
+    assert not again.engines.decided_first  # a shape listed: the round is the whole plan's
     broken = fake_build(recorded={"conv_shapes": {"unfused": "not a list"}})
     build_mod.time_fused_conv_shapes(broken)
     assert broken.options.conv_relu_unfused == [key] and calls == ["fp16", "fp16"]  # a bad record: timed again
     for off in (fake_build(measure_on=False), fake_build(fuse=False)):
         build_mod.time_fused_conv_shapes(off)
         assert off.options.conv_relu_unfused == [] and off.conv_shapes is None
+
+
+def _shapes(us: dict, counts: dict, **extra) -> dict:
+    """A ``time_conv_shapes`` result: every shape timed, none listed unless ``extra`` says so."""
+    return {"shapes": len(us), "timed": len(us), "unfused": [], "us": us, "counts": counts, "s": 0.1, **extra}
+
+
+def test_shapes_all_faster_fused_by_the_margin_decide_the_round_and_others_leave_it_to_the_whole_plan():
+    from parastream.pipeline import measure
+
+    # weighted by how often the model has each shape: 3 x (6 against 8) + 1 x (10 against 12) = 28 against 36 µs
+    got = measure.conv_relu_decided_on_shapes(_shapes({"a": [6.0, 8.0], "b": [10.0, 12.0]}, {"a": 3, "b": 1}))
+    assert got["choice"] == "conv+ReLU" and got["won"] == measure.round_labels("conv+ReLU", None)[0]
+    assert got["decided_on_shapes"] == {"shapes": 2, "convolutions": 4, "fused_us": 28.0, "unfused_us": 36.0,
+                                        "saves": round(1 - 28 / 36, 4)}
+    assert "not compiled" in got["timed"]
+    # just under the margin, the whole plan's to decide
+    near = 1 - measure.CONV_SHAPES_DECIDE_BEYOND + 0.01
+    assert measure.conv_relu_decided_on_shapes(_shapes({"a": [near, 1.0]}, {"a": 5})) is None
+    for undecided in (
+            _shapes({"a": [6.0, 8.0], "b": [9.0, 8.0]}, {"a": 1, "b": 1}, unfused=["b"]),  # the shapes disagree
+            dict(_shapes({"a": [6.0, 8.0]}, {"a": 1}), shapes=2),  # not every shape timed (the 5 s budget)
+            {k: v for k, v in _shapes({"a": [6.0, 8.0]}, {"a": 1}).items() if k != "counts"},  # an older record
+            _shapes({"a": ["x", 8.0]}, {"a": 1}),  # a malformed record
+            _shapes({"a": [6.0]}, {"a": 1}),
+            {"error": "RuntimeError: no GPU"}, None):
+        assert measure.conv_relu_decided_on_shapes(undecided) is None, undecided
+
+
+def test_the_build_step_decides_the_round_on_shapes_all_faster_fused_and_a_rebuild_does_from_its_record(monkeypatch):
+    from types import SimpleNamespace
+
+    import importlib
+
+    from parastream.pipeline import measure
+
+    build_mod = importlib.import_module("parastream.pipeline.build")
+    keys = sorted(fused_conv_keys(conv_relu_model()))
+    result = _shapes({keys[0]: [6.0, 9.0], keys[1]: [4.0, 5.0]}, {keys[0]: 1, keys[1]: 1})
+    monkeypatch.setattr(measure, "time_conv_shapes", lambda model, options, lock=True: dict(result))
+    monkeypatch.setattr(build_mod, "gpu_present", lambda backend: True)
+
+    def fake_build(recorded=None):
+        b = SimpleNamespace(cfg=SimpleNamespace(measure=True), backend=SimpleNamespace(gpu=True, fuses_conv_relu=True),
+                            options=BuildOptions(precision="fp16"), recorded=recorded, conv_shapes=None,
+                            timed_here=False, model=conv_relu_model(), timings={},
+                            engines=SimpleNamespace(decided_first={}))
+        b.timed = lambda stage: _timed(b, stage)
+        return b
+
+    b = fake_build()
+    build_mod.time_fused_conv_shapes(b)
+    assert b.engines.decided_first["conv+ReLU"]["decided_on_shapes"]["saves"] == round(1 - 10 / 14, 4)
+    assert b.conv_shapes["decides_round"] and b.options.conv_relu_unfused == []
+    again = fake_build(recorded={"conv_shapes": b.conv_shapes})  # report.json's record, as a rebuild reads it
+    build_mod.time_fused_conv_shapes(again)
+    assert again.engines.decided_first == b.engines.decided_first and "conv_shapes" not in again.timings
+
+
+def test_a_round_decided_on_its_shapes_compiles_no_rival_and_is_taken_as_timed(tmp_path, monkeypatch):
+    """The build's step puts the round in the engines' ``decided_first``: ``alternative_variants`` (what the
+    search, the engines stage and the speculative queue compile) leaves its rival out, and ``time_alternatives``
+    takes the round as decided without loading any rival; without it, the rival is there and raced."""
+    import onnx
+
+    import parastream.launcher as launcher_pkg
+    import parastream.launcher.gpu as gpu_mod
+    from parastream.launcher.engines import torch as torch_backend
+    from parastream.pipeline import measure
+    from parastream.pipeline.build import Engines
+    from parastream.pipeline.model_io import load_model
+    from parastream.rewrite.cost import RooflineCostModel
+
+    path = tmp_path / "conv_relu.onnx"
+    onnx.save(conv_relu_model(), path)
+    loaded = load_model(path)
+    engines = Engines(torch_backend, RooflineCostModel(), loaded, "fp16")
+    options = BuildOptions(precision="fp16", device="cuda", conv_kernels="cudnn")
+    plan = engines.plan(loaded.graph, 1, 1)
+    v = measure.Variant(loaded.model, loaded.graph, plan, options)
+    assert "conv+ReLU" in [what for what, _ in measure.alternative_variants(engines, v)]
+    r = measure.conv_relu_decided_on_shapes(_shapes({"a": [6.0, 8.0]}, {"a": 2}))
+    engines.decided_first["conv+ReLU"] = r
+    assert "conv+ReLU" not in [what for what, _ in measure.alternative_variants(engines, v)]
+    assert all(what != "conv+ReLU" for what, _ in measure.speculative_by_round(engines, v))
+
+    class _Launcher:
+        def close(self):
+            pass
+
+    loaded_rivals = []
+    monkeypatch.setattr(launcher_pkg, "cuda_device_count", lambda: 1)
+    monkeypatch.setattr(gpu_mod, "GpuLauncher", lambda bundle, **kw: _Launcher())
+    monkeypatch.setattr(engines, "launcher", lambda var: loaded_rivals.append(var) or _Launcher())
+    got = measure.time_alternatives(engines, "bundle", v, runs=5)
+    (rnd,) = [x for x in got["rounds"] if x["choice"] == "conv+ReLU"]
+    assert rnd["decided_on_shapes"]["saves"] == r["decided_on_shapes"]["saves"] and got["fuse_conv_relu"]
+    assert not loaded_rivals  # nothing raced, nothing loaded for the round
 
 
 class _timed:
