@@ -113,7 +113,10 @@ ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "depthwise ker
 
 
 def round_labels(what: str, plan) -> tuple[str, str]:
-    """What a round of ``time_alternatives`` races: (the plan as it is, the alternative)."""
+    """What a round of ``time_alternatives`` races: (the plan as it is, the alternative).  Only the "streams"
+    round's labels name the plan (``plan`` None for the others)."""
+    if what == "streams":
+        return f"{plan.num_streams}-stream plan", "one stream"
     return {"attention": ("one SDPA kernel per attention", "attention as matmul, softmax, matmul"),
             "GEMM epilogue": ("cuBLASLt GEMM with fused bias and activation",
                               "GEMM, bias and activation as Inductor's kernels"),
@@ -122,7 +125,6 @@ def round_labels(what: str, plan) -> tuple[str, str]:
                                  "depthwise convolutions as torch's own kernel"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
-            "streams": (f"{plan.num_streams if plan is not None else 'N'}-stream plan", "one stream"),
             "engine blocks": ("one engine per repeated block", "one engine for the whole model")}[what]
 
 
