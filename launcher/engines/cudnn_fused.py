@@ -104,6 +104,8 @@ def fused_conv_keys(model) -> dict[str, int]:
     import onnx
     from onnx import shape_inference
 
+    from .onnx_torch import conv_relu_sites
+
     def shapes_of(g):
         out = {}
         for vi in list(g.input) + list(g.value_info) + list(g.output):
@@ -123,14 +125,10 @@ def fused_conv_keys(model) -> dict[str, int]:
             shapes = shapes_of(g)
         except Exception:  # noqa: BLE001 - onnx cannot infer them: the convolutions without a shape are left out
             pass
-    readers: dict[str, list] = {}
-    for n in g.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
     outputs = {o.name for o in g.output}
     found: dict[str, int] = {}
-    for n in g.node:
-        if n.op_type != "Conv" or n.domain not in ("", "ai.onnx") or len(n.input) < 2 or n.input[1] not in weights:
+    for n, kind, add in conv_relu_sites(model):
+        if n.domain not in ("", "ai.onnx") or len(n.input) < 2 or n.input[1] not in weights:
             continue
         x, w = shapes.get(n.input[0]), weights[n.input[1]]
         if x is None or len(x) != 4 or None in x or len(w) != 4:
@@ -143,21 +141,15 @@ def fused_conv_keys(model) -> dict[str, int]:
         if pads[:2] != pads[2:] or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
             continue
         y = n.output[0]
-        r = readers.get(y, [])
-        if y in outputs or len(r) != 1:
+        if y in outputs:
             continue
-        kind = None
-        if r[0].op_type == "Relu":
-            kind = "relu"
-        elif r[0].op_type == "Add" and len(r[0].input) == 2 and r[0].output[0] not in outputs:
-            other = [i for i in r[0].input if i != y]
-            after = readers.get(r[0].output[0], [])
-            if (len(other) == 1 and shapes.get(other[0]) == shapes.get(y) and len(after) == 1
-                    and after[0].op_type == "Relu"):
-                kind = "add_relu"
-        if kind is not None:
-            key = conv_key(kind, x, w, a.get("strides", [1, 1]), pads[:2], a.get("dilations", [1, 1]), group)
-            found[key] = found.get(key, 0) + 1
+        if add is not None:  # a residual of the conv's own shape, the sum no graph output
+            other = [i for i in add.input if i != y]
+            if not (len(add.input) == 2 and add.output[0] not in outputs and len(other) == 1
+                    and shapes.get(other[0]) == shapes.get(y)):
+                continue
+        key = conv_key(kind, x, w, a.get("strides", [1, 1]), pads[:2], a.get("dilations", [1, 1]), group)
+        found[key] = found.get(key, 0) + 1
     return found
 
 
