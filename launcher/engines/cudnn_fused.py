@@ -96,6 +96,30 @@ def conv_key(kind: str, x_shape, w_shape, strides, padding, dilations, group: in
                      ",".join(str(int(v)) for v in dilations), str(int(group))])
 
 
+def conv_relu_sites(model) -> list[tuple]:
+    """Each Conv whose output one Relu alone reads ("relu"), or one Add alone whose sum one Relu alone reads
+    ("add_relu", with that Add): the pattern cuDNN's fused conv + bias (+ residual) + ReLU runs, as (conv, kind,
+    add or None).  The converter's fusions and ``fused_conv_keys`` narrow it further (shapes, pads)."""
+    readers: dict[str, list] = {}
+    for n in model.graph.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+
+    def only(name: str, op: str):
+        got = readers.get(name, [])
+        return got[0] if len(got) == 1 and got[0].op_type == op else None
+
+    out = []
+    for n in model.graph.node:
+        if n.op_type != "Conv" or not n.output:
+            continue
+        if only(n.output[0], "Relu") is not None:
+            out.append((n, "relu", None))
+        elif (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None:
+            out.append((n, "add_relu", add))
+    return out
+
+
 def fused_conv_keys(model) -> dict[str, int]:
     """{``conv_key``: count} of the convolutions of ``model`` (ONNX, static shapes) that the converter's conv+ReLU
     fusion takes: 2-d, not depthwise (those run through ``cudnn_plans``), symmetric padding, a constant weight, the
@@ -103,8 +127,6 @@ def fused_conv_keys(model) -> dict[str, int]:
     (``add_relu``), none of them a graph output."""
     import onnx
     from onnx import shape_inference
-
-    from .onnx_torch import conv_relu_sites
 
     def shapes_of(g):
         out = {}

@@ -623,33 +623,11 @@ def has_depthwise_conv(model: onnx.ModelProto) -> bool:
     return bool(depthwise_convs(model))
 
 
-def conv_relu_sites(model: onnx.ModelProto) -> list[tuple[onnx.NodeProto, str, onnx.NodeProto | None]]:
-    """Each Conv whose output one Relu alone reads ("relu"), or one Add alone whose sum one Relu alone reads
-    ("add_relu", with that Add): the pattern cuDNN's fused conv + bias (+ residual) + ReLU runs, as (conv, kind,
-    add or None).  The converter's fusions and ``cudnn_fused.fused_conv_keys`` narrow it further (shapes, pads)."""
-    readers: dict[str, list[onnx.NodeProto]] = {}
-    for n in model.graph.node:
-        for i in n.input:
-            readers.setdefault(i, []).append(n)
-
-    def only(name: str, op: str) -> onnx.NodeProto | None:
-        got = readers.get(name, [])
-        return got[0] if len(got) == 1 and got[0].op_type == op else None
-
-    out = []
-    for n in model.graph.node:
-        if n.op_type != "Conv" or not n.output:
-            continue
-        if only(n.output[0], "Relu") is not None:
-            out.append((n, "relu", None))
-        elif (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None:
-            out.append((n, "add_relu", add))
-    return out
-
-
 def has_conv_relu(model: onnx.ModelProto) -> bool:
     """Whether a Conv's output is read by one Relu only, or by one Add whose sum one Relu alone reads (what cuDNN's
-    fused conv + bias (+ residual) + ReLU runs: ``conv_relu_sites``)."""
+    fused conv + bias (+ residual) + ReLU runs: ``cudnn_fused.conv_relu_sites``)."""
+    from .cudnn_fused import conv_relu_sites
+
     return bool(conv_relu_sites(model))
 
 
