@@ -10,6 +10,8 @@
 #         source bench/device_env.sh; OUT=$OUT bash bench/ab_one_gpu.sh nasnetalarge [BUILD ARGS...]
 #
 # MODEL is a name of bench/gpu.py's make_model (exported here) or an ONNX file's path (built as it is).
+# GPU=N builds on that GPU (default 0) and WORK=DIR works there (default /tmp/ab_one_gpu_work): two runs side by
+# side on a two-GPU host, one model each, with their own GPU and WORK.
 # SIDES="after" builds this checkout's alone (no .before/ needed).
 # BEFORE=. builds the before side from this checkout too (no .before/ needed), and AFTER_ARGS / BEFORE_ARGS add
 # build arguments to one side: a build option timed against the default on one tree, e.g.
@@ -29,7 +31,7 @@ model=${1:?model: a bench/gpu.py make_model name, or an ONNX file}; shift
 mkdir -p /tmp/nsb/parastream
 for d in core launcher pipeline rewrite; do ln -sfn "$PWD/.before/$d" /tmp/nsb/parastream/$d; done
 out=${OUT:-/tmp/ab_one_gpu}
-work=/tmp/ab_one_gpu_work
+work=${WORK:-/tmp/ab_one_gpu_work}
 rm -rf "$work" && mkdir -p "$work" "$out"
 if [[ "$model" == *.onnx ]]; then
     cp "$model" "$work/" && model=$(basename "$model" .onnx)
@@ -58,7 +60,7 @@ for ((rep = 1; rep <= reps; rep++)); do
         if [ "$side" = before ]; then side_args=${BEFORE_ARGS:-}; else side_args=${AFTER_ARGS:-}; fi
         caches="$work/caches-$name"
         t0=$(date +%s.%N)
-        CUDA_VISIBLE_DEVICES=0 PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
+        CUDA_VISIBLE_DEVICES=${GPU:-0} PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
             python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/bundles/$name" --backend torch --precision fp16 \
             --force --json $side_args "$@" > "$work/reports/$name/build.json" 2> "$work/reports/$name/build.log"
         rc=$?
@@ -99,6 +101,6 @@ PY
 if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
     named=()
     for d in "${dirs[@]}"; do [ -f "$work/bundles/$d/manifest.json" ] && named+=("$d=$work/bundles/$d"); done
-    (( ${#named[@]} >= 2 )) && python3 bench/bundles_side_by_side.py "${named[@]}" --loads "${LOADS:-1}" --out "$out" 2>&1 | tail -1
+    (( ${#named[@]} >= 2 )) && CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/bundles_side_by_side.py "${named[@]}" --loads "${LOADS:-1}" --out "$out" 2>&1 | tail -1
 fi
 tar czf "$out/ab_one_gpu.tgz" -C "$work/reports" "${dirs[@]}" && (cd "$out" && for d in "${dirs[@]}"; do rm -f "$d.tgz"; done)
