@@ -15,13 +15,18 @@ from .errors import BackendUnavailable, ParastreamError, VerificationError  # no
 from .plan import Branch, Plan, TensorSpec  # noqa: F401
 
 
-def load(path: str | Path | Bundle, *, device: str | int = "auto", graph: bool = True, check_hashes: bool = True):
+def load(path: str | Path | Bundle, *, device: str | int = "auto", graph: bool = True, check_hashes: bool = True,
+         host_tail: bool = True):
     """Load a bundle written by ``parastream build`` (a path, or a Bundle already opened); return a callable runner.
 
     ``device``: "auto" (the GPU launcher on GPU 0 when the bundle's engines are GPU engines and a GPU is
     present, else the CPU launcher), "cpu", "cuda" (GPU 0), "cuda:N" or the integer N (GPU N: the launcher's
     memory, streams, events, engines and captured graph all on that GPU).  A value that is none of these, or a
     GPU this machine lacks, is a ``ParastreamError`` naming the GPUs present.
+
+    A bundle with a data-dependent tail (launcher/tail.py) answers the model's outputs, the tail run on the host
+    after each replay; ``host_tail`` False gives its static part's runner alone, whose outputs are the tensors
+    the tail reads (what a build verifies).
     """
     from .cuda import parse_device
 
@@ -37,10 +42,23 @@ def load(path: str | Path | Bundle, *, device: str | int = "auto", graph: bool =
         from .buckets import BucketedLauncher
 
         return BucketedLauncher(bundle, device=kind, graph=graph, gpu=gpu)
+    from .tail import TailRunner, tail_record
+
+    tail = tail_record(bundle) if host_tail else None  # run on the host after each replay (launcher/tail.py)
     if kind == "cuda":
         from .gpu import GpuLauncher
 
-        return GpuLauncher(bundle, graph=graph, device=gpu)
-    from .cpu import CpuLauncher
+        runner = GpuLauncher(bundle, graph=graph, device=gpu)
+    else:
+        from .cpu import CpuLauncher
 
-    return CpuLauncher(bundle)
+        runner = CpuLauncher(bundle)
+    if tail is None:
+        return runner
+    try:
+        return TailRunner(runner, bundle, tail)
+    except BaseException:
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+        raise

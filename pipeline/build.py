@@ -40,6 +40,7 @@ from .timings import now as utc_now
 from .outdir import check_target, check_writable_folder, staging
 from parastream.core.blocks import MAX_COMPILED_SHARE, ends_in_head, split_schedule
 from parastream.core.schedule import Schedule, choose_streams, estimate_latency, schedule_graph
+from .host_tail import end_to_end
 from .verify import ReferenceRun, resolve_tolerances, run_verification, running_errors, verify  # noqa: F401
 
 REPORT_VERSION = 1
@@ -101,6 +102,9 @@ class BuildConfig:
     gpu_timing_lock: bool = True  # GPU builds take turns with other processes' timing on the same GPU
     force: bool = False
     keep_fp32: list[str] = field(default_factory=list)  # --keep-fp32: op types, node names, globs built in fp32
+    # a model whose output shapes depend on input values: its static part built, the rest (the data-dependent
+    # tail) shipped as ONNX and run by ONNX Runtime after each replay (pipeline/host_tail.py); False: an error
+    host_tail: bool = True
 
 
 def _versions(backend) -> dict:
@@ -798,6 +802,10 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         raise ParastreamError("--min-shapes, --opt-shapes and --max-shapes go together: give at least --min-shapes "
                               "and --max-shapes")
     backend = resolve_backend(cfg.backend)
+    if ranged or (cfg.batch and cfg.batch[0] < cfg.batch[2]):
+        # buckets of one static shape each: a data-dependent tail's outputs have no batch or axis to bucket them
+        # by, so such a model is the one-line error that names its node (pipeline/host_tail.py)
+        cfg = replace(cfg, host_tail=False)
     with _Progress(progress) as bar:
         if ranged:  # dynamic shapes on named axes: one static bundle per bucket of the grid
             from .buckets import build_grid
@@ -928,7 +936,7 @@ def load_and_check(model_path, cfg: BuildConfig, backend, bar, shapes) -> _Build
         backend.start_workers(options)  # and planned (each spawns and imports torch and Inductor: seconds)
     early = check_reference_early(model_path, cfg, backend, shapes)
     try:
-        loaded: LoadedModel = load_model(model_path, shapes)
+        loaded: LoadedModel = load_model(model_path, shapes, host_tail=cfg.host_tail)
         timings_file, recorded = open_timings(cfg, backend, loaded)
     except BaseException:
         backend.stop_workers()  # a model that does not load: its one-line error, without waiting for them
@@ -1355,12 +1363,21 @@ def write_report(b: _Build, tmp: Path) -> None:
         "timings": b.timings,
         "stage_seconds": b.stage_seconds(),
     }
+    if loaded.tail is not None:  # the data-dependent tail, as the original has it (pipeline/host_tail.py)
+        from parastream.launcher.tail import TAIL_FILE
+
+        (tmp / TAIL_FILE).write_bytes(loaded.tail.model.SerializeToString())
+        b.report["host_tail"] = loaded.tail.record()
     (tmp / "report.json").write_text(json.dumps(b.report, indent=2, default=str))
     b.manifest = {"parastream": _versions(b.backend), "backend": b.backend.name, "device": _device_description(b.backend),
                   "precision": cfg.precision,
                   "options": {**{k: v for k, v in asdict(cfg).items() if k != "force"}, **_launcher_options(b.options),
                               "internal_nhwc": b.measured["internal_nhwc"] if b.measured else True},
                   "created": utc_now()}
+    if loaded.tail is not None:
+        from parastream.launcher.tail import MANIFEST_KEY
+
+        b.manifest[MANIFEST_KEY] = loaded.tail.record()
     write_manifest(tmp, b.manifest, hashed=False)  # verification loads it unchecked; hashed in finish, once
 
 
@@ -1375,8 +1392,8 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
 
         loaded_as: dict = {}
 
-        def load_bundle():
-            runner = load(tmp, check_hashes=False)
+        def load_bundle():  # (a tail's inputs are the static part's outputs, verified here: host_tail False)
+            runner = load(tmp, check_hashes=False, host_tail=False)
             loaded_as.update(_engines_loaded(runner))
             return runner
 
@@ -1385,6 +1402,9 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
         result = run_verification(loaded.path, loaded.original, None, loaded.inputs, rtol=rtol, atol=atol,
                                   scale_tol=scale_tol, seed=cfg.seed + 1, load=load_bundle,
                                   original_bytes=loaded.original_bytes(), reference=b.reference)
+        if result.passed and loaded.tail is not None:
+            b.report["host_tail"]["end_to_end"] = end_to_end(loaded, tmp, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                                                             seed=cfg.seed + 1)
         task.advance()
     b.report["verification"] = dict(result.to_dict(), **loaded_as)
     if not result.passed:

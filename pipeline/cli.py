@@ -217,7 +217,7 @@ def cmd_build(args) -> int:
                       conv_kernels=args.conv_kernels, cudnn_plans=args.cudnn_plans, engine_blocks=args.engine_blocks,
                       head_engine=args.head_engine, compile_workers=args.compile_workers,
                       gpu_timing_lock=not args.no_gpu_timing_lock,
-                      keep_fp32=parse_keep_fp32(args.keep_fp32),
+                      keep_fp32=parse_keep_fp32(args.keep_fp32), host_tail=not args.no_host_tail,
                       **({} if args.measure_seconds is None else {"measure_seconds": float(args.measure_seconds)}))
     triton_name = args.triton_name or Path(args.model).stem
     if args.triton_repo:  # refuse a bad export before the build, not after it
@@ -331,6 +331,7 @@ def cmd_verify(args) -> int:
     """Compare a bundle with onnxruntime on the original model; print the result, never write into the bundle."""
     from parastream.launcher import load
     from parastream.launcher.bundle import Bundle
+    from parastream.launcher.tail import MANIFEST_KEY
 
     from .model_io import load_model
     from .report import print_verification
@@ -342,9 +343,12 @@ def cmd_verify(args) -> int:
     if bundle.manifest.get("buckets"):
         return verify_buckets(bundle, original, args)
     shapes = {t.name: t.shape for t in bundle.plan.inputs}
-    loaded = load_model(original, shapes)
+    # a bundle with a data-dependent tail: its static part against the original's, what the tail reads included
+    # (the tail is the original's own nodes, run by onnxruntime: launcher/tail.py)
+    tail = MANIFEST_KEY in bundle.manifest
+    loaded = load_model(original, shapes, host_tail=tail)
     rtol, atol, scale_tol = bundle_tolerances(bundle, args.rtol, args.atol, args.scale_tol)
-    runner = load(bundle.path, device=args.device)
+    runner = load(bundle.path, device=args.device, host_tail=False)
     try:
         result = run_verification(original, loaded.original, runner, bundle.plan.inputs, rtol=rtol, atol=atol,
                                   scale_tol=scale_tol, seed=args.seed, iterations=args.iterations)
@@ -597,6 +601,9 @@ def make_parser() -> argparse.ArgumentParser:
                         "and the input's alternatives as their engines are compiled, counted from the moment the input "
                         f"is timed (default {BuildConfig.measure_seconds:g}; the input and the best candidate are always timed)")
     b.add_argument("--no-verify", action="store_true", help="skip verification against onnxruntime")
+    b.add_argument("--no-host-tail", action="store_true",
+                   help="refuse a model whose output shapes depend on the data (a detector's post-processing) instead "
+                        "of building its static part and running the rest with onnxruntime after each replay")
     b.add_argument("--force", action="store_true", help="replace an existing OUT")
     b.add_argument("--quiet", action="store_true", help="print nothing but errors")
     b.add_argument("--verbose", action="store_true", help="print the per-branch table, estimates, timings and "

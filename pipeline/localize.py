@@ -363,6 +363,7 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
 
     from parastream.launcher import load
     from parastream.launcher.bundle import Bundle
+    from parastream.launcher.tail import MANIFEST_KEY
 
     from .model_io import load_model, name_nodes, read_model
     from .verify import bundle_tolerances
@@ -391,7 +392,8 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
     boundary = list(dict.fromkeys([t for b in order for t in b.outputs] + out_names))
     reference = Values(original)
     rewritten = Values(model, budget)
-    runner = load(bundle, device=device)
+    tail = MANIFEST_KEY in bundle.manifest  # the static part is localized: what the tail reads is its outputs
+    runner = load(bundle, device=device, host_tail=False)
     G_LOGGER.module_severity = G_LOGGER.ERROR  # as verify: no polygraphy lines about the inputs it draws
     loader, _ = seeded_inputs(original, plan.inputs, seed=seed, iterations=iterations)
     try:
@@ -412,7 +414,7 @@ def localize(bundle_path, original_path=None, *, seed: int = 0, iterations: int 
             result.input_index = index
             if rewrite_err > tol1:
                 if loaded is None:
-                    loaded = load_model(original_path, {t.name: t.shape for t in plan.inputs})
+                    loaded = load_model(original_path, {t.name: t.shape for t in plan.inputs}, host_tail=tail)
                 result.status = "rewrite"
                 result.rewrite = _rewrite_stage(loaded.model, model, bundle.report, feeds, ref, rewrite_err, tol1, budget)
             if first is not None:

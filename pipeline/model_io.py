@@ -24,6 +24,8 @@ from parastream.core.tensors import TensorSpec, random_feeds
 if TYPE_CHECKING:
     import onnx_graphsurgeon as gs
 
+    from .host_tail import HostTail
+
 
 def parse_shapes(text: str | None) -> dict[str, list[int]]:
     """Parse ``--shapes name:1x3x224x224,other:1x128`` into ``{name: [dims]}``."""
@@ -92,6 +94,9 @@ class LoadedModel:
     graph: gs.Graph | None = None
     # ``original`` serialized (``original_bytes``): the file's own bytes where the original is the file as read
     original_data: bytes | None = None
+    # the model's data-dependent tail, cut off by ``load_model(host_tail=True)`` (pipeline/host_tail.py): then
+    # ``model``, ``original`` and ``outputs`` are the static part's, whose outputs include the tensors it reads
+    tail: "HostTail | None" = None
 
     def original_bytes(self) -> bytes:
         """``original`` serialized, once: what ONNX Runtime loads for the early check and for the verification's
@@ -655,24 +660,23 @@ def _shaping_inputs(node: onnx.NodeProto) -> list[str]:
     return [node.input[i] for i in which if i < len(node.input) and node.input[i]]
 
 
-def _data_dependent_node(model: onnx.ModelProto, unknown: list[tuple[onnx.NodeProto, str]]) -> onnx.NodeProto | None:
-    """The first node, in graph order, whose output shape depends on the values (not only the shapes) of
-    the model's inputs: a NonZero, an NMS, or a Reshape/Slice/TopK/... whose size input is computed from
-    the data.  Only nodes whose outputs are unknown are considered; constants and Shape/Size outputs do
-    not carry data."""
+def _data_dependent_nodes(model: onnx.ModelProto, unknown: list[tuple[onnx.NodeProto, str]]) -> list[onnx.NodeProto]:
+    """The nodes, in graph order, whose output shape depends on the values (not only the shapes) of the
+    model's inputs: a NonZero, an NMS, or a Reshape/Slice/TopK/... whose size input is computed from the
+    data.  Only nodes whose outputs are unknown are considered; constants and Shape/Size outputs do not
+    carry data."""
     sources = _value_sources(model)
     seen: set[str] = set()
+    found = []
     for node, _out in unknown:
         if node.name in seen:
             continue
         seen.add(node.name)
         if node.op_type not in _VALUE_SHAPED:
             continue
-        if node.op_type in _ALWAYS_DATA_DEPENDENT:
-            return node
-        if any(sources(i) for i in _shaping_inputs(node)):
-            return node
-    return None
+        if node.op_type in _ALWAYS_DATA_DEPENDENT or any(sources(i) for i in _shaping_inputs(node)):
+            found.append(node)
+    return found
 
 
 def _quoted(names, noun: str) -> str:
@@ -691,7 +695,18 @@ def _position_in_file(path: Path, name: str) -> tuple[int, int] | None:
     return (names.index(name) + 1, len(names)) if name in names else None
 
 
-def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str, path: Path) -> ParastreamError:
+class DataDependentShape(ParastreamError):
+    """A node gives a tensor a shape that depends on input values (``_data_dependent_error``): its name is
+    ``node`` and those of the others found with it (``nodes``), where a build cuts the model's data-dependent
+    tail off (pipeline/host_tail.py)."""
+
+    def __init__(self, message: str, *, nodes: list[str]):
+        super().__init__(message)
+        self.nodes = nodes
+
+
+def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str, path: Path,
+                          also: list[str] = ()) -> DataDependentShape:
     """One line that says where a node whose output shape depends on input values sits: its position in the
     model file, the graph inputs whose values it is computed from, and what depends on it (how many nodes, the
     next ops, the outputs it reaches), so that the user can see which part of the export to leave out."""
@@ -725,9 +740,9 @@ def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str
         after += f", reaching {_quoted(outputs, 'output')}"
     fix = (f"leave the path from {_quoted(srcs, 'input')} to this node out of the export (e.g. without that input if "
            "it is optional), or end the model before this node") if srcs else "end the model before this node"
-    return ParastreamError(
+    return DataDependentShape(
         f"{path}: node {node.name!r} ({node.op_type}, node {k} of {total}) gives {out!r} a shape that {where}, "
-        f"not only on the input shapes; {after}. parastream plans static shapes: {fix}")
+        f"not only on the input shapes; {after}. parastream plans static shapes: {fix}", nodes=[node.name, *also])
 
 
 def _symbolic_infer(model: onnx.ModelProto) -> onnx.ModelProto:
@@ -811,19 +826,22 @@ def _static_shapes(model: onnx.ModelProto, path: Path, graph=None, held: dict | 
         model = _infer(_symbolic_infer(model), path)
     unknown = unknown_tensors(model)
     if unknown:
-        node = _data_dependent_node(model, unknown)
-        if node is not None:
+        nodes = _data_dependent_nodes(model, unknown)
+        if nodes:  # the first one named; every one of them is where a build cuts a tail off (``load_model``)
+            node = nodes[0]
             out = next((o for n, o in unknown if n is node), node.output[0])
-            raise _data_dependent_error(model, node, out, path)
+            raise _data_dependent_error(model, node, out, path, also=[n.name for n in nodes[1:]])
         model = _record_shapes_by_running(model, [o for _n, o in unknown], path)
         model = _infer(model, path)
     return model, None
 
 
-def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> LoadedModel:
-    """Read, check, fix input shapes, fold constants, give every tensor a static shape; raise ParastreamError on bad input."""
-    from parastream.rewrite.ir import adopt_model
+def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None, *, host_tail: bool = False) -> LoadedModel:
+    """Read, check, fix input shapes, fold constants, give every tensor a static shape; raise ParastreamError on bad input.
 
+    ``host_tail``: a model with nodes whose output shapes depend on input values is cut where they start
+    (pipeline/host_tail.py): the LoadedModel is its static part (its outputs: the model's outputs it computes,
+    then the tensors the tail reads), and ``tail`` the rest; else such a node is a one-line error."""
     path = Path(path)
     model, data = read_model_and_bytes(path)
     _check(model, path, data)
@@ -838,11 +856,29 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
     if shapes:
         _fix_input_shapes(original, shapes, path)
     _check_sizes(model, path)  # before anything allocates, and as declared (folding merges declarations)
+    try:
+        return _load_checked(path, model, original, data)
+    except DataDependentShape as e:
+        if not host_tail:
+            raise
+        return _load_static_part(path, original, e)
+
+
+def _load_checked(path: Path, model: onnx.ModelProto, original: onnx.ModelProto, data: bytes | None,
+                  boundary: frozenset[str] = frozenset()) -> LoadedModel:
+    """``load_model`` from the checked model with its input shapes fixed: fold, infer, check the outputs.
+    ``boundary``: outputs that a tail reads (``_load_static_part``), where one that folds to a constant is
+    ``ConstantBoundary`` rather than an error."""
+    from parastream.rewrite.ir import adopt_model
+
     model, graph, held = _fold_constants(model, path)
     model, graph = _static_shapes(model, path, graph, held)
     name_nodes(model)
     init_names = {t.name for t in model.graph.initializer}
     inputs = [_spec(vi, path, "input") for vi in model.graph.input if vi.name not in init_names]
+    folded = [vi.name for vi in model.graph.output if vi.name in init_names and vi.name in boundary]
+    if folded:
+        raise ConstantBoundary({t.name: t for t in model.graph.initializer if t.name in folded})
     outputs = []
     for vi in model.graph.output:
         if vi.name in init_names:
@@ -857,6 +893,45 @@ def load_model(path: str | Path, shapes: dict[str, list[int]] | None = None) -> 
     graph = (None if graph is None else adopt_model(graph, model)) or graph_of(model)
     return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs, graph=graph,
                        original_data=data)
+
+
+class ConstantBoundary(Exception):
+    """Tensors a tail reads that the static part folded to constants (``_load_checked``): the tail holds them."""
+
+    def __init__(self, tensors: dict[str, onnx.TensorProto]):
+        super().__init__(", ".join(tensors))
+        self.tensors = tensors
+
+
+def _load_static_part(path: Path, original: onnx.ModelProto, first: DataDependentShape) -> LoadedModel:
+    """The static part of ``original`` loaded, its tail cut off where ``first`` names the data-dependent node
+    (``host_tail.split``), again with each further data-dependent node the static part's load finds, and with
+    each tensor the tail reads that the static part folds to a constant handed to the tail as a value."""
+    from .host_tail import split
+
+    seeds, constants = set(first.nodes), {}
+    try:
+        typed = shape_inference.infer_shapes(original)
+    except Exception:  # noqa: BLE001 - onnx's inference refuses what it cannot read: the node's error stands
+        raise first from None
+    for _ in range(len(original.graph.node)):
+        try:
+            static, tail = split(original, seeds, constants, typed=typed)
+        except ParastreamError as e:
+            raise ParastreamError(f"{first}; {e}") from None
+        model = onnx.ModelProto()
+        model.CopyFrom(static)
+        try:
+            loaded = _load_checked(path, model, static, None, frozenset(tail.boundary))
+        except DataDependentShape as e:
+            seeds.update(e.nodes)
+            continue
+        except ConstantBoundary as c:
+            constants.update(c.tensors)
+            continue
+        loaded.tail = tail
+        return loaded
+    raise first
 
 
 MAX_ELEMENTS = 2**31 - 1  # TensorRT's limit on a tensor's volume; the launchers' buffers are sized from it too

@@ -113,7 +113,20 @@ def build_summary(bundle) -> dict:
         "peak_rss_mb": rep.get("peak_rss_mb"),
         "buckets": _buckets_summary(rep.get("buckets")),
         "recorded_timings": rep.get("recorded_timings"),
+        "host_tail": _host_tail_summary(rep.get("host_tail")),
     }
+
+
+def _host_tail_summary(rec: dict | None) -> dict | None:
+    """A bundle's data-dependent tail (pipeline/host_tail.py): its size, where it starts, what it computes and how
+    the whole bundle compared with onnxruntime end to end."""
+    if not rec:
+        return None
+    e2e = rec.get("end_to_end") or {}
+    return {"nodes": rec.get("nodes"), "starts_at": rec.get("seeds"), "outputs": rec.get("outputs"),
+            "reads": len(rec.get("boundary") or []), "feeds": rec.get("feeds") or [],
+            "end_to_end_within_tolerance": e2e.get("within_tolerance"),
+            "end_to_end_shapes_differ": sorted(k for k, o in (e2e.get("outputs") or {}).items() if not o.get("same_shape"))}
 
 
 def _timings_line(rt: dict | None) -> str | None:
@@ -191,10 +204,24 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
     timings = _timings_line(s["recorded_timings"])
     if timings:
         console.print(escape(f"  {timings}"))
+    tail = s["host_tail"]
+    if tail:
+        seeds = tail["starts_at"] or []
+        start = ", ".join(seeds[:3]) + (f" and {len(seeds) - 3} more" if len(seeds) > 3 else "")
+        e2e = tail["end_to_end_within_tolerance"]
+        differ = tail["end_to_end_shapes_differ"]
+        ends = ("" if e2e is None else "; end to end within tolerance of onnxruntime" if e2e
+                else f"; end to end, shapes differ from onnxruntime's on {', '.join(differ)}" if differ
+                else "; end to end, values outside the tolerance (report.json host_tail.end_to_end)")
+        console.print(escape(f"  data-dependent tail: {plural(tail['nodes'] or 0, 'node')} from {start} on, computing "
+                             f"{', '.join(tail['outputs'] or [])}, run by onnxruntime on the host after each replay "
+                             f"(it reads {plural(tail['reads'], 'tensor')} of the plan"
+                             + (f" and input {', '.join(tail['feeds'])}" if tail["feeds"] else "") + f"){ends}"))
     ver = s["verification"]
     if ver:
         bound = f"<= {ver['scale_tol']}" if ver["criterion"] == "scaled" else "elementwise rtol/atol"
-        console.print(escape(f"  verification: {ver['status']} against onnxruntime on the original model "
+        on = "the original model" + ("'s static part (what the tail reads included)" if tail else "")
+        console.print(escape(f"  verification: {ver['status']} against onnxruntime on {on} "
                              f"(max scaled error {ver['max_scaled_error']:.3g}, {bound})"))
         for name, why in ver["not_meaningful"].items():
             console.print(f"  [yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(why)}")

@@ -53,6 +53,7 @@ from parastream.launcher.bundle import Bundle, inside
 from parastream.launcher.engines import get_backend
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.plan import TensorSpec
+from parastream.launcher.tail import MANIFEST_KEY, served_outputs
 
 from .outdir import check_target, move_into_place, staging, why_not_ours, write_marker
 
@@ -216,9 +217,14 @@ def graph_model(bundle: Bundle, name: str, *, max_batch: int = 0, instances: int
                                   f"{', '.join(a['name'] for a in record['axes'])}); export with --max-batch 0")
     if buckets:  # a dynamic-batch bundle batches up to MAX, each batch on its smallest bucket (no padding to B)
         max_batch = max_batch or max(buckets)
+    if max_batch and MANIFEST_KEY in bundle.manifest:
+        raise ParastreamError(f"--max-batch {max_batch}: {bundle.path} ends in a data-dependent tail (its outputs' "
+                              "shapes depend on the data, with no batch axis to split a batch's results by); export "
+                              "with --max-batch 0")
     config = mc.ModelConfig(name=name, backend="python", max_batch_size=max_batch)
     config.input.extend(_io(mc.ModelInput, t, max_batch, dynamic.get(t.name)) for t in plan.inputs)
-    config.output.extend(_io(mc.ModelOutput, t, max_batch, dynamic.get(t.name)) for t in plan.outputs)
+    # (a tail's outputs: their dimensions unknown before a run declared -1, launcher/tail.py)
+    config.output.extend(_io(mc.ModelOutput, t, max_batch, dynamic.get(t.name)) for t in served_outputs(bundle))
     if gpus and not gpu:
         raise ParastreamError(f"--gpus {','.join(map(str, gpus))}: {bundle.path} has {plan.backend} engines, served by KIND_CPU "
                               "instances, which take no GPUs; leave --gpus out")
@@ -436,7 +442,13 @@ def _bundle_problems(where: str, config, folder: Path) -> list[str]:
         problems.append(f"{where}: {P_BACKEND} is {params[P_BACKEND]!r} but the bundle was built with {plan.backend!r}")
     record = bundle.manifest.get("buckets") or {}
     dynamic = grid_dynamic_dims(record) if "axes" in record else {}
-    for kind, specs, ios in (("input", plan.inputs, config.input), ("output", plan.outputs, config.output)):
+    try:
+        outputs = served_outputs(bundle)
+    except ParastreamError as e:
+        return [f"{where}: {e}"]
+    if mb > 0 and MANIFEST_KEY in bundle.manifest:
+        problems.append(f"{where}: max_batch_size {mb} but the bundle ends in a data-dependent tail; it takes 0")
+    for kind, specs, ios in (("input", plan.inputs, config.input), ("output", outputs, config.output)):
         declared = {io.name: io for io in ios}
         if sorted(declared) != sorted(t.name for t in specs):
             problems.append(f"{where}: {kind}s {sorted(declared)} differ from the bundle's {sorted(t.name for t in specs)}")

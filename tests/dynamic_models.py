@@ -114,3 +114,57 @@ def small_cnn(path: Path) -> Path:
     g = helper.make_graph(nodes, "cnn", [helper.make_tensor_value_info("image", TensorProto.FLOAT, ["N", 3, "H", "W"])],
                           [helper.make_tensor_value_info("logits", TensorProto.FLOAT, ["N", 5])], [w, fc])
     return _save(g, path)
+
+
+def small_detector(path: Path, *, max_det_input: bool = False, batch: int | str = 1) -> Path:
+    """A detector in miniature: a CNN whose ``logits`` [B, 10] are static, and a post-processing tail as detection
+    exports write it: scores above 0.5 (``NonZero``), their boxes (``GatherND``), the best ``min(count, 5)`` of
+    them (``TopK``, its k computed from the data) and the boxes divided by the image's width (a tensor the static
+    part folds to a constant, from the input's shape): ``scores`` [K], ``boxes`` [K, 4], K from the data.
+    ``max_det_input``: k is ``min(count, max_det)``, ``max_det`` an int64 input [1] only the tail reads.
+    ``batch``: the input's first dimension (a name makes it dynamic)."""
+    rng = np.random.default_rng(0)
+
+    def init(name, shape, scale=0.3):
+        return numpy_helper.from_array((rng.standard_normal(shape) * scale).astype(np.float32), name)
+
+    inits = [init("w1", (8, 3, 3, 3)), init("w2", (1, 8, 1, 1)), init("w3", (4, 8, 1, 1)), init("g", (10, 8)),
+             numpy_helper.from_array(np.array(0.5, np.float32), "thr"),
+             numpy_helper.from_array(np.array([-1], np.int64), "flat"),
+             numpy_helper.from_array(np.array([-1, 4], np.int64), "by4"),
+             numpy_helper.from_array(np.array([3], np.int64), "at3")]
+    nodes = [
+        helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
+        helper.make_node("Relu", ["c1"], ["r1"]),
+        helper.make_node("GlobalAveragePool", ["r1"], ["gap"]),
+        helper.make_node("Flatten", ["gap"], ["pooled"]),
+        helper.make_node("Gemm", ["pooled", "g"], ["logits"], transB=1),
+        helper.make_node("Conv", ["r1", "w2"], ["c2"]),
+        helper.make_node("Sigmoid", ["c2"], ["sig"]),
+        helper.make_node("Reshape", ["sig", "flat"], ["all_scores"]),
+        helper.make_node("Conv", ["r1", "w3"], ["c3"]),
+        helper.make_node("Transpose", ["c3"], ["c3t"], perm=[0, 2, 3, 1]),
+        helper.make_node("Reshape", ["c3t", "by4"], ["all_boxes"]),
+        helper.make_node("Shape", ["x"], ["xshape"]),
+        helper.make_node("Gather", ["xshape", "at3"], ["width_i"]),
+        helper.make_node("Cast", ["width_i"], ["width"], to=TensorProto.FLOAT),
+        helper.make_node("Greater", ["all_scores", "thr"], ["mask"]),
+        helper.make_node("NonZero", ["mask"], ["nz"]),
+        helper.make_node("Transpose", ["nz"], ["idx"], perm=[1, 0]),
+        helper.make_node("GatherND", ["all_scores", "idx"], ["kept"]),
+        helper.make_node("GatherND", ["all_boxes", "idx"], ["kept_boxes"]),
+        helper.make_node("Shape", ["kept"], ["count"]),
+        helper.make_node("Min", ["count", "max_det" if max_det_input else "five"], ["k"]),
+        helper.make_node("TopK", ["kept", "k"], ["scores", "best"]),
+        helper.make_node("Gather", ["kept_boxes", "best"], ["best_boxes"], axis=0),
+        helper.make_node("Div", ["best_boxes", "width"], ["boxes"]),
+    ]
+    inputs = [helper.make_tensor_value_info("x", TensorProto.FLOAT, [batch, 3, 16, 16])]
+    if max_det_input:
+        inputs.append(helper.make_tensor_value_info("max_det", TensorProto.INT64, [1]))
+    else:
+        inits.append(numpy_helper.from_array(np.array([5], np.int64), "five"))
+    outputs = [helper.make_tensor_value_info("logits", TensorProto.FLOAT, [batch, 10]),
+               helper.make_tensor_value_info("scores", TensorProto.FLOAT, ["k"]),
+               helper.make_tensor_value_info("boxes", TensorProto.FLOAT, ["k", 4])]
+    return _save(helper.make_graph(nodes, "small_detector", inputs, outputs, inits), path)

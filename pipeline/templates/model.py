@@ -349,6 +349,8 @@ class TritonPythonModel:
         wire = ([hi - lo] if self.max_batch else []) + self.wire[spec.name]
         if self.grid:  # dims -1 in the config: the launcher's outputs are already cut to the requests' shapes
             wire = ([hi - lo] if self.max_batch else []) + list(value.shape[1 if self.max_batch else 0:]) if value.shape else wire
+        elif not self.max_batch and any(d < 0 for d in wire):  # a data-dependent tail's output (dims -1 in the
+            wire = list(value.shape) or [1]                      # config): the shape this run gave it
         if hasattr(value, "__cuda_array_interface__"):
             torch = _torch()
             t = value.torch() if hasattr(value, "torch") else torch.as_tensor(value, device=f"cuda:{self.device}")

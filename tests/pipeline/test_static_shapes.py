@@ -163,9 +163,11 @@ def _reshape_by_data_model():
 @pytest.mark.parametrize("make, node, op", [(_nonzero_model, "find_positive", "NonZero"),
                                             (_reshape_by_data_model, "reshape_by_values", "Reshape")])
 def test_data_dependent_shape_names_the_node(tmp_path, capsys, make, node, op):
+    """With --no-host-tail (else the build cuts the data-dependent part off and runs it on the host,
+    tests/pipeline/test_host_tail.py)."""
     path = _save(make(), tmp_path / "dd.onnx")
     out = tmp_path / "out"
-    code = main(["build", path, "-o", str(out), "--backend", "onnxruntime", "--quiet"])
+    code = main(["build", path, "-o", str(out), "--backend", "onnxruntime", "--quiet", "--no-host-tail"])
     err = capsys.readouterr().err.strip()
     assert code == 2, err
     assert len(err.splitlines()) == 1
@@ -238,3 +240,23 @@ def test_symbolic_inference_leaves_nothing_in_the_working_folder(tmp_path, monke
     model_io._symbolic_infer(onnx.shape_inference.infer_shapes(m))
     assert list(work.iterdir()) == []
     assert __import__("os").getcwd() == str(work)
+
+
+def test_data_dependent_shape_builds_with_its_tail_on_the_host(tmp_path):
+    """By default the NonZero model builds: the data-dependent node and what follows it run by onnxruntime after
+    the replay, the outputs those of onnxruntime on the original."""
+    import onnxruntime as ort
+
+    from parastream.launcher import load
+
+    path = _save(_nonzero_model(), tmp_path / "dd.onnx")
+    assert main(["build", path, "-o", str(tmp_path / "out"), "--backend", "onnxruntime", "--quiet"]) == 0
+    run = load(tmp_path / "out")
+    sess = ort.InferenceSession(str(path))
+    rng = np.random.default_rng(0)
+    for _ in range(3):
+        feeds = {"x": rng.standard_normal([2, 3]).astype(np.float32)}
+        got = run(feeds)
+        for name, want in zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)):
+            assert got[name].shape == want.shape
+            np.testing.assert_array_equal(got[name], want)

@@ -1,0 +1,149 @@
+"""A model's data-dependent tail: the nodes whose output shapes depend on input values, run on the host.
+
+Detection models end in post-processing whose output shapes depend on the data: a ``NonZero`` over scores above
+a threshold, a ``TopK`` whose k is computed from how many there are, ``NonMaxSuppression``.  parastream plans
+static shapes (every engine, every arena buffer), so those nodes and every node that depends on them cannot be
+planned.  What a user deploying such a model wants is the rest of it accelerated and the tail still run: the
+build cuts the model in two where the data-dependent part starts (``split``):
+
+- the **static part**, every node that does not depend on a data-dependent node: built, searched, planned and
+  verified like any model; its outputs are the model's outputs it computes and the *boundary* tensors the tail
+  reads;
+- the **tail**, the data-dependent nodes and everything downstream of them: shipped in the bundle as
+  ``tail.onnx`` (the original's own nodes, cut by ``onnx.utils.Extractor``) and run by ONNX Runtime on the
+  host after each replay (``parastream.launcher.tail``), on the boundary tensors the static part computed.
+
+The bundle's verification compares the static part, boundary tensors included, with ONNX Runtime on the
+original's static part; the tail is the reference's own computation on those tensors.  The whole bundle is then
+also run once against ONNX Runtime on the whole original, and report.json records how its outputs compare
+(``end_to_end``): a box whose score sits within the precision's tolerance of a threshold can come and go, so
+that comparison is reported, not required.
+
+The tail's outputs have no static shape and, after a ``NonZero`` over a batch, no batch axis: a bundle with a
+tail is built at one static batch, and its Triton model takes ``max_batch_size`` 0.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import onnx
+
+from parastream.launcher.errors import ParastreamError
+from parastream.launcher.tail import TAIL_FILE
+
+
+@dataclass
+class HostTail:
+    """The tail cut off a model (``split``)."""
+
+    model: onnx.ModelProto  # the tail: its inputs are ``boundary`` then ``feeds``
+    boundary: list[str]  # tensors the static part computes and the tail reads (static outputs of the bundle)
+    feeds: list[str]  # the model's own inputs the tail reads
+    outputs: list[str]  # the model's outputs the tail computes
+    order: list[str]  # every output of the model, in its order (the static part's and the tail's)
+    seeds: list[str]  # the data-dependent nodes it starts at
+    constants: list[str] = field(default_factory=list)  # boundary tensors the static part folded: the tail holds them
+
+    def record(self) -> dict:
+        """manifest.json's record (``launcher.tail.MANIFEST_KEY``): what the launcher needs to run the tail."""
+        ops: dict[str, int] = {}
+        for n in self.model.graph.node:
+            ops[n.op_type] = ops.get(n.op_type, 0) + 1
+        return {"file": TAIL_FILE, "boundary": self.boundary, "feeds": self.feeds, "outputs": self.outputs,
+                "order": self.order, "seeds": self.seeds, "constants": self.constants,
+                "nodes": len(self.model.graph.node), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+
+
+def downstream(model: onnx.ModelProto, seeds: set[str]) -> set[int]:
+    """Indices of the nodes named in ``seeds`` and of every node that reads, directly or not, one of their outputs."""
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(model.graph.node):
+        for t in n.input:
+            if t:
+                consumers.setdefault(t, []).append(i)
+    found = {i for i, n in enumerate(model.graph.node) if n.name in seeds}
+    todo = [t for i in found for t in model.graph.node[i].output if t]
+    while todo:
+        for i in consumers.get(todo.pop(), []):
+            if i not in found:
+                found.add(i)
+                todo.extend(t for t in model.graph.node[i].output if t)
+    return found
+
+
+def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.TensorProto] | None = None,
+          *, typed: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, HostTail]:
+    """``original`` cut where the nodes named in ``seeds`` start its data-dependent part: (the static part, the
+    tail).  ``constants``: boundary tensors that the static part computes from shapes and constants alone (its
+    load folds them): the tail holds their values instead of reading them.  ``typed``: ``original`` with ONNX's
+    shape inference run (its value_info gives the cut tensors' types; made here when not given)."""
+    constants = constants or {}
+    graph = original.graph
+    tail_nodes = downstream(original, seeds)
+    if not tail_nodes:
+        raise ParastreamError(f"no node named {sorted(seeds)} to cut the model at")
+    inits = {t.name for t in graph.initializer}
+    real_inputs = [vi.name for vi in graph.input if vi.name not in inits]
+    produced_in_tail = {t for i in tail_nodes for t in graph.node[i].output if t}
+    read_by_tail = list(dict.fromkeys(t for i in sorted(tail_nodes) for t in graph.node[i].input if t))
+    feeds = [t for t in real_inputs if t in read_by_tail]
+    boundary = [t for t in read_by_tail
+                if t not in produced_in_tail and t not in inits and t not in feeds and t not in constants]
+    order = [vi.name for vi in graph.output]
+    tail_outputs = [t for t in order if t in produced_in_tail]
+    static_outputs = [t for t in order if t not in produced_in_tail] + [t for t in boundary if t not in order]
+    if not static_outputs:
+        raise ParastreamError("every output depends on the data-dependent nodes and the tail reads only the "
+                              "model's inputs: nothing is left to build")
+    typed = typed or onnx.shape_inference.infer_shapes(original)
+    extractor = onnx.utils.Extractor(typed)
+    # the folded boundary tensors are inputs of the extraction too, so that it stops there (then they are the
+    # tail's initializers, not its inputs)
+    held = [t for t in read_by_tail if t in constants]
+    try:
+        static = extractor.extract_model(real_inputs, static_outputs)
+        tail = extractor.extract_model(boundary + feeds + held, tail_outputs)
+    except ValueError as e:  # a cut tensor whose type ONNX's inference could not give
+        raise ParastreamError(f"the data-dependent part cannot be cut off: {e}") from None
+    if held:
+        keep = [vi for vi in tail.graph.input if vi.name not in constants]
+        del tail.graph.input[:]
+        tail.graph.input.extend(keep)
+        tail.graph.initializer.extend(constants[n] for n in held)
+    # the outputs keep the original's declarations (Extractor takes value_info's, which shape inference may
+    # have narrowed); the static part's boundary outputs get what inference gave them
+    declared = {vi.name: vi for vi in graph.output}
+    for vi in [*static.graph.output, *tail.graph.output]:
+        if vi.name in declared:
+            vi.CopyFrom(declared[vi.name])
+    for part in (static, tail):
+        del part.graph.value_info[:]
+        part.graph.name = original.graph.name
+    tail.graph.name = f"{original.graph.name}_tail"
+    names = [graph.node[i].name for i in sorted(tail_nodes) if graph.node[i].name in seeds]
+    return static, HostTail(model=tail, boundary=boundary, feeds=feeds, outputs=tail_outputs, order=order,
+                            seeds=names, constants=held)
+
+
+def end_to_end(loaded, bundle_dir, *, rtol: float, atol: float, scale_tol: float | None, seed: int) -> dict:
+    """The whole bundle (its static part replayed, then its tail) once against ONNX Runtime on the whole original,
+    at the verification's inputs: what report.json's ``host_tail.end_to_end`` records.  Not a verdict (see the
+    module docstring): an output whose shape differs is recorded as such; a tail that does not run is an error."""
+    from parastream.launcher import load
+
+    from .model_io import name_nodes, read_model
+    from .verify import run_verification
+
+    full = read_model(loaded.path)
+    name_nodes(full)  # the reference's node names, as the build's own reference has them (onnxruntime needs them unique)
+    result = run_verification(loaded.path, full, None, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                              seed=seed, iterations=1, load=lambda: load(bundle_dir, check_hashes=False))
+    outputs = {}
+    for name, d in result.outputs.items():
+        same = d["max_abs"] != float("inf")
+        outputs[name] = {"same_shape": same, **({"max_abs": d["max_abs"], "within_tolerance": d["passed"]} if same else {}),
+                         # (a detector with random weights may detect nothing: equal, and empty)
+                         **({"not_meaningful": d["not_meaningful"]} if d.get("not_meaningful") else {})}
+    return {"compared": "the bundle with its tail against onnxruntime on the whole original, one input",
+            "within_tolerance": all(o.get("within_tolerance") for o in outputs.values()), "outputs": outputs}

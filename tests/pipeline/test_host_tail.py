@@ -1,0 +1,204 @@
+"""A model whose output shapes depend on the data (a detector's post-processing): its static part built and
+verified, its data-dependent tail shipped as ``tail.onnx`` and run by ONNX Runtime after each replay
+(pipeline/host_tail.py, launcher/tail.py).  CPU engines here; tests/pipeline/test_build_gpu.py builds it with
+torch engines on a GPU."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import onnx
+import onnxruntime as ort
+import pytest
+from dynamic_models import small_detector
+
+from parastream.launcher import load
+from parastream.launcher.bundle import Bundle, write_manifest
+from parastream.launcher.errors import ParastreamError
+from parastream.pipeline import build
+from parastream.pipeline.cli import main as cli
+from parastream.pipeline.host_tail import split
+from parastream.pipeline.model_io import DataDependentShape, load_model, name_nodes
+
+
+def _feeds(seed: int, max_det: int | None = None, scale: float = 1.0) -> dict[str, np.ndarray]:
+    x = (np.random.default_rng(seed).standard_normal((1, 3, 16, 16)) * scale).astype(np.float32)
+    return {"x": x, **({"max_det": np.array([max_det], np.int64)} if max_det is not None else {})}
+
+
+@pytest.fixture(scope="module")
+def detector(tmp_path_factory):
+    root = tmp_path_factory.mktemp("detector")
+    path = small_detector(root / "det.onnx")
+    return path, build(path, root / "out", backend="onnxruntime", search=False)
+
+
+def test_split_runs_as_the_whole_model(tmp_path):
+    """The two parts, each run by onnxruntime, the static part's outputs into the tail, give the original's outputs."""
+    path = small_detector(tmp_path / "det.onnx", max_det_input=True)
+    original = onnx.load(str(path))
+    name_nodes(original)
+    static, tail = split(original, {n.name for n in original.graph.node if n.op_type == "NonZero"})
+    assert "NonZero" not in {n.op_type for n in static.graph.node}
+    assert {n.op_type for n in tail.model.graph.node} >= {"NonZero", "TopK", "GatherND"}
+    assert tail.outputs == ["scores", "boxes"] and tail.order == ["logits", "scores", "boxes"]
+    assert tail.feeds == ["max_det"]  # the input only the tail reads
+    assert set(tail.boundary) == {"mask", "all_scores", "all_boxes", "width"}  # (nothing folded here)
+    full = ort.InferenceSession(original.SerializeToString())
+    first = ort.InferenceSession(static.SerializeToString())
+    second = ort.InferenceSession(tail.model.SerializeToString())
+    for seed in range(3):
+        feeds = _feeds(seed, max_det=3)
+        want = dict(zip(["logits", "scores", "boxes"], full.run(None, feeds)))
+        got = dict(zip([o.name for o in static.graph.output], first.run(None, {"x": feeds["x"], "max_det": feeds["max_det"]})))
+        tail_in = {n: got[n] for n in tail.boundary} | {"max_det": feeds["max_det"]}
+        got.update(zip(tail.outputs, second.run(None, tail_in)))
+        for name in tail.order:
+            np.testing.assert_array_equal(got[name], want[name])
+
+
+def test_load_cuts_the_tail_and_folds_what_it_reads_from_shapes(tmp_path):
+    path = small_detector(tmp_path / "det.onnx")
+    with pytest.raises(DataDependentShape, match="NonZero"):
+        load_model(path)
+    loaded = load_model(path, host_tail=True)
+    tail = loaded.tail
+    assert [o.name for o in loaded.outputs] == ["logits", "mask", "all_scores", "all_boxes"]
+    assert all(isinstance(d, int) for o in loaded.outputs for d in o.shape)
+    # the image width comes from the input's shape: folded by the static part's load, a value the tail holds
+    assert tail.constants == ["width"] and "width" not in tail.boundary
+    assert "width" in {t.name for t in tail.model.graph.initializer}
+    assert not any(n.op_type in ("NonZero", "TopK") for n in loaded.model.graph.node)
+
+
+def test_bundle_runs_the_whole_model(detector):
+    """The bundle answers the model's outputs, in its order, equal to onnxruntime on the original: with few
+    detections, with the most (k capped at 5) and with none (an input scaled to 0 scores 0.5, not above)."""
+    path, bundle = detector
+    assert (bundle.path / "tail.onnx").is_file() and "tail.onnx" in bundle.manifest["files"]
+    assert bundle.manifest["host_tail"]["outputs"] == ["scores", "boxes"]
+    runner = load(bundle.path)
+    assert [t.name for t in runner.plan.outputs] == ["logits", "scores", "boxes"]
+    assert [t.shape for t in runner.plan.outputs] == [[1, 10], [-1], [-1, 4]]
+    full = ort.InferenceSession(str(path))
+    counts = set()
+    for feeds in [_feeds(0), _feeds(1), _feeds(2, scale=3.0), _feeds(3, scale=0.0)]:
+        got = runner(feeds)
+        want = dict(zip(["logits", "scores", "boxes"], full.run(None, feeds)))
+        assert list(got) == ["logits", "scores", "boxes"]
+        for name in want:
+            assert got[name].shape == want[name].shape
+            np.testing.assert_allclose(got[name], want[name], rtol=1e-5, atol=1e-6)
+        counts.add(len(got["scores"]))
+    assert 0 in counts and len(counts) > 1  # the shapes did depend on the data
+    static = load(bundle.path, host_tail=False)  # the static part alone: what the tail reads, as outputs
+    assert [t.name for t in static.plan.outputs] == ["logits", "mask", "all_scores", "all_boxes"]
+
+
+def test_report_records_the_tail_and_the_end_to_end_comparison(detector):
+    _, bundle = detector
+    rec = bundle.report["host_tail"]
+    assert rec["seeds"] == ["NonZero_15"] and rec["nodes"] == 9
+    assert rec["end_to_end"]["within_tolerance"] is True
+    assert all(o["same_shape"] for o in rec["end_to_end"]["outputs"].values())
+    assert bundle.report["verification"]["passed"]
+    # what was verified is the static part, the tensors the tail reads included
+    assert set(bundle.report["verification"]["outputs"]) == {"logits", "mask", "all_scores", "all_boxes"}
+
+
+def test_an_input_only_the_tail_reads(tmp_path):
+    path = small_detector(tmp_path / "det.onnx", max_det_input=True)
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", search=False)
+    assert bundle.manifest["host_tail"]["feeds"] == ["max_det"]
+    runner = load(bundle.path)
+    full = ort.InferenceSession(str(path))
+    for max_det in (1, 3):
+        feeds = _feeds(5, max_det=max_det)
+        got = runner(feeds)
+        for name, want in zip(["logits", "scores", "boxes"], full.run(None, feeds)):
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+        assert len(got["scores"]) <= max_det
+
+
+def test_cli_build_summary_run_and_verify(detector, tmp_path, capsys):
+    path, bundle = detector
+    assert cli(["build", str(path), "-o", str(tmp_path / "b"), "--backend", "onnxruntime", "--no-search"]) == 0
+    out = capsys.readouterr().out
+    assert "data-dependent tail: 9 nodes from NonZero_15 on, computing scores, boxes" in out
+    np.save(tmp_path / "x.npy", _feeds(1)["x"])
+    assert cli(["run", str(tmp_path / "b"), "--input", f"x={tmp_path / 'x.npy'}", "--output-dir", str(tmp_path / "o")]) == 0
+    want = ort.InferenceSession(str(path)).run(["boxes"], _feeds(1))[0]
+    np.testing.assert_allclose(np.load(tmp_path / "o" / "boxes.npy"), want, rtol=1e-5, atol=1e-6)
+    capsys.readouterr()
+    assert cli(["verify", str(tmp_path / "b"), "--json"]) == 0
+    assert json.loads(capsys.readouterr().out)["passed"] is True
+
+
+def test_no_host_tail_keeps_the_one_line_error(detector, tmp_path, capsys):
+    path, _ = detector
+    assert cli(["build", str(path), "-o", str(tmp_path / "b"), "--backend", "onnxruntime", "--no-host-tail"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "'NonZero_15' (NonZero" in err and "det.onnx" in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_a_dynamic_batch_names_the_node(tmp_path, capsys):
+    """A tail's outputs have no batch axis to bucket: a dynamic-batch build keeps the one-line error."""
+    path = small_detector(tmp_path / "det.onnx", batch="N")
+    assert cli(["build", str(path), "-o", str(tmp_path / "b"), "--backend", "onnxruntime", "--batch", "1:1:2"]) == 2
+    err = capsys.readouterr().err
+    assert "NonZero" in err and not (tmp_path / "b").exists()
+
+
+def test_everything_downstream_of_the_data_is_refused(tmp_path):
+    """A model whose every output is data-dependent and whose tail would read only the inputs: nothing to build."""
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph([helper.make_node("NonZero", ["x"], ["nz"])], "g",
+                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [4])],
+                              [helper.make_tensor_value_info("nz", TensorProto.INT64, [1, "k"])])
+    path = tmp_path / "nz.onnx"
+    onnx.save(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]), path)
+    with pytest.raises(ParastreamError, match=r"nz\.onnx: node .*NonZero.*nothing is left to build"):
+        build(path, tmp_path / "out", backend="onnxruntime")
+    assert not (tmp_path / "out").exists()
+
+
+def test_a_tampered_tail_is_refused(detector, tmp_path):
+    import shutil
+
+    _, bundle = detector
+    copy = tmp_path / "b"
+    shutil.copytree(bundle.path, copy)
+    (copy / "tail.onnx").write_bytes((copy / "tail.onnx").read_bytes() + b"\0")
+    with pytest.raises(ParastreamError, match="tail.onnx"):
+        load(copy)
+
+
+@pytest.mark.parametrize("file", ["../det.onnx", "/etc/passwd", "engines"])
+def test_a_tail_path_outside_the_bundle_or_not_its_file_is_refused(detector, tmp_path, file):
+    import shutil
+
+    _, bundle = detector
+    copy = tmp_path / "b"
+    shutil.copytree(bundle.path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["host_tail"]["file"] = file
+    write_manifest(copy, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+    with pytest.raises(ParastreamError, match="host_tail|outside the bundle|not listed"):
+        load(copy)
+
+
+def test_a_malformed_record_is_refused(detector, tmp_path):
+    import shutil
+
+    _, bundle = detector
+    copy = tmp_path / "b"
+    shutil.copytree(bundle.path, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    manifest["host_tail"]["boundary"] = ["not_a_plan_output"]
+    write_manifest(copy, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+    with pytest.raises(ParastreamError, match="'not_a_plan_output', which the bundle's plan does not give it"):
+        load(copy)
+    assert Bundle.open(copy).manifest["host_tail"]["boundary"] == ["not_a_plan_output"]  # (the open itself is fine)
