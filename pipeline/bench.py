@@ -540,6 +540,9 @@ def bench_bundle(path, *, runs: int | None = None, warmup: int | None = None, ti
             "max_abs_diff_single_vs_multi": mismatch,
         }
         result["speedup"] = result["single_stream_ms"] / result["parastream_ms"]
+        if "host_tail" in bundle.manifest:  # (its replay on the GPU is what the streams change; the tail is host work)
+            result["host_tail"] = ("not in these times: they time the plan's replay; its data-dependent tail runs in "
+                                   "onnxruntime after it (bench/detector_gpu.py times the whole)")
         result.update(baseline)
         if "concat_copies" in times:
             result["concat_copies_ms"] = float(np.median(times["concat_copies"]))
@@ -748,6 +751,7 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
     import onnxruntime as ort
 
     from parastream.launcher.cpu import CpuLauncher
+    from parastream.launcher.tail import TailRunner, tail_record
 
     if original is None:
         recorded = bundle.report.get("model", {}).get("path")
@@ -760,6 +764,9 @@ def bench_cpu(bundle: Bundle, *, runs: int = 50, warmup: int = 5, original: str 
         raise ParastreamError(f"--model {original}: no such file")
     model = Path(original)
     ours = CpuLauncher(bundle)
+    tail = tail_record(bundle)
+    if tail is not None:  # the whole model against the whole model: the plan, then its tail (launcher/tail.py)
+        ours = TailRunner(ours, bundle, tail)
     try:
         plain = ort.InferenceSession(str(model), providers=["CPUExecutionProvider"])
         names = [o.name for o in plain.get_outputs()]

@@ -223,8 +223,14 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
         on = "the original model" + ("'s static part (what the tail reads included)" if tail else "")
         console.print(escape(f"  verification: {ver['status']} against onnxruntime on {on} "
                              f"(max scaled error {ver['max_scaled_error']:.3g}, {bound})"))
+        boundary = set((rep.get("host_tail") or {}).get("boundary") or ())
         for name, why in ver["not_meaningful"].items():
-            console.print(f"  [yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(why)}")
+            if name not in boundary:
+                console.print(f"  [yellow]warning[/yellow]: output {escape(repr(name))} cannot judge the build: {escape(why)}")
+        quiet = [n for n in ver["not_meaningful"] if n in boundary]
+        if quiet:  # (a tail reads counts and flags that random inputs leave the same: one line, not one each)
+            console.print(escape(f"  {plural(len(quiet), 'tensor')} the tail reads cannot judge the build (the same, or "
+                                 "near zero, on every input drawn); report.json's verification names them"))
     else:
         console.print("  verification: skipped (--no-verify)")
     if verbose and s["stage_seconds"]:

@@ -202,3 +202,37 @@ def test_a_malformed_record_is_refused(detector, tmp_path):
     with pytest.raises(ParastreamError, match="'not_a_plan_output', which the bundle's plan does not give it"):
         load(copy)
     assert Bundle.open(copy).manifest["host_tail"]["boundary"] == ["not_a_plan_output"]  # (the open itself is fine)
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_bundle_runs_its_tail_after_the_replay(tmp_path):
+    """Torch engines in fp16 on the GPU (the build's search and rounds as a user's build runs them): the static
+    part replayed as one CUDA Graph, the tail in onnxruntime on the tensors the replay gave, exactly as the tail
+    computes them; the logits within fp16's tolerance of onnxruntime on the original."""
+    from parastream.launcher.gpu import GpuLauncher
+    from parastream.launcher.tail import TailRunner
+
+    path = small_detector(tmp_path / "det.onnx")
+    bundle = build(path, tmp_path / "out", backend="torch", precision="fp16")
+    assert bundle.report["verification"]["passed"] and bundle.report["host_tail"]["end_to_end"]
+    runner = load(bundle.path)
+    assert isinstance(runner, TailRunner) and isinstance(runner.inner, GpuLauncher)
+    static = load(bundle.path, host_tail=False)
+    tail = ort.InferenceSession(str(bundle.path / "tail.onnx"))
+    full = ort.InferenceSession(str(path))
+    counts = set()
+    try:
+        for feeds in [_feeds(0), _feeds(1), _feeds(2, scale=3.0), _feeds(3, scale=0.0)]:
+            got = runner(feeds)
+            part = static(feeds)
+            want = dict(zip(["scores", "boxes"], tail.run(["scores", "boxes"], {n: part[n] for n in ("mask", "all_scores", "all_boxes")})))
+            for name in want:
+                np.testing.assert_array_equal(got[name], want[name])
+            ref = full.run(["logits"], feeds)[0]
+            assert np.abs(got["logits"] - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max())
+            counts.add(len(got["scores"]))
+        assert 0 in counts and len(counts) > 1
+    finally:
+        runner.close()
+        static.close()
