@@ -72,6 +72,47 @@ def downstream(model: onnx.ModelProto, seeds: set[str]) -> set[int]:
     return found
 
 
+_FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
+
+
+def _elem_types(typed: onnx.ModelProto) -> dict[str, int]:
+    g = typed.graph
+    return {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
+
+
+def _decisions_into_tail(graph, tail: set[int], types: dict[str, int], inits: set[str]) -> set[int]:
+    """``tail`` with the nodes that turn floating-point values into the decisions it reads (a ``Greater`` of scores
+    against a threshold, an ``ArgMax``, a ``Cast`` to integers) moved into it, where nothing else reads them: the
+    tail then reads the values, and the static part's outputs are values its verification can judge within a
+    tolerance.  A decision made in the static part's precision (fp16) is a boolean or an index, right or wrong:
+    a score within fp16's error of the threshold flips it, and the build's verification would fail on a model
+    that is as right as fp16 makes it.  In ONNX Runtime on the host the decision is made in fp32 on the values
+    the plan computed (report.json's ``end_to_end`` says where the outputs then differ)."""
+    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
+    consumers: dict[str, list[int]] = {}
+    for i, n in enumerate(graph.node):
+        for t in n.input:
+            if t:
+                consumers.setdefault(t, []).append(i)
+    outputs = {vi.name for vi in graph.output}
+    tail = set(tail)
+    changed = True
+    while changed:
+        changed = False
+        for t in {t for i in tail for t in graph.node[i].input if t}:
+            i = producer.get(t)
+            if i is None or i in tail or types.get(t, onnx.TensorProto.FLOAT) in _FLOATS:
+                continue
+            n = graph.node[i]
+            if (not any(types.get(x) in _FLOATS for x in n.input if x and x not in inits)
+                    or any(o in outputs for o in n.output)
+                    or any(c not in tail for o in n.output if o for c in consumers.get(o, []))):
+                continue
+            tail.add(i)
+            changed = True
+    return tail
+
+
 def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.TensorProto] | None = None,
           *, typed: onnx.ModelProto | None = None) -> tuple[onnx.ModelProto, HostTail]:
     """``original`` cut where the nodes named in ``seeds`` start its data-dependent part: (the static part, the
@@ -84,6 +125,8 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
     if not tail_nodes:
         raise ParastreamError(f"no node named {sorted(seeds)} to cut the model at")
     inits = {t.name for t in graph.initializer}
+    typed = typed or onnx.shape_inference.infer_shapes(original)
+    tail_nodes = _decisions_into_tail(graph, tail_nodes, _elem_types(typed), inits)
     real_inputs = [vi.name for vi in graph.input if vi.name not in inits]
     produced_in_tail = {t for i in tail_nodes for t in graph.node[i].output if t}
     read_by_tail = list(dict.fromkeys(t for i in sorted(tail_nodes) for t in graph.node[i].input if t))
@@ -96,7 +139,6 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
     if not static_outputs:
         raise ParastreamError("every output depends on the data-dependent nodes and the tail reads only the "
                               "model's inputs: nothing is left to build")
-    typed = typed or onnx.shape_inference.infer_shapes(original)
     extractor = onnx.utils.Extractor(typed)
     # the folded boundary tensors are inputs of the extraction too, so that it stops there (then they are the
     # tail's initializers, not its inputs)

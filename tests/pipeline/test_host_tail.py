@@ -44,7 +44,9 @@ def test_split_runs_as_the_whole_model(tmp_path):
     assert {n.op_type for n in tail.model.graph.node} >= {"NonZero", "TopK", "GatherND"}
     assert tail.outputs == ["scores", "boxes"] and tail.order == ["logits", "scores", "boxes"]
     assert tail.feeds == ["max_det"]  # the input only the tail reads
-    assert set(tail.boundary) == {"mask", "all_scores", "all_boxes", "width"}  # (nothing folded here)
+    # the threshold's comparison is the tail's: it reads the scores (values), not the mask (a decision)
+    assert set(tail.boundary) == {"all_scores", "all_boxes", "width"}  # (nothing folded here)
+    assert "Greater" in {n.op_type for n in tail.model.graph.node}
     full = ort.InferenceSession(original.SerializeToString())
     first = ort.InferenceSession(static.SerializeToString())
     second = ort.InferenceSession(tail.model.SerializeToString())
@@ -58,13 +60,25 @@ def test_split_runs_as_the_whole_model(tmp_path):
             np.testing.assert_array_equal(got[name], want[name])
 
 
+def test_a_decision_the_static_part_also_reads_stays_there(tmp_path):
+    """Must not fire: the mask is also a model output, so its comparison stays in the static part (and the tail
+    reads the mask)."""
+    path = small_detector(tmp_path / "det.onnx")
+    original = onnx.load(str(path))
+    original.graph.output.append(onnx.helper.make_tensor_value_info("mask", onnx.TensorProto.BOOL, [256]))
+    name_nodes(original)
+    static, tail = split(original, {n.name for n in original.graph.node if n.op_type == "NonZero"})
+    assert "mask" in tail.boundary and "Greater" in {n.op_type for n in static.graph.node}
+    assert "Greater" not in {n.op_type for n in tail.model.graph.node}
+
+
 def test_load_cuts_the_tail_and_folds_what_it_reads_from_shapes(tmp_path):
     path = small_detector(tmp_path / "det.onnx")
     with pytest.raises(DataDependentShape, match="NonZero"):
         load_model(path)
     loaded = load_model(path, host_tail=True)
     tail = loaded.tail
-    assert [o.name for o in loaded.outputs] == ["logits", "mask", "all_scores", "all_boxes"]
+    assert [o.name for o in loaded.outputs] == ["logits", "all_scores", "all_boxes"]
     assert all(isinstance(d, int) for o in loaded.outputs for d in o.shape)
     # the image width comes from the input's shape: folded by the static part's load, a value the tail holds
     assert tail.constants == ["width"] and "width" not in tail.boundary
@@ -93,18 +107,18 @@ def test_bundle_runs_the_whole_model(detector):
         counts.add(len(got["scores"]))
     assert 0 in counts and len(counts) > 1  # the shapes did depend on the data
     static = load(bundle.path, host_tail=False)  # the static part alone: what the tail reads, as outputs
-    assert [t.name for t in static.plan.outputs] == ["logits", "mask", "all_scores", "all_boxes"]
+    assert [t.name for t in static.plan.outputs] == ["logits", "all_scores", "all_boxes"]
 
 
 def test_report_records_the_tail_and_the_end_to_end_comparison(detector):
     _, bundle = detector
     rec = bundle.report["host_tail"]
-    assert rec["seeds"] == ["NonZero_15"] and rec["nodes"] == 9
+    assert rec["seeds"] == ["NonZero_15"] and rec["nodes"] == 10
     assert rec["end_to_end"]["within_tolerance"] is True
     assert all(o["same_shape"] for o in rec["end_to_end"]["outputs"].values())
     assert bundle.report["verification"]["passed"]
     # what was verified is the static part, the tensors the tail reads included
-    assert set(bundle.report["verification"]["outputs"]) == {"logits", "mask", "all_scores", "all_boxes"}
+    assert set(bundle.report["verification"]["outputs"]) == {"logits", "all_scores", "all_boxes"}
 
 
 def test_an_input_only_the_tail_reads(tmp_path):
@@ -125,7 +139,7 @@ def test_cli_build_summary_run_and_verify(detector, tmp_path, capsys):
     path, bundle = detector
     assert cli(["build", str(path), "-o", str(tmp_path / "b"), "--backend", "onnxruntime", "--no-search"]) == 0
     out = capsys.readouterr().out
-    assert "data-dependent tail: 9 nodes from NonZero_15 on, computing scores, boxes" in out
+    assert "data-dependent tail: 10 nodes from NonZero_15 on, computing scores, boxes" in out
     np.save(tmp_path / "x.npy", _feeds(1)["x"])
     assert cli(["run", str(tmp_path / "b"), "--input", f"x={tmp_path / 'x.npy'}", "--output-dir", str(tmp_path / "o")]) == 0
     want = ort.InferenceSession(str(path)).run(["boxes"], _feeds(1))[0]
@@ -226,7 +240,7 @@ def test_gpu_bundle_runs_its_tail_after_the_replay(tmp_path):
         for feeds in [_feeds(0), _feeds(1), _feeds(2, scale=3.0), _feeds(3, scale=0.0)]:
             got = runner(feeds)
             part = static(feeds)
-            want = dict(zip(["scores", "boxes"], tail.run(["scores", "boxes"], {n: part[n] for n in ("mask", "all_scores", "all_boxes")})))
+            want = dict(zip(["scores", "boxes"], tail.run(["scores", "boxes"], {n: part[n] for n in ("all_scores", "all_boxes")})))
             for name in want:
                 np.testing.assert_array_equal(got[name], want[name])
             ref = full.run(["logits"], feeds)[0]
