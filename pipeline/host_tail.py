@@ -168,17 +168,16 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
                             seeds=names, constants=held)
 
 
-def end_to_end(loaded, bundle_dir, *, rtol: float, atol: float, scale_tol: float | None, seed: int) -> dict:
-    """The whole bundle (its static part replayed, then its tail) once against ONNX Runtime on the whole original,
-    at the verification's inputs: what report.json's ``host_tail.end_to_end`` records.  Not a verdict (see the
-    module docstring): an output whose shape differs is recorded as such; a tail that does not run is an error."""
+def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: float, scale_tol: float | None,
+               seed: int) -> dict:
+    """The whole bundle (its static part replayed, then its tail) once against ONNX Runtime on ``full``, the whole
+    original (its nodes named as the loader names them), at the verification's inputs: what report.json's
+    ``host_tail.end_to_end`` records.  Not a verdict (see the module docstring): an output whose shape differs
+    is recorded as such; a tail that does not run is an error."""
     from parastream.launcher import load
 
-    from .model_io import name_nodes, read_model
     from .verify import run_verification
 
-    full = read_model(loaded.path)
-    name_nodes(full)  # the reference's node names, as the build's own reference has them (onnxruntime needs them unique)
     result = run_verification(loaded.path, full, None, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
                               seed=seed, iterations=1, load=lambda: load(bundle_dir, check_hashes=False))
     outputs = {}
