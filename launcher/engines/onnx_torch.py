@@ -1852,7 +1852,9 @@ def _np_to_torch(arr: np.ndarray):
     torch = _torch()
     if arr.dtype == np.dtype("O"):
         raise UnsupportedOp("string tensors are not supported")
-    return torch.from_numpy(np.ascontiguousarray(arr).copy())
+    # (not np.ascontiguousarray, which makes a 0-d array 1-d: a scalar weight then broadcast a 0-d result to [1],
+    # which the engine's 0-d output could not take: FCOS's count comparisons, read by its tail)
+    return torch.from_numpy(np.array(arr, order="C", copy=True))
 
 
 def _cast_const(t, float_dtype):

@@ -234,3 +234,21 @@ def test_new_steps_trace_to_fx(case):
     with torch.no_grad():
         for a, b in zip(gm(*x), module(*x)):
             torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+# -- a scalar weight keeps its 0 dimensions ------------------------------------------------------------
+
+@pytest.mark.parametrize("op,dtype,np_dtype", [("Less", I64, np.int64), ("Add", F, np.float32), ("Mul", I64, np.int64)])
+def test_a_scalar_weight_with_a_scalar_input_gives_a_scalar(op, dtype, np_dtype):
+    """A 0-d weight is a 0-d tensor, not [1]: with a 0-d input its result is 0-d, as ONNX Runtime's (a
+    detector's count compared with a constant, read by its data-dependent tail; an engine's 0-d output)."""
+    m = one_node(op, [("x", dtype, [])], [("y", TensorProto.BOOL if op == "Less" else dtype)],
+                 consts={"c": np.array(7, np_dtype)})
+    check(m, {"x": np.array(5, np_dtype)})
+    assert tuple(dict(convert(m).named_buffers())["c0"].shape) == ()
+
+
+def test_a_one_element_weight_keeps_its_dimension():
+    """Must not change: a [1] weight stays [1], and broadcasts a 0-d input to [1] as ONNX Runtime does."""
+    m = one_node("Add", [("x", F, [])], [("y", F)], consts={"c": np.array([2.0], np.float32)})
+    check(m, {"x": np.array(5.0, np.float32)})
