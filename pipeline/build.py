@@ -452,8 +452,12 @@ def _engines_loaded(runner) -> dict:
         reason = getattr(e, "compiled_at_load_because", "") or ("unknown" if e.compiled_at_load else "")
         if reason:
             why[reason] = why.get(reason, 0) + 1
+    failed = {}  # engines whose compile at load failed too: they run uncompiled (``TorchEngine.warm``)
+    for e in engines:
+        if getattr(e, "compile_error", None):
+            failed[e.compile_error] = failed.get(e.compile_error, 0) + 1
     return {"engines_loaded": len(engines), "engines_compiled_at_load": sum(bool(e.compiled_at_load) for e in engines),
-            **({"compiled_at_load_because": why} if why else {})}
+            **({"compiled_at_load_because": why} if why else {}), **({"engines_uncompiled": failed} if failed else {})}
 
 
 def engine_blocks(cfg: BuildConfig, backend) -> bool:

@@ -2027,6 +2027,7 @@ class TorchEngine:
         self._streams: dict[int, object] = {}
         self._views: dict[tuple, list] = {}
         self.compile_s = 0.0
+        self.compile_error: str | None = None  # torch.compile at load failed: the branch runs uncompiled (``warm``)
         self.phases["prepare"] = time.perf_counter() - t0
         self._shapes = str([t[1:] for t in sig])  # the tensors' dtypes, shapes and layouts; their names do not matter
         self._device_index = torch.cuda.current_device() if device == "cuda" else -1
@@ -2067,8 +2068,23 @@ class TorchEngine:
                 calls = 1 if self.meta.get("compiled") == "kernels" else 2
                 with torch.cuda.stream(stream), torch.no_grad(), _first_call_unchecked(self.meta.get("compiled") == "inductor"):
                     args = self._args()
-                    for _ in range(calls):
-                        self._fn(*args)
+                    try:
+                        for _ in range(calls):
+                            self._fn(*args)
+                    except Exception as e:  # noqa: BLE001 - torch.compile raises what dynamo and Inductor raise
+                        if self.module is None:  # a compiled artifact that does not run: the load's error
+                            raise
+                        # the branch compiled at load (its artifact could not be built) and torch.compile of it
+                        # failed too: it runs as converted, uncompiled, and says so (``compile_error``)
+                        self.compile_error = f"{type(e).__name__}: {str(e).strip().splitlines()[0][:300] if str(e).strip() else ''}"
+                        self._fn = _into_outputs(self.module, [t.name for t in self.inputs],
+                                                 [t.name for t in self.outputs], self._tdtype)
+                        try:
+                            for _ in range(calls):
+                                self._fn(*args)
+                        except Exception as again:  # noqa: BLE001 - the converted branch itself does not run
+                            raise ParastreamError(f"the torch engine of {[t.name for t in self.outputs][:3]} does not "
+                                                  f"run: {type(again).__name__}: {str(again).strip()[:300]}") from None
                 stream.synchronize()
                 self.compile_s = time.perf_counter() - t0
                 self.phases["warm"] = self.compile_s

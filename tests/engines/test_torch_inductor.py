@@ -241,7 +241,7 @@ def test_engines_of_the_same_weights_share_them(built):
     ptrs = [{p.data_ptr() for p in e._runner.params} for e in (e1, e2, other)]
     assert ptrs[0] == ptrs[1] and len(ptrs[0]) == 3
     shared = [p for p in other._runner.params if p.data_ptr() in ptrs[0]]  # branch 2: other w and b, the same 0.5
-    assert [p.tolist() for p in shared] == [[0.5]]
+    assert [(p.tolist(), tuple(p.shape)) for p in shared] == [(0.5, ())]  # "half": a 0-d weight, held 0-d
     x = np.random.default_rng(14).standard_normal(IN.shape).astype(np.float32)
     np.testing.assert_allclose(e2.run({"x": x})["y"], ort(branch(1), x), rtol=1e-5, atol=1e-5)
 
