@@ -98,6 +98,7 @@ class TailRunner:
         from .engines.onnxruntime import session_options
 
         self.inner, self.record = inner, rec
+        self.tail_s: float | None = None
         path = inside(bundle.path, rec["file"], f"manifest.json's {MANIFEST_KEY}")
         if rec["file"] not in bundle.manifest.get("files", {}):
             raise ParastreamError(f"{bundle.path}: the tail {rec['file']!r} is not listed in manifest.json; rebuild the bundle")
@@ -120,9 +121,13 @@ class TailRunner:
                                outputs=[static[n] if n in static else _spec(declared[n]) for n in rec["order"]])
 
     def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
+        import time
+
         got = self.inner(feeds)
+        t0 = time.perf_counter()
         values = {n: _host(got[n] if n in got else feeds[n]) for n in self._takes}
         tail = dict(zip(self.record["outputs"], self._sess.run(self.record["outputs"], values)))
+        self.tail_s = time.perf_counter() - t0  # the last call's tail, on the host (report.json's ``tail_ms``)
         return {n: tail[n] if n in tail else got[n] for n in self.record["order"]}
 
     def __getattr__(self, name):  # the static part's runner answers the rest (its engines, its load phases)

@@ -187,4 +187,33 @@ def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: 
                          # (a detector with random weights may detect nothing: equal, and empty)
                          **({"not_meaningful": d["not_meaningful"]} if d.get("not_meaningful") else {})}
     return {"compared": "the bundle with its tail against onnxruntime on the whole original, one input",
-            "within_tolerance": all(o.get("within_tolerance") for o in outputs.values()), "outputs": outputs}
+            "within_tolerance": all(o.get("within_tolerance") for o in outputs.values()), "outputs": outputs,
+            **tail_time(bundle_dir, loaded.inputs, seed)}
+
+
+def tail_time(bundle_dir, inputs, seed: int, calls: int = 5) -> dict:
+    """What the tail costs on the host per call (the median of ``calls`` after one untimed, on one seeded input
+    on the build's machine), beside what the whole call costs: the tail's work grows with how many candidates
+    pass the model's score threshold, which random weights do not say for a trained model."""
+    import statistics
+    import time
+
+    from parastream.core.tensors import random_feeds
+    from parastream.launcher import load
+
+    runner = load(bundle_dir, check_hashes=False)
+    try:
+        feeds = random_feeds(inputs, seed=seed)
+        tails, wholes = [], []
+        for i in range(calls + 1):
+            t0 = time.perf_counter()
+            runner(feeds)
+            if i:
+                wholes.append(time.perf_counter() - t0)
+                tails.append(runner.tail_s)
+    finally:
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
+    return {"tail_ms": round(statistics.median(tails) * 1e3, 3), "call_ms": round(statistics.median(wholes) * 1e3, 3),
+            "timed": f"median of {calls} calls on one seeded input, on the build's machine"}

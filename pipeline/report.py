@@ -126,7 +126,8 @@ def _host_tail_summary(rec: dict | None) -> dict | None:
     return {"nodes": rec.get("nodes"), "starts_at": rec.get("seeds"), "outputs": rec.get("outputs"),
             "reads": len(rec.get("boundary") or []), "feeds": rec.get("feeds") or [],
             "end_to_end_within_tolerance": e2e.get("within_tolerance"),
-            "end_to_end_shapes_differ": sorted(k for k, o in (e2e.get("outputs") or {}).items() if not o.get("same_shape"))}
+            "end_to_end_shapes_differ": sorted(k for k, o in (e2e.get("outputs") or {}).items() if not o.get("same_shape")),
+            "tail_ms": e2e.get("tail_ms"), "call_ms": e2e.get("call_ms")}
 
 
 def _timings_line(rt: dict | None) -> str | None:
@@ -216,7 +217,10 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
         console.print(escape(f"  data-dependent tail: {plural(tail['nodes'] or 0, 'node')} from {start} on, computing "
                              f"{', '.join(tail['outputs'] or [])}, run by onnxruntime on the host after each replay "
                              f"(it reads {plural(tail['reads'], 'tensor')} of the plan"
-                             + (f" and input {', '.join(tail['feeds'])}" if tail["feeds"] else "") + f"){ends}"))
+                             + (f" and input {', '.join(tail['feeds'])}" if tail["feeds"] else "") + f"){ends}"
+                             + (f"; on the build's input the tail took {tail['tail_ms']:.2f} of a {tail['call_ms']:.2f} ms "
+                                "call (its work grows with the candidates above the score threshold)"
+                                if tail.get("tail_ms") is not None else "")))
     ver = s["verification"]
     if ver:
         bound = f"<= {ver['scale_tol']}" if ver["criterion"] == "scaled" else "elementwise rtol/atol"

@@ -116,6 +116,8 @@ def test_report_records_the_tail_and_the_end_to_end_comparison(detector):
     assert rec["seeds"] == ["NonZero_15"] and rec["nodes"] == 10
     assert rec["end_to_end"]["within_tolerance"] is True
     assert all(o["same_shape"] for o in rec["end_to_end"]["outputs"].values())
+    e2e = rec["end_to_end"]  # what the tail costs per call on the build's machine, beside the whole call
+    assert 0 < e2e["tail_ms"] <= e2e["call_ms"]
     assert bundle.report["verification"]["passed"]
     # what was verified is the static part, the tensors the tail reads included
     assert set(bundle.report["verification"]["outputs"]) == {"logits", "all_scores", "all_boxes"}
