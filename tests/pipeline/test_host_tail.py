@@ -192,29 +192,28 @@ def test_a_tampered_tail_is_refused(detector, tmp_path):
         load(copy)
 
 
-@pytest.mark.parametrize("file", ["../det.onnx", "/etc/passwd", "engines"])
-def test_a_tail_path_outside_the_bundle_or_not_its_file_is_refused(detector, tmp_path, file):
+def _with_record(bundle, tmp_path, **changes):
+    """A copy of ``bundle`` whose manifest's tail record has ``changes`` (the manifest hashed again: only the record
+    is wrong)."""
     import shutil
 
-    _, bundle = detector
     copy = tmp_path / "b"
     shutil.copytree(bundle.path, copy)
     manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["host_tail"]["file"] = file
+    manifest["host_tail"].update(changes)
     write_manifest(copy, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+    return copy
+
+
+@pytest.mark.parametrize("file", ["../det.onnx", "/etc/passwd", "engines"])
+def test_a_tail_path_outside_the_bundle_or_not_its_file_is_refused(detector, tmp_path, file):
+    copy = _with_record(detector[1], tmp_path, file=file)
     with pytest.raises(ParastreamError, match="host_tail|outside the bundle|not listed"):
         load(copy)
 
 
 def test_a_malformed_record_is_refused(detector, tmp_path):
-    import shutil
-
-    _, bundle = detector
-    copy = tmp_path / "b"
-    shutil.copytree(bundle.path, copy)
-    manifest = json.loads((copy / "manifest.json").read_text())
-    manifest["host_tail"]["boundary"] = ["not_a_plan_output"]
-    write_manifest(copy, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+    copy = _with_record(detector[1], tmp_path, boundary=["not_a_plan_output"])
     with pytest.raises(ParastreamError, match="'not_a_plan_output', which the bundle's plan does not give it"):
         load(copy)
     assert Bundle.open(copy).manifest["host_tail"]["boundary"] == ["not_a_plan_output"]  # (the open itself is fine)

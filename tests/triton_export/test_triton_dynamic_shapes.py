@@ -5,12 +5,11 @@ outputs on its unpadded input."""
 
 from __future__ import annotations
 
-import numpy as np
 import onnxruntime as ort
 import pytest
 from dynamic_models import bert_feeds, tiny_bert
 from google.protobuf import text_format
-from triton_helpers import initialize_args, load_model_py, model_config_or_skip
+from triton_helpers import exported_model_py, model_config_or_skip
 
 from parastream.core.accuracy import scaled_error
 from parastream.launcher.errors import ParastreamError
@@ -43,9 +42,7 @@ def test_config_declares_the_dynamic_axes_minus_one(grid, tmp_path):
 
 def test_model_py_serves_any_length_in_range(grid, tmp_path, pb_utils):
     bundle, path = grid
-    model_dir = export_triton(bundle, tmp_path / "repo", name="bert")
-    model = load_model_py(model_dir).TritonPythonModel()
-    model.initialize(initialize_args(model_dir))
+    model = exported_model_py(bundle, tmp_path / "repo", "bert")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     requests = [bert_feeds(1, 5, seed=1), bert_feeds(1, 5, seed=2), bert_feeds(1, 12, seed=3), bert_feeds(1, 17, seed=4)]
     calls = []

@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from dynamic_models import small_detector
 from google.protobuf import text_format
-from triton_helpers import initialize_args, load_model_py, model_config_or_skip
+from triton_helpers import exported_model_py, model_config_or_skip
 
 from parastream.launcher.errors import ParastreamError
 from parastream.pipeline import build
@@ -52,9 +52,7 @@ def test_validation_catches_a_config_that_batches_it(detector, tmp_path):
 
 def test_model_py_answers_each_request_with_its_own_shapes(detector, tmp_path, pb_utils):
     bundle, path = detector
-    model_dir = export_triton(bundle, tmp_path / "repo", name="det")
-    model = load_model_py(model_dir).TritonPythonModel()
-    model.initialize(initialize_args(model_dir))
+    model = exported_model_py(bundle, tmp_path / "repo", "det")
     sess = ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
     rng = np.random.default_rng(0)
     inputs = [(rng.standard_normal((1, 3, 16, 16)) * s).astype(np.float32) for s in (1.0, 3.0, 0.0)]

@@ -46,3 +46,14 @@ def initialize_args(model_dir: Path, kind: str = "CPU", device_id: int = 0) -> d
         "model_version": "1",
         "model_name": config.name,
     }
+
+
+def exported_model_py(bundle, repo: Path, name: str, kind: str = "CPU"):
+    """``bundle`` exported as Triton model ``name`` into ``repo`` and its model.py initialized as the Python backend
+    does: the TritonPythonModel instance (``finalize()`` it)."""
+    from parastream.pipeline.triton import export_triton
+
+    model_dir = export_triton(bundle, repo, name=name)
+    model = load_model_py(model_dir).TritonPythonModel()
+    model.initialize(initialize_args(model_dir, kind))
+    return model

@@ -28,7 +28,7 @@ import pytest
 from onnx.tools import update_model_dims
 from triton_clients import PROTOCOLS, client_of, expected, make_inputs, random_feeds
 from triton_clients import infer as _infer
-from tritonserver_process import ServerError, TritonServer
+from tritonserver_process import ServerError, TritonServer, serving
 
 from parastream.pipeline.cli import main as cli
 from parastream.pipeline.triton import validate_repository
@@ -79,13 +79,8 @@ def repo(tmp_path_factory, tritonserver_or_skip) -> Path:
 
 @pytest.fixture(scope="module")
 def server(repo, tmp_path_factory):
-    srv = TritonServer(repo, tmp_path_factory.mktemp("tritonserver"))
-    try:
-        srv.start(timeout=180)
+    with serving(repo, tmp_path_factory.mktemp("tritonserver")) as srv:
         yield srv
-    finally:
-        srv.stop()
-        print(f"tritonserver log: {srv.log_path}")
 
 
 @pytest.fixture(scope="module")

@@ -7,16 +7,14 @@ from __future__ import annotations
 
 import threading
 
-import numpy as np
 import onnxruntime as ort
 import pytest
 from dynamic_models import bert_feeds, tiny_bert
 from triton_clients import PROTOCOLS, client_of, make_inputs
 from triton_clients import infer as _infer
-from tritonserver_process import TritonServer
+from tritonserver_process import built_and_served
 
 from parastream.core.accuracy import scaled_error
-from parastream.pipeline.cli import main as cli
 
 pytestmark = [pytest.mark.usefixtures("tritonserver_or_skip"), pytest.mark.slow]
 
@@ -26,16 +24,9 @@ def served(tmp_path_factory, tritonserver_or_skip):
     pytest.importorskip("transformers")
     work = tmp_path_factory.mktemp("dynshapes")
     path = tiny_bert(work / "bert.onnx")
-    assert cli(["build", str(path), "-o", str(work / "grid.bundle"), "--backend", "onnxruntime", "--no-search", "--quiet",
-                "--min-shapes", "input_ids:1x1", "--max-shapes", "input_ids:2x16", "--buckets", "input_ids:1=8,16"]) == 0
-    assert cli(["export-triton", str(work / "grid.bundle"), str(work / "repo"), "--name", "bert_seq"]) == 0
-    srv = TritonServer(work / "repo", tmp_path_factory.mktemp("tritonserver"))
-    try:
-        srv.start(timeout=180)
+    with built_and_served(path, work, tmp_path_factory.mktemp("tritonserver"), "bert_seq", "--min-shapes", "input_ids:1x1",
+                          "--max-shapes", "input_ids:2x16", "--buckets", "input_ids:1=8,16") as srv:
         yield srv, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    finally:
-        srv.stop()
-        print(f"tritonserver log: {srv.log_path}")
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

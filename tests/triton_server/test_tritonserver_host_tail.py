@@ -10,9 +10,7 @@ import pytest
 from dynamic_models import small_detector
 from triton_clients import PROTOCOLS, client_of, make_inputs
 from triton_clients import infer as _infer
-from tritonserver_process import TritonServer
-
-from parastream.pipeline.cli import main as cli
+from tritonserver_process import built_and_served
 
 pytestmark = [pytest.mark.usefixtures("tritonserver_or_skip"), pytest.mark.slow]
 
@@ -21,15 +19,8 @@ pytestmark = [pytest.mark.usefixtures("tritonserver_or_skip"), pytest.mark.slow]
 def served(tmp_path_factory, tritonserver_or_skip):
     work = tmp_path_factory.mktemp("hosttail")
     path = small_detector(work / "det.onnx")
-    assert cli(["build", str(path), "-o", str(work / "det.bundle"), "--backend", "onnxruntime", "--no-search", "--quiet"]) == 0
-    assert cli(["export-triton", str(work / "det.bundle"), str(work / "repo"), "--name", "det"]) == 0
-    srv = TritonServer(work / "repo", tmp_path_factory.mktemp("tritonserver"))
-    try:
-        srv.start(timeout=180)
+    with built_and_served(path, work, tmp_path_factory.mktemp("tritonserver"), "det") as srv:
         yield srv, ort.InferenceSession(str(path), providers=["CPUExecutionProvider"])
-    finally:
-        srv.stop()
-        print(f"tritonserver log: {srv.log_path}")
 
 
 @pytest.mark.parametrize("protocol", PROTOCOLS)

@@ -19,9 +19,8 @@ import numpy as np
 import onnxruntime as ort
 import pytest
 from triton_clients import client_of, expected, infer, make_inputs, random_feeds
-from tritonserver_process import TritonServer
+from tritonserver_process import built_and_served
 
-from parastream.pipeline.cli import main as cli
 
 ROOT = Path(__file__).resolve().parents[2]
 MODEL = ROOT / "examples/models/inception_block.onnx"
@@ -56,15 +55,8 @@ def numpy2_bin(tmp_path_factory, tritonserver_or_skip):
 @pytest.fixture(scope="module")
 def server(numpy2_bin, tmp_path_factory):
     work = tmp_path_factory.mktemp("served_numpy2")
-    assert cli(["build", str(MODEL), "-o", str(work / "b"), "--backend", "onnxruntime", "--no-search", "--quiet"]) == 0
-    assert cli(["export-triton", str(work / "b"), str(work / "repo"), "--name", "m"]) == 0
-    srv = TritonServer(work / "repo", work / "server", python_bin=numpy2_bin)
-    try:
-        srv.start(timeout=180)
+    with built_and_served(MODEL, work, work / "server", "m", python_bin=numpy2_bin) as srv:
         yield srv
-    finally:
-        srv.stop()
-        print(f"tritonserver log: {srv.log_path}")
 
 
 @pytest.mark.parametrize("protocol", ["http", "grpc"])

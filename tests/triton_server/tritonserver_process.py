@@ -34,6 +34,7 @@ fail instead).
 
 from __future__ import annotations
 
+import contextlib
 import importlib.util
 import os
 import secrets
@@ -329,3 +330,29 @@ class TritonServer:
         except OSError:
             return set()
         return {line.split()[-1] for line in maps.splitlines() if "/libpython3" in line}
+
+
+@contextlib.contextmanager
+def serving(repo: Path, workdir: Path, **kwargs):
+    """tritonserver on ``repo`` (``TritonServer``'s keywords), started for the block and stopped after it, its
+    log's path printed (pytest shows it with a failure)."""
+    srv = TritonServer(repo, workdir, **kwargs)
+    try:
+        srv.start(timeout=180)
+        yield srv
+    finally:
+        srv.stop()
+        print(f"tritonserver log: {srv.log_path}")
+
+
+@contextlib.contextmanager
+def built_and_served(model: Path, work: Path, server_dir: Path, name: str, *build_args: str, **server_kwargs):
+    """``model`` built with the onnxruntime backend (``build_args`` added), exported as Triton model ``name`` and
+    served (``serving``)."""
+    from parastream.pipeline.cli import main as cli
+
+    assert cli(["build", str(model), "-o", str(work / f"{name}.bundle"), "--backend", "onnxruntime", "--no-search",
+                "--quiet", *build_args]) == 0
+    assert cli(["export-triton", str(work / f"{name}.bundle"), str(work / "repo"), "--name", name]) == 0
+    with serving(work / "repo", server_dir, **server_kwargs) as srv:
+        yield srv
