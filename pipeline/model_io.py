@@ -696,9 +696,8 @@ def _position_in_file(path: Path, name: str) -> tuple[int, int] | None:
 
 
 class DataDependentShape(ParastreamError):
-    """A node gives a tensor a shape that depends on input values (``_data_dependent_error``): its name is
-    ``node`` and those of the others found with it (``nodes``), where a build cuts the model's data-dependent
-    tail off (pipeline/host_tail.py)."""
+    """Nodes give tensors shapes that depend on input values (``_data_dependent_error`` names the first): ``nodes``
+    are their names, where a build cuts the model's data-dependent tail off (pipeline/host_tail.py)."""
 
     def __init__(self, message: str, *, nodes: list[str]):
         super().__init__(message)
