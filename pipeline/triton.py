@@ -256,6 +256,10 @@ def ensemble_models(bundle: Bundle, name: str, *, max_batch: int = 0, instances:
         raise ParastreamError(f"--mode ensemble serves each branch as a Triton tensorrt_plan model, but the bundle "
                               f"{bundle.path} was built with --backend {plan.backend}; rebuild it with --backend tensorrt, "
                               "or export with --mode graph")
+    if MANIFEST_KEY in bundle.manifest:
+        raise ParastreamError(f"--mode ensemble: {bundle.path} ends in a data-dependent tail that runs in onnxruntime "
+                              "after the engines, which an ensemble of TensorRT engines has no step for; export with "
+                              "--mode graph")
     if max_batch:
         raise ParastreamError(f"--mode ensemble with --max-batch {max_batch}: the bundle's TensorRT engines have static "
                               "shapes and Triton batches a tensorrt_plan model only along a dynamic batch dimension; "

@@ -12,6 +12,7 @@ from dynamic_models import small_detector
 from google.protobuf import text_format
 from triton_helpers import exported_model_py, model_config_or_skip
 
+from parastream.launcher.bundle import write_manifest
 from parastream.launcher.errors import ParastreamError
 from parastream.pipeline import build
 from parastream.pipeline.triton import export_triton, model_config_pb2, validate_repository
@@ -68,3 +69,17 @@ def test_model_py_answers_each_request_with_its_own_shapes(detector, tmp_path, p
         counts.add(len(got["scores"]))
     assert 0 in counts and len(counts) > 1
     model.finalize()
+
+
+def test_ensemble_mode_is_refused(detector, tmp_path):
+    """Must not serve the static part alone: an ensemble of TensorRT engines has no step for the tail."""
+    import shutil
+
+    from conftest import as_tensorrt_bundle
+
+    bundle, _ = detector
+    trt = as_tensorrt_bundle(bundle, tmp_path / "trt")  # (its manifest keeps the tail's record; the file is copied)
+    shutil.copy(bundle.path / "tail.onnx", trt.path / "tail.onnx")
+    write_manifest(trt.path, {k: v for k, v in trt.manifest.items() if k not in ("files", "version")})
+    with pytest.raises(ParastreamError, match="--mode ensemble: .*data-dependent tail.*--mode graph"):
+        export_triton(trt.path, tmp_path / "repo", name="det", mode="ensemble")
