@@ -295,7 +295,7 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
 
     if picture is not None and Path(picture).suffix.lower() not in (".svg", ".png"):
         raise ParastreamError(f"--picture {picture}: the file name must end in .svg or .png")
-    loaded = load_model(path, shapes)
+    loaded = load_model(path, shapes, host_tail=True)  # as a build loads it: a detector's static part
     model = loaded.model
     hist = op_histogram(model)
     width, _ = graph_width(loaded.graph)
@@ -327,6 +327,11 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
     s.add_row("estimated total work (= 1 stream)", _us(one.makespan))
     s.add_row("estimated speed-up from streams", f"{one.makespan / sched.makespan:.2f}x" if sched.makespan else "-")
     console.print(s)
+    if loaded.tail is not None:
+        tail = loaded.tail
+        console.print(f"data-dependent tail: {plural(len(tail.model.graph.node), 'node')} from {', '.join(tail.seeds[:3])}"
+                      f"{' and more' if len(tail.seeds) > 3 else ''} on, computing {', '.join(tail.outputs)}: a build "
+                      "runs them in onnxruntime on the host after each replay; the figures above are the static part's")
     if cpu:
         console.print("CPU: these stream estimates are not measured; a CPU build times the plan against one "
                       "onnxruntime session with every core, and ships one session unless the plan is timed faster "

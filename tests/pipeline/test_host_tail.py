@@ -251,3 +251,11 @@ def test_gpu_bundle_runs_its_tail_after_the_replay(tmp_path):
     finally:
         runner.close()
         static.close()
+
+
+def test_inspect_shows_the_static_part_and_names_the_tail(detector, capsys):
+    path, _ = detector
+    assert cli(["inspect", str(path)]) == 0
+    out = capsys.readouterr().out
+    assert "data-dependent tail: 10 nodes from NonZero_15 on, computing scores, boxes" in out
+    assert "NonZero" not in out.split("data-dependent tail")[0]  # the histogram above is the static part's
