@@ -806,11 +806,12 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         raise ParastreamError("--min-shapes, --opt-shapes and --max-shapes go together: give at least --min-shapes "
                               "and --max-shapes")
     backend = resolve_backend(cfg.backend)
-    if ranged or (cfg.batch and cfg.batch[0] < cfg.batch[2]):
+    bucketed = ranged or bool(cfg.batch and cfg.batch[0] < cfg.batch[2])
+    if bucketed:
         # buckets of one static shape each: a data-dependent tail's outputs have no batch or axis to bucket them
         # by, so such a model is the one-line error that names its node (pipeline/host_tail.py)
         cfg = replace(cfg, host_tail=False)
-    with _Progress(progress) as bar:
+    with _Progress(progress) as bar, _static_batch_for_a_tail(bucketed, "--min-shapes/--max-shapes" if ranged else "--batch"):
         if ranged:  # dynamic shapes on named axes: one static bundle per bucket of the grid
             from .buckets import build_grid
 
@@ -826,6 +827,20 @@ def build(model_path: str | Path, out_dir: str | Path, *, config: BuildConfig | 
         shapes = batch_profiles(model_path, dict(cfg.shapes), tuple(cfg.batch))[0] if cfg.batch else dict(cfg.shapes)
         bundle = build_static(model_path, cfg, backend, bar, shapes, lambda: staging(out, "bundle"))
     return replace(bundle, path=out)
+
+
+@contextlib.contextmanager
+def _static_batch_for_a_tail(bucketed: bool, option: str):
+    """A bucketed build of a model with data-dependent shapes: its error says that one static shape builds it."""
+    from .model_io import DataDependentShape
+
+    try:
+        yield
+    except DataDependentShape as e:
+        if not bucketed:
+            raise
+        raise DataDependentShape(f"{e}; or build it at one static shape (without {option}): its data-dependent part "
+                                 "then runs on the host after each replay", nodes=e.nodes) from None
 
 
 def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, list[int]], stage, *,
