@@ -9,6 +9,7 @@ answers the model's outputs in the model's order, the tail's with the shapes thi
 
 from __future__ import annotations
 
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -71,12 +72,17 @@ def served_outputs(bundle: Bundle) -> list[TensorSpec]:
         declared = {vi.name: vi for vi in onnx.load(str(path), load_external_data=False).graph.output}
     except Exception as e:  # noqa: BLE001 - onnx raises its own types for a file that is not a model
         raise ParastreamError(f"{path}: the bundle's tail is not an ONNX model ({e}); rebuild the bundle") from None
-    static = {t.name: t for t in bundle.plan.outputs}
     missing = [n for n in rec["outputs"] if n not in declared]
     if missing:
         raise ParastreamError(f"{path}: the tail does not compute {missing[0]!r}, which manifest.json says it does; "
                               "rebuild the bundle")
-    return [static[n] if n in static else _spec(declared[n]) for n in rec["order"]]
+    return _served(rec, bundle.plan.outputs, declared)
+
+
+def _served(rec: dict, static: list[TensorSpec], declared: dict) -> list[TensorSpec]:
+    """The model's outputs in its order: the plan's specs, and the tail's as its ONNX declares them."""
+    plan = {t.name: t for t in static}
+    return [plan[n] if n in plan else _spec(declared[n]) for n in rec["order"]]
 
 
 def _spec(vi) -> TensorSpec:
@@ -116,15 +122,12 @@ class TailRunner:
             raise ParastreamError(f"{path}: the tail's inputs and outputs are not the ones manifest.json records; "
                                   "rebuild the bundle")
         self._takes = [n for n in [*rec["boundary"], *rec["feeds"]] if n in took]
-        static = {t.name: t for t in inner.plan.outputs}
         plan = inner.plan
         self.plan = ServedPlan(backend=plan.backend, precision=plan.precision, num_streams=plan.num_streams,
                                inputs=list(plan.inputs), branches=plan.branches,
-                               outputs=[static[n] if n in static else _spec(declared[n]) for n in rec["order"]])
+                               outputs=_served(rec, plan.outputs, declared))
 
     def __call__(self, feeds: dict) -> dict[str, np.ndarray]:
-        import time
-
         got = self.inner(feeds)
         t0 = time.perf_counter()
         values = {n: _host(got[n] if n in got else feeds[n]) for n in self._takes}

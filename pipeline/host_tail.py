@@ -171,15 +171,22 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
 def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: float, scale_tol: float | None,
                seed: int) -> dict:
     """The whole bundle (its static part replayed, then its tail) once against ONNX Runtime on ``full``, the whole
-    original (its nodes named as the loader names them), at the verification's inputs: what report.json's
-    ``host_tail.end_to_end`` records.  Not a verdict (see the module docstring): an output whose shape differs
-    is recorded as such; a tail that does not run is an error."""
+    original (its nodes named as the loader names them), at the verification's inputs, and what its tail costs
+    per call: what report.json's ``host_tail.end_to_end`` records.  Not a verdict (see the module docstring): an
+    output whose shape differs is recorded as such; a tail that does not run is an error."""
     from parastream.launcher import load
 
     from .verify import run_verification
 
-    result = run_verification(loaded.path, full, None, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
-                              seed=seed, iterations=1, load=lambda: load(bundle_dir, check_hashes=False))
+    runner = load(bundle_dir, check_hashes=False)
+    try:
+        result = run_verification(loaded.path, full, runner, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
+                                  seed=seed, iterations=1)
+        timed = tail_time(runner, loaded.inputs, seed)
+    finally:
+        close = getattr(runner, "close", None)
+        if close is not None:
+            close()
     outputs = {}
     for name, d in result.outputs.items():
         same = d["max_abs"] != float("inf")
@@ -187,11 +194,10 @@ def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: 
                          # (a detector with random weights may detect nothing: equal, and empty)
                          **({"not_meaningful": d["not_meaningful"]} if d.get("not_meaningful") else {})}
     return {"compared": "the bundle with its tail against onnxruntime on the whole original, one input",
-            "within_tolerance": all(o.get("within_tolerance") for o in outputs.values()), "outputs": outputs,
-            **tail_time(bundle_dir, loaded.inputs, seed)}
+            "within_tolerance": all(o.get("within_tolerance") for o in outputs.values()), "outputs": outputs, **timed}
 
 
-def tail_time(bundle_dir, inputs, seed: int, calls: int = 5) -> dict:
+def tail_time(runner, inputs, seed: int, calls: int = 5) -> dict:
     """What the tail costs on the host per call (the median of ``calls`` after one untimed, on one seeded input
     on the build's machine), beside what the whole call costs: the tail's work grows with how many candidates
     pass the model's score threshold, which random weights do not say for a trained model."""
@@ -199,21 +205,14 @@ def tail_time(bundle_dir, inputs, seed: int, calls: int = 5) -> dict:
     import time
 
     from parastream.core.tensors import random_feeds
-    from parastream.launcher import load
 
-    runner = load(bundle_dir, check_hashes=False)
-    try:
-        feeds = random_feeds(inputs, seed=seed)
-        tails, wholes = [], []
-        for i in range(calls + 1):
-            t0 = time.perf_counter()
-            runner(feeds)
-            if i:
-                wholes.append(time.perf_counter() - t0)
-                tails.append(runner.tail_s)
-    finally:
-        close = getattr(runner, "close", None)
-        if close is not None:
-            close()
+    feeds = random_feeds(inputs, seed=seed)
+    tails, wholes = [], []
+    for i in range(calls + 1):
+        t0 = time.perf_counter()
+        runner(feeds)
+        if i:
+            wholes.append(time.perf_counter() - t0)
+            tails.append(runner.tail_s)
     return {"tail_ms": round(statistics.median(tails) * 1e3, 3), "call_ms": round(statistics.median(wholes) * 1e3, 3),
             "timed": f"median of {calls} calls on one seeded input, on the build's machine"}
