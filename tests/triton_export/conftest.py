@@ -8,16 +8,15 @@ machines without OpenAI Triton.
 from __future__ import annotations
 
 import importlib.util
-import json
 import sys
 from pathlib import Path
 
 import onnx
 import pytest
 from graphs import three_branch_model, two_output_model
+from triton_helpers import as_tensorrt_bundle
 
-from parastream.launcher.bundle import Bundle, write_manifest
-from parastream.launcher.plan import Plan
+from parastream.launcher.bundle import Bundle
 from parastream.pipeline import build
 
 HERE = Path(__file__).resolve().parent
@@ -28,23 +27,6 @@ def build_ort(tmp_root: Path, model: onnx.ModelProto, name: str, streams: int) -
     model.ir_version = 8  # what every onnxruntime reads (the device's older one too)
     onnx.save(model, path)
     return build(path, tmp_root / f"{name}.bundle", backend="onnxruntime", search=False, streams=streams)
-
-
-def as_tensorrt_bundle(src: Bundle, out: Path) -> Bundle:
-    """The same plan claiming TensorRT engines: what a ``--backend tensorrt`` build writes, byte for byte
-    except the engines, which are placeholders (TensorRT is not installable here; the export only copies them)."""
-    out.mkdir(parents=True)
-    (out / "engines").mkdir()
-    plan = Plan.from_json(src.plan.to_json())
-    plan.backend = "tensorrt"
-    for b in plan.branches:
-        b.engine = f"engines/{b.name}.plan"
-        (out / b.engine).write_bytes(b"placeholder TensorRT engine of " + b.name.encode())
-    plan.save(out / "plan.json")
-    (out / "model.onnx").write_bytes(src.model_path.read_bytes())
-    (out / "report.json").write_text(json.dumps(src.report))
-    write_manifest(out, dict(src.manifest, backend="tensorrt"))
-    return Bundle.open(out)
 
 
 @pytest.fixture(scope="session")

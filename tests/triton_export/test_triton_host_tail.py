@@ -10,7 +10,7 @@ import onnxruntime as ort
 import pytest
 from dynamic_models import small_detector
 from google.protobuf import text_format
-from triton_helpers import exported_model_py, model_config_or_skip
+from triton_helpers import as_tensorrt_bundle, exported_model_py, model_config_or_skip
 
 from parastream.launcher.bundle import write_manifest
 from parastream.launcher.errors import ParastreamError
@@ -74,8 +74,6 @@ def test_model_py_answers_each_request_with_its_own_shapes(detector, tmp_path, p
 def test_ensemble_mode_is_refused(detector, tmp_path):
     """Must not serve the static part alone: an ensemble of TensorRT engines has no step for the tail."""
     import shutil
-
-    from conftest import as_tensorrt_bundle
 
     bundle, _ = detector
     trt = as_tensorrt_bundle(bundle, tmp_path / "trt")  # (its manifest keeps the tail's record; the file is copied)

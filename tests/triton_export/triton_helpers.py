@@ -57,3 +57,23 @@ def exported_model_py(bundle, repo: Path, name: str, kind: str = "CPU"):
     model = load_model_py(model_dir).TritonPythonModel()
     model.initialize(initialize_args(model_dir, kind))
     return model
+
+
+def as_tensorrt_bundle(src, out: Path):
+    """The same plan claiming TensorRT engines: what a ``--backend tensorrt`` build writes, byte for byte
+    except the engines, which are placeholders (TensorRT is not installable here; the export only copies them)."""
+    from parastream.launcher.bundle import Bundle, write_manifest
+    from parastream.launcher.plan import Plan
+
+    out.mkdir(parents=True)
+    (out / "engines").mkdir()
+    plan = Plan.from_json(src.plan.to_json())
+    plan.backend = "tensorrt"
+    for b in plan.branches:
+        b.engine = f"engines/{b.name}.plan"
+        (out / b.engine).write_bytes(b"placeholder TensorRT engine of " + b.name.encode())
+    plan.save(out / "plan.json")
+    (out / "model.onnx").write_bytes(src.model_path.read_bytes())
+    (out / "report.json").write_text(json.dumps(src.report))
+    write_manifest(out, dict(src.manifest, backend="tensorrt"))
+    return Bundle.open(out)
