@@ -261,3 +261,22 @@ def test_inspect_shows_the_static_part_and_names_the_tail(detector, capsys):
     out = capsys.readouterr().out
     assert "data-dependent tail: 10 nodes from NonZero_15 on, computing scores, boxes" in out
     assert "NonZero" not in out.split("data-dependent tail")[0]  # the histogram above is the static part's
+
+
+def test_an_output_the_tail_also_reads(tmp_path):
+    """A model output that the tail reads too (the scores of every anchor, served beside the detections): one
+    static output, answered once and read by the tail."""
+    path = small_detector(tmp_path / "det.onnx")
+    model = onnx.load(str(path))
+    model.graph.output.append(onnx.helper.make_tensor_value_info("all_scores", onnx.TensorProto.FLOAT, [256]))
+    onnx.save(model, path)
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", search=False)
+    assert bundle.manifest["host_tail"]["order"] == ["logits", "scores", "boxes", "all_scores"]
+    assert [t.name for t in bundle.plan.outputs].count("all_scores") == 1
+    runner = load(bundle.path)
+    full = ort.InferenceSession(str(path))
+    feeds = _feeds(1)
+    got = runner(feeds)
+    assert list(got) == ["logits", "scores", "boxes", "all_scores"]
+    for name, want in zip(["logits", "scores", "boxes", "all_scores"], full.run(None, feeds)):
+        np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
