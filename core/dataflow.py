@@ -31,3 +31,21 @@ def consumers(reads: Iterable[Iterable[str]]) -> dict[str, list[int]]:
                 if not users or users[-1] != i:
                     users.append(i)
     return out
+
+
+def downstream(reads: list[list[str]], writes: list[list[str]], start: Iterable[int]) -> set[int]:
+    """Indices of the items that read, directly or through other items, a tensor that the items ``start`` write:
+    what depends on them (``start`` itself only where one of its items reads another's tensors).  ``reads`` and
+    ``writes``: each item's input and output names, as :func:`consumers` and :func:`producers` take them."""
+    users = consumers(reads)
+    todo = [t for i in start for t in writes[i] if t]
+    seen = set(todo)
+    found: set[int] = set()
+    while todo:
+        for i in users.get(todo.pop(), []):
+            if i not in found:
+                found.add(i)
+                new = [t for t in writes[i] if t and t not in seen]
+                seen.update(new)
+                todo.extend(new)
+    return found

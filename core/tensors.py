@@ -21,6 +21,21 @@ class TensorSpec:
         return cls(name=d["name"], dtype=d["dtype"], shape=[int(s) for s in d["shape"]])
 
 
+def value_info_spec(vi, unknown: int | None = None) -> TensorSpec:
+    """The TensorSpec of an ONNX ValueInfoProto: its name, numpy dtype and shape.  A dimension without a value (a
+    name, or nothing) is ``unknown`` (-1: a size that only a run gives), or with None a ValueError, as is a
+    ValueInfo without a shape."""
+    from onnx import helper
+
+    t = vi.type.tensor_type
+    if not t.HasField("shape"):
+        raise ValueError(f"{vi.name!r} declares no shape")
+    dims = [int(d.dim_value) if d.HasField("dim_value") else unknown for d in t.shape.dim]
+    if None in dims:
+        raise ValueError(f"{vi.name!r} has a dimension without a value")
+    return TensorSpec(name=vi.name, dtype=np.dtype(helper.tensor_dtype_to_np_dtype(t.elem_type)).name, shape=dims)
+
+
 def random_array(spec: TensorSpec, rng: np.random.Generator) -> np.ndarray:
     """One input drawn from ``rng``, never all zeros: floats N(0, 1) (bfloat16, which numpy cannot name, as
     float32); integers and bools in {0, 1} (ids valid in any table of two rows or more, masks with both values);

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from parastream.core.tensors import TensorSpec
+from parastream.core.tensors import TensorSpec, value_info_spec
 
 from .bundle import Bundle, inside
 from .errors import ParastreamError
@@ -82,15 +82,10 @@ def served_outputs(bundle: Bundle) -> list[TensorSpec]:
 def _served(rec: dict, static: list[TensorSpec], declared: dict) -> list[TensorSpec]:
     """The model's outputs in its order: the plan's specs, and the tail's as its ONNX declares them."""
     plan = {t.name: t for t in static}
-    return [plan[n] if n in plan else _spec(declared[n]) for n in rec["order"]]
-
-
-def _spec(vi) -> TensorSpec:
-    from onnx import helper
-
-    dims = [d.dim_value if d.HasField("dim_value") else -1 for d in vi.type.tensor_type.shape.dim]
-    return TensorSpec(name=vi.name, dtype=np.dtype(helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)).name,
-                      shape=dims)
+    try:
+        return [plan[n] if n in plan else value_info_spec(declared[n], unknown=-1) for n in rec["order"]]
+    except ValueError as e:  # an output of unknown rank: nothing a client could be told to expect
+        raise ParastreamError(f"the bundle's tail output {e}; rebuild the bundle") from None
 
 
 class TailRunner:

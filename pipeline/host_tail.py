@@ -25,10 +25,12 @@ tail is built at one static batch, and its Triton model takes ``max_batch_size``
 
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass, field
 
 import onnx
 
+from parastream.core import dataflow
 from parastream.launcher.errors import ParastreamError
 from parastream.launcher.tail import TAIL_FILE
 
@@ -47,29 +49,18 @@ class HostTail:
 
     def record(self) -> dict:
         """manifest.json's record (``launcher.tail.MANIFEST_KEY``): what the launcher needs to run the tail."""
-        ops: dict[str, int] = {}
-        for n in self.model.graph.node:
-            ops[n.op_type] = ops.get(n.op_type, 0) + 1
+        # (analysis.op_histogram counts the same, but imports the loader, which imports this module)
+        ops = Counter(n.op_type for n in self.model.graph.node)
         return {"file": TAIL_FILE, "boundary": self.boundary, "feeds": self.feeds, "outputs": self.outputs,
                 "order": self.order, "seeds": self.seeds, "constants": self.constants,
-                "nodes": len(self.model.graph.node), "ops": dict(sorted(ops.items(), key=lambda kv: -kv[1]))}
+                "nodes": len(self.model.graph.node), "ops": dict(ops.most_common())}
 
 
 def downstream(model: onnx.ModelProto, seeds: set[str]) -> set[int]:
     """Indices of the nodes named in ``seeds`` and of every node that reads, directly or not, one of their outputs."""
-    consumers: dict[str, list[int]] = {}
-    for i, n in enumerate(model.graph.node):
-        for t in n.input:
-            if t:
-                consumers.setdefault(t, []).append(i)
-    found = {i for i, n in enumerate(model.graph.node) if n.name in seeds}
-    todo = [t for i in found for t in model.graph.node[i].output if t]
-    while todo:
-        for i in consumers.get(todo.pop(), []):
-            if i not in found:
-                found.add(i)
-                todo.extend(t for t in model.graph.node[i].output if t)
-    return found
+    nodes = model.graph.node
+    found = {i for i, n in enumerate(nodes) if n.name in seeds}
+    return found | dataflow.downstream([list(n.input) for n in nodes], [list(n.output) for n in nodes], found)
 
 
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -88,12 +79,8 @@ def _decisions_into_tail(graph, tail: set[int], types: dict[str, int], inits: se
     a score within fp16's error of the threshold flips it, and the build's verification would fail on a model
     that is as right as fp16 makes it.  In ONNX Runtime on the host the decision is made in fp32 on the values
     the plan computed (report.json's ``end_to_end`` says where the outputs then differ)."""
-    producer = {o: i for i, n in enumerate(graph.node) for o in n.output if o}
-    consumers: dict[str, list[int]] = {}
-    for i, n in enumerate(graph.node):
-        for t in n.input:
-            if t:
-                consumers.setdefault(t, []).append(i)
+    producer = dataflow.producers(n.output for n in graph.node)
+    consumers = dataflow.consumers(n.input for n in graph.node)
     outputs = {vi.name for vi in graph.output}
     tail = set(tail)
     changed = True

@@ -19,7 +19,8 @@ import onnx
 from onnx import helper, shape_inference
 
 from parastream.launcher.errors import ParastreamError
-from parastream.core.tensors import TensorSpec, random_feeds
+from parastream.core import dataflow
+from parastream.core.tensors import TensorSpec, random_feeds, value_info_spec
 
 if TYPE_CHECKING:
     import onnx_graphsurgeon as gs
@@ -67,9 +68,8 @@ def _dims(vi: onnx.ValueInfoProto) -> list[int | str | None]:
 
 
 def spec_of(vi: onnx.ValueInfoProto) -> TensorSpec:
-    dims = _dims(vi)
-    dtype = helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
-    return TensorSpec(name=vi.name, dtype=np.dtype(dtype).name, shape=[int(d) for d in dims])  # type: ignore[arg-type]
+    """``vi``'s TensorSpec, its shape static (``core.tensors.value_info_spec``; ValueError otherwise)."""
+    return value_info_spec(vi)
 
 
 def graph_of(model: onnx.ModelProto):
@@ -715,19 +715,10 @@ def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str
     sources = _value_sources(model)
     srcs = frozenset().union(*(sources(i) for i in _shaping_inputs(node)))
     srcs = sorted(srcs, key=order.index)
-    consumers: dict[str, list[int]] = {}
-    for i, n in enumerate(nodes):
-        for t in n.input:
-            consumers.setdefault(t, []).append(i)
-    downstream: set[int] = set()
-    tensors, reached = list(node.output), set(node.output)
-    while tensors:
-        for i in consumers.get(tensors.pop(), []):
-            if i not in downstream:
-                downstream.add(i)
-                new = [o for o in nodes[i].output if o and o not in reached]
-                reached.update(new)
-                tensors.extend(new)
+    reads, writes = [list(n.input) for n in nodes], [list(n.output) for n in nodes]
+    consumers = dataflow.consumers(reads)
+    downstream = dataflow.downstream(reads, writes, [next(i for i, n in enumerate(nodes) if n is node)])
+    reached = set(node.output).union(*(writes[i] for i in downstream))
     nexts = list(dict.fromkeys(nodes[i].op_type for o in node.output for i in consumers.get(o, [])))[:3]
     outputs = [vi.name for vi in model.graph.output if vi.name in reached]
     where = (f"depends on the values of {_quoted(srcs, 'input')}" if srcs

@@ -6,7 +6,7 @@ import numpy as np
 import onnx_graphsurgeon as gs
 from onnx import TensorProto, helper
 
-from parastream.core.dataflow import consumers, producers
+from parastream.core.dataflow import consumers, downstream, producers
 from parastream.core.graph import conv_attrs, node_edges, static_shape
 
 
@@ -19,6 +19,16 @@ def test_producers_map_each_tensor_to_its_writer_and_skip_omitted_outputs():
 def test_consumers_list_each_reader_once_in_item_order():
     reads = [["a", "a"], ["", "a", "b"], ["b"]]  # a Mul(a, a) reads a once as far as the map goes
     assert consumers(reads) == {"a": [0, 1], "b": [1, 2]}
+
+
+def test_downstream_is_what_reads_the_start_directly_or_not():
+    # 0: x -> a; 1: a -> b; 2: x -> c; 3: b, c -> d; 4: d -> e, ""
+    reads = [["x"], ["a"], ["x"], ["b", "c"], ["d"]]
+    writes = [["a"], ["b"], ["c"], ["d"], ["e", ""]]
+    assert downstream(reads, writes, [0]) == {1, 3, 4}
+    assert downstream(reads, writes, [2]) == {3, 4}
+    assert downstream(reads, writes, [4]) == set()  # nothing reads e (nor the omitted output)
+    assert downstream(reads, writes, [0, 1]) == {1, 3, 4}  # a start item read by another start item is in
 
 
 def _model_with_if():
