@@ -24,8 +24,8 @@ def load(path: str | Path | Bundle, *, device: str | int = "auto", graph: bool =
     memory, streams, events, engines and captured graph all on that GPU).  A value that is none of these, or a
     GPU this machine lacks, is a ``ParastreamError`` naming the GPUs present.
 
-    A bundle with a data-dependent tail (launcher/tail.py) answers the model's outputs, the tail run on the host
-    after each replay; ``host_tail`` False gives its static part's runner alone, whose outputs are the tensors
+    A bundle with a data-dependent tail (launcher/tail.py) answers the model's outputs, the tail run after each
+    replay (on the host, or on the GPU where the build timed it faster); ``host_tail`` False gives its static part's runner alone, whose outputs are the tensors
     the tail reads (what a build verifies).
     """
     from .cuda import parse_device
@@ -44,7 +44,7 @@ def load(path: str | Path | Bundle, *, device: str | int = "auto", graph: bool =
         return BucketedLauncher(bundle, device=kind, graph=graph, gpu=gpu)
     from .tail import TailRunner, tail_record
 
-    tail = tail_record(bundle) if host_tail else None  # run on the host after each replay (launcher/tail.py)
+    tail = tail_record(bundle) if host_tail else None  # run after each replay (launcher/tail.py)
     if kind == "cuda":
         from .gpu import GpuLauncher
 

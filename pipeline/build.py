@@ -840,7 +840,7 @@ def _static_batch_for_a_tail(bucketed: bool, option: str):
         if not bucketed:
             raise
         raise DataDependentShape(f"{e}; or build it at one static shape (without {option}): its data-dependent part "
-                                 "then runs on the host after each replay", nodes=e.nodes) from None
+                                 "then runs after each replay", nodes=e.nodes) from None
 
 
 def build_static(model_path, cfg: BuildConfig, backend, bar, shapes: dict[str, list[int]], stage, *,
@@ -1424,8 +1424,12 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
         if result.passed and loaded.tail is not None:
             full = read_model(loaded.path)  # the whole original, named as its static part's nodes are
             name_nodes(full)
-            b.report["host_tail"]["end_to_end"] = end_to_end(full, loaded, tmp, rtol=rtol, atol=atol,
-                                                             scale_tol=scale_tol, seed=cfg.seed + 1)
+            e2e = end_to_end(full, loaded, tmp, rtol=rtol, atol=atol, scale_tol=scale_tol, seed=cfg.seed + 1)
+            placement = e2e.pop("placement")  # where the tail runs: decided by timing (host_tail.place)
+            b.report["host_tail"].update(end_to_end=e2e, placement=placement, runs_on=placement["runs_on"])
+            from parastream.launcher.tail import MANIFEST_KEY
+
+            b.manifest[MANIFEST_KEY]["runs_on"] = placement["runs_on"]
         task.advance()
     b.report["verification"] = dict(result.to_dict(), **loaded_as)
     if not result.passed:

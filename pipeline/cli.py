@@ -344,7 +344,7 @@ def cmd_verify(args) -> int:
         return verify_buckets(bundle, original, args)
     shapes = {t.name: t.shape for t in bundle.plan.inputs}
     # a bundle with a data-dependent tail: its static part against the original's, what the tail reads included
-    # (the tail is the original's own nodes, run by onnxruntime: launcher/tail.py)
+    # (the tail is the original's own nodes: launcher/tail.py)
     tail = MANIFEST_KEY in bundle.manifest
     loaded = load_model(original, shapes, host_tail=tail)
     rtol, atol, scale_tol = bundle_tolerances(bundle, args.rtol, args.atol, args.scale_tol)

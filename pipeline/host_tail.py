@@ -10,14 +10,20 @@ build cuts the model in two where the data-dependent part starts (``split``):
   verified like any model; its outputs are the model's outputs it computes and the *boundary* tensors the tail
   reads;
 - the **tail**, the data-dependent nodes and everything downstream of them: shipped in the bundle as
-  ``tail.onnx`` (the original's own nodes, cut by ``onnx.utils.Extractor``) and run by ONNX Runtime on the
-  host after each replay (``parastream.launcher.tail``), on the boundary tensors the static part computed.
+  ``tail.onnx`` (the original's own nodes, cut by ``onnx.utils.Extractor``) and run after each replay
+  (``parastream.launcher.tail``) on the boundary tensors the static part computed: by ONNX Runtime on the host,
+  or, where the plan runs on a GPU, as torch ops there when that is faster (``place``).
 
 The bundle's verification compares the static part, boundary tensors included, with ONNX Runtime on the
 original's static part; the tail is the reference's own computation on those tensors.  The whole bundle is then
 also run once against ONNX Runtime on the whole original, and report.json records how its outputs compare
 (``end_to_end``): a box whose score sits within the precision's tolerance of a threshold can come and go, so
 that comparison is reported, not required.
+
+Where the tail runs is decided by measurement (``place``): on a GPU build the tail on the GPU is first compared
+with the host's on the same boundary tensors (it must give the same outputs: the same computation in fp32 on the
+same values), then the whole call is timed both ways, alternating, and the faster one is recorded in
+manifest.json (``runs_on``) and report.json (``host_tail.placement``: what was timed and what won).
 
 The tail's outputs have no static shape and, after a ``NonZero`` over a batch, no batch axis: a bundle with a
 tail is built at one static batch, and its Triton model takes ``max_batch_size`` 0.
@@ -52,7 +58,7 @@ class HostTail:
         # (analysis.op_histogram counts the same, but imports the loader, which imports this module)
         ops = Counter(n.op_type for n in self.model.graph.node)
         return {"file": TAIL_FILE, "boundary": self.boundary, "feeds": self.feeds, "outputs": self.outputs,
-                "order": self.order, "seeds": self.seeds, "constants": self.constants,
+                "order": self.order, "seeds": self.seeds, "constants": self.constants, "runs_on": "host",
                 "nodes": len(self.model.graph.node), "ops": dict(ops.most_common())}
 
 
@@ -157,10 +163,11 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
 
 def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: float, scale_tol: float | None,
                seed: int) -> dict:
-    """The whole bundle (its static part replayed, then its tail) once against ONNX Runtime on ``full``, the whole
-    original (its nodes named as the loader names them), at the verification's inputs, and what its tail costs
-    per call: what report.json's ``host_tail.end_to_end`` records.  Not a verdict (see the module docstring): an
-    output whose shape differs is recorded as such; a tail that does not run is an error."""
+    """The whole bundle (its static part replayed, then its tail on the host) once against ONNX Runtime on
+    ``full``, the whole original (its nodes named as the loader names them), at the verification's inputs, what
+    its tail costs per call, and where it runs (``place``, under ``placement``): what report.json's
+    ``host_tail.end_to_end`` records.  Not a verdict (see the module docstring): an output whose shape differs is
+    recorded as such; a tail that does not run is an error."""
     from parastream.launcher import load
 
     from .verify import run_verification
@@ -170,6 +177,7 @@ def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: 
         result = run_verification(loaded.path, full, runner, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
                                   seed=seed, iterations=1)
         timed = tail_time(runner, loaded.inputs, seed)
+        placement = place(runner, loaded.inputs, seed)
     finally:
         close = getattr(runner, "close", None)
         if close is not None:
@@ -181,7 +189,8 @@ def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: 
                          # (a detector with random weights may detect nothing: equal, and empty)
                          **({"not_meaningful": d["not_meaningful"]} if d.get("not_meaningful") else {})}
     return {"compared": "the bundle with its tail against onnxruntime on the whole original, one input",
-            "within_tolerance": all(o.get("within_tolerance") for o in outputs.values()), "outputs": outputs, **timed}
+            "within_tolerance": all(o.get("within_tolerance") for o in outputs.values()), "outputs": outputs, **timed,
+            "placement": placement}
 
 
 def tail_time(runner, inputs, seed: int, calls: int = 5) -> dict:
@@ -203,3 +212,51 @@ def tail_time(runner, inputs, seed: int, calls: int = 5) -> dict:
             tails.append(runner.tail_s)
     return {"tail_ms": round(statistics.median(tails) * 1e3, 3), "call_ms": round(statistics.median(wholes) * 1e3, 3),
             "timed": f"median of {calls} calls on one seeded input, on the build's machine"}
+
+
+#: the GPU tail against the host's on the same boundary tensors: the same fp32 computation on the same values
+#: (the GPU's exp and division round differently in the last bits)
+SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
+
+
+def place(runner, inputs, seed: int, calls: int = 7, inputs_compared: int = 3) -> dict:
+    """Where ``runner``'s tail runs (``runner``: its tail on the host): on the GPU when its static part replays
+    there, the tail's every node runs as torch ops, gives the host's outputs on ``inputs_compared`` seeded inputs,
+    and the whole call is faster (medians of ``calls``, the two alternating, after one untimed each); else the
+    host.  The record says what was compared and timed, what won, and why."""
+    import statistics
+    import time
+
+    import numpy as np
+
+    from parastream.core.tensors import random_feeds
+    from parastream.launcher.tail import TailRunner
+
+    host = {"runs_on": "host"}
+    if getattr(runner.inner, "arena_device", None) is None:
+        return dict(host, why="the static part runs on the CPU")
+    gpu = TailRunner(runner.inner, runner.inner.bundle, runner.record, on="gpu")
+    if not gpu.on_gpu:
+        return dict(host, why=gpu.why_host)
+    feeds = [random_feeds(inputs, seed=seed + i) for i in range(inputs_compared)]
+    for f in feeds:
+        want, got = runner(f), gpu(f)
+        for name in runner.record["outputs"]:
+            a, b = np.asarray(want[name]), np.asarray(got[name])
+            if a.shape != b.shape or a.dtype != b.dtype or not np.allclose(a, b, rtol=SAME_RTOL, atol=SAME_ATOL):
+                return dict(host, why=f"on the GPU the tail's output {name!r} differs from the host's "
+                                      f"({list(a.shape)} {a.dtype} against {list(b.shape)} {b.dtype})")
+    if gpu.fallbacks:
+        return dict(host, why="the tail failed on the GPU and ran on the host")
+    times = {"host": [], "gpu": []}
+    for i in range(calls + 1):
+        for where, r in (("host", runner), ("gpu", gpu)):
+            t0 = time.perf_counter()
+            r(feeds[0])
+            if i:
+                times[where].append(time.perf_counter() - t0)
+    ms = {f"{k}_ms": round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
+    chosen = "gpu" if ms["gpu_ms"] < ms["host_ms"] else "host"
+    return {"runs_on": chosen, "timed": dict(ms, how=f"the whole call, median of {calls}, alternating, one seeded input"),
+            "compared": f"the tail on the GPU against the host's, {inputs_compared} seeded inputs: the same outputs",
+            "why": "faster" if chosen == "gpu" else "the host's was faster"}

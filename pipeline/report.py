@@ -127,7 +127,8 @@ def _host_tail_summary(rec: dict | None) -> dict | None:
             "reads": len(rec.get("boundary") or []), "feeds": rec.get("feeds") or [],
             "end_to_end_within_tolerance": e2e.get("within_tolerance"),
             "end_to_end_shapes_differ": sorted(k for k, o in (e2e.get("outputs") or {}).items() if not o.get("same_shape")),
-            "tail_ms": e2e.get("tail_ms"), "call_ms": e2e.get("call_ms")}
+            "tail_ms": e2e.get("tail_ms"), "call_ms": e2e.get("call_ms"),
+            "runs_on": rec.get("runs_on", "host"), "placement": rec.get("placement")}
 
 
 def _timings_line(rt: dict | None) -> str | None:
@@ -214,8 +215,16 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
         ends = ("" if e2e is None else "; end to end within tolerance of onnxruntime" if e2e
                 else f"; end to end, shapes differ from onnxruntime's on {', '.join(differ)}" if differ
                 else "; end to end, values outside the tolerance (report.json host_tail.end_to_end)")
+        placed = tail.get("placement") or {}
+        timed = placed.get("timed") or {}
+        where = ("run as torch ops on the GPU after each replay" if tail.get("runs_on") == "gpu"
+                 else "run by onnxruntime on the host after each replay")
+        if timed:  # (both timed on the build's GPU: host_tail.place)
+            where += f" ({timed['gpu_ms']:.2f} ms a call on the GPU, {timed['host_ms']:.2f} on the host)"
+        elif placed.get("why") and placed["why"] != "the static part runs on the CPU":
+            where += f" (not on the GPU: {placed['why']})"
         console.print(escape(f"  data-dependent tail: {plural(tail['nodes'] or 0, 'node')} from {start} on, computing "
-                             f"{', '.join(tail['outputs'] or [])}, run by onnxruntime on the host after each replay "
+                             f"{', '.join(tail['outputs'] or [])}, {where} "
                              f"(it reads {plural(tail['reads'], 'tensor')} of the plan"
                              + (f" and input {', '.join(tail['feeds'])}" if tail["feeds"] else "") + f"){ends}"
                              + (f"; on the build's input the tail took {tail['tail_ms']:.2f} of a {tail['call_ms']:.2f} ms "
@@ -331,7 +340,8 @@ def inspect_model(path, *, shapes=None, streams=None, device=None, picture=None,
         tail = loaded.tail
         console.print(f"data-dependent tail: {plural(len(tail.model.graph.node), 'node')} from {', '.join(tail.seeds[:3])}"
                       f"{' and more' if len(tail.seeds) > 3 else ''} on, computing {', '.join(tail.outputs)}: a build "
-                      "runs them in onnxruntime on the host after each replay; the figures above are the static part's")
+                      "runs them after each replay, in onnxruntime on the host or as torch ops on the GPU, whichever it "
+                      "times faster; the figures above are the static part's")
     if cpu:
         console.print("CPU: these stream estimates are not measured; a CPU build times the plan against one "
                       "onnxruntime session with every core, and ships one session unless the plan is timed faster "

@@ -1,0 +1,651 @@
+"""An ONNX graph run node by node as torch ops, its shapes read at run time: a bundle's data-dependent tail on the
+GPU (launcher/tail.py).
+
+Why not ``onnx_torch`` (the engines' converter): it folds everything computable from shapes at conversion and
+plans every value's shape before the first run, which is what makes an engine fast and what a tail cannot have
+(a ``NonZero``'s output has as many columns as the data has scores above a threshold).  Why not onnx2torch, which
+does compute shapes at run time: it has no ``If`` and no ``GatherND``, both in every torchvision detector's
+post-processing.  And why not ONNX Runtime's CUDA provider: it is not what a torch deployment has.
+
+How it runs: each node becomes, once at load, a closure over its attributes (``OPS[op_type](node)``); a call
+walks the closures in the graph's order.  Values are torch tensors; a value computed from shapes (``Shape``,
+``Gather`` of a shape, ``Concat`` of those) stays on the host, so that reading it as a Python number (a
+``Reshape``'s shape, a ``TopK``'s k) costs no wait for the GPU; an op that reads a tensor on the GPU runs there,
+the small host tensors it also reads copied over.  The waits left are the ones the data forces: ``NonZero``'s
+count, an ``If``'s condition, ``NonMaxSuppression``'s selection.
+
+An op outside ``OPS``, or a ``Loop``, is ``UnsupportedOp`` at load naming the node: the tail then stays on the
+host.  ``NonMaxSuppression`` runs as torchvision's ``batched_nms`` and needs torchvision.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import numpy as np
+import onnx
+from onnx import helper, numpy_helper
+
+from .onnx_torch import UnsupportedOp, torch_dtype
+
+
+def _torch():
+    import torch
+
+    return torch
+
+
+class _Node:
+    """A node's attributes as Python values, and its name for errors."""
+
+    def __init__(self, node: onnx.NodeProto, opset: int):
+        self.node, self.opset, self.op = node, opset, node.op_type
+        self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
+        self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    def attr(self, key, default=None):
+        v = self.attrs.get(key, default)
+        return v.decode() if isinstance(v, bytes) else v
+
+
+OPS: dict[str, Callable[[_Node], Callable]] = {}
+
+
+def _op(*names):
+    def register(make):
+        for n in names:
+            OPS[n] = make
+        return make
+    return register
+
+
+def _device_of(xs):
+    """The first non-host device among ``xs``' tensors, or None (all on the host)."""
+    for x in xs:
+        if x is not None and x.device.type != "cpu":
+            return x.device
+    return None
+
+
+def _together(*xs, scalars: bool = False):
+    """``xs`` on one device: the host tensors moved to the device one of them is on.  ``scalars``: 0-d host
+    tensors stay (torch's elementwise ops take them beside device tensors as numbers, with no copy)."""
+    dev = _device_of(xs)
+    if dev is None:
+        return xs
+    return tuple(x if x is None or x.device == dev or (scalars and x.dim() == 0) else x.to(dev, non_blocking=True)
+                 for x in xs)
+
+
+def _ints(x) -> list[int]:
+    """A tensor of integers (a shape, axes, a k) as Python ints: free on the host, a wait on the GPU."""
+    return [int(v) for v in x.reshape(-1).tolist()]
+
+
+def _axis(a: int, rank: int) -> int:
+    return a + rank if a < 0 else a
+
+
+# -- elementwise ---------------------------------------------------------------------------------------------
+
+def _elementwise(fn):
+    def make(n: _Node):
+        def run(*xs):
+            return fn(*_together(*xs, scalars=True))
+        return run
+    return make
+
+
+def _div(a, b):
+    torch = _torch()
+    if a.dtype.is_floating_point:
+        return a / b
+    return torch.div(a, b, rounding_mode="trunc")  # ONNX Runtime's integer Div truncates toward zero
+
+
+for _name, _fn in {
+    "Add": lambda a, b: a + b, "Sub": lambda a, b: a - b, "Mul": lambda a, b: a * b, "Div": _div,
+    "Pow": lambda a, b: _torch().pow(a, b).to(a.dtype),
+    "Equal": lambda a, b: a == b, "Greater": lambda a, b: a > b, "Less": lambda a, b: a < b,
+    "GreaterOrEqual": lambda a, b: a >= b, "LessOrEqual": lambda a, b: a <= b,
+    "And": lambda a, b: a & b, "Or": lambda a, b: a | b, "Xor": lambda a, b: a ^ b,
+    "Where": lambda c, a, b: _torch().where(c, a, b),
+    "Neg": lambda x: -x, "Abs": lambda x: x.abs(), "Exp": lambda x: x.exp(), "Log": lambda x: x.log(),
+    "Sqrt": lambda x: x.sqrt(), "Sigmoid": lambda x: x.sigmoid(), "Relu": lambda x: x.relu(),
+    "Tanh": lambda x: x.tanh(), "Floor": lambda x: x.floor(), "Ceil": lambda x: x.ceil(),
+    "Round": lambda x: x.round(), "Reciprocal": lambda x: x.reciprocal(), "Sign": lambda x: x.sign(),
+    "Not": lambda x: ~x, "IsNaN": lambda x: x.isnan(), "Erf": lambda x: x.erf(),
+    "Sin": lambda x: x.sin(), "Cos": lambda x: x.cos(), "Identity": lambda x: x,
+}.items():
+    OPS[_name] = _elementwise(_fn)
+
+
+@_op("Mod")
+def _mod(n: _Node):
+    torch = _torch()
+    fn = torch.fmod if n.attr("fmod", 0) else torch.remainder  # fmod 0: the divisor's sign, as Python's %
+    return lambda a, b: fn(*_together(a, b, scalars=True))
+
+
+@_op("Min", "Max", "Sum", "Mean")
+def _variadic(n: _Node):
+    torch = _torch()
+    pair = {"Min": torch.minimum, "Max": torch.maximum, "Sum": torch.add, "Mean": torch.add}[n.op]
+
+    def run(*xs):
+        xs = _together(*xs)
+        out = xs[0]
+        for x in xs[1:]:
+            out = pair(out, x)
+        return out / len(xs) if n.op == "Mean" else out
+    return run
+
+
+@_op("Clip")
+def _clip(n: _Node):
+    torch = _torch()
+    if n.opset < 11:
+        lo, hi = n.attr("min"), n.attr("max")
+        return lambda x: torch.clamp(x, lo, hi)
+
+    def run(x, lo=None, hi=None):
+        lo = None if lo is None else lo.item()  # (0-d, a constant or a value the host holds)
+        hi = None if hi is None else hi.item()
+        return x if lo is None and hi is None else torch.clamp(x, lo, hi)
+    return run
+
+
+@_op("Cast")
+def _cast(n: _Node):
+    dtype = torch_dtype(n.attr("to"))
+    return lambda x: x.to(dtype)
+
+
+@_op("CastLike")
+def _castlike(n: _Node):
+    return lambda x, like: x.to(like.dtype)
+
+
+# -- constants and shapes ------------------------------------------------------------------------------------
+
+def _tensor(proto: onnx.TensorProto):
+    torch = _torch()
+    return torch.from_numpy(np.array(numpy_helper.to_array(proto), order="C"))
+
+
+@_op("Constant")
+def _constant(n: _Node):
+    torch = _torch()
+    key, v = next(iter(n.attrs.items()))
+    if key == "value":
+        t = _tensor(v)
+    elif key in ("value_float", "value_int"):
+        t = torch.tensor(v, dtype=torch.float32 if key == "value_float" else torch.int64)
+    elif key in ("value_floats", "value_ints"):
+        t = torch.tensor(list(v), dtype=torch.float32 if key == "value_floats" else torch.int64)
+    else:
+        raise UnsupportedOp(f"node {n.name!r} (Constant): attribute {key} is not supported on the GPU")
+    return lambda: t
+
+
+@_op("Shape")
+def _shape(n: _Node):
+    torch = _torch()
+    start, end = n.attr("start", 0), n.attr("end")
+    return lambda x: torch.tensor(x.shape[start:end] if end is not None else x.shape[start:], dtype=torch.int64)
+
+
+@_op("Size")
+def _size(n: _Node):
+    torch = _torch()
+    return lambda x: torch.tensor(x.numel(), dtype=torch.int64)
+
+
+@_op("ConstantOfShape")
+def _const_of_shape(n: _Node):
+    torch = _torch()
+    v = _tensor(n.attrs["value"]) if "value" in n.attrs else torch.zeros(1, dtype=torch.float32)
+
+    def run(shape):
+        return torch.full(_ints(shape), v.reshape(-1)[0].item(), dtype=v.dtype)
+    return run
+
+
+@_op("Range")
+def _range(n: _Node):
+    torch = _torch()
+
+    def run(start, limit, delta):
+        dtype = start.dtype
+        return torch.arange(start.item(), limit.item(), delta.item(), dtype=dtype)
+    return run
+
+
+# -- indexing ------------------------------------------------------------------------------------------------
+
+def _wrapped(idx, size: int):
+    """Negative indices counted from the end, as ONNX allows."""
+    return _torch().where(idx < 0, idx + size, idx)
+
+
+@_op("Gather")
+def _gather(n: _Node):
+    axis = n.attr("axis", 0)
+
+    def run(data, idx):
+        data, idx = _together(data, idx)
+        a = _axis(axis, data.dim())
+        flat = _wrapped(idx, data.shape[a]).reshape(-1)
+        out = data.index_select(a, flat)
+        return out.reshape((*data.shape[:a], *idx.shape, *data.shape[a + 1:]))
+    return run
+
+
+@_op("GatherElements")
+def _gather_elements(n: _Node):
+    torch = _torch()
+    axis = n.attr("axis", 0)
+
+    def run(data, idx):
+        data, idx = _together(data, idx)
+        a = _axis(axis, data.dim())
+        return torch.gather(data, a, _wrapped(idx, data.shape[a]))
+    return run
+
+
+@_op("GatherND")
+def _gather_nd(n: _Node):
+    b = n.attr("batch_dims", 0)
+
+    def run(data, idx):
+        data, idx = _together(data, idx)
+        k = idx.shape[-1]
+        lead = idx.shape[:-1]
+        if b:  # batch axes shared by data and indices: one flat batch, its offsets added to the first index
+            batch = int(np.prod(data.shape[:b]))
+            rows = data.reshape((batch, *data.shape[b:]))
+            flat_idx = idx.reshape(batch, -1, k)
+            picked = [rows[i][tuple(_wrapped(flat_idx[i][:, j], rows.shape[1 + j]) for j in range(k))]
+                      for i in range(batch)]
+            out = _torch().stack(picked) if picked else rows[:0]
+            return out.reshape((*lead, *data.shape[b + k:]))
+        flat_idx = idx.reshape(-1, k)
+        out = data[tuple(_wrapped(flat_idx[:, j], data.shape[j]) for j in range(k))]
+        return out.reshape((*lead, *data.shape[k:]))
+    return run
+
+
+@_op("Slice")
+def _slice(n: _Node):
+    torch = _torch()
+    if n.opset < 10:
+        fixed = (n.attr("starts"), n.attr("ends"), n.attr("axes"), None)
+    else:
+        fixed = None
+
+    def run(x, starts=None, ends=None, axes=None, steps=None):
+        if fixed is not None:
+            st, en, ax, sp = fixed
+        else:
+            st, en = _ints(starts), _ints(ends)
+            ax = _ints(axes) if axes is not None else None
+            sp = _ints(steps) if steps is not None else None
+        ax = list(range(len(st))) if ax is None else ax
+        sp = [1] * len(st) if sp is None else sp
+        for s, e, a, step in zip(st, en, ax, sp):
+            a = _axis(a, x.dim())
+            dim = x.shape[a]
+            # ONNX's clamping (the operator's spec): negative counts from the end, then into [0, dim] going
+            # forward and [-1, dim - 1] going backward
+            s = s + dim if s < 0 else s
+            e = e + dim if e < 0 else e
+            if step > 0:
+                s, e = min(max(s, 0), dim), min(max(e, 0), dim)
+                x = x.narrow(a, s, max(e - s, 0)) if step == 1 else x.index_select(
+                    a, torch.arange(s, e, step, device=x.device))
+            else:
+                s, e = min(max(s, -1), dim - 1), min(max(e, -1), dim - 1)
+                x = x.index_select(a, torch.arange(s, e, step, device=x.device))
+        return x
+    return run
+
+
+@_op("ScatterND")
+def _scatter_nd(n: _Node):
+    reduction = n.attr("reduction", "none")
+    if reduction != "none":
+        raise UnsupportedOp(f"node {n.name!r} (ScatterND): reduction {reduction!r} is not supported on the GPU")
+
+    def run(data, idx, updates):
+        data, idx, updates = _together(data, idx, updates)
+        out = data.clone()
+        k = idx.shape[-1]
+        flat = idx.reshape(-1, k)
+        out[tuple(_wrapped(flat[:, j], data.shape[j]) for j in range(k))] = updates.reshape((-1, *data.shape[k:]))
+        return out
+    return run
+
+
+@_op("NonZero")
+def _nonzero(n: _Node):
+    torch = _torch()
+    return lambda x: torch.nonzero(x.reshape(1) if x.dim() == 0 else x).T.contiguous()
+
+
+@_op("TopK")
+def _topk(n: _Node):
+    """The k largest (or smallest) along ``axis``, in order, equal values lowest index first as ONNX specifies:
+    a stable sort cut at k (``torch.topk`` leaves the order of ties to its kernel, and a detector's scores tie,
+    as an untrained head's do)."""
+    torch = _torch()
+    axis, largest = n.attr("axis", -1), bool(n.attr("largest", 1))
+    fixed_k = n.attr("k")  # an attribute before opset 10
+
+    def run(x, k=None):
+        kk = fixed_k if k is None else _ints(k)[0]
+        a = _axis(axis, x.dim())
+        values, indices = torch.sort(x, dim=a, descending=largest, stable=True)
+        return values.narrow(a, 0, kk), indices.narrow(a, 0, kk)
+    return run
+
+
+@_op("ArgMax", "ArgMin")
+def _arg(n: _Node):
+    torch = _torch()
+    axis, keep, last = n.attr("axis", 0), bool(n.attr("keepdims", 1)), bool(n.attr("select_last_index", 0))
+    pick = torch.argmax if n.op == "ArgMax" else torch.argmin
+
+    def run(x):
+        a = _axis(axis, x.dim())
+        if last:  # the last of equal extremes: the first one of the flipped axis
+            return x.shape[a] - 1 - pick(x.flip(a), dim=a, keepdim=keep)
+        return pick(x, dim=a, keepdim=keep)
+    return run
+
+
+# -- layout --------------------------------------------------------------------------------------------------
+
+@_op("Reshape")
+def _reshape(n: _Node):
+    allowzero = bool(n.attr("allowzero", 0))
+
+    def run(x, shape):
+        want = _ints(shape)
+        if not allowzero:  # 0 keeps the input's dimension there
+            want = [x.shape[i] if d == 0 else d for i, d in enumerate(want)]
+        if x.numel() == 0:  # torch cannot infer -1 for no elements: ONNX Runtime infers 0
+            want = [0 if d == -1 else d for d in want]
+        return x.reshape(want)
+    return run
+
+
+@_op("Flatten")
+def _flatten(n: _Node):
+    axis = n.attr("axis", 1)
+
+    def run(x):
+        a = _axis(axis, x.dim())
+        return x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), int(np.prod(x.shape[a:], dtype=np.int64)))
+    return run
+
+
+@_op("Transpose")
+def _transpose(n: _Node):
+    perm = n.attr("perm")
+    return lambda x: x.permute(*(perm if perm is not None else range(x.dim() - 1, -1, -1)))
+
+
+def _axes(n: _Node, given) -> list[int] | None:
+    """A node's axes: the attribute before the opset that made them an input, else the input (None: absent)."""
+    if "axes" in n.attrs:
+        return list(n.attrs["axes"])
+    return None if given is None else _ints(given)
+
+
+@_op("Squeeze")
+def _squeeze(n: _Node):
+    def run(x, axes=None):
+        ax = _axes(n, axes)
+        if ax is None:
+            return x.reshape([d for d in x.shape if d != 1])
+        ax = {_axis(a, x.dim()) for a in ax}
+        return x.reshape([d for i, d in enumerate(x.shape) if i not in ax])
+    return run
+
+
+@_op("Unsqueeze")
+def _unsqueeze(n: _Node):
+    def run(x, axes=None):
+        ax = _axes(n, axes)
+        rank = x.dim() + len(ax)
+        for a in sorted(_axis(a, rank) for a in ax):
+            x = x.unsqueeze(a)
+        return x
+    return run
+
+
+@_op("Concat")
+def _concat(n: _Node):
+    torch = _torch()
+    axis = n.attr("axis")
+
+    def run(*xs):
+        xs = _together(*xs)
+        return torch.cat(xs, dim=_axis(axis, xs[0].dim()))
+    return run
+
+
+@_op("Split")
+def _split(n: _Node):
+    axis, count = n.attr("axis", 0), len(n.node.output)
+
+    def run(x, split=None):
+        a = _axis(axis, x.dim())
+        sizes = list(n.attrs["split"]) if "split" in n.attrs else (_ints(split) if split is not None else None)
+        if sizes is None:  # equal parts, the last one smaller where they do not divide
+            each = -(-x.shape[a] // count)
+            sizes = [min(each, x.shape[a] - i * each) for i in range(count)]
+        return tuple(x.split(sizes, dim=a))
+    return run
+
+
+@_op("Expand")
+def _expand(n: _Node):
+    torch = _torch()
+
+    def run(x, shape):
+        return x.expand(torch.broadcast_shapes(tuple(x.shape), tuple(_ints(shape))))
+    return run
+
+
+@_op("Tile")
+def _tile(n: _Node):
+    return lambda x, reps: x.repeat(_ints(reps))
+
+
+# -- reductions ----------------------------------------------------------------------------------------------
+
+@_op("ReduceMin", "ReduceMax", "ReduceSum", "ReduceMean", "ReduceProd")
+def _reduce(n: _Node):
+    torch = _torch()
+    keep, noop = bool(n.attr("keepdims", 1)), bool(n.attr("noop_with_empty_axes", 0))
+    kind = n.op[len("Reduce"):]
+
+    def run(x, axes=None):
+        ax = _axes(n, axes)
+        if not ax:  # no axes: every axis, or none with noop_with_empty_axes
+            if noop:
+                return x
+            ax = list(range(x.dim()))
+        ax = sorted(_axis(a, x.dim()) for a in ax)
+        if x.numel() == 0 and kind in ("Min", "Max"):  # torch refuses an empty min or max: ONNX's is the identity
+            shape = [1 if i in ax else d for i, d in enumerate(x.shape)] if keep else \
+                [d for i, d in enumerate(x.shape) if i not in ax]
+            info = torch.finfo(x.dtype) if x.dtype.is_floating_point else torch.iinfo(x.dtype)
+            inf = float("inf") if x.dtype.is_floating_point else None
+            fill = (inf or info.max) if kind == "Min" else (-inf if inf else info.min)
+            return torch.full(shape, fill, dtype=x.dtype, device=x.device)
+        if kind == "Min":
+            return torch.amin(x, dim=ax, keepdim=keep)
+        if kind == "Max":
+            return torch.amax(x, dim=ax, keepdim=keep)
+        if kind == "Sum":
+            return torch.sum(x, dim=ax, keepdim=keep, dtype=x.dtype)
+        if kind == "Mean":
+            return torch.mean(x, dim=ax, keepdim=keep)
+        out = x
+        for a in reversed(ax):
+            out = torch.prod(out, dim=a, keepdim=keep, dtype=x.dtype)
+        return out
+    return run
+
+
+@_op("Softmax", "LogSoftmax")
+def _softmax(n: _Node):
+    torch = _torch()
+    axis = n.attr("axis", -1 if n.opset >= 13 else 1)
+    fn = torch.softmax if n.op == "Softmax" else torch.log_softmax
+
+    def run(x):
+        a = _axis(axis, x.dim())
+        if n.opset >= 13:
+            return fn(x, dim=a)
+        # before opset 13: over the input seen as 2-d, everything from ``axis`` on as one row
+        return fn(x.reshape(int(np.prod(x.shape[:a], dtype=np.int64)), -1), dim=1).reshape(x.shape)
+    return run
+
+
+@_op("CumSum")
+def _cumsum(n: _Node):
+    torch = _torch()
+    exclusive, reverse = bool(n.attr("exclusive", 0)), bool(n.attr("reverse", 0))
+
+    def run(x, axis):
+        a = _axis(_ints(axis)[0], x.dim())
+        y = x.flip(a) if reverse else x
+        out = torch.cumsum(y, dim=a, dtype=x.dtype)
+        if exclusive:
+            out = out - y
+        return out.flip(a) if reverse else out
+    return run
+
+
+@_op("MatMul")
+def _matmul(n: _Node):
+    torch = _torch()
+    return lambda a, b: torch.matmul(*_together(a, b))
+
+
+# -- detection -----------------------------------------------------------------------------------------------
+
+@_op("NonMaxSuppression")
+def _nms(n: _Node):
+    """ONNX's NonMaxSuppression as torchvision's ``batched_nms`` per batch (one call for every class): the
+    selected [batch, class, box] rows grouped by batch and class, each class's in descending score, at most
+    ``max_output_boxes_per_class`` of each (0, the default, selects none), as ONNX Runtime gives them."""
+    torch = _torch()
+    try:
+        from torchvision.ops import batched_nms
+    except ImportError:
+        raise UnsupportedOp(f"node {n.name!r} (NonMaxSuppression) needs torchvision on the GPU "
+                            "(pip install torchvision)") from None
+    center = bool(n.attr("center_point_box", 0))
+
+    def run(boxes, scores, max_per_class=None, iou=None, score_min=None):
+        boxes, scores = _together(boxes, scores)
+        limit = 0 if max_per_class is None else _ints(max_per_class)[0]
+        iou_t = 0.0 if iou is None else float(iou.item())
+        rows = []
+        if limit > 0:
+            for b in range(boxes.shape[0]):
+                bx = boxes[b]
+                if center:  # [x_center, y_center, width, height]
+                    half = bx[:, 2:] / 2
+                    corners = torch.cat([bx[:, :2] - half, bx[:, :2] + half], dim=1)
+                else:  # any diagonal pair, in either axis order: IoU is the same for [min0, min1, max0, max1]
+                    corners = torch.cat([torch.minimum(bx[:, :2], bx[:, 2:]), torch.maximum(bx[:, :2], bx[:, 2:])], 1)
+                sc = scores[b]  # [classes, boxes]
+                keep = sc > float(score_min.item()) if score_min is not None else torch.ones_like(sc, dtype=torch.bool)
+                cls, box = keep.nonzero(as_tuple=True)  # by class, then box
+                # equal scores lowest box first, as ONNX Runtime takes them: the candidates' order of a stable
+                # sort handed to torchvision as distinct scores (its own sort leaves the order of ties open)
+                order = torch.sort(sc[cls, box], descending=True, stable=True).indices
+                ranks = torch.empty(order.numel(), dtype=torch.float32, device=order.device)
+                ranks[order] = torch.arange(order.numel(), 0, -1, dtype=torch.float32, device=order.device)
+                chosen = batched_nms(corners[box].float(), ranks, cls, iou_t)  # descending score
+                cls_c, box_c = cls[chosen], box[chosen]
+                order = torch.sort(cls_c, stable=True).indices  # by class, each class's in score order
+                cls_c, box_c = cls_c[order], box_c[order]
+                rank = torch.arange(cls_c.numel(), device=cls_c.device) - torch.searchsorted(cls_c, cls_c)
+                within = rank < limit
+                cls_c, box_c = cls_c[within], box_c[within]
+                rows.append(torch.stack([torch.full_like(cls_c, b), cls_c, box_c], dim=1))
+        if not rows:
+            return torch.zeros((0, 3), dtype=torch.int64, device=boxes.device)
+        return torch.cat(rows).to(torch.int64)
+    return run
+
+
+# -- the graph -----------------------------------------------------------------------------------------------
+
+@_op("If")
+def _if(n: _Node):
+    then_g = EagerGraph(n.attrs["then_branch"], n.opset)
+    else_g = EagerGraph(n.attrs["else_branch"], n.opset)
+
+    def run(cond, *, scope):
+        branch = then_g if bool(cond.reshape(-1)[0].item()) else else_g
+        return tuple(branch.run(scope))
+    run.reads_scope = True
+    return run
+
+
+class EagerGraph:
+    """``graph``'s nodes as closures over torch (``OPS``), run in order on a dict of values.
+
+    ``device``: where the graph's initializers that device ops read are kept (the small integer ones, shapes
+    and axes, stay on the host where they are read).  An ``If``'s branches are graphs too: they read their outer
+    scope's values by name (``run``'s ``values``)."""
+
+    def __init__(self, graph: onnx.GraphProto, opset: int, device=None):
+        self.outputs = [o.name for o in graph.output]
+        self.inputs = [i.name for i in graph.input]
+        self._takes = set(self.inputs)
+        self.consts = {}
+        for t in graph.initializer:
+            v = _tensor(t)
+            if device is not None and (v.is_floating_point() or v.numel() > 64):
+                v = v.to(device)
+            self.consts[t.name] = v
+        self.steps = []
+        for node in graph.node:
+            make = OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
+            if make is None:
+                raise UnsupportedOp(f"node {node.name or node.op_type!r} ({node.op_type}) does not run on the GPU "
+                                    "tail (launcher/engines/onnx_eager.py)")
+            fn = make(_Node(node, opset))
+            self.steps.append((fn, list(node.input), list(node.output), getattr(fn, "reads_scope", False)))
+
+    def run(self, values: dict) -> list:
+        """The graph's outputs, in order, from ``values`` (its inputs by name; a subgraph's outer scope)."""
+        env = dict(values)
+        # (a graph's inputs are its caller's values; its initializers shadow an outer scope's of the same name)
+        env.update((k, v) for k, v in self.consts.items() if k not in self._takes)
+        for fn, ins, outs, scoped in self.steps:
+            args = [env[i] if i else None for i in ins]
+            while args and args[-1] is None:  # trailing optional inputs left out
+                args.pop()
+            got = fn(*args, scope=env) if scoped else fn(*args)
+            if isinstance(got, tuple):
+                for name, v in zip(outs, got):
+                    if name:
+                        env[name] = v
+            else:
+                env[outs[0]] = got
+        return [env[o] for o in self.outputs]
+
+
+def load(model: onnx.ModelProto, device) -> EagerGraph:
+    """``model``'s graph ready to run on ``device`` (``UnsupportedOp`` naming a node it cannot run)."""
+    opset = next((o.version for o in model.opset_import if o.domain in ("", "ai.onnx")), 13)
+    return EagerGraph(model.graph, opset, device=device)

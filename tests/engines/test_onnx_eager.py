@@ -1,0 +1,336 @@
+"""The tail's torch ops (launcher/engines/onnx_eager.py), each against ONNX Runtime on the CPU: every op of its
+table on run-time inputs (shapes, axes and counts read from tensors, as a detection model's tail computes them),
+values, shapes and dtypes equal; and the nodes it must refuse, naming the node, so that the tail stays on the
+host.  On the CPU here; tests/pipeline/test_host_tail.py runs whole tails on the GPU."""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines.onnx_eager import OPS, UnsupportedOp, load  # noqa: E402
+
+rng = np.random.default_rng(0)
+_TYPES = {np.dtype(np.float32): TensorProto.FLOAT, np.dtype(np.int64): TensorProto.INT64,
+          np.dtype(np.int32): TensorProto.INT32, np.dtype(np.bool_): TensorProto.BOOL}
+
+
+def model(nodes, feeds: dict, outputs: list[str], consts: dict | None = None, opset: int = 17) -> onnx.ModelProto:
+    """A graph of ``nodes`` whose inputs are ``feeds`` (run-time tensors), ``consts`` initializers; the outputs'
+    types from ONNX's inference."""
+    consts = consts or {}
+    g = helper.make_graph(nodes, "g", [helper.make_tensor_value_info(k, _TYPES[v.dtype], v.shape) for k, v in feeds.items()],
+                          [helper.make_tensor_value_info(o, TensorProto.UNDEFINED, None) for o in outputs],
+                          [numpy_helper.from_array(v, k) for k, v in consts.items()])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", opset)])
+    m.ir_version = 8
+    inferred = onnx.shape_inference.infer_shapes(m)
+    types = {vi.name: vi.type.tensor_type.elem_type for vi in [*inferred.graph.value_info, *inferred.graph.output]}
+    for o in m.graph.output:
+        o.type.tensor_type.elem_type = types.get(o.name) or TensorProto.FLOAT
+    return m
+
+
+def check(m: onnx.ModelProto, feeds: dict, rtol=1e-6, atol=1e-6):
+    """The eager graph against ONNX Runtime: every output's shape, dtype and values."""
+    import onnxruntime as ort
+
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = load(m, device=None).run({k: torch.from_numpy(v) for k, v in feeds.items()})
+    assert len(got) == len(ref)
+    for g, r in zip(got, ref):
+        g = g.numpy()
+        assert g.shape == r.shape and g.dtype == r.dtype, (g.shape, g.dtype, r.shape, r.dtype)
+        np.testing.assert_allclose(g, r, rtol=rtol, atol=atol)
+
+
+def one(op, feeds: dict, n_out: int = 1, consts=None, opset=17, inputs=None, **attrs):
+    """``op`` as the one node of a model over ``feeds`` (then ``consts``), checked."""
+    names = inputs or [*feeds, *(consts or {})]
+    outs = [f"y{i}" for i in range(n_out)]
+    check(model([helper.make_node(op, names, outs, **attrs)], feeds, outs, consts, opset), feeds)
+
+
+def f32(*shape, lo=-2.0, hi=2.0):
+    return rng.uniform(lo, hi, shape).astype(np.float32)
+
+
+def i64(*values):
+    return np.array(values, dtype=np.int64)
+
+
+# -- elementwise ---------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["Add", "Sub", "Mul", "Div", "Pow", "Equal", "Greater", "Less", "GreaterOrEqual",
+                                "LessOrEqual"])
+def test_binary_broadcast(op):
+    a, b = f32(2, 3, 4, lo=0.5), f32(3, 1, lo=0.5)
+    if op == "Equal":
+        b = a[0, :, :1].copy()
+    one(op, {"a": a, "b": b})
+
+
+def test_integer_division_truncates_as_onnx_runtime():
+    one("Div", {"a": i64(-7, 7, -8, 9), "b": i64(2, -2, 3, 4)})
+
+
+@pytest.mark.parametrize("op", ["And", "Or", "Xor"])
+def test_logical(op):
+    one(op, {"a": rng.random((3, 4)) > 0.5, "b": rng.random((4,)) > 0.5})
+
+
+@pytest.mark.parametrize("op", ["Neg", "Abs", "Exp", "Log", "Sqrt", "Sigmoid", "Relu", "Tanh", "Floor", "Ceil",
+                                "Round", "Reciprocal", "Sign", "Erf", "Sin", "Cos", "Identity"])
+def test_unary(op):
+    x = f32(3, 5, lo=0.1, hi=3.0) if op in ("Log", "Sqrt") else f32(3, 5)
+    if op == "Round":
+        x = np.array([0.5, 1.5, 2.5, -0.5, -1.5, 0.4, 2.6], np.float32)  # halves to even, as ONNX rounds
+    one(op, {"x": x})
+
+
+def test_not_isnan_where():
+    x = np.array([1.0, np.nan, -2.0], np.float32)
+    nodes = [helper.make_node("IsNaN", ["x"], ["nan"]), helper.make_node("Not", ["nan"], ["ok"]),
+             helper.make_node("Where", ["ok", "x", "zero"], ["y"])]
+    check(model(nodes, {"x": x}, ["nan", "ok", "y"], {"zero": np.array(0.0, np.float32)}), {"x": x})
+
+
+@pytest.mark.parametrize("fmod,kind", [(0, "int"), (1, "int"), (1, "float")])
+def test_mod_follows_the_sign_onnx_says(fmod, kind):
+    a, b = (i64(-7, 7, -8, 9), i64(3, -3, 3, -4)) if kind == "int" else (f32(6), f32(6, lo=0.5))
+    one("Mod", {"a": a, "b": b}, fmod=fmod)
+
+
+@pytest.mark.parametrize("op", ["Min", "Max", "Sum", "Mean"])
+def test_variadic(op):
+    one(op, {"a": f32(2, 3), "b": f32(3), "c": f32(1, 3)})
+
+
+def test_clip_before_and_after_opset_11():
+    one("Clip", {"x": f32(4, 4)}, opset=6, min=-0.5, max=0.5)
+    one("Clip", {"x": f32(4, 4), "lo": np.array(-0.5, np.float32)}, opset=13)
+    one("Clip", {"x": i64(-5, 0, 5, 9)}, consts={"lo": np.array(-1, np.int64), "hi": np.array(4, np.int64)})
+    one("Clip", {"x": f32(3)}, inputs=["x", "", "hi"], consts={"hi": np.array(0.0, np.float32)})
+
+
+def test_cast_truncates_and_castlike():
+    x = np.array([-1.7, -0.2, 0.6, 2.9], np.float32)
+    one("Cast", {"x": x}, to=TensorProto.INT32)
+    one("CastLike", {"x": x, "like": i64(1)})
+
+
+# -- constants and shapes ------------------------------------------------------------------------------------
+
+def test_constants_shape_size():
+    x = f32(2, 3, 4)
+    nodes = [helper.make_node("Constant", [], ["c1"], value=numpy_helper.from_array(f32(2, 2), "v")),
+             helper.make_node("Constant", [], ["c2"], value_ints=[3, 1]),
+             helper.make_node("Constant", [], ["c3"], value_float=0.25),
+             helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Shape", ["x"], ["s1"], start=1, end=-1),
+             helper.make_node("Size", ["x"], ["n"])]
+    check(model(nodes, {"x": x}, ["c1", "c2", "c3", "s", "s1", "n"]), {"x": x})
+
+
+def test_constant_of_shape_and_range():
+    x = f32(2, 3)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]),
+             helper.make_node("ConstantOfShape", ["s"], ["zeros"]),
+             helper.make_node("ConstantOfShape", ["s"], ["sevens"], value=numpy_helper.from_array(i64(7), "v")),
+             helper.make_node("Range", ["start", "limit", "delta"], ["r"]),
+             helper.make_node("Range", ["fs", "fl", "fd"], ["fr"])]
+    feeds = {"x": x, "start": np.array(10, np.int64), "limit": np.array(-3, np.int64), "delta": np.array(-4, np.int64),
+             "fs": np.array(0.5, np.float32), "fl": np.array(2.0, np.float32), "fd": np.array(0.4, np.float32)}
+    check(model(nodes, feeds, ["zeros", "sevens", "r", "fr"]), feeds)
+
+
+# -- indexing ------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("axis,idx", [(0, i64(0, -1, 2)), (1, np.array([[1, -4], [0, 3]], np.int64)),
+                                      (-1, np.array(-2, np.int64))])
+def test_gather_negative_and_scalar_indices(axis, idx):
+    one("Gather", {"x": f32(3, 4, 5), "i": idx}, axis=axis)
+
+
+def test_gather_elements():
+    one("GatherElements", {"x": f32(3, 4), "i": np.array([[0, -1, 2, 1], [3, 0, -4, 2]], np.int64)}, axis=1)
+
+
+@pytest.mark.parametrize("batch_dims,idx", [(0, np.array([[0, 1], [1, -1], [-2, 0]], np.int64)),
+                                            (0, np.array([[1], [0]], np.int64)),
+                                            (1, np.array([[[1], [0]], [[2], [2]]], np.int64))])
+def test_gather_nd(batch_dims, idx):
+    one("GatherND", {"x": f32(2, 3, 4), "i": idx}, batch_dims=batch_dims)
+
+
+def test_gather_nd_of_no_rows():
+    one("GatherND", {"x": f32(5, 4), "i": np.zeros((0, 1), np.int64)})
+
+
+@pytest.mark.parametrize("starts,ends,axes,steps", [
+    ([1], [100], [0], [1]), ([-1], [-100], [1], [-1]), ([0, 3], [5, -1], [1, 0], [2, 1]),
+    ([10], [0], [1], [-3]), ([2], [1], [0], [1])])
+def test_slice_with_run_time_arguments(starts, ends, axes, steps):
+    one("Slice", {"x": f32(6, 7), "s": i64(*starts), "e": i64(*ends), "a": i64(*axes), "st": i64(*steps)})
+
+
+def test_slice_without_axes_or_steps_and_before_opset_10():
+    one("Slice", {"x": f32(6, 7), "s": i64(1, -3), "e": i64(4, 100)})
+    one("Slice", {"x": f32(6, 7)}, opset=9, starts=[1], ends=[-1], axes=[1])
+
+
+def test_scatter_nd():
+    one("ScatterND", {"x": f32(4, 3), "i": np.array([[1], [3]], np.int64), "u": f32(2, 3)})
+
+
+def test_nonzero_topk_argmax():
+    x = np.array([[0.0, 1.0, 0.0], [2.0, 0.0, 3.0]], np.float32)
+    one("NonZero", {"x": x})
+    ties = np.array([3.0, 1.0, 3.0, 2.0, 1.0, 3.0], np.float32)  # equal values: the lowest index first
+    for largest in (1, 0):
+        one("TopK", {"x": ties, "k": i64(4)}, n_out=2, largest=largest)
+    one("TopK", {"x": f32(3, 8)}, n_out=2, opset=9, k=3, axis=1)
+    for last in (0, 1):
+        one("ArgMax", {"x": np.array([[1.0, 3.0, 3.0], [2.0, 2.0, 0.0]], np.float32)}, axis=1, select_last_index=last)
+        one("ArgMin", {"x": np.array([[1.0, 1.0, 3.0], [0.0, 2.0, 0.0]], np.float32)}, axis=0, keepdims=0,
+            select_last_index=last)
+
+
+# -- layout --------------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("shape,allowzero", [((0, -1), 0), ((-1, 4), 0), ((2, 0, 2), 1), ((0, 0, -1), 0)])
+def test_reshape(shape, allowzero):
+    x = f32(2, 3, 4) if allowzero == 0 else f32(2, 0, 2)
+    one("Reshape", {"x": x, "s": i64(*shape)}, allowzero=allowzero)
+
+
+def test_reshape_of_no_elements_infers_zero():
+    one("Reshape", {"x": np.zeros((0,), np.float32), "s": i64(-1, 4)})
+
+
+@pytest.mark.parametrize("axis", [0, 2, -1])
+def test_flatten(axis):
+    one("Flatten", {"x": f32(2, 3, 4)}, axis=axis)
+
+
+def test_transpose_squeeze_unsqueeze():
+    x = f32(2, 1, 3, 1)
+    one("Transpose", {"x": x})
+    one("Transpose", {"x": x}, perm=[2, 0, 3, 1])
+    one("Squeeze", {"x": x})
+    one("Squeeze", {"x": x, "a": i64(-1)})
+    one("Unsqueeze", {"x": f32(2, 3), "a": i64(-1, 0)})
+    one("Unsqueeze", {"x": f32(2, 3)}, opset=11, axes=[1, 3])
+
+
+def test_concat_split_expand_tile():
+    one("Concat", {"a": f32(2, 3), "b": f32(2, 0), "c": f32(2, 1)}, axis=-1)
+    one("Split", {"x": f32(7, 2), "s": i64(2, 5)}, n_out=2)
+    one("Split", {"x": f32(7, 2)}, n_out=3, opset=18, num_outputs=3)
+    one("Split", {"x": f32(6, 2)}, n_out=3, opset=13)
+    one("Expand", {"x": f32(3, 1), "s": i64(2, 1, 4)})
+    one("Tile", {"x": f32(2, 3), "r": i64(2, 1)})
+
+
+# -- reductions ----------------------------------------------------------------------------------------------
+
+@pytest.mark.parametrize("op", ["ReduceMin", "ReduceMax", "ReduceSum", "ReduceMean", "ReduceProd"])
+@pytest.mark.parametrize("axes,keepdims", [((1,), 1), ((-1, 0), 0), (None, 1)])
+def test_reductions_with_axes_as_input(op, axes, keepdims):
+    x = f32(3, 4, lo=0.5, hi=1.5)
+    one(op, {"x": x, **({"a": i64(*axes)} if axes else {})}, opset=18, keepdims=keepdims)
+
+
+def test_reductions_with_axes_as_attribute_empty_and_noop():
+    one("ReduceMax", {"x": f32(3, 4)}, opset=13, axes=[1], keepdims=0)
+    one("ReduceSum", {"x": f32(3, 4), "a": np.zeros((0,), np.int64)}, opset=13, noop_with_empty_axes=1)
+    one("ReduceProd", {"x": i64(3, 4, -2)}, opset=13, keepdims=0)
+
+
+def test_softmax_cumsum_matmul():
+    one("Softmax", {"x": f32(2, 3, 4)}, axis=1)
+    one("Softmax", {"x": f32(2, 3, 4)}, opset=11, axis=1)  # over everything from the axis on, as one row
+    one("LogSoftmax", {"x": f32(2, 5)})
+    for exclusive in (0, 1):
+        for reverse in (0, 1):
+            one("CumSum", {"x": f32(3, 4), "a": np.array(1, np.int64)}, exclusive=exclusive, reverse=reverse)
+    one("MatMul", {"a": f32(2, 3, 4), "b": f32(4, 5)})
+
+
+# -- detection and control flow ------------------------------------------------------------------------------
+
+def _boxes(batches: int, n: int, center: bool) -> np.ndarray:
+    xy = rng.uniform(0, 50, (batches, n, 2)).astype(np.float32)
+    wh = rng.uniform(5, 30, (batches, n, 2)).astype(np.float32)
+    if center:
+        return np.concatenate([xy, wh], -1)
+    # any diagonal pair, in either order, as ONNX allows
+    flip = rng.random((batches, n, 1)) > 0.5
+    return np.where(flip, np.concatenate([xy + wh, xy], -1), np.concatenate([xy, xy + wh], -1)).astype(np.float32)
+
+
+@pytest.mark.parametrize("center", [0, 1])
+@pytest.mark.parametrize("limit", [0, 3, 1000])
+def test_non_max_suppression(center, limit):
+    pytest.importorskip("torchvision")
+    boxes = _boxes(2, 60, bool(center))
+    scores = rng.random((2, 3, 60)).astype(np.float32)
+    scores[:, :, 10:20] = 0.5  # ties: the lowest box first, as ONNX Runtime takes them
+    one("NonMaxSuppression", {"b": boxes, "s": scores, "m": i64(limit), "iou": np.array([0.3], np.float32),
+                              "thr": np.array([0.2], np.float32)}, center_point_box=center)
+
+
+def test_non_max_suppression_without_thresholds():
+    pytest.importorskip("torchvision")
+    one("NonMaxSuppression", {"b": _boxes(1, 30, False), "s": rng.random((1, 2, 30)).astype(np.float32), "m": i64(5)})
+
+
+def test_if_reads_its_outer_scope():
+    then_g = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], "then", [],
+                               [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)],
+                               [numpy_helper.from_array(np.array(2.0, np.float32), "two")])
+    else_g = helper.make_graph([helper.make_node("Neg", ["x"], ["e"])], "else", [],
+                               [helper.make_tensor_value_info("e", TensorProto.FLOAT, None)])
+    nodes = [helper.make_node("ReduceSum", ["x"], ["s"], keepdims=0),
+             helper.make_node("Greater", ["s", "zero"], ["c"]),
+             helper.make_node("If", ["c"], ["y"], then_branch=then_g, else_branch=else_g)]
+    for sign in (1.0, -1.0):
+        x = np.abs(f32(3, 2)) * sign
+        check(model(nodes, {"x": x}, ["y"], {"zero": np.array(0.0, np.float32)}, opset=13), {"x": x})
+
+
+# -- refused: the tail stays on the host ---------------------------------------------------------------------
+
+def test_a_loop_or_another_domain_is_refused_naming_the_node():
+    body = helper.make_graph([helper.make_node("Identity", ["cond_in"], ["cond_out"])], "body",
+                             [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+                              helper.make_tensor_value_info("cond_in", TensorProto.BOOL, [])],
+                             [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, [])])
+    loop = helper.make_node("Loop", ["n", "c"], [], name="the_loop", body=body)
+    feeds = {"n": i64(3), "c": np.array(True)}
+    with pytest.raises(UnsupportedOp, match="the_loop.*Loop"):
+        load(model([loop], feeds, []), device=None)
+    custom = helper.make_node("Add", ["a", "a"], ["y"], name="their_add", domain="com.example")
+    m = helper.make_model(helper.make_graph([custom], "g", [helper.make_tensor_value_info("a", TensorProto.FLOAT, [2])],
+                                            [helper.make_tensor_value_info("y", TensorProto.FLOAT, [2])]),
+                          opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.example", 1)])
+    with pytest.raises(UnsupportedOp, match="their_add"):
+        load(m, device=None)
+
+
+def test_a_scatter_with_a_reduction_is_refused():
+    node = helper.make_node("ScatterND", ["x", "i", "u"], ["y"], name="the_scatter", reduction="add")
+    feeds = {"x": f32(4, 3), "i": np.array([[1]], np.int64), "u": f32(1, 3)}
+    with pytest.raises(UnsupportedOp, match="the_scatter.*reduction"):
+        load(model([node], feeds, ["y"], opset=16), device=None)
+
+
+def test_every_op_of_the_table_is_tested_here():
+    """A new op in the table comes with its test above (its name in this file)."""
+    from pathlib import Path
+
+    text = Path(__file__).read_text()
+    assert [op for op in OPS if f'"{op}"' not in text] == []
