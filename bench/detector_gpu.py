@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """Detection models on the GPU: a bundle whose data-dependent tail (the post-processing: score threshold, top-k,
-NMS) runs in onnxruntime on the host after each replay (pipeline/host_tail.py), against what a user would run
-instead.  On the device machine, from the repository root, after ``source bench/device_env.sh``:
+NMS) runs after each replay, in onnxruntime on the host or as torch ops on the GPU, whichever its build timed
+faster (pipeline/host_tail.py), against what a user would run instead.  On the device machine, from the repository root, after ``source bench/device_env.sh``:
 
     python3 bench/detector_gpu.py --models fcos_resnet50_fpn,retinanet_resnet50_fpn --out $OUT
 
@@ -17,7 +17,10 @@ it builds ``parastream build --backend torch --precision fp16`` (the build's def
 times side by side in one process, in alternating blocks on fresh random inputs, each call's wall time with the
 GPU synchronised (the bundle's outputs arrive on the host; the others' are copied there, as a caller reads them):
 
-  parastream    the bundle: its static part replayed as one CUDA Graph, then its tail in onnxruntime (CPU)
+  parastream    the bundle as it loads: its static part replayed as one CUDA Graph, then its tail where the build
+                placed it (the row's ``placement``: report.json's, what the build timed and chose)
+  host tail     the same bundle with its tail in onnxruntime on the host
+  gpu tail      the same bundle with its tail as torch ops on the GPU (launcher/engines/onnx_eager.py)
   static part   the bundle's static part alone (``load(host_tail=False)``): what the tail adds is the difference
   eager         the torchvision model in fp16 on the GPU, as its users run it
   compile       ``torch.compile`` of the same (mode ``reduce-overhead``; where it fails, the default mode, and
@@ -107,6 +110,8 @@ def run_model(name: str, head: str, work: Path, args) -> dict:
     import torch
 
     from parastream.launcher import load
+    from parastream.launcher.bundle import Bundle
+    from parastream.launcher.tail import TailRunner
 
     row: dict = {"model": name, "head": head}
     folder = work / f"{name}_{head}"
@@ -118,8 +123,12 @@ def run_model(name: str, head: str, work: Path, args) -> dict:
     rep = json.loads((folder / "bundle" / "report.json").read_text())
     row["stage_seconds"] = rep.get("stage_seconds")
     row["host_tail"] = {k: rep["host_tail"].get(k) for k in ("nodes", "seeds", "end_to_end")}
+    row["placement"] = rep["host_tail"].get("placement")
     runner = load(folder / "bundle")
     static = load(folder / "bundle", host_tail=False)
+    bundle = Bundle.open(folder / "bundle")
+    placed = {on: TailRunner(load(folder / "bundle", host_tail=False), bundle, bundle.manifest["host_tail"], on=on)
+              for on in ("host", "gpu")}
     name_in = runner.plan.inputs[0].name
     shape = list(example.shape)
 
@@ -141,8 +150,13 @@ def run_model(name: str, head: str, work: Path, args) -> dict:
     row["eager_dtype"] = str(cast).removeprefix("torch.")
 
     calls = {"parastream": lambda x: runner({name_in: x.cpu().numpy()}),
+             "host tail": lambda x: placed["host"]({name_in: x.cpu().numpy()}),
              "static part": lambda x: static({name_in: x.cpu().numpy()}),
              "eager": eager_call}
+    if placed["gpu"].on_gpu:
+        calls["gpu tail"] = lambda x: placed["gpu"]({name_in: x.cpu().numpy()})
+    else:
+        row["gpu_tail_refused"] = placed["gpu"].why_host
     compiled = None
     for mode in (("reduce-overhead", None) if head in args.compile_heads.split(",") else ()):
         try:
@@ -180,8 +194,11 @@ def run_model(name: str, head: str, work: Path, args) -> dict:
     if "compile" in t:
         row["vs_compile"] = t["compile"]["median_ms"] / t["parastream"]["median_ms"]
     row["tail_ms"] = t["parastream"]["median_ms"] - t["static part"]["median_ms"]
-    runner.close()
-    static.close()
+    if "gpu tail" in t:
+        row["gpu_tail_vs_host_tail"] = t["host tail"]["median_ms"] / t["gpu tail"]["median_ms"]
+        row["gpu_tail_fallbacks"] = placed["gpu"].fallbacks
+    for r in (runner, static, *placed.values()):
+        r.close()
     return row
 
 
@@ -212,16 +229,18 @@ def main() -> int:
             rows.append(row)
             print(json.dumps(row, default=str), flush=True)
             (out / "detector_gpu.json").write_text(json.dumps(rows, indent=1, default=str))
-    print(f"{'model':<26} {'head':<6} {'build s':>7} {'ours ms':>8} {'static':>7} {'tail':>6} {'eager':>7} "
-          f"{'compile':>8} {'vs eager':>8} {'vs compile':>10} detections")
+    print(f"{'model':<26} {'head':<6} {'build s':>7} {'tail on':>7} {'ours ms':>8} {'host t.':>8} {'gpu t.':>8} "
+          f"{'static':>7} {'eager':>7} {'compile':>8} {'vs eager':>8} {'vs compile':>10} detections")
     for r in rows:
         if "error" in r:
             print(f"{r['model']:<26} {r['head']:<6} error: {r['error'][:150]}")
             continue
         t = r["timed"]
         comp = t.get("compile", {}).get("median_ms")
-        print(f"{r['model']:<26} {r['head']:<6} {r['build']['wall_s']:7.1f} {t['parastream']['median_ms']:8.3f} "
-              f"{t['static part']['median_ms']:7.3f} {r['tail_ms']:6.3f} {t['eager']['median_ms']:7.3f} "
+        gpu_t = t.get("gpu tail", {}).get("median_ms", float("nan"))
+        print(f"{r['model']:<26} {r['head']:<6} {r['build']['wall_s']:7.1f} {(r['placement'] or {}).get('runs_on', '?'):>7} "
+              f"{t['parastream']['median_ms']:8.3f} {t['host tail']['median_ms']:8.3f} {gpu_t:8.3f} "
+              f"{t['static part']['median_ms']:7.3f} {t['eager']['median_ms']:7.3f} "
               f"{(comp or float('nan')):8.3f} {r['vs_eager']:7.2f}x {r.get('vs_compile', float('nan')):9.2f}x "
               f"{r['detections_per_call']}")
     return 0

@@ -1,7 +1,8 @@
 """The tail's torch ops (launcher/engines/onnx_eager.py), each against ONNX Runtime on the CPU: every op of its
 table on run-time inputs (shapes, axes and counts read from tensors, as a detection model's tail computes them),
 values, shapes and dtypes equal; and the nodes it must refuse, naming the node, so that the tail stays on the
-host.  On the CPU here; tests/pipeline/test_host_tail.py runs whole tails on the GPU."""
+host.  Every case runs on the CPU and, marked gpu, on the GPU (its inputs there, the graph's constants placed as
+a tail's are); tests/pipeline/test_host_tail.py runs whole tails on the GPU."""
 
 from __future__ import annotations
 
@@ -35,15 +36,29 @@ def model(nodes, feeds: dict, outputs: list[str], consts: dict | None = None, op
     return m
 
 
+_ON = {"device": None}
+
+
+@pytest.fixture(autouse=True, params=["cpu", pytest.param("cuda", marks=pytest.mark.gpu)])
+def on_device(request):
+    """Each case on the CPU, and on the GPU where there is one (the gpu tier)."""
+    if request.param == "cuda" and not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    _ON["device"] = None if request.param == "cpu" else "cuda"
+    yield
+    _ON["device"] = None
+
+
 def check(m: onnx.ModelProto, feeds: dict, rtol=1e-6, atol=1e-6):
     """The eager graph against ONNX Runtime: every output's shape, dtype and values."""
     import onnxruntime as ort
 
     ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
-    got = load(m, device=None).run({k: torch.from_numpy(v) for k, v in feeds.items()})
+    dev = _ON["device"]
+    got = load(m, device=dev).run({k: torch.from_numpy(v).to(dev or "cpu") for k, v in feeds.items()})
     assert len(got) == len(ref)
     for g, r in zip(got, ref):
-        g = g.numpy()
+        g = g.cpu().numpy()
         assert g.shape == r.shape and g.dtype == r.dtype, (g.shape, g.dtype, r.shape, r.dtype)
         np.testing.assert_allclose(g, r, rtol=rtol, atol=atol)
 

@@ -1,7 +1,7 @@
 """A model whose output shapes depend on the data (a detector's post-processing): its static part built and
-verified, its data-dependent tail shipped as ``tail.onnx`` and run by ONNX Runtime after each replay
-(pipeline/host_tail.py, launcher/tail.py).  CPU engines here; tests/pipeline/test_build_gpu.py builds it with
-torch engines on a GPU."""
+verified, its data-dependent tail shipped as ``tail.onnx`` and run after each replay, by ONNX Runtime on the host
+or as torch ops on the GPU, whichever the build timed faster (pipeline/host_tail.py, launcher/tail.py).  CPU
+engines here, and the GPU tests at the end build it with torch engines on a GPU."""
 
 from __future__ import annotations
 
@@ -121,6 +121,20 @@ def test_report_records_the_tail_and_the_end_to_end_comparison(detector):
     assert bundle.report["verification"]["passed"]
     # what was verified is the static part, the tensors the tail reads included
     assert set(bundle.report["verification"]["outputs"]) == {"logits", "all_scores", "all_boxes"}
+    # a CPU plan: the tail runs on the host, nothing timed against the GPU
+    assert rec["placement"] == {"runs_on": "host", "why": "the static part runs on the CPU"}
+    assert rec["runs_on"] == bundle.manifest["host_tail"]["runs_on"] == "host"
+
+
+def test_a_cpu_runner_asked_for_the_gpu_tail_runs_it_on_the_host(detector, tmp_path):
+    from parastream.launcher.tail import TailRunner
+
+    copy = _with_record(detector[1], tmp_path, runs_on="gpu")
+    runner = load(copy)
+    assert isinstance(runner, TailRunner) and not runner.on_gpu and runner.why_host == "the static part runs on the CPU"
+    want = load(detector[1].path)(_feeds(2))
+    for name, got in runner(_feeds(2)).items():
+        np.testing.assert_array_equal(got, want[name])
 
 
 def test_an_input_only_the_tail_reads(tmp_path):
@@ -214,6 +228,12 @@ def test_a_tail_path_outside_the_bundle_or_not_its_file_is_refused(detector, tmp
         load(copy)
 
 
+def test_a_tail_placed_nowhere_known_is_refused(detector, tmp_path):
+    copy = _with_record(detector[1], tmp_path, runs_on="tpu")
+    with pytest.raises(ParastreamError, match="host_tail is malformed.*runs_on"):
+        load(copy)
+
+
 def test_a_malformed_record_is_refused(detector, tmp_path):
     copy = _with_record(detector[1], tmp_path, boundary=["not_a_plan_output"])
     with pytest.raises(ParastreamError, match="'not_a_plan_output', which the bundle's plan does not give it"):
@@ -221,38 +241,122 @@ def test_a_malformed_record_is_refused(detector, tmp_path):
     assert Bundle.open(copy).manifest["host_tail"]["boundary"] == ["not_a_plan_output"]  # (the open itself is fine)
 
 
+@pytest.fixture(scope="module")
+def gpu_detector(tmp_path_factory):
+    """The detector built with torch engines in fp16 on the GPU (its search and rounds as a user's build runs them)."""
+    if not _cuda():
+        pytest.skip("needs a CUDA GPU")
+    root = tmp_path_factory.mktemp("gpu_detector")
+    path = small_detector(root / "det.onnx")
+    return path, build(path, root / "out", backend="torch", precision="fp16")
+
+
+def _cuda() -> bool:
+    try:
+        import torch
+    except ImportError:
+        return False
+    return torch.cuda.is_available()
+
+
+_GPU_FEEDS = [_feeds(0), _feeds(1), _feeds(2, scale=3.0), _feeds(3, scale=0.0)]
+
+
 @pytest.mark.gpu
 @pytest.mark.slow
-def test_gpu_bundle_runs_its_tail_after_the_replay(tmp_path):
-    """Torch engines in fp16 on the GPU (the build's search and rounds as a user's build runs them): the static
-    part replayed as one CUDA Graph, the tail in onnxruntime on the tensors the replay gave, exactly as the tail
-    computes them; the logits within fp16's tolerance of onnxruntime on the original."""
+@pytest.mark.parametrize("on", ["host", "gpu"])
+def test_gpu_bundle_runs_its_tail_after_the_replay(gpu_detector, on):
+    """The static part replayed as one CUDA Graph, the tail on the host or the GPU on the tensors the replay
+    gave, computing what the tail's ONNX Runtime session computes on them; the logits within fp16's tolerance
+    of onnxruntime on the original."""
     from parastream.launcher.gpu import GpuLauncher
     from parastream.launcher.tail import TailRunner
 
-    path = small_detector(tmp_path / "det.onnx")
-    bundle = build(path, tmp_path / "out", backend="torch", precision="fp16")
+    path, bundle = gpu_detector
     assert bundle.report["verification"]["passed"] and bundle.report["host_tail"]["end_to_end"]
-    runner = load(bundle.path)
-    assert isinstance(runner, TailRunner) and isinstance(runner.inner, GpuLauncher)
     static = load(bundle.path, host_tail=False)
+    runner = TailRunner(load(bundle.path, host_tail=False), bundle, bundle.manifest["host_tail"], on=on)
+    assert isinstance(runner.inner, GpuLauncher) and runner.on_gpu == (on == "gpu")
     tail = ort.InferenceSession(str(bundle.path / "tail.onnx"))
     full = ort.InferenceSession(str(path))
     counts = set()
     try:
-        for feeds in [_feeds(0), _feeds(1), _feeds(2, scale=3.0), _feeds(3, scale=0.0)]:
+        for feeds in _GPU_FEEDS:
             got = runner(feeds)
             part = static(feeds)
             want = dict(zip(["scores", "boxes"], tail.run(["scores", "boxes"], {n: part[n] for n in ("all_scores", "all_boxes")})))
             for name in want:
-                np.testing.assert_array_equal(got[name], want[name])
+                assert isinstance(got[name], np.ndarray)
+                np.testing.assert_allclose(got[name], want[name], rtol=1e-6, atol=1e-7)
             ref = full.run(["logits"], feeds)[0]
             assert np.abs(got["logits"] - ref).max() <= 2e-2 * max(1.0, np.abs(ref).max())
             counts.add(len(got["scores"]))
         assert 0 in counts and len(counts) > 1
+        assert runner.fallbacks == 0
     finally:
         runner.close()
         static.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_build_times_both_places_and_ships_the_faster(gpu_detector):
+    _, bundle = gpu_detector
+    rec = bundle.report["host_tail"]
+    placed = rec["placement"]
+    assert placed["runs_on"] in ("host", "gpu") and placed["runs_on"] == bundle.manifest["host_tail"]["runs_on"]
+    timed = placed["timed"]
+    assert timed["gpu_ms"] > 0 and timed["host_ms"] > 0
+    assert placed["runs_on"] == ("gpu" if timed["gpu_ms"] < timed["host_ms"] else "host")
+    assert load(bundle.path).on_gpu == (placed["runs_on"] == "gpu")
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_tail_takes_device_feeds_and_answers_on_the_device(gpu_detector):
+    import torch
+
+    from parastream.launcher.tail import TailRunner
+
+    _, bundle = gpu_detector
+    runner = TailRunner(load(bundle.path, host_tail=False), bundle, bundle.manifest["host_tail"], on="gpu")
+    host = load(bundle.path)
+    try:
+        for feeds in _GPU_FEEDS[:3]:
+            want = {k: np.array(v) for k, v in host(feeds).items()}
+            got = runner({"x": torch.from_numpy(feeds["x"]).cuda()})
+            assert isinstance(got["scores"], torch.Tensor) and got["scores"].is_cuda
+            for name in ("scores", "boxes"):
+                np.testing.assert_allclose(got[name].cpu().numpy(), want[name], rtol=1e-6, atol=1e-7)
+            np.testing.assert_array_equal(got["logits"].torch().cpu().numpy(), want["logits"])
+    finally:
+        runner.close()
+        host.close()
+
+
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_a_call_whose_gpu_tail_fails_is_answered_by_the_host(gpu_detector, monkeypatch):
+    from parastream.launcher.tail import TailRunner
+
+    _, bundle = gpu_detector
+    runner = TailRunner(load(bundle.path, host_tail=False), bundle, bundle.manifest["host_tail"], on="gpu")
+    host = TailRunner(load(bundle.path, host_tail=False), bundle, bundle.manifest["host_tail"], on="host")
+
+    def broken(values):
+        raise RuntimeError("an op that failed")
+
+    monkeypatch.setattr(runner._graph, "run", broken)
+    try:
+        with pytest.warns(UserWarning, match="failed on the GPU.*an op that failed"):
+            got = runner(_feeds(1))
+        want = host(_feeds(1))
+        for name in ("scores", "boxes"):
+            np.testing.assert_array_equal(got[name], want[name])
+        assert runner.fallbacks == 1
+    finally:
+        runner.close()
+        host.close()
 
 
 def test_inspect_shows_the_static_part_and_names_the_tail(detector, capsys):
