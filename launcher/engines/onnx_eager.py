@@ -224,8 +224,19 @@ def _range(n: _Node):
 # -- indexing ------------------------------------------------------------------------------------------------
 
 def _wrapped(idx, size: int):
-    """Negative indices counted from the end, as ONNX allows."""
-    return _torch().where(idx < 0, idx + size, idx)
+    """Negative indices counted from the end, as ONNX allows: one remainder (an index in [-size, size) lands where
+    ONNX says; one outside it, which ONNX Runtime refuses, wraps)."""
+    return _torch().remainder(idx, size)
+
+
+def _gather_index(idx, size: int, device):
+    """``idx`` flattened and wrapped, on ``device``: a few indices the host holds (a shape's position, the usual
+    case) wrapped there, as numbers, with no kernel."""
+    torch = _torch()
+    if idx.device.type == "cpu" and idx.numel() <= 64:
+        return torch.tensor([i + size if i < 0 else i for i in idx.reshape(-1).tolist()], dtype=torch.int64,
+                            device=device)
+    return _wrapped(idx.to(device).reshape(-1), size)
 
 
 @_op("Gather")
@@ -233,10 +244,11 @@ def _gather(n: _Node):
     axis = n.attr("axis", 0)
 
     def run(data, idx):
-        data, idx = _together(data, idx)
         a = _axis(axis, data.dim())
-        flat = _wrapped(idx, data.shape[a]).reshape(-1)
-        out = data.index_select(a, flat)
+        if idx.dim() == 0 and idx.device.type == "cpu":  # one position (a shape's dimension): a view
+            i = int(idx)
+            return data.select(a, i + data.shape[a] if i < 0 else i)
+        out = data.index_select(a, _gather_index(idx, data.shape[a], data.device))
         return out.reshape((*data.shape[:a], *idx.shape, *data.shape[a + 1:]))
     return run
 
@@ -269,6 +281,9 @@ def _gather_nd(n: _Node):
                       for i in range(batch)]
             out = _torch().stack(picked) if picked else rows[:0]
             return out.reshape((*lead, *data.shape[b + k:]))
+        if k == 1:  # rows of the first axis (a NonZero's over a flat score vector): one index_select
+            out = data.index_select(0, _gather_index(idx, data.shape[0], data.device))
+            return out.reshape((*lead, *data.shape[1:]))
         flat_idx = idx.reshape(-1, k)
         out = data[tuple(_wrapped(flat_idx[:, j], data.shape[j]) for j in range(k))]
         return out.reshape((*lead, *data.shape[k:]))
@@ -624,7 +639,10 @@ class EagerGraph:
                 raise UnsupportedOp(f"node {node.name or node.op_type!r} ({node.op_type}) does not run on the GPU "
                                     "tail (launcher/engines/onnx_eager.py)")
             fn = make(_Node(node, opset))
-            self.steps.append((fn, list(node.input), list(node.output), getattr(fn, "reads_scope", False)))
+            ins = list(node.input)
+            while ins and not ins[-1]:  # trailing optional inputs left out: the closures' defaults
+                ins.pop()
+            self.steps.append((fn, ins, list(node.output), getattr(fn, "reads_scope", False)))
 
     def run(self, values: dict) -> list:
         """The graph's outputs, in order, from ``values`` (its inputs by name; a subgraph's outer scope)."""
@@ -633,10 +651,8 @@ class EagerGraph:
         env.update((k, v) for k, v in self.consts.items() if k not in self._takes)
         for fn, ins, outs, scoped in self.steps:
             args = [env[i] if i else None for i in ins]
-            while args and args[-1] is None:  # trailing optional inputs left out
-                args.pop()
             got = fn(*args, scope=env) if scoped else fn(*args)
-            if isinstance(got, tuple):
+            if type(got) is tuple:
                 for name, v in zip(outs, got):
                     if name:
                         env[name] = v
