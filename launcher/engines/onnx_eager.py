@@ -633,6 +633,7 @@ class EagerGraph:
                 v = v.to(device)
             self.consts[t.name] = v
         self.steps = []
+        self.ops = [node.op_type for node in graph.node]  # each step's op type, in order
         for node in graph.node:
             make = OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
             if make is None:
