@@ -36,16 +36,31 @@ def _torch():
 
 
 class _Node:
-    """A node's attributes as Python values, and its name for errors."""
+    """A node's attributes as Python values, the inputs known at load (initializers, ``Constant`` outputs), and
+    its name for errors."""
 
-    def __init__(self, node: onnx.NodeProto, opset: int):
+    def __init__(self, node: onnx.NodeProto, opset: int, known: dict | None = None):
         self.node, self.opset, self.op = node, opset, node.op_type
         self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
         self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+        self._known = known or {}
 
     def attr(self, key, default=None):
         v = self.attrs.get(key, default)
         return v.decode() if isinstance(v, bytes) else v
+
+    def known(self, i: int):
+        """Input ``i``'s value where it is known at load (a tensor on the host), else None."""
+        name = self.node.input[i] if i < len(self.node.input) else ""
+        return self._known.get(name) if name else None
+
+    def ints(self, i: int) -> list[int] | None:
+        """Input ``i`` as Python ints where it is known at load (a shape, axes, a k: read once, not per call)."""
+        v = self.known(i)
+        return None if v is None else _ints(v)
+
+    def given(self, i: int) -> bool:
+        return i < len(self.node.input) and bool(self.node.input[i])
 
 
 OPS: dict[str, Callable[[_Node], Callable]] = {}
@@ -242,9 +257,25 @@ def _gather_index(idx, size: int, device):
 @_op("Gather")
 def _gather(n: _Node):
     axis = n.attr("axis", 0)
+    known = n.known(1)
+    if known is not None and known.dim() == 0:  # one position known at load (a shape's dimension): a view
+        at = int(known)
+
+        def one(data, idx):
+            a = _axis(axis, data.dim())
+            return data.select(a, at + data.shape[a] if at < 0 else at)
+        return one
+
+    cached: dict = {}  # a known index where each (device, axis size) reads it: copied there once
 
     def run(data, idx):
         a = _axis(axis, data.dim())
+        if known is not None:
+            key = (data.device, data.shape[a])
+            flat = cached.get(key)
+            if flat is None:
+                flat = cached[key] = _gather_index(known, data.shape[a], data.device)
+            return data.index_select(a, flat).reshape((*data.shape[:a], *known.shape, *data.shape[a + 1:]))
         if idx.dim() == 0 and idx.device.type == "cpu":  # one position (a shape's dimension): a view
             i = int(idx)
             return data.select(a, i + data.shape[a] if i < 0 else i)
@@ -295,6 +326,8 @@ def _slice(n: _Node):
     torch = _torch()
     if n.opset < 10:
         fixed = (n.attr("starts"), n.attr("ends"), n.attr("axes"), None)
+    elif all(n.known(i) is not None or not n.given(i) for i in range(1, 5)):  # read once, at load
+        fixed = tuple(n.ints(i) if n.given(i) else None for i in range(1, 5))
     else:
         fixed = None
 
@@ -354,10 +387,10 @@ def _topk(n: _Node):
     as an untrained head's do)."""
     torch = _torch()
     axis, largest = n.attr("axis", -1), bool(n.attr("largest", 1))
-    fixed_k = n.attr("k")  # an attribute before opset 10
+    fixed_k = n.attr("k") if "k" in n.attrs else (n.ints(1) or [None])[0]  # an attribute before opset 10
 
     def run(x, k=None):
-        kk = fixed_k if k is None else _ints(k)[0]
+        kk = fixed_k if fixed_k is not None else _ints(k)[0]
         a = _axis(axis, x.dim())
         values, indices = torch.sort(x, dim=a, descending=largest, stable=True)
         return values.narrow(a, 0, kk), indices.narrow(a, 0, kk)
@@ -383,9 +416,10 @@ def _arg(n: _Node):
 @_op("Reshape")
 def _reshape(n: _Node):
     allowzero = bool(n.attr("allowzero", 0))
+    fixed = n.ints(1)
 
     def run(x, shape):
-        want = _ints(shape)
+        want = list(fixed) if fixed is not None else _ints(shape)
         if not allowzero:  # 0 keeps the input's dimension there
             want = [x.shape[i] if d == 0 else d for i, d in enumerate(want)]
         if x.numel() == 0:  # torch cannot infer -1 for no elements: ONNX Runtime infers 0
@@ -410,17 +444,21 @@ def _transpose(n: _Node):
     return lambda x: x.permute(*(perm if perm is not None else range(x.dim() - 1, -1, -1)))
 
 
-def _axes(n: _Node, given) -> list[int] | None:
-    """A node's axes: the attribute before the opset that made them an input, else the input (None: absent)."""
-    if "axes" in n.attrs:
-        return list(n.attrs["axes"])
-    return None if given is None else _ints(given)
+def _axes(n: _Node, i: int = 1) -> Callable:
+    """A reader of a node's axes (``read(the input) -> list or None``): the attribute before the opset that made
+    them an input, the input where it is known at load, else the input read at run time (None: absent)."""
+    fixed = list(n.attrs["axes"]) if "axes" in n.attrs else n.ints(i)
+    if fixed is not None or not n.given(i):
+        return lambda given: fixed
+    return lambda given: None if given is None else _ints(given)
 
 
 @_op("Squeeze")
 def _squeeze(n: _Node):
+    read = _axes(n)
+
     def run(x, axes=None):
-        ax = _axes(n, axes)
+        ax = read(axes)
         if ax is None:
             return x.reshape([d for d in x.shape if d != 1])
         ax = {_axis(a, x.dim()) for a in ax}
@@ -430,8 +468,12 @@ def _squeeze(n: _Node):
 
 @_op("Unsqueeze")
 def _unsqueeze(n: _Node):
+    read = _axes(n)
+
     def run(x, axes=None):
-        ax = _axes(n, axes)
+        ax = read(axes)
+        if len(ax) == 1:  # (the usual case: one axis, one view)
+            return x.unsqueeze(_axis(ax[0], x.dim() + 1))
         rank = x.dim() + len(ax)
         for a in sorted(_axis(a, rank) for a in ax):
             x = x.unsqueeze(a)
@@ -453,10 +495,11 @@ def _concat(n: _Node):
 @_op("Split")
 def _split(n: _Node):
     axis, count = n.attr("axis", 0), len(n.node.output)
+    fixed = list(n.attrs["split"]) if "split" in n.attrs else n.ints(1)
 
     def run(x, split=None):
         a = _axis(axis, x.dim())
-        sizes = list(n.attrs["split"]) if "split" in n.attrs else (_ints(split) if split is not None else None)
+        sizes = fixed if fixed is not None else (_ints(split) if split is not None else None)
         if sizes is None:  # equal parts, the last one smaller where they do not divide
             each = -(-x.shape[a] // count)
             sizes = [min(each, x.shape[a] - i * each) for i in range(count)]
@@ -485,9 +528,10 @@ def _reduce(n: _Node):
     torch = _torch()
     keep, noop = bool(n.attr("keepdims", 1)), bool(n.attr("noop_with_empty_axes", 0))
     kind = n.op[len("Reduce"):]
+    read = _axes(n)
 
     def run(x, axes=None):
-        ax = _axes(n, axes)
+        ax = read(axes)
         if not ax:  # no axes: every axis, or none with noop_with_empty_axes
             if noop:
                 return x
@@ -634,12 +678,16 @@ class EagerGraph:
             self.consts[t.name] = v
         self.steps = []
         self.ops = [node.op_type for node in graph.node]  # each step's op type, in order
+        # the values known at load, as the host holds them (a node's shape, axes or k read once, not per call)
+        known = {t.name: _tensor(t) for t in graph.initializer}
         for node in graph.node:
             make = OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
             if make is None:
                 raise UnsupportedOp(f"node {node.name or node.op_type!r} ({node.op_type}) does not run on the GPU "
                                     "tail (launcher/engines/onnx_eager.py)")
-            fn = make(_Node(node, opset))
+            fn = make(_Node(node, opset, known))
+            if node.op_type == "Constant":  # its value is known from here on
+                known[node.output[0]] = fn()
             ins = list(node.input)
             while ins and not ins[-1]:  # trailing optional inputs left out: the closures' defaults
                 ins.pop()
