@@ -659,6 +659,11 @@ def _if(n: _Node):
     return run
 
 
+def _same(*values):
+    """A repeated node's outputs: the earlier node's values."""
+    return values if len(values) > 1 else values[0]
+
+
 class EagerGraph:
     """``graph``'s nodes as closures over torch (``OPS``), run in order on a dict of values.
 
@@ -677,21 +682,39 @@ class EagerGraph:
                 v = v.to(device)
             self.consts[t.name] = v
         self.steps = []
-        self.ops = [node.op_type for node in graph.node]  # each step's op type, in order
+        self.ops = []  # each step's op type, in order
         # the values known at load, as the host holds them (a node's shape, axes or k read once, not per call)
         known = {t.name: _tensor(t) for t in graph.initializer}
+        # A node that computes what an earlier one computed (the same op, attributes and inputs) is run once: its
+        # outputs are the earlier node's, under its own names too.  Exporters repeat work in a detector's tail
+        # (torchvision's writes two NonZero of each level's mask: two waits for the GPU where one will do); ONNX
+        # Runtime's session removes them itself (its common-subexpression pass), and onnx_ir has the pass for a
+        # model, but the shipped tail stays the original's own nodes and the launcher needs no onnx_ir.
+        canon: dict[str, str] = {}
+        seen: dict[tuple, list[str]] = {}
         for node in graph.node:
             make = OPS.get(node.op_type) if node.domain in ("", "ai.onnx") else None
             if make is None:
                 raise UnsupportedOp(f"node {node.name or node.op_type!r} ({node.op_type}) does not run on the GPU "
                                     "tail (launcher/engines/onnx_eager.py)")
+            ins = [canon.get(i, i) for i in node.input]
+            while ins and not ins[-1]:  # trailing optional inputs left out: the closures' defaults
+                ins.pop()
+            key = None if node.op_type == "If" else (  # (an If's branches read names of the outer scope)
+                node.op_type, tuple(a.SerializeToString() for a in node.attribute), tuple(ins))
+            first = seen.get(key) if key is not None else None
+            if first is not None and all(f or not o for f, o in zip(first, node.output)):
+                canon.update((o, f) for o, f in zip(node.output, first) if o)
+                self.steps.append((_same, first, list(node.output), False))
+                self.ops.append(node.op_type)
+                continue
             fn = make(_Node(node, opset, known))
             if node.op_type == "Constant":  # its value is known from here on
                 known[node.output[0]] = fn()
-            ins = list(node.input)
-            while ins and not ins[-1]:  # trailing optional inputs left out: the closures' defaults
-                ins.pop()
+            if key is not None:
+                seen[key] = list(node.output)
             self.steps.append((fn, ins, list(node.output), getattr(fn, "reads_scope", False)))
+            self.ops.append(node.op_type)
 
     def run(self, values: dict) -> list:
         """The graph's outputs, in order, from ``values`` (its inputs by name; a subgraph's outer scope)."""

@@ -344,6 +344,24 @@ def test_if_reads_its_outer_scope():
         check(model(nodes, {"x": x}, ["y"], {"zero": np.array(0.0, np.float32)}, opset=13), {"x": x})
 
 
+def test_a_repeated_node_runs_once_under_both_names():
+    """Two NonZero of one mask, as torchvision's export writes them (each a wait for the GPU), and what follows
+    each: computed once, both names answered, what ONNX Runtime answers."""
+    from parastream.launcher.engines.onnx_eager import _same
+
+    x = f32(12)
+    nodes = [helper.make_node("Greater", ["x", "zero"], ["m"]),
+             helper.make_node("NonZero", ["m"], ["nz1"]), helper.make_node("NonZero", ["m"], ["nz2"]),
+             helper.make_node("Transpose", ["nz1"], ["t1"], perm=[1, 0]),
+             helper.make_node("Transpose", ["nz2"], ["t2"], perm=[1, 0]),
+             helper.make_node("Transpose", ["nz2"], ["t3"], perm=[0, 1]),  # other attributes: its own step
+             helper.make_node("GatherND", ["x", "t2"], ["kept"])]
+    m = model(nodes, {"x": x}, ["t1", "t2", "t3", "kept"], {"zero": np.array(0.0, np.float32)})
+    check(m, {"x": x})
+    graph = load(m, device=None)
+    assert [op for (fn, *_), op in zip(graph.steps, graph.ops) if fn is _same] == ["NonZero", "Transpose"]
+
+
 # -- refused: the tail stays on the host ---------------------------------------------------------------------
 
 def test_a_loop_or_another_domain_is_refused_naming_the_node():
