@@ -121,7 +121,7 @@ class TailRunner:
         try:
             model = onnx.load_from_string(self._data)
         except Exception as e:  # noqa: BLE001 - onnx raises its own types
-            raise ParastreamError(f"{path}: the bundle's tail does not load in ONNX Runtime: {e}") from None
+            raise ParastreamError(f"{path}: the bundle's tail is not an ONNX model ({e}); rebuild the bundle") from None
         declared = {vi.name: vi for vi in model.graph.output}
         took = {i.name for i in model.graph.input} - {t.name for t in model.graph.initializer}
         if took - set(rec["boundary"]) - set(rec["feeds"]) or set(rec["outputs"]) - set(declared):
@@ -219,14 +219,14 @@ def _gpu_graph(model, inner):
     """(the tail as torch ops on ``inner``'s GPU, None) or (None, why it stays on the host)."""
     if getattr(inner, "arena_device", None) is None:  # (the GPU launcher's: the GPU its buffers are on)
         return None, "the static part runs on the CPU"
-    try:
-        from .engines import onnx_eager
-    except ImportError as e:
-        return None, f"torch is not importable ({e})"
+    from .engines import onnx_eager
+
     try:
         return onnx_eager.load(model, device=f"cuda:{inner.arena_device}"), None
     except onnx_eager.UnsupportedOp as e:
         return None, str(e)
+    except ImportError as e:  # a GPU launcher without torch (TensorRT's engines need none)
+        return None, f"torch is not importable ({e})"
 
 
 def _on_device(x) -> bool:

@@ -675,12 +675,6 @@ class EagerGraph:
         self.outputs = [o.name for o in graph.output]
         self.inputs = [i.name for i in graph.input]
         self._takes = set(self.inputs)
-        self.consts = {}
-        for t in graph.initializer:
-            v = _tensor(t)
-            if device is not None and (v.is_floating_point() or v.numel() > 64):
-                v = v.to(device)
-            self.consts[t.name] = v
         self.steps = []
         self.ops = []  # each step's op type, in order
         # the values known at load, as the host holds them (a node's shape, axes or k read once, not per call)
@@ -715,6 +709,9 @@ class EagerGraph:
                 seen[key] = list(node.output)
             self.steps.append((fn, ins, list(node.output), getattr(fn, "reads_scope", False)))
             self.ops.append(node.op_type)
+        # (after every node is known to run: a tail refused costs no copy to the device)
+        self.consts = {name: v.to(device) if device is not None and (v.is_floating_point() or v.numel() > 64) else v
+                       for name, v in ((t.name, known[t.name]) for t in graph.initializer)}
 
     def run(self, values: dict) -> list:
         """The graph's outputs, in order, from ``values`` (its inputs by name; a subgraph's outer scope)."""

@@ -228,6 +228,35 @@ def test_a_tail_path_outside_the_bundle_or_not_its_file_is_refused(detector, tmp
         load(copy)
 
 
+class _OnAGpu:
+    """A CPU runner posing as a GPU launcher (its buffers on GPU 0): what TailRunner asks before it puts a tail
+    on the GPU."""
+
+    arena_device = 0
+
+    def __init__(self, inner):
+        self.inner, self.plan = inner, inner.plan
+
+
+@pytest.mark.parametrize("missing", ["torch", "an op"])
+def test_a_gpu_tail_that_cannot_be_made_stays_on_the_host_saying_why(detector, monkeypatch, missing):
+    pytest.importorskip("torch")
+    from parastream.launcher.engines import onnx_eager
+    from parastream.launcher.tail import TailRunner
+
+    bundle = detector[1]
+    if missing == "torch":  # a GPU launcher without torch: TensorRT's engines need none
+        def no_torch():
+            raise ImportError("No module named 'torch'")
+        monkeypatch.setattr(onnx_eager, "_torch", no_torch)
+    else:
+        monkeypatch.delitem(onnx_eager.OPS, "TopK")
+    runner = TailRunner(_OnAGpu(load(bundle.path, host_tail=False)), bundle, bundle.manifest["host_tail"], on="gpu")
+    assert not runner.on_gpu
+    assert runner.why_host == ("torch is not importable (No module named 'torch')" if missing == "torch"
+                               else "node 'TopK_2' (TopK) does not run on the GPU tail (launcher/engines/onnx_eager.py)")
+
+
 def test_a_tail_placed_nowhere_known_is_refused(detector, tmp_path):
     copy = _with_record(detector[1], tmp_path, runs_on="tpu")
     with pytest.raises(ParastreamError, match="host_tail is malformed.*runs_on"):
