@@ -416,3 +416,29 @@ def test_an_output_the_tail_also_reads(tmp_path):
     assert list(got) == ["logits", "scores", "boxes", "all_scores"]
     for name, want in zip(["logits", "scores", "boxes", "all_scores"], full.run(None, feeds)):
         np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+
+
+def test_the_summary_says_where_the_build_placed_the_tail(detector, tmp_path):
+    """A GPU build's record (both places timed, the GPU's kept), as the summary reads it from report.json."""
+    import io
+    import shutil
+
+    from rich.console import Console
+
+    from parastream.pipeline.report import print_build_summary
+
+    copy = tmp_path / "b"
+    shutil.copytree(detector[1].path, copy)
+    report = json.loads((copy / "report.json").read_text())
+    report["host_tail"]["placement"] = {"runs_on": "gpu", "timed": {"host_ms": 41.15, "gpu_ms": 16.14}, "why": "faster"}
+    report["host_tail"]["runs_on"] = "gpu"
+    (copy / "report.json").write_text(json.dumps(report))
+    manifest = json.loads((copy / "manifest.json").read_text())
+    write_manifest(copy, {k: v for k, v in manifest.items() if k not in ("files", "version")})
+    out = io.StringIO()
+    print_build_summary(Bundle.open(copy), Console(file=out, width=400))
+    assert ("computing scores, boxes, run as torch ops on the GPU after each replay (16.14 ms a call on the GPU, "
+            "41.15 on the host)") in out.getvalue()
+    out = io.StringIO()
+    print_build_summary(detector[1], Console(file=out, width=400))  # a CPU plan's: no placement to explain
+    assert "boxes, run by onnxruntime on the host after each replay (it reads" in out.getvalue()
