@@ -867,8 +867,12 @@ def _load_checked(path: Path, model: onnx.ModelProto, original: onnx.ModelProto,
     init_names = {t.name for t in model.graph.initializer}
     inputs = [_spec(vi, path, "input") for vi in model.graph.input if vi.name not in init_names]
     folded = [vi.name for vi in model.graph.output if vi.name in init_names and vi.name in boundary]
-    if folded:
-        raise ConstantBoundary({t.name: t for t in model.graph.initializer if t.name in folded})
+    # a boundary tensor of a static shape with a 0 in it holds no data: its value is known too (YOLOv8's export
+    # with NMS reads the [boxes, 0] mask coefficients a detection model has none of), and no plan serves it
+    empty = {vi.name: _empty(vi) for vi in model.graph.output if vi.name in boundary and vi.name not in init_names
+             and (dims := _dims(vi)) and all(isinstance(d, int) for d in dims) and 0 in dims}
+    if folded or empty:
+        raise ConstantBoundary({**{t.name: t for t in model.graph.initializer if t.name in folded}, **empty})
     outputs = []
     for vi in model.graph.output:
         if vi.name in init_names:
@@ -883,6 +887,12 @@ def _load_checked(path: Path, model: onnx.ModelProto, original: onnx.ModelProto,
     graph = (None if graph is None else adopt_model(graph, model)) or graph_of(model)
     return LoadedModel(path=path, model=model, original=original, inputs=inputs, outputs=outputs, graph=graph,
                        original_data=data)
+
+
+def _empty(vi: onnx.ValueInfoProto) -> onnx.TensorProto:
+    """The value of a tensor declared with no elements: an empty array of its type and shape."""
+    dtype = onnx.helper.tensor_dtype_to_np_dtype(vi.type.tensor_type.elem_type)
+    return onnx.numpy_helper.from_array(np.zeros(_dims(vi), dtype=dtype), vi.name)
 
 
 class ConstantBoundary(Exception):

@@ -116,13 +116,15 @@ def small_cnn(path: Path) -> Path:
     return _save(g, path)
 
 
-def small_detector(path: Path, *, max_det_input: bool = False, batch: int | str = 1) -> Path:
+def small_detector(path: Path, *, max_det_input: bool = False, batch: int | str = 1, empty_coeffs: bool = False) -> Path:
     """A detector in miniature: a CNN whose ``logits`` [B, 10] are static, and a post-processing tail as detection
     exports write it: scores above 0.5 (``NonZero``), their boxes (``GatherND``), the best ``min(count, 5)`` of
     them (``TopK``, its k computed from the data) and the boxes divided by the image's width (a tensor the static
     part folds to a constant, from the input's shape): ``scores`` [K], ``boxes`` [K, 4], K from the data.
     ``max_det_input``: k is ``min(count, max_det)``, ``max_det`` an int64 input [1] only the tail reads.
-    ``batch``: the input's first dimension (a name makes it dynamic)."""
+    ``batch``: the input's first dimension (a name makes it dynamic).  ``empty_coeffs``: each box carries its
+    mask coefficients, none here (a [256, 0] slice the tail gathers and concatenates to the boxes, as YOLOv8's
+    export with NMS does for a detection model): a boundary tensor with no data."""
     rng = np.random.default_rng(0)
 
     def init(name, shape, scale=0.3):
@@ -132,7 +134,8 @@ def small_detector(path: Path, *, max_det_input: bool = False, batch: int | str 
              numpy_helper.from_array(np.array(0.5, np.float32), "thr"),
              numpy_helper.from_array(np.array([-1], np.int64), "flat"),
              numpy_helper.from_array(np.array([-1, 4], np.int64), "by4"),
-             numpy_helper.from_array(np.array([3], np.int64), "at3")]
+             numpy_helper.from_array(np.array([3], np.int64), "at3"),
+             numpy_helper.from_array(np.array([4], np.int64), "at4"), numpy_helper.from_array(np.array([1], np.int64), "axis1")]
     nodes = [
         helper.make_node("Conv", ["x", "w1"], ["c1"], pads=[1, 1, 1, 1]),
         helper.make_node("Relu", ["c1"], ["r1"]),
@@ -152,7 +155,11 @@ def small_detector(path: Path, *, max_det_input: bool = False, batch: int | str 
         helper.make_node("NonZero", ["mask"], ["nz"]),
         helper.make_node("Transpose", ["nz"], ["idx"], perm=[1, 0]),
         helper.make_node("GatherND", ["all_scores", "idx"], ["kept"]),
-        helper.make_node("GatherND", ["all_boxes", "idx"], ["kept_boxes"]),
+        *([helper.make_node("Slice", ["all_boxes", "at4", "at4", "axis1"], ["coeffs"]),
+           helper.make_node("GatherND", ["all_boxes", "idx"], ["boxes_only"]),
+           helper.make_node("GatherND", ["coeffs", "idx"], ["kept_coeffs"]),
+           helper.make_node("Concat", ["boxes_only", "kept_coeffs"], ["kept_boxes"], axis=1)] if empty_coeffs else
+          [helper.make_node("GatherND", ["all_boxes", "idx"], ["kept_boxes"])]),
         helper.make_node("Shape", ["kept"], ["count"]),
         helper.make_node("Min", ["count", "max_det" if max_det_input else "five"], ["k"]),
         helper.make_node("TopK", ["kept", "k"], ["scores", "best"]),

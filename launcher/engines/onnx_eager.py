@@ -521,6 +521,34 @@ def _tile(n: _Node):
     return lambda x, reps: x.repeat(_ints(reps))
 
 
+@_op("Pad")
+def _pad(n: _Node):
+    """Pad (``constant``, ``reflect``, ``edge``; negative pads crop) as ``F.pad``, whose pad list runs from the
+    last axis back.  ``reflect`` and ``edge`` pad only the trailing axes torch pads that way (three at most);
+    another pad fails at run time and the call is answered on the host (launcher/tail.py)."""
+    torch = _torch()
+    mode = n.attr("mode", "constant")
+    if mode not in ("constant", "reflect", "edge"):
+        raise UnsupportedOp(f"node {n.name!r} (Pad): mode {mode!r} is not supported on the GPU")
+    fixed = list(n.attrs["pads"]) if "pads" in n.attrs else n.ints(1)
+    value_attr = float(n.attr("value", 0.0))  # before opset 11, an attribute
+
+    def run(x, pads=None, value=None, axes=None):
+        got = fixed if fixed is not None else _ints(pads)
+        rank = x.dim()
+        ax = list(range(rank)) if axes is None else [_axis(a, rank) for a in _ints(axes)]
+        k = len(ax)
+        full = [0] * (2 * rank)
+        for a, begin, end in zip(ax, got[:k], got[k:]):
+            full[2 * (rank - 1 - a)], full[2 * (rank - 1 - a) + 1] = begin, end
+        if mode == "constant":
+            v = value.item() if value is not None else value_attr
+            return torch.nn.functional.pad(x, full, value=v)
+        used = max((i // 2 + 1 for i, q in enumerate(full) if q), default=0)  # the trailing axes padded
+        return torch.nn.functional.pad(x, full[:2 * used], mode="reflect" if mode == "reflect" else "replicate")
+    return run
+
+
 # -- reductions ----------------------------------------------------------------------------------------------
 
 @_op("ReduceMin", "ReduceMax", "ReduceSum", "ReduceMean", "ReduceProd")

@@ -252,6 +252,19 @@ def test_concat_split_expand_tile():
     one("Tile", {"x": f32(2, 3), "r": i64(2, 1)})
 
 
+@pytest.mark.parametrize("mode,pads,axes", [("constant", [1, 0, -1, 2], None), ("constant", [2, 1], [-1]),
+                                            ("edge", [0, 0, 1, 2, 0, 0, 2, 1], None),
+                                            ("reflect", [0, 0, 1, 1, 0, 0, 1, 2], None)])
+def test_pad(mode, pads, axes):
+    x = f32(4, 5) if len(pads) == 4 else f32(2, 3, 4, 5)
+    feeds = {"x": x, "p": i64(*pads), "v": np.array(1.5, np.float32)}
+    if axes:
+        feeds["a"] = i64(*axes)
+    one("Pad", feeds, opset=18, mode=mode)
+    one("Pad", {"x": i64(1, 2, 3)[None]}, opset=11, consts={"p": i64(0, 1, 0, 2)})  # integers, pads known at load
+    one("Pad", {"x": f32(3, 4)}, opset=10, pads=[1, 0, 0, 1], value=2.0)
+
+
 # -- reductions ----------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("op", ["ReduceMin", "ReduceMax", "ReduceSum", "ReduceMean", "ReduceProd"])

@@ -442,3 +442,19 @@ def test_the_summary_says_where_the_build_placed_the_tail(detector, tmp_path):
     out = io.StringIO()
     print_build_summary(detector[1], Console(file=out, width=400))  # a CPU plan's: no placement to explain
     assert "boxes, run by onnxruntime on the host after each replay (it reads" in out.getvalue()
+
+
+def test_a_boundary_tensor_with_no_data_is_the_tails_constant(tmp_path):
+    """A tensor the tail reads whose static shape has a 0 (mask coefficients a detection model has none of, as
+    YOLOv8's export with NMS slices them): no plan output serves it; the tail holds its (empty) value."""
+    path = small_detector(tmp_path / "det.onnx", empty_coeffs=True)
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", search=False)
+    rec = bundle.manifest["host_tail"]
+    assert "coeffs" in rec["constants"] and "coeffs" not in rec["boundary"]
+    assert "coeffs" not in [t.name for t in bundle.plan.outputs]
+    held = {t.name: t for t in onnx.load(str(bundle.path / "tail.onnx")).graph.initializer}
+    assert list(held["coeffs"].dims) == [256, 0]
+    runner, full = load(bundle.path), ort.InferenceSession(str(path))
+    for seed in range(3):
+        for name, want in zip(["logits", "scores", "boxes"], full.run(None, _feeds(seed))):
+            np.testing.assert_allclose(runner(_feeds(seed))[name], want, rtol=1e-5, atol=1e-6)
