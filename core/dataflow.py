@@ -49,3 +49,18 @@ def downstream(reads: list[list[str]], writes: list[list[str]], start: Iterable[
                 seen.update(new)
                 todo.extend(new)
     return found
+
+
+def node_reads(node) -> list[str]:
+    """An ONNX node's reads (a ``NodeProto``): its inputs, then the names its If/Loop/Scan bodies read from the
+    enclosing scope at any depth of nesting, which ONNX does not list as inputs (torchvision's detectors branch on
+    an empty box set with bodies that read the outer graph's tensors).  ``core.graph.subgraph_reads`` is the same
+    for an onnx-graphsurgeon node."""
+    reads = list(node.input)
+    for attr in node.attribute:
+        for body in ([attr.g] if attr.HasField("g") else []) + list(attr.graphs):
+            local = {v.name for v in body.input} | {t.name for t in body.initializer}
+            local |= {o for inner in body.node for o in inner.output}
+            outer = [x for inner in body.node for x in node_reads(inner)] + [v.name for v in body.output]
+            reads += [x for x in dict.fromkeys(outer) if x and x not in local and x not in reads]
+    return reads

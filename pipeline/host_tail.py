@@ -63,10 +63,11 @@ class HostTail:
 
 
 def downstream(model: onnx.ModelProto, seeds: set[str]) -> set[int]:
-    """Indices of the nodes named in ``seeds`` and of every node that reads, directly or not, one of their outputs."""
+    """Indices of the nodes named in ``seeds`` and of every node that reads, directly or not, one of their outputs
+    (an If whose branch reads one included)."""
     nodes = model.graph.node
     found = {i for i, n in enumerate(nodes) if n.name in seeds}
-    return found | dataflow.downstream([list(n.input) for n in nodes], [list(n.output) for n in nodes], found)
+    return found | dataflow.downstream([dataflow.node_reads(n) for n in nodes], [list(n.output) for n in nodes], found)
 
 
 _FLOATS = {onnx.TensorProto.FLOAT, onnx.TensorProto.FLOAT16, onnx.TensorProto.BFLOAT16, onnx.TensorProto.DOUBLE}
@@ -77,27 +78,28 @@ def _elem_types(typed: onnx.ModelProto) -> dict[str, int]:
     return {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
 
 
-def _decisions_into_tail(graph, tail: set[int], types: dict[str, int], inits: set[str]) -> set[int]:
+def _decisions_into_tail(graph, reads: list[list[str]], tail: set[int], types: dict[str, int], inits: set[str]) -> set[int]:
     """``tail`` with the nodes that turn floating-point values into the decisions it reads (a ``Greater`` of scores
     against a threshold, an ``ArgMax``, a ``Cast`` to integers) moved into it, where nothing else reads them: the
     tail then reads the values, and the static part's outputs are values its verification can judge within a
     tolerance.  A decision made in the static part's precision (fp16) is a boolean or an index, right or wrong:
     a score within fp16's error of the threshold flips it, and the build's verification would fail on a model
     that is as right as fp16 makes it.  In ONNX Runtime on the host the decision is made in fp32 on the values
-    the plan computed (report.json's ``end_to_end`` says where the outputs then differ)."""
+    the plan computed (report.json's ``end_to_end`` says where the outputs then differ).  ``reads``: each node's
+    (``dataflow.node_reads``)."""
     producer = dataflow.producers(n.output for n in graph.node)
-    consumers = dataflow.consumers(n.input for n in graph.node)
+    consumers = dataflow.consumers(reads)
     outputs = {vi.name for vi in graph.output}
     tail = set(tail)
     changed = True
     while changed:
         changed = False
-        for t in {t for i in tail for t in graph.node[i].input if t}:
+        for t in {t for i in tail for t in reads[i] if t}:
             i = producer.get(t)
             if i is None or i in tail or types.get(t, onnx.TensorProto.FLOAT) in _FLOATS:
                 continue
             n = graph.node[i]
-            if (not any(types.get(x) in _FLOATS for x in n.input if x and x not in inits)
+            if (not any(types.get(x) in _FLOATS for x in reads[i] if x and x not in inits)
                     or any(o in outputs for o in n.output)
                     or any(c not in tail for o in n.output if o for c in consumers.get(o, []))):
                 continue
@@ -119,10 +121,11 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
         raise ParastreamError(f"no node named {sorted(seeds)} to cut the model at")
     inits = {t.name for t in graph.initializer}
     typed = typed or onnx.shape_inference.infer_shapes(original)
-    tail_nodes = _decisions_into_tail(graph, tail_nodes, _elem_types(typed), inits)
+    reads = [dataflow.node_reads(n) for n in graph.node]  # an If's branches' reads of this graph's tensors included
+    tail_nodes = _decisions_into_tail(graph, reads, tail_nodes, _elem_types(typed), inits)
     real_inputs = [vi.name for vi in graph.input if vi.name not in inits]
     produced_in_tail = {t for i in tail_nodes for t in graph.node[i].output if t}
-    read_by_tail = list(dict.fromkeys(t for i in sorted(tail_nodes) for t in graph.node[i].input if t))
+    read_by_tail = list(dict.fromkeys(t for i in sorted(tail_nodes) for t in reads[i] if t))
     feeds = [t for t in real_inputs if t in read_by_tail]
     boundary = [t for t in read_by_tail
                 if t not in produced_in_tail and t not in inits and t not in feeds and t not in constants]
@@ -132,13 +135,11 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
     if not static_outputs:
         raise ParastreamError("every output depends on the data-dependent nodes and the tail reads only the "
                               "model's inputs: nothing is left to build")
-    extractor = onnx.utils.Extractor(typed)
     # the folded boundary tensors are inputs of the extraction too, so that it stops there (then they are the
     # tail's initializers, not its inputs)
     held = [t for t in read_by_tail if t in constants]
     try:
-        static = extractor.extract_model(real_inputs, static_outputs)
-        tail = extractor.extract_model(boundary + feeds + held, tail_outputs)
+        static, tail = _extract(typed, reads, [(real_inputs, static_outputs), (boundary + feeds + held, tail_outputs)])
     except ValueError as e:  # a cut tensor whose type ONNX's inference could not give
         raise ParastreamError(f"the data-dependent part cannot be cut off: {e}") from None
     if held:
@@ -159,6 +160,31 @@ def split(original: onnx.ModelProto, seeds: set[str], constants: dict[str, onnx.
     names = [graph.node[i].name for i in sorted(tail_nodes) if graph.node[i].name in seeds]
     return static, HostTail(model=tail, boundary=boundary, feeds=feeds, outputs=tail_outputs, order=order,
                             seeds=names, constants=held)
+
+
+def _extract(typed: onnx.ModelProto, reads: list[list[str]], cuts: list[tuple[list[str], list[str]]]) -> list:
+    """``onnx.utils.Extractor``'s model for each (inputs, outputs) of ``cuts``, with what If/Loop/Scan bodies read
+    from the enclosing graph: the Extractor follows a node's listed inputs only, so a branch's tensor computed
+    outside it (and the nodes and initializers behind it) would be left out.  For the extraction those reads are
+    listed as the nodes' inputs (``reads``, in ``typed``'s node order), then taken out of ``typed`` and of the
+    extracted models again."""
+    listed = {}
+    for node, names in zip(typed.graph.node, reads):
+        if len(names) > len(node.input):
+            listed[node.name] = len(node.input)
+            node.input.extend(names[len(node.input):])
+    try:
+        extractor = onnx.utils.Extractor(typed)
+        parts = [extractor.extract_model(inputs, outputs) for inputs, outputs in cuts]
+    finally:
+        for node in typed.graph.node:
+            if node.name in listed:
+                del node.input[listed[node.name]:]
+    for part in parts:
+        for node in part.graph.node:
+            if node.name in listed:
+                del node.input[listed[node.name]:]
+    return parts
 
 
 def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: float, scale_tol: float | None,

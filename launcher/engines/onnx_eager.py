@@ -623,6 +623,43 @@ def _matmul(n: _Node):
     return lambda a, b: torch.matmul(*_together(a, b))
 
 
+@_op("Gemm")
+def _gemm(n: _Node):
+    """alpha·A'·B' + beta·C (a two-stage detector's box head on its RoI features)."""
+    torch = _torch()
+    ta, tb = bool(n.attr("transA", 0)), bool(n.attr("transB", 0))
+    alpha, beta = float(n.attr("alpha", 1.0)), float(n.attr("beta", 1.0))
+
+    def run(a, b, c=None):
+        a, b, c = _together(a, b, c)
+        y = torch.matmul(a.T if ta else a, b.T if tb else b)
+        if alpha != 1.0:
+            y = y * alpha
+        if c is not None:
+            y = y + (c * beta if beta != 1.0 else c)
+        return y
+    return run
+
+
+@_op("ScatterElements")
+def _scatter_elements(n: _Node):
+    torch = _torch()
+    axis = n.attr("axis", 0)
+    reduction = n.attr("reduction", "none")
+    reduce = {"add": "sum", "mul": "prod", "max": "amax", "min": "amin"}.get(reduction)
+    if reduction != "none" and reduce is None:
+        raise UnsupportedOp(f"node {n.name!r} (ScatterElements): reduction {reduction!r} is not supported on the GPU")
+
+    def run(data, idx, updates):
+        data, idx, updates = _together(data, idx, updates)
+        a = _axis(axis, data.dim())
+        idx = _wrapped(idx, data.shape[a])
+        if reduce is None:
+            return torch.scatter(data, a, idx, updates)
+        return torch.scatter_reduce(data, a, idx, updates, reduce=reduce, include_self=True)
+    return run
+
+
 # -- detection -----------------------------------------------------------------------------------------------
 
 @_op("NonMaxSuppression")
@@ -670,6 +707,30 @@ def _nms(n: _Node):
         if not rows:
             return torch.zeros((0, 3), dtype=torch.int64, device=boxes.device)
         return torch.cat(rows).to(torch.int64)
+    return run
+
+
+@_op("RoiAlign")
+def _roi_align(n: _Node):
+    """RoiAlign (average mode) as torchvision's ``roi_align``: ONNX's ``half_pixel`` coordinates (opset 16's
+    default) are its ``aligned=True``, ``output_half_pixel`` (and opset 10's only form) ``aligned=False``; a
+    sampling ratio of 0 is adaptive in both."""
+    torch = _torch()
+    try:
+        from torchvision.ops import roi_align
+    except ImportError:
+        raise UnsupportedOp(f"node {n.name!r} (RoiAlign) needs torchvision on the GPU (pip install torchvision)") from None
+    mode = n.attr("mode", "avg")
+    if mode != "avg":
+        raise UnsupportedOp(f"node {n.name!r} (RoiAlign): mode {mode!r} is not supported on the GPU")
+    size = (int(n.attr("output_height", 1)), int(n.attr("output_width", 1)))
+    ratio, scale = int(n.attr("sampling_ratio", 0)), float(n.attr("spatial_scale", 1.0))
+    aligned = n.attr("coordinate_transformation_mode", "half_pixel" if n.opset >= 16 else "output_half_pixel") == "half_pixel"
+
+    def run(x, rois, batch):
+        x, rois, batch = _together(x, rois, batch)
+        boxes = torch.cat([batch.to(rois.dtype).reshape(-1, 1), rois], dim=1)
+        return roi_align(x, boxes, size, spatial_scale=scale, sampling_ratio=ratio, aligned=aligned)
     return run
 
 

@@ -69,3 +69,26 @@ def test_conv_attrs_fill_onnx_defaults():
                    outputs=[gs.Variable("y")], attrs={"auto_pad": b"VALID"})
     assert conv_attrs(conv, 2) == {"auto_pad": "NOTSET", "dilations": [1, 1], "group": 1, "kernel_shape": [3, 3],
                                    "pads": [0, 0, 0, 0], "strides": [1, 1]}
+
+
+def test_node_reads_lists_what_bodies_read_from_the_enclosing_scope():
+    from onnx import TensorProto, helper, numpy_helper
+
+    from parastream.core.dataflow import node_reads
+
+    inner_if = helper.make_node(
+        "If", ["c2"], ["deep"],
+        then_branch=helper.make_graph([helper.make_node("Add", ["outer_a", "local"], ["d1"])], "t2", [],
+                                      [helper.make_tensor_value_info("d1", TensorProto.FLOAT, None)]),
+        else_branch=helper.make_graph([], "e2", [], [helper.make_tensor_value_info("outer_b", TensorProto.FLOAT, None)]))
+    body = helper.make_graph(
+        [helper.make_node("Neg", ["outer_a"], ["local"]), helper.make_node("Not", ["outer_c"], ["c2"]), inner_if],
+        "then", [], [helper.make_tensor_value_info("deep", TensorProto.FLOAT, None)],
+        [numpy_helper.from_array(np.zeros(1, np.float32), "own_weight")])
+    node = helper.make_node("If", ["cond"], ["y"], then_branch=body,
+                            else_branch=helper.make_graph([helper.make_node("Identity", ["own_weight"], ["z"])], "else",
+                                                          [], [helper.make_tensor_value_info("z", TensorProto.FLOAT, None)]))
+    # the listed input first; then the outer names, each once; a body's own tensors and initializers are not read;
+    # an initializer of one branch is an outer name for the other
+    assert node_reads(node) == ["cond", "own_weight", "outer_a", "outer_c", "outer_b"]  # (attributes by name)
+    assert node_reads(helper.make_node("Add", ["a", "b"], ["c"])) == ["a", "b"]

@@ -375,6 +375,40 @@ def test_a_repeated_node_runs_once_under_both_names():
     assert [op for (fn, *_), op in zip(graph.steps, graph.ops) if fn is _same] == ["NonZero", "Transpose"]
 
 
+@pytest.mark.parametrize("trans_a,trans_b,alpha,beta,bias", [(0, 1, 1.0, 1.0, True), (1, 0, 0.5, 2.0, True),
+                                                              (0, 0, 1.0, 1.0, False)])
+def test_gemm(trans_a, trans_b, alpha, beta, bias):
+    a = f32(4, 3) if trans_a else f32(3, 4)
+    b = f32(5, 4) if trans_b else f32(4, 5)
+    feeds = {"a": a, "b": b, **({"c": f32(5)} if bias else {})}
+    one("Gemm", feeds, transA=trans_a, transB=trans_b, alpha=alpha, beta=beta)
+
+
+@pytest.mark.parametrize("reduction", ["none", "add", "mul", "max", "min"])
+def test_scatter_elements(reduction):
+    one("ScatterElements", {"x": f32(3, 4), "i": np.array([[0, -1], [2, 1], [3, 3]], np.int64), "u": f32(3, 2)},
+        opset=18, axis=1, reduction=reduction)
+
+
+@pytest.mark.parametrize("mode,opset", [("output_half_pixel", 16), ("half_pixel", 16), (None, 10)])
+@pytest.mark.parametrize("ratio", [0, 2])
+def test_roi_align(mode, opset, ratio):
+    pytest.importorskip("torchvision")
+    rois = np.array([[1.0, 2.0, 10.5, 12.0], [0.0, 0.0, 15.0, 15.0], [3.3, 4.1, 5.2, 9.9]], np.float32)
+    attrs = dict(output_height=3, output_width=4, sampling_ratio=ratio, spatial_scale=0.5)
+    if mode:
+        attrs["coordinate_transformation_mode"] = mode
+    one("RoiAlign", {"x": f32(2, 3, 8, 8), "r": rois, "b": i64(0, 1, 1)}, opset=opset, **attrs)
+
+
+def test_roi_align_of_the_maximum_is_refused():
+    pytest.importorskip("torchvision")
+    node = helper.make_node("RoiAlign", ["x", "r", "b"], ["y"], name="the_roi", mode="max")
+    feeds = {"x": f32(1, 1, 4, 4), "r": np.zeros((1, 4), np.float32), "b": i64(0)}
+    with pytest.raises(UnsupportedOp, match="the_roi.*max"):
+        load(model([node], feeds, ["y"], opset=16), device=None)
+
+
 # -- refused: the tail stays on the host ---------------------------------------------------------------------
 
 def test_a_loop_or_another_domain_is_refused_naming_the_node():

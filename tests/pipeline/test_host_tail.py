@@ -458,3 +458,43 @@ def test_a_boundary_tensor_with_no_data_is_the_tails_constant(tmp_path):
     for seed in range(3):
         for name, want in zip(["logits", "scores", "boxes"], full.run(None, _feeds(seed))):
             np.testing.assert_allclose(runner(_feeds(seed))[name], want, rtol=1e-5, atol=1e-6)
+
+
+def _with_if_reading_outer_tensors(path):
+    """small_detector whose boxes pass an If (as torchvision's detectors branch on an empty box set) whose
+    branches read tensors of the enclosing graph without listing them: one the static part computes (the
+    logits' peak, read by nothing else) and one the tail computes (the boxes)."""
+    from onnx import TensorProto, helper, numpy_helper
+
+    model = onnx.load(str(path))
+    g = model.graph
+    div = next(n for n in g.node if n.output[0] == "boxes")
+    div.output[0] = "boxes_raw"
+    then_g = helper.make_graph([helper.make_node("Mul", ["boxes_raw", "peak"], ["t_out"])], "then", [],
+                               [helper.make_tensor_value_info("t_out", TensorProto.FLOAT, None)])
+    else_g = helper.make_graph([helper.make_node("Identity", ["boxes_raw"], ["e_out"])], "else", [],
+                               [helper.make_tensor_value_info("e_out", TensorProto.FLOAT, None)])
+    g.initializer.append(numpy_helper.from_array(np.array(0, np.int64), "zero_i"))
+    g.node.extend([helper.make_node("ReduceMax", ["logits"], ["peak"], keepdims=0),
+                   helper.make_node("Size", ["scores"], ["nsc"]),
+                   helper.make_node("Greater", ["nsc", "zero_i"], ["has"]),
+                   helper.make_node("If", ["has"], ["boxes"], then_branch=then_g, else_branch=else_g)])
+    onnx.save(model, path)
+    return path
+
+
+def test_an_if_in_the_tail_gets_the_tensors_its_branches_read(tmp_path):
+    path = _with_if_reading_outer_tensors(small_detector(tmp_path / "det.onnx"))
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", search=False)
+    rec = bundle.manifest["host_tail"]
+    assert "peak" in rec["boundary"]  # read only inside a branch: the static part computes it for the tail
+    tail = onnx.load(str(bundle.path / "tail.onnx"))
+    assert [len(n.input) for n in tail.graph.node if n.op_type == "If"] == [1]  # (as ONNX writes an If)
+    runner, full = load(bundle.path), ort.InferenceSession(str(path))
+    counts = set()
+    for feeds in [_feeds(0), _feeds(1, scale=3.0), _feeds(2, scale=0.0)]:
+        got = runner(feeds)
+        for name, want in zip(["logits", "scores", "boxes"], full.run(None, feeds)):
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
+        counts.add(len(got["scores"]))
+    assert 0 in counts and len(counts) > 1  # both branches taken
