@@ -715,7 +715,7 @@ def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str
     sources = _value_sources(model)
     srcs = frozenset().union(*(sources(i) for i in _shaping_inputs(node)))
     srcs = sorted(srcs, key=order.index)
-    reads, writes = [list(n.input) for n in nodes], [list(n.output) for n in nodes]
+    reads, writes = [dataflow.node_reads(n) for n in nodes], [list(n.output) for n in nodes]
     consumers = dataflow.consumers(reads)
     downstream = dataflow.downstream(reads, writes, [next(i for i, n in enumerate(nodes) if n is node)])
     reached = set(node.output).union(*(writes[i] for i in downstream))
