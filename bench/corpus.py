@@ -89,6 +89,8 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
     # dense prediction
     _tv("deeplabv3_mobilenet_v3_large", "segmentation"),
     _tv("fcos_resnet50_fpn", "detection"), _tv("retinanet_resnet50_fpn", "detection"),
+    _tv("ssdlite320_mobilenet_v3_large", "detection"), _tv("fasterrcnn_mobilenet_v3_large_320_fpn", "detection"),
+    _tv("maskrcnn_resnet50_fpn", "detection"),
 ]}
 
 
@@ -229,8 +231,8 @@ def make_model(name: str):
         elif name.startswith("deeplabv3"):
             kw.update(weights_backbone=None, aux_loss=False)
             size = 256
-        elif spec.family == "detection":
-            kw.update(weights_backbone=None, min_size=320, max_size=320)
+        elif spec.family == "detection":  # (SSDlite's input is 320 by construction: it takes no sizes)
+            kw.update(weights_backbone=None, **({} if name.startswith("ssd") else {"min_size": 320, "max_size": 320}))
             size = 320
         if spec.family == "detection":
             model = getattr(tvm.detection, name)(**kw)

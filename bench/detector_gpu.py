@@ -49,7 +49,10 @@ def _busy(model) -> None:
     """The classification head's bias at 0: scores ~0.5, every anchor above the score threshold."""
     import torch
 
-    head = model.head.classification_head
+    head = getattr(getattr(model, "head", None), "classification_head", None)
+    if not hasattr(head, "cls_logits"):
+        raise ValueError("the busy head is FCOS's and RetinaNet's (a classification head with cls_logits); "
+                         "time other detectors with --heads prior")
     with torch.no_grad():
         head.cls_logits.bias.zero_()
 

@@ -14,8 +14,9 @@ walks the closures in the graph's order.  Values are torch tensors; a value comp
 the small host tensors it also reads copied over.  The waits left are the ones the data forces: ``NonZero``'s
 count, an ``If``'s condition, ``NonMaxSuppression``'s selection.
 
-An op outside ``OPS``, or a ``Loop``, is ``UnsupportedOp`` at load naming the node: the tail then stays on the
-host.  ``NonMaxSuppression`` runs as torchvision's ``batched_nms`` and needs torchvision.
+An op outside ``OPS`` (a ``Loop``, a mask head's convolutions) is ``UnsupportedOp`` at load naming the node:
+the tail then stays on the host.  ``NonMaxSuppression`` and ``RoiAlign`` run as torchvision's ops and need
+torchvision.  A node that repeats an earlier one's computation runs once (``EagerGraph``).
 """
 
 from __future__ import annotations
