@@ -78,30 +78,64 @@ def _elem_types(typed: onnx.ModelProto) -> dict[str, int]:
     return {vi.name: vi.type.tensor_type.elem_type for vi in [*g.input, *g.value_info, *g.output]}
 
 
+#: ops that move or combine values elementwise: cheap on the host, so that a selection's consequences can follow
+#: it into the tail (``_decisions_into_tail``); a convolution or a product never does
+_PULLABLE = {
+    "Gather", "GatherElements", "GatherND", "Slice", "Reshape", "Squeeze", "Unsqueeze", "Flatten", "Transpose",
+    "Concat", "Split", "Expand", "Identity", "Cast", "Add", "Sub", "Mul", "Div", "Exp", "Log", "Sqrt", "Clip",
+    "Min", "Max", "Sigmoid", "Neg", "Abs", "Where", "Floor", "Ceil", "Round",
+}
+
+
 def _decisions_into_tail(graph, reads: list[list[str]], tail: set[int], types: dict[str, int], inits: set[str]) -> set[int]:
-    """``tail`` with the nodes that turn floating-point values into the decisions it reads (a ``Greater`` of scores
-    against a threshold, an ``ArgMax``, a ``Cast`` to integers) moved into it, where nothing else reads them: the
-    tail then reads the values, and the static part's outputs are values its verification can judge within a
-    tolerance.  A decision made in the static part's precision (fp16) is a boolean or an index, right or wrong:
-    a score within fp16's error of the threshold flips it, and the build's verification would fail on a model
-    that is as right as fp16 makes it.  In ONNX Runtime on the host the decision is made in fp32 on the values
-    the plan computed (report.json's ``end_to_end`` says where the outputs then differ).  ``reads``: each node's
-    (``dataflow.node_reads``)."""
+    """``tail`` with the decisions it reads moved into it, and what they select: where nothing else reads them,
+    the nodes that turn floating-point values into decisions (a ``Greater`` of scores against a threshold, a
+    ``TopK``'s indices, an ``ArgMax``, a ``Cast`` to integers), and the cheap nodes (``_PULLABLE``) whose values
+    a decision picked (a ``Gather`` of boxes by a ``TopK``'s indices).  The tail then reads values, and the static
+    part's outputs are values its verification can judge within a tolerance.  A decision made in the static part's
+    precision (fp16, or another backend's fp32) is right or wrong: scores within rounding of each other (an
+    untrained region-proposal head's are, to the last bits) swap places in a top-k, and what it selected differs
+    entirely, though the model is as right as the precision makes it.  In ONNX Runtime on the host, or on the GPU
+    in fp32, the decision is made on the values the plan computed (report.json's ``end_to_end`` says where the
+    outputs then differ).  ``reads``: each node's (``dataflow.node_reads``)."""
     producer = dataflow.producers(n.output for n in graph.node)
     consumers = dataflow.consumers(reads)
     outputs = {vi.name for vi in graph.output}
+
+    def is_float(t: str) -> bool:
+        return types.get(t, onnx.TensorProto.FLOAT) in _FLOATS
+
+    # what decisions chose: non-float tensors computed from float values (not from shapes and constants alone)
+    # or from other choices, and the values that cheap nodes picked or computed from choices (the boxes a
+    # top-k's indices gathered, their coordinates' differences)
+    chosen: set[str] = set()
+    for i, n in enumerate(graph.node):
+        if n.op_type in ("Shape", "Size"):  # (of a tensor's shape, not its values)
+            continue
+        values = [x for x in reads[i] if x and x not in inits]
+        picked = any(x in chosen for x in values)
+        if picked or any(is_float(x) for x in values):
+            chosen.update(o for o in n.output if o and not is_float(o))
+        if picked and n.op_type in _PULLABLE:
+            chosen.update(o for o in n.output if o and is_float(o))
     tail = set(tail)
     changed = True
     while changed:
         changed = False
         for t in {t for i in tail for t in reads[i] if t}:
             i = producer.get(t)
-            if i is None or i in tail or types.get(t, onnx.TensorProto.FLOAT) in _FLOATS:
+            if i is None or i in tail:
                 continue
             n = graph.node[i]
-            if (not any(types.get(x) in _FLOATS for x in reads[i] if x and x not in inits)
-                    or any(o in outputs for o in n.output)
-                    or any(c not in tail for o in n.output if o for c in consumers.get(o, []))):
+            if is_float(t):  # a value: taken along only where a decision chose it
+                if t not in chosen:
+                    continue
+            elif n.op_type in ("Shape", "Size") or not any(is_float(x) or x in chosen for x in reads[i]
+                                                           if x and x not in inits):
+                continue
+            # (a Shape of it left outside reads a static shape: the static part folds it)
+            if any(o in outputs for o in n.output) or any(c not in tail and graph.node[c].op_type not in ("Shape", "Size")
+                                                         for o in n.output if o for c in consumers.get(o, [])):
                 continue
             tail.add(i)
             changed = True

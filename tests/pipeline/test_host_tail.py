@@ -498,3 +498,37 @@ def test_an_if_in_the_tail_gets_the_tensors_its_branches_read(tmp_path):
             np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
         counts.add(len(got["scores"]))
     assert 0 in counts and len(counts) > 1  # both branches taken
+
+
+def test_a_selection_and_what_it_picks_go_with_the_tail(tmp_path):
+    """A top-k of fixed k in front of the threshold (a region-proposal stage's pre-NMS top-k) and the boxes its
+    indices gather: a decision, and values it chose, read only by the tail (and a Shape, which reads a static
+    shape).  They move into the tail, so that the static part's outputs are the scores and boxes themselves:
+    values its verification judges within a tolerance, where the top-k's choice among near-equal scores would
+    differ between backends and precisions entirely."""
+    from onnx import helper, numpy_helper
+
+    path = small_detector(tmp_path / "det.onnx")
+    model = onnx.load(str(path))
+    g = model.graph
+    g.initializer.append(numpy_helper.from_array(np.array([64], np.int64), "k64"))
+    for n in g.node:  # the threshold and the boxes read the top-k's choice instead of every anchor
+        n.input[:] = [{"all_scores": "top_scores", "all_boxes": "top_boxes"}.get(x, x) if n.op_type in
+                      ("Greater", "GatherND") else x for x in n.input]
+    first = next(i for i, n in enumerate(g.node) if n.op_type == "Greater")
+    for node in reversed([helper.make_node("TopK", ["all_scores", "k64"], ["top_scores", "top_idx"]),
+                          helper.make_node("Gather", ["all_boxes", "top_idx"], ["top_boxes"], axis=0),
+                          helper.make_node("Shape", ["top_idx"], ["top_n"]),
+                          helper.make_node("Cast", ["top_n"], ["top_n_f"], to=onnx.TensorProto.FLOAT)]):
+        g.node.insert(first, node)
+    g.output.append(helper.make_tensor_value_info("top_n_f", onnx.TensorProto.FLOAT, [1]))  # a Shape kept outside
+    onnx.save(model, path)
+    bundle = build(path, tmp_path / "out", backend="onnxruntime", search=False)
+    rec = bundle.manifest["host_tail"]
+    assert {"TopK", "Gather"} <= set(rec["ops"]) and rec["ops"]["TopK"] == 2
+    assert set(rec["boundary"]) == {"all_scores", "all_boxes"}  # values, not what the top-k chose
+    runner, full = load(bundle.path), ort.InferenceSession(str(path))
+    for feeds in [_feeds(0), _feeds(1, scale=3.0), _feeds(2, scale=0.0)]:
+        got = runner(feeds)
+        for name, want in zip([o.name for o in full.get_outputs()], full.run(None, feeds)):
+            np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
