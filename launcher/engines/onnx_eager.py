@@ -267,15 +267,18 @@ def _gather(n: _Node):
             return data.select(a, at + data.shape[a] if at < 0 else at)
         return one
 
-    cached: dict = {}  # a known index where each (device, axis size) reads it: copied there once
+    # a known index without negatives is the same for every size of the axis: copied to each device once (one
+    # with negatives is wrapped per call, the axis's size changing with the data)
+    cached: dict | None = {} if known is not None and (known.numel() == 0 or int(known.min()) >= 0) else None
 
     def run(data, idx):
         a = _axis(axis, data.dim())
         if known is not None:
-            key = (data.device, data.shape[a])
-            flat = cached.get(key)
+            flat = cached.get(data.device) if cached is not None else None
             if flat is None:
-                flat = cached[key] = _gather_index(known, data.shape[a], data.device)
+                flat = _gather_index(known, data.shape[a], data.device)
+                if cached is not None:
+                    cached[data.device] = flat
             return data.index_select(a, flat).reshape((*data.shape[:a], *known.shape, *data.shape[a + 1:]))
         if idx.dim() == 0 and idx.device.type == "cpu":  # one position (a shape's dimension): a view
             i = int(idx)
