@@ -1424,7 +1424,8 @@ def verify_bundle(b: _Build, tmp: Path) -> None:
         if result.passed and loaded.tail is not None:
             full = read_model(loaded.path)  # the whole original, named as its static part's nodes are
             name_nodes(full)
-            e2e = end_to_end(full, loaded, tmp, rtol=rtol, atol=atol, scale_tol=scale_tol, seed=cfg.seed + 1)
+            e2e = end_to_end(full, loaded, tmp, rtol=rtol, atol=atol, scale_tol=scale_tol, seed=cfg.seed + 1,
+                             lock=cfg.gpu_timing_lock)
             placement = e2e.pop("placement")  # where the tail runs: decided by timing (host_tail.place)
             b.report["host_tail"].update(end_to_end=e2e, placement=placement, runs_on=placement["runs_on"])
             from parastream.launcher.tail import MANIFEST_KEY

@@ -222,12 +222,12 @@ def _extract(typed: onnx.ModelProto, reads: list[list[str]], cuts: list[tuple[li
 
 
 def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: float, scale_tol: float | None,
-               seed: int) -> dict:
+               seed: int, lock: bool = True) -> dict:
     """The whole bundle (its static part replayed, then its tail on the host) once against ONNX Runtime on
     ``full``, the whole original (its nodes named as the loader names them), at the verification's inputs, what
     its tail costs per call, and where it runs (``place``, under ``placement``): what report.json's
     ``host_tail.end_to_end`` records.  Not a verdict (see the module docstring): an output whose shape differs is
-    recorded as such; a tail that does not run is an error."""
+    recorded as such; a tail that does not run is an error.  ``lock``: ``place`` times under the GPU timing lock."""
     from parastream.launcher import load
 
     from .verify import run_verification
@@ -237,7 +237,7 @@ def end_to_end(full: onnx.ModelProto, loaded, bundle_dir, *, rtol: float, atol: 
         result = run_verification(loaded.path, full, runner, loaded.inputs, rtol=rtol, atol=atol, scale_tol=scale_tol,
                                   seed=seed, iterations=1)
         timed = tail_time(runner, loaded.inputs, seed)
-        placement = place(runner, loaded.inputs, seed)
+        placement = place(runner, loaded.inputs, seed, lock=lock)
     finally:
         close = getattr(runner, "close", None)
         if close is not None:
@@ -279,11 +279,12 @@ def tail_time(runner, inputs, seed: int, calls: int = 5) -> dict:
 SAME_RTOL, SAME_ATOL = 1e-4, 1e-5
 
 
-def place(runner, inputs, seed: int, calls: int = 7, inputs_compared: int = 3) -> dict:
+def place(runner, inputs, seed: int, calls: int = 7, inputs_compared: int = 3, lock: bool = True) -> dict:
     """Where ``runner``'s tail runs (``runner``: its tail on the host): on the GPU when its static part replays
     there, the tail's every node runs as torch ops, gives the host's outputs on ``inputs_compared`` seeded inputs,
-    and the whole call is faster (medians of ``calls``, the two alternating, after one untimed each); else the
-    host.  The record says what was compared and timed, what won, and why."""
+    and the whole call is faster (medians of ``calls``, the two alternating, after one untimed each, while this
+    process holds the GPU's timing lock unless ``lock`` is False); else the host.  The record says what was
+    compared and timed, what won, and why."""
     import statistics
     import time
 
@@ -308,13 +309,16 @@ def place(runner, inputs, seed: int, calls: int = 7, inputs_compared: int = 3) -
                                       f"({list(a.shape)} {a.dtype} against {list(b.shape)} {b.dtype})")
     if gpu.fallbacks:
         return dict(host, why="the tail failed on the GPU and ran on the host")
+    from .bench import gpu_timing_lock
+
     times = {"host": [], "gpu": []}
-    for i in range(calls + 1):
-        for where, r in (("host", runner), ("gpu", gpu)):
-            t0 = time.perf_counter()
-            r(feeds[0])
-            if i:
-                times[where].append(time.perf_counter() - t0)
+    with gpu_timing_lock(runner.inner.arena_device, enabled=lock):
+        for i in range(calls + 1):
+            for where, r in (("host", runner), ("gpu", gpu)):
+                t0 = time.perf_counter()
+                r(feeds[0])
+                if i:
+                    times[where].append(time.perf_counter() - t0)
     ms = {f"{k}_ms": round(statistics.median(v) * 1e3, 3) for k, v in times.items()}
     chosen = "gpu" if ms["gpu_ms"] < ms["host_ms"] else "host"
     return {"runs_on": chosen, "timed": dict(ms, how=f"the whole call, median of {calls}, alternating, one seeded input"),
