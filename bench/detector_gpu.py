@@ -211,9 +211,9 @@ def profile_tail(runner, name_in: str, make_input, calls: int = 5) -> dict:
     """Where the GPU tail's time goes: torch's profiler over ``calls`` calls (host time per aten op, the most
     first, and how many of each), and the tail's host seconds per ONNX op type, timed around each node with no
     synchronisation (what the host spends issuing it; the GPU's wait shows up at the next op that reads a count)."""
-    import collections
-
     from torch.profiler import ProfilerActivity, profile
+
+    from tail_ops import host_ms_per_op_type
 
     feeds = [{name_in: make_input().cpu().numpy()} for _ in range(calls)]
     with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
@@ -222,29 +222,9 @@ def profile_tail(runner, name_in: str, make_input, calls: int = 5) -> dict:
     top = sorted(prof.key_averages(), key=lambda e: e.self_cpu_time_total, reverse=True)[:25]
     aten = [{"op": e.key, "count": e.count // calls, "self_cpu_us": round(e.self_cpu_time_total / calls, 1),
              "device_us": round(getattr(e, "self_device_time_total", 0.0) / calls, 1)} for e in top]
-    graph, per_type = runner._graph, collections.Counter()
-    types = graph.ops
-    original = graph.steps
-
-    def timed_steps():
-        for (fn, ins, outs, scoped), op in zip(original, types):
-            def step(*a, _fn=fn, _op=op, **k):
-                t0 = time.perf_counter()
-                try:
-                    return _fn(*a, **k)
-                finally:
-                    per_type[_op] += time.perf_counter() - t0
-            step.reads_scope = scoped
-            yield step, ins, outs, scoped
-
-    graph.steps = list(timed_steps())
-    try:
-        for f in feeds:
-            runner(f)
-    finally:
-        graph.steps = original
-    return {"aten_per_call": aten,
-            "onnx_op_ms_per_call": {k: round(v * 1e3 / calls, 3) for k, v in per_type.most_common()}}
+    calls_left = iter(feeds)
+    per_type = host_ms_per_op_type(runner._graph, lambda: runner(next(calls_left)), calls)
+    return {"aten_per_call": aten, "onnx_op_ms_per_call": per_type}
 
 
 def main() -> int:

@@ -24,6 +24,32 @@ from pathlib import Path
 import numpy as np
 
 
+def host_ms_per_op_type(graph, call, calls: int) -> dict[str, float]:
+    """The host's ms per call spent in each ONNX op type of ``graph`` (an ``onnx_eager.EagerGraph``) while
+    ``call()`` runs it ``calls`` times, the most first: each node timed around its closure, with no
+    synchronisation (what the host spends issuing it; a GPU's wait shows up at the next op that reads a count)."""
+    per_type: collections.Counter = collections.Counter()
+    steps = graph.steps
+
+    def timed(fn, op):
+        def step(*a, **k):
+            t0 = time.perf_counter()
+            try:
+                return fn(*a, **k)
+            finally:
+                per_type[op] += time.perf_counter() - t0
+        step.reads_scope = getattr(fn, "reads_scope", False)
+        return step
+
+    graph.steps = [(timed(fn, op), ins, outs, scoped) for (fn, ins, outs, scoped), op in zip(steps, graph.ops)]
+    try:
+        for _ in range(calls):
+            call()
+    finally:
+        graph.steps = steps
+    return {k: round(v * 1e3 / calls, 3) for k, v in per_type.most_common()}
+
+
 def boundary_values(bundle: Path, seed: int) -> dict:
     """The tensors the tail reads, for a seeded input: the bundle's static part run by its launcher (numpy in,
     numpy out)."""
@@ -79,26 +105,7 @@ def run_one(bundle: Path, device: str, calls: int, seed: int) -> dict:
                 sync()
                 times[name].append(time.perf_counter() - t0)
     row["median_ms"] = {k: round(float(np.median(v)) * 1e3, 3) for k, v in times.items()}
-    per_type: collections.Counter = collections.Counter()
-    steps = graph.steps
-
-    def timed(fn, op):
-        def step(*a, **k):
-            t0 = time.perf_counter()
-            try:
-                return fn(*a, **k)
-            finally:
-                per_type[op] += time.perf_counter() - t0
-        step.reads_scope = getattr(fn, "reads_scope", False)
-        return step
-
-    graph.steps = [(timed(fn, op), ins, outs, scoped) for (fn, ins, outs, scoped), op in zip(steps, graph.ops)]
-    try:
-        for _ in range(5):
-            eager()
-    finally:
-        graph.steps = steps
-    row["torch_ops_host_ms_per_type"] = {k: round(v * 1e3 / 5, 3) for k, v in per_type.most_common(12)}
+    row["torch_ops_host_ms_per_type"] = dict(list(host_ms_per_op_type(graph, eager, 5).items())[:12])
     return row
 
 
