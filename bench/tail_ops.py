@@ -57,7 +57,9 @@ def boundary_values(bundle: Path, seed: int) -> dict:
     from parastream.launcher import load
 
     runner = load(bundle, host_tail=False)
-    rec = json.loads((bundle / "manifest.json").read_text())["host_tail"]
+    rec = json.loads((bundle / "manifest.json").read_text()).get("host_tail")
+    if rec is None:
+        raise SystemExit(f"{bundle}: the bundle has no data-dependent tail (manifest.json host_tail)")
     feeds = random_feeds(runner.plan.inputs, seed=seed)
     got = runner(feeds)
     return {n: np.ascontiguousarray(got[n] if n in got else feeds[n]) for n in [*rec["boundary"], *rec["feeds"]]}
