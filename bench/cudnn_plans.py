@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
-"""cuDNN plans shipped against cuDNN plans built at every start: per distinct depthwise convolution of a model,
-what a fresh process pays before its first call, and what each runs at.
+"""cuDNN plans shipped against cuDNN plans built at every start: per distinct depthwise convolution of a model
+(``--dense``: per distinct other 2-d convolution), what a fresh process pays before its first call, and what each
+runs at.
 
 Why: a fresh load of a depthwise-separable network spends most of its time in cuDNN building its depthwise
 plans (runtime-compiled kernels; NASNet-A Large, H200: 3.8 of a 5.5 s load).  ``launcher/engines/cudnn_plans.py``
@@ -12,12 +13,15 @@ depthwise shapes (fp16, batch 1, channels-last, as ``bench/depthwise_kernels.py`
   loaded_ms         the same plan deserialized in a fresh process (``PlanCache.load``), and its first call
   bytes             the serialized plan's size
   torch_us, plan_us per call in a CUDA Graph of 20 calls (median of 30 replays), this process
+  serializable      whether cuDNN serializes the plan (its runtime-compiled engines' plans only: the others are
+                    built again at a load, through the frontend, in ``built_ms``)
   max_err           the plan's output against torch's (scaled by its largest magnitude)
 
 and the totals per model.  Run on the device after ``source bench/device_env.sh`` (the frontend's wheel is
 carried in ``.whl/``):
     python3 bench/cudnn_plans.py --models nasnetalarge,mixnet_s --out $OUT
-Writes cudnn_plans.json under --out.
+    python3 bench/cudnn_plans.py --dense --models efficientnet_b0,resnet50,nasnetalarge --out $OUT
+Writes cudnn_plans.json (``--dense``: cudnn_plans_dense.json) under --out.
 """
 
 from __future__ import annotations
@@ -32,6 +36,11 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+
+def _groups(key) -> int:
+    """A key's groups: its sixth item (``--dense``'s keys), else the input's channels (a depthwise key)."""
+    return int(key[5]) if len(key) > 5 else int(key[0][1])
 
 
 def _tensors(key):
@@ -57,8 +66,8 @@ def child_torch(keys: list) -> dict:
     out = []
     for key in keys:
         x, w = _tensors(key)
-        _, _, stride, padding, dilation = key
-        out.append(_first_ms(lambda: F.conv2d(x, w, None, stride, padding, dilation, x.shape[1])))
+        stride, padding, dilation = key[2:5]
+        out.append(_first_ms(lambda: F.conv2d(x, w, None, stride, padding, dilation, _groups(key))))
     return {"torch_first_ms": out}
 
 
@@ -76,8 +85,9 @@ def child_loaded(keys: list, plans: str) -> dict:
     first = []
     for key in keys:
         x, w = _tensors(key)
-        _, _, stride, padding, dilation = key
-        first.append(_first_ms(lambda: cp.conv2d(x, w, None, list(stride), list(padding), list(dilation), x.shape[1])))
+        stride, padding, dilation = key[2:5]
+        first.append(_first_ms(lambda: cp.conv2d(x, w, None, list(stride), list(padding), list(dilation),
+                                                 _groups(key))))
     per = {k: round(p.built_s * 1e3, 3) for (_, k), p in cp.CACHE.plans.items()}
     return {"load": got, "load_s": round(load_s, 4), "first_call_ms": first, "deserialize_ms": per,
             "built_here": sum(1 for p in cp.CACHE.plans.values() if p.source == "built")}
@@ -92,21 +102,23 @@ def _child(mode: str, keys: list, plans: str | None = None) -> dict:
     return json.loads(done.stdout.strip().splitlines()[-1])
 
 
-def measure_model(name: str, out: Path) -> dict:
+def measure_model(name: str, out: Path, dense: bool = False) -> dict:
     import torch
     import torch.nn.functional as F
 
     from depthwise_kernels import _graph_us, depthwise_calls
     from parastream.launcher.engines import cudnn_plans as cp
 
-    counts = depthwise_calls(name)
-    keys = [[list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4])] for k in counts]
+    counts = depthwise_calls(name, dense=dense)
+    keys = [[list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4]), *k[5:]] for k in counts]
     rows = []
     for key, n in zip(keys, counts.values()):
         x, w = _tensors(key)
-        _, _, stride, padding, dilation = key
+        stride, padding, dilation = key[2:5]
+        groups = _groups(key)
         pk = cp.plan_key("float16", x.shape, w.shape, stride, padding, dilation)
-        row = {"x": key[0], "kernel": key[1][2:], "stride": stride, "padding": padding, "count": n}
+        row = {"x": key[0], "w": key[1], "kernel": key[1][2:], "stride": stride, "padding": padding, "groups": groups,
+               "count": n}
         t0 = time.perf_counter()
         plan = cp.CACHE.get(0, pk)
         row["built_ms"] = round((time.perf_counter() - t0) * 1e3, 3)
@@ -114,16 +126,16 @@ def measure_model(name: str, out: Path) -> dict:
             row["error"] = cp.CACHE.failed.get((0, pk))
             rows.append(row)
             continue
-        row["workspace"] = plan.workspace
-        ref = F.conv2d(x, w, None, stride, padding, dilation, x.shape[1]).float()
-        got = cp.conv2d(x, w, None, stride, padding, dilation, x.shape[1]).float()
+        row["workspace"], row["serializable"] = plan.workspace, plan.serializable
+        ref = F.conv2d(x, w, None, stride, padding, dilation, groups).float()
+        got = cp.conv2d(x, w, None, stride, padding, dilation, groups).float()
         row["max_err"] = float((got - ref).abs().max()) / (float(ref.abs().max()) or 1.0)
-        row["torch_us"] = round(_graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, x.shape[1])), 3)
-        row["plan_us"] = round(_graph_us(lambda: cp.conv2d(x, w, None, stride, padding, dilation, x.shape[1])), 3)
+        row["torch_us"] = round(_graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, groups)), 3)
+        row["plan_us"] = round(_graph_us(lambda: cp.conv2d(x, w, None, stride, padding, dilation, groups)), 3)
         rows.append(row)
         print(json.dumps({"model": name, **row}), flush=True)
     blob = cp.CACHE.serialize(0)
-    path = out / f"{name}_plans.npz"
+    path = out / f"{name}{'_dense' if dense else ''}_plans.npz"
     path.write_bytes(blob)
     fresh_torch = _child("torch", keys)
     fresh_loaded = _child("loaded", keys, str(path))
@@ -135,6 +147,7 @@ def measure_model(name: str, out: Path) -> dict:
     total = {
         "shapes": len(rows), "calls": sum(r["count"] for r in rows), "plans_bytes": len(blob),
         "built_s": round(sum(r["built_ms"] for r in rows) / 1e3, 3),
+        "serializable": sum(1 for r in rows if r.get("serializable")),
         "torch_first_s": round(sum(r.get("torch_first_ms", 0.0) for r in rows) / 1e3, 3),
         "loaded_s": fresh_loaded.get("load_s"), "loaded_first_calls_s":
             round(sum(r.get("loaded_first_call_ms", 0.0) for r in rows) / 1e3, 3),
@@ -213,6 +226,8 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/cudnn_plans_out"))
     ap.add_argument("--blocks", action="store_true",
                     help="instead: NASNet-style separable blocks compiled with and without the plans' op, timed")
+    ap.add_argument("--dense", action="store_true",
+                    help="the models' other 2-d convolutions (dense and grouped) instead of their depthwise ones")
     ap.add_argument("--child", choices=("torch", "loaded"))
     ap.add_argument("--keys")
     ap.add_argument("--plans")
@@ -241,8 +256,8 @@ def main(argv=None) -> int:
               "cudnn": torch.backends.cudnn.version(), "frontend_cudnn": cp.frontend().backend_version(),
               "models": {}}
     for name in args.models.split(","):
-        result["models"][name] = measure_model(name, out)
-        (out / "cudnn_plans.json").write_text(json.dumps(result, indent=1))
+        result["models"][name] = measure_model(name, out, dense=args.dense)
+        (out / ("cudnn_plans_dense.json" if args.dense else "cudnn_plans.json")).write_text(json.dumps(result, indent=1))
         print(json.dumps({"model": name, **result["models"][name]["total"]}), flush=True)
     return 0
 

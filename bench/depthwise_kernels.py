@@ -43,9 +43,9 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def depthwise_calls(name: str) -> dict:
+def depthwise_calls(name: str, dense: bool = False) -> dict:
     """{(input shape, weight shape, stride, padding, dilation): calls} of ``name``'s depthwise ``F.conv2d`` calls
-    in one forward pass."""
+    in one forward pass; with ``dense``, of its other 2-d convolutions instead, each key with its groups last."""
     import timm
     import torch
     import torch.nn.functional as F
@@ -58,10 +58,11 @@ def depthwise_calls(name: str) -> dict:
 
     def record(inp, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         c = inp.shape[1]
-        if (groups == c == weight.shape[0] and weight.shape[1] == 1 and weight.shape[2] * weight.shape[3] > 1
-                and not isinstance(padding, str)):
+        depthwise = groups == c == weight.shape[0] and weight.shape[1] == 1 and weight.shape[2] * weight.shape[3] > 1
+        if depthwise != dense and not isinstance(padding, str) and inp.dim() == 4:
             pair = lambda v: tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v), int(v))  # noqa: E731
             key = (tuple(inp.shape), tuple(weight.shape), pair(stride), pair(padding), pair(dilation))
+            key = key + (int(groups),) if dense else key
             seen[key] = seen.get(key, 0) + 1
         return real(inp, weight, bias, stride, padding, dilation, groups)
 

@@ -752,6 +752,22 @@ def _if(n: _Node):
     return run
 
 
+#: steps a NonZero behind them is not moved across (``EagerGraph._batch_nonzeros``): the ops that wait for the device
+#: themselves, and where an If's branches read names no step lists
+_WALLS = frozenset({"If", "Loop", "NonMaxSuppression"})
+
+
+def _nonzeros(*masks):
+    """Several NonZero at once: their counts read back in one wait, then each one's indices with its count known
+    (``torch.nonzero_static``, which does not wait). With masks on several devices, one by one."""
+    torch = _torch()
+    masks = [m.reshape(1) if m.dim() == 0 else m for m in masks]
+    if any(m.device != masks[0].device for m in masks):
+        return tuple(torch.nonzero(m).T.contiguous() for m in masks)
+    counts = torch.stack([torch.count_nonzero(m) for m in masks]).tolist()
+    return tuple(torch.nonzero_static(m, size=c).T.contiguous() for m, c in zip(masks, counts))
+
+
 def _same(*values):
     """A repeated node's outputs: the earlier node's values."""
     return values if len(values) > 1 else values[0]
@@ -802,9 +818,56 @@ class EagerGraph:
                 seen[key] = list(node.output)
             self.steps.append((fn, ins, list(node.output), getattr(fn, "reads_scope", False)))
             self.ops.append(node.op_type)
+        self._batch_nonzeros()
         # (after every node is known to run: a tail refused costs no copy to the device)
         self.consts = {name: v.to(device) if device is not None and (v.is_floating_point() or v.numel() > 64) else v
                        for name, v in ((t.name, known[t.name]) for t in graph.initializer)}
+
+    def _batch_nonzeros(self) -> None:
+        """Each NonZero waits for the device (its count sets its output's shape), and a detector's tail has one per
+        class or level, each behind a few kernels of its own: run in node order, the device idles while the host
+        issues the next class's kernels, and the host waits at every NonZero. Here the steps are put in an order
+        that issues every NonZero's producers first and counts those NonZero together, in one wait
+        (``_nonzeros``), level by level (a NonZero behind others joins the group after theirs). A NonZero behind an
+        If, a NonMaxSuppression or a step that reads its outer scope stays where it was, and so does a group of
+        one. Any order that keeps each step after its producers computes the same values."""
+        steps, n = self.steps, len(self.steps)
+        producer: dict[str, int] = {}
+        deps: list[set] = []
+        for i, (_, ins, outs, _) in enumerate(steps):
+            deps.append({producer[name] for name in ins if name in producer})
+            producer.update((o, i) for o in outs if o)
+        walls = {i for i, (op, st) in enumerate(zip(self.ops, steps)) if st[3] or op in _WALLS}
+        ancestors: list[set] = []
+        level: dict[int, int] = {}
+        blocked: set = set()  # NonZero steps behind a wall
+        for i in range(n):
+            a = set()
+            for d in deps[i]:
+                a.add(d)
+                a |= ancestors[d]
+            ancestors.append(a)
+            if self.ops[i] == "NonZero" and steps[i][0] is not _same:
+                if a & walls or any(j in blocked for j in a if self.ops[j] == "NonZero"):
+                    blocked.add(i)
+                else:
+                    level[i] = 1 + max((level[j] for j in a if j in level), default=-1)
+        groups = [[i for i in sorted(level) if level[i] == lv] for lv in sorted(set(level.values()))]
+        if not any(len(g) > 1 for g in groups):
+            return
+        order, done = [], set()
+        for group in groups:
+            if len(group) < 2:
+                continue
+            for j in sorted(set().union(*(ancestors[i] for i in group)) - done):
+                order.append((steps[j], self.ops[j]))
+                done.add(j)
+            masks = [steps[i][1][0] for i in group]
+            outs = [steps[i][2][0] for i in group]
+            order.append(((_nonzeros, masks, outs, False), "NonZero"))
+            done.update(group)
+        order += [(steps[j], self.ops[j]) for j in range(n) if j not in done]
+        self.steps, self.ops = [st for st, _ in order], [op for _, op in order]
 
     def run(self, values: dict) -> list:
         """The graph's outputs, in order, from ``values`` (its inputs by name; a subgraph's outer scope)."""

@@ -375,6 +375,81 @@ def test_a_repeated_node_runs_once_under_both_names():
     assert [op for (fn, *_), op in zip(graph.steps, graph.ops) if fn is _same] == ["NonZero", "Transpose"]
 
 
+def _per_class_tail(classes: int, second_level: bool = False, behind_if: bool = False):
+    """A detector's per-class selection as torchvision's SSD export writes it: each class's scores taken from one
+    [boxes, classes] tensor, thresholded, NonZero, the passing scores gathered and their top k (k from the count);
+    ``second_level``: each class's kept scores thresholded again (a NonZero behind a NonZero); ``behind_if``: the
+    first class's mask chosen by an If (its NonZero must stay in place)."""
+    nodes, outs = [], []
+    consts = {"thr": np.array(0.5, np.float32), "thr2": np.array(1.2, np.float32), "cap": i64(4), "zero": i64(0)}
+    for c in range(classes):
+        consts[f"c{c}"] = np.array(c, np.int64)
+        nodes += [helper.make_node("Gather", ["scores", f"c{c}"], [f"s{c}"], axis=1),
+                  helper.make_node("Greater", [f"s{c}", "thr"], [f"m{c}"])]
+        mask = f"m{c}"
+        if behind_if and c == 0:
+            then_g = helper.make_graph([helper.make_node("Identity", ["m0"], ["m0t"])], "then", [],
+                                       [helper.make_tensor_value_info("m0t", TensorProto.BOOL, None)])
+            else_g = helper.make_graph([helper.make_node("Not", ["m0"], ["m0e"])], "else", [],
+                                       [helper.make_tensor_value_info("m0e", TensorProto.BOOL, None)])
+            nodes += [helper.make_node("ReduceMax", ["flag"], ["any"], keepdims=0),
+                      helper.make_node("Cast", ["any"], ["cond"], to=TensorProto.BOOL),
+                      helper.make_node("If", ["cond"], ["m0i"], then_branch=then_g, else_branch=else_g)]
+            mask = "m0i"
+        nodes += [helper.make_node("NonZero", [mask], [f"nz{c}"]),
+                  helper.make_node("Transpose", [f"nz{c}"], [f"ix{c}"], perm=[1, 0]),
+                  helper.make_node("GatherND", [f"s{c}", f"ix{c}"], [f"v{c}"]),
+                  helper.make_node("Shape", [f"v{c}"], [f"n{c}"]),
+                  helper.make_node("Min", [f"n{c}", "cap"], [f"k{c}"]),
+                  helper.make_node("TopK", [f"v{c}", f"k{c}"], [f"top{c}", f"at{c}"])]
+        outs += [f"top{c}", f"at{c}"]
+        if second_level:
+            nodes += [helper.make_node("Greater", [f"v{c}", "thr2"], [f"h{c}"]),
+                      helper.make_node("NonZero", [f"h{c}"], [f"hz{c}"])]
+            outs.append(f"hz{c}")
+    feeds = {"scores": f32(40, classes, lo=0.0, hi=2.0), **({"flag": f32(3)} if behind_if else {})}
+    return model(nodes, feeds, outs, consts), feeds
+
+
+def _nonzero_groups(graph) -> list[int]:
+    from parastream.launcher.engines.onnx_eager import _nonzeros
+
+    return [len(ins) for fn, ins, *_ in graph.steps if fn is _nonzeros]
+
+
+def test_independent_nonzeros_are_counted_together():
+    """Five classes' NonZero, each behind kernels of its own: one step counts them all (one wait for the GPU),
+    issued after every class's threshold, and the outputs are ONNX Runtime's."""
+    m, feeds = _per_class_tail(5)
+    check(m, feeds)
+    graph = load(m, device=None)
+    assert _nonzero_groups(graph) == [5]
+    first = graph.ops.index("NonZero")
+    assert graph.ops[:first].count("Greater") == 5 and "TopK" not in graph.ops[:first]
+
+
+def test_nonzeros_behind_nonzeros_are_a_second_group():
+    m, feeds = _per_class_tail(4, second_level=True)
+    check(m, feeds)
+    assert _nonzero_groups(load(m, device=None)) == [4, 4]
+
+
+def test_a_nonzero_behind_an_if_stays_in_place():
+    """The first class's mask comes out of an If (whose branches read the outer scope by name): its NonZero is
+    not moved, the other classes' are counted together."""
+    m, feeds = _per_class_tail(3, behind_if=True)
+    check(m, feeds)
+    graph = load(m, device=None)
+    assert _nonzero_groups(graph) == [2]
+    assert graph.ops.count("NonZero") == 2  # the group's step and the first class's own
+
+
+def test_a_lone_nonzero_is_left_alone():
+    m, feeds = _per_class_tail(1)
+    check(m, feeds)
+    assert _nonzero_groups(load(m, device=None)) == []
+
+
 @pytest.mark.parametrize("trans_a,trans_b,alpha,beta,bias", [(0, 1, 1.0, 1.0, True), (1, 0, 0.5, 2.0, True),
                                                               (0, 0, 1.0, 1.0, False)])
 def test_gemm(trans_a, trans_b, alpha, beta, bias):
