@@ -149,10 +149,19 @@ CACHE_BYTES = 4 << 30
 
 
 def available() -> str | None:
-    try:
-        import torch
-    except ImportError:
+    import importlib.util
+
+    if importlib.util.find_spec("torch") is None:
         return "PyTorch is not installed: pip install torch cuda-python"
+    from ..cuda import cuda_device_count
+
+    # Asked of cuda-python first (~0.1 s), which the GPU launcher needs too: a CPU machine's build with the backend
+    # left to ``auto`` then does not import torch (~2 s) only to learn that torch sees no GPU either.
+    if cuda_device_count() == 0:
+        return "the torch backend runs engines on a CUDA GPU and cuda-python sees none (or is not installed: " \
+               "pip install cuda-python; use --backend onnxruntime on the CPU)"
+    import torch
+
     if not torch.cuda.is_available():
         return "the torch backend runs engines on a CUDA GPU and torch sees none (use --backend onnxruntime on the CPU)"
     return None

@@ -1798,3 +1798,28 @@ def test_a_fusion_round_won_by_its_alternative_still_lets_the_depthwise_sample_d
     done = m.alternatives_timed()
     assert done["partial"] and {r["choice"] for r in done["rounds"]} == set(rounds)
     m.close()
+
+
+def test_a_cpu_build_with_the_backend_left_to_auto_does_not_import_torch(tmp_path):
+    """On a machine where cuda-python sees no GPU, ``--backend auto`` settles on onnxruntime without importing
+    torch (~2 s and ~180 MiB of a small model's build), even where torch is installed."""
+    import subprocess
+    import sys
+
+    from parastream.launcher.cuda import cuda_device_count
+
+    if cuda_device_count() > 0:
+        pytest.skip("a GPU is visible: auto takes a GPU backend, which imports torch")
+    pytest.importorskip("torch")  # installed, and still not imported
+    src = tmp_path / "m.onnx"
+    import onnx
+
+    onnx.save(zoo.MODELS["small_net"](), str(src))
+    code = ("import sys\nfrom parastream.pipeline.cli import main\n"
+            f"sys.argv = ['parastream', 'build', {str(src)!r}, '-o', {str(tmp_path / 'b')!r}]\n"
+            "try:\n    main()\nexcept SystemExit as e:\n    assert not e.code, e.code\n"
+            "print('torch' in sys.modules)\n")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip().splitlines()[-1] == "False"
+    assert (tmp_path / "b" / "manifest.json").is_file()
