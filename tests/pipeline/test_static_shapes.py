@@ -176,6 +176,30 @@ def test_data_dependent_shape_names_the_node(tmp_path, capsys, make, node, op):
     assert not out.exists()
 
 
+def test_shapes_behind_a_nonzero_alone_skip_symbolic_inference(tmp_path, monkeypatch):
+    """Every tensor left unknown lies behind a NonZero: no inference can settle them, so ONNX Runtime's symbolic
+    inference is not asked (on a detector's whole model, seconds), and the error names the same node."""
+    monkeypatch.setattr(model_io, "_symbolic_infer", lambda m: pytest.fail("asked symbolic inference"))
+    with pytest.raises(model_io.DataDependentShape) as e:
+        load_model(_save(_nonzero_model(), tmp_path / "nz.onnx"))
+    assert e.value.nodes == ["find_positive"]
+
+
+def test_a_shape_inference_could_settle_still_asks_symbolic_inference(tmp_path, monkeypatch):
+    """Must not skip it: beside the NonZero, com.microsoft's Gelu (unknown to ONNX's inference, known to ONNX
+    Runtime's symbolic one) leaves a tensor that is not behind it."""
+    m = _nonzero_model()
+    m.graph.node.append(N("Gelu", ["x"], ["g"], name="ms_gelu", domain="com.microsoft"))
+    m.graph.output.append(helper.make_tensor_value_info("g", TensorProto.FLOAT, ["a", "b"]))
+    m.opset_import.append(helper.make_opsetid("com.microsoft", 1))
+    asked = []
+    real = model_io._symbolic_infer
+    monkeypatch.setattr(model_io, "_symbolic_infer", lambda model: asked.append(1) or real(model))
+    with pytest.raises(model_io.DataDependentShape) as e:
+        load_model(_save(m, tmp_path / "nz_gelu.onnx"))
+    assert asked and e.value.nodes == ["find_positive"]
+
+
 def test_shapes_hint_only_for_a_dynamic_input(tmp_path, capsys):
     from graphs import three_branch_model
 
