@@ -735,14 +735,19 @@ def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str
         f"not only on the input shapes; {after}. parastream plans static shapes: {fix}", nodes=[node.name, *also])
 
 
+#: ops whose output's size is a count of values (``_only_behind_data_dependent``); not Loop, whose loop-carried
+#: outputs ONNX Runtime's symbolic inference can give static shapes
+_COUNTED_SHAPES = frozenset({"NonZero", "NonMaxSuppression", "Unique", "Compress"})
+
+
 def _only_behind_data_dependent(model: onnx.ModelProto, unknown: list[tuple[onnx.NodeProto, str]]) -> bool:
-    """Whether every tensor still ``unknown`` is written by a node whose output shape always depends on values
-    (``_ALWAYS_DATA_DEPENDENT``: NonZero, NonMaxSuppression, ...) or by a node downstream of one. No inference
-    settles such shapes, and a build cuts everything downstream of those nodes off as the model's tail anyway, so
-    ONNX Runtime's symbolic inference is not run for them: on a detector's whole model it cost 4.7 s of an 11 s
-    load (FCOS, 2-core CPU), 1.6 of them its package's import of torch, and then named the same nodes."""
+    """Whether every tensor still ``unknown`` is written by a node whose output's size is a count of values
+    (``_COUNTED_SHAPES``: NonZero, NonMaxSuppression, ...) or by a node downstream of one. No inference settles
+    such shapes, and a build cuts everything downstream of those nodes off as the model's tail anyway, so ONNX
+    Runtime's symbolic inference is not run for them: on a detector's whole model it cost 4.7 s of an 11 s load
+    (FCOS, 2-core CPU), 1.6 of them its package's import of torch, and then named the same nodes."""
     nodes = list(model.graph.node)
-    start = [i for i, n in enumerate(nodes) if n.op_type in _ALWAYS_DATA_DEPENDENT]
+    start = [i for i, n in enumerate(nodes) if n.op_type in _COUNTED_SHAPES]
     if not start:
         return False
     writes = [list(n.output) for n in nodes]

@@ -200,6 +200,27 @@ def test_a_shape_inference_could_settle_still_asks_symbolic_inference(tmp_path, 
     assert asked and e.value.nodes == ["find_positive"]
 
 
+def test_a_loop_s_outputs_are_left_to_symbolic_inference(tmp_path):
+    """Must not skip it for a Loop: its loop-carried output has the shape it came in with, which ONNX Runtime's
+    symbolic inference gives (here through com.microsoft's Gelu, which ONNX's own inference does not know); the
+    model loads with every shape static rather than being refused as data-dependent."""
+    body = helper.make_graph(
+        [N("Gelu", ["x_in"], ["x_out"], name="body_gelu", domain="com.microsoft"),
+         N("Identity", ["cond_in"], ["cond_out"], name="body_cond")], "body",
+        [helper.make_tensor_value_info("i", TensorProto.INT64, []),
+         helper.make_tensor_value_info("cond_in", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_in", TensorProto.FLOAT, None)],
+        [helper.make_tensor_value_info("cond_out", TensorProto.BOOL, []),
+         helper.make_tensor_value_info("x_out", TensorProto.FLOAT, None)])
+    g = helper.make_graph([N("Loop", ["trips", "go", "x"], ["y"], name="three_times", body=body)], "loop",
+                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [2, 3])],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["a", "b"])],
+                          [_i64("trips", 3), numpy_helper.from_array(np.array(True), "go")])
+    m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17), helper.make_opsetid("com.microsoft", 1)])
+    loaded = load_model(_save(m, tmp_path / "loop.onnx"))
+    assert [(o.name, o.shape) for o in loaded.outputs] == [("y", [2, 3])]
+
+
 def test_shapes_hint_only_for_a_dynamic_input(tmp_path, capsys):
     from graphs import three_branch_model
 
