@@ -21,6 +21,7 @@ torchvision.  A node that repeats an earlier one's computation runs once (``Eage
 
 from __future__ import annotations
 
+import math
 from typing import Callable
 
 import numpy as np
@@ -40,8 +41,9 @@ class _Node:
     """A node's attributes as Python values, the inputs known at load (initializers, ``Constant`` outputs), and
     its name for errors."""
 
-    def __init__(self, node: onnx.NodeProto, opset: int, known: dict | None = None):
+    def __init__(self, node: onnx.NodeProto, opset: int, known: dict | None = None, device=None):
         self.node, self.opset, self.op = node, opset, node.op_type
+        self.device = device  # the graph's device (``EagerGraph``), None on the host
         self.name = node.name or f"{node.op_type}({', '.join(node.output)})"
         self.attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
         self._known = known or {}
@@ -65,6 +67,9 @@ class _Node:
 
 
 OPS: dict[str, Callable[[_Node], Callable]] = {}
+#: the most elements of an integer tensor kept on the host (a shape, axes, a few indices: read there by the
+#: shape arithmetic); a larger one is data, placed on the graph's device
+_HOST_MAX = 64
 
 
 def _op(*names):
@@ -206,9 +211,21 @@ def _constant(n: _Node):
 
 @_op("Shape")
 def _shape(n: _Node):
+    """The shape as a host tensor, one per distinct shape (no op of this table writes into its inputs): a detector's
+    tail takes the shape of each class's candidates, and each new tensor was four of torch's host ops."""
     torch = _torch()
     start, end = n.attr("start", 0), n.attr("end")
-    return lambda x: torch.tensor(x.shape[start:end] if end is not None else x.shape[start:], dtype=torch.int64)
+    made: dict[tuple, object] = {}
+
+    def run(x):
+        dims = tuple(x.shape[start:end] if end is not None else x.shape[start:])
+        t = made.get(dims)
+        if t is None:
+            if len(made) >= 256:
+                made.clear()
+            t = made[dims] = torch.tensor(dims, dtype=torch.int64)
+        return t
+    return run
 
 
 @_op("Size")
@@ -219,11 +236,17 @@ def _size(n: _Node):
 
 @_op("ConstantOfShape")
 def _const_of_shape(n: _Node):
+    """A filled tensor: on the graph's device where it has more than ``_HOST_MAX`` elements (a detector's label
+    per candidate, concatenated with device tensors next: made there, not copied there), else on the host (a
+    shape's worth, read by the host's shape arithmetic)."""
     torch = _torch()
     v = _tensor(n.attrs["value"]) if "value" in n.attrs else torch.zeros(1, dtype=torch.float32)
+    fill, dtype, device = v.reshape(-1)[0].item(), v.dtype, n.device
 
     def run(shape):
-        return torch.full(_ints(shape), v.reshape(-1)[0].item(), dtype=v.dtype)
+        dims = _ints(shape)
+        big = device is not None and math.prod(dims) > _HOST_MAX
+        return torch.full(dims, fill, dtype=dtype, device=device if big else None)
     return run
 
 
@@ -249,7 +272,7 @@ def _gather_index(idx, size: int, device):
     """``idx`` flattened and wrapped, on ``device``: a few indices the host holds (a shape's position, the usual
     case) wrapped there, as numbers, with no kernel."""
     torch = _torch()
-    if idx.device.type == "cpu" and idx.numel() <= 64:
+    if idx.device.type == "cpu" and idx.numel() <= _HOST_MAX:
         return torch.tensor([i + size if i < 0 else i for i in idx.reshape(-1).tolist()], dtype=torch.int64,
                             device=device)
     return _wrapped(idx.to(device).reshape(-1), size)
@@ -811,7 +834,7 @@ class EagerGraph:
                 self.steps.append((_same, first, list(node.output), False))
                 self.ops.append(node.op_type)
                 continue
-            fn = make(_Node(node, opset, known))
+            fn = make(_Node(node, opset, known, device))
             if node.op_type == "Constant":  # its value is known from here on
                 known[node.output[0]] = fn()
             if key is not None:
@@ -820,7 +843,7 @@ class EagerGraph:
             self.ops.append(node.op_type)
         self._batch_nonzeros()
         # (after every node is known to run: a tail refused costs no copy to the device)
-        self.consts = {name: v.to(device) if device is not None and (v.is_floating_point() or v.numel() > 64) else v
+        self.consts = {name: v.to(device) if device is not None and (v.is_floating_point() or v.numel() > _HOST_MAX) else v
                        for name, v in ((t.name, known[t.name]) for t in graph.initializer)}
 
     def _batch_nonzeros(self) -> None:

@@ -152,6 +152,28 @@ def test_constants_shape_size():
     check(model(nodes, {"x": x}, ["c1", "c2", "c3", "s", "s1", "n"]), {"x": x})
 
 
+def test_shapes_of_two_sizes_through_one_shape_node():
+    """One Shape node over tensors of two sizes (its output kept per distinct shape): each call its own shape."""
+    node = helper.make_node("Shape", ["x"], ["s"])
+    graph = load(model([node], {"x": f32(2, 3)}, ["s"]), device=_ON["device"])
+    for dims in [(2, 3), (4, 5), (2, 3)]:
+        (got,) = graph.run({"x": torch.zeros(dims, device=_ON["device"] or "cpu")})
+        assert got.tolist() == list(dims) and got.device.type == "cpu"
+
+
+def test_a_filled_tensor_of_data_s_size_is_made_on_the_graph_s_device():
+    """ConstantOfShape of more than a shape's worth of elements (a label per candidate) on the device, a few on
+    the host, where the shape arithmetic reads them; the values ONNX Runtime's."""
+    x = f32(5, 20)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("ConstantOfShape", ["s"], ["labels"],
+                                                                       value=numpy_helper.from_array(i64(3), "v")),
+             helper.make_node("Shape", ["s"], ["r"]), helper.make_node("ConstantOfShape", ["r"], ["few"])]
+    m = model(nodes, {"x": x}, ["labels", "few"])
+    check(m, {"x": x})
+    labels, few = load(m, device=_ON["device"]).run({"x": torch.from_numpy(x).to(_ON["device"] or "cpu")})
+    assert labels.device.type == ("cuda" if _ON["device"] else "cpu") and few.device.type == "cpu"
+
+
 def test_constant_of_shape_and_range():
     x = f32(2, 3)
     nodes = [helper.make_node("Shape", ["x"], ["s"]),
