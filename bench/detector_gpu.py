@@ -74,10 +74,11 @@ def export(name: str, head: str, path: Path) -> tuple:
     return w, inputs["x"]
 
 
-def build(path: Path, out: Path) -> dict:
+def build(path: Path, out: Path, keep_fp32: str | None = None) -> dict:
     t0 = time.perf_counter()
     got = subprocess.run([sys.executable, "-m", "parastream.pipeline.cli", "build", str(path), "-o", str(out),
-                          "--backend", "torch", "--precision", "fp16", "--force", "--json"],
+                          "--backend", "torch", "--precision", "fp16", "--force", "--json",
+                          *(["--keep-fp32", keep_fp32] if keep_fp32 else [])],
                          capture_output=True, text=True)
     if got.returncode != 0:
         raise RuntimeError(f"build failed ({got.returncode}): {got.stderr.strip().splitlines()[-1:]}")
@@ -122,7 +123,9 @@ def run_model(name: str, head: str, work: Path, args) -> dict:
     t0 = time.perf_counter()
     wrapped, example = export(name, head, folder / "model.onnx")
     row["export_s"] = round(time.perf_counter() - t0, 1)
-    row["build"] = build(folder / "model.onnx", folder / "bundle")
+    row["build"] = build(folder / "model.onnx", folder / "bundle", args.keep_fp32)
+    if args.keep_fp32:
+        row["keep_fp32"] = args.keep_fp32
     rep = json.loads((folder / "bundle" / "report.json").read_text())
     row["stage_seconds"] = rep.get("stage_seconds")
     row["host_tail"] = {k: rep["host_tail"].get(k) for k in ("nodes", "seeds", "end_to_end")}
@@ -237,6 +240,8 @@ def main() -> int:
     ap.add_argument("--per-block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--profile", action="store_true", help="also profile the GPU tail (each row's gpu_tail_profile)")
+    ap.add_argument("--keep-fp32", default=None, metavar="NODE_OR_PATTERN,...",
+                    help="the build's --keep-fp32 (what a build refused for an fp16 overflow names)")
     ap.add_argument("--work", default="/tmp/detector_gpu")
     ap.add_argument("--out", default="/tmp/detector_gpu_out")
     args = ap.parse_args()
