@@ -770,7 +770,7 @@ def _if(n: _Node):
 
     def run(cond, *, scope):
         branch = then_g if bool(cond.reshape(-1)[0].item()) else else_g
-        return tuple(branch.run(scope))
+        return tuple(branch.run(scope, fresh=False))
     run.reads_scope = True
     return run
 
@@ -892,8 +892,10 @@ class EagerGraph:
         order += [(steps[j], self.ops[j]) for j in range(n) if j not in done]
         self.steps, self.ops = [st for st, _ in order], [op for _, op in order]
 
-    def run(self, values: dict) -> list:
-        """The graph's outputs, in order, from ``values`` (its inputs by name; a subgraph's outer scope)."""
+    def run(self, values: dict, fresh: bool = True) -> list:
+        """The graph's outputs, in order, from ``values`` (its inputs by name; a subgraph's outer scope).
+        ``fresh``: an output on the host, or one of the graph's constants, is a copy, where the caller may write
+        into what it is given (a Shape node's tensor serves every call of that shape, a constant every call)."""
         env = dict(values)
         # (a graph's inputs are its caller's values; its initializers shadow an outer scope's of the same name)
         env.update((k, v) for k, v in self.consts.items() if k not in self._takes)
@@ -906,7 +908,11 @@ class EagerGraph:
                         env[name] = v
             else:
                 env[outs[0]] = got
-        return [env[o] for o in self.outputs]
+        outs = [env[o] for o in self.outputs]
+        if not fresh:
+            return outs
+        held = {id(v) for v in self.consts.values()}
+        return [v.clone() if v.device.type == "cpu" or id(v) in held else v for v in outs]
 
 
 def load(model: onnx.ModelProto, device) -> EagerGraph:

@@ -161,6 +161,19 @@ def test_shapes_of_two_sizes_through_one_shape_node():
         assert got.tolist() == list(dims) and got.device.type == "cpu"
 
 
+def test_what_a_caller_writes_into_an_output_does_not_reach_the_next_call():
+    """A Shape node's tensor serves every call of that shape, a constant every call: the graph's outputs are
+    copies of them, so that a caller writing into what it got (a numpy view of it) changes no later result."""
+    x = f32(2, 3)
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Identity", ["k"], ["kept"])]
+    graph = load(model(nodes, {"x": x}, ["s", "kept"], {"k": i64(7, 8)}), device=_ON["device"])
+    feeds = {"x": torch.from_numpy(x).to(_ON["device"] or "cpu")}
+    for got in graph.run(feeds):
+        got.fill_(0)
+    s, kept = graph.run(feeds)
+    assert s.tolist() == [2, 3] and kept.tolist() == [7, 8]
+
+
 def test_a_filled_tensor_of_data_s_size_is_made_on_the_graph_s_device():
     """ConstantOfShape of more than a shape's worth of elements (a label per candidate) on the device, a few on
     the host, where the shape arithmetic reads them; the values ONNX Runtime's."""
