@@ -418,6 +418,46 @@ def test_an_output_the_tail_also_reads(tmp_path):
         np.testing.assert_allclose(got[name], want, rtol=1e-5, atol=1e-6)
 
 
+class _Timed:
+    """A tail runner whose calls take ``ms`` (the host's: ``tail_s`` its tail's share), answering ``out``."""
+
+    def __init__(self, ms: float, inner=None, out=None):
+        self.ms, self.inner, self.out, self.tail_s, self.fallbacks, self.on_gpu = ms, inner, out, 0.0, 0, True
+        self.record = {"outputs": ["y"]}
+
+    def __call__(self, feeds):
+        import time
+
+        time.sleep(self.ms / 1e3)
+        self.tail_s = self.ms / 2e3
+        return {"y": self.out}
+
+
+@pytest.mark.parametrize("host_ms, gpu_ms, timed", [(30.0, 1.0, 3), (2.0, 1.6, 7)])
+def test_a_placement_decided_by_far_stops_timing_and_hands_on_its_host_calls(monkeypatch, host_ms, gpu_ms, timed):
+    """The placement times both sides alternating, seven calls each, but stops after three where every call of the
+    slower side took over twice the faster side's slowest (a tail of 0.4 s a call on the host paid seven and then
+    five more for the report); the host's calls it timed are the report's tail and call figures."""
+    import types
+    from contextlib import nullcontext
+
+    import parastream.launcher.tail as tail_mod
+    import parastream.pipeline.bench as bench_mod
+    from parastream.pipeline import host_tail
+
+    out = np.arange(3, dtype=np.float32)
+    inner = types.SimpleNamespace(arena_device=0, bundle=None)
+    host = _Timed(host_ms, inner, out)
+    gpu = _Timed(gpu_ms, inner, out)
+    monkeypatch.setattr(tail_mod, "TailRunner", lambda *a, **k: gpu)
+    monkeypatch.setattr(bench_mod, "gpu_timing_lock", lambda *a, **k: nullcontext())
+    got = host_tail.place(host, [], seed=0, inputs_compared=1)
+    assert got["runs_on"] == "gpu" and f"median of {timed}," in got["timed"]["how"]
+    assert ("decided after" in got["timed"]["how"]) == (timed < 7)
+    calls = got["host_calls"]
+    assert calls["call_ms"] == got["timed"]["host_ms"] and calls["tail_ms"] == pytest.approx(host_ms / 2, rel=1e-6)
+
+
 def test_the_summary_says_where_the_build_placed_the_tail(detector, tmp_path):
     """A GPU build's record (both places timed, the GPU's kept), as the summary reads it from report.json."""
     import io
