@@ -259,7 +259,6 @@ def tail_time(runner, inputs, seed: int, calls: int = 5) -> dict:
     """What the tail costs on the host per call (the median of ``calls`` after one untimed, on one seeded input
     on the build's machine), beside what the whole call costs: the tail's work grows with how many candidates
     pass the model's score threshold, which random weights do not say for a trained model."""
-    import statistics
     import time
 
     from parastream.core.tensors import random_feeds
@@ -272,8 +271,15 @@ def tail_time(runner, inputs, seed: int, calls: int = 5) -> dict:
         if i:
             wholes.append(time.perf_counter() - t0)
             tails.append(runner.tail_s)
+    return _tail_figures(tails, wholes)
+
+
+def _tail_figures(tails: list[float], wholes: list[float], whose: str = "") -> dict:
+    """report.json's ``tail_ms`` and ``call_ms`` (medians of the host's calls, seconds in) and how they were timed."""
+    import statistics
+
     return {"tail_ms": round(statistics.median(tails) * 1e3, 3), "call_ms": round(statistics.median(wholes) * 1e3, 3),
-            "timed": f"median of {calls} calls on one seeded input, on the build's machine"}
+            "timed": f"median of {len(wholes)} calls on one seeded input, on the build's machine{whose}"}
 
 
 #: the GPU tail against the host's on the same boundary tensors: the same fp32 computation on the same values
@@ -343,9 +349,7 @@ def place(runner, inputs, seed: int, calls: int = 7, inputs_compared: int = 3, l
     return {"runs_on": chosen, "timed": dict(ms, how=how),
             "compared": f"the tail on the GPU against the host's, {inputs_compared} seeded inputs: the same outputs",
             "why": "faster" if chosen == "gpu" else "the host's was faster",
-            "host_calls": {"tail_ms": round(statistics.median(tails) * 1e3, 3), "call_ms": ms["host_ms"],
-                           "timed": f"median of {n} calls on one seeded input, on the build's machine "
-                                    "(the placement's host calls)"}}
+            "host_calls": _tail_figures(tails, times["host"], " (the placement's host calls)")}
 
 
 def _decided(a: list[float], b: list[float]) -> bool:

@@ -737,7 +737,7 @@ def _data_dependent_error(model: onnx.ModelProto, node: onnx.NodeProto, out: str
 
 #: ops whose output's size is a count of values (``_only_behind_data_dependent``); not Loop, whose loop-carried
 #: outputs ONNX Runtime's symbolic inference can give static shapes
-_COUNTED_SHAPES = frozenset({"NonZero", "NonMaxSuppression", "Unique", "Compress"})
+_COUNTED_SHAPES = _ALWAYS_DATA_DEPENDENT - {"Loop"}
 
 
 def _only_behind_data_dependent(model: onnx.ModelProto, unknown: list[tuple[onnx.NodeProto, str]]) -> bool:

@@ -28,6 +28,8 @@ import numpy as np
 import onnx
 from onnx import helper, numpy_helper
 
+from parastream.core import dataflow
+
 from .onnx_torch import UnsupportedOp, torch_dtype
 
 
@@ -845,6 +847,7 @@ class EagerGraph:
         # (after every node is known to run: a tail refused costs no copy to the device)
         self.consts = {name: v.to(device) if device is not None and (v.is_floating_point() or v.numel() > _HOST_MAX) else v
                        for name, v in ((t.name, known[t.name]) for t in graph.initializer)}
+        self._held = {id(v) for v in self.consts.values()}  # what ``run`` hands out as copies
 
     def _batch_nonzeros(self) -> None:
         """Each NonZero waits for the device (its count sets its output's shape), and a detector's tail has one per
@@ -855,11 +858,8 @@ class EagerGraph:
         If, a NonMaxSuppression or a step that reads its outer scope stays where it was, and so does a group of
         one. Any order that keeps each step after its producers computes the same values."""
         steps, n = self.steps, len(self.steps)
-        producer: dict[str, int] = {}
-        deps: list[set] = []
-        for i, (_, ins, outs, _) in enumerate(steps):
-            deps.append({producer[name] for name in ins if name in producer})
-            producer.update((o, i) for o in outs if o)
+        producer = dataflow.producers(outs for _, _, outs, _ in steps)
+        deps = [{producer[name] for name in ins if name in producer} for _, ins, _, _ in steps]
         walls = {i for i, (op, st) in enumerate(zip(self.ops, steps)) if st[3] or op in _WALLS}
         ancestors: list[set] = []
         level: dict[int, int] = {}
@@ -911,8 +911,7 @@ class EagerGraph:
         outs = [env[o] for o in self.outputs]
         if not fresh:
             return outs
-        held = {id(v) for v in self.consts.values()}
-        return [v.clone() if v.device.type == "cpu" or id(v) in held else v for v in outs]
+        return [v.clone() if v.device.type == "cpu" or id(v) in self._held else v for v in outs]
 
 
 def load(model: onnx.ModelProto, device) -> EagerGraph:
