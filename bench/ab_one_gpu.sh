@@ -24,6 +24,10 @@
 # every build's stages, candidates measured and compile work is printed at the end,
 # and with SIDE_BY_SIDE=1 every build's bundle timed side by side (bench/bundles_side_by_side.py; LOADS=N loads
 # each N times, two loads of one plan differing by up to ~5%).
+# FRESH_LOADS=N: then every build's bundle loaded N times in fresh processes (rep by rep, the builds interleaved),
+# each with its own side's code and empty Inductor and Triton caches: `import torch` + `parastream.launcher.load`
+# (what issue 27's start figure counts; only that API, which every tree has), then 200 replays back to back.  For
+# a before tree too old to load in this checkout's process, where SIDE_BY_SIDE cannot time it.
 set -u
 sides=${SIDES:-after before}
 [[ "$sides" != *before* || "${BEFORE:-}" = . || -d .before/pipeline ]] || { echo "ab_one_gpu.sh: no .before/ tree (see the comment at the top)" >&2; exit 2; }
@@ -102,5 +106,36 @@ if [ "${SIDE_BY_SIDE:-0}" = 1 ]; then
     named=()
     for d in "${dirs[@]}"; do [ -f "$work/bundles/$d/manifest.json" ] && named+=("$d=$work/bundles/$d"); done
     (( ${#named[@]} >= 2 )) && CUDA_VISIBLE_DEVICES=${GPU:-0} python3 bench/bundles_side_by_side.py "${named[@]}" --loads "${LOADS:-1}" --out "$out" 2>&1 | tail -1
+fi
+if (( ${FRESH_LOADS:-0} > 0 )); then
+    for ((rep = 1; rep <= FRESH_LOADS; rep++)); do
+        for d in "${dirs[@]}"; do
+            [ -f "$work/bundles/$d/manifest.json" ] || continue
+            if [[ "$d" == before* ]] && [ "${BEFORE:-}" != . ]; then path=/tmp/nsb:/tmp/site; else path=${PYTHONPATH:-}; fi
+            caches=$(mktemp -d)
+            CUDA_VISIBLE_DEVICES=${GPU:-0} PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
+                timeout 300 python3 - "$work/bundles/$d" "$d" "$rep" <<'PY' | tee -a "$work/reports/fresh_loads.jsonl"
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+from parastream.launcher import load
+la = load(sys.argv[1])
+t2 = time.perf_counter()
+for _ in range(20):
+    la.launch()
+la.synchronize()
+t3 = time.perf_counter()
+for _ in range(200):  # replays back to back: the GPU's time per replay
+    la.launch()
+la.synchronize()
+print(json.dumps({"build": sys.argv[2], "rep": int(sys.argv[3]), "import_torch_s": round(t1 - t0, 3),
+                  "load_s": round(t2 - t1, 3), "total_s": round(t2 - t0, 3),
+                  "replay_ms": round((time.perf_counter() - t3) / 200 * 1e3, 4)}), flush=True)
+PY
+            rm -rf "$caches"
+        done
+    done
+    cp "$work/reports/fresh_loads.jsonl" "$out/" 2>/dev/null
 fi
 tar czf "$out/ab_one_gpu.tgz" -C "$work/reports" "${dirs[@]}" && (cd "$out" && for d in "${dirs[@]}"; do rm -f "$d.tgz"; done)
