@@ -172,6 +172,30 @@ def test_the_program_leaves_its_objects_to_the_exit(model_path):
     assert proc.stdout.count("frozen") == 1 and proc.stdout.index("argv given: done") < proc.stdout.index("frozen")
 
 
+def test_the_program_ends_idle_compile_workers_before_its_exit(model_path):
+    """As the program, main ends the torch backend's idle compile workers once the command is done (the
+    interpreter's exit would otherwise wait while each one tears down its own interpreter); called with arguments
+    (a caller that goes on and builds again) it leaves them running."""
+    code = ("import multiprocessing.connection, sys, time\n"
+            "from parastream.launcher.engines import torch as tb\n"
+            "from parastream.pipeline.cli import main\n"
+            "pool = tb._pool(2)\n"
+            "[f.result() for f in [pool.submit(abs, -1) for _ in range(2)]]\n"
+            "procs = list(pool._processes.values())\n"
+            "assert main(['inspect', sys.argv[1]]) == 0\n"
+            "print('argv given:', sum(p.is_alive() for p in procs), 'alive', file=sys.stderr, flush=True)\n"
+            "sys.argv = ['parastream', 'inspect', sys.argv[1]]\n"
+            "code = main()\n"
+            "left, t0 = {p.sentinel for p in procs}, time.monotonic()\n"
+            "while left and time.monotonic() - t0 < 30:\n"
+            "    left -= set(multiprocessing.connection.wait(list(left), 1))\n"
+            "print('as the program:', len(left), 'left', tb._POOL, file=sys.stderr, flush=True)\n"
+            "sys.exit(code)\n")
+    proc = subprocess.run([sys.executable, "-c", code, str(model_path)], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    assert "argv given: 2 alive" in proc.stderr and "as the program: 0 left {}" in proc.stderr
+
+
 @pytest.mark.parametrize("argv,whole,ablation", [([], True, False), (["--no-whole-model", "--concat-ablation"], False, True)])
 def test_bench_options_reach_bench_bundle(monkeypatch, tmp_path, argv, whole, ablation):
     import parastream.pipeline.bench as bench
