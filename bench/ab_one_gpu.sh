@@ -51,6 +51,9 @@ export(model, inputs, work / f"{name}.onnx")
 print(f"exported {name} in {time.perf_counter() - t0:.1f} s", flush=True)
 PY
 fi
+code_path() {  # the PYTHONPATH a side's build and loads run with: the before side's tree, unless BEFORE=.
+    if [ "$1" = before ] && [ "${BEFORE:-}" != . ]; then echo /tmp/nsb:/tmp/site; else echo "${PYTHONPATH:-}"; fi
+}
 reps=${REPS:-1}
 dirs=()
 for ((rep = 1; rep <= reps; rep++)); do
@@ -60,7 +63,7 @@ for ((rep = 1; rep <= reps; rep++)); do
         name=$side; (( reps > 1 )) && name=$side.$rep
         dirs+=("$name")
         mkdir -p "$work/reports/$name"
-        if [ "$side" = before ] && [ "${BEFORE:-}" != . ]; then path=/tmp/nsb:/tmp/site; else path=${PYTHONPATH:-}; fi
+        path=$(code_path "$side")
         if [ "$side" = before ]; then side_args=${BEFORE_ARGS:-}; else side_args=${AFTER_ARGS:-}; fi
         caches="$work/caches-$name"
         t0=$(date +%s.%N)
@@ -111,7 +114,7 @@ if (( ${FRESH_LOADS:-0} > 0 )); then
     for ((rep = 1; rep <= FRESH_LOADS; rep++)); do
         for d in "${dirs[@]}"; do
             [ -f "$work/bundles/$d/manifest.json" ] || continue
-            if [[ "$d" == before* ]] && [ "${BEFORE:-}" != . ]; then path=/tmp/nsb:/tmp/site; else path=${PYTHONPATH:-}; fi
+            path=$(code_path "${d%%.*}")
             caches=$(mktemp -d)
             CUDA_VISIBLE_DEVICES=${GPU:-0} PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
                 timeout 300 python3 - "$work/bundles/$d" "$d" "$rep" <<'PY' | tee -a "$work/reports/fresh_loads.jsonl"
