@@ -15,8 +15,8 @@ the small host tensors it also reads copied over.  The waits left are the ones t
 count, an ``If``'s condition, ``NonMaxSuppression``'s selection.
 
 An op outside ``OPS`` (a ``Loop``, a mask head's convolutions) is ``UnsupportedOp`` at load naming the node:
-the tail then stays on the host.  ``NonMaxSuppression`` and ``RoiAlign`` run as torchvision's ops and need
-torchvision.  A node that repeats an earlier one's computation runs once (``EagerGraph``).
+the tail then stays on the host.  ``NonMaxSuppression`` and ``RoiAlign`` need torchvision: RoiAlign runs as its
+op, NMS as its op or, over many candidates, group by group in torch ops (``nms_in_groups``).  A node that repeats an earlier one's computation runs once (``EagerGraph``).
 """
 
 from __future__ import annotations
@@ -691,11 +691,89 @@ def _scatter_elements(n: _Node):
 
 # -- detection -----------------------------------------------------------------------------------------------
 
+#: candidates from which a NonMaxSuppression runs group by group (``nms_in_groups``) rather than as one
+#: torchvision call over all of them; below it the one call is as quick (bench/nms_groups.py on the device)
+GROUPED_NMS_FROM = 2048
+#: the most pairs (groups x the largest group's square) ``nms_in_groups`` holds at once (a float32 and a bool per
+#: pair); beyond, torchvision's one call, whose mask is one bit per pair
+GROUPED_NMS_MAX_PAIRS = 1 << 25
+
+
+def nms_in_groups(corners, order, cls, iou_t: float):
+    """Greedy NMS's selection (ONNX Runtime's: a candidate is dropped where a kept one of its class with a higher
+    score has IoU > ``iou_t`` with it), found group by group: a bool per candidate, or None where the groups are
+    too large to hold or save too few pairs (the caller then runs torchvision's one call).
+
+    ``corners`` [n, 4] as [min0, min1, max0, max1], ``order`` the candidates in descending score (ties as ONNX
+    Runtime takes them), ``cls`` each one's class.  Why: torchvision's CUDA NMS compares every pair of its n boxes
+    and scans the n x n/64-word mask on the host, which for a detector's 27,000 candidates (SSDlite's 300 in each
+    of 90 classes, one NMS over class-offset boxes as torchvision's export writes it) was half its tail's time.
+    Candidates of two classes, or whose extents along the first axis do not overlap, cannot suppress one another
+    (their intersection is empty, so IoU is 0, and ``iou_t >= 0``): sorted by class then by min0, a group starts
+    where a box's min0 reaches the running maximum of max0 before it.  Each group's pairs are then compared in
+    one padded batch, and the greedy selection is the fixed point of "kept = not suppressed by a kept one
+    before it" (unique, since suppression only looks back), reached in as many rounds as the longest chain of
+    suppressions; a round costs a few kernels, a check every fourth a wait."""
+    torch = _torch()
+    n, dev = corners.shape[0], corners.device
+    if n == 0:
+        return torch.zeros(0, dtype=torch.bool, device=dev)
+    lo0, lo1, hi0, hi1 = corners.unbind(1)
+    cls = cls.to(torch.int64)
+    by_x = torch.argsort(lo0, stable=True)
+    p = by_x[torch.argsort(cls[by_x], stable=True)]  # by class, then min0
+    rank_hi = torch.empty(n, dtype=torch.int64, device=dev)
+    rank_hi[torch.argsort(hi0)] = torch.arange(n, device=dev)  # NaN last: its running maximum never splits
+    reach = torch.cummax(cls[p] * n + rank_hi[p], 0).indices  # the box of the class's largest max0 so far
+    starts = torch.ones(n, dtype=torch.bool, device=dev)
+    starts[1:] = (cls[p][1:] != cls[p][:-1]) | (lo0[p][1:] >= hi0[p][reach[:-1]])
+    group = torch.empty(n, dtype=torch.int64, device=dev)
+    group[p] = torch.cumsum(starts, 0) - 1
+    counts = torch.bincount(group)
+    groups, largest = counts.numel(), int(counts.max())
+    if groups * largest * largest > min(GROUPED_NMS_MAX_PAIRS, n * n // 4):
+        return None  # too large to hold, or too few pairs saved to beat the one call
+    r = order[torch.argsort(group[order], stable=True)]  # by group, each group's in descending score
+    g = group[r]
+    slot = torch.arange(n, device=dev) - (torch.cumsum(counts, 0) - counts)[g]
+    pad = corners.new_zeros((groups, largest, 4))
+    pad[g, slot] = corners[r]
+    valid = torch.zeros((groups, largest), dtype=torch.bool, device=dev)
+    valid[g, slot] = True
+    a0, a1, b0, b1 = pad.unbind(2)
+    area = (b0 - a0) * (b1 - a1)
+    w = torch.minimum(b0[:, :, None], b0[:, None, :]) - torch.maximum(a0[:, :, None], a0[:, None, :])
+    h = torch.minimum(b1[:, :, None], b1[:, None, :]) - torch.maximum(a1[:, :, None], a1[:, None, :])
+    inter = w.clamp_(min=0).mul_(h.clamp_(min=0))
+    del h
+    # IoU as ONNX Runtime computes it: inter / (area_i + area_j - inter), an empty intersection never suppressing
+    iou = inter / (area[:, :, None] + area[:, None, :] - inter)
+    suppresses = (iou > iou_t) & (inter > 0)  # [group, i, j]: j would drop i
+    del w, inter, iou
+    suppresses &= torch.ones((largest, largest), dtype=torch.bool, device=dev).tril(-1)  # j before i only
+    suppresses &= valid[:, None, :]
+    kept = valid
+    rounds = 0
+    while True:
+        now = valid & ~(suppresses & kept[:, None, :]).any(-1)
+        rounds += 1
+        if rounds % 4 == 0 or rounds >= largest:
+            if rounds >= largest or torch.equal(now, kept):
+                kept = now
+                break
+        kept = now
+    out = torch.zeros(n, dtype=torch.bool, device=dev)
+    out[r] = kept[g, slot]
+    return out
+
+
 @_op("NonMaxSuppression")
 def _nms(n: _Node):
-    """ONNX's NonMaxSuppression as torchvision's ``batched_nms`` per batch (one call for every class): the
-    selected [batch, class, box] rows grouped by batch and class, each class's in descending score, at most
-    ``max_output_boxes_per_class`` of each (0, the default, selects none), as ONNX Runtime gives them."""
+    """ONNX's NonMaxSuppression per batch, every class at once: from ``GROUPED_NMS_FROM`` candidates group by
+    group (``nms_in_groups``), below it (or where the groups are too large to hold) as torchvision's
+    ``batched_nms``: the selected [batch, class, box] rows grouped by batch and class, each class's in descending
+    score, at most ``max_output_boxes_per_class`` of each (0, the default, selects none), as ONNX Runtime gives
+    them."""
     torch = _torch()
     try:
         from torchvision.ops import batched_nms
@@ -725,7 +803,13 @@ def _nms(n: _Node):
                 order = torch.sort(sc[cls, box], descending=True, stable=True).indices
                 ranks = torch.empty(order.numel(), dtype=torch.float32, device=order.device)
                 ranks[order] = torch.arange(order.numel(), 0, -1, dtype=torch.float32, device=order.device)
-                chosen = batched_nms(corners[box].float(), ranks, cls, iou_t)  # descending score
+                kept = None
+                if box.numel() >= GROUPED_NMS_FROM and iou_t >= 0:
+                    kept = nms_in_groups(corners[box].float(), order, cls, iou_t)
+                if kept is None:
+                    chosen = batched_nms(corners[box].float(), ranks, cls, iou_t)  # descending score
+                else:
+                    chosen = order[kept[order]]  # descending score, as batched_nms gives them
                 cls_c, box_c = cls[chosen], box[chosen]
                 order = torch.sort(cls_c, stable=True).indices  # by class, each class's in score order
                 cls_c, box_c = cls_c[order], box_c[order]

@@ -378,6 +378,94 @@ def test_non_max_suppression_without_thresholds():
     one("NonMaxSuppression", {"b": _boxes(1, 30, False), "s": rng.random((1, 2, 30)).astype(np.float32), "m": i64(5)})
 
 
+def _ort_nms(boxes, scores, iou: float, thr: float = 0.0) -> np.ndarray:
+    """ONNX Runtime's NonMaxSuppression of one batch: its [batch, class, box] rows, no limit."""
+    import onnxruntime as ort
+
+    feeds = {"b": boxes[None], "s": scores[None], "m": i64(10**6), "iou": np.array([iou], np.float32),
+             "thr": np.array([thr], np.float32)}
+    m = model([helper.make_node("NonMaxSuppression", list(feeds), ["y"])], feeds, ["y"])
+    return ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)[0]
+
+
+def _grouped(boxes, scores, iou: float, thr: float = 0.0):
+    """``nms_in_groups`` on the candidates as the tail's node makes them: ([batch, class, box] rows as ONNX
+    Runtime orders them, or None where it declined)."""
+    from parastream.launcher.engines.onnx_eager import nms_in_groups
+
+    dev = _ON["device"] or "cpu"
+    b, sc = torch.from_numpy(boxes).to(dev), torch.from_numpy(scores).to(dev)
+    corners = torch.cat([torch.minimum(b[:, :2], b[:, 2:]), torch.maximum(b[:, :2], b[:, 2:])], 1)
+    cls, box = (sc > thr).nonzero(as_tuple=True)
+    order = torch.sort(sc[cls, box], descending=True, stable=True).indices
+    kept = nms_in_groups(corners[box], order, cls, iou)
+    if kept is None:
+        return None
+    chosen = order[kept[order]]
+    rows = torch.stack([torch.zeros_like(cls[chosen]), cls[chosen], box[chosen]], 1)
+    return rows[torch.sort(rows[:, 1], stable=True).indices].cpu().numpy()
+
+
+def _spread(classes: int, per: int, offset: bool, grid: bool = False) -> tuple[np.ndarray, np.ndarray]:
+    """``per`` boxes in each of ``classes`` classes, 0-60 wide in a 0-200 field; ``offset``: moved apart per class
+    and given to one class, as torchvision's traced export writes a per-class NMS; ``grid``: on whole numbers,
+    so that extents touch exactly and boxes repeat."""
+    n = classes * per
+    lo = rng.uniform(0, 200, (n, 2)).astype(np.float32)
+    side = rng.uniform(0, 60, (n, 2)).astype(np.float32)
+    if grid:
+        lo, side = np.round(lo / 10) * 10, np.round(side / 10) * 10
+    boxes = np.concatenate([lo, lo + side], 1)
+    cls = np.repeat(np.arange(classes), per)
+    scores = np.full((classes, n), -1.0, np.float32)
+    scores[cls, np.arange(n)] = np.round(rng.random(n), 2)  # ties at two decimals: the lowest box first
+    if offset:
+        boxes = boxes + (cls * 300.0)[:, None].astype(np.float32)
+        scores = scores.max(0, keepdims=True)
+    return boxes[:, [1, 0, 3, 2]].copy(), scores  # ONNX's [y1, x1, y2, x2]: the groups are cut along y
+
+
+@pytest.mark.parametrize("offset", [True, False])
+@pytest.mark.parametrize("iou", [0.0, 0.45])
+@pytest.mark.parametrize("grid", [False, True])
+def test_nms_in_groups_selects_what_onnx_runtime_selects(offset, iou, grid):
+    """The groups form (no torchvision needed) on class-offset boxes as one class and on real classes, at an IoU
+    threshold of 0 (any overlap suppresses: a group cut inside an overlap would show) and on whole-number boxes
+    whose extents touch exactly (an empty intersection: cut there, no suppression across)."""
+    boxes, scores = _spread(12, 40, offset, grid)
+    got = _grouped(boxes, scores, iou)
+    assert got is not None, "declined: the groups should hold"
+    np.testing.assert_array_equal(got, _ort_nms(boxes, scores, iou))
+
+
+def test_nms_in_groups_declines_one_chain_of_overlaps():
+    """Must not take the groups form: boxes of one class whose extents chain across the field are one group,
+    which would compare every pair as the one call does: it declines (None), and the node runs torchvision's one
+    call (test_non_max_suppression)."""
+    n = 300
+    lo = np.stack([np.linspace(0, 600, n), rng.uniform(0, 50, n)], 1).astype(np.float32)
+    boxes = np.concatenate([lo, lo + 30], 1)[:, [1, 0, 3, 2]].copy()
+    scores = rng.random((1, n)).astype(np.float32)
+    assert _grouped(boxes, scores, 0.3) is None
+
+
+def test_non_max_suppression_through_groups(monkeypatch):
+    """The node through the groups form (taken from any count here), batches and a per-class limit included."""
+    pytest.importorskip("torchvision")
+    import parastream.launcher.engines.onnx_eager as oe
+
+    taken = []
+    real = oe.nms_in_groups
+    monkeypatch.setattr(oe, "GROUPED_NMS_FROM", 0)
+    monkeypatch.setattr(oe, "nms_in_groups", lambda *a: taken.append(1) or real(*a))
+    b1, s1 = _spread(6, 30, offset=False)
+    b2, s2 = _spread(6, 30, offset=False)
+    for limit in (4, 1000):
+        one("NonMaxSuppression", {"b": np.stack([b1, b2]), "s": np.stack([s1, s2]), "m": i64(limit),
+                                  "iou": np.array([0.3], np.float32), "thr": np.array([0.1], np.float32)})
+    assert taken
+
+
 def test_if_reads_its_outer_scope():
     then_g = helper.make_graph([helper.make_node("Mul", ["x", "two"], ["t"])], "then", [],
                                [helper.make_tensor_value_info("t", TensorProto.FLOAT, None)],
