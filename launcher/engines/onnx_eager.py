@@ -692,8 +692,10 @@ def _scatter_elements(n: _Node):
 # -- detection -----------------------------------------------------------------------------------------------
 
 #: candidates from which a NonMaxSuppression runs group by group (``nms_in_groups``) rather than as one
-#: torchvision call over all of them; below it the one call is as quick (bench/nms_groups.py on the device)
-GROUPED_NMS_FROM = 2048
+#: torchvision call over all of them.  bench/nms_groups.py on the H200: the groups form costs ~1.5 ms whatever the
+#: size (its sort, the padded batch, a few rounds each read back), the one call ~0.45 ms plus a term in n^2
+#: (2,000 candidates 0.97 ms, 8,000 3.9, 27,000 29-38); they cross near 4,700
+GROUPED_NMS_FROM = 4800
 #: the most pairs (groups x the largest group's square) ``nms_in_groups`` holds at once (a float32 and a bool per
 #: pair); beyond, torchvision's one call, whose mask is one bit per pair
 GROUPED_NMS_MAX_PAIRS = 1 << 25
