@@ -688,3 +688,41 @@ def test_a_round_keeps_the_plans_form_on_a_tie_where_its_alternative_would_cost_
                        lock=False)
     assert won is kept
     assert rounds[0]["won"] == measure.round_labels(what, types.SimpleNamespace(num_streams=1))[1 if kept else 0]
+
+
+@pytest.mark.parametrize("alternative_ms, current_ms, kept, timings", [
+    # the alternative's launcher in its faster state for its first timing only (BERT-base's attention round, H200:
+    # the decomposed form 0.4468 against the SDPA kernels' 0.4707 ms, its bundle 0.493): its timings disagree, a
+    # third is taken, and the median of three decides
+    ([0.4468, 0.493, 0.493], [0.4707, 0.4707, 0.4707], False, 3),
+    # faster in every timing: the alternative kept after its timings agree
+    ([0.44, 0.445, 0.44], [0.47, 0.47, 0.47], True, 2),
+    # the second timing the odd one: the median of three keeps the alternative
+    ([0.4468, 0.493, 0.449], [0.4707, 0.4707, 0.4707], True, 3),
+    # a lead beyond 15%: one timing decides
+    ([0.30, 0.47, 0.47], [0.47, 0.47, 0.47], True, 1),
+])
+def test_a_close_round_is_timed_again_before_it_decides(monkeypatch, alternative_ms, current_ms, kept, timings):
+    """A round whose forms ran within 15% of each other is timed again (``measure.confirmed_round``), as the
+    search's fastest candidate is: a launcher runs a whole timing now and then 7-12% faster than its usual, and
+    one such timing handed BERT-base's attention round to the decomposed form, whose bundle ran 5% slower."""
+    import types
+
+    from parastream.pipeline import bench, measure
+
+    calls = iter(range(10))
+
+    def timed(launchers, **kw):
+        i = next(calls)
+        (current, _), (alt, _) = launchers.items()
+        return {current: np.full(9, current_ms[i]), alt: np.full(9, alternative_ms[i])}
+
+    monkeypatch.setattr(bench, "measure", timed)
+    rounds: list = []
+    plan = types.SimpleNamespace(num_streams=1)
+    won = measure.race(rounds, "attention", object(), object(), plan, runs=9, since=0.0, lock=False)
+    assert won is kept
+    assert next(calls) == timings  # the timings taken: the first and its confirmations
+    assert len(rounds[0].get("confirmed_ms", [])) == timings - 1
+    labels = measure.round_labels("attention", plan)
+    assert rounds[0]["timed_ms"][labels[1]] == pytest.approx(sorted(alternative_ms[:timings])[timings // 2])
