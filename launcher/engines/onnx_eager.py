@@ -692,10 +692,12 @@ def _scatter_elements(n: _Node):
 # -- detection -----------------------------------------------------------------------------------------------
 
 #: candidates from which a NonMaxSuppression runs group by group (``nms_in_groups``) rather than as one
-#: torchvision call over all of them.  bench/nms_groups.py on the H200: the groups form costs ~1.5 ms whatever the
-#: size (its sort, the padded batch, a few rounds each read back), the one call ~0.45 ms plus a term in n^2
-#: (2,000 candidates 0.97 ms, 8,000 3.9, 27,000 29-38); they cross near 4,700
-GROUPED_NMS_FROM = 4800
+#: torchvision call over all of them.  On the H200: alone (bench/nms_groups.py) the groups form costs ~1.5 ms
+#: whatever the size (its sort, the padded batch, a few rounds each read back), the one call ~0.45 ms plus a term
+#: in n^2 (2,000 candidates 0.97 ms, 8,000 3.9 against the groups' 1.8, 27,000 29-38 against 2.4-3.3); in a
+#: detector's tail (bench/detector_gpu.py --nms-forms) FCOS's 4,819 ran 1.8 ms slower in groups and SSDlite's
+#: 27,000 30 ms faster, so the groups cost more there than alone, and the line is drawn where they won alone
+GROUPED_NMS_FROM = 8000
 #: the most pairs (groups x the largest group's square) ``nms_in_groups`` holds at once (a float32 and a bool per
 #: pair); beyond, torchvision's one call, whose mask is one bit per pair
 GROUPED_NMS_MAX_PAIRS = 1 << 25
