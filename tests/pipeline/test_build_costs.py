@@ -899,15 +899,17 @@ def test_a_boundary_layout_round_lost_widely_on_its_window_compiles_no_whole_pla
     assert compiled[at] == [full] and orders[at] == "spare" and sample.full_keys  # the whole plan's, as spare work
     m.measure(engines.loaded.model)
     m.time_ready(wait=True)
-    assert timings[1] == ["channels-last boundaries", "contiguous boundaries"]  # the window, one timing of both
+    # the window: a timing of both, and, within 15%, one confirmation that agrees (``measure.confirmed_round``)
+    assert timings[1] == timings[2] == ["channels-last boundaries", "contiguous boundaries"]
     ((r),) = m.early["rounds"]
     assert r["choice"] == "boundary layout" and r["won"] == "channels-last boundaries"
     assert r["sample"]["engines"] == sample.names
     assert r["sample"]["timed_ms"]["contiguous boundaries"] == pytest.approx(0.5 * contiguous)
+    assert r["sample"]["confirmed_ms"] == [{k: pytest.approx(t) for k, t in r["sample"]["timed_ms"].items()}]
     if contiguous > 1 + measure.LAYOUT_SAMPLE_DECIDES_BEYOND:
         assert r["decided_on_sample"] and "window" in r["timed"]
         assert m.backend.dropped == [sample.full_keys] and not m.backend.hastened
-        assert len(timings) == 2  # the whole plan's rival never loaded
+        assert len(timings) == 3  # the whole plan's rival never loaded
         assert measure.carried_rounds([r])  # taken for a rewritten plan, whatever the window's margin
     else:
         assert not r.get("decided_on_sample") and m.backend.hastened == [sample.full_keys] and not m.backend.dropped
