@@ -741,6 +741,7 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
 
     wrapper, args = _engine_module(branch, inputs, outputs, device, dtype, nhwc, views, options)
     configs = _known_inductor_configs({**_lowering_configs(options), "max_autotune": options.optimization_level >= 5,
+                                       "coordinate_descent_tuning": options.optimization_level >= 4,
                                        # the wrapper's C++ runs once per capture, never in a replay: compile it quickly
                                        "aot_inductor.compile_wrapper_opt_level": "O0",
                                        "aot_inductor.enable_line_tables": False})
@@ -764,11 +765,17 @@ def _lowering_configs(options: BuildOptions) -> dict:
 
 def _inductor_options(options: BuildOptions) -> dict:
     """The Inductor configuration an engine is compiled with, at build and by torch.compile at load for a JIT
-    engine: the mode's, and the converter's (``_lowering_configs``)."""
+    engine: the mode's, and the converter's (``_lowering_configs``).  ``--opt-level`` spends build time on kernels
+    as TensorRT's builder level does: 5 is ``max-autotune-no-cudagraphs`` (Triton GEMM and convolution templates
+    timed against the libraries' kernels, and coordinate descent), 4 Inductor's default with its generated
+    kernels' launch configurations tuned by coordinate descent on the device (no templates: their convolutions
+    timed 25-35 µs against cuDNN's 6 on Inception-v3, bench/NOTES.md), 3 and below Inductor's default."""
     import torch._inductor
 
-    mode = "max-autotune-no-cudagraphs" if options.optimization_level >= 5 else "default"
-    return {**torch._inductor.list_mode_options(mode), **_lowering_configs(options)}
+    level = options.optimization_level
+    mode = "max-autotune-no-cudagraphs" if level >= 5 else "default"
+    tuned = {"coordinate_descent_tuning": True} if level == 4 else {}
+    return {**torch._inductor.list_mode_options(mode), **tuned, **_lowering_configs(options)}
 
 
 def _param_specs(params: list) -> list:

@@ -625,3 +625,19 @@ def test_spare_groups_start_only_into_spare_workers_unless_waited_for_or_hastene
     assert sorted(j.keys[0] for j in tb._QUEUED) == ["c2", "k", "o"]
     assert tb.cancel_precompile() == 2 and [j.keys for j in tb._QUEUED] == [["k"]]
     assert tb.compiling(["o", "c2"]) == 0 and tb.compiling(["k"]) == 1
+
+
+def test_each_opt_level_is_its_own_inductor_configuration_and_its_own_engine(compiles):
+    """``--opt-level`` 4 tunes Inductor's generated kernels by coordinate descent without max-autotune's templates,
+    5 is max-autotune, 3 (the default) neither; each is compiled apart (the engine cache key holds the options)."""
+    levels = (3, 4, 5)
+    opts = {lv: tb._inductor_options(BuildOptions(device="cpu", optimization_level=lv)) for lv in levels}
+    assert not opts[3].get("coordinate_descent_tuning") and not opts[3].get("max_autotune")
+    assert opts[4].get("coordinate_descent_tuning") is True and not opts[4].get("max_autotune")
+    assert opts[5].get("coordinate_descent_tuning") is True and opts[5].get("max_autotune") is True
+    keys = set()
+    for lv in levels:
+        builder = tb.Builder(BuildOptions(device="cpu", optimization_level=lv))
+        (data,) = builder.build_all([(branch(1), f"l{lv}", LAYOUT)])
+        keys.add(tb.unpack(data)[0]["key"])
+    assert len(compiles) == 3 and len(keys) == 3
