@@ -23,8 +23,10 @@ GPU synchronised (the bundle's outputs arrive on the host; the others' are copie
   gpu tail      the same bundle with its tail as torch ops on the GPU (launcher/engines/onnx_eager.py)
   static part   the bundle's static part alone (``load(host_tail=False)``): what the tail adds is the difference
   eager         the torchvision model in fp16 on the GPU, as its users run it
-  gpu tail, one NMS call   with ``--nms-forms``: the GPU tail with its NonMaxSuppression as one torchvision
-                call over every candidate, the form the tail took before its groups form (bench/nms_groups.py)
+  gpu tail, one NMS call / gpu tail, NMS in groups   with ``--nms-forms``: the GPU tail with its
+                NonMaxSuppression in each form whatever the candidates' count (as it runs, ``gpu tail`` takes the
+                groups from ``onnx_eager.GROUPED_NMS_FROM`` candidates): one torchvision call over every candidate,
+                or the groups form (``nms_in_groups``, where it does not decline; bench/nms_groups.py)
   compile       ``torch.compile`` of the same (mode ``reduce-overhead``; where it fails, the default mode, and
                 where that fails too, the error), for the heads of ``--compile-heads`` (default busy)
 
@@ -166,13 +168,16 @@ def run_model(name: str, head: str, work: Path, args) -> dict:
         if args.nms_forms:
             from parastream.launcher.engines import onnx_eager
 
-            def one_nms_call(x):  # the same tail, its NonMaxSuppression as one torchvision call (the form before)
-                grouped_from, onnx_eager.GROUPED_NMS_FROM = onnx_eager.GROUPED_NMS_FROM, 1 << 62
-                try:
-                    return placed["gpu"]({name_in: x.cpu().numpy()})
-                finally:
-                    onnx_eager.GROUPED_NMS_FROM = grouped_from
-            calls["gpu tail, one NMS call"] = one_nms_call
+            def nms_form(grouped_from: int):  # the same tail, its NonMaxSuppression's form set by the count
+                def call(x):
+                    before, onnx_eager.GROUPED_NMS_FROM = onnx_eager.GROUPED_NMS_FROM, grouped_from
+                    try:
+                        return placed["gpu"]({name_in: x.cpu().numpy()})
+                    finally:
+                        onnx_eager.GROUPED_NMS_FROM = before
+                return call
+            calls["gpu tail, one NMS call"] = nms_form(1 << 62)
+            calls["gpu tail, NMS in groups"] = nms_form(0)
     else:
         row["gpu_tail_refused"] = placed["gpu"].why_host
     compiled = None
@@ -215,7 +220,8 @@ def run_model(name: str, head: str, work: Path, args) -> dict:
     if "gpu tail" in t:
         row["gpu_tail_vs_host_tail"] = t["host tail"]["median_ms"] / t["gpu tail"]["median_ms"]
         if "gpu tail, one NMS call" in t:
-            row["one_nms_call_vs_groups"] = t["gpu tail, one NMS call"]["median_ms"] / t["gpu tail"]["median_ms"]
+            row["one_nms_call_vs_groups"] = (t["gpu tail, one NMS call"]["median_ms"]
+                                             / t["gpu tail, NMS in groups"]["median_ms"])
         row["gpu_tail_fallbacks"] = placed["gpu"].fallbacks
         if args.profile:
             row["gpu_tail_profile"] = profile_tail(placed["gpu"], name_in, make_input)
@@ -253,9 +259,9 @@ def main() -> int:
     ap.add_argument("--blocks", type=int, default=10)
     ap.add_argument("--per-block", type=int, default=10)
     ap.add_argument("--warmup", type=int, default=10)
-    ap.add_argument("--nms-forms", action="store_true", help="also time the GPU tail with its NonMaxSuppression as "
-                    "one torchvision call over every candidate (the column 'gpu tail, one NMS call'), against the "
-                    "groups form it takes from GROUPED_NMS_FROM candidates (launcher/engines/onnx_eager.py)")
+    ap.add_argument("--nms-forms", action="store_true", help="also time the GPU tail with its NonMaxSuppression in "
+                    "each form whatever the count: one torchvision call over every candidate, and the groups form "
+                    "that it takes from GROUPED_NMS_FROM candidates (launcher/engines/onnx_eager.py)")
     ap.add_argument("--profile", action="store_true", help="also profile the GPU tail (each row's gpu_tail_profile)")
     ap.add_argument("--keep-fp32", default=None, metavar="NODE_OR_PATTERN,...",
                     help="the build's --keep-fp32 (what a build refused for an fp16 overflow names)")
