@@ -34,7 +34,7 @@ from parastream.launcher.engines.onnx_torch import (  # noqa: F401 - also used b
     has_conv_relu, has_fused_attention, has_fused_gemm, has_gemm_epilogue)
 from parastream.core.schedule import Schedule, schedule_graph
 from parastream.launcher.words import plural
-from parastream.rewrite.search import CONFIRM_AGREE, CONFIRM_WITHIN, MEASURE_MARGIN, MeasureBudgetSpent
+from parastream.rewrite.search import CONFIRM_WITHIN, MEASURE_MARGIN, MeasureBudgetSpent, timings_stand
 
 from .model_io import LoadedModel, graph_of
 
@@ -1093,22 +1093,19 @@ def timed_while_drifted(time_once, reference: str, seen: list[float] | None) -> 
     return tries
 
 
-#: timings taken again, at most, of a round whose forms ran within ``search.CONFIRM_WITHIN`` of each other
-#: (``confirmed_round``): a launcher runs a whole timing now and then 7-12% faster than its usual, and one timing
-#: decided BERT-base's attention round for the decomposed form (H200: 0.4468 against the SDPA kernels' 0.4707 ms;
-#: its bundle then ran 0.493 beside torch.compile).  Confirmed in the next build, the two forms ran within 1.1% of
-#: each other in each of three timings, both launchers fast in two (0.436 / 0.432) and slow in one (0.470 / 0.478)
-ROUND_CONFIRMATIONS = 2
-
-
 def confirmed_round(time_once, medians: dict[str, float]) -> tuple[dict[str, float], list[dict[str, float]]]:
     """A round's medians (``medians``: label -> ms, one timing of each form) confirmed as the search confirms its
     fastest candidate (``search.confirm_fastest``), except that every form is timed each time (``time_once()``:
     {label: times}, the launchers in alternating blocks): while the fastest does not lead the next by
-    ``CONFIRM_WITHIN``, the timing is taken again, until each form's timings agree within ``CONFIRM_AGREE`` or
-    number three, at most ``ROUND_CONFIRMATIONS`` more.  Each form's time is then the median of its timings, the
-    slower of two (the faster state only ever makes a timing faster).  Returns (those times, each timing taken
-    again)."""
+    ``CONFIRM_WITHIN``, the timing is taken again until every form's timings stand (``search.timings_stand``:
+    two that agree, or three), and each form's time is then their median, the slower of two (the faster state
+    only ever makes a timing faster).  Returns (those times, each timing taken again).
+
+    Why: a launcher runs a whole timing now and then 7-12% faster than its usual, and one timing decided
+    BERT-base's attention round for the decomposed form (H200: 0.4468 against the SDPA kernels' 0.4707 ms; its
+    bundle then ran 0.493 beside torch.compile).  Confirmed in the next build, the two forms ran within 1.1% of
+    each other in each of three timings, both launchers fast in two (0.436 / 0.432) and slow in one
+    (0.470 / 0.478)."""
     import statistics
 
     seen = {k: [float(v)] for k, v in medians.items()}
@@ -1116,8 +1113,7 @@ def confirmed_round(time_once, medians: dict[str, float]) -> tuple[dict[str, flo
     while True:
         now = {k: float(statistics.median_high(v)) for k, v in seen.items()}
         ranked = sorted(now, key=now.get)
-        agree = all(len(v) >= 2 and max(v) <= min(v) * (1.0 + CONFIRM_AGREE) for v in seen.values())
-        if (len(taken) >= ROUND_CONFIRMATIONS or agree or len(ranked) < 2
+        if (all(timings_stand(v) for v in seen.values()) or len(ranked) < 2
                 or now[ranked[1]] > now[ranked[0]] * (1.0 + CONFIRM_WITHIN)):
             return now, taken
         t = {k: float(np.median(x)) for k, x in time_once().items()}

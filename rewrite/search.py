@@ -420,6 +420,12 @@ CONFIRM_AGREE = 0.03
 CONFIRMATIONS = 4
 
 
+def timings_stand(times: list[float]) -> bool:
+    """Whether one thing's timings settle its time: two or more within ``CONFIRM_AGREE`` of each other, or
+    three (its time is then their ``statistics.median_high``: the slower of two, the median of three)."""
+    return len(times) >= 3 or (len(times) >= 2 and max(times) <= min(times) * (1.0 + CONFIRM_AGREE))
+
+
 def confirm_fastest(measured: list[dict], original: dict, again: Callable[[dict], float],
                     margin: float = 0.0) -> list[dict]:
     """Time the fastest of ``measured`` again (``again(entry)``: seconds) until its time stands: its timings
@@ -439,9 +445,8 @@ def confirm_fastest(measured: list[dict], original: dict, again: Callable[[dict]
         ranked = sorted(measured, key=lambda w: (w["measured_s"], w["cost"]["mixed_s"]))
         best, runner_up = ranked[0], ranked[1]
         times = best.setdefault("timings_s", [best["measured_s"]])
-        agree = len(times) >= 2 and max(times) <= min(times) * (1.0 + CONFIRM_AGREE)
         base = original.get("measured_s")
-        if (best is original or agree or len(times) >= 3
+        if (best is original or timings_stand(times)
                 or runner_up["measured_s"] > best["measured_s"] * (1.0 + CONFIRM_WITHIN)
                 or (base is not None and best["measured_s"] > base * (1.0 - margin))):
             break

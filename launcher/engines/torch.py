@@ -740,8 +740,7 @@ def compile_package(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: 
     from torch._inductor import aoti_compile_and_package
 
     wrapper, args = _engine_module(branch, inputs, outputs, device, dtype, nhwc, views, options)
-    configs = _known_inductor_configs({**_lowering_configs(options), "max_autotune": options.optimization_level >= 5,
-                                       "coordinate_descent_tuning": options.optimization_level >= 4,
+    configs = _known_inductor_configs({**_inductor_options(options),
                                        # the wrapper's C++ runs once per capture, never in a replay: compile it quickly
                                        "aot_inductor.compile_wrapper_opt_level": "O0",
                                        "aot_inductor.enable_line_tables": False})
