@@ -24,6 +24,8 @@
 # every build's stages, candidates measured and compile work is printed at the end,
 # and with SIDE_BY_SIDE=1 every build's bundle timed side by side (bench/bundles_side_by_side.py; LOADS=N loads
 # each N times, two loads of one plan differing by up to ~5%).
+# BUILD_TIMEOUT=S ends a build after S seconds (rc 124; its log, packed as any build's, says how far it got).  A
+# `timeout` around the whole script instead ends the script and leaves its build running, beside what runs next.
 # FRESH_LOADS=N: then every build's bundle loaded N times in fresh processes (rep by rep, the builds interleaved),
 # each with its own side's code and empty Inductor and Triton caches: `import torch` + `parastream.launcher.load`
 # (what issue 27's start figure counts; only that API, which every tree has), then 200 replays back to back.  For
@@ -68,7 +70,7 @@ for ((rep = 1; rep <= reps; rep++)); do
         caches="$work/caches-$name"
         t0=$(date +%s.%N)
         CUDA_VISIBLE_DEVICES=${GPU:-0} PYTHONPATH=$path TORCHINDUCTOR_CACHE_DIR="$caches/inductor" TRITON_CACHE_DIR="$caches/triton" \
-            python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/bundles/$name" --backend torch --precision fp16 \
+            ${BUILD_TIMEOUT:+timeout -k 10 $BUILD_TIMEOUT} python3 -m parastream.pipeline.cli build "$work/$model.onnx" -o "$work/bundles/$name" --backend torch --precision fp16 \
             --force --json $side_args "$@" > "$work/reports/$name/build.json" 2> "$work/reports/$name/build.log"
         rc=$?
         echo "$name: rc $rc, $(python3 -c "print(round($(date +%s.%N) - $t0, 1))") s"
