@@ -31,8 +31,8 @@ from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa
 from .isolate import Child, in_child
 from .measure import (CARRIED_ALWAYS, ORIGINAL_ONE_SESSION, GpuMeasurer, Variant, alternative_variants, carried_rounds,
                       choose_cpu_alternative, compiled_for_other_choices, cpu_choice_recordable, gpu_present,
-                      QueuedRivals, decided_form, gemm_round_first, plan_signature, speculative_by_round,
-                      time_alternatives)
+                      QueuedRivals, decided_form, gemm_round_first, kernel_tuning_round, plan_signature,
+                      rounds_level, speculative_by_round, time_alternatives, TUNING_ROUND, tuned_level)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model, name_nodes, read_model
 from .partition import extract_branch, make_plan, side_by_side, spec_of
 from .timings import (RecordedMeasurer, plan_digest, read_timings, timings_key, timings_path, write_timings)
@@ -472,9 +472,13 @@ def engine_blocks(cfg: BuildConfig, backend) -> bool:
 
 
 def engine_options(cfg: BuildConfig, backend) -> BuildOptions:
-    """The engine options of a build of ``cfg`` with ``backend`` (manifest.json records them, ``_launcher_options``)."""
+    """The engine options of a build of ``cfg`` with ``backend`` (manifest.json records them, ``_launcher_options``).
+    A GPU build that measures compiles at ``rounds_level`` until its last round races the level asked for
+    (``race_kernel_tuning``)."""
+    tuned_last = cfg.measure and cfg.compile and backend.gpu
+    level = rounds_level(backend, cfg.optimization_level) if tuned_last else cfg.optimization_level
     return BuildOptions(precision=cfg.precision, device="cuda" if backend.gpu else "cpu",
-                        workspace_mb=cfg.workspace_mb, optimization_level=cfg.optimization_level,
+                        workspace_mb=cfg.workspace_mb, optimization_level=level,
                         strongly_typed=cfg.strongly_typed, cache_dir=cfg.cache_dir, compile=cfg.compile,
                         profiles={}, torch_artifact=cfg.torch_artifact, inductor_format=cfg.inductor_format,
                         conv_kernels=cfg.conv_kernels, cudnn_plans=cfg.cudnn_plans,
@@ -1231,6 +1235,7 @@ def _take_measured_options(b: _Build, measured: dict) -> None:
     b.options.fuse_attention = measured.get("fuse_attention", b.options.fuse_attention)
     b.options.fuse_gemm_epilogue = measured.get("fuse_gemm_epilogue", b.options.fuse_gemm_epilogue)
     b.options.conv_kernels = measured.get("conv_kernels", conv_kernels_used(b.options.conv_kernels))
+    b.options.optimization_level = measured.get("optimization_level", b.options.optimization_level)
 
 
 def record_timings(b: _Build) -> None:
@@ -1349,7 +1354,36 @@ def time_gpu_alternatives(b: _Build, tmp: Path) -> None:
             shutil.rmtree(tmp / "engines")
             b.engines_report = b.engines.write(tmp, Variant(b.model, b.graph, b.plan, b.options, measured["internal_nhwc"]),
                                                str(b.loaded.path))
+        race_kernel_tuning(b, tmp)
         task.advance()
+
+
+def race_kernel_tuning(b: _Build, tmp: Path) -> None:
+    """The "kernel tuning" round where the ``--opt-level`` asked for tunes the backend's kernels
+    (``measure.kernel_tuning_round``): the engines written for the other rounds' choices against the same compiled
+    at that level; the tuned engines are written instead where they won.  The round and the level shipped go into
+    report.json's ``measured_choices`` (``optimization_level``), which a rebuild takes as it takes the rounds."""
+    level = tuned_level(b.backend, b.cfg.optimization_level)
+    if level is None or b.options.optimization_level == level or not (b.options.compile and gpu_present(b.backend)):
+        return
+    nhwc = b.measured["internal_nhwc"] if b.measured else True
+    v = Variant(b.model, b.graph, b.plan, replace(b.options), nhwc)
+    try:
+        r, won = kernel_tuning_round(b.engines, v, level, runs=b.cfg.measure_runs, lock=b.options.gpu_timing_lock)
+    except Exception as e:  # noqa: BLE001 - a tuned form that does not compile or load is not shipped; the rest is
+        r, won = {"choice": TUNING_ROUND, "level": level, "error": f"{type(e).__name__}: {e}"}, False
+    if b.measured is None:  # no other round ran: the choices as the engines were written
+        b.measured = {"fuse_conv_relu": b.options.fuse_conv_relu, "internal_nhwc": True, "one_engine": False,
+                      "whole_engine": False, "fuse_attention": b.options.fuse_attention,
+                      "fuse_gemm_epilogue": b.options.fuse_gemm_epilogue,
+                      "conv_kernels": conv_kernels_used(b.options.conv_kernels), "runs": b.cfg.measure_runs}
+    b.measured["rounds"] = [*(b.measured.get("rounds") or []), r]
+    if won:
+        b.options.optimization_level = level
+        shutil.rmtree(tmp / "engines")
+        b.engines_report = b.engines.write(tmp, replace(v, options=replace(b.options)), str(b.loaded.path))
+    b.measured["optimization_level"] = b.options.optimization_level
+    b.timed_here = True
 
 
 def _background_summary(b: _Build) -> dict | None:

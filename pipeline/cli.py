@@ -130,8 +130,8 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--workspace-mb", type=int_in(1, 1 << 24), default=4096, help="TensorRT workspace pool limit")
     g.add_argument("--opt-level", type=int_in(0, 5), default=3,
                    help="kernel search at build: TensorRT's builder_optimization_level (0..5); torch engines: 4 "
-                        "tunes Inductor's kernels by coordinate descent, 5 is max-autotune, both at several times "
-                        "level 3's build time (default 3)")
+                        "tunes Inductor's kernels by coordinate descent, 5 is max-autotune: a GPU build races them against "
+                        "level 3 last, on the plan its rounds chose, and ships the faster (default 3)")
     g.add_argument("--strongly-typed", action="store_true", help="TensorRT strongly typed network")
     g.add_argument("--eager", action="store_true", help="torch backend: run branches eagerly instead of compiling them")
     g.add_argument("--keep-fp32", default=None, metavar="NODE_OR_PATTERN,...",

@@ -110,6 +110,8 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
 # -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
 ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "depthwise kernel", "conv+ReLU", "boundary layout",
           "streams", "engine blocks")  # time_alternatives' rounds, in the order it times them
+#: the round timed after them, on the plan and options they chose (``kernel_tuning_round``)
+TUNING_ROUND = "kernel tuning"
 
 
 def round_labels(what: str, plan) -> tuple[str, str]:
@@ -125,7 +127,8 @@ def round_labels(what: str, plan) -> tuple[str, str]:
                                  "depthwise convolutions as torch's own kernel"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
-            "engine blocks": ("one engine per repeated block", "one engine for the whole model")}[what]
+            "engine blocks": ("one engine per repeated block", "one engine for the whole model"),
+            TUNING_ROUND: ("kernels as compiled at the rounds' level", "kernels tuned on the device")}[what]
 
 
 def runs_fused_attention(backend) -> bool:
@@ -1164,6 +1167,44 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
                       if len(tries) > 1 else {}),
                    **({"confirmed_ms": [{k: round(v, 4) for k, v in t.items()} for t in again]} if again else {})})
     return chosen == keys[1]
+
+
+def tuned_level(backend, level: int) -> int | None:
+    """The ``--opt-level`` a GPU build races last (``kernel_tuning_round``): ``level``, where ``backend`` tunes its
+    kernels on the device at that level (``tunes_kernels_from``); None where it does not."""
+    start = getattr(backend, "tunes_kernels_from", None)
+    return level if start is not None and level >= start else None
+
+
+def rounds_level(backend, level: int) -> int:
+    """The ``--opt-level`` a GPU build compiles its search's candidates and its rounds' rivals at: below where
+    ``backend`` tunes its kernels.  Why: a tuning compile takes several times as long, and a build makes ten or
+    more of them (EfficientNet-B0 on the H200: a build at level 4, every compile tuned, had not ended after three
+    minutes where level 3 builds it in about 30 s); the level asked for is then raced once, last."""
+    return level if tuned_level(backend, level) is None else backend.tunes_kernels_from - 1
+
+
+def kernel_tuning_round(engines: EngineMaker, v: Variant, level: int, *, runs: int,
+                        lock: bool = True) -> tuple[dict, bool]:
+    """The "kernel tuning" round: ``v`` (the plan and engine options the build's other rounds chose, compiled at
+    ``rounds_level``) against the same engines compiled at ``level``, their kernels tuned on the device (torch:
+    Inductor's coordinate descent at 4, max-autotune at 5), raced as any round (``race``).  Why raced rather than
+    taken: a kernel tuned alone in a compile worker, beside other workers' tuning, is not always faster where it
+    runs, in the plan's CUDA Graph; a tuned form that is not faster does not ship.  Returns (the round, with the
+    ``level`` raced; whether the tuned form won)."""
+    tuned = replace(v, options=replace(v.options, optimization_level=level))
+    rounds: list[dict] = []
+    since = time.perf_counter()
+    current = other = None
+    try:
+        current = engines.launcher(v)
+        other = engines.launcher(tuned)
+        won = race(rounds, TUNING_ROUND, current, other, v.plan, runs=runs, since=since, lock=lock)
+    finally:
+        for la in (other, current):
+            if la is not None:
+                la.close()
+    return dict(rounds[0], level=level), won
 
 
 @dataclass

@@ -22,7 +22,10 @@ What differs between backends is said by capability flags, never by the backend'
 ``lowers_convolutions`` (so does ``BuildOptions.conv_kernels``), ``supports_internal_nhwc`` and ``supports_channel_views`` (what ``load`` takes of the launcher's layout),
 ``warms_after_load`` (``load(warm=False)`` defers the engine's first call to ``engine.warm()``),
 ``compiles_repeats_once`` (branches of equal code compile once: the build cuts a one-stream plan into one engine
-per repeated block, ``core.blocks``).  A backend
+per repeated block, ``core.blocks``), ``tunes_kernels_from`` (the ``--opt-level`` from which the backend tunes its
+kernels on the device at compile time, at a cost of build time the level's compiles multiply: the build compiles
+its rounds at the level below and races the level asked for last; None where the level is the builder's own
+business, TensorRT's tactics).  A backend
 without a capability keeps the defaults below (``BuilderBase``, ``no_precompile``, ...).
 
 A ``BranchEngine`` names its inputs and outputs and has ``run(feeds)`` on the CPU
@@ -179,6 +182,7 @@ class Backend(Protocol):
     supports_channel_views: bool
     warms_after_load: bool
     compiles_repeats_once: bool
+    tunes_kernels_from: int | None
 
     def available(self) -> str | None: ...
 

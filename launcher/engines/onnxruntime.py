@@ -33,6 +33,7 @@ supports_internal_nhwc = False
 supports_channel_views = False
 warms_after_load = False
 compiles_repeats_once = False
+tunes_kernels_from = None
 
 
 def describe_device() -> str:

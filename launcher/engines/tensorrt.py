@@ -76,6 +76,7 @@ supports_internal_nhwc = False
 supports_channel_views = False
 warms_after_load = False
 compiles_repeats_once = False
+tunes_kernels_from = None  # builder_optimization_level is the builder's: its tactics are timed within the build
 
 INSTALL_HINT = ("pip install tensorrt from NVIDIA's index (pip install --extra-index-url https://pypi.nvidia.com "
                 "tensorrt cuda-python), or use an NGC TensorRT/PyTorch container (see the Dockerfile)")

@@ -102,6 +102,10 @@ warms_after_load = True
 #: branches whose traced code is equal compile once (``_code_id``): a one-stream plan is cut into one engine per
 #: repeated block (``core.blocks``) rather than compiled as one engine, whose every block is lowered again
 compiles_repeats_once = True
+#: --opt-level 4 and 5 tune Inductor's kernels on the device as they compile (coordinate descent; max-autotune):
+#: every compile takes several times as long, so a build compiles its search and rounds at level 3 and races the
+#: level asked for on the plan the rounds chose (pipeline.measure.kernel_tuning_round)
+tunes_kernels_from = 4
 #: on the GPU, a 2-d Conv read only by a Relu runs as cuDNN's fused conv + bias + ReLU (one kernel instead of
 #: a convolution and a Triton bias+ReLU kernel); set False before loading to get the unfused engines
 FUSE_CONV_RELU = True

@@ -61,6 +61,7 @@ def test_each_backend_has_every_member_with_the_contract_s_signature(name):
         assert hasattr(mod, member), f"{name} lacks {member}"
     for flag in FLAGS + ("gpu",):
         assert isinstance(getattr(mod, flag), bool), f"{name}.{flag} is not a bool"
+    assert mod.tunes_kernels_from is None or (mod.gpu and 0 < mod.tunes_kernels_from <= 5)
     assert mod.name == name and isinstance(mod.suffix, str) and mod.suffix.startswith(".")
     for member, sig in methods.items():
         fn = getattr(mod, member, None)

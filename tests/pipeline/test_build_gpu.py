@@ -588,6 +588,28 @@ def test_gpu_build_times_its_boundary_layout_round_on_a_window(models, tmp_path,
     assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
 
 
+@pytest.mark.gpu
+@pytest.mark.slow
+def test_gpu_build_at_opt_level_4_races_the_tuned_kernels_last(models, tmp_path):
+    """A torch build at --opt-level 4 compiles its search and rounds at level 3 and races its engines tuned by
+    Inductor's coordinate descent last (the "kernel tuning" round), on the plan the rounds chose; the level that
+    won ships (manifest.json), its engines compiled at that level and verified as loaded."""
+    cfg = BuildConfig(backend="torch", precision="fp16", measure_runs=30, optimization_level=4, search=False)
+    bundle = build(models / "small_net.onnx", tmp_path / "out", config=cfg)
+    m = bundle.report["measured_choices"]
+    r = m["rounds"][-1]
+    assert r["choice"] == "kernel tuning" and r["level"] == 4 and "error" not in r, m["rounds"]
+    assert list(r["timed_ms"]) == ["kernels as compiled at the rounds' level", "kernels tuned on the device"]
+    shipped = 4 if r["won"] == "kernels tuned on the device" else 3
+    assert m["optimization_level"] == bundle.manifest["options"]["optimization_level"] == shipped
+    import zipfile
+
+    assert {json.loads(zipfile.ZipFile(bundle.path / b.engine).read("engine.json"))["optimization_level"]
+            for b in bundle.plan.branches} == {shipped}
+    v = bundle.report["verification"]
+    assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
+
+
 def test_a_timed_choice_is_the_one_row_chosen():
     """The stream table keeps one chosen row: the schedule timing picked (added, marked measured) or the planned one."""
     import types

@@ -152,6 +152,70 @@ def test_recorded_rounds_of_another_plan_are_timed_again(tmp_path, monkeypatch):
     assert read_timings(path)["plan"] == record["plan"]  # recorded anew, for this plan
 
 
+@pytest.mark.parametrize("tuned_won", [True, False])
+def test_a_tuning_level_is_raced_last_and_a_rebuild_takes_its_round(tmp_path, monkeypatch, tuned_won):
+    """At an --opt-level where the backend tunes its kernels, the engines and the rounds are compiled at the level
+    below, and the level asked for is raced last on the plan they chose (``race_kernel_tuning``): the tuned
+    engines are written and shipped where they won (manifest.json's options say which level shipped); a rebuild
+    takes the recorded round and writes its engines once, at that level, racing nothing."""
+    from parastream.pipeline import measure
+
+    rounds_at = []
+
+    def blocks_stay(engines, bundle, variant, runs, **rounds_timed):
+        rounds_at.append(variant.options.optimization_level)
+        return {"one_engine": False, "whole_engine": False, "internal_nhwc": True, "fuse_conv_relu": False,
+                "rounds": [{"choice": "engine blocks", "won": "one engine per repeated block"}]}
+
+    _gpu_like_onnxruntime(monkeypatch, blocks_stay)
+    build_module = importlib.import_module("parastream.pipeline.build")
+    build_module.resolve_backend("onnxruntime").tunes_kernels_from = 4  # (the stand-in; torch's is 4)
+    raced, written = [], []
+
+    def race(engines, v, level, *, runs, lock=True):
+        raced.append((v.options.optimization_level, level, v.plan))
+        labels = measure.round_labels(measure.TUNING_ROUND, v.plan)
+        return {"choice": measure.TUNING_ROUND, "level": level, "won": labels[int(tuned_won)]}, tuned_won
+
+    monkeypatch.setattr(build_module, "kernel_tuning_round", race)
+    real_write = build_module.Engines.write
+    monkeypatch.setattr(build_module.Engines, "write", lambda self, dest, v, label, **kw:
+                        written.append(v.options.optimization_level) or real_write(self, dest, v, label, **kw))
+    cache = tmp_path / "cache"
+    for i in (0, 1):
+        onnx.save(residual_stack_model(layers=5, seed=i), tmp_path / f"m{i}.onnx")
+    first = build(tmp_path / "m0.onnx", tmp_path / "b0", backend="onnxruntime", search=False, cache_dir=str(cache),
+                  optimization_level=4)
+    shipped = 4 if tuned_won else 3
+    assert rounds_at == [3] and [r[:2] for r in raced] == [(3, 4)] and raced[0][2] == first.plan
+    assert written == ([3, 4] if tuned_won else [3])  # the tuned engines written only where they won
+    chosen = first.report["measured_choices"]
+    assert chosen["optimization_level"] == shipped and chosen["rounds"][-1]["choice"] == "kernel tuning"
+    assert first.manifest["options"]["optimization_level"] == shipped and first.report["verification"]["passed"]
+
+    raced.clear(), written.clear(), rounds_at.clear()
+    again = build(tmp_path / "m1.onnx", tmp_path / "b1", backend="onnxruntime", search=False, cache_dir=str(cache),
+                  optimization_level=4)
+    assert raced == [] and rounds_at == [] and written == [shipped]
+    assert again.manifest["options"]["optimization_level"] == shipped and again.report["verification"]["passed"]
+
+
+def test_a_tuned_form_that_fails_to_build_is_not_shipped(tmp_path, monkeypatch):
+    _gpu_like_onnxruntime(monkeypatch, lambda *a, **k: None)
+    build_module = importlib.import_module("parastream.pipeline.build")
+    build_module.resolve_backend("onnxruntime").tunes_kernels_from = 4
+
+    def fails(engines, v, level, *, runs, lock=True):
+        raise RuntimeError("autotuning ran out of shared memory")
+
+    monkeypatch.setattr(build_module, "kernel_tuning_round", fails)
+    onnx.save(residual_stack_model(layers=3), tmp_path / "m.onnx")
+    b = build(tmp_path / "m.onnx", tmp_path / "b", backend="onnxruntime", search=False, optimization_level=5)
+    r = b.report["measured_choices"]["rounds"][-1]
+    assert r == {"choice": "kernel tuning", "level": 5, "error": "RuntimeError: autotuning ran out of shared memory"}
+    assert b.manifest["options"]["optimization_level"] == 3 and b.report["verification"]["passed"]
+
+
 def test_without_a_cache_dir_nothing_is_recorded(tmp_path, monkeypatch):
     _gpu_like_onnxruntime(monkeypatch, lambda *a, **k: None)
     onnx.save(residual_stack_model(layers=3), tmp_path / "m.onnx")
