@@ -1189,8 +1189,8 @@ def kernel_tuning_round(engines: EngineMaker, v: Variant, level: int, *, runs: i
     """The "kernel tuning" round: ``v`` (the plan and engine options the build's other rounds chose, compiled at
     ``rounds_level``) against the same engines compiled at ``level``, their kernels tuned on the device (torch:
     Inductor's coordinate descent at 4, max-autotune at 5), raced as any round (``race``).  Why raced rather than
-    taken: a kernel tuned alone in a compile worker, beside other workers' tuning, is not always faster where it
-    runs, in the plan's CUDA Graph; a tuned form that is not faster does not ship.  Returns (the round, with the
+    taken: a kernel is tuned alone, in a compile worker beside other workers' tuning, and need not be faster where
+    it runs, in the plan's CUDA Graph; a build ships no plan slower than one it could have built.  Returns (the round, with the
     ``level`` raced; whether the tuned form won)."""
     tuned = replace(v, options=replace(v.options, optimization_level=level))
     rounds: list[dict] = []
