@@ -27,6 +27,16 @@ ops rather than Inductor's kernel, so that it favours the fused call):
 and per model the sums over its convolutions (each shape times its count): all fused, all unfused, and each shape's
 faster form.
 
+``--epilogues silu`` asks the same of SiLU (EfficientNet's and MixNet's activation; exporters write it as a
+Sigmoid of the convolution and a Mul of the two), which no torch op runs fused: every 2-d Conv whose output only
+that Sigmoid and Mul read (``silu_conv_keys``), kind ``silu`` (dense) or ``dw_silu`` (depthwise), fused as one cuDNN
+plan, conv + bias + SWISH_FWD (``cudnn_plans.conv2d(act="swish")``, the frontend's runtime-fused kernel, its plan
+built once before timing), unfused as a GPU bundle runs it today: a dense convolution by torch with Inductor's
+bias + SiLU kernel after it, a depthwise one through its cuDNN plan with the bias in the kernel and Inductor's SiLU
+kernel after it.  ``planned`` says whether cuDNN planned the fused form (where it did not, the op fell back to
+torch's convolution and SiLU, and the row says why).  Whether a converter fusion of conv + bias + SiLU is worth
+building, and timing in the conv+ReLU round, is what this decides.
+
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/conv_epilogues.py --models resnet50,squeezenet1_1 --out $OUT
 Prints one JSON line per model and a summary; writes conv_epilogues.json under --out.
@@ -63,6 +73,106 @@ def _epilogue(kind: str):
                 return torch.relu(y + z + b.view(1, -1, 1, 1))
         _EPILOGUES[kind] = torch.compile(f, dynamic=True)
     return _EPILOGUES[kind]
+
+
+def _silu_epilogue(bias: bool):
+    """Inductor's kernel for (bias +) SiLU, compiled once per form with dynamic shapes."""
+    import torch
+
+    key = f"silu{int(bias)}"
+    if key not in _EPILOGUES:
+        if bias:
+            def f(y, b):
+                return torch.nn.functional.silu(y + b.view(1, -1, 1, 1))
+        else:
+            def f(y):
+                return torch.nn.functional.silu(y)
+        _EPILOGUES[key] = torch.compile(f, dynamic=True)
+    return _EPILOGUES[key]
+
+
+def silu_conv_keys(model) -> dict[str, int]:
+    """{``conv_key``: count} of the 2-d convolutions of ``model`` whose output only a SiLU reads as exporters write
+    it (a Sigmoid of the output and a Mul of the output by that Sigmoid, no other reader, neither a graph output):
+    kind ``silu``, or ``dw_silu`` where the convolution is depthwise; symmetric padding and a constant weight."""
+    import onnx
+    from onnx import shape_inference
+
+    from parastream.launcher.engines.cudnn_fused import conv_key
+
+    g = shape_inference.infer_shapes(model).graph
+    shapes = {vi.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim)
+              for vi in list(g.input) + list(g.value_info) + list(g.output) if vi.type.tensor_type.HasField("shape")}
+    weights = {t.name: tuple(t.dims) for t in g.initializer}
+    outputs = {o.name for o in g.output}
+    readers: dict[str, list] = {}
+    for n in g.node:
+        for i in n.input:
+            readers.setdefault(i, []).append(n)
+    found: dict[str, int] = {}
+    for n in g.node:
+        if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in weights or n.output[0] in outputs:
+            continue
+        y = n.output[0]
+        rs = readers.get(y, [])
+        sig = [r for r in rs if r.op_type == "Sigmoid"]
+        mul = [r for r in rs if r.op_type == "Mul"]
+        if not (len(rs) == 2 and len(sig) == 1 and len(mul) == 1 and sorted(mul[0].input) == sorted([y, sig[0].output[0]])
+                and sig[0].output[0] not in outputs and len(readers.get(sig[0].output[0], [])) == 1):
+            continue
+        x, w = shapes.get(n.input[0]), weights[n.input[1]]
+        if x is None or len(x) != 4 or None in x or len(w) != 4:
+            continue
+        a = {at.name: onnx.helper.get_attribute_value(at) for at in n.attribute}
+        pads = [int(p) for p in a.get("pads", [0, 0, 0, 0])]
+        if pads[:2] != pads[2:] or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
+            continue
+        group = int(a.get("group", 1))
+        kind = "dw_silu" if group > 1 and group == x[1] == w[0] else "silu"
+        key = conv_key(kind, x, w, a.get("strides", [1, 1]), pads[:2], a.get("dilations", [1, 1]), group)
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
+def measure_silu_shape(key: str, batch: int, chain: int, replays: int) -> dict:
+    """A ``silu_conv_keys`` key at ``batch``: conv + bias + SiLU as one cuDNN plan against the bundle's form today."""
+    import torch
+
+    from parastream.launcher.engines import cudnn_plans as cp
+    from parastream.launcher.engines.cudnn_fused import parse_key
+
+    kind, xs, ws, strides, pads, dil, group = parse_key(key)
+    xs = [batch, *xs]
+    cl = torch.channels_last
+    x = torch.randn(xs, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
+    w = (torch.randn(ws, device="cuda", dtype=torch.float16) / (ws[1] * ws[2] * ws[3]) ** 0.5).contiguous(memory_format=cl)
+    b = torch.randn(ws[0], device="cuda", dtype=torch.float16)
+
+    def fused():
+        return cp.conv2d(x, w, b, strides, pads, dil, group, act="swish")
+
+    if kind == "dw_silu":
+        epi = _silu_epilogue(False)
+
+        def unfused():
+            return epi(cp.conv2d(x, w, b, strides, pads, dil, group))
+    else:
+        epi = _silu_epilogue(True)
+
+        def unfused():
+            return epi(torch.convolution(x, w, None, strides, pads, dil, False, [0, 0], group), b)
+
+    with torch.no_grad():
+        a, c = fused().float(), unfused().float()  # (builds the plans, outside the timed graphs)
+        plan_key = cp.plan_key("float16", x.shape, w.shape, strides, pads, dil, True, act="swish")
+        failed = cp.CACHE.failed.get((torch.cuda.current_device(), plan_key))
+        err = float((a - c).abs().max() / max(c.abs().max(), 1e-6))
+        f_us = _graph_us(fused, chain, replays)
+        u_us = _graph_us(unfused, chain, replays)
+    return {"kind": kind, "x": list(xs), "w": list(ws), "strides": list(strides), "pads": list(pads),
+            "dilations": list(dil), "group": group, "fused_us": round(f_us, 3), "unfused_us": round(u_us, 3),
+            "ratio": round(u_us / f_us, 3), "max_err": round(err, 5), "planned": failed is None,
+            **({"not_planned": failed} if failed else {})}
 
 
 def measure_shape(key: str, batch: int, chain: int, replays: int) -> dict:
@@ -119,6 +229,8 @@ def main(argv=None) -> int:
     ap.add_argument("--chain", type=int, default=20)
     ap.add_argument("--replays", type=int, default=30)
     ap.add_argument("--shapes-only", action="store_true", help="list the shapes without timing (no GPU needed)")
+    ap.add_argument("--epilogues", choices=("relu", "silu"), default="relu",
+                    help="relu: the converter's conv+ReLU fusions; silu: conv + bias + SiLU as one cuDNN plan")
     ap.add_argument("--seconds", type=float, default=400.0, help="start no new model after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/conv_epilogues_out"))
     args = ap.parse_args(argv)
@@ -142,13 +254,15 @@ def main(argv=None) -> int:
         model, inputs = make_model(name, args.batch)
         path = out / f"{name}.onnx"
         export(model, inputs, path)
-        found = fused_conv_keys(onnx.load(str(path)))  # the shapes a build times (pipeline.measure.time_conv_shapes)
+        silu = args.epilogues == "silu"
+        # relu: the shapes a build times (pipeline.measure.time_conv_shapes)
+        found = (silu_conv_keys if silu else fused_conv_keys)(onnx.load(str(path)))
         rows = []
         for key, count in sorted(found.items(), key=lambda kv: (-kv[1], kv[0])):
             kind, x, w = parse_key(key)[:3]
             row = {"count": count, "key": key, "kind": kind, "x": [args.batch, *x], "w": w}
             if not args.shapes_only:
-                row.update(measure_shape(key, args.batch, args.chain, args.replays))
+                row.update((measure_silu_shape if silu else measure_shape)(key, args.batch, args.chain, args.replays))
             rows.append(row)
         res = {"rows": rows}
         if not args.shapes_only:
@@ -156,7 +270,7 @@ def main(argv=None) -> int:
         results["models"][name] = res
         print(json.dumps({"model": name, **({"summary": res["summary"]} if "summary" in res else
                                             {"shapes": len(rows), "convs": sum(found.values())})}), flush=True)
-    (out / "conv_epilogues.json").write_text(json.dumps(results, indent=1))
+    (out / f"conv_epilogues{'_silu' if args.epilogues == 'silu' else ''}.json").write_text(json.dumps(results, indent=1))
     for name, res in results["models"].items():
         for r in res.get("rows", []):
             if "ratio" in r:

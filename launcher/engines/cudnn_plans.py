@@ -64,12 +64,23 @@ def _channels_last_strides(shape) -> list[int]:
     return [h * w * c, 1, w * c, c]
 
 
-def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation, bias: bool = False, relu: bool = False) -> str:
+#: activations a plan may apply in the convolution's kernel besides ReLU (``plan_key``'s ``act``): cuDNN's
+#: pointwise SWISH_FWD, x * sigmoid(x), which exporters write as a Sigmoid and a Mul (EfficientNet's and MixNet's
+#: SiLU); bench/conv_epilogues.py times it per convolution shape against Inductor's epilogue kernel
+ACTIVATIONS = ("swish",)
+
+
+def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation, bias: bool = False, relu: bool = False,
+             act: str | None = None) -> str:
     """The key of a plan: what its tensors' descriptors and the convolution hold (the tensors channels-last and
-    contiguous, as the op makes them), and whether a bias is added and a ReLU applied in the same kernel."""
+    contiguous, as the op makes them), and whether a bias is added and a ReLU (or ``act``, one of ``ACTIVATIONS``)
+    applied in the same kernel.  A key without ``act`` is as it was before there were others (shipped plans
+    keep their keys)."""
+    if act is not None and (act not in ACTIVATIONS or relu):
+        raise ValueError(f"plan activation {act!r}: one of {ACTIVATIONS}, and not beside relu")
     return json.dumps([dtype, [int(v) for v in x_shape], [int(v) for v in w_shape], [int(v) for v in stride],
-                       [int(v) for v in padding], [int(v) for v in dilation], int(bias), int(relu)],
-                      separators=(",", ":"))
+                       [int(v) for v in padding], [int(v) for v in dilation], int(bias), int(relu),
+                       *([act] if act else [])], separators=(",", ":"))
 
 
 def device_tag(device_index: int = 0) -> str:
@@ -308,7 +319,7 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     import torch
 
     cudnn = frontend()
-    dtype, x_shape, w_shape, stride, padding, dilation, bias, relu = json.loads(key)
+    dtype, x_shape, w_shape, stride, padding, dilation, bias, relu, *act = json.loads(key)
     io_type = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
                "float32": cudnn.data_type.FLOAT}[dtype]
     t0 = time.perf_counter()
@@ -327,6 +338,8 @@ def _build(handle, key: str, device_index: int) -> _Plan:
             y = g.bias(input=y, bias=b, compute_data_type=cudnn.data_type.FLOAT)
         if relu:
             y = g.relu(input=y, compute_data_type=cudnn.data_type.FLOAT)
+        if act == ["swish"]:
+            y = g.swish(input=y, compute_data_type=cudnn.data_type.FLOAT)
         out = conv_out_shape(x_shape, w_shape, stride, padding, dilation)
         y.set_output(True).set_data_type(io_type).set_dim(out).set_stride(_channels_last_strides(out))
         x.set_uid(_X)
@@ -344,16 +357,17 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built", serializable=runtime_compiled)
 
 
-def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False):
-    """relu?(conv(x, w) + b?) for a 2-d convolution with symmetric padding, channels-last out: through a plan of
-    ``CACHE`` on a GPU with the frontend (the key noted where ``recording`` is on), else torch's own ops."""
+def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, act: str | None = None):
+    """relu?(conv(x, w) + b?) (or ``act`` of it, ``ACTIVATIONS``) for a 2-d convolution with symmetric padding,
+    channels-last out: through a plan of ``CACHE`` on a GPU with the frontend (the key noted where ``recording``
+    is on), else torch's own ops."""
     import torch
 
     if x.is_cuda and x.dim() == 4 and frontend() is not None:
         x = x.contiguous(memory_format=torch.channels_last)
         w = w.contiguous(memory_format=torch.channels_last)  # (a depthwise weight is both layouts at once)
         device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        key = plan_key(_dtype_name(x.dtype), x.shape, w.shape, stride, padding, dilation, b is not None, relu)
+        key = plan_key(_dtype_name(x.dtype), x.shape, w.shape, stride, padding, dilation, b is not None, relu, act)
         with _LOCK:
             plan = CACHE.get(device, key)
             if plan is not None:
@@ -375,6 +389,10 @@ def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False):
     y = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
     if relu:
         y = torch.relu(y)
+    elif act == "swish":
+        y = torch.nn.functional.silu(y)
+    elif act is not None:
+        raise ValueError(f"plan activation {act!r}: one of {ACTIVATIONS}")
     return y.contiguous(memory_format=torch.channels_last)
 
 

@@ -384,3 +384,43 @@ def test_plans_not_used_as_shipped_are_counted_with_the_reason(monkeypatch):
         "plans for NVIDIA H100|sm90|cudnn91000, not NVIDIA H200|sm90|cudnn91900": 1,
         "not read back (RuntimeError: cudnnGraphNotSupportedError: deserialize failed)": 1}
     assert cp.plan_sources()["plans_built_compiled"] == 1
+
+
+def test_a_swish_plan_has_a_key_of_its_own_and_the_plans_before_keep_theirs():
+    """``plan_key``'s activation: a conv + bias + SiLU plan (cuDNN's SWISH_FWD in the kernel) is keyed apart from
+    the conv + bias one, whose key, and every ReLU key, is as shipped plans have it; anything else is refused."""
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    args = ("float16", [1, 8, 6, 6], [8, 1, 3, 3], [1, 1], [1, 1], [1, 1])
+    plain, relu, swish = cp.plan_key(*args, True), cp.plan_key(*args, True, True), cp.plan_key(*args, True, act="swish")
+    assert json.loads(plain) == ["float16", [1, 8, 6, 6], [8, 1, 3, 3], [1, 1], [1, 1], [1, 1], 1, 0]
+    assert json.loads(relu)[-1] == 1 and len(json.loads(relu)) == 8
+    assert json.loads(swish) == [*json.loads(plain), "swish"]
+    for bad in ({"relu": True, "act": "swish"}, {"act": "gelu"}):
+        with pytest.raises(ValueError, match="plan activation"):
+            cp.plan_key(*args, True, **bad)
+
+
+@pytest.mark.parametrize("act", ["swish", None])
+def test_the_op_with_a_swish_off_the_gpu_equals_onnxruntime_s_conv_sigmoid_mul(act):
+    """Off the GPU the op is torch's convolution and, for ``act="swish"``, SiLU after it: equal to ONNX Runtime's
+    Conv -> Sigmoid -> Mul, the form exporters write SiLU in (without ``act``, to its Conv alone)."""
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    rng = np.random.default_rng(3)
+    x = rng.standard_normal((1, 8, 9, 9)).astype(np.float32)
+    w = (rng.standard_normal((8, 1, 3, 3)) / 3).astype(np.float32)
+    b = rng.standard_normal(8).astype(np.float32)
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["c"], group=8, pads=[1, 1, 1, 1], strides=[2, 2])]
+    if act:
+        nodes += [helper.make_node("Sigmoid", ["c"], ["s"]), helper.make_node("Mul", ["c", "s"], ["y"])]
+    else:
+        nodes += [helper.make_node("Identity", ["c"], ["y"])]
+    g = helper.make_graph(nodes, "silu", [helper.make_tensor_value_info("x", TensorProto.FLOAT, list(x.shape))],
+                          [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
+                          [onnx.numpy_helper.from_array(w, "w"), onnx.numpy_helper.from_array(b, "b")])
+    model = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+    ref = _ort(model, {"x": x})["y"]
+    got = cp.conv2d(torch.from_numpy(x), torch.from_numpy(w), torch.from_numpy(b), [2, 2], [1, 1], [1, 1], 8, act=act)
+    assert got.is_contiguous(memory_format=torch.channels_last)
+    np.testing.assert_allclose(got.numpy(), ref, rtol=1e-5, atol=1e-6)
