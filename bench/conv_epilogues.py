@@ -134,11 +134,11 @@ def silu_conv_keys(model) -> dict[str, int]:
     return found
 
 
-def measure_silu_shape(key: str, batch: int, chain: int, replays: int) -> dict:
-    """A ``silu_conv_keys`` key at ``batch``: conv + bias + SiLU as one cuDNN plan against the bundle's form today."""
+def _operands(key: str, batch: int) -> tuple:
+    """``key``'s fields (``cudnn_fused.parse_key``, the input shape with ``batch``) and random fp16 operands for
+    it on the GPU, channels-last: (kind, x shape, w shape, strides, pads, dilations, group, x, w, b)."""
     import torch
 
-    from parastream.launcher.engines import cudnn_plans as cp
     from parastream.launcher.engines.cudnn_fused import parse_key
 
     kind, xs, ws, strides, pads, dil, group = parse_key(key)
@@ -147,6 +147,16 @@ def measure_silu_shape(key: str, batch: int, chain: int, replays: int) -> dict:
     x = torch.randn(xs, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
     w = (torch.randn(ws, device="cuda", dtype=torch.float16) / (ws[1] * ws[2] * ws[3]) ** 0.5).contiguous(memory_format=cl)
     b = torch.randn(ws[0], device="cuda", dtype=torch.float16)
+    return kind, xs, ws, strides, pads, dil, group, x, w, b
+
+
+def measure_silu_shape(key: str, batch: int, chain: int, replays: int) -> dict:
+    """A ``silu_conv_keys`` key at ``batch``: conv + bias + SiLU as one cuDNN plan against the bundle's form today."""
+    import torch
+
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    kind, xs, ws, strides, pads, dil, group, x, w, b = _operands(key, batch)
 
     def fused():
         return cp.conv2d(x, w, b, strides, pads, dil, group, act="swish")
@@ -179,14 +189,8 @@ def measure_shape(key: str, batch: int, chain: int, replays: int) -> dict:
     """``key`` (``cudnn_fused.conv_key``) at ``batch``: both forms timed, and their outputs compared."""
     import torch
 
-    from parastream.launcher.engines.cudnn_fused import parse_key
-
-    kind, xs, ws, strides, pads, dil, group = parse_key(key)
-    xs = [batch, *xs]
+    kind, xs, ws, strides, pads, dil, group, x, w, b = _operands(key, batch)
     cl = torch.channels_last
-    x = torch.randn(xs, device="cuda", dtype=torch.float16).contiguous(memory_format=cl)
-    w = (torch.randn(ws, device="cuda", dtype=torch.float16) / (ws[1] * ws[2] * ws[3]) ** 0.5).contiguous(memory_format=cl)
-    b = torch.randn(ws[0], device="cuda", dtype=torch.float16)
     y0 = torch.convolution(x, w, None, strides, pads, dil, False, [0, 0], group)
     z = torch.randn_like(y0).contiguous(memory_format=cl)
     epi = _epilogue(kind)
