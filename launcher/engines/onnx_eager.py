@@ -16,7 +16,9 @@ count, an ``If``'s condition, ``NonMaxSuppression``'s selection.
 
 An op outside ``OPS`` (a ``Loop``, a mask head's convolutions) is ``UnsupportedOp`` at load naming the node:
 the tail then stays on the host.  ``NonMaxSuppression`` and ``RoiAlign`` need torchvision: RoiAlign runs as its
-op, NMS as its op or, over many candidates, group by group in torch ops (``nms_in_groups``).  A node that repeats an earlier one's computation runs once (``EagerGraph``).
+op, NMS as its op or, over many candidates, group by group in torch ops (``nms_in_groups``).  A node that repeats an earlier one's computation runs once (``EagerGraph``), and
+a node whose inputs are all small host tensors keeps its results by their values, so that the shape arithmetic
+of a call whose counts repeat an earlier call's is read rather than computed (``EagerGraph.run``).
 """
 
 from __future__ import annotations
@@ -881,6 +883,37 @@ def _nonzeros(*masks):
     return tuple(torch.nonzero_static(m, size=c).T.contiguous() for m, c in zip(masks, counts))
 
 
+#: the most entries a step's memo of host results keeps (``EagerGraph.run``): a detector's tail meets a few
+#: candidate counts per level, and a memo that fills up is emptied rather than grown
+_MEMO_MAX = 32
+#: the most elements of a host result a memo keeps
+_MEMO_OUT_MAX = 1 << 12
+
+
+def _host_key(args) -> tuple | None:
+    """What a step's inputs are, where they are all small host tensors (a shape, an index, a count: the tail's
+    shape arithmetic): their dtypes, shapes and bytes; None where any is on a device or larger, or has no bytes
+    numpy can read (bfloat16)."""
+    key = []
+    for a in args:
+        if a is None:
+            key.append(None)
+            continue
+        if a.device.type != "cpu" or a.numel() > _HOST_MAX:
+            return None
+        try:
+            key.append((a.dtype, tuple(a.shape), a.numpy().tobytes()))
+        except (TypeError, RuntimeError):
+            return None
+    return tuple(key)
+
+
+def _host_result(got) -> bool:
+    """Whether ``got`` (a step's tensor or tuple of them) is small host tensors only, which a memo may keep."""
+    outs = got if type(got) is tuple else (got,)
+    return all(o is not None and o.device.type == "cpu" and o.numel() <= _MEMO_OUT_MAX for o in outs)
+
+
 def _same(*values):
     """A repeated node's outputs: the earlier node's values."""
     return values if len(values) > 1 else values[0]
@@ -932,6 +965,14 @@ class EagerGraph:
             self.steps.append((fn, ins, list(node.output), getattr(fn, "reads_scope", False)))
             self.ops.append(node.op_type)
         self._batch_nonzeros()
+        # per step, its results by its inputs where every input is a small host tensor (``_host_key``): the tail's
+        # shape arithmetic (Shape -> Gather -> Unsqueeze -> Concat -> Reshape, per level and class) computes the
+        # same values call after call wherever the candidates' counts repeat, and each of torch's host ops costs
+        # several microseconds.  Every op of ``OPS`` computes its outputs from its inputs' values alone and writes
+        # into none of them; an If (it reads its outer scope), an alias and a step without inputs are not kept.
+        self._memo = [None if scoped or fn is _same or not ins or op == "If" else {}
+                      for (fn, ins, _, scoped), op in zip(self.steps, self.ops)]
+        self.memo_hits = 0
         # (after every node is known to run: a tail refused costs no copy to the device)
         self.consts = {name: v.to(device) if device is not None and (v.is_floating_point() or v.numel() > _HOST_MAX) else v
                        for name, v in ((t.name, known[t.name]) for t in graph.initializer)}
@@ -987,9 +1028,18 @@ class EagerGraph:
         env = dict(values)
         # (a graph's inputs are its caller's values; its initializers shadow an outer scope's of the same name)
         env.update((k, v) for k, v in self.consts.items() if k not in self._takes)
-        for fn, ins, outs, scoped in self.steps:
+        for (fn, ins, outs, scoped), memo in zip(self.steps, self._memo):
             args = [env[i] if i else None for i in ins]
-            got = fn(*args, scope=env) if scoped else fn(*args)
+            key = _host_key(args) if memo is not None else None
+            got = memo.get(key) if key is not None else None
+            if got is not None:
+                self.memo_hits += 1
+            else:
+                got = fn(*args, scope=env) if scoped else fn(*args)
+                if key is not None and _host_result(got):
+                    if len(memo) >= _MEMO_MAX:
+                        memo.clear()
+                    memo[key] = got
             if type(got) is tuple:
                 for name, v in zip(outs, got):
                     if name:

@@ -174,6 +174,28 @@ def test_what_a_caller_writes_into_an_output_does_not_reach_the_next_call():
     assert s.tolist() == [2, 3] and kept.tolist() == [7, 8]
 
 
+def test_shape_arithmetic_is_computed_once_per_shape_and_data_never_kept():
+    """The steps whose inputs are all small host tensors (a shape, an index) keep their results by those inputs'
+    values: a second call of the same shape reads them (``memo_hits``), a call of another shape computes its own;
+    a step that reads data (a tensor on the device, or of more than ``_HOST_MAX`` elements) keeps nothing."""
+    from parastream.launcher.engines import onnx_eager
+
+    nodes = [helper.make_node("Shape", ["x"], ["s"]), helper.make_node("Gather", ["s", "zero"], ["rows"], axis=0),
+             helper.make_node("Unsqueeze", ["rows", "axes"], ["r1"]),
+             helper.make_node("Concat", ["r1", "minus_one"], ["shape"], axis=0),
+             helper.make_node("Reshape", ["x", "shape"], ["y"])]
+    consts = {"zero": np.array(0, np.int64), "axes": i64(0), "minus_one": i64(-1)}
+    graph = load(model(nodes, {"x": f32(4, 25)}, ["y", "shape"], consts), device=_ON["device"])
+    for dims, hits in [((4, 25), 0), ((4, 25), 3), ((5, 20), 3), ((5, 20), 6)]:
+        x = torch.randn(dims, device=_ON["device"] or "cpu")
+        y, shape = graph.run({"x": x})
+        assert shape.tolist() == [dims[0], -1] and torch.equal(y.cpu(), x.cpu().reshape(dims[0], -1))
+        assert graph.memo_hits == hits  # Gather, Unsqueeze and Concat read once per shape
+    reshape = graph.ops.index("Reshape")
+    assert graph._memo[reshape] == {}  # its data input (100 elements, or on the device) is never a key
+    assert onnx_eager._host_key([torch.zeros(onnx_eager._HOST_MAX + 1, dtype=torch.int64)]) is None
+
+
 def test_a_filled_tensor_of_data_s_size_is_made_on_the_graph_s_device():
     """ConstantOfShape of more than a shape's worth of elements (a label per candidate) on the device, a few on
     the host, where the shape arithmetic reads them; the values ONNX Runtime's."""
