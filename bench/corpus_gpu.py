@@ -171,7 +171,9 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
         shutil.rmtree(_cache_dir(stem, work, args), ignore_errors=True)
     with build_caches(stem, work, empty=True):
         build_bundle(onnx_path, work / f"{stem}_bundle", search=True, streams=None, log=log,
-                     measure_seconds=args.measure_seconds, cache_dir=_cache_dir(stem, work, args))
+                     measure_seconds=args.measure_seconds, cache_dir=_cache_dir(stem, work, args),
+                     optimization_level=args.opt_level)
+    row["opt_level"] = args.opt_level
     for key in ("build_s", "schedule", "search", "verification", "timings"):
         row[key] = log.get(key)
     rep = json.loads((work / f"{stem}_bundle" / "report.json").read_text())
@@ -259,7 +261,7 @@ def rebuild(name: str, batch: int, work: Path, args) -> dict:
         src = with_one_weight_changed(src, work / f"{key}_changed.onnx")
     with build_caches(key, work, empty=False):
         build_bundle(src, out, search=True, streams=None, log=log, measure_seconds=args.measure_seconds,
-                     cache_dir=_cache_dir(key, work, args))
+                     cache_dir=_cache_dir(key, work, args), optimization_level=args.opt_level)
     rep = json.loads((out / "report.json").read_text())
     engines = [e for e in (rep.get("engines") or {}).values() if isinstance(e, dict)]
     jobs = ((rep.get("background_compiles") or {}).get("branches") or 0) + ((rep.get("precompiled") or {}).get("jobs") or 0) \
@@ -599,6 +601,8 @@ def parse_args(argv=None) -> argparse.Namespace:
     ap.add_argument("--workers", type=int, default=4)
     ap.add_argument("--seconds", type=float, default=540, help="stop starting builds and timings after this")
     ap.add_argument("--measure-seconds", type=float, default=20)
+    ap.add_argument("--opt-level", type=int, default=3, choices=range(6),
+                    help="the builds' --opt-level (4, 5: the tuned engines raced last, the kernel tuning round)")
     ap.add_argument("--top-k", type=int, default=10)
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--fresh-loads", type=int, default=3,
@@ -699,7 +703,7 @@ def main(argv=None) -> int:
             cmd = [sys.executable, __file__, "--rebuild-of" if again else "--prepare", model, "--batch", str(batch),
                    "--work", str(work), "--measure-seconds", str(measure_s), "--top-k", str(top_k)] \
                 + (["--rebuild"] if args.rebuild else []) + (["--changed-weight"] if args.changed_weight else []) \
-                + (["--costs"] if args.costs else [])
+                + (["--costs"] if args.costs else []) + ["--opt-level", str(args.opt_level)]
             running[job] = (subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT, env=env, start_new_session=True), f, time.perf_counter())
             print(f"[{elapsed:5.0f} s] {'rebuild' if again else 'build'} {model} at batch {batch}", flush=True)
         done = [j for j, (p, _, _) in running.items() if p.poll() is not None]

@@ -220,10 +220,10 @@ def ort_reference(path: Path, feeds: dict) -> dict:
 
 
 def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | None, log: dict, precision: str = "fp16",
-                 measure_seconds: float = 120.0, cache_dir: str | None = None):
+                 measure_seconds: float = 120.0, cache_dir: str | None = None, optimization_level: int = 3):
     """A bundle from ``parastream.pipeline.build`` (search, stream choice, engines, verification against
-    onnxruntime; ``cache_dir``: the build's --cache-dir); with ``--handmade``, from tests/handmade_bundles.py (the
-    launcher-only path of earlier runs)."""
+    onnxruntime; ``cache_dir``: the build's --cache-dir; ``optimization_level``: its --opt-level); with
+    ``--handmade``, from tests/handmade_bundles.py (the launcher-only path of earlier runs)."""
     t0 = time.perf_counter()
     if log.get("handmade"):
         from handmade_bundles import make_bundle
@@ -235,7 +235,8 @@ def build_bundle(onnx_path: Path, out: Path, *, search: bool, streams: int | Non
         from parastream.pipeline import build
 
         bundle = build(onnx_path, out, backend="torch", precision=precision, search=search, force=True, streams=streams,
-                       measure_seconds=measure_seconds, search_options={"top_k": log.get("top_k", 20)}, cache_dir=cache_dir)
+                       measure_seconds=measure_seconds, search_options={"top_k": log.get("top_k", 20)}, cache_dir=cache_dir,
+                       optimization_level=optimization_level)
         log["builder"] = "pipeline.build"
         rep = bundle.report
         log["schedule"] = {k: rep["schedule"].get(k) for k in ("streams", "branches", "estimated_s", "streams_tried")}
