@@ -30,7 +30,6 @@ import json
 import os
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
@@ -42,16 +41,13 @@ sys.path.insert(0, str(HERE))
 FORMS = {"without PDL": {}, "with PDL": {"triton.enable_pdl": True}}
 
 
-@dataclass(frozen=True)
-class _Spec:  # what pipeline.bench draws an input from (core.tensors.random_array)
-    name: str
-    shape: tuple
-    dtype: str
-
-
 class _Plan:
+    """The model's inputs as a bundle's plan names them, which ``pipeline.bench`` draws fresh inputs for."""
+
     def __init__(self, inputs: dict):
-        self.inputs = [_Spec(k, tuple(v.shape), str(v.dtype).removeprefix("torch.")) for k, v in inputs.items()]
+        from parastream.core.tensors import TensorSpec
+
+        self.inputs = [TensorSpec(k, str(v.dtype).removeprefix("torch."), list(v.shape)) for k, v in inputs.items()]
 
 
 class GraphRunner:

@@ -30,7 +30,8 @@ from parastream.rewrite.search import MEASURE_MARGIN, MeasureBudgetSpent  # noqa
 
 from .isolate import Child, in_child
 from .measure import (CARRIED_ALWAYS, ORIGINAL_ONE_SESSION, GpuMeasurer, Variant, alternative_variants, carried_rounds,
-                      choose_cpu_alternative, compiled_for_other_choices, cpu_choice_recordable, gpu_present,
+                      choices_as_built, choose_cpu_alternative, compiled_for_other_choices, cpu_choice_recordable,
+                      gpu_present,
                       QueuedRivals, decided_form, gemm_round_first, kernel_tuning_round, plan_signature,
                       rounds_level, speculative_by_round, time_alternatives, TUNING_ROUND, tuned_level)
 from .model_io import LoadedModel, batch_profiles, graph_of, load_model, name_nodes, read_model
@@ -1373,10 +1374,7 @@ def race_kernel_tuning(b: _Build, tmp: Path) -> None:
     except Exception as e:  # noqa: BLE001 - a tuned form that does not compile or load is not shipped; the rest is
         r, won = {"choice": TUNING_ROUND, "level": level, "error": f"{type(e).__name__}: {e}"}, False
     if b.measured is None:  # no other round ran: the choices as the engines were written
-        b.measured = {"fuse_conv_relu": b.options.fuse_conv_relu, "internal_nhwc": True, "one_engine": False,
-                      "whole_engine": False, "fuse_attention": b.options.fuse_attention,
-                      "fuse_gemm_epilogue": b.options.fuse_gemm_epilogue,
-                      "conv_kernels": conv_kernels_used(b.options.conv_kernels), "runs": b.cfg.measure_runs}
+        b.measured = dict(choices_as_built(b.backend, b.options), runs=b.cfg.measure_runs)
     b.measured["rounds"] = [*(b.measured.get("rounds") or []), r]
     if won:
         b.options.optimization_level = level

@@ -1169,6 +1169,16 @@ def race(rounds: list[dict], what: str, current, other, plan, *, runs: int, sinc
     return chosen == keys[1]
 
 
+def choices_as_built(backend, options: BuildOptions) -> dict:
+    """The choices the rounds decide (``time_alternatives``' result but its rounds) as engines built with
+    ``options`` by ``backend`` have them, before any round: what each round starts from."""
+    return {"fuse_conv_relu": bool(options.fuse_conv_relu and backend.fuses_conv_relu), "internal_nhwc": True,
+            "one_engine": False, "whole_engine": False,
+            "fuse_attention": bool(options.fuse_attention and runs_fused_attention(backend)),
+            "fuse_gemm_epilogue": bool(options.fuse_gemm_epilogue and runs_gemm_epilogue(backend)),
+            "conv_kernels": conv_kernels_used(options.conv_kernels)}
+
+
 def tuned_level(backend, level: int) -> int | None:
     """The ``--opt-level`` a GPU build races last (``kernel_tuning_round``): ``level``, where ``backend`` tunes its
     kernels on the device at that level (``tunes_kernels_from``); None where it does not."""
@@ -1190,8 +1200,8 @@ def kernel_tuning_round(engines: EngineMaker, v: Variant, level: int, *, runs: i
     ``rounds_level``) against the same engines compiled at ``level``, their kernels tuned on the device (torch:
     Inductor's coordinate descent at 4, max-autotune at 5), raced as any round (``race``).  Why raced rather than
     taken: a kernel is tuned alone, in a compile worker beside other workers' tuning, and need not be faster where
-    it runs, in the plan's CUDA Graph; a build ships no plan slower than one it could have built.  Returns (the round, with the
-    ``level`` raced; whether the tuned form won)."""
+    it runs, in the plan's CUDA Graph; a build ships no plan slower than one it could have built.  Returns (the
+    round, with the ``level`` raced; whether the tuned form won)."""
     tuned = replace(v, options=replace(v.options, optimization_level=level))
     rounds: list[dict] = []
     since = time.perf_counter()
@@ -2015,13 +2025,9 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
     backend = engines.backend
     if not gpu_present(backend):
         return None
-    fused = bool(v.options.fuse_conv_relu and backend.fuses_conv_relu)
-    attention = bool(v.options.fuse_attention and runs_fused_attention(backend))
-    gemm = bool(v.options.fuse_gemm_epilogue and runs_gemm_epilogue(backend))
-    convs = conv_kernels_used(v.options.conv_kernels)
-    chosen = {"fuse_conv_relu": fused, "internal_nhwc": True, "one_engine": False, "whole_engine": False,
-              "fuse_attention": attention,
-              "fuse_gemm_epilogue": gemm, "conv_kernels": convs}
+    chosen = choices_as_built(backend, v.options)
+    fused, attention, gemm, convs = (chosen[k] for k in ("fuse_conv_relu", "fuse_attention", "fuse_gemm_epilogue",
+                                                          "conv_kernels"))
     done = {r["choice"]: r for r in timed}
     for what, r in decided_first(engines).items():  # decided before anything compiled: nothing to race
         done.setdefault(what, r)

@@ -70,14 +70,18 @@ def _channels_last_strides(shape) -> list[int]:
 ACTIVATIONS = ("swish",)
 
 
+def _check_activation(act: str | None, relu: bool) -> None:
+    if act is not None and (act not in ACTIVATIONS or relu):
+        raise ValueError(f"plan activation {act!r}: one of {ACTIVATIONS}, and not beside relu")
+
+
 def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation, bias: bool = False, relu: bool = False,
              act: str | None = None) -> str:
     """The key of a plan: what its tensors' descriptors and the convolution hold (the tensors channels-last and
     contiguous, as the op makes them), and whether a bias is added and a ReLU (or ``act``, one of ``ACTIVATIONS``)
     applied in the same kernel.  A key without ``act`` is as it was before there were others (shipped plans
     keep their keys)."""
-    if act is not None and (act not in ACTIVATIONS or relu):
-        raise ValueError(f"plan activation {act!r}: one of {ACTIVATIONS}, and not beside relu")
+    _check_activation(act, relu)
     return json.dumps([dtype, [int(v) for v in x_shape], [int(v) for v in w_shape], [int(v) for v in stride],
                        [int(v) for v in padding], [int(v) for v in dilation], int(bias), int(relu),
                        *([act] if act else [])], separators=(",", ":"))
@@ -386,13 +390,12 @@ def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, 
                 finally:  # the stream is the launcher's, which may close it: the handle keeps none
                     frontend().set_stream(h, 0)
                 return y
+    _check_activation(act, relu)
     y = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
     if relu:
         y = torch.relu(y)
     elif act == "swish":
         y = torch.nn.functional.silu(y)
-    elif act is not None:
-        raise ValueError(f"plan activation {act!r}: one of {ACTIVATIONS}")
     return y.contiguous(memory_format=torch.channels_last)
 
 
