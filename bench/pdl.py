@@ -20,6 +20,8 @@ Graph trees replayed in turns, the likely cause (not checked), say nothing of PD
 
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/pdl.py [--models efficientnet_b0,bert] [--batch 1] [--seconds 240] [--out $OUT]
+Each model runs in a process of its own (a CUDA fault ends that process only: the second run's first model faulted
+with an illegal address and took the three after it along); a failed row names its stage and keeps the traceback.
 Prints one JSON line per model as it is timed (pdl.json under --out is rewritten after each) and a table.
 """
 
@@ -28,6 +30,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 import time
 from pathlib import Path
@@ -99,23 +102,30 @@ def time_model(name: str, batch: int, runs: int) -> dict:
     feeds = {k: v.numpy() for k, v in inputs.items()}
     row = {"model": name, "batch": batch, "torch": torch.__version__}
     runners, outs = {}, {}
+    stage = "start"
     try:
         for form, options in FORMS.items():
+            stage = f"compile and capture {form}"
             t0 = time.perf_counter()
             # a copy per form: dynamo keeps one compiled graph per module and backend
             compiled = torch.compile(HalfInput(copy.deepcopy(user).half().cuda()).eval(), options=options,
                                      dynamic=False)
             runner = GraphRunner(compiled, plan, feeds)
+            torch.cuda.synchronize()  # (a fault of this form's kernels is this form's, not the next stage's)
             row[f"compile_s {form}"] = round(time.perf_counter() - t0, 1)
             outs[form] = runner.out.float().cpu().numpy()
             runners[form] = runner
         row["max_err"] = max_err(outs["with PDL"], outs["without PDL"])
+        stage = "timing"
         times = _measure(runners, runs=runs, warmup=50, seed=7)
         for form, t in times.items():
             row[f"{form} ms"] = float(np.median(t))
             row[f"{form} p10_p90"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
         row["without / with"] = row["without PDL ms"] / row["with PDL ms"]
         return row
+    except Exception as e:
+        e.add_note(f"stage: {stage}")
+        raise
     finally:
         runners = compiled = runner = None
         free_gpu()
@@ -128,6 +138,7 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=240, help="start no model after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/pdl_out"))
+    ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     import torch._inductor.config as cfg
 
@@ -137,16 +148,28 @@ def main(argv=None) -> int:
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
     t_start, rows = time.perf_counter(), []
+    if args.child:  # one model in this process: a CUDA fault ends its process, not the later models'
+        try:
+            row = time_model(args.child, args.batch, args.runs)
+        except Exception as e:  # noqa: BLE001 - one model's failure is its row
+            import traceback
+
+            row = {"model": args.child, "error": f"{type(e).__name__}: {str(e)[:300]}",
+                   "stage": next((n for n in getattr(e, "__notes__", []) if n.startswith("stage")), None),
+                   "traceback": traceback.format_exc()[-3000:]}
+        print("ROW " + json.dumps(row), flush=True)
+        return 0
     for name in [m for m in args.models.split(",") if m]:
         if time.perf_counter() - t_start > args.seconds:
             rows.append({"model": name, "skipped": "--seconds"})
             continue
-        try:
-            row = time_model(name, args.batch, args.runs)
-        except Exception as e:  # noqa: BLE001 - one model's failure is its row
-            row = {"model": name, "error": f"{type(e).__name__}: {str(e)[:300]}"}
+        p = subprocess.run([sys.executable, __file__, "--child", name, "--batch", str(args.batch), "--runs",
+                            str(args.runs), "--out", str(out)], capture_output=True, text=True)
+        found = [ln[4:] for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
+        row = json.loads(found[-1]) if found else {"model": name, "error": f"child exited {p.returncode}",
+                                                   "stderr": p.stderr[-3000:]}
         rows.append(row)
-        print(json.dumps(row), flush=True)
+        print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "stderr")}), flush=True)
         (out / "pdl.json").write_text(json.dumps(rows, indent=1))
     print(f"{'model':20} {'without PDL ms':>15} {'with PDL ms':>12} {'without/with':>13}")
     for r in rows:

@@ -604,8 +604,9 @@ def test_gpu_build_at_opt_level_4_races_the_tuned_kernels_last(models, tmp_path)
     assert m["optimization_level"] == bundle.manifest["options"]["optimization_level"] == shipped
     import zipfile
 
-    assert {json.loads(zipfile.ZipFile(bundle.path / b.engine).read("engine.json"))["optimization_level"]
-            for b in bundle.plan.branches} == {shipped}
+    metas = [json.loads(zipfile.ZipFile(bundle.path / b.engine).read("engine.json")) for b in bundle.plan.branches]
+    # (an engine left uncompiled, run as converted, has no level: only compiled code is tuned)
+    assert metas and {m["optimization_level"] for m in metas if m["compiled"]} == {shipped}
     v = bundle.report["verification"]
     assert v["passed"] and v["engines_compiled_at_load"] == 0, v.get("compiled_at_load_because")
 
