@@ -958,9 +958,10 @@ CONV_SHAPES_SECONDS = 5.0
 
 def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 20) -> tuple[float, float]:
     """Microseconds per call of the fused operator for ``key`` (``cudnn_fused.conv_key``) at ``batch`` in
-    ``dtype``, and of torch's convolution without its bias followed by the epilogue as eager ops (bias, residual,
-    ReLU: two or three kernels where Inductor's form runs one, so that this favours the fused call), each timed
-    by ``bench.captured_us`` on the current GPU with random channels-last inputs."""
+    ``dtype``, and of torch's convolution without its bias (a depthwise one's through its cuDNN plan, as engines
+    run it) followed by the epilogue as eager ops (bias, residual, ReLU or SiLU: two or three kernels where
+    Inductor's form runs one, so that this favours the fused call), each timed by ``bench.captured_us`` on the
+    current GPU with random channels-last inputs."""
     import torch
 
     from parastream.launcher.engines.cudnn_fused import parse_key, register_ops
@@ -986,6 +987,13 @@ def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 
         if kind == "relu":
             forms = (lambda: torch.ops.parastream.conv2d_relu(x, w, b, strides, padding, dilations, group),
                      lambda: conv().add_(bias).relu_())
+        elif kind == "silu":  # one cuDNN plan against the convolution as the engine runs it unfused, then its SiLU
+            from parastream.launcher.engines.cudnn_plans import conv2d as planned
+
+            depthwise = group > 1 and group == x_shape[0] == w_shape[0]
+            first = (lambda: planned(x, w, None, strides, padding, dilations, group)) if depthwise else conv
+            forms = (lambda: planned(x, w, b, strides, padding, dilations, group, act="swish"),
+                     lambda: torch.nn.functional.silu(first().add_(bias), inplace=True))
         else:
             forms = (lambda: torch.ops.parastream.conv2d_add_relu(x, w, z, b, strides, padding, dilations, group),
                      lambda: conv().add_(z).add_(bias).relu_())
@@ -1048,6 +1056,10 @@ def conv_relu_decided_on_shapes(conv_shapes: dict | None) -> dict | None:
     if not isinstance(conv_shapes, dict) or "error" in conv_shapes or conv_shapes.get("unfused"):
         return None
     us, counts = conv_shapes.get("us"), conv_shapes.get("counts")
+    if any(str(k).startswith("silu|") for k in us or ()):
+        # a SiLU plan's unfused rival here is eager ops where Inductor's runs one kernel that may also take in the
+        # neighbours' work (a squeeze-excite's mean): not measured against the whole plan yet, so it races it
+        return None
     try:
         if not us or conv_shapes.get("timed") != conv_shapes.get("shapes") or set(us) != set(counts):
             return None

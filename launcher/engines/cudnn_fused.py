@@ -88,8 +88,8 @@ def register_ops() -> None:
 
 
 def conv_key(kind: str, x_shape, w_shape, strides, padding, dilations, group: int) -> str:
-    """What identifies a fusable convolution for ``BuildOptions.conv_relu_unfused``: the fusion's kind ("relu" or
-    "add_relu"), its input's shape but the batch, its weight's shape, strides, (symmetric) padding, dilations and
+    """What identifies a fusable convolution for ``BuildOptions.conv_relu_unfused``: the fusion's kind ("relu",
+    "add_relu" or "silu"), its input's shape but the batch, its weight's shape, strides, (symmetric) padding, dilations and
     groups.  The converter and the build's timing (``fused_conv_keys``) write it alike."""
     return "|".join([kind, ",".join(str(int(v)) for v in list(x_shape)[1:]), ",".join(str(int(v)) for v in w_shape),
                      ",".join(str(int(v)) for v in strides), ",".join(str(int(v)) for v in padding),
@@ -99,7 +99,9 @@ def conv_key(kind: str, x_shape, w_shape, strides, padding, dilations, group: in
 def conv_relu_sites(model) -> list[tuple]:
     """Each Conv whose output one Relu alone reads ("relu"), or one Add alone whose sum one Relu alone reads
     ("add_relu", with that Add): the pattern cuDNN's fused conv + bias (+ residual) + ReLU runs, as (conv, kind,
-    add or None).  The converter's fusions and ``fused_conv_keys`` narrow it further (shapes, pads)."""
+    add or None); and each Conv whose output only a Sigmoid of it and the Mul of the two read ("silu", with that
+    Sigmoid): SiLU as exporters write it, which a cuDNN plan runs in the convolution's kernel (``cudnn_plans``).
+    The converter's fusions and ``fused_conv_keys`` narrow it further (shapes, pads)."""
     readers: dict[str, list] = {}
     for n in model.graph.node:
         for i in n.input:
@@ -117,14 +119,32 @@ def conv_relu_sites(model) -> list[tuple]:
             out.append((n, "relu", None))
         elif (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None:
             out.append((n, "add_relu", add))
+        elif (sig := _silu_of(n.output[0], readers)) is not None:
+            out.append((n, "silu", sig))
     return out
+
+
+def _silu_of(y: str, readers: dict) -> object | None:
+    """The Sigmoid node where ``y``'s only readers are a Sigmoid of it and a Mul of ``y`` and that Sigmoid's output,
+    which nothing else reads (y * sigmoid(y)), else None."""
+    got = readers.get(y, [])
+    sig = next((r for r in got if r.op_type == "Sigmoid"), None)
+    mul = next((r for r in got if r.op_type == "Mul"), None)
+    if len(got) != 2 or sig is None or mul is None or not sig.output:
+        return None
+    s = sig.output[0]
+    after = readers.get(s, [])
+    if len(after) != 1 or after[0] != mul or sorted(mul.input) != sorted([y, s]):
+        return None
+    return sig
 
 
 def fused_conv_keys(model) -> dict[str, int]:
     """{``conv_key``: count} of the convolutions of ``model`` (ONNX, static shapes) that the converter's conv+ReLU
-    fusion takes: 2-d, not depthwise (those run through ``cudnn_plans``), symmetric padding, a constant weight, the
-    output read only by a Relu (``relu``) or only by an Add of a tensor of its shape whose sum only a Relu reads
-    (``add_relu``), none of them a graph output."""
+    fusion takes: 2-d, symmetric padding, a constant weight, the output read only by a Relu (``relu``) or only by
+    an Add of a tensor of its shape whose sum only a Relu reads (``add_relu``), not depthwise (those run through
+    ``cudnn_plans``, their ReLU in the plan), or only by its SiLU (``silu``, depthwise or not: every one is a plan),
+    none of them a graph output."""
     import onnx
     from onnx import shape_inference
 
@@ -157,7 +177,7 @@ def fused_conv_keys(model) -> dict[str, int]:
             continue
         a = {at.name: onnx.helper.get_attribute_value(at) for at in n.attribute}
         group = int(a.get("group", 1))
-        if group > 1 and group == x[1] == w[0]:
+        if group > 1 and group == x[1] == w[0] and kind != "silu":
             continue
         pads = [int(p) for p in a.get("pads", [0, 0, 0, 0])]
         if pads[:2] != pads[2:] or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
@@ -165,7 +185,10 @@ def fused_conv_keys(model) -> dict[str, int]:
         y = n.output[0]
         if y in outputs:
             continue
-        if add is not None:  # a residual of the conv's own shape, the sum no graph output
+        if kind == "silu":  # (``add`` is the Sigmoid)
+            if add.output[0] in outputs:
+                continue
+        elif add is not None:  # a residual of the conv's own shape, the sum no graph output
             other = [i for i in add.input if i != y]
             if not (len(add.input) == 2 and add.output[0] not in outputs and len(other) == 1
                     and shapes.get(other[0]) == shapes.get(y)):

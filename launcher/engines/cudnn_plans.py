@@ -10,7 +10,8 @@ plans by key (``PlanCache``), filled from the serialized plans loaded engines of
 plans the other processes of a build shared (``shared_dir``), or by building a plan the first time a key is seen;
 and ``conv2d``, the op that runs a convolution through it (``torch.ops.parastream.cudnn_conv2d``, which the
 converter writes for the depthwise convolutions of a CUDA engine with ``BuildOptions.cudnn_plans``, on by default,
-and Inductor calls as an extern kernel).  A compile worker's run of the engine it compiled records the plans it used
+and, with ``BuildOptions.fuse_conv_relu``, for every convolution whose SiLU it fuses (conv + bias + SWISH_FWD, one
+runtime-compiled kernel); Inductor calls it as an extern kernel).  A compile worker's run of the engine it compiled records the plans it used
 (``recording``), and the kernels artifact ships them (``inductor_kernels.extract``).
 
 The frontend is NVIDIA's ``nvidia-cudnn-frontend`` package (module ``cudnn``), which loads the libcudnn that torch
@@ -428,9 +429,10 @@ def register_op() -> None:
             return
         from .base import define_op
 
-        def fake(x, w, b, stride, padding, dilation, groups, relu):
+        def fake(x, w, b, stride, padding, dilation, groups, relu, act=None):
             out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
             return x.new_empty_strided(out, _channels_last_strides(out))
 
+        # (``act`` last, with a default: code compiled before it existed calls the op as it did)
         _OP.append(define_op("cudnn_conv2d(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, "
-                             "int[] dilation, int groups, bool relu) -> Tensor", conv2d, fake))
+                             "int[] dilation, int groups, bool relu, str? act=None) -> Tensor", conv2d, fake))

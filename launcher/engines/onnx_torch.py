@@ -631,13 +631,21 @@ def has_conv_relu(model: onnx.ModelProto) -> bool:
     return bool(conv_relu_sites(model))
 
 
+def has_conv_silu(model: onnx.ModelProto) -> bool:
+    """Whether a Conv's output only its SiLU (a Sigmoid of it and the Mul of the two) reads: what the conv + SiLU
+    fusion runs as one cuDNN plan (``_fuse_conv_silu``)."""
+    from .cudnn_fused import conv_relu_sites
+
+    return any(kind == "silu" for _, kind, _ in conv_relu_sites(model))
+
+
 def may_fuse_conv_relu(model: onnx.ModelProto) -> bool:
-    """Whether ``fuse_conv_relu`` can change ``model``'s engine: it has a Conv and a Relu node, which every fusion
-    ``convert`` makes (conv + ReLU, conv + residual Add + ReLU) needs.  Broader than the fusions themselves
+    """Whether ``fuse_conv_relu`` can change ``model``'s engine: it has a Conv and a Relu or Sigmoid node, one of
+    which every fusion ``convert`` makes (conv + ReLU, conv + residual Add + ReLU, conv + SiLU) needs.  Broader than the fusions themselves
     (``has_conv_relu``, the pattern a GPU build's conv+ReLU round races) on purpose: a model without both converts
     to the same module either way, whatever its other nodes."""
     ops = {n.op_type for n in model.graph.node}
-    return "Conv" in ops and "Relu" in ops
+    return "Conv" in ops and ("Relu" in ops or "Sigmoid" in ops)
 
 
 def has_fused_attention(model: onnx.ModelProto) -> bool:
@@ -715,7 +723,7 @@ class _ConvFn:
 
             register_op()
 
-    def _planned(self, x, w, b, relu: bool):
+    def _planned(self, x, w, b, relu: bool, act: str | None = None):
         torch = _torch()
         if self.pre_pad is not None:
             x = torch.nn.functional.pad(x, self.pre_pad)
@@ -723,7 +731,11 @@ class _ConvFn:
         # (a channel slice of a mixed-kernel block's input) is written by the kernel that produces it, where the
         # op would otherwise copy it in a kernel of its own at every call. (A no-op where x is already so.)
         x = x.contiguous(memory_format=torch.channels_last)
-        return torch.ops.parastream.cudnn_conv2d(x, w, b, self.strides, self.padding, self.dilations, self.group, relu)
+        if act is None:  # (the call as engines compiled before ``act`` existed make it)
+            return torch.ops.parastream.cudnn_conv2d(x, w, b, self.strides, self.padding, self.dilations, self.group,
+                                                     relu)
+        return torch.ops.parastream.cudnn_conv2d(x, w, b, self.strides, self.padding, self.dilations, self.group,
+                                                 relu, act)
 
     def __call__(self, x, w, b=None):
         if self.planned:
@@ -748,6 +760,20 @@ class _ConvFn:
         _register_fused_conv_ops()
         return lambda x, w, b=None: torch.ops.parastream.conv2d_relu(
             x.contiguous(memory_format=torch.channels_last), w, b, strides, padding, dilations, group)
+
+    def swish_fused(self):
+        """silu(conv(x, w) + b) as one cuDNN plan (conv + bias + SWISH_FWD, ``cudnn_plans.conv2d(act="swish")``),
+        dense or depthwise: no torch op runs a convolution's SiLU in its kernel, so every such convolution goes
+        through the plans' op, whose runtime-compiled kernel the engine ships."""
+        from .cudnn_plans import register_op
+
+        register_op()
+
+        def fused(x, w, b=None):
+            return self._planned(x, w, b, False, "swish")
+
+        fused.planned = True
+        return fused
 
     def add_relu_fused(self):
         """relu(conv(x, w) + z + b) as one cuDNN call (``torch.cudnn_convolution_add_relu``, alpha 1 on z); x and
@@ -1949,6 +1975,43 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
     return out, fused
 
 
+def _fuse_conv_silu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict | None = None,
+                    unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
+    """Conv (2-d, symmetric pads, constant weight) whose output only a Sigmoid of it and the Mul of the two read
+    (SiLU as exporters write it: x * sigmoid(x)) -> one cuDNN conv + bias + SiLU step (``_ConvFn.swish_fused``) in
+    the Conv's place, but where its shape is one ``unfused`` lists (kind "silu").  Neither the Conv's nor the
+    Sigmoid's output may be a graph output (``keep``).  The fused weights are stored channels-last, as
+    ``_fuse_conv_relu`` stores them.  Returns the new steps, how many were fused, and ``op_of`` for the new steps'
+    indices."""
+    torch = _torch()
+    readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
+    drop: set[int] = set()
+    fused: dict[int, Step] = {}
+    for i, st in enumerate(steps):
+        fn = st.fn
+        if not (isinstance(fn, _ConvFn) and fn.nd == 2 and len(st.outputs) == 1 and st.outputs[0] not in keep):
+            continue
+        y, w = st.outputs[0], st.args[1] if len(st.args) > 1 else None
+        r = readers.get(y, [])
+        if w is None or w[0] != "c" or len(r) != 2 or _unfused_here("silu", st, shapes, consts, unfused):
+            continue
+        sig = next((j for j in r if op_of.get(j) == "Sigmoid"), None)
+        mul = next((j for j in r if op_of.get(j) == "Mul"), None)
+        if sig is None or mul is None or len(steps[sig].outputs) != 1 or len(steps[mul].outputs) != 1:
+            continue
+        s_out = steps[sig].outputs[0]
+        if (s_out in keep or readers.get(s_out) != [mul] or len(steps[mul].args) != 2
+                or sorted(a[1] for a in steps[mul].args if a is not None and a[0] == "v") != sorted([y, s_out])):
+            continue
+        consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+        fused[i] = Step(fn.swish_fused(), st.args, steps[mul].outputs,
+                        f"{st.node}+{steps[sig].node}+{steps[mul].node}")
+        drop.update((sig, mul))
+    kept = [i for i in range(len(steps)) if i not in drop]
+    return ([fused.get(i, steps[i]) for i in kept], len(fused),
+            {new: ("Conv+Sigmoid+Mul" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
+
+
 def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str],
                         shapes: dict[str, tuple], unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
     """Conv (2-d, symmetric pads, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual:
@@ -2032,8 +2095,9 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: (``_fold_shortcut_bias``) and asks for the fused steps' inputs channels-last (``_ConvFn.relu_fused``); 7
 #: computes what ONNX does where 6 did not (Resize by scales, pools with ceil_mode cropped, TopK's ties, Flatten's
 #: negative axis, Slice's clamped start, ...): a cached engine of 6 may hold the old results; 8 runs LSTM, GRU and
-#: RNN layers as torch's own where it computes the same (``recurrent_op``)
-CONVERTER_VERSION = 8
+#: RNN layers as torch's own where it computes the same (``recurrent_op``); 9 fuses a convolution's SiLU into its
+#: cuDNN plan (``_fuse_conv_silu``)
+CONVERTER_VERSION = 9
 
 
 def _transposed_weight(fn):
@@ -2106,7 +2170,7 @@ def _recurrent_weights(steps: list, consts: dict, keep: set[str]) -> int:
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
             cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False,
-            conv_relu_unfused=()):
+            conv_relu_unfused=(), fuse_conv_silu: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -2114,7 +2178,9 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
     only: cuDNN's fused kernels) turns each 2-d Conv whose only reader is a Relu into one step, and each
     2-d Conv + residual Add + Relu into one ``torch.cudnn_convolution_add_relu`` step, but those whose
-    ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused).
+    ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused); with
+    ``fuse_conv_silu`` too (CUDA engines that may call the plans' op), each 2-d Conv whose output only its SiLU
+    (Sigmoid and Mul) reads into one cuDNN conv + bias + SiLU plan (``_fuse_conv_silu``), on the same terms.
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
     matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
     the tanh approximation there) runs each matmul-bias-activation node as one ``torch._addmm_activation``; off,
@@ -2232,7 +2298,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         if v is None:
             raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
-    fused = residual = 0
+    fused = residual = silu = 0
     linear = _linear_weights(steps, consts, op_of, {ref for kind, ref in output_refs if kind == "c"})
     recurrent = _recurrent_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
@@ -2240,10 +2306,13 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         shapes = {k: v.shape for k, v in values.items()}
         unfused = frozenset(conv_relu_unfused)
         steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, shapes, unfused)
+        if fuse_conv_silu:
+            steps, silu, op_of = _fuse_conv_silu(steps, keep, consts, op_of, shapes, unfused)
         steps, fused = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
     module.fused_conv_add_relu = residual
+    module.fused_conv_silu = silu
     module.linear_weights = linear
     module.recurrent_weights = recurrent
     module.patch_gemm_convs = sum(bool(getattr(st.fn, "patch_gemm", False)) for st in steps)
