@@ -182,7 +182,8 @@ def test_the_cudnn_plan_matches_onnxruntime_on_the_gpu(precision, tol):
     ref = _ort(model, feeds)
     module = convert(model, precision, fuse_conv_relu=True, fuse_conv_silu=True).cuda()
     assert module.fused_conv_silu == 2
-    ins = [torch.from_numpy(feeds[i.name]).cuda() for i in model.graph.input]
+    # (inputs in the compute dtype, as ``TorchEngine`` hands them over)
+    ins = [torch.from_numpy(feeds[i.name]).cuda().to(getattr(torch, precision)) for i in model.graph.input]
     with torch.no_grad():
         outs = module(*ins)
     for o, t in zip(model.graph.output, outs):
