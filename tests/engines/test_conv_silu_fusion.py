@@ -157,6 +157,43 @@ def test_the_option_applies_to_a_model_with_silu_and_the_engine_asks_for_it_wher
         assert not converter_options(device, dtype, opts)["fuse_conv_silu"], (device, dtype, opts)
 
 
+def _exported(exporter: str, opset: int) -> onnx.ModelProto:
+    """A dense and a depthwise convolution with SiLU (nn.SiLU), and a 1x1 after them, as the exporter writes it."""
+    import io
+    import warnings
+
+    torch.manual_seed(0)
+    net = torch.nn.Sequential(torch.nn.Conv2d(4, 8, 3, padding=1), torch.nn.SiLU(),
+                              torch.nn.Conv2d(8, 8, 5, padding=2, groups=8), torch.nn.SiLU(),
+                              torch.nn.Conv2d(8, 4, 1)).eval()
+    args = (torch.randn(1, 4, 10, 10),)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if exporter == "dynamo":
+            try:
+                m = torch.onnx.export(net, args, dynamo=True, opset_version=opset, input_names=["x"]).model_proto
+            except Exception as e:  # noqa: BLE001 - the dynamo exporter needs onnxscript
+                pytest.skip(f"the dynamo exporter does not run here: {type(e).__name__}: {e}")
+        else:
+            f = io.BytesIO()
+            torch.onnx.export(net, args, f, dynamo=False, opset_version=opset, input_names=["x"])
+            m = onnx.load_from_string(f.getvalue())
+    return onnx.shape_inference.infer_shapes(m)
+
+
+@pytest.mark.parametrize("exporter, opset", [("torchscript", 17), ("dynamo", 18)])
+def test_both_exporters_silu_fuses_and_equals_onnxruntime(exporter, opset):
+    model = _exported(exporter, opset)
+    module = convert(model, fuse_conv_relu=True, fuse_conv_silu=True)
+    assert module.fused_conv_silu == 2, [n.op_type for n in model.graph.node]
+    assert len(fused_conv_keys(model)) == 2
+    feeds = {model.graph.input[0].name: np.random.default_rng(5).standard_normal((1, 4, 10, 10)).astype(np.float32)}
+    ref = _ort(model, feeds)
+    got = _run(module, model, feeds)
+    for name, r in ref.items():
+        np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
+
+
 def _relu_and_silu_model() -> onnx.ModelProto:
     """One Conv -> Relu and one Conv -> SiLU."""
     rng = np.random.default_rng(4)
