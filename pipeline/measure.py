@@ -1001,18 +1001,19 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
     Res2Net-50: four of its 24 shapes 0.34-0.93x fused, the rest 1.1-1.4x, so that the round kept Inductor's form
     for all of them; bench/conv_epilogues.py).  The round then races this mix against Inductor's form.  None where
     the model has no such convolution or its precision is not one the fusion runs in.  {"shapes", "timed",
-    "unfused", "us": {key: [fused, unfused]}, "s"}, and "silu_shapes" where the model has convolutions the SiLU
-    fusion takes: those are not timed here (their eager rival is not what Inductor runs, and the whole plan races
-    them: ``conv_relu_decided_on_shapes``).  Timed, EfficientNet-B0's build spent this step's 5 s on 11 of its 27
+    "unfused", "us": {key: [fused, unfused]}, "s"}, and "plan_shapes" where the model has convolutions whose
+    epilogue the fusion runs as a cuDNN plan (``cudnn_fused.PLANNED_KINDS``: SiLU, a residual Add without ReLU):
+    those are not timed here (their eager rival is not what Inductor runs, and the whole plan races them:
+    ``conv_relu_decided_on_shapes``).  Timed, EfficientNet-B0's build spent this step's 5 s on 11 of its 27
     SiLU shapes, building their runtime-compiled plans one by one, and listed none (H200)."""
-    from parastream.launcher.engines.cudnn_fused import fused_conv_keys
+    from parastream.launcher.engines.cudnn_fused import PLANNED_KINDS, fused_conv_keys
 
     dtype_name = {"fp16": "float16", "fp32": "float32"}.get(options.precision)
     if dtype_name is None:
         return None
     keys = fused_conv_keys(model)
-    silu = sum(k.startswith("silu|") for k in keys)
-    keys = {k: n for k, n in keys.items() if not k.startswith("silu|")}
+    planned = sum(k.split("|")[0] in PLANNED_KINDS for k in keys)
+    keys = {k: n for k, n in keys.items() if k.split("|")[0] not in PLANNED_KINDS}
     if not keys:
         return None
     import torch
@@ -1034,7 +1035,7 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
     return {"shapes": len(keys), "timed": len(us),
             "unfused": sorted(k for k, (f, u) in us.items() if f > u * (1 + CONV_SHAPE_MARGIN)),
             "us": us, "counts": {k: keys[k] for k in us}, "s": round(time.perf_counter() - t0, 3),
-            **({"silu_shapes": silu} if silu else {})}
+            **({"plan_shapes": planned} if planned else {})}
 
 
 #: the conv+ReLU round is taken for the fused form on the shapes timed alone (``time_conv_shapes``), its whole
@@ -1054,7 +1055,7 @@ def conv_relu_decided_on_shapes(conv_shapes: dict | None) -> dict | None:
     if not isinstance(conv_shapes, dict) or "error" in conv_shapes or conv_shapes.get("unfused"):
         return None
     us, counts = conv_shapes.get("us"), conv_shapes.get("counts")
-    if conv_shapes.get("silu_shapes"):  # (not timed alone: the whole plan races the SiLU fusion)
+    if conv_shapes.get("plan_shapes"):  # (not timed alone: the whole plan races the plans' fusions)
         return None
     try:
         if not us or conv_shapes.get("timed") != conv_shapes.get("shapes") or set(us) != set(counts):

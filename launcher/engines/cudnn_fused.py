@@ -89,18 +89,24 @@ def register_ops() -> None:
 
 def conv_key(kind: str, x_shape, w_shape, strides, padding, dilations, group: int) -> str:
     """What identifies a fusable convolution for ``BuildOptions.conv_relu_unfused``: the fusion's kind ("relu",
-    "add_relu" or "silu"), its input's shape but the batch, its weight's shape, strides, (symmetric) padding, dilations and
+    "add_relu", "add" or "silu"), its input's shape but the batch, its weight's shape, strides, (symmetric) padding, dilations and
     groups.  The converter and the build's timing (``fused_conv_keys``) write it alike."""
     return "|".join([kind, ",".join(str(int(v)) for v in list(x_shape)[1:]), ",".join(str(int(v)) for v in w_shape),
                      ",".join(str(int(v)) for v in strides), ",".join(str(int(v)) for v in padding),
                      ",".join(str(int(v)) for v in dilations), str(int(group))])
 
 
+#: the fusions of ``conv_relu_sites`` that run as a cuDNN plan (``cudnn_plans.conv2d``), depthwise convolutions too
+PLANNED_KINDS = ("add", "silu")
+
+
 def conv_relu_sites(model) -> list[tuple]:
     """Each Conv whose output one Relu alone reads ("relu"), or one Add alone whose sum one Relu alone reads
     ("add_relu", with that Add): the pattern cuDNN's fused conv + bias (+ residual) + ReLU runs, as (conv, kind,
-    add or None); and each Conv whose output only a Sigmoid of it and the Mul of the two read ("silu", with that
-    Sigmoid): SiLU as exporters write it, which a cuDNN plan runs in the convolution's kernel (``cudnn_plans``).
+    add or None); and, ``PLANNED_KINDS``, which cuDNN runs in the convolution's kernel through a plan
+    (``cudnn_plans``): each Conv whose output one Add alone reads, no Relu alone after it ("add", with that Add),
+    and each Conv whose output only a Sigmoid of it and the Mul of the two read ("silu", with that Sigmoid: SiLU as
+    exporters write it).
     The converter's fusions and ``fused_conv_keys`` narrow it further (shapes, pads)."""
     readers: dict[str, list] = {}
     for n in model.graph.node:
@@ -111,14 +117,19 @@ def conv_relu_sites(model) -> list[tuple]:
         got = readers.get(name, [])
         return got[0] if len(got) == 1 and got[0].op_type == op else None
 
+    constants = {t.name for t in model.graph.initializer} | {
+        o for n in model.graph.node if n.op_type == "Constant" for o in n.output}
     out = []
     for n in model.graph.node:
         if n.op_type != "Conv" or not n.output:
             continue
+        add = only(n.output[0], "Add")
         if only(n.output[0], "Relu") is not None:
             out.append((n, "relu", None))
-        elif (add := only(n.output[0], "Add")) is not None and only(add.output[0], "Relu") is not None:
+        elif add is not None and only(add.output[0], "Relu") is not None:
             out.append((n, "add_relu", add))
+        elif add is not None and len(set(add.input)) == 2 and not constants & set(add.input):
+            out.append((n, "add", add))  # (a residual is computed: a constant added is a bias, left to Inductor)
         elif (sig := _silu_of(n.output[0], readers)) is not None:
             out.append((n, "silu", sig))
     return out
@@ -143,8 +154,9 @@ def fused_conv_keys(model) -> dict[str, int]:
     """{``conv_key``: count} of the convolutions of ``model`` (ONNX, static shapes) that the converter's conv+ReLU
     fusion takes: 2-d, symmetric padding, a constant weight, the output read only by a Relu (``relu``) or only by
     an Add of a tensor of its shape whose sum only a Relu reads (``add_relu``), not depthwise (those run through
-    ``cudnn_plans``, their ReLU in the plan), or only by its SiLU (``silu``, depthwise or not: every one is a plan),
-    none of them a graph output."""
+    ``cudnn_plans``, their ReLU in the plan); or only by such an Add that no Relu alone follows (``add``) or only
+    by its SiLU (``silu``), depthwise or not (``PLANNED_KINDS``: every one is a plan); none of them a graph
+    output but an ``add``'s sum (the fused step writes it)."""
     import onnx
     from onnx import shape_inference
 
@@ -177,7 +189,7 @@ def fused_conv_keys(model) -> dict[str, int]:
             continue
         a = {at.name: onnx.helper.get_attribute_value(at) for at in n.attribute}
         group = int(a.get("group", 1))
-        if group > 1 and group == x[1] == w[0] and kind != "silu":
+        if group > 1 and group == x[1] == w[0] and kind not in PLANNED_KINDS:
             continue
         pads = [int(p) for p in a.get("pads", [0, 0, 0, 0])]
         if pads[:2] != pads[2:] or a.get("auto_pad", b"NOTSET") not in (b"NOTSET", "NOTSET"):
@@ -188,9 +200,9 @@ def fused_conv_keys(model) -> dict[str, int]:
         if kind == "silu":  # (``add`` is the Sigmoid)
             if add.output[0] in outputs:
                 continue
-        elif add is not None:  # a residual of the conv's own shape, the sum no graph output
+        elif add is not None:  # a residual of the conv's own shape, the sum no graph output where a ReLU follows
             other = [i for i in add.input if i != y]
-            if not (len(add.input) == 2 and add.output[0] not in outputs and len(other) == 1
+            if not (len(add.input) == 2 and (kind == "add" or add.output[0] not in outputs) and len(other) == 1
                     and shapes.get(other[0]) == shapes.get(y)):
                 continue
         key = conv_key(kind, x, w, a.get("strides", [1, 1]), pads[:2], a.get("dilations", [1, 1]), group)

@@ -10,8 +10,8 @@ plans by key (``PlanCache``), filled from the serialized plans loaded engines of
 plans the other processes of a build shared (``shared_dir``), or by building a plan the first time a key is seen;
 and ``conv2d``, the op that runs a convolution through it (``torch.ops.parastream.cudnn_conv2d``, which the
 converter writes for the depthwise convolutions of a CUDA engine with ``BuildOptions.cudnn_plans``, on by default,
-and, with ``BuildOptions.fuse_conv_relu``, for every convolution whose SiLU it fuses (conv + bias + SWISH_FWD, one
-runtime-compiled kernel); Inductor calls it as an extern kernel).  A compile worker's run of the engine it compiled records the plans it used
+and, with ``BuildOptions.fuse_conv_relu``, for every convolution whose SiLU (conv + bias + SWISH_FWD) or residual
+Add (conv + bias + add) it fuses, each one runtime-compiled kernel; Inductor calls it as an extern kernel).  A compile worker's run of the engine it compiled records the plans it used
 (``recording``), and the kernels artifact ships them (``inductor_kernels.extract``).
 
 The frontend is NVIDIA's ``nvidia-cudnn-frontend`` package (module ``cudnn``), which loads the libcudnn that torch
@@ -29,7 +29,7 @@ import time
 from dataclasses import dataclass, field
 
 #: uids of the plan's tensors in the variant pack
-_X, _W, _Y, _B = 1, 2, 3, 4
+_X, _W, _Y, _B, _Z = 1, 2, 3, 4, 5
 
 _LOCK = threading.RLock()
 
@@ -77,15 +77,15 @@ def _check_activation(act: str | None, relu: bool) -> None:
 
 
 def plan_key(dtype: str, x_shape, w_shape, stride, padding, dilation, bias: bool = False, relu: bool = False,
-             act: str | None = None) -> str:
+             act: str | None = None, residual: bool = False) -> str:
     """The key of a plan: what its tensors' descriptors and the convolution hold (the tensors channels-last and
-    contiguous, as the op makes them), and whether a bias is added and a ReLU (or ``act``, one of ``ACTIVATIONS``)
-    applied in the same kernel.  A key without ``act`` is as it was before there were others (shipped plans
-    keep their keys)."""
+    contiguous, as the op makes them), and whether a bias is added, a residual of the output's shape added after it
+    (``residual``) and a ReLU (or ``act``, one of ``ACTIVATIONS``) applied in the same kernel.  A key without
+    ``act`` or ``residual`` is as it was before there were others (shipped plans keep their keys)."""
     _check_activation(act, relu)
     return json.dumps([dtype, [int(v) for v in x_shape], [int(v) for v in w_shape], [int(v) for v in stride],
                        [int(v) for v in padding], [int(v) for v in dilation], int(bias), int(relu),
-                       *([act] if act else [])], separators=(",", ":"))
+                       *([act] if act else []), *(["residual"] if residual else [])], separators=(",", ":"))
 
 
 def device_tag(device_index: int = 0) -> str:
@@ -324,7 +324,7 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     import torch
 
     cudnn = frontend()
-    dtype, x_shape, w_shape, stride, padding, dilation, bias, relu, *act = json.loads(key)
+    dtype, x_shape, w_shape, stride, padding, dilation, bias, relu, *extra = json.loads(key)
     io_type = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
                "float32": cudnn.data_type.FLOAT}[dtype]
     t0 = time.perf_counter()
@@ -341,11 +341,15 @@ def _build(handle, key: str, device_index: int) -> _Plan:
                          data_type=io_type)
             b.set_uid(_B)
             y = g.bias(input=y, bias=b, compute_data_type=cudnn.data_type.FLOAT)
+        out = conv_out_shape(x_shape, w_shape, stride, padding, dilation)
+        if "residual" in extra:  # conv + bias + z, z of the output's shape (an inverted residual's projection)
+            z = g.tensor(name="Z", dim=out, stride=_channels_last_strides(out), data_type=io_type)
+            z.set_uid(_Z)
+            y = g.add(a=y, b=z, compute_data_type=cudnn.data_type.FLOAT)
         if relu:
             y = g.relu(input=y, compute_data_type=cudnn.data_type.FLOAT)
-        if act == ["swish"]:
+        if "swish" in extra:
             y = g.swish(input=y, compute_data_type=cudnn.data_type.FLOAT)
-        out = conv_out_shape(x_shape, w_shape, stride, padding, dilation)
         y.set_output(True).set_data_type(io_type).set_dim(out).set_stride(_channels_last_strides(out))
         x.set_uid(_X)
         w.set_uid(_W)
@@ -362,8 +366,9 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built", serializable=runtime_compiled)
 
 
-def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, act: str | None = None):
-    """relu?(conv(x, w) + b?) (or ``act`` of it, ``ACTIVATIONS``) for a 2-d convolution with symmetric padding,
+def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, act: str | None = None, z=None):
+    """relu?(conv(x, w) + b? + z?) (or ``act`` of it, ``ACTIVATIONS``) for a 2-d convolution with symmetric padding
+    (``z``: a residual of the output's shape),
     channels-last out: through a plan of ``CACHE`` on a GPU with the frontend (the key noted where ``recording``
     is on), else torch's own ops."""
     import torch
@@ -372,7 +377,8 @@ def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, 
         x = x.contiguous(memory_format=torch.channels_last)
         w = w.contiguous(memory_format=torch.channels_last)  # (a depthwise weight is both layouts at once)
         device = x.device.index if x.device.index is not None else torch.cuda.current_device()
-        key = plan_key(_dtype_name(x.dtype), x.shape, w.shape, stride, padding, dilation, b is not None, relu, act)
+        key = plan_key(_dtype_name(x.dtype), x.shape, w.shape, stride, padding, dilation, b is not None, relu, act,
+                       z is not None)
         with _LOCK:
             plan = CACHE.get(device, key)
             if plan is not None:
@@ -386,6 +392,8 @@ def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, 
                 pack = {_X: x, _W: w, _Y: y}
                 if b is not None:
                     pack[_B] = b.to(x.dtype).contiguous()
+                if z is not None:
+                    pack[_Z] = z.to(x.dtype).contiguous(memory_format=torch.channels_last)
                 try:
                     plan.graph.execute(pack, ws, handle=h)
                 finally:  # the stream is the launcher's, which may close it: the handle keeps none
@@ -393,6 +401,8 @@ def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, 
                 return y
     _check_activation(act, relu)
     y = torch.nn.functional.conv2d(x, w, b, stride, padding, dilation, groups)
+    if z is not None:
+        y = y + z
     if relu:
         y = torch.relu(y)
     elif act == "swish":
@@ -429,10 +439,11 @@ def register_op() -> None:
             return
         from .base import define_op
 
-        def fake(x, w, b, stride, padding, dilation, groups, relu, act=None):
+        def fake(x, w, b, stride, padding, dilation, groups, relu, act=None, z=None):
             out = conv_out_shape(x.shape, w.shape, stride, padding, dilation)
             return x.new_empty_strided(out, _channels_last_strides(out))
 
-        # (``act`` last, with a default: code compiled before it existed calls the op as it did)
+        # (``act`` and ``z`` last, with defaults: code compiled before they existed calls the op as it did)
         _OP.append(define_op("cudnn_conv2d(Tensor x, Tensor w, Tensor? b, int[] stride, int[] padding, "
-                             "int[] dilation, int groups, bool relu, str? act=None) -> Tensor", conv2d, fake))
+                             "int[] dilation, int groups, bool relu, str? act=None, Tensor? z=None) -> Tensor",
+                             conv2d, fake))

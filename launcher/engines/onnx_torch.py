@@ -631,21 +631,22 @@ def has_conv_relu(model: onnx.ModelProto) -> bool:
     return bool(conv_relu_sites(model))
 
 
-def has_conv_silu(model: onnx.ModelProto) -> bool:
-    """Whether a Conv's output only its SiLU (a Sigmoid of it and the Mul of the two) reads: what the conv + SiLU
-    fusion runs as one cuDNN plan (``_fuse_conv_silu``)."""
-    from .cudnn_fused import conv_relu_sites
+def has_planned_epilogue(model: onnx.ModelProto) -> bool:
+    """Whether a Conv's output only its SiLU (a Sigmoid of it and the Mul of the two) reads, or only a residual Add
+    that no Relu alone follows: the epilogues ``fuse_conv_plans`` runs in one cuDNN plan (``_fuse_conv_silu``,
+    ``_fuse_conv_add``)."""
+    from .cudnn_fused import PLANNED_KINDS, conv_relu_sites
 
-    return any(kind == "silu" for _, kind, _ in conv_relu_sites(model))
+    return any(kind in PLANNED_KINDS for _, kind, _ in conv_relu_sites(model))
 
 
 def may_fuse_conv_relu(model: onnx.ModelProto) -> bool:
-    """Whether ``fuse_conv_relu`` can change ``model``'s engine: it has a Conv and a Relu or Sigmoid node, one of
-    which every fusion ``convert`` makes (conv + ReLU, conv + residual Add + ReLU, conv + SiLU) needs.  Broader than the fusions themselves
+    """Whether ``fuse_conv_relu`` can change ``model``'s engine: it has a Conv and a Relu, Sigmoid or Add node, one
+    of which every fusion ``convert`` makes (conv + ReLU, conv + residual Add (+ ReLU), conv + SiLU) needs.  Broader than the fusions themselves
     (``has_conv_relu``, the pattern a GPU build's conv+ReLU round races) on purpose: a model without both converts
     to the same module either way, whatever its other nodes."""
     ops = {n.op_type for n in model.graph.node}
-    return "Conv" in ops and ("Relu" in ops or "Sigmoid" in ops)
+    return "Conv" in ops and bool(ops & {"Relu", "Sigmoid", "Add"})
 
 
 def has_fused_attention(model: onnx.ModelProto) -> bool:
@@ -723,7 +724,7 @@ class _ConvFn:
 
             register_op()
 
-    def _planned(self, x, w, b, relu: bool, act: str | None = None):
+    def _planned(self, x, w, b, relu: bool, act: str | None = None, z=None):
         torch = _torch()
         if self.pre_pad is not None:
             x = torch.nn.functional.pad(x, self.pre_pad)
@@ -731,11 +732,13 @@ class _ConvFn:
         # (a channel slice of a mixed-kernel block's input) is written by the kernel that produces it, where the
         # op would otherwise copy it in a kernel of its own at every call. (A no-op where x is already so.)
         x = x.contiguous(memory_format=torch.channels_last)
-        if act is None:  # (the call as engines compiled before ``act`` existed make it)
+        if act is None and z is None:  # (the call as engines compiled before ``act`` and ``z`` existed make it)
             return torch.ops.parastream.cudnn_conv2d(x, w, b, self.strides, self.padding, self.dilations, self.group,
                                                      relu)
+        if z is not None:  # (channels-last as the plan reads it, written so by the kernel that produces it)
+            z = z.contiguous(memory_format=torch.channels_last)
         return torch.ops.parastream.cudnn_conv2d(x, w, b, self.strides, self.padding, self.dilations, self.group,
-                                                 relu, act)
+                                                 relu, act, z)
 
     def __call__(self, x, w, b=None):
         if self.planned:
@@ -771,6 +774,20 @@ class _ConvFn:
 
         def fused(x, w, b=None):
             return self._planned(x, w, b, False, "swish")
+
+        fused.planned = True
+        return fused
+
+    def add_fused(self):
+        """conv(x, w) + b + z, z a residual of the output's shape, as one cuDNN plan (conv + bias + add,
+        ``cudnn_plans.conv2d(z=...)``): the add of an inverted residual's projection, which no torch op fuses into
+        the convolution (``torch.cudnn_convolution_add_relu`` always applies its ReLU)."""
+        from .cudnn_plans import register_op
+
+        register_op()
+
+        def fused(x, w, z, b=None):
+            return self._planned(x, w, b, False, None, z)
 
         fused.planned = True
         return fused
@@ -2012,6 +2029,51 @@ def _fuse_conv_silu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
             {new: ("Conv+Sigmoid+Mul" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
 
 
+def _fuse_conv_add(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict[str, tuple],
+                   unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
+    """Conv (2-d, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual, no
+    broadcasting), the conv's output read by that Add alone and not a graph output (``keep``; the sum may be one:
+    the fused step writes it) -> one cuDNN conv + bias + add plan (``_ConvFn.add_fused``) in the Add's place
+    (where x and z are both computed), but where
+    its shape is one ``unfused`` lists (kind "add").  Run after ``_fuse_conv_add_relu``, which takes those whose sum
+    a Relu alone reads.  The fused weights are stored channels-last.  Returns the new steps, how many were fused,
+    and ``op_of`` for the new steps' indices."""
+    torch = _torch()
+    readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
+    producer = {name: i for i, st in enumerate(steps) for name in st.outputs if name}
+    drop: set[int] = set()
+    fused: dict[int, Step] = {}
+    for i, add in enumerate(steps):
+        if op_of.get(i) != "Add" or len(add.outputs) != 1 or len(add.args) != 2:
+            continue
+        if any(a is None or a[0] != "v" for a in add.args) or add.args[0][1] == add.args[1][1]:
+            continue
+        after = readers.get(add.outputs[0], [])
+        if len(after) == 1 and op_of.get(after[0]) == "Relu":  # conv + add + ReLU's, fused or left by its timing
+            continue
+        for j in (0, 1):
+            c = producer.get(add.args[j][1])
+            z = add.args[1 - j][1]
+            if c is None or c in drop:
+                continue
+            conv = steps[c]
+            w = conv.args[1] if len(conv.args) > 1 else None
+            same_shape = shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])
+            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and len(conv.outputs) == 1 and same_shape
+                    and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
+                    and w is not None and w[0] == "c" and not _unfused_here("add", conv, shapes, consts, unfused)):
+                continue
+            consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+            bias = conv.args[2] if len(conv.args) > 2 else None
+            fused[i] = Step(conv.fn.add_fused(), [conv.args[0], w, ("v", z), bias], add.outputs,
+                            f"{conv.node}+{add.node}")
+            drop.add(c)
+            break
+    kept = [i for i in range(len(steps)) if i not in drop]
+    return ([fused.get(i, steps[i]) for i in kept], len(fused),
+            {new: ("Conv+Add" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
+
+
 def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str],
                         shapes: dict[str, tuple], unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
     """Conv (2-d, symmetric pads, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual:
@@ -2096,7 +2158,7 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: computes what ONNX does where 6 did not (Resize by scales, pools with ceil_mode cropped, TopK's ties, Flatten's
 #: negative axis, Slice's clamped start, ...): a cached engine of 6 may hold the old results; 8 runs LSTM, GRU and
 #: RNN layers as torch's own where it computes the same (``recurrent_op``); 9 fuses a convolution's SiLU into its
-#: cuDNN plan (``_fuse_conv_silu``)
+#: cuDNN plan (``_fuse_conv_silu``), and a convolution's residual Add (``_fuse_conv_add``)
 CONVERTER_VERSION = 9
 
 
@@ -2170,7 +2232,7 @@ def _recurrent_weights(steps: list, consts: dict, keep: set[str]) -> int:
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
             cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False,
-            conv_relu_unfused=(), fuse_conv_silu: bool = False):
+            conv_relu_unfused=(), fuse_conv_plans: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -2179,8 +2241,10 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     only: cuDNN's fused kernels) turns each 2-d Conv whose only reader is a Relu into one step, and each
     2-d Conv + residual Add + Relu into one ``torch.cudnn_convolution_add_relu`` step, but those whose
     ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused); with
-    ``fuse_conv_silu`` too (CUDA engines that may call the plans' op), each 2-d Conv whose output only its SiLU
-    (Sigmoid and Mul) reads into one cuDNN conv + bias + SiLU plan (``_fuse_conv_silu``), on the same terms.
+    ``fuse_conv_plans`` too (CUDA engines that may call the plans' op), the epilogues only a cuDNN plan runs fused:
+    each 2-d Conv whose output only its SiLU (Sigmoid and Mul) reads into one conv + bias + SiLU plan
+    (``_fuse_conv_silu``), and each Conv + residual Add that no Relu follows into one conv + bias + add plan
+    (``_fuse_conv_add``), on the same terms.
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
     matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
     the tanh approximation there) runs each matmul-bias-activation node as one ``torch._addmm_activation``; off,
@@ -2298,7 +2362,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         if v is None:
             raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
-    fused = residual = silu = 0
+    fused = residual = silu = added = 0
     linear = _linear_weights(steps, consts, op_of, {ref for kind, ref in output_refs if kind == "c"})
     recurrent = _recurrent_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
@@ -2306,13 +2370,15 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         shapes = {k: v.shape for k, v in values.items()}
         unfused = frozenset(conv_relu_unfused)
         steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, shapes, unfused)
-        if fuse_conv_silu:
+        if fuse_conv_plans:
             steps, silu, op_of = _fuse_conv_silu(steps, keep, consts, op_of, shapes, unfused)
+            steps, added, op_of = _fuse_conv_add(steps, keep, consts, op_of, shapes, unfused)
         steps, fused = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
     module.fused_conv_add_relu = residual
     module.fused_conv_silu = silu
+    module.fused_conv_add = added
     module.linear_weights = linear
     module.recurrent_weights = recurrent
     module.patch_gemm_convs = sum(bool(getattr(st.fn, "patch_gemm", False)) for st in steps)

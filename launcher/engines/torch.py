@@ -45,9 +45,9 @@
   their slices of its output, so the join costs no kernel.
 * On the GPU a 2-d Conv whose only reader is a Relu becomes ``torch.cudnn_convolution_relu``
   (cuDNN's fused conv + bias + ReLU, weights channels-last): Inductor would otherwise run the
-  convolution and then a separate Triton kernel for bias and ReLU (``FUSE_CONV_RELU``).  The same option runs a
-  Conv whose output only its SiLU (Sigmoid and Mul) reads as one cuDNN plan, conv + bias + SWISH_FWD
-  (``cudnn_plans``), which no torch op fuses.
+  convolution and then a separate Triton kernel for bias and ReLU (``FUSE_CONV_RELU``).  The same option runs
+  the epilogues no torch op fuses as one cuDNN plan each (``cudnn_plans``): a Conv whose output only its SiLU
+  (Sigmoid and Mul) reads (conv + bias + SWISH_FWD), and a Conv + residual Add that no Relu follows.
 * ``run(feeds)`` works on the CPU too (fp32 compute there; Inductor and AOTInductor compile for the CPU as
   well), which is how CI tests the converter and the compiled engines.
 """
@@ -476,7 +476,7 @@ def code_choices(branch: onnx.ModelProto, signature: list, dtype: str, options: 
     """What, besides the branch's graph, makes its compiled code (``cache_key``), as sorted JSON: the tensor
     layout, the compute dtype, the options that change the code (a fusion only where it can), what it is compiled
     for and into which artifact."""
-    from .onnx_torch import CONVERTER_VERSION, has_conv_silu, has_depthwise_conv
+    from .onnx_torch import CONVERTER_VERSION, has_depthwise_conv, has_planned_epilogue
 
     applies = choices_that_apply(branch)
     device = built.get("device")
@@ -488,9 +488,9 @@ def code_choices(branch: onnx.ModelProto, signature: list, dtype: str, options: 
                        **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
                        **({"conv_kernels": options.conv_kernels}  # only where it changes the code
                           if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
-                       # (the code calls the plans' op: for its depthwise convolutions, or its SiLUs' fusion)
+                       # (the code calls the plans' op: for its depthwise convolutions, or the epilogues it fuses)
                        **({"cudnn_plans": True} if (_cudnn_plans(device, options) and has_depthwise_conv(branch))
-                          or (fuse and _plan_op(device, options) and has_conv_silu(branch)) else {}),
+                          or (fuse and _plan_op(device, options) and has_planned_epilogue(branch)) else {}),
                        **({"fuse_gemm_epilogue": False}
                           if applies["fuse_gemm_epilogue"] and not options.fuse_gemm_epilogue else {}),
                        **({"inductor_format": inductor_format(options)} if artifact == "inductor" else {}),
@@ -677,7 +677,7 @@ def converter_options(device: str, dtype: str, options: BuildOptions) -> dict:
     return {"fuse_conv_relu": _fuse(device, dtype, options), "fuse_attention": options.fuse_attention,
             "conv_kernels": options.conv_kernels, "fuse_gemm_epilogue": _fuse_gemm_epilogue(device, options),
             "cudnn_plans": _cudnn_plans(device, options), "patch_gemm": device == "cuda",
-            "fuse_conv_silu": _fuse(device, dtype, options) and _plan_op(device, options),
+            "fuse_conv_plans": _fuse(device, dtype, options) and _plan_op(device, options),
             "conv_relu_unfused": tuple(options.conv_relu_unfused),
             # GEMM, bias and activation as Inductor's kernels: a Linear of one row as one Inductor reduction
             "one_row_reduction": device == "cuda" and not options.fuse_gemm_epilogue}

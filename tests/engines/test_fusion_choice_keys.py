@@ -43,10 +43,12 @@ def test_an_option_is_in_the_key_only_where_its_nodes_are(ops, option):
     assert _key(without, **on_off[0]) == _key(without, **on_off[1])
 
 
-def test_conv_and_relu_both_needed_for_the_conv_relu_option():
-    assert not choices_that_apply(_branch("Conv", "Add"))["fuse_conv_relu"]
+def test_a_conv_and_an_epilogue_node_both_needed_for_the_conv_relu_option():
+    assert not choices_that_apply(_branch("Conv", "Tanh"))["fuse_conv_relu"]
     assert not choices_that_apply(_branch("Relu", "Add"))["fuse_conv_relu"]
     assert choices_that_apply(_branch("Conv", "Add", "Relu"))["fuse_conv_relu"]  # conv + residual + ReLU
+    assert choices_that_apply(_branch("Conv", "Add"))["fuse_conv_relu"]  # conv + residual as a cuDNN plan
+    assert choices_that_apply(_branch("Conv", "Sigmoid", "Mul"))["fuse_conv_relu"]  # conv + SiLU as a cuDNN plan
 
 
 def _reason(meta: dict, fuse: bool = True, **opts) -> str:
