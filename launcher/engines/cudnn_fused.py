@@ -89,7 +89,8 @@ def register_ops() -> None:
 
 def conv_key(kind: str, x_shape, w_shape, strides, padding, dilations, group: int) -> str:
     """What identifies a fusable convolution for ``BuildOptions.conv_relu_unfused``: the fusion's kind ("relu",
-    "add_relu", "add" or "silu"), its input's shape but the batch, its weight's shape, strides, (symmetric) padding, dilations and
+    "add_relu", "add" or "silu"), its input's shape but the batch, its weight's shape, strides, (symmetric)
+    padding, dilations and
     groups.  The converter and the build's timing (``fused_conv_keys``) write it alike."""
     return "|".join([kind, ",".join(str(int(v)) for v in list(x_shape)[1:]), ",".join(str(int(v)) for v in w_shape),
                      ",".join(str(int(v)) for v in strides), ",".join(str(int(v)) for v in padding),

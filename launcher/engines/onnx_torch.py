@@ -642,9 +642,9 @@ def has_planned_epilogue(model: onnx.ModelProto) -> bool:
 
 def may_fuse_conv_relu(model: onnx.ModelProto) -> bool:
     """Whether ``fuse_conv_relu`` can change ``model``'s engine: it has a Conv and a Relu, Sigmoid or Add node, one
-    of which every fusion ``convert`` makes (conv + ReLU, conv + residual Add (+ ReLU), conv + SiLU) needs.  Broader than the fusions themselves
-    (``has_conv_relu``, the pattern a GPU build's conv+ReLU round races) on purpose: a model without both converts
-    to the same module either way, whatever its other nodes."""
+    of which every fusion ``convert`` makes (conv + ReLU, conv + residual Add (+ ReLU), conv + SiLU) needs.
+    Broader than the fusions themselves (``has_conv_relu``, the pattern a GPU build's conv+ReLU round races) on
+    purpose: a model without both converts to the same module either way, whatever its other nodes."""
     ops = {n.op_type for n in model.graph.node}
     return "Conv" in ops and bool(ops & {"Relu", "Sigmoid", "Add"})
 
@@ -1994,12 +1994,12 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
 
 def _fuse_conv_silu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict | None = None,
                     unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
-    """Conv (2-d, symmetric pads, constant weight) whose output only a Sigmoid of it and the Mul of the two read
-    (SiLU as exporters write it: x * sigmoid(x)) -> one cuDNN conv + bias + SiLU step (``_ConvFn.swish_fused``) in
-    the Conv's place, but where its shape is one ``unfused`` lists (kind "silu").  Neither the Conv's nor the
-    Sigmoid's output may be a graph output (``keep``).  The fused weights are stored channels-last, as
-    ``_fuse_conv_relu`` stores them.  Returns the new steps, how many were fused, and ``op_of`` for the new steps'
-    indices."""
+    """Conv (2-d, constant weight; symmetric pads, or a planned one's pads applied first) whose output only a
+    Sigmoid of it and the Mul of the two read (SiLU as exporters write it: x * sigmoid(x)) -> one cuDNN conv +
+    bias + SiLU step (``_ConvFn.swish_fused``) in the Conv's place, but where its shape is one ``unfused`` lists
+    (kind "silu").  Neither the Conv's nor the Sigmoid's output may be a graph output (``keep``).  The fused
+    weights are stored channels-last, as ``_fuse_conv_relu`` stores them.  Returns the new steps, how many were
+    fused, and ``op_of`` for the new steps' indices."""
     torch = _torch()
     readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
     drop: set[int] = set()
@@ -2034,10 +2034,10 @@ def _fuse_conv_add(steps: list, keep: set[str], consts: dict, op_of: dict[int, s
     """Conv (2-d, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual, no
     broadcasting), the conv's output read by that Add alone and not a graph output (``keep``; the sum may be one:
     the fused step writes it) -> one cuDNN conv + bias + add plan (``_ConvFn.add_fused``) in the Add's place
-    (where x and z are both computed), but where
-    its shape is one ``unfused`` lists (kind "add").  Run after ``_fuse_conv_add_relu``, which takes those whose sum
-    a Relu alone reads.  The fused weights are stored channels-last.  Returns the new steps, how many were fused,
-    and ``op_of`` for the new steps' indices."""
+    (where x and z are both computed), but where its shape is one ``unfused`` lists (kind "add").  A sum that a
+    Relu alone reads is left to ``_fuse_conv_add_relu`` (fused there, or left unfused by the build's timing).  The
+    fused weights are stored channels-last.  Returns the new steps, how many were fused, and ``op_of`` for the new
+    steps' indices."""
     torch = _torch()
     readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
     producer = {name: i for i, st in enumerate(steps) for name in st.outputs if name}

@@ -660,7 +660,8 @@ def _cudnn_plans(device: str | None, options: BuildOptions) -> bool:
 
 def _plan_op(device: str | None, options: BuildOptions) -> bool:
     # whether the engine may call the plans' op at all (``_cudnn_plans`` less the depthwise lowering, which
-    # concerns the depthwise convolutions only): the conv + SiLU fusion runs through it for every convolution
+    # concerns the depthwise convolutions only): the epilogues only a plan fuses (SiLU, a residual Add without
+    # ReLU) run through it, dense convolutions' too
     return device == "cuda" and options.cudnn_plans and options.torch_artifact != "aoti"
 
 
