@@ -2029,6 +2029,29 @@ def _fuse_conv_silu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
             {new: ("Conv+Sigmoid+Mul" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
 
 
+def _residual_conv(steps: list, i: int, producer: dict, readers: dict, keep: set[str], shapes: dict, consts: dict,
+                   unfused: frozenset, drop: set[int], kind: str) -> tuple[int, str] | None:
+    """(the Conv step, the residual z's name) where step ``i`` adds a Conv's output and a run-time tensor z of its
+    shape (no broadcasting), the Conv 2-d with a constant weight, its output read by that Add alone and no graph
+    output (``keep``), not already fused (``drop``) nor of a shape ``unfused`` lists for ``kind``; the first
+    operand that is, else None.  ``kind`` "add_relu" (torch's fused call) needs symmetric pads; "add" (a cuDNN
+    plan) applies a planned convolution's pads first."""
+    add = steps[i]
+    for j in (0, 1):
+        c, z = producer.get(add.args[j][1]), add.args[1 - j][1]
+        if c is None or c in drop:
+            continue
+        conv = steps[c]
+        w = conv.args[1] if len(conv.args) > 1 else None
+        same_shape = shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])
+        if (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and (kind == "add" or conv.fn.pre_pad is None)
+                and len(conv.outputs) == 1 and same_shape and conv.outputs[0] not in keep
+                and readers.get(conv.outputs[0]) == [i] and w is not None and w[0] == "c"
+                and not _unfused_here(kind, conv, shapes, consts, unfused)):
+            return c, z
+    return None
+
+
 def _fuse_conv_add(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict[str, tuple],
                    unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
     """Conv (2-d, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual, no
@@ -2051,24 +2074,15 @@ def _fuse_conv_add(steps: list, keep: set[str], consts: dict, op_of: dict[int, s
         after = readers.get(add.outputs[0], [])
         if len(after) == 1 and op_of.get(after[0]) == "Relu":  # conv + add + ReLU's, fused or left by its timing
             continue
-        for j in (0, 1):
-            c = producer.get(add.args[j][1])
-            z = add.args[1 - j][1]
-            if c is None or c in drop:
-                continue
-            conv = steps[c]
-            w = conv.args[1] if len(conv.args) > 1 else None
-            same_shape = shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])
-            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and len(conv.outputs) == 1 and same_shape
-                    and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
-                    and w is not None and w[0] == "c" and not _unfused_here("add", conv, shapes, consts, unfused)):
-                continue
-            consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
-            bias = conv.args[2] if len(conv.args) > 2 else None
-            fused[i] = Step(conv.fn.add_fused(), [conv.args[0], w, ("v", z), bias], add.outputs,
-                            f"{conv.node}+{add.node}")
-            drop.add(c)
-            break
+        found = _residual_conv(steps, i, producer, readers, keep, shapes, consts, unfused, drop, "add")
+        if found is None:
+            continue
+        c, z = found
+        conv, w = steps[c], steps[c].args[1]
+        consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+        bias = conv.args[2] if len(conv.args) > 2 else None
+        fused[i] = Step(conv.fn.add_fused(), [conv.args[0], w, ("v", z), bias], add.outputs, f"{conv.node}+{add.node}")
+        drop.add(c)
     kept = [i for i in range(len(steps)) if i not in drop]
     return ([fused.get(i, steps[i]) for i in kept], len(fused),
             {new: ("Conv+Add" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
@@ -2095,27 +2109,17 @@ def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[i
             continue
         if any(a is None or a[0] != "v" for a in add.args) or add.args[0][1] == add.args[1][1]:
             continue
-        for j in (0, 1):
-            c = producer.get(add.args[j][1])
-            z = add.args[1 - j][1]
-            if c is None or c in drop:
-                continue
-            conv = steps[c]
-            w = conv.args[1] if len(conv.args) > 1 else None
-            same_shape = shapes.get(z) is not None and shapes.get(z) == shapes.get(conv.outputs[0]) == shapes.get(add.outputs[0])
-            if not (isinstance(conv.fn, _ConvFn) and conv.fn.nd == 2 and conv.fn.pre_pad is None
-                    and len(conv.outputs) == 1 and same_shape
-                    and conv.outputs[0] not in keep and readers.get(conv.outputs[0]) == [i]
-                    and w is not None and w[0] == "c" and not _unfused_here("add_relu", conv, shapes, consts, unfused)):
-                continue
-            relu = steps[after[0]]
-            consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
-            bias = conv.args[2] if len(conv.args) > 2 else None
-            bias = _fold_shortcut_bias(steps, producer.get(z), i, readers, keep, consts, bias, unbiased)
-            fused[after[0]] = Step(conv.fn.add_relu_fused(), [conv.args[0], w, ("v", z), bias], relu.outputs,
-                                   f"{conv.node}+{add.node}+{relu.node}")
-            drop.update((c, i))
-            break
+        found = _residual_conv(steps, i, producer, readers, keep, shapes, consts, unfused, drop, "add_relu")
+        if found is None:
+            continue
+        c, z = found
+        conv, w, relu = steps[c], steps[c].args[1], steps[after[0]]
+        consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+        bias = conv.args[2] if len(conv.args) > 2 else None
+        bias = _fold_shortcut_bias(steps, producer.get(z), i, readers, keep, consts, bias, unbiased)
+        fused[after[0]] = Step(conv.fn.add_relu_fused(), [conv.args[0], w, ("v", z), bias], relu.outputs,
+                               f"{conv.node}+{add.node}+{relu.node}")
+        drop.update((c, i))
     kept = [i for i in range(len(steps)) if i not in drop]
     return ([fused.get(i, unbiased.get(i, steps[i])) for i in kept], len(fused),
             {new: ("Conv+Add+Relu" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})

@@ -186,19 +186,6 @@ def _exported(exporter: str, opset: int, net=None) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(m)
 
 
-@pytest.mark.parametrize("exporter, opset", [("torchscript", 17), ("dynamo", 18)])
-def test_both_exporters_silu_fuses_and_equals_onnxruntime(exporter, opset):
-    model = _exported(exporter, opset)
-    module = convert(model, fuse_conv_relu=True, fuse_conv_plans=True)
-    assert module.fused_conv_silu == 2, [n.op_type for n in model.graph.node]
-    assert len(fused_conv_keys(model)) == 2
-    feeds = {model.graph.input[0].name: np.random.default_rng(5).standard_normal((1, 4, 10, 10)).astype(np.float32)}
-    ref = _ort(model, feeds)
-    got = _run(module, model, feeds)
-    for name, r in ref.items():
-        np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
-
-
 def residual_model() -> onnx.ModelProto:
     """Inverted residuals (a projection Conv + Add of the block's input) and the Adds that must stay apart."""
     rng = np.random.default_rng(8)
@@ -278,23 +265,27 @@ def test_a_residual_shape_listed_unfused_stays_apart():
     assert module.fused_conv_add == 1 and "conv_dw+add_dw" in _names(module) and {"conv_a", "add_a"} <= _names(module)
 
 
+class _InvertedResidual(torch.nn.Module):
+    """1x1 expand + SiLU, depthwise 3x3 + SiLU, 1x1 projection, + the input."""
+
+    def __init__(self):
+        super().__init__()
+        self.expand, self.dw = torch.nn.Conv2d(4, 16, 1), torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
+        self.project = torch.nn.Conv2d(16, 4, 1)
+
+    def forward(self, x):
+        return x + self.project(torch.nn.functional.silu(self.dw(torch.nn.functional.silu(self.expand(x)))))
+
+
 @pytest.mark.parametrize("exporter, opset", [("torchscript", 17), ("dynamo", 18)])
-def test_both_exporters_inverted_residual_fuses_and_equals_onnxruntime(exporter, opset):
-    """An inverted residual (1x1 expand + SiLU, depthwise 3x3 + SiLU, 1x1 projection, + input) as each exporter
-    writes it: two SiLU plans and one residual plan."""
-
-    class Block(torch.nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.expand, self.dw = torch.nn.Conv2d(4, 16, 1), torch.nn.Conv2d(16, 16, 3, padding=1, groups=16)
-            self.project = torch.nn.Conv2d(16, 4, 1)
-
-        def forward(self, x):
-            return x + self.project(torch.nn.functional.silu(self.dw(torch.nn.functional.silu(self.expand(x)))))
-
-    model = _exported(exporter, opset, Block())
+@pytest.mark.parametrize("block, fused", [("silu", (2, 0)), ("inverted_residual", (2, 1))])
+def test_both_exporters_graphs_fuse_and_equal_onnxruntime(exporter, opset, block, fused):
+    """nn.SiLU after a dense and a depthwise convolution, and an inverted residual, as each exporter writes them:
+    the SiLU plans and the residual plan fuse, and the module equals ONNX Runtime."""
+    model = _exported(exporter, opset, _InvertedResidual() if block == "inverted_residual" else None)
     module = convert(model, fuse_conv_relu=True, fuse_conv_plans=True)
-    assert (module.fused_conv_silu, module.fused_conv_add) == (2, 1), [n.op_type for n in model.graph.node]
+    assert (module.fused_conv_silu, module.fused_conv_add) == fused, [n.op_type for n in model.graph.node]
+    assert len(fused_conv_keys(model)) == sum(fused)
     feeds = {model.graph.input[0].name: np.random.default_rng(6).standard_normal((1, 4, 10, 10)).astype(np.float32)}
     ref = _ort(model, feeds)
     got = _run(module, model, feeds)
