@@ -645,8 +645,10 @@ def may_fuse_conv_relu(model: onnx.ModelProto) -> bool:
     of which every fusion ``convert`` makes (conv + ReLU, conv + residual Add (+ ReLU), conv + SiLU) needs.
     Broader than the fusions themselves (``has_conv_relu``, the pattern a GPU build's conv+ReLU round races) on
     purpose: a model without both converts to the same module either way, whatever its other nodes."""
+    from . import cudnn_fused
+
     ops = {n.op_type for n in model.graph.node}
-    return "Conv" in ops and bool(ops & {"Relu", "Sigmoid", "Add"})
+    return "Conv" in ops and bool(ops & {"Relu", "Sigmoid", *(["Add"] if cudnn_fused.RESIDUAL_PLANS else [])})
 
 
 def has_fused_attention(model: onnx.ModelProto) -> bool:
@@ -2247,8 +2249,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused); with
     ``fuse_conv_plans`` too (CUDA engines that may call the plans' op), the epilogues only a cuDNN plan runs fused:
     each 2-d Conv whose output only its SiLU (Sigmoid and Mul) reads into one conv + bias + SiLU plan
-    (``_fuse_conv_silu``), and each Conv + residual Add that no Relu follows into one conv + bias + add plan
-    (``_fuse_conv_add``), on the same terms.
+    (``_fuse_conv_silu``), and, where ``cudnn_fused.RESIDUAL_PLANS`` is on, each Conv + residual Add that no Relu
+    follows into one conv + bias + add plan (``_fuse_conv_add``), on the same terms.
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
     matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
     the tanh approximation there) runs each matmul-bias-activation node as one ``torch._addmm_activation``; off,
@@ -2376,7 +2378,10 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, shapes, unfused)
         if fuse_conv_plans:
             steps, silu, op_of = _fuse_conv_silu(steps, keep, consts, op_of, shapes, unfused)
-            steps, added, op_of = _fuse_conv_add(steps, keep, consts, op_of, shapes, unfused)
+            from . import cudnn_fused
+
+            if cudnn_fused.RESIDUAL_PLANS:
+                steps, added, op_of = _fuse_conv_add(steps, keep, consts, op_of, shapes, unfused)
         steps, fused = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
