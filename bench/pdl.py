@@ -22,6 +22,9 @@ Run on the device after ``source bench/device_env.sh``:
     python3 bench/pdl.py [--models efficientnet_b0,bert] [--batch 1] [--seconds 240] [--out $OUT]
 Each model runs in a process of its own (a CUDA fault ends that process only: the second run's first model faulted
 with an illegal address and took the three after it along); a failed row names its stage and keeps the traceback.
+The third run's fault came in the timing stage, after both forms had compiled, captured and synchronized:
+``--forms "with PDL"`` (or "without PDL") times one form alone, and ``--no-hold`` without ``pipeline.bench``'s
+gate, which hold a block of replays queued behind a closed gate, to find which form, and which way of timing, faults.
 Prints one JSON line per model as it is timed (pdl.json under --out is rewritten after each) and a table.
 """
 
@@ -87,7 +90,7 @@ class GraphRunner:
         self.stream.synchronize()
 
 
-def time_model(name: str, batch: int, runs: int) -> dict:
+def time_model(name: str, batch: int, runs: int, forms: list[str] = tuple(FORMS), hold: bool = True) -> dict:
     import copy
 
     import torch
@@ -100,11 +103,12 @@ def time_model(name: str, batch: int, runs: int) -> dict:
     user = users_model(name, model)
     plan = _Plan(inputs)
     feeds = {k: v.numpy() for k, v in inputs.items()}
-    row = {"model": name, "batch": batch, "torch": torch.__version__}
+    row = {"model": name, "batch": batch, "torch": torch.__version__, "forms": list(forms), "held_blocks": hold}
     runners, outs = {}, {}
     stage = "start"
     try:
-        for form, options in FORMS.items():
+        for form in forms:
+            options = FORMS[form]
             stage = f"compile and capture {form}"
             t0 = time.perf_counter()
             # a copy per form: dynamo keeps one compiled graph per module and backend
@@ -115,13 +119,15 @@ def time_model(name: str, batch: int, runs: int) -> dict:
             row[f"compile_s {form}"] = round(time.perf_counter() - t0, 1)
             outs[form] = runner.out.float().cpu().numpy()
             runners[form] = runner
-        row["max_err"] = max_err(outs["with PDL"], outs["without PDL"])
+        if len(outs) == 2:
+            row["max_err"] = max_err(outs["with PDL"], outs["without PDL"])
         stage = "timing"
-        times = _measure(runners, runs=runs, warmup=50, seed=7)
+        times = _measure(runners, runs=runs, warmup=50, seed=7, hold=hold)
         for form, t in times.items():
             row[f"{form} ms"] = float(np.median(t))
             row[f"{form} p10_p90"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
-        row["without / with"] = row["without PDL ms"] / row["with PDL ms"]
+        if len(times) == 2:
+            row["without / with"] = row["without PDL ms"] / row["with PDL ms"]
         return row
     except Exception as e:
         e.add_note(f"stage: {stage}")
@@ -138,8 +144,14 @@ def main(argv=None) -> int:
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=240, help="start no model after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/pdl_out"))
+    ap.add_argument("--forms", default=",".join(FORMS), help="of: " + ", ".join(FORMS) + " (one alone: which faults)")
+    ap.add_argument("--no-hold", action="store_true",
+                    help="time each replay as it is queued, without holding a block behind pipeline.bench's gate")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
+    forms = [f.strip() for f in args.forms.split(",") if f.strip()]
+    if not forms or any(f not in FORMS for f in forms):
+        ap.error(f"--forms {args.forms!r}: of {', '.join(FORMS)}")
     import torch._inductor.config as cfg
 
     if not hasattr(cfg.triton, "enable_pdl"):
@@ -150,7 +162,7 @@ def main(argv=None) -> int:
     t_start, rows = time.perf_counter(), []
     if args.child:  # one model in this process: a CUDA fault ends its process, not the later models'
         try:
-            row = time_model(args.child, args.batch, args.runs)
+            row = time_model(args.child, args.batch, args.runs, forms, not args.no_hold)
         except Exception as e:  # noqa: BLE001 - one model's failure is its row
             import traceback
 
@@ -164,7 +176,8 @@ def main(argv=None) -> int:
             rows.append({"model": name, "skipped": "--seconds"})
             continue
         p = subprocess.run([sys.executable, __file__, "--child", name, "--batch", str(args.batch), "--runs",
-                            str(args.runs), "--out", str(out)], capture_output=True, text=True)
+                            str(args.runs), "--out", str(out), "--forms", ",".join(forms),
+                            *(["--no-hold"] if args.no_hold else [])], capture_output=True, text=True)
         found = [ln[4:] for ln in p.stdout.splitlines() if ln.startswith("ROW ")]
         row = json.loads(found[-1]) if found else {"model": name, "error": f"child exited {p.returncode}",
                                                    "stderr": p.stderr[-3000:]}
@@ -173,10 +186,12 @@ def main(argv=None) -> int:
         (out / "pdl.json").write_text(json.dumps(rows, indent=1))
     print(f"{'model':20} {'without PDL ms':>15} {'with PDL ms':>12} {'without/with':>13}")
     for r in rows:
-        if "with PDL ms" in r:
-            print(f"{r['model']:20} {r['without PDL ms']:15.4f} {r['with PDL ms']:12.4f} {r['without / with']:13.3f}")
-        else:
+        if r.get("error") or r.get("skipped"):
             print(f"{r['model']:20} {r.get('error') or r.get('skipped')}")
+            continue
+        cells = [f"{r[k]:.4f}" if k in r else "-" for k in ("without PDL ms", "with PDL ms")]
+        ratio = f"{r['without / with']:.3f}" if "without / with" in r else "-"
+        print(f"{r['model']:20} {cells[0]:>15} {cells[1]:>12} {ratio:>13}")
     return 0
 
 
