@@ -100,12 +100,6 @@ def conv_key(kind: str, x_shape, w_shape, strides, padding, dilations, group: in
 #: the fusions of ``conv_relu_sites`` that run as a cuDNN plan (``cudnn_plans.conv2d``), depthwise convolutions too
 PLANNED_KINDS = ("add", "silu")
 
-#: whether builds fuse a convolution's residual Add without ReLU into its plan ("add"): written and tested against
-#: ONNX Runtime on the CPU, not yet run on a GPU, so off until it has been (bench/NOTES.md, "Owed on the device"):
-#: its failure would fail the GPU builds of every inverted-residual network, and a conv epilogue round that it lost
-#: would take the SiLU plans' gain with it (one round decides every conv epilogue of the plan)
-RESIDUAL_PLANS = False
-
 
 def conv_relu_sites(model) -> list[tuple]:
     """Each Conv whose output one Relu alone reads ("relu"), or one Add alone whose sum one Relu alone reads
@@ -135,7 +129,7 @@ def conv_relu_sites(model) -> list[tuple]:
             out.append((n, "relu", None))
         elif add is not None and only(add.output[0], "Relu") is not None:
             out.append((n, "add_relu", add))
-        elif RESIDUAL_PLANS and add is not None and len(set(add.input)) == 2 and not constants & set(add.input):
+        elif add is not None and len(set(add.input)) == 2 and not constants & set(add.input):
             out.append((n, "add", add))  # (a residual is computed: a constant added is a bias, left to Inductor)
         elif (sig := _silu_of(n.output[0], readers)) is not None:
             out.append((n, "silu", sig))

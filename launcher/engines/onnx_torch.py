@@ -645,10 +645,8 @@ def may_fuse_conv_relu(model: onnx.ModelProto) -> bool:
     of which every fusion ``convert`` makes (conv + ReLU, conv + residual Add (+ ReLU), conv + SiLU) needs.
     Broader than the fusions themselves (``has_conv_relu``, the pattern a GPU build's conv+ReLU round races) on
     purpose: a model without both converts to the same module either way, whatever its other nodes."""
-    from . import cudnn_fused
-
     ops = {n.op_type for n in model.graph.node}
-    return "Conv" in ops and bool(ops & {"Relu", "Sigmoid", *(["Add"] if cudnn_fused.RESIDUAL_PLANS else [])})
+    return "Conv" in ops and bool(ops & {"Relu", "Sigmoid", "Add"})
 
 
 def has_fused_attention(model: onnx.ModelProto) -> bool:
@@ -2164,8 +2162,9 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: computes what ONNX does where 6 did not (Resize by scales, pools with ceil_mode cropped, TopK's ties, Flatten's
 #: negative axis, Slice's clamped start, ...): a cached engine of 6 may hold the old results; 8 runs LSTM, GRU and
 #: RNN layers as torch's own where it computes the same (``recurrent_op``); 9 fuses a convolution's SiLU into its
-#: cuDNN plan (``_fuse_conv_silu``), and a convolution's residual Add (``_fuse_conv_add``)
-CONVERTER_VERSION = 9
+#: cuDNN plan (``_fuse_conv_silu``); 10 fuses a convolution's residual Add into its plan (``_fuse_conv_add``),
+#: which 9 had written but left off: a cached engine of 9 runs those Adds apart
+CONVERTER_VERSION = 10
 
 
 def _transposed_weight(fn):
@@ -2249,7 +2248,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused); with
     ``fuse_conv_plans`` too (CUDA engines that may call the plans' op), the epilogues only a cuDNN plan runs fused:
     each 2-d Conv whose output only its SiLU (Sigmoid and Mul) reads into one conv + bias + SiLU plan
-    (``_fuse_conv_silu``), and, where ``cudnn_fused.RESIDUAL_PLANS`` is on, each Conv + residual Add that no Relu
+    (``_fuse_conv_silu``), and each Conv + residual Add that no Relu
     follows into one conv + bias + add plan (``_fuse_conv_add``), on the same terms.
     ``fuse_attention`` runs each attention node (``core/fused_ops.py``) as one SDPA kernel; off, as the
     matmul-softmax-matmul it replaced.  ``fuse_gemm_epilogue`` (CUDA engines: cuBLASLt's kernel, whose GELU is
@@ -2378,10 +2377,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         steps, residual, op_of = _fuse_conv_add_relu(steps, keep, consts, op_of, shapes, unfused)
         if fuse_conv_plans:
             steps, silu, op_of = _fuse_conv_silu(steps, keep, consts, op_of, shapes, unfused)
-            from . import cudnn_fused
-
-            if cudnn_fused.RESIDUAL_PLANS:
-                steps, added, op_of = _fuse_conv_add(steps, keep, consts, op_of, shapes, unfused)
+            steps, added, op_of = _fuse_conv_add(steps, keep, consts, op_of, shapes, unfused)
         steps, fused = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused)
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused

@@ -186,14 +186,6 @@ def _exported(exporter: str, opset: int, net=None) -> onnx.ModelProto:
     return onnx.shape_inference.infer_shapes(m)
 
 
-@pytest.fixture
-def residual_plans(monkeypatch):
-    """The residual plans on (``cudnn_fused.RESIDUAL_PLANS``: off in builds until they have run on a GPU)."""
-    from parastream.launcher.engines import cudnn_fused
-
-    monkeypatch.setattr(cudnn_fused, "RESIDUAL_PLANS", True)
-
-
 def residual_model() -> onnx.ModelProto:
     """Inverted residuals (a projection Conv + Add of the block's input) and the Adds that must stay apart."""
     rng = np.random.default_rng(8)
@@ -234,7 +226,7 @@ def residual_model() -> onnx.ModelProto:
 ADDED = {"conv_a+add_a", "conv_dw+add_dw"}
 
 
-def test_fuses_only_a_convolution_whose_residual_add_no_relu_follows(residual_plans):
+def test_fuses_only_a_convolution_whose_residual_add_no_relu_follows():
     model = residual_model()
     module = convert(model, fuse_conv_relu=True, fuse_conv_plans=True)
     assert module.fused_conv_add == 2 and module.fused_conv_add_relu == 1
@@ -253,24 +245,26 @@ def test_fuses_only_a_convolution_whose_residual_add_no_relu_follows(residual_pl
     assert "conv_offset" not in sites
 
 
-def test_residual_plans_are_off_in_builds_until_run_on_a_gpu():
-    """By default no Conv + Add without ReLU fuses, none is a site of the round, and no Add makes the option apply."""
+def test_a_convolution_and_a_residual_add_alone_make_the_conv_round_apply():
+    """A Conv + residual Add without Relu or Sigmoid is a fusion of its own, so the option applies to it; a Conv
+    whose output a constant is added to (a bias, nothing a plan fuses) does not make it apply."""
     from parastream.launcher.engines.torch import choices_that_apply
 
-    model = residual_model()
-    module = convert(model, fuse_conv_relu=True, fuse_conv_plans=True)
-    assert module.fused_conv_add == 0 and not ADDED & _names(module)
-    assert not any(kind == "add" for _, kind, _ in conv_relu_sites(model))
-    assert not any(k.startswith("add|") for k in fused_conv_keys(model))
-    conv_add = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Add", ["c", "x"], ["y"])],
-                                 "conv_add", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
-                                 [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)],
-                                 [_w(np.random.default_rng(0), "w", (4, 4, 1, 1))])
-    assert not choices_that_apply(helper.make_model(conv_add, opset_imports=[helper.make_opsetid("", 17)]))["fuse_conv_relu"]
+    def graph(residual: bool) -> onnx.ModelProto:
+        nodes = [helper.make_node("Conv", ["x", "w"], ["c"]), helper.make_node("Add", ["c", "x" if residual else "b"], ["y"])]
+        rng = np.random.default_rng(0)
+        inits = [_w(rng, "w", (4, 4, 1, 1))] + ([] if residual else [_w(rng, "b", (1, 4, 1, 1))])
+        g = helper.make_graph(nodes, "conv_add", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, None)], inits)
+        return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+    assert choices_that_apply(graph(residual=True))["fuse_conv_relu"]
+    assert [kind for _, kind, _ in conv_relu_sites(graph(residual=True))] == ["add"]
+    assert conv_relu_sites(graph(residual=False)) == []
 
 
 @pytest.mark.parametrize("traced", [False, True])
-def test_fused_residual_steps_equal_onnxruntime(traced, reference_add_relu, residual_plans):
+def test_fused_residual_steps_equal_onnxruntime(traced, reference_add_relu):
     model = residual_model()
     feeds = {"x": np.random.default_rng(9).standard_normal((1, 8, 9, 9)).astype(np.float32)}
     ref = _ort(model, feeds)
@@ -280,7 +274,7 @@ def test_fused_residual_steps_equal_onnxruntime(traced, reference_add_relu, resi
         np.testing.assert_allclose(got[name], r, rtol=1e-4, atol=1e-5, err_msg=name)
 
 
-def test_a_residual_shape_listed_unfused_stays_apart(residual_plans):
+def test_a_residual_shape_listed_unfused_stays_apart():
     model = residual_model()
     a = conv_key("add", [1, 8, 9, 9], [8, 8, 1, 1], [1, 1], [0, 0], [1, 1], 1)
     assert a in fused_conv_keys(model)
@@ -303,7 +297,7 @@ class _InvertedResidual(torch.nn.Module):
 
 @pytest.mark.parametrize("exporter, opset", [("torchscript", 17), ("dynamo", 18)])
 @pytest.mark.parametrize("block, fused", [("silu", (2, 0)), ("inverted_residual", (2, 1))])
-def test_both_exporters_graphs_fuse_and_equal_onnxruntime(exporter, opset, block, fused, residual_plans):
+def test_both_exporters_graphs_fuse_and_equal_onnxruntime(exporter, opset, block, fused):
     """nn.SiLU after a dense and a depthwise convolution, and an inverted residual, as each exporter writes them:
     the SiLU plans and the residual plan fuse, and the module equals ONNX Runtime."""
     model = _exported(exporter, opset, _InvertedResidual() if block == "inverted_residual" else None)
@@ -367,9 +361,6 @@ def test_the_cudnn_plans_match_onnxruntime_on_the_gpu(case, precision, tol, monk
     if case == "silu":
         model, feeds, tail = silu_model(), _feeds(3), '"swish"]'
     else:
-        from parastream.launcher.engines import cudnn_fused
-
-        monkeypatch.setattr(cudnn_fused, "RESIDUAL_PLANS", True)
         model, tail = residual_model(), '"residual"]'
         feeds = {"x": np.random.default_rng(3).standard_normal((1, 8, 9, 9)).astype(np.float32)}
     ref = _ort(model, feeds)

@@ -162,12 +162,12 @@ def residual_model(seed: int = 0) -> onnx.ModelProto:
         N("Conv", ["rb", "wc"], ["c"], name="conv_c", pads=[1, 1, 1, 1]),
         N("Add", ["c", "offset"], ["sc"], name="add_c"),
         N("Relu", ["sc"], ["rc"], name="relu_c"),
-        # not fused: the sum is read by a second node
+        # not fused with its ReLU: the sum is read by a second node (with the plans: conv + add as one plan)
         N("Conv", ["rb", "wd"], ["d"], name="conv_d", pads=[1, 1, 1, 1]),
         N("Add", ["d", "rb"], ["sd"], name="add_d"),
         N("Relu", ["sd"], ["rd"], name="relu_d"),
         N("Sigmoid", ["sd"], ["gd"], name="sig_d"),
-        # not fused: no Relu after the Add
+        # not fused with a ReLU: no Relu after the Add (with the plans: conv + add as one plan)
         N("Conv", ["rb", "we"], ["e"], name="conv_e", pads=[1, 1, 1, 1]),
         N("Add", ["e", "rb"], ["se"], name="add_e"),
         N("Tanh", ["se"], ["te"], name="tanh_e"),
@@ -263,8 +263,9 @@ def test_cudnn_fused_residual_kernel_matches_onnxruntime(precision, tol, shortcu
 
 
 def test_the_conv_relu_round_is_planned_for_residual_blocks_too():
-    """A model whose only Conv->Relu is a residual block's Conv->Add->Relu still gets the timed conv+ReLU round; a
-    Conv->Tanh does not."""
+    """A model whose only Conv->Relu is a residual block's Conv->Add->Relu still gets the timed conv+ReLU round, and
+    one whose sum a second node reads gets it for the conv + add plan (the ReLU apart); a Conv->Tanh does not."""
+    from parastream.launcher.engines.cudnn_fused import conv_relu_sites
     from parastream.pipeline.measure import has_conv_relu
 
     N = helper.make_node
@@ -279,8 +280,9 @@ def test_the_conv_relu_round_is_planned_for_residual_blocks_too():
                               [_w(rng, "w", (4, 4, 3, 3))])
         return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
 
-    assert has_conv_relu(block(False))
-    assert not has_conv_relu(block(True))
+    assert has_conv_relu(block(False)) and has_conv_relu(block(True))
+    assert [kind for _, kind, _ in conv_relu_sites(block(False))] == ["add_relu"]
+    assert [kind for _, kind, _ in conv_relu_sites(block(True))] == ["add"]
     assert has_conv_relu(conv_relu_model()) and has_conv_relu(residual_model())
     tanh = helper.make_graph([N("Conv", ["x", "w"], ["c"], pads=[1, 1, 1, 1]), N("Tanh", ["c"], ["y"])], "tanh",
                              [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 6, 6])],

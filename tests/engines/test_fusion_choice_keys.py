@@ -47,7 +47,7 @@ def test_a_conv_and_an_epilogue_node_both_needed_for_the_conv_relu_option():
     assert not choices_that_apply(_branch("Conv", "Tanh"))["fuse_conv_relu"]
     assert not choices_that_apply(_branch("Relu", "Add"))["fuse_conv_relu"]
     assert choices_that_apply(_branch("Conv", "Add", "Relu"))["fuse_conv_relu"]  # conv + residual + ReLU
-    assert not choices_that_apply(_branch("Conv", "Add"))["fuse_conv_relu"]  # (residual plans off: cudnn_fused)
+    assert choices_that_apply(_branch("Conv", "Add"))["fuse_conv_relu"]  # conv + residual add as a cuDNN plan
     assert choices_that_apply(_branch("Conv", "Sigmoid", "Mul"))["fuse_conv_relu"]  # conv + SiLU as a cuDNN plan
 
 
