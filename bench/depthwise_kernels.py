@@ -8,7 +8,7 @@ docs/torch-engines.md, "Engines per repeated block"), and lowering every depthwi
 kernels made its replay 35% slower.  Whether a per-shape choice can keep most of the speed and drop most of
 the plans depends on how the costs spread over the shapes, which this measures.
 
-For each timm model (random weights, fp16, batch 1, channels-last, as bench/load_breakdown.py builds it) it
+For each timm model or corpus classifier (random weights, fp16, batch 1 or ``--batch``, channels-last, as bench/load_breakdown.py builds it) it
 records every ``F.conv2d`` call of a forward pass whose groups equal its channels (the depthwise ones, after
 any "same" padding), and for each distinct (input shape, kernel, stride, padding, dilation):
 
@@ -20,6 +20,8 @@ any "same" padding), and for each distinct (input shape, kernel, stride, padding
                    inductor`` compiles) under torch.compile, the same way; compile seconds beside it
   native_first_ms, native_us
                    torch's own depthwise kernel (``aten._conv_depthwise2d``, NCHW; no plan to build)
+  plan_us          the same convolution through the cuDNN plan a bundle ships (``cudnn_plans.conv2d``, the form
+                   ``conv_kernels`` "cudnn" compiles), the same way
   max_err          of each against cuDNN's output (scaled by its largest magnitude)
 
 and prints, per model, the plan seconds in all and what lowering the shapes in order of plan seconds saved per
@@ -27,6 +29,7 @@ microsecond lost would keep and lose.
 
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/depthwise_kernels.py --models nasnetalarge,mixnet_s --out $OUT
+    python3 bench/depthwise_kernels.py --models mobilenet_v3_small,mixnet_s --batch 32 --out $OUT
 Writes depthwise_kernels.json under --out.
 """
 
@@ -43,16 +46,23 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def depthwise_calls(name: str, dense: bool = False) -> dict:
+def depthwise_calls(name: str, dense: bool = False, batch: int = 1) -> dict:
     """{(input shape, weight shape, stride, padding, dilation): calls} of ``name``'s depthwise ``F.conv2d`` calls
-    in one forward pass; with ``dense``, of its other 2-d convolutions instead, each key with its groups last."""
+    in one forward pass at ``batch``; with ``dense``, of its other 2-d convolutions instead, each key with its
+    groups last.  ``name``: a timm model, or a classifier of the corpus (bench/gpu.py's ``make_model``)."""
     import timm
     import torch
     import torch.nn.functional as F
 
-    model = timm.create_model(name, pretrained=False).eval()
-    size = model.default_cfg.get("input_size", (3, 224, 224))
-    x = torch.randn(1, *size)
+    if timm.is_model(name):
+        model = timm.create_model(name, pretrained=False).eval()
+        size = model.default_cfg.get("input_size", (3, 224, 224))
+    else:  # (a torchvision classifier of the corpus, e.g. mobilenet_v3_small)
+        from gpu import make_model
+
+        model, inputs = make_model(name)
+        size = tuple(inputs["x"].shape[1:])
+    x = torch.randn(batch, *size)
     seen: dict = {}
     real = F.conv2d
 
@@ -110,6 +120,15 @@ def measure_shape(key) -> dict:
     ref = F.conv2d(x, w, None, stride, padding, dilation, c).float()
     scale = float(ref.abs().max()) or 1.0
     row["cudnn_us"] = _graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, c))
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    if cp.frontend() is not None:  # the form a bundle ships for "cudnn" (``BuildOptions.cudnn_plans``)
+        try:
+            out = cp.conv2d(x, w, None, list(stride), list(padding), list(dilation), c)
+            row["plan_max_err"] = float((out.float() - ref).abs().max()) / scale
+            row["plan_us"] = _graph_us(lambda: cp.conv2d(x, w, None, list(stride), list(padding), list(dilation), c))
+        except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
+            row["plan_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     lowered = _conv_as_kernels(x_shape, w_shape, list(w_shape[2:]), list(stride), list(dilation), c,
                                list(padding), list(padding))
@@ -169,6 +188,7 @@ def summary(rows: list[dict]) -> dict:
             "cudnn_us_per_pass": round(cudnn_us, 1),
             "inductor_us_per_pass": round(sum(r.get("inductor_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
             "native_us_per_pass": round(sum(r.get("native_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
+            "plan_us_per_pass": round(sum(r.get("plan_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
             "lowering_order": steps}
 
 
@@ -176,6 +196,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--models", default="nasnetalarge")
     ap.add_argument("--seconds", type=float, default=500.0, help="measure no new shape after this")
+    ap.add_argument("--batch", type=int, default=1, help="the batch the shapes are found and timed at")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthwise_kernels_out"))
     args = ap.parse_args(argv)
     import torch
@@ -187,9 +208,9 @@ def main(argv=None) -> int:
     warm = torch.randn(1, 8, 16, 16, device="cuda").half().to(memory_format=torch.channels_last)
     torch.nn.functional.conv2d(warm, torch.randn(8, 8, 3, 3, device="cuda").half(), None, 1, 1)  # cuDNN's own start
     result: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
-                    "cudnn": torch.backends.cudnn.version(), "models": {}}
+                    "cudnn": torch.backends.cudnn.version(), "batch": args.batch, "models": {}}
     for name in args.models.split(","):
-        counts = depthwise_calls(name)
+        counts = depthwise_calls(name, batch=args.batch)
         rows = []
         for key, n in sorted(counts.items(), key=lambda kv: -kv[1]):
             if time.perf_counter() - t_start > args.seconds:

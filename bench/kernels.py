@@ -8,6 +8,7 @@ the instrumented graph replay (``GpuLauncher.run_timed``) for comparison.
 
     python3 bench/kernels.py --model inception_v3 [--top 4] [--variants unfused,fused] [--out $OUT]
     python3 bench/kernels.py --model vit_b_16 --against-compile [--search]   # beside torch.compile's kernels
+    python3 bench/kernels.py --model mobilenet_v3_small --batch 32 --against-compile --conv-kernels cudnn
 
 ``--against-compile`` also profiles ``torch.compile(mode="reduce-overhead")`` of the PyTorch model as its users run
 it (bench/corpus_gpu.py's baseline) and prints both kernel lists, merged by kernel name (us per call, count), with
@@ -196,6 +197,8 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="fused", help="comma list of fused (cuDNN conv+bias+ReLU, the default engines) "
                     "and unfused (convolution, then Inductor's Triton bias+ReLU kernel)")
     ap.add_argument("--opt-level", type=int, default=3, help="5 compiles engines with torch max-autotune")
+    ap.add_argument("--conv-kernels", default="auto", choices=("auto", "cudnn", "inductor", "native"),
+                    help="the builds' --conv-kernels (depthwise convolutions' form; auto: as the build times it)")
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--against-compile", action="store_true",
                     help="also profile torch.compile(reduce-overhead) of the PyTorch model and print both kernel lists")
@@ -225,7 +228,8 @@ def main(argv=None) -> int:
         torch_backend.FUSE_CONV_RELU = variant == "fused"
         t0 = time.perf_counter()
         bundle = build(onnx_path, work / f"{name}_{variant}", backend="torch", precision="fp16", search=args.search,
-                       measure=args.search, force=True, streams=args.streams, optimization_level=args.opt_level)
+                       measure=args.search, force=True, streams=args.streams, optimization_level=args.opt_level,
+                       conv_kernels=args.conv_kernels)
         build_s = time.perf_counter() - t0
         if args.wrappers:
             write_wrappers(bundle, out / "wrappers" / variant)

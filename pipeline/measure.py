@@ -956,14 +956,18 @@ CONV_SHAPES_AT_MOST = 64
 CONV_SHAPES_SECONDS = 5.0
 
 
-def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 20) -> tuple[float, float]:
+def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 20,
+                    planned: bool = True) -> tuple[float, float]:
     """Microseconds per call of the fused operator for ``key`` (``cudnn_fused.conv_key``) at ``batch`` in
     ``dtype``, and of torch's convolution without its bias followed by the epilogue as eager ops (bias, residual,
     ReLU: two or three kernels where Inductor's form runs one, so that this favours the fused call), each timed
-    by ``bench.captured_us`` on the current GPU with random channels-last inputs."""
+    by ``bench.captured_us`` on the current GPU with random channels-last inputs.  A depthwise key
+    (``cudnn_fused.is_depthwise_key``) is timed in the forms the converter writes for it: with ``planned``
+    (``BuildOptions.cudnn_plans``) its plan with the bias and ReLU in it against its plan alone and the
+    epilogue."""
     import torch
 
-    from parastream.launcher.engines.cudnn_fused import parse_key, register_ops
+    from parastream.launcher.engines.cudnn_fused import is_depthwise_key, parse_key, register_ops
 
     from .bench import captured_us
 
@@ -983,7 +987,14 @@ def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 
         def conv():
             return torch.convolution(x, w, None, strides, padding, dilations, False, [0, 0], group)
 
-        if kind == "relu":
+        if kind == "relu" and planned and is_depthwise_key(key):
+            from parastream.launcher.engines import cudnn_plans
+
+            def plan(bias_, relu):
+                return cudnn_plans.conv2d(x, w, bias_, strides, padding, dilations, group, relu)
+
+            forms = (lambda: plan(b, True), lambda: plan(None, False).add_(bias).relu_())
+        elif kind == "relu":
             forms = (lambda: torch.ops.parastream.conv2d_relu(x, w, b, strides, padding, dilations, group),
                      lambda: conv().add_(bias).relu_())
         else:
@@ -1030,7 +1041,7 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
         for key in chosen:
             if time.perf_counter() - t0 > CONV_SHAPES_SECONDS:
                 break
-            fused, unfused = time_conv_shape(key, batch, getattr(torch, dtype_name))
+            fused, unfused = time_conv_shape(key, batch, getattr(torch, dtype_name), planned=options.cudnn_plans)
             us[key] = [round(fused, 3), round(unfused, 3)]
     return {"shapes": len(keys), "timed": len(us),
             "unfused": sorted(k for k, (f, u) in us.items() if f > u * (1 + CONV_SHAPE_MARGIN)),

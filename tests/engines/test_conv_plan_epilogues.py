@@ -336,7 +336,7 @@ def test_plan_shapes_are_counted_not_timed_and_keep_the_round_for_the_whole_plan
     from parastream.pipeline import bench, measure
 
     timed = []
-    monkeypatch.setattr(measure, "time_conv_shape", lambda key, batch, dtype: timed.append(key) or (1.0, 2.0))
+    monkeypatch.setattr(measure, "time_conv_shape", lambda key, batch, dtype, planned=True: timed.append(key) or (1.0, 2.0))
     monkeypatch.setattr(bench, "gpu_timing_lock", lambda device, enabled=True: contextlib.nullcontext())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     fp16 = BuildOptions(precision="fp16")

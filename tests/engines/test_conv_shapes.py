@@ -37,15 +37,43 @@ def test_fused_conv_keys_are_the_convolutions_the_converter_fuses():
     assert kind == "relu" and x == [4, 12, 12] and w == [8, 2, 3, 3] and (s, p, d, g) == ([2, 2], [1, 1], [1, 1], 2)
 
 
-def test_fused_conv_keys_leave_depthwise_convolutions_to_their_plans():
+def _depthwise_model(residual: bool = False):
+    """x -> depthwise 3x3 Conv (with a bias) -> ReLU; with ``residual``, the conv's output plus x, then the ReLU."""
     from onnx import TensorProto, helper, numpy_helper
 
-    w = numpy_helper.from_array(np.ones((4, 1, 3, 3), np.float32), "w")
-    g = helper.make_graph([helper.make_node("Conv", ["x", "w"], ["y"], group=4, pads=[1, 1, 1, 1]),
-                           helper.make_node("Relu", ["y"], ["r"])], "dw",
-                          [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
-                          [helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 8, 8])], [w])
-    assert fused_conv_keys(helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])) == {}
+    rng = np.random.default_rng(3)
+    w = numpy_helper.from_array(rng.standard_normal((4, 1, 3, 3)).astype(np.float32), "w")
+    b = numpy_helper.from_array(rng.standard_normal(4).astype(np.float32), "b")
+    nodes = [helper.make_node("Conv", ["x", "w", "b"], ["y"], group=4, pads=[1, 1, 1, 1])]
+    if residual:
+        nodes.append(helper.make_node("Add", ["y", "x"], ["s"]))
+    nodes.append(helper.make_node("Relu", ["s" if residual else "y"], ["r"]))
+    g = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 4, 8, 8])],
+                          [helper.make_tensor_value_info("r", TensorProto.FLOAT, [1, 4, 8, 8])], [w, b])
+    return helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
+
+
+def test_a_depthwise_convolution_and_its_relu_are_a_shape_to_time_and_its_residual_form_is_not():
+    from parastream.launcher.engines.cudnn_fused import is_depthwise_key
+
+    keys = fused_conv_keys(_depthwise_model())
+    assert keys == {conv_key("relu", [1, 4, 8, 8], [4, 1, 3, 3], [1, 1], [1, 1], [1, 1], 4): 1}
+    assert is_depthwise_key(next(iter(keys)))
+    assert not any(is_depthwise_key(k) for k in fused_conv_keys(conv_relu_model()))  # (groups 2 of 4: grouped)
+    assert fused_conv_keys(_depthwise_model(residual=True)) == {}
+
+
+def test_a_depthwise_shape_listed_unfused_keeps_its_relu_apart_and_the_function_is_the_same(reference_kernel):
+    model = _depthwise_model()
+    key = next(iter(fused_conv_keys(model)))
+    feeds = {"x": np.random.default_rng(4).standard_normal((1, 4, 8, 8)).astype(np.float32)}
+    ref = _ort(model, feeds)["r"]
+    for unfused, fused in (([], 1), ([key], 0)):
+        module = convert(model, fuse_conv_relu=True, conv_relu_unfused=unfused)
+        assert module.fused_conv_relu == fused
+        with torch.no_grad():
+            (out,) = module(torch.from_numpy(feeds["x"]))
+        assert _rel(out.numpy(), ref) <= 1e-5
 
 
 @pytest.mark.parametrize("model_of,feeds_of", [(conv_relu_model, _feeds), (residual_model, _residual_feeds)])
@@ -109,8 +137,8 @@ def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
     table = {keys[0]: (10.0, 8.0), keys[1]: (10.0, 9.7)}  # slower by 25%; slower within the 5% margin
     asked = []
 
-    def timed(key, batch, dtype, reps=10, replays=20):
-        asked.append((key, batch, dtype))
+    def timed(key, batch, dtype, reps=10, replays=20, planned=True):
+        asked.append((key, batch, dtype, planned))
         return table.get(key, (1.0, 2.0))
 
     monkeypatch.setattr(measure, "time_conv_shape", timed)
@@ -119,7 +147,10 @@ def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
     assert res["unfused"] == [keys[0]]
     assert res["shapes"] == len(keys) == res["timed"]
     assert res["us"][keys[0]] == [10.0, 8.0]
-    assert {a[1] for a in asked} == {1} and {a[2] for a in asked} == {torch.float16}
+    assert {a[1] for a in asked} == {1} and {a[2] for a in asked} == {torch.float16} and {a[3] for a in asked} == {True}
+    asked.clear()  # without the plans a depthwise shape is timed as torch's fused call, as the converter writes it
+    measure.time_conv_shapes(model, BuildOptions(precision="fp16", cudnn_plans=False), lock=False)
+    assert {a[3] for a in asked} == {False}
     assert measure.time_conv_shapes(model, BuildOptions(precision="bf16"), lock=False) is None  # not fused in bf16
     faster = measure.time_conv_shapes(residual_model(), BuildOptions(precision="fp32"), lock=False)  # (1 < 2 µs)
     assert faster["unfused"] == [] and faster["timed"] == 2
@@ -284,12 +315,17 @@ class _timed:
 @pytest.mark.gpu
 def test_the_shapes_are_timed_on_the_gpu():
     """Both forms of each shape run and are timed (positive microseconds), in fp16, for a plain and a residual
-    fusion."""
+    fusion and a depthwise one (its plan with and without the ReLU); the residual model's conv + add shape (two
+    convolutions), a cuDNN plan, is counted apart and not timed alone."""
+    from parastream.launcher.engines.cudnn_fused import PLANNED_KINDS
     from parastream.pipeline.measure import time_conv_shapes
 
-    for model in (conv_relu_model(), residual_model()):
+    for model, plans in ((conv_relu_model(), 0), (residual_model(), 1), (_depthwise_model(), 0)):
         res = time_conv_shapes(model, BuildOptions(precision="fp16"), lock=False)
-        assert res["timed"] == res["shapes"] == len(fused_conv_keys(model))
+        keys = fused_conv_keys(model)
+        planned = [k for k in keys if parse_key(k)[0] in PLANNED_KINDS]
+        assert res["timed"] == res["shapes"] == len(keys) - len(planned)
+        assert res.get("plan_shapes", 0) == len(planned) == plans
         assert all(f > 0 and u > 0 for f, u in res["us"].values())
         assert set(res["unfused"]) <= set(res["us"])
 
