@@ -1016,15 +1016,19 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
     epilogue the fusion runs as a cuDNN plan (``cudnn_fused.PLANNED_KINDS``: SiLU, a residual Add without ReLU):
     those are not timed here (their eager rival is not what Inductor runs, and the whole plan races them:
     ``conv_relu_decided_on_shapes``).  Timed, EfficientNet-B0's build spent this step's 5 s on 11 of its 27
-    SiLU shapes, building their runtime-compiled plans one by one, and listed none (H200)."""
-    from parastream.launcher.engines.cudnn_fused import PLANNED_KINDS, fused_conv_keys
+    SiLU shapes, building their runtime-compiled plans one by one, and listed none (H200).  Depthwise shapes are
+    left out where ``BuildOptions.conv_kernels`` asks for a form that is not cuDNN's (no fusion takes them)."""
+    from parastream.launcher.engines.base import LOWERED_CONV_KERNELS
+    from parastream.launcher.engines.cudnn_fused import PLANNED_KINDS, fused_conv_keys, is_depthwise_key
 
     dtype_name = {"fp16": "float16", "fp32": "float32"}.get(options.precision)
     if dtype_name is None:
         return None
     keys = fused_conv_keys(model)
     planned = sum(k.split("|")[0] in PLANNED_KINDS for k in keys)
-    keys = {k: n for k, n in keys.items() if k.split("|")[0] not in PLANNED_KINDS}
+    lowered = options.conv_kernels in LOWERED_CONV_KERNELS
+    keys = {k: n for k, n in keys.items()
+            if k.split("|")[0] not in PLANNED_KINDS and not (lowered and is_depthwise_key(k))}
     if not keys:
         return None
     import torch

@@ -63,6 +63,19 @@ def test_a_depthwise_convolution_and_its_relu_are_a_shape_to_time_and_its_residu
     assert fused_conv_keys(_depthwise_model(residual=True)) == {}
 
 
+def test_depthwise_shapes_are_timed_unless_the_build_asks_for_another_form_than_cudnn(monkeypatch):
+    from parastream.pipeline import measure
+
+    asked = []
+    monkeypatch.setattr(measure, "time_conv_shape", lambda key, batch, dtype, planned=True: asked.append(key) or (1.0, 2.0))
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    key = next(iter(fused_conv_keys(_depthwise_model())))
+    for kernels, timed in (("auto", [key]), ("cudnn", [key]), ("inductor", []), ("native", [])):
+        asked.clear()
+        res = measure.time_conv_shapes(_depthwise_model(), BuildOptions(precision="fp16", conv_kernels=kernels), lock=False)
+        assert asked == timed and (res is None) == (not timed), kernels
+
+
 def test_a_depthwise_shape_listed_unfused_keeps_its_relu_apart_and_the_function_is_the_same(reference_kernel):
     model = _depthwise_model()
     key = next(iter(fused_conv_keys(model)))
