@@ -21,7 +21,8 @@ any "same" padding), and for each distinct (input shape, kernel, stride, padding
   native_first_ms, native_us
                    torch's own depthwise kernel (``aten._conv_depthwise2d``, NCHW; no plan to build)
   plan_us          the same convolution through the cuDNN plan a bundle ships (``cudnn_plans.conv2d``, the form
-                   ``conv_kernels`` "cudnn" compiles), the same way
+                   ``conv_kernels`` "cudnn" compiles), the same way (bench/cudnn_plans.py: the plans' build and
+                   load costs)
   max_err          of each against cuDNN's output (scaled by its largest magnitude)
 
 and prints, per model, the plan seconds in all and what lowering the shapes in order of plan seconds saved per
@@ -108,6 +109,7 @@ def measure_shape(key) -> dict:
     import torch
     import torch.nn.functional as F
 
+    from parastream.launcher.engines import cudnn_plans as cp
     from parastream.launcher.engines.onnx_torch import _conv_as_kernels
 
     x_shape, w_shape, stride, padding, dilation = key
@@ -120,8 +122,6 @@ def measure_shape(key) -> dict:
     ref = F.conv2d(x, w, None, stride, padding, dilation, c).float()
     scale = float(ref.abs().max()) or 1.0
     row["cudnn_us"] = _graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, c))
-    from parastream.launcher.engines import cudnn_plans as cp
-
     if cp.frontend() is not None:  # the form a bundle ships for "cudnn" (``BuildOptions.cudnn_plans``)
         try:
             out = cp.conv2d(x, w, None, list(stride), list(padding), list(dilation), c)

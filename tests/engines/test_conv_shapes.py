@@ -161,7 +161,7 @@ def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
     assert res["shapes"] == len(keys) == res["timed"]
     assert res["us"][keys[0]] == [10.0, 8.0]
     assert {a[1] for a in asked} == {1} and {a[2] for a in asked} == {torch.float16} and {a[3] for a in asked} == {True}
-    asked.clear()  # without the plans a depthwise shape is timed as torch's fused call, as the converter writes it
+    asked.clear()  # the plans' option reaches the timing (without it a depthwise shape is torch's fused call)
     measure.time_conv_shapes(model, BuildOptions(precision="fp16", cudnn_plans=False), lock=False)
     assert {a[3] for a in asked} == {False}
     assert measure.time_conv_shapes(model, BuildOptions(precision="bf16"), lock=False) is None  # not fused in bf16
