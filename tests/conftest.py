@@ -24,6 +24,31 @@ def _has_tensorrt() -> bool:
     return importlib.util.find_spec("tensorrt") is not None
 
 
+def pytest_sessionstart(session):
+    """Refuse at once, in one line, a torchvision that does not import beside the installed torch.
+
+    transformers imports torchvision whenever it is installed, so such a torchvision fails every test that
+    builds a transformers model, each with transformers' own "Could not import module 'BertModel'".
+    """
+    if importlib.util.find_spec("torchvision") is None or importlib.util.find_spec("torch") is None:
+        return
+    try:
+        import torchvision  # noqa: F401
+    except Exception as error:  # torchvision raises RuntimeError for ops built against another torch
+        from importlib.metadata import PackageNotFoundError, version
+
+        def _version(name):
+            try:
+                return version(name)
+            except PackageNotFoundError:
+                return "(no metadata)"
+
+        raise pytest.UsageError(
+            f"torchvision {_version('torchvision')} does not import beside torch {_version('torch')} "
+            f"({str(error).splitlines()[0]}): install the torchvision built for this torch, or uninstall it"
+        ) from None
+
+
 def pytest_collection_modifyitems(config, items):
     import os
 

@@ -75,3 +75,24 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     where = subprocess.run([str(py), "-c", "import parastream.pipeline as p; print(p.__file__)"], capture_output=True,
                            text=True, cwd=tmp_path, check=True).stdout
     assert str(venv) in where  # the wheel's copy, not the editable checkout
+
+
+@pytest.mark.skipif(importlib.util.find_spec("torch") is None, reason="the check runs only beside torch")
+def test_a_torchvision_that_does_not_import_stops_the_tests_in_one_line(tmp_path):
+    # a torchvision built for another torch fails at import like this one; transformers would then fail
+    # every test that builds a model, each with an unrelated-looking message
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(
+        'raise RuntimeError("operator torchvision::nms does not exist")\n')
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+                          str(ROOT / "tests" / "test_install.py")], cwd=ROOT, capture_output=True, text=True,
+                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+    assert run.returncode != 0
+    lines = [line for line in (run.stdout + run.stderr).splitlines() if "torchvision" in line]
+    assert len(lines) == 1 and "operator torchvision::nms does not exist" in lines[0], run.stdout + run.stderr
+
+
+def test_without_a_broken_torchvision_the_tests_start():
+    run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
+                          str(ROOT / "tests" / "test_install.py")], cwd=ROOT, capture_output=True, text=True)
+    assert run.returncode == 0, run.stdout + run.stderr
