@@ -773,6 +773,19 @@ def nms_in_groups(corners, order, cls, iou_t: float):
     return out
 
 
+def _torchvision_ops(n: _Node, op: str):
+    """``torchvision.ops`` for node ``n``, or the node refused (its tail then stays on the host) where torchvision
+    is missing or does not import beside this torch: a torchvision built for another torch raises a RuntimeError
+    at import ("operator torchvision::nms does not exist"), not an ImportError."""
+    try:
+        from torchvision import ops
+    except Exception as error:  # noqa: BLE001 - any import failure refuses the node, with its reason
+        why = ("pip install torchvision" if isinstance(error, ImportError) else
+               f"the installed torchvision does not import: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+        raise UnsupportedOp(f"node {n.name!r} ({op}) needs torchvision on the GPU ({why})") from None
+    return ops
+
+
 @_op("NonMaxSuppression")
 def _nms(n: _Node):
     """ONNX's NonMaxSuppression per batch, every class at once: from ``GROUPED_NMS_FROM`` candidates group by
@@ -781,11 +794,7 @@ def _nms(n: _Node):
     score, at most ``max_output_boxes_per_class`` of each (0, the default, selects none), as ONNX Runtime gives
     them."""
     torch = _torch()
-    try:
-        from torchvision.ops import batched_nms
-    except ImportError:
-        raise UnsupportedOp(f"node {n.name!r} (NonMaxSuppression) needs torchvision on the GPU "
-                            "(pip install torchvision)") from None
+    batched_nms = _torchvision_ops(n, "NonMaxSuppression").batched_nms
     center = bool(n.attr("center_point_box", 0))
 
     def run(boxes, scores, max_per_class=None, iou=None, score_min=None):
@@ -835,10 +844,7 @@ def _roi_align(n: _Node):
     default) are its ``aligned=True``, ``output_half_pixel`` (and opset 10's only form) ``aligned=False``; a
     sampling ratio of 0 is adaptive in both."""
     torch = _torch()
-    try:
-        from torchvision.ops import roi_align
-    except ImportError:
-        raise UnsupportedOp(f"node {n.name!r} (RoiAlign) needs torchvision on the GPU (pip install torchvision)") from None
+    roi_align = _torchvision_ops(n, "RoiAlign").roi_align
     mode = n.attr("mode", "avg")
     if mode != "avg":
         raise UnsupportedOp(f"node {n.name!r} (RoiAlign): mode {mode!r} is not supported on the GPU")

@@ -651,6 +651,27 @@ def test_a_loop_or_another_domain_is_refused_naming_the_node():
         load(m, device=None)
 
 
+@pytest.mark.parametrize("failure", ["RuntimeError('operator torchvision::nms does not exist')",
+                                     "ImportError('No module named torchvision._C')"])
+def test_a_torchvision_that_does_not_import_refuses_its_nodes_naming_them(failure, tmp_path, monkeypatch):
+    """A torchvision built for another torch fails at import with a RuntimeError: its nodes are refused (their tail
+    stays on the host) with the reason, as where torchvision is missing, not a traceback out of the build."""
+    (tmp_path / "torchvision").mkdir()
+    (tmp_path / "torchvision" / "__init__.py").write_text(f"raise {failure}\n")
+    for name in [m for m in list(__import__("sys").modules) if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(__import__("sys").modules, name)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    nms = helper.make_node("NonMaxSuppression", ["b", "s"], ["y"], name="the_nms")
+    feeds = {"b": _boxes(1, 4, False), "s": rng.random((1, 1, 4)).astype(np.float32)}
+    reason = "does not import: operator torchvision::nms" if failure.startswith("Runtime") else "pip install torchvision"
+    with pytest.raises(UnsupportedOp, match=f"the_nms.*NonMaxSuppression.*{reason}"):
+        load(model([nms], feeds, ["y"]), device=None)
+    roi = helper.make_node("RoiAlign", ["x", "r", "i"], ["y"], name="the_roi")
+    feeds = {"x": f32(1, 1, 4, 4), "r": np.zeros((1, 4), np.float32), "i": i64(0)}
+    with pytest.raises(UnsupportedOp, match=f"the_roi.*RoiAlign.*{reason}"):
+        load(model([roi], feeds, ["y"], opset=16), device=None)
+
+
 def test_a_scatter_with_a_reduction_is_refused():
     node = helper.make_node("ScatterND", ["x", "i", "u"], ["y"], name="the_scatter", reduction="add")
     feeds = {"x": f32(4, 3), "i": np.array([[1]], np.int64), "u": f32(1, 3)}
