@@ -45,7 +45,7 @@ def pytest_sessionstart(session):
 
         raise pytest.UsageError(
             f"torchvision {_version('torchvision')} does not import beside torch {_version('torch')} "
-            f"({str(error).splitlines()[0]}): install the torchvision built for this torch, or uninstall it"
+            f"({(str(error).splitlines() or [type(error).__name__])[0]}): install the torchvision built for this torch, or uninstall it"
         ) from None
 
 

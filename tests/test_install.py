@@ -4,6 +4,7 @@ not on one), every document the README points to is in the repository, and the w
 from __future__ import annotations
 
 import importlib.util
+import os
 import re
 import subprocess
 import sys
@@ -86,7 +87,7 @@ def test_a_torchvision_that_does_not_import_stops_the_tests_in_one_line(tmp_path
         'raise RuntimeError("operator torchvision::nms does not exist")\n')
     run = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "--co",
                           str(ROOT / "tests" / "test_install.py")], cwd=ROOT, capture_output=True, text=True,
-                         env={**__import__("os").environ, "PYTHONPATH": str(tmp_path)})
+                         env={**os.environ, "PYTHONPATH": str(tmp_path)})
     assert run.returncode != 0
     lines = [line for line in (run.stdout + run.stderr).splitlines() if "torchvision" in line]
     assert len(lines) == 1 and "operator torchvision::nms does not exist" in lines[0], run.stdout + run.stderr

@@ -780,8 +780,9 @@ def _torchvision_ops(n: _Node, op: str):
     try:
         from torchvision import ops
     except Exception as error:  # noqa: BLE001 - any import failure refuses the node, with its reason
-        why = ("pip install torchvision" if isinstance(error, ImportError) else
-               f"the installed torchvision does not import: {str(error).splitlines()[0] if str(error) else type(error).__name__}")
+        first = (str(error).splitlines() or [type(error).__name__])[0]
+        why = ("pip install torchvision" if isinstance(error, ImportError)
+               else f"the installed torchvision does not import: {first}")
         raise UnsupportedOp(f"node {n.name!r} ({op}) needs torchvision on the GPU ({why})") from None
     return ops
 

@@ -6,6 +6,8 @@ a tail's are); tests/pipeline/test_host_tail.py runs whole tails on the GPU."""
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import onnx
 import pytest
@@ -658,8 +660,8 @@ def test_a_torchvision_that_does_not_import_refuses_its_nodes_naming_them(failur
     stays on the host) with the reason, as where torchvision is missing, not a traceback out of the build."""
     (tmp_path / "torchvision").mkdir()
     (tmp_path / "torchvision" / "__init__.py").write_text(f"raise {failure}\n")
-    for name in [m for m in list(__import__("sys").modules) if m == "torchvision" or m.startswith("torchvision.")]:
-        monkeypatch.delitem(__import__("sys").modules, name)
+    for name in [m for m in list(sys.modules) if m == "torchvision" or m.startswith("torchvision.")]:
+        monkeypatch.delitem(sys.modules, name)
     monkeypatch.syspath_prepend(str(tmp_path))
     nms = helper.make_node("NonMaxSuppression", ["b", "s"], ["y"], name="the_nms")
     feeds = {"b": _boxes(1, 4, False), "s": rng.random((1, 1, 4)).astype(np.float32)}
