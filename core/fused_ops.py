@@ -9,7 +9,10 @@ model's opset has no ``Attention`` (opset < 23) and the torch backend runs as
 * inputs ``Q`` [..., Sq, D], ``K`` [..., Sk, D] (not transposed), ``V`` [..., Sk, Dv], optional ``mask`` M:
   a float tensor added to the scores (-inf or a huge negative hides a key), or a bool tensor (True: the key
   takes part), broadcastable to [..., Sq, Sk];
-* attributes ``scale`` (float, default 1) and ``is_causal`` (int, default 0: 1 hides key j from query i for j > i);
+* attributes ``scale`` (float, default 1), ``is_causal`` (int, default 0: 1 hides key j from query i for j > i)
+  and ``zero_hidden_rows`` (int, default 0: 1 gives 0 for a query whose every key the mask hides, as
+  ``torch.nn.functional.scaled_dot_product_attention`` does with a boolean mask and torch's exporters write it,
+  ``Where(IsNaN(P), 0, P)`` after the softmax; 0 leaves softmax's NaN there);
 * output ``Y`` [..., Sq, Dv], Q's type.
 
 ``parastream::MatMulBiasActivation`` (version 1), what ``rewrite/rules/fuse_gemm_epilogue.py`` leaves and the torch
@@ -84,7 +87,9 @@ def _register() -> None:
         outputs=[param("Y", "T")],
         type_constraints=[("T", _FLOATS, "floating-point tensors"), ("M", _FLOATS + ["tensor(bool)"], "the mask")],
         attributes=[attr("scale", helper.make_attribute("scale", 1.0), "the factor of Q·Kᵀ"),
-                    attr("is_causal", helper.make_attribute("is_causal", 0), "1: key j is hidden from query i when j > i")])
+                    attr("is_causal", helper.make_attribute("is_causal", 0), "1: key j is hidden from query i when j > i"),
+                    attr("zero_hidden_rows", helper.make_attribute("zero_hidden_rows", 0),
+                         "1: a query whose every key is hidden gets 0 (else softmax's NaN)")])
     schema.set_type_and_shape_inference_function(_sdpa_shapes)
     defs.register_schema(schema)
     schema = defs.OpSchema(
@@ -128,7 +133,8 @@ def plain_onnx(model: onnx.ModelProto) -> onnx.ModelProto:
     opset is at least 20, else its erf form 0.5·x·(1 + erf(x/√2)) or its tanh form
     0.5·x·(1 + tanh(√(2/π)·(x + 0.044715·x³))).  ``ScaledDotProductAttention``: Transpose of K's last two axes,
     MatMul, Mul by the scale, the mask added (a float mask) or applied with Where (a bool mask, the type's lowest
-    elsewhere), the causal mask as a constant (its two sizes must be known), Softmax, MatMul.
+    elsewhere, or -inf with ``zero_hidden_rows``), the causal mask as a constant (its two sizes must be known),
+    Softmax (then ``Where(IsNaN(P), 0, P)`` with ``zero_hidden_rows``), MatMul.
     The domain's import is dropped when no node of it is left.  A model without such a node is returned as it is
     (not copied)."""
     if not any(n.domain == DOMAIN and n.op_type in (GEMM_ACTIVATION, SDPA) for n in model.graph.node):
@@ -217,7 +223,8 @@ def _plain_attention(w: _Writer, node: onnx.NodeProto, _opset: int) -> None:
     r = len(kdims)
     scores = w.op("Mul", [w.op("MatMul", [q, w.op("Transpose", [k], perm=[*range(r - 2), r - 1, r - 2])]),
                           w.const("scale", attrs.get("scale", 1.0))])
-    lowest = np.finfo(w.dtype).min
+    zero_rows = bool(attrs.get("zero_hidden_rows", 0))
+    lowest = -np.inf if zero_rows else np.finfo(w.dtype).min  # -inf: a row of hidden keys is NaN, then 0
     if mask is not None:
         if _elem_type(g, mask) == onnx.TensorProto.BOOL:
             scores = w.op("Where", [mask, scores, w.const("lowest", lowest)])
@@ -229,4 +236,7 @@ def _plain_attention(w: _Writer, node: onnx.NodeProto, _opset: int) -> None:
             raise ValueError(f"{w.base}: a causal attention's decomposition needs its sequence lengths")
         keep = np.tril(np.ones((sq, sk), dtype=bool))  # query i sees keys j <= i (torch's is_causal)
         scores = w.op("Where", [w.const("causal", keep, bool), scores, w.const("lowest", lowest)])
-    w.op("MatMul", [w.op("Softmax", [scores], axis=-1), v], node.output[0])
+    p = w.op("Softmax", [scores], axis=-1)
+    if zero_rows:
+        p = w.op("Where", [w.op("IsNaN", [p]), w.const("zero", 0.0), p])
+    w.op("MatMul", [p, v], node.output[0])

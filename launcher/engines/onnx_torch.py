@@ -1169,6 +1169,7 @@ def _attention(n: NodeView):
     scale = n.attr("scale")
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d) if n.op == "Attention" else 1.0
     causal = bool(int(n.attr("is_causal", 0)))
+    zero_rows = n.op != "Attention" and bool(int(n.attr("zero_hidden_rows", 0)))
     kv_heads = n.shape(1)[-3] if n.op == "Attention" else None
     groups = n.shape(0)[-3] // kv_heads if kv_heads else 1  # grouped-query attention: K and V heads repeated
 
@@ -1188,8 +1189,15 @@ def _attention(n: NodeView):
             if causal and mask is not None:  # SDPA takes one or the other: the causal mask joins the given one
                 keep = causal_keep(q.device)
                 mask = mask & keep if bool_mask else mask.masked_fill(~keep, float("-inf"))
-                return f(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
-            return f(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=groups > 1)
+                y = f(q, k, v, attn_mask=mask, scale=scale, enable_gqa=groups > 1)
+            else:
+                y = f(q, k, v, attn_mask=mask, is_causal=causal, scale=scale, enable_gqa=groups > 1)
+            if zero_rows and mask is not None:
+                # the rows whose every key is hidden are 0 whatever the kernel gives there (NaN from a
+                # -inf row in some, 0 in others): decided on the mask, as the decomposition's IsNaN decides
+                hidden = ~mask if bool_mask else mask == float("-inf")
+                y = y.masked_fill(hidden.all(dim=-1, keepdim=True), 0.0)
+            return y
 
         return fused
 
@@ -1201,7 +1209,10 @@ def _attention(n: NodeView):
             s = s.masked_fill(~causal_keep(s.device), float("-inf"))
         if mask is not None:
             s = s.masked_fill(~mask, float("-inf")) if bool_mask else s + mask.to(dtype)
-        return torch.matmul(torch.softmax(s, dim=-1), v)
+        p = torch.softmax(s, dim=-1)
+        if zero_rows:  # Where(IsNaN(P), 0, P), as the rule found it
+            p = torch.where(torch.isnan(p), torch.zeros((), dtype=p.dtype, device=p.device), p)
+        return torch.matmul(p, v)
 
     return unfused
 

@@ -15,14 +15,19 @@ Mul of Kᵀ by √s each, as torch's own decomposition exports it, give their pr
   ``is_causal = 1`` and no mask input.
 
 The chain it replaces: MatMul(Q, Kᵀ) -> Mul/Div by constant scalars -> the masks -> Softmax on the last
-axis -> MatMul(·, V), Casts to the type they read and Identities anywhere between; the Transpose that makes Kᵀ
+axis -> MatMul(·, V), Casts to the type they read and Identities anywhere between, and after the Softmax at most
+one ``Where(IsNaN(P), 0, P)``: torch's exporters write it after the softmax of
+``scaled_dot_product_attention`` with a boolean mask (transformers' default attention, ``sdpa``), so that a query
+whose every key is hidden (a row of -inf scores, NaN after the softmax) gets 0; the node then carries
+``zero_hidden_rows = 1``; the Transpose that makes Kᵀ
 from K (last two axes swapped) and the scale Muls of Q and Kᵀ are absorbed when nothing else reads them, and a
 Kᵀ that arrives transposed already gets a Transpose back.  The head reshapes and transposes around it stay.
 Every tensor inside the chain must be read by the next node only and be no graph output; Q·Kᵀ must be
 [..., Sq, D] x [..., D, Sk] and V [..., Sk, Dv] with the same leading dimensions (no broadcasting).
 
-The node: ONNX's ``Attention`` where the model's opset is at least 23, Q is 4-d (its layout) and a mask is
-[..., Sq, Sk] (ONNX Runtime broadcasts neither of the two), else
+The node: ONNX's ``Attention`` where the model's opset is at least 23, Q is 4-d (its layout), a mask is
+[..., Sq, Sk] (ONNX Runtime broadcasts neither of the two) and no NaN guard was found (ONNX's has no
+``zero_hidden_rows``), else
 ``parastream::ScaledDotProductAttention`` (``core/fused_ops.py``).  Only the torch backend runs either as one
 kernel (``torch.nn.functional.scaled_dot_product_attention``): ONNX Runtime and TensorRT fuse the plain form
 themselves, so the rule is for the torch backend alone (``backends``).
@@ -66,6 +71,7 @@ class Attention:
     k_transposed: bool = False
     masks: list[Mask] = field(default_factory=list)
     nodes: list[gs.Node] = field(default_factory=list)  # every node replaced, the first MatMul first
+    zero_hidden_rows: bool = False  # a Where(IsNaN(P), 0, P) after the Softmax: a row of hidden keys gives 0
 
 
 def _passes(node: gs.Node) -> bool:
@@ -145,6 +151,21 @@ def _reaches_matmul(t: gs.Tensor, depth: int = 0) -> bool:
     return False
 
 
+def _nan_guard(graph: gs.Graph, p: gs.Tensor) -> list[gs.Node] | None:
+    """[IsNaN, Where] when ``p`` is read by exactly ``Where(IsNaN(p), 0, p)`` (the IsNaN read by that Where only,
+    no graph output among them), else None."""
+    if is_graph_output(graph, p) or len(p.outputs) != 2:
+        return None
+    isnan = next((n for n in p.outputs if n.op == "IsNaN"), None)
+    where = next((n for n in p.outputs if n.op == "Where"), None)
+    if isnan is None or where is None or not _private(graph, isnan, where) or len(where.inputs) != 3:
+        return None
+    cond, fill, keep = where.inputs
+    if cond is not isnan.outputs[0] or keep is not p or _scalar(fill) != 0.0 or len(where.outputs) != 1:
+        return None
+    return [isnan, where]
+
+
 def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
     """The attention chain around ``softmax``, or the reason it is not one this rule fuses."""
     x = softmax.inputs[0]
@@ -156,7 +177,13 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         return f"{softmax.name} is not over the last axis"
     after: list[gs.Node] = [softmax]
     y = softmax.outputs[0]
+    zero_hidden_rows = False
     while True:
+        guard = None if zero_hidden_rows else _nan_guard(graph, y)
+        if guard is not None:
+            after += guard
+            y, zero_hidden_rows = guard[-1].outputs[0], True
+            continue
         if is_graph_output(graph, y) or len(y.outputs) != 1:
             return f"{y.name} is read by {len(y.outputs)} nodes or is a graph output"
         reader = y.outputs[0]
@@ -250,7 +277,7 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         return f"the inputs of {mm1.name} and {mm2.name} are not floating point of one type"
 
     att = Attention(q=q, k=kt, v=v, out=mm2.outputs[0], scale=scale, k_transposed=k_transposed,
-                    nodes=[mm1, *reversed(before[:-1]), *after, mm2, *extra])
+                    nodes=[mm1, *reversed(before[:-1]), *after, mm2, *extra], zero_hidden_rows=zero_hidden_rows)
     for node in mask_nodes:
         i = _scores_operand(node)
         if node.op == "Add":
@@ -370,7 +397,10 @@ class FuseAttention(Rule):
         inputs = [att.q, k, att.v] + ([mask] if mask is not None else [])
         attrs = {"scale": float(att.scale), "is_causal": causal}
         ms = static_shape(mask) if mask is not None else None
-        if (graph.opset or 0) >= 23 and len(qs) == 4 and (mask is None or (ms is not None and ms[-2:] == (qs[-2], sk))):
+        if att.zero_hidden_rows:  # ONNX's Attention has no such attribute: parastream's node carries it
+            attrs["zero_hidden_rows"] = 1
+        if not att.zero_hidden_rows and (graph.opset or 0) >= 23 and len(qs) == 4 \
+                and (mask is None or (ms is not None and ms[-2:] == (qs[-2], sk))):
             graph.nodes.append(gs.Node("Attention", name=namer(base), attrs=attrs, inputs=inputs, outputs=[out]))
         else:
             graph.nodes.append(gs.Node(fused_ops.SDPA, name=namer(base), attrs=attrs, inputs=inputs, outputs=[out],

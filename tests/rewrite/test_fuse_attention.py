@@ -80,7 +80,7 @@ def fused_nodes(m: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def attention(scale: str | None = "div", mask: str | None = None, *, k_transposed: bool = False, opset: int = 17,
               softmax_axis: int = -1, fill: float = float("-inf"), scores_out: bool = False,
-              q_shape=(B, H, S, D)) -> onnx.ModelProto:
+              q_shape=(B, H, S, D), guard: str | None = None) -> onnx.ModelProto:
     """Q, K, V inputs [B, H, S, D] -> softmax(scale·Q·Kᵀ + mask)·V in the form ``scale`` and ``mask`` name."""
     nodes, inits = [], []
     inputs = [vi("q", list(q_shape)), vi("k", [B, H, D, S] if k_transposed else [B, H, S, D]), vi("v", [B, H, S, D])]
@@ -132,8 +132,15 @@ def attention(scale: str | None = "div", mask: str | None = None, *, k_transpose
             nodes.append(helper.make_node("Add", [x, "causal"], ["masked"], name="mask"))
         x = "masked"
     nodes.append(helper.make_node("Softmax", [x], ["p"], name="softmax", axis=softmax_axis))
-    nodes.append(helper.make_node("MatMul", ["p", "v"], ["y"], name="pv"))
-    outputs = [vi("y", None)] + ([vi("scores", None)] if scores_out else [])
+    p = "p"
+    if guard:  # torch's exporters after SDPA's softmax with a boolean mask: Where(IsNaN(P), 0, P)
+        inits.append(numpy_helper.from_array(np.asarray(0.5 if guard == "half" else 0.0, dtype=np.float32), "zero"))
+        nodes += [helper.make_node("IsNaN", ["p"], ["p_nan"], name="p_isnan"),
+                  helper.make_node("Where", ["p_nan", "zero", "p"], ["p_safe"], name="p_guard")]
+        p = "p_safe"
+    nodes.append(helper.make_node("MatMul", [p, "v"], ["y"], name="pv"))
+    outputs = [vi("y", None)] + ([vi("scores", None)] if scores_out else []) + \
+        ([vi("p_nan", None, TensorProto.BOOL)] if guard == "exposed" else [])
     return model(nodes, inputs, outputs, inits, opset=opset)
 
 
@@ -187,6 +194,54 @@ def test_opset_23_gets_onnx_attention_which_onnxruntime_runs():
     assert_torch_matches_ort(m, out)
 
 
+def test_the_nan_guard_after_the_softmax_is_fused_and_hidden_rows_give_zero():
+    """transformers' default attention (sdpa) as torch's exporters write it: the boolean mask as an additive
+    Where(keep, 0, -inf), and Where(IsNaN(P), 0, P) after the softmax, so that a query whose every key is hidden
+    gets 0, not NaN.  The fused node carries ``zero_hidden_rows``; in the converter (SDPA and its decomposition)
+    and in its plain ONNX form the hidden rows are 0 as in ONNX Runtime on the original, even at opset 23
+    (ONNX's Attention has no such attribute, so parastream's node is kept)."""
+    for opset in (17, 23):
+        m = attention("div", "where", guard="zero", opset=opset)
+        out, fired = apply_everywhere(RULE, m)
+        (node,) = fused_nodes(out)
+        assert (node.domain, node.op_type) == (fused_ops.DOMAIN, fused_ops.SDPA)
+        assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["zero_hidden_rows"] == 1
+        assert not {"IsNaN", "Where", "Softmax"} & set(ops(out)) - {"Where"} and ops(out).count("Where") == 1
+        feeds = feeds_for(m, 3)
+        feeds["keep"][0] = False  # the first sequence's keys all hidden: its rows are NaN after the softmax
+        ref = run(m, feeds)["y"]
+        assert np.all(ref[0] == 0) and np.isfinite(ref).all()
+        np.testing.assert_allclose(run(fused_ops.plain_onnx(out), feeds)["y"], ref, rtol=1e-5, atol=1e-6)
+        for fuse in (True, False):
+            module = convert(out, "float32", fuse_attention=fuse)
+            with torch.no_grad():
+                got = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])[0].numpy()
+            np.testing.assert_allclose(got, ref, rtol=1e-5, atol=1e-6, err_msg=f"fuse_attention={fuse}")
+        assert_torch_matches_ort(m, out)
+
+
+def test_the_hidden_rows_are_zero_whatever_the_kernel_gives_there(monkeypatch):
+    """The fused form decides the hidden rows on the mask: a kernel that leaves NaN in a row of -inf scores (as
+    some of SDPA's CUDA kernels may) still gives 0 there."""
+    m = attention("div", "where", guard="zero")
+    out, _ = apply_everywhere(RULE, m)
+    feeds = feeds_for(m, 4)
+    feeds["keep"][1] = False
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def nan_rows(q, k, v, attn_mask=None, **kw):
+        y = real(q, k, v, attn_mask=attn_mask, **kw)
+        hidden = (attn_mask == float("-inf")).all(dim=-1, keepdim=True)
+        return y.masked_fill(hidden, float("nan"))
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", nan_rows)
+    module = convert(out, "float32", fuse_attention=True)
+    with torch.no_grad():
+        got = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])[0].numpy()
+    np.testing.assert_allclose(got, run(m, feeds)["y"], rtol=1e-5, atol=1e-6)
+    assert np.all(got[1] == 0)
+
+
 # -- must not fire ------------------------------------------------------------------------------------------------
 
 @pytest.mark.parametrize("kwargs, why", [
@@ -195,6 +250,9 @@ def test_opset_23_gets_onnx_attention_which_onnxruntime_runs():
     (dict(scale="variable"), "is not a constant scalar"),
     (dict(mask="where", fill=-1e4), "does not hide a key exactly"),
     (dict(q_shape=(H, S, D)), "with the same batch dimensions"),  # Q broadcast over the batch
+    # a guard that does not give 0 (0.5: not what a hidden row is), and one whose IsNaN is read elsewhere too
+    (dict(mask="where", guard="half"), "is read by 2 nodes"),
+    (dict(mask="where", guard="exposed"), "is read by 2 nodes"),
 ])
 def test_does_not_fire(kwargs, why):
     m = attention(**{"scale": "div", "mask": None, **kwargs})
@@ -228,7 +286,16 @@ def test_only_the_torch_backend_gets_it():
 def _transformers_model(kind: str):
     transformers = pytest.importorskip("transformers")
     torch.manual_seed(0)
-    if kind == "bert":
+    attn = "eager"  # plain ONNX ops for the export
+    if kind in ("bert_sdpa", "llama"):  # transformers' default attention, as a user exports it
+        attn = "sdpa"
+    if kind == "llama":  # grouped-query attention, rotary embeddings, a causal and a padding mask
+        cfg = transformers.LlamaConfig(vocab_size=50, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                       num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                       use_cache=False)
+        cls, names = transformers.LlamaModel, ("input_ids", "attention_mask")
+        args = (torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.int64))
+    elif kind in ("bert", "bert_sdpa"):
         cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                       intermediate_size=64, max_position_embeddings=32)
         cls, names = transformers.BertModel, ("input_ids", "attention_mask")
@@ -251,7 +318,7 @@ def _transformers_model(kind: str):
                                      image_size=32, patch_size=8)
         cls, names = transformers.ViTModel, ("pixel_values",)
         args = (torch.randn(2, 3, 32, 32),)
-    net = cls._from_config(cfg, attn_implementation="eager").eval()  # plain ONNX ops for the export
+    net = cls._from_config(cfg, attn_implementation=attn).eval()
 
     class LastHidden(torch.nn.Module):
         def __init__(self):
@@ -292,6 +359,32 @@ def test_exported_transformers(kind, exporter, opset):
     out, fired = apply_everywhere(RULE, m)
     assert len(fired) == 1, reasons(RULE, m)
     assert len(fused_nodes(out)) == 1 and "Softmax" not in ops(out)
+    assert_torch_matches_ort(m, out, rtol=1e-4)
+
+
+@pytest.mark.parametrize("kind, exporter, opset", [
+    ("llama", "torchscript", 17), ("llama", "dynamo", 18), ("bert_sdpa", "torchscript", 17), ("bert_sdpa", "dynamo", 18),
+])
+def test_exported_default_attention_with_hidden_rows(kind, exporter, opset):
+    """transformers' default attention (sdpa) as both exporters write it (its NaN guard after the softmax):
+    fused, and equal to ONNX Runtime where the padding hides every key of some queries (left padding: with
+    Llama's causal mask the first queries of the padded sequence see no key)."""
+    m = export(kind, exporter, opset)
+    assert "IsNaN" in ops(m)
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1 and "Softmax" not in ops(out), reasons(RULE, m)
+    (node,) = fused_nodes(out)
+    assert {a.name: helper.get_attribute_value(a) for a in node.attribute}["zero_hidden_rows"] == 1
+    feeds = feeds_for(m, 5)
+    feeds["attention_mask"][1, :3] = 0  # the second sequence padded on the left
+    ref = run(m, feeds)
+    for fuse in (True, False):
+        module = convert(out, "float32", fuse_attention=fuse)
+        with torch.no_grad():
+            got = module(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+        for (name, want), have in zip(ref.items(), got):
+            assert np.isfinite(want).all()
+            np.testing.assert_allclose(have.numpy(), want, rtol=1e-4, atol=1e-4, err_msg=f"{name} fuse={fuse}")
     assert_torch_matches_ort(m, out, rtol=1e-4)
 
 
