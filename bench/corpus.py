@@ -97,12 +97,13 @@ MODELS: dict[str, Spec] = {s.name: s for s in [
 def spec_of(name: str) -> Spec:
     """The corpus's spec of ``name``, or, for a model outside the corpus named as ``timm:NAME``,
     ``torchvision:NAME`` (an image classifier of that library, at its default input size) or ``keras:NAME`` (a
-    ``tf.keras.applications`` model, exported by bench/keras_export.py), a spec of family "unlisted": a sweep over
-    models nobody here tuned on (the row keeps the name as given)."""
+    ``tf.keras.applications`` model, exported by bench/keras_export.py) or ``transformers:NAME`` (one of
+    ``HF_SWEEP``'s small configs), a spec of family "unlisted": a sweep over models nobody here tuned on (the row
+    keeps the name as given)."""
     if name in MODELS:
         return MODELS[name]
     source, _, bare = name.partition(":")
-    if source in ("timm", "torchvision", "keras") and bare:
+    if source in ("timm", "torchvision", "keras") and bare or source == "transformers" and bare in HF_SWEEP:
         return Spec(bare, "unlisted", source)
     raise KeyError(name)
 
@@ -158,6 +159,76 @@ def calibrate_batchnorm(model, example, batches: int = 2, batch_size: int = 4) -
     model.eval()
 
 
+# transformers models outside the corpus, at small configs (``transformers:NAME``), each with the attention its
+# library uses by default (``sdpa`` where it has one), as a user exports it: decoder LMs with grouped-query
+# attention and rotary embeddings, encoders with factorised or shared embeddings, speech and vision encoders.
+HF_SWEEP = ("llama", "qwen2", "mistral", "phi3", "gemma", "bert_sdpa", "roberta", "albert", "electra", "deberta_v2",
+            "clip_vision", "clip_text", "whisper_encoder", "wav2vec2", "segformer", "dinov2", "beit", "bart_encoder")
+
+
+def _hf_sweep(name: str, ids, mask):
+    import torch
+    import transformers as tf
+
+    text = dict(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+                max_position_embeddings=128)
+    lm = dict(vocab_size=1000, hidden_size=128, intermediate_size=256, num_hidden_layers=2, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=128, use_cache=False)
+    img = {"pixel_values": torch.randn(1, 3, 64, 64)}
+    vision = dict(image_size=64, patch_size=8, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                  intermediate_size=256)
+    tokens = {"input_ids": ids, "attention_mask": mask}
+    if name == "llama":
+        return tf.LlamaModel(tf.LlamaConfig(**lm)), tokens
+    if name == "qwen2":
+        return tf.Qwen2Model(tf.Qwen2Config(**lm)), tokens
+    if name == "mistral":
+        return tf.MistralModel(tf.MistralConfig(**lm, sliding_window=16)), tokens
+    if name == "phi3":
+        return tf.Phi3Model(tf.Phi3Config(**lm, pad_token_id=0)), tokens
+    if name == "gemma":
+        return tf.GemmaModel(tf.GemmaConfig(**lm, head_dim=32)), tokens
+    if name == "bert_sdpa":
+        return tf.BertModel(tf.BertConfig(**text)), tokens
+    if name == "roberta":
+        return tf.RobertaModel(tf.RobertaConfig(**text, pad_token_id=1)), tokens
+    if name == "albert":
+        return tf.AlbertModel(tf.AlbertConfig(**text, embedding_size=64)), tokens
+    if name == "electra":
+        return tf.ElectraModel(tf.ElectraConfig(**text, embedding_size=64)), tokens
+    if name == "deberta_v2":
+        return tf.DebertaV2Model(tf.DebertaV2Config(**text)), tokens
+    if name == "clip_vision":
+        return tf.CLIPVisionModel(tf.CLIPVisionConfig(**vision)), img
+    if name == "clip_text":
+        cfg = tf.CLIPTextConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                intermediate_size=256, max_position_embeddings=128)
+        return tf.CLIPTextModel(cfg), tokens
+    if name == "whisper_encoder":
+        cfg = tf.WhisperConfig(d_model=128, encoder_layers=2, encoder_attention_heads=2, encoder_ffn_dim=256,
+                               decoder_layers=1, decoder_attention_heads=2, decoder_ffn_dim=256,
+                               num_mel_bins=80, max_source_positions=64, vocab_size=1000, pad_token_id=1,
+                               bos_token_id=0, eos_token_id=2, decoder_start_token_id=0)
+        return tf.WhisperModel(cfg).get_encoder(), {"input_features": torch.randn(1, 80, 128)}
+    if name == "wav2vec2":
+        cfg = tf.Wav2Vec2Config(hidden_size=128, num_hidden_layers=2, num_attention_heads=2, intermediate_size=256,
+                                conv_dim=(32, 32), conv_stride=(5, 2), conv_kernel=(10, 3), num_conv_pos_embeddings=16,
+                                num_conv_pos_embedding_groups=4, vocab_size=1000)
+        return tf.Wav2Vec2Model(cfg), {"input_values": torch.randn(1, 1600)}
+    if name == "segformer":
+        return tf.SegformerModel(tf.SegformerConfig()), img
+    if name == "dinov2":
+        return tf.Dinov2Model(tf.Dinov2Config(**vision)), img
+    if name == "beit":
+        return tf.BeitModel(tf.BeitConfig(**vision, use_relative_position_bias=True)), img
+    if name == "bart_encoder":
+        cfg = tf.BartConfig(vocab_size=1000, d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
+                            decoder_attention_heads=2, encoder_ffn_dim=256, decoder_ffn_dim=256,
+                            max_position_embeddings=128, use_cache=False)
+        return tf.BartModel(cfg).get_encoder(), tokens
+    raise KeyError(name)
+
+
 def _hf_small(name: str):
     """A transformers model at a small config (random weights) and its example inputs."""
     import torch
@@ -171,6 +242,8 @@ def _hf_small(name: str):
     mask[:, -4:] = 0
     img = torch.randn(1, 3, 64, 64)
     eager = {"attn_implementation": "eager"}
+    if name in HF_SWEEP:
+        return _hf_sweep(name, ids, mask)
     if name == "bert":
         return tf.BertModel(tf.BertConfig(**text, **eager)), {"input_ids": ids, "attention_mask": mask}
     if name == "distilbert":
@@ -211,7 +284,7 @@ def make_model(name: str):
     torch.manual_seed(0)
     spec = spec_of(name)
     if spec.source == "transformers":
-        model, inputs = _hf_small(name)
+        model, inputs = _hf_small(spec.name)
     elif spec.source == "timm":
         import timm
 
