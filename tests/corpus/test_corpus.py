@@ -167,13 +167,27 @@ def test_a_model_outside_the_corpus_is_named_by_its_library():
     assert corpus.spec_of("torchvision:mnasnet1_0") == corpus.Spec("mnasnet1_0", "unlisted", "torchvision")
     assert corpus.spec_of("keras:ResNet50") == corpus.Spec("ResNet50", "unlisted", "keras")
     assert corpus.spec_of("bert") is corpus.MODELS["bert"]
-    for bad in ("dla34", "jax:dla34", "timm:"):
+    assert corpus.spec_of("transformers:llama") == corpus.Spec("llama", "unlisted", "transformers")
+    for bad in ("dla34", "jax:dla34", "timm:", "transformers:", "transformers:no_such_model"):
         with pytest.raises(KeyError):
             corpus.spec_of(bad)
     for argv in (["--models", "dla34"], ["--models", "timm:dla34", "--exporters", "tf2onxx"]):
         with pytest.raises(SystemExit) as e:
             corpus.main([*argv, "--out", "/nonexistent-parastream-corpus"])
         assert e.value.code == 2
+
+
+def test_a_transformers_sweep_model_is_built_at_its_small_config():
+    """``transformers:NAME`` builds one of HF_SWEEP's small configs with its default attention, wrapped to take
+    its inputs by position: a decoder LM (grouped-query attention) and a speech encoder run as exported."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    for name, shape in (("transformers:llama", (1, 32, 128)), ("transformers:whisper_encoder", (1, 64, 128))):
+        model, inputs = corpus.make_model(name)
+        assert model.config._attn_implementation == "sdpa"
+        with torch.no_grad():
+            (out,) = corpus.wrap(model, corpus.spec_of(name), list(inputs))(*inputs.values())
+        assert tuple(out.shape) == shape and torch.isfinite(out).all()
 
 
 def test_a_keras_model_is_taken_from_its_kept_export_only(tmp_path):
