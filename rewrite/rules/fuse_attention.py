@@ -19,9 +19,9 @@ axis -> MatMul(·, V), Casts to the type they read and Identities anywhere betwe
 one ``Where(IsNaN(P), 0, P)``: torch's exporters write it after the softmax of
 ``scaled_dot_product_attention`` with a boolean mask (transformers' default attention, ``sdpa``), so that a query
 whose every key is hidden (a row of -inf scores, NaN after the softmax) gets 0; the node then carries
-``zero_hidden_rows = 1``; the Transpose that makes Kᵀ
-from K (last two axes swapped) and the scale Muls of Q and Kᵀ are absorbed when nothing else reads them, and a
-Kᵀ that arrives transposed already gets a Transpose back.  The head reshapes and transposes around it stay.
+``zero_hidden_rows = 1``.  The Transpose that makes Kᵀ from K (last two axes swapped) and the scale Muls of Q
+and Kᵀ are absorbed when nothing else reads them, and a Kᵀ that arrives transposed already gets a Transpose
+back.  The head reshapes and transposes around it stay.
 Every tensor inside the chain must be read by the next node only and be no graph output; Q·Kᵀ must be
 [..., Sq, D] x [..., D, Sk] and V [..., Sk, Dv] with the same leading dimensions (no broadcasting).
 
