@@ -19,10 +19,12 @@ axis -> MatMul(·, V), Casts to the type they read and Identities anywhere betwe
 one ``Where(IsNaN(P), 0, P)``: torch's exporters write it after the softmax of
 ``scaled_dot_product_attention`` with a boolean mask (transformers' default attention, ``sdpa``), so that a query
 whose every key is hidden (a row of -inf scores, NaN after the softmax) gets 0; the node then carries
-``zero_hidden_rows = 1``.  The Transpose that makes Kᵀ from K (last two axes swapped) and the scale Muls of Q
-and Kᵀ are absorbed when nothing else reads them, and a Kᵀ that arrives transposed already gets a Transpose
-back.  The head reshapes and transposes around it stay.
-Every tensor inside the chain must be read by the next node only and be no graph output; Q·Kᵀ must be
+``zero_hidden_rows = 1``; and at most one Reshape on each side of the Softmax that only regroups the scores'
+leading dimensions (DeBERTa's [B·H, S, S] scores masked as [B, H, S, S] and back), where the node runs in the
+softmax's layout, its operands and output regrouped by Reshapes, and a mask must come after the regrouping.
+The Transpose that makes Kᵀ from K (last two axes swapped) and the scale Muls of Q and Kᵀ are absorbed when
+nothing else reads them, and a Kᵀ that arrives transposed already gets a Transpose back.  The head reshapes and
+transposes around it stay.  Every tensor inside the chain must be read by the next node only and be no graph output; Q·Kᵀ must be
 [..., Sq, D] x [..., D, Sk] and V [..., Sk, Dv] with the same leading dimensions (no broadcasting).
 
 The node: ONNX's ``Attention`` where the model's opset is at least 23, Q is 4-d (its layout), a mask is
@@ -72,6 +74,8 @@ class Attention:
     masks: list[Mask] = field(default_factory=list)
     nodes: list[gs.Node] = field(default_factory=list)  # every node replaced, the first MatMul first
     zero_hidden_rows: bool = False  # a Where(IsNaN(P), 0, P) after the Softmax: a row of hidden keys gives 0
+    lead: list[int] | None = None  # with a regrouping Reshape in the chain: the softmax's leading dimensions,
+    # in which the node runs (Q, K, V and the output reshaped to them and back)
 
 
 def _passes(node: gs.Node) -> bool:
@@ -148,7 +152,19 @@ def _reaches_matmul(t: gs.Tensor, depth: int = 0) -> bool:
         return i is not None and _reaches_matmul(p.inputs[i], depth + 1)
     if p.op == "Add":
         return any(_reaches_matmul(x, depth + 1) for x in p.inputs)
+    if _regroups(p):
+        return _reaches_matmul(p.inputs[0], depth + 1)
     return False
+
+
+def _regroups(node: gs.Node) -> bool:
+    """A Reshape that only regroups the leading dimensions of [..., Sq, Sk] (DeBERTa's [B·H, S, S] <-> [B, H,
+    S, S]): the last two dimensions and the number of rows unchanged, so each (row, query, key) keeps its place."""
+    if node.op != "Reshape":
+        return False
+    a, b = static_shape(node.inputs[0]), static_shape(node.outputs[0])
+    return a is not None and b is not None and len(a) >= 3 and len(b) >= 3 and a[-2:] == b[-2:] \
+        and int(np.prod(a[:-2])) == int(np.prod(b[:-2]))
 
 
 def _nan_guard(graph: gs.Graph, p: gs.Tensor) -> list[gs.Node] | None:
@@ -178,6 +194,7 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
     after: list[gs.Node] = [softmax]
     y = softmax.outputs[0]
     zero_hidden_rows = False
+    regroup_after = regroup_before = None
     while True:
         guard = None if zero_hidden_rows else _nan_guard(graph, y)
         if guard is not None:
@@ -187,7 +204,9 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         if is_graph_output(graph, y) or len(y.outputs) != 1:
             return f"{y.name} is read by {len(y.outputs)} nodes or is a graph output"
         reader = y.outputs[0]
-        if not _passes(reader):
+        if regroup_after is None and _regroups(reader):
+            regroup_after = reader
+        elif not _passes(reader):
             break
         after.append(reader)
         y = reader.outputs[0]
@@ -210,6 +229,8 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
             break
         if _passes(p):
             t = p.inputs[0]
+        elif regroup_before is None and _regroups(p):
+            regroup_before, t = p, p.inputs[0]
         elif p.op in ("Mul", "Div"):
             chain = next((i for i in p.inputs if _reaches_matmul(i)), None)
             got = _scale_of(p, chain)
@@ -220,6 +241,8 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         elif p.op in ("Add", "Where"):
             if scale != 1.0:  # walking back from the Softmax: a scale met before the mask is applied after it
                 return f"the scores are scaled after the mask {p.name}"
+            if regroup_before is not None:  # the node runs in the softmax's layout, where this mask is not
+                return f"the mask {p.name} is applied before {regroup_before.name} regroups the scores"
             i = _scores_operand(p)
             if i is None:
                 return f"{p.name} does not read the scores and a mask"
@@ -265,8 +288,16 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         kd, sk = ks[-2], ks[-1]
     else:
         sk, kd = ks[-2], ks[-1]
-    if len(qs) < 2 or len({len(qs), len(ks), len(vs)}) != 1 or not (qs[:-2] == ks[:-2] == vs[:-2]):
-        return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D] with the same batch dimensions"
+    lead = list(shape[:-2])  # the softmax's leading dimensions
+    if regroup_before is None and regroup_after is None:
+        if len(qs) < 2 or len({len(qs), len(ks), len(vs)}) != 1 or not (qs[:-2] == ks[:-2] == vs[:-2]):
+            return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D] with the same batch dimensions"
+    else:  # Q and Kᵀ in one layout, V in one, each the softmax's rows regrouped (the node runs in the softmax's)
+        rows = int(np.prod(lead))
+        if len(qs) != len(ks) or list(qs[:-2]) != list(ks[:-2]) or min(len(qs), len(vs)) < 3 \
+                or int(np.prod(qs[:-2])) != rows or int(np.prod(vs[:-2])) != rows \
+                or regroup_before is None and list(qs[:-2]) != lead or regroup_after is None and list(vs[:-2]) != lead:
+            return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D] over the softmax's rows"
     if qs[-1] != kd or vs[-2] != sk:
         return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D]"
     dtype = q.dtype
@@ -277,7 +308,8 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         return f"the inputs of {mm1.name} and {mm2.name} are not floating point of one type"
 
     att = Attention(q=q, k=kt, v=v, out=mm2.outputs[0], scale=scale, k_transposed=k_transposed,
-                    nodes=[mm1, *reversed(before[:-1]), *after, mm2, *extra], zero_hidden_rows=zero_hidden_rows)
+                    nodes=[mm1, *reversed(before[:-1]), *after, mm2, *extra], zero_hidden_rows=zero_hidden_rows,
+                    lead=lead if regroup_before is not None or regroup_after is not None else None)
     for node in mask_nodes:
         i = _scores_operand(node)
         if node.op == "Add":
@@ -353,6 +385,17 @@ class FuseAttention(Rule):
         return att if isinstance(att, str) else None
 
     @staticmethod
+    def _regrouped(graph: gs.Graph, namer: Namer, name: str, t: gs.Tensor, lead: list[int]) -> gs.Tensor:
+        """``t`` [..., A, B] as [*lead, A, B] (a Reshape; ``t`` itself where it has those dimensions)."""
+        shape = list(static_shape(t))
+        if shape[:-2] == lead:
+            return t
+        out = gs.Variable(namer(name), dtype=t.dtype, shape=lead + shape[-2:])
+        graph.nodes.append(gs.Node("Reshape", name=namer(name), outputs=[out], inputs=[
+            t, gs.Constant(namer(f"{name}_shape"), np.asarray(lead + shape[-2:], dtype=np.int64))]))
+        return out
+
+    @staticmethod
     def _additive(graph: gs.Graph, namer: Namer, base: str, mask: Mask, dtype) -> gs.Tensor:
         """``mask`` as a tensor added to the scores: Add's operand as it is, Where(C, 0, f) for a Where."""
         if mask.where_fill is None:
@@ -380,7 +423,10 @@ class FuseAttention(Rule):
             r = len(ks)
             graph.nodes.append(gs.Node("Transpose", name=namer(f"{base}_K_transpose"),
                                        attrs={"perm": list(range(r - 2)) + [r - 1, r - 2]}, inputs=[att.k], outputs=[k]))
-        qs, sk = static_shape(att.q), static_shape(k)[-2]
+        q, v = att.q, att.v
+        if att.lead is not None:  # the node runs in the softmax's layout: its operands' rows regrouped to it
+            q, k, v = (self._regrouped(graph, namer, f"{base}_{tag}", t, att.lead) for tag, t in (("Q", q), ("K", k), ("V", v)))
+        qs, sk = static_shape(q), static_shape(k)[-2]
         causal, mask = 0, None
         if len(att.masks) == 1 and is_causal_mask(_keep_pattern(att.masks[0]), qs[-2], sk):
             causal = 1
@@ -393,8 +439,13 @@ class FuseAttention(Rule):
                     term = total
                 mask = term
         out = att.out
+        if att.lead is not None and list(static_shape(out)[:-2]) != att.lead:  # the output regrouped back after
+            final = list(static_shape(out))
+            out = gs.Variable(namer(f"{base}_Y"), dtype=out.dtype, shape=att.lead + final[-2:])
+            graph.nodes.append(gs.Node("Reshape", name=namer(f"{base}_Y"), outputs=[att.out], inputs=[
+                out, gs.Constant(namer(f"{base}_Y_shape"), np.asarray(final, dtype=np.int64))]))
         detach(*att.nodes)
-        inputs = [att.q, k, att.v] + ([mask] if mask is not None else [])
+        inputs = [q, k, v] + ([mask] if mask is not None else [])
         attrs = {"scale": float(att.scale), "is_causal": causal}
         ms = static_shape(mask) if mask is not None else None
         if att.zero_hidden_rows:  # ONNX's Attention has no such attribute: parastream's node carries it

@@ -242,7 +242,63 @@ def test_the_hidden_rows_are_zero_whatever_the_kernel_gives_there(monkeypatch):
     assert np.all(got[1] == 0)
 
 
+def regrouped_attention(mask_at: str = "after", back: list[int] | None = None) -> onnx.ModelProto:
+    """DeBERTa's form: Q [B·H, S, D] · Kᵀ [B·H, D, S] scaled, Reshape to [B, H, S, S], a boolean mask there
+    (``mask_at="after"``) or on the [B·H, S, S] scores before the Reshape (``"before"``), Softmax, Reshape to
+    ``back`` ([B·H, S, S] unless told), MatMul with V [B·H, S, D]."""
+    back = back or [B * H, S, S]
+    inits = [numpy_helper.from_array(np.asarray(math.sqrt(D), dtype=np.float32), "s"),
+             numpy_helper.from_array(np.asarray([B, H, S, S], dtype=np.int64), "four"),
+             numpy_helper.from_array(np.asarray(back, dtype=np.int64), "three"),
+             numpy_helper.from_array(np.asarray(np.finfo(np.float32).min, dtype=np.float32), "fill")]
+    before = mask_at == "before"
+    keep_shape = [B * H, 1, S] if before else [B, 1, 1, S]
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 2, 1]),
+             helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+             helper.make_node("Div", ["scores", "s"], ["scaled"], name="scale")]
+    x = "scaled"
+    if before:
+        nodes.append(helper.make_node("Where", ["keep", x, "fill"], ["masked3"], name="mask3"))
+        x = "masked3"
+    nodes.append(helper.make_node("Reshape", [x, "four"], ["scores4"], name="to_heads"))
+    x = "scores4"
+    if not before:
+        nodes.append(helper.make_node("Where", ["keep", x, "fill"], ["masked"], name="mask"))
+        x = "masked"
+    nodes += [helper.make_node("Softmax", [x], ["p"], name="softmax", axis=-1),
+              helper.make_node("Reshape", ["p", "three"], ["p3"], name="to_rows"),
+              helper.make_node("MatMul", ["p3", "v"], ["y"], name="pv")]
+    inputs = [vi("q", [B * H, S, D]), vi("k", [B * H, S, D]), vi("v", [back[0] if len(back) == 3 else B * H, S, D]),
+              vi("keep", keep_shape, TensorProto.BOOL)]
+    return model(nodes, inputs, [vi("y", None)], inits)
+
+
+def test_scores_regrouped_between_the_matmuls_are_fused_in_the_softmax_layout():
+    """The node runs in the softmax's [B, H, S, S] layout: Q, K and V regrouped to [B, H, S, D] and the output
+    back to [B·H, S, D] (each a Reshape), equal to ONNX Runtime on the original."""
+    m = regrouped_attention()
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1, reasons(RULE, m)
+    (node,) = fused_nodes(out)
+    assert "Softmax" not in ops(out) and "MatMul" not in ops(out)
+    assert ops(out).count("Reshape") == 4  # Q, K, V to the heads' layout, the output back
+    assert_torch_matches_ort(m, out)
+    np.testing.assert_allclose(run(fused_ops.plain_onnx(out), feeds_for(m, 9))["y"], run(m, feeds_for(m, 9))["y"],
+                               rtol=1e-5, atol=1e-6)
+
+
 # -- must not fire ------------------------------------------------------------------------------------------------
+
+def test_does_not_fire_where_the_regrouping_is_not_one():
+    """A mask applied before the scores are regrouped is in another layout than the node's; a Reshape that
+    changes the last two dimensions moves (query, key) pairs: neither is fused."""
+    m = regrouped_attention(mask_at="before")
+    _, fired = apply_everywhere(RULE, m)
+    assert fired == [] and any("before to_heads regroups the scores" in r for r in reasons(RULE, m)), reasons(RULE, m)
+    m = regrouped_attention(back=[B * H * S, 1, S])
+    _, fired = apply_everywhere(RULE, m)
+    assert fired == [] and any("not as the left operand of a MatMul" in r for r in reasons(RULE, m)), reasons(RULE, m)
+
 
 @pytest.mark.parametrize("kwargs, why", [
     (dict(softmax_axis=2), "is not over the last axis"),
@@ -294,6 +350,11 @@ def _transformers_model(kind: str):
                                        num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                        use_cache=False)
         cls, names = transformers.LlamaModel, ("input_ids", "attention_mask")
+        args = (torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.int64))
+    elif kind == "deberta":  # scores in [B·H, S, S], regrouped to [B, H, S, S] for the mask and back
+        cfg = transformers.DebertaV2Config(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                           intermediate_size=64, max_position_embeddings=32)
+        cls, names = transformers.DebertaV2Model, ("input_ids", "attention_mask")
         args = (torch.randint(0, 50, (2, 8)), torch.ones(2, 8, dtype=torch.int64))
     elif kind in ("bert", "bert_sdpa"):
         cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
@@ -352,6 +413,7 @@ def export(kind: str, exporter: str, opset: int) -> onnx.ModelProto:
     ("gpt2", "torchscript", 17), ("gpt2", "dynamo", 18),
     ("vit", "torchscript", 17), ("vit", "dynamo", 18),
     ("t5", "torchscript", 17), ("t5", "dynamo", 18),
+    ("deberta", "torchscript", 17), ("deberta", "dynamo", 18),
 ])
 def test_exported_transformers(kind, exporter, opset):
     m = export(kind, exporter, opset)
