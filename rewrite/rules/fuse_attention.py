@@ -19,9 +19,10 @@ axis -> MatMul(·, V), Casts to the type they read and Identities anywhere betwe
 one ``Where(IsNaN(P), 0, P)``: torch's exporters write it after the softmax of
 ``scaled_dot_product_attention`` with a boolean mask (transformers' default attention, ``sdpa``), so that a query
 whose every key is hidden (a row of -inf scores, NaN after the softmax) gets 0; the node then carries
-``zero_hidden_rows = 1``; and at most one Reshape on each side of the Softmax that only regroups the scores'
-leading dimensions (DeBERTa's [B·H, S, S] scores masked as [B, H, S, S] and back), where the node runs in the
-softmax's layout, its operands and output regrouped by Reshapes, and a mask must come after the regrouping.
+``zero_hidden_rows = 1``; and Reshapes that only regroup the scores' leading dimensions (up to three before the
+Softmax, one after it: DeBERTa's [B·H, S, S] scores masked as [B, H, S, S] and back, Swin's windows split out
+for the shifted-window mask and merged back), where the node runs in the softmax's layout, its operands and
+output regrouped by Reshapes; a mask applied in another layout must be a constant, regrouped at build time.
 The Transpose that makes Kᵀ from K (last two axes swapped) and the scale Muls of Q and Kᵀ are absorbed when
 nothing else reads them, and a Kᵀ that arrives transposed already gets a Transpose back.  The head reshapes and
 transposes around it stay.  Every tensor inside the chain must be read by the next node only and be no graph output; Q·Kᵀ must be
@@ -59,6 +60,7 @@ class Mask:
     tensor: gs.Tensor
     where_fill: float | None = None
     keep_if_true: bool = True
+    scores_shape: tuple | None = None  # the masked scores' shape where it is applied (before a regrouping, its own)
 
 
 @dataclass
@@ -76,6 +78,7 @@ class Attention:
     zero_hidden_rows: bool = False  # a Where(IsNaN(P), 0, P) after the Softmax: a row of hidden keys gives 0
     lead: list[int] | None = None  # with a regrouping Reshape in the chain: the softmax's leading dimensions,
     # in which the node runs (Q, K, V and the output reshaped to them and back)
+    scores_shape: tuple | None = None  # the scores' shape as the softmax reads them
 
 
 def _passes(node: gs.Node) -> bool:
@@ -194,7 +197,8 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
     after: list[gs.Node] = [softmax]
     y = softmax.outputs[0]
     zero_hidden_rows = False
-    regroup_after = regroup_before = None
+    regroup_after = None
+    regroups_before: list[gs.Node] = []  # walking back from the softmax
     while True:
         guard = None if zero_hidden_rows else _nan_guard(graph, y)
         if guard is not None:
@@ -229,8 +233,9 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
             break
         if _passes(p):
             t = p.inputs[0]
-        elif regroup_before is None and _regroups(p):
-            regroup_before, t = p, p.inputs[0]
+        elif len(regroups_before) < 3 and _regroups(p):
+            regroups_before.append(p)
+            t = p.inputs[0]
         elif p.op in ("Mul", "Div"):
             chain = next((i for i in p.inputs if _reaches_matmul(i)), None)
             got = _scale_of(p, chain)
@@ -241,11 +246,13 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         elif p.op in ("Add", "Where"):
             if scale != 1.0:  # walking back from the Softmax: a scale met before the mask is applied after it
                 return f"the scores are scaled after the mask {p.name}"
-            if regroup_before is not None:  # the node runs in the softmax's layout, where this mask is not
-                return f"the mask {p.name} is applied before {regroup_before.name} regroups the scores"
             i = _scores_operand(p)
             if i is None:
                 return f"{p.name} does not read the scores and a mask"
+            # the node runs in the softmax's layout: a mask applied in another is regrouped to it at build time
+            if regroups_before and const_value(p.inputs[0 if p.op == "Where" else 1 - i]) is None:
+                return (f"the mask {p.name} is applied before {regroups_before[-1].name} regroups the scores "
+                        "and is not a constant")
             mask_nodes.append(p)
             t = p.inputs[i]
         else:
@@ -289,14 +296,14 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
     else:
         sk, kd = ks[-2], ks[-1]
     lead = list(shape[:-2])  # the softmax's leading dimensions
-    if regroup_before is None and regroup_after is None:
+    if not regroups_before and regroup_after is None:
         if len(qs) < 2 or len({len(qs), len(ks), len(vs)}) != 1 or not (qs[:-2] == ks[:-2] == vs[:-2]):
             return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D] with the same batch dimensions"
     else:  # Q and Kᵀ in one layout, V in one, each the softmax's rows regrouped (the node runs in the softmax's)
         rows = int(np.prod(lead))
         if len(qs) != len(ks) or list(qs[:-2]) != list(ks[:-2]) or min(len(qs), len(vs)) < 3 \
                 or int(np.prod(qs[:-2])) != rows or int(np.prod(vs[:-2])) != rows \
-                or regroup_before is None and list(qs[:-2]) != lead or regroup_after is None and list(vs[:-2]) != lead:
+                or not regroups_before and list(qs[:-2]) != lead or regroup_after is None and list(vs[:-2]) != lead:
             return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D] over the softmax's rows"
     if qs[-1] != kd or vs[-2] != sk:
         return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D]"
@@ -309,7 +316,7 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
 
     att = Attention(q=q, k=kt, v=v, out=mm2.outputs[0], scale=scale, k_transposed=k_transposed,
                     nodes=[mm1, *reversed(before[:-1]), *after, mm2, *extra], zero_hidden_rows=zero_hidden_rows,
-                    lead=lead if regroup_before is not None or regroup_after is not None else None)
+                    lead=lead if regroups_before or regroup_after is not None else None, scores_shape=tuple(shape))
     for node in mask_nodes:
         i = _scores_operand(node)
         if node.op == "Add":
@@ -322,8 +329,21 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         # the mask broadcasts to the scores without enlarging them: the masked scores have the scores' shape
         if static_shape(node.outputs[0]) is None or static_shape(node.inputs[i]) != static_shape(node.outputs[0]):
             return f"the mask {mask.tensor.name} of {node.name} does not broadcast to the scores' shape"
+        mask.scores_shape = tuple(static_shape(node.outputs[0]))
         att.masks.append(mask)
     return att
+
+
+def _regrouped_constant(value: np.ndarray, src: tuple, dst: tuple) -> np.ndarray:
+    """A constant mask applied to scores of shape ``src``, as one that applies to the same scores regrouped to
+    ``dst`` (a Reshape of the leading dimensions): broadcast to ``src``, reshaped to ``dst``, then every axis along
+    which it does not vary kept at size 1 (Swin's shifted-window mask varies over the windows, not the heads)."""
+    full = np.broadcast_to(value, src).reshape(dst)
+    for axis in range(full.ndim):
+        first = full.take([0], axis=axis)
+        if full.shape[axis] > 1 and np.array_equal(full, np.broadcast_to(first, full.shape)):
+            full = first
+    return np.ascontiguousarray(full)
 
 
 def _swaps_last_two(node: gs.Node) -> bool:
@@ -433,6 +453,9 @@ class FuseAttention(Rule):
         else:
             for m in att.masks:  # their sum, each as an additive mask
                 term = self._additive(graph, namer, base, m, dtype)
+                if m.scores_shape != att.scores_shape:  # a constant applied before the scores were regrouped
+                    term = gs.Constant(namer(f"{base}_mask"), _regrouped_constant(
+                        np.asarray(const_value(term), dtype=dtype), m.scores_shape, att.scores_shape))
                 if mask is not None:
                     total = gs.Variable(namer(f"{base}_masks"), dtype=dtype, shape=_broadcast(mask, term))
                     graph.nodes.append(gs.Node("Add", name=namer(f"{base}_masks"), inputs=[mask, term], outputs=[total]))

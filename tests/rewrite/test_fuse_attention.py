@@ -287,14 +287,47 @@ def test_scores_regrouped_between_the_matmuls_are_fused_in_the_softmax_layout():
                                rtol=1e-5, atol=1e-6)
 
 
+def test_a_constant_mask_applied_in_another_layout_is_regrouped_to_the_softmax_layout():
+    """Swin's shifted windows (timm): scores [B·W, H, S, S] regrouped to [B, W, H, S, S], a constant mask [1, W,
+    1, S, S] added there (it differs per window), regrouped back for the softmax.  The node runs in the softmax's
+    layout with the mask regrouped to it at build time, [B·W, 1, S, S]: not broadcast over the heads, along which
+    it does not vary."""
+    w = 3
+    rng = np.random.default_rng(1)
+    hide = rng.random((1, w, 1, S, S)) < 0.3
+    hide[..., 0] = False  # every query keeps a key
+    inits = [numpy_helper.from_array(np.asarray([B, w, H, S, S], dtype=np.int64), "five"),
+             numpy_helper.from_array(np.asarray([B * w, H, S, S], dtype=np.int64), "four"),
+             numpy_helper.from_array(np.where(hide, -100.0, 0.0).astype(np.float32), "shift_mask"),
+             numpy_helper.from_array(np.asarray(D ** -0.5, dtype=np.float32), "s")]
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+             helper.make_node("Mul", ["scores", "s"], ["scaled"], name="scale"),
+             helper.make_node("Reshape", ["scaled", "five"], ["s5"], name="to_windows"),
+             helper.make_node("Add", ["s5", "shift_mask"], ["m5"], name="shift"),
+             helper.make_node("Reshape", ["m5", "four"], ["m4"], name="back"),
+             helper.make_node("Softmax", ["m4"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    m = model(nodes, [vi(n, [B * w, H, S, D]) for n in "qkv"], [vi("y", None)], inits)
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1, reasons(RULE, m)
+    (node,) = fused_nodes(out)
+    masks = [i for i in out.graph.initializer if i.name == node.input[3]]
+    assert [list(i.dims) for i in masks] == [[B * w, 1, S, S]]
+    assert "Reshape" not in ops(out)  # Q, K, V and the output already in the softmax's layout
+    assert_torch_matches_ort(m, out)
+
+
 # -- must not fire ------------------------------------------------------------------------------------------------
 
 def test_does_not_fire_where_the_regrouping_is_not_one():
-    """A mask applied before the scores are regrouped is in another layout than the node's; a Reshape that
-    changes the last two dimensions moves (query, key) pairs: neither is fused."""
+    """A mask that is an input, applied before the scores are regrouped, is in another layout than the node's
+    and cannot be regrouped at build time; a Reshape that changes the last two dimensions moves (query, key)
+    pairs: neither is fused."""
     m = regrouped_attention(mask_at="before")
     _, fired = apply_everywhere(RULE, m)
-    assert fired == [] and any("before to_heads regroups the scores" in r for r in reasons(RULE, m)), reasons(RULE, m)
+    assert fired == [] and any("before to_heads regroups the scores and is not a constant" in r
+                               for r in reasons(RULE, m)), reasons(RULE, m)
     m = regrouped_attention(back=[B * H * S, 1, S])
     _, fired = apply_everywhere(RULE, m)
     assert fired == [] and any("not as the left operand of a MatMul" in r for r in reasons(RULE, m)), reasons(RULE, m)
