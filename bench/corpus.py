@@ -444,6 +444,7 @@ def torch_converter_check(loaded_model, feeds: dict) -> dict:
         res["torch_scaled_err"] = max(scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r)
                                       for o, r in zip(outs, ref))
         res["converts"] = True
+        res["attention"] = attention_check(loaded_model, feeds, ref)
         lowered = onnx_torch.depthwise_convs(loaded_model)
         if lowered:  # and with its depthwise convolutions as Inductor's kernels write them (``--conv-kernels inductor``)
             module = onnx_torch.convert(loaded_model, "float32", conv_kernels="inductor")
@@ -455,6 +456,36 @@ def torch_converter_check(loaded_model, feeds: dict) -> dict:
     except Exception as e:  # noqa: BLE001 - recorded in the table
         res["converts"] = False
         res["convert_error"] = _first_line(e)
+    return res
+
+
+def attention_check(loaded_model, feeds: dict, ref: list) -> dict:
+    """What a torch build's attention fusion (rule ``fuse_attention``) makes of the loaded model: its Softmax
+    nodes, how many attentions fuse, the first reason one does not, and the fused model in the torch converter
+    (each attention as ``scaled_dot_product_attention``) against ONNX Runtime on the original (``ref``)."""
+    import torch
+
+    from parastream.launcher.engines import onnx_torch
+    from parastream.pipeline.verify import scaled_error
+    from parastream.rewrite.ir import export_model, import_graph
+    from parastream.rewrite.rules.fuse_attention import FuseAttention
+
+    rule, graph = FuseAttention(), import_graph(loaded_model)
+    res: dict = {"softmax": sum(n.op_type == "Softmax" for n in loaded_model.graph.node), "fused": 0}
+    while res["fused"] < res["softmax"]:
+        sites = rule.sites(graph)
+        safe = [site for site, reason in sites if reason is None]
+        if not safe:
+            res["not_fused"] = next((reason for _, reason in sites if reason), None)
+            break
+        graph = rule.apply(graph, safe[0])
+        res["fused"] += 1
+    if res["fused"]:
+        module = onnx_torch.convert(export_model(graph, loaded_model), "float32", fuse_attention=True)
+        with torch.no_grad():
+            outs = module(*[torch.from_numpy(np.asarray(feeds[n])) for n in module.input_names])
+        res["fused_scaled_err"] = max(scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r)
+                                      for o, r in zip(outs, ref))
     return res
 
 
@@ -681,7 +712,7 @@ def write_table(out: Path) -> dict:
              f"The torch converter converts {summary['torch_converts']} of {summary['exported']}.", "",
              *_grid(rows), "",
              "| model | family | exporter | export | build (exit) | nodes in→out | streams | verification (max abs / max scaled) "
-             "| torch converter (ops missing; max scaled err) | build s | rebuild s | peak MiB | bundle MB | fresh load s |",
+             "| torch converter (ops missing; max scaled err; attentions fused) | build s | rebuild s | peak MiB | bundle MB | fresh load s |",
              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         if not r.get("export_ok"):
@@ -703,6 +734,11 @@ def write_table(out: Path) -> dict:
         t = r.get("torch") or {}
         if t.get("converts"):
             tcell = f"all ops; {_fmt(t.get('torch_scaled_err'))}"
+            a = t.get("attention") or {}
+            if a.get("softmax"):  # how many attentions the torch build fuses, and the first reason one does not
+                tcell += f"; attention {a['fused']}/{a['softmax']} fused"
+                tcell += f" ({_fmt(a['fused_scaled_err'])})" if a.get("fused_scaled_err") is not None else ""
+                tcell += f": {a['not_fused'][:80]}".replace("|", "/") if a.get("not_fused") else ""
         else:
             missing = ", ".join(t.get("missing_ops") or [])
             tcell = f"missing: {missing}; " if missing else ""

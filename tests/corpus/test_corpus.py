@@ -190,6 +190,34 @@ def test_a_transformers_sweep_model_is_built_at_its_small_config():
         assert tuple(out.shape) == shape and torch.isfinite(out).all()
 
 
+def test_the_torch_converter_column_counts_the_attentions_a_torch_build_fuses():
+    """``attention_check``: of two Softmax nodes, the attention (Q·Kᵀ, Softmax, ·V) fuses and the other (a
+    softmax over another axis) does not, with the reason; the fused model in the torch converter equals ONNX
+    Runtime on the original."""
+    pytest.importorskip("torch")
+    import numpy as np
+    import onnx
+    import onnxruntime as ort
+    from onnx import TensorProto, helper
+
+    vi = lambda name, shape: helper.make_tensor_value_info(name, TensorProto.FLOAT, shape)  # noqa: E731
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"]),
+             helper.make_node("Softmax", ["s"], ["p"], axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"]),
+             helper.make_node("Softmax", ["y"], ["z"], axis=2)]
+    graph = helper.make_graph(nodes, "g", [vi(n, [1, 2, 5, 4]) for n in "qkv"], [vi("z", [1, 2, 5, 4])])
+    m = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)]))
+    rng = np.random.default_rng(0)
+    feeds = {n: rng.standard_normal((1, 2, 5, 4)).astype(np.float32) for n in "qkv"}
+    ref = ort.InferenceSession(m.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, feeds)
+    got = corpus.attention_check(m, feeds, ref)
+    assert (got["softmax"], got["fused"]) == (2, 1) and "is not over the last axis" in got["not_fused"], got
+    assert got["fused_scaled_err"] < 1e-5
+    row = corpus.torch_converter_check(m, feeds)
+    assert row["converts"] and row["attention"]["fused"] == 1
+
+
 def test_a_keras_model_is_taken_from_its_kept_export_only(tmp_path):
     """Keras models are exported by bench/keras_export.py under a TensorFlow interpreter: without a kept export
     the row says so (its export failed, naming the script), and a PyTorch model is not exported with tf2onnx."""
