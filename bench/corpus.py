@@ -776,7 +776,8 @@ def main(argv=None) -> int:
     ap.add_argument("--keep", help="keep the exports (.onnx + .npz inputs) in this folder")
     ap.add_argument("--reuse-exports", action="store_true", help="take the exports kept in --keep instead of exporting again")
     ap.add_argument("--rebuild", action="store_true", help="build each export again from the first build's --cache-dir")
-    ap.add_argument("--recheck-torch", action="store_true", help="redo only the torch-converter column from --keep")
+    ap.add_argument("--recheck-torch", action="store_true", help="redo only the torch-converter column from --keep (rows that did not convert, or "
+                         "without the attention figure)")
     ap.add_argument("--one", nargs=2, metavar=("MODEL", "EXPORTER"), help=argparse.SUPPRESS)
     args = ap.parse_args(argv)
     out = Path(args.out)
@@ -788,8 +789,9 @@ def main(argv=None) -> int:
     if keep:
         keep.mkdir(parents=True, exist_ok=True)
     if args.recheck_torch:
-        # after a converter change: the torch-converter column again, for the rows that did not convert, from
-        # the kept exports; and ONNX Runtime's own difference for rows whose verification failed
+        # after a converter change: the torch-converter column again, for the rows that did not convert or have
+        # no attention figure (rows from before that column), from the kept exports; and ONNX Runtime's own
+        # difference for rows whose verification failed
         from parastream.pipeline.model_io import load_model
 
         for row_file in sorted((out / "rows").glob("*.json")):
@@ -800,7 +802,8 @@ def main(argv=None) -> int:
             feeds = dict(np.load(onnx_path.with_suffix(".npz")))
             if row.get("exit") == 1:
                 row["ort_self_difference"] = ort_self_difference(onnx_path, feeds)
-            if not (row.get("torch") or {}).get("converts") and row.get("exit") != "crash":
+            torch_col = row.get("torch") or {}
+            if (not torch_col.get("converts") or "attention" not in torch_col) and row.get("exit") != "crash":
                 try:
                     row["torch"] = torch_converter_check(load_model(onnx_path, host_tail=True).model, feeds)
                 except Exception as e:  # noqa: BLE001
