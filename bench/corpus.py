@@ -428,45 +428,44 @@ def torch_converter_check(loaded_model, feeds: dict) -> dict:
     missing = [op for op in ops if op not in onnx_torch.CONVERTERS]
     res: dict = {"ops": ops, "missing_ops": missing}
     try:
-        import torch
-
         module = onnx_torch.convert(loaded_model, "float32")
-        with torch.no_grad():
-            outs = module(*[torch.from_numpy(np.asarray(feeds[n])) for n in module.input_names])
         import onnxruntime as ort
 
         so = ort.SessionOptions()
         so.log_severity_level = 3
         sess = ort.InferenceSession(loaded_model.SerializeToString(), so, providers=["CPUExecutionProvider"])
         ref = sess.run(None, {k: v for k, v in feeds.items() if k in module.input_names})
-        from parastream.pipeline.verify import scaled_error
-
-        res["torch_scaled_err"] = max(scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r)
-                                      for o, r in zip(outs, ref))
+        res["torch_scaled_err"] = _module_error(module, feeds, ref)
         res["converts"] = True
         res["attention"] = attention_check(loaded_model, feeds, ref)
         lowered = onnx_torch.depthwise_convs(loaded_model)
         if lowered:  # and with its depthwise convolutions as Inductor's kernels write them (``--conv-kernels inductor``)
-            module = onnx_torch.convert(loaded_model, "float32", conv_kernels="inductor")
-            with torch.no_grad():
-                outs = module(*[torch.from_numpy(np.asarray(feeds[n])) for n in module.input_names])
             res["depthwise_lowered"] = len(lowered)
-            res["depthwise_lowered_scaled_err"] = max(
-                scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r) for o, r in zip(outs, ref))
+            res["depthwise_lowered_scaled_err"] = _module_error(
+                onnx_torch.convert(loaded_model, "float32", conv_kernels="inductor"), feeds, ref)
     except Exception as e:  # noqa: BLE001 - recorded in the table
         res["converts"] = False
         res["convert_error"] = _first_line(e)
     return res
 
 
+def _module_error(module, feeds: dict, ref: list) -> float:
+    """A converted module run on ``feeds`` (eager, CPU): its largest scaled error against ``ref`` (ONNX Runtime's
+    outputs, in order)."""
+    import torch
+
+    from parastream.pipeline.verify import scaled_error
+
+    with torch.no_grad():
+        outs = module(*[torch.from_numpy(np.asarray(feeds[n])) for n in module.input_names])
+    return max(scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r) for o, r in zip(outs, ref))
+
+
 def attention_check(loaded_model, feeds: dict, ref: list) -> dict:
     """What a torch build's attention fusion (rule ``fuse_attention``) makes of the loaded model: its Softmax
     nodes, how many attentions fuse, the first reason one does not, and the fused model in the torch converter
     (each attention as ``scaled_dot_product_attention``) against ONNX Runtime on the original (``ref``)."""
-    import torch
-
     from parastream.launcher.engines import onnx_torch
-    from parastream.pipeline.verify import scaled_error
     from parastream.rewrite.ir import export_model, import_graph
     from parastream.rewrite.rules.fuse_attention import FuseAttention
 
@@ -481,11 +480,8 @@ def attention_check(loaded_model, feeds: dict, ref: list) -> dict:
         graph = rule.apply(graph, safe[0])
         res["fused"] += 1
     if res["fused"]:
-        module = onnx_torch.convert(export_model(graph, loaded_model), "float32", fuse_attention=True)
-        with torch.no_grad():
-            outs = module(*[torch.from_numpy(np.asarray(feeds[n])) for n in module.input_names])
-        res["fused_scaled_err"] = max(scaled_error(o.float().numpy() if o.is_floating_point() else o.numpy(), r)
-                                      for o, r in zip(outs, ref))
+        res["fused_scaled_err"] = _module_error(
+            onnx_torch.convert(export_model(graph, loaded_model), "float32", fuse_attention=True), feeds, ref)
     return res
 
 
