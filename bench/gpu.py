@@ -33,7 +33,7 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "tests"))
 
-MODELS = ("inception_v3", "googlenet", "resnet50", "bert")
+MODELS = ("inception_v3", "googlenet", "resnet50", "bert", "bert_sdpa", "llama")
 
 
 def make_model(name: str, batch: int = 1):
@@ -71,14 +71,30 @@ def _make_model_as_initialised(name: str):
     import torch
 
     torch.manual_seed(0)
-    if name == "bert":
+    if name in ("bert", "bert_sdpa"):
         from transformers import BertConfig, BertModel
 
-        cfg = BertConfig(attn_implementation="eager")
+        # bert: exported with eager attention (plain MatMul/Softmax ops); bert_sdpa: with transformers' default,
+        # as a user exports it (SDPA with a boolean mask, written out by the exporter with its IsNaN guard)
+        cfg = BertConfig(attn_implementation="eager") if name == "bert" else BertConfig()
         model = BertModel(cfg).eval()
         ids = torch.randint(0, cfg.vocab_size, (1, 128))
         mask = torch.ones(1, 128, dtype=torch.int64)
         mask[:, -16:] = 0
+        return model, {"input_ids": ids, "attention_mask": mask}
+    if name == "llama":
+        from transformers import LlamaConfig, LlamaModel
+
+        # A decoder LM of Llama's architecture at a real layer size (TinyLlama's head layout halved: hidden
+        # 1024, 16 heads, 4 key/value heads, MLP 2816, 12 layers; 168M parameters), transformers' default
+        # attention (sdpa), prompt of 128 tokens, left-padded by 16 (those queries see no key: the export's
+        # IsNaN guard sets them to 0)
+        cfg = LlamaConfig(vocab_size=32000, hidden_size=1024, intermediate_size=2816, num_hidden_layers=12,
+                          num_attention_heads=16, num_key_value_heads=4, max_position_embeddings=512, use_cache=False)
+        model = LlamaModel(cfg).eval()
+        ids = torch.randint(0, cfg.vocab_size, (1, 128))
+        mask = torch.ones(1, 128, dtype=torch.int64)
+        mask[:, :16] = 0
         return model, {"input_ids": ids, "attention_mask": mask}
     import torchvision
 
@@ -122,7 +138,8 @@ def _make_model_as_initialised(name: str):
 
 def users_model(name: str, model):
     """``model`` (``make_model``'s, built for the export) as its users run it, for the PyTorch baselines: BERT
-    with transformers' default attention implementation (``sdpa``) and the same weights; other models as they are.
+    with transformers' default attention implementation (``sdpa``) and the same weights; other models (bert_sdpa
+    and llama are built with that default) as they are.
     The export keeps ``attn_implementation="eager"`` so that its ONNX is MatMul/Softmax rather than an opaque
     kernel; compiling that eager module would handicap torch.compile with an attention no user would choose."""
     if name != "bert":
@@ -149,11 +166,14 @@ def export(model, inputs: dict, path: Path, *, dynamic_batch: bool = False) -> l
 
         def forward(self, *a):
             out = self.m(*a)
-            if hasattr(out, "last_hidden_state"):
+            if getattr(out, "pooler_output", None) is not None:
                 return out.last_hidden_state, out.pooler_output
+            if hasattr(out, "last_hidden_state"):
+                return out.last_hidden_state
             return out
 
-    outs = ["last_hidden_state", "pooler_output"] if "input_ids" in inputs else ["logits"]
+    pooled = "input_ids" in inputs and getattr(getattr(model, "config", None), "model_type", "") == "bert"
+    outs = ["last_hidden_state", "pooler_output"] if pooled else ["last_hidden_state"] if "input_ids" in inputs else ["logits"]
     axes = {n: {0: "N"} for n in names + outs} if dynamic_batch else None
     import corpus
 
@@ -270,12 +290,12 @@ def run_model(name: str, args, outdir: Path) -> dict:
     # (a) eager fp16 and (e) torch.compile reduce-overhead, on rotating input sets
     user = users_model(name, model)
     res["torch_attention"] = getattr(getattr(user, "config", None), "_attn_implementation", None)
-    model_h = user.half().cuda() if name != "bert" else user.cuda().half()
+    model_h = user.half().cuda() if "input_ids" not in inputs else user.cuda().half()
     sets = []
     rng = np.random.default_rng(1)
     for i in range(4):
-        if name == "bert":
-            ids = torch.from_numpy(rng.integers(0, 30522, (1, 128))).cuda()
+        if "input_ids" in inputs:
+            ids = torch.from_numpy(rng.integers(0, user.config.vocab_size, (1, 128))).cuda()
             sets.append((ids, inputs["attention_mask"].cuda()))
         else:
             sets.append((torch.from_numpy(rng.standard_normal(tuple(inputs["x"].shape)).astype(np.float16)).cuda(),))

@@ -121,6 +121,38 @@ def test_a_row_with_streams_gives_its_critical_path_bound_and_its_time_over_it()
     assert body[1].split(" | ")[8] == "-" and body[2].split(" | ")[8] == "error"
 
 
+def test_a_row_timed_both_ways_compares_held_with_held_and_as_called_with_as_called():
+    """A row timed both ways: "vs compile" is torch.compile held over the bundle held (the GPU's work per call), the
+    next column both as called; an older row (torch.compile as called, the bundle held) keeps its ratio and has no
+    as-called figure, and the summary's as-called mean covers only the rows that have one."""
+    new = _row("shufflenet_v2_x1_0", 1, 0.187, 0.635, compile_held_ms=0.318, parastream_as_called_ms=0.200)
+    old = _row("resnet50", 1, 0.3, 0.45)
+    text = corpus_gpu.table([new, old])
+    header = [c.strip() for c in text.splitlines()[0].strip("|").split("|")]
+    body = [[c.strip() for c in ln.strip("|").split("|")] for ln in text.splitlines()[2:] if ln.startswith("| ")]
+    col = header.index("vs compile")
+    called = header.index("as called: parastream / torch.compile ms (vs compile)")
+    assert body[0][header.index("torch.compile ms")] == "0.318" and body[0][col] == "1.70x"
+    assert body[0][called] == "0.200 / 0.635 (3.17x)"
+    assert body[1][col] == "1.50x" and body[1][called] == "-"
+    assert "geometric mean over 2 models: 1.60x vs torch.compile" in text
+    assert "both as called: 3.17x over 1 models" in text
+
+
+def test_timed_sets_whether_a_runner_is_held_and_forwards_the_rest():
+    class Runner:
+        captured = True
+        origin = 7
+
+        def launch(self):
+            return "launched"
+
+    as_called = corpus_gpu.Timed(Runner(), held=False)
+    held = corpus_gpu.Timed(object.__new__(type("Compiled", (), {"origin": 3})), held=True)
+    assert as_called.captured is False and as_called.origin == 7 and as_called.launch() == "launched"
+    assert held.captured is True and held.origin == 3
+
+
 def test_table_of_old_and_new_files(tmp_path, capsys):
     old = [_row("resnet50", None, 0.3, 0.45), _row("bert", None, 0.5, 0.6),
            {"model": "googlenet", "error": "not started (time)"}]
