@@ -6,7 +6,9 @@ model's opset has no ``Attention`` (opset < 23) and the torch backend runs as
 
     Y = softmax(scale · Q·Kᵀ + M) · V
 
-* inputs ``Q`` [..., Sq, D], ``K`` [..., Sk, D] (not transposed), ``V`` [..., Sk, Dv], optional ``mask`` M:
+* inputs ``Q`` [..., Sq, D], ``K`` [..., Sk, D] (not transposed), ``V`` [..., Sk, Dv] (K's and V's leading
+  dimensions Q's, or 1 on the heads' axis -3 where Q has several: one K/V head every query head reads, as
+  MatMul broadcasts it), optional ``mask`` M:
   a float tensor added to the scores (-inf or a huge negative hides a key), or a bool tensor (True: the key
   takes part), broadcastable to [..., Sq, Sk];
 * attributes ``scale`` (float, default 1), ``is_causal`` (int, default 0: 1 hides key j from query i for j > i)

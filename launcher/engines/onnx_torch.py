@@ -1170,8 +1170,10 @@ def _attention(n: NodeView):
     scale = float(scale) if scale is not None else 1.0 / math.sqrt(d) if n.op == "Attention" else 1.0
     causal = bool(int(n.attr("is_causal", 0)))
     zero_rows = n.op != "Attention" and bool(int(n.attr("zero_hidden_rows", 0)))
-    kv_heads = n.shape(1)[-3] if n.op == "Attention" else None
-    groups = n.shape(0)[-3] // kv_heads if kv_heads else 1  # grouped-query attention: K and V heads repeated
+    # grouped- or multi-query attention: fewer K and V heads than Q's (the heads' axis, -3), each read by a group
+    # of query heads (ONNX's Attention; parastream's node with one K/V head, as MatMul broadcast it)
+    q_heads, kv_heads = (n.shape(0)[-3], n.shape(1)[-3]) if n.rank(0) >= 3 else (1, 1)
+    groups = q_heads // kv_heads if kv_heads and q_heads != kv_heads else 1
 
     # what the code needs of the mask and the causal pattern is known now: the module stays FX-traceable
     bool_mask = n.has_input(3) and n.inputs[3].dtype == torch.bool

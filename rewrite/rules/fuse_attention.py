@@ -26,7 +26,8 @@ output regrouped by Reshapes; a mask applied in another layout must be a constan
 The Transpose that makes Kᵀ from K (last two axes swapped) and the scale Muls of Q and Kᵀ are absorbed when
 nothing else reads them, and a Kᵀ that arrives transposed already gets a Transpose back.  The head reshapes and
 transposes around it stay.  Every tensor inside the chain must be read by the next node only and be no graph output; Q·Kᵀ must be
-[..., Sq, D] x [..., D, Sk] and V [..., Sk, Dv] with the same leading dimensions (no broadcasting).
+[..., Sq, D] x [..., D, Sk] and V [..., Sk, Dv] with the same leading dimensions, or K and V with one head that
+every query head reads (multi-query attention: 1 on the heads' axis, -3, where Q has H; no other broadcasting).
 
 The node: ONNX's ``Attention`` where the model's opset is at least 23, Q is 4-d (its layout), a mask is
 [..., Sq, Sk] (ONNX Runtime broadcasts neither of the two) and no NaN guard was found (ONNX's has no
@@ -96,6 +97,13 @@ def _passes(node: gs.Node) -> bool:
 def _scalar(t: gs.Tensor) -> float | None:
     v = const_value(t)
     return float(v.reshape(-1)[0]) if v is not None and v.size == 1 else None
+
+
+def _shared_kv_head(qs, ks, vs) -> bool:
+    """K and V of one head that every query head reads, as MatMul broadcasts it (multi-query attention: Falcon,
+    GPT-BigCode): their leading dimensions Q's but for the heads' axis (-3), 1 in K and V and more in Q."""
+    return (len(qs) >= 3 and list(ks[:-2]) == list(vs[:-2]) and ks[-3] == 1 and qs[-3] > 1
+            and list(ks[:-3]) == list(qs[:-3]))
 
 
 def _producer(t: gs.Tensor) -> gs.Node | None:
@@ -297,7 +305,8 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         sk, kd = ks[-2], ks[-1]
     lead = list(shape[:-2])  # the softmax's leading dimensions
     if not regroups_before and regroup_after is None:
-        if len(qs) < 2 or len({len(qs), len(ks), len(vs)}) != 1 or not (qs[:-2] == ks[:-2] == vs[:-2]):
+        if len(qs) < 2 or len({len(qs), len(ks), len(vs)}) != 1 or not (qs[:-2] == ks[:-2] == vs[:-2]
+                                                                          or _shared_kv_head(qs, ks, vs)):
             return f"{mm1.name} and {mm2.name} are not [..., S, D] x [..., D, S] x [..., S, D] with the same batch dimensions"
     else:  # Q and Kᵀ in one layout, V in one, each the softmax's rows regrouped (the node runs in the softmax's)
         rows = int(np.prod(lead))

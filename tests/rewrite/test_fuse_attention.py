@@ -80,10 +80,12 @@ def fused_nodes(m: onnx.ModelProto) -> list[onnx.NodeProto]:
 
 def attention(scale: str | None = "div", mask: str | None = None, *, k_transposed: bool = False, opset: int = 17,
               softmax_axis: int = -1, fill: float = float("-inf"), scores_out: bool = False,
-              q_shape=(B, H, S, D), guard: str | None = None) -> onnx.ModelProto:
-    """Q, K, V inputs [B, H, S, D] -> softmax(scale·Q·Kᵀ + mask)·V in the form ``scale`` and ``mask`` name."""
+              q_shape=(B, H, S, D), guard: str | None = None, kv_lead=(B, H)) -> onnx.ModelProto:
+    """Q, K, V inputs [B, H, S, D] -> softmax(scale·Q·Kᵀ + mask)·V in the form ``scale`` and ``mask`` name
+    (``kv_lead``: K's and V's leading dimensions, (B, 1) for one K/V head that every query head reads)."""
     nodes, inits = [], []
-    inputs = [vi("q", list(q_shape)), vi("k", [B, H, D, S] if k_transposed else [B, H, S, D]), vi("v", [B, H, S, D])]
+    inputs = [vi("q", list(q_shape)), vi("k", [*kv_lead, D, S] if k_transposed else [*kv_lead, S, D]),
+              vi("v", [*kv_lead, S, D])]
     q, kt = "q", "k"
     if not k_transposed:
         nodes.append(helper.make_node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 1, 3, 2]))
@@ -192,6 +194,43 @@ def test_opset_23_gets_onnx_attention_which_onnxruntime_runs():
     out, _ = apply_everywhere(RULE, m)
     assert [(n.domain, n.op_type) for n in fused_nodes(out)] == [(fused_ops.DOMAIN, fused_ops.SDPA)]
     assert_torch_matches_ort(m, out)
+
+
+@pytest.mark.parametrize("mask, guard", [(None, None), ("where", "zero"), ("causal_where", None)])
+def test_one_kv_head_read_by_every_query_head_is_fused(mask, guard):
+    """Multi-query attention as MatMul broadcasts it (Falcon, GPT-BigCode): K and V [B, 1, S, D] against Q
+    [B, H, S, D]; the converter runs it as SDPA with grouped-query attention, and its decomposition repeats them."""
+    m = attention("div", mask, guard=guard, kv_lead=(B, 1))
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1 and "MatMul" not in ops(out)
+    assert_torch_matches_ort(m, out)
+    # at opset 23: ONNX's Attention, whose 4-d form takes fewer K/V heads than Q's, as ONNX Runtime runs it
+    if guard is None:
+        m = attention("div", mask, kv_lead=(B, 1), opset=23)
+        out, fired = apply_everywhere(RULE, m)
+        assert [n.op_type for n in fused_nodes(out)] == ["Attention"]
+        assert_equivalent(m, out)  # ONNX Runtime on both
+        assert_torch_matches_ort(m, out)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("mask, guard", [(None, None), ("where", "zero")])
+def test_one_kv_head_on_the_gpu_matches_onnxruntime(mask, guard):
+    """The multi-query node on the device in fp16: SDPA's kernels with grouped-query attention, and the
+    decomposition, against ONNX Runtime on the original."""
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    m = attention("div", mask, guard=guard, kv_lead=(B, 1))
+    out, _ = apply_everywhere(RULE, m)
+    feeds = feeds_for(m, 7)
+    (want,) = run(m, feeds).values()
+    for fuse in (True, False):
+        module = convert(out, "float16", fuse_attention=fuse).cuda()
+        args = [torch.from_numpy(feeds[n]).cuda() for n in module.input_names]
+        with torch.no_grad():
+            (got,) = module(*[a.half() if a.is_floating_point() else a for a in args])
+        err = float(np.max(np.abs(got.float().cpu().numpy() - want))) / float(np.max(np.abs(want)))
+        assert err < 1e-2, f"fuse_attention={fuse}: {err:.3g}"
 
 
 def test_the_nan_guard_after_the_softmax_is_fused_and_hidden_rows_give_zero():
@@ -339,6 +378,7 @@ def test_does_not_fire_where_the_regrouping_is_not_one():
     (dict(scale="variable"), "is not a constant scalar"),
     (dict(mask="where", fill=-1e4), "does not hide a key exactly"),
     (dict(q_shape=(H, S, D)), "with the same batch dimensions"),  # Q broadcast over the batch
+    (dict(kv_lead=(1, H)), "with the same batch dimensions"),  # K and V broadcast over the batch, not the heads
     # a guard that does not give 0 (0.5: not what a hidden row is), and one whose IsNaN is read elsewhere too
     (dict(mask="where", guard="half"), "is read by 2 nodes"),
     (dict(mask="where", guard="exposed"), "is read by 2 nodes"),
