@@ -22,7 +22,8 @@ whose every key is hidden (a row of -inf scores, NaN after the softmax) gets 0; 
 ``zero_hidden_rows = 1``; and Reshapes that only regroup the scores' leading dimensions (up to three before the
 Softmax, one after it: DeBERTa's [B·H, S, S] scores masked as [B, H, S, S] and back, Swin's windows split out
 for the shifted-window mask and merged back), where the node runs in the softmax's layout, its operands and
-output regrouped by Reshapes; a mask applied in another layout must be a constant, regrouped at build time.
+output regrouped by Reshapes; a mask applied in another layout is regrouped too: a constant at build time, another
+(BLOOM's ALiBi bias, one row per head) by a Reshape where it has the scores' rows or one row for all of them.
 The Transpose that makes Kᵀ from K (last two axes swapped) and the scale Muls of Q and Kᵀ are absorbed when
 nothing else reads them, and a Kᵀ that arrives transposed already gets a Transpose back.  The head reshapes and
 transposes around it stay.  Every tensor inside the chain must be read by the next node only and be no graph output; Q·Kᵀ must be
@@ -257,10 +258,13 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
             i = _scores_operand(p)
             if i is None:
                 return f"{p.name} does not read the scores and a mask"
-            # the node runs in the softmax's layout: a mask applied in another is regrouped to it at build time
-            if regroups_before and const_value(p.inputs[0 if p.op == "Where" else 1 - i]) is None:
-                return (f"the mask {p.name} is applied before {regroups_before[-1].name} regroups the scores "
-                        "and is not a constant")
+            # the node runs in the softmax's layout: a mask applied in another is regrouped to it, a constant at
+            # build time, another by a Reshape where its rows are the scores' rows or one row for all of them
+            operand = p.inputs[0 if p.op == "Where" else 1 - i]
+            if regroups_before and const_value(operand) is None \
+                    and _mask_rows(static_shape(operand), static_shape(p.outputs[0])) is None:
+                return (f"the mask {p.name} is applied before {regroups_before[-1].name} regroups the scores, "
+                        "is not a constant and has neither their rows nor one row for all")
             mask_nodes.append(p)
             t = p.inputs[i]
         else:
@@ -341,6 +345,18 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
         mask.scores_shape = tuple(static_shape(node.outputs[0]))
         att.masks.append(mask)
     return att
+
+
+def _mask_rows(mask_shape, scores_shape) -> str | None:
+    """How a mask of ``mask_shape`` spans the leading dimensions (the rows) of the scores it is applied to:
+    "each" (one per row: BLOOM's ALiBi bias [B·H, 1, Sk] on [B·H, Sq, Sk]), "all" (one for every row), or None
+    (broadcast along some of them only, or shapes unknown)."""
+    if mask_shape is None or scores_shape is None or len(mask_shape) > len(scores_shape):
+        return None
+    lead = [1] * (len(scores_shape) - len(mask_shape)) + list(mask_shape[:-2])
+    if lead == list(scores_shape[:-2]):
+        return "each"
+    return "all" if all(d == 1 for d in lead) else None
 
 
 def _regrouped_constant(value: np.ndarray, src: tuple, dst: tuple) -> np.ndarray:
@@ -462,9 +478,18 @@ class FuseAttention(Rule):
         else:
             for m in att.masks:  # their sum, each as an additive mask
                 term = self._additive(graph, namer, base, m, dtype)
-                if m.scores_shape != att.scores_shape:  # a constant applied before the scores were regrouped
+                if m.scores_shape != att.scores_shape and const_value(term) is not None:
+                    # a constant applied before the scores were regrouped: regrouped now
                     term = gs.Constant(namer(f"{base}_mask"), _regrouped_constant(
                         np.asarray(const_value(term), dtype=dtype), m.scores_shape, att.scores_shape))
+                elif m.scores_shape != att.scores_shape:  # another: a Reshape of its rows to the softmax's
+                    ts = list(static_shape(term))
+                    rows = list(att.scores_shape[:-2]) if _mask_rows(ts, m.scores_shape) == "each" \
+                        else [1] * (len(att.scores_shape) - 2)
+                    regrouped = gs.Variable(namer(f"{base}_mask"), dtype=dtype, shape=rows + ts[-2:])
+                    graph.nodes.append(gs.Node("Reshape", name=namer(f"{base}_mask"), outputs=[regrouped], inputs=[
+                        term, gs.Constant(namer(f"{base}_mask_shape"), np.asarray(rows + ts[-2:], dtype=np.int64))]))
+                    term = regrouped
                 if mask is not None:
                     total = gs.Variable(namer(f"{base}_masks"), dtype=dtype, shape=_broadcast(mask, term))
                     graph.nodes.append(gs.Node("Add", name=namer(f"{base}_masks"), inputs=[mask, term], outputs=[total]))

@@ -281,17 +281,17 @@ def test_the_hidden_rows_are_zero_whatever_the_kernel_gives_there(monkeypatch):
     assert np.all(got[1] == 0)
 
 
-def regrouped_attention(mask_at: str = "after", back: list[int] | None = None) -> onnx.ModelProto:
+def regrouped_attention(mask_at: str = "after", back: list[int] | None = None, keep_shape=None) -> onnx.ModelProto:
     """DeBERTa's form: Q [B·H, S, D] · Kᵀ [B·H, D, S] scaled, Reshape to [B, H, S, S], a boolean mask there
-    (``mask_at="after"``) or on the [B·H, S, S] scores before the Reshape (``"before"``), Softmax, Reshape to
-    ``back`` ([B·H, S, S] unless told), MatMul with V [B·H, S, D]."""
+    (``mask_at="after"``) or on the [B·H, S, S] scores before the Reshape (``"before"``, of ``keep_shape``:
+    [B·H, 1, S] unless told), Softmax, Reshape to ``back`` ([B·H, S, S] unless told), MatMul with V [B·H, S, D]."""
     back = back or [B * H, S, S]
     inits = [numpy_helper.from_array(np.asarray(math.sqrt(D), dtype=np.float32), "s"),
              numpy_helper.from_array(np.asarray([B, H, S, S], dtype=np.int64), "four"),
              numpy_helper.from_array(np.asarray(back, dtype=np.int64), "three"),
              numpy_helper.from_array(np.asarray(np.finfo(np.float32).min, dtype=np.float32), "fill")]
     before = mask_at == "before"
-    keep_shape = [B * H, 1, S] if before else [B, 1, 1, S]
+    keep_shape = keep_shape or ([B * H, 1, S] if before else [B, 1, 1, S])
     nodes = [helper.make_node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 2, 1]),
              helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
              helper.make_node("Div", ["scores", "s"], ["scaled"], name="scale")]
@@ -357,15 +357,42 @@ def test_a_constant_mask_applied_in_another_layout_is_regrouped_to_the_softmax_l
     assert_torch_matches_ort(m, out)
 
 
+@pytest.mark.parametrize("keep_shape, rows", [([B * H, 1, S], [B, H, 1, S]), ([1, 1, S], [1, 1, 1, S])])
+def test_a_mask_input_applied_before_the_scores_are_regrouped_is_regrouped_by_a_reshape(keep_shape, rows):
+    """BLOOM's ALiBi bias: a mask computed in the model (not a constant), one row per row of the [B·H, S, S] scores
+    (or one row for all of them), applied before they are regrouped to [B, H, S, S] for the softmax: a Reshape
+    regroups it to the node's layout."""
+    m = regrouped_attention(mask_at="before", keep_shape=keep_shape)
+    out, fired = apply_everywhere(RULE, m)
+    assert len(fired) == 1, reasons(RULE, m)
+    (node,) = fused_nodes(out)
+    (reshape,) = [n for n in out.graph.node if n.op_type == "Reshape" and "mask" in n.name]
+    assert numpy_helper.to_array(next(i for i in out.graph.initializer if i.name == reshape.input[1])).tolist() == rows
+    assert_torch_matches_ort(m, out)
+    np.testing.assert_allclose(run(fused_ops.plain_onnx(out), feeds_for(m, 9))["y"], run(m, feeds_for(m, 9))["y"],
+                               rtol=1e-5, atol=1e-6)
+
+
 # -- must not fire ------------------------------------------------------------------------------------------------
 
 def test_does_not_fire_where_the_regrouping_is_not_one():
-    """A mask that is an input, applied before the scores are regrouped, is in another layout than the node's
-    and cannot be regrouped at build time; a Reshape that changes the last two dimensions moves (query, key)
-    pairs: neither is fused."""
-    m = regrouped_attention(mask_at="before")
+    """A mask that is an input, applied before the scores are regrouped, along some of their rows but not all
+    (Swin's windows, not its heads) would need more than a Reshape; a Reshape that changes the last two dimensions
+    moves (query, key) pairs: neither is fused."""
+    w = 3
+    inits = [numpy_helper.from_array(np.asarray([B, w, H, S, S], dtype=np.int64), "five"),
+             numpy_helper.from_array(np.asarray([B * w, H, S, S], dtype=np.int64), "four")]
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["scores"], name="qk"),
+             helper.make_node("Reshape", ["scores", "five"], ["s5"], name="to_windows"),
+             helper.make_node("Add", ["s5", "shift_mask"], ["m5"], name="shift"),
+             helper.make_node("Reshape", ["m5", "four"], ["m4"], name="back"),
+             helper.make_node("Softmax", ["m4"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    m = model(nodes, [*(vi(n, [B * w, H, S, D]) for n in "qkv"), vi("shift_mask", [1, w, 1, S, S])],
+              [vi("y", None)], inits)
     _, fired = apply_everywhere(RULE, m)
-    assert fired == [] and any("before to_heads regroups the scores and is not a constant" in r
+    assert fired == [] and any("is not a constant and has neither their rows nor one row for all" in r
                                for r in reasons(RULE, m)), reasons(RULE, m)
     m = regrouped_attention(back=[B * H * S, 1, S])
     _, fired = apply_everywhere(RULE, m)
