@@ -163,7 +163,14 @@ def calibrate_batchnorm(model, example, batches: int = 2, batch_size: int = 4) -
 # library uses by default (``sdpa`` where it has one), as a user exports it: decoder LMs with grouped-query
 # attention and rotary embeddings, encoders with factorised or shared embeddings, speech and vision encoders.
 HF_SWEEP = ("llama", "qwen2", "mistral", "phi3", "gemma", "bert_sdpa", "roberta", "albert", "electra", "deberta_v2",
-            "clip_vision", "clip_text", "whisper_encoder", "wav2vec2", "segformer", "dinov2", "beit", "bart_encoder")
+            "clip_vision", "clip_text", "whisper_encoder", "wav2vec2", "segformer", "dinov2", "beit", "bart_encoder",
+            # decoders with other attention and block layouts: learned or ALiBi positions (OPT, BLOOM, MPT), partial
+            # rotary (GPT-NeoX, GPT-J, Phi, StableLM), attention and MLP side by side (GPT-J, Falcon with one
+            # key/value head, Phi), sliding windows and logit soft-capping (Starcoder2, Gemma-2), mixtures of experts
+            # (Mixtral, Qwen2-MoE), a state-space model without attention (Mamba); and encoders at their defaults
+            "gpt2_sdpa", "gpt_neox", "opt", "falcon", "bloom", "gptj", "phi", "stablelm", "starcoder2", "olmo",
+            "gemma2", "mixtral", "qwen2_moe", "mpt", "mamba", "modernbert", "mobilebert", "mpnet", "distilbert_sdpa",
+            "t5_encoder_sdpa")
 
 
 def _hf_sweep(name: str, ids, mask):
@@ -221,6 +228,67 @@ def _hf_sweep(name: str, ids, mask):
         return tf.Dinov2Model(tf.Dinov2Config(**vision)), img
     if name == "beit":
         return tf.BeitModel(tf.BeitConfig(**vision, use_relative_position_bias=True)), img
+    if name == "gpt2_sdpa":
+        cfg = tf.GPT2Config(vocab_size=1000, n_embd=128, n_layer=2, n_head=2, n_positions=128, use_cache=False)
+        return tf.GPT2Model(cfg), tokens
+    if name == "gpt_neox":
+        cfg = tf.GPTNeoXConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                               intermediate_size=256, max_position_embeddings=128, rotary_pct=0.25, use_cache=False)
+        return tf.GPTNeoXModel(cfg), tokens
+    if name == "opt":
+        cfg = tf.OPTConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, ffn_dim=256, num_attention_heads=4,
+                           max_position_embeddings=128, word_embed_proj_dim=128, use_cache=False)
+        return tf.OPTModel(cfg), tokens
+    if name == "falcon":
+        cfg = tf.FalconConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=4,
+                              new_decoder_architecture=False, multi_query=True, parallel_attn=True, use_cache=False)
+        return tf.FalconModel(cfg), tokens
+    if name == "bloom":
+        return tf.BloomModel(tf.BloomConfig(vocab_size=1000, hidden_size=128, n_layer=2, n_head=4, use_cache=False)), tokens
+    if name == "gptj":
+        cfg = tf.GPTJConfig(vocab_size=1000, n_embd=128, n_layer=2, n_head=4, n_positions=128, rotary_dim=16, use_cache=False)
+        return tf.GPTJModel(cfg), tokens
+    if name == "phi":
+        return tf.PhiModel(tf.PhiConfig(**{**lm, "num_key_value_heads": 4}, partial_rotary_factor=0.5)), tokens
+    if name == "stablelm":
+        return tf.StableLmModel(tf.StableLmConfig(**lm, partial_rotary_factor=0.25)), tokens
+    if name == "starcoder2":
+        return tf.Starcoder2Model(tf.Starcoder2Config(**lm, sliding_window=16)), tokens
+    if name == "olmo":
+        return tf.OlmoModel(tf.OlmoConfig(**lm)), tokens
+    if name == "gemma2":
+        return tf.Gemma2Model(tf.Gemma2Config(**lm, head_dim=32, sliding_window=16)), tokens
+    if name == "mixtral":
+        return tf.MixtralModel(tf.MixtralConfig(**lm, num_local_experts=4, num_experts_per_tok=2)), tokens
+    if name == "qwen2_moe":
+        cfg = tf.Qwen2MoeConfig(**lm, num_experts=4, num_experts_per_tok=2, moe_intermediate_size=64,
+                                shared_expert_intermediate_size=128)
+        return tf.Qwen2MoeModel(cfg), tokens
+    if name == "mpt":
+        return tf.MptModel(tf.MptConfig(vocab_size=1000, d_model=128, n_layers=2, n_heads=4, max_seq_len=128,
+                                        use_cache=False)), tokens
+    if name == "mamba":
+        cfg = tf.MambaConfig(vocab_size=1000, hidden_size=64, state_size=8, num_hidden_layers=2, use_cache=False)
+        return tf.MambaModel(cfg), tokens
+    if name == "modernbert":
+        cfg = tf.ModernBertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=256, max_position_embeddings=128, local_attention=16,
+                                  pad_token_id=0, eos_token_id=1, bos_token_id=2, cls_token_id=2, sep_token_id=1)
+        return tf.ModernBertModel(cfg), tokens
+    if name == "mobilebert":
+        cfg = tf.MobileBertConfig(vocab_size=1000, hidden_size=128, num_hidden_layers=2, num_attention_heads=2,
+                                  intermediate_size=128, embedding_size=64, intra_bottleneck_size=64,
+                                  max_position_embeddings=128)
+        return tf.MobileBertModel(cfg), tokens
+    if name == "mpnet":
+        return tf.MPNetModel(tf.MPNetConfig(**text)), tokens
+    if name == "distilbert_sdpa":
+        cfg = tf.DistilBertConfig(vocab_size=1000, dim=128, n_layers=2, n_heads=2, hidden_dim=256,
+                                  max_position_embeddings=128)
+        return tf.DistilBertModel(cfg), tokens
+    if name == "t5_encoder_sdpa":
+        cfg = tf.T5Config(vocab_size=1000, d_model=128, d_kv=64, d_ff=256, num_layers=2, num_heads=2, use_cache=False)
+        return tf.T5EncoderModel(cfg), tokens
     if name == "bart_encoder":
         cfg = tf.BartConfig(vocab_size=1000, d_model=128, encoder_layers=2, decoder_layers=2, encoder_attention_heads=2,
                             decoder_attention_heads=2, encoder_ffn_dim=256, decoder_ffn_dim=256,

@@ -190,6 +190,19 @@ def test_a_transformers_sweep_model_is_built_at_its_small_config():
         assert tuple(out.shape) == shape and torch.isfinite(out).all()
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("name", corpus.HF_SWEEP)
+def test_every_transformers_sweep_config_builds_and_runs(name):
+    """Each of HF_SWEEP's small configs is a model the installed transformers builds and runs on its inputs, to
+    finite outputs: a config a newer transformers refuses fails here, not in a sweep."""
+    torch = pytest.importorskip("torch")
+    pytest.importorskip("transformers")
+    model, inputs = corpus.make_model(f"transformers:{name}")
+    with torch.no_grad():
+        outs = corpus.wrap(model, corpus.spec_of(f"transformers:{name}"), list(inputs))(*inputs.values())
+    assert outs and all(torch.isfinite(o).all() for o in outs if o.is_floating_point())
+
+
 def test_the_torch_converter_column_counts_the_attentions_a_torch_build_fuses():
     """``attention_check``: of two Softmax nodes, the attention (Q·Kᵀ, Softmax, ·V) fuses and the other (a
     softmax over another axis) does not, with the reason; the fused model in the torch converter equals ONNX
