@@ -4,7 +4,7 @@ same product split along its inner dimension (a batched product and a sum) and a
 
 Why: at batch 1 a classifier head is a matrix-vector product, [1, 2048] x [2048, 1000] for ResNet-50: 4 MB of
 weights, under a microsecond of the H200's bandwidth, yet cuBLAS's ``addmm`` ran it in 12.8 µs (H200, fp16,
-bench/kernels.py on ResNet-50's searched bundle, torch.compile's the same): its kernel tiles the 1000 outputs
+bench/kernel_profile.py on ResNet-50's searched bundle, torch.compile's the same): its kernel tiles the 1000 outputs
 into 16 blocks of 64 and walks the 2048 inner terms in each, so 16 of the chip's 132 multiprocessors read the
 weight.  Split into S slices of the inner dimension, the product runs S x 16 blocks and a sum adds the S partial
 rows (Inductor fuses it with the bias and what follows); as one Inductor reduction, a block per output row.

@@ -5,7 +5,7 @@ compiles each, on the transformer layers' products of the corpus, in a CUDA Grap
 Why: a torch engine runs a MatMul followed by the Add of its bias (no activation: the rule fuse_gemm_epilogue
 makes one node only with a ReLU or GELU) as a product over X's rows and an add that Inductor fuses into what
 follows (the residual add and LayerNorm).  ViT-B/16's MLP output product (3072 -> 768) then ran cuBLAS's split-K
-kernel with a reduction and a memset, 9.1 µs a layer (H200, fp16, batch 1, bench/kernels.py), where
+kernel with a reduction and a memset, 9.1 µs a layer (H200, fp16, batch 1, bench/kernel_profile.py), where
 torch.compile's Linear, ``addmm`` with the bias in the epilogue, ran no split-K.  Whether the bias in the epilogue
 is faster as an engine runs it (the residual add and LayerNorm after it) decides whether a GEMM-epilogue node
 without activation is worth building and timing in the build's round (it was: rule fuse_gemm_bias).  The two

@@ -7,6 +7,7 @@ import importlib.util
 import os
 import re
 import subprocess
+import sysconfig
 import sys
 import zipfile
 from pathlib import Path
@@ -68,8 +69,14 @@ def test_wheel_builds_installs_and_runs(tmp_path):
     assert "parastream/pipeline/templates/model.py" in names and "parastream/rewrite/rules/__init__.py" in names
     assert not any(n.startswith(("tests/", "bench/", "examples/")) for n in names)
     venv = tmp_path / "venv"
-    subprocess.run([sys.executable, "-m", "venv", "--system-site-packages", str(venv)], check=True, timeout=120)
+    subprocess.run([sys.executable, "-m", "venv", str(venv)], check=True, timeout=120)
     py = venv / "bin" / "python"
+    # the new venv sees this interpreter's packages (onnx, numpy, ...) after its own: a .pth file naming them.
+    # (--system-site-packages would give the base interpreter's, which a venv running these tests does not have.)
+    site = subprocess.run([str(py), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"],
+                          capture_output=True, text=True, check=True).stdout.strip()
+    outer = {sysconfig.get_paths()["purelib"], sysconfig.get_paths()["platlib"]}
+    Path(site, "outer_packages.pth").write_text("\n".join(sorted(outer)) + "\n")
     subprocess.run([str(py), "-m", "pip", "install", "-q", "--no-deps", "--no-index", str(wheel)], check=True, timeout=300)
     out = subprocess.run([str(venv / "bin" / "parastream"), "--version"], capture_output=True, text=True, cwd=tmp_path, timeout=120)
     assert out.returncode == 0 and out.stdout.strip().endswith(wheel.name.split("-")[1])

@@ -159,7 +159,7 @@ def fused_conv_keys(model) -> dict[str, int]:
     or only by its SiLU (``silu``), depthwise or not (``PLANNED_KINDS``: every one is a plan); none of them a
     graph output but an ``add``'s sum (the fused step writes it).  A depthwise ``relu`` key is one to time
     (``is_depthwise_key``): with its ReLU in the plan cuDNN ran MobileNetV3-Small's three such shapes at batch 32
-    in a generic grouped kernel, 74 µs each, where the plan without it ran ~8 µs (H200, bench/kernels.py)."""
+    in a generic grouped kernel, 74 µs each, where the plan without it ran ~8 µs (H200, bench/kernel_profile.py)."""
     import onnx
     from onnx import shape_inference
 

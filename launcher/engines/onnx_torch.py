@@ -328,7 +328,7 @@ def _matmul(n):
     when they are contiguous in memory, and else broadcasts W and runs a batched product: a transposed X, as
     ``nn.MultiheadAttention(batch_first=True)`` exports its input projection (X [L, 1, E], a view of [1, L, E]),
     became L matrix-vector products that each read the whole weight (ViT-B/16 on the H100, fp16, batch 1: one
-    "384x8" cuBLAS kernel of 70 µs per layer, half the model's time; bench/kernels.py --against-compile)."""
+    "384x8" cuBLAS kernel of 70 µs per layer, half the model's time; bench/kernel_profile.py --against-compile)."""
     torch = _torch()
     if n.rank(0) >= 3 and n.rank(1) == 2:
         return _product_over_rows(n)
@@ -454,7 +454,7 @@ def _conv_as_patch_gemm(x_shape, w_shape, kernel, strides, dil, group, pads):
     This is the patch embedding of vision transformers and ConvNeXt-style stems (16x16 at stride 16, 4x4 at
     stride 4, on an RGB image).  cuDNN runs it on a 3-channel input as an implicit GEMM with a reduction of only
     3 channels per tap, in a kernel for unaligned channels: ViT-B/16's 16x16 patch embedding took 63.4 µs of its
-    engine's 515 µs of kernels (H200, fp16, batch 1, bench/kernels.py; torch.compile's cuDNN call 82.8 µs plus a
+    engine's 515 µs of kernels (H200, fp16, batch 1, bench/kernel_profile.py; torch.compile's cuDNN call 82.8 µs plus a
     13.2 µs layout copy), the largest single kernel of the engine.  As a product its reduction is C·kh·kw = 768
     deep, cuBLAS's shape; the patches are one copy of the input, which Inductor writes in the kernel that casts
     the engine's input.  The weight [O, C, kh, kw] is contiguous, so its [O, C·kh·kw] form is a view (torch's
@@ -2193,7 +2193,7 @@ def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[
     [out, in]; cuBLAS's "TN" GEMM).  Exporters fold Linear's transpose into the constant, so a model exported
     from PyTorch reaches here as X·W with W [in, out] ("NN"); stored this way cuBLAS gets the problem
     torch.compile of the PyTorch model gives it (every GEMM of ViT-B/16's engine runs the same "TN" kernels as
-    torch.compile's, bench/kernels.py --against-compile).  On its own it moved ViT-B/16 little on the H100
+    torch.compile's, bench/kernel_profile.py --against-compile).  On its own it moved ViT-B/16 little on the H100
     (1.536 -> 1.466 ms at batch 1): its slow "384x8" kernel was the batched product ``_matmul`` now avoids.
     Only a weight that no other step reads and no graph output is (``keep``); returns how many were stored
     transposed."""

@@ -6,9 +6,9 @@ search), then runs the engines in launch order on one stream with direct launche
 the slowest engines, every CUDA kernel with its median duration.  Also prints the per-engine medians of
 the instrumented graph replay (``GpuLauncher.run_timed``) for comparison.
 
-    python3 bench/kernels.py --model inception_v3 [--top 4] [--variants unfused,fused] [--out $OUT]
-    python3 bench/kernels.py --model vit_b_16 --against-compile [--search]   # beside torch.compile's kernels
-    python3 bench/kernels.py --model mobilenet_v3_small --batch 32 --against-compile --conv-kernels cudnn
+    python3 bench/kernel_profile.py --model inception_v3 [--top 4] [--variants unfused,fused] [--out $OUT]
+    python3 bench/kernel_profile.py --model vit_b_16 --against-compile [--search]   # beside torch.compile's kernels
+    python3 bench/kernel_profile.py --model mobilenet_v3_small --batch 32 --against-compile --conv-kernels cudnn
 
 ``--against-compile`` also profiles ``torch.compile(mode="reduce-overhead")`` of the PyTorch model as its users run
 it (bench/corpus_gpu.py's baseline) and prints both kernel lists, merged by kernel name (us per call, count), with
