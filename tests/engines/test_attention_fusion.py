@@ -283,6 +283,35 @@ def test_the_benchmark_compiles_the_default_attention_model():
     assert users_model("resnet50", exported) is exported
 
 
+def test_the_benchmark_exports_a_decoder_without_a_pooler(tmp_path):
+    """bench/gpu.py's export of a decoder LM (no pooler output: its one output is the last hidden state), with its
+    default attention and a left-padded mask, runs in ONNX Runtime as the model runs in PyTorch."""
+    import sys
+    from pathlib import Path
+
+    import onnxruntime as ort
+
+    transformers = pytest.importorskip("transformers")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        from gpu import export, users_model
+    finally:
+        sys.path.pop(0)
+    cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                   use_cache=False)
+    model = transformers.LlamaModel(cfg).eval()
+    assert users_model("llama", model) is model and model.config._attn_implementation == "sdpa"
+    ids, mask = torch.randint(0, 64, (1, 8)), torch.ones(1, 8, dtype=torch.int64)
+    mask[:, :2] = 0
+    assert export(model, {"input_ids": ids, "attention_mask": mask}, tmp_path / "llama.onnx") == ["last_hidden_state"]
+    sess = ort.InferenceSession(str(tmp_path / "llama.onnx"), providers=["CPUExecutionProvider"])
+    (got,) = sess.run(None, {"input_ids": ids.numpy(), "attention_mask": mask.numpy()})
+    with torch.no_grad():
+        want = model(input_ids=ids, attention_mask=mask).last_hidden_state.numpy()
+    np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
+
+
 # -- the plain form ONNX Runtime runs (localization) ---------------------------------------------------------------
 
 @pytest.mark.parametrize("mask", ["float", "bool", "causal", "none"])
