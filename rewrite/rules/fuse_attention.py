@@ -147,6 +147,30 @@ def _scores_operand(node: gs.Node) -> int | None:
     return found[0] if len(found) == 1 else None
 
 
+def _first_stop(node: gs.Node) -> gs.Node | None:
+    """Where the walk from an Add's operand of the scores' shape back to a MatMul stops: the first node that is not
+    a pass-through, a constant scale or a mask on the way (None where no operand leads to a MatMul that way)."""
+    shape = static_shape(node.outputs[0])
+    for t in node.inputs:
+        if static_shape(t) != shape:
+            continue
+        for _ in range(9):
+            p = _producer(t)
+            if p is None:
+                break
+            if _passes(p):
+                t = p.inputs[0]
+            elif p.op in ("Mul", "Div") and not isinstance(_scale_of(p), str):
+                t = _scale_of(p)[0]
+            elif p.op == "MatMul":
+                break
+            else:
+                if any(_reaches_matmul(x) for x in p.inputs):
+                    return p
+                break
+    return None
+
+
 def _reaches_matmul(t: gs.Tensor, depth: int = 0) -> bool:
     """Whether ``t`` is a MatMul's output, through Casts, Identities, Mul/Div by constant scalars and masks."""
     p = _producer(t)
@@ -257,6 +281,10 @@ def find_attention(graph: gs.Graph, softmax: gs.Node) -> Attention | str:
                 return f"the scores are scaled after the mask {p.name}"
             i = _scores_operand(p)
             if i is None:
+                blocker = _first_stop(p)
+                if blocker is not None:  # Gemma-2's logit soft-capping: tanh(scores / c) · c before the mask
+                    return (f"the scores reach {p.name} through {blocker.name} ({blocker.op}), which is not a scale, "
+                            "a mask or a regrouping")
                 return f"{p.name} does not read the scores and a mask"
             # the node runs in the softmax's layout: a mask applied in another is regrouped to it, a constant at
             # build time, another by a Reshape where its rows are the scores' rows or one row for all of them

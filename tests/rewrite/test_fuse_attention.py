@@ -417,6 +417,25 @@ def test_does_not_fire(kwargs, why):
     assert any(why in r for r in reasons(RULE, m)), reasons(RULE, m)
 
 
+def test_does_not_fire_on_soft_capped_scores_and_names_the_op():
+    """Gemma-2's logit soft-capping, tanh(scores / c) · c before the mask: SDPA does not compute it, and the reason
+    names the node in the way."""
+    inits = [numpy_helper.from_array(np.asarray(50.0, dtype=np.float32), "cap")]
+    nodes = [helper.make_node("Transpose", ["k"], ["kt"], name="k_t", perm=[0, 1, 3, 2]),
+             helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
+             helper.make_node("Div", ["s", "cap"], ["s1"], name="uncap"),
+             helper.make_node("Tanh", ["s1"], ["s2"], name="softcap"),
+             helper.make_node("Mul", ["s2", "cap"], ["s3"], name="recap"),
+             helper.make_node("Add", ["s3", "m"], ["s4"], name="mask"),
+             helper.make_node("Softmax", ["s4"], ["p"], name="softmax", axis=-1),
+             helper.make_node("MatMul", ["p", "v"], ["y"], name="pv")]
+    m = model(nodes, [*(vi(n, [B, H, S, D]) for n in "qkv"), vi("m", [B, 1, 1, S])], [vi("y", None)], inits)
+    _, fired = apply_everywhere(RULE, m)
+    assert fired == []
+    assert any("through softcap (Tanh), which is not a scale, a mask or a regrouping" in r for r in reasons(RULE, m)), \
+        reasons(RULE, m)
+
+
 def test_does_not_fire_on_a_broadcast_matmul():
     """Q·Kᵀ with a Kᵀ of lower rank ([D, S], broadcast over the heads) is not per-head attention."""
     nodes = [helper.make_node("MatMul", ["q", "kt"], ["s"], name="qk"),
