@@ -257,18 +257,24 @@ def test_gpu_build_times_fused_attention_against_its_decomposition(tmp_path):
 
 # -- the baseline: torch.compile runs BERT as its users run it --------------------------------------------------
 
-def test_the_benchmark_compiles_the_default_attention_model():
-    """bench/gpu.py exports BERT with eager attention (plain ONNX ops) and gives the PyTorch baselines transformers'
-    default (sdpa) with the same weights, so torch.compile is not handicapped by an attention nobody runs."""
+def _bench_gpu():
+    """bench/gpu.py as a module (bench/ on sys.path only while it is imported)."""
+    import importlib
     import sys
     from pathlib import Path
 
-    transformers = pytest.importorskip("transformers")
     sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
     try:
-        from gpu import users_model
+        return importlib.import_module("gpu")
     finally:
         sys.path.pop(0)
+
+
+def test_the_benchmark_compiles_the_default_attention_model():
+    """bench/gpu.py exports BERT with eager attention (plain ONNX ops) and gives the PyTorch baselines transformers'
+    default (sdpa) with the same weights, so torch.compile is not handicapped by an attention nobody runs."""
+    transformers = pytest.importorskip("transformers")
+    users_model = _bench_gpu().users_model
     cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
                                   intermediate_size=64, attn_implementation="eager")
     exported = transformers.BertModel(cfg).eval()
@@ -286,17 +292,11 @@ def test_the_benchmark_compiles_the_default_attention_model():
 def test_the_benchmark_exports_a_decoder_without_a_pooler(tmp_path):
     """bench/gpu.py's export of a decoder LM (no pooler output: its one output is the last hidden state), with its
     default attention and a left-padded mask, runs in ONNX Runtime as the model runs in PyTorch."""
-    import sys
-    from pathlib import Path
-
     import onnxruntime as ort
 
     transformers = pytest.importorskip("transformers")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
-    try:
-        from gpu import export, users_model
-    finally:
-        sys.path.pop(0)
+    gpu = _bench_gpu()
+    export, users_model = gpu.export, gpu.users_model
     cfg = transformers.LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
                                    use_cache=False)
