@@ -148,25 +148,18 @@ def _scores_operand(node: gs.Node) -> int | None:
 
 
 def _first_stop(node: gs.Node) -> gs.Node | None:
-    """Where the walk from an Add's operand of the scores' shape back to a MatMul stops: the first node that is not
-    a pass-through, a constant scale or a mask on the way (None where no operand leads to a MatMul that way)."""
+    """The node that keeps an Add's operand of the scores' shape from reaching a MatMul (``_reaches_matmul``): the
+    first one, walking back along the scores' shape, one of whose inputs reaches a MatMul; None where none does."""
     shape = static_shape(node.outputs[0])
     for t in node.inputs:
-        if static_shape(t) != shape:
-            continue
         for _ in range(9):
-            p = _producer(t)
+            p = _producer(t) if static_shape(t) == shape else None
             if p is None:
                 break
-            if _passes(p):
-                t = p.inputs[0]
-            elif p.op in ("Mul", "Div") and not isinstance(_scale_of(p), str):
-                t = _scale_of(p)[0]
-            elif p.op == "MatMul":
-                break
-            else:
-                if any(_reaches_matmul(x) for x in p.inputs):
-                    return p
+            if any(_reaches_matmul(x) for x in p.inputs):
+                return p
+            t = next((x for x in p.inputs if static_shape(x) == shape), None)
+            if t is None:
                 break
     return None
 
