@@ -374,6 +374,7 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         row["compile_warm_s"] = time.perf_counter() - t0
         first = next(iter(ref))
         row["maxerr_compile"] = max_err(runner.out.float().cpu().numpy(), ref[first])
+        info: dict = {}
         with quiet_gpu(children):
             # Both ways, in the same alternating blocks: held (each block queued behind the stream gate: the GPU's
             # work per call) and as called (the host's time per call included where it is the longer: torch.compile's
@@ -382,7 +383,10 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
             # calls then ran two speeds within one timing (ShuffleNet-v2: 10th percentile 0.323, 90th 0.701 ms)
             times = _measure({"parastream": la, "one_stream": single, "compile_held": Timed(runner, held=True),
                               "parastream_as_called": Timed(la, held=False), "compile": runner},
-                             runs=args.runs, warmup=50, seed=7)
+                             runs=args.runs, warmup=50, seed=7, info=info)
+            # a held block the gate's timer had to open (a call that waits on the host inside it) is not a GPU time:
+            # the row says so (``opened_by_timer``, ``held_block``: the smaller blocks the rest were timed in)
+            row["timing"] = info
             _medians(row, times)
             _bound(row, bundle.plan, single)
         return row
@@ -607,6 +611,10 @@ def table(rows: list[dict]) -> str:
                    f"torch.compile on {len(slower)} of {len(got)}" + (f" ({', '.join(slower)})" if slower else "")
                    + (f"; both as called: {_geomean(as_called[batch]):.2f}x over {len(as_called[batch])} models"
                       if as_called.get(batch) else ""))
+    opened = [f"{r['model']} b{r.get('batch', 1)} ({r['timing']['opened_by_timer']})" for r in rows
+              if (r.get("timing") or {}).get("opened_by_timer")]
+    if opened:  # a held block that waited on the host: those held medians hold the gate timer's wait
+        out.append(f"held blocks opened by the gate's timer: {', '.join(opened)}")
     errors = sum("parastream_ms" not in r for r in rows)
     if errors:
         out.append(f"{errors} of {len(rows)} rows not timed (error)")

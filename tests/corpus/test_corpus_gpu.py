@@ -139,6 +139,19 @@ def test_a_row_timed_both_ways_compares_held_with_held_and_as_called_with_as_cal
     assert "both as called: 3.17x over 1 models" in text
 
 
+def test_a_held_block_opened_by_the_gate_timer_is_named_under_the_table():
+    """A held timing whose block the gate's timer had to open (a call waiting on the host inside its block) is named
+    under the table, with how many blocks; a row whose held blocks all ran on the GPU's own is not."""
+    waited = _row("shufflenet_v2_x1_0", 1, 0.187, 0.635, compile_held_ms=0.318, parastream_as_called_ms=0.200,
+                  timing={"blocks": 40, "held": 24, "opened_by_timer": 3, "held_block": 5})
+    clean = _row("resnet50", 1, 0.3, 0.45, compile_held_ms=0.44, parastream_as_called_ms=0.31,
+                 timing={"blocks": 40, "held": 24, "opened_by_timer": 0})
+    text = corpus_gpu.table([waited, clean])
+    assert "held blocks opened by the gate's timer: shufflenet_v2_x1_0 b1 (3)" in text
+    assert "resnet50 b1 (" not in text
+    assert "opened by the gate's timer" not in corpus_gpu.table([clean])
+
+
 def test_timed_sets_whether_a_runner_is_held_and_forwards_the_rest():
     class Runner:
         captured = True
