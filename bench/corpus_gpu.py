@@ -402,8 +402,8 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
 
 
 def _bound(row: dict, plan, single) -> None:
-    """A plan with streams: its critical-path bound (``pipeline.bench.measured_bound``: its engines timed alone,
-    on one stream with events around each, summed along the longest dependent chain) and its time over it."""
+    """A plan with streams: its critical-path bound (``pipeline.bench.measured_bound``: the longest dependent chain
+    of its engines, found from their times alone, run back to back alone) and its time over it."""
     from parastream.pipeline.bench import measured_bound
 
     cp = measured_bound(plan, single)
@@ -411,6 +411,9 @@ def _bound(row: dict, plan, single) -> None:
         row["bound_error"] = cp["error"]
     elif cp is not None:
         row["bound_ms"], row["bound_chain"], row["alone_sum_ms"] = cp["bound_ms"], len(cp["chain"]), cp["alone_sum_ms"]
+        if "chain_events_ms" in cp:  # the chain's engines timed alone with events around each, summed (the bound
+            # of the tables before 2026-12-03)
+            row["bound_events_ms"] = cp["chain_events_ms"]
 
 
 def _medians(row: dict, times: dict) -> None:

@@ -13,6 +13,8 @@ from __future__ import annotations
 import io
 import sys
 
+import types
+
 import numpy as np
 import onnx
 import pytest
@@ -82,6 +84,15 @@ class FakeLauncher:
     @staticmethod
     def alone_ms(i: int) -> float:
         return 0.1 * (i + 1)
+
+    #: what one timing event costs inside ``run_timed``'s intervals, which ``time_chain`` (no events) does not pay
+    EVENT_MS = 0.01
+    chains: list = []
+
+    def time_chain(self, branches, *, replays: int = 50):
+        """The chain's engines back to back without events: each one's time alone less the event's gap."""
+        FakeLauncher.chains.append(list(branches))
+        return sum(self.alone_ms(i) - self.EVENT_MS for i in branches)
 
     def close(self):
         self.closed = True
@@ -434,17 +445,44 @@ def test_the_critical_path_bound_is_the_longest_dependent_chain_of_engines_timed
     assert len(plan.branches) > len(max(_chains(plan), key=len))
 
 
+def test_a_launcher_without_chain_timing_gives_the_events_sum_as_the_bound(trt, tmp_path):
+    """``measured_bound`` with a launcher that cannot run a chain alone (no ``time_chain``): the chain's engines
+    timed alone and summed, as before; an error in the chain's timing is the bound's error, not the bench's."""
+    bundle = make_trt_bundle(tmp_path, streams=3)
+    plan = bundle.plan
+
+    class EventsOnly:
+        def run_timed(self, *, replays=5):
+            return FakeLauncher.run_timed(types.SimpleNamespace(plan=plan, alone_ms=FakeLauncher.alone_ms))
+
+    got = bench.measured_bound(plan, EventsOnly())
+    want = bench.critical_path_bound(plan, {b.id: FakeLauncher.alone_ms(b.id) for b in plan.branches})
+    assert got["bound_ms"] == pytest.approx(want["bound_ms"]) and "chain_events_ms" not in got
+
+    class Refuses(EventsOnly):
+        def time_chain(self, branches, *, replays=50):
+            raise RuntimeError("capture refused")
+
+    assert bench.measured_bound(plan, Refuses()) == {"error": "RuntimeError: capture refused"}
+
+
 def test_bench_gives_a_multi_stream_plan_s_distance_to_its_critical_path_bound(trt, gpu_stand_ins, tmp_path):
-    """``parastream bench`` of a plan with streams times its engines alone on one stream (events around each) and
-    gives the bound and the plan's time over it; a one-stream plan has no bound to give."""
+    """``parastream bench`` of a plan with streams times its engines alone on one stream (events around each) to find
+    the longest dependent chain, then gives as the bound that chain run back to back alone (``time_chain``: no
+    event gaps), the events' sum beside it, and the plan's time over the bound; a one-stream plan has no bound."""
     bundle = make_trt_bundle(tmp_path, streams=3)
     con = console()
+    FakeLauncher.chains = []
     res = bench.bench_bundle(bundle, runs=5, warmup=1, whole_model=False, console=con)
     want = bench.critical_path_bound(bundle.plan, {b.id: FakeLauncher.alone_ms(b.id) for b in bundle.plan.branches})
-    assert res["critical_path_bound_ms"] == pytest.approx(want["bound_ms"])
-    assert res["over_bound"] == pytest.approx(res["parastream_ms"] / want["bound_ms"])
+    assert FakeLauncher.chains == [want["chain_ids"]]  # the chain the events found, and only it, run alone
+    back_to_back = want["bound_ms"] - FakeLauncher.EVENT_MS * len(want["chain"])
+    assert res["critical_path_bound_ms"] == pytest.approx(back_to_back)
+    assert res["critical_path_events_ms"] == pytest.approx(want["bound_ms"])
+    assert res["over_bound"] == pytest.approx(res["parastream_ms"] / back_to_back)
     assert res["critical_path_engines"] == len(want["chain"])
     assert f"parastream at {res['over_bound']:.2f}x of it" in con.file.getvalue()
+    assert "run back to back alone" in con.file.getvalue()
     (tmp_path / "one").mkdir()
     one = make_trt_bundle(tmp_path / "one", streams=1)
     res = bench.bench_bundle(one, runs=5, warmup=1, whole_model=False)

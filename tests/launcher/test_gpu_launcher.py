@@ -323,7 +323,31 @@ def test_single_stream_and_timeline(bundles, tmp_path):
     assert png.stat().st_size > 1000
     assert res["parastream_ms"] > 0 and res["single_stream_ms"] > 0 and res["speedup"] > 0
     assert all(v < 1e-2 for v in res["max_abs_diff_single_vs_multi"].values())
+    # the bound: the longest chain run alone, without the events that time each engine, which cost a gap each
+    assert 0 < res["critical_path_bound_ms"] <= res["critical_path_events_ms"] * 1.05
     multi.close()
+
+
+@pytest.mark.gpu
+def test_a_chain_run_alone_takes_its_engines_time_and_leaves_the_outputs_alone(bundles):
+    """``time_chain``: the chosen engines back to back in a graph of their own.  All of them take about a whole
+    one-stream replay, one of them less; and the replay after it still gives the plan's outputs."""
+    from parastream.launcher.gpu import GpuLauncher
+
+    path, bundle = bundles[("inception_block", "fp16")]
+    single = GpuLauncher(bundle, single_stream=True)
+    feeds = _feeds(bundle, 4)
+    before = single(feeds)
+    ids = list(bundle.plan.launch_order)
+    every = single.time_chain(ids, replays=20)
+    one = single.time_chain(ids[:1], replays=20)
+    spans = single.run_timed(replays=5)
+    whole = max(s["end_ms"] for s in spans) - min(s["start_ms"] for s in spans)
+    assert 0 < one < every <= whole * 1.1
+    after = single(feeds)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+    single.close()
 
 
 @pytest.mark.gpu
