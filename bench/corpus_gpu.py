@@ -335,7 +335,7 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
     side by side into ``row``.  Whatever it loaded is freed when it returns or raises (an out-of-memory at a large
     batch leaves the next rows their GPU memory)."""
     import torch
-    from gpu import make_model, max_err, users_model
+    from gpu import errors_by_rows, make_model, max_err, users_model
 
     from parastream.pipeline.bench import _measure
     from parastream.launcher.bundle import Bundle
@@ -354,6 +354,9 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         single = GpuLauncher(bundle, single_stream=True, engines=la.engines)
         got = la(feeds)
         row["maxerr"] = {k: max_err(got[k], ref[k]) for k in ref}
+        by_rows = {k: e for k in ref if (e := errors_by_rows(got[k], ref[k], feeds)) is not None}
+        if by_rows:  # a padded prompt: the tokens' rows apart from the padding's
+            row["maxerr_rows"] = by_rows
         row["streams"], row["engines"] = bundle.plan.num_streams, len(bundle.plan.branches)
         if args.costs:  # the bundle against its own engines on one stream; no baseline compiled
             with quiet_gpu(children):
@@ -374,6 +377,9 @@ def time_model(name: str, batch: int, work: Path, row: dict, args, children) -> 
         row["compile_warm_s"] = time.perf_counter() - t0
         first = next(iter(ref))
         row["maxerr_compile"] = max_err(runner.out.float().cpu().numpy(), ref[first])
+        by_rows = errors_by_rows(runner.out.float().cpu().numpy(), ref[first], feeds)
+        if by_rows is not None:
+            row["maxerr_compile_rows"] = by_rows
         info: dict = {}
         with quiet_gpu(children):
             # Both ways, in the same alternating blocks: held (each block queued behind the stream gate: the GPU's

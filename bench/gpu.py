@@ -229,6 +229,23 @@ def max_err(out, ref) -> float:
     return float(np.max(np.abs(out - ref)) / max(np.max(np.abs(ref)), 1e-30))
 
 
+def errors_by_rows(out, ref, feeds: dict) -> dict | None:
+    """``max_err`` of ``out`` over the rows of tokens and over the rows of padding, apart, each on the scale of all
+    of ``ref``: {"tokens", "padding"}, where ``feeds`` hold an ``attention_mask`` [batch, tokens] (0 at padding)
+    and ``out`` a row per token ([batch, tokens, ...]); None otherwise.  Why: a padded query of a causal mask sees
+    no key, and implementations give such a row what they like (the export's guard 0, transformers' SDPA on CUDA
+    unmasks such rows to avoid NaN), which no caller reads; an error over all rows says nothing of the rows that
+    count (torch.compile's Llama output differed from ONNX Runtime's by 1.4 of its scale, H200)."""
+    mask = feeds.get("attention_mask")
+    out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
+    if mask is None or out.shape != ref.shape or out.ndim < 2 or tuple(out.shape[:2]) != tuple(np.shape(mask)):
+        return None
+    keep = np.asarray(mask) != 0
+    scale = max(float(np.max(np.abs(ref))), 1e-30)
+    err = np.abs(out - ref).reshape(*keep.shape, -1).max(axis=-1)
+    return {"tokens": float(err[keep].max(initial=0.0) / scale), "padding": float(err[~keep].max(initial=0.0) / scale)}
+
+
 def ort_reference(path: Path, feeds: dict) -> dict:
     import onnxruntime as ort
 

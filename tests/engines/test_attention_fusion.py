@@ -312,6 +312,23 @@ def test_the_benchmark_exports_a_decoder_without_a_pooler(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_benchmark_gives_a_padded_prompt_s_errors_by_rows():
+    """bench/gpu.py's ``errors_by_rows``: the tokens' rows and the padding's apart (an attention_mask's zeros), each
+    on the scale of the whole reference; no split without a mask or a row per token."""
+    errors_by_rows = _bench_gpu().errors_by_rows
+    ref = np.ones((1, 4, 3))
+    ref[0, 1, 2] = -2.0
+    out = ref.copy()
+    out[0, 0] += 1.0  # a padded row off by half the scale
+    out[0, 3, 1] += 0.02  # a token's row off by 1% of it
+    mask = np.array([[0, 1, 1, 1]])
+    got = errors_by_rows(out, ref, {"attention_mask": mask, "input_ids": mask})
+    assert got == pytest.approx({"tokens": 0.01, "padding": 0.5})
+    assert errors_by_rows(out, ref, {"input_ids": mask}) is None
+    assert errors_by_rows(out[0], ref[0], {"attention_mask": mask}) is None  # no row per token
+    assert errors_by_rows(out, ref, {"attention_mask": np.ones((1, 4))})["padding"] == 0.0
+
+
 # -- the plain form ONNX Runtime runs (localization) ---------------------------------------------------------------
 
 @pytest.mark.parametrize("mask", ["float", "bool", "causal", "none"])
