@@ -420,6 +420,8 @@ def _bound(row: dict, plan, single) -> None:
         if "chain_events_ms" in cp:  # the chain's engines timed alone with events around each, summed (the bound
             # of the tables before 2026-12-03)
             row["bound_events_ms"] = cp["chain_events_ms"]
+        if "chain_error" in cp:  # the chain could not run alone: the bound is the events' sum
+            row["bound_chain_error"] = cp["chain_error"]
 
 
 def _medians(row: dict, times: dict) -> None:

@@ -715,11 +715,12 @@ class GpuLauncher:
     def time_chain(self, branches, *, replays: int = 50, warmup: int = 5) -> float:
         """Milliseconds of ``branches`` run alone, back to back on the origin stream in launch order, nothing
         between them (no timing event, no other engine): captured into a graph of their own, replayed ``warmup`` +
-        ``replays`` times with events around each replay, the median.  Direct launches where the driver refuses the
-        capture (the host's enqueue then counts).  The engines read whatever the arena holds from the last whole
-        replay; a dependent chain's time is that of ``pipeline.bench.measured_bound``: events around every engine
-        (``run_timed``) add a gap per engine, and over a chain of many small engines their sum exceeded what a
-        multi-stream plan of the same engines ran (a decoder's 188 engines: 0.819 against 0.693 ms)."""
+        ``replays`` times with events around each replay, the median.  Direct launches where the launcher runs
+        without a graph (``graph=False``) or the driver refuses the capture (the host's enqueue then counts).  The
+        engines read whatever the arena holds from the last whole replay.  What ``pipeline.bench.measured_bound``
+        gives as a critical path's time: events around every engine (``run_timed``) add a gap per engine, and over
+        a chain of many small engines their sum exceeded what a multi-stream plan of the same engines ran (a
+        decoder's 188 engines: 0.819 against 0.693 ms)."""
         self._check_open()
         chosen = set(branches)
         order = [b for b in self.plan.launch_order if b in chosen and b not in self.elided]
@@ -733,8 +734,9 @@ class GpuLauncher:
             graph = ex = None
             try:
                 try:
-                    with self._memory():
-                        graph, ex = self._capture(body)
+                    if self._exec is not None:
+                        with self._memory():
+                            graph, ex = self._capture(body)
                 except cuda.CudaError:  # timed as direct launches
                     graph = ex = None
                 times = []
