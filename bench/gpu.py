@@ -150,6 +150,18 @@ def users_model(name: str, model):
     return user
 
 
+def exported_tensors(out):
+    """The tensors of a model's output that ``export`` writes, in its order: a transformers encoder's last hidden
+    state and its pooler's output (BERT), a decoder's last hidden state, a classifier's logits.  The PyTorch
+    baselines return the same (``corpus_gpu.HalfInput``): a baseline that returned less would let torch.compile
+    drop the rest as dead code (BERT's pooler) and time less work than the bundle does."""
+    if getattr(out, "pooler_output", None) is not None:
+        return out.last_hidden_state, out.pooler_output
+    if hasattr(out, "last_hidden_state"):
+        return out.last_hidden_state
+    return out
+
+
 def export(model, inputs: dict, path: Path, *, dynamic_batch: bool = False) -> list[str]:
     """torch.onnx.export (TorchScript exporter, opset 17) of the model's tensors (BERT: last_hidden_state and
     pooler_output); ``dynamic_batch``: every input and output with a dynamic first dimension "N".  The output
@@ -165,12 +177,7 @@ def export(model, inputs: dict, path: Path, *, dynamic_batch: bool = False) -> l
             self.m = m
 
         def forward(self, *a):
-            out = self.m(*a)
-            if getattr(out, "pooler_output", None) is not None:
-                return out.last_hidden_state, out.pooler_output
-            if hasattr(out, "last_hidden_state"):
-                return out.last_hidden_state
-            return out
+            return exported_tensors(self.m(*a))
 
     pooled = "input_ids" in inputs and getattr(getattr(model, "config", None), "model_type", "") == "bert"
     outs = ["last_hidden_state", "pooler_output"] if pooled else ["last_hidden_state"] if "input_ids" in inputs else ["logits"]

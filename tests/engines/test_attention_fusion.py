@@ -312,6 +312,39 @@ def test_the_benchmark_exports_a_decoder_without_a_pooler(tmp_path):
     np.testing.assert_allclose(got, want, rtol=1e-4, atol=1e-4)
 
 
+def test_the_baseline_returns_what_the_export_has_as_outputs(tmp_path):
+    """bench/corpus_gpu.py's ``HalfInput`` returns the tensors bench/gpu.py's export writes (BERT: the last hidden
+    state and the pooler's output), so that torch.compile cannot drop the pooler as dead code and time less work
+    than the bundle runs; a decoder's one output stays one."""
+    import importlib
+    import sys
+    from pathlib import Path
+
+    transformers = pytest.importorskip("transformers")
+    gpu = _bench_gpu()
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+    try:
+        HalfInput = importlib.import_module("corpus_gpu").HalfInput
+    finally:
+        sys.path.pop(0)
+    cfg = transformers.BertConfig(vocab_size=50, hidden_size=32, num_hidden_layers=1, num_attention_heads=4,
+                                  intermediate_size=64)
+    model = transformers.BertModel(cfg).eval()
+    ids, mask = torch.randint(0, 50, (1, 8)), torch.ones(1, 8, dtype=torch.int64)
+    names = gpu.export(model, {"input_ids": ids, "attention_mask": mask}, tmp_path / "bert.onnx")
+    with torch.no_grad():
+        got = HalfInput(model.double()).eval()(ids, mask)
+        want = model(input_ids=ids, attention_mask=mask)
+    assert names == ["last_hidden_state", "pooler_output"] and len(got) == 2
+    torch.testing.assert_close(got[0], want.last_hidden_state)
+    torch.testing.assert_close(got[1], want.pooler_output)
+    llama = transformers.LlamaModel(transformers.LlamaConfig(
+        vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=32, use_cache=False)).eval()
+    with torch.no_grad():
+        assert torch.is_tensor(HalfInput(llama).eval()(ids, mask))
+
+
 def test_the_benchmark_gives_a_padded_prompt_s_errors_by_rows():
     """bench/gpu.py's ``errors_by_rows``: the tokens' rows and the padding's apart (an attention_mask's zeros), each
     on the scale of the whole reference; no split without a mask or a row per token."""
