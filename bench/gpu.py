@@ -240,8 +240,8 @@ def errors_by_rows(out, ref, feeds: dict) -> dict | None:
     """``max_err`` of ``out`` over the rows of tokens and over the rows of padding, apart, each on the scale of all
     of ``ref``: {"tokens", "padding"}, where ``feeds`` hold an ``attention_mask`` [batch, tokens] (0 at padding)
     and ``out`` a row per token ([batch, tokens, ...]); None otherwise.  Why: a padded query of a causal mask sees
-    no key, and implementations give such a row what they like (the export's guard 0, transformers' SDPA on CUDA
-    unmasks such rows to avoid NaN), which no caller reads; an error over all rows says nothing of the rows that
+    no key, and implementations give such a row what they like (the export's guard 0, CUDA's fused attention
+    kernels their own), which no caller reads; an error over all rows says nothing of the rows that
     count (torch.compile's Llama output differed from ONNX Runtime's by 1.4 of its scale, H200)."""
     mask = feeds.get("attention_mask")
     out, ref = np.asarray(out, np.float64), np.asarray(ref, np.float64)
