@@ -216,6 +216,66 @@ def measure_shape(key: str, batch: int, chain: int, replays: int) -> dict:
             "ratio": round(u_us / f_us, 3), "max_err": round(err, 5)}
 
 
+def _pad_kernel():
+    """Inductor's kernel that copies a channels-last tensor into one of more channels, the new ones zero (what a
+    converter's padding would ask of the kernel that writes the convolution's input, where it cannot fold it in)."""
+    import torch
+
+    if "pad" not in _EPILOGUES:
+        def f(x, extra: int):
+            return torch.nn.functional.pad(x, (0, 0, 0, 0, 0, extra)).contiguous(memory_format=torch.channels_last)
+        _EPILOGUES["pad"] = torch.compile(f, dynamic=True)
+    return _EPILOGUES["pad"]
+
+
+def measure_padded(key: str, batch: int, chain: int, replays: int, multiple: int) -> dict:
+    """A dense (group 1) ``key`` whose input or output channels are not a multiple of ``multiple``: the same fused
+    call with both padded up to it (the weights' and bias's new rows and columns zero, the input's new channels
+    zero, the output sliced back: a view), its output compared with the unpadded call's.  ``padded_us`` is the
+    call on inputs already padded; ``pad_us`` what copying the input into its padded form costs as a kernel of its
+    own.  Why: fp16 tensor-core kernels want channels in multiples of 8 (16 bytes), and Res2Net-50's 26- and
+    52-channel, ShuffleNet-v2's 58-channel and NASNet's 42-channel convolutions are not."""
+    import torch
+
+    kind, xs, ws, strides, pads, dil, group, x, w, b = _operands(key, batch)
+    c, k = ws[1], ws[0]
+    cp, kp = -(-c // multiple) * multiple, -(-k // multiple) * multiple
+    cl = torch.channels_last
+    xp = torch.zeros([xs[0], cp, *xs[2:]], device="cuda", dtype=x.dtype).contiguous(memory_format=cl)
+    xp[:, :c] = x
+    wp = torch.zeros([kp, cp, *ws[2:]], device="cuda", dtype=w.dtype).contiguous(memory_format=cl)
+    wp[:k, :c] = w
+    bp = torch.zeros(kp, device="cuda", dtype=b.dtype)
+    bp[:k] = b
+    y0 = torch.convolution(x, w, None, strides, pads, dil, False, [0, 0], group)
+    z = torch.randn_like(y0).contiguous(memory_format=cl)
+    zp = torch.zeros([y0.shape[0], kp, *y0.shape[2:]], device="cuda", dtype=z.dtype).contiguous(memory_format=cl)
+    zp[:, :k] = z
+    if kind == "relu":
+        def plain():
+            return torch.cudnn_convolution_relu(x, w, b, strides, pads, dil, group)
+
+        def padded():
+            return torch.cudnn_convolution_relu(xp, wp, bp, strides, pads, dil, group)[:, :k]
+    else:
+        def plain():
+            return torch.cudnn_convolution_add_relu(x, w, z, 1.0, b, strides, pads, dil, group)
+
+        def padded():
+            return torch.cudnn_convolution_add_relu(xp, wp, zp, 1.0, bp, strides, pads, dil, group)[:, :k]
+    pad = _pad_kernel()
+    with torch.no_grad():
+        a, p = plain().float(), padded().float()
+        err = float((a - p).abs().max() / max(a.abs().max(), 1e-6))
+        pad(x, cp - c)
+        plain_us = _graph_us(plain, chain, replays)
+        padded_us = _graph_us(padded, chain, replays)
+        pad_us = _graph_us(lambda: pad(x, cp - c), chain, replays) if cp != c else 0.0
+    return {"channels": [c, k], "padded_to": [cp, kp], "plain_us": round(plain_us, 3),
+            "padded_us": round(padded_us, 3), "pad_us": round(pad_us, 3),
+            "padded_ratio": round(plain_us / padded_us, 3), "padded_max_err": round(err, 5)}
+
+
 def summary(rows: list[dict]) -> dict:
     fused = sum(r["count"] * r["fused_us"] for r in rows)
     unfused = sum(r["count"] * r["unfused_us"] for r in rows)
@@ -235,6 +295,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes-only", action="store_true", help="list the shapes without timing (no GPU needed)")
     ap.add_argument("--epilogues", choices=("relu", "silu"), default="relu",
                     help="relu: the converter's conv+ReLU fusions; silu: conv + bias + SiLU as one cuDNN plan")
+    ap.add_argument("--pad-channels", type=int, default=0, metavar="N",
+                    help="relu: also time each dense shape whose channels are not a multiple of N padded up to it")
     ap.add_argument("--seconds", type=float, default=400.0, help="start no new model after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/conv_epilogues_out"))
     args = ap.parse_args(argv)
@@ -267,6 +329,12 @@ def main(argv=None) -> int:
             row = {"count": count, "key": key, "kind": kind, "x": [args.batch, *x], "w": w}
             if not args.shapes_only:
                 row.update((measure_silu_shape if silu else measure_shape)(key, args.batch, args.chain, args.replays))
+                n = args.pad_channels
+                if n and not silu and row.get("group", 1) == 1 and (w[0] % n or w[1] % n):
+                    try:
+                        row["padded"] = measure_padded(key, args.batch, args.chain, args.replays, n)
+                    except Exception as e:  # noqa: BLE001 - the shape's row says what failed
+                        row["padded"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(row)
         res = {"rows": rows}
         if not args.shapes_only:
@@ -279,7 +347,9 @@ def main(argv=None) -> int:
         for r in res.get("rows", []):
             if "ratio" in r:
                 print(f"{name:22s} {r['kind']:8s} x{r['count']:<3d} {str(r['x']):22s} {str(r['w']):20s} "
-                      f"fused {r['fused_us']:7.2f}  unfused {r['unfused_us']:7.2f}  ratio {r['ratio']:.2f}")
+                      f"fused {r['fused_us']:7.2f}  unfused {r['unfused_us']:7.2f}  ratio {r['ratio']:.2f}"
+                      + (f"  padded {r['padded'].get('padded_us')} (+pad {r['padded'].get('pad_us')}) "
+                         f"ratio {r['padded'].get('padded_ratio')}" if "padded" in r else ""))
     return 0
 
 
