@@ -500,11 +500,14 @@ def kept(r: dict) -> str:
     if counts:
         parts.append("rewrites " + ", ".join(f"{k} ×{v}" for k, v in counts.items()))
     unfused = len((r.get("conv_shapes") or {}).get("unfused") or [])
+    padded = len((r.get("conv_shapes") or {}).get("padded") or [])
     for rnd in (r.get("measured_choices") or {}).get("rounds") or []:
         won = str(rnd.get("won"))
         words = KEPT_WORDS.get(won, won)
         if won == "cuDNN fused conv+bias+ReLU" and unfused:  # the fused form, less the shapes timed slower fused
             words += f" but {unfused} shape{'s' * (unfused > 1)}"
+        if won == "cuDNN fused conv+bias+ReLU" and padded:  # and the shapes run on padded channels
+            words += f", {padded} shape{'s' * (padded > 1)} on padded channels"
         parts.append(words)
     if r.get("search_mode") == "cost model":
         parts.append("search by cost model")

@@ -314,7 +314,7 @@ class Bundle:
     #: the build options a launcher loads engines with, as manifest.json's options record them
     LOAD_OPTIONS = ("compile", "optimization_level", "fuse_conv_relu", "fuse_attention", "fuse_gemm_epilogue",
                     "conv_kernels", "cudnn_plans", "torch_artifact", "inductor_format",
-                    "conv_relu_unfused")
+                    "conv_relu_unfused", "conv_channels_padded")
 
     def engine_options(self, device: str, **overrides) -> "BuildOptions":
         """The options to load this bundle's engines on ``device`` with: the build's (``LOAD_OPTIONS`` of
@@ -323,10 +323,11 @@ class Bundle:
 
         built = self.manifest.get("options", {}) or {}
         kw = {k: built[k] for k in self.LOAD_OPTIONS if built.get(k) is not None}
-        unfused = kw.get("conv_relu_unfused", [])
-        if not (isinstance(unfused, list) and all(isinstance(k, str) for k in unfused)):
-            raise ParastreamError(f"{self.path / 'manifest.json'}: options.conv_relu_unfused is not a list of "
-                                  "convolution shapes; rebuild the bundle")
+        for name in ("conv_relu_unfused", "conv_channels_padded"):
+            listed = kw.get(name, [])
+            if not (isinstance(listed, list) and all(isinstance(k, str) for k in listed)):
+                raise ParastreamError(f"{self.path / 'manifest.json'}: options.{name} is not a list of "
+                                      "convolution shapes; rebuild the bundle")
         return BuildOptions(**dict(kw, precision=self.plan.precision, device=device, **overrides))
 
 

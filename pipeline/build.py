@@ -491,6 +491,7 @@ def _launcher_options(options: BuildOptions) -> dict:
     """The builder options a launcher reads back from manifest.json (``Bundle.engine_options``)."""
     return {"compile": options.compile, "optimization_level": options.optimization_level,
             "fuse_conv_relu": options.fuse_conv_relu, "conv_relu_unfused": list(options.conv_relu_unfused),
+            "conv_channels_padded": list(options.conv_channels_padded),
             "fuse_attention": options.fuse_attention,
             "conv_kernels": options.conv_kernels, "cudnn_plans": options.cudnn_plans,
             "fuse_gemm_epilogue": options.fuse_gemm_epilogue,
@@ -1017,17 +1018,21 @@ def open_timings(cfg: BuildConfig, backend, loaded: LoadedModel) -> tuple[Path |
 
 def time_fused_conv_shapes(b: _Build) -> None:
     """A GPU build that times its choices times each convolution shape the conv+ReLU fusion takes, alone, and
-    leaves to Inductor's form those cuDNN's fused call runs slower (``BuildOptions.conv_relu_unfused``), before
-    anything is compiled: every engine of the search and of the rounds is compiled with that list, and the
-    conv+ReLU round races the mix against Inductor's form.  A rebuild takes the list from its record."""
+    leaves to Inductor's form those cuDNN's fused call runs slower (``BuildOptions.conv_relu_unfused``), and runs on
+    padded channels those whose padded call is faster than both (``BuildOptions.conv_channels_padded``), before
+    anything is compiled: every engine of the search and of the rounds is compiled with those lists, and the
+    conv+ReLU round races the mix against Inductor's form.  A rebuild takes the lists from its record."""
     if not (b.cfg.measure and b.backend.gpu and getattr(b.backend, "fuses_conv_relu", False)
             and b.options.fuse_conv_relu):
         return
     recorded = (b.recorded or {}).get("conv_shapes")
     listed = recorded.get("unfused", []) if isinstance(recorded, dict) else None
-    if isinstance(listed, list) and all(isinstance(k, str) for k in listed):  # (else timed again, as a bad record is)
+    padded = recorded.get("padded", []) if isinstance(recorded, dict) else None
+    if all(isinstance(x, list) and all(isinstance(k, str) for k in x) for x in (listed, padded)):
+        # (else timed again, as a bad record is)
         b.conv_shapes = dict(recorded, timed_here=False)
         b.options.conv_relu_unfused = list(listed)
+        b.options.conv_channels_padded = list(padded)
         _decide_conv_relu_on_shapes(b)
         return
     if not gpu_present(b.backend):
@@ -1041,6 +1046,8 @@ def time_fused_conv_shapes(b: _Build) -> None:
             b.conv_shapes = {"error": f"{type(e).__name__}: {str(e)[:200]}"}
     if b.conv_shapes and b.conv_shapes.get("unfused"):
         b.options.conv_relu_unfused = list(b.conv_shapes["unfused"])
+    if b.conv_shapes and b.conv_shapes.get("padded"):
+        b.options.conv_channels_padded = list(b.conv_shapes["padded"])
     if b.conv_shapes and "error" not in b.conv_shapes:
         b.timed_here = True
     _decide_conv_relu_on_shapes(b)

@@ -957,17 +957,19 @@ CONV_SHAPES_SECONDS = 5.0
 
 
 def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 20,
-                    planned: bool = True) -> tuple[float, float]:
+                    planned: bool = True) -> tuple[float, ...]:
     """Microseconds per call of the fused operator for ``key`` (``cudnn_fused.conv_key``) at ``batch`` in
     ``dtype``, and of torch's convolution without its bias followed by the epilogue as eager ops (bias, residual,
     ReLU: two or three kernels where Inductor's form runs one, so that this favours the fused call), each timed
     by ``bench.captured_us`` on the current GPU with random channels-last inputs.  A depthwise key
     (``cudnn_fused.is_depthwise_key``) is timed in the forms the converter writes for it: with ``planned``
     (``BuildOptions.cudnn_plans``) its plan with the bias and ReLU in it against its plan alone and the
-    epilogue."""
+    epilogue.  A key whose channels the converter can pad (``cudnn_fused.padded_channels``) gets a third time:
+    the fused operator on the padded weights, after a copy of the input into its padded form (a kernel of its own
+    here; in an engine the kernel producing the input writes it so where Inductor compiles that one)."""
     import torch
 
-    from parastream.launcher.engines.cudnn_fused import is_depthwise_key, parse_key, register_ops
+    from parastream.launcher.engines.cudnn_fused import is_depthwise_key, padded_channels, parse_key, register_ops
 
     from .bench import captured_us
 
@@ -1000,14 +1002,31 @@ def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 
         else:
             forms = (lambda: torch.ops.parastream.conv2d_add_relu(x, w, z, b, strides, padding, dilations, group),
                      lambda: conv().add_(z).add_(bias).relu_())
-        fused, unfused = (captured_us(f, reps, replays) for f in forms)
-    return fused, unfused
+        wide = padded_channels(key)
+        if wide is not None:
+            cp, kp = wide
+            c, k = w_shape[1], w_shape[0]
+            xp = x.new_zeros([batch, cp, *x_shape[1:]]).contiguous(memory_format=cl)
+            wp = w.new_zeros([kp, cp, *w_shape[2:]])
+            wp[:k, :c] = w
+            wp = wp.contiguous(memory_format=cl)
+            bp = b.new_zeros([kp])
+            bp[:k] = b
+
+            def padded():
+                xp[:, :c].copy_(x)
+                return torch.ops.parastream.conv2d_relu(xp, wp, bp, strides, padding, dilations, group)[:, :k]
+
+            forms = (*forms, padded)
+        return tuple(captured_us(f, reps, replays) for f in forms)
 
 
 def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: bool = True) -> dict | None:
     """Each convolution shape the conv+ReLU fusion takes in ``model`` (``cudnn_fused.fused_conv_keys``) timed
     alone on the GPU, fused against unfused (``time_conv_shape``), and those whose fused call is slower by
-    more than ``CONV_SHAPE_MARGIN`` listed for ``BuildOptions.conv_relu_unfused``.  Why per shape: the conv+ReLU
+    more than ``CONV_SHAPE_MARGIN`` listed for ``BuildOptions.conv_relu_unfused``, but those whose fused call on
+    padded channels (``cudnn_fused.padded_channels``) is faster than both forms by that margin, which are listed
+    for ``BuildOptions.conv_channels_padded`` instead ("padded").  Why per shape: the conv+ReLU
     round decides for every convolution of the plan at once, and one model's shapes can disagree (H200,
     Res2Net-50: four of its 24 shapes 0.34-0.93x fused, the rest 1.1-1.4x, so that the round kept Inductor's form
     for all of them; bench/conv_epilogues.py).  The round then races this mix against Inductor's form.  None where
@@ -1045,10 +1064,12 @@ def time_conv_shapes(model: onnx.ModelProto, options: BuildOptions, *, lock: boo
         for key in chosen:
             if time.perf_counter() - t0 > CONV_SHAPES_SECONDS:
                 break
-            fused, unfused = time_conv_shape(key, batch, getattr(torch, dtype_name), planned=options.cudnn_plans)
-            us[key] = [round(fused, 3), round(unfused, 3)]
+            got = time_conv_shape(key, batch, getattr(torch, dtype_name), planned=options.cudnn_plans)
+            us[key] = [round(float(t), 3) for t in got]
+    padded = sorted(k for k, t in us.items() if len(t) > 2 and t[2] * (1 + CONV_SHAPE_MARGIN) < min(t[0], t[1]))
     return {"shapes": len(keys), "timed": len(us),
-            "unfused": sorted(k for k, (f, u) in us.items() if f > u * (1 + CONV_SHAPE_MARGIN)),
+            "unfused": sorted(k for k, t in us.items() if t[0] > t[1] * (1 + CONV_SHAPE_MARGIN) and k not in padded),
+            **({"padded": padded} if padded else {}),
             "us": us, "counts": {k: keys[k] for k in us}, "s": round(time.perf_counter() - t0, 3),
             **({"plan_shapes": planned} if planned else {})}
 
@@ -1072,10 +1093,14 @@ def conv_relu_decided_on_shapes(conv_shapes: dict | None) -> dict | None:
     us, counts = conv_shapes.get("us"), conv_shapes.get("counts")
     if conv_shapes.get("plan_shapes"):  # (not timed alone: the whole plan races the plans' fusions)
         return None
+    padded = conv_shapes.get("padded") or []
+    if not isinstance(padded, list):  # a malformed record: the whole plan decides
+        return None
     try:
         if not us or conv_shapes.get("timed") != conv_shapes.get("shapes") or set(us) != set(counts):
             return None
-        fused = sum(int(counts[k]) * float(us[k][0]) for k in us)
+        # (a shape run padded counts at its padded time: the fused form the converter writes for it)
+        fused = sum(int(counts[k]) * float(us[k][2] if k in padded else us[k][0]) for k in us)
         unfused = sum(int(counts[k]) * float(us[k][1]) for k in us)
     except (TypeError, ValueError, IndexError, KeyError):  # a malformed record: the whole plan decides
         return None

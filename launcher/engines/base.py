@@ -69,6 +69,9 @@ class BuildOptions:
     # with it, the fused convolutions left to Inductor's convolution and epilogue (``cudnn_fused.conv_key``s): a
     # GPU build times each shape alone and lists those cuDNN's fused kernel runs slower (``time_conv_shapes``)
     conv_relu_unfused: list[str] = field(default_factory=list)
+    # and those of a Conv -> Relu run on their channels padded to a multiple of 8 (``cudnn_fused.padded_channels``):
+    # the shapes whose padded call the same timing found faster than both other forms
+    conv_channels_padded: list[str] = field(default_factory=list)
     # torch backend: an attention node (rewrite rule fuse_attention) runs as one scaled_dot_product_attention
     # kernel; off, as its matmul-softmax-matmul.  A GPU build times both and records the faster in manifest.json.
     fuse_attention: bool = True

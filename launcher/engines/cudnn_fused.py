@@ -229,3 +229,27 @@ def parse_key(key: str) -> tuple:
 
     return kind, ints(x), ints(w), ints(s), ints(p), ints(d), int(g)
 
+
+
+#: a dense convolution whose input or output channels are not a multiple of this can run with both padded up to
+#: it (``padded_channels``): fp16 tensor-core kernels read channels in 16-byte vectors, and where a count breaks
+#: them cuDNN runs a far slower kernel.  H200, batch 1 (bench/conv_epilogues.py ``--pad-channels 8``): Res2Net-50's
+#: 26-channel 3x3 convolution at 56x56 ran 15.5 µs fused (14.6 as torch's convolution and Inductor's epilogue)
+#: and 4.7 µs padded to 32, its 52-channel ones 22.5-23.1 µs against 7.5-7.6 padded to 56; copying the input
+#: into its padded form costs ~3.5 µs as a kernel of its own, less where its producer writes it so
+CHANNEL_MULTIPLE = 8
+
+
+def padded_channels(key: str) -> tuple[int, int] | None:
+    """(input channels, output channels) that ``key``'s convolution runs with where its channels are padded (a
+    ``relu`` key of a dense convolution, group 1, whose input or output channels are not a multiple of
+    ``CHANNEL_MULTIPLE``: each rounded up to one), else None.  The converter pads such a convolution where the
+    build lists its key (``BuildOptions.conv_channels_padded``), and the build's per-shape timing times it so."""
+    kind, _, w, _, _, _, group = parse_key(key)
+    if kind != "relu" or group != 1:
+        return None
+    c, k = w[1], w[0]
+    if c % CHANNEL_MULTIPLE == 0 and k % CHANNEL_MULTIPLE == 0:
+        return None
+    m = CHANNEL_MULTIPLE
+    return -(-c // m) * m, -(-k // m) * m

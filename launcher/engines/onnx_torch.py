@@ -764,6 +764,26 @@ class _ConvFn:
         return lambda x, w, b=None: torch.ops.parastream.conv2d_relu(
             x.contiguous(memory_format=torch.channels_last), w, b, strides, padding, dilations, group)
 
+    def relu_fused_padded(self, channels: int, padded: int, out: int, padded_out: int):
+        """``relu_fused`` with the input's ``channels`` padded with zero channels up to ``padded`` (in the graph
+        Inductor compiles, so that the kernel producing the input writes it so where it can) and the output's first
+        ``out`` of its ``padded_out`` channels taken (a view): the weights and bias are stored padded (``_fuse_conv_relu``), their new
+        rows and columns zero, so that the new input channels add nothing and the new output channels are
+        relu(0) = 0 and dropped.  ``cudnn_fused.padded_channels`` says why and when."""
+        torch = _torch()
+        strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
+        extra = padded - channels
+        _register_fused_conv_ops()
+
+        def fused(x, w, b=None):
+            if extra:
+                x = torch.nn.functional.pad(x, (0, 0, 0, 0, 0, extra))
+            y = torch.ops.parastream.conv2d_relu(x.contiguous(memory_format=torch.channels_last), w, b, strides,
+                                                 padding, dilations, group)
+            return y if padded_out == out else y[:, :out]
+
+        return fused
+
     def swish_fused(self):
         """silu(conv(x, w) + b) as one cuDNN plan (conv + bias + SWISH_FWD, ``cudnn_plans.conv2d(act="swish")``),
         dense or depthwise: no torch op runs a convolution's SiLU in its kernel, so every such convolution goes
@@ -1973,18 +1993,25 @@ def _unfused_here(kind: str, conv: Step, shapes: dict | None, consts: dict, unfu
 
 
 def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict | None = None,
-                    unfused: frozenset = frozenset()) -> tuple[list, int]:
+                    unfused: frozenset = frozenset(), padded: frozenset = frozenset()) -> tuple[list, int, int]:
     """Conv (2-d, symmetric pads) whose output only a Relu reads -> one cuDNN conv + bias + ReLU step, but where
-    its shape is one ``unfused`` lists (``_unfused_here``; ``shapes``: the values' shapes).
+    its shape is one ``unfused`` lists (``_unfused_here``; ``shapes``: the values' shapes); where ``padded`` lists
+    it, the step runs on its channels padded (``_ConvFn.relu_fused_padded``, ``cudnn_fused.padded_channels``: a
+    dense convolution with a constant bias or none), its weight and bias stored padded.
 
     ``keep``: names that must stay visible (graph outputs).  The weights of fused steps are stored
-    channels-last, the layout cuDNN's fused kernels read without a transform.  Returns the new steps
-    and how many pairs were fused.
+    channels-last, the layout cuDNN's fused kernels read without a transform.  Returns the new steps,
+    how many pairs were fused, and how many of them run padded.
     """
     torch = _torch()
     readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
+    uses: dict[str, int] = {}
+    for st in steps:
+        for a in st.args:
+            if a is not None and a[0] == "c":
+                uses[a[1]] = uses.get(a[1], 0) + 1
     out: list = []
-    fused = 0
+    fused = widened = 0
     skip: set[int] = set()
     for i, st in enumerate(steps):
         if i in skip:
@@ -1996,13 +2023,60 @@ def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, 
             if (len(r) == 1 and op_of.get(r[0]) == "Relu" and w is not None and w[0] == "c"
                     and not _unfused_here("relu", st, shapes, consts, unfused)):
                 relu = steps[r[0]]
-                consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
-                out.append(Step(fn.relu_fused(), st.args, relu.outputs, f"{st.node}+{relu.node}"))
+                to = _padded_here(st, shapes, consts, padded)
+                if to is not None:
+                    k, c = consts[w[1]].shape[:2]  # (before the weight is padded, in place where no other step reads it)
+                    args = _pad_conv_consts(st, consts, uses, *to)
+                    step = Step(fn.relu_fused_padded(int(c), to[0], int(k), to[1]), args, relu.outputs,
+                                f"{st.node}+{relu.node}")
+                    widened += 1
+                else:
+                    consts[w[1]] = consts[w[1]].contiguous(memory_format=torch.channels_last)
+                    step = Step(fn.relu_fused(), st.args, relu.outputs, f"{st.node}+{relu.node}")
+                out.append(step)
                 skip.add(r[0])
                 fused += 1
                 continue
         out.append(st)
-    return out, fused
+    return out, fused, widened
+
+
+def _padded_here(conv: Step, shapes: dict | None, consts: dict, padded: frozenset) -> tuple[int, int] | None:
+    """(input, output) channels ``conv`` runs with where ``padded`` lists its ``relu`` key and it can run padded
+    (not through a cuDNN plan, a constant bias or none), else None."""
+    if not padded or shapes is None or conv.fn.planned:
+        return None
+    from .cudnn_fused import conv_key, padded_channels
+
+    x, fn = shapes.get(conv.args[0][1]) if conv.args[0] is not None else None, conv.fn
+    bias = conv.args[2] if len(conv.args) > 2 else None
+    if x is None or len(x) != 4 or (bias is not None and bias[0] != "c"):
+        return None
+    key = conv_key("relu", x, tuple(consts[conv.args[1][1]].shape), fn.strides, fn.padding, fn.dilations, fn.group)
+    return padded_channels(key) if key in padded else None
+
+
+def _pad_conv_consts(conv: Step, consts: dict, uses: dict[str, int], channels: int, outs: int) -> list:
+    """``conv``'s arguments with its weight padded to [``outs``, ``channels``, kh, kw] (channels-last) and its bias
+    to [``outs``], the new entries zero; a constant that another step also reads is padded into a new one."""
+    torch = _torch()
+    args = list(conv.args)
+    for pos in (1, 2):
+        a = args[pos] if len(args) > pos else None
+        if a is None:
+            continue
+        t = consts[a[1]]
+        if pos == 1:
+            wide = t.new_zeros((outs, channels, *t.shape[2:]))
+            wide[: t.shape[0], : t.shape[1]] = t
+            wide = wide.contiguous(memory_format=torch.channels_last)
+        else:
+            wide = t.new_zeros((outs,))
+            wide[: t.shape[0]] = t
+        name = a[1] if uses.get(a[1], 0) == 1 else f"{a[1]}_padded"
+        consts[name] = wide
+        args[pos] = ("c", name)
+    return args
 
 
 def _fuse_conv_silu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict | None = None,
@@ -2250,7 +2324,7 @@ def _recurrent_weights(steps: list, consts: dict, keep: set[str]) -> int:
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
             cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False,
-            conv_relu_unfused=(), fuse_conv_plans: bool = False):
+            conv_relu_unfused=(), fuse_conv_plans: bool = False, conv_channels_padded=()):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -2258,7 +2332,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``UnsupportedOp`` naming the first node it cannot convert.  ``fuse_conv_relu`` (CUDA
     only: cuDNN's fused kernels) turns each 2-d Conv whose only reader is a Relu into one step, and each
     2-d Conv + residual Add + Relu into one ``torch.cudnn_convolution_add_relu`` step, but those whose
-    ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused); with
+    ``cudnn_fused.conv_key`` is in ``conv_relu_unfused`` (the shapes a GPU build timed slower fused), and those
+    of a Conv -> Relu in ``conv_channels_padded`` on their channels padded (``cudnn_fused.padded_channels``); with
     ``fuse_conv_plans`` too (CUDA engines that may call the plans' op), the epilogues only a cuDNN plan runs fused:
     each 2-d Conv whose output only its SiLU (Sigmoid and Mul) reads into one conv + bias + SiLU plan
     (``_fuse_conv_silu``), and each Conv + residual Add that no Relu
@@ -2380,7 +2455,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         if v is None:
             raise UnsupportedOp(f"graph output {vi.name!r} is produced by no node")
         output_refs.append(("c", buffer_for(v)) if v.is_const else ("v", v.name))
-    fused = residual = silu = added = 0
+    fused = residual = silu = added = widened = 0
     linear = _linear_weights(steps, consts, op_of, {ref for kind, ref in output_refs if kind == "c"})
     recurrent = _recurrent_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
@@ -2391,9 +2466,11 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         if fuse_conv_plans:
             steps, silu, op_of = _fuse_conv_silu(steps, keep, consts, op_of, shapes, unfused)
             steps, added, op_of = _fuse_conv_add(steps, keep, consts, op_of, shapes, unfused)
-        steps, fused = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused)
+        steps, fused, widened = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused,
+                                                frozenset(conv_channels_padded))
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
+    module.padded_conv_relu = widened
     module.fused_conv_add_relu = residual
     module.fused_conv_silu = silu
     module.fused_conv_add = added

@@ -485,6 +485,8 @@ def code_choices(branch: onnx.ModelProto, signature: list, dtype: str, options: 
                        **({"fuse_conv_relu": fuse} if applies["fuse_conv_relu"] else {}),
                        **({"conv_relu_unfused": unfused} if applies["fuse_conv_relu"] and fuse
                           and (unfused := conv_relu_unfused_in(branch, options)) else {}),
+                       **({"conv_channels_padded": padded} if applies["fuse_conv_relu"] and fuse
+                          and (padded := conv_channels_padded_in(branch, options)) else {}),
                        **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
                        **({"conv_kernels": options.conv_kernels}  # only where it changes the code
                           if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
@@ -514,6 +516,15 @@ def compile_group(branch: onnx.ModelProto, signature: list, choices: str) -> str
     unnamed = {k: v for k, v in json.loads(choices).items() if k != "signature"}
     return structure_key(branch, signature) + ":" + hashlib.sha256(
         json.dumps(unnamed, sort_keys=True).encode()).hexdigest()[:16]
+
+
+def conv_channels_padded_in(branch: onnx.ModelProto, options: BuildOptions) -> list[str]:
+    """The shapes of ``options.conv_channels_padded`` that ``branch`` has, as ``conv_relu_unfused_in``."""
+    if not options.conv_channels_padded:
+        return []
+    from .cudnn_fused import fused_conv_keys
+
+    return sorted(set(options.conv_channels_padded) & set(fused_conv_keys(branch)))
 
 
 def conv_relu_unfused_in(branch: onnx.ModelProto, options: BuildOptions) -> list[str]:
@@ -680,6 +691,7 @@ def converter_options(device: str, dtype: str, options: BuildOptions) -> dict:
             "cudnn_plans": _cudnn_plans(device, options), "patch_gemm": device == "cuda",
             "fuse_conv_plans": _fuse(device, dtype, options) and _plan_op(device, options),
             "conv_relu_unfused": tuple(options.conv_relu_unfused),
+            "conv_channels_padded": tuple(options.conv_channels_padded),
             # GEMM, bias and activation as Inductor's kernels: a Linear of one row as one Inductor reduction
             "one_row_reduction": device == "cuda" and not options.fuse_gemm_epilogue}
 
@@ -704,6 +716,9 @@ def _compile_at_load_reason(package, meta: dict, *, elsewhere: bool, signature, 
     left = set(meta.get("conv_relu_unfused") or ()) - set(options.conv_relu_unfused or ())
     if fuse_conv_relu and left:  # (the branch's own part of the list: the load's holds every branch's)
         return f"compiled with {sorted(left)[0]!r} unfused, which the load's conv_relu_unfused does not list"
+    wide = set(meta.get("conv_channels_padded") or ()) - set(options.conv_channels_padded or ())
+    if fuse_conv_relu and wide:
+        return f"compiled with {sorted(wide)[0]!r} padded, which the load's conv_channels_padded does not list"
     for name, want in asked.items():
         got = meta.get(name, absent.get(name))
         if got is None and name in meta and name in FUSION_CHOICES:  # recorded null: the same engine either way
@@ -1486,6 +1501,8 @@ class Builder(BuilderBase):
                     "fuse_conv_relu": fuse if applies["fuse_conv_relu"] else None,
                     **({"conv_relu_unfused": unfused} if applies["fuse_conv_relu"] and fuse
                        and (unfused := conv_relu_unfused_in(branch, self.options)) else {}),
+                    **({"conv_channels_padded": padded} if applies["fuse_conv_relu"] and fuse
+                       and (padded := conv_channels_padded_in(branch, self.options)) else {}),
                     "fuse_attention": bool(self.options.fuse_attention) if applies["fuse_attention"] else None,
                     **({"conv_kernels": conv_kernels_used(self.options.conv_kernels)} if has_depthwise_conv(branch) else {}),
                     "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue) if applies["fuse_gemm_epilogue"] else None,
