@@ -21,12 +21,14 @@ its weights from memory rather than from the L2 a repeated call would leave them
              BIAS or GELU_BIAS epilogue
 
 Each form's ``--layers`` calls are captured in one CUDA Graph, replayed ``--replays`` times with CUDA events around
-each replay after warm-up; the figure is the median per call in µs.  The fastest candidate's result is checked
+each replay after warm-up (``pipeline.bench.captured_us``); the figure is the median per call in µs.  The fastest candidate's result is checked
 against torch's (max abs difference).
 
 Run on the device from the repository root after ``source bench/device_env.sh``, with nvmath-python and its two
-dependencies carried (``pip download --no-deps --python-version 3.12 --only-binary=:all:
---platform manylinux_2_28_x86_64 nvmath-python cuda-core cuda-pathfinder -d .whl/gemm_lt``):
+dependencies carried in a folder of their own (``pip download --no-deps --python-version 3.12 --only-binary=:all:
+--platform manylinux_2_28_x86_64 nvmath-python cuda-core cuda-pathfinder -d .whl/gemm_lt``; device_env.sh does not
+install them, and the carry's 64 MiB does not hold them beside Triton's wheels: carry ``.whl/gemm_lt`` and the
+wheels parastream needs, or move Triton's aside):
 
     python3 -m pip install -q --no-deps --target /tmp/site-lt .whl/gemm_lt/*.whl
     PYTHONPATH=/tmp/site-lt:$PYTHONPATH python3 bench/gemm_lt.py --out $OUT
@@ -48,34 +50,12 @@ LINEARS = [("qkv", 768, 2304, "bias"), ("attn_out", 768, 768, "bias"), ("mlp_in"
            ("mlp_out", 3072, 768, "bias")]
 
 
-def graph_us(calls, replays: int, warmup: int = 5) -> float:
-    """Median µs per call of ``calls`` (a list of zero-argument callables) captured in order in one CUDA Graph."""
-    import numpy as np
-    import torch
+def graph_us(calls, replays: int) -> float:
+    """Median µs per call of ``calls`` (zero-argument callables) captured in order, once each, in one CUDA Graph
+    (``pipeline.bench.captured_us``: warm-up on a side stream, CUDA events around each replay)."""
+    from parastream.pipeline.bench import captured_us
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for fn in calls:
-            fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for fn in calls:
-            fn()
-    for _ in range(warmup):
-        g.replay()
-    times = []
-    for _ in range(replays):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        times.append(a.elapsed_time(b) * 1e3 / len(calls))
-    del g
-    return float(np.median(times))
+    return captured_us(lambda: [fn() for fn in calls], reps=1, replays=replays) / len(calls)
 
 
 def algo_words(alg) -> dict:

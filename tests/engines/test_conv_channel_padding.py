@@ -22,6 +22,7 @@ from parastream.launcher.engines.cudnn_fused import conv_key, fused_conv_keys, p
 from parastream.launcher.engines.onnx_torch import convert, to_fx  # noqa: E402
 
 from test_conv_relu_fusion import _ort, _rel, reference_kernel  # noqa: E402,F401
+from test_conv_shapes import fake_conv_build  # noqa: E402
 
 
 def res2net_like(seed: int = 0) -> onnx.ModelProto:
@@ -187,8 +188,6 @@ def test_the_round_decided_on_shapes_counts_a_padded_shape_at_its_padded_time():
 
 
 def test_a_build_lists_the_padded_shapes_and_a_rebuild_takes_them_from_its_record(monkeypatch):
-    from types import SimpleNamespace
-
     import importlib
 
     from parastream.pipeline import measure
@@ -205,12 +204,7 @@ def test_a_build_lists_the_padded_shapes_and_a_rebuild_takes_them_from_its_recor
     monkeypatch.setattr(build_mod, "gpu_present", lambda backend: True)
 
     def fake_build(recorded=None):
-        b = SimpleNamespace(cfg=SimpleNamespace(measure=True), backend=SimpleNamespace(gpu=True, fuses_conv_relu=True),
-                            options=BuildOptions(precision="fp16"), recorded=recorded, conv_shapes=None,
-                            timed_here=False, model=res2net_like(), timings={},
-                            engines=SimpleNamespace(decided_first={}))
-        b.timed = lambda stage: _Timed()
-        return b
+        return fake_conv_build(res2net_like(), BuildOptions(precision="fp16"), recorded)
 
     b = fake_build()
     build_mod.time_fused_conv_shapes(b)
@@ -223,14 +217,6 @@ def test_a_build_lists_the_padded_shapes_and_a_rebuild_takes_them_from_its_recor
     assert broken.options.conv_channels_padded == [key] and calls == [1, 1]  # a bad record: timed again
     # what the manifest records, and the launcher reads back
     assert build_mod._launcher_options(b.options)["conv_channels_padded"] == [key]
-
-
-class _Timed:
-    def __enter__(self):
-        return self
-
-    def __exit__(self, *exc):
-        return False
 
 
 def test_the_list_changes_the_cache_key_of_a_branch_that_has_the_shape_and_a_load_asks_for_it():

@@ -174,8 +174,6 @@ def test_shapes_slower_fused_by_more_than_the_margin_are_listed(monkeypatch):
 def test_a_build_times_the_shapes_first_and_compiles_with_the_list(monkeypatch):
     """The build step sets the option before the search (so every engine is compiled with it), records what it
     timed in report.json, and a rebuild from the record takes the list without timing."""
-    from types import SimpleNamespace
-
     import importlib
 
     from parastream.pipeline import measure
@@ -192,12 +190,8 @@ def test_a_build_times_the_shapes_first_and_compiles_with_the_list(monkeypatch):
     monkeypatch.setattr(build_mod, "gpu_present", lambda backend: True)
 
     def fake_build(recorded=None, measure_on=True, fuse=True):
-        b = SimpleNamespace(cfg=SimpleNamespace(measure=measure_on), backend=SimpleNamespace(gpu=True, fuses_conv_relu=True),
-                            options=BuildOptions(precision="fp16", fuse_conv_relu=fuse), recorded=recorded,
-                            conv_shapes=None, timed_here=False, model=conv_relu_model(), timings={},
-                            engines=SimpleNamespace(decided_first={}))
-        b.timed = lambda stage: _timed(b, stage)
-        return b
+        return fake_conv_build(conv_relu_model(), BuildOptions(precision="fp16", fuse_conv_relu=fuse), recorded,
+                               measure_on)
 
     b = fake_build()
     build_mod.time_fused_conv_shapes(b)
@@ -243,8 +237,6 @@ def test_shapes_all_faster_fused_by_the_margin_decide_the_round_and_others_leave
 
 
 def test_the_build_step_decides_the_round_on_shapes_all_faster_fused_and_a_rebuild_does_from_its_record(monkeypatch):
-    from types import SimpleNamespace
-
     import importlib
 
     from parastream.pipeline import measure
@@ -256,12 +248,7 @@ def test_the_build_step_decides_the_round_on_shapes_all_faster_fused_and_a_rebui
     monkeypatch.setattr(build_mod, "gpu_present", lambda backend: True)
 
     def fake_build(recorded=None):
-        b = SimpleNamespace(cfg=SimpleNamespace(measure=True), backend=SimpleNamespace(gpu=True, fuses_conv_relu=True),
-                            options=BuildOptions(precision="fp16"), recorded=recorded, conv_shapes=None,
-                            timed_here=False, model=conv_relu_model(), timings={},
-                            engines=SimpleNamespace(decided_first={}))
-        b.timed = lambda stage: _timed(b, stage)
-        return b
+        return fake_conv_build(conv_relu_model(), BuildOptions(precision="fp16"), recorded)
 
     b = fake_build()
     build_mod.time_fused_conv_shapes(b)
@@ -311,6 +298,18 @@ def test_a_round_decided_on_its_shapes_compiles_no_rival_and_is_taken_as_timed(t
     (rnd,) = [x for x in got["rounds"] if x["choice"] == "conv+ReLU"]
     assert rnd["decided_on_shapes"]["saves"] == r["decided_on_shapes"]["saves"] and got["fuse_conv_relu"]
     assert not loaded_rivals  # nothing raced, nothing loaded for the round
+
+
+def fake_conv_build(model, options: BuildOptions, recorded=None, measure_on: bool = True):
+    """What ``pipeline.build.time_fused_conv_shapes`` reads of a build: a GPU backend that fuses conv+ReLU, ``model``,
+    ``options``, report.json's ``recorded`` timings, and the stages it times (into ``timings``)."""
+    from types import SimpleNamespace
+
+    b = SimpleNamespace(cfg=SimpleNamespace(measure=measure_on), backend=SimpleNamespace(gpu=True, fuses_conv_relu=True),
+                        options=options, recorded=recorded, conv_shapes=None, timed_here=False, model=model,
+                        timings={}, engines=SimpleNamespace(decided_first={}))
+    b.timed = lambda stage: _timed(b, stage)
+    return b
 
 
 class _timed:
