@@ -767,9 +767,9 @@ class _ConvFn:
     def relu_fused_padded(self, channels: int, padded: int, out: int, padded_out: int):
         """``relu_fused`` with the input's ``channels`` padded with zero channels up to ``padded`` (in the graph
         Inductor compiles, so that the kernel producing the input writes it so where it can) and the output's first
-        ``out`` of its ``padded_out`` channels taken (a view): the weights and bias are stored padded (``_fuse_conv_relu``), their new
-        rows and columns zero, so that the new input channels add nothing and the new output channels are
-        relu(0) = 0 and dropped.  ``cudnn_fused.padded_channels`` says why and when."""
+        ``out`` of its ``padded_out`` channels taken (a view): the weights and bias are stored padded
+        (``_fuse_conv_relu``), their new rows and columns zero, so that the new input channels add nothing and the
+        new output channels are relu(0) = 0 and dropped.  ``cudnn_fused.padded_channels`` says why and when."""
         torch = _torch()
         strides, padding, dilations, group = self.strides, self.padding, self.dilations, self.group
         extra = padded - channels
@@ -1993,19 +1993,21 @@ def _unfused_here(kind: str, conv: Step, shapes: dict | None, consts: dict, unfu
 
 
 def _fuse_conv_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str], shapes: dict | None = None,
-                    unfused: frozenset = frozenset(), padded: frozenset = frozenset()) -> tuple[list, int, int]:
+                    unfused: frozenset = frozenset(), padded: frozenset = frozenset(),
+                    const_outputs: frozenset = frozenset()) -> tuple[list, int, int]:
     """Conv (2-d, symmetric pads) whose output only a Relu reads -> one cuDNN conv + bias + ReLU step, but where
     its shape is one ``unfused`` lists (``_unfused_here``; ``shapes``: the values' shapes); where ``padded`` lists
     it, the step runs on its channels padded (``_ConvFn.relu_fused_padded``, ``cudnn_fused.padded_channels``: a
     dense convolution with a constant bias or none), its weight and bias stored padded.
 
     ``keep``: names that must stay visible (graph outputs).  The weights of fused steps are stored
-    channels-last, the layout cuDNN's fused kernels read without a transform.  Returns the new steps,
-    how many pairs were fused, and how many of them run padded.
+    channels-last, the layout cuDNN's fused kernels read without a transform.  A padded weight or bias replaces its
+    constant only where that step alone reads it (``const_outputs``: constants the graph also outputs).  Returns the
+    new steps, how many pairs were fused, and how many of them run padded.
     """
     torch = _torch()
     readers = consumers([a[1] for a in st.args if a is not None and a[0] == "v"] for st in steps)
-    uses: dict[str, int] = {}
+    uses: dict[str, int] = dict.fromkeys(const_outputs, 1)
     for st in steps:
         for a in st.args:
             if a is not None and a[0] == "c":
@@ -2467,7 +2469,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             steps, silu, op_of = _fuse_conv_silu(steps, keep, consts, op_of, shapes, unfused)
             steps, added, op_of = _fuse_conv_add(steps, keep, consts, op_of, shapes, unfused)
         steps, fused, widened = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused,
-                                                frozenset(conv_channels_padded))
+                                                frozenset(conv_channels_padded),
+                                                frozenset(ref for kind, ref in output_refs if kind == "c"))
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
     module.padded_conv_relu = widened

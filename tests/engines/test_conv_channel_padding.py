@@ -280,3 +280,15 @@ def test_padded_convolutions_on_the_gpu_match_onnxruntime_and_are_timed():
     three = time_conv_shape(keys["conv1"], 1, torch.float16)
     two = time_conv_shape(keys["conv4"], 1, torch.float16)
     assert len(three) == 3 and all(t > 0 for t in three) and len(two) == 2
+
+
+def test_a_weight_the_graph_also_outputs_stays_as_it_is(reference_kernel):
+    model = res2net_like()
+    model.graph.output.extend([helper.make_tensor_value_info("w1", TensorProto.FLOAT, [26, 26, 3, 3])])
+    key = _keys(model)["conv1"]
+    x = np.random.default_rng(6).standard_normal((1, 26, 10, 10)).astype(np.float32)
+    ref = _ort(model, {"x": x})
+    module = convert(model, fuse_conv_relu=True, conv_channels_padded=[key])
+    assert module.padded_conv_relu == 2
+    for (name, _, _), out in zip(module.output_specs, _run(module, x)):
+        assert out.shape == ref[name].shape and _rel(out, ref[name]) <= 1e-5, name
