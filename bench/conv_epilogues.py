@@ -37,6 +37,11 @@ kernel after it.  ``planned`` says whether cuDNN planned the fused form (where i
 torch's convolution and SiLU, and the row says why).  Whether a converter fusion of conv + bias + SiLU is worth
 building, and timing in the conv+ReLU round, is what this decides.
 
+``--pad-channels N`` also times each dense shape whose channels are not a multiple of N on channels padded up to it
+(``padded``: the fused call on zero-padded weights, the input copied into its padded form), and with ``--plain``
+the dense convolutions no fusion takes whose channels are not (``plain_rows``: torch's convolution with its bias,
+plain against padded).
+
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/conv_epilogues.py --models resnet50,squeezenet1_1 --out $OUT
 Prints one JSON line per model and a summary; writes conv_epilogues.json under --out.
@@ -216,6 +221,22 @@ def measure_shape(key: str, batch: int, chain: int, replays: int) -> dict:
             "ratio": round(u_us / f_us, 3), "max_err": round(err, 5)}
 
 
+def _padded_operands(x, w, b, multiple: int) -> tuple:
+    """(c, k, padded c, padded k, a zero input of the padded channels, the weight and bias zero-padded), channels-last:
+    a convolution's operands with its input and output channels rounded up to ``multiple``."""
+    import torch
+
+    c, k = w.shape[1], w.shape[0]
+    cp, kp = -(-c // multiple) * multiple, -(-k // multiple) * multiple
+    cl = torch.channels_last
+    xp = x.new_zeros([x.shape[0], cp, *x.shape[2:]]).contiguous(memory_format=cl)
+    wp = w.new_zeros([kp, cp, *w.shape[2:]])
+    wp[:k, :c] = w
+    bp = b.new_zeros([kp])
+    bp[:k] = b
+    return c, k, cp, kp, xp, wp.contiguous(memory_format=cl), bp
+
+
 def _pad_kernel():
     """Inductor's kernel that copies a channels-last tensor into one of more channels, the new ones zero (what a
     converter's padding would ask of the kernel that writes the convolution's input, where it cannot fold it in)."""
@@ -238,15 +259,9 @@ def measure_padded(key: str, batch: int, chain: int, replays: int, multiple: int
     import torch
 
     kind, xs, ws, strides, pads, dil, group, x, w, b = _operands(key, batch)
-    c, k = ws[1], ws[0]
-    cp, kp = -(-c // multiple) * multiple, -(-k // multiple) * multiple
-    cl = torch.channels_last
-    xp = torch.zeros([xs[0], cp, *xs[2:]], device="cuda", dtype=x.dtype).contiguous(memory_format=cl)
+    c, k, cp, kp, xp, wp, bp = _padded_operands(x, w, b, multiple)
     xp[:, :c] = x
-    wp = torch.zeros([kp, cp, *ws[2:]], device="cuda", dtype=w.dtype).contiguous(memory_format=cl)
-    wp[:k, :c] = w
-    bp = torch.zeros(kp, device="cuda", dtype=b.dtype)
-    bp[:k] = b
+    cl = torch.channels_last
     y0 = torch.convolution(x, w, None, strides, pads, dil, False, [0, 0], group)
     z = torch.randn_like(y0).contiguous(memory_format=cl)
     zp = torch.zeros([y0.shape[0], kp, *y0.shape[2:]], device="cuda", dtype=z.dtype).contiguous(memory_format=cl)
@@ -276,6 +291,62 @@ def measure_padded(key: str, batch: int, chain: int, replays: int, multiple: int
             "padded_ratio": round(plain_us / padded_us, 3), "padded_max_err": round(err, 5)}
 
 
+def plain_misaligned_keys(model, multiple: int) -> dict[str, int]:
+    """{``conv_key`` of kind "plain": count} of the dense (group 1) 2-d convolutions of ``model`` with a constant
+    weight and symmetric pads whose input or output channels are not a multiple of ``multiple`` and which no
+    conv+ReLU fusion takes (``fused_conv_keys``: their output read by a Split, an Add, a BatchNorm left unfolded,
+    ...): the convolutions the converter does not pad, MixNet-S's 1x1s of 20, 60 and 100 channels among them."""
+    import onnx
+    from onnx import shape_inference
+
+    from parastream.launcher.engines.cudnn_fused import conv_key, conv_relu_sites
+
+    g = shape_inference.infer_shapes(model).graph
+    shapes = {vi.name: tuple(d.dim_value if d.HasField("dim_value") else None for d in vi.type.tensor_type.shape.dim)
+              for vi in list(g.input) + list(g.value_info) if vi.type.tensor_type.HasField("shape")}
+    weights = {t.name: tuple(t.dims) for t in g.initializer}
+    taken = {n.output[0] for n, kind, _ in conv_relu_sites(model) if kind in ("relu", "add_relu")}
+    found: dict[str, int] = {}
+    for n in g.node:
+        if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in weights or n.output[0] in taken:
+            continue
+        x, w = shapes.get(n.input[0]), weights[n.input[1]]
+        a = {at.name: onnx.helper.get_attribute_value(at) for at in n.attribute}
+        pads = [int(p) for p in a.get("pads", [0, 0, 0, 0])]
+        if (x is None or len(x) != 4 or None in x or len(w) != 4 or int(a.get("group", 1)) != 1
+                or pads[:2] != pads[2:] or not (w[0] % multiple or w[1] % multiple)):
+            continue
+        key = conv_key("plain", x, w, a.get("strides", [1, 1]), pads[:2], a.get("dilations", [1, 1]), 1)
+        found[key] = found.get(key, 0) + 1
+    return found
+
+
+def measure_plain_padded(key: str, batch: int, chain: int, replays: int, multiple: int) -> dict:
+    """A ``plain_misaligned_keys`` key: torch's convolution with its bias as the bundle runs it, against the same on
+    channels padded to ``multiple`` (the input copied into its padded form in each call, the output's first
+    channels a view), their outputs compared."""
+    import torch
+
+    _, xs, ws, strides, pads, dil, group, x, w, b = _operands(key, batch)
+    c, k, cp, kp, xp, wp, bp = _padded_operands(x, w, b, multiple)
+
+    def plain():
+        return torch.convolution(x, w, b, strides, pads, dil, False, [0, 0], group)
+
+    def padded():
+        xp[:, :c].copy_(x)
+        return torch.convolution(xp, wp, bp, strides, pads, dil, False, [0, 0], group)[:, :k]
+
+    with torch.no_grad():
+        a, p = plain().float(), padded().float()
+        err = float((a - p).abs().max() / max(a.abs().max(), 1e-6))
+        plain_us = _graph_us(plain, chain, replays)
+        padded_us = _graph_us(padded, chain, replays)
+    return {"channels": [c, k], "padded_to": [cp, kp], "plain_us": round(plain_us, 3),
+            "padded_us": round(padded_us, 3), "padded_ratio": round(plain_us / padded_us, 3),
+            "padded_max_err": round(err, 5)}
+
+
 def summary(rows: list[dict]) -> dict:
     fused = sum(r["count"] * r["fused_us"] for r in rows)
     unfused = sum(r["count"] * r["unfused_us"] for r in rows)
@@ -297,6 +368,9 @@ def main(argv=None) -> int:
                     help="relu: the converter's conv+ReLU fusions; silu: conv + bias + SiLU as one cuDNN plan")
     ap.add_argument("--pad-channels", type=int, default=0, metavar="N",
                     help="relu: also time each dense shape whose channels are not a multiple of N padded up to it")
+    ap.add_argument("--plain", action="store_true",
+                    help="with --pad-channels N: also the dense convolutions no fusion takes whose channels are not a "
+                         "multiple of N, plain against padded (``plain_rows`` per model)")
     ap.add_argument("--seconds", type=float, default=400.0, help="start no new model after this")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/conv_epilogues_out"))
     args = ap.parse_args(argv)
@@ -337,6 +411,19 @@ def main(argv=None) -> int:
                         row["padded"] = {"error": f"{type(e).__name__}: {str(e)[:300]}"}
             rows.append(row)
         res = {"rows": rows}
+        if args.plain and args.pad_channels:
+            plain_rows = []
+            for key, count in sorted(plain_misaligned_keys(onnx.load(str(path)), args.pad_channels).items(),
+                                     key=lambda kv: (-kv[1], kv[0])):
+                _, x, w = parse_key(key)[:3]
+                row = {"count": count, "key": key, "x": [args.batch, *x], "w": w}
+                if not args.shapes_only:
+                    try:
+                        row.update(measure_plain_padded(key, args.batch, args.chain, args.replays, args.pad_channels))
+                    except Exception as e:  # noqa: BLE001 - the shape's row says what failed
+                        row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+                plain_rows.append(row)
+            res["plain_rows"] = plain_rows
         if not args.shapes_only:
             res["summary"] = summary(rows)
         results["models"][name] = res
@@ -344,6 +431,9 @@ def main(argv=None) -> int:
                                             {"shapes": len(rows), "convs": sum(found.values())})}), flush=True)
     (out / f"conv_epilogues{'_silu' if args.epilogues == 'silu' else ''}.json").write_text(json.dumps(results, indent=1))
     for name, res in results["models"].items():
+        for r in res.get("plain_rows", []):
+            print(f"{name:22s} plain    x{r['count']:<3d} {str(r['x']):22s} {str(r['w']):20s} "
+                  f"plain {r.get('plain_us')}  padded {r.get('padded_us')}  ratio {r.get('padded_ratio')}")
         for r in res.get("rows", []):
             if "ratio" in r:
                 print(f"{name:22s} {r['kind']:8s} x{r['count']:<3d} {str(r['x']):22s} {str(r['w']):20s} "
