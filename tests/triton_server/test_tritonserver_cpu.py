@@ -280,39 +280,40 @@ def test_dynamic_batcher_returns_each_request_its_rows(server, references, proto
         s = stats["model_stats"][0]
         return int(s.get("execution_count", 0)), int(s.get("inference_count", 0))
 
-    errors: list[str] = []
-    deadline = time.monotonic() + DEADLINE_S
-    sent = [0] * clients
+    def burst(seed: int) -> tuple[list[str], list[int], int, int, int]:
+        """Every client's requests sent at once; (errors, requests sent by each client, executions, inferences,
+        rows sent)."""
+        errors: list[str] = []
+        deadline = time.monotonic() + DEADLINE_S
+        sent = [0] * clients
+        start = threading.Barrier(clients)
 
-    start = threading.Barrier(clients)
+        def run(c: int) -> None:
+            client = client_of(server, protocol)
+            rng = np.random.default_rng(seed + c)
+            # every request and its expected rows made first, and the clients started together: the batcher groups
+            # requests that wait in its queue together, and a client computing its reference between requests (on
+            # a 2-core machine) once sent them too far apart for any to wait (72 executions for 72 requests)
+            work = []
+            for i in range(rounds):
+                feeds = random_feeds(sess, rng, batch=sizes[(c + i) % len(sizes)])
+                work.append((i, feeds, expected(sess, feeds)["output"]))
+            try:
+                start.wait(timeout=DEADLINE_S)
+                for i, feeds, want in work:
+                    if time.monotonic() > deadline:
+                        return
+                    try:
+                        got = infer(client, protocol, model, feeds, ["output"])["output"]
+                        assert got.shape == want.shape, f"shape {got.shape}, want {want.shape}"
+                        np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
+                    except Exception as e:  # noqa: BLE001
+                        errors.append(f"client {c} request {i} ({feeds['input'].shape[0]} rows): {e}"[:500])
+                    sent[c] += 1
+            finally:
+                client.close()
 
-    def run(c: int) -> None:
-        client = client_of(server, protocol)
-        rng = np.random.default_rng(100 + c)
-        # every request and its expected rows made first, and the clients started together: the batcher groups
-        # requests that wait in its queue together, and a client computing its reference between requests (on
-        # a 2-core machine) once sent them too far apart for any to wait (72 executions for 72 requests)
-        work = []
-        for i in range(rounds):
-            feeds = random_feeds(sess, rng, batch=sizes[(c + i) % len(sizes)])
-            work.append((i, feeds, expected(sess, feeds)["output"]))
-        try:
-            start.wait(timeout=DEADLINE_S)
-            for i, feeds, want in work:
-                if time.monotonic() > deadline:
-                    return
-                try:
-                    got = infer(client, protocol, model, feeds, ["output"])["output"]
-                    assert got.shape == want.shape, f"shape {got.shape}, want {want.shape}"
-                    np.testing.assert_allclose(got, want, rtol=RTOL, atol=ATOL)
-                except Exception as e:  # noqa: BLE001
-                    errors.append(f"client {c} request {i} ({feeds['input'].shape[0]} rows): {e}"[:500])
-                sent[c] += 1
-        finally:
-            client.close()
-
-    rows = sum(sizes[(c + i) % len(sizes)] for c in range(clients) for i in range(rounds))
-    try:
+        rows = sum(sizes[(c + i) % len(sizes)] for c in range(clients) for i in range(rounds))
         exec0, inf0 = executions()
         with ThreadPoolExecutor(clients) as pool:
             for f in [pool.submit(run, c) for c in range(clients)]:
@@ -323,9 +324,19 @@ def test_dynamic_batcher_returns_each_request_its_rows(server, references, proto
         while inf1 - inf0 < rows and time.monotonic() < settle:
             time.sleep(0.1)
             exec1, inf1 = executions()
+        return errors, sent, exec1 - exec0, inf1 - inf0, rows
+
+    # Triton's batcher (no queue delay in the exported config) groups the requests that wait while a batch runs;
+    # whether any wait depends on the host's scheduling (a 2-core CI machine once ran 72 requests as 72
+    # executions), so the grouping is asked of one of three bursts, and every burst's rows are checked
+    try:
+        for attempt in range(3):
+            errors, sent, executed, inferred, rows = burst(100 + 10 * attempt)
+            assert not errors, errors[0]
+            assert sum(sent) == clients * rounds, sent
+            assert inferred == rows
+            if executed < sum(sent):
+                break
     finally:
         stats_client.close()
-    assert not errors, errors[0]
-    assert sum(sent) == clients * rounds, sent
-    assert inf1 - inf0 == rows
-    assert exec1 - exec0 < sum(sent), f"{exec1 - exec0} executions for {sum(sent)} requests: the batcher grouped none"
+    assert executed < sum(sent), f"{executed} executions for {sum(sent)} requests in each of 3 bursts: the batcher grouped none"
