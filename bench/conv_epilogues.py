@@ -226,15 +226,12 @@ def _padded_operands(x, w, b, multiple: int) -> tuple:
     a convolution's operands with its input and output channels rounded up to ``multiple``."""
     import torch
 
+    from parastream.launcher.engines.cudnn_fused import padded_conv_weights
+
     c, k = w.shape[1], w.shape[0]
     cp, kp = -(-c // multiple) * multiple, -(-k // multiple) * multiple
-    cl = torch.channels_last
-    xp = x.new_zeros([x.shape[0], cp, *x.shape[2:]]).contiguous(memory_format=cl)
-    wp = w.new_zeros([kp, cp, *w.shape[2:]])
-    wp[:k, :c] = w
-    bp = b.new_zeros([kp])
-    bp[:k] = b
-    return c, k, cp, kp, xp, wp.contiguous(memory_format=cl), bp
+    xp = x.new_zeros([x.shape[0], cp, *x.shape[2:]]).contiguous(memory_format=torch.channels_last)
+    return (c, k, cp, kp, xp, *padded_conv_weights(w, b, cp, kp))
 
 
 def _pad_kernel():

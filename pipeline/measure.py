@@ -969,7 +969,8 @@ def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 
     here; in an engine the kernel producing the input writes it so where Inductor compiles that one)."""
     import torch
 
-    from parastream.launcher.engines.cudnn_fused import is_depthwise_key, padded_channels, parse_key, register_ops
+    from parastream.launcher.engines.cudnn_fused import (is_depthwise_key, padded_channels, padded_conv_weights,
+                                                         parse_key, register_ops)
 
     from .bench import captured_us
 
@@ -1007,11 +1008,7 @@ def time_conv_shape(key: str, batch: int, dtype, reps: int = 10, replays: int = 
             cp, kp = wide
             c, k = w_shape[1], w_shape[0]
             xp = x.new_zeros([batch, cp, *x_shape[1:]]).contiguous(memory_format=cl)
-            wp = w.new_zeros([kp, cp, *w_shape[2:]])
-            wp[:k, :c] = w
-            wp = wp.contiguous(memory_format=cl)
-            bp = b.new_zeros([kp])
-            bp[:k] = b
+            wp, bp = padded_conv_weights(w, b, cp, kp)
 
             def padded():
                 xp[:, :c].copy_(x)

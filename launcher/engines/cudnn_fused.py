@@ -253,3 +253,20 @@ def padded_channels(key: str) -> tuple[int, int] | None:
         return None
     m = CHANNEL_MULTIPLE
     return -(-c // m) * m, -(-k // m) * m
+
+
+def padded_conv_weights(w, b, channels: int, outs: int):
+    """A convolution's weight [k, c, kh, kw] padded to [``outs``, ``channels``, kh, kw] (channels-last, the layout the
+    fused call reads) and its bias [k] to [``outs``] (None stays None), the new entries zero: new input channels
+    then add nothing, and new output channels are relu(0) = 0.  The converter stores these; the build's per-shape
+    timing and bench/conv_epilogues.py time them."""
+    import torch
+
+    wide = w.new_zeros((outs, channels, *w.shape[2:]))
+    wide[: w.shape[0], : w.shape[1]] = w
+    wide = wide.contiguous(memory_format=torch.channels_last)
+    if b is None:
+        return wide, None
+    bias = b.new_zeros((outs,))
+    bias[: b.shape[0]] = b
+    return wide, bias

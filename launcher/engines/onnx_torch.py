@@ -2061,22 +2061,16 @@ def _padded_here(conv: Step, shapes: dict | None, consts: dict, padded: frozense
 def _pad_conv_consts(conv: Step, consts: dict, uses: dict[str, int], channels: int, outs: int) -> list:
     """``conv``'s arguments with its weight padded to [``outs``, ``channels``, kh, kw] (channels-last) and its bias
     to [``outs``], the new entries zero; a constant that another step also reads is padded into a new one."""
-    torch = _torch()
+    from .cudnn_fused import padded_conv_weights
+
     args = list(conv.args)
-    for pos in (1, 2):
-        a = args[pos] if len(args) > pos else None
-        if a is None:
+    bias = args[2] if len(args) > 2 else None
+    wide = padded_conv_weights(consts[args[1][1]], consts[bias[1]] if bias is not None else None, channels, outs)
+    for pos, t in zip((1, 2), wide):
+        if t is None:
             continue
-        t = consts[a[1]]
-        if pos == 1:
-            wide = t.new_zeros((outs, channels, *t.shape[2:]))
-            wide[: t.shape[0], : t.shape[1]] = t
-            wide = wide.contiguous(memory_format=torch.channels_last)
-        else:
-            wide = t.new_zeros((outs,))
-            wide[: t.shape[0]] = t
-        name = a[1] if uses.get(a[1], 0) == 1 else f"{a[1]}_padded"
-        consts[name] = wide
+        name = args[pos][1] if uses.get(args[pos][1], 0) == 1 else f"{args[pos][1]}_padded"
+        consts[name] = t
         args[pos] = ("c", name)
     return args
 
