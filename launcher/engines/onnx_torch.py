@@ -2171,6 +2171,35 @@ def _fuse_conv_add(steps: list, keep: set[str], consts: dict, op_of: dict[int, s
             {new: ("Conv+Add" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
 
 
+def _channels_last_conv_weights(steps: list, consts: dict, outputs: set[str]) -> int:
+    """Store channels-last the constant weight of each 2-d convolution step left as torch's convolution (not fused,
+    not through a cuDNN plan) whose kernel is wider than 1x1 and that reads more than one channel per group;
+    returns how many weights it changed.
+
+    Why: Inductor runs such a convolution channels-last (its layout optimisation, or its input's layout where a
+    fused step before it wrote channels-last) and asks its weight for the same layout.  A weight that arrives NCHW
+    is transposed by a Triton kernel of its own before every call: DenseNet-121's 58 3x3 convolutions (the one
+    convolution of each dense layer no ReLU follows) ran 58 such kernels a replay, 57.5 µs of its 0.95 ms and a
+    gap each (H200, bench/kernel_profile.py).  Stored channels-last, the weight is passed to cuDNN as it is; a 1x1
+    or one-channel-per-group weight is both layouts at once and is left alone.  The values are unchanged."""
+    torch = _torch()
+    changed = 0
+    for st in steps:
+        fn = st.fn
+        if not (isinstance(fn, _ConvFn) and fn.nd == 2 and not fn.planned and len(st.args) > 1):
+            continue
+        w = st.args[1]
+        if w is None or w[0] != "c" or w[1] in outputs:
+            continue
+        t = consts[w[1]]
+        if t.dim() != 4 or t.shape[1] < 2 or t.shape[2] * t.shape[3] < 2 \
+                or t.is_contiguous(memory_format=torch.channels_last):
+            continue
+        consts[w[1]] = t.contiguous(memory_format=torch.channels_last)
+        changed += 1
+    return changed
+
+
 def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str],
                         shapes: dict[str, tuple], unfused: frozenset = frozenset()) -> tuple[list, int, dict[int, str]]:
     """Conv (2-d, symmetric pads, constant weight) + Add of a run-time tensor z of the conv's own shape (a residual:
@@ -2320,7 +2349,8 @@ def _recurrent_weights(steps: list, consts: dict, keep: set[str]) -> int:
 def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: bool = False,
             fuse_attention: bool = True, fuse_gemm_epilogue: bool = False, conv_kernels: str = "cudnn",
             cudnn_plans: bool = False, patch_gemm: bool = False, one_row_reduction: bool = False,
-            conv_relu_unfused=(), fuse_conv_plans: bool = False, conv_channels_padded=()):
+            conv_relu_unfused=(), fuse_conv_plans: bool = False, conv_channels_padded=(),
+            conv_weights_channels_last: bool = False):
     """The ONNX model as an ``OnnxModule`` computing in ``dtype`` ("float32", "float16", "bfloat16").
 
     Graph inputs are taken in any float dtype and cast to the compute dtype inside
@@ -2344,6 +2374,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``patch_gemm`` (CUDA engines) runs a convolution over non-overlapping patches of an image's few channels (a
     patch embedding) as one matrix product (``_conv_as_patch_gemm``).  ``one_row_reduction`` (CUDA engines without
     the GEMM epilogue) runs each Linear of one row (``one_row_linears``) as one reduction.
+    ``conv_weights_channels_last`` (CUDA engines) stores the weight of every other 2-d convolution with a kernel
+    wider than 1x1 channels-last too (``_channels_last_conv_weights``).
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)
@@ -2465,12 +2497,16 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         steps, fused, widened = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused,
                                                 frozenset(conv_channels_padded),
                                                 frozenset(ref for kind, ref in output_refs if kind == "c"))
+    plain_cl = 0
+    if conv_weights_channels_last:
+        plain_cl = _channels_last_conv_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
     module.padded_conv_relu = widened
     module.fused_conv_add_relu = residual
     module.fused_conv_silu = silu
     module.fused_conv_add = added
+    module.channels_last_conv_weights = plain_cl
     module.linear_weights = linear
     module.recurrent_weights = recurrent
     module.patch_gemm_convs = sum(bool(getattr(st.fn, "patch_gemm", False)) for st in steps)

@@ -689,6 +689,8 @@ def converter_options(device: str, dtype: str, options: BuildOptions) -> dict:
     return {"fuse_conv_relu": _fuse(device, dtype, options), "fuse_attention": options.fuse_attention,
             "conv_kernels": options.conv_kernels, "fuse_gemm_epilogue": _fuse_gemm_epilogue(device, options),
             "cudnn_plans": _cudnn_plans(device, options), "patch_gemm": device == "cuda",
+            # a convolution's weight in the layout Inductor runs it (onnx_torch._channels_last_conv_weights)
+            "conv_weights_channels_last": device == "cuda",
             "fuse_conv_plans": _fuse(device, dtype, options) and _plan_op(device, options),
             "conv_relu_unfused": tuple(options.conv_relu_unfused),
             "conv_channels_padded": tuple(options.conv_channels_padded),

@@ -1,0 +1,159 @@
+"""A convolution's weight stored in the layout Inductor runs it (``onnx_torch._channels_last_conv_weights``).
+
+A 2-d convolution the converter leaves to torch (not fused with a ReLU, not a cuDNN plan) is run channels-last by
+Inductor, which transposed an NCHW weight in a Triton kernel of its own before every call (DenseNet-121: 58 a
+replay).  CUDA engines store such weights channels-last.  On the CPU: which weights change, which must not, and that
+the converted graph still computes ONNX Runtime's outputs; on the GPU (marked): Inductor's code passes the weight
+to the convolution as it is, with no kernel of its own for it.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import onnx
+import pytest
+from onnx import TensorProto, helper, numpy_helper
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines.onnx_torch import convert, to_fx  # noqa: E402
+
+
+def _w(rng, name, shape):
+    return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
+
+
+def dense_layers(seed: int = 0) -> onnx.ModelProto:
+    """DenseNet's layer and its neighbours: a 3x3 conv + ReLU (fused), a plain 3x3 conv without bias (changed), its
+    output concatenated with the input, a 1x1 conv (both layouts at once: left), a depthwise 3x3 (one channel per
+    group: left), a 2x2 stride-2 conv with bias (changed), a conv whose weight is a graph input (not a constant:
+    left), a 1-d conv (left) and a 3x3 conv whose weight the graph also outputs (left)."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    inits = [_w(rng, "w_relu", (16, 8, 3, 3)), _w(rng, "b_relu", (16,)), _w(rng, "w_plain", (8, 16, 3, 3)),
+             _w(rng, "w_1x1", (12, 16, 1, 1)), _w(rng, "b_1x1", (12,)), _w(rng, "w_dw", (12, 1, 3, 3)),
+             _w(rng, "w_down", (8, 12, 2, 2)), _w(rng, "b_down", (8,)), _w(rng, "w_1d", (4, 8, 3)),
+             _w(rng, "w_out", (8, 8, 3, 3))]
+    nodes = [
+        N("Conv", ["x", "w_relu", "b_relu"], ["a"], name="conv_relu", pads=[1, 1, 1, 1]),
+        N("Relu", ["a"], ["ra"], name="relu"),
+        N("Conv", ["ra", "w_plain"], ["p"], name="conv_plain", pads=[1, 1, 1, 1]),
+        N("Concat", ["x", "p"], ["cat"], name="cat", axis=1),
+        N("Conv", ["cat", "w_1x1", "b_1x1"], ["o"], name="conv_1x1"),
+        N("Conv", ["o", "w_dw"], ["d"], name="conv_dw", pads=[1, 1, 1, 1], group=12),
+        N("Conv", ["d", "w_down", "b_down"], ["s"], name="conv_down", strides=[2, 2]),
+        N("Conv", ["s", "w_in"], ["t"], name="conv_weight_input", pads=[1, 1, 1, 1]),
+        N("Conv", ["t", "w_out"], ["u"], name="conv_weight_output", pads=[1, 1, 1, 1]),
+        N("Conv", ["x1d", "w_1d"], ["g"], name="conv_1d", pads=[1, 1]),
+    ]
+    inputs = {"x": [1, 8, 12, 12], "w_in": [8, 8, 3, 3], "x1d": [1, 8, 10]}
+    graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info(n, TensorProto.FLOAT, d)
+                                               for n, d in inputs.items()],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("u", "g", "w_out")],
+                              inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def _feeds(seed: int = 1) -> dict:
+    rng = np.random.default_rng(seed)
+    return {"x": rng.standard_normal((1, 8, 12, 12)).astype(np.float32),
+            "w_in": (rng.standard_normal((8, 8, 3, 3)) * 0.3).astype(np.float32),
+            "x1d": rng.standard_normal((1, 8, 10)).astype(np.float32)}
+
+
+def _weights(module) -> dict[str, object]:
+    """{ONNX node name: the weight tensor its step reads} of each convolution step with a constant weight."""
+    out = {}
+    for st in module._steps:
+        w = st.args[1] if len(st.args) > 1 else None
+        if w is not None and w[0] == "c" and any(k in st.node for k in ("conv",)):
+            out[st.node.split("+")[0]] = getattr(module, w[1])
+    return out
+
+
+def _channels_last(t) -> bool:
+    return t.stride() != t.contiguous().stride() and t.is_contiguous(memory_format=torch.channels_last)
+
+
+@pytest.fixture
+def reference_kernel(monkeypatch):
+    """torch.cudnn_convolution_relu by its definition, so that the CPU runs the fused step."""
+    monkeypatch.setattr(torch, "cudnn_convolution_relu",
+                        lambda x, w, b, s, p, d, g: torch.relu(torch.nn.functional.conv2d(x, w, b, s, p, d, g)))
+
+
+def test_only_plain_wide_convolution_weights_are_stored_channels_last(reference_kernel):
+    module = convert(dense_layers(), fuse_conv_relu=True, conv_weights_channels_last=True)
+    layouts = {name: _channels_last(t) for name, t in _weights(module).items()}
+    assert module.channels_last_conv_weights == 2
+    assert layouts == {"conv_relu": True,  # (the fused step's, as before)
+                       "conv_plain": True, "conv_down": True,
+                       "conv_1x1": False, "conv_dw": False, "conv_weight_output": False, "conv_1d": False}
+
+
+def test_without_the_option_no_plain_weight_changes(reference_kernel):
+    module = convert(dense_layers(), fuse_conv_relu=True)
+    assert module.channels_last_conv_weights == 0
+    layouts = {name: _channels_last(t) for name, t in _weights(module).items()}
+    assert layouts.pop("conv_relu") and not any(layouts.values()), layouts
+
+
+@pytest.mark.parametrize("traced", [False, True])
+@pytest.mark.parametrize("fuse", [False, True])
+def test_channels_last_weights_compute_onnxruntimes_outputs(reference_kernel, traced, fuse):
+    import onnxruntime as ort
+
+    model, feeds = dense_layers(), _feeds()
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    module = convert(model, fuse_conv_relu=fuse, conv_weights_channels_last=True)
+    assert module.channels_last_conv_weights == (2 if fuse else 3)  # (unfused, conv_relu's is a plain one too)
+    fn = to_fx(module) if traced else module
+    with torch.no_grad():
+        outs = fn(*[torch.from_numpy(feeds[n]) for n in module.input_names])
+    for (name, _, _), out in zip(module.output_specs, outs):
+        np.testing.assert_allclose(out.numpy(), ref[name], rtol=1e-4, atol=1e-4, err_msg=name)
+
+
+def test_cuda_engines_ask_for_it_and_cpu_engines_do_not():
+    from parastream.launcher.engines.base import BuildOptions
+    from parastream.launcher.engines.torch import converter_options
+
+    assert converter_options("cuda", "float16", BuildOptions())["conv_weights_channels_last"] is True
+    assert converter_options("cpu", "float32", BuildOptions())["conv_weights_channels_last"] is False
+
+
+@pytest.mark.gpu
+def test_inductor_passes_the_stored_weight_to_the_convolution():
+    """Compiled by Inductor on the GPU, each plain 3x3 convolution takes its weight argument as it arrives (no
+    buffer written from it first), and the outputs match ONNX Runtime's; with NCHW weights the same graph
+    transposes them."""
+    import re
+
+    import onnxruntime as ort
+    from torch._inductor.utils import run_and_get_code
+
+    model, feeds = dense_layers(), _feeds()
+    sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
+    ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
+    weight_args = {}
+    for stored in (True, False):
+        module = convert(model, "float16", fuse_conv_relu=True, conv_weights_channels_last=stored).cuda()
+        xs = [torch.from_numpy(feeds[n]).cuda().half() for n in module.input_names]
+        torch._dynamo.reset()
+        compiled = torch.compile(to_fx(module), fullgraph=True, dynamic=False)
+        with torch.no_grad():
+            outs, code = run_and_get_code(compiled, *xs)
+        src = "\n".join(code)
+        # the weight argument of each aten convolution Inductor calls: a placeholder (argN_1) or a buffer it wrote
+        weight_args[stored] = re.findall(r"extern_kernels\.convolution\(\w+, (\w+),", src)
+        for (name, _, _), out in zip(module.output_specs, outs):
+            r = ref[name]
+            assert np.abs(out.float().cpu().numpy() - r).max() <= 2e-2 * max(np.abs(r).max(), 1.0), name
+    # conv_plain, conv_down and the two 3x3s whose weights stay (an input, an output) go to torch's convolution
+    assert len(weight_args[True]) >= 2
+    assert sum(a.startswith("buf") for a in weight_args[False]) > sum(a.startswith("buf") for a in weight_args[True])
+    stored_plain = [a for a in weight_args[True] if a.startswith("arg")]
+    assert len(stored_plain) >= 2, weight_args
