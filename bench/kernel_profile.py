@@ -132,12 +132,15 @@ def replay_timeline(run, calls: int = 40) -> dict:
     """Where one call's GPU time goes between its kernels: ``run()`` (one replay of a captured CUDA Graph) ``calls``
     times under the profiler, each synchronised, and per call its span (first kernel's start to last kernel's end),
     the union of its kernels' intervals (busy) and the rest (idle), with the idle time before each kernel summed by
-    the kinds of the kernel before and the kernel after (medians over the calls).
+    the kinds of the kernel before and the kernel after (medians over the calls).  A call of torch.compile's holds
+    its CUDA Graph tree's copy of the inputs and the host's time between that copy and the graph's launch.
 
     Why: ``profile`` launches a bundle's kernels directly (not in its graph), and its sum of kernel times left a
     one-engine bundle's replay 0.06-0.10 ms over it (EfficientNet-B0 0.390 ms a replay, 0.335 ms of kernels), where
     torch.compile's CUDA Graph replay sat 0.02-0.08 ms over its kernels: whether the graph's gaps or the kernels'
-    time in the graph differ is what this says, for both, measured the same way."""
+    time in the graph differ is what this says, for both, measured the same way.  (On the H200 the bundles' graphs
+    idled 0.12-0.44 µs a gap: EfficientNet-B0's kernels ran 364 of a 381 µs span, their time in the graph above
+    their time launched directly; bench/NOTES.md, fifty-first session.)"""
     import torch
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile as tprofile
@@ -147,19 +150,22 @@ def replay_timeline(run, calls: int = 40) -> dict:
     torch.cuda.synchronize()
     with torch.no_grad(), tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
+            # a marker kernel before each call (torch's spin_kernel, a kernel no model runs) tells the calls apart:
+            # a gap threshold did not (torch.compile's input copy stood apart from its graph's kernels)
+            torch.cuda._sleep(1000)
             run()
             torch.cuda.synchronize()
     ev = sorted(((e.time_range.start, e.time_range.end, e.name) for e in prof.events()
                  if e.device_type == DeviceType.CUDA and not getattr(e, "is_user_annotation", False)
                  and not e.name.startswith("engine:")), key=lambda t: t[0])
-    # calls apart: each call waits for the host's synchronisation and the next launch (tens of µs), where
-    # kernels of one replay follow one another within a few µs
-    groups, cur = [], []
+    groups, cur = [], None
     for e in ev:
-        if cur and e[0] - max(c[1] for c in cur[-8:]) > 30.0:
-            groups.append(cur)
+        if "spin_kernel" in e[2]:
+            if cur:
+                groups.append(cur)
             cur = []
-        cur.append(e)
+        elif cur is not None:
+            cur.append(e)
     if cur:
         groups.append(cur)
     sizes = [len(g) for g in groups]
@@ -262,6 +268,32 @@ def _summary(res: dict) -> dict:
     return {k: {"us": round(v, 1), "kernels": round(count[k])} for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
 
 
+def weight_only_kernels(source: str, n_params: int) -> dict[str, int]:
+    """{Triton kernel: calls a replay} of the kernels in an engine's Inductor output code (``wrapper.py``) that read
+    only the engine's weights, work that is the same at every call: DenseNet-121's engine transposed 58 convolution
+    weights a replay this way until they were stored in the layout the convolutions take
+    (``onnx_torch._channels_last_conv_weights``).  The compiled function's first ``n_params`` arguments are its
+    weights (``arg0_1`` ...: ``_load_inductor`` passes them before the inputs); a kernel's inputs are the arguments
+    its definition names ``in_ptr*``, the rest of its pointer arguments it writes."""
+    import re
+
+    params = {f"arg{i}_1" for i in range(n_params)}
+    signatures: dict[str, list[str]] = {}
+    for m in re.finditer(r"^def (triton_\w+)\(([^)]*)\)", source, re.M):
+        signatures[m.group(1)] = [a.split(":")[0].strip() for a in m.group(2).split(",")]
+    body = source[source.find("def call(self, args)"):] if "def call(self, args)" in source else source
+    found: dict[str, int] = {}
+    for m in re.finditer(r"^\s*(triton_\w+)\.run\(([^)]*)\)", body, re.M):
+        name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        names = signatures.get(name)
+        if not names:
+            continue
+        ins = [a for a, n in zip(args, names) if n.startswith("in_ptr")]
+        if ins and all(a in params for a in ins):
+            found[name] = found.get(name, 0) + 1
+    return found
+
+
 def write_wrappers(bundle, folder: Path) -> None:
     """Each engine's Inductor output code (a kernels artifact's wrapper.py) as ``folder/BRANCH.py``: the extern
     calls (cuDNN, cuBLAS), the strides of the tensors they get and the Triton kernels between them."""
@@ -280,6 +312,10 @@ def write_wrappers(bundle, folder: Path) -> None:
         except (zipfile.BadZipFile, KeyError):  # not a kernels artifact
             continue
         (folder / f"{b.name}.py").write_bytes(source)
+        n_params = len(EngineFile(bundle.engine_bytes(b)).meta.get("params") or [])
+        found = weight_only_kernels(source.decode(errors="replace"), n_params)
+        print(f"{b.name}: {sum(found.values())} kernel calls a replay read only the engine's weights"
+              + (f": {found}" if found else ""), flush=True)
 
 
 def main(argv=None) -> int:
@@ -298,7 +334,8 @@ def main(argv=None) -> int:
                     help="also profile torch.compile(reduce-overhead) of the PyTorch model and print both kernel lists")
     ap.add_argument("--search", action="store_true", help="build with the rewrite search and GPU-timed choices")
     ap.add_argument("--wrappers", action="store_true",
-                    help="also write each compiled engine's Inductor output code (wrapper.py) under OUT/wrappers/VARIANT")
+                    help="also write each compiled engine's Inductor output code (wrapper.py) under OUT/wrappers/VARIANT "
+                         "and print the kernels in it that read only the engine's weights (work repeated at every call)")
     ap.add_argument("--timeline", action="store_true",
                     help="also profile the bundle's CUDA Graph replay (and with --against-compile torch.compile's) "
                          "as a timeline: each call's span, busy and idle time, idle by the kinds of kernel around it")
