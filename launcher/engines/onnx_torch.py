@@ -2275,8 +2275,10 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: negative axis, Slice's clamped start, ...): a cached engine of 6 may hold the old results; 8 runs LSTM, GRU and
 #: RNN layers as torch's own where it computes the same (``recurrent_op``); 9 fuses a convolution's SiLU into its
 #: cuDNN plan (``_fuse_conv_silu``); 10 fuses a convolution's residual Add into its plan (``_fuse_conv_add``),
-#: which 9 had written but left off: a cached engine of 9 runs those Adds apart
-CONVERTER_VERSION = 10
+#: which 9 had written but left off: a cached engine of 9 runs those Adds apart; 11 stores the weights of the
+#: convolutions left to torch channels-last on CUDA (``_channels_last_conv_weights``): a cached engine of 10
+#: transposes them at every call
+CONVERTER_VERSION = 11
 
 
 def _transposed_weight(fn):
