@@ -21,6 +21,9 @@ and the totals per model.  Run on the device after ``source bench/device_env.sh`
 carried in ``.whl/``):
     python3 bench/cudnn_plans.py --models nasnetalarge,mixnet_s --out $OUT
     python3 bench/cudnn_plans.py --dense --models efficientnet_b0,resnet50,nasnetalarge --out $OUT
+    python3 bench/cudnn_plans.py --candidates 12 --models convnext_tiny,efficientnet_b0 --out $OUT
+``--candidates N`` instead builds and times every candidate plan cuDNN lists for each shape (at most N) against
+the plan its heuristics choose, which a bundle ships (``measure_candidates``).
 Writes cudnn_plans.json (``--dense``: cudnn_plans_dense.json) under --out.
 """
 
@@ -160,6 +163,85 @@ def measure_model(name: str, out: Path, dense: bool = False) -> dict:
             "fresh_loaded": {k: v for k, v in fresh_loaded.items() if k != "first_call_ms"}}
 
 
+def measure_candidates(name: str, limit: int, dense: bool = False) -> dict:
+    """Per distinct depthwise shape of ``name`` (``--dense``: per other 2-d convolution): every candidate plan cuDNN
+    lists for it (``cudnn_plans.plan_graph``: heuristics mode A, then the fallback list; at most ``limit``), each
+    built (``build_plan_at_index``) and timed like the others, 20 calls in a CUDA Graph, against the heuristics'
+    choice (the plan a bundle ships, ``PlanCache``) and torch's convolution, each checked against torch's output.
+
+    Why: ConvNeXt-T's bundle ran its 18 depthwise 7x7 convolutions in cuDNN's ``conv2d_c1_k1_nhwc`` at 11.2 µs each
+    whatever their size (56x56x96 down to 7x7x768; H200, bench/NOTES.md, fifty-first session), 202 of its 470 µs of
+    kernels, as torch.compile does; EfficientNet-B0's runtime-compiled depthwise kernels (its plans with a SiLU in
+    them) ran 2.7-3.7 µs.  Whether another of cuDNN's candidates for the same convolution is faster, and by how much,
+    decides whether a build should time them (as it does not: the first candidate that builds is kept)."""
+    import torch
+    import torch.nn.functional as F
+
+    from depthwise_kernels import _graph_us, depthwise_calls
+    from parastream.launcher.engines import cudnn_plans as cp
+
+    cudnn = cp.frontend()
+    counts = depthwise_calls(name, dense=dense)
+    rows = []
+    for k, n in counts.items():
+        key = [list(k[0]), list(k[1]), list(k[2]), list(k[3]), list(k[4]), *k[5:]]
+        x, w = _tensors(key)
+        stride, padding, dilation = key[2:5]
+        groups = _groups(key)
+        pk = cp.plan_key("float16", x.shape, w.shape, stride, padding, dilation)
+        row = {"x": key[0], "w": key[1], "stride": stride, "padding": padding, "groups": groups, "count": n}
+        ref = F.conv2d(x, w, None, stride, padding, dilation, groups).float()
+        scale = float(ref.abs().max()) or 1.0
+        row["torch_us"] = round(_graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, groups)), 3)
+        if cp.CACHE.get(0, pk) is not None:
+            row["shipped_us"] = round(_graph_us(lambda: cp.conv2d(x, w, None, stride, padding, dilation, groups)), 3)
+        h = cp.CACHE.handle(0)
+        try:
+            g = cp.plan_graph(h, pk, 0)
+            row["candidates"] = int(g.get_execution_plan_count())
+        except Exception as e:  # noqa: BLE001 - the row says why
+            row["error"] = f"{type(e).__name__}: {str(e)[:300]}"
+            rows.append(row)
+            continue
+        out = cp.conv_out_shape(x.shape, w.shape, stride, padding, dilation)
+        y = torch.empty_strided(out, cp._channels_last_strides(out), dtype=x.dtype, device=x.device)
+        plans = []
+        for i in range(min(row["candidates"], limit)):
+            c = {"index": i}
+            try:
+                t0 = time.perf_counter()
+                g.build_plan_at_index(i)
+                c["build_ms"] = round((time.perf_counter() - t0) * 1e3, 1)
+                c["name"] = g.get_plan_name_at_index(i)
+                ws = torch.empty(max(int(g.get_workspace_size_plan_at_index(i)), 1), dtype=torch.uint8, device="cuda")
+
+                def run(i=i, ws=ws):
+                    cudnn.set_stream(h, torch.cuda.current_stream().cuda_stream)
+                    g.execute_plan_at_index({cp._X: x, cp._W: w, cp._Y: y}, ws, i, handle=h)
+
+                run()
+                torch.cuda.synchronize()
+                c["max_err"] = round(float((y.float() - ref).abs().max()) / scale, 6)
+                c["us"] = round(_graph_us(run), 3)
+            except Exception as e:  # noqa: BLE001 - the candidate's entry says why
+                c["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+            finally:
+                cudnn.set_stream(h, 0)
+            plans.append(c)
+        row["plans"] = plans
+        timed = [c for c in plans if "us" in c and c.get("max_err", 1.0) < 1e-2]
+        if timed:
+            best = min(timed, key=lambda c: c["us"])
+            row["best"] = {"index": best["index"], "name": best.get("name"), "us": best["us"]}
+            if "shipped_us" in row:
+                row["shipped_over_best"] = round(row["shipped_us"] / best["us"], 3)
+        rows.append(row)
+        print(json.dumps({"model": name, **{k: v for k, v in row.items() if k != "plans"}}), flush=True)
+    per_pass = {f: round(sum(r.get(f, 0.0) * r["count"] for r in rows), 1) for f in ("torch_us", "shipped_us")}
+    per_pass["best_us"] = round(sum(r["best"]["us"] * r["count"] for r in rows if "best" in r), 1)
+    return {"rows": rows, "total": {"shapes": len(rows), "calls": sum(r["count"] for r in rows), **per_pass}}
+
+
 def separable_block(c: int, size: int, kernel: int, seed: int = 0):
     """ONNX of a NASNet-style separable block: ReLU, depthwise k x k, pointwise with bias, ReLU, depthwise k x k,
     pointwise with bias (BatchNorm folded into the biases), at batch 1."""
@@ -228,6 +310,9 @@ def main(argv=None) -> int:
                     help="instead: NASNet-style separable blocks compiled with and without the plans' op, timed")
     ap.add_argument("--dense", action="store_true",
                     help="the models' other 2-d convolutions (dense and grouped) instead of their depthwise ones")
+    ap.add_argument("--candidates", type=int, default=0, metavar="N",
+                    help="instead: every candidate plan cuDNN lists per shape (at most N), each built and timed, "
+                         "against the heuristics' choice and torch's convolution (cudnn_plans_candidates.json)")
     ap.add_argument("--child", choices=("torch", "loaded"))
     ap.add_argument("--keys")
     ap.add_argument("--plans")
@@ -255,6 +340,12 @@ def main(argv=None) -> int:
     result = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
               "cudnn": torch.backends.cudnn.version(), "frontend_cudnn": cp.frontend().backend_version(),
               "models": {}}
+    if args.candidates:
+        for name in args.models.split(","):
+            result["models"][name] = measure_candidates(name, args.candidates, dense=args.dense)
+            (out / "cudnn_plans_candidates.json").write_text(json.dumps(result, indent=1))
+            print(json.dumps({"model": name, **result["models"][name]["total"]}), flush=True)
+        return 0
     for name in args.models.split(","):
         result["models"][name] = measure_model(name, out, dense=args.dense)
         (out / ("cudnn_plans_dense.json" if args.dense else "cudnn_plans.json")).write_text(json.dumps(result, indent=1))

@@ -324,10 +324,27 @@ def _build(handle, key: str, device_index: int) -> _Plan:
     import torch
 
     cudnn = frontend()
+    t0 = time.perf_counter()
+    g = plan_graph(handle, key, device_index)
+    with torch.cuda.device(device_index):
+        g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
+    try:
+        runtime_compiled = cudnn.behavior_note.RUNTIME_COMPILATION in g.get_behavior_notes()
+    except Exception:  # noqa: BLE001 - notes it cannot tell: not serialized (built again where it is needed)
+        runtime_compiled = False
+    return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built", serializable=runtime_compiled)
+
+
+def plan_graph(handle, key: str, device_index: int):
+    """The frontend's graph of ``key`` (``plan_key``), validated, its execution plans' candidates listed (cuDNN's
+    heuristics, mode A, then the fallback list) and their support checked, none built yet: ``_build`` builds the
+    heuristics' choice; bench/cudnn_plans.py ``--candidates`` builds and times each."""
+    import torch
+
+    cudnn = frontend()
     dtype, x_shape, w_shape, stride, padding, dilation, bias, relu, *extra = json.loads(key)
     io_type = {"float16": cudnn.data_type.HALF, "bfloat16": cudnn.data_type.BFLOAT16,
                "float32": cudnn.data_type.FLOAT}[dtype]
-    t0 = time.perf_counter()
     cudnn.set_stream(handle, 0)  # (as ``_deserialize``: no stream a launcher may have closed)
     with torch.cuda.device(device_index):
         g = cudnn.pygraph(io_data_type=io_type, intermediate_data_type=cudnn.data_type.FLOAT,
@@ -358,12 +375,7 @@ def _build(handle, key: str, device_index: int) -> _Plan:
         g.build_operation_graph()
         g.create_execution_plans([cudnn.heur_mode.A, cudnn.heur_mode.FALLBACK])
         g.check_support()
-        g.build_plans(cudnn.build_plan_policy.HEURISTICS_CHOICE)
-    try:
-        runtime_compiled = cudnn.behavior_note.RUNTIME_COMPILATION in g.get_behavior_notes()
-    except Exception:  # noqa: BLE001 - notes it cannot tell: not serialized (built again where it is needed)
-        runtime_compiled = False
-    return _Plan(g, int(g.get_workspace_size()), time.perf_counter() - t0, "built", serializable=runtime_compiled)
+    return g
 
 
 def conv2d(x, w, b, stride, padding, dilation, groups: int, relu: bool = False, act: str | None = None, z=None):
