@@ -1,31 +1,41 @@
 #!/usr/bin/env python3
-"""Inductor's Triton kernels launched with programmatic dependent launch (PDL) against without, on whole models
-compiled by Inductor: fp16, each in a CUDA Graph, side by side in one process.
+"""Whole models compiled by Inductor with options of one form against another: fp16, each in a CUDA Graph, side by
+side in one process.
 
-Why: a one-engine bundle's replay is its kernels' time plus a gap between each two kernels (BERT-base on the H200:
-~405 µs of kernels in 112 launches, 0.478 ms a replay; bench/NOTES.md).  On Hopper a kernel launched with the
-programmatic-stream-serialization attribute may start while the kernel before it finishes, and waits
-(``griddepcontrol.wait``) only before it reads what that kernel wrote.  Inductor generates such kernels where
-``triton.enable_pdl`` is set (off by default: upstream found regressions on its dashboard, pytorch#167687).
-Whether that shortens the gaps of the models issue 30 counts, and by how much, decides whether the torch engines
-should race it in a build round (the bundles' own launcher, ``torch._C._StaticCudaLauncher``, cannot set the
-attribute: Inductor refuses to launch such a kernel statically).  The model is compiled here twice by Inductor, once
-with each setting, and each compile's calls are captured into a CUDA Graph of its own (``torch.cuda.CUDAGraph``, as a
-bundle's launcher captures its engines); both run the same weights and inputs, timed by ``pipeline.bench`` in
-alternating blocks of CUDA-event timed replays on fresh random inputs (medians of ``--runs``).  Not torch.compile's
-own ``mode="reduce-overhead"``: the first run did that (bench/figures/pdl_h200_cudagraph_trees_not_comparable.json),
-and both forms of EfficientNet-B0 and RegNetY-400MF ran 1.3-1.6x slower than torch.compile ran them in the corpus
-table (EfficientNet-B0 0.75 against 0.455 ms, its 10th-90th percentiles 0.63-0.90; BERT-base 1.05x): two models' CUDA
-Graph trees replayed in turns, the likely cause (not checked), say nothing of PDL.
+Each form is a set of Inductor options (``FORMS``); the model (bench/gpu.py's, as its users run it) is compiled
+once per form, each compile's calls captured into a CUDA Graph of its own (``torch.cuda.CUDAGraph``, as a bundle's
+launcher captures its engines), and all run the same weights and inputs, timed by ``pipeline.bench`` in alternating
+blocks of CUDA-event timed replays on fresh random inputs (medians of ``--runs``); each form's outputs are compared
+with the first's.  Not torch.compile's own ``mode="reduce-overhead"``: two models' CUDA Graph trees replayed in turns
+in one process ran 1.3-1.6x slower than torch.compile ran them in the corpus table
+(bench/figures/pdl_h200_cudagraph_trees_not_comparable.json).
+
+The forms, and why each is asked:
+
+  default       Inductor's defaults, as the bundles' engines are compiled (the first form: the ratios' base)
+  with PDL      ``triton.enable_pdl``: Inductor's Triton kernels launched with programmatic dependent launch.  A
+                one-engine bundle's replay is its kernels' time plus a gap between each two (BERT-base on the H200:
+                ~405 µs of kernels in 112 launches, 0.478 ms a replay); on Hopper such a kernel may start while the
+                one before it finishes and waits (``griddepcontrol.wait``) only before it reads what that one wrote.
+                Off by default upstream (regressions on its dashboard, pytorch#167687); the bundles' own launcher,
+                ``torch._C._StaticCudaLauncher``, cannot set the attribute.  Its runs so far faulted (an illegal
+                address; bench/figures/pdl_h200_graph_runner_illegal_address.json): ``--forms default`` or
+                ``--forms "with PDL"`` alone, and ``--no-hold`` (without ``pipeline.bench``'s gate, which holds a
+                block of replays queued behind a closed gate), find which form, and which way of timing, faults.
+  pointwise cat ``max_pointwise_cat_inputs`` 64: a Concat of up to 64 inputs read by pointwise ops is fused into
+                their kernel, where Inductor's default (8) writes a Concat of more inputs into a buffer of its own,
+                a copy kernel per input that a convolution wrote.  DenseNet-121's engine ran 145 such copy kernels a
+                replay (~0.9 µs each and a gap; H200, bench/NOTES.md, fifty-first session): each dense layer
+                concatenates all the block's earlier outputs (up to 24) and normalises them.
+  forced cat    ``force_pointwise_cat``: every Concat fused into its readers, whatever its inputs.
 
 Run on the device after ``source bench/device_env.sh``:
-    python3 bench/pdl.py [--models efficientnet_b0,bert] [--batch 1] [--seconds 240] [--out $OUT]
-Each model runs in a process of its own (a CUDA fault ends that process only: the second run's first model faulted
-with an illegal address and took the three after it along); a failed row names its stage and keeps the traceback.
-The third run's fault came in the timing stage, after both forms had compiled, captured and synchronized:
-``--forms "with PDL"`` (or "without PDL") times one form alone, and ``--no-hold`` without ``pipeline.bench``'s
-gate, which hold a block of replays queued behind a closed gate, to find which form, and which way of timing, faults.
-Prints one JSON line per model as it is timed (pdl.json under --out is rewritten after each) and a table.
+    python3 bench/inductor_forms.py --models densenet121 --forms "default,pointwise cat,forced cat" [--out $OUT]
+    python3 bench/inductor_forms.py --models efficientnet_b0,bert --forms "default,with PDL"
+Each model runs in a process of its own (a CUDA fault ends that process only: PDL's second run's first model
+faulted with an illegal address and took the three after it along); a failed row names its stage and keeps the
+traceback.  Prints one JSON line per model as it is timed (inductor_forms.json under --out is rewritten after
+each) and a table.
 """
 
 from __future__ import annotations
@@ -43,8 +53,10 @@ import numpy as np
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
-#: Inductor's default options, and with PDL on (the CUDA Graph is this script's own: ``GraphRunner``)
-FORMS = {"without PDL": {}, "with PDL": {"triton.enable_pdl": True}}
+#: the forms' Inductor options (the module's docstring says why each; the CUDA Graph is this script's own:
+#: ``GraphRunner``)
+FORMS = {"default": {}, "with PDL": {"triton.enable_pdl": True},
+         "pointwise cat": {"max_pointwise_cat_inputs": 64}, "forced cat": {"force_pointwise_cat": True}}
 
 
 class _Plan:
@@ -119,15 +131,16 @@ def time_model(name: str, batch: int, runs: int, forms: list[str] = tuple(FORMS)
             row[f"compile_s {form}"] = round(time.perf_counter() - t0, 1)
             outs[form] = runner.out.float().cpu().numpy()
             runners[form] = runner
-        if len(outs) == 2:
-            row["max_err"] = max_err(outs["with PDL"], outs["without PDL"])
+        base = forms[0]
+        for form in forms[1:]:
+            row[f"max_err {form}"] = max_err(outs[form], outs[base])
         stage = "timing"
         times = _measure(runners, runs=runs, warmup=50, seed=7, hold=hold)
         for form, t in times.items():
             row[f"{form} ms"] = float(np.median(t))
             row[f"{form} p10_p90"] = [float(np.percentile(t, 10)), float(np.percentile(t, 90))]
-        if len(times) == 2:
-            row["without / with"] = row["without PDL ms"] / row["with PDL ms"]
+        for form in forms[1:]:
+            row[f"{base} / {form}"] = row[f"{base} ms"] / row[f"{form} ms"]
         return row
     except Exception as e:
         e.add_note(f"stage: {stage}")
@@ -143,8 +156,9 @@ def main(argv=None) -> int:
     ap.add_argument("--batch", type=int, default=1)
     ap.add_argument("--runs", type=int, default=200)
     ap.add_argument("--seconds", type=float, default=240, help="start no model after this")
-    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/pdl_out"))
-    ap.add_argument("--forms", default=",".join(FORMS), help="of: " + ", ".join(FORMS) + " (one alone: which faults)")
+    ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/inductor_forms_out"))
+    ap.add_argument("--forms", default="default,with PDL",
+                    help="of: " + ", ".join(FORMS) + " (the first is the base of the ratios; one alone: whether it faults)")
     ap.add_argument("--no-hold", action="store_true",
                     help="time each replay as it is queued, without holding a block behind pipeline.bench's gate")
     ap.add_argument("--child", default=None, help=argparse.SUPPRESS)
@@ -154,8 +168,9 @@ def main(argv=None) -> int:
         ap.error(f"--forms {args.forms!r}: of {', '.join(FORMS)}")
     import torch._inductor.config as cfg
 
-    if not hasattr(cfg.triton, "enable_pdl"):
-        print(json.dumps({"error": "this torch's Inductor has no triton.enable_pdl"}))
+    missing = [k for f in forms for k in FORMS[f] if not _has_option(cfg, k)]
+    if missing:
+        print(json.dumps({"error": f"this torch's Inductor has no {', '.join(missing)}"}))
         return 1
     out = Path(args.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -183,16 +198,27 @@ def main(argv=None) -> int:
                                                    "stderr": p.stderr[-3000:]}
         rows.append(row)
         print(json.dumps({k: v for k, v in row.items() if k not in ("traceback", "stderr")}), flush=True)
-        (out / "pdl.json").write_text(json.dumps(rows, indent=1))
-    print(f"{'model':20} {'without PDL ms':>15} {'with PDL ms':>12} {'without/with':>13}")
+        (out / "inductor_forms.json").write_text(json.dumps(rows, indent=1))
+    print(f"{'model':20} " + " ".join(f"{f + ' ms':>18}" for f in forms) + "  " +
+          " ".join(f"{forms[0] + ' / ' + f:>24}" for f in forms[1:]))
     for r in rows:
         if r.get("error") or r.get("skipped"):
             print(f"{r['model']:20} {r.get('error') or r.get('skipped')}")
             continue
-        cells = [f"{r[k]:.4f}" if k in r else "-" for k in ("without PDL ms", "with PDL ms")]
-        ratio = f"{r['without / with']:.3f}" if "without / with" in r else "-"
-        print(f"{r['model']:20} {cells[0]:>15} {cells[1]:>12} {ratio:>13}")
+        cells = [f"{r[f + ' ms']:.4f}" if f + " ms" in r else "-" for f in forms]
+        ratios = [f"{r[k]:.3f}" if (k := f"{forms[0]} / {f}") in r else "-" for f in forms[1:]]
+        print(f"{r['model']:20} " + " ".join(f"{c:>18}" for c in cells) + "  " + " ".join(f"{x:>24}" for x in ratios))
     return 0
+
+
+def _has_option(cfg, dotted: str) -> bool:
+    """Whether this torch's Inductor config has the option ``dotted`` (``triton.enable_pdl``)."""
+    obj = cfg
+    for part in dotted.split("."):
+        if not hasattr(obj, part):
+            return False
+        obj = getattr(obj, part)
+    return True
 
 
 if __name__ == "__main__":
