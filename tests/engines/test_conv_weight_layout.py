@@ -68,7 +68,7 @@ def _weights(module) -> dict[str, object]:
     out = {}
     for st in module._steps:
         w = st.args[1] if len(st.args) > 1 else None
-        if w is not None and w[0] == "c" and any(k in st.node for k in ("conv",)):
+        if w is not None and w[0] == "c" and "conv" in st.node:
             out[st.node.split("+")[0]] = getattr(module, w[1])
     return out
 
