@@ -2172,28 +2172,30 @@ def _fuse_conv_add(steps: list, keep: set[str], consts: dict, op_of: dict[int, s
 
 
 def _channels_last_conv_weights(steps: list, consts: dict, outputs: set[str]) -> int:
-    """Store channels-last the constant weight of each 2-d convolution step left as torch's convolution (not fused,
-    not through a cuDNN plan) whose kernel is wider than 1x1 and that reads more than one channel per group;
-    returns how many weights it changed.
+    """Store channels-last the constant weight of each dense 2-d convolution step left as torch's convolution (not
+    fused, not through a cuDNN plan) whose kernel is wider than 1x1; returns how many weights it changed.
 
     Why: Inductor runs such a convolution channels-last (its layout optimisation, or its input's layout where a
     fused step before it wrote channels-last) and asks its weight for the same layout.  A weight that arrives NCHW
     is transposed by a Triton kernel of its own before every call: DenseNet-121's 58 3x3 convolutions (the one
     convolution of each dense layer no ReLU follows) ran 58 such kernels a replay, 57.5 µs of its 0.95 ms and a
     gap each (H200, bench/kernel_profile.py).  Stored channels-last, the weight is passed to cuDNN as it is; a 1x1
-    or one-channel-per-group weight is both layouts at once and is left alone.  The values are unchanged."""
+    or depthwise weight is both layouts at once and is left alone.  A grouped convolution's is left too: where
+    grouped convolutions dominate, Inductor runs the graph NCHW (its layout optimisation off: slower channels-last
+    in its benchmarks), and a channels-last weight would make cuDNN run that convolution channels-last anyway
+    (unmeasured here; the grouped convolutions a ReLU follows are fused, and their round times both layouts).
+    The values are unchanged."""
     torch = _torch()
     changed = 0
     for st in steps:
         fn = st.fn
-        if not (isinstance(fn, _ConvFn) and fn.nd == 2 and not fn.planned and len(st.args) > 1):
+        if not (isinstance(fn, _ConvFn) and fn.nd == 2 and fn.group == 1 and not fn.planned and len(st.args) > 1):
             continue
         w = st.args[1]
         if w is None or w[0] != "c" or w[1] in outputs:
             continue
         t = consts[w[1]]
-        if t.dim() != 4 or t.shape[1] < 2 or t.shape[2] * t.shape[3] < 2 \
-                or t.is_contiguous(memory_format=torch.channels_last):
+        if t.dim() != 4 or t.shape[2] * t.shape[3] < 2 or t.is_contiguous(memory_format=torch.channels_last):
             continue
         consts[w[1]] = t.contiguous(memory_format=torch.channels_last)
         changed += 1
@@ -2376,8 +2378,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``patch_gemm`` (CUDA engines) runs a convolution over non-overlapping patches of an image's few channels (a
     patch embedding) as one matrix product (``_conv_as_patch_gemm``).  ``one_row_reduction`` (CUDA engines without
     the GEMM epilogue) runs each Linear of one row (``one_row_linears``) as one reduction.
-    ``conv_weights_channels_last`` (CUDA engines) stores the weight of every other 2-d convolution with a kernel
-    wider than 1x1 channels-last too (``_channels_last_conv_weights``).
+    ``conv_weights_channels_last`` (CUDA engines) stores the weight of every other dense 2-d convolution with a
+    kernel wider than 1x1 channels-last too (``_channels_last_conv_weights``).
     """
     torch = _torch()
     float_dtype = getattr(torch, dtype)

@@ -1,6 +1,6 @@
 """A convolution's weight stored in the layout Inductor runs it (``onnx_torch._channels_last_conv_weights``).
 
-A 2-d convolution the converter leaves to torch (not fused with a ReLU, not a cuDNN plan) is run channels-last by
+A dense 2-d convolution the converter leaves to torch (not fused with a ReLU, not a cuDNN plan) is run channels-last by
 Inductor, which transposed an NCHW weight in a Triton kernel of its own before every call (DenseNet-121: 58 a
 replay).  CUDA engines store such weights channels-last.  On the CPU: which weights change, which must not, and that
 the converted graph still computes ONNX Runtime's outputs; on the GPU (marked): Inductor's code passes the weight
@@ -26,21 +26,22 @@ def _w(rng, name, shape):
 def dense_layers(seed: int = 0) -> onnx.ModelProto:
     """DenseNet's layer and its neighbours: a 3x3 conv + ReLU (fused), a plain 3x3 conv without bias (changed), its
     output concatenated with the input, a 1x1 conv (both layouts at once: left), a depthwise 3x3 (one channel per
-    group: left), a 2x2 stride-2 conv with bias (changed), a conv whose weight is a graph input (not a constant:
+    group: left), a grouped 3x3 of 4 channels a group (left), a 2x2 stride-2 conv with bias (changed), a conv whose weight is a graph input (not a constant:
     left), a 1-d conv (left) and a 3x3 conv whose weight the graph also outputs (left)."""
     rng = np.random.default_rng(seed)
     N = helper.make_node
     inits = [_w(rng, "w_relu", (16, 8, 3, 3)), _w(rng, "b_relu", (16,)), _w(rng, "w_plain", (8, 16, 3, 3)),
              _w(rng, "w_1x1", (12, 16, 1, 1)), _w(rng, "b_1x1", (12,)), _w(rng, "w_dw", (12, 1, 3, 3)),
              _w(rng, "w_down", (8, 12, 2, 2)), _w(rng, "b_down", (8,)), _w(rng, "w_1d", (4, 8, 3)),
-             _w(rng, "w_out", (8, 8, 3, 3))]
+             _w(rng, "w_out", (8, 8, 3, 3)), _w(rng, "w_grouped", (12, 4, 3, 3))]
     nodes = [
         N("Conv", ["x", "w_relu", "b_relu"], ["a"], name="conv_relu", pads=[1, 1, 1, 1]),
         N("Relu", ["a"], ["ra"], name="relu"),
         N("Conv", ["ra", "w_plain"], ["p"], name="conv_plain", pads=[1, 1, 1, 1]),
         N("Concat", ["x", "p"], ["cat"], name="cat", axis=1),
         N("Conv", ["cat", "w_1x1", "b_1x1"], ["o"], name="conv_1x1"),
-        N("Conv", ["o", "w_dw"], ["d"], name="conv_dw", pads=[1, 1, 1, 1], group=12),
+        N("Conv", ["o", "w_dw"], ["dd"], name="conv_dw", pads=[1, 1, 1, 1], group=12),
+        N("Conv", ["dd", "w_grouped"], ["d"], name="conv_grouped", pads=[1, 1, 1, 1], group=3),
         N("Conv", ["d", "w_down", "b_down"], ["s"], name="conv_down", strides=[2, 2]),
         N("Conv", ["s", "w_in"], ["t"], name="conv_weight_input", pads=[1, 1, 1, 1]),
         N("Conv", ["t", "w_out"], ["u"], name="conv_weight_output", pads=[1, 1, 1, 1]),
@@ -90,7 +91,8 @@ def test_only_plain_wide_convolution_weights_are_stored_channels_last(reference_
     assert module.channels_last_conv_weights == 2
     assert layouts == {"conv_relu": True,  # (the fused step's, as before)
                        "conv_plain": True, "conv_down": True,
-                       "conv_1x1": False, "conv_dw": False, "conv_weight_output": False, "conv_1d": False}
+                       "conv_1x1": False, "conv_dw": False, "conv_grouped": False, "conv_weight_output": False,
+                       "conv_1d": False}
 
 
 def test_without_the_option_no_plain_weight_changes(reference_kernel):
