@@ -268,38 +268,13 @@ def _summary(res: dict) -> dict:
     return {k: {"us": round(v, 1), "kernels": round(count[k])} for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
 
 
-def weight_only_kernels(source: str, n_params: int) -> dict[str, int]:
-    """{Triton kernel: calls a replay} of the kernels in an engine's Inductor output code (``wrapper.py``) that read
-    only the engine's weights, work that is the same at every call: DenseNet-121's engine transposed 58 convolution
-    weights a replay this way until they were stored in the layout the convolutions take
-    (``onnx_torch._channels_last_conv_weights``).  The compiled function's first ``n_params`` arguments are its
-    weights (``arg0_1`` ...: ``_load_inductor`` passes them before the inputs); a kernel's inputs are the arguments
-    its definition names ``in_ptr*``, the rest of its pointer arguments it writes."""
-    import re
-
-    params = {f"arg{i}_1" for i in range(n_params)}
-    signatures: dict[str, list[str]] = {}
-    for m in re.finditer(r"^def (triton_\w+)\(([^)]*)\)", source, re.M):
-        signatures[m.group(1)] = [a.split(":")[0].strip() for a in m.group(2).split(",")]
-    body = source[source.find("def call(self, args)"):] if "def call(self, args)" in source else source
-    found: dict[str, int] = {}
-    for m in re.finditer(r"^\s*(triton_\w+)\.run\(([^)]*)\)", body, re.M):
-        name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
-        names = signatures.get(name)
-        if not names:
-            continue
-        ins = [a for a, n in zip(args, names) if n.startswith("in_ptr")]
-        if ins and all(a in params for a in ins):
-            found[name] = found.get(name, 0) + 1
-    return found
-
-
 def write_wrappers(bundle, folder: Path) -> None:
     """Each engine's Inductor output code (a kernels artifact's wrapper.py) as ``folder/BRANCH.py``: the extern
     calls (cuDNN, cuBLAS), the strides of the tensors they get and the Triton kernels between them."""
     import io
     import zipfile
 
+    from parastream.launcher.engines.inductor_kernels import weight_only_kernels
     from parastream.launcher.engines.torch import EngineFile
 
     folder.mkdir(parents=True, exist_ok=True)

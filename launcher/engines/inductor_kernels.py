@@ -476,9 +476,34 @@ def _wrapper_module(art) -> dict:
     raise ParastreamError("the compiled graph's call has no wrapper module")
 
 
-def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) -> tuple[bytes, dict]:
-    """(kernels artifact, engine.json fields) of Inductor's compiled ``art`` for the flat ``args`` (weights,
-    inputs, then ``n_outputs`` outputs): ``art`` is run on them, the artifact is loaded back as a load does and
+def weight_only_kernels(source: str, n_weights: int) -> dict[str, int]:
+    """{Triton kernel: calls a run} of the kernels in Inductor's output code (``wrapper.py``) that read only the
+    compiled function's first ``n_weights`` arguments, an engine's weights: work that is the same at every call.
+    DenseNet-121's engine transposed 58 convolution weights a replay this way until they were stored in the layout
+    the convolutions take (``onnx_torch._channels_last_conv_weights``); a build records what is left
+    (engine.json's ``kernels.weight_only_kernels``, report.json's engines).  A kernel's inputs are the arguments its
+    definition names ``in_ptr*``; the rest of its pointer arguments it writes."""
+    params = {f"arg{i}_1" for i in range(n_weights)}
+    signatures: dict[str, list[str]] = {}
+    for m in re.finditer(r"^def (triton_\w+)\(([^)]*)\)", source, re.M):
+        signatures[m.group(1)] = [a.split(":")[0].strip() for a in m.group(2).split(",")]
+    start = source.find("def call(self, args)")
+    body = source[start:] if start >= 0 else source
+    found: dict[str, int] = {}
+    for m in re.finditer(r"^\s*(triton_\w+)\.run\(([^)]*)\)", body, re.M):
+        name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
+        names = signatures.get(name)
+        if not names:
+            continue
+        ins = [a for a, n in zip(args, names) if n.startswith("in_ptr")]
+        if ins and all(a in params for a in ins):
+            found[name] = found.get(name, 0) + 1
+    return found
+
+
+def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext, n_weights: int = 0) -> tuple[bytes, dict]:
+    """(kernels artifact, engine.json fields) of Inductor's compiled ``art`` for the flat ``args`` (``n_weights``
+    weights, inputs, then ``n_outputs`` outputs): ``art`` is run on them, the artifact is loaded back as a load does and
     run on the same tensors with the outputs cleared, and every tensor must come out equal bit for bit (else
     ParastreamError, and the caller ships ``art`` itself).  Each of the two runs is inside ``gpu_turn()``."""
     import torch
@@ -543,6 +568,9 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext) ->
         if not torch.equal(a.nan_to_num(), e.nan_to_num()):
             raise ParastreamError(f"the loaded kernels artifact differs from Inductor's own on argument {i}")
     info = {"kernels": len(kernels), "extern_inductor": spec["extern_inductor"]}
+    repeated = weight_only_kernels(source, n_weights)
+    if repeated:
+        info["weight_only_kernels"] = repeated
     if shipped:
         info["cudnn_plans"] = len(shipped)
     if loaded.imported:

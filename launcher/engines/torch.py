@@ -915,7 +915,8 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
             # 1.85-2.41 ms in some timings, 1.50 in most)
             turn = functools.partial(cuda.gpu_turn, torch.cuda.current_device(),
                                      enabled=_IN_WORKER and options.gpu_timing_lock, shared=True)
-            package, info = inductor_kernels.extract(art, [*params, *args], len(outputs), gpu_turn=turn)
+            package, info = inductor_kernels.extract(art, [*params, *args], len(outputs), gpu_turn=turn,
+                                                     n_weights=len(params))
             extra = dict(extra, compiled="kernels", kernels=info)
             _remember_code(same, package, extra, options.cache_dir)
             return package, extra, weights
@@ -1539,7 +1540,10 @@ class Builder(BuilderBase):
                            **({"code_reused": True} if reused else {}),
                            # the cuDNN plans its kernels artifact ships (``cudnn_plans``), where it has any
                            **({"cudnn_plans": full["kernels"]["cudnn_plans"]}
-                              if (full.get("kernels") or {}).get("cudnn_plans") else {})}
+                              if (full.get("kernels") or {}).get("cudnn_plans") else {}),
+                           # kernels its code runs on its weights alone at every call (none expected)
+                           **({"weight_only_kernels": full["kernels"]["weight_only_kernels"]}
+                              if (full.get("kernels") or {}).get("weight_only_kernels") else {})}
                 packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:
                     lru_put(_PACKED, key, packed, CACHE_BYTES // 2)

@@ -159,3 +159,34 @@ def test_inductor_passes_the_stored_weight_to_the_convolution():
     assert sum(a.startswith("buf") for a in weight_args[False]) > sum(a.startswith("buf") for a in weight_args[True])
     stored_plain = [a for a in weight_args[True] if a.startswith("arg")]
     assert len(stored_plain) >= 2, weight_args
+
+
+@pytest.mark.gpu
+def test_a_gpu_build_records_no_kernel_on_weights_alone_and_records_them_where_they_are(tmp_path, monkeypatch):
+    """A torch build for the GPU (fp16, no search) of the dense layers ships kernels engines whose code runs no
+    kernel on the weights alone (report.json's engines have no ``weight_only_kernels``); built again with the
+    convolutions' weights left NCHW, the report names the transposes the code then runs at every call."""
+    from parastream.launcher.engines import torch as tb
+    from parastream.pipeline import build
+
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    path = tmp_path / "dense.onnx"
+    onnx.save(dense_layers(), path)
+
+    def engines(out):
+        # (compiled in this process, where the patch below reaches: compile_workers=1)
+        b = build(path, tmp_path / out, backend="torch", precision="fp16", search=False, measure=False, force=True,
+                  compile_workers=1)
+        assert b.report["verification"]["passed"]
+        return [e for e in b.report["engines"].values() if e.get("compiled") == "kernels"]
+
+    stored = engines("stored")
+    assert stored and not any(e.get("weight_only_kernels") for e in stored), stored
+    options = tb.converter_options
+    monkeypatch.setattr(tb, "converter_options",
+                        lambda *a, **k: dict(options(*a, **k), conv_weights_channels_last=False))
+    tb.clear_memory_cache()  # (the first build's engines are not reused)
+    nchw = engines("nchw")
+    calls = sum(sum(e.get("weight_only_kernels", {}).values()) for e in nchw)
+    assert calls >= 2, nchw  # conv_plain's and conv_down's weights at least

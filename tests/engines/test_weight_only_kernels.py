@@ -1,15 +1,10 @@
-"""bench/kernel_profile.py without a GPU: the scan of an engine's Inductor output code for kernels that read only
-the engine's weights (work repeated at every call), on code written as Inductor writes it."""
+"""The scan of an engine's Inductor output code for kernels that read only the engine's weights, work repeated at
+every call (``inductor_kernels.weight_only_kernels``: engine.json and report.json record what it finds), on code
+written as Inductor writes it."""
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
-ROOT = Path(__file__).resolve().parents[2]
-sys.path.insert(0, str(ROOT / "bench"))
-
-import kernel_profile  # noqa: E402
+from parastream.launcher.engines.inductor_kernels import weight_only_kernels
 
 # the shape of a wrapper.py: kernels defined with their pointer arguments, then ``call`` running them; arg0_1 and
 # arg1_1 are weights, arg2_1 the engine's input (DenseNet-121's engine transposed its 3x3 weights this way)
@@ -45,13 +40,13 @@ class Runner:
 
 
 def test_kernels_reading_only_weights_are_counted_per_call():
-    found = kernel_profile.weight_only_kernels(WRAPPER, n_params=2)
+    found = weight_only_kernels(WRAPPER, n_weights=2)
     # the transposes of the two weights; not the epilogue (it reads a buffer too), not the input's cast
     assert found == {"triton_poi_fused_convolution_2": 2}
 
 
 def test_the_input_is_not_a_weight():
     # with all three arguments counted as weights, the input's cast would be weight-only work too
-    assert kernel_profile.weight_only_kernels(WRAPPER, n_params=3) == {"triton_poi_fused_convolution_2": 2,
+    assert weight_only_kernels(WRAPPER, n_weights=3) == {"triton_poi_fused_convolution_2": 2,
                                                                        "triton_poi_fused_cast_4": 1}
-    assert kernel_profile.weight_only_kernels(WRAPPER, n_params=0) == {}
+    assert weight_only_kernels(WRAPPER, n_weights=0) == {}
