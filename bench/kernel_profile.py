@@ -151,7 +151,8 @@ def replay_timeline(run, calls: int = 40) -> dict:
     with torch.no_grad(), tprofile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
         for _ in range(calls):
             # a marker kernel before each call (torch's spin_kernel, a kernel no model runs) tells the calls apart:
-            # a gap threshold did not (torch.compile's input copy stood apart from its graph's kernels)
+            # a 30 µs gap threshold did not: each torch.compile call came out as one 10-15 µs event (likely its
+            # input's copy, the graph's kernels split off by the host's time between the two)
             torch.cuda._sleep(1000)
             run()
             torch.cuda.synchronize()
