@@ -261,9 +261,8 @@ def _summary(res: dict) -> dict:
     count: dict[str, float] = defaultdict(float)
     for e in res.values():
         for kname, k in e["kernels"].items():
-            key = "triton" if kname.startswith("triton") else \
-                "gemm (cuBLAS)" if kname.startswith(("nvjet", "sm90_xmma_gemm", "cutlass_80_tensorop", "ampere")) and "fprop" not in kname else \
-                "conv (cuDNN)" if any(t in kname for t in ("fprop", "cudnn", "conv")) else kname[:40]
+            kind = _kind(kname)
+            key = {"gemm": "gemm (cuBLAS)", "conv": "conv (cuDNN)", "triton": "triton"}.get(kind, kname[:40])
             sums[key] += k["median_us"] * k["count_per_replay"]
             count[key] += k["count_per_replay"]
     return {k: {"us": round(v, 1), "kernels": round(count[k])} for k, v in sorted(sums.items(), key=lambda kv: -kv[1])}
