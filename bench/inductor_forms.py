@@ -168,7 +168,8 @@ def main(argv=None) -> int:
         ap.error(f"--forms {args.forms!r}: of {', '.join(FORMS)}")
     import torch._inductor.config as cfg
 
-    missing = [k for f in forms for k in FORMS[f] if not _has_option(cfg, k)]
+    known = cfg.get_config_copy()  # (its options by dotted name: "triton.enable_pdl")
+    missing = [k for f in forms for k in FORMS[f] if k not in known]
     if missing:
         print(json.dumps({"error": f"this torch's Inductor has no {', '.join(missing)}"}))
         return 1
@@ -209,17 +210,3 @@ def main(argv=None) -> int:
         ratios = [f"{r[k]:.3f}" if (k := f"{forms[0]} / {f}") in r else "-" for f in forms[1:]]
         print(f"{r['model']:20} " + " ".join(f"{c:>18}" for c in cells) + "  " + " ".join(f"{x:>24}" for x in ratios))
     return 0
-
-
-def _has_option(cfg, dotted: str) -> bool:
-    """Whether this torch's Inductor config has the option ``dotted`` (``triton.enable_pdl``)."""
-    obj = cfg
-    for part in dotted.split("."):
-        if not hasattr(obj, part):
-            return False
-        obj = getattr(obj, part)
-    return True
-
-
-if __name__ == "__main__":
-    sys.exit(main())

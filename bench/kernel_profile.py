@@ -172,25 +172,25 @@ def replay_timeline(run, calls: int = 40) -> dict:
     sizes = [len(g) for g in groups]
     mode = max(set(sizes), key=sizes.count) if sizes else 0
     groups = [g for g in groups if len(g) == mode]
-    spans, busy, idle, trans, names = [], [], [], defaultdict(list), defaultdict(list)
+    spans, busy, idle, per_call, names = [], [], [], [], defaultdict(list)
     for g in groups:
         spans.append(g[-1][1] - g[0][0])
-        union, end = 0.0, g[0][0]
+        union, end, last = 0.0, g[0][0], "-"  # (last: the kernel that ended at ``end``, before any gap)
         t_call, n_call = defaultdict(float), defaultdict(float)
         for s, e, n in g:
             if s > end:
                 gap = s - end
-                prev = max((x for x in g if x[1] <= s), key=lambda x: x[1], default=None)
-                key = f"{_kind(prev[2]) if prev else '-'} -> {_kind(n)}"
+                key = f"{_kind(last) if last != '-' else '-'} -> {_kind(n)}"
                 t_call[key] += gap
                 n_call[key] += 1
-                names[f"{(prev[2] if prev else '-')[:60]} -> {n[:60]}"].append(gap)
+                names[f"{last[:60]} -> {n[:60]}"].append(gap)
             union += max(0.0, e - max(s, end))
-            end = max(end, e)
+            if e >= end:
+                end, last = e, n
         busy.append(union)
         idle.append(spans[-1] - union)
-        for k in set(t_call) | set(trans):
-            trans[k].append((t_call.get(k, 0.0), n_call.get(k, 0.0)))
+        per_call.append((t_call, n_call))
+    trans = {k: [(t.get(k, 0.0), c.get(k, 0.0)) for t, c in per_call] for k in set().union(*(t for t, _ in per_call))}
     med = lambda v: round(float(np.median(v)), 2) if v else None  # noqa: E731
     top = sorted(names.items(), key=lambda kv: -sum(kv[1]) / max(len(groups), 1))[:12]
     return {"calls": len(groups), "kernels_per_call": mode, "span_us": med(spans), "busy_us": med(busy),
@@ -274,12 +274,12 @@ def write_wrappers(bundle, folder: Path) -> None:
     import io
     import zipfile
 
-    from parastream.launcher.engines.inductor_kernels import weight_only_kernels
     from parastream.launcher.engines.torch import EngineFile
 
     folder.mkdir(parents=True, exist_ok=True)
     for b in bundle.plan.branches:
-        package = EngineFile(bundle.engine_bytes(b)).compiled()
+        engine = EngineFile(bundle.engine_bytes(b))
+        package = engine.compiled()
         if package is None:
             continue
         try:
@@ -287,8 +287,8 @@ def write_wrappers(bundle, folder: Path) -> None:
         except (zipfile.BadZipFile, KeyError):  # not a kernels artifact
             continue
         (folder / f"{b.name}.py").write_bytes(source)
-        n_params = len(EngineFile(bundle.engine_bytes(b)).meta.get("params") or [])
-        found = weight_only_kernels(source.decode(errors="replace"), n_params)
+        # what the build found in this code (``inductor_kernels.weight_only_kernels``, engine.json)
+        found = (engine.meta.get("kernels") or {}).get("weight_only_kernels") or {}
         print(f"{b.name}: {sum(found.values())} kernel calls a replay read only the engine's weights"
               + (f": {found}" if found else ""), flush=True)
 
