@@ -210,3 +210,7 @@ def main(argv=None) -> int:
         ratios = [f"{r[k]:.3f}" if (k := f"{forms[0]} / {f}") in r else "-" for f in forms[1:]]
         print(f"{r['model']:20} " + " ".join(f"{c:>18}" for c in cells) + "  " + " ".join(f"{x:>24}" for x in ratios))
     return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
