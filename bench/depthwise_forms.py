@@ -15,12 +15,16 @@ Forms (``FORMS``):
              sum by Inductor up to ``onnx_torch.UNROLLED_TAPS`` taps (the engines' ``_lowering_configs``), and
              beyond, a loop over ``F.unfold``'s columns
   windows_beyond  the windows for every kernel (a loop beyond ``UNROLLED_TAPS``)
+  written_out the windows for every kernel, each written out as a sum whatever its taps (Inductor's
+             ``unroll_reductions_threshold`` above 81, a 9x9 kernel's): whether ConvNeXt-T's 7x7 kernels, which
+             cuDNN runs at 11-15 µs each whatever their size and whichever of its plans (bench/NOTES.md,
+             fifty-second session), run faster as one pointwise kernel of 49 loads, and what that costs the compile
   windows    the windows for every kernel with Inductor's defaults (every reduction over 8 or more taps a loop)
   summed     the form before it: a sum of the k*k shifted slices up to 25 taps, ``unfold`` beyond
   unfold     one reduction over the taps of ``F.unfold``'s columns, for every kernel
   strided    ``windows`` with the padded input a channels-last buffer of its own (``as_strided``)
-``converter`` and ``windows_beyond`` compile with the engines' Inductor configuration, the others with Inductor's
-defaults.
+``converter`` and ``windows_beyond`` compile with the engines' Inductor configuration, ``written_out`` with the
+threshold above, the others with Inductor's defaults.
 
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/depthwise_forms.py --models mixnet_s,efficientnet_b0 --out $OUT
@@ -125,10 +129,14 @@ unfold_form = _converters_with(0)
 
 
 #: form -> its lowering (None: the converter's own)
-FORMS = {"converter": None, "windows_beyond": windows_form, "windows": windows_form, "summed": summed_form,
-         "unfold": unfold_form, "strided": strided_form}
-#: the forms compiled with the engines' own Inductor configuration (the others with Inductor's defaults)
+FORMS = {"converter": None, "windows_beyond": windows_form, "written_out": windows_form, "windows": windows_form,
+         "summed": summed_form, "unfold": unfold_form, "strided": strided_form}
+#: the forms compiled with the engines' own Inductor configuration (the others with Inductor's defaults, or
+#: ``WRITTEN_OUT``'s)
 ENGINES_CONFIG = {"converter", "windows_beyond"}
+#: Inductor's ``unroll_reductions_threshold`` for ``written_out``: every reduction of a 9x9 kernel or smaller
+#: written out
+WRITTEN_OUT = {"unroll_reductions_threshold": 82}
 _OWN: list = []
 
 
@@ -149,7 +157,9 @@ def use_form(name: str) -> None:
 
     own = _converters_own()  # kept before it is replaced
     onnx_torch._conv_as_kernels = FORMS[name] or own
-    if name not in ENGINES_CONFIG:
+    if name == "written_out":
+        torch_backend._lowering_configs = lambda options: dict(WRITTEN_OUT)
+    elif name not in ENGINES_CONFIG:
         torch_backend._lowering_configs = lambda options: {}  # Inductor's own defaults
 
 

@@ -18,6 +18,9 @@ any "same" padding), and for each distinct (input shape, kernel, stride, padding
   cudnn_us         its time per call in a CUDA Graph of 20 calls (median of 30 replays, CUDA events)
   inductor_us      the converter's lowering (``onnx_torch._conv_as_kernels``: the form ``--conv-kernels
                    inductor`` compiles) under torch.compile, the same way; compile seconds beside it
+  written_out_us   beyond ``onnx_torch.UNROLLED_TAPS`` taps (which the converter loops over), the windows' sum
+                   written out whatever its taps (Inductor's ``unroll_reductions_threshold`` above them); its
+                   compile seconds beside it
   native_first_ms, native_us
                    torch's own depthwise kernel (``aten._conv_depthwise2d``, NCHW; no plan to build)
   plan_us          the same convolution through the cuDNN plan a bundle ships (``cudnn_plans.conv2d``, the form
@@ -110,7 +113,7 @@ def measure_shape(key) -> dict:
     import torch.nn.functional as F
 
     from parastream.launcher.engines import cudnn_plans as cp
-    from parastream.launcher.engines.onnx_torch import _conv_as_kernels
+    from parastream.launcher.engines.onnx_torch import UNROLLED_TAPS, _conv_as_kernels
 
     x_shape, w_shape, stride, padding, dilation = key
     c = x_shape[1]
@@ -153,6 +156,32 @@ def measure_shape(key) -> dict:
             row["inductor_us"] = _graph_us(lambda: compiled(x, w))
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
             row["inductor_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+    taps = int(w_shape[2]) * int(w_shape[3])
+    if taps > UNROLLED_TAPS:  # the windows' sum written out whatever its taps, which the converter stops at
+        try:
+            from parastream.launcher.engines import onnx_torch
+            from parastream.launcher.engines.base import BuildOptions
+            from parastream.launcher.engines.torch import _inductor_options
+
+            keep, onnx_torch.UNROLLED_TAPS = onnx_torch.UNROLLED_TAPS, taps
+            try:
+                windows = onnx_torch._conv_as_kernels(x_shape, w_shape, list(w_shape[2:]), list(stride),
+                                                      list(dilation), c, list(padding), list(padding))
+            finally:
+                onnx_torch.UNROLLED_TAPS = keep
+            options = dict(_inductor_options(BuildOptions(precision="fp16", conv_kernels="inductor")),
+                           unroll_reductions_threshold=taps + 1)
+            torch._dynamo.reset()
+            t0 = time.perf_counter()
+            compiled = torch.compile(windows, dynamic=False, options=options)
+            out = compiled(x, w)
+            torch.cuda.synchronize()
+            row["written_out_compile_s"] = round(time.perf_counter() - t0, 2)
+            row["written_out_max_err"] = float((out.float() - ref).abs().max()) / scale
+            row["written_out_us"] = _graph_us(lambda: compiled(x, w))
+        except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
+            row["written_out_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     xn, wn = x.contiguous(), w.contiguous()
     native = torch.ops.aten._conv_depthwise2d

@@ -23,11 +23,12 @@ def _w(rng, name, shape):
     return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
 
 
-def dense_layers(seed: int = 0) -> onnx.ModelProto:
+def dense_layers(seed: int = 0, weight_output: bool = True) -> onnx.ModelProto:
     """DenseNet's layer and its neighbours: a 3x3 conv + ReLU (fused), a plain 3x3 conv without bias (changed), its
     output concatenated with the input, a 1x1 conv (both layouts at once: left), a depthwise 3x3 (one channel per
     group: left), a grouped 3x3 of 4 channels a group (left), a 2x2 stride-2 conv with bias (changed), a conv whose weight is a graph input (not a constant:
-    left), a 1-d conv (left) and a 3x3 conv whose weight the graph also outputs (left)."""
+    left), a 1-d conv (left) and a 3x3 conv whose weight the graph also outputs (left; ``weight_output=False`` for a
+    build, whose loader refuses an output that depends on no input)."""
     rng = np.random.default_rng(seed)
     N = helper.make_node
     inits = [_w(rng, "w_relu", (16, 8, 3, 3)), _w(rng, "b_relu", (16,)), _w(rng, "w_plain", (8, 16, 3, 3)),
@@ -50,7 +51,8 @@ def dense_layers(seed: int = 0) -> onnx.ModelProto:
     inputs = {"x": [1, 8, 12, 12], "w_in": [8, 8, 3, 3], "x1d": [1, 8, 10]}
     graph = helper.make_graph(nodes, "dense", [helper.make_tensor_value_info(n, TensorProto.FLOAT, d)
                                                for n, d in inputs.items()],
-                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, None) for o in ("u", "g", "w_out")],
+                              [helper.make_tensor_value_info(o, TensorProto.FLOAT, d) for o, d in
+                               (("u", [1, 8, 6, 6]), ("g", [1, 4, 10]), ("w_out", [8, 8, 3, 3]))[:3 if weight_output else 2]],
                               inits)
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
     model.ir_version = 8
@@ -172,7 +174,7 @@ def test_a_gpu_build_records_no_kernel_on_weights_alone_and_records_them_where_t
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     path = tmp_path / "dense.onnx"
-    onnx.save(dense_layers(), path)
+    onnx.save(dense_layers(weight_output=False), path)
 
     def engines(out):
         # (compiled in this process, where the patch below reaches: compile_workers=1)
