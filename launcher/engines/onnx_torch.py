@@ -2279,8 +2279,9 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: cuDNN plan (``_fuse_conv_silu``); 10 fuses a convolution's residual Add into its plan (``_fuse_conv_add``),
 #: which 9 had written but left off: a cached engine of 9 runs those Adds apart; 11 stores the weights of the
 #: convolutions left to torch channels-last on CUDA (``_channels_last_conv_weights``): a cached engine of 10
-#: transposes them at every call
-CONVERTER_VERSION = 11
+#: transposes them at every call; 12 compiles with wide Concats read in place by their pointwise readers
+#: (``torch.POINTWISE_CAT_INPUTS``, an Inductor setting rather than the converter's): a cached engine of 11 copies them
+CONVERTER_VERSION = 12
 
 
 def _transposed_weight(fn):

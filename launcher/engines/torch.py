@@ -807,7 +807,18 @@ def _inductor_options(options: BuildOptions) -> dict:
     level = options.optimization_level
     mode = "max-autotune-no-cudagraphs" if level >= 5 else "default"
     tuned = {"coordinate_descent_tuning": True} if level == 4 else {}
-    return {**torch._inductor.list_mode_options(mode), **tuned, **_lowering_configs(options)}
+    return {**torch._inductor.list_mode_options(mode), **tuned, "max_pointwise_cat_inputs": POINTWISE_CAT_INPUTS,
+            **_lowering_configs(options)}
+
+
+#: a Concat of up to this many inputs whose readers are pointwise is read in place by their kernel (Inductor's
+#: ``max_pointwise_cat_inputs``; its default, 8, writes a wider one into a buffer of its own, one copy kernel per
+#: input an extern kernel such as a convolution wrote).  DenseNet's dense layers each concatenate all the block's
+#: earlier outputs (up to 25 in DenseNet-121, 49 in DenseNet-201) and normalise them: DenseNet-121's engine ran
+#: 145 such copy kernels a replay, and with the Concat read in place its bundle ran 0.746 against 0.887 ms (1.19x;
+#: H200, fp16, batch 1, side by side; bench/NOTES.md, fifty-second session).  Concats of 8 inputs or fewer are
+#: read in place either way.
+POINTWISE_CAT_INPUTS = 64
 
 
 def _param_specs(params: list) -> list:
