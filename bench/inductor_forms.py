@@ -18,10 +18,10 @@ The forms, and why each is asked:
                 ~405 µs of kernels in 112 launches, 0.478 ms a replay); on Hopper such a kernel may start while the
                 one before it finishes and waits (``griddepcontrol.wait``) only before it reads what that one wrote.
                 Off by default upstream (regressions on its dashboard, pytorch#167687); the bundles' own launcher,
-                ``torch._C._StaticCudaLauncher``, cannot set the attribute.  Its runs so far faulted (an illegal
-                address; bench/figures/pdl_h200_graph_runner_illegal_address.json): ``--forms default`` or
-                ``--forms "with PDL"`` alone, and ``--no-hold`` (without ``pipeline.bench``'s gate, which holds a
-                block of replays queued behind a closed gate), find which form, and which way of timing, faults.
+                ``torch._C._StaticCudaLauncher``, cannot set the attribute.  Its runs so far faulted (an illegal address;
+                bench/figures/pdl_h200_graph_runner_illegal_address.json), as did DenseNet-121's of the forms
+                below: this script's runner let the first form's weights go while the second form was captured
+                (``GraphRunner.fn`` keeps them since), so no PDL figure exists yet.
   pointwise cat ``max_pointwise_cat_inputs`` 64: a Concat of up to 64 inputs read by pointwise ops is fused into
                 their kernel, where Inductor's default (8) writes a Concat of more inputs into a buffer of its own,
                 a copy kernel per input that a convolution wrote.  DenseNet-121's engine ran 145 such copy kernels a
@@ -78,6 +78,11 @@ class GraphRunner:
         import torch
 
         self.plan, self.device = plan, 0
+        # the compiled module holds the weights the graph reads: kept as long as the graph is.  Without it, the
+        # next form's capture (``torch.cuda.graph`` collects garbage and empties torch's cache before it captures)
+        # handed this form's weights back to the driver, and this graph's first timed replay faulted with an
+        # illegal address (every run of two forms or more until then, PDL's too: its faults were this script's)
+        self.fn = fn
         self.stream = torch.cuda.Stream()
         self.origin = self.stream.cuda_stream
         self.inputs = [torch.from_numpy(np.ascontiguousarray(feeds[s.name])).cuda() for s in plan.inputs]
