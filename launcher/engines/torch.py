@@ -816,8 +816,8 @@ def _inductor_options(options: BuildOptions) -> dict:
 #: input an extern kernel such as a convolution wrote).  DenseNet's dense layers each concatenate all the block's
 #: earlier outputs (up to 25 in DenseNet-121, 49 in DenseNet-201) and normalise them: DenseNet-121's engine ran
 #: 145 such copy kernels a replay, and with the Concat read in place its bundle ran 0.746 against 0.887 ms (1.19x;
-#: H200, fp16, batch 1, side by side; bench/NOTES.md, fifty-second session).  Concats of 8 inputs or fewer are
-#: read in place either way.
+#: H200, fp16, batch 1, side by side; bench/NOTES.md, fifty-second session).  A Concat of 8 inputs or fewer is
+#: compiled as before (the default covers it); Inductor still copies where an input has other pointwise readers.
 POINTWISE_CAT_INPUTS = 64
 
 
