@@ -133,55 +133,42 @@ def measure_shape(key) -> dict:
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
             row["plan_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
-    lowered = _conv_as_kernels(x_shape, w_shape, list(w_shape[2:]), list(stride), list(dilation), c,
-                               list(padding), list(padding))
-    if lowered is None:
-        row["inductor_error"] = "not lowered"
-    else:
+    from parastream.launcher.engines import onnx_torch
+    from parastream.launcher.engines.base import BuildOptions
+    from parastream.launcher.engines.torch import _inductor_options
+
+    # in the configuration an engine that lowers depthwise convolutions is compiled with
+    engines_options = _inductor_options(BuildOptions(precision="fp16", conv_kernels="inductor"))
+
+    def compiled_row(prefix: str, form, options: dict) -> None:
+        """``form`` compiled by Inductor with ``options``: its compile seconds, error and time per call in ``row``."""
+        if form is None:
+            row[f"{prefix}_error"] = "not lowered"
+            return
         try:
             t0 = time.perf_counter()
             # every shape's lowering is the same Python function: without a reset Dynamo stops recompiling it
             # after its recompile limit (8) and runs the later shapes uncompiled (the first run's 9 last shapes)
             torch._dynamo.reset()
-            # in the configuration an engine that lowers depthwise convolutions is compiled with
-            from parastream.launcher.engines.base import BuildOptions
-            from parastream.launcher.engines.torch import _inductor_options
-
-            compiled = torch.compile(lowered, dynamic=False,
-                                     options=_inductor_options(BuildOptions(precision="fp16", conv_kernels="inductor")))
+            compiled = torch.compile(form, dynamic=False, options=options)
             out = compiled(x, w)
             torch.cuda.synchronize()
-            row["inductor_compile_s"] = round(time.perf_counter() - t0, 2)
-            row["inductor_max_err"] = float((out.float() - ref).abs().max()) / scale
-            row["inductor_us"] = _graph_us(lambda: compiled(x, w))
+            row[f"{prefix}_compile_s"] = round(time.perf_counter() - t0, 2)
+            row[f"{prefix}_max_err"] = float((out.float() - ref).abs().max()) / scale
+            row[f"{prefix}_us"] = _graph_us(lambda: compiled(x, w))
         except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
-            row["inductor_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            row[f"{prefix}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
+    geometry = (x_shape, w_shape, list(w_shape[2:]), list(stride), list(dilation), c, list(padding), list(padding))
+    compiled_row("inductor", _conv_as_kernels(*geometry), engines_options)
     taps = int(w_shape[2]) * int(w_shape[3])
     if taps > UNROLLED_TAPS:  # the windows' sum written out whatever its taps, which the converter stops at
+        keep, onnx_torch.UNROLLED_TAPS = onnx_torch.UNROLLED_TAPS, taps
         try:
-            from parastream.launcher.engines import onnx_torch
-            from parastream.launcher.engines.base import BuildOptions
-            from parastream.launcher.engines.torch import _inductor_options
-
-            keep, onnx_torch.UNROLLED_TAPS = onnx_torch.UNROLLED_TAPS, taps
-            try:
-                windows = onnx_torch._conv_as_kernels(x_shape, w_shape, list(w_shape[2:]), list(stride),
-                                                      list(dilation), c, list(padding), list(padding))
-            finally:
-                onnx_torch.UNROLLED_TAPS = keep
-            options = dict(_inductor_options(BuildOptions(precision="fp16", conv_kernels="inductor")),
-                           unroll_reductions_threshold=taps + 1)
-            torch._dynamo.reset()
-            t0 = time.perf_counter()
-            compiled = torch.compile(windows, dynamic=False, options=options)
-            out = compiled(x, w)
-            torch.cuda.synchronize()
-            row["written_out_compile_s"] = round(time.perf_counter() - t0, 2)
-            row["written_out_max_err"] = float((out.float() - ref).abs().max()) / scale
-            row["written_out_us"] = _graph_us(lambda: compiled(x, w))
-        except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
-            row["written_out_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            windows = onnx_torch._conv_as_kernels(*geometry)
+        finally:
+            onnx_torch.UNROLLED_TAPS = keep
+        compiled_row("written_out", windows, dict(engines_options, unroll_reductions_threshold=taps + 1))
 
     xn, wn = x.contiguous(), w.contiguous()
     native = torch.ops.aten._conv_depthwise2d
