@@ -14,10 +14,12 @@ pytestmark = pytest.mark.gpu
 
 
 class DenseLayerInputs(torch.nn.Module):
-    """``n`` convolutions' outputs (without bias, as DenseNet's: each an extern kernel's buffer) concatenated and
-    normalised with a ReLU, as a dense layer reads its block; each output in two Concats, as each of a block's
-    outputs is in every later layer's: a convolution writes into the first Concat's buffer, and Inductor copies it
-    into the second's unless that one is read in place."""
+    """``n`` convolutions' outputs concatenated and normalised with a ReLU, as a dense layer reads its block; each
+    output in two Concats, as each of a block's outputs is in every later layer's.  Without bias, as DenseNet's:
+    each output is then a cuDNN call's own buffer, which Inductor copies into a Concat's buffer unless the Concat
+    is read in place (a bias is added by a pointwise kernel that both Concats would read, which Inductor writes
+    into one Concat's buffer whatever the setting: the first form of this test, with biases, launched as many
+    kernels either way)."""
 
     def __init__(self, n: int):
         super().__init__()
@@ -53,8 +55,8 @@ def test_a_wide_concat_read_by_pointwise_ops_is_read_in_place(n):
         ref = module(x).float()
     engine, in_place = _launches(module, x, _inductor_options(BuildOptions(precision="fp16")))
     default, copied = _launches(module, x, {})
-    # Inductor's default copies the convolutions' outputs into the second Concat's buffer, a kernel each; the
-    # engine's kernels read them where they are
+    # Inductor's default copies each convolution's output into each Concat's buffer, a kernel each; the engine's
+    # kernels read them where they are
     assert in_place < copied, (in_place, copied)
     for y in (engine, default):
         torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2)
