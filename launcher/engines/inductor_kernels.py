@@ -482,7 +482,9 @@ def weight_only_kernels(source: str, n_weights: int) -> dict[str, int]:
     DenseNet-121's engine transposed 58 convolution weights a replay this way until they were stored in the layout
     the convolutions take (``onnx_torch._channels_last_conv_weights``); a build records what is left
     (engine.json's ``kernels.weight_only_kernels``, report.json's engines).  A kernel's inputs are the arguments its
-    definition names ``in_ptr*``; the rest of its pointer arguments it writes."""
+    definition names ``in_ptr*``, ``in_out_ptr*`` (a buffer it reads and writes in place: a bias added to a
+    product's output) or, in a template's kernel (a GEMM's ``triton_tem_*``), ``arg_*`` (its operands, beside
+    the epilogue's ``in_ptr*``); the rest of its pointer arguments it writes."""
     params = {f"arg{i}_1" for i in range(n_weights)}
     signatures: dict[str, list[str]] = {}
     for m in re.finditer(r"^def (triton_\w+)\(([^)]*)\)", source, re.M):
@@ -495,7 +497,7 @@ def weight_only_kernels(source: str, n_weights: int) -> dict[str, int]:
         names = signatures.get(name)
         if not names:
             continue
-        ins = [a for a, n in zip(args, names) if n.startswith("in_ptr")]
+        ins = [a for a, n in zip(args, names) if n.startswith(("in_ptr", "in_out_ptr", "arg_"))]
         if ins and all(a in params for a in ins):
             found[name] = found.get(name, 0) + 1
     return found

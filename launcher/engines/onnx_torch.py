@@ -2185,8 +2185,7 @@ def _channels_last_conv_weights(steps: list, consts: dict, outputs: set[str]) ->
     in its benchmarks), and a channels-last weight would make cuDNN run that convolution channels-last anyway
     (unmeasured here; the grouped convolutions a ReLU follows are fused, and their round times both layouts).
     Inductor's layout decision is one for the whole graph, though: in a graph it runs channels-last a grouped
-    weight left NCHW is transposed at every call (the test's small graph of a 3x3, a 1x1, a depthwise and a
-    grouped conv recorded such a kernel on the H200), and in a graph it runs NCHW a dense weight stored here
+    weight left NCHW would be transposed at every call, and in a graph it runs NCHW a dense weight stored here
     channels-last would be; the build records either (``weight_only_kernels``).  The values are unchanged."""
     torch = _torch()
     changed = 0

@@ -23,26 +23,26 @@ def _w(rng, name, shape):
     return numpy_helper.from_array((rng.standard_normal(shape) * 0.3).astype(np.float32), name)
 
 
-def dense_layers(seed: int = 0, weight_output: bool = True, grouped: bool = True) -> onnx.ModelProto:
+def dense_layers(seed: int = 0, weight_output: bool = True) -> onnx.ModelProto:
     """DenseNet's layer and its neighbours: a 3x3 conv + ReLU (fused), a plain 3x3 conv without bias (changed), its
     output concatenated with the input, a 1x1 conv (both layouts at once: left), a depthwise 3x3 (one channel per
     group: left), a grouped 3x3 of 4 channels a group (left), a 2x2 stride-2 conv with bias (changed), a conv whose weight is a graph input (not a constant:
     left), a 1-d conv (left) and a 3x3 conv whose weight the graph also outputs (left; ``weight_output=False`` for a
-    build, whose loader refuses an output that depends on no input).  ``grouped=False`` leaves the grouped conv out."""
+    build, whose loader refuses an output that depends on no input)."""
     rng = np.random.default_rng(seed)
     N = helper.make_node
     inits = [_w(rng, "w_relu", (16, 8, 3, 3)), _w(rng, "b_relu", (16,)), _w(rng, "w_plain", (8, 16, 3, 3)),
              _w(rng, "w_1x1", (12, 16, 1, 1)), _w(rng, "b_1x1", (12,)), _w(rng, "w_dw", (12, 1, 3, 3)),
              _w(rng, "w_down", (8, 12, 2, 2)), _w(rng, "b_down", (8,)), _w(rng, "w_1d", (4, 8, 3)),
-             _w(rng, "w_out", (8, 8, 3, 3))] + ([_w(rng, "w_grouped", (12, 4, 3, 3))] if grouped else [])
+             _w(rng, "w_out", (8, 8, 3, 3)), _w(rng, "w_grouped", (12, 4, 3, 3))]
     nodes = [
         N("Conv", ["x", "w_relu", "b_relu"], ["a"], name="conv_relu", pads=[1, 1, 1, 1]),
         N("Relu", ["a"], ["ra"], name="relu"),
         N("Conv", ["ra", "w_plain"], ["p"], name="conv_plain", pads=[1, 1, 1, 1]),
         N("Concat", ["x", "p"], ["cat"], name="cat", axis=1),
         N("Conv", ["cat", "w_1x1", "b_1x1"], ["o"], name="conv_1x1"),
-        N("Conv", ["o", "w_dw"], ["dd" if grouped else "d"], name="conv_dw", pads=[1, 1, 1, 1], group=12),
-        *([N("Conv", ["dd", "w_grouped"], ["d"], name="conv_grouped", pads=[1, 1, 1, 1], group=3)] if grouped else []),
+        N("Conv", ["o", "w_dw"], ["dd"], name="conv_dw", pads=[1, 1, 1, 1], group=12),
+        N("Conv", ["dd", "w_grouped"], ["d"], name="conv_grouped", pads=[1, 1, 1, 1], group=3),
         N("Conv", ["d", "w_down", "b_down"], ["s"], name="conv_down", strides=[2, 2]),
         N("Conv", ["s", "w_in"], ["t"], name="conv_weight_input", pads=[1, 1, 1, 1]),
         N("Conv", ["t", "w_out"], ["u"], name="conv_weight_output", pads=[1, 1, 1, 1]),
@@ -167,17 +167,17 @@ def test_inductor_passes_the_stored_weight_to_the_convolution():
 def test_a_gpu_build_records_no_kernel_on_weights_alone_and_records_them_where_they_are(tmp_path, monkeypatch):
     """A torch build for the GPU (fp16, no search) of the dense layers ships kernels engines whose code runs no
     kernel on the weights alone (report.json's engines have no ``weight_only_kernels``); built again with the
-    convolutions' weights left NCHW, the report names the transposes the code then runs at every call.
-    Without the grouped conv, whose weight the converter leaves NCHW: with it, the first build on the H200 recorded
-    a kernel on the weights alone (Inductor's layout optimisation is one decision for the whole graph, and this
-    graph's runs every convolution channels-last, the grouped one too; bench/NOTES.md, fifty-second session)."""
+    convolutions' weights left NCHW, the report names the transposes the code then runs at every call.  (Its
+    first run on the H200 recorded a kernel in the stored build: likely the in-place bias Add after conv_1x1's
+    or conv_down's product, which the scan counted until it read ``in_out_ptr`` arguments; or the grouped conv's
+    weight, which the converter leaves NCHW where Inductor may run this graph channels-last.)"""
     from parastream.launcher.engines import torch as tb
     from parastream.pipeline import build
 
     if not torch.cuda.is_available():
         pytest.skip("needs a CUDA GPU")
     path = tmp_path / "dense.onnx"
-    onnx.save(dense_layers(weight_output=False, grouped=False), path)
+    onnx.save(dense_layers(weight_output=False), path)
 
     def engines(out):
         # (compiled in this process, where the patch below reaches: compile_workers=1)

@@ -27,6 +27,18 @@ def triton_poi_fused_cast_4(in_ptr0, out_ptr0, xnumel, XBLOCK : tl.constexpr):
     xnumel = 100
 """, device_str='cuda')
 
+triton_poi_fused_addmm_5 = async_compile.triton('triton_poi_fused_addmm_5', """
+@triton.jit
+def triton_poi_fused_addmm_5(in_out_ptr0, in_ptr0, xnumel, XBLOCK : tl.constexpr):
+    xnumel = 100
+""", device_str='cuda')
+
+triton_tem_fused_addmm_t_0 = async_compile.triton('triton_tem_fused_addmm_t_0', """
+@triton.jit
+def triton_tem_fused_addmm_t_0(in_ptr0, arg_A, arg_B, out_ptr0):
+    M = 128
+""", device_str='cuda')
+
 class Runner:
     def call(self, args):
         arg0_1, arg1_1, arg2_1 = args
@@ -36,17 +48,23 @@ class Runner:
         triton_poi_fused_convolution_2.run(arg1_1, buf9, 4096, 9, stream=stream0)
         triton_poi_fused_add_relu_3.run(buf8, arg1_1, buf9, 100, stream=stream0)
         triton_poi_fused_cast_4.run(arg2_1, buf10, 100, stream=stream0)
+        triton_poi_fused_addmm_5.run(buf11, arg1_1, 100, stream=stream0)
+        triton_tem_fused_addmm_t_0.run(arg1_1, arg2_1, arg0_1, buf12, stream=stream0)
 '''
 
 
 def test_kernels_reading_only_weights_are_counted_per_call():
     found = weight_only_kernels(WRAPPER, n_weights=2)
-    # the transposes of the two weights; not the epilogue (it reads a buffer too), not the input's cast
+    # the transposes of the two weights; not the epilogue (it reads a buffer too), not the input's cast, not a
+    # bias added in place to a product's output (its in_out_ptr is read), not a GEMM template whose operand A
+    # is the input (the template's epilogue reads only a weight, a bias: a scan of in_ptr alone counted BERT-base's
+    # GEMM templates at --opt-level 5 as weight-only)
     assert found == {"triton_poi_fused_convolution_2": 2}
 
 
 def test_the_input_is_not_a_weight():
     # with all three arguments counted as weights, the input's cast would be weight-only work too
     assert weight_only_kernels(WRAPPER, n_weights=3) == {"triton_poi_fused_convolution_2": 2,
-                                                                       "triton_poi_fused_cast_4": 1}
+                                                         "triton_poi_fused_cast_4": 1,
+                                                         "triton_tem_fused_addmm_t_0": 1}
     assert weight_only_kernels(WRAPPER, n_weights=0) == {}
