@@ -19,6 +19,7 @@ Forms (``FORMS``):
              ``unroll_reductions_threshold`` above 81, a 9x9 kernel's): whether ConvNeXt-T's 7x7 kernels, which
              cuDNN runs at 11-15 µs each whatever their size and whichever of its plans (bench/NOTES.md,
              fifty-second session), run faster as one pointwise kernel of 49 loads, and what that costs the compile
+             (ConvNeXt-T, H200: 7.4-7.9 µs a shape alone, yet the engine 1.113x of the cuDNN form's, compile 58 s)
   windows    the windows for every kernel with Inductor's defaults (every reduction over 8 or more taps a loop)
   summed     the form before it: a sum of the k*k shifted slices up to 25 taps, ``unfold`` beyond
   unfold     one reduction over the taps of ``F.unfold``'s columns, for every kernel

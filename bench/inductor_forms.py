@@ -26,7 +26,9 @@ The forms, and why each is asked:
                 their kernel, where Inductor's default (8) writes a Concat of more inputs into a buffer of its own,
                 a copy kernel per input that a convolution wrote.  DenseNet-121's engine ran 145 such copy kernels a
                 replay (~0.9 µs each and a gap; H200, bench/NOTES.md, fifty-first session): each dense layer
-                concatenates all the block's earlier outputs (up to 24) and normalises them.
+                concatenates all the block's earlier outputs (up to 25) and normalises them.  The engines compile
+                with it since (``torch.POINTWISE_CAT_INPUTS``: the bundle 1.19x faster); here it is asked of the
+                user's model under Inductor, torch.compile's side.
   forced cat    ``force_pointwise_cat``: every Concat fused into its readers, whatever its inputs.
 
 Run on the device after ``source bench/device_env.sh``:
