@@ -195,9 +195,10 @@ def prepare(name: str, batch: int, work: Path, args) -> dict:
     row["conv_shapes"] = rep.get("conv_shapes")  # the convolution shapes timed alone, and those left unfused
     row["stage_seconds"] = rep.get("stage_seconds")
     # kernels the engines' code runs on their weights alone at every call (inductor_kernels.weight_only_kernels;
-    # none expected), by engine
-    row["weight_only_kernels"] = {n: e["weight_only_kernels"] for n, e in (rep.get("engines") or {}).items()
-                                  if isinstance(e, dict) and e.get("weight_only_kernels")}
+    # none expected), by engine, with the weights they read
+    engines = {n: e for n, e in (rep.get("engines") or {}).items() if isinstance(e, dict)}
+    row["weight_only_kernels"] = {n: e["weight_only_kernels"] for n, e in engines.items() if e.get("weight_only_kernels")}
+    row["weight_only_reads"] = {n: e["weight_only_reads"] for n, e in engines.items() if e.get("weight_only_reads")}
     # what the engines stage compiled itself (jobs and seconds) and what compiled in the background meanwhile
     row["precompiled"] = rep.get("precompiled")
     row["background_compiles"] = rep.get("background_compiles")

@@ -289,8 +289,9 @@ def write_wrappers(bundle, folder: Path) -> None:
         (folder / f"{b.name}.py").write_bytes(source)
         # what the build found in this code (``inductor_kernels.weight_only_kernels``, engine.json)
         found = (engine.meta.get("kernels") or {}).get("weight_only_kernels") or {}
+        reads = (engine.meta.get("kernels") or {}).get("weight_only_reads") or []
         print(f"{b.name}: {sum(found.values())} kernel calls a replay read only the engine's weights"
-              + (f": {found}" if found else ""), flush=True)
+              + (f": {found}, reading {reads}" if found else ""), flush=True)
 
 
 def main(argv=None) -> int:

@@ -481,17 +481,31 @@ def weight_only_kernels(source: str, n_weights: int) -> dict[str, int]:
     compiled function's first ``n_weights`` arguments, an engine's weights: work that is the same at every call.
     DenseNet-121's engine transposed 58 convolution weights a replay this way until they were stored in the layout
     the convolutions take (``onnx_torch._channels_last_conv_weights``); a build records what is left
-    (engine.json's ``kernels.weight_only_kernels``, report.json's engines).  A kernel's inputs are the arguments its
-    definition names ``in_ptr*``, ``in_out_ptr*`` (a buffer it reads and writes in place: a bias added to a
-    product's output) or, in a template's kernel (a GEMM's ``triton_tem_*``), ``arg_*`` (its operands, beside
-    the epilogue's ``in_ptr*``); the rest of its pointer arguments it writes."""
-    params = {f"arg{i}_1" for i in range(n_weights)}
+    (engine.json's ``kernels.weight_only_kernels``, report.json's engines; ``weight_only_reads`` names the weights
+    they read).  A kernel's inputs are the arguments its definition names ``in_ptr*``, ``in_out_ptr*`` (a buffer
+    it reads and writes in place: a bias added to a product's output) or, in a template's kernel (a GEMM's
+    ``triton_tem_*``), ``arg_*`` (its operands, beside the epilogue's ``in_ptr*``); the rest of its pointer
+    arguments it writes."""
+    found: dict[str, int] = {}
+    for name, _ in _weight_only_launches(source, n_weights):
+        found[name] = found.get(name, 0) + 1
+    return found
+
+
+def weight_only_reads(source: str, n_weights: int) -> list[int]:
+    """The indices, among the compiled function's first ``n_weights`` arguments, of the weights that the kernels
+    of ``weight_only_kernels`` read: which weights an engine recomputes something from at every call."""
+    return sorted({i for _, read in _weight_only_launches(source, n_weights) for i in read})
+
+
+def _weight_only_launches(source: str, n_weights: int):
+    """(kernel, the weight indices it reads) for each launch in ``source``'s ``call`` whose inputs are all weights."""
+    params = {f"arg{i}_1": i for i in range(n_weights)}
     signatures: dict[str, list[str]] = {}
     for m in re.finditer(r"^def (triton_\w+)\(([^)]*)\)", source, re.M):
         signatures[m.group(1)] = [a.split(":")[0].strip() for a in m.group(2).split(",")]
     start = source.find("def call(self, args)")
     body = source[start:] if start >= 0 else source
-    found: dict[str, int] = {}
     for m in re.finditer(r"^\s*(triton_\w+)\.run\(([^)]*)\)", body, re.M):
         name, args = m.group(1), [a.strip() for a in m.group(2).split(",")]
         names = signatures.get(name)
@@ -499,13 +513,13 @@ def weight_only_kernels(source: str, n_weights: int) -> dict[str, int]:
             continue
         ins = [a for a, n in zip(args, names) if n.startswith(("in_ptr", "in_out_ptr", "arg_"))]
         if ins and all(a in params for a in ins):
-            found[name] = found.get(name, 0) + 1
-    return found
+            yield name, [params[a] for a in ins]
 
 
-def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext, n_weights: int = 0) -> tuple[bytes, dict]:
+def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext, n_weights: int = 0,
+            weight_names: list[str] | None = None) -> tuple[bytes, dict]:
     """(kernels artifact, engine.json fields) of Inductor's compiled ``art`` for the flat ``args`` (``n_weights``
-    weights, inputs, then ``n_outputs`` outputs): ``art`` is run on them, the artifact is loaded back as a load does and
+    weights, named ``weight_names`` where given, inputs, then ``n_outputs`` outputs): ``art`` is run on them, the artifact is loaded back as a load does and
     run on the same tensors with the outputs cleared, and every tensor must come out equal bit for bit (else
     ParastreamError, and the caller ships ``art`` itself).  Each of the two runs is inside ``gpu_turn()``."""
     import torch
@@ -573,6 +587,7 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext, n_
     repeated = weight_only_kernels(source, n_weights)
     if repeated:
         info["weight_only_kernels"] = repeated
+        info["weight_only_reads"] = [weight_names[i] if weight_names else i for i in weight_only_reads(source, n_weights)]
     if shipped:
         info["cudnn_plans"] = len(shipped)
     if loaded.imported:

@@ -927,7 +927,7 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
             turn = functools.partial(cuda.gpu_turn, torch.cuda.current_device(),
                                      enabled=_IN_WORKER and options.gpu_timing_lock, shared=True)
             package, info = inductor_kernels.extract(art, [*params, *args], len(outputs), gpu_turn=turn,
-                                                     n_weights=len(params))
+                                                     n_weights=len(params), weight_names=extra["params"])
             extra = dict(extra, compiled="kernels", kernels=info)
             _remember_code(same, package, extra, options.cache_dir)
             return package, extra, weights
@@ -1552,8 +1552,10 @@ class Builder(BuilderBase):
                            # the cuDNN plans its kernels artifact ships (``cudnn_plans``), where it has any
                            **({"cudnn_plans": full["kernels"]["cudnn_plans"]}
                               if (full.get("kernels") or {}).get("cudnn_plans") else {}),
-                           # kernels its code runs on its weights alone at every call (none expected)
-                           **({"weight_only_kernels": full["kernels"]["weight_only_kernels"]}
+                           # kernels its code runs on its weights alone at every call (none expected), and
+                           # the weights they read
+                           **({k: full["kernels"][k] for k in ("weight_only_kernels", "weight_only_reads")
+                               if k in full["kernels"]}
                               if (full.get("kernels") or {}).get("weight_only_kernels") else {})}
                 packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:

@@ -4,7 +4,7 @@ written as Inductor writes it."""
 
 from __future__ import annotations
 
-from parastream.launcher.engines.inductor_kernels import weight_only_kernels
+from parastream.launcher.engines.inductor_kernels import weight_only_kernels, weight_only_reads
 
 # the shape of a wrapper.py: kernels defined with their pointer arguments, then ``call`` running them; arg0_1 and
 # arg1_1 are weights, arg2_1 the engine's input (DenseNet-121's engine transposed its 3x3 weights this way)
@@ -68,3 +68,10 @@ def test_the_input_is_not_a_weight():
                                                          "triton_poi_fused_cast_4": 1,
                                                          "triton_tem_fused_addmm_t_0": 1}
     assert weight_only_kernels(WRAPPER, n_weights=0) == {}
+
+
+def test_the_weights_those_kernels_read_are_named_by_index():
+    # both transposes read a weight of their own; the input's cast and the template read the input
+    assert weight_only_reads(WRAPPER, n_weights=2) == [0, 1]
+    assert weight_only_reads(WRAPPER, n_weights=3) == [0, 1, 2]
+    assert weight_only_reads(WRAPPER, n_weights=0) == []
