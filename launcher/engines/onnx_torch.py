@@ -2410,6 +2410,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     op_of: dict[int, str] = {}
     consts: dict[str, object] = {}
     const_key: dict[int, str] = {}
+    const_names: dict[str, str] = {}  # buffer -> the ONNX value it holds (for what a build records of its weights)
 
     def buffer_for(v: Value) -> str:
         key = const_key.get(id(v.const))
@@ -2417,6 +2418,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
             key = f"c{len(consts)}"
             consts[key] = _cast_const(v.const, float_dtype)
             const_key[id(v.const)] = key
+            if v.name:
+                const_names[key] = v.name
         return key
 
     lowered = depthwise_convs(model) if conv_kernels in LOWERED_CONV_KERNELS or cudnn_plans else set()
@@ -2514,6 +2517,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     module.fused_conv_silu = silu
     module.fused_conv_add = added
     module.channels_last_conv_weights = plain_cl
+    module.const_names = {k: n for k, n in const_names.items() if k in consts}
     module.linear_weights = linear
     module.recurrent_weights = recurrent
     module.patch_gemm_convs = sum(bool(getattr(st.fn, "patch_gemm", False)) for st in steps)

@@ -762,6 +762,7 @@ def _engine_module(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs: l
     except Exception:  # noqa: BLE001 - the interpreter module compiles too
         inner = module
     wrapper = _into_outputs(inner, [t.name for t in inputs], [t.name for t in outputs], getattr(torch, dtype)).eval()
+    wrapper.const_names = getattr(module, "const_names", {})  # its buffers' ONNX values, for the build's records
     args = tuple(_tensor(t, t.name in nhwc, views.get(t.name), device) for t in inputs + outputs)
     return wrapper, args
 
@@ -926,8 +927,9 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
             # 1.85-2.41 ms in some timings, 1.50 in most)
             turn = functools.partial(cuda.gpu_turn, torch.cuda.current_device(),
                                      enabled=_IN_WORKER and options.gpu_timing_lock, shared=True)
+            onnx_names = [wrapper.const_names.get(n, n) for n in extra["params"]]  # (the ONNX values' names)
             package, info = inductor_kernels.extract(art, [*params, *args], len(outputs), gpu_turn=turn,
-                                                     n_weights=len(params), weight_names=extra["params"])
+                                                     n_weights=len(params), weight_names=onnx_names)
             extra = dict(extra, compiled="kernels", kernels=info)
             _remember_code(same, package, extra, options.cache_dir)
             return package, extra, weights

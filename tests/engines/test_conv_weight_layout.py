@@ -97,6 +97,19 @@ def test_only_plain_wide_convolution_weights_are_stored_channels_last(reference_
                        "conv_1d": False}
 
 
+def test_the_converted_module_names_each_weight_buffer_by_its_onnx_value(reference_kernel):
+    """What a build records of the weights its engine's code reads (``weight_only_reads``) is in ONNX's names: the
+    converter keeps each buffer's value name, its fused and transposed forms included."""
+    model = dense_layers()
+    module = convert(model, fuse_conv_relu=True, conv_weights_channels_last=True)
+    buffers = dict(module.named_buffers())
+    assert set(module.const_names) <= set(buffers)
+    initializers = {i.name: numpy_helper.to_array(i) for i in model.graph.initializer}
+    assert {"w_plain", "w_down", "w_grouped", "b_down"} <= set(module.const_names.values())
+    for key, name in module.const_names.items():
+        assert tuple(buffers[key].shape) == initializers[name].shape, (key, name)
+
+
 def test_without_the_option_no_plain_weight_changes(reference_kernel):
     module = convert(dense_layers(), fuse_conv_relu=True)
     assert module.channels_last_conv_weights == 0
@@ -187,8 +200,8 @@ def test_a_gpu_build_records_no_kernel_on_weights_alone_and_records_them_where_t
         return [e for e in b.report["engines"].values() if e.get("compiled") == "kernels"]
 
     stored = engines("stored")
-    assert stored and not any(e.get("weight_only_kernels") for e in stored), [e.get("weight_only_kernels")
-                                                                              for e in stored]
+    assert stored and not any(e.get("weight_only_kernels") for e in stored), [
+        (e.get("weight_only_kernels"), e.get("weight_only_reads")) for e in stored]
     options = tb.converter_options
     monkeypatch.setattr(tb, "converter_options",
                         lambda *a, **k: dict(options(*a, **k), conv_weights_channels_last=False))
@@ -196,3 +209,5 @@ def test_a_gpu_build_records_no_kernel_on_weights_alone_and_records_them_where_t
     nchw = engines("nchw")
     calls = sum(sum(e.get("weight_only_kernels", {}).values()) for e in nchw)
     assert calls >= 2, nchw  # conv_plain's and conv_down's weights at least
+    reads = {w for e in nchw for w in e.get("weight_only_reads", [])}
+    assert any("w_plain" in w for w in reads) and any("w_down" in w for w in reads), reads
