@@ -106,7 +106,6 @@ def _child(mode: str, keys: list, plans: str | None = None) -> dict:
 
 
 def measure_model(name: str, out: Path, dense: bool = False) -> dict:
-    import torch
     import torch.nn.functional as F
 
     from depthwise_kernels import _graph_us, depthwise_calls

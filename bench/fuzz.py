@@ -36,7 +36,6 @@ import random
 import re
 import signal
 import shutil
-import stat
 import subprocess
 import sys
 import tempfile

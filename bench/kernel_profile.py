@@ -43,7 +43,6 @@ from gpu import export, make_model  # noqa: E402
 
 
 def profile(bundle, replays: int = 20) -> tuple[dict, object]:
-    import torch
     from torch.profiler import ProfilerActivity, profile as tprofile, record_function
 
     from parastream.launcher.gpu import GpuLauncher
@@ -350,7 +349,6 @@ def main(argv=None) -> int:
             timelines = {"parastream": replay_timeline(multi.launch)}
             print_timeline(f"{variant} (graph replay)", timelines["parastream"])
             if args.against_compile:
-                import torch
 
                 from corpus_gpu import users_compiled
 

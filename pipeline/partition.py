@@ -44,7 +44,6 @@ def _concat_axis(nodes: list[gs.Node]) -> int | None:
 def make_plan(graph: gs.Graph, sched: Schedule, *, backend: str, precision: str, suffix: str,
               inputs: list[TensorSpec], outputs: list[TensorSpec], flops_bytes=None) -> Plan:
     by_name = {n.name: n for n in graph.nodes}
-    node_branch = {name: b for b, members in enumerate(sched.branches) for name in members}
     graph_outputs = {t.name for t in graph.outputs}
     model_inputs = {t.name for t in inputs}
     tensors: dict[str, TensorSpec] = {t.name: t for t in inputs}

@@ -180,7 +180,7 @@ def print_build_summary(bundle, console, verbose: bool = False) -> None:
     timed and the per-output verification figures."""
     from rich.markup import escape
 
-    plan, rep = bundle.plan, bundle.report
+    rep = bundle.report
     s = build_summary(bundle)
     if verbose:
         _print_build_details(bundle, console)

@@ -1040,7 +1040,6 @@ def _concat(n: NodeView):
 
 @converter("Split")
 def _split(n: NodeView):
-    torch = _torch()
     axis = int(n.attr("axis", 0)) % n.rank(0)
     dim = n.shape(0)[axis]
     if n.has_input(1):

@@ -388,8 +388,6 @@ def slim_engine(data: bytes, held: Callable[[str], "onnx.TensorProto | None"]) -
     it from the bundle's model.onnx (``EngineFile.branch_model``).  Without it every engine carried its fp32
     weights a second time (NASNet-A Large: 355 of its 536 MB of engines, hashed and read at every load).  An engine
     without compiled code (compiled at every load) is left whole, as is anything this cannot read."""
-    import onnx
-
     try:
         f = EngineFile(data)
     except ParastreamError:
