@@ -45,6 +45,7 @@ import tempfile
 import threading
 import types
 import zipfile
+from collections.abc import Sequence
 
 from ..errors import ParastreamError
 
@@ -516,12 +517,12 @@ def _weight_only_launches(source: str, n_weights: int):
             yield name, [params[a] for a in ins]
 
 
-def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext, n_weights: int = 0,
-            weight_names: list[str] | None = None) -> tuple[bytes, dict]:
-    """(kernels artifact, engine.json fields) of Inductor's compiled ``art`` for the flat ``args`` (``n_weights``
-    weights, named ``weight_names`` where given, inputs, then ``n_outputs`` outputs): ``art`` is run on them, the artifact is loaded back as a load does and
-    run on the same tensors with the outputs cleared, and every tensor must come out equal bit for bit (else
-    ParastreamError, and the caller ships ``art`` itself).  Each of the two runs is inside ``gpu_turn()``."""
+def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext,
+            weight_names: Sequence[str] = ()) -> tuple[bytes, dict]:
+    """(kernels artifact, engine.json fields) of Inductor's compiled ``art`` for the flat ``args`` (the weights,
+    named ``weight_names``, inputs, then ``n_outputs`` outputs): ``art`` is run on them, the artifact is loaded back
+    as a load does and run on the same tensors with the outputs cleared, and every tensor must come out equal bit
+    for bit (else ParastreamError, and the caller ships ``art`` itself).  Each of the two runs is inside ``gpu_turn()``."""
     import torch
     from torch._inductor.runtime.triton_heuristics import CachingAutotuner
 
@@ -584,10 +585,10 @@ def extract(art, args: list, n_outputs: int, gpu_turn=contextlib.nullcontext, n_
         if not torch.equal(a.nan_to_num(), e.nan_to_num()):
             raise ParastreamError(f"the loaded kernels artifact differs from Inductor's own on argument {i}")
     info = {"kernels": len(kernels), "extern_inductor": spec["extern_inductor"]}
-    repeated = weight_only_kernels(source, n_weights)
+    repeated = weight_only_kernels(source, len(weight_names))
     if repeated:
         info["weight_only_kernels"] = repeated
-        info["weight_only_reads"] = [weight_names[i] if weight_names else i for i in weight_only_reads(source, n_weights)]
+        info["weight_only_reads"] = [weight_names[i] for i in weight_only_reads(source, len(weight_names))]
     if shipped:
         info["cudnn_plans"] = len(shipped)
     if loaded.imported:

@@ -925,9 +925,9 @@ def compile_inductor(branch: onnx.ModelProto, inputs: list[TensorSpec], outputs:
             # 1.85-2.41 ms in some timings, 1.50 in most)
             turn = functools.partial(cuda.gpu_turn, torch.cuda.current_device(),
                                      enabled=_IN_WORKER and options.gpu_timing_lock, shared=True)
-            onnx_names = [wrapper.const_names.get(n, n) for n in extra["params"]]  # (the ONNX values' names)
-            package, info = inductor_kernels.extract(art, [*params, *args], len(outputs), gpu_turn=turn,
-                                                     n_weights=len(params), weight_names=onnx_names)
+            package, info = inductor_kernels.extract(  # (the weights named by the ONNX values they hold)
+                art, [*params, *args], len(outputs), gpu_turn=turn,
+                weight_names=[wrapper.const_names.get(n, n) for n in extra["params"]])
             extra = dict(extra, compiled="kernels", kernels=info)
             _remember_code(same, package, extra, options.cache_dir)
             return package, extra, weights
@@ -1549,14 +1549,10 @@ class Builder(BuilderBase):
                 shipped = {"compiled": full["compiled"], **({"kernels_error": full["kernels_error"]}
                                                             if "kernels_error" in full else {}),
                            **({"code_reused": True} if reused else {}),
-                           # the cuDNN plans its kernels artifact ships (``cudnn_plans``), where it has any
-                           **({"cudnn_plans": full["kernels"]["cudnn_plans"]}
-                              if (full.get("kernels") or {}).get("cudnn_plans") else {}),
-                           # kernels its code runs on its weights alone at every call (none expected), and
-                           # the weights they read
-                           **({k: full["kernels"][k] for k in ("weight_only_kernels", "weight_only_reads")
-                               if k in full["kernels"]}
-                              if (full.get("kernels") or {}).get("weight_only_kernels") else {})}
+                           # the cuDNN plans its kernels artifact ships, where it has any; kernels its code runs
+                           # on its weights alone at every call (none expected) and the weights they read
+                           **{k: v for k, v in (full.get("kernels") or {}).items()
+                              if k in ("cudnn_plans", "weight_only_kernels", "weight_only_reads") and v}}
                 packed = (pack(full, onnx_bytes, package, weights), len(package), shipped)
                 with _CACHE_LOCK:
                     lru_put(_PACKED, key, packed, CACHE_BYTES // 2)
