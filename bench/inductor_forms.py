@@ -136,7 +136,9 @@ def time_model(name: str, batch: int, runs: int, forms: list[str] = tuple(FORMS)
             runner = GraphRunner(compiled, plan, feeds)
             torch.cuda.synchronize()  # (a fault of this form's kernels is this form's, not the next stage's)
             row[f"compile_s {form}"] = round(time.perf_counter() - t0, 1)
-            outs[form] = runner.out.float().cpu().numpy()
+            # (BERT's export has two outputs: the last hidden state, compared, and the pooler's)
+            first = runner.out[0] if isinstance(runner.out, (tuple, list)) else runner.out
+            outs[form] = first.float().cpu().numpy()
             runners[form] = runner
         base = forms[0]
         for form in forms[1:]:

@@ -2170,27 +2170,76 @@ def _fuse_conv_add(steps: list, keep: set[str], consts: dict, op_of: dict[int, s
             {new: ("Conv+Add" if i in fused else op_of.get(i)) for new, i in enumerate(kept)})
 
 
-def _channels_last_conv_weights(steps: list, consts: dict, outputs: set[str]) -> int:
-    """Store channels-last the constant weight of each dense 2-d convolution step left as torch's convolution (not
-    fused, not through a cuDNN plan) whose kernel is wider than 1x1; returns how many weights it changed.
+#: Inductor's estimate of a convolution's time channels-last over NCHW by kind, inference (< 1: faster channels-last),
+#: and its rule's node budget per convolution: ``torch._inductor.graph.GraphLowering.decide_layout_opt``, which
+#: decides one layout for the whole graph inside Inductor's lowering, after the converter has stored the weights.
+#: Restated here (not called) because it reads an aten graph with fake values that only the compile builds.
+_INDUCTOR_CHANNELS_LAST_COST = {"grouped": 1.358, "small": 0.783, "in_out": 0.725, "default": 0.823}
+_INDUCTOR_NODES_PER_CONV = 300
+
+
+def inductor_runs_channels_last(convs: list[tuple[tuple, int, int]], nodes: int) -> bool:
+    """Whether Inductor's layout optimisation runs a graph channels-last, for its convolutions ``convs`` (each
+    (weight shape, groups, output elements); only those it sees as ``aten.convolution``: a cuDNN plan or a
+    fused conv+ReLU step is another op to it) in a graph of about ``nodes`` aten nodes: none, or fewer than
+    ``_INDUCTOR_NODES_PER_CONV`` nodes a convolution, is NCHW; otherwise the flop-weighted cost of each
+    convolution's kind (``_INDUCTOR_CHANNELS_LAST_COST``) is at most the flops.  A convolution's flops are
+    2 x output elements x its weight's elements per output channel, as torch's flop counter counts them."""
+    if not convs or nodes >= _INDUCTOR_NODES_PER_CONV * len(convs):
+        return False
+    total = weighted = 0.0
+    for w, group, out_elems in convs:
+        flops = 2.0 * out_elems * math.prod(w[1:])
+        if group > 1 and w[1] > 1:
+            kind = "grouped"
+        elif w[0] <= 64 and w[1] <= 64:
+            kind = "small"
+        elif w[0] * 2 <= w[1] and len(w) > 2 and w[2] > 1:
+            kind = "in_out"
+        else:
+            kind = "default"
+        total += flops
+        weighted += flops * _INDUCTOR_CHANNELS_LAST_COST[kind]
+    return weighted <= total
+
+
+def _channels_last_conv_weights(steps: list, consts: dict, outputs: set[str],
+                                shapes: dict[str, tuple]) -> tuple[int, bool | None]:
+    """Store channels-last the constant weight of each 2-d convolution step left as torch's convolution (not
+    fused, not through a cuDNN plan) whose kernel is wider than 1x1 and whose groups are not of one channel, in
+    the layout Inductor will run it; returns how many weights it changed and the layout decision restated for the
+    graph (True channels-last; None where a size it needs is not known here).
 
     Why: Inductor runs such a convolution channels-last (its layout optimisation, or its input's layout where a
     fused step before it wrote channels-last) and asks its weight for the same layout.  A weight that arrives NCHW
     is transposed by a Triton kernel of its own before every call: DenseNet-121's 58 3x3 convolutions (the one
     convolution of each dense layer no ReLU follows) ran 58 such kernels a replay, 57.5 µs of its 0.95 ms and a
     gap each (H200, bench/kernel_profile.py).  Stored channels-last, the weight is passed to cuDNN as it is; a 1x1
-    or depthwise weight is both layouts at once and is left alone.  A grouped convolution's is left too: where
-    grouped convolutions dominate, Inductor runs the graph NCHW (its layout optimisation off: slower channels-last
-    in its benchmarks), and a channels-last weight would make cuDNN run that convolution channels-last anyway
-    (unmeasured here; the grouped convolutions a ReLU follows are fused, and their round times both layouts).
-    Inductor's layout decision is one for the whole graph, though: in a graph it runs channels-last a grouped
-    weight left NCHW would be transposed at every call, and in a graph it runs NCHW a dense weight stored here
-    channels-last would be; the build records either (``weight_only_kernels``).  The values are unchanged."""
+    or depthwise weight is both layouts at once and is left alone.  A dense weight is stored so always (where
+    Inductor runs the graph NCHW, a channels-last weight has it make the convolution's input channels-last, which
+    the kernel writing that input does, rather than transpose the weight).  A grouped one only where Inductor's
+    decision (``inductor_runs_channels_last``, one for the whole graph) is channels-last: where grouped convolutions
+    dominate it runs the graph NCHW, and a channels-last weight there would have cuDNN run that convolution
+    channels-last anyway; left NCHW in a channels-last graph, it was transposed at every call (the GPU layout
+    test's grouped 3x3).  The build records what is still transposed (``weight_only_kernels``).  Values unchanged."""
     torch = _torch()
+    convs = [st for st in steps if isinstance(st.fn, _ConvFn) and not st.fn.planned and len(st.args) > 1]
+    seen = []
+    for st in convs:
+        w = st.args[1]
+        w_shape = None if w is None else tuple(consts[w[1]].shape) if w[0] == "c" else shapes.get(w[1])
+        out = shapes.get(st.outputs[0]) if st.outputs else None
+        if not w_shape or not out or any(not isinstance(d, int) or d < 0 for d in (*w_shape, *out)):
+            seen = None  # a weight or an output size not known here: the decision is not restated
+            break
+        seen.append((w_shape, st.fn.group, math.prod(out)))
+    # (aten nodes: about one a step and one a constant, as Inductor's graph has them)
+    decided = None if seen is None else inductor_runs_channels_last(seen, len(steps) + len(consts))
+    grouped_cl = bool(decided)
     changed = 0
-    for st in steps:
+    for st in convs:
         fn = st.fn
-        if not (isinstance(fn, _ConvFn) and fn.nd == 2 and fn.group == 1 and not fn.planned and len(st.args) > 1):
+        if fn.nd != 2 or (fn.group > 1 and not grouped_cl):
             continue
         w = st.args[1]
         if w is None or w[0] != "c" or w[1] in outputs:
@@ -2200,7 +2249,7 @@ def _channels_last_conv_weights(steps: list, consts: dict, outputs: set[str]) ->
             continue
         consts[w[1]] = t.contiguous(memory_format=torch.channels_last)
         changed += 1
-    return changed
+    return changed, decided
 
 
 def _fuse_conv_add_relu(steps: list, keep: set[str], consts: dict, op_of: dict[int, str],
@@ -2281,8 +2330,10 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: which 9 had written but left off: a cached engine of 9 runs those Adds apart; 11 stores the weights of the
 #: convolutions left to torch channels-last on CUDA (``_channels_last_conv_weights``): a cached engine of 10
 #: transposes them at every call; 12 compiles with wide Concats read in place by their pointwise readers
-#: (``torch.POINTWISE_CAT_INPUTS``, an Inductor setting rather than the converter's): a cached engine of 11 copies them
-CONVERTER_VERSION = 12
+#: (``torch.POINTWISE_CAT_INPUTS``, an Inductor setting rather than the converter's): a cached engine of 11 copies them;
+#: 13 stores a grouped convolution's weight channels-last where Inductor runs the graph so
+#: (``inductor_runs_channels_last``): a cached engine of 12 transposes it at every call
+CONVERTER_VERSION = 13
 
 
 def _transposed_weight(fn):
@@ -2506,9 +2557,10 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
         steps, fused, widened = _fuse_conv_relu(steps, keep, consts, op_of, shapes, unfused,
                                                 frozenset(conv_channels_padded),
                                                 frozenset(ref for kind, ref in output_refs if kind == "c"))
-    plain_cl = 0
+    plain_cl, layout = 0, None
     if conv_weights_channels_last:
-        plain_cl = _channels_last_conv_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
+        plain_cl, layout = _channels_last_conv_weights(
+            steps, consts, {ref for kind, ref in output_refs if kind == "c"}, {k: v.shape for k, v in values.items()})
     module = _module_class()(steps, input_names, output_refs, consts, float_dtype)
     module.fused_conv_relu = fused
     module.padded_conv_relu = widened
@@ -2516,6 +2568,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     module.fused_conv_silu = silu
     module.fused_conv_add = added
     module.channels_last_conv_weights = plain_cl
+    module.inductor_channels_last = layout  # (the layout decision the grouped weights followed)
     module.const_names = {k: n for k, n in const_names.items() if k in consts}
     module.linear_weights = linear
     module.recurrent_weights = recurrent

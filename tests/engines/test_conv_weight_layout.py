@@ -88,13 +88,82 @@ def reference_kernel(monkeypatch):
 
 
 def test_only_plain_wide_convolution_weights_are_stored_channels_last(reference_kernel):
+    """The dense layers' graph runs channels-last in Inductor (its convolutions are small-channel ones), so its
+    grouped 3x3's weight is stored so too."""
     module = convert(dense_layers(), fuse_conv_relu=True, conv_weights_channels_last=True)
     layouts = {name: _channels_last(t) for name, t in _weights(module).items()}
-    assert module.channels_last_conv_weights == 2
+    assert module.inductor_channels_last is True
+    assert module.channels_last_conv_weights == 3
     assert layouts == {"conv_relu": True,  # (the fused step's, as before)
-                       "conv_plain": True, "conv_down": True,
-                       "conv_1x1": False, "conv_dw": False, "conv_grouped": False, "conv_weight_output": False,
+                       "conv_plain": True, "conv_down": True, "conv_grouped": True,
+                       "conv_1x1": False, "conv_dw": False, "conv_weight_output": False,
                        "conv_1d": False}
+
+
+def grouped_layers(seed: int = 0) -> onnx.ModelProto:
+    """A ResNeXt-like pair where the grouped 3x3 (64 channels, 2 groups, 56x56) holds most of the flops beside a
+    1x1: Inductor's layout optimisation keeps such a graph NCHW."""
+    rng = np.random.default_rng(seed)
+    N = helper.make_node
+    inits = [_w(rng, "w_g", (128, 64, 3, 3)), _w(rng, "w_d", (128, 128, 3, 3)), _w(rng, "w_p", (16, 128, 1, 1))]
+    nodes = [N("Conv", ["x", "w_g"], ["g"], name="conv_grouped", pads=[1, 1, 1, 1], group=2),
+             N("Conv", ["g", "w_d"], ["d"], name="conv_dense", pads=[1, 1, 1, 1], strides=[8, 8]),
+             N("Conv", ["d", "w_p"], ["y"], name="conv_1x1")]
+    graph = helper.make_graph(nodes, "grouped", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 128, 56, 56])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 7, 7])], inits)
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+def test_a_grouped_weight_stays_nchw_where_inductor_runs_the_graph_so():
+    """Must not fire: in a graph whose grouped convolution dominates, Inductor runs NCHW, and a channels-last
+    grouped weight would make cuDNN run it channels-last; the dense 3x3 beside it is stored channels-last still."""
+    module = convert(grouped_layers(), conv_weights_channels_last=True)
+    layouts = {name: _channels_last(t) for name, t in _weights(module).items()}
+    assert module.inductor_channels_last is False
+    assert layouts == {"conv_grouped": False, "conv_dense": True, "conv_1x1": False}
+
+
+def _inductors_decision(model: onnx.ModelProto, feeds: dict) -> bool:
+    """Inductor's own ``GraphLowering.decide_layout_opt`` on the converted graph as Inductor receives it (an aten
+    graph whose values carry fake tensors), with CPU's always-channels-last (oneDNN) branch off."""
+    from torch._inductor.graph import GraphLowering
+    from torch._subclasses.fake_tensor import FakeTensorMode
+    from torch.fx.experimental.proxy_tensor import make_fx
+    from torch.fx.passes.fake_tensor_prop import FakeTensorProp
+
+    module = convert(model)
+    xs = [torch.from_numpy(feeds[n]) for n in module.input_names]
+    gm = make_fx(to_fx(module), tracing_mode="real")(*xs)
+    fake = FakeTensorMode(allow_non_fake_inputs=True)
+    FakeTensorProp(gm, fake).propagate(*[fake.from_tensor(x) for x in xs])
+    with torch.backends.mkldnn.flags(enabled=False):
+        return GraphLowering.decide_layout_opt(gm, is_inference=True)
+
+
+@pytest.mark.parametrize("which", ["dense", "grouped", "few convolutions"])
+def test_the_restated_layout_decision_is_inductors(which):
+    """``inductor_runs_channels_last`` gives what Inductor's own function decides on the same graph: channels-last
+    for the dense layers, NCHW for the grouped pair, NCHW for one convolution among hundreds of nodes."""
+    rng = np.random.default_rng(2)
+    if which == "dense":
+        model, feeds = dense_layers(), _feeds()
+    elif which == "grouped":
+        model, feeds = grouped_layers(), {"x": rng.standard_normal((1, 128, 56, 56)).astype(np.float32)}
+    else:  # a convolution and a chain of 320 Relu/Neg nodes after it
+        N = helper.make_node
+        nodes = [N("Conv", ["x", "w"], ["v0"], name="conv", pads=[1, 1, 1, 1])]
+        nodes += [N("Relu" if i % 2 else "Neg", [f"v{i}"], [f"v{i + 1}"], name=f"n{i}") for i in range(320)]
+        graph = helper.make_graph(nodes, "few", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 8, 8])],
+                                  [helper.make_tensor_value_info("v320", TensorProto.FLOAT, [1, 8, 8, 8])],
+                                  [_w(rng, "w", (8, 8, 3, 3))])
+        model = onnx.shape_inference.infer_shapes(helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)],
+                                                                    ir_version=8))
+        feeds = {"x": rng.standard_normal((1, 8, 8, 8)).astype(np.float32)}
+    restated = convert(model, conv_weights_channels_last=True).inductor_channels_last
+    assert restated is _inductors_decision(model, feeds)
+    assert restated is (which == "dense")
 
 
 def test_the_converted_module_names_each_weight_buffer_by_its_onnx_value(reference_kernel):
@@ -126,7 +195,7 @@ def test_channels_last_weights_compute_onnxruntimes_outputs(reference_kernel, tr
     sess = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"])
     ref = dict(zip([o.name for o in sess.get_outputs()], sess.run(None, feeds)))
     module = convert(model, fuse_conv_relu=fuse, conv_weights_channels_last=True)
-    assert module.channels_last_conv_weights == (2 if fuse else 3)  # (unfused, conv_relu's is a plain one too)
+    assert module.channels_last_conv_weights == (3 if fuse else 4)  # (unfused, conv_relu's is a plain one too)
     fn = to_fx(module) if traced else module
     with torch.no_grad():
         outs = fn(*[torch.from_numpy(feeds[n]) for n in module.input_names])
@@ -181,9 +250,8 @@ def test_a_gpu_build_records_no_kernel_on_weights_alone_and_records_them_where_t
     """A torch build for the GPU (fp16, no search) of the dense layers ships kernels engines whose code runs no
     kernel on the weights alone (report.json's engines have no ``weight_only_kernels``); built again with the
     convolutions' weights left NCHW, the report names the transposes the code then runs at every call.  (Its
-    first run on the H200 recorded a kernel in the stored build: likely the in-place bias Add after conv_1x1's
-    or conv_down's product, which the scan counted until it read ``in_out_ptr`` arguments; or the grouped conv's
-    weight, which the converter leaves NCHW where Inductor may run this graph channels-last.)"""
+    runs on the H200 recorded a kernel in the stored build: the grouped 3x3's weight, ``w_grouped``, which the
+    converter left NCHW where Inductor runs this graph channels-last; it follows Inductor's decision since.)"""
     from parastream.launcher.engines import torch as tb
     from parastream.pipeline import build
 
