@@ -26,6 +26,8 @@ any "same" padding), and for each distinct (input shape, kernel, stride, padding
   plan_us          the same convolution through the cuDNN plan a bundle ships (``cudnn_plans.conv2d``, the form
                    ``conv_kernels`` "cudnn" compiles), the same way (bench/cudnn_plans.py: the plans' build and
                    load costs)
+  triton_us        parastream's own Triton kernel (``depthwise_triton``), its blocks by its heuristic; the best of
+                   a sweep of blocks beside it (``triton_best_us``, ``triton_best_block``)
   max_err          of each against cuDNN's output (scaled by its largest magnitude)
 
 and prints, per model, the plan seconds in all and what lowering the shapes in order of plan seconds saved per
@@ -34,6 +36,7 @@ microsecond lost would keep and lose.
 Run on the device after ``source bench/device_env.sh``:
     python3 bench/depthwise_kernels.py --models nasnetalarge,mixnet_s --out $OUT
     python3 bench/depthwise_kernels.py --models mobilenet_v3_small,mixnet_s --batch 32 --out $OUT
+    python3 bench/depthwise_kernels.py --models convnext_tiny,efficientnet_b0 --forms triton --out $OUT
 Writes depthwise_kernels.json under --out.
 """
 
@@ -108,7 +111,39 @@ def _first_ms(fn) -> float:
     return (time.perf_counter() - t0) * 1e3
 
 
-def measure_shape(key) -> dict:
+#: the forms ``--forms`` may name (cuDNN's ``cudnn_us`` is always measured: the others' base)
+FORMS = ("plan", "inductor", "written_out", "native", "triton")
+#: the Triton kernel's blocks swept per shape: (BLOCK_W, BLOCK_C, warps)
+TRITON_BLOCKS = tuple((bw, bc, nw) for bw in (4, 8, 16, 32) for bc in (32, 64, 128) for nw in (2, 4))
+
+
+def triton_row(row: dict, x, w, ref, scale, stride, padding, dilation) -> None:
+    """parastream's own Triton kernel (``depthwise_triton``) with its heuristic blocks (``triton_us``) and the best
+    of ``TRITON_BLOCKS`` (``triton_best_us``, ``triton_best_block``), into ``row``."""
+    from parastream.launcher.engines import depthwise_triton as dt
+
+    wt = dt.taps_major(w)
+    pads = [padding[0], padding[1], padding[0], padding[1]]
+    kernel = list(w.shape[2:])
+
+    def run(block=None):
+        return dt.launch(x, wt, None, kernel, list(stride), pads, list(dilation), block=block)
+
+    try:
+        row["triton_max_err"] = float((run().float() - ref).abs().max()) / scale
+        row["triton_us"] = _graph_us(run)
+        row["triton_block"] = list(dt.blocks(int(x.shape[1]), int(ref.shape[3])))
+        best = None
+        for block in TRITON_BLOCKS:
+            us = _graph_us(lambda b=block: run(b))
+            if best is None or us < best[0]:
+                best = (us, block)
+        row["triton_best_us"], row["triton_best_block"] = best[0], list(best[1])
+    except Exception as e:  # noqa: BLE001 - one shape's failure is recorded
+        row["triton_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
+def measure_shape(key, forms=FORMS) -> dict:
     import torch
     import torch.nn.functional as F
 
@@ -125,7 +160,9 @@ def measure_shape(key) -> dict:
     ref = F.conv2d(x, w, None, stride, padding, dilation, c).float()
     scale = float(ref.abs().max()) or 1.0
     row["cudnn_us"] = _graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, c))
-    if cp.frontend() is not None:  # the form a bundle ships for "cudnn" (``BuildOptions.cudnn_plans``)
+    if "triton" in forms:
+        triton_row(row, x, w, ref, scale, stride, padding, dilation)
+    if "plan" in forms and cp.frontend() is not None:  # the form a bundle ships for "cudnn" (``BuildOptions.cudnn_plans``)
         try:
             out = cp.conv2d(x, w, None, list(stride), list(padding), list(dilation), c)
             row["plan_max_err"] = float((out.float() - ref).abs().max()) / scale
@@ -160,9 +197,10 @@ def measure_shape(key) -> dict:
             row[f"{prefix}_error"] = f"{type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
 
     geometry = (x_shape, w_shape, list(w_shape[2:]), list(stride), list(dilation), c, list(padding), list(padding))
-    compiled_row("inductor", _conv_as_kernels(*geometry), engines_options)
+    if "inductor" in forms:
+        compiled_row("inductor", _conv_as_kernels(*geometry), engines_options)
     taps = int(w_shape[2]) * int(w_shape[3])
-    if taps > UNROLLED_TAPS:  # the windows' sum written out whatever its taps, which the converter stops at
+    if taps > UNROLLED_TAPS and "written_out" in forms:  # the windows' sum written out whatever its taps, which the converter stops at
         keep, onnx_torch.UNROLLED_TAPS = onnx_torch.UNROLLED_TAPS, taps
         try:
             windows = onnx_torch._conv_as_kernels(*geometry)
@@ -170,6 +208,8 @@ def measure_shape(key) -> dict:
             onnx_torch.UNROLLED_TAPS = keep
         compiled_row("written_out", windows, dict(engines_options, unroll_reductions_threshold=taps + 1))
 
+    if "native" not in forms:
+        return row
     xn, wn = x.contiguous(), w.contiguous()
     native = torch.ops.aten._conv_depthwise2d
     args = (list(w_shape[2:]), None, list(stride), list(padding), list(dilation))
@@ -205,6 +245,8 @@ def summary(rows: list[dict]) -> dict:
             "inductor_us_per_pass": round(sum(r.get("inductor_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
             "native_us_per_pass": round(sum(r.get("native_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
             "plan_us_per_pass": round(sum(r.get("plan_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
+            "triton_us_per_pass": round(sum(r.get("triton_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
+            "triton_best_us_per_pass": round(sum(r.get("triton_best_us", r["cudnn_us"]) * r["count"] for r in rows), 1),
             "lowering_order": steps}
 
 
@@ -213,8 +255,12 @@ def main(argv=None) -> int:
     ap.add_argument("--models", default="nasnetalarge")
     ap.add_argument("--seconds", type=float, default=500.0, help="measure no new shape after this")
     ap.add_argument("--batch", type=int, default=1, help="the batch the shapes are found and timed at")
+    ap.add_argument("--forms", default=",".join(FORMS), help="of " + ", ".join(FORMS) + " (cuDNN's always)")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthwise_kernels_out"))
     args = ap.parse_args(argv)
+    forms = tuple(f for f in args.forms.split(",") if f)
+    if any(f not in FORMS for f in forms):
+        ap.error(f"--forms {args.forms!r}: of {', '.join(FORMS)}")
     import torch
 
     out = Path(args.out)
@@ -231,7 +277,7 @@ def main(argv=None) -> int:
         for key, n in sorted(counts.items(), key=lambda kv: -kv[1]):
             if time.perf_counter() - t_start > args.seconds:
                 break
-            row = measure_shape(key)
+            row = measure_shape(key, forms)
             row["count"] = n
             rows.append(row)
             result["models"][name] = {"rows": rows, "distinct": len(counts)}  # saved as it goes: a call may end

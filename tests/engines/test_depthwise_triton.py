@@ -1,0 +1,117 @@
+"""parastream's own depthwise convolution kernel (``launcher/engines/depthwise_triton.py``).
+
+On the CPU the kernel itself runs in Triton's interpreter (``TRITON_INTERPRET=1``) against torch's convolution,
+over the geometry the models have (3x3 to 7x7, stride 1 and 2, symmetric and "same" padding, channels that are
+not a multiple of the block); the op falls back to torch's convolution off the GPU.  On the GPU (marked): fp16
+against torch's convolution, and the op compiled by Inductor into an engine's code.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")
+
+from parastream.launcher.engines import depthwise_triton as dt  # noqa: E402
+
+#: (N, C, H, W, kernel, stride, padding [top, left, bottom, right])
+CASES = [(1, 24, 14, 14, 7, 1, [3, 3, 3, 3]), (2, 40, 15, 13, 3, 2, [1, 1, 1, 1]), (1, 20, 10, 10, 5, 2, [1, 1, 2, 2]),
+         (1, 72, 9, 9, 3, 1, [1, 1, 1, 1])]
+
+
+def _case(n, c, h, w, k, seed=0, device="cpu", dtype=None):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(n, c, h, w, generator=g).to(memory_format=torch.channels_last)
+    wgt = torch.randn(c, 1, k, k, generator=g) * 0.2
+    b = torch.randn(c, generator=g)
+    dtype = dtype or torch.float32
+    return (x.to(device, dtype).contiguous(memory_format=torch.channels_last), wgt.to(device, dtype),
+            b.to(device, dtype))
+
+
+def test_the_weight_taps_major_and_back():
+    w = torch.arange(2 * 9, dtype=torch.float32).reshape(2, 1, 3, 3)
+    wt = dt.taps_major(w)
+    assert wt.shape == (9, 2) and wt.is_contiguous() and wt[4, 1] == w[1, 0, 1, 1]
+    assert torch.equal(dt.from_taps_major(wt, (3, 3)), w)
+
+
+def test_the_blocks_fit_the_tensor():
+    assert dt.blocks(96, 56) == (16, 64, 4)
+    assert dt.blocks(24, 7) == (8, 32, 4)  # (channels and columns rounded up to a power of two)
+    assert dt.blocks(8, 2)[:2] == (4, 16)
+
+
+_INTERPRETED = """
+import json, sys
+import torch
+sys.path.insert(0, {tests!r})
+from test_depthwise_triton import CASES, _case
+from parastream.launcher.engines import depthwise_triton as dt
+errs = []
+for n, c, h, w, k, s, pads in CASES:
+    x, wgt, b = _case(n, c, h, w, k)
+    wt = dt.taps_major(wgt)
+    for bias in (b, None):
+        got = dt.launch(x, wt, bias, (k, k), (s, s), pads, (1, 1))
+        want = dt.reference(x, wt, bias, (k, k), (s, s), pads, (1, 1))
+        assert got.shape == want.shape and got.is_contiguous(memory_format=torch.channels_last), (got.shape, want.shape)
+        errs.append(float((got - want).abs().max()))
+print(json.dumps(errs))
+"""
+
+
+def test_the_kernel_computes_torchs_convolution_in_tritons_interpreter():
+    """Every case with and without bias, the kernel run by Triton's interpreter (in a process of its own: the
+    interpreter is chosen when Triton is imported) against torch's convolution."""
+    import json
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    pytest.importorskip("triton")
+    code = _INTERPRETED.format(tests=str(Path(__file__).parent))
+    p = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=600, check=False,
+                       env=dict(os.environ, TRITON_INTERPRET="1"))
+    assert p.returncode == 0, p.stderr[-3000:]
+    errs = json.loads(p.stdout.strip().splitlines()[-1])
+    assert len(errs) == 2 * len(CASES) and max(errs) < 1e-4, errs
+
+
+def test_off_the_gpu_the_op_is_torchs_convolution():
+    """Must not launch: a CPU tensor goes to torch's convolution (the CPU engines' path)."""
+    n, c, h, w, k, s, pads = CASES[2]
+    x, wgt, b = _case(n, c, h, w, k)
+    assert not dt.usable(x)
+    dt.register_op()
+    got = torch.ops.parastream.depthwise_conv2d(x, dt.taps_major(wgt), b, [k, k], [s, s], pads, [1, 1])
+    want = torch.nn.functional.conv2d(torch.nn.functional.pad(x, [1, 2, 1, 2]), wgt, b, s, 0, 1, c)
+    np.testing.assert_allclose(got.numpy(), want.numpy(), rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"{c[4]}x{c[4]}s{c[5]}")
+def test_on_the_gpu_fp16_and_compiled_by_inductor(case):
+    if not torch.cuda.is_available():
+        pytest.skip("needs a CUDA GPU")
+    n, c, h, w, k, s, pads = case
+    x, wgt, b = _case(n, c, h, w, k, device="cuda", dtype=torch.float16)
+    wt = dt.taps_major(wgt)
+    want = dt.reference(x.float(), wt.float(), b.float(), (k, k), (s, s), pads, (1, 1))
+    got = dt.launch(x, wt, b, (k, k), (s, s), pads, (1, 1))
+    scale = float(want.abs().max())
+    assert float((got.float() - want).abs().max()) <= 2e-3 * scale
+    dt.register_op()
+
+    def engine(x, wt, b):  # the op between two pointwise ops, as an engine has it
+        return torch.relu(torch.ops.parastream.depthwise_conv2d(x * 0.5, wt, b, [k, k], [s, s], pads, [1, 1])) + 1
+
+    torch._dynamo.reset()
+    from torch._inductor.utils import run_and_get_code
+
+    out, code = run_and_get_code(torch.compile(engine, fullgraph=True, dynamic=False), x, wt, b)
+    ref = torch.relu(dt.reference((x * 0.5).float(), wt.float(), b.float(), (k, k), (s, s), pads, (1, 1))) + 1
+    assert float((out.float() - ref).abs().max()) <= 2e-3 * float(ref.abs().max())
+    assert "depthwise_nhwc" in "\n".join(code)  # the kernel is in the engine's code, not an opaque call
