@@ -24,6 +24,8 @@ Forms (``FORMS``):
   summed     the form before it: a sum of the k*k shifted slices up to 25 taps, ``unfold`` beyond
   unfold     one reduction over the taps of ``F.unfold``'s columns, for every kernel
   strided    ``windows`` with the padded input a channels-last buffer of its own (``as_strided``)
+  triton     parastream's own Triton kernel (``conv_kernels`` "triton", ``depthwise_triton``), which Inductor
+             compiles into the engine's code but does not fuse with the ops around it
 ``converter`` and ``windows_beyond`` compile with the engines' Inductor configuration, ``written_out`` with the
 threshold above, the others with Inductor's defaults.
 
@@ -131,10 +133,10 @@ unfold_form = _converters_with(0)
 
 #: form -> its lowering (None: the converter's own)
 FORMS = {"converter": None, "windows_beyond": windows_form, "written_out": windows_form, "windows": windows_form,
-         "summed": summed_form, "unfold": unfold_form, "strided": strided_form}
+         "summed": summed_form, "unfold": unfold_form, "strided": strided_form, "triton": None}
 #: the forms compiled with the engines' own Inductor configuration (the others with Inductor's defaults, or
 #: ``WRITTEN_OUT``'s)
-ENGINES_CONFIG = {"converter", "windows_beyond"}
+ENGINES_CONFIG = {"converter", "windows_beyond", "triton"}
 #: Inductor's ``unroll_reductions_threshold`` for ``written_out``: every reduction of a 9x9 kernel or smaller
 #: written out
 WRITTEN_OUT = {"unroll_reductions_threshold": 82}
@@ -181,6 +183,8 @@ def check(device: str = "cpu") -> list[dict]:
         b = torch.randn(c, generator=g).to(device)
         ref = F.conv2d(F.pad(x, _torch_pad_arg(begin, end)), wt, b, s, 0, 1, c)
         for name, form in FORMS.items():
+            if name == "triton":  # (not a lowering: tests/engines/test_depthwise_triton.py checks its kernel)
+                continue
             fn = (form or _converters_own())(x.shape, wt.shape, (k, k), (s, s), (1, 1), c, list(begin), list(end))
             y = fn(x, wt, b)
             err = float((y - ref).abs().max() / ref.abs().max())
@@ -212,7 +216,8 @@ def child(onnx_path: str, form: str, device: str) -> dict:
                    device=device, compile_workers=1)
     row: dict = {"form": form}
     launchers = {}
-    for label, kernels in ([] if warm_up else [(form, "inductor")]) + [("cudnn", "cudnn")]:
+    lowered = "triton" if form == "triton" else "inductor"
+    for label, kernels in ([] if warm_up else [(form, lowered)]) + [("cudnn", "cudnn")]:
         options = replace(base, conv_kernels=kernels)
         engines = Engines(backend, RooflineCostModel(), loaded, options.precision, blocks=False)
         v = Variant(loaded.model, loaded.graph, engines.plan(loaded.graph, 1, 1), options)

@@ -132,7 +132,7 @@ def triton_row(row: dict, x, w, ref, scale, stride, padding, dilation) -> None:
     try:
         row["triton_max_err"] = float((run().float() - ref).abs().max()) / scale
         row["triton_us"] = _graph_us(run)
-        row["triton_block"] = list(dt.blocks(int(x.shape[1]), int(ref.shape[3])))
+        row["triton_block"] = list(dt.blocks(int(x.shape[1]), int(ref.shape[3]), len(kernel) and kernel[0] * kernel[1]))
         best = None
         for block in TRITON_BLOCKS:
             us = _graph_us(lambda b=block: run(b))

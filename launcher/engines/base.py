@@ -108,8 +108,8 @@ class BuildOptions:
     keep_fp32: list[str] = field(default_factory=list)
 
 
-CONV_KERNELS = ("auto", "cudnn", "inductor", "native")  # BuildOptions.conv_kernels
-LOWERED_CONV_KERNELS = ("inductor", "native")  # the values that write depthwise convolutions otherwise than cuDNN
+CONV_KERNELS = ("auto", "cudnn", "inductor", "native", "triton")  # BuildOptions.conv_kernels
+LOWERED_CONV_KERNELS = ("inductor", "native", "triton")  # the values that write depthwise convolutions otherwise than cuDNN
 
 
 def conv_kernels_used(value: str) -> str:

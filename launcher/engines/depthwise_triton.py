@@ -29,6 +29,7 @@ _KERNEL: list = []
 #: Triton's modules, imported by ``_kernel`` at its first use (module globals: Triton's interpreter, which the CPU
 #: tests run the kernel in, swaps the ``tl`` a kernel finds among its globals)
 triton = tl = None
+torch = None  # (imported by ``register_op``)
 
 
 def out_size(size: int, kernel: int, stride: int, pad_begin: int, pad_end: int, dilation: int) -> int:
@@ -45,13 +46,18 @@ def from_taps_major(wt, kernel):
     return wt.t().reshape(wt.shape[1], 1, int(kernel[0]), int(kernel[1]))
 
 
-def blocks(c: int, wo: int) -> tuple[int, int, int]:
-    """(BLOCK_W, BLOCK_C, warps) for ``c`` channels and ``wo`` output columns: 64 channels a program (fewer where
-    the tensor has fewer, a power of two), up to 16 columns, 4 warps.  A heuristic, to be tuned against
-    bench/depthwise_kernels.py's sweep of the blocks on the device."""
-    block_c = min(64, max(16, 1 << (max(c, 1) - 1).bit_length()))
-    block_w = min(16, max(4, 1 << (max(wo, 1) - 1).bit_length()))
-    return block_w, block_c, 4
+def blocks(c: int, wo: int, taps: int) -> tuple[int, int, int]:
+    """(BLOCK_W, BLOCK_C, warps) for ``c`` channels, ``wo`` output columns and a kernel of ``taps`` taps.  From
+    bench/depthwise_kernels.py's sweep of 24 blocks over ConvNeXt-T's and EfficientNet-B0's 16 shapes (H200, fp16,
+    batch 1): the heavier 7x7 kernels ran fastest on few columns a program (4 up to 14 columns, else 8), the
+    lighter ones on 32 columns from 28 up and 8 below; 32 channels on 2 warps where a program has 8 columns or
+    fewer, else 64 on 4 (never more channels than the tensor's, rounded up to a power of two)."""
+    if taps >= 49:
+        block_w = 4 if wo <= 14 else 8
+    else:
+        block_w = 32 if wo >= 28 else 8
+    block_c, warps = (32, 2) if block_w <= 8 else (64, 4)
+    return block_w, min(block_c, max(16, 1 << (max(c, 1) - 1).bit_length())), warps
 
 
 def _kernel():
@@ -117,7 +123,7 @@ def launch(x, wt, b, kernel, stride, padding, dilation, block=None, wrap=None):
     x = x.contiguous(memory_format=torch.channels_last)
     n, c, h, w, kh, kw, ho, wo = _geometry(x, wt, kernel, stride, padding, dilation)
     y = torch.empty_strided((n, c, ho, wo), _channels_last_strides((n, c, ho, wo)), dtype=x.dtype, device=x.device)
-    block_w, block_c, warps = block or blocks(c, wo)
+    block_w, block_c, warps = block or blocks(c, wo, kh * kw)
     grid = (n * ho, -(-wo // block_w), -(-c // block_c))
     fn = _kernel() if wrap is None else wrap(_kernel())
     fn[grid](x, wt, b if b is not None else wt, y, h, w, c, ho, wo,
@@ -181,8 +187,12 @@ def register_op() -> None:
             _OP.append(define_op("depthwise_conv2d" + schema_args + " -> Tensor", reference, fake))
             return
 
-        @triton_op("parastream::depthwise_conv2d", mutates_args=(), schema=schema_args + " -> Tensor")
-        def op(x, wt, b, kernel, stride, padding, dilation):
+        global torch  # (the annotations below are strings, read against this module's globals: torch is one)
+        import torch
+
+        @triton_op("parastream::depthwise_conv2d", mutates_args=())
+        def op(x: torch.Tensor, wt: torch.Tensor, b: torch.Tensor | None, kernel: list[int], stride: list[int],
+               padding: list[int], dilation: list[int]) -> torch.Tensor:
             if not x.is_cuda:
                 return reference(x, wt, b, kernel, stride, padding, dilation)
             return launch(x, wt, b, kernel, stride, padding, dilation, wrap=wrap_triton)

@@ -425,6 +425,10 @@ def _conv(n: NodeView):
         lowered = _conv_as_kernels(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if lowered is not None:
             return lowered
+    if n.conv_kernels == "triton" and nd == 2:
+        own = _TritonDepthwise.of(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
+        if own is not None:
+            return own
     if n.conv_kernels == "native" and nd == 2:
         native = _conv_native_depthwise(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if native is not None:
@@ -541,6 +545,61 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
         return y.view(n, c, ho, wo)
 
     return depthwise_windows if kh * kw <= UNROLLED_TAPS else depthwise_columns
+
+
+class _TritonDepthwise:
+    """A 2-d depthwise convolution as parastream's own Triton kernel (``depthwise_triton``,
+    ``torch.ops.parastream.depthwise_conv2d``), channels-last out.  ``stored``: the step's weight is kept
+    taps-major ([kh·kw, C], ``_depthwise_taps_major``), as the kernel reads it; otherwise it is rearranged at
+    every call."""
+
+    def __init__(self, kernel, strides, pads, dil, stored: bool = False):
+        self.kernel, self.strides, self.pads, self.dil, self.stored = kernel, strides, pads, dil, stored
+        from . import depthwise_triton
+
+        depthwise_triton.register_op()
+
+    @classmethod
+    def of(cls, x_shape, w_shape, kernel, strides, dil, group, begin, end):
+        """The step for a depthwise convolution (groups = channels, one input channel a group, more than one
+        tap), or None for any other."""
+        c = int(x_shape[1])
+        kh, kw = (int(k) for k in kernel)
+        if not (group == c == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
+            return None
+        return cls([kh, kw], [int(v) for v in strides], [int(begin[0]), int(begin[1]), int(end[0]), int(end[1])],
+                   [int(v) for v in dil])
+
+    def __call__(self, x, w, b=None):
+        from .depthwise_triton import taps_major
+
+        torch = _torch()
+        wt = w if self.stored else taps_major(w)
+        return torch.ops.parastream.depthwise_conv2d(x, wt, b, self.kernel, self.strides, self.pads, self.dil)
+
+
+def _depthwise_taps_major(steps: list, consts: dict, keep: set[str]) -> int:
+    """The constant weight of each ``_TritonDepthwise`` step stored taps-major, and the step the one that takes
+    it so: otherwise every call rearranges it, a kernel on the weight alone at every replay.  Only weights no other
+    step reads and no graph output is (``keep``); returns how many."""
+    from .depthwise_triton import taps_major
+
+    uses: dict[str, list[int]] = {}
+    for i, st in enumerate(steps):
+        for j, a in enumerate(st.args):
+            if a is not None and a[0] == "c":
+                uses.setdefault(a[1], []).append((i, j))
+    done = 0
+    for key, where in uses.items():
+        if key in keep or not all(j == 1 and isinstance(steps[i].fn, _TritonDepthwise) for i, j in where):
+            continue
+        consts[key] = taps_major(consts[key])
+        for i, _ in where:
+            st, fn = steps[i], steps[i].fn
+            steps[i] = Step(_TritonDepthwise(fn.kernel, fn.strides, fn.pads, fn.dil, stored=True), st.args,
+                            st.outputs, st.node)
+        done += 1
+    return done
 
 
 def _conv_native_depthwise(x_shape, w_shape, kernel, strides, dil, group, begin, end):
@@ -2431,6 +2490,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``patch_gemm`` (CUDA engines) runs a convolution over non-overlapping patches of an image's few channels (a
     patch embedding) as one matrix product (``_conv_as_patch_gemm``).  ``one_row_reduction`` (CUDA engines without
     the GEMM epilogue) runs each Linear of one row (``one_row_linears``) as one reduction.
+    ``conv_kernels`` "triton" runs depthwise convolutions as parastream's own Triton kernel
+    (``_TritonDepthwise``), their weights stored taps-major.
     ``conv_weights_channels_last`` (CUDA engines) stores the weight of every other dense 2-d convolution with a
     kernel wider than 1x1 channels-last too (``_channels_last_conv_weights``).
     """
@@ -2546,6 +2607,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     fused = residual = silu = added = widened = 0
     linear = _linear_weights(steps, consts, op_of, {ref for kind, ref in output_refs if kind == "c"})
     recurrent = _recurrent_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
+    taps_major = _depthwise_taps_major(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
         keep = {ref for kind, ref in output_refs if kind == "v"}
         shapes = {k: v.shape for k, v in values.items()}
@@ -2572,6 +2634,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     module.const_names = {k: n for k, n in const_names.items() if k in consts}
     module.linear_weights = linear
     module.recurrent_weights = recurrent
+    module.taps_major_weights = taps_major
     module.patch_gemm_convs = sum(bool(getattr(st.fn, "patch_gemm", False)) for st in steps)
     module.eval()
     module.output_specs = [(vi.name, values[vi.name].shape, values[vi.name].dtype) for vi in g.output]

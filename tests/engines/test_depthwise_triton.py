@@ -37,10 +37,10 @@ def test_the_weight_taps_major_and_back():
     assert torch.equal(dt.from_taps_major(wt, (3, 3)), w)
 
 
-def test_the_blocks_fit_the_tensor():
-    assert dt.blocks(96, 56) == (16, 64, 4)
-    assert dt.blocks(24, 7) == (8, 32, 4)  # (channels and columns rounded up to a power of two)
-    assert dt.blocks(8, 2)[:2] == (4, 16)
+def test_the_blocks_follow_the_kernel_and_fit_the_tensor():
+    assert dt.blocks(384, 14, 49) == (4, 32, 2) and dt.blocks(96, 56, 49) == (8, 32, 2)
+    assert dt.blocks(144, 56, 9) == (32, 64, 4) and dt.blocks(1152, 7, 9) == (8, 32, 2)
+    assert dt.blocks(32, 112, 9) == (32, 32, 4)  # (no more channels than the tensor's)
 
 
 _INTERPRETED = """
@@ -115,3 +115,58 @@ def test_on_the_gpu_fp16_and_compiled_by_inductor(case):
     ref = torch.relu(dt.reference((x * 0.5).float(), wt.float(), b.float(), (k, k), (s, s), pads, (1, 1))) + 1
     assert float((out.float() - ref).abs().max()) <= 2e-3 * float(ref.abs().max())
     assert "depthwise_nhwc" in "\n".join(code)  # the kernel is in the engine's code, not an opaque call
+
+
+def _depthwise_model(seed: int = 0):
+    """A depthwise 5x5 (bias, "same" padding split 1/2 by stride 2) then a dense 3x3 and a grouped 3x3 (not
+    depthwise: two channels a group), both left to torch's convolution."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    rng = np.random.default_rng(seed)
+
+    def w(name, shape):
+        return numpy_helper.from_array((rng.standard_normal(shape) * 0.2).astype(np.float32), name)
+
+    N = helper.make_node
+    nodes = [N("Conv", ["x", "w_dw", "b_dw"], ["d"], name="conv_dw", group=16, strides=[2, 2], pads=[1, 1, 2, 2]),
+             N("Conv", ["d", "w_dense"], ["e"], name="conv_dense", pads=[1, 1, 1, 1]),
+             N("Conv", ["e", "w_g"], ["y"], name="conv_grouped", pads=[1, 1, 1, 1], group=8)]
+    graph = helper.make_graph(nodes, "dw", [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 16, 12, 12])],
+                              [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 16, 6, 6])],
+                              [w("w_dw", (16, 1, 5, 5)), w("b_dw", (16,)), w("w_dense", (16, 16, 3, 3)),
+                               w("w_g", (16, 2, 3, 3))])
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    return onnx.shape_inference.infer_shapes(model)
+
+
+@pytest.mark.parametrize("traced", [False, True])
+def test_the_converter_runs_depthwise_convolutions_as_the_op_and_computes_onnxruntimes_outputs(traced):
+    import onnxruntime as ort
+
+    from parastream.launcher.engines.onnx_torch import _TritonDepthwise, convert, to_fx
+
+    model = _depthwise_model()
+    x = np.random.default_rng(3).standard_normal((1, 16, 12, 12)).astype(np.float32)
+    ref = ort.InferenceSession(model.SerializeToString(), providers=["CPUExecutionProvider"]).run(None, {"x": x})[0]
+    module = convert(model, conv_kernels="triton")
+    own = [st for st in module._steps if isinstance(st.fn, _TritonDepthwise)]
+    assert [st.node for st in own] == ["conv_dw"]  # the dense and the grouped convolutions are not taken
+    assert module.taps_major_weights == 1 and own[0].fn.stored
+    assert tuple(getattr(module, own[0].args[1][1]).shape) == (25, 16)  # stored taps-major
+    fn = to_fx(module) if traced else module
+    with torch.no_grad():
+        out = fn(torch.from_numpy(x))
+    out = out[0] if isinstance(out, (tuple, list)) else out
+    np.testing.assert_allclose(out.numpy(), ref, rtol=1e-4, atol=1e-4)
+
+
+def test_other_kernels_choices_leave_the_depthwise_convolution_to_torch():
+    """Must not fire: without ``conv_kernels`` "triton" no step is the op and no weight is rearranged."""
+    from parastream.launcher.engines.onnx_torch import _TritonDepthwise, convert
+
+    for kernels in ("cudnn", "inductor", "native"):
+        module = convert(_depthwise_model(), conv_kernels=kernels)
+        assert not any(isinstance(st.fn, _TritonDepthwise) for st in module._steps), kernels
+        assert module.taps_major_weights == 0
