@@ -108,7 +108,8 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
 
 
 # -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
-ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "depthwise kernel", "conv+ReLU", "boundary layout",
+ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "depthwise kernel", "depthwise Triton kernel",
+          "conv+ReLU", "boundary layout",
           "streams", "engine blocks")  # time_alternatives' rounds, in the order it times them
 #: the round timed after them, on the plan and options they chose (``kernel_tuning_round``)
 TUNING_ROUND = "kernel tuning"
@@ -125,6 +126,8 @@ def round_labels(what: str, plan) -> tuple[str, str]:
             "depthwise convolutions": ("depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels"),
             "depthwise kernel": ("depthwise convolutions as the round before chose",
                                  "depthwise convolutions as torch's own kernel"),
+            "depthwise Triton kernel": ("depthwise convolutions as the rounds before chose",
+                                        "depthwise convolutions as parastream's Triton kernel"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
             "engine blocks": ("one engine per repeated block", "one engine for the whole model"),
@@ -146,7 +149,8 @@ def runs_fused_attention(backend) -> bool:
 #: Torch's own depthwise kernel needs neither a plan nor a compile: at equal speed it too is the better bundle
 #: (MixNet-S, H200: 2.8 s to a fresh process's first result against 8.1 s with cuDNN's, and 24% faster; NASNet-A
 #: Large: 3.1 s against 7.5 s, but 69% slower, its channels-last boundaries copied to and from NCHW around each)
-PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02}
+#: parastream's own Triton kernel ships compiled in the engine as Inductor's do.
+PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02, "depthwise Triton kernel": 0.02}
 #: rounds whose alternative is kept only when it is faster by more than this share: engines per repeated block
 #: compile once per distinct block and load faster (ViT-B/16, H100: 24 s to build and 2.7 s to load against 30 s
 #: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks).
@@ -170,7 +174,7 @@ def alternative_kept_within(what: str, current_kernels: str | None = None) -> fl
     Against Inductor's, compiled and loaded as fast, the faster median wins: a MixNet-S build (H200) whose
     Inductor-kernel plan ran one timing in a slow state (0.689 ms against 0.60-0.64 in three other builds) kept
     torch's kernel at 0.702, within the 2%, and its bundle ran 0.7067 ms beside the others' 0.63."""
-    if what == "depthwise kernel" and conv_kernels_used(current_kernels or "auto") != "cudnn":
+    if what in ("depthwise kernel", "depthwise Triton kernel") and conv_kernels_used(current_kernels or "auto") != "cudnn":
         return None
     return PREFER_ALTERNATIVE_WITHIN.get(what)
 
@@ -219,7 +223,10 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
 
 
 #: the depthwise rounds, in order, with the ``conv_kernels`` each one's alternative compiles
-DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel", "native"))
+#: (parastream's Triton kernel last: cuDNN's depthwise kernels ran 1.1-3.4x its time per shape on ConvNeXt-T and
+#: EfficientNet-B0, H200, bench/depthwise_kernels.py; whether the engine is faster with it is this round's)
+DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel", "native"),
+                    ("depthwise Triton kernel", "triton"))
 #: the build option each fusion or kernel round's alternative sets, and its value there (``round_alternative``)
 ROUND_OPTION = {"attention": ("fuse_attention", False), "GEMM epilogue": ("fuse_gemm_epilogue", False),
                 "conv+ReLU": ("fuse_conv_relu", False),

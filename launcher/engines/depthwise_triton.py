@@ -68,7 +68,6 @@ def _kernel():
     import triton
     import triton.language as tl
 
-    @triton.jit
     def depthwise_nhwc(x_ptr, w_ptr, b_ptr, y_ptr, H, W, C, HO, WO,
                        KH: tl.constexpr, KW: tl.constexpr, SH: tl.constexpr, SW: tl.constexpr,
                        PH: tl.constexpr, PW: tl.constexpr, DH: tl.constexpr, DW: tl.constexpr,
@@ -96,8 +95,19 @@ def _kernel():
         out = y_ptr + ((n * HO + ho) * WO + wo)[:, None] * C + c[None, :]
         tl.store(out, acc.to(y_ptr.dtype.element_ty), mask=(wo < WO)[:, None] & c_ok[None, :])
 
+    depthwise_nhwc.__qualname__ = "depthwise_nhwc"  # (found by module and name: ``__getattr__``)
+    depthwise_nhwc = triton.jit(depthwise_nhwc)
+
     _KERNEL.append(depthwise_nhwc)
     return depthwise_nhwc
+
+
+def __getattr__(name: str):
+    """``depthwise_nhwc``, the kernel, as an attribute of this module (made at first use): Inductor's code and its
+    compile workers find a user's Triton kernel by its module and name."""
+    if name == "depthwise_nhwc":
+        return _kernel()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def _geometry(x, wt, kernel, stride, padding, dilation):

@@ -229,7 +229,8 @@ def _by_depthwise_kernels(made: list):
     import types
 
     def compiled(self, v):
-        la = types.SimpleNamespace(kind=(v.options.conv_kernels if v.options.conv_kernels in ("inductor", "native")
+        la = types.SimpleNamespace(kind=(v.options.conv_kernels if v.options.conv_kernels in ("inductor", "native",
+                                                                                              "triton")
                                          else "scratch", None, None), nhwc={"t"}, closed=False)
         la.close = lambda: setattr(la, "closed", True)
         made.append(la)
@@ -238,16 +239,19 @@ def _by_depthwise_kernels(made: list):
     return compiled
 
 
-@pytest.mark.parametrize("inductor, native, kept", [
-    (1.015, 1.5, "inductor"), (1.03, 1.5, "cudnn"), (0.9, 1.5, "inductor"),   # Inductor's kept within 2%
-    (1.5, 1.015, "native"), (1.5, 1.03, "cudnn"),                             # torch's own against cuDNN's
-    (0.9, 0.915, "inductor"), (0.9, 0.89, "native")])                         # ... against Inductor's: the faster
-def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(models, monkeypatch, inductor, native, kept):
+@pytest.mark.parametrize("inductor, native, triton, kept", [
+    (1.015, 1.5, 1.5, "inductor"), (1.03, 1.5, 1.5, "cudnn"), (0.9, 1.5, 1.5, "inductor"),  # Inductor's kept within 2%
+    (1.5, 1.015, 1.5, "native"), (1.5, 1.03, 1.5, "cudnn"),                                # torch's own against cuDNN's
+    (0.9, 0.915, 1.5, "inductor"), (0.9, 0.89, 1.5, "native"),                            # ... against Inductor's
+    (1.5, 1.5, 1.015, "triton"), (1.5, 1.5, 1.03, "cudnn"),                              # parastream's against cuDNN's
+    (0.9, 1.5, 0.91, "inductor"), (0.9, 1.5, 0.7, "triton")])                            # ... against Inductor's
+def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(models, monkeypatch, inductor, native,
+                                                                                triton, kept):
     """small_net has a depthwise convolution: with conv_kernels "auto" its first round races cuDNN's depthwise
-    convolutions against Inductor's kernels, the second the winner against torch's own depthwise kernel (each
-    an alternative compiled for itself); against cuDNN's each keeps its alternative unless it is more than 2%
-    slower (it starts faster: no cuDNN plan per shape); torch's kernel against Inductor's, which load as fast,
-    only where it is faster.  "cudnn", "inductor" or "native" given: neither round."""
+    convolutions against Inductor's kernels, the second the winner against torch's own depthwise kernel, the third
+    the winner against parastream's Triton kernel (each an alternative compiled for itself); against cuDNN's each
+    keeps its alternative unless it is more than 2% slower (it starts faster: no cuDNN plan per shape); against
+    Inductor's, which load as fast, only where it is faster.  A kernel choice given: no round."""
     from parastream.launcher.engines import BuildOptions
 
     class Times(dict):
@@ -255,7 +259,7 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
             return 1.0
 
     build_mod, made = fake_gpu(monkeypatch, Times({("bundle", True, None): 1.0, ("inductor", None, None): inductor,
-                                                   ("native", None, None): native}))
+                                                   ("native", None, None): native, ("triton", None, None): triton}))
 
     monkeypatch.setattr(build_mod.Engines, "launcher", _by_depthwise_kernels(made))
     model, graph, plan, cm = plan_of(models / "small_net.onnx", 1)
@@ -270,12 +274,18 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
     assert second.get("alternative_kept_within") == (None if first["won"].endswith("Inductor kernels") else 0.02)
     assert second["timed_ms"] == {"depthwise convolutions as the round before chose": winner,
                                   "depthwise convolutions as torch's own kernel": native}
+    third = got["rounds"][2]
+    assert third["choice"] == "depthwise Triton kernel"
+    before = native if second["won"].endswith("own kernel") else winner
+    assert third["timed_ms"] == {"depthwise convolutions as the rounds before chose": before,
+                                 "depthwise convolutions as parastream's Triton kernel": triton}
     assert got["conv_kernels"] == kept
     assert all(la.closed for la in made)
-    for given in ("cudnn", "inductor", "native"):
+    for given in ("cudnn", "inductor", "native", "triton"):
         got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
                                 Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels=given)), runs=5)
-        assert not {"depthwise convolutions", "depthwise kernel"} & {r["choice"] for r in got["rounds"]}
+        assert not {"depthwise convolutions", "depthwise kernel", "depthwise Triton kernel"} & {
+            r["choice"] for r in got["rounds"]}
         assert got["conv_kernels"] == given
 
 
