@@ -143,10 +143,11 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="torch backend: what an engine ships (docs/torch-engines.md; default inductor)")
     g.add_argument("--inductor-format", default="kernels", choices=["kernels", "bundled", "cache"],
                    help="torch backend, inductor artifacts: how they are saved (default kernels)")
-    g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor", "native"],
-                   help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels or as torch's own "
-                        "depthwise kernel; the last two start faster (default auto: a GPU build times cuDNN's against "
-                        "Inductor's, then the faster against torch's)")
+    g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor", "native", "triton"],
+                   help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels, as torch's own "
+                        "depthwise kernel or as parastream's Triton kernel; the last three start faster (default "
+                        "auto: a GPU build times cuDNN's against Inductor's, the faster against torch's, then the "
+                        "faster against parastream's)")
     g.add_argument("--cudnn-plans", action=argparse.BooleanOptionalAction, default=True,
                    help="torch backend on a GPU: depthwise convolutions through cuDNN plans each engine ships, built "
                         "when it compiles (needs nvidia-cudnn-frontend), so that a fresh process builds none "
