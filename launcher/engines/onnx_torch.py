@@ -578,19 +578,24 @@ class _TritonDepthwise:
         return torch.ops.parastream.depthwise_conv2d(x, wt, b, self.kernel, self.strides, self.pads, self.dil)
 
 
+def constant_uses(steps: list) -> dict[str, list[tuple[int, int]]]:
+    """{constant buffer: [(step index, argument index), ...]} of every step argument that is a constant."""
+    uses: dict[str, list[tuple[int, int]]] = {}
+    for i, st in enumerate(steps):
+        for j, a in enumerate(st.args):
+            if a is not None and a[0] == "c":
+                uses.setdefault(a[1], []).append((i, j))
+    return uses
+
+
 def _depthwise_taps_major(steps: list, consts: dict, keep: set[str]) -> int:
     """The constant weight of each ``_TritonDepthwise`` step stored taps-major, and the step the one that takes
     it so: otherwise every call rearranges it, a kernel on the weight alone at every replay.  Only weights no other
     step reads and no graph output is (``keep``); returns how many."""
     from .depthwise_triton import taps_major
 
-    uses: dict[str, list[int]] = {}
-    for i, st in enumerate(steps):
-        for j, a in enumerate(st.args):
-            if a is not None and a[0] == "c":
-                uses.setdefault(a[1], []).append((i, j))
     done = 0
-    for key, where in uses.items():
+    for key, where in constant_uses(steps).items():
         if key in keep or not all(j == 1 and isinstance(steps[i].fn, _TritonDepthwise) for i, j in where):
             continue
         consts[key] = taps_major(consts[key])
@@ -2412,13 +2417,8 @@ def _linear_weights(steps: list, consts: dict, op_of: dict[int, str], keep: set[
     (1.536 -> 1.466 ms at batch 1): its slow "384x8" kernel was the batched product ``_matmul`` now avoids.
     Only a weight that no other step reads and no graph output is (``keep``); returns how many were stored
     transposed."""
-    uses: dict[str, list[tuple[int, int]]] = {}
-    for i, st in enumerate(steps):
-        for j, a in enumerate(st.args):
-            if a is not None and a[0] == "c":
-                uses.setdefault(a[1], []).append((i, j))
     done = 0
-    for key, where in uses.items():
+    for key, where in constant_uses(steps).items():
         t = consts[key]
         if key in keep or t.dim() != 2 or not t.is_floating_point():
             continue
