@@ -349,7 +349,6 @@ def main(argv=None) -> int:
             timelines = {"parastream": replay_timeline(multi.launch)}
             print_timeline(f"{variant} (graph replay)", timelines["parastream"])
             if args.against_compile:
-
                 from corpus_gpu import users_compiled
 
                 compiled, dev = users_compiled(args.model, model, inputs, warm=5)

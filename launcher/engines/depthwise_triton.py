@@ -116,17 +116,12 @@ def __getattr__(name: str):
     raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
-def _geometry(x, wt, kernel, stride, padding, dilation):
+def _geometry(x, kernel, stride, padding, dilation):
     n, c, h, w = (int(v) for v in x.shape)
     kh, kw = (int(k) for k in kernel)
     ho = out_size(h, kh, int(stride[0]), int(padding[0]), int(padding[2]), int(dilation[0]))
     wo = out_size(w, kw, int(stride[1]), int(padding[1]), int(padding[3]), int(dilation[1]))
     return n, c, h, w, kh, kw, ho, wo
-
-
-def _channels_last_strides(shape) -> list[int]:
-    n, c, h, w = shape
-    return [h * w * c, 1, w * c, c]
 
 
 def launch(x, wt, b, kernel, stride, padding, dilation, block=None, wrap=None):
@@ -137,8 +132,8 @@ def launch(x, wt, b, kernel, stride, padding, dilation, block=None, wrap=None):
     import torch
 
     x = x.contiguous(memory_format=torch.channels_last)
-    n, c, h, w, kh, kw, ho, wo = _geometry(x, wt, kernel, stride, padding, dilation)
-    y = torch.empty_strided((n, c, ho, wo), _channels_last_strides((n, c, ho, wo)), dtype=x.dtype, device=x.device)
+    n, c, h, w, kh, kw, ho, wo = _geometry(x, kernel, stride, padding, dilation)
+    y = torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
     block_w, block_c, warps = block or blocks(c, wo, kh * kw)
     grid = (n * ho, -(-wo // block_w), -(-c // block_c))
     fn = _kernel() if wrap is None else wrap(_kernel())
@@ -197,8 +192,10 @@ def register_op() -> None:
             from .base import define_op
 
             def fake(x, wt, b, kernel, stride, padding, dilation):
-                n, c, h, w, kh, kw, ho, wo = _geometry(x, wt, kernel, stride, padding, dilation)
-                return x.new_empty_strided((n, c, ho, wo), _channels_last_strides((n, c, ho, wo)))
+                import torch
+
+                n, c, h, w, kh, kw, ho, wo = _geometry(x, kernel, stride, padding, dilation)
+                return torch.empty((n, c, ho, wo), dtype=x.dtype, device=x.device, memory_format=torch.channels_last)
 
             _OP.append(define_op("depthwise_conv2d" + schema_args + " -> Tensor", reference, fake))
             return
