@@ -24,7 +24,7 @@ Forms (``FORMS``):
   summed     the form before it: a sum of the k*k shifted slices up to 25 taps, ``unfold`` beyond
   unfold     one reduction over the taps of ``F.unfold``'s columns, for every kernel
   strided    ``windows`` with the padded input a channels-last buffer of its own (``as_strided``)
-  triton     parastream's own Triton kernel (``conv_kernels`` "triton", ``depthwise_triton``), which Inductor
+  triton     parastream's own Triton kernel (``conv_kernels`` "triton", ``conv_triton``), which Inductor
              compiles into the engine's code but does not fuse with the ops around it
 ``converter`` and ``windows_beyond`` compile with the engines' Inductor configuration, ``written_out`` with the
 threshold above, the others with Inductor's defaults.
@@ -183,7 +183,7 @@ def check(device: str = "cpu") -> list[dict]:
         b = torch.randn(c, generator=g).to(device)
         ref = F.conv2d(F.pad(x, _torch_pad_arg(begin, end)), wt, b, s, 0, 1, c)
         for name, form in FORMS.items():
-            if name == "triton":  # (not a lowering: tests/engines/test_depthwise_triton.py checks its kernel)
+            if name == "triton":  # (not a lowering: tests/engines/test_conv_triton.py checks its kernel)
                 continue
             fn = (form or _converters_own())(x.shape, wt.shape, (k, k), (s, s), (1, 1), c, list(begin), list(end))
             y = fn(x, wt, b)

@@ -26,7 +26,7 @@ any "same" padding), and for each distinct (input shape, kernel, stride, padding
   plan_us          the same convolution through the cuDNN plan a bundle ships (``cudnn_plans.conv2d``, the form
                    ``conv_kernels`` "cudnn" compiles), the same way (bench/cudnn_plans.py: the plans' build and
                    load costs)
-  triton_us        parastream's own Triton kernel (``depthwise_triton``), its blocks by its heuristic; the best of
+  triton_us        parastream's own Triton kernel (``conv_triton``), its blocks by its heuristic; the best of
                    a sweep of blocks beside it (``triton_best_us``, ``triton_best_block``)
   max_err          of each against cuDNN's output (scaled by its largest magnitude)
 
@@ -37,6 +37,7 @@ Run on the device after ``source bench/device_env.sh``:
     python3 bench/depthwise_kernels.py --models nasnetalarge,mixnet_s --out $OUT
     python3 bench/depthwise_kernels.py --models mobilenet_v3_small,mixnet_s --batch 32 --out $OUT
     python3 bench/depthwise_kernels.py --models convnext_tiny,efficientnet_b0 --forms triton --out $OUT
+    python3 bench/depthwise_kernels.py --models regnet_y_400mf --grouped --forms triton --out $OUT
 Writes depthwise_kernels.json under --out.
 """
 
@@ -53,10 +54,12 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 
 
-def depthwise_calls(name: str, dense: bool = False, batch: int = 1) -> dict:
+def depthwise_calls(name: str, dense: bool = False, batch: int = 1, grouped: bool = False) -> dict:
     """{(input shape, weight shape, stride, padding, dilation): calls} of ``name``'s depthwise ``F.conv2d`` calls
     in one forward pass at ``batch``; with ``dense``, of its other 2-d convolutions instead, each key with its
-    groups last.  ``name``: a timm model, or a classifier of the corpus (bench/gpu.py's ``make_model``)."""
+    groups last; with ``grouped``, of those of more than one group that are not depthwise and that parastream's
+    Triton kernel takes (``conv_triton.takes``), each key with its groups last.  ``name``: a timm model, or a
+    classifier of the corpus (bench/gpu.py's ``make_model``)."""
     import timm
     import torch
     import torch.nn.functional as F
@@ -76,10 +79,16 @@ def depthwise_calls(name: str, dense: bool = False, batch: int = 1) -> dict:
     def record(inp, weight, bias=None, stride=1, padding=0, dilation=1, groups=1):
         c = inp.shape[1]
         depthwise = groups == c == weight.shape[0] and weight.shape[1] == 1 and weight.shape[2] * weight.shape[3] > 1
-        if depthwise != dense and not isinstance(padding, str) and inp.dim() == 4:
+        if grouped:
+            from parastream.launcher.engines.conv_triton import takes
+
+            wanted = not depthwise and weight.dim() == 4 and takes(c, tuple(weight.shape), int(groups))
+        else:
+            wanted = depthwise != dense
+        if wanted and not isinstance(padding, str) and inp.dim() == 4:
             pair = lambda v: tuple(int(a) for a in v) if isinstance(v, (tuple, list)) else (int(v), int(v))  # noqa: E731
             key = (tuple(inp.shape), tuple(weight.shape), pair(stride), pair(padding), pair(dilation))
-            key = key + (int(groups),) if dense else key
+            key = key + (int(groups),) if dense or grouped else key
             seen[key] = seen.get(key, 0) + 1
         return real(inp, weight, bias, stride, padding, dilation, groups)
 
@@ -117,22 +126,22 @@ FORMS = ("plan", "inductor", "written_out", "native", "triton")
 TRITON_BLOCKS = tuple((bw, bc, nw) for bw in (4, 8, 16, 32) for bc in (32, 64, 128) for nw in (2, 4))
 
 
-def triton_row(row: dict, x, w, ref, scale, stride, padding, dilation) -> None:
-    """parastream's own Triton kernel (``depthwise_triton``) with its heuristic blocks (``triton_us``) and the best
+def triton_row(row: dict, x, w, ref, scale, stride, padding, dilation, groups: int) -> None:
+    """parastream's own Triton kernel (``conv_triton``) with its heuristic blocks (``triton_us``) and the best
     of ``TRITON_BLOCKS`` (``triton_best_us``, ``triton_best_block``), into ``row``."""
-    from parastream.launcher.engines import depthwise_triton as dt
+    from parastream.launcher.engines import conv_triton as dt
 
     wt = dt.taps_major(w)
     pads = [padding[0], padding[1], padding[0], padding[1]]
     kernel = list(w.shape[2:])
 
     def run(block=None):
-        return dt.launch(x, wt, None, kernel, list(stride), pads, list(dilation), block=block)
+        return dt.launch(x, wt, None, kernel, list(stride), pads, list(dilation), groups, block=block)
 
     try:
         row["triton_max_err"] = float((run().float() - ref).abs().max()) / scale
         row["triton_us"] = _graph_us(run)
-        row["triton_block"] = list(dt.blocks(int(x.shape[1]), int(ref.shape[3]), len(kernel) and kernel[0] * kernel[1]))
+        row["triton_block"] = list(dt.blocks(int(w.shape[0]), int(ref.shape[3]), kernel[0] * kernel[1] * int(w.shape[1])))
         best = None
         for block in TRITON_BLOCKS:
             us = _graph_us(lambda b=block: run(b))
@@ -150,8 +159,8 @@ def measure_shape(key, forms=FORMS) -> dict:
     from parastream.launcher.engines import cudnn_plans as cp
     from parastream.launcher.engines.onnx_torch import UNROLLED_TAPS, _conv_as_kernels
 
-    x_shape, w_shape, stride, padding, dilation = key
-    c = x_shape[1]
+    x_shape, w_shape, stride, padding, dilation = key[:5]
+    c = key[5] if len(key) > 5 else x_shape[1]  # the groups (a depthwise key's are its channels)
     g = torch.Generator(device="cuda").manual_seed(0)
     x = torch.randn(x_shape, device="cuda", generator=g).half().to(memory_format=torch.channels_last)
     w = (torch.randn(w_shape, device="cuda", generator=g) * 0.1).half().to(memory_format=torch.channels_last)
@@ -161,7 +170,10 @@ def measure_shape(key, forms=FORMS) -> dict:
     scale = float(ref.abs().max()) or 1.0
     row["cudnn_us"] = _graph_us(lambda: F.conv2d(x, w, None, stride, padding, dilation, c))
     if "triton" in forms:
-        triton_row(row, x, w, ref, scale, stride, padding, dilation)
+        triton_row(row, x, w, ref, scale, stride, padding, dilation, c)
+    if len(key) > 5:  # a grouped convolution: the other forms are depthwise ones'
+        row["groups"] = c
+        return row
     if "plan" in forms and cp.frontend() is not None:  # the form a bundle ships for "cudnn" (``BuildOptions.cudnn_plans``)
         try:
             out = cp.conv2d(x, w, None, list(stride), list(padding), list(dilation), c)
@@ -256,6 +268,8 @@ def main(argv=None) -> int:
     ap.add_argument("--seconds", type=float, default=500.0, help="measure no new shape after this")
     ap.add_argument("--batch", type=int, default=1, help="the batch the shapes are found and timed at")
     ap.add_argument("--forms", default=",".join(FORMS), help="of " + ", ".join(FORMS) + " (cuDNN's always)")
+    ap.add_argument("--grouped", action="store_true",
+                    help="the model's convolutions of narrow groups (not depthwise) instead: cuDNN's and triton only")
     ap.add_argument("--out", default=os.environ.get("OUT", "/tmp/depthwise_kernels_out"))
     args = ap.parse_args(argv)
     forms = tuple(f for f in args.forms.split(",") if f)
@@ -272,7 +286,7 @@ def main(argv=None) -> int:
     result: dict = {"device": torch.cuda.get_device_name(0), "torch": torch.__version__,
                     "cudnn": torch.backends.cudnn.version(), "batch": args.batch, "models": {}}
     for name in args.models.split(","):
-        counts = depthwise_calls(name, batch=args.batch)
+        counts = depthwise_calls(name, batch=args.batch, grouped=args.grouped)
         rows = []
         for key, n in sorted(counts.items(), key=lambda kv: -kv[1]):
             if time.perf_counter() - t_start > args.seconds:

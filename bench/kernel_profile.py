@@ -302,7 +302,7 @@ def main(argv=None) -> int:
     ap.add_argument("--variants", default="fused", help="comma list of fused (cuDNN conv+bias+ReLU, the default engines) "
                     "and unfused (convolution, then Inductor's Triton bias+ReLU kernel)")
     ap.add_argument("--opt-level", type=int, default=3, help="5 compiles engines with torch max-autotune")
-    ap.add_argument("--conv-kernels", default="auto", choices=("auto", "cudnn", "inductor", "native"),
+    ap.add_argument("--conv-kernels", default="auto", choices=("auto", "cudnn", "inductor", "native", "triton"),
                     help="the builds' --conv-kernels (depthwise convolutions' form; auto: as the build times it)")
     ap.add_argument("--runs", type=int, default=300)
     ap.add_argument("--against-compile", action="store_true",

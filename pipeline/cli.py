@@ -145,9 +145,9 @@ def add_backend_args(p: argparse.ArgumentParser) -> None:
                    help="torch backend, inductor artifacts: how they are saved (default kernels)")
     g.add_argument("--conv-kernels", default="auto", choices=["auto", "cudnn", "inductor", "native", "triton"],
                    help="torch backend: depthwise convolutions as cuDNN calls, as Inductor kernels, as torch's own "
-                        "depthwise kernel or as parastream's Triton kernel; the last three start faster (default "
-                        "auto: a GPU build times cuDNN's against Inductor's, the faster against torch's, then the "
-                        "faster against parastream's)")
+                        "depthwise kernel or as parastream's Triton kernel (which also runs convolutions of at most 16 "
+                        "channels a group); the last three start faster (default auto: a GPU build times cuDNN's "
+                        "against Inductor's, the faster against torch's, then the faster against parastream's)")
     g.add_argument("--cudnn-plans", action=argparse.BooleanOptionalAction, default=True,
                    help="torch backend on a GPU: depthwise convolutions through cuDNN plans each engine ships, built "
                         "when it compiles (needs nvidia-cudnn-frontend), so that a fresh process builds none "

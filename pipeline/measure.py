@@ -108,7 +108,7 @@ def decide_by_timing(times: dict[str, np.ndarray], order: list[str], floor: floa
 
 
 # -- the GPU: the search's candidates and the bundle's alternatives ---------------------------------------------
-ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "depthwise kernel", "depthwise Triton kernel",
+ROUNDS = ("attention", "GEMM epilogue", "depthwise convolutions", "depthwise kernel", "Triton convolution kernel",
           "conv+ReLU", "boundary layout",
           "streams", "engine blocks")  # time_alternatives' rounds, in the order it times them
 #: the round timed after them, on the plan and options they chose (``kernel_tuning_round``)
@@ -126,8 +126,8 @@ def round_labels(what: str, plan) -> tuple[str, str]:
             "depthwise convolutions": ("depthwise convolutions as cuDNN calls", "depthwise convolutions as Inductor kernels"),
             "depthwise kernel": ("depthwise convolutions as the round before chose",
                                  "depthwise convolutions as torch's own kernel"),
-            "depthwise Triton kernel": ("depthwise convolutions as the rounds before chose",
-                                        "depthwise convolutions as parastream's Triton kernel"),
+            "Triton convolution kernel": ("depthwise and narrow-group convolutions as the rounds before chose",
+                                          "depthwise and narrow-group convolutions as parastream's Triton kernel"),
             "conv+ReLU": ("cuDNN fused conv+bias+ReLU", "Inductor's conv and epilogue"),
             "boundary layout": ("channels-last boundaries", "contiguous boundaries"),
             "engine blocks": ("one engine per repeated block", "one engine for the whole model"),
@@ -150,7 +150,7 @@ def runs_fused_attention(backend) -> bool:
 #: (MixNet-S, H200: 2.8 s to a fresh process's first result against 8.1 s with cuDNN's, and 24% faster; NASNet-A
 #: Large: 3.1 s against 7.5 s, but 69% slower, its channels-last boundaries copied to and from NCHW around each)
 #: parastream's own Triton kernel ships compiled in the engine as Inductor's do.
-PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02, "depthwise Triton kernel": 0.02}
+PREFER_ALTERNATIVE_WITHIN = {"depthwise convolutions": 0.02, "depthwise kernel": 0.02, "Triton convolution kernel": 0.02}
 #: rounds whose alternative is kept only when it is faster by more than this share: engines per repeated block
 #: compile once per distinct block and load faster (ViT-B/16, H100: 24 s to build and 2.7 s to load against 30 s
 #: and 2.9 s), so at equal speed they are the better bundle (and a rebuild of a rewritten plan compiles a few blocks).
@@ -174,7 +174,7 @@ def alternative_kept_within(what: str, current_kernels: str | None = None) -> fl
     Against Inductor's, compiled and loaded as fast, the faster median wins: a MixNet-S build (H200) whose
     Inductor-kernel plan ran one timing in a slow state (0.689 ms against 0.60-0.64 in three other builds) kept
     torch's kernel at 0.702, within the 2%, and its bundle ran 0.7067 ms beside the others' 0.63."""
-    if what in ("depthwise kernel", "depthwise Triton kernel") and conv_kernels_used(current_kernels or "auto") != "cudnn":
+    if what in ("depthwise kernel", "Triton convolution kernel") and conv_kernels_used(current_kernels or "auto") != "cudnn":
         return None
     return PREFER_ALTERNATIVE_WITHIN.get(what)
 
@@ -184,7 +184,7 @@ def round_changes(what: str):
     rounds' nodes (``ROUND_APPLIES``) or a depthwise convolution; None for the rounds that change every engine
     (boundary layout, streams, engine blocks)."""
     if what in dict(DEPTHWISE_ROUNDS):
-        return lambda b: bool(depthwise_keys(b))
+        return lambda b, k=dict(DEPTHWISE_ROUNDS)[what]: bool(depthwise_keys(b, k))
     return ROUND_APPLIES.get(what)
 
 
@@ -226,7 +226,7 @@ def carried_rounds(rounds: list[dict]) -> list[dict]:
 #: (parastream's Triton kernel last: cuDNN's depthwise kernels ran 1.1-3.4x its time per shape on ConvNeXt-T and
 #: EfficientNet-B0, H200, bench/depthwise_kernels.py; whether the engine is faster with it is this round's)
 DEPTHWISE_ROUNDS = (("depthwise convolutions", "inductor"), ("depthwise kernel", "native"),
-                    ("depthwise Triton kernel", "triton"))
+                    ("Triton convolution kernel", "triton"))
 #: the build option each fusion or kernel round's alternative sets, and its value there (``round_alternative``)
 ROUND_OPTION = {"attention": ("fuse_attention", False), "GEMM epilogue": ("fuse_gemm_epilogue", False),
                 "conv+ReLU": ("fuse_conv_relu", False),
@@ -264,14 +264,16 @@ SAMPLE_DECIDES_BEYOND = 0.15
 GEMM_SAMPLE_DECIDES_BEYOND = 0.10
 
 
-def depthwise_keys(branch: onnx.ModelProto) -> set[tuple]:
-    """The distinct depthwise convolutions of an extracted branch (those ``conv_kernels`` lowers,
-    ``depthwise_convs``): each one's weight shape, strides and pads, and its input's shape."""
+def depthwise_keys(branch: onnx.ModelProto, kernels: str = "triton") -> set[tuple]:
+    """The distinct convolutions of an extracted branch that ``conv_kernels`` ``kernels`` lowers
+    (``onnx_torch.lowered_convs``; "triton", the default, lowers the most: the depthwise convolutions the other
+    values lower and those of narrow groups): each one's weight shape, strides, pads and groups, and its input's
+    shape."""
     from onnx import helper
 
-    from parastream.launcher.engines.onnx_torch import depthwise_convs
+    from parastream.launcher.engines.onnx_torch import lowered_convs
 
-    found = depthwise_convs(branch)
+    found = lowered_convs(branch, kernels)
     if not found:
         return set()
     weights = {t.name: tuple(t.dims) for t in branch.graph.initializer}
@@ -281,7 +283,7 @@ def depthwise_keys(branch: onnx.ModelProto) -> set[tuple]:
     for i in found:
         n = branch.graph.node[i]
         attrs = tuple(sorted((a.name, repr(helper.get_attribute_value(a))) for a in n.attribute
-                             if a.name in ("strides", "pads", "auto_pad")))
+                             if a.name in ("strides", "pads", "auto_pad", "group", "dilations")))
         out.add((weights[n.input[1]], attrs, shapes.get(n.input[0])))
     return out
 
@@ -634,13 +636,17 @@ def streams_round_decided(serial: dict, plan) -> dict:
                      f"{t[SERIAL_LABEL] / t[keys[0]] - 1:.0%}, more than {STREAMS_DECIDED_BEYOND:.0%}"}
 
 
-def lowers_depthwise(backend, options, model: onnx.ModelProto) -> bool:
-    """Whether the "depthwise convolutions" and "depthwise kernel" rounds race ``model``: ``conv_kernels`` left
-    to timing ("auto"), a backend whose engines they change, and a depthwise convolution for them to change.  The
-    first races cuDNN's calls against Inductor's kernels, the second the winner against torch's own kernel."""
-    from parastream.launcher.engines.onnx_torch import has_depthwise_conv
+def conv_kernel_rounds(backend, options, model: onnx.ModelProto) -> list[tuple[str, str]]:
+    """The rounds of ``DEPTHWISE_ROUNDS`` that race ``model`` (what, ``conv_kernels``): ``conv_kernels`` left to
+    timing ("auto"), a backend whose engines they change, and a convolution for each to change (a depthwise one
+    for the first two, a depthwise or narrow-group one for the Triton kernel's).  The first races cuDNN's calls
+    against Inductor's kernels, the second the winner against torch's own kernel, the third the winner against
+    parastream's Triton kernel."""
+    from parastream.launcher.engines.onnx_torch import conv_kernels_change
 
-    return options.conv_kernels == "auto" and backend.lowers_convolutions and has_depthwise_conv(model)
+    if options.conv_kernels != "auto" or not backend.lowers_convolutions:
+        return []
+    return [(what, k) for what, k in DEPTHWISE_ROUNDS if conv_kernels_change(model, k)]
 
 
 def runs_gemm_epilogue(backend) -> bool:
@@ -829,8 +835,7 @@ def alternative_variants(engines: EngineMaker, v: Variant) -> list[tuple[str, Va
     first round's choice is unknown, so the later rounds are taken with the fusion as it is (a choice that goes
     the other way compiles its engines then)."""
     out = fusions_off_forms(engines.backend, v)
-    if lowers_depthwise(engines.backend, v.options, v.model):
-        out += [(what, round_alternative(v, what)) for what, _ in DEPTHWISE_ROUNDS]
+    out += [(what, round_alternative(v, what)) for what, _ in conv_kernel_rounds(engines.backend, v.options, v.model)]
     if (v.options.fuse_conv_relu and engines.backend.fuses_conv_relu and has_conv_relu(v.model)
             and "conv+ReLU" not in decided_first(engines)):
         out.append(("conv+ReLU", round_alternative(v, "conv+ReLU")))
@@ -2207,13 +2212,13 @@ def time_alternatives(engines: EngineMaker, bundle: Bundle, v: Variant, *, runs:
                 chosen["fuse_gemm_epilogue"] = False
                 v = off
             decided("GEMM epilogue", won)
-        if lowers_depthwise(backend, v.options, v.model):
-            for what, kernels in DEPTHWISE_ROUNDS:  # the second races the first's winner against its own kernels
-                won = round_won(what, lambda k=kernels: engines.launcher(replace(v, options=replace(v.options, conv_kernels=k))))
-                if won:
-                    chosen["conv_kernels"] = kernels
-                v = replace(v, options=replace(v.options, conv_kernels=chosen["conv_kernels"]))
-                decided(what, won)
+        # (each races the winner of those before it against its own kernels)
+        for what, kernels in conv_kernel_rounds(backend, v.options, v.model):
+            won = round_won(what, lambda k=kernels: engines.launcher(replace(v, options=replace(v.options, conv_kernels=k))))
+            if won:
+                chosen["conv_kernels"] = kernels
+            v = replace(v, options=replace(v.options, conv_kernels=chosen["conv_kernels"]))
+            decided(what, won)
         if fused and has_conv_relu(v.model):
             won = round_won("conv+ReLU", lambda: alternative(False))
             chosen["fuse_conv_relu"] = not won

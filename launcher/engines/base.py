@@ -78,9 +78,10 @@ class BuildOptions:
     # torch backend: "inductor" writes depthwise convolutions as ops Inductor compiles into its own kernels (no
     # cuDNN execution plan to build at every process's first call: ``onnx_torch._conv_as_kernels``); "native" runs
     # them as torch's own depthwise kernel (``onnx_torch._conv_native_depthwise``: precompiled, no plan either);
-    # "cudnn" runs every convolution through torch's convolution; "auto" (default) is "cudnn", and a GPU build of
-    # a model with depthwise convolutions times cuDNN's against Inductor's, then the faster against torch's own,
-    # and records the one it keeps (each alternative kept unless over 2% slower: pipeline/measure.py).
+    # "triton" runs them, and convolutions of at most 16 channels a group, as parastream's own Triton kernel
+    # (``conv_triton``); "cudnn" runs every convolution through torch's convolution; "auto" (default) is "cudnn",
+    # and a GPU build of a model with such convolutions times cuDNN's against Inductor's, then the faster against
+    # torch's own, then the faster against parastream's, and records the one it keeps (pipeline/measure.py).
     conv_kernels: str = "auto"
     # torch backend on a GPU: depthwise convolutions that ``conv_kernels`` leaves to cuDNN run through cuDNN plans
     # each engine ships (built when it compiles, deserialized at load: ``cudnn_plans.py``) rather than plans torch
@@ -109,7 +110,7 @@ class BuildOptions:
 
 
 CONV_KERNELS = ("auto", "cudnn", "inductor", "native", "triton")  # BuildOptions.conv_kernels
-LOWERED_CONV_KERNELS = ("inductor", "native", "triton")  # the values that write depthwise convolutions otherwise than cuDNN
+LOWERED_CONV_KERNELS = ("inductor", "native", "triton")  # the values that write depthwise (with "triton", also narrow-group) convolutions otherwise than cuDNN
 
 
 def conv_kernels_used(value: str) -> str:

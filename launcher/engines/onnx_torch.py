@@ -426,7 +426,7 @@ def _conv(n: NodeView):
         if lowered is not None:
             return lowered
     if n.conv_kernels == "triton" and nd == 2:
-        own = _TritonDepthwise.of(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
+        own = _TritonConv.of(n.shape(0), w_shape, kernel, strides, dil, group, begin, end)
         if own is not None:
             return own
     if n.conv_kernels == "native" and nd == 2:
@@ -547,35 +547,40 @@ def _conv_as_kernels(x_shape, w_shape, kernel, strides, dil, group, begin, end):
     return depthwise_windows if kh * kw <= UNROLLED_TAPS else depthwise_columns
 
 
-class _TritonDepthwise:
-    """A 2-d depthwise convolution as parastream's own Triton kernel (``depthwise_triton``,
-    ``torch.ops.parastream.depthwise_conv2d``), channels-last out.  ``stored``: the step's weight is kept
-    taps-major ([kh·kw, C], ``_depthwise_taps_major``), as the kernel reads it; otherwise it is rearranged at
+class _TritonConv:
+    """A 2-d depthwise or narrow-group convolution as parastream's own Triton kernel (``conv_triton``,
+    ``torch.ops.parastream.grouped_conv2d``), channels-last out.  ``stored``: the step's weight is kept
+    taps-major ([kh·kw·CIG, K], ``_conv_taps_major``), as the kernel reads it; otherwise it is rearranged at
     every call."""
 
-    def __init__(self, kernel, strides, pads, dil, stored: bool = False):
-        self.kernel, self.strides, self.pads, self.dil, self.stored = kernel, strides, pads, dil, stored
-        from . import depthwise_triton
+    def __init__(self, kernel, strides, pads, dil, group: int, stored: bool = False):
+        self.kernel, self.strides, self.pads, self.dil, self.group, self.stored = (kernel, strides, pads, dil,
+                                                                                   group, stored)
+        from . import conv_triton
 
-        depthwise_triton.register_op()
+        conv_triton.register_op()
 
     @classmethod
     def of(cls, x_shape, w_shape, kernel, strides, dil, group, begin, end):
-        """The step for a depthwise convolution (groups = channels, one input channel a group, more than one
-        tap), or None for any other."""
-        c = int(x_shape[1])
-        kh, kw = (int(k) for k in kernel)
-        if not (group == c == int(w_shape[0]) and int(w_shape[1]) == 1 and kh * kw > 1):
+        """The step for a convolution the kernel takes (``conv_triton.takes``: depthwise, or at most
+        ``conv_triton.MAX_GROUP_WIDTH`` input channels a group), or None for any other."""
+        from .conv_triton import takes
+
+        if not takes(int(x_shape[1]), w_shape, int(group)):
             return None
-        return cls([kh, kw], [int(v) for v in strides], [int(begin[0]), int(begin[1]), int(end[0]), int(end[1])],
-                   [int(v) for v in dil])
+        return cls([int(k) for k in kernel], [int(v) for v in strides],
+                   [int(begin[0]), int(begin[1]), int(end[0]), int(end[1])], [int(v) for v in dil], int(group))
+
+    def stored_form(self) -> "_TritonConv":
+        return _TritonConv(self.kernel, self.strides, self.pads, self.dil, self.group, stored=True)
 
     def __call__(self, x, w, b=None):
-        from .depthwise_triton import taps_major
+        from .conv_triton import taps_major
 
         torch = _torch()
         wt = w if self.stored else taps_major(w)
-        return torch.ops.parastream.depthwise_conv2d(x, wt, b, self.kernel, self.strides, self.pads, self.dil)
+        return torch.ops.parastream.grouped_conv2d(x, wt, b, self.kernel, self.strides, self.pads, self.dil,
+                                                   self.group)
 
 
 def constant_uses(steps: list) -> dict[str, list[tuple[int, int]]]:
@@ -588,21 +593,20 @@ def constant_uses(steps: list) -> dict[str, list[tuple[int, int]]]:
     return uses
 
 
-def _depthwise_taps_major(steps: list, consts: dict, keep: set[str]) -> int:
-    """The constant weight of each ``_TritonDepthwise`` step stored taps-major, and the step the one that takes
-    it so: otherwise every call rearranges it, a kernel on the weight alone at every replay.  Only weights no other
-    step reads and no graph output is (``keep``); returns how many."""
-    from .depthwise_triton import taps_major
+def _conv_taps_major(steps: list, consts: dict, keep: set[str]) -> int:
+    """The constant weight of each ``_TritonConv`` step stored taps-major, and the step the one that takes it so:
+    otherwise every call rearranges it, a kernel on the weight alone at every replay.  Only weights no other step
+    reads and no graph output is (``keep``); returns how many."""
+    from .conv_triton import taps_major
 
     done = 0
     for key, where in constant_uses(steps).items():
-        if key in keep or not all(j == 1 and isinstance(steps[i].fn, _TritonDepthwise) for i, j in where):
+        if key in keep or not all(j == 1 and isinstance(steps[i].fn, _TritonConv) for i, j in where):
             continue
         consts[key] = taps_major(consts[key])
         for i, _ in where:
-            st, fn = steps[i], steps[i].fn
-            steps[i] = Step(_TritonDepthwise(fn.kernel, fn.strides, fn.pads, fn.dil, stored=True), st.args,
-                            st.outputs, st.node)
+            st = steps[i]
+            steps[i] = Step(st.fn.stored_form(), st.args, st.outputs, st.node)
         done += 1
     return done
 
@@ -685,6 +689,42 @@ def depthwise_convs(model: onnx.ModelProto) -> set[int]:
 def has_depthwise_conv(model: onnx.ModelProto) -> bool:
     """Whether ``conv_kernels="inductor"`` changes ``model``'s engine (``depthwise_convs``)."""
     return bool(depthwise_convs(model))
+
+
+def triton_convs(model: onnx.ModelProto) -> set[int]:
+    """The indices of ``model``'s nodes that ``conv_kernels`` "triton" runs as parastream's Triton kernel: 2-d
+    convolutions of more than one group whose weight is an initializer and that ``conv_triton.takes``
+    (depthwise ones among them), their input's channels known.  Read from the ONNX alone, as ``depthwise_convs``
+    is (the engines' cache key)."""
+    from .conv_triton import takes
+
+    weights = {t.name: list(t.dims) for t in model.graph.initializer}
+    channels = {vi.name: vi.type.tensor_type.shape.dim[1].dim_value
+                for vi in list(model.graph.input) + list(model.graph.value_info)
+                if vi.type.HasField("tensor_type") and len(vi.type.tensor_type.shape.dim) == 4}
+    found = set()
+    for i, n in enumerate(model.graph.node):
+        if n.op_type != "Conv" or len(n.input) < 2 or n.input[1] not in weights:
+            continue
+        dims = weights[n.input[1]]
+        group = int(next((helper.get_attribute_value(a) for a in n.attribute if a.name == "group"), 1))
+        if len(dims) == 4 and group > 1 and takes(channels.get(n.input[0]) or group * dims[1], dims, group):
+            found.add(i)
+    return found
+
+
+def lowered_convs(model: onnx.ModelProto, conv_kernels: str) -> set[int]:
+    """The indices of ``model``'s nodes that ``conv_kernels`` runs otherwise than as cuDNN's convolution."""
+    if conv_kernels == "triton":
+        return triton_convs(model)
+    return depthwise_convs(model) if conv_kernels in LOWERED_CONV_KERNELS else set()
+
+
+def conv_kernels_change(model: onnx.ModelProto, conv_kernels: str | None = None) -> bool:
+    """Whether ``conv_kernels`` (None: any of the values that lower convolutions) changes ``model``'s engine."""
+    if conv_kernels is None:
+        return bool(triton_convs(model))  # (a superset of the depthwise convolutions the others lower)
+    return bool(lowered_convs(model, conv_kernels))
 
 
 def has_conv_relu(model: onnx.ModelProto) -> bool:
@@ -2396,8 +2436,10 @@ def _fold_shortcut_bias(steps: list, p: int | None, add: int, readers: dict, kee
 #: transposes them at every call; 12 compiles with wide Concats read in place by their pointwise readers
 #: (``torch.POINTWISE_CAT_INPUTS``, an Inductor setting rather than the converter's): a cached engine of 11 copies them;
 #: 13 stores a grouped convolution's weight channels-last where Inductor runs the graph so
-#: (``inductor_runs_channels_last``): a cached engine of 12 transposes it at every call
-CONVERTER_VERSION = 13
+#: (``inductor_runs_channels_last``): a cached engine of 12 transposes it at every call; 14 runs convolutions of
+#: narrow groups as the Triton kernel too (``conv_triton``, op ``grouped_conv2d``): a cached engine of 13 with
+#: ``conv_kernels`` "triton" calls the depthwise op it replaced
+CONVERTER_VERSION = 14
 
 
 def _transposed_weight(fn):
@@ -2490,8 +2532,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     ``patch_gemm`` (CUDA engines) runs a convolution over non-overlapping patches of an image's few channels (a
     patch embedding) as one matrix product (``_conv_as_patch_gemm``).  ``one_row_reduction`` (CUDA engines without
     the GEMM epilogue) runs each Linear of one row (``one_row_linears``) as one reduction.
-    ``conv_kernels`` "triton" runs depthwise convolutions as parastream's own Triton kernel
-    (``_TritonDepthwise``), their weights stored taps-major.
+    ``conv_kernels`` "triton" runs depthwise convolutions and those of narrow groups (``triton_convs``) as
+    parastream's own Triton kernel (``_TritonConv``), their weights stored taps-major.
     ``conv_weights_channels_last`` (CUDA engines) stores the weight of every other dense 2-d convolution with a
     kernel wider than 1x1 channels-last too (``_channels_last_conv_weights``).
     """
@@ -2533,7 +2575,8 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
                 const_names[key] = v.name
         return key
 
-    lowered = depthwise_convs(model) if conv_kernels in LOWERED_CONV_KERNELS or cudnn_plans else set()
+    lowered = lowered_convs(model, conv_kernels) if conv_kernels in LOWERED_CONV_KERNELS else (
+        depthwise_convs(model) if cudnn_plans else set())
     depthwise_kernels = conv_kernels if conv_kernels in LOWERED_CONV_KERNELS else "planned"
     one_row = one_row_linears(model) if one_row_reduction else set()
     for index, node in enumerate(g.node):
@@ -2607,7 +2650,7 @@ def convert(model: onnx.ModelProto, dtype: str = "float32", *, fuse_conv_relu: b
     fused = residual = silu = added = widened = 0
     linear = _linear_weights(steps, consts, op_of, {ref for kind, ref in output_refs if kind == "c"})
     recurrent = _recurrent_weights(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
-    taps_major = _depthwise_taps_major(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
+    taps_major = _conv_taps_major(steps, consts, {ref for kind, ref in output_refs if kind == "c"})
     if fuse_conv_relu:
         keep = {ref for kind, ref in output_refs if kind == "v"}
         shapes = {k: v.shape for k, v in values.items()}

@@ -474,7 +474,7 @@ def code_choices(branch: onnx.ModelProto, signature: list, dtype: str, options: 
     """What, besides the branch's graph, makes its compiled code (``cache_key``), as sorted JSON: the tensor
     layout, the compute dtype, the options that change the code (a fusion only where it can), what it is compiled
     for and into which artifact."""
-    from .onnx_torch import CONVERTER_VERSION, has_depthwise_conv, has_planned_epilogue
+    from .onnx_torch import CONVERTER_VERSION, conv_kernels_change, has_depthwise_conv, has_planned_epilogue
 
     applies = choices_that_apply(branch)
     device = built.get("device")
@@ -487,7 +487,8 @@ def code_choices(branch: onnx.ModelProto, signature: list, dtype: str, options: 
                           and (padded := conv_channels_padded_in(branch, options)) else {}),
                        **({"fuse_attention": False} if applies["fuse_attention"] and not options.fuse_attention else {}),
                        **({"conv_kernels": options.conv_kernels}  # only where it changes the code
-                          if options.conv_kernels in LOWERED_CONV_KERNELS and has_depthwise_conv(branch) else {}),
+                          if options.conv_kernels in LOWERED_CONV_KERNELS
+                          and conv_kernels_change(branch, options.conv_kernels) else {}),
                        # (the code calls the plans' op: for its depthwise convolutions, or the epilogues it fuses)
                        **({"cudnn_plans": True} if (_cudnn_plans(device, options) and has_depthwise_conv(branch))
                           or (fuse and _plan_op(device, options) and has_planned_epilogue(branch)) else {}),
@@ -1435,7 +1436,7 @@ class Builder(BuilderBase):
         cache key of every compiled item, in order (``precompile`` hands them on).  ``defer_checks``: the
         conversion of each branch to compile (the check that the converter runs it) is left in
         ``self.deferred_checks`` for the caller to run once the jobs are handed to the workers."""
-        from .onnx_torch import convert, has_depthwise_conv
+        from .onnx_torch import conv_kernels_change, convert
 
         self.keys = []
         self.deferred_checks = []
@@ -1509,7 +1510,7 @@ class Builder(BuilderBase):
             compiled_as = _COMPILED[self.artifact]
             rep.update(compiled=compiled_as, cache=where, key=key[:16])  # miss: compiled by this build
             # a fusion the branch has no node for is recorded null, and conv_kernels left out where it has no
-            # depthwise convolution: the engine is the same either way (one cache key), and either choice loads it
+            # convolution it lowers: the engine is the same either way (one cache key), and either choice loads it
             applies = choices_that_apply(branch)
             meta = {"format": ENGINE_FORMAT, "compiled": compiled_as, "built_for": built, "dtype": dtype,
                     "fuse_conv_relu": fuse if applies["fuse_conv_relu"] else None,
@@ -1518,7 +1519,7 @@ class Builder(BuilderBase):
                     **({"conv_channels_padded": padded} if applies["fuse_conv_relu"] and fuse
                        and (padded := conv_channels_padded_in(branch, self.options)) else {}),
                     "fuse_attention": bool(self.options.fuse_attention) if applies["fuse_attention"] else None,
-                    **({"conv_kernels": conv_kernels_used(self.options.conv_kernels)} if has_depthwise_conv(branch) else {}),
+                    **({"conv_kernels": conv_kernels_used(self.options.conv_kernels)} if conv_kernels_change(branch) else {}),
                     "fuse_gemm_epilogue": bool(self.options.fuse_gemm_epilogue) if applies["fuse_gemm_epilogue"] else None,
                     "optimization_level": int(self.options.optimization_level), "signature": sig,
                     "key": key}

@@ -303,7 +303,7 @@ def test_the_depthwise_forms_benchmark_races_forms_that_equal_torchs_convolution
     forms = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(forms)
     rows = forms.check()
-    # (the "triton" form is a kernel, not a lowering: tests/engines/test_depthwise_triton.py checks it)
+    # (the "triton" form is a kernel, not a lowering: tests/engines/test_conv_triton.py checks it)
     assert {r["form"] for r in rows} == set(forms.FORMS) - {"triton"}
     assert {r["k"] for r in rows} >= {3, 5, 7, 9}
     bad = [r for r in rows if not r["shape_ok"] or r["max_err"] > 1e-5]

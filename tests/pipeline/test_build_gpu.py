@@ -14,7 +14,7 @@ from parastream.launcher.engines import get_backend
 from parastream.pipeline import build
 from parastream.pipeline.build import BuildConfig, Engines
 from parastream.pipeline.measure import GpuMeasurer, Variant
-from parastream.pipeline.measure import has_conv_relu, time_alternatives
+from parastream.pipeline.measure import DEPTHWISE_ROUNDS, has_conv_relu, time_alternatives
 from parastream.pipeline.zoo import write_all
 from parastream.rewrite.search import MEASURE_MARGIN
 
@@ -203,7 +203,6 @@ NO_GEMM_ROUND = {"fuse_gemm_epilogue": False}
 
 def test_alternatives_are_timed_and_the_fastest_kept(models, monkeypatch, tmp_path):
     """Each round keeps the faster; a later round starts from the earlier winners (small_net: Conv->Relu, 2 streams)."""
-    import types
 
     from parastream.launcher.engines import BuildOptions
 
@@ -275,18 +274,61 @@ def test_depthwise_kernels_are_raced_and_the_faster_start_kept_within_2_percent(
     assert second["timed_ms"] == {"depthwise convolutions as the round before chose": winner,
                                   "depthwise convolutions as torch's own kernel": native}
     third = got["rounds"][2]
-    assert third["choice"] == "depthwise Triton kernel"
+    assert third["choice"] == "Triton convolution kernel"
     before = native if second["won"].endswith("own kernel") else winner
-    assert third["timed_ms"] == {"depthwise convolutions as the rounds before chose": before,
-                                 "depthwise convolutions as parastream's Triton kernel": triton}
+    assert third["timed_ms"] == {"depthwise and narrow-group convolutions as the rounds before chose": before,
+                                 "depthwise and narrow-group convolutions as parastream's Triton kernel": triton}
     assert got["conv_kernels"] == kept
     assert all(la.closed for la in made)
     for given in ("cudnn", "inductor", "native", "triton"):
         got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
                                 Variant(model, graph, plan, BuildOptions(precision="fp16", conv_kernels=given)), runs=5)
-        assert not {"depthwise convolutions", "depthwise kernel", "depthwise Triton kernel"} & {
+        assert not {"depthwise convolutions", "depthwise kernel", "Triton convolution kernel"} & {
             r["choice"] for r in got["rounds"]}
         assert got["conv_kernels"] == given
+
+
+def test_a_model_of_narrow_groups_and_no_depthwise_convolution_races_the_triton_kernel_alone(monkeypatch, tmp_path):
+    """A grouped 3x3 of 8 channels a group (RegNet's) and no depthwise convolution: the two depthwise rounds do not
+    apply (their alternatives would compile the same engines), the Triton kernel's round does, and keeps it where
+    it is faster; with the same convolution of one group (dense), no kernel round at all."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    from parastream.launcher.engines import BuildOptions
+
+    rng = np.random.default_rng(0)
+
+    def model_file(name, width):
+        w = lambda n, shape: numpy_helper.from_array((rng.standard_normal(shape) * 0.1).astype(np.float32), n)  # noqa: E731
+        nodes = [helper.make_node("Conv", ["x", "w0"], ["a"], pads=[1, 1, 1, 1]),
+                 helper.make_node("Relu", ["a"], ["b"]),
+                 helper.make_node("Conv", ["b", "w1"], ["c"], pads=[1, 1, 1, 1], group=32 // width),
+                 helper.make_node("Relu", ["c"], ["y"])]
+        graph = helper.make_graph(nodes, name, [helper.make_tensor_value_info("x", TensorProto.FLOAT, [1, 8, 16, 16])],
+                                  [helper.make_tensor_value_info("y", TensorProto.FLOAT, [1, 32, 16, 16])],
+                                  [w("w0", (32, 8, 3, 3)), w("w1", (32, width, 3, 3))])
+        m = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+        m.ir_version = 8
+        onnx.save(m, tmp_path / f"{name}.onnx")
+        return tmp_path / f"{name}.onnx"
+
+    class Times(dict):
+        def __missing__(self, key):
+            return 1.0
+
+    build_mod, made = fake_gpu(monkeypatch, Times({("triton", None, None): 0.8}))
+    monkeypatch.setattr(build_mod.Engines, "launcher", _by_depthwise_kernels(made))
+    model, graph, plan, cm = plan_of(model_file("narrow", 8), 1)
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", **NO_GEMM_ROUND)), runs=5)
+    kernel_rounds = [r for r in got["rounds"] if r["choice"] in dict(DEPTHWISE_ROUNDS)]
+    assert [r["choice"] for r in kernel_rounds] == ["Triton convolution kernel"]
+    assert got["conv_kernels"] == "triton"
+    model, graph, plan, cm = plan_of(model_file("wide", 32), 1)  # one group: a dense convolution
+    got = time_alternatives(Engines(gpu_backend(), cm, None, "fp16"), "bundle",
+                            Variant(model, graph, plan, BuildOptions(precision="fp16", **NO_GEMM_ROUND)), runs=5)
+    assert not [r for r in got["rounds"] if r["choice"] in dict(DEPTHWISE_ROUNDS)]
 
 
 @pytest.mark.parametrize("saved", [0.004, 0.03, "broken"])
